@@ -1,0 +1,135 @@
+// The plugin registry: finds plugin shared objects, checks them, and makes their factories
+// available by name (../shared/DESIGN.md, "Comm primitive registry"; the plugin ABI is
+// interfaces/spmdx/plugin.h).
+//
+// Search order (first match of a plugin name wins; a later one is ignored with a warning
+// naming both paths):
+//   1. paths given by the user (config `[plugins] paths`, `spmdx plugins --plugin-path`),
+//   2. the entries of SPMDX_PLUGIN_PATH (':'-separated),
+//   3. the built-in folder `<dir of libspmdx_core.so>/spmdx/plugins` (build/lib/spmdx/plugins
+//      in a build tree, <prefix>/lib/spmdx/plugins when installed).
+// A path is a folder (its files named libspmdx_*.so are plugins; not recursive) or a file
+// (any name). A path given by the user or the environment that does not exist is an error;
+// a missing built-in folder is not.
+//
+// Unload policy: never unload (as UCC, Triton and LLVM do). A loaded library stays mapped
+// until the process exits, even after every registry is destroyed, so an object a plugin made
+// (a comm backend being hot-swapped out, a factory captured somewhere) can always run its
+// destructor, and a second backend can be loaded while the first is alive. Loading the same
+// file again reuses the mapping.
+//
+// Trust: a plugin is code. A file, or its folder, that is writable by others or owned by a user
+// other than root and the current user is refused before it is opened.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "spmdx/plugin.h"
+
+namespace spmdx {
+
+class PluginError : public std::runtime_error {
+ public:
+  enum class Code {
+    file_missing,       ///< a configured file or folder does not exist
+    untrusted,          ///< writable by others, or owned by another non-root user
+    not_shared_object,  ///< dlopen refused it
+    entry_missing,      ///< no `spmdx_plugin` entry point
+    abi_mismatch,       ///< major differs, or minor newer than the host's
+    bad_descriptor,     ///< null descriptor, empty name, unknown kind, no callback
+    register_failed,    ///< the registration callback threw
+    unknown_plugin,     ///< no plugin or factory of that name
+  };
+  PluginError(Code code, std::filesystem::path path, const std::string& message)
+      : std::runtime_error(message), code_(code), path_(std::move(path)) {}
+  Code code() const noexcept { return code_; }
+  /// The plugin file or folder concerned; empty for unknown_plugin.
+  const std::filesystem::path& path() const noexcept { return path_; }
+
+ private:
+  Code code_;
+  std::filesystem::path path_;
+};
+
+struct PluginSource {
+  enum class Origin { user, environment, builtin };
+  std::filesystem::path path;
+  Origin origin = Origin::user;
+};
+
+/// The search path in the order above. `user_paths` come from the config or command line.
+std::vector<PluginSource> plugin_search_path(const std::vector<std::filesystem::path>& user_paths);
+
+/// The built-in plugin folder next to the core library (may not exist).
+std::filesystem::path builtin_plugin_dir();
+
+struct PluginInfo {
+  std::string name;
+  PluginKind kind = PluginKind::strategy;
+  std::string version;
+  std::string description;
+  std::uint32_t abi_major = 0;
+  std::uint32_t abi_minor = 0;
+  std::filesystem::path path;        ///< absolute, as found
+  bool registered = false;           ///< its registration callback ran and succeeded
+  std::vector<std::string> factories;  ///< names it registered, once registered
+};
+
+class PluginRegistry {
+ public:
+  PluginRegistry();
+  ~PluginRegistry();
+  PluginRegistry(const PluginRegistry&) = delete;
+  PluginRegistry& operator=(const PluginRegistry&) = delete;
+
+  /// Scans `sources` in order and reads each plugin's descriptor (the library is opened; its
+  /// registration callback is not run). Never throws for a bad plugin: each problem goes to
+  /// errors(), each ignored duplicate to warnings() (and the log).
+  void discover(const std::vector<PluginSource>& sources);
+
+  const std::vector<PluginInfo>& plugins() const noexcept { return plugins_; }
+  const std::vector<PluginError>& errors() const noexcept { return errors_; }
+  const std::vector<std::string>& warnings() const noexcept { return warnings_; }
+  /// nullptr when no discovered plugin has that name.
+  const PluginInfo* find(std::string_view name) const;
+
+  /// Runs the plugin's registration callback once (later calls return at once).
+  /// All-or-nothing: a callback that throws registers nothing.
+  /// Throws PluginError: unknown_plugin (message lists the known names), register_failed
+  /// (names the plugin and its file).
+  void load(std::string_view plugin_name);
+  /// load() for every discovered plugin; failures go to errors() instead of throwing.
+  void load_all();
+
+  /// A new object from the factory of that name, loading the plugin of the same name on
+  /// demand. Throws PluginError(unknown_plugin) naming the kind and the known factories, and
+  /// whatever the factory throws.
+  std::unique_ptr<Strategy> make_strategy(std::string_view name, const Options& options = {});
+  std::unique_ptr<CommBackend> make_comm_backend(std::string_view name, const Options& options = {});
+  std::unique_ptr<Hook> make_hook(std::string_view name, const Options& options = {});
+
+ private:
+  struct Factories;
+  class Staging;
+  PluginInfo* find_mutable(std::string_view name);
+  void ensure_factory(PluginKind kind, std::string_view name);
+
+  std::vector<PluginInfo> plugins_;
+  std::vector<PluginError> errors_;
+  std::vector<std::string> warnings_;
+  std::unique_ptr<Factories> factories_;
+};
+
+/// Opens one plugin file and returns its descriptor's fields (registered = false), after the
+/// trust check and the ABI check. Throws PluginError with a message that names the file and
+/// says what to do.
+PluginInfo read_plugin(const std::filesystem::path& file);
+
+}  // namespace spmdx

@@ -1,0 +1,82 @@
+#include "spmdx/core/log.h"
+
+#include <spdlog/sinks/stdout_sinks.h>
+#include <spdlog/spdlog.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <mutex>
+
+namespace spmdx::log {
+namespace {
+
+std::atomic<int> g_level{-1};  // -1: not yet read from the environment
+std::atomic<int> g_rank{-1};
+
+spdlog::level::level_enum to_spdlog(Level level) {
+  switch (level) {
+    case Level::trace: return spdlog::level::trace;
+    case Level::debug: return spdlog::level::debug;
+    case Level::info: return spdlog::level::info;
+    case Level::warn: return spdlog::level::warn;
+    case Level::error: return spdlog::level::err;
+    case Level::off: return spdlog::level::off;
+  }
+  return spdlog::level::info;
+}
+
+spdlog::logger& logger() {
+  // Not registered in spdlog's global registry: a plugin or user program that uses spdlog
+  // for itself keeps its own default logger.
+  static auto instance = [] {
+    auto sink = std::make_shared<spdlog::sinks::stderr_sink_mt>();
+    auto l = std::make_shared<spdlog::logger>("spmdx", sink);
+    l->set_pattern("[%H:%M:%S.%e] [%l] %v");
+    l->set_level(spdlog::level::trace);  // filtering happens in enabled()
+    return l;
+  }();
+  return *instance;
+}
+
+}  // namespace
+
+std::optional<Level> parse_level(std::string_view text) {
+  if (text == "trace") return Level::trace;
+  if (text == "debug") return Level::debug;
+  if (text == "info") return Level::info;
+  if (text == "warn" || text == "warning") return Level::warn;
+  if (text == "error") return Level::error;
+  if (text == "off") return Level::off;
+  return std::nullopt;
+}
+
+void set_level(Level level) { g_level.store(static_cast<int>(level)); }
+
+Level level() noexcept {
+  int current = g_level.load(std::memory_order_relaxed);
+  if (current < 0) {
+    Level from_env = Level::info;
+    if (const char* env = std::getenv("SPMDX_LOG_LEVEL")) {
+      if (auto parsed = parse_level(env)) from_env = *parsed;
+    }
+    int expected = -1;
+    g_level.compare_exchange_strong(expected, static_cast<int>(from_env));
+    current = g_level.load();
+  }
+  return static_cast<Level>(current);
+}
+
+bool enabled(Level l) noexcept { return l != Level::off && static_cast<int>(l) >= static_cast<int>(level()); }
+
+void set_rank(int rank) { g_rank.store(rank); }
+
+void write(Level l, const std::string& message) {
+  const int rank = g_rank.load(std::memory_order_relaxed);
+  if (rank >= 0) {
+    logger().log(to_spdlog(l), "[rank {}] {}", rank, message);
+  } else {
+    logger().log(to_spdlog(l), "{}", message);
+  }
+}
+
+}  // namespace spmdx::log

@@ -1,0 +1,105 @@
+// `spmdx plugins` as a user runs it: each plugin error prints its message and exits 1, never
+// crashing; the JSON lists the built plugins.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "test_util.h"
+
+namespace spmdx {
+namespace {
+
+namespace fs = std::filesystem;
+using ::testing::HasSubstr;
+using test::run_command;
+
+fs::path plugin_dir(const std::string& target) { return fs::path(TEST_PLUGIN_DIR) / target; }
+
+test::CommandResult spmdx(const std::string& args) {
+  return run_command("env -u SPMDX_PLUGIN_PATH '" SPMDX_EXE "' " + args);
+}
+
+TEST(Cli, PluginsJsonListsTheBuiltPlugins) {
+  auto r = spmdx("plugins --json 2>/dev/null");
+  ASSERT_TRUE(r.exited);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto list = nlohmann::json::parse(r.output);
+  ASSERT_TRUE(list.is_array());
+  const nlohmann::json* dp = nullptr;
+  for (const auto& p : list) {
+    if (p.at("name") == "data_parallel") dp = &p;
+  }
+  ASSERT_NE(dp, nullptr) << r.output;
+  EXPECT_EQ(dp->at("kind"), "strategy");
+  EXPECT_EQ(dp->at("abi"), "1.0");
+  EXPECT_EQ(dp->at("version"), "0.1.0");
+  EXPECT_EQ(dp->at("registered"), true);
+  EXPECT_EQ(fs::path(dp->at("path").get<std::string>()),
+            fs::canonical(BUILTIN_PLUGIN_DIR) / "libspmdx_data_parallel.so");
+}
+
+TEST(Cli, PluginsTableNamesEachPlugin) {
+  auto r = spmdx("plugins");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("data_parallel"));
+  EXPECT_THAT(r.output, HasSubstr("strategy"));
+}
+
+TEST(Cli, VersionPrintsTheAbi) {
+  auto r = spmdx("--version");
+  ASSERT_EQ(r.exit_code, 0);
+  EXPECT_THAT(r.output, HasSubstr("plugin ABI 1.0"));
+}
+
+struct ErrorCase {
+  const char* what;
+  std::string path;
+  std::string message;
+};
+
+TEST(Cli, EachPluginErrorPrintsItsMessageAndExitsOne) {
+  test::TempDir dir;
+  test::write_file(dir / "libspmdx_text.so", "not ELF");
+  const std::vector<ErrorCase> cases = {
+      {"missing", "/nonexistent/libspmdx_x.so", "'/nonexistent/libspmdx_x.so' (from the config or --plugin-path) does not exist"},
+      {"not ELF", (dir / "libspmdx_text.so").string(), "not a shared object"},
+      {"no entry", plugin_dir("test_no_entry").string(), "has no 'spmdx_plugin' entry point"},
+      {"ABI major", plugin_dir("test_abi_major").string(), "was built for ABI 2, this host supports 1"},
+      {"throws", plugin_dir("test_throws").string(), "plugin 'test_throws' (" + plugin_dir("test_throws").string() +
+                                                        "/libspmdx_test_throws.so) failed to register"},
+  };
+  for (const auto& c : cases) {
+    auto r = spmdx("plugins --plugin-path '" + c.path + "'");
+    EXPECT_TRUE(r.exited) << c.what << ": crashed\n" << r.output;
+    EXPECT_EQ(r.exit_code, 1) << c.what << "\n" << r.output;
+    EXPECT_THAT(r.output, HasSubstr("error: ")) << c.what;
+    EXPECT_THAT(r.output, HasSubstr(c.message)) << c.what;
+  }
+}
+
+TEST(Cli, UntrustedPluginIsRefused) {
+  test::TempDir dir;
+  fs::copy_file(plugin_dir("test_strategy") / "libspmdx_test_strategy.so", dir / "libspmdx_test_strategy.so");
+  fs::permissions(dir / "libspmdx_test_strategy.so", fs::perms::others_write, fs::perm_options::add);
+  auto r = spmdx("plugins --plugin-path '" + dir.path().string() + "'");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("refusing to load plugin"));
+  EXPECT_THAT(r.output, HasSubstr("writable by others"));
+}
+
+TEST(Cli, DuplicateNameWarnsNamingBothPathsAndSucceeds) {
+  auto r = spmdx("plugins --plugin-path '" + plugin_dir("test_strategy").string() + "' --plugin-path '" +
+                 plugin_dir("test_strategy_dup").string() + "'");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("plugin 'test_strategy' found twice: using " + plugin_dir("test_strategy").string()));
+  EXPECT_THAT(r.output, HasSubstr("ignoring " + plugin_dir("test_strategy_dup").string()));
+}
+
+TEST(Cli, EnvironmentPathIsSearched) {
+  auto r = run_command("SPMDX_PLUGIN_PATH='" + plugin_dir("test_comm_a").string() + "' '" SPMDX_EXE "' plugins --json");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("\"test_comm_a\""));
+}
+
+}  // namespace
+}  // namespace spmdx

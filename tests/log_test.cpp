@@ -1,0 +1,35 @@
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "spmdx/core/log.h"
+
+namespace spmdx {
+namespace {
+
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+TEST(Log, LevelFiltersAndRankPrefixes) {
+  log::set_level(log::Level::info);
+  log::set_rank(3);
+  testing::internal::CaptureStderr();
+  SPMDX_DEBUG("hidden " << 1);
+  SPMDX_WARN("peer " << 2 << " is slow");
+  log::set_rank(-1);
+  SPMDX_ERROR("no prefix");
+  const std::string err = testing::internal::GetCapturedStderr();
+  EXPECT_THAT(err, Not(HasSubstr("hidden")));
+  EXPECT_THAT(err, HasSubstr("[warning] [rank 3] peer 2 is slow"));
+  EXPECT_THAT(err, HasSubstr("[error] no prefix"));
+  EXPECT_FALSE(log::enabled(log::Level::debug));
+  EXPECT_TRUE(log::enabled(log::Level::warn));
+}
+
+TEST(Log, ParsesLevelNames) {
+  EXPECT_EQ(log::parse_level("debug"), log::Level::debug);
+  EXPECT_EQ(log::parse_level("warning"), log::Level::warn);
+  EXPECT_EQ(log::parse_level("loud"), std::nullopt);
+}
+
+}  // namespace
+}  // namespace spmdx

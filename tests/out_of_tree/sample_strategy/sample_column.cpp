@@ -1,0 +1,25 @@
+// sample_column: shards every 2-D parameter on dim 1 (column-wise) across mesh dim 0.
+#include <spmdx/plugin.h>
+
+namespace {
+
+class SampleColumn final : public spmdx::Strategy {
+ public:
+  spmdx::PlacementMap place(const spmdx::StrategyInput& in) const override {
+    spmdx::PlacementMap out;
+    for (const auto& p : in.parameters) {
+      std::vector<spmdx::Placement> placements(in.mesh.size(), spmdx::Placement::replicate());
+      if (p.shape.size() == 2 && !placements.empty()) placements[0] = spmdx::Placement::shard(1);
+      out[p.name] = placements;
+    }
+    return out;
+  }
+};
+
+void register_sample(spmdx::Registrar& r) {
+  r.add_strategy("sample_column", [](const spmdx::Options&) { return std::make_unique<SampleColumn>(); });
+}
+
+}  // namespace
+
+SPMDX_PLUGIN("sample_column", strategy, "0.0.1", "sample out-of-tree plugin: 2-D parameters S(1)", register_sample)

@@ -1,0 +1,35 @@
+#include <gtest/gtest.h>
+
+#include <spmdx/placement.h>
+
+#include <unordered_set>
+
+namespace spmdx {
+namespace {
+
+TEST(Placement, PrintsShortAndLongFormsAsDTensor) {
+  EXPECT_EQ(Placement::shard(0).str(), "S(0)");
+  EXPECT_EQ(Placement::shard(2).repr(), "Shard(dim=2)");
+  EXPECT_EQ(Placement::replicate().str(), "R");
+  EXPECT_EQ(Placement::replicate().repr(), "Replicate()");
+  EXPECT_EQ(Placement::partial().str(), "P(sum)");
+  EXPECT_EQ(Placement::partial(ReduceOp::avg).repr(), "Partial(avg)");
+  EXPECT_EQ(to_string({Placement::shard(0), Placement::replicate()}), "S(0)R");
+}
+
+TEST(Placement, EqualityAndHashFollowKindDimAndOp) {
+  EXPECT_EQ(Placement::shard(1), Placement::shard(1));
+  EXPECT_NE(Placement::shard(0), Placement::shard(1));
+  EXPECT_NE(Placement::shard(0), Placement::replicate());
+  EXPECT_NE(Placement::partial(ReduceOp::sum), Placement::partial(ReduceOp::max));
+  EXPECT_EQ(Placement::partial(ReduceOp::min), Placement::partial(ReduceOp::min));
+  std::unordered_set<Placement> set{Placement::shard(0), Placement::shard(0), Placement::replicate(),
+                                    Placement::partial(), Placement::partial(ReduceOp::avg)};
+  EXPECT_EQ(set.size(), 4u);
+  EXPECT_EQ(Placement::shard(3).dim(), 3);
+  EXPECT_EQ(Placement::replicate().dim(), -1);
+  EXPECT_EQ(Placement::partial(ReduceOp::prod).reduce_op(), ReduceOp::prod);
+}
+
+}  // namespace
+}  // namespace spmdx

@@ -1,0 +1,40 @@
+// Test comm plugins "test_comm_a" / "test_comm_b" (COMM_NAME): count live backends in a
+// variable of their own library, so a test can tell that a library stays mapped and that its
+// destructors run after the registry is gone.
+#include <spmdx/plugin.h>
+
+#include <atomic>
+
+namespace {
+
+std::atomic<int> g_live{0};
+
+class CountingBackend final : public spmdx::CommBackend {
+ public:
+  explicit CountingBackend(std::string tls) : tls_(std::move(tls)) { ++g_live; }
+  ~CountingBackend() override { --g_live; }
+  void init(const spmdx::CommInit& init) override { init_ = init; }
+  void finalize() override { finalized_ = true; }
+  void abort() noexcept override {}
+  std::string describe() const override {
+    return std::string(COMM_NAME) + " tls=" + tls_ + " rank " + std::to_string(init_.rank) + "/" +
+           std::to_string(init_.world_size) + " generation " + std::to_string(init_.generation) +
+           " live " + std::to_string(g_live.load()) + (finalized_ ? " finalized" : "");
+  }
+
+ private:
+  std::string tls_;
+  spmdx::CommInit init_;
+  bool finalized_ = false;
+};
+
+void register_comm(spmdx::Registrar& r) {
+  r.add_comm_backend(COMM_NAME, [](const spmdx::Options& options) {
+    auto it = options.find("tls");
+    return std::make_unique<CountingBackend>(it == options.end() ? "default" : it->second);
+  });
+}
+
+}  // namespace
+
+SPMDX_PLUGIN(COMM_NAME, comm, "1.0.0", "test: a comm backend that counts its live instances", register_comm)
