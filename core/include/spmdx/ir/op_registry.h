@@ -1,0 +1,51 @@
+// Op schemas: for each IR op, its inputs, attributes and shape/dtype inference.
+// Kernels (ATen) and VJP rules are registered elsewhere against the same names, so the IR
+// needs neither LibTorch nor autodiff.
+#pragma once
+
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "spmdx/ir/graph.h"
+
+namespace spmdx::ir {
+
+enum class AttrType { integer, floating, boolean, string, ints };
+
+struct AttrSpec {
+  std::string name;
+  AttrType type = AttrType::integer;
+  bool required = false;
+  Attribute default_value = std::int64_t{0};  ///< used when not required and not given
+};
+
+/// Inference: the input metas and the (defaults-filled) attributes give the output metas.
+/// Throws IrError with a message about shapes only; Graph adds the node and op names.
+using InferFn = std::function<std::vector<TensorMeta>(const std::vector<const TensorMeta*>&, const Attributes&)>;
+
+struct OpSchema {
+  std::string name;
+  int min_inputs = 0;
+  int max_inputs = 0;  ///< -1: any number (cat)
+  std::vector<AttrSpec> attrs;
+  InferFn infer;
+};
+
+class OpRegistry {
+ public:
+  /// The registry with every built-in op (core/src/ir/ops.cpp).
+  static const OpRegistry& global();
+
+  /// Throws std::invalid_argument when the name is taken.
+  void add(OpSchema schema);
+  /// nullptr when no op has that name.
+  const OpSchema* find(const std::string& name) const;
+  std::vector<std::string> names() const;
+
+ private:
+  std::map<std::string, OpSchema> ops_;
+};
+
+}  // namespace spmdx::ir

@@ -1,0 +1,323 @@
+// The built-in op schemas: inputs, attributes and shape/dtype inference. Semantics follow the
+// ATen op of the same name (the executor's kernel), without type promotion: inputs of a
+// floating op share one dtype.
+#include <algorithm>
+#include <numeric>
+
+#include "spmdx/ir/op_registry.h"
+
+namespace spmdx::ir {
+namespace {
+
+using Metas = std::vector<const TensorMeta*>;
+using Shape = std::vector<std::int64_t>;
+
+[[noreturn]] void fail(const std::string& why) { throw IrError(why); }
+
+std::int64_t wrap_dim(std::int64_t dim, std::int64_t rank, const char* what = "dim") {
+  const std::int64_t r = std::max<std::int64_t>(rank, 1);
+  if (dim < -r || dim >= r) {
+    fail(std::string(what) + " " + std::to_string(dim) + " is out of range for a tensor of rank " + std::to_string(rank));
+  }
+  return dim < 0 ? dim + r : dim;
+}
+
+void same_dtype(const Metas& in) {
+  for (const TensorMeta* m : in) {
+    if (m->dtype != in[0]->dtype) fail("dtypes differ (" + in[0]->str() + " vs " + m->str() + "); cast explicitly");
+  }
+}
+
+void floating(const TensorMeta& m, const char* what) {
+  if (!is_floating(m.dtype)) fail(std::string(what) + " must be floating point, got " + m.str());
+}
+
+bool any_requires_grad(const Metas& in) {
+  return std::any_of(in.begin(), in.end(), [](const TensorMeta* m) { return m->requires_grad; });
+}
+
+TensorMeta like(const TensorMeta& m, Shape shape, bool requires_grad) {
+  TensorMeta out = m;
+  out.shape = std::move(shape);
+  out.requires_grad = requires_grad;
+  return out;
+}
+
+// NumPy broadcasting, as torch.broadcast_shapes.
+Shape broadcast(const Shape& a, const Shape& b) {
+  const std::size_t n = std::max(a.size(), b.size());
+  Shape out(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    const std::int64_t x = i < n - a.size() ? 1 : a[i - (n - a.size())];
+    const std::int64_t y = i < n - b.size() ? 1 : b[i - (n - b.size())];
+    if (x != y && x != 1 && y != 1) fail("shapes " + shape_str(a) + " and " + shape_str(b) + " do not broadcast");
+    out[i] = x == 1 ? y : x;
+  }
+  return out;
+}
+
+OpSchema binary(const std::string& name) {
+  return {name, 2, 2, {}, [](const Metas& in, const Attributes&) {
+            same_dtype(in);
+            return std::vector{like(*in[0], broadcast(in[0]->shape, in[1]->shape), any_requires_grad(in))};
+          }};
+}
+
+OpSchema unary(const std::string& name, bool needs_float = true) {
+  return {name, 1, 1, {}, [needs_float, name](const Metas& in, const Attributes&) {
+            if (needs_float) floating(*in[0], "the input");
+            return std::vector{like(*in[0], in[0]->shape, in[0]->requires_grad)};
+          }};
+}
+
+OpSchema scalar(const std::string& name) {
+  return {name, 1, 1, {{"value", AttrType::floating, true, {}}}, [](const Metas& in, const Attributes&) {
+            floating(*in[0], "the input");
+            return std::vector{like(*in[0], in[0]->shape, in[0]->requires_grad)};
+          }};
+}
+
+OpSchema reduction(const std::string& name) {
+  return {name, 1, 1,
+          {{"dims", AttrType::ints, false, Shape{}}, {"keepdim", AttrType::boolean, false, false}},
+          [](const Metas& in, const Attributes& a) {
+            const Shape& x = in[0]->shape;
+            Shape dims = std::get<Shape>(a.at("dims"));
+            if (dims.empty()) {  // all dims, as torch.sum(x)
+              dims.resize(x.size());
+              std::iota(dims.begin(), dims.end(), 0);
+            }
+            std::vector<bool> reduced(x.size(), false);
+            for (auto d : dims) {
+              auto w = wrap_dim(d, static_cast<std::int64_t>(x.size()));
+              if (reduced[w]) fail("dim " + std::to_string(d) + " appears twice in dims");
+              reduced[w] = true;
+            }
+            const bool keep = std::get<bool>(a.at("keepdim"));
+            Shape out;
+            for (std::size_t i = 0; i < x.size(); ++i) {
+              if (!reduced[i]) out.push_back(x[i]);
+              else if (keep) out.push_back(1);
+            }
+            return std::vector{like(*in[0], out, in[0]->requires_grad)};
+          }};
+}
+
+OpSchema softmax_like(const std::string& name) {
+  return {name, 1, 1, {{"dim", AttrType::integer, false, std::int64_t{-1}}}, [](const Metas& in, const Attributes& a) {
+            floating(*in[0], "the input");
+            wrap_dim(std::get<std::int64_t>(a.at("dim")), in[0]->rank());
+            return std::vector{like(*in[0], in[0]->shape, in[0]->requires_grad)};
+          }};
+}
+
+std::vector<OpSchema> builtin_ops() {
+  std::vector<OpSchema> ops;
+  for (const char* n : {"add", "sub", "mul", "div"}) ops.push_back(binary(n));
+  for (const char* n : {"neg", "exp", "log", "sqrt", "rsqrt", "sigmoid", "silu", "gelu", "relu"}) ops.push_back(unary(n));
+  for (const char* n : {"add_scalar", "mul_scalar", "pow_scalar"}) ops.push_back(scalar(n));
+  ops.push_back(reduction("sum"));
+  ops.push_back(reduction("mean"));
+  ops.push_back(softmax_like("softmax"));
+  ops.push_back(softmax_like("log_softmax"));
+
+  // matmul: a[..., m, k] @ b[..., k, n] -> [broadcast(...), m, n], as torch.matmul for rank >= 2.
+  ops.push_back({"matmul", 2, 2, {}, [](const Metas& in, const Attributes&) {
+                   same_dtype(in);
+                   const Shape& a = in[0]->shape;
+                   const Shape& b = in[1]->shape;
+                   if (a.size() < 2 || b.size() < 2) fail("both operands need rank >= 2");
+                   if (a.back() != b[b.size() - 2]) {
+                     fail("inner dimensions differ (" + std::to_string(a.back()) + " vs " +
+                          std::to_string(b[b.size() - 2]) + ")");
+                   }
+                   Shape out = broadcast(Shape(a.begin(), a.end() - 2), Shape(b.begin(), b.end() - 2));
+                   out.push_back(a[a.size() - 2]);
+                   out.push_back(b.back());
+                   return std::vector{like(*in[0], out, any_requires_grad(in))};
+                 }});
+  // linear: x[..., in] , weight[out, in] -> [..., out]  (x @ weight^T, as torch.nn.functional.linear).
+  ops.push_back({"linear", 2, 2, {}, [](const Metas& in, const Attributes&) {
+                   same_dtype(in);
+                   const Shape& x = in[0]->shape;
+                   const Shape& w = in[1]->shape;
+                   if (x.empty() || w.size() != 2) fail("linear needs x[..., in] and weight[out, in]");
+                   if (x.back() != w[1]) fail("in_features differ (x has " + std::to_string(x.back()) + ", weight " + std::to_string(w[1]) + ")");
+                   Shape out = x;
+                   out.back() = w[0];
+                   return std::vector{like(*in[0], out, any_requires_grad(in))};
+                 }});
+  // embedding: weight[num, dim], indices (i64)[...] -> [..., dim].
+  ops.push_back({"embedding", 2, 2, {}, [](const Metas& in, const Attributes&) {
+                   if (in[0]->rank() != 2) fail("the weight must be [num_embeddings, dim]");
+                   if (in[1]->dtype != DType::i64 && in[1]->dtype != DType::i32) fail("indices must be i64 or i32");
+                   Shape out = in[1]->shape;
+                   out.push_back(in[0]->shape[1]);
+                   return std::vector{like(*in[0], out, in[0]->requires_grad)};
+                 }});
+  // reshape: one entry may be -1, as torch.reshape.
+  ops.push_back({"reshape", 1, 1, {{"shape", AttrType::ints, true, {}}}, [](const Metas& in, const Attributes& a) {
+                   Shape shape = std::get<Shape>(a.at("shape"));
+                   std::int64_t known = 1;
+                   int infer_at = -1;
+                   for (std::size_t i = 0; i < shape.size(); ++i) {
+                     if (shape[i] == -1) {
+                       if (infer_at >= 0) fail("only one -1 allowed in shape " + shape_str(shape));
+                       infer_at = static_cast<int>(i);
+                     } else if (shape[i] < 0) {
+                       fail("negative size in shape " + shape_str(shape));
+                     } else {
+                       known *= shape[i];
+                     }
+                   }
+                   const std::int64_t n = in[0]->numel();
+                   if (infer_at >= 0) {
+                     if (known == 0 || n % known != 0) fail("cannot reshape " + shape_str(in[0]->shape) + " to " + shape_str(shape));
+                     shape[static_cast<std::size_t>(infer_at)] = n / known;
+                   } else if (known != n) {
+                     fail("cannot reshape " + shape_str(in[0]->shape) + " (" + std::to_string(n) + " elements) to " +
+                          shape_str(shape));
+                   }
+                   return std::vector{like(*in[0], shape, in[0]->requires_grad)};
+                 }});
+  ops.push_back({"transpose", 1, 1,
+                 {{"dim0", AttrType::integer, true, {}}, {"dim1", AttrType::integer, true, {}}},
+                 [](const Metas& in, const Attributes& a) {
+                   Shape s = in[0]->shape;
+                   auto d0 = wrap_dim(std::get<std::int64_t>(a.at("dim0")), in[0]->rank());
+                   auto d1 = wrap_dim(std::get<std::int64_t>(a.at("dim1")), in[0]->rank());
+                   std::swap(s[d0], s[d1]);
+                   return std::vector{like(*in[0], s, in[0]->requires_grad)};
+                 }});
+  ops.push_back({"permute", 1, 1, {{"dims", AttrType::ints, true, {}}}, [](const Metas& in, const Attributes& a) {
+                   const Shape& dims = std::get<Shape>(a.at("dims"));
+                   if (static_cast<std::int64_t>(dims.size()) != in[0]->rank()) {
+                     fail("dims " + shape_str(dims) + " do not match rank " + std::to_string(in[0]->rank()));
+                   }
+                   Shape out;
+                   std::vector<bool> seen(dims.size(), false);
+                   for (auto d : dims) {
+                     auto w = wrap_dim(d, in[0]->rank());
+                     if (seen[w]) fail("dims " + shape_str(dims) + " repeat a dim");
+                     seen[w] = true;
+                     out.push_back(in[0]->shape[w]);
+                   }
+                   return std::vector{like(*in[0], out, in[0]->requires_grad)};
+                 }});
+  // slice: [start, end) with step along dim; start/end clamped as Python slicing.
+  ops.push_back({"slice", 1, 1,
+                 {{"dim", AttrType::integer, true, {}},
+                  {"start", AttrType::integer, false, std::int64_t{0}},
+                  {"end", AttrType::integer, true, {}},
+                  {"step", AttrType::integer, false, std::int64_t{1}}},
+                 [](const Metas& in, const Attributes& a) {
+                   Shape s = in[0]->shape;
+                   if (s.empty()) fail("cannot slice a scalar");
+                   auto d = wrap_dim(std::get<std::int64_t>(a.at("dim")), in[0]->rank());
+                   const std::int64_t size = s[d];
+                   auto clamp = [&](std::int64_t i) { return std::clamp<std::int64_t>(i < 0 ? i + size : i, 0, size); };
+                   const std::int64_t start = clamp(std::get<std::int64_t>(a.at("start")));
+                   const std::int64_t end = clamp(std::get<std::int64_t>(a.at("end")));
+                   const std::int64_t step = std::get<std::int64_t>(a.at("step"));
+                   if (step <= 0) fail("step must be positive, got " + std::to_string(step));
+                   s[d] = end > start ? (end - start + step - 1) / step : 0;
+                   return std::vector{like(*in[0], s, in[0]->requires_grad)};
+                 }});
+  ops.push_back({"cat", 1, -1, {{"dim", AttrType::integer, false, std::int64_t{0}}}, [](const Metas& in, const Attributes& a) {
+                   same_dtype(in);
+                   Shape out = in[0]->shape;
+                   auto d = wrap_dim(std::get<std::int64_t>(a.at("dim")), in[0]->rank());
+                   for (std::size_t i = 1; i < in.size(); ++i) {
+                     const Shape& s = in[i]->shape;
+                     for (std::size_t j = 0; j < out.size(); ++j) {
+                       if (s.size() != out.size() || (static_cast<std::int64_t>(j) != d && s[j] != out[j])) {
+                         fail("input " + std::to_string(i) + " " + shape_str(s) + " does not match " +
+                              shape_str(in[0]->shape) + " outside dim " + std::to_string(d));
+                       }
+                     }
+                     out[d] += s[d];
+                   }
+                   return std::vector{like(*in[0], out, any_requires_grad(in))};
+                 }});
+  // rms_norm: x[..., d] * rsqrt(mean(x^2, -1) + eps) * weight[d]  (Zhang & Sennrich 2019).
+  ops.push_back({"rms_norm", 2, 2, {{"eps", AttrType::floating, false, 1e-6}}, [](const Metas& in, const Attributes&) {
+                   same_dtype(in);
+                   floating(*in[0], "x");
+                   if (in[0]->shape.empty() || in[1]->shape != Shape{in[0]->shape.back()}) {
+                     fail("weight must be [" + (in[0]->shape.empty() ? std::string("d") : std::to_string(in[0]->shape.back())) +
+                          "], the last dim of x");
+                   }
+                   return std::vector{like(*in[0], in[0]->shape, any_requires_grad(in))};
+                 }});
+  // layer_norm over the last dim with weight[d] and bias[d] (Ba et al. 2016).
+  ops.push_back({"layer_norm", 3, 3, {{"eps", AttrType::floating, false, 1e-5}}, [](const Metas& in, const Attributes&) {
+                   same_dtype(in);
+                   floating(*in[0], "x");
+                   const Shape last{in[0]->shape.empty() ? 0 : in[0]->shape.back()};
+                   if (in[1]->shape != last || in[2]->shape != last) fail("weight and bias must be " + shape_str(last));
+                   return std::vector{like(*in[0], in[0]->shape, any_requires_grad(in))};
+                 }});
+  // rotary_embedding: x[b, s, h, d] with cos, sin [s, d/2]; rotates pairs (x[2i], x[2i+1]),
+  // as torchtitan's apply_rotary_emb (Su et al. 2021, RoFormer).
+  ops.push_back({"rotary_embedding", 3, 3, {}, [](const Metas& in, const Attributes&) {
+                   same_dtype(in);
+                   const Shape& x = in[0]->shape;
+                   if (x.size() != 4 || x[3] % 2 != 0) fail("x must be [batch, seq, heads, head_dim] with an even head_dim");
+                   const Shape want{x[1], x[3] / 2};
+                   if (in[1]->shape != want || in[2]->shape != want) fail("cos and sin must be " + shape_str(want));
+                   return std::vector{like(*in[0], x, in[0]->requires_grad)};
+                 }});
+  // Scaled dot-product attention: q[b, h, s, d], k[b, h, t, d], v[b, h, t, e] -> [b, h, s, e],
+  // softmax(q k^T / sqrt(d)) v, causal mask optional (as torch's scaled_dot_product_attention).
+  ops.push_back({"sdpa", 3, 3, {{"causal", AttrType::boolean, false, true}}, [](const Metas& in, const Attributes&) {
+                   same_dtype(in);
+                   const Shape& q = in[0]->shape;
+                   const Shape& k = in[1]->shape;
+                   const Shape& v = in[2]->shape;
+                   if (q.size() != 4 || k.size() != 4 || v.size() != 4) fail("q, k, v must be [batch, heads, seq, head_dim]");
+                   if (q[0] != k[0] || q[1] != k[1] || q[3] != k[3] || k[0] != v[0] || k[1] != v[1] || k[2] != v[2]) {
+                     fail("q, k, v do not agree on batch, heads, key length or head_dim");
+                   }
+                   return std::vector{like(*in[0], Shape{q[0], q[1], q[2], v[3]}, any_requires_grad(in))};
+                 }});
+  // cross_entropy: logits[n, c], targets (i64)[n] -> scalar mean over targets != ignore_index.
+  ops.push_back({"cross_entropy", 2, 2, {{"ignore_index", AttrType::integer, false, std::int64_t{-100}}},
+                 [](const Metas& in, const Attributes&) {
+                   floating(*in[0], "logits");
+                   if (in[0]->rank() != 2 || in[1]->rank() != 1 || in[0]->shape[0] != in[1]->shape[0]) {
+                     fail("needs logits [n, classes] and targets [n]");
+                   }
+                   if (in[1]->dtype != DType::i64) fail("targets must be i64");
+                   return std::vector{like(*in[0], Shape{}, in[0]->requires_grad)};
+                 }});
+  return ops;
+}
+
+}  // namespace
+
+void OpRegistry::add(OpSchema schema) {
+  const std::string name = schema.name;
+  if (!ops_.emplace(name, std::move(schema)).second) throw std::invalid_argument("op '" + name + "' registered twice");
+}
+
+const OpSchema* OpRegistry::find(const std::string& name) const {
+  auto it = ops_.find(name);
+  return it == ops_.end() ? nullptr : &it->second;
+}
+
+std::vector<std::string> OpRegistry::names() const {
+  std::vector<std::string> out;
+  for (const auto& [name, schema] : ops_) out.push_back(name);
+  return out;
+}
+
+const OpRegistry& OpRegistry::global() {
+  static const OpRegistry registry = [] {
+    OpRegistry r;
+    for (auto& op : builtin_ops()) r.add(std::move(op));
+    return r;
+  }();
+  return registry;
+}
+
+}  // namespace spmdx::ir
