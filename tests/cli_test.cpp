@@ -95,6 +95,15 @@ TEST(Cli, DuplicateNameWarnsNamingBothPathsAndSucceeds) {
   EXPECT_THAT(r.output, HasSubstr("ignoring " + plugin_dir("test_strategy_dup").string()));
 }
 
+TEST(Cli, UsageErrorsExitTwo) {
+  EXPECT_EQ(spmdx("plugins --no-such-flag").exit_code, 2);
+  EXPECT_EQ(spmdx("frobnicate").exit_code, 2);
+  auto r = spmdx("--version plugins");
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.output, HasSubstr("--version takes no subcommand"));
+  EXPECT_EQ(spmdx("--help").exit_code, 0);
+}
+
 TEST(Cli, EnvironmentPathIsSearched) {
   auto r = run_command("SPMDX_PLUGIN_PATH='" + plugin_dir("test_comm_a").string() + "' '" SPMDX_EXE "' plugins --json");
   ASSERT_EQ(r.exit_code, 0) << r.output;

@@ -1,7 +1,10 @@
 // The plugin registry against real plugin .so files built by tests/CMakeLists.txt, one folder
 // per test plugin under TEST_PLUGIN_DIR.
 #include <dlfcn.h>
+#include <sys/stat.h>
 #include <unistd.h>
+
+#include <fstream>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -226,6 +229,115 @@ TEST(Registry, RefusesAPluginOwnedByAnotherUser) {
   PluginError e = only_error(registry);
   EXPECT_EQ(e.code(), Code::untrusted);
   EXPECT_THAT(e.what(), HasSubstr("the file is owned by uid 65534, not by root or you (uid 0)"));
+}
+
+TEST(Registry, TruncatedLibraryIsRejectedWithoutCrashing) {
+  // dlopen of a truncated library would die of SIGBUS; the ELF check must catch it first.
+  const fs::path real = plugin_file("test_strategy");
+  const auto size = fs::file_size(real);
+  for (std::uintmax_t keep : {std::uintmax_t{1000}, std::uintmax_t{8192}, size / 2, size - 1}) {
+    TempDir dir;
+    const fs::path file = dir / "libspmdx_cut.so";
+    std::ifstream in(real, std::ios::binary);
+    std::string bytes(keep, '\0');
+    in.read(bytes.data(), static_cast<std::streamsize>(keep));
+    test::write_file(file, bytes);
+    PluginRegistry registry;
+    registry.discover(user({file}));
+    PluginError e = only_error(registry);
+    EXPECT_EQ(e.code(), Code::not_shared_object) << keep;
+    EXPECT_THAT(e.what(), HasSubstr("not a shared object (truncated: ")) << keep;
+  }
+}
+
+TEST(Registry, FifoOrFolderNamedLikeAPluginIsRejectedWithoutHanging) {
+  TempDir dir;
+  ASSERT_EQ(::mkfifo((dir / "libspmdx_fifo.so").c_str(), 0600), 0);
+  fs::create_directory(dir / "libspmdx_dir.so");
+  PluginRegistry registry;
+  registry.discover(user({dir.path()}));
+  ASSERT_EQ(registry.errors().size(), 2u);
+  for (const auto& e : registry.errors()) {
+    EXPECT_EQ(e.code(), Code::not_shared_object);
+    EXPECT_THAT(e.what(), HasSubstr("not a regular file"));
+  }
+}
+
+TEST(Registry, DanglingLinkSaysSo) {
+  TempDir dir;
+  fs::create_symlink(dir / "gone.so", dir / "libspmdx_dangling.so");
+  PluginRegistry registry;
+  registry.discover(user({dir.path()}));
+  EXPECT_THAT(only_error(registry).what(), HasSubstr("cannot be resolved"));
+}
+
+TEST(Registry, LinkInAFolderWritableByOthersIsRefused) {
+  TempDir dir;
+  fs::create_directory(dir / "open");
+  fs::permissions(dir / "open", fs::perms::all);  // 0777, no sticky bit
+  fs::create_symlink(plugin_file("test_strategy"), dir / "open" / "libspmdx_evil.so");
+  PluginRegistry registry;
+  registry.discover(user({dir / "open"}));
+  PluginError e = only_error(registry);
+  EXPECT_EQ(e.code(), Code::untrusted);
+  EXPECT_THAT(e.what(), HasSubstr("(a link to '" + plugin_file("test_strategy").string() + "')"));
+  EXPECT_THAT(e.what(), HasSubstr("its folder '" + (dir / "open").string() + "' is writable by others (mode 0777)"));
+}
+
+TEST(Registry, FolderAboveWritableByOthersWithoutStickyBitIsRefused) {
+  TempDir dir;
+  fs::create_directories(dir / "open" / "sub");
+  fs::permissions(dir / "open", fs::perms::all);
+  fs::copy_file(plugin_file("test_strategy"), dir / "open" / "sub" / "libspmdx_test_strategy.so");
+  PluginRegistry registry;
+  registry.discover(user({dir / "open" / "sub"}));
+  EXPECT_THAT(only_error(registry).what(), HasSubstr("the folder '" + fs::canonical(dir / "open").string() +
+                                                     "' above it is writable by others (mode 0777)"));
+  // With the sticky bit (as /tmp) the folder above is fine.
+  fs::permissions(dir / "open", fs::perms::all | fs::perms::sticky_bit);
+  PluginRegistry sticky;
+  sticky.discover(user({dir / "open" / "sub"}));
+  EXPECT_TRUE(sticky.errors().empty()) << sticky.errors().front().what();
+}
+
+TEST(Registry, GroupWritableByAnotherGroupIsRefused) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root to give a file to another group (gid 65534)";
+  TempDir dir;
+  const fs::path file = dir / "libspmdx_test_strategy.so";
+  fs::copy_file(plugin_file("test_strategy"), file);
+  ASSERT_EQ(::chown(file.c_str(), 0, 65534), 0);
+  fs::permissions(file, fs::perms::group_write, fs::perm_options::add);
+  PluginRegistry registry;
+  registry.discover(user({file}));
+  EXPECT_THAT(only_error(registry).what(), HasSubstr("the file is writable by group 65534 (mode 0775)"));
+}
+
+TEST(Registry, APluginCannotTakeAnotherPluginsName) {
+  PluginRegistry registry;
+  registry.discover(user({plugin_dir("test_hijack"), plugin_dir("test_strategy")}));
+  registry.load_all();
+  PluginError e = only_error(registry);
+  EXPECT_EQ(e.code(), Code::register_failed);
+  EXPECT_THAT(e.what(), HasSubstr("plugin 'test_hijack'"));
+  EXPECT_THAT(e.what(), HasSubstr("strategy name 'test_strategy' is the name of another plugin"));
+  EXPECT_TRUE(registry.find("test_strategy")->registered);
+}
+
+TEST(Registry, APluginRegistersOnlyItsOwnKind) {
+  PluginRegistry registry;
+  registry.discover(user({plugin_dir("test_wrong_kind")}));
+  EXPECT_THROW(registry.load("test_wrong_kind"), PluginError);
+  registry.load_all();
+  EXPECT_THAT(only_error(registry).what(),
+              HasSubstr("it is a comm plugin and may register only comm factories, not strategy 'test_wrong_kind'"));
+}
+
+TEST(Registry, PluginNameMustBeAnIdentifier) {
+  PluginRegistry registry;
+  registry.discover(user({plugin_dir("test_bad_name")}));
+  PluginError e = only_error(registry);
+  EXPECT_EQ(e.code(), Code::bad_descriptor);
+  EXPECT_THAT(e.what(), HasSubstr("name is empty or not [a-z0-9_]+"));
 }
 
 // Unload policy "never unload": backend A lives on while B is loaded and after the registry

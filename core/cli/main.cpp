@@ -37,7 +37,8 @@ int run_plugins(const std::vector<std::string>& paths, bool json) {
                      {"registered", p.registered},
                      {"factories", p.factories}});
     }
-    std::cout << out.dump(2) << "\n";
+    // Paths need not be UTF-8; replace what is not rather than fail the whole listing.
+    std::cout << out.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
   } else if (registry.plugins().empty()) {
     std::cout << "no plugins found (searched: --plugin-path, SPMDX_PLUGIN_PATH, "
               << spmdx::builtin_plugin_dir().string() << ")\n";
@@ -74,9 +75,18 @@ int main(int argc, char** argv) {
                       "(repeatable)");
   plugins->add_flag("--json", json, "Print a JSON array of {name, kind, version, abi, path, ...}");
 
-  CLI11_PARSE(app, argc, argv);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    const int rc = app.exit(e);  // prints help, or the usage error
+    return rc == 0 ? 0 : 2;      // usage errors exit 2, as most command lines do
+  }
   if (!log_level.empty()) spmdx::log::set_level(*spmdx::log::parse_level(log_level));
 
+  if (show_version && !app.get_subcommands().empty()) {
+    std::cerr << "error: --version takes no subcommand\n";
+    return 2;
+  }
   if (show_version) {
     std::cout << "spmdx " << SPMDX_VERSION << " (plugin ABI " << SPMDX_ABI_MAJOR << "." << SPMDX_ABI_MINOR << ")\n";
     return 0;

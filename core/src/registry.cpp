@@ -1,6 +1,7 @@
 #include "spmdx/core/registry.h"
 
 #include <dlfcn.h>
+#include <elf.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -8,7 +9,11 @@
 #include <boost/dll/shared_library.hpp>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <optional>
 #include <mutex>
 #include <sstream>
 
@@ -38,23 +43,94 @@ std::string octal_mode(mode_t mode) {
   return s.str();
 }
 
-// Refuses files a user other than root or us could have written (see registry.h).
-void check_trusted(const fs::path& file) {
-  auto refuse = [&](const std::string& why) {
+// Why `path` could have been written by someone other than root or us, or nullopt. A file and
+// the folder holding it must not be writable by others, nor by a group other than root's or
+// ours; a folder further up may be writable by others only with the sticky bit (as /tmp), which
+// stops them from renaming what is inside. Every level must be owned by root or by us.
+std::optional<std::string> trust_problem(const fs::path& path, bool ancestor) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) return std::nullopt;  // reported elsewhere as missing
+  const bool sticky = S_ISDIR(st.st_mode) && (st.st_mode & S_ISVTX);
+  if ((st.st_mode & S_IWOTH) && !(ancestor && sticky)) {
+    return "is writable by others (mode " + octal_mode(st.st_mode) + ")";
+  }
+  if ((st.st_mode & S_IWGRP) && st.st_gid != 0 && st.st_gid != ::getegid() && !(ancestor && sticky)) {
+    return "is writable by group " + std::to_string(st.st_gid) + " (mode " + octal_mode(st.st_mode) + ")";
+  }
+  if (st.st_uid != 0 && st.st_uid != ::geteuid()) {
+    return "is owned by uid " + std::to_string(st.st_uid) + ", not by root or you (uid " + std::to_string(::geteuid()) + ")";
+  }
+  return std::nullopt;
+}
+
+// `file` is the path as searched (absolute), `target` where its links lead.
+void check_trusted(const fs::path& file, const fs::path& target) {
+  const std::string shown = "'" + file.string() + "'" + (file == target ? "" : " (a link to '" + target.string() + "')");
+  auto refuse = [&](const std::string& what, const std::string& why) {
     throw PluginError(Code::untrusted, file,
-                      "refusing to load plugin '" + file.string() + "': " + why +
-                          ". A plugin is code: keep it and its folder writable by the owner only "
+                      "refusing to load plugin " + shown + ": " + what + " " + why +
+                          ". A plugin is code: keep it and the folders above it writable by their owner only "
                           "(chmod go-w) and owned by root or by you.");
   };
-  const uid_t me = ::geteuid();
-  for (const auto& [what, path] : {std::pair{"the file", file}, std::pair{"its folder", file.parent_path()}}) {
-    struct stat st {};
-    if (::stat(path.c_str(), &st) != 0) continue;  // the caller reports a missing file itself
-    const std::string name = std::string(what) + (path == file ? "" : " '" + path.string() + "'");
-    if (st.st_mode & S_IWOTH) refuse(name + " is writable by others (mode " + octal_mode(st.st_mode) + ")");
-    if (st.st_uid != 0 && st.st_uid != me) {
-      refuse(name + " is owned by uid " + std::to_string(st.st_uid) + ", not by root or you (uid " +
-             std::to_string(me) + ")");
+  if (auto why = trust_problem(target, false)) refuse("the file", *why);
+  // The folder the link sits in matters as much as the folder of its target.
+  for (const fs::path& dir : {file.parent_path(), target.parent_path()}) {
+    if (auto why = trust_problem(dir, false)) refuse("its folder '" + dir.string() + "'", *why);
+  }
+  for (fs::path dir = target.parent_path(); dir.has_relative_path(); ) {
+    dir = dir.parent_path();
+    if (auto why = trust_problem(dir, true)) refuse("the folder '" + dir.string() + "' above it", *why);
+  }
+}
+
+// dlopen maps a file's segments without checking that the file holds them: a truncated
+// library kills the process with SIGBUS when a page past its end is touched. So the ELF
+// header and the program and section header tables are checked against the file size first.
+void check_elf(const fs::path& file, const fs::path& target) {
+  auto not_so = [&](const std::string& why) {
+    throw PluginError(Code::not_shared_object, file,
+                      "cannot load plugin '" + file.string() + "': not a shared object (" + why +
+                          "). Rebuild it with spmdx_add_plugin(), or remove it from the plugin path.");
+  };
+  std::ifstream in(target, std::ios::binary);
+  if (!in) {
+    throw PluginError(Code::unreadable, file,
+                      "cannot read plugin '" + file.string() + "': " + std::strerror(errno) +
+                          ". Make it readable by this user, or remove it from the plugin path.");
+  }
+  std::error_code ec;
+  const std::uint64_t size = fs::file_size(target, ec);
+  Elf64_Ehdr eh{};
+  if (!in.read(reinterpret_cast<char*>(&eh), sizeof eh) || std::memcmp(eh.e_ident, ELFMAG, SELFMAG) != 0) {
+    not_so("no ELF header");
+  }
+#if defined(__aarch64__)
+  constexpr auto kMachine = EM_AARCH64;
+#else
+  constexpr auto kMachine = EM_X86_64;
+#endif
+  if (eh.e_ident[EI_CLASS] != ELFCLASS64 || eh.e_type != ET_DYN || eh.e_machine != kMachine) {
+    not_so("ELF class " + std::to_string(eh.e_ident[EI_CLASS]) + ", type " + std::to_string(eh.e_type) + ", machine " +
+           std::to_string(eh.e_machine) + " is not a 64-bit shared object for this machine");
+  }
+  auto fits = [&](std::uint64_t offset, std::uint64_t length) { return offset <= size && length <= size - offset; };
+  auto truncated = [&](const std::string& what, std::uint64_t end) {
+    not_so("truncated: " + what + " ends at byte " + std::to_string(end) + ", the file has " + std::to_string(size));
+  };
+  if (eh.e_phentsize != sizeof(Elf64_Phdr)) not_so("unexpected program header size");
+  const std::uint64_t ph_bytes = std::uint64_t{eh.e_phnum} * eh.e_phentsize;
+  if (!fits(eh.e_phoff, ph_bytes)) truncated("the program header table", eh.e_phoff + ph_bytes);
+  const std::uint64_t sh_bytes = std::uint64_t{eh.e_shnum} * eh.e_shentsize;
+  if (eh.e_shoff != 0 && !fits(eh.e_shoff, sh_bytes)) truncated("the section header table", eh.e_shoff + sh_bytes);
+  std::vector<Elf64_Phdr> phdrs(eh.e_phnum);
+  in.seekg(static_cast<std::streamoff>(eh.e_phoff));
+  if (!in.read(reinterpret_cast<char*>(phdrs.data()), static_cast<std::streamsize>(ph_bytes))) {
+    truncated("the program header table", eh.e_phoff + ph_bytes);
+  }
+  for (std::size_t i = 0; i < phdrs.size(); ++i) {
+    if (phdrs[i].p_type != PT_LOAD && phdrs[i].p_type != PT_DYNAMIC) continue;
+    if (!fits(phdrs[i].p_offset, phdrs[i].p_filesz)) {
+      truncated("segment " + std::to_string(i), phdrs[i].p_offset + phdrs[i].p_filesz);
     }
   }
 }
@@ -68,17 +144,48 @@ std::string dlopen_reason(const std::string& boost_message) {
   return reason;
 }
 
+bool is_identifier(const char* text, bool allow_dot) {
+  if (text == nullptr || *text == '\0') return false;
+  for (const char* c = text; *c; ++c) {
+    const bool ok = (*c >= 'a' && *c <= 'z') || (*c >= '0' && *c <= '9') || *c == '_' || (allow_dot && *c == '.');
+    if (!ok) return false;
+  }
+  return true;
+}
+
+bool is_printable(const char* text) {
+  if (text == nullptr) return true;
+  for (const unsigned char* c = reinterpret_cast<const unsigned char*>(text); *c; ++c) {
+    if (*c < 0x20 || *c == 0x7f) return false;
+  }
+  return true;
+}
+
 const PluginDescriptor* open_descriptor(const fs::path& given) {
   // Messages name the file as an absolute path: the user may have run from another folder.
   const fs::path file = fs::absolute(given).lexically_normal();
   std::error_code ec;
-  if (!fs::exists(file, ec)) {
+  const auto link_status = fs::symlink_status(file, ec);
+  if (!fs::exists(link_status)) {
     throw PluginError(Code::file_missing, file,
                       "plugin file '" + file.string() + "' does not exist: fix the path, or remove it from the "
                       "config's [plugins] paths, --plugin-path or SPMDX_PLUGIN_PATH.");
   }
-  const fs::path canonical = fs::canonical(file);
-  check_trusted(canonical);
+  const auto status = fs::status(file, ec);
+  const fs::path canonical = fs::canonical(file, ec);
+  if (!fs::exists(status) || ec) {
+    throw PluginError(Code::file_missing, file,
+                      "plugin file '" + file.string() + "' cannot be resolved (" +
+                          (ec ? ec.message() : std::string("a link that leads nowhere")) +
+                          "): fix the link or the path, or remove it from the plugin path.");
+  }
+  if (!fs::is_regular_file(status)) {
+    throw PluginError(Code::not_shared_object, file,
+                      "cannot load plugin '" + file.string() +
+                          "': not a regular file (a folder, FIFO, socket or device); remove it from the plugin path.");
+  }
+  check_trusted(file, canonical);
+  check_elf(file, canonical);
 
   auto& cache = library_cache();
   std::lock_guard lock(cache.mutex);
@@ -89,12 +196,10 @@ const PluginDescriptor* open_descriptor(const fs::path& given) {
       lib.load(canonical, boost::dll::load_mode::rtld_now | boost::dll::load_mode::rtld_local);
     } catch (const std::exception& e) {
       const std::string reason = dlopen_reason(e.what());
-      const bool not_elf = reason.find("invalid ELF header") != std::string::npos ||
-                           reason.find("file too short") != std::string::npos;
       throw PluginError(Code::not_shared_object, file,
-                        "cannot load plugin '" + file.string() + "': " +
-                            (not_elf ? "not a shared object (" + reason + ")" : reason) +
-                            ". Rebuild it with spmdx_add_plugin(), or remove it from the plugin path.");
+                        "cannot load plugin '" + file.string() + "': " + reason +
+                            ". A library it needs may be missing (check with ldd), or its static initialisation "
+                            "failed; rebuild it, or remove it from the plugin path.");
     }
     it = cache.by_path.emplace(canonical.string(), std::move(lib)).first;
   }
@@ -129,7 +234,8 @@ const PluginDescriptor* open_descriptor(const fs::path& given) {
   auto bad = [&](const std::string& what) {
     throw PluginError(Code::bad_descriptor, file, "plugin '" + file.string() + "': " + what + "; fix the plugin.");
   };
-  if (d->name == nullptr || *d->name == '\0') bad("its descriptor has an empty name");
+  if (!is_identifier(d->name, false)) bad("its descriptor's name is empty or not [a-z0-9_]+");
+  if (!is_printable(d->version) || !is_printable(d->description)) bad("its version or description holds control characters");
   const auto kind = static_cast<std::uint32_t>(d->kind);
   if (kind < 1 || kind > 3) bad("its descriptor has an unknown kind " + std::to_string(kind));
   if (d->register_plugin == nullptr) bad("its descriptor has no registration callback");
@@ -205,16 +311,17 @@ struct PluginRegistry::Factories {
 // What one plugin's callback registers, committed only when the callback returns.
 class PluginRegistry::Staging final : public Registrar {
  public:
-  Staging(Factories& target, std::string plugin) : target_(target), plugin_(std::move(plugin)) {}
+  Staging(Factories& target, const PluginInfo& plugin, const std::vector<PluginInfo>& all)
+      : target_(target), plugin_(plugin.name), kind_(plugin.kind), all_(all) {}
 
   void add_strategy(const std::string& name, StrategyFactory f) override {
-    add(target_.strategies, strategies_, "strategy", name, std::move(f));
+    add(target_.strategies, strategies_, PluginKind::strategy, name, std::move(f));
   }
   void add_comm_backend(const std::string& name, CommBackendFactory f) override {
-    add(target_.comm_backends, comm_backends_, "comm backend", name, std::move(f));
+    add(target_.comm_backends, comm_backends_, PluginKind::comm, name, std::move(f));
   }
   void add_hook(const std::string& name, HookFactory f) override {
-    add(target_.hooks, hooks_, "hook", name, std::move(f));
+    add(target_.hooks, hooks_, PluginKind::hook, name, std::move(f));
   }
 
   std::vector<std::string> commit() {
@@ -234,9 +341,23 @@ class PluginRegistry::Staging final : public Registrar {
  private:
   template <class F>
   void add(const std::map<std::string, Factories::Entry<F>, std::less<>>& existing,
-           std::map<std::string, Factories::Entry<F>, std::less<>>& staged, const char* kind,
+           std::map<std::string, Factories::Entry<F>, std::less<>>& staged, PluginKind factory_kind,
            const std::string& name, F factory) {
-    if (!factory) throw std::invalid_argument(std::string("empty ") + kind + " factory '" + name + "'");
+    const std::string kind = factory_kind == PluginKind::comm ? "comm backend" : to_string(factory_kind);
+    if (factory_kind != kind_) {
+      throw std::invalid_argument("it is a " + std::string(to_string(kind_)) + " plugin and may register only " +
+                                  to_string(kind_) + " factories, not " + kind + " '" + name + "'");
+    }
+    if (!is_identifier(name.c_str(), true)) {
+      throw std::invalid_argument(kind + " name '" + name + "' is empty or not [a-z0-9_.]+");
+    }
+    for (const auto& other : all_) {
+      if (other.name == name && other.name != plugin_) {
+        throw std::invalid_argument(kind + " name '" + name + "' is the name of another plugin (" + other.path.string() +
+                                    "); register factories under your plugin's own name");
+      }
+    }
+    if (!factory) throw std::invalid_argument("empty " + kind + " factory '" + name + "'");
     if (auto it = existing.find(name); it != existing.end()) {
       throw std::invalid_argument(std::string(kind) + " '" + name + "' is already registered by plugin '" +
                                   it->second.plugin + "'");
@@ -248,6 +369,8 @@ class PluginRegistry::Staging final : public Registrar {
 
   Factories& target_;
   std::string plugin_;
+  PluginKind kind_;
+  const std::vector<PluginInfo>& all_;
   std::map<std::string, Factories::Entry<StrategyFactory>, std::less<>> strategies_;
   std::map<std::string, Factories::Entry<CommBackendFactory>, std::less<>> comm_backends_;
   std::map<std::string, Factories::Entry<HookFactory>, std::less<>> hooks_;
@@ -274,8 +397,11 @@ void PluginRegistry::discover(const std::vector<PluginSource>& sources) {
       plugins_.push_back(info_from(*d, file));
       factories_->descriptors.emplace(d->name, d);
     } catch (const PluginError& e) {
-      SPMDX_DEBUG(e.what());
       errors_.push_back(e);
+    } catch (const std::exception& e) {
+      const fs::path shown = fs::absolute(file).lexically_normal();
+      errors_.emplace_back(Code::unreadable, shown,
+                           "cannot load plugin '" + shown.string() + "': " + e.what() + "; remove it from the plugin path.");
     }
   };
 
@@ -296,8 +422,16 @@ void PluginRegistry::discover(const std::vector<PluginSource>& sources) {
       continue;
     }
     std::vector<fs::path> files;
-    for (const auto& entry : fs::directory_iterator(source.path, ec)) {
-      if (is_plugin_file_name(entry.path())) files.push_back(entry.path());
+    fs::directory_iterator it(source.path, ec);
+    for (; !ec && it != fs::directory_iterator(); it.increment(ec)) {
+      if (is_plugin_file_name(it->path())) files.push_back(it->path());
+    }
+    if (ec) {
+      errors_.emplace_back(Code::unreadable, source.path,
+                           "cannot list plugin folder '" + source.path.string() + "' (from " +
+                               origin_text(source.origin) + "): " + ec.message() +
+                               ". Make it readable by this user, or remove it from " + origin_text(source.origin) + ".");
+      continue;
     }
     std::sort(files.begin(), files.end());  // directory order is arbitrary; keep runs repeatable
     for (const auto& f : files) consider(f);
@@ -327,7 +461,7 @@ void PluginRegistry::load(std::string_view plugin_name) {
   }
   if (info->registered) return;
   const PluginDescriptor* d = factories_->descriptors.at(info->name);
-  Staging staging(*factories_, info->name);
+  Staging staging(*factories_, *info, plugins_);
   try {
     d->register_plugin(staging);
   } catch (const std::exception& e) {
@@ -350,7 +484,6 @@ void PluginRegistry::load_all() {
     try {
       load(p.name);
     } catch (const PluginError& e) {
-      SPMDX_DEBUG(e.what());
       errors_.push_back(e);
     }
   }

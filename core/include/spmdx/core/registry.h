@@ -18,8 +18,17 @@
 // destructor, and a second backend can be loaded while the first is alive. Loading the same
 // file again reuses the mapping.
 //
-// Trust: a plugin is code. A file, or its folder, that is writable by others or owned by a user
-// other than root and the current user is refused before it is opened.
+// Trust: a plugin is code. Before a file is opened, it, the folder it is found in, the folder
+// its links lead to and every folder above must be owned by root or the current user; the file
+// and its folders must not be writable by others (nor by a group other than root's or the
+// user's); folders further up may be only with the sticky bit (/tmp).
+// A file is checked to be a complete ELF shared object before dlopen maps it.
+//
+// Factory names: a plugin registers factories of its own kind only, under names of
+// [a-z0-9_.]+ that are not the name of another discovered plugin (so a plugin cannot take over
+// another's name).
+// Plugin code runs in this process: a plugin whose static initialiser calls exit() or abort()
+// ends the process. A duplicate is opened (to read its name) before it is ignored.
 #pragma once
 
 #include <cstdint>
@@ -40,7 +49,8 @@ class PluginError : public std::runtime_error {
   enum class Code {
     file_missing,       ///< a configured file or folder does not exist
     untrusted,          ///< writable by others, or owned by another non-root user
-    not_shared_object,  ///< dlopen refused it
+    unreadable,         ///< a file or folder this user cannot read
+    not_shared_object,  ///< not a regular, complete ELF shared object, or dlopen refused it
     entry_missing,      ///< no `spmdx_plugin` entry point
     abi_mismatch,       ///< major differs, or minor newer than the host's
     bad_descriptor,     ///< null descriptor, empty name, unknown kind, no callback
