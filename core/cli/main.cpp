@@ -68,6 +68,7 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"trace", "debug", "info", "warn", "warning", "error", "off"}));
 
   auto* plugins = app.add_subcommand("plugins", "List the plugins found on the search path, loading each to check it");
+  plugins->fallthrough();  // global options (--log-level) may also follow the subcommand
   std::vector<std::string> plugin_paths;
   bool json = false;
   plugins->add_option("--plugin-path", plugin_paths,

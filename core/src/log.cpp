@@ -56,11 +56,13 @@ Level level() noexcept {
   int current = g_level.load(std::memory_order_relaxed);
   if (current < 0) {
     Level from_env = Level::info;
-    if (const char* env = std::getenv("SPMDX_LOG_LEVEL")) {
-      if (auto parsed = parse_level(env)) from_env = *parsed;
-    }
+    const char* env = std::getenv("SPMDX_LOG_LEVEL");
+    const auto parsed = env ? parse_level(env) : std::nullopt;
+    if (parsed) from_env = *parsed;
     int expected = -1;
-    g_level.compare_exchange_strong(expected, static_cast<int>(from_env));
+    if (g_level.compare_exchange_strong(expected, static_cast<int>(from_env)) && env && !parsed) {
+      logger().warn("SPMDX_LOG_LEVEL='{}' is not one of trace, debug, info, warn, error, off; using info", env);
+    }
     current = g_level.load();
   }
   return static_cast<Level>(current);
