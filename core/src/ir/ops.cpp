@@ -290,6 +290,69 @@ std::vector<OpSchema> builtin_ops() {
                    if (in[1]->dtype != DType::i64) fail("targets must be i64");
                    return std::vector{like(*in[0], Shape{}, in[0]->requires_grad)};
                  }});
+
+  // ---- Ops that gradients and the optimizer need ----
+  for (const char* n : {"rdiv_scalar", "clamp_max_scalar"}) ops.push_back(scalar(n));  // value / x, min(x, value)
+  for (const char* n : {"zeros_like", "ones_like"}) ops.push_back(unary(n, false));
+  // expand: broadcast to `shape` (as torch.Tensor.expand); sum_to: the reverse, summing the
+  // broadcast dims away (as at::sum_to).
+  ops.push_back({"expand", 1, 1, {{"shape", AttrType::ints, true, {}}}, [](const Metas& in, const Attributes& a) {
+                   const Shape& shape = std::get<Shape>(a.at("shape"));
+                   if (broadcast(in[0]->shape, shape) != shape) fail("cannot expand " + shape_str(in[0]->shape) + " to " + shape_str(shape));
+                   return std::vector{like(*in[0], shape, in[0]->requires_grad)};
+                 }});
+  ops.push_back({"sum_to", 1, 1, {{"shape", AttrType::ints, true, {}}}, [](const Metas& in, const Attributes& a) {
+                   const Shape& shape = std::get<Shape>(a.at("shape"));
+                   if (broadcast(shape, in[0]->shape) != in[0]->shape) fail("cannot sum " + shape_str(in[0]->shape) + " to " + shape_str(shape));
+                   return std::vector{like(*in[0], shape, in[0]->requires_grad)};
+                 }});
+  // Backward ops: (grad_out, saved...) -> grad_in, with the ATen backward kernel of the same name.
+  auto grad_like = [](int grad_input, int like_input) {
+    return [=](const Metas& in, const Attributes&) {
+      same_dtype({in[0], in[static_cast<std::size_t>(like_input)]});
+      if (in[0]->shape != in[static_cast<std::size_t>(grad_input)]->shape) fail("grad and input shapes differ");
+      return std::vector{like(*in[static_cast<std::size_t>(like_input)], in[static_cast<std::size_t>(like_input)]->shape,
+                              any_requires_grad(in))};
+    };
+  };
+  for (const char* n : {"relu_backward", "silu_backward", "gelu_backward"}) ops.push_back({n, 2, 2, {}, grad_like(1, 1)});
+  for (const char* n : {"softmax_backward", "log_softmax_backward"}) {
+    ops.push_back({n, 2, 2, {{"dim", AttrType::integer, false, std::int64_t{-1}}}, grad_like(1, 1)});
+  }
+  // embedding_backward: grad[..., dim], indices[...] -> [num_weights, dim] (index_add of rows).
+  ops.push_back({"embedding_backward", 2, 2, {{"num_weights", AttrType::integer, true, {}}}, [](const Metas& in, const Attributes& a) {
+                   return std::vector{like(*in[0], Shape{std::get<std::int64_t>(a.at("num_weights")), in[0]->shape.back()},
+                                           in[0]->requires_grad)};
+                 }});
+  // cross_entropy_backward: grad (scalar), logits[n, c], targets[n] -> grad_logits[n, c].
+  ops.push_back({"cross_entropy_backward", 3, 3, {{"ignore_index", AttrType::integer, false, std::int64_t{-100}}},
+                 [](const Metas& in, const Attributes&) {
+                   return std::vector{like(*in[1], in[1]->shape, any_requires_grad(in))};
+                 }});
+  // rms_norm_backward: grad, x, weight -> (grad_x, grad_weight).
+  ops.push_back({"rms_norm_backward", 3, 3, {{"eps", AttrType::floating, false, 1e-6}}, [](const Metas& in, const Attributes&) {
+                   return std::vector{like(*in[1], in[1]->shape, true), like(*in[2], in[2]->shape, true)};
+                 }});
+  // layer_norm_backward: grad, x, weight, bias -> (grad_x, grad_weight, grad_bias).
+  ops.push_back({"layer_norm_backward", 4, 4, {{"eps", AttrType::floating, false, 1e-5}}, [](const Metas& in, const Attributes&) {
+                   return std::vector{like(*in[1], in[1]->shape, true), like(*in[2], in[2]->shape, true),
+                                      like(*in[3], in[3]->shape, true)};
+                 }});
+  // sdpa_backward: grad, q, k, v -> (grad_q, grad_k, grad_v).
+  ops.push_back({"sdpa_backward", 4, 4, {{"causal", AttrType::boolean, false, true}}, [](const Metas& in, const Attributes&) {
+                   return std::vector{like(*in[1], in[1]->shape, true), like(*in[2], in[2]->shape, true),
+                                      like(*in[3], in[3]->shape, true)};
+                 }});
+  // slice_backward: grad of a slice -> zeros of input_shape with grad written into the slice.
+  ops.push_back({"slice_backward", 1, 1,
+                 {{"input_shape", AttrType::ints, true, {}},
+                  {"dim", AttrType::integer, true, {}},
+                  {"start", AttrType::integer, false, std::int64_t{0}},
+                  {"end", AttrType::integer, true, {}},
+                  {"step", AttrType::integer, false, std::int64_t{1}}},
+                 [](const Metas& in, const Attributes& a) {
+                   return std::vector{like(*in[0], std::get<Shape>(a.at("input_shape")), in[0]->requires_grad)};
+                 }});
   return ops;
 }
 

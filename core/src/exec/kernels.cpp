@@ -1,0 +1,194 @@
+#include "spmdx/exec/kernels.h"
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <map>
+#include <stdexcept>
+
+namespace spmdx::exec {
+namespace {
+
+using Tensors = std::vector<at::Tensor>;
+using ir::Node;
+
+Tensors one(at::Tensor t) { return {std::move(t)}; }
+
+std::int64_t wrap(std::int64_t dim, std::int64_t rank) { return dim < 0 ? dim + rank : dim; }
+
+// Python-style clamped slice bounds, as the slice op's shape inference.
+std::pair<std::int64_t, std::int64_t> slice_bounds(const Node& n, std::int64_t size) {
+  auto clamp = [&](std::int64_t i) { return std::clamp<std::int64_t>(i < 0 ? i + size : i, 0, size); };
+  const std::int64_t start = clamp(n.attr_int("start"));
+  return {start, std::max(start, clamp(n.attr_int("end")))};
+}
+
+// Attention probabilities softmax(q k^T / sqrt(d) [+ causal mask]), [b, h, s, t].
+at::Tensor attention_probs(const at::Tensor& q, const at::Tensor& k, bool causal) {
+  const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
+  at::Tensor scores = at::matmul(q, k.transpose(-1, -2)) * scale;
+  if (causal) {
+    at::Tensor mask = at::ones({q.size(-2), k.size(-2)}, q.options().dtype(at::kBool)).triu(1);
+    scores = scores.masked_fill(mask, -std::numeric_limits<double>::infinity());
+  }
+  return at::softmax(scores, -1);
+}
+
+// rms_norm(x) = x * rsqrt(mean(x^2, -1) + eps) * w  (Zhang & Sennrich 2019).
+at::Tensor rms_inv(const at::Tensor& x, double eps) { return at::rsqrt(x.pow(2).mean(-1, true) + eps); }
+
+const std::map<std::string, Kernel>& kernels() {
+  static const std::map<std::string, Kernel> table = [] {
+    std::map<std::string, Kernel> k;
+    k["add"] = [](const Node&, const Tensors& x) { return one(at::add(x[0], x[1])); };
+    k["sub"] = [](const Node&, const Tensors& x) { return one(at::sub(x[0], x[1])); };
+    k["mul"] = [](const Node&, const Tensors& x) { return one(at::mul(x[0], x[1])); };
+    k["div"] = [](const Node&, const Tensors& x) { return one(at::div(x[0], x[1])); };
+    k["neg"] = [](const Node&, const Tensors& x) { return one(at::neg(x[0])); };
+    k["exp"] = [](const Node&, const Tensors& x) { return one(at::exp(x[0])); };
+    k["log"] = [](const Node&, const Tensors& x) { return one(at::log(x[0])); };
+    k["sqrt"] = [](const Node&, const Tensors& x) { return one(at::sqrt(x[0])); };
+    k["rsqrt"] = [](const Node&, const Tensors& x) { return one(at::rsqrt(x[0])); };
+    k["sigmoid"] = [](const Node&, const Tensors& x) { return one(at::sigmoid(x[0])); };
+    k["silu"] = [](const Node&, const Tensors& x) { return one(at::silu(x[0])); };
+    k["gelu"] = [](const Node&, const Tensors& x) { return one(at::gelu(x[0])); };
+    k["relu"] = [](const Node&, const Tensors& x) { return one(at::relu(x[0])); };
+    k["add_scalar"] = [](const Node& n, const Tensors& x) { return one(at::add(x[0], n.attr_float("value"))); };
+    k["mul_scalar"] = [](const Node& n, const Tensors& x) { return one(at::mul(x[0], n.attr_float("value"))); };
+    k["pow_scalar"] = [](const Node& n, const Tensors& x) { return one(at::pow(x[0], n.attr_float("value"))); };
+    k["rdiv_scalar"] = [](const Node& n, const Tensors& x) { return one(at::reciprocal(x[0]) * n.attr_float("value")); };
+    k["clamp_max_scalar"] = [](const Node& n, const Tensors& x) { return one(at::clamp_max(x[0], n.attr_float("value"))); };
+    k["zeros_like"] = [](const Node&, const Tensors& x) { return one(at::zeros_like(x[0])); };
+    k["ones_like"] = [](const Node&, const Tensors& x) { return one(at::ones_like(x[0])); };
+    k["sum"] = [](const Node& n, const Tensors& x) {
+      const auto& dims = n.attr_ints("dims");
+      return one(dims.empty() && !n.attr_bool("keepdim") ? at::sum(x[0]) : at::sum(x[0], dims, n.attr_bool("keepdim")));
+    };
+    k["mean"] = [](const Node& n, const Tensors& x) {
+      const auto& dims = n.attr_ints("dims");
+      return one(dims.empty() && !n.attr_bool("keepdim") ? at::mean(x[0]) : at::mean(x[0], dims, n.attr_bool("keepdim")));
+    };
+    k["softmax"] = [](const Node& n, const Tensors& x) { return one(at::softmax(x[0], n.attr_int("dim"))); };
+    k["log_softmax"] = [](const Node& n, const Tensors& x) { return one(at::log_softmax(x[0], n.attr_int("dim"))); };
+    k["matmul"] = [](const Node&, const Tensors& x) { return one(at::matmul(x[0], x[1])); };
+    k["linear"] = [](const Node&, const Tensors& x) { return one(at::linear(x[0], x[1])); };
+    k["embedding"] = [](const Node&, const Tensors& x) { return one(at::embedding(x[0], x[1])); };
+    k["reshape"] = [](const Node& n, const Tensors& x) { return one(x[0].reshape(n.output()->meta().shape)); };
+    k["transpose"] = [](const Node& n, const Tensors& x) { return one(x[0].transpose(n.attr_int("dim0"), n.attr_int("dim1"))); };
+    k["permute"] = [](const Node& n, const Tensors& x) { return one(x[0].permute(n.attr_ints("dims"))); };
+    k["slice"] = [](const Node& n, const Tensors& x) {
+      const auto dim = wrap(n.attr_int("dim"), x[0].dim());
+      auto [start, end] = slice_bounds(n, x[0].size(dim));
+      return one(x[0].slice(dim, start, end, n.attr_int("step")));
+    };
+    k["cat"] = [](const Node& n, const Tensors& x) { return one(at::cat(x, n.attr_int("dim"))); };
+    k["expand"] = [](const Node& n, const Tensors& x) { return one(x[0].expand(n.attr_ints("shape"))); };
+    k["sum_to"] = [](const Node& n, const Tensors& x) { return one(at::sum_to(x[0], n.attr_ints("shape"))); };
+    k["rms_norm"] = [](const Node& n, const Tensors& x) { return one(x[0] * rms_inv(x[0], n.attr_float("eps")) * x[1]); };
+    k["layer_norm"] = [](const Node& n, const Tensors& x) {
+      return one(at::layer_norm(x[0], {x[0].size(-1)}, x[1], x[2], n.attr_float("eps")));
+    };
+    // Pairs (x[2i], x[2i+1]) rotated by the angle whose cos and sin are given, as torchtitan's
+    // apply_rotary_emb with complex freqs_cis.
+    k["rotary_embedding"] = [](const Node&, const Tensors& x) {
+      const auto b = x[0].size(0), s = x[0].size(1), h = x[0].size(2), d = x[0].size(3);
+      at::Tensor pairs = x[0].reshape({b, s, h, d / 2, 2});
+      at::Tensor re = pairs.select(-1, 0), im = pairs.select(-1, 1);
+      at::Tensor c = x[1].view({1, s, 1, d / 2}), sn = x[2].view({1, s, 1, d / 2});
+      return one(at::stack({re * c - im * sn, re * sn + im * c}, -1).reshape({b, s, h, d}));
+    };
+    k["sdpa"] = [](const Node& n, const Tensors& x) { return one(at::matmul(attention_probs(x[0], x[1], n.attr_bool("causal")), x[2])); };
+    k["cross_entropy"] = [](const Node& n, const Tensors& x) {
+      return one(at::cross_entropy_loss(x[0], x[1], {}, at::Reduction::Mean, n.attr_int("ignore_index")));
+    };
+
+    // ---- backward ops ----
+    k["relu_backward"] = [](const Node&, const Tensors& x) { return one(at::threshold_backward(x[0], x[1], 0)); };
+    k["silu_backward"] = [](const Node&, const Tensors& x) { return one(at::silu_backward(x[0], x[1])); };
+    k["gelu_backward"] = [](const Node&, const Tensors& x) { return one(at::gelu_backward(x[0], x[1])); };
+    k["softmax_backward"] = [](const Node& n, const Tensors& x) {
+      return one(at::_softmax_backward_data(x[0], x[1], n.attr_int("dim"), x[1].scalar_type()));
+    };
+    k["log_softmax_backward"] = [](const Node& n, const Tensors& x) {
+      return one(at::_log_softmax_backward_data(x[0], x[1], n.attr_int("dim"), x[1].scalar_type()));
+    };
+    k["embedding_backward"] = [](const Node& n, const Tensors& x) {
+      return one(at::embedding_dense_backward(x[0], x[1], n.attr_int("num_weights"), -1, false));
+    };
+    // d(mean CE)/d(logits) = (softmax(logits) - onehot(target)) / count, rows of ignored targets 0.
+    k["cross_entropy_backward"] = [](const Node& n, const Tensors& x) {
+      const at::Tensor& logits = x[1];
+      const at::Tensor& target = x[2];
+      at::Tensor keep = target.ne(n.attr_int("ignore_index"));
+      at::Tensor safe = at::where(keep, target, at::zeros_like(target));
+      at::Tensor grad = at::softmax(logits, -1) - at::one_hot(safe, logits.size(-1)).to(logits.scalar_type());
+      grad = grad * keep.unsqueeze(-1).to(logits.scalar_type());
+      return one(grad * (x[0] / keep.sum().to(logits.scalar_type())));
+    };
+    k["rms_norm_backward"] = [](const Node& n, const Tensors& x) {
+      const at::Tensor &g = x[0], &in = x[1], &w = x[2];
+      at::Tensor r = rms_inv(in, n.attr_float("eps"));
+      at::Tensor xhat = in * r;
+      at::Tensor gxhat = g * w;
+      at::Tensor gx = r * (gxhat - xhat * (gxhat * xhat).mean(-1, true));
+      std::vector<std::int64_t> batch_dims;
+      for (std::int64_t i = 0; i + 1 < in.dim(); ++i) batch_dims.push_back(i);
+      return Tensors{gx, (g * xhat).sum(batch_dims)};
+    };
+    k["layer_norm_backward"] = [](const Node& n, const Tensors& x) {
+      const std::vector<std::int64_t> shape{x[1].size(-1)};
+      auto [out, mean, rstd] = at::native_layer_norm(x[1], shape, x[2], x[3], n.attr_float("eps"));
+      auto [gx, gw, gb] = at::native_layer_norm_backward(x[0], x[1], shape, mean, rstd, x[2], x[3], {true, true, true});
+      return Tensors{gx, gw, gb};
+    };
+    // dV = P^T dO; dP = dO V^T; dS = P (dP - rowsum(dP P)); dQ = dS K / sqrt(d); dK = dS^T Q / sqrt(d).
+    k["sdpa_backward"] = [](const Node& n, const Tensors& x) {
+      const at::Tensor &g = x[0], &q = x[1], &kk = x[2], &v = x[3];
+      const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
+      at::Tensor p = attention_probs(q, kk, n.attr_bool("causal"));
+      at::Tensor gv = at::matmul(p.transpose(-1, -2), g);
+      at::Tensor gp = at::matmul(g, v.transpose(-1, -2));
+      at::Tensor gs = p * (gp - (gp * p).sum(-1, true));
+      return Tensors{at::matmul(gs, kk) * scale, at::matmul(gs.transpose(-1, -2), q) * scale, gv};
+    };
+    k["slice_backward"] = [](const Node& n, const Tensors& x) {
+      const auto& shape = n.attr_ints("input_shape");
+      const auto dim = wrap(n.attr_int("dim"), static_cast<std::int64_t>(shape.size()));
+      auto [start, end] = slice_bounds(n, shape[static_cast<std::size_t>(dim)]);
+      return one(at::slice_backward(x[0], shape, dim, start, end, n.attr_int("step")));
+    };
+    return k;
+  }();
+  return table;
+}
+
+}  // namespace
+
+const Kernel* find_kernel(const std::string& op) {
+  auto it = kernels().find(op);
+  return it == kernels().end() ? nullptr : &it->second;
+}
+
+at::ScalarType to_aten(ir::DType dtype) {
+  switch (dtype) {
+    case ir::DType::f32: return at::kFloat;
+    case ir::DType::f64: return at::kDouble;
+    case ir::DType::f16: return at::kHalf;
+    case ir::DType::bf16: return at::kBFloat16;
+    case ir::DType::i32: return at::kInt;
+    case ir::DType::i64: return at::kLong;
+    case ir::DType::u8: return at::kByte;
+    case ir::DType::boolean: return at::kBool;
+  }
+  return at::kFloat;
+}
+
+ir::DType from_aten(at::ScalarType type) {
+  for (auto d : {ir::DType::f32, ir::DType::f64, ir::DType::f16, ir::DType::bf16, ir::DType::i32, ir::DType::i64,
+                 ir::DType::u8, ir::DType::boolean}) {
+    if (to_aten(d) == type) return d;
+  }
+  throw std::invalid_argument(std::string("no IR dtype for ATen type ") + c10::toString(type));
+}
+
+}  // namespace spmdx::exec

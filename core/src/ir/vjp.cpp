@@ -1,0 +1,240 @@
+// VJP rules: for a forward node and the gradients of its outputs, emit IR computing the
+// gradients of its inputs (nullptr for inputs that take none, e.g. indices). The rules follow
+// PyTorch's derivatives.yaml; composite ops with a cheaper fused form (rms_norm, sdpa,
+// cross_entropy, ...) emit a dedicated backward op with its own ATen kernel.
+#include <functional>
+#include <map>
+#include <set>
+
+#include "spmdx/ir/autodiff.h"
+#include "spmdx/ir/op_registry.h"
+
+namespace spmdx::ir {
+namespace {
+
+using Shape = std::vector<std::int64_t>;
+using Grads = std::vector<Value*>;
+using Rule = std::function<Grads(Graph&, const Node&, const Grads&)>;
+
+// g reduced to the shape of x when broadcasting made it larger.
+Value* reduce_to(Graph& g, Value* grad, const Value* x) {
+  if (grad->meta().shape == x->meta().shape) return grad;
+  return g.add("sum_to", {grad}, {{"shape", x->meta().shape}});
+}
+
+Attributes float_attr(double v) { return {{"value", v}}; }
+
+const std::map<std::string, Rule>& rules() {
+  static const std::map<std::string, Rule> table = [] {
+    std::map<std::string, Rule> r;
+    r["add"] = [](Graph& g, const Node& n, const Grads& go) {
+      return Grads{reduce_to(g, go[0], n.input(0)), reduce_to(g, go[0], n.input(1))};
+    };
+    r["sub"] = [](Graph& g, const Node& n, const Grads& go) {
+      return Grads{reduce_to(g, go[0], n.input(0)), reduce_to(g, g.add("neg", {go[0]}), n.input(1))};
+    };
+    r["mul"] = [](Graph& g, const Node& n, const Grads& go) {
+      return Grads{reduce_to(g, g.add("mul", {go[0], n.input(1)}), n.input(0)),
+                   reduce_to(g, g.add("mul", {go[0], n.input(0)}), n.input(1))};
+    };
+    r["div"] = [](Graph& g, const Node& n, const Grads& go) {  // d(a/b)/db = -(a/b)/b
+      Value* ga = g.add("div", {go[0], n.input(1)});
+      Value* gb = g.add("neg", {g.add("div", {g.add("mul", {go[0], n.output()}), n.input(1)})});
+      return Grads{reduce_to(g, ga, n.input(0)), reduce_to(g, gb, n.input(1))};
+    };
+    r["neg"] = [](Graph& g, const Node&, const Grads& go) { return Grads{g.add("neg", {go[0]})}; };
+    r["exp"] = [](Graph& g, const Node& n, const Grads& go) { return Grads{g.add("mul", {go[0], n.output()})}; };
+    r["log"] = [](Graph& g, const Node& n, const Grads& go) { return Grads{g.add("div", {go[0], n.input(0)})}; };
+    r["sqrt"] = [](Graph& g, const Node& n, const Grads& go) {
+      return Grads{g.add("div", {go[0], g.add("mul_scalar", {n.output()}, float_attr(2.0))})};
+    };
+    r["rsqrt"] = [](Graph& g, const Node& n, const Grads& go) {  // d(x^-1/2) = -1/2 y^3
+      Value* y = n.output();
+      Value* y3 = g.add("mul", {y, g.add("mul", {y, y})});
+      return Grads{g.add("mul_scalar", {g.add("mul", {go[0], y3})}, float_attr(-0.5))};
+    };
+    r["sigmoid"] = [](Graph& g, const Node& n, const Grads& go) {  // y (1 - y)
+      Value* y = n.output();
+      Value* one_minus = g.add("add_scalar", {g.add("neg", {y})}, float_attr(1.0));
+      return Grads{g.add("mul", {go[0], g.add("mul", {y, one_minus})})};
+    };
+    r["relu"] = [](Graph& g, const Node& n, const Grads& go) { return Grads{g.add("relu_backward", {go[0], n.output()})}; };
+    r["silu"] = [](Graph& g, const Node& n, const Grads& go) { return Grads{g.add("silu_backward", {go[0], n.input(0)})}; };
+    r["gelu"] = [](Graph& g, const Node& n, const Grads& go) { return Grads{g.add("gelu_backward", {go[0], n.input(0)})}; };
+    r["add_scalar"] = [](Graph&, const Node&, const Grads& go) { return Grads{go[0]}; };
+    r["mul_scalar"] = [](Graph& g, const Node& n, const Grads& go) {
+      return Grads{g.add("mul_scalar", {go[0]}, float_attr(n.attr_float("value")))};
+    };
+    r["pow_scalar"] = [](Graph& g, const Node& n, const Grads& go) {  // v x^(v-1)
+      const double v = n.attr_float("value");
+      Value* d = g.add("mul_scalar", {g.add("pow_scalar", {n.input(0)}, float_attr(v - 1.0))}, float_attr(v));
+      return Grads{g.add("mul", {go[0], d})};
+    };
+    r["rdiv_scalar"] = [](Graph& g, const Node& n, const Grads& go) {  // d(v/x) = -y/x
+      return Grads{g.add("neg", {g.add("div", {g.add("mul", {go[0], n.output()}), n.input(0)})})};
+    };
+    auto reduction = [](bool mean) {
+      return [mean](Graph& g, const Node& n, const Grads& go) {
+        const Shape& x = n.input(0)->meta().shape;
+        Shape dims = n.attr_ints("dims");
+        if (dims.empty()) {
+          for (std::size_t i = 0; i < x.size(); ++i) dims.push_back(static_cast<std::int64_t>(i));
+        }
+        Shape kept = x;
+        std::int64_t count = 1;
+        for (auto d : dims) {
+          const auto w = static_cast<std::size_t>(d < 0 ? d + static_cast<std::int64_t>(x.size()) : d);
+          count *= x[w];
+          kept[w] = 1;
+        }
+        Value* grad = go[0];
+        if (grad->meta().shape != kept) grad = g.add("reshape", {grad}, {{"shape", kept}});
+        grad = g.add("expand", {grad}, {{"shape", x}});
+        if (mean) grad = g.add("mul_scalar", {grad}, float_attr(1.0 / static_cast<double>(count)));
+        return Grads{grad};
+      };
+    };
+    r["sum"] = reduction(false);
+    r["mean"] = reduction(true);
+    r["softmax"] = [](Graph& g, const Node& n, const Grads& go) {
+      return Grads{g.add("softmax_backward", {go[0], n.output()}, {{"dim", n.attr_int("dim")}})};
+    };
+    r["log_softmax"] = [](Graph& g, const Node& n, const Grads& go) {
+      return Grads{g.add("log_softmax_backward", {go[0], n.output()}, {{"dim", n.attr_int("dim")}})};
+    };
+    r["matmul"] = [](Graph& g, const Node& n, const Grads& go) {
+      Attributes last_two{{"dim0", std::int64_t{-1}}, {"dim1", std::int64_t{-2}}};
+      Value* ga = g.add("matmul", {go[0], g.add("transpose", {n.input(1)}, last_two)});
+      Value* gb = g.add("matmul", {g.add("transpose", {n.input(0)}, last_two), go[0]});
+      return Grads{reduce_to(g, ga, n.input(0)), reduce_to(g, gb, n.input(1))};
+    };
+    r["linear"] = [](Graph& g, const Node& n, const Grads& go) {  // y = x W^T
+      Value* x = n.input(0);
+      Value* w = n.input(1);
+      Value* gx = g.add("matmul", {go[0], w});
+      const std::int64_t out = w->meta().shape[0];
+      const std::int64_t in = w->meta().shape[1];
+      Value* g2 = g.add("reshape", {go[0]}, {{"shape", Shape{-1, out}}});
+      Value* x2 = g.add("reshape", {x}, {{"shape", Shape{-1, in}}});
+      Value* gw = g.add("matmul", {g.add("transpose", {g2}, {{"dim0", std::int64_t{0}}, {"dim1", std::int64_t{1}}}), x2});
+      return Grads{gx, gw};
+    };
+    r["embedding"] = [](Graph& g, const Node& n, const Grads& go) {
+      return Grads{g.add("embedding_backward", {go[0], n.input(1)}, {{"num_weights", n.input(0)->meta().shape[0]}}), nullptr};
+    };
+    r["reshape"] = [](Graph& g, const Node& n, const Grads& go) {
+      return Grads{g.add("reshape", {go[0]}, {{"shape", n.input(0)->meta().shape}})};
+    };
+    r["transpose"] = [](Graph& g, const Node& n, const Grads& go) {
+      return Grads{g.add("transpose", {go[0]}, {{"dim0", n.attr_int("dim0")}, {"dim1", n.attr_int("dim1")}})};
+    };
+    r["permute"] = [](Graph& g, const Node& n, const Grads& go) {
+      const Shape& dims = n.attr_ints("dims");
+      Shape inverse(dims.size());
+      const auto rank = static_cast<std::int64_t>(dims.size());
+      for (std::size_t i = 0; i < dims.size(); ++i) {
+        inverse[static_cast<std::size_t>(dims[i] < 0 ? dims[i] + rank : dims[i])] = static_cast<std::int64_t>(i);
+      }
+      return Grads{g.add("permute", {go[0]}, {{"dims", inverse}})};
+    };
+    r["slice"] = [](Graph& g, const Node& n, const Grads& go) {
+      Attributes a = n.attrs();
+      a["input_shape"] = n.input(0)->meta().shape;
+      return Grads{g.add("slice_backward", {go[0]}, a)};
+    };
+    r["cat"] = [](Graph& g, const Node& n, const Grads& go) {
+      Grads out;
+      std::int64_t dim = n.attr_int("dim");
+      if (dim < 0) dim += n.input(0)->meta().rank();
+      std::int64_t offset = 0;
+      for (const Value* x : n.inputs()) {
+        const std::int64_t size = x->meta().shape[static_cast<std::size_t>(dim)];
+        out.push_back(g.add("slice", {go[0]}, {{"dim", dim}, {"start", offset}, {"end", offset + size}}));
+        offset += size;
+      }
+      return out;
+    };
+    r["expand"] = [](Graph& g, const Node& n, const Grads& go) { return Grads{reduce_to(g, go[0], n.input(0))}; };
+    r["sum_to"] = [](Graph& g, const Node& n, const Grads& go) {
+      return Grads{g.add("expand", {go[0]}, {{"shape", n.input(0)->meta().shape}})};
+    };
+    r["rms_norm"] = [](Graph& g, const Node& n, const Grads& go) {
+      Node* b = g.add_node("rms_norm_backward", {go[0], n.input(0), n.input(1)}, {{"eps", n.attr_float("eps")}});
+      return Grads{b->output(0), b->output(1)};
+    };
+    r["layer_norm"] = [](Graph& g, const Node& n, const Grads& go) {
+      Node* b = g.add_node("layer_norm_backward", {go[0], n.input(0), n.input(1), n.input(2)}, {{"eps", n.attr_float("eps")}});
+      return Grads{b->output(0), b->output(1), b->output(2)};
+    };
+    r["rotary_embedding"] = [](Graph& g, const Node& n, const Grads& go) {  // the inverse rotation
+      return Grads{g.add("rotary_embedding", {go[0], n.input(1), g.add("neg", {n.input(2)})}), nullptr, nullptr};
+    };
+    r["sdpa"] = [](Graph& g, const Node& n, const Grads& go) {
+      Node* b = g.add_node("sdpa_backward", {go[0], n.input(0), n.input(1), n.input(2)}, {{"causal", n.attr_bool("causal")}});
+      return Grads{b->output(0), b->output(1), b->output(2)};
+    };
+    r["cross_entropy"] = [](Graph& g, const Node& n, const Grads& go) {
+      return Grads{g.add("cross_entropy_backward", {go[0], n.input(0), n.input(1)}, {{"ignore_index", n.attr_int("ignore_index")}}),
+                   nullptr};
+    };
+    return r;
+  }();
+  return table;
+}
+
+}  // namespace
+
+bool has_vjp(const std::string& op) { return rules().count(op) > 0; }
+
+std::vector<Value*> gradients(Graph& graph, Value* loss, const std::vector<Value*>& wrt) {
+  if (!loss->meta().shape.empty() || !is_floating(loss->meta().dtype)) {
+    throw IrError("gradients: the loss " + loss->ref() + " must be a floating scalar, it is " + loss->meta().str());
+  }
+  // Nodes on a path from wrt to loss: forward-reachable from wrt and backward-reachable from loss.
+  std::set<const Value*> from_wrt(wrt.begin(), wrt.end());
+  std::vector<Node*> forward;
+  for (const auto& node : graph.nodes()) {
+    bool reached = false;
+    for (const Value* v : node->inputs()) reached = reached || from_wrt.count(v);
+    if (!reached) continue;
+    for (const Value* v : node->outputs()) from_wrt.insert(v);
+    forward.push_back(node.get());
+  }
+  std::map<const Value*, Value*> grad;
+  grad[loss] = graph.add("ones_like", {loss});
+  auto accumulate = [&](const Value* x, Value* g) {
+    auto [it, inserted] = grad.emplace(x, g);
+    if (!inserted) it->second = graph.add("add", {it->second, g});
+  };
+  for (auto it = forward.rbegin(); it != forward.rend(); ++it) {
+    const Node& node = **it;
+    Grads go;
+    bool any = false;
+    for (const Value* out : node.outputs()) {
+      auto found = grad.find(out);
+      go.push_back(found == grad.end() ? nullptr : found->second);
+      any = any || found != grad.end();
+    }
+    if (!any) continue;
+    for (std::size_t i = 0; i < go.size(); ++i) {
+      if (go[i] == nullptr) go[i] = graph.add("zeros_like", {node.outputs()[i]});
+    }
+    auto rule = rules().find(node.op());
+    if (rule == rules().end()) {
+      throw IrError("gradients: node %" + std::to_string(node.id()) + " (" + node.op() +
+                    ") lies between the parameters and the loss but the op has no VJP rule");
+    }
+    Grads gi = rule->second(graph, node, go);
+    for (std::size_t i = 0; i < gi.size() && i < node.inputs().size(); ++i) {
+      if (gi[i] != nullptr && from_wrt.count(node.inputs()[i])) accumulate(node.inputs()[i], gi[i]);
+    }
+  }
+  std::vector<Value*> out;
+  for (Value* x : wrt) {
+    auto found = grad.find(x);
+    out.push_back(found != grad.end() ? found->second : graph.add("zeros_like", {x}));
+  }
+  return out;
+}
+
+}  // namespace spmdx::ir
