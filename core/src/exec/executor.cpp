@@ -2,6 +2,7 @@
 
 #include <c10/core/InferenceMode.h>
 
+#include <chrono>
 #include <stdexcept>
 #include <unordered_map>
 
@@ -48,10 +49,14 @@ TensorMap Executor::run(const TensorMap& inputs) {
     args.clear();
     for (const ir::Value* v : node->inputs()) args.push_back(live.at(v));
     std::vector<at::Tensor> out;
+    const auto start = profiling_ ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};
     try {
       out = (*kernels_[index])(*node, args);
     } catch (const std::exception& e) {
       throw std::runtime_error("node %" + std::to_string(node->id()) + " (" + node->op() + ") failed: " + e.what());
+    }
+    if (profiling_) {
+      op_seconds_[node->op()] += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     }
     for (std::size_t i = 0; i < out.size(); ++i) {
       held += static_cast<std::int64_t>(out[i].nbytes());

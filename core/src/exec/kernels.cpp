@@ -57,6 +57,7 @@ const std::map<std::string, Kernel>& kernels() {
     k["mul_scalar"] = [](const Node& n, const Tensors& x) { return one(at::mul(x[0], n.attr_float("value"))); };
     k["pow_scalar"] = [](const Node& n, const Tensors& x) { return one(at::pow(x[0], n.attr_float("value"))); };
     k["rdiv_scalar"] = [](const Node& n, const Tensors& x) { return one(at::reciprocal(x[0]) * n.attr_float("value")); };
+    k["rpow_scalar"] = [](const Node& n, const Tensors& x) { return one(at::pow(n.attr_float("value"), x[0])); };
     k["clamp_max_scalar"] = [](const Node& n, const Tensors& x) { return one(at::clamp_max(x[0], n.attr_float("value"))); };
     k["zeros_like"] = [](const Node&, const Tensors& x) { return one(at::zeros_like(x[0])); };
     k["ones_like"] = [](const Node&, const Tensors& x) { return one(at::ones_like(x[0])); };

@@ -292,7 +292,8 @@ std::vector<OpSchema> builtin_ops() {
                  }});
 
   // ---- Ops that gradients and the optimizer need ----
-  for (const char* n : {"rdiv_scalar", "clamp_max_scalar"}) ops.push_back(scalar(n));  // value / x, min(x, value)
+  // value / x, min(x, value), value ** x
+  for (const char* n : {"rdiv_scalar", "clamp_max_scalar", "rpow_scalar"}) ops.push_back(scalar(n));
   for (const char* n : {"zeros_like", "ones_like"}) ops.push_back(unary(n, false));
   // expand: broadcast to `shape` (as torch.Tensor.expand); sum_to: the reverse, summing the
   // broadcast dims away (as at::sum_to).

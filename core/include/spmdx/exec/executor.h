@@ -32,11 +32,18 @@ class Executor {
   /// counts as its own size), in bytes.
   std::int64_t peak_bytes() const noexcept { return peak_bytes_; }
 
+  /// When on, run() adds each node's kernel time to op_seconds(), keyed by op (seconds of
+  /// wall time on the calling thread, summed over runs).
+  void set_profiling(bool on) { profiling_ = on; }
+  const std::map<std::string, double>& op_seconds() const noexcept { return op_seconds_; }
+
  private:
   const ir::Graph& graph_;
   std::vector<const Kernel*> kernels_;               // per node, in order
   std::vector<std::vector<const ir::Value*>> dead_;  // per node: values whose last use it is
   std::int64_t peak_bytes_ = 0;
+  bool profiling_ = false;
+  std::map<std::string, double> op_seconds_;
 };
 
 }  // namespace spmdx::exec

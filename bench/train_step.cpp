@@ -1,0 +1,109 @@
+// One-rank step time: the static train-step graph on the Executor vs the eager LibTorch peer
+// (same model, init, batches and schedule), measured in the same process, interleaved step by
+// step so that machine noise hits both alike. Prints one row per model and the ratio
+// eager/static (> 1: static is faster).
+//
+//   build/bin/bench_train_step [--steps N] [--models llama:tiny:8:64,llama:debugmodel:2:256]
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Parallel.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "eager_trainer.h"
+#include "spmdx/exec/trainer.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct Case {
+  std::string model, flavor;
+  std::int64_t batch = 0, seq = 0;
+};
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+void run(const Case& c, int steps) {
+  constexpr std::int64_t kVocab = 256;
+  constexpr double kLr = 8e-4;
+  using namespace spmdx;
+  const auto args = models::model_args(c.model, c.flavor, kVocab);
+  models::Model model = models::build_model(args, c.batch, c.seq);
+  exec::TensorMap init = exec::init_tensors(model, 42);
+  train::TrainStepConfig config;
+  test::EagerTrainer eager(args, config, init, kLr);
+  exec::Trainer trainer(std::move(model), config, init);
+  trainer.executor().set_profiling(std::getenv("SPMDX_BENCH_PROFILE") != nullptr);
+  at::Generator data = at::make_generator<at::CPUGeneratorImpl>(7);
+  std::vector<double> t_static, t_eager;
+  double loss_static = 0, loss_eager = 0;
+  const int warmup = 2;
+  for (int step = 1; step <= warmup + steps; ++step) {
+    at::Tensor seq = at::randint(0, kVocab, {c.batch, c.seq + 1}, data, at::TensorOptions().dtype(at::kLong));
+    at::Tensor tokens = seq.slice(1, 0, c.seq).contiguous(), labels = seq.slice(1, 1, c.seq + 1).contiguous();
+    const double lr = kLr * train::lr_factor(step, 2, warmup + steps);
+    auto t0 = Clock::now();
+    loss_static = trainer.step(step, lr, tokens, labels).loss;
+    auto t1 = Clock::now();
+    loss_eager = eager.step(lr, tokens, labels);
+    auto t2 = Clock::now();
+    if (step > warmup) {
+      t_static.push_back(std::chrono::duration<double, std::milli>(t1 - t0).count());
+      t_eager.push_back(std::chrono::duration<double, std::milli>(t2 - t1).count());
+    }
+  }
+  const double s = median(t_static), e = median(t_eager);
+  if (std::getenv("SPMDX_BENCH_PROFILE")) {
+    std::vector<std::pair<double, std::string>> ops;
+    for (const auto& [op, sec] : trainer.executor().op_seconds()) ops.emplace_back(sec, op);
+    std::sort(ops.rbegin(), ops.rend());
+    for (const auto& [sec, op] : ops) std::fprintf(stderr, "  %-24s %8.2f ms/step\n", op.c_str(), sec * 1e3 / (warmup + steps));
+  }
+  std::printf("%-6s %-11s %5lld x %-5lld %10.2f %10.2f %8.2fx %12.6f %12.6f %10.1f\n", c.model.c_str(), c.flavor.c_str(),
+              static_cast<long long>(c.batch), static_cast<long long>(c.seq), s, e, e / s, loss_static, loss_eager,
+              static_cast<double>(trainer.peak_bytes()) / (1 << 20));
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int steps = 10;
+  std::string spec = "mlp:tiny:8:64,llama:tiny:8:64,llama:debugmodel:2:256";
+  for (int i = 1; i < argc; ++i) {
+    if (!std::strcmp(argv[i], "--steps") && i + 1 < argc) steps = std::atoi(argv[++i]);
+    else if (!std::strcmp(argv[i], "--models") && i + 1 < argc) spec = argv[++i];
+    else {
+      std::fprintf(stderr, "usage: %s [--steps N] [--models name:flavor:batch:seq,...]\n", argv[0]);
+      return 2;
+    }
+  }
+  std::printf("static train-step graph vs eager LibTorch (autograd + torch::optim::AdamW), %d timed steps, %d threads\n",
+              steps, at::get_num_threads());
+  std::printf("%-6s %-11s %13s %10s %10s %9s %12s %12s %10s\n", "model", "flavor", "batch x seq", "static ms", "eager ms",
+              "speedup", "loss static", "loss eager", "peak MiB");
+  std::stringstream list(spec);
+  std::string item;
+  while (std::getline(list, item, ',')) {
+    Case c;
+    std::stringstream fields(item);
+    std::string b, s;
+    std::getline(fields, c.model, ':');
+    std::getline(fields, c.flavor, ':');
+    std::getline(fields, b, ':');
+    std::getline(fields, s, ':');
+    c.batch = std::stoll(b);
+    c.seq = std::stoll(s);
+    run(c, steps);
+  }
+  return 0;
+}

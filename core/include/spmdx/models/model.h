@@ -1,0 +1,62 @@
+// Models as forward graphs: `mlp` and `llama` (Llama 3 as torchtitan's llama3 model), each with
+// flavors. Building needs no LibTorch; the parameter values come from init_tensors()
+// (spmdx/exec/init.h) following each parameter's InitSpec.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "spmdx/ir/graph.h"
+
+namespace spmdx::models {
+
+/// How a graph input is filled before the first step.
+struct InitSpec {
+  enum class Kind {
+    normal,    ///< N(0, std^2), from the seeded generator in declaration order
+    ones,
+    zeros,
+    rope_cos,  ///< cos(t * theta^(-2i/head_dim)), [seq_len, head_dim/2], as torchtitan's precompute_freqs_cis
+    rope_sin,
+  };
+  std::string name;
+  std::vector<std::int64_t> shape;
+  Kind kind = Kind::normal;
+  double std = 0.02;
+  double rope_theta = 0.0;  ///< rope tables only
+  bool trainable = true;    ///< false for buffers (rope tables)
+};
+
+struct ModelArgs {
+  std::string name;    ///< "mlp" or "llama"
+  std::string flavor;  ///< "tiny", "debugmodel"
+  std::int64_t vocab_size = 256;
+  std::int64_t dim = 64;
+  std::int64_t n_layers = 2;
+  std::int64_t n_heads = 4;
+  std::int64_t ffn_hidden = 192;
+  double rope_theta = 500000.0;
+  double norm_eps = 1e-5;
+};
+
+/// The flavors: llama `debugmodel` (torchtitan's: dim 256, 6 layers, 16 heads, FFN 768,
+/// rope_theta 500000) and `tiny` (dim 64, 2 layers, 4 heads, FFN 192); mlp `tiny` (dim 64,
+/// FFN 192) and `debugmodel` (dim 256, FFN 768). Throws std::invalid_argument naming the
+/// model or flavor and listing the known ones.
+ModelArgs model_args(const std::string& name, const std::string& flavor, std::int64_t vocab_size);
+
+/// A forward graph: inputs are "tokens" and "labels" (i64[batch, seq_len], labels = tokens
+/// shifted by one) then the parameters and buffers in init order; the output "loss" (f32[],
+/// mean cross entropy over all tokens).
+struct Model {
+  ModelArgs args;
+  ir::Graph graph;
+  std::vector<InitSpec> init;          ///< every parameter and buffer, in declaration order
+  std::vector<std::string> params;     ///< trainable names, in declaration order
+};
+
+/// Builds the forward graph for a batch of [batch, seq_len] tokens.
+Model build_model(const ModelArgs& args, std::int64_t batch, std::int64_t seq_len, ir::DType dtype = ir::DType::f32);
+
+}  // namespace spmdx::models

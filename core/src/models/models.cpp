@@ -1,0 +1,125 @@
+#include <cmath>
+#include <stdexcept>
+
+#include "spmdx/ir/builder.h"
+#include "spmdx/models/model.h"
+
+namespace spmdx::models {
+namespace {
+
+using Shape = std::vector<std::int64_t>;
+using ir::Value;
+
+class Builder {
+ public:
+  Builder(Model& m, ir::DType dtype) : m_(m), b_(m.graph, dtype) {}
+
+  Value* param(const std::string& name, Shape shape, InitSpec::Kind kind, double std = 0.0) {
+    m_.init.push_back({name, shape, kind, std, 0.0, true});
+    m_.params.push_back(name);
+    return b_.param(name, std::move(shape));
+  }
+  Value* buffer(const std::string& name, Shape shape, InitSpec::Kind kind, double theta) {
+    m_.init.push_back({name, shape, kind, 0.0, theta, false});
+    return b_.input(name, std::move(shape), b_.dtype());
+  }
+  ir::GraphBuilder& b() { return b_; }
+
+ private:
+  Model& m_;
+  ir::GraphBuilder b_;
+};
+
+Value* loss_of(ir::GraphBuilder& b, Value* logits, Value* labels, std::int64_t vocab) {
+  return b.cross_entropy(b.reshape(logits, {-1, vocab}), b.reshape(labels, {-1}));
+}
+
+// tokens -> embedding -> relu(linear) -> linear -> logits.
+void build_mlp(Model& m, Builder& mb, Value* tokens, Value* labels) {
+  const auto& a = m.args;
+  auto& b = mb.b();
+  Value* emb = mb.param("tok_embeddings.weight", {a.vocab_size, a.dim}, InitSpec::Kind::normal, 1.0);
+  Value* w1 = mb.param("w1.weight", {a.ffn_hidden, a.dim}, InitSpec::Kind::normal, 0.02);
+  Value* w2 = mb.param("output.weight", {a.vocab_size, a.ffn_hidden}, InitSpec::Kind::normal, 0.02);
+  Value* h = b.relu(b.linear(b.embedding(emb, tokens), w1));
+  m.graph.add_output("loss", loss_of(b, b.linear(h, w2), labels, a.vocab_size));
+}
+
+// Llama 3 as torchtitan's llama3 model: pre-norm RMSNorm blocks, rotary attention (causal),
+// SwiGLU feed-forward; parameter names and init as torchtitan's init_weights (depth-scaled std
+// for wo, w2, w3).
+void build_llama(Model& m, Builder& mb, Value* tokens, Value* labels, std::int64_t batch, std::int64_t seq) {
+  const auto& a = m.args;
+  auto& b = mb.b();
+  const std::int64_t hd = a.dim / a.n_heads;
+  using K = InitSpec::Kind;
+  Value* h = b.embedding(mb.param("tok_embeddings.weight", {a.vocab_size, a.dim}, K::normal, 1.0), tokens);
+  Value* cos = mb.buffer("rope.cos", {seq, hd / 2}, K::rope_cos, a.rope_theta);
+  Value* sin = mb.buffer("rope.sin", {seq, hd / 2}, K::rope_sin, a.rope_theta);
+  for (std::int64_t l = 0; l < a.n_layers; ++l) {
+    const std::string p = "layers." + std::to_string(l) + ".";
+    const double depth_std = 0.02 / std::sqrt(2.0 * static_cast<double>(l + 1));
+    Value* x = b.rms_norm(h, mb.param(p + "attention_norm.weight", {a.dim}, K::ones), a.norm_eps);
+    auto heads = [&](const std::string& w, double std) {
+      return b.reshape(b.linear(x, mb.param(p + "attention." + w + ".weight", {a.dim, a.dim}, K::normal, std)),
+                       {batch, seq, a.n_heads, hd});
+    };
+    Value* q = b.transpose(b.rotary(heads("wq", 0.02), cos, sin), 1, 2);
+    Value* k = b.transpose(b.rotary(heads("wk", 0.02), cos, sin), 1, 2);
+    Value* v = b.transpose(heads("wv", 0.02), 1, 2);
+    Value* o = b.reshape(b.transpose(b.causal_attention(q, k, v), 1, 2), {batch, seq, a.dim});
+    h = b.add(h, b.linear(o, mb.param(p + "attention.wo.weight", {a.dim, a.dim}, K::normal, depth_std)));
+    Value* y = b.rms_norm(h, mb.param(p + "ffn_norm.weight", {a.dim}, K::ones), a.norm_eps);
+    Value* w1 = mb.param(p + "feed_forward.w1.weight", {a.ffn_hidden, a.dim}, K::normal, 0.02);
+    Value* w2 = mb.param(p + "feed_forward.w2.weight", {a.dim, a.ffn_hidden}, K::normal, depth_std);
+    Value* w3 = mb.param(p + "feed_forward.w3.weight", {a.ffn_hidden, a.dim}, K::normal, depth_std);
+    h = b.add(h, b.linear(b.mul(b.silu(b.linear(y, w1)), b.linear(y, w3)), w2));
+  }
+  h = b.rms_norm(h, mb.param("norm.weight", {a.dim}, K::ones), a.norm_eps);
+  Value* logits = b.linear(h, mb.param("output.weight", {a.vocab_size, a.dim}, K::normal, 1.0 / std::sqrt(static_cast<double>(a.dim))));
+  m.graph.add_output("loss", loss_of(b, logits, labels, a.vocab_size));
+}
+
+}  // namespace
+
+ModelArgs model_args(const std::string& name, const std::string& flavor, std::int64_t vocab_size) {
+  ModelArgs a;
+  a.name = name;
+  a.flavor = flavor;
+  a.vocab_size = vocab_size;
+  if (name != "mlp" && name != "llama") {
+    throw std::invalid_argument("unknown model '" + name + "'; known models: mlp, llama");
+  }
+  if (flavor == "tiny") {
+    a.dim = 64, a.n_layers = 2, a.n_heads = 4, a.ffn_hidden = 192;
+  } else if (flavor == "debugmodel") {
+    a.dim = 256, a.n_layers = 6, a.n_heads = 16, a.ffn_hidden = 768;
+  } else {
+    throw std::invalid_argument("unknown flavor '" + flavor + "' of model '" + name + "'; known flavors: tiny, debugmodel");
+  }
+  if (vocab_size <= 0) throw std::invalid_argument("vocab_size must be positive, got " + std::to_string(vocab_size));
+  return a;
+}
+
+Model build_model(const ModelArgs& args, std::int64_t batch, std::int64_t seq_len, ir::DType dtype) {
+  if (batch <= 0 || seq_len <= 0) {
+    throw std::invalid_argument("batch and seq_len must be positive, got " + std::to_string(batch) + " x " + std::to_string(seq_len));
+  }
+  if (args.dim % args.n_heads != 0 || (args.dim / args.n_heads) % 2 != 0) {
+    throw std::invalid_argument("dim " + std::to_string(args.dim) + " must split into " + std::to_string(args.n_heads) +
+                                " heads of even size");
+  }
+  Model m;
+  m.args = args;
+  Builder mb(m, dtype);
+  Value* tokens = mb.b().input("tokens", {batch, seq_len}, ir::DType::i64);
+  Value* labels = mb.b().input("labels", {batch, seq_len}, ir::DType::i64);
+  if (args.name == "mlp") {
+    build_mlp(m, mb, tokens, labels);
+  } else {
+    build_llama(m, mb, tokens, labels, batch, seq_len);
+  }
+  return m;
+}
+
+}  // namespace spmdx::models

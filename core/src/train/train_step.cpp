@@ -1,0 +1,85 @@
+#include "spmdx/train/train_step.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "spmdx/ir/autodiff.h"
+
+namespace spmdx::train {
+
+using ir::Value;
+
+std::vector<std::string> train_state_names(const std::vector<std::string>& params) {
+  std::vector<std::string> names = params;
+  for (const auto& p : params) names.push_back("exp_avg." + p);
+  for (const auto& p : params) names.push_back("exp_avg_sq." + p);
+  return names;
+}
+
+void append_train_step(ir::Graph& g, const std::vector<std::string>& params, const TrainStepConfig& config) {
+  Value* loss = g.find_output("loss");
+  if (loss == nullptr) throw ir::IrError("append_train_step: the forward graph has no output named 'loss'");
+  std::vector<Value*> weights;
+  for (const auto& name : params) {
+    Value* w = g.find_input(name);
+    if (w == nullptr) throw ir::IrError("append_train_step: parameter '" + name + "' is not an input of the graph");
+    weights.push_back(w);
+  }
+  const ir::TensorMeta scalar{{}, loss->meta().dtype, loss->meta().device, false};
+  auto attr = [](double v) { return ir::Attributes{{"value", v}}; };
+  std::vector<Value*> grads = ir::gradients(g, loss, weights);
+
+  // Global L2 norm of all gradients, then the clip coefficient.
+  Value* sq = nullptr;
+  for (Value* gr : grads) {
+    Value* s = g.add("sum", {g.add("mul", {gr, gr})});
+    sq = sq == nullptr ? s : g.add("add", {sq, s});
+  }
+  Value* norm = g.add("sqrt", {sq});
+  g.add_output("grad_norm", norm);
+  if (config.max_norm > 0) {
+    Value* coef = g.add("clamp_max_scalar", {g.add("rdiv_scalar", {g.add("add_scalar", {norm}, attr(1e-6))}, attr(config.max_norm))},
+                        attr(1.0));
+    for (Value*& gr : grads) gr = g.add("mul", {gr, coef});
+  }
+
+  // AdamW, step by step as torch.optim.AdamW's single-tensor path.
+  const AdamWConfig& o = config.adamw;
+  Value* lr = g.add_input("lr", scalar);
+  Value* step = g.add_input("step", scalar);
+  Value* bc1 = g.add("add_scalar", {g.add("neg", {g.add("rpow_scalar", {step}, attr(o.beta1))})}, attr(1.0));
+  Value* bc2 = g.add("add_scalar", {g.add("neg", {g.add("rpow_scalar", {step}, attr(o.beta2))})}, attr(1.0));
+  Value* decay = g.add("add_scalar", {g.add("mul_scalar", {lr}, attr(-o.weight_decay))}, attr(1.0));  // 1 - lr wd
+  Value* step_size = g.add("div", {lr, bc1});
+  Value* bc2_sqrt = g.add("sqrt", {bc2});
+  std::vector<std::pair<std::string, Value*>> next;
+  std::vector<std::pair<std::string, Value*>> next_m, next_v;
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    const ir::TensorMeta state{weights[i]->meta().shape, weights[i]->meta().dtype, weights[i]->meta().device, false};
+    Value* m = g.add_input("exp_avg." + params[i], state);
+    Value* v = g.add_input("exp_avg_sq." + params[i], state);
+    Value* gr = grads[i];
+    Value* p1 = g.add("mul", {weights[i], decay});
+    Value* m1 = g.add("add", {g.add("mul_scalar", {m}, attr(o.beta1)), g.add("mul_scalar", {gr}, attr(1.0 - o.beta1))});
+    Value* v1 = g.add("add", {g.add("mul_scalar", {v}, attr(o.beta2)), g.add("mul_scalar", {g.add("mul", {gr, gr})}, attr(1.0 - o.beta2))});
+    Value* denom = g.add("add_scalar", {g.add("div", {g.add("sqrt", {v1}), bc2_sqrt})}, attr(o.eps));
+    Value* p2 = g.add("sub", {p1, g.add("mul", {g.add("div", {m1, denom}), step_size})});
+    next.emplace_back(params[i], p2);
+    next_m.emplace_back("exp_avg." + params[i], m1);
+    next_v.emplace_back("exp_avg_sq." + params[i], v1);
+  }
+  for (const auto* group : {&next, &next_m, &next_v}) {
+    for (const auto& [name, value] : *group) g.add_output("next." + name, value);
+  }
+}
+
+double lr_factor(std::int64_t step, std::int64_t warmup_steps, std::int64_t total_steps, double lr_min) {
+  // torchtitan's linear_warmup_linear_decay: LambdaLR counts from 0.
+  const std::int64_t current = step - 1;
+  if (current < warmup_steps) return static_cast<double>(current + 1) / static_cast<double>(warmup_steps + 1);
+  const double decay_steps = static_cast<double>(std::max<std::int64_t>(1, total_steps - warmup_steps));
+  const double adjustment = 1.0 - static_cast<double>(current - warmup_steps) / decay_steps;
+  return lr_min + (1.0 - lr_min) * adjustment;
+}
+
+}  // namespace spmdx::train
