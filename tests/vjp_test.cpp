@@ -71,7 +71,7 @@ std::vector<OpCase> cases() {
       {"layer_norm", "layer_norm", {{{2, 3, 8}}, {{8}}, {{8}}}, {}},
       {"rotary_embedding", "rotary_embedding", {{{2, 4, 3, 8}}, {{4, 4}, Fill::constant}, {{4, 4}, Fill::constant}}, {}},
       {"sdpa_causal", "sdpa", {{{2, 2, 5, 4}}, {{2, 2, 5, 4}}, {{2, 2, 5, 4}}}, {{"causal", true}}},
-      {"sdpa_full", "sdpa", {{{2, 2, 5, 4}}, {{2, 2, 6, 4}}, {{2, 2, 6, 3}}}, {{"causal", false}}},
+      {"sdpa_full", "sdpa", {{{2, 2, 5, 4}}, {{2, 2, 6, 4}}, {{2, 2, 6, 4}}}, {{"causal", false}}},
       {"cross_entropy", "cross_entropy", {{{6, 5}}, {{6}, Fill::indices}}, {{"ignore_index", std::int64_t{2}}}},
   };
 }

@@ -23,17 +23,6 @@ std::pair<std::int64_t, std::int64_t> slice_bounds(const Node& n, std::int64_t s
   return {start, std::max(start, clamp(n.attr_int("end")))};
 }
 
-// Attention probabilities softmax(q k^T / sqrt(d) [+ causal mask]), [b, h, s, t].
-at::Tensor attention_probs(const at::Tensor& q, const at::Tensor& k, bool causal) {
-  const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
-  at::Tensor scores = at::matmul(q, k.transpose(-1, -2)) * scale;
-  if (causal) {
-    at::Tensor mask = at::ones({q.size(-2), k.size(-2)}, q.options().dtype(at::kBool)).triu(1);
-    scores = scores.masked_fill(mask, -std::numeric_limits<double>::infinity());
-  }
-  return at::softmax(scores, -1);
-}
-
 // rms_norm(x) = x * rsqrt(mean(x^2, -1) + eps) * w  (Zhang & Sennrich 2019).
 at::Tensor rms_inv(const at::Tensor& x, double eps) { return at::rsqrt(x.pow(2).mean(-1, true) + eps); }
 
@@ -98,7 +87,11 @@ const std::map<std::string, Kernel>& kernels() {
       at::Tensor c = x[1].view({1, s, 1, d / 2}), sn = x[2].view({1, s, 1, d / 2});
       return one(at::stack({re * c - im * sn, re * sn + im * c}, -1).reshape({b, s, h, d}));
     };
-    k["sdpa"] = [](const Node& n, const Tensors& x) { return one(at::matmul(attention_probs(x[0], x[1], n.attr_bool("causal")), x[2])); };
+    // ATen's fused CPU attention (FlashAttention's tiling, Dao et al. 2022): no [s, t] matrix kept.
+    k["sdpa"] = [](const Node& n, const Tensors& x) {
+      auto [out, lse] = at::_scaled_dot_product_flash_attention_for_cpu(x[0], x[1], x[2], 0.0, n.attr_bool("causal"));
+      return Tensors{out, lse};
+    };
     k["cross_entropy"] = [](const Node& n, const Tensors& x) {
       return one(at::cross_entropy_loss(x[0], x[1], {}, at::Reduction::Mean, n.attr_int("ignore_index")));
     };
@@ -142,15 +135,24 @@ const std::map<std::string, Kernel>& kernels() {
       auto [gx, gw, gb] = at::native_layer_norm_backward(x[0], x[1], shape, mean, rstd, x[2], x[3], {true, true, true});
       return Tensors{gx, gw, gb};
     };
-    // dV = P^T dO; dP = dO V^T; dS = P (dP - rowsum(dP P)); dQ = dS K / sqrt(d); dK = dS^T Q / sqrt(d).
     k["sdpa_backward"] = [](const Node& n, const Tensors& x) {
-      const at::Tensor &g = x[0], &q = x[1], &kk = x[2], &v = x[3];
-      const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
-      at::Tensor p = attention_probs(q, kk, n.attr_bool("causal"));
-      at::Tensor gv = at::matmul(p.transpose(-1, -2), g);
-      at::Tensor gp = at::matmul(g, v.transpose(-1, -2));
-      at::Tensor gs = p * (gp - (gp * p).sum(-1, true));
-      return Tensors{at::matmul(gs, kk) * scale, at::matmul(gs.transpose(-1, -2), q) * scale, gv};
+      auto [gq, gk, gv] = at::_scaled_dot_product_flash_attention_for_cpu_backward(x[0], x[1], x[2], x[3], x[4], x[5], 0.0,
+                                                                                  n.attr_bool("causal"));
+      return Tensors{gq, gk, gv};
+    };
+    // As torch.optim.AdamW (foreach=False): decoupled decay, bias corrections in double.
+    k["adamw"] = [](const Node& n, const Tensors& x) {
+      const double lr = x[4].item<double>(), step = x[5].item<double>();
+      const double b1 = n.attr_float("beta1"), b2 = n.attr_float("beta2");
+      const double bc1 = 1.0 - std::pow(b1, step), bc2 = 1.0 - std::pow(b2, step);
+      at::Tensor param = x[0] * (1.0 - lr * n.attr_float("weight_decay"));
+      at::Tensor exp_avg = x[2] * b1;
+      exp_avg.add_(x[1], 1.0 - b1);
+      at::Tensor exp_avg_sq = x[3] * b2;
+      exp_avg_sq.addcmul_(x[1], x[1], 1.0 - b2);
+      at::Tensor denom = (exp_avg_sq.sqrt() / std::sqrt(bc2)).add_(n.attr_float("eps"));
+      param.addcdiv_(exp_avg, denom, -lr / bc1);
+      return Tensors{param, exp_avg, exp_avg_sq};
     };
     k["slice_backward"] = [](const Node& n, const Tensors& x) {
       const auto& shape = n.attr_ints("input_shape");

@@ -267,18 +267,20 @@ std::vector<OpSchema> builtin_ops() {
                    if (in[1]->shape != want || in[2]->shape != want) fail("cos and sin must be " + shape_str(want));
                    return std::vector{like(*in[0], x, in[0]->requires_grad)};
                  }});
-  // Scaled dot-product attention: q[b, h, s, d], k[b, h, t, d], v[b, h, t, e] -> [b, h, s, e],
-  // softmax(q k^T / sqrt(d)) v, causal mask optional (as torch's scaled_dot_product_attention).
+  // Scaled dot-product attention: q[b, h, s, d], k and v [b, h, t, d] -> out [b, h, s, d] =
+  // softmax(q k^T / sqrt(d) [+ causal mask, top-left aligned]) v, and its row logsumexp
+  // [b, h, s] for the backward pass (as torch's flash attention; f32 for f16/bf16 inputs).
   ops.push_back({"sdpa", 3, 3, {{"causal", AttrType::boolean, false, true}}, [](const Metas& in, const Attributes&) {
                    same_dtype(in);
+                   floating(*in[0], "q");
                    const Shape& q = in[0]->shape;
                    const Shape& k = in[1]->shape;
                    const Shape& v = in[2]->shape;
-                   if (q.size() != 4 || k.size() != 4 || v.size() != 4) fail("q, k, v must be [batch, heads, seq, head_dim]");
-                   if (q[0] != k[0] || q[1] != k[1] || q[3] != k[3] || k[0] != v[0] || k[1] != v[1] || k[2] != v[2]) {
-                     fail("q, k, v do not agree on batch, heads, key length or head_dim");
-                   }
-                   return std::vector{like(*in[0], Shape{q[0], q[1], q[2], v[3]}, any_requires_grad(in))};
+                   if (q.size() != 4 || k != v || k.size() != 4) fail("q must be [batch, heads, seq, head_dim], k and v the same [batch, heads, kv_seq, head_dim]");
+                   if (q[0] != k[0] || q[1] != k[1] || q[3] != k[3]) fail("q and k do not agree on batch, heads or head_dim");
+                   TensorMeta lse = like(*in[0], Shape{q[0], q[1], q[2]}, false);
+                   if (lse.dtype == DType::f16 || lse.dtype == DType::bf16) lse.dtype = DType::f32;
+                   return std::vector{like(*in[0], q, any_requires_grad(in)), lse};
                  }});
   // cross_entropy: logits[n, c], targets (i64)[n] -> scalar mean over targets != ignore_index.
   ops.push_back({"cross_entropy", 2, 2, {{"ignore_index", AttrType::integer, false, std::int64_t{-100}}},
@@ -339,10 +341,27 @@ std::vector<OpSchema> builtin_ops() {
                    return std::vector{like(*in[1], in[1]->shape, true), like(*in[2], in[2]->shape, true),
                                       like(*in[3], in[3]->shape, true)};
                  }});
-  // sdpa_backward: grad, q, k, v -> (grad_q, grad_k, grad_v).
-  ops.push_back({"sdpa_backward", 4, 4, {{"causal", AttrType::boolean, false, true}}, [](const Metas& in, const Attributes&) {
+  // sdpa_backward: grad, q, k, v, out, logsumexp -> (grad_q, grad_k, grad_v).
+  ops.push_back({"sdpa_backward", 6, 6, {{"causal", AttrType::boolean, false, true}}, [](const Metas& in, const Attributes&) {
                    return std::vector{like(*in[1], in[1]->shape, true), like(*in[2], in[2]->shape, true),
                                       like(*in[3], in[3]->shape, true)};
+                 }});
+  // adamw: one AdamW update of one parameter (Loshchilov & Hutter 2019, as torch.optim.AdamW's
+  // single-tensor path): (param, grad, exp_avg, exp_avg_sq, lr [], step []) ->
+  // (param', exp_avg', exp_avg_sq'). step is the 1-based count after this update.
+  ops.push_back({"adamw", 6, 6,
+                 {{"beta1", AttrType::floating, false, 0.9},
+                  {"beta2", AttrType::floating, false, 0.999},
+                  {"eps", AttrType::floating, false, 1e-8},
+                  {"weight_decay", AttrType::floating, false, 0.01}},
+                 [](const Metas& in, const Attributes&) {
+                   same_dtype({in[0], in[1], in[2], in[3]});
+                   for (int i = 1; i < 4; ++i) {
+                     if (in[static_cast<std::size_t>(i)]->shape != in[0]->shape) fail("grad and state must have the parameter's shape");
+                   }
+                   if (!in[4]->shape.empty() || !in[5]->shape.empty()) fail("lr and step must be scalars");
+                   return std::vector{like(*in[0], in[0]->shape, false), like(*in[2], in[2]->shape, false),
+                                      like(*in[3], in[3]->shape, false)};
                  }});
   // slice_backward: grad of a slice -> zeros of input_shape with grad written into the slice.
   ops.push_back({"slice_backward", 1, 1,

@@ -170,7 +170,8 @@ const std::map<std::string, Rule>& rules() {
       return Grads{g.add("rotary_embedding", {go[0], n.input(1), g.add("neg", {n.input(2)})}), nullptr, nullptr};
     };
     r["sdpa"] = [](Graph& g, const Node& n, const Grads& go) {
-      Node* b = g.add_node("sdpa_backward", {go[0], n.input(0), n.input(1), n.input(2)}, {{"causal", n.attr_bool("causal")}});
+      Node* b = g.add_node("sdpa_backward", {go[0], n.input(0), n.input(1), n.input(2), n.output(0), n.output(1)},
+                           {{"causal", n.attr_bool("causal")}});
       return Grads{b->output(0), b->output(1), b->output(2)};
     };
     r["cross_entropy"] = [](Graph& g, const Node& n, const Grads& go) {

@@ -43,30 +43,20 @@ void append_train_step(ir::Graph& g, const std::vector<std::string>& params, con
     for (Value*& gr : grads) gr = g.add("mul", {gr, coef});
   }
 
-  // AdamW, step by step as torch.optim.AdamW's single-tensor path.
+  // AdamW, one fused op per parameter.
   const AdamWConfig& o = config.adamw;
   Value* lr = g.add_input("lr", scalar);
   Value* step = g.add_input("step", scalar);
-  Value* bc1 = g.add("add_scalar", {g.add("neg", {g.add("rpow_scalar", {step}, attr(o.beta1))})}, attr(1.0));
-  Value* bc2 = g.add("add_scalar", {g.add("neg", {g.add("rpow_scalar", {step}, attr(o.beta2))})}, attr(1.0));
-  Value* decay = g.add("add_scalar", {g.add("mul_scalar", {lr}, attr(-o.weight_decay))}, attr(1.0));  // 1 - lr wd
-  Value* step_size = g.add("div", {lr, bc1});
-  Value* bc2_sqrt = g.add("sqrt", {bc2});
-  std::vector<std::pair<std::string, Value*>> next;
-  std::vector<std::pair<std::string, Value*>> next_m, next_v;
+  const ir::Attributes hyper{{"beta1", o.beta1}, {"beta2", o.beta2}, {"eps", o.eps}, {"weight_decay", o.weight_decay}};
+  std::vector<std::pair<std::string, Value*>> next, next_m, next_v;
   for (std::size_t i = 0; i < params.size(); ++i) {
     const ir::TensorMeta state{weights[i]->meta().shape, weights[i]->meta().dtype, weights[i]->meta().device, false};
     Value* m = g.add_input("exp_avg." + params[i], state);
     Value* v = g.add_input("exp_avg_sq." + params[i], state);
-    Value* gr = grads[i];
-    Value* p1 = g.add("mul", {weights[i], decay});
-    Value* m1 = g.add("add", {g.add("mul_scalar", {m}, attr(o.beta1)), g.add("mul_scalar", {gr}, attr(1.0 - o.beta1))});
-    Value* v1 = g.add("add", {g.add("mul_scalar", {v}, attr(o.beta2)), g.add("mul_scalar", {g.add("mul", {gr, gr})}, attr(1.0 - o.beta2))});
-    Value* denom = g.add("add_scalar", {g.add("div", {g.add("sqrt", {v1}), bc2_sqrt})}, attr(o.eps));
-    Value* p2 = g.add("sub", {p1, g.add("mul", {g.add("div", {m1, denom}), step_size})});
-    next.emplace_back(params[i], p2);
-    next_m.emplace_back("exp_avg." + params[i], m1);
-    next_v.emplace_back("exp_avg_sq." + params[i], v1);
+    ir::Node* update = g.add_node("adamw", {weights[i], grads[i], m, v, lr, step}, hyper);
+    next.emplace_back(params[i], update->output(0));
+    next_m.emplace_back("exp_avg." + params[i], update->output(1));
+    next_v.emplace_back("exp_avg_sq." + params[i], update->output(2));
   }
   for (const auto* group : {&next, &next_m, &next_v}) {
     for (const auto& [name, value] : *group) g.add_output("next." + name, value);
