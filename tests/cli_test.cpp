@@ -104,6 +104,22 @@ TEST(Cli, UsageErrorsExitTwo) {
   EXPECT_EQ(spmdx("--help").exit_code, 0);
 }
 
+TEST(Cli, GraphPrintsTheTrainStep) {
+  auto r = spmdx("graph --model mlp --flavor tiny --vocab 32 --batch 2 --seq 4");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("graph(%tokens: i64[2, 4], %labels: i64[2, 4], %tok_embeddings.weight: f32[32, 64]"));
+  EXPECT_THAT(r.output, HasSubstr("= cross_entropy("));
+  EXPECT_THAT(r.output, HasSubstr("= embedding_backward("));
+  EXPECT_THAT(r.output, HasSubstr("= adamw("));
+  EXPECT_THAT(r.output, HasSubstr("next.exp_avg_sq.output.weight="));
+  auto j = spmdx("graph --model llama --flavor tiny --json --forward-only 2>/dev/null");
+  ASSERT_EQ(j.exit_code, 0);
+  EXPECT_EQ(nlohmann::json::parse(j.output).at("format"), "spmdx.graph");
+  auto bad = spmdx("graph --model gpt");
+  EXPECT_EQ(bad.exit_code, 1);
+  EXPECT_THAT(bad.output, HasSubstr("unknown model 'gpt'; known models: mlp, llama"));
+}
+
 TEST(Cli, EnvironmentPathIsSearched) {
   auto r = run_command("SPMDX_PLUGIN_PATH='" + plugin_dir("test_comm_a").string() + "' '" SPMDX_EXE "' plugins --json");
   ASSERT_EQ(r.exit_code, 0) << r.output;

@@ -10,6 +10,9 @@
 #include "spmdx/core/log.h"
 #include "spmdx/core/registry.h"
 #include "spmdx/core/version.h"
+#include "spmdx/ir/serialize.h"
+#include "spmdx/models/model.h"
+#include "spmdx/train/train_step.h"
 
 namespace {
 
@@ -55,6 +58,25 @@ int run_plugins(const std::vector<std::string>& paths, bool json) {
   return registry.errors().empty() ? 0 : 1;
 }
 
+struct GraphOptions {
+  std::string model = "llama";
+  std::string flavor = "tiny";
+  std::int64_t vocab = 256;
+  std::int64_t batch = 8;
+  std::int64_t seq = 64;
+  bool json = false;
+  bool forward_only = false;
+};
+
+// Prints a model's train-step graph (forward, loss, backward, clipping, AdamW), verified.
+int run_graph(const GraphOptions& o) {
+  spmdx::models::Model m = spmdx::models::build_model(spmdx::models::model_args(o.model, o.flavor, o.vocab), o.batch, o.seq);
+  if (!o.forward_only) spmdx::train::append_train_step(m.graph, m.params, {});
+  m.graph.verify();
+  std::cout << (o.json ? spmdx::ir::to_json(m.graph) + "\n" : m.graph.str());
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -76,6 +98,17 @@ int main(int argc, char** argv) {
                       "(repeatable)");
   plugins->add_flag("--json", json, "Print a JSON array of {name, kind, version, abi, path, ...}");
 
+  auto* graph = app.add_subcommand("graph", "Print a model's train-step graph (forward, backward, clipping, AdamW) as IR");
+  graph->fallthrough();
+  GraphOptions graph_options;
+  graph->add_option("--model", graph_options.model, "mlp | llama")->capture_default_str();
+  graph->add_option("--flavor", graph_options.flavor, "tiny | debugmodel")->capture_default_str();
+  graph->add_option("--vocab", graph_options.vocab, "vocabulary size")->capture_default_str()->check(CLI::PositiveNumber);
+  graph->add_option("--batch", graph_options.batch, "batch size (rows)")->capture_default_str()->check(CLI::PositiveNumber);
+  graph->add_option("--seq", graph_options.seq, "sequence length (tokens)")->capture_default_str()->check(CLI::PositiveNumber);
+  graph->add_flag("--json", graph_options.json, "Print the versioned JSON form instead of text");
+  graph->add_flag("--forward-only", graph_options.forward_only, "Only the forward graph and loss");
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -94,6 +127,7 @@ int main(int argc, char** argv) {
   }
   try {
     if (plugins->parsed()) return run_plugins(plugin_paths, json);
+    if (graph->parsed()) return run_graph(graph_options);
   } catch (const std::exception& e) {
     std::cerr << "error: " << e.what() << "\n";
     return 1;

@@ -235,6 +235,9 @@ std::vector<Value*> gradients(Graph& graph, Value* loss, const std::vector<Value
     auto found = grad.find(x);
     out.push_back(found != grad.end() ? found->second : graph.add("zeros_like", {x}));
   }
+#ifndef NDEBUG
+  graph.verify();  // every pass leaves a valid graph (checked in debug builds)
+#endif
   return out;
 }
 

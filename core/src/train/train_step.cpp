@@ -61,6 +61,9 @@ void append_train_step(ir::Graph& g, const std::vector<std::string>& params, con
   for (const auto* group : {&next, &next_m, &next_v}) {
     for (const auto& [name, value] : *group) g.add_output("next." + name, value);
   }
+#ifndef NDEBUG
+  g.verify();
+#endif
 }
 
 double lr_factor(std::int64_t step, std::int64_t warmup_steps, std::int64_t total_steps, double lr_min) {
