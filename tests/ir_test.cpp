@@ -47,7 +47,7 @@ TEST(Ir, BuildsInfersAndPrintsAnMlp) {
             "  %4: f32[4, 16] = linear(%x, %w1)\n"
             "  %5: f32[4, 16] = relu(%4)\n"
             "  %6: f32[4, 3] = linear(%5, %w2)\n"
-            "  %7: f32[] = cross_entropy(%6, %y) {ignore_index=-100}\n"
+            "  %7: f32[] = cross_entropy(%6, %y) {ignore_index=-100, reduction=\"mean\"}\n"
             "  return (loss=%7)\n");
   const Value* loss = g.find_output("loss");
   EXPECT_TRUE(loss->meta().requires_grad);

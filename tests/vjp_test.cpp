@@ -73,6 +73,7 @@ std::vector<OpCase> cases() {
       {"sdpa_causal", "sdpa", {{{2, 2, 5, 4}}, {{2, 2, 5, 4}}, {{2, 2, 5, 4}}}, {{"causal", true}}},
       {"sdpa_full", "sdpa", {{{2, 2, 5, 4}}, {{2, 2, 6, 4}}, {{2, 2, 6, 4}}}, {{"causal", false}}},
       {"cross_entropy", "cross_entropy", {{{6, 5}}, {{6}, Fill::indices}}, {{"ignore_index", std::int64_t{2}}}},
+      {"cross_entropy_sum", "cross_entropy", {{{6, 5}}, {{6}, Fill::indices}}, {{"ignore_index", std::int64_t{2}}, {"reduction", std::string("sum")}}},
   };
 }
 

@@ -93,7 +93,11 @@ const std::map<std::string, Kernel>& kernels() {
       return Tensors{out, lse};
     };
     k["cross_entropy"] = [](const Node& n, const Tensors& x) {
-      return one(at::cross_entropy_loss(x[0], x[1], {}, at::Reduction::Mean, n.attr_int("ignore_index")));
+      const auto reduction = n.attr_string("reduction") == "sum" ? at::Reduction::Sum : at::Reduction::Mean;
+      return one(at::cross_entropy_loss(x[0], x[1], {}, reduction, n.attr_int("ignore_index")));
+    };
+    k["count_valid"] = [](const Node& n, const Tensors& x) {
+      return one(x[0].ne(n.attr_int("ignore_index")).sum().to(to_aten(n.output()->meta().dtype)));
     };
 
     // ---- backward ops ----
@@ -109,7 +113,8 @@ const std::map<std::string, Kernel>& kernels() {
     k["embedding_backward"] = [](const Node& n, const Tensors& x) {
       return one(at::embedding_dense_backward(x[0], x[1], n.attr_int("num_weights"), -1, false));
     };
-    // d(mean CE)/d(logits) = (softmax(logits) - onehot(target)) / count, rows of ignored targets 0.
+    // d(CE)/d(logits) = softmax(logits) - onehot(target), rows of ignored targets 0, divided by
+    // the count of the others for the mean.
     k["cross_entropy_backward"] = [](const Node& n, const Tensors& x) {
       const at::Tensor& logits = x[1];
       const at::Tensor& target = x[2];
@@ -117,6 +122,7 @@ const std::map<std::string, Kernel>& kernels() {
       at::Tensor safe = at::where(keep, target, at::zeros_like(target));
       at::Tensor grad = at::softmax(logits, -1) - at::one_hot(safe, logits.size(-1)).to(logits.scalar_type());
       grad = grad * keep.unsqueeze(-1).to(logits.scalar_type());
+      if (n.attr_string("reduction") == "sum") return one(grad * x[0]);
       return one(grad * (x[0] / keep.sum().to(logits.scalar_type())));
     };
     k["rms_norm_backward"] = [](const Node& n, const Tensors& x) {

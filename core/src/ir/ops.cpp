@@ -282,15 +282,31 @@ std::vector<OpSchema> builtin_ops() {
                    if (lse.dtype == DType::f16 || lse.dtype == DType::bf16) lse.dtype = DType::f32;
                    return std::vector{like(*in[0], q, any_requires_grad(in)), lse};
                  }});
-  // cross_entropy: logits[n, c], targets (i64)[n] -> scalar mean over targets != ignore_index.
-  ops.push_back({"cross_entropy", 2, 2, {{"ignore_index", AttrType::integer, false, std::int64_t{-100}}},
-                 [](const Metas& in, const Attributes&) {
+  // cross_entropy: logits[n, c], targets (i64)[n] -> scalar: the mean ("mean") or the sum
+  // ("sum") over targets != ignore_index, as torch.nn.functional.cross_entropy.
+  ops.push_back({"cross_entropy", 2, 2,
+                 {{"ignore_index", AttrType::integer, false, std::int64_t{-100}},
+                  {"reduction", AttrType::string, false, std::string("mean")}},
+                 [](const Metas& in, const Attributes& a) {
                    floating(*in[0], "logits");
                    if (in[0]->rank() != 2 || in[1]->rank() != 1 || in[0]->shape[0] != in[1]->shape[0]) {
                      fail("needs logits [n, classes] and targets [n]");
                    }
                    if (in[1]->dtype != DType::i64) fail("targets must be i64");
+                   const auto& r = std::get<std::string>(a.at("reduction"));
+                   if (r != "mean" && r != "sum") fail("reduction must be \"mean\" or \"sum\", got \"" + r + "\"");
                    return std::vector{like(*in[0], Shape{}, in[0]->requires_grad)};
+                 }});
+  // count_valid: targets (i64)[...] -> the number of entries != ignore_index, a scalar of `dtype`
+  // (the denominator of a mean loss, kept apart so that it can be summed across ranks).
+  ops.push_back({"count_valid", 1, 1,
+                 {{"ignore_index", AttrType::integer, false, std::int64_t{-100}},
+                  {"dtype", AttrType::string, false, std::string("f32")}},
+                 [](const Metas& in, const Attributes& a) {
+                   auto dtype = parse_dtype(std::get<std::string>(a.at("dtype")));
+                   if (!dtype || !is_floating(*dtype)) fail("dtype must name a floating type");
+                   if (in[0]->dtype != DType::i64) fail("targets must be i64");
+                   return std::vector{TensorMeta{{}, *dtype, in[0]->device, false}};
                  }});
 
   // ---- Ops that gradients and the optimizer need ----
@@ -328,7 +344,9 @@ std::vector<OpSchema> builtin_ops() {
                                            in[0]->requires_grad)};
                  }});
   // cross_entropy_backward: grad (scalar), logits[n, c], targets[n] -> grad_logits[n, c].
-  ops.push_back({"cross_entropy_backward", 3, 3, {{"ignore_index", AttrType::integer, false, std::int64_t{-100}}},
+  ops.push_back({"cross_entropy_backward", 3, 3,
+                 {{"ignore_index", AttrType::integer, false, std::int64_t{-100}},
+                  {"reduction", AttrType::string, false, std::string("mean")}},
                  [](const Metas& in, const Attributes&) {
                    return std::vector{like(*in[1], in[1]->shape, any_requires_grad(in))};
                  }});

@@ -175,7 +175,8 @@ const std::map<std::string, Rule>& rules() {
       return Grads{b->output(0), b->output(1), b->output(2)};
     };
     r["cross_entropy"] = [](Graph& g, const Node& n, const Grads& go) {
-      return Grads{g.add("cross_entropy_backward", {go[0], n.input(0), n.input(1)}, {{"ignore_index", n.attr_int("ignore_index")}}),
+      return Grads{g.add("cross_entropy_backward", {go[0], n.input(0), n.input(1)},
+                         {{"ignore_index", n.attr_int("ignore_index")}, {"reduction", n.attr_string("reduction")}}),
                    nullptr};
     };
     return r;

@@ -30,8 +30,14 @@ class Builder {
   ir::GraphBuilder b_;
 };
 
+// Mean cross entropy over tokens, as the sum over tokens divided by their count: both parts
+// stay exact when the batch is sharded (each is a sum across ranks), unlike a mean of means.
 Value* loss_of(ir::GraphBuilder& b, Value* logits, Value* labels, std::int64_t vocab) {
-  return b.cross_entropy(b.reshape(logits, {-1, vocab}), b.reshape(labels, {-1}));
+  ir::Graph& g = b.graph();
+  Value* flat = b.reshape(labels, {-1});
+  Value* total = g.add("cross_entropy", {b.reshape(logits, {-1, vocab}), flat}, {{"reduction", std::string("sum")}});
+  Value* count = g.add("count_valid", {flat}, {{"dtype", std::string(ir::to_string(b.dtype()))}});
+  return g.add("div", {total, count});
 }
 
 // tokens -> embedding -> relu(linear) -> linear -> logits.
