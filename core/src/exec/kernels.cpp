@@ -89,6 +89,9 @@ const std::map<std::string, Kernel>& kernels() {
     };
     // ATen's fused CPU attention (FlashAttention's tiling, Dao et al. 2022): no [s, t] matrix kept.
     k["sdpa"] = [](const Node& n, const Tensors& x) {
+      if (x[0].numel() == 0 || x[1].numel() == 0) {  // an empty shard: ATen's kernel divides by zero
+        return Tensors{at::zeros_like(x[0]), at::zeros(n.output(1)->meta().shape, x[0].options().dtype(to_aten(n.output(1)->meta().dtype)))};
+      }
       auto [out, lse] = at::_scaled_dot_product_flash_attention_for_cpu(x[0], x[1], x[2], 0.0, n.attr_bool("causal"));
       return Tensors{out, lse};
     };
@@ -142,6 +145,7 @@ const std::map<std::string, Kernel>& kernels() {
       return Tensors{gx, gw, gb};
     };
     k["sdpa_backward"] = [](const Node& n, const Tensors& x) {
+      if (x[1].numel() == 0 || x[2].numel() == 0) return Tensors{at::zeros_like(x[1]), at::zeros_like(x[2]), at::zeros_like(x[3])};
       auto [gq, gk, gv] = at::_scaled_dot_product_flash_attention_for_cpu_backward(x[0], x[1], x[2], x[3], x[4], x[5], 0.0,
                                                                                   n.attr_bool("causal"));
       return Tensors{gq, gk, gv};

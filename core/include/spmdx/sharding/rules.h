@@ -1,0 +1,39 @@
+// Sharding rules: for each IR op, the input -> output placement combinations that compute the
+// right result locally on one mesh dim (as DTensor's op strategies). Every rule is checked
+// against full tensors by tests/sharding_rules_test.cpp.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "spmdx/ir/graph.h"
+#include "spmdx/placement.h"
+
+namespace spmdx::sharding {
+
+using Shape = std::vector<std::int64_t>;
+
+/// Run the op locally with these input placements and its outputs have these placements.
+struct OpStrategy {
+  std::vector<Placement> inputs;
+  std::vector<Placement> outputs;
+};
+
+/// The valid strategies of `node` on one mesh dim of `k` ranks; `in` and `out` are the shapes
+/// that mesh dim sees (global shapes after the shards of the mesh dims before it). The first
+/// entry is always all-Replicate; sharded strategies follow, partial ones last. A dim is
+/// sharded only when it has at least k elements; ops that change shape (reshape) shard only
+/// where the split is even. Throws ir::IrError for an op without rules.
+std::vector<OpStrategy> op_strategies(const ir::Node& node, const std::vector<Shape>& in, const std::vector<Shape>& out,
+                                      std::int64_t k);
+
+}  // namespace spmdx::sharding
+
+namespace spmdx::sharding {
+
+/// The node's attributes for a rank that computes outputs of `local_out` shapes: attributes
+/// that spell out a shape (reshape, expand and sum_to "shape", slice_backward "input_shape",
+/// embedding_backward "num_weights") follow the local shapes; the others stay.
+ir::Attributes local_attrs(const ir::Node& node, const std::vector<Shape>& local_out);
+
+}  // namespace spmdx::sharding

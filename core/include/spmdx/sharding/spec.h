@@ -1,0 +1,38 @@
+// ShardingSpec: one Placement per mesh dim plus the global TensorMeta; gives each rank's
+// local shape and offset. Shards follow torch.chunk: a dim of n elements split k ways gives
+// chunks of ceil(n/k), the last ones smaller (possibly empty). Several mesh dims sharding the
+// same tensor dim nest in mesh-dim order, as DTensor does.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "spmdx/ir/tensor_meta.h"
+#include "spmdx/placement.h"
+#include "spmdx/sharding/mesh.h"
+
+namespace spmdx::sharding {
+
+/// Sizes of the k chunks of n elements (torch.chunk, padded with empty chunks to k).
+std::vector<std::int64_t> chunk_sizes(std::int64_t n, std::int64_t k);
+
+struct ShardingSpec {
+  std::vector<Placement> placements;  ///< one per mesh dim
+  ir::TensorMeta meta;                ///< global
+
+  /// The local shape at a mesh coordinate.
+  std::vector<std::int64_t> local_shape(const DeviceMesh& mesh, const std::vector<std::int64_t>& coordinate) const;
+  /// Where the local shard starts in the global tensor, per tensor dim.
+  std::vector<std::int64_t> local_offset(const DeviceMesh& mesh, const std::vector<std::int64_t>& coordinate) const;
+  /// "S(0)R f32[8, 64]".
+  std::string str() const;
+};
+
+/// `shape` after the shards of mesh dims [0, upto) at `coordinate` (nested sharding): what mesh
+/// dim `upto` sees. Also gives, in `offset` when not null, where that block starts.
+std::vector<std::int64_t> shape_after(const DeviceMesh& mesh, const std::vector<Placement>& placements,
+                                      std::vector<std::int64_t> shape, const std::vector<std::int64_t>& coordinate,
+                                      int upto, std::vector<std::int64_t>* offset = nullptr);
+
+}  // namespace spmdx::sharding

@@ -1,0 +1,383 @@
+// The rule table. Notation: R = Replicate, S(d) = Shard(d), P = Partial(sum). A rule is valid
+// when running the op on each rank's local inputs gives each rank's local output.
+#include "spmdx/sharding/rules.h"
+
+#include <functional>
+#include <map>
+#include <set>
+#include <string>
+
+namespace spmdx::sharding {
+namespace {
+
+using ir::Node;
+using Strategies = std::vector<OpStrategy>;
+using Rule = std::function<Strategies(const Node&, const std::vector<Shape>&, const std::vector<Shape>&, std::int64_t)>;
+
+const Placement R = Placement::replicate();
+const Placement P = Placement::partial(ReduceOp::sum);
+Placement S(std::int64_t d) { return Placement::shard(static_cast<int>(d)); }
+
+std::int64_t wrap(std::int64_t d, std::size_t rank) { return d < 0 ? d + static_cast<std::int64_t>(rank) : d; }
+
+OpStrategy all(const Placement& p, std::size_t n_in, std::size_t n_out) {
+  return {std::vector<Placement>(n_in, p), std::vector<Placement>(n_out, p)};
+}
+
+// Elementwise with broadcasting. `linear_in`: the inputs the op is linear in, for Partial.
+Strategies pointwise(const Node& n, const std::vector<Shape>& in, const std::vector<Shape>& out, std::int64_t k,
+                     const std::vector<std::vector<bool>>& partial_patterns) {
+  Strategies s{all(R, in.size(), out.size())};
+  const Shape& o = out[0];
+  for (std::size_t d = 0; d < o.size(); ++d) {
+    if (o[d] < k) continue;
+    OpStrategy st{{}, std::vector<Placement>(out.size(), S(static_cast<std::int64_t>(d)))};
+    for (const Shape& x : in) {
+      const auto aligned = static_cast<std::int64_t>(d) - static_cast<std::int64_t>(o.size() - x.size());
+      if (aligned < 0 || x[static_cast<std::size_t>(aligned)] == 1) st.inputs.push_back(R);
+      else st.inputs.push_back(S(aligned));
+    }
+    s.push_back(st);
+  }
+  (void)n;
+  for (const auto& pattern : partial_patterns) {  // true: Partial input, false: Replicate
+    OpStrategy st{{}, std::vector<Placement>(out.size(), P)};
+    for (bool p : pattern) st.inputs.push_back(p ? P : R);
+    s.push_back(st);
+  }
+  return s;
+}
+
+Rule nonlinear() {
+  return [](const Node& n, const auto& in, const auto& out, std::int64_t k) { return pointwise(n, in, out, k, {}); };
+}
+Rule linear_unary() {
+  return [](const Node& n, const auto& in, const auto& out, std::int64_t k) { return pointwise(n, in, out, k, {{true}}); };
+}
+// (grad, saved) -> grad_in, linear in grad.
+Rule linear_in_first() {
+  return [](const Node& n, const auto& in, const auto& out, std::int64_t k) {
+    std::vector<bool> pattern(in.size(), false);
+    pattern[0] = true;
+    return pointwise(n, in, out, k, {pattern});
+  };
+}
+
+// Strategies that shard dim d of every input and output alike, for each d not in `avoid`.
+Strategies same_dim(const std::vector<Shape>& in, const std::vector<Shape>& out, std::int64_t k, const std::set<std::int64_t>& avoid,
+                    std::size_t rank) {
+  Strategies s{all(R, in.size(), out.size())};
+  for (std::size_t d = 0; d < rank; ++d) {
+    if (avoid.count(static_cast<std::int64_t>(d)) || out[0][d] < k) continue;
+    s.push_back(all(S(static_cast<std::int64_t>(d)), in.size(), out.size()));
+  }
+  return s;
+}
+
+// Maps a shard of input dim `d` through a reshape, or -1 when the shard does not stay a
+// contiguous shard of one output dim. Groups of dims with equal products: only the outermost
+// non-1 dim of a group may be sharded, evenly unless the group is a single dim on each side.
+std::int64_t reshape_dim(const Shape& in, const Shape& out, std::int64_t d, std::int64_t k) {
+  std::size_t i = 0, j = 0;
+  while (i < in.size() || j < out.size()) {
+    while (i < in.size() && in[i] == 1 && static_cast<std::int64_t>(i) != d) ++i;
+    while (j < out.size() && out[j] == 1) ++j;
+    if (i >= in.size() || j >= out.size()) break;
+    const std::size_t i0 = i, j0 = j;
+    std::int64_t a = in[i++], b = out[j++];
+    while (a != b) {
+      if (a < b) {
+        if (i >= in.size()) return -1;
+        a *= in[i++];
+      } else {
+        if (j >= out.size()) return -1;
+        b *= out[j++];
+      }
+    }
+    if (static_cast<std::int64_t>(i0) == d) {
+      const bool single = i - i0 == 1 && j - j0 == 1;
+      if (single || (in[i0] % k == 0 && out[j0] % k == 0)) return static_cast<std::int64_t>(j0);
+      return -1;
+    }
+    if (static_cast<std::int64_t>(i0) < d && d < static_cast<std::int64_t>(i)) return -1;  // an inner dim of a group
+  }
+  return -1;
+}
+
+const std::map<std::string, Rule>& rules() {
+  static const std::map<std::string, Rule> table = [] {
+    std::map<std::string, Rule> r;
+    r["add"] = r["sub"] = [](const Node& n, const auto& in, const auto& out, std::int64_t k) {
+      return pointwise(n, in, out, k, {{true, true}});
+    };
+    r["mul"] = [](const Node& n, const auto& in, const auto& out, std::int64_t k) {
+      return pointwise(n, in, out, k, {{true, false}, {false, true}});
+    };
+    r["div"] = [](const Node& n, const auto& in, const auto& out, std::int64_t k) { return pointwise(n, in, out, k, {{true, false}}); };
+    for (const char* op : {"exp", "log", "sqrt", "rsqrt", "sigmoid", "silu", "gelu", "relu", "add_scalar", "pow_scalar",
+                           "rdiv_scalar", "clamp_max_scalar", "rpow_scalar", "ones_like"}) {
+      r[op] = nonlinear();
+    }
+    for (const char* op : {"neg", "mul_scalar", "zeros_like"}) r[op] = linear_unary();
+    for (const char* op : {"relu_backward", "silu_backward", "gelu_backward"}) r[op] = linear_in_first();
+
+    auto reduction = [](bool mean) {
+      return [mean](const Node& n, const std::vector<Shape>& in, const std::vector<Shape>& out, std::int64_t k) {
+        Strategies s{all(R, 1, 1)};
+        const Shape& x = in[0];
+        std::set<std::int64_t> reduced;
+        for (auto d : n.attr_ints("dims")) reduced.insert(wrap(d, x.size()));
+        if (reduced.empty()) {
+          for (std::size_t d = 0; d < x.size(); ++d) reduced.insert(static_cast<std::int64_t>(d));
+        }
+        const bool keep = n.attr_bool("keepdim");
+        std::int64_t out_dim = 0;
+        for (std::size_t d = 0; d < x.size(); ++d) {
+          const bool is_reduced = reduced.count(static_cast<std::int64_t>(d)) > 0;
+          if (x[d] >= k) {
+            if (!is_reduced) s.push_back({{S(static_cast<std::int64_t>(d))}, {S(out_dim)}});
+            else if (!mean) s.push_back({{S(static_cast<std::int64_t>(d))}, {P}});
+            else if (x[d] % k == 0) s.push_back({{S(static_cast<std::int64_t>(d))}, {Placement::partial(ReduceOp::avg)}});
+          }
+          if (!is_reduced || keep) ++out_dim;
+        }
+        (void)out;
+        s.push_back({{P}, {P}});
+        return s;
+      };
+    };
+    r["sum"] = reduction(false);
+    r["mean"] = reduction(true);
+    auto softmax_rule = [](const Node& n, const std::vector<Shape>& in, const std::vector<Shape>& out, std::int64_t k) {
+      return same_dim(in, out, k, {wrap(n.attr_int("dim"), in[0].size())}, in[0].size());
+    };
+    r["softmax"] = r["log_softmax"] = softmax_rule;
+    r["softmax_backward"] = r["log_softmax_backward"] = [softmax_rule](const Node& n, const auto& in, const auto& out, std::int64_t k) {
+      Strategies s = softmax_rule(n, in, out, k);
+      s.push_back({{P, R}, {P}});
+      return s;
+    };
+    r["matmul"] = [](const Node&, const std::vector<Shape>& in, const std::vector<Shape>& out, std::int64_t k) {
+      const Shape &a = in[0], &b = in[1], &o = out[0];
+      const auto ra = static_cast<std::int64_t>(a.size()), rb = static_cast<std::int64_t>(b.size()), ro = static_cast<std::int64_t>(o.size());
+      Strategies s{all(R, 2, 1)};
+      for (std::int64_t d = 0; d < ro - 2; ++d) {  // batch dims
+        if (o[static_cast<std::size_t>(d)] < k) continue;
+        auto align = [&](const Shape& x, std::int64_t rx) -> Placement {
+          const std::int64_t ad = d - (ro - rx);
+          return ad < 0 || x[static_cast<std::size_t>(ad)] == 1 ? R : S(ad);
+        };
+        s.push_back({{align(a, ra), align(b, rb)}, {S(d)}});
+      }
+      if (a[static_cast<std::size_t>(ra - 2)] >= k) s.push_back({{S(ra - 2), R}, {S(ro - 2)}});
+      if (b[static_cast<std::size_t>(rb - 1)] >= k) s.push_back({{R, S(rb - 1)}, {S(ro - 1)}});
+      if (a[static_cast<std::size_t>(ra - 1)] >= k) s.push_back({{S(ra - 1), S(rb - 2)}, {P}});
+      s.push_back({{P, R}, {P}});
+      s.push_back({{R, P}, {P}});
+      return s;
+    };
+    r["linear"] = [](const Node&, const std::vector<Shape>& in, const std::vector<Shape>& out, std::int64_t k) {
+      const Shape &x = in[0], &w = in[1];
+      const auto rx = static_cast<std::int64_t>(x.size());
+      Strategies s{all(R, 2, 1)};
+      for (std::int64_t d = 0; d < rx - 1; ++d) {
+        if (x[static_cast<std::size_t>(d)] >= k) s.push_back({{S(d), R}, {S(d)}});
+      }
+      if (w[0] >= k) s.push_back({{R, S(0)}, {S(rx - 1)}});                     // column parallel
+      if (w[1] >= k) s.push_back({{S(rx - 1), S(1)}, {P}});                     // row parallel
+      s.push_back({{P, R}, {P}});
+      (void)out;
+      return s;
+    };
+    r["embedding"] = [](const Node&, const std::vector<Shape>& in, const std::vector<Shape>& out, std::int64_t k) {
+      const Shape &w = in[0], &idx = in[1];
+      Strategies s{all(R, 2, 1)};
+      for (std::size_t d = 0; d < idx.size(); ++d) {
+        if (idx[d] >= k) s.push_back({{R, S(static_cast<std::int64_t>(d))}, {S(static_cast<std::int64_t>(d))}});
+      }
+      if (w[1] >= k) s.push_back({{S(1), R}, {S(static_cast<std::int64_t>(out[0].size()) - 1)}});
+      return s;
+    };
+    r["embedding_backward"] = [](const Node&, const std::vector<Shape>& in, const std::vector<Shape>& out, std::int64_t k) {
+      const Shape &g = in[0], &idx = in[1];
+      Strategies s{all(R, 2, 1)};
+      for (std::size_t d = 0; d < idx.size(); ++d) {
+        if (idx[d] >= k) s.push_back({{S(static_cast<std::int64_t>(d)), S(static_cast<std::int64_t>(d))}, {P}});
+      }
+      if (g.back() >= k) s.push_back({{S(static_cast<std::int64_t>(g.size()) - 1), R}, {S(1)}});
+      s.push_back({{P, R}, {P}});
+      (void)out;
+      return s;
+    };
+    r["reshape"] = [](const Node&, const std::vector<Shape>& in, const std::vector<Shape>& out, std::int64_t k) {
+      Strategies s{all(R, 1, 1)};
+      for (std::size_t d = 0; d < in[0].size(); ++d) {
+        if (in[0][d] < k) continue;
+        const std::int64_t to = reshape_dim(in[0], out[0], static_cast<std::int64_t>(d), k);
+        if (to >= 0) s.push_back({{S(static_cast<std::int64_t>(d))}, {S(to)}});
+      }
+      s.push_back({{P}, {P}});
+      return s;
+    };
+    auto permutation = [](const Node& n, std::size_t rank) {
+      std::vector<std::int64_t> perm(rank);  // output dim i comes from input dim perm[i]
+      for (std::size_t i = 0; i < rank; ++i) perm[i] = static_cast<std::int64_t>(i);
+      if (n.op() == "transpose") {
+        std::swap(perm[static_cast<std::size_t>(wrap(n.attr_int("dim0"), rank))], perm[static_cast<std::size_t>(wrap(n.attr_int("dim1"), rank))]);
+      } else {
+        for (std::size_t i = 0; i < rank; ++i) perm[i] = wrap(n.attr_ints("dims")[i], rank);
+      }
+      return perm;
+    };
+    r["transpose"] = r["permute"] = [permutation](const Node& n, const std::vector<Shape>& in, const std::vector<Shape>&, std::int64_t k) {
+      Strategies s{all(R, 1, 1)};
+      const auto perm = permutation(n, in[0].size());
+      for (std::size_t i = 0; i < perm.size(); ++i) {
+        if (in[0][static_cast<std::size_t>(perm[i])] >= k) s.push_back({{S(perm[i])}, {S(static_cast<std::int64_t>(i))}});
+      }
+      s.push_back({{P}, {P}});
+      return s;
+    };
+    r["slice"] = [](const Node& n, const std::vector<Shape>& in, const std::vector<Shape>& out, std::int64_t k) {
+      Strategies s = same_dim(in, out, k, {wrap(n.attr_int("dim"), in[0].size())}, in[0].size());
+      s.push_back({{P}, {P}});
+      return s;
+    };
+    r["slice_backward"] = [](const Node& n, const std::vector<Shape>& in, const std::vector<Shape>& out, std::int64_t k) {
+      Strategies s = same_dim(in, out, k, {wrap(n.attr_int("dim"), out[0].size())}, out[0].size());
+      s.push_back({{P}, {P}});
+      return s;
+    };
+    r["cat"] = [](const Node& n, const std::vector<Shape>& in, const std::vector<Shape>& out, std::int64_t k) {
+      Strategies s = same_dim(in, out, k, {wrap(n.attr_int("dim"), in[0].size())}, in[0].size());
+      s.push_back(all(P, in.size(), 1));
+      return s;
+    };
+    r["expand"] = [](const Node&, const std::vector<Shape>& in, const std::vector<Shape>& out, std::int64_t k) {
+      Strategies s{all(R, 1, 1)};
+      const Shape &x = in[0], &o = out[0];
+      for (std::size_t d = 0; d < x.size(); ++d) {
+        const std::size_t od = d + (o.size() - x.size());
+        if (x[d] >= k && x[d] == o[od]) s.push_back({{S(static_cast<std::int64_t>(d))}, {S(static_cast<std::int64_t>(od))}});
+      }
+      s.push_back({{P}, {P}});
+      return s;
+    };
+    r["sum_to"] = [](const Node&, const std::vector<Shape>& in, const std::vector<Shape>& out, std::int64_t k) {
+      Strategies s{all(R, 1, 1)};
+      const Shape &x = in[0], &o = out[0];
+      for (std::size_t d = 0; d < x.size(); ++d) {
+        if (x[d] < k) continue;
+        const auto od = static_cast<std::int64_t>(d) - static_cast<std::int64_t>(x.size() - o.size());
+        if (od >= 0 && o[static_cast<std::size_t>(od)] == x[d]) s.push_back({{S(static_cast<std::int64_t>(d))}, {S(od)}});
+        else s.push_back({{S(static_cast<std::int64_t>(d))}, {P}});  // summed away
+      }
+      s.push_back({{P}, {P}});
+      return s;
+    };
+    // Norms over the last dim: shard any other dim; weights replicated; weight grads partial.
+    r["rms_norm"] = r["layer_norm"] = [](const Node&, const std::vector<Shape>& in, const std::vector<Shape>&, std::int64_t k) {
+      Strategies s{all(R, in.size(), 1)};
+      for (std::size_t d = 0; d + 1 < in[0].size(); ++d) {
+        if (in[0][d] < k) continue;
+        OpStrategy st{std::vector<Placement>(in.size(), R), {S(static_cast<std::int64_t>(d))}};
+        st.inputs[0] = S(static_cast<std::int64_t>(d));
+        s.push_back(st);
+      }
+      return s;
+    };
+    r["rms_norm_backward"] = r["layer_norm_backward"] = [](const Node&, const std::vector<Shape>& in, const std::vector<Shape>& out, std::int64_t k) {
+      Strategies s{all(R, in.size(), out.size())};
+      for (std::size_t d = 0; d + 1 < in[1].size(); ++d) {
+        if (in[1][d] < k) continue;
+        OpStrategy st{std::vector<Placement>(in.size(), R), std::vector<Placement>(out.size(), P)};
+        st.inputs[0] = st.inputs[1] = st.outputs[0] = S(static_cast<std::int64_t>(d));
+        s.push_back(st);
+      }
+      OpStrategy partial{std::vector<Placement>(in.size(), R), std::vector<Placement>(out.size(), P)};
+      partial.inputs[0] = P;  // linear in the incoming gradient
+      s.push_back(partial);
+      return s;
+    };
+    r["rotary_embedding"] = [](const Node&, const std::vector<Shape>& in, const std::vector<Shape>&, std::int64_t k) {
+      Strategies s{all(R, 3, 1)};
+      for (std::int64_t d : {0, 2}) {  // batch, heads
+        if (in[0][static_cast<std::size_t>(d)] >= k) s.push_back({{S(d), R, R}, {S(d)}});
+      }
+      if (in[0][1] >= k) s.push_back({{S(1), S(0), S(0)}, {S(1)}});  // sequence, with its rows of the tables
+      s.push_back({{P, R, R}, {P}});
+      return s;
+    };
+    // Attention: batch or heads sharded alike on q, k, v (and out, logsumexp).
+    r["sdpa"] = [](const Node&, const std::vector<Shape>& in, const std::vector<Shape>&, std::int64_t k) {
+      Strategies s{all(R, 3, 2)};
+      for (std::int64_t d : {0, 1}) {
+        if (in[0][static_cast<std::size_t>(d)] >= k) s.push_back(all(S(d), 3, 2));
+      }
+      return s;
+    };
+    r["sdpa_backward"] = [](const Node&, const std::vector<Shape>& in, const std::vector<Shape>&, std::int64_t k) {
+      Strategies s{all(R, 6, 3)};
+      for (std::int64_t d : {0, 1}) {
+        if (in[1][static_cast<std::size_t>(d)] >= k) s.push_back(all(S(d), 6, 3));
+      }
+      return s;
+    };
+    // Sums over tokens split across ranks are partial sums; a mean is not (kept replicated).
+    r["cross_entropy"] = [](const Node& n, const std::vector<Shape>& in, const std::vector<Shape>&, std::int64_t k) {
+      Strategies s{all(R, 2, 1)};
+      if (n.attr_string("reduction") == "sum" && in[0][0] >= k) s.push_back({{S(0), S(0)}, {P}});
+      return s;
+    };
+    r["cross_entropy_backward"] = [](const Node& n, const std::vector<Shape>& in, const std::vector<Shape>&, std::int64_t k) {
+      Strategies s{all(R, 3, 1)};
+      if (n.attr_string("reduction") == "sum") {
+        if (in[1][0] >= k) s.push_back({{R, S(0), S(0)}, {S(0)}});
+        s.push_back({{P, R, R}, {P}});
+      }
+      return s;
+    };
+    r["count_valid"] = [](const Node&, const std::vector<Shape>& in, const std::vector<Shape>&, std::int64_t k) {
+      Strategies s{all(R, 1, 1)};
+      for (std::size_t d = 0; d < in[0].size(); ++d) {
+        if (in[0][d] >= k) s.push_back({{S(static_cast<std::int64_t>(d))}, {P}});
+      }
+      return s;
+    };
+    r["adamw"] = [](const Node&, const std::vector<Shape>& in, const std::vector<Shape>&, std::int64_t k) {
+      Strategies s{all(R, 6, 3)};
+      for (std::size_t d = 0; d < in[0].size(); ++d) {
+        if (in[0][d] < k) continue;
+        const Placement sd = S(static_cast<std::int64_t>(d));
+        s.push_back({{sd, sd, sd, sd, R, R}, {sd, sd, sd}});
+      }
+      return s;
+    };
+    return r;
+  }();
+  return table;
+}
+
+}  // namespace
+
+std::vector<OpStrategy> op_strategies(const ir::Node& node, const std::vector<Shape>& in, const std::vector<Shape>& out,
+                                      std::int64_t k) {
+  auto it = rules().find(node.op());
+  if (it == rules().end()) throw ir::IrError("no sharding rule for op '" + node.op() + "' (node %" + std::to_string(node.id()) + ")");
+  return it->second(node, in, out, k);
+}
+
+}  // namespace spmdx::sharding
+
+namespace spmdx::sharding {
+
+ir::Attributes local_attrs(const ir::Node& node, const std::vector<Shape>& local_out) {
+  ir::Attributes a = node.attrs();
+  const std::string& op = node.op();
+  if (op == "reshape" || op == "expand" || op == "sum_to") a["shape"] = local_out.at(0);
+  if (op == "slice_backward") a["input_shape"] = local_out.at(0);
+  if (op == "embedding_backward") a["num_weights"] = local_out.at(0).at(0);
+  return a;
+}
+
+}  // namespace spmdx::sharding

@@ -1,0 +1,278 @@
+// Rule validation (as DTensor's strategy_validation): every strategy the rule table claims
+// for an op is run for real. Full random inputs are split into each rank's local inputs
+// (Shard: torch.chunk; Partial: random summands), the op's kernel runs on each rank's local
+// inputs, and the outputs, put back together by their claimed placements, must equal the op
+// on the full inputs. Meshes: 2 ranks, 3 ranks (uneven shards), and 2 x 2 (nested).
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <gtest/gtest.h>
+
+#include <functional>
+#include <set>
+
+#include "spmdx/exec/kernels.h"
+#include "spmdx/ir/op_registry.h"
+#include "spmdx/sharding/rules.h"
+#include "spmdx/sharding/spec.h"
+
+namespace spmdx::sharding {
+namespace {
+
+using Tensors = std::vector<at::Tensor>;
+
+struct Case {
+  std::string name;
+  std::string op;
+  std::vector<Shape> shapes;
+  ir::Attributes attrs;
+  std::function<void(Tensors&)> fix = nullptr;  // makes random inputs valid (indices, positive values, ...)
+};
+
+void positive(at::Tensor& t) { t = t.abs() + 0.5; }
+void indices(at::Tensor& t, std::int64_t n) { t = (t.abs() * 1000).to(at::kLong).remainder(n); }
+
+std::vector<Case> cases() {
+  const std::int64_t m1 = -1;
+  auto idx1 = [](Tensors& x) { indices(x[1], 5); };
+  return {
+      {"add", "add", {{6, 4}, {4}}, {}},
+      {"sub", "sub", {{4, 6}, {4, 1}}, {}},
+      {"mul", "mul", {{4, 6}, {4, 6}}, {}},
+      {"div", "div", {{4, 6}, {1, 6}}, {}, [](Tensors& x) { positive(x[1]); }},
+      {"neg", "neg", {{5, 4}}, {}},
+      {"exp", "exp", {{4, 5}}, {}},
+      {"log", "log", {{4, 5}}, {}, [](Tensors& x) { positive(x[0]); }},
+      {"sqrt", "sqrt", {{4, 5}}, {}, [](Tensors& x) { positive(x[0]); }},
+      {"rsqrt", "rsqrt", {{4, 5}}, {}, [](Tensors& x) { positive(x[0]); }},
+      {"sigmoid", "sigmoid", {{4, 5}}, {}},
+      {"silu", "silu", {{4, 5}}, {}},
+      {"gelu", "gelu", {{4, 5}}, {}},
+      {"relu", "relu", {{4, 5}}, {}},
+      {"add_scalar", "add_scalar", {{4, 5}}, {{"value", 1.5}}},
+      {"mul_scalar", "mul_scalar", {{4, 5}}, {{"value", -2.0}}},
+      {"pow_scalar", "pow_scalar", {{4, 5}}, {{"value", 1.5}}, [](Tensors& x) { positive(x[0]); }},
+      {"rdiv_scalar", "rdiv_scalar", {{4, 5}}, {{"value", 2.0}}, [](Tensors& x) { positive(x[0]); }},
+      {"clamp_max_scalar", "clamp_max_scalar", {{4, 5}}, {{"value", 0.1}}},
+      {"rpow_scalar", "rpow_scalar", {{4, 5}}, {{"value", 0.9}}},
+      {"zeros_like", "zeros_like", {{4, 5}}, {}},
+      {"ones_like", "ones_like", {{4, 5}}, {}},
+      {"sum_dim", "sum", {{4, 6, 5}}, {{"dims", Shape{1}}}},
+      {"sum_all", "sum", {{4, 6}}, {}},
+      {"mean_keepdim", "mean", {{4, 6, 5}}, {{"dims", Shape{0, 2}}, {"keepdim", true}}},
+      {"softmax", "softmax", {{4, 6}}, {{"dim", std::int64_t{1}}}},
+      {"log_softmax", "log_softmax", {{4, 6}}, {{"dim", m1}}},
+      {"softmax_backward", "softmax_backward", {{4, 6}, {4, 6}}, {{"dim", std::int64_t{1}}}},
+      {"log_softmax_backward", "log_softmax_backward", {{4, 6}, {4, 6}}, {{"dim", m1}}},
+      {"matmul", "matmul", {{4, 6, 4}, {4, 6}}, {}},
+      {"matmul_batched", "matmul", {{4, 6, 4}, {4, 4, 6}}, {}},
+      {"linear", "linear", {{4, 6, 4}, {6, 4}}, {}},
+      {"embedding", "embedding", {{5, 6}, {4, 6}}, {}, idx1},
+      {"embedding_backward", "embedding_backward", {{4, 6, 6}, {4, 6}}, {{"num_weights", std::int64_t{5}}}, idx1},
+      {"reshape_split", "reshape", {{4, 12}}, {{"shape", Shape{4, 4, 3}}}},
+      {"reshape_merge", "reshape", {{4, 6, 2}}, {{"shape", Shape{24, 2}}}},
+      {"reshape_flat", "reshape", {{4, 6}}, {{"shape", Shape{-1}}}},
+      {"transpose", "transpose", {{4, 6, 5}}, {{"dim0", std::int64_t{0}}, {"dim1", std::int64_t{2}}}},
+      {"permute", "permute", {{4, 6, 5}}, {{"dims", Shape{2, 0, 1}}}},
+      {"slice", "slice", {{4, 7}}, {{"dim", std::int64_t{1}}, {"start", std::int64_t{1}}, {"end", std::int64_t{6}}, {"step", std::int64_t{2}}}},
+      {"slice_backward", "slice_backward", {{4, 3}},
+       {{"input_shape", Shape{4, 7}}, {"dim", std::int64_t{1}}, {"start", std::int64_t{1}}, {"end", std::int64_t{6}}, {"step", std::int64_t{2}}}},
+      {"cat", "cat", {{4, 3}, {4, 1}}, {{"dim", std::int64_t{1}}}},
+      {"expand", "expand", {{4, 1}}, {{"shape", Shape{3, 4, 6}}}},
+      {"sum_to", "sum_to", {{4, 6, 5}}, {{"shape", Shape{6, 1}}}},
+      {"rms_norm", "rms_norm", {{4, 6, 8}, {8}}, {}},
+      {"layer_norm", "layer_norm", {{4, 6, 8}, {8}, {8}}, {}},
+      {"rms_norm_backward", "rms_norm_backward", {{4, 6, 8}, {4, 6, 8}, {8}}, {}},
+      {"layer_norm_backward", "layer_norm_backward", {{4, 6, 8}, {4, 6, 8}, {8}, {8}}, {}},
+      {"rotary_embedding", "rotary_embedding", {{4, 6, 4, 8}, {6, 4}, {6, 4}}, {}},
+      {"sdpa", "sdpa", {{4, 4, 6, 8}, {4, 4, 6, 8}, {4, 4, 6, 8}}, {}},
+      {"sdpa_backward", "sdpa_backward", {{4, 4, 6, 8}, {4, 4, 6, 8}, {4, 4, 6, 8}, {4, 4, 6, 8}, {4, 4, 6, 8}, {4, 4, 6}}, {},
+       [](Tensors& x) {
+         auto [out, lse] = at::_scaled_dot_product_flash_attention_for_cpu(x[1], x[2], x[3], 0.0, true);
+         x[4] = out;
+         x[5] = lse;
+       }},
+      {"cross_entropy_sum", "cross_entropy", {{6, 5}, {6}}, {{"reduction", std::string("sum")}}, idx1},
+      {"cross_entropy_mean", "cross_entropy", {{6, 5}, {6}}, {}, idx1},
+      {"cross_entropy_backward_sum", "cross_entropy_backward", {{}, {6, 5}, {6}}, {{"reduction", std::string("sum")}},
+       [](Tensors& x) { indices(x[2], 5); }},
+      {"count_valid", "count_valid", {{4, 6}}, {{"ignore_index", std::int64_t{2}}}, [](Tensors& x) { indices(x[0], 5); }},
+      {"relu_backward", "relu_backward", {{4, 5}, {4, 5}}, {}, [](Tensors& x) { x[1] = at::relu(x[1]); }},
+      {"silu_backward", "silu_backward", {{4, 5}, {4, 5}}, {}},
+      {"gelu_backward", "gelu_backward", {{4, 5}, {4, 5}}, {}},
+      {"adamw", "adamw", {{4, 6}, {4, 6}, {4, 6}, {4, 6}, {}, {}}, {{"weight_decay", 0.1}},
+       [](Tensors& x) {
+         positive(x[3]);
+         x[4] = at::scalar_tensor(1e-2, at::kDouble);
+         x[5] = at::scalar_tensor(3.0, at::kDouble);
+       }},
+  };
+}
+
+// Input i of rank `coord`: mesh dims applied in order (nested), Partial as random summands.
+at::Tensor shard(at::Tensor t, const std::vector<Placement>& pl, const DeviceMesh& mesh, const std::vector<std::int64_t>& coord,
+                 std::uint64_t seed) {
+  for (int i = 0; i < mesh.ndim(); ++i) {
+    const Placement& p = pl[static_cast<std::size_t>(i)];
+    const std::int64_t k = mesh.size(i), j = coord[static_cast<std::size_t>(i)];
+    if (p.is_shard()) {
+      auto sizes = chunk_sizes(t.size(p.dim()), k);
+      std::int64_t start = 0;
+      for (std::int64_t c = 0; c < j; ++c) start += sizes[static_cast<std::size_t>(c)];
+      t = t.narrow(p.dim(), start, sizes[static_cast<std::size_t>(j)]);
+    } else if (p.is_partial()) {
+      std::uint64_t s = seed * 31 + static_cast<std::uint64_t>(i);
+      for (int c = 0; c < i; ++c) s = s * 17 + static_cast<std::uint64_t>(coord[static_cast<std::size_t>(c)]);
+      at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(s);
+      at::Tensor sum = at::zeros_like(t);
+      at::Tensor mine;
+      for (std::int64_t c = 0; c + 1 < k; ++c) {
+        at::Tensor noise = at::randn(t.sizes(), gen, t.options());
+        sum += noise;
+        if (c == j) mine = noise;
+      }
+      const double scale = p.reduce_op() == ReduceOp::avg ? static_cast<double>(k) : 1.0;
+      t = j + 1 == k ? t * scale - sum : mine;
+    }
+  }
+  return t.contiguous();
+}
+
+// Puts the ranks' local outputs back together: returns the full tensor, or an undefined one
+// with `why` set when replicas disagree.
+at::Tensor assemble(const std::vector<at::Tensor>& local, const std::vector<Placement>& pl, const DeviceMesh& mesh, int level,
+                    std::vector<std::int64_t>& coord, std::string& why) {
+  if (level == mesh.ndim()) return local[static_cast<std::size_t>(mesh.rank(coord))];
+  std::vector<at::Tensor> parts;
+  for (std::int64_t j = 0; j < mesh.size(level); ++j) {
+    coord[static_cast<std::size_t>(level)] = j;
+    parts.push_back(assemble(local, pl, mesh, level + 1, coord, why));
+    if (!parts.back().defined()) return {};
+  }
+  coord[static_cast<std::size_t>(level)] = 0;
+  const Placement& p = pl[static_cast<std::size_t>(level)];
+  if (p.is_shard()) return at::cat(parts, p.dim());
+  if (p.is_partial()) {
+    at::Tensor sum = parts[0];
+    for (std::size_t j = 1; j < parts.size(); ++j) sum = sum + parts[j];
+    return p.reduce_op() == ReduceOp::avg ? sum / static_cast<double>(parts.size()) : sum;
+  }
+  for (const auto& part : parts) {
+    if (!at::allclose(part, parts[0], 1e-9, 1e-12)) {
+      why = "replicas differ on mesh dim " + std::to_string(level);
+      return {};
+    }
+  }
+  return parts[0];
+}
+
+struct Checked {
+  int combinations = 0;
+  int failures = 0;
+};
+
+// Runs one op case under every strategy combination on `mesh`.
+void check(const Case& c, const DeviceMesh& mesh, Checked& checked) {
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(99);
+  Tensors full;
+  for (const auto& s : c.shapes) full.push_back(at::randn(s, gen, at::TensorOptions().dtype(at::kDouble)));
+  if (c.fix) c.fix(full);
+  ir::Graph g;
+  std::vector<ir::Value*> in;
+  for (std::size_t i = 0; i < full.size(); ++i) {
+    in.push_back(g.add_input("in" + std::to_string(i), {full[i].sizes().vec(), exec::from_aten(full[i].scalar_type()), "cpu", false}));
+  }
+  const ir::Node* node = g.add_node(c.op, in, c.attrs);
+  const exec::Kernel& kernel = *exec::find_kernel(c.op);
+  const Tensors want = kernel(*node, full);
+  std::vector<Shape> in_shapes, out_shapes;
+  for (const auto* v : node->inputs()) in_shapes.push_back(v->meta().shape);
+  for (const auto* v : node->outputs()) out_shapes.push_back(v->meta().shape);
+
+  // Every combination: one strategy per mesh dim, later dims seeing the shapes after earlier ones.
+  std::vector<std::vector<OpStrategy>> chosen{{}};
+  for (int d = 0; d < mesh.ndim(); ++d) {
+    std::vector<std::vector<OpStrategy>> next;
+    for (const auto& prefix : chosen) {
+      std::vector<Shape> seen_in, seen_out;
+      const std::vector<std::int64_t> zero(static_cast<std::size_t>(mesh.ndim()), 0);
+      auto placements_of = [&](bool input, std::size_t i) {
+        std::vector<Placement> pl;
+        for (const auto& st : prefix) pl.push_back(input ? st.inputs[i] : st.outputs[i]);
+        pl.resize(static_cast<std::size_t>(mesh.ndim()), Placement::replicate());
+        return pl;
+      };
+      for (std::size_t i = 0; i < in_shapes.size(); ++i) seen_in.push_back(shape_after(mesh, placements_of(true, i), in_shapes[i], zero, d));
+      for (std::size_t i = 0; i < out_shapes.size(); ++i) seen_out.push_back(shape_after(mesh, placements_of(false, i), out_shapes[i], zero, d));
+      for (const auto& st : op_strategies(*node, seen_in, seen_out, mesh.size(d))) {
+        auto extended = prefix;
+        extended.push_back(st);
+        next.push_back(extended);
+      }
+    }
+    chosen = std::move(next);
+  }
+
+  for (const auto& combo : chosen) {
+    auto placements = [&](bool input, std::size_t i) {
+      std::vector<Placement> pl;
+      for (const auto& st : combo) pl.push_back(input ? st.inputs[i] : st.outputs[i]);
+      return pl;
+    };
+    std::string label = c.name + " on " + mesh.str() + ":";
+    for (std::size_t i = 0; i < full.size(); ++i) label += " " + to_string(placements(true, i));
+    label += " ->";
+    for (std::size_t i = 0; i < want.size(); ++i) label += " " + to_string(placements(false, i));
+    std::vector<Tensors> local_out(want.size());
+    for (std::int64_t r = 0; r < mesh.size(); ++r) {
+      const auto coord = mesh.coordinate(r);
+      ir::Graph lg;
+      std::vector<ir::Value*> lin;
+      Tensors args;
+      for (std::size_t i = 0; i < full.size(); ++i) {
+        args.push_back(shard(full[i], placements(true, i), mesh, coord, 1000 + i));
+        lin.push_back(lg.add_input("in" + std::to_string(i), {args.back().sizes().vec(), exec::from_aten(args.back().scalar_type()), "cpu", false}));
+      }
+      std::vector<Shape> local_shapes;
+      for (std::size_t i = 0; i < want.size(); ++i) {
+        local_shapes.push_back(ShardingSpec{placements(false, i), node->outputs()[i]->meta()}.local_shape(mesh, coord));
+      }
+      const ir::Node* ln = lg.add_node(c.op, lin, local_attrs(*node, local_shapes));
+      for (std::size_t i = 0; i < want.size(); ++i) {
+        EXPECT_EQ(ln->outputs()[i]->meta().shape, local_shapes[i]) << label << " rank " << r << " output " << i;
+      }
+      Tensors out = kernel(*ln, args);
+      for (std::size_t i = 0; i < out.size(); ++i) local_out[i].push_back(out[i]);
+    }
+    ++checked.combinations;
+    for (std::size_t i = 0; i < want.size(); ++i) {
+      std::string why;
+      std::vector<std::int64_t> coord(static_cast<std::size_t>(mesh.ndim()), 0);
+      at::Tensor got = assemble(local_out[i], placements(false, i), mesh, 0, coord, why);
+      const bool ok = got.defined() && got.sizes() == want[i].sizes() && at::allclose(got, want[i], 1e-8, 1e-10);
+      if (!ok) ++checked.failures;
+      EXPECT_TRUE(ok) << label << " output " << i << ": " << (got.defined() ? "values differ" : why);
+    }
+  }
+}
+
+TEST(ShardingRules, EveryClaimedStrategyHoldsOn2And3RanksAnd2x2) {
+  const std::vector<DeviceMesh> meshes{DeviceMesh({{"x", 2}}), DeviceMesh({{"x", 3}}), DeviceMesh({{"a", 2}, {"b", 2}})};
+  Checked checked;
+  std::set<std::string> ops;
+  for (const auto& c : cases()) {
+    ops.insert(c.op);
+    for (const auto& mesh : meshes) check(c, mesh, checked);
+  }
+  std::printf("rule validation: %zu ops, %zu cases, %d (op x placements x mesh) combinations checked, %d failed\n",
+              ops.size(), cases().size(), checked.combinations, checked.failures);
+  EXPECT_EQ(checked.failures, 0);
+  // Every op with a kernel (except the communication ops, placed by the rewriter) has rules and a case here.
+  for (const auto& op : ir::OpRegistry::global().names()) {
+    if (exec::find_kernel(op) != nullptr) {
+      EXPECT_TRUE(ops.count(op)) << "no rule-validation case for op " << op;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace spmdx::sharding
