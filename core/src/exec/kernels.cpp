@@ -164,6 +164,15 @@ const std::map<std::string, Kernel>& kernels() {
       param.addcdiv_(exp_avg, denom, -lr / bc1);
       return Tensors{param, exp_avg, exp_avg_sq};
     };
+    // Local halves of redistribution (the collectives run in the comm layer, not here).
+    k["chunk"] = [](const Node& n, const Tensors& x) {
+      const auto& sizes = n.attr_ints("sizes");
+      const auto index = static_cast<std::size_t>(n.attr_int("index"));
+      std::int64_t start = 0;
+      for (std::size_t i = 0; i < index; ++i) start += sizes[i];
+      return one(x[0].narrow(wrap(n.attr_int("dim"), x[0].dim()), start, sizes[index]).contiguous());
+    };
+    k["to_partial"] = [](const Node& n, const Tensors& x) { return one(n.attr_int("index") == 0 ? x[0] : at::zeros_like(x[0])); };
     k["slice_backward"] = [](const Node& n, const Tensors& x) {
       const auto& shape = n.attr_ints("input_shape");
       const auto dim = wrap(n.attr_int("dim"), static_cast<std::int64_t>(shape.size()));

@@ -381,6 +381,64 @@ std::vector<OpSchema> builtin_ops() {
                    return std::vector{like(*in[0], in[0]->shape, false), like(*in[2], in[2]->shape, false),
                                       like(*in[3], in[3]->shape, false)};
                  }});
+  // ---- Communication (inserted by the rewriter into per-rank graphs) ----
+  // mesh_dim names the process group: the ranks that differ from this one only along that
+  // mesh dim. sizes: the chunk sizes of all group members along `dim` (torch.chunk); index:
+  // this rank's position in the group. Semantics as torch.distributed's collectives.
+  auto sum_of = [](const Shape& v) { return std::accumulate(v.begin(), v.end(), std::int64_t{0}); };
+  auto at_index = [](const Attributes& a, const char* key) {
+    const Shape& sizes = std::get<Shape>(a.at(key));
+    const auto index = std::get<std::int64_t>(a.at("index"));
+    if (index < 0 || index >= static_cast<std::int64_t>(sizes.size())) fail("index " + std::to_string(index) + " outside " + key);
+    return sizes[static_cast<std::size_t>(index)];
+  };
+  const AttrSpec mesh_dim{"mesh_dim", AttrType::integer, true, {}};
+  const AttrSpec reduce_op{"op", AttrType::string, false, std::string("sum")};
+  const AttrSpec index{"index", AttrType::integer, true, {}};
+  ops.push_back({"all_reduce", 1, 1, {mesh_dim, reduce_op}, [](const Metas& in, const Attributes&) { return std::vector{*in[0]}; }});
+  ops.push_back({"all_gather", 1, 1, {mesh_dim, {"dim", AttrType::integer, true, {}}, {"sizes", AttrType::ints, true, {}}, index},
+                 [=](const Metas& in, const Attributes& a) {
+                   Shape s = in[0]->shape;
+                   auto d = static_cast<std::size_t>(wrap_dim(std::get<std::int64_t>(a.at("dim")), in[0]->rank()));
+                   if (s[d] != at_index(a, "sizes")) fail("the local dim " + std::to_string(d) + " is not this rank's chunk size");
+                   s[d] = sum_of(std::get<Shape>(a.at("sizes")));
+                   return std::vector{like(*in[0], s, in[0]->requires_grad)};
+                 }});
+  ops.push_back({"reduce_scatter", 1, 1,
+                 {mesh_dim, {"dim", AttrType::integer, true, {}}, reduce_op, {"sizes", AttrType::ints, true, {}}, index},
+                 [=](const Metas& in, const Attributes& a) {
+                   Shape s = in[0]->shape;
+                   auto d = static_cast<std::size_t>(wrap_dim(std::get<std::int64_t>(a.at("dim")), in[0]->rank()));
+                   if (s[d] != sum_of(std::get<Shape>(a.at("sizes")))) fail("dim " + std::to_string(d) + " is not the sum of sizes");
+                   s[d] = at_index(a, "sizes");
+                   return std::vector{like(*in[0], s, in[0]->requires_grad)};
+                 }});
+  // all_to_all: Shard(gather_dim) -> Shard(scatter_dim) along the group.
+  ops.push_back({"all_to_all", 1, 1,
+                 {mesh_dim, {"gather_dim", AttrType::integer, true, {}}, {"scatter_dim", AttrType::integer, true, {}},
+                  {"gather_sizes", AttrType::ints, true, {}}, {"scatter_sizes", AttrType::ints, true, {}}, index},
+                 [=](const Metas& in, const Attributes& a) {
+                   Shape s = in[0]->shape;
+                   auto g = static_cast<std::size_t>(wrap_dim(std::get<std::int64_t>(a.at("gather_dim")), in[0]->rank()));
+                   auto c = static_cast<std::size_t>(wrap_dim(std::get<std::int64_t>(a.at("scatter_dim")), in[0]->rank()));
+                   if (s[g] != at_index(a, "gather_sizes") || s[c] != sum_of(std::get<Shape>(a.at("scatter_sizes")))) {
+                     fail("local shape does not match gather_sizes / scatter_sizes");
+                   }
+                   s[g] = sum_of(std::get<Shape>(a.at("gather_sizes")));
+                   s[c] = at_index(a, "scatter_sizes");
+                   return std::vector{like(*in[0], s, in[0]->requires_grad)};
+                 }});
+  // chunk (local, Replicate -> Shard): this rank's torch.chunk piece of `dim`.
+  ops.push_back({"chunk", 1, 1, {{"dim", AttrType::integer, true, {}}, {"sizes", AttrType::ints, true, {}}, index},
+                 [=](const Metas& in, const Attributes& a) {
+                   Shape s = in[0]->shape;
+                   auto d = static_cast<std::size_t>(wrap_dim(std::get<std::int64_t>(a.at("dim")), in[0]->rank()));
+                   if (s[d] != sum_of(std::get<Shape>(a.at("sizes")))) fail("dim " + std::to_string(d) + " is not the sum of sizes");
+                   s[d] = at_index(a, "sizes");
+                   return std::vector{like(*in[0], s, in[0]->requires_grad)};
+                 }});
+  // to_partial (local, Replicate -> Partial(sum)): the value on index 0, zeros elsewhere.
+  ops.push_back({"to_partial", 1, 1, {index}, [](const Metas& in, const Attributes&) { return std::vector{*in[0]}; }});
   // slice_backward: grad of a slice -> zeros of input_shape with grad written into the slice.
   ops.push_back({"slice_backward", 1, 1,
                  {{"input_shape", AttrType::ints, true, {}},

@@ -1,0 +1,74 @@
+// From one logical graph to per-rank graphs (../shared/DESIGN.md: sharding propagation ->
+// redistribute plans -> Rewriter -> DistributedGraph), as GSPMD and PyTorch DTensor do:
+//  1. propagate(): every value gets a placement per mesh dim. Graph inputs take what the
+//     strategy gave (Replicate otherwise); each node picks, per mesh dim, the strategy of its
+//     rule table whose input redistribution moves the fewest bytes (a value already
+//     redistributed to the same placement is reused for free).
+//  2. redistribute_plan(): a placement change as a list of steps per mesh dim, printable
+//     before anything runs.
+//  3. rank_graph(): the rank's own graph: local shapes, and the plan's steps as collectives
+//     (all_reduce, all_gather, reduce_scatter, all_to_all) and local ops (chunk, to_partial).
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "spmdx/ir/graph.h"
+#include "spmdx/placement.h"
+#include "spmdx/sharding/mesh.h"
+
+namespace spmdx::sharding {
+
+using Placements = std::vector<Placement>;  ///< one per mesh dim
+
+struct RedistributeStep {
+  int mesh_dim = 0;
+  Placement from = Placement::replicate();
+  Placement to = Placement::replicate();
+  /// "all_reduce", "all_gather", "reduce_scatter", "all_to_all" (collectives), or "chunk",
+  /// "to_partial", "none" (local, no bytes move).
+  std::string op;
+  /// Bytes each rank sends for this step, by the ring algorithms' counts (all_reduce
+  /// 2(k-1)/k of the tensor, all_gather and reduce_scatter (k-1)/k, all_to_all (k-1)/k^2).
+  double bytes = 0;
+};
+
+/// The steps that take a tensor of global `meta` from `from` to `to` on `mesh`: collectives
+/// from the last mesh dim to the first, then local steps from the first to the last.
+std::vector<RedistributeStep> redistribute_plan(const DeviceMesh& mesh, const ir::TensorMeta& meta, const Placements& from,
+                                                const Placements& to);
+/// "mesh dim 1: P(sum) -> R all_reduce (2048 bytes); ...".
+std::string to_string(const std::vector<RedistributeStep>& plan);
+
+struct DistributedPlan {
+  DeviceMesh mesh;
+  const ir::Graph* graph = nullptr;                                ///< the logical graph
+  std::map<const ir::Value*, Placements> placement;                ///< as each value is produced
+  std::map<const ir::Node*, std::vector<Placements>> inputs;       ///< what each node reads
+  std::map<std::string, Placements> outputs;                       ///< each graph output, as returned
+  double comm_bytes = 0;                                           ///< per rank per run, all steps
+
+  /// The logical graph annotated: each node with the placements it reads and writes, and each
+  /// redistribution with its steps.
+  std::string str() const;
+};
+
+/// Placements for the whole graph. `inputs`: graph input name -> placements (others
+/// Replicate); `outputs`: graph output name -> the placements it must be returned in (others
+/// keep theirs, Partial ones become Replicate). Throws std::invalid_argument naming an input or
+/// output that is not in the graph or whose placement count is not the mesh's ndim, and
+/// ir::IrError for an op without sharding rules.
+DistributedPlan propagate(const ir::Graph& graph, const DeviceMesh& mesh, const std::map<std::string, Placements>& inputs,
+                          const std::map<std::string, Placements>& outputs = {});
+
+/// The graph rank `rank` runs. Every rank's graph has the same nodes in the same order (only
+/// shapes and attributes differ), so collectives match up across ranks. verify()-ed. Throws
+/// ir::IrError when a local shape disagrees with its ShardingSpec.
+ir::Graph rank_graph(const DistributedPlan& plan, std::int64_t rank);
+
+/// True for the ops rank_graph() inserts (collectives and their local halves).
+bool is_communication(const std::string& op);
+
+}  // namespace spmdx::sharding

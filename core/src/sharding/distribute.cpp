@@ -1,0 +1,290 @@
+#include "spmdx/sharding/distribute.h"
+
+#include <algorithm>
+#include <set>
+#include <sstream>
+#include <stdexcept>
+
+#include "spmdx/sharding/rules.h"
+#include "spmdx/sharding/spec.h"
+
+namespace spmdx::sharding {
+namespace {
+
+const Placement kR = Placement::replicate();
+
+double numel(const Shape& s) {
+  double n = 1;
+  for (auto d : s) n *= static_cast<double>(d);
+  return n;
+}
+
+// Bytes one rank sends to move a tensor of `bytes` (as seen on this mesh dim) from -> to.
+double step_cost(const Placement& from, const Placement& to, double bytes, std::int64_t k) {
+  if (from == to || k == 1) return 0;
+  const double f = static_cast<double>(k - 1) / static_cast<double>(k);
+  if (from.is_partial()) return to.is_shard() ? f * bytes : 2 * f * bytes;           // reduce_scatter / all_reduce
+  if (from.is_shard()) return to.is_shard() ? f * bytes / static_cast<double>(k) : f * bytes;  // all_to_all / all_gather
+  return to.is_partial() ? 1.0 : 0.0;  // local; a Partial made from a Replicate costs later, so not quite free
+}
+
+bool shards(const Placement& p, int d) { return p.is_shard() && p.dim() == d; }
+
+}  // namespace
+
+bool is_communication(const std::string& op) {
+  static const std::set<std::string> ops{"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "chunk", "to_partial"};
+  return ops.count(op) > 0;
+}
+
+std::vector<RedistributeStep> redistribute_plan(const DeviceMesh& mesh, const ir::TensorMeta& meta, const Placements& from,
+                                                const Placements& to) {
+  const int n = mesh.ndim();
+  Placements state = from;
+  // Mesh dims whose shard must be undone first because an outer mesh dim changes the same
+  // tensor dim (nested shards are only right when applied outer to inner).
+  std::vector<bool> force(static_cast<std::size_t>(n), false);
+  for (bool changed = true; changed;) {
+    changed = false;
+    for (int i = 0; i < n; ++i) {
+      const auto& f = state[static_cast<std::size_t>(i)];
+      const auto& t = to[static_cast<std::size_t>(i)];
+      if (f == t && !force[static_cast<std::size_t>(i)]) continue;
+      for (int j = i + 1; j < n; ++j) {
+        const auto& sj = state[static_cast<std::size_t>(j)];
+        if (!force[static_cast<std::size_t>(j)] && sj.is_shard() && (shards(f, sj.dim()) || shards(t, sj.dim()))) {
+          force[static_cast<std::size_t>(j)] = changed = true;
+        }
+      }
+    }
+  }
+  std::vector<RedistributeStep> steps;
+  const std::vector<std::int64_t> zero(static_cast<std::size_t>(n), 0);
+  const double elem = static_cast<double>(ir::element_size(meta.dtype));
+  auto others_shard = [&](int i, int d) {
+    for (int j = 0; j < n; ++j) {
+      if (j != i && (shards(state[static_cast<std::size_t>(j)], d) || shards(to[static_cast<std::size_t>(j)], d))) return true;
+    }
+    return false;
+  };
+  for (int i = n - 1; i >= 0; --i) {
+    Placement& s = state[static_cast<std::size_t>(i)];
+    const Placement& t = to[static_cast<std::size_t>(i)];
+    if ((s == t && !force[static_cast<std::size_t>(i)]) || s.is_replicate()) continue;
+    const double bytes = numel(shape_after(mesh, state, meta.shape, zero, i)) * elem;
+    const std::int64_t k = mesh.size(i);
+    RedistributeStep step{i, s, kR, "", 0};
+    if (s.is_partial()) {
+      if (t.is_shard() && !force[static_cast<std::size_t>(i)] && !others_shard(i, t.dim())) step.to = t, step.op = "reduce_scatter";
+      else step.op = "all_reduce";
+    } else if (t.is_shard() && !force[static_cast<std::size_t>(i)] && !others_shard(i, s.dim()) && !others_shard(i, t.dim())) {
+      step.to = t, step.op = "all_to_all";
+    } else {
+      step.op = "all_gather";
+    }
+    step.bytes = step_cost(step.from, step.to, bytes, k);
+    s = step.to;
+    steps.push_back(step);
+  }
+  for (int i = 0; i < n; ++i) {
+    Placement& s = state[static_cast<std::size_t>(i)];
+    const Placement& t = to[static_cast<std::size_t>(i)];
+    if (s == t) continue;
+    RedistributeStep step{i, s, t, t.is_shard() ? "chunk" : (t.is_partial() && t.reduce_op() == ReduceOp::sum ? "to_partial" : "none"), 0};
+    s = t;
+    steps.push_back(step);
+  }
+  return steps;
+}
+
+std::string to_string(const std::vector<RedistributeStep>& plan) {
+  std::ostringstream out;
+  for (std::size_t i = 0; i < plan.size(); ++i) {
+    const auto& s = plan[i];
+    out << (i ? "; " : "") << "mesh dim " << s.mesh_dim << ": " << s.from.str() << " -> " << s.to.str() << " " << s.op;
+    if (s.bytes > 0) out << " (" << static_cast<std::int64_t>(s.bytes) << " bytes)";
+  }
+  return out.str();
+}
+
+DistributedPlan propagate(const ir::Graph& graph, const DeviceMesh& mesh, const std::map<std::string, Placements>& inputs,
+                          const std::map<std::string, Placements>& outputs) {
+  DistributedPlan plan{mesh, &graph, {}, {}, {}, 0};
+  const int n = mesh.ndim();
+  const Placements all_r(static_cast<std::size_t>(n), kR);
+  for (const auto& [name, pl] : inputs) {
+    if (graph.find_input(name) == nullptr) throw std::invalid_argument("placement given for '" + name + "', which is not a graph input");
+    if (static_cast<int>(pl.size()) != n) {
+      throw std::invalid_argument("input '" + name + "' has " + std::to_string(pl.size()) + " placements for a mesh of " +
+                                  std::to_string(n) + " dims (" + mesh.str() + ")");
+    }
+  }
+  for (const ir::Value* v : graph.inputs()) {
+    auto it = inputs.find(v->name());
+    plan.placement[v] = it == inputs.end() ? all_r : it->second;
+  }
+  // Values already redistributed, by target placements: reusing one costs nothing.
+  std::set<std::pair<const ir::Value*, std::string>> made;  // keyed by to_string(placements)
+  auto bytes_of = [](const ir::Value* v, const Shape& seen) { return numel(seen) * static_cast<double>(ir::element_size(v->meta().dtype)); };
+  const std::vector<std::int64_t> zero(static_cast<std::size_t>(n), 0);
+
+  for (const auto& node : graph.nodes()) {
+    const std::size_t n_in = node->inputs().size(), n_out = node->outputs().size();
+    std::vector<Placements> in_pl(n_in), out_pl(n_out);
+    for (int i = 0; i < n; ++i) {
+      std::vector<Shape> seen_in, seen_out;
+      for (std::size_t a = 0; a < n_in; ++a) {
+        Placements sofar = in_pl[a];
+        sofar.resize(static_cast<std::size_t>(n), kR);
+        seen_in.push_back(shape_after(mesh, sofar, node->inputs()[a]->meta().shape, zero, i));
+      }
+      for (std::size_t a = 0; a < n_out; ++a) {
+        Placements sofar = out_pl[a];
+        sofar.resize(static_cast<std::size_t>(n), kR);
+        seen_out.push_back(shape_after(mesh, sofar, node->outputs()[a]->meta().shape, zero, i));
+      }
+      const auto candidates = op_strategies(*node, seen_in, seen_out, mesh.size(i));
+      double best_cost = -1;
+      const OpStrategy* best = nullptr;
+      for (const auto& c : candidates) {
+        double cost = 0;
+        std::set<std::pair<const ir::Value*, std::string>> counted;
+        for (std::size_t a = 0; a < n_in; ++a) {
+          const ir::Value* v = node->inputs()[a];
+          const Placements& current = plan.placement.at(v);
+          if (!counted.insert({v, c.inputs[a].str()}).second) continue;  // the same operand twice moves once
+          Placements target = current;
+          for (int j = 0; j < i; ++j) target[static_cast<std::size_t>(j)] = in_pl[a][static_cast<std::size_t>(j)];
+          target[static_cast<std::size_t>(i)] = c.inputs[a];
+          if (target == current || made.count({v, to_string(target)})) continue;
+          cost += step_cost(current[static_cast<std::size_t>(i)], c.inputs[a], bytes_of(v, seen_in[a]), mesh.size(i));
+        }
+        if (best == nullptr || cost < best_cost) best = &c, best_cost = cost;
+      }
+      for (std::size_t a = 0; a < n_in; ++a) in_pl[a].push_back(best->inputs[a]);
+      for (std::size_t a = 0; a < n_out; ++a) out_pl[a].push_back(best->outputs[a]);
+    }
+    for (std::size_t a = 0; a < n_in; ++a) {
+      const ir::Value* v = node->inputs()[a];
+      if (in_pl[a] != plan.placement.at(v) && made.insert({v, to_string(in_pl[a])}).second) {
+        for (const auto& step : redistribute_plan(mesh, v->meta(), plan.placement.at(v), in_pl[a])) plan.comm_bytes += step.bytes;
+      }
+    }
+    for (std::size_t a = 0; a < n_out; ++a) plan.placement[node->outputs()[a]] = out_pl[a];
+    plan.inputs[node.get()] = std::move(in_pl);
+  }
+  for (const auto& [name, pl] : outputs) {
+    if (graph.find_output(name) == nullptr) throw std::invalid_argument("placement required for '" + name + "', which is not a graph output");
+    if (static_cast<int>(pl.size()) != n) throw std::invalid_argument("output '" + name + "' needs one placement per mesh dim");
+  }
+  for (const auto& [name, v] : graph.outputs()) {
+    auto it = outputs.find(name);
+    Placements want = plan.placement.at(v);
+    if (it != outputs.end()) {
+      want = it->second;
+    } else {
+      for (auto& p : want) {
+        if (p.is_partial()) p = kR;
+      }
+    }
+    if (want != plan.placement.at(v) && made.insert({v, to_string(want)}).second) {
+      for (const auto& step : redistribute_plan(mesh, v->meta(), plan.placement.at(v), want)) plan.comm_bytes += step.bytes;
+    }
+    plan.outputs[name] = want;
+  }
+  return plan;
+}
+
+std::string DistributedPlan::str() const {
+  std::ostringstream out;
+  out << "mesh " << mesh.str() << "; " << static_cast<std::int64_t>(comm_bytes) << " bytes sent per rank per run\n";
+  for (const ir::Value* v : graph->inputs()) out << "  input " << v->ref() << ": " << to_string(placement.at(v)) << " " << v->meta().str() << "\n";
+  for (const auto& node : graph->nodes()) {
+    const auto& in = inputs.at(node.get());
+    for (std::size_t a = 0; a < in.size(); ++a) {
+      const ir::Value* v = node->inputs()[a];
+      if (in[a] != placement.at(v)) {
+        out << "  redistribute " << v->ref() << " " << to_string(placement.at(v)) << " -> " << to_string(in[a]) << ": "
+            << to_string(redistribute_plan(mesh, v->meta(), placement.at(v), in[a])) << "\n";
+      }
+    }
+    out << "  ";
+    for (std::size_t a = 0; a < node->outputs().size(); ++a) {
+      out << (a ? ", " : "") << node->outputs()[a]->ref() << ": " << to_string(placement.at(node->outputs()[a]));
+    }
+    out << " = " << node->op() << "(";
+    for (std::size_t a = 0; a < in.size(); ++a) out << (a ? ", " : "") << node->inputs()[a]->ref() << ": " << to_string(in[a]);
+    out << ")\n";
+  }
+  for (const auto& [name, v] : graph->outputs()) out << "  output " << name << ": " << to_string(outputs.at(name)) << "\n";
+  return out.str();
+}
+
+ir::Graph rank_graph(const DistributedPlan& plan, std::int64_t rank) {
+  const DeviceMesh& mesh = plan.mesh;
+  const auto coord = mesh.coordinate(rank);
+  ir::Graph g;
+  std::map<std::pair<const ir::Value*, std::string>, ir::Value*> versions;  // by to_string(placements)
+  auto local_meta = [&](const ir::TensorMeta& meta, const Placements& pl) {
+    ir::TensorMeta m = meta;
+    m.shape = ShardingSpec{pl, meta}.local_shape(mesh, coord);
+    return m;
+  };
+  for (const ir::Value* v : plan.graph->inputs()) {
+    const Placements& pl = plan.placement.at(v);
+    versions[{v, to_string(pl)}] = g.add_input(v->name(), local_meta(v->meta(), pl));
+  }
+  // The local value of `v` in placements `want`, adding the redistribution's nodes once.
+  auto get = [&](const ir::Value* v, const Placements& want) -> ir::Value* {
+    if (auto it = versions.find({v, to_string(want)}); it != versions.end()) return it->second;
+    Placements state = plan.placement.at(v);
+    ir::Value* cur = versions.at({v, to_string(state)});
+    for (const auto& step : redistribute_plan(mesh, v->meta(), state, want)) {
+      const int i = step.mesh_dim;
+      const std::int64_t k = mesh.size(i), index = coord[static_cast<std::size_t>(i)];
+      const Shape level = shape_after(mesh, state, v->meta().shape, coord, i);  // the extent this mesh dim splits
+      auto sizes_of = [&](int d) { return chunk_sizes(level[static_cast<std::size_t>(d)], k); };
+      const std::int64_t mi = i;
+      if (step.op == "all_reduce") {
+        cur = g.add("all_reduce", {cur}, {{"mesh_dim", mi}, {"op", std::string(spmdx::to_string(step.from.reduce_op()))}});
+      } else if (step.op == "reduce_scatter") {
+        cur = g.add("reduce_scatter", {cur}, {{"mesh_dim", mi}, {"dim", std::int64_t{step.to.dim()}},
+                                              {"op", std::string(spmdx::to_string(step.from.reduce_op()))}, {"sizes", sizes_of(step.to.dim())}, {"index", index}});
+      } else if (step.op == "all_gather") {
+        cur = g.add("all_gather", {cur}, {{"mesh_dim", mi}, {"dim", std::int64_t{step.from.dim()}}, {"sizes", sizes_of(step.from.dim())}, {"index", index}});
+      } else if (step.op == "all_to_all") {
+        cur = g.add("all_to_all", {cur}, {{"mesh_dim", mi}, {"gather_dim", std::int64_t{step.from.dim()}}, {"scatter_dim", std::int64_t{step.to.dim()}},
+                                          {"gather_sizes", sizes_of(step.from.dim())}, {"scatter_sizes", sizes_of(step.to.dim())}, {"index", index}});
+      } else if (step.op == "chunk") {
+        cur = g.add("chunk", {cur}, {{"dim", std::int64_t{step.to.dim()}}, {"sizes", sizes_of(step.to.dim())}, {"index", index}});
+      } else if (step.op == "to_partial") {
+        cur = g.add("to_partial", {cur}, {{"index", index}});
+      }
+      state[static_cast<std::size_t>(i)] = step.to;
+      versions[{v, to_string(state)}] = cur;
+    }
+    return cur;
+  };
+  for (const auto& node : plan.graph->nodes()) {
+    const auto& in_pl = plan.inputs.at(node.get());
+    std::vector<ir::Value*> args;
+    for (std::size_t a = 0; a < in_pl.size(); ++a) args.push_back(get(node->inputs()[a], in_pl[a]));
+    std::vector<Shape> local_out;
+    for (const ir::Value* o : node->outputs()) local_out.push_back(local_meta(o->meta(), plan.placement.at(o)).shape);
+    ir::Node* ln = g.add_node(node->op(), args, local_attrs(*node, local_out));
+    for (std::size_t a = 0; a < local_out.size(); ++a) {
+      const ir::Value* o = node->outputs()[a];
+      if (ln->output(static_cast<int>(a))->meta().shape != local_out[a]) {
+        throw ir::IrError("rank " + std::to_string(rank) + ": node %" + std::to_string(node->id()) + " (" + node->op() + ") computes " +
+                          ln->output(static_cast<int>(a))->meta().str() + " locally, its placement " +
+                          to_string(plan.placement.at(o)) + " says " + ir::shape_str(local_out[a]));
+      }
+      versions[{o, to_string(plan.placement.at(o))}] = ln->output(static_cast<int>(a));
+    }
+  }
+  for (const auto& [name, v] : plan.graph->outputs()) g.add_output(name, get(v, plan.outputs.at(name)));
+  g.verify();
+  return g;
+}
+
+}  // namespace spmdx::sharding

@@ -1,0 +1,93 @@
+#include "spmdx/sharding/parallelize.h"
+
+#include <algorithm>
+#include <stdexcept>
+
+namespace spmdx::sharding {
+namespace {
+
+// Levenshtein distance, for "did you mean" lists.
+std::size_t distance(const std::string& a, const std::string& b) {
+  std::vector<std::size_t> row(b.size() + 1);
+  for (std::size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (std::size_t i = 1; i <= a.size(); ++i) {
+    std::size_t diag = row[0];
+    row[0] = i;
+    for (std::size_t j = 1; j <= b.size(); ++j) {
+      const std::size_t up = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diag = up;
+    }
+  }
+  return row[b.size()];
+}
+
+std::string nearest(const std::string& name, const StrategyInput& in) {
+  std::vector<std::pair<std::size_t, std::string>> all;
+  for (const auto* list : {&in.parameters, &in.inputs}) {
+    for (const auto& t : *list) all.emplace_back(distance(name, t.name), t.name);
+  }
+  std::sort(all.begin(), all.end());
+  std::string out;
+  for (std::size_t i = 0; i < all.size() && i < 3; ++i) out += (i ? ", " : "") + all[i].second;
+  return out;
+}
+
+}  // namespace
+
+DeviceMesh make_mesh(const ParallelDims& d, std::int64_t world_size) {
+  std::vector<MeshDim> dims;
+  for (const auto& [name, size] : {std::pair<std::string, std::int64_t>{"dp_replicate", d.dp_replicate}, {"dp_shard", d.dp_shard}, {"tp", d.tp}}) {
+    if (size < 1) throw std::invalid_argument("parallelism degree " + name + " is " + std::to_string(size) + ", must be >= 1");
+    if (size > 1) dims.push_back({name, size});
+  }
+  if (dims.empty()) dims.push_back({"dp_replicate", 1});
+  std::int64_t product = 1;
+  for (const auto& m : dims) product *= m.size;
+  if (product != world_size) {
+    throw std::invalid_argument("data_parallel_replicate_degree (" + std::to_string(d.dp_replicate) + ") x data_parallel_shard_degree (" +
+                                std::to_string(d.dp_shard) + ") x tensor_parallel_degree (" + std::to_string(d.tp) + ") = " +
+                                std::to_string(product) + ", but world_size is " + std::to_string(world_size) +
+                                ": make their product equal the number of ranks");
+  }
+  return DeviceMesh(dims, world_size);
+}
+
+std::string strategy_for(const std::string& mesh_dim) {
+  if (mesh_dim == "dp_replicate" || mesh_dim == "dp") return "data_parallel";
+  if (mesh_dim == "dp_shard") return "fsdp";
+  if (mesh_dim == "tp") return "tensor_parallel";
+  throw std::invalid_argument("no strategy decides mesh dim '" + mesh_dim + "' (known: dp_replicate, dp_shard, tp)");
+}
+
+std::map<std::string, Placements> parallelize(PluginRegistry& registry, const DeviceMesh& mesh, const StrategyInput& in,
+                                              const std::map<std::string, std::string>& strategies) {
+  std::map<std::string, Placements> out;
+  for (const auto* list : {&in.parameters, &in.inputs}) {
+    for (const auto& t : *list) out[t.name] = Placements(static_cast<std::size_t>(mesh.ndim()), Placement::replicate());
+  }
+  StrategyInput with_mesh = in;
+  with_mesh.mesh = mesh.dims();
+  for (int i = 0; i < mesh.ndim(); ++i) {
+    if (mesh.size(i) == 1) continue;
+    const std::string& dim = mesh.dims()[static_cast<std::size_t>(i)].name;
+    const auto chosen = strategies.find(dim);
+    const std::string name = chosen != strategies.end() ? chosen->second : strategy_for(dim);
+    const PlacementMap placed = registry.make_strategy(name)->place(with_mesh);
+    for (const auto& [tensor, pl] : placed) {
+      auto it = out.find(tensor);
+      if (it == out.end()) {
+        throw std::invalid_argument("strategy '" + name + "' places '" + tensor + "', which is neither a parameter nor an input; nearest: " +
+                                    nearest(tensor, in));
+      }
+      if (static_cast<int>(pl.size()) != mesh.ndim()) {
+        throw std::invalid_argument("strategy '" + name + "' gave " + std::to_string(pl.size()) + " placements for '" + tensor +
+                                    "' on a mesh of " + std::to_string(mesh.ndim()) + " dims");
+      }
+      it->second[static_cast<std::size_t>(i)] = pl[static_cast<std::size_t>(i)];
+    }
+  }
+  return out;
+}
+
+}  // namespace spmdx::sharding

@@ -1,0 +1,208 @@
+// The whole pipeline on llama tiny, every rank in one process: strategy plugins place the
+// parameters and the batch, propagation places everything else, the rewriter makes each rank's
+// graph with its collectives, and SimulatedRun executes them in lock step. The losses and
+// gradients must equal one rank's within 1e-5 relative, for dp, fsdp, tp and their 2-D
+// compositions.
+#include <ATen/ATen.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "spmdx/data/text_dataset.h"
+#include "spmdx/exec/simulated.h"
+#include "spmdx/exec/trainer.h"
+#include "spmdx/ir/autodiff.h"
+#include "spmdx/sharding/parallelize.h"
+#include "test_util.h"
+
+namespace spmdx {
+namespace {
+
+using sharding::Placements;
+using ::testing::HasSubstr;
+
+constexpr std::int64_t kVocab = 256, kBatch = 4, kSeq = 8;
+
+struct Layout {
+  std::string name;
+  sharding::ParallelDims dims;
+  std::int64_t world;
+};
+
+std::vector<Layout> layouts() {
+  return {{"dp4", {4, 1, 1}, 4},       {"fsdp4", {1, 4, 1}, 4},      {"tp2", {1, 1, 2}, 2},
+          {"fsdp2xtp2", {1, 2, 2}, 4}, {"dp2xtp2", {2, 1, 2}, 4},    {"hsdp2x2", {2, 2, 1}, 4}};
+}
+
+PluginRegistry& registry() {
+  static PluginRegistry* r = [] {
+    auto* reg = new PluginRegistry();  // lives for the test process, as plugins do
+    reg->discover(plugin_search_path({}));
+    return reg;
+  }();
+  return *r;
+}
+
+StrategyInput strategy_input(const models::Model& m) {
+  StrategyInput in;
+  for (const auto& spec : m.init) {
+    if (spec.trainable) in.parameters.push_back({spec.name, spec.shape});
+  }
+  for (const char* name : {"tokens", "labels"}) in.inputs.push_back({name, m.graph.find_input(name)->meta().shape});
+  return in;
+}
+
+exec::TensorMap batch(std::uint64_t seed) {
+  std::string text;
+  for (int i = 0; i < 30; ++i) text += "Every rank computes what one rank computes, step " + std::to_string(i) + ".\n";
+  static test::TempDir dir;
+  test::write_file(dir / "text.txt", text);
+  data::ByteTokenizer tok;
+  data::TextDataset ds({{(dir / "text.txt").string()}, kBatch, kSeq, seed}, tok);
+  auto b = ds.next_batch();
+  auto t = [](const std::vector<std::int64_t>& v) { return at::tensor(v, at::kLong).reshape({kBatch, kSeq}); };
+  return {{"tokens", t(b.tokens)}, {"labels", t(b.labels)}};
+}
+
+// Runs `graph` on every rank of `plan`'s mesh from full inputs; returns the outputs put
+// back together by their placements.
+exec::TensorMap run_distributed(const sharding::DistributedPlan& plan, const exec::TensorMap& full) {
+  const auto& mesh = plan.mesh;
+  std::vector<ir::Graph> graphs;
+  std::vector<exec::TensorMap> inputs(static_cast<std::size_t>(mesh.size()));
+  for (std::int64_t r = 0; r < mesh.size(); ++r) {
+    graphs.push_back(sharding::rank_graph(plan, r));
+    for (const ir::Value* v : plan.graph->inputs()) {
+      inputs[static_cast<std::size_t>(r)][v->name()] = exec::shard_tensor(full.at(v->name()), plan.placement.at(v), mesh, mesh.coordinate(r));
+    }
+  }
+  exec::SimulatedRun run(mesh, std::move(graphs));
+  auto local = run.run(inputs);
+  exec::TensorMap out;
+  for (const auto& [name, v] : plan.graph->outputs()) {
+    std::vector<at::Tensor> parts;
+    for (const auto& l : local) parts.push_back(l.at(name));
+    out[name] = exec::assemble_tensor(parts, plan.outputs.at(name), mesh);
+  }
+  return out;
+}
+
+double rel(const at::Tensor& a, const at::Tensor& b) {
+  return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item<double>();
+}
+
+TEST(Distributed, LlamaTinyGradientsEqualOneRank) {
+  for (const auto& layout : layouts()) {
+    SCOPED_TRACE(layout.name);
+    models::Model m = models::build_model(models::model_args("llama", "tiny", kVocab), kBatch, kSeq);
+    std::vector<ir::Value*> params;
+    for (const auto& p : m.params) params.push_back(m.graph.find_input(p));
+    auto grads = ir::gradients(m.graph, m.graph.find_output("loss"), params);
+    for (std::size_t i = 0; i < grads.size(); ++i) m.graph.add_output("grad." + m.params[i], grads[i]);
+    m.graph.verify();
+
+    exec::TensorMap full = exec::init_tensors(m, 42);
+    for (auto& [k, v] : batch(3)) full[k] = v;
+    const exec::TensorMap want = exec::Executor(m.graph).run(full);
+
+    const auto mesh = sharding::make_mesh(layout.dims, layout.world);
+    auto placements = sharding::parallelize(registry(), mesh, strategy_input(m));
+    std::map<std::string, Placements> out_pl;
+    for (const auto& p : m.params) out_pl["grad." + p] = placements.at(p);
+    const auto plan = sharding::propagate(m.graph, mesh, placements, out_pl);
+    const exec::TensorMap got = run_distributed(plan, full);
+
+    EXPECT_LE(rel(got.at("loss"), want.at("loss")), 1e-5);
+    for (const auto& p : m.params) EXPECT_LE(rel(got.at("grad." + p), want.at("grad." + p)), 1e-5) << p;
+    std::printf("%-10s mesh %-22s comm %8.0f bytes/rank/step  loss %.6f vs %.6f\n", layout.name.c_str(), mesh.str().c_str(),
+                plan.comm_bytes, got.at("loss").item<double>(), want.at("loss").item<double>());
+  }
+}
+
+TEST(Distributed, LlamaTinyTrainStepLossesEqualOneRankFor5Steps) {
+  for (const auto& layout : layouts()) {
+    SCOPED_TRACE(layout.name);
+    const auto args = models::model_args("llama", "tiny", kVocab);
+    models::Model m = models::build_model(args, kBatch, kSeq);
+    exec::TensorMap init = exec::init_tensors(m, 42);
+    exec::Trainer one(models::build_model(args, kBatch, kSeq), {}, init);
+
+    train::append_train_step(m.graph, m.params, {});
+    const auto mesh = sharding::make_mesh(layout.dims, layout.world);
+    auto placements = sharding::parallelize(registry(), mesh, strategy_input(m));
+    for (const auto& p : m.params) placements["exp_avg." + p] = placements["exp_avg_sq." + p] = placements.at(p);
+    std::map<std::string, Placements> out_pl;
+    for (const auto& s : train::train_state_names(m.params)) out_pl["next." + s] = placements.at(s);
+    const auto plan = sharding::propagate(m.graph, mesh, placements, out_pl);
+
+    exec::TensorMap state = one.state();
+    for (std::int64_t step = 1; step <= 5; ++step) {
+      exec::TensorMap feed = state;
+      for (auto& [k, v] : batch(static_cast<std::uint64_t>(step))) feed[k] = v;
+      const double lr = 8e-4 * train::lr_factor(step, 2, 5);
+      feed["lr"] = at::scalar_tensor(lr, at::kFloat);
+      feed["step"] = at::scalar_tensor(static_cast<double>(step), at::kFloat);
+      const exec::TensorMap got = run_distributed(plan, feed);
+      const double want = one.step(step, lr, feed.at("tokens"), feed.at("labels")).loss;
+      EXPECT_NEAR(got.at("loss").item<double>(), want, 1e-5 * std::abs(want)) << "step " << step;
+      for (const auto& s : train::train_state_names(m.params)) state[s] = got.at("next." + s);
+    }
+    for (const auto& p : m.params) EXPECT_LE(rel(state.at(p), one.state().at(p)), 1e-4) << p;
+  }
+}
+
+TEST(Distributed, FsdpGathersParametersAndReduceScattersGradients) {
+  models::Model m = models::build_model(models::model_args("mlp", "tiny", kVocab), kBatch, kSeq);
+  train::append_train_step(m.graph, m.params, {});
+  const auto mesh = sharding::make_mesh({1, 4, 1}, 4);
+  auto placements = sharding::parallelize(registry(), mesh, strategy_input(m));
+  EXPECT_EQ(to_string(placements.at("w1.weight")), "S(0)");
+  EXPECT_EQ(to_string(placements.at("tokens")), "S(0)");
+  for (const auto& p : m.params) placements["exp_avg." + p] = placements["exp_avg_sq." + p] = placements.at(p);
+  std::map<std::string, Placements> out_pl;
+  for (const auto& s : train::train_state_names(m.params)) out_pl["next." + s] = placements.at(s);
+  const auto plan = sharding::propagate(m.graph, mesh, placements, out_pl);
+  const ir::Graph g = sharding::rank_graph(plan, 1);
+  std::map<std::string, int> count;
+  for (const auto& n : g.nodes()) ++count[n->op()];
+  EXPECT_EQ(count["all_gather"], 3) << plan.str();     // each weight gathered once for use
+  EXPECT_EQ(count["reduce_scatter"], 3) << plan.str(); // each gradient reduce-scattered once
+  EXPECT_EQ(g.find_input("w1.weight")->meta().shape, (std::vector<std::int64_t>{48, 64}));
+}
+
+TEST(Distributed, DegreesThatDoNotMultiplyToWorldSizeAreRejected) {
+  try {
+    sharding::make_mesh({1, 2, 2}, 8);
+    FAIL();
+  } catch (const std::invalid_argument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("= 4, but world_size is 8"));
+  }
+}
+
+TEST(Distributed, StrategyNamingAMissingTensorListsNearNames) {
+  models::Model m = models::build_model(models::model_args("mlp", "tiny", kVocab), kBatch, kSeq);
+  PluginRegistry reg;
+  reg.discover({{std::string(TEST_PLUGIN_DIR) + "/test_typo", PluginSource::Origin::user}});
+  try {
+    sharding::parallelize(reg, sharding::make_mesh({1, 1, 2}, 2), strategy_input(m), {{"tp", "test_typo"}});
+    FAIL();
+  } catch (const std::invalid_argument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("strategy 'test_typo' places 'w1.weigth', which is neither a parameter nor an input; nearest: w1.weight"));
+  }
+}
+
+TEST(Distributed, RedistributePlansArePrintable) {
+  const sharding::DeviceMesh mesh({{"a", 2}, {"b", 2}});
+  const ir::TensorMeta meta{{8, 4}, ir::DType::f32, "cpu", false};
+  const auto S0 = Placement::shard(0), R = Placement::replicate(), P = Placement::partial();
+  EXPECT_EQ(sharding::to_string(sharding::redistribute_plan(mesh, meta, {P, R}, {R, R})),
+            "mesh dim 0: P(sum) -> R all_reduce (128 bytes)");
+  EXPECT_EQ(sharding::to_string(sharding::redistribute_plan(mesh, meta, {P, R}, {S0, R})),
+            "mesh dim 0: P(sum) -> S(0) reduce_scatter (64 bytes)");
+  EXPECT_EQ(sharding::to_string(sharding::redistribute_plan(mesh, meta, {S0, S0}, {R, R})),
+            "mesh dim 1: S(0) -> R all_gather (32 bytes); mesh dim 0: S(0) -> R all_gather (64 bytes)");
+  EXPECT_EQ(sharding::to_string(sharding::redistribute_plan(mesh, meta, {R, R}, {S0, Placement::shard(1)})),
+            "mesh dim 0: R -> S(0) chunk; mesh dim 1: R -> S(1) chunk");
+}
+
+}  // namespace
+}  // namespace spmdx
