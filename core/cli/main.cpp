@@ -3,14 +3,21 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include <chrono>
 #include <cstdio>
+#include <filesystem>
+#include <fstream>
 #include <iomanip>
 #include <iostream>
 
 #include "spmdx/core/log.h"
 #include "spmdx/core/registry.h"
 #include "spmdx/core/version.h"
+#include "spmdx/config/config.h"
+#include "spmdx/data/tokenizer.h"
 #include "spmdx/ir/serialize.h"
+#include "spmdx/sharding/distribute.h"
+#include "spmdx/train/job.h"
 #include "spmdx/models/model.h"
 #include "spmdx/train/train_step.h"
 
@@ -77,6 +84,93 @@ int run_graph(const GraphOptions& o) {
   return 0;
 }
 
+// "--section.key value" pairs left over by CLI11, as torchtitan's command-line overrides.
+void apply_overrides(spmdx::config::Config& cfg, const std::vector<std::string>& extras) {
+  for (std::size_t i = 0; i < extras.size(); ++i) {
+    const std::string& a = extras[i];
+    if (a.rfind("--", 0) != 0 || a.find('.') == std::string::npos) {
+      throw spmdx::config::ConfigError("command line: unexpected argument '" + a + "' (overrides look like --section.key value)");
+    }
+    std::string key = a.substr(2), value;
+    if (auto eq = key.find('='); eq != std::string::npos) {
+      value = key.substr(eq + 1);
+      key.resize(eq);
+    } else if (i + 1 < extras.size()) {
+      value = extras[++i];
+    } else {
+      throw spmdx::config::ConfigError("command line: " + a + " needs a value");
+    }
+    cfg.override_value(key, value);
+  }
+}
+
+std::string human_bytes(double b) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  int u = 0;
+  while (b >= 1024 && u < 4) b /= 1024, ++u;
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.1f %s", b, units[u]);
+  return buf;
+}
+
+struct CompileOptions {
+  std::string config;
+  std::int64_t world_size = 0;
+  std::string dump;
+  bool fake = false;
+  bool print_config = false;
+  std::vector<std::string> overrides;
+};
+
+// Plans a job without starting ranks: placements, each rank's graph, bytes per rank.
+int run_compile(const CompileOptions& o) {
+  namespace fs = std::filesystem;
+  spmdx::config::Config cfg = spmdx::config::Config::load(o.config);
+  apply_overrides(cfg, o.overrides);
+  if (o.print_config) {
+    std::cout << cfg.to_toml();
+    return 0;
+  }
+  const auto start = std::chrono::steady_clock::now();
+  std::int64_t world = o.world_size;
+  if (world <= 0) {
+    const std::int64_t shard = cfg.get_int("parallelism.data_parallel_shard_degree");
+    world = cfg.get_int("parallelism.data_parallel_replicate_degree") * cfg.get_int("parallelism.tensor_parallel_degree") * (shard > 0 ? shard : 1);
+  }
+  const auto tokenizer = spmdx::data::make_tokenizer(cfg.get_string("model.tokenizer"));
+  const spmdx::train::JobSpec spec = spmdx::train::job_spec(cfg, world, tokenizer->vocab_size());
+  spmdx::PluginRegistry registry;
+  std::vector<std::filesystem::path> paths(cfg.get_list("plugins.paths").begin(), cfg.get_list("plugins.paths").end());
+  registry.discover(spmdx::plugin_search_path(paths));
+  spmdx::train::PlacedJob job = spmdx::train::place_job(spec, registry);
+  const auto plan = spmdx::sharding::propagate(job.model.graph, job.mesh, job.inputs, job.outputs, job.use);
+  const std::int64_t dumped_ranks = o.dump.empty() ? 0 : (o.fake ? 1 : world);
+  if (!o.dump.empty()) {
+    fs::create_directories(o.dump);
+    auto write = [&](const std::string& name, const std::string& text) { std::ofstream(fs::path(o.dump) / name) << text; };
+    write("logical.txt", job.model.graph.str());
+    write("logical.json", spmdx::ir::to_json(job.model.graph));
+    write("plan.txt", plan.str());
+    write("plan.json", plan.to_json());
+    for (std::int64_t r = 0; r < dumped_ranks; ++r) {
+      const spmdx::ir::Graph g = spmdx::sharding::rank_graph(plan, r);
+      write("rank" + std::to_string(r) + ".txt", g.str());
+      write("rank" + std::to_string(r) + ".json", spmdx::ir::to_json(g));
+    }
+  } else {
+    spmdx::sharding::rank_graph(plan, 0);  // checks that the local shapes work out
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const double param = static_cast<double>(spmdx::train::local_parameter_bytes(job, 0));
+  std::cout << "model " << spec.model.name << " " << spec.model.flavor << " (vocab " << spec.model.vocab_size << "), " << job.model.graph.num_nodes()
+            << " nodes; mesh " << job.mesh.str() << " (" << world << " ranks); global batch " << spec.global_batch_size << " x " << spec.seq_len << "\n"
+            << "per rank (rank 0): parameters " << human_bytes(param) << ", gradients " << human_bytes(param) << ", AdamW state "
+            << human_bytes(2 * param) << ", communication " << human_bytes(plan.comm_bytes) << " sent per step\n"
+            << "planned in " << seconds << " s" << (o.fake ? " (--fake: no ranks started" : " (no ranks started")
+            << (dumped_ranks ? "; wrote " + o.dump + " with " + std::to_string(dumped_ranks) + " rank graph(s))" : ")") << "\n";
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -109,6 +203,15 @@ int main(int argc, char** argv) {
   graph->add_flag("--json", graph_options.json, "Print the versioned JSON form instead of text");
   graph->add_flag("--forward-only", graph_options.forward_only, "Only the forward graph and loss");
 
+  auto* compile = app.add_subcommand("compile", "Plan a job from its config without starting ranks: placements, rank graphs, bytes");
+  compile->allow_extras();  // --section.key value overrides
+  CompileOptions compile_options;
+  compile->add_option("config", compile_options.config, "The job's TOML config")->required()->check(CLI::ExistingFile);
+  compile->add_option("--world-size", compile_options.world_size, "Ranks to plan for (default: the product of the config's degrees)");
+  compile->add_option("--dump", compile_options.dump, "Write logical.{txt,json}, plan.{txt,json} and rankR.{txt,json} here");
+  compile->add_flag("--fake", compile_options.fake, "Plan a mesh larger than this machine; dump only rank 0's graph");
+  compile->add_flag("--print-config", compile_options.print_config, "Print the effective config and exit");
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -128,6 +231,10 @@ int main(int argc, char** argv) {
   try {
     if (plugins->parsed()) return run_plugins(plugin_paths, json);
     if (graph->parsed()) return run_graph(graph_options);
+    if (compile->parsed()) {
+      compile_options.overrides = compile->remaining();
+      return run_compile(compile_options);
+    }
   } catch (const std::exception& e) {
     std::cerr << "error: " << e.what() << "\n";
     return 1;

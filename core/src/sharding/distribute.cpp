@@ -1,5 +1,7 @@
 #include "spmdx/sharding/distribute.h"
 
+#include <nlohmann/json.hpp>
+
 #include <algorithm>
 #include <set>
 #include <sstream>
@@ -108,7 +110,7 @@ std::string to_string(const std::vector<RedistributeStep>& plan) {
 }
 
 DistributedPlan propagate(const ir::Graph& graph, const DeviceMesh& mesh, const std::map<std::string, Placements>& inputs,
-                          const std::map<std::string, Placements>& outputs) {
+                          const std::map<std::string, Placements>& outputs, const std::map<std::string, Placements>& use) {
   DistributedPlan plan{mesh, &graph, {}, {}, {}, 0};
   const int n = mesh.ndim();
   const Placements all_r(static_cast<std::size_t>(n), kR);
@@ -125,6 +127,37 @@ DistributedPlan propagate(const ir::Graph& graph, const DeviceMesh& mesh, const 
   }
   // Values already redistributed, by target placements: reusing one costs nothing.
   std::set<std::pair<const ir::Value*, std::string>> made;  // keyed by to_string(placements)
+  auto make = [&](const ir::Value* v, const Placements& want) {
+    if (want != plan.placement.at(v) && made.insert({v, to_string(want)}).second) {
+      for (const auto& step : redistribute_plan(mesh, v->meta(), plan.placement.at(v), want)) plan.comm_bytes += step.bytes;
+    }
+  };
+  // Placements to make a value in as soon as it exists: `use` for inputs, and for gradients
+  // their parameter's placement (through the clipping multiply by a scalar).
+  std::map<const ir::Value*, Placements> hint;
+  for (const auto& [name, pl] : use) {
+    const ir::Value* v = graph.find_input(name);
+    if (v == nullptr || static_cast<int>(pl.size()) != n) {
+      throw std::invalid_argument("use placements for '" + name + "': not a graph input, or not one placement per mesh dim");
+    }
+    hint[v] = pl;
+  }
+  for (auto it = graph.nodes().rbegin(); it != graph.nodes().rend(); ++it) {
+    const ir::Node& node = **it;
+    if (node.op() == "adamw") hint.emplace(node.input(1), plan.placement.at(node.input(0)));
+    if (node.op() == "mul" && hint.count(node.output()) && node.input(1)->meta().shape.empty()) {
+      hint.emplace(node.input(0), hint.at(node.output()));
+    }
+  }
+  for (const ir::Value* v : graph.inputs()) {
+    if (auto h = hint.find(v); h != hint.end()) make(v, h->second);
+  }
+  // Placements graph outputs must end in: a strategy that produces them otherwise pays for
+  // the redistribution (so the optimizer's new state comes out as its input was).
+  std::map<const ir::Value*, Placements> demand;
+  for (const auto& [name, pl] : outputs) {
+    if (const ir::Value* v = graph.find_output(name)) demand.emplace(v, pl);
+  }
   auto bytes_of = [](const ir::Value* v, const Shape& seen) { return numel(seen) * static_cast<double>(ir::element_size(v->meta().dtype)); };
   const std::vector<std::int64_t> zero(static_cast<std::size_t>(n), 0);
 
@@ -159,18 +192,27 @@ DistributedPlan propagate(const ir::Graph& graph, const DeviceMesh& mesh, const 
           if (target == current || made.count({v, to_string(target)})) continue;
           cost += step_cost(current[static_cast<std::size_t>(i)], c.inputs[a], bytes_of(v, seen_in[a]), mesh.size(i));
         }
+        // Work: what the rank computes, as the bytes of the local outputs it produces. A
+        // strategy that replicates an output this mesh dim could split makes every rank of the
+        // dim do the same work; comm bytes alone would favour it when the input it gathers is
+        // small.
+        for (std::size_t a = 0; a < n_out; ++a) {
+          const double out_bytes = bytes_of(node->outputs()[a], seen_out[a]);
+          if (auto d = demand.find(node->outputs()[a]); d != demand.end()) {
+            cost += step_cost(c.outputs[a], d->second[static_cast<std::size_t>(i)], out_bytes, mesh.size(i));
+          }
+          cost += c.outputs[a].is_shard() ? out_bytes / static_cast<double>(mesh.size(i)) : out_bytes;  // a Partial is full size
+        }
         if (best == nullptr || cost < best_cost) best = &c, best_cost = cost;
       }
       for (std::size_t a = 0; a < n_in; ++a) in_pl[a].push_back(best->inputs[a]);
       for (std::size_t a = 0; a < n_out; ++a) out_pl[a].push_back(best->outputs[a]);
     }
-    for (std::size_t a = 0; a < n_in; ++a) {
-      const ir::Value* v = node->inputs()[a];
-      if (in_pl[a] != plan.placement.at(v) && made.insert({v, to_string(in_pl[a])}).second) {
-        for (const auto& step : redistribute_plan(mesh, v->meta(), plan.placement.at(v), in_pl[a])) plan.comm_bytes += step.bytes;
-      }
+    for (std::size_t a = 0; a < n_in; ++a) make(node->inputs()[a], in_pl[a]);
+    for (std::size_t a = 0; a < n_out; ++a) {
+      plan.placement[node->outputs()[a]] = out_pl[a];
+      if (auto h = hint.find(node->outputs()[a]); h != hint.end()) make(node->outputs()[a], h->second);
     }
-    for (std::size_t a = 0; a < n_out; ++a) plan.placement[node->outputs()[a]] = out_pl[a];
     plan.inputs[node.get()] = std::move(in_pl);
   }
   for (const auto& [name, pl] : outputs) {
@@ -187,9 +229,7 @@ DistributedPlan propagate(const ir::Graph& graph, const DeviceMesh& mesh, const 
         if (p.is_partial()) p = kR;
       }
     }
-    if (want != plan.placement.at(v) && made.insert({v, to_string(want)}).second) {
-      for (const auto& step : redistribute_plan(mesh, v->meta(), plan.placement.at(v), want)) plan.comm_bytes += step.bytes;
-    }
+    make(v, want);
     plan.outputs[name] = want;
   }
   return plan;
@@ -218,6 +258,37 @@ std::string DistributedPlan::str() const {
   }
   for (const auto& [name, v] : graph->outputs()) out << "  output " << name << ": " << to_string(outputs.at(name)) << "\n";
   return out.str();
+}
+
+std::string DistributedPlan::to_json() const {
+  using nlohmann::json;
+  json j;
+  j["mesh"] = json::array();
+  for (const auto& d : mesh.dims()) j["mesh"].push_back({{"name", d.name}, {"size", d.size}});
+  j["comm_bytes"] = comm_bytes;
+  j["inputs"] = json::object();
+  for (const ir::Value* v : graph->inputs()) j["inputs"][v->name()] = to_string(placement.at(v));
+  j["nodes"] = json::array();
+  j["redistributions"] = json::array();
+  for (const auto& node : graph->nodes()) {
+    json n{{"id", node->id()}, {"op", node->op()}, {"inputs", json::array()}, {"outputs", json::array()}};
+    const auto& in = inputs.at(node.get());
+    for (std::size_t a = 0; a < in.size(); ++a) {
+      n["inputs"].push_back(to_string(in[a]));
+      const ir::Value* v = node->inputs()[a];
+      if (in[a] == placement.at(v)) continue;
+      json r{{"value", v->ref()}, {"node", node->id()}, {"from", to_string(placement.at(v))}, {"to", to_string(in[a])}, {"steps", json::array()}};
+      for (const auto& step : redistribute_plan(mesh, v->meta(), placement.at(v), in[a])) {
+        r["steps"].push_back({{"mesh_dim", step.mesh_dim}, {"op", step.op}, {"from", step.from.str()}, {"to", step.to.str()}, {"bytes", step.bytes}});
+      }
+      j["redistributions"].push_back(std::move(r));
+    }
+    for (const ir::Value* o : node->outputs()) n["outputs"].push_back(to_string(placement.at(o)));
+    j["nodes"].push_back(std::move(n));
+  }
+  j["outputs"] = json::object();
+  for (const auto& [name, pl] : outputs) j["outputs"][name] = to_string(pl);
+  return j.dump(1);
 }
 
 ir::Graph rank_graph(const DistributedPlan& plan, std::int64_t rank) {

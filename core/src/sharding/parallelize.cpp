@@ -90,4 +90,17 @@ std::map<std::string, Placements> parallelize(PluginRegistry& registry, const De
   return out;
 }
 
+std::map<std::string, Placements> use_placements(const DeviceMesh& mesh, const std::map<std::string, Placements>& params) {
+  std::map<std::string, Placements> out;
+  for (const auto& [name, pl] : params) {
+    Placements use = pl;
+    for (int i = 0; i < mesh.ndim(); ++i) {
+      const std::string& dim = mesh.dims()[static_cast<std::size_t>(i)].name;
+      if (dim == "dp_shard" || dim == "dp_replicate" || dim == "dp") use[static_cast<std::size_t>(i)] = Placement::replicate();
+    }
+    if (use != pl) out[name] = use;
+  }
+  return out;
+}
+
 }  // namespace spmdx::sharding

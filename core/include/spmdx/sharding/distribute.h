@@ -2,8 +2,9 @@
 // redistribute plans -> Rewriter -> DistributedGraph), as GSPMD and PyTorch DTensor do:
 //  1. propagate(): every value gets a placement per mesh dim. Graph inputs take what the
 //     strategy gave (Replicate otherwise); each node picks, per mesh dim, the strategy of its
-//     rule table whose input redistribution moves the fewest bytes (a value already
-//     redistributed to the same placement is reused for free).
+//     rule table with the least cost: the bytes its inputs' redistribution sends (a value
+//     already redistributed to the same placement is reused for free) plus the bytes of the
+//     outputs the rank computes (so that replicating work is not free). Greedy, in graph order.
 //  2. redistribute_plan(): a placement change as a list of steps per mesh dim, printable
 //     before anything runs.
 //  3. rank_graph(): the rank's own graph: local shapes, and the plan's steps as collectives
@@ -53,15 +54,23 @@ struct DistributedPlan {
   /// The logical graph annotated: each node with the placements it reads and writes, and each
   /// redistribution with its steps.
   std::string str() const;
+  /// The same as JSON: {"mesh": [{name, size}], "comm_bytes", "inputs": {name: "S(0)R"},
+  /// "nodes": [{id, op, inputs: [...], outputs: [...]}], "redistributions": [{value, from, to,
+  /// steps: [{mesh_dim, op, from, to, bytes}]}], "outputs": {name: placements}}.
+  std::string to_json() const;
 };
 
 /// Placements for the whole graph. `inputs`: graph input name -> placements (others
 /// Replicate); `outputs`: graph output name -> the placements it must be returned in (others
-/// keep theirs, Partial ones become Replicate). Throws std::invalid_argument naming an input or
-/// output that is not in the graph or whose placement count is not the mesh's ndim, and
-/// ir::IrError for an op without sharding rules.
+/// keep theirs, Partial ones become Replicate); `use`: graph input name -> the placements it is
+/// redistributed to as soon as the step starts (FSDP's unshard: stored sharded, used whole).
+/// The gradient an adamw node reads is made in its parameter's placement as soon as it is
+/// produced (all_reduce for DDP, reduce_scatter for FSDP), so clipping and AdamW reuse it.
+/// Throws std::invalid_argument naming an input or output that is not in the graph or whose
+/// placement count is not the mesh's ndim, and ir::IrError for an op without sharding rules.
 DistributedPlan propagate(const ir::Graph& graph, const DeviceMesh& mesh, const std::map<std::string, Placements>& inputs,
-                          const std::map<std::string, Placements>& outputs = {});
+                          const std::map<std::string, Placements>& outputs = {},
+                          const std::map<std::string, Placements>& use = {});
 
 /// The graph rank `rank` runs. Every rank's graph has the same nodes in the same order (only
 /// shapes and attributes differ), so collectives match up across ranks. verify()-ed. Throws

@@ -1,0 +1,56 @@
+// A training job as the config describes it, with every derived number resolved: the model,
+// the mesh degrees, batch sizes, optimizer and schedule. The one place that turns
+// config::Config into the pipeline's inputs, checking what the parts cannot check alone.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "spmdx/config/config.h"
+#include "spmdx/models/model.h"
+#include "spmdx/sharding/distribute.h"
+#include "spmdx/sharding/parallelize.h"
+#include "spmdx/train/train_step.h"
+
+namespace spmdx::train {
+
+struct JobSpec {
+  models::ModelArgs model;
+  sharding::ParallelDims dims;
+  std::int64_t world_size = 1;
+  std::int64_t global_batch_size = 8;  ///< rows per step, all ranks
+  std::int64_t seq_len = 256;
+  std::int64_t steps = 10;
+  std::int64_t warmup_steps = 2;
+  double lr = 8e-4;
+  double min_lr_factor = 0.0;
+  std::uint64_t seed = 42;
+  TrainStepConfig step;
+};
+
+/// Resolves the config for `world_size` ranks and a tokenizer of `vocab_size` ids:
+/// data_parallel_shard_degree -1 takes the ranks the other degrees leave; the global batch is
+/// global_batch_size, or local_batch_size x the data-parallel degree. Throws
+/// config::ConfigError naming the key when the degrees do not multiply to world_size, the
+/// global batch does not split evenly over the data-parallel ranks, or tensor_parallel_degree
+/// does not divide the model's head count.
+JobSpec job_spec(const config::Config& cfg, std::int64_t world_size, std::int64_t vocab_size);
+
+/// The train step of a job, placed: the model's graph with backward, clipping and AdamW, and
+/// the placements of every input (strategies for parameters and the batch, parameters' for
+/// their optimizer state) and of every state output (as its input).
+struct PlacedJob {
+  models::Model model;
+  sharding::DeviceMesh mesh;
+  std::map<std::string, sharding::Placements> inputs;
+  std::map<std::string, sharding::Placements> outputs;
+  std::map<std::string, sharding::Placements> use;  ///< parameters' placements at use (FSDP unshard)
+};
+PlacedJob place_job(const JobSpec& spec, PluginRegistry& registry);
+
+/// Bytes one rank holds for parameters (equal to its gradients'), and AdamW state (twice).
+std::int64_t local_parameter_bytes(const PlacedJob& job, std::int64_t rank);
+
+}  // namespace spmdx::train

@@ -1,0 +1,304 @@
+#include "spmdx/config/config.h"
+
+#include <toml++/toml.h>
+
+#include <algorithm>
+#include <fstream>
+#include <limits>
+#include <set>
+#include <sstream>
+
+namespace spmdx::config {
+namespace {
+
+using L = std::vector<std::string>;
+
+std::size_t distance(const std::string& a, const std::string& b) {
+  std::vector<std::size_t> row(b.size() + 1);
+  for (std::size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (std::size_t i = 1; i <= a.size(); ++i) {
+    std::size_t diag = row[0];
+    row[0] = i;
+    for (std::size_t j = 1; j <= b.size(); ++j) {
+      const std::size_t up = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diag = up;
+    }
+  }
+  return row[b.size()];
+}
+
+// " (did you mean 'x'?)" for the nearest of `known`, when near enough.
+std::string did_you_mean(const std::string& word, const std::vector<std::string>& known) {
+  std::string best;
+  std::size_t best_d = std::numeric_limits<std::size_t>::max();
+  for (const auto& k : known) {
+    const std::size_t d = distance(word, k);
+    if (d < best_d) best_d = d, best = k;
+  }
+  if (best.empty() || best_d > std::max<std::size_t>(2, word.size() / 3)) return "";
+  return "; did you mean '" + best + "'?";
+}
+
+const char* type_name(Type t) {
+  switch (t) {
+    case Type::integer: return "an integer";
+    case Type::floating: return "a number";
+    case Type::boolean: return "true or false";
+    case Type::string: return "a string";
+    case Type::string_list: return "a list of strings";
+  }
+  return "?";
+}
+
+const KeySpec* find_spec(const std::string& key) {
+  for (const auto& s : schema()) {
+    if (s.key == key) return &s;
+  }
+  return nullptr;
+}
+
+std::vector<std::string> all_keys() {
+  std::vector<std::string> out;
+  for (const auto& s : schema()) out.push_back(s.key);
+  return out;
+}
+
+std::string where(const std::string& source, const toml::source_region& region) {
+  return source + ":" + std::to_string(region.begin.line) + ":" + std::to_string(region.begin.column);
+}
+
+// Checks a value against its spec: range and choices.
+void check_value(const KeySpec& spec, const Value& v, const std::string& at) {
+  auto fail = [&](const std::string& why) { throw ConfigError(at + ": " + spec.key + " " + why); };
+  if (auto* i = std::get_if<std::int64_t>(&v); i && static_cast<double>(*i) < spec.min) {
+    fail("is " + std::to_string(*i) + ", must be >= " + std::to_string(static_cast<std::int64_t>(spec.min)));
+  }
+  if (auto* f = std::get_if<double>(&v); f && *f < spec.min) {
+    std::ostringstream s;
+    s << "is " << *f << ", must be >= " << spec.min;
+    fail(s.str());
+  }
+  if (auto* s = std::get_if<std::string>(&v); s && !spec.choices.empty() &&
+                                               std::find(spec.choices.begin(), spec.choices.end(), *s) == spec.choices.end()) {
+    std::string list;
+    for (const auto& c : spec.choices) list += (list.empty() ? "" : ", ") + c;
+    fail("is \"" + *s + "\", expected one of " + list + did_you_mean(*s, spec.choices));
+  }
+}
+
+std::string quote(const std::string& s) {
+  std::string out = "\"";
+  for (char c : s) out += (c == '"' || c == '\\') ? std::string("\\") + c : std::string(1, c);
+  return out + "\"";
+}
+
+std::string value_toml(const Value& v) {
+  struct V {
+    std::string operator()(std::int64_t x) const { return std::to_string(x); }
+    std::string operator()(double x) const {
+      std::ostringstream s;
+      s.precision(17);
+      s << x;
+      std::string t = s.str();
+      if (t.find_first_of(".eEn") == std::string::npos) t += ".0";
+      return t;
+    }
+    std::string operator()(bool x) const { return x ? "true" : "false"; }
+    std::string operator()(const std::string& x) const { return quote(x); }
+    std::string operator()(const std::vector<std::string>& x) const {
+      std::string out = "[";
+      for (std::size_t i = 0; i < x.size(); ++i) out += (i ? ", " : "") + quote(x[i]);
+      return out + "]";
+    }
+  };
+  return std::visit(V{}, v);
+}
+
+}  // namespace
+
+namespace {
+KeySpec k(std::string key, Type type, Value default_value, std::string help, double min = -1e300, std::vector<std::string> choices = {}) {
+  return KeySpec{std::move(key), type, std::move(default_value), std::move(help), min, std::move(choices)};
+}
+}  // namespace
+
+const std::vector<KeySpec>& schema() {
+  static const std::vector<KeySpec> keys = {
+      k("job.dump_folder", Type::string, std::string("./outputs"), "where metrics, checkpoints, graphs and traces go"),
+      k("job.seed", Type::integer, std::int64_t{42}, "seed of parameter initialisation", 0),
+      k("model.name", Type::string, std::string("llama"), "model", -1e300, L{"llama", "mlp"}),
+      k("model.flavor", Type::string, std::string("debugmodel"), "model size", -1e300, L{"tiny", "debugmodel"}),
+      k("model.tokenizer", Type::string, std::string("byte"), "\"byte\", or a Hugging Face tokenizer.json (or its folder)"),
+      k("training.steps", Type::integer, std::int64_t{10}, "optimizer steps", 1),
+      k("training.global_batch_size", Type::integer, std::int64_t{-1}, "rows per step over all ranks (-1: local x data-parallel degree)", -1),
+      k("training.local_batch_size", Type::integer, std::int64_t{8}, "rows per step per data-parallel rank (when global is -1)", 1),
+      k("training.seq_len", Type::integer, std::int64_t{256}, "tokens per row", 1),
+      k("training.max_norm", Type::floating, 1.0, "clip the global gradient norm to this (0: off)", 0),
+      k("training.device", Type::string, std::string("cpu"), "where tensors live", -1e300, L{"cpu", "cuda"}),
+      k("optimizer.name", Type::string, std::string("AdamW"), "optimizer", -1e300, L{"AdamW"}),
+      k("optimizer.lr", Type::floating, 8e-4, "peak learning rate", 0),
+      k("optimizer.beta1", Type::floating, 0.9, "AdamW beta1", 0),
+      k("optimizer.beta2", Type::floating, 0.95, "AdamW beta2", 0),
+      k("optimizer.eps", Type::floating, 1e-8, "AdamW eps", 0),
+      k("optimizer.weight_decay", Type::floating, 0.1, "AdamW decoupled weight decay", 0),
+      k("lr_scheduler.warmup_steps", Type::integer, std::int64_t{2}, "linear warm-up steps", 0),
+      k("lr_scheduler.decay_type", Type::string, std::string("linear"), "decay after warm-up", -1e300, L{"linear"}),
+      k("lr_scheduler.min_lr_factor", Type::floating, 0.0, "the decay ends at lr x this", 0),
+      k("data.paths", Type::string_list, L{}, "text or JSON Lines files (\"text\" field)"),
+      k("data.seed", Type::integer, std::int64_t{0}, "seed of batch sampling", 0),
+      k("parallelism.data_parallel_replicate_degree", Type::integer, std::int64_t{1}, "DDP degree (mesh dim dp_replicate)", 1),
+      k("parallelism.data_parallel_shard_degree", Type::integer, std::int64_t{-1}, "FSDP degree (mesh dim dp_shard; -1: the ranks left)", -1),
+      k("parallelism.tensor_parallel_degree", Type::integer, std::int64_t{1}, "Megatron TP degree (mesh dim tp)", 1),
+      k("parallelism.fsdp_reshard_after_forward", Type::string, std::string("default"), "free gathered parameters after forward", -1e300,
+       L{"default", "never", "always"}),
+      k("comm.backend", Type::string, std::string("ucx"), "comm plugin for collectives"),
+      k("comm.timeout_seconds", Type::floating, 300.0, "a collective that takes longer fails, naming the peer", 0),
+      k("comm.swap_at_step", Type::integer, std::int64_t{0}, "hot-swap the backend after this step (0: never)", 0),
+      k("comm.swap_to", Type::string, std::string(""), "the backend to swap to"),
+      k("hooks.enable", Type::string_list, L{}, "debug hook plugins to run"),
+      k("checkpoint.enable", Type::boolean, false, "write checkpoints"),
+      k("checkpoint.folder", Type::string, std::string("checkpoint"), "under job.dump_folder"),
+      k("checkpoint.interval", Type::integer, std::int64_t{10}, "steps between checkpoints", 1),
+      k("checkpoint.load_step", Type::integer, std::int64_t{-1}, "resume from this step (-1: the latest, if any)", -1),
+      k("metrics.log_freq", Type::integer, std::int64_t{1}, "print a line every this many steps", 1),
+      k("plugins.paths", Type::string_list, L{}, "plugin files or folders searched first"),
+  };
+  return keys;
+}
+
+Config::Config() {
+  for (const auto& s : schema()) values_[s.key] = s.default_value;
+}
+
+Config Config::load(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) throw ConfigError(path + ": cannot read the config file (does it exist?)");
+  std::stringstream text;
+  text << in.rdbuf();
+  return parse(text.str(), path);
+}
+
+Config Config::parse(const std::string& text, const std::string& source) {
+  Config cfg;
+  cfg.source_ = source;
+  toml::table root;
+  try {
+    root = toml::parse(text, source);
+  } catch (const toml::parse_error& e) {
+    throw ConfigError(where(source, e.source()) + ": " + std::string(e.description()));
+  }
+  std::set<std::string> sections;
+  for (const auto& s : schema()) sections.insert(s.key.substr(0, s.key.find('.')));
+  for (const auto& [section_key, section_node] : root) {
+    const std::string section(section_key.str());
+    const toml::table* table = section_node.as_table();
+    if (table == nullptr || !sections.count(section)) {
+      throw ConfigError(where(source, section_node.source()) + ": unknown section '" + section + "'" +
+                        did_you_mean(section, std::vector<std::string>(sections.begin(), sections.end())));
+    }
+    for (const auto& [name_key, node] : *table) {
+      const std::string key = section + "." + std::string(name_key.str());
+      const std::string at = where(source, node.source());
+      const KeySpec* spec = find_spec(key);
+      if (spec == nullptr) throw ConfigError(at + ": unknown key '" + key + "'" + did_you_mean(key, all_keys()));
+      Value v;
+      bool ok = true;
+      switch (spec->type) {
+        case Type::integer:
+          if (auto x = node.value_exact<std::int64_t>()) v = *x; else ok = false;
+          break;
+        case Type::floating:
+          if (auto x = node.value_exact<double>()) v = *x;
+          else if (auto y = node.value_exact<std::int64_t>()) v = static_cast<double>(*y);
+          else ok = false;
+          break;
+        case Type::boolean:
+          if (auto x = node.value_exact<bool>()) v = *x; else ok = false;
+          break;
+        case Type::string:
+          if (auto x = node.value_exact<std::string>()) v = *x; else ok = false;
+          break;
+        case Type::string_list:
+          if (const toml::array* arr = node.as_array()) {
+            std::vector<std::string> items;
+            for (const auto& item : *arr) {
+              if (auto x = item.value_exact<std::string>()) items.push_back(*x); else ok = false;
+            }
+            v = items;
+          } else {
+            ok = false;
+          }
+          break;
+      }
+      if (!ok) throw ConfigError(at + ": " + key + " must be " + type_name(spec->type));
+      check_value(*spec, v, at);
+      cfg.values_[key] = v;
+    }
+  }
+  return cfg;
+}
+
+void Config::override_value(const std::string& key, const std::string& text) {
+  const std::string at = "command line: --" + key;
+  const KeySpec* spec = find_spec(key);
+  if (spec == nullptr) throw ConfigError(at + ": unknown key '" + key + "'" + did_you_mean(key, all_keys()));
+  Value v;
+  try {
+    std::size_t used = 0;
+    switch (spec->type) {
+      case Type::integer: v = static_cast<std::int64_t>(std::stoll(text, &used)); break;
+      case Type::floating: v = std::stod(text, &used); break;
+      case Type::boolean:
+        if (text != "true" && text != "false") throw std::invalid_argument("bool");
+        v = text == "true";
+        used = text.size();
+        break;
+      case Type::string: v = text; used = text.size(); break;
+      case Type::string_list: {
+        std::vector<std::string> items;
+        std::stringstream s(text);
+        std::string item;
+        while (std::getline(s, item, ',')) {
+          if (!item.empty()) items.push_back(item);
+        }
+        v = items;
+        used = text.size();
+        break;
+      }
+    }
+    if (used != text.size()) throw std::invalid_argument("trailing text");
+  } catch (const std::logic_error&) {
+    throw ConfigError(at + " " + text + ": " + key + " must be " + type_name(spec->type));
+  }
+  check_value(*spec, v, at);
+  values_[key] = v;
+}
+
+const Value& Config::get(const std::string& key) const {
+  auto it = values_.find(key);
+  if (it == values_.end()) throw std::out_of_range("no config key '" + key + "'");
+  return it->second;
+}
+
+std::int64_t Config::get_int(const std::string& key) const { return std::get<std::int64_t>(get(key)); }
+double Config::get_float(const std::string& key) const { return std::get<double>(get(key)); }
+bool Config::get_bool(const std::string& key) const { return std::get<bool>(get(key)); }
+const std::string& Config::get_string(const std::string& key) const { return std::get<std::string>(get(key)); }
+const std::vector<std::string>& Config::get_list(const std::string& key) const { return std::get<std::vector<std::string>>(get(key)); }
+
+std::string Config::to_toml() const {
+  std::ostringstream out;
+  std::string section;
+  for (const auto& s : schema()) {
+    const std::string sec = s.key.substr(0, s.key.find('.'));
+    if (sec != section) {
+      out << (section.empty() ? "" : "\n") << "[" << sec << "]\n";
+      section = sec;
+    }
+    out << s.key.substr(sec.size() + 1) << " = " << value_toml(values_.at(s.key)) << "  # " << s.help << "\n";
+  }
+  return out.str();
+}
+
+}  // namespace spmdx::config
