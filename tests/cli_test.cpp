@@ -120,6 +120,27 @@ TEST(Cli, GraphPrintsTheTrainStep) {
   EXPECT_THAT(bad.output, HasSubstr("unknown model 'gpt'; known models: mlp, llama"));
 }
 
+TEST(Cli, CompilePlansWithoutStartingRanks) {
+  test::TempDir dir;
+  auto r = spmdx("compile '" SPMDX_SOURCE_DIR "/configs/llama_tp.toml' --dump '" + dir.path().string() + "'");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("mesh tp=2 (2 ranks)"));
+  EXPECT_THAT(r.output, HasSubstr("per rank (rank 0): parameters"));
+  for (const char* f : {"logical.txt", "logical.json", "plan.txt", "plan.json", "rank0.txt", "rank1.json"}) {
+    EXPECT_TRUE(fs::exists(dir / f)) << f;
+  }
+  auto big = spmdx("compile '" SPMDX_SOURCE_DIR "/configs/llama_debug.toml' --world-size 1024 --fake "
+                   "--parallelism.data_parallel_replicate_degree 8 --parallelism.data_parallel_shard_degree 16 "
+                   "--parallelism.tensor_parallel_degree 8 --training.local_batch_size 1");
+  ASSERT_EQ(big.exit_code, 0) << big.output;
+  EXPECT_THAT(big.output, HasSubstr("mesh dp_replicate=8 x dp_shard=16 x tp=8 (1024 ranks)"));
+  auto typo = spmdx("compile '" SPMDX_SOURCE_DIR "/configs/llama_tp.toml' --training.stpes 3");
+  EXPECT_EQ(typo.exit_code, 1);
+  EXPECT_THAT(typo.output, HasSubstr("unknown key 'training.stpes'; did you mean 'training.steps'?"));
+  auto printed = spmdx("compile '" SPMDX_SOURCE_DIR "/configs/llama_tp.toml' --print-config");
+  EXPECT_THAT(printed.output, HasSubstr("tensor_parallel_degree = 2"));
+}
+
 TEST(Cli, EnvironmentPathIsSearched) {
   auto r = run_command("SPMDX_PLUGIN_PATH='" + plugin_dir("test_comm_a").string() + "' '" SPMDX_EXE "' plugins --json");
   ASSERT_EQ(r.exit_code, 0) << r.output;
