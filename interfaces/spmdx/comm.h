@@ -1,28 +1,108 @@
-// Communication backend plugins (ucx, nccl, local): how ranks of one job talk.
+// Communication backend plugins (ucx, nccl, local): how the ranks of a job talk.
 //
-// This is the lifecycle part of the interface; collectives and work handles are added with
-// the comm backends (issue 5), each addition bumping SPMDX_ABI_MAJOR (plugin.h).
-// Plain C++17: part of the plugin ABI.
+// Every collective is asynchronous and returns a Work handle, as torch.distributed's
+// ProcessGroup does; buffers are described by pointer, element count, dtype and memory kind.
+// Groups are made once per mesh-dim slice with new_group(). Plain C++17: part of the plugin ABI.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
+#include <map>
+#include <memory>
+#include <stdexcept>
 #include <string>
+#include <vector>
+
+#include "spmdx/placement.h"
 
 namespace spmdx {
+
+/// Element types a backend moves: f32, f64, f16, bf16, i32, i64, u8.
+enum class CommDType : std::uint8_t { f32, f64, f16, bf16, i32, i64, u8 };
+inline std::size_t comm_dtype_size(CommDType t) noexcept {
+  switch (t) {
+    case CommDType::f64:
+    case CommDType::i64: return 8;
+    case CommDType::f32:
+    case CommDType::i32: return 4;
+    case CommDType::f16:
+    case CommDType::bf16: return 2;
+    case CommDType::u8: return 1;
+  }
+  return 0;
+}
+
+enum class MemoryType : std::uint8_t { host, cuda };
+
+/// `count` elements of `dtype` at `data`, contiguous.
+struct CommBuffer {
+  void* data = nullptr;
+  std::size_t count = 0;
+  CommDType dtype = CommDType::f32;
+  MemoryType memory = MemoryType::host;
+  std::size_t bytes() const noexcept { return count * comm_dtype_size(dtype); }
+};
+
+/// A failure of communication: a peer that died or did not answer in time. what() names the
+/// collective and the peer rank.
+class CommError : public std::runtime_error {
+ public:
+  CommError(const std::string& what, int peer) : std::runtime_error(what), peer_(peer) {}
+  int peer() const noexcept { return peer_; }  ///< -1 when no single peer is to blame
+
+ private:
+  int peer_;
+};
+
+/// The job's rendezvous key-value store, as torch.distributed.Store. Thread-safe.
+class Store {
+ public:
+  virtual ~Store() = default;
+  virtual void set(const std::string& key, const std::string& value) = 0;
+  /// The value, waiting for the key to be set; throws CommError after timeout_seconds naming
+  /// the key.
+  virtual std::string get(const std::string& key, double timeout_seconds) = 0;
+  /// Adds delta to the integer at key (0 when absent) and returns the new value.
+  virtual std::int64_t add(const std::string& key, std::int64_t delta) = 0;
+};
 
 struct CommInit {
   int rank = 0;        ///< this process, 0 <= rank < world_size
   int world_size = 1;  ///< ranks in the job
   /// Bootstrap generation: 0 at start, +1 at each hot-swap, so keys of one generation never
-  /// meet those of another in the rendezvous store.
+  /// meet those of another in the store.
   std::int64_t generation = 0;
+  Store* store = nullptr;        ///< for address exchange; outlives the backend
+  double timeout_seconds = 300;  ///< a collective not done by then fails with CommError
+};
+
+/// A pending operation. wait() may be called from any thread, once.
+class Work {
+ public:
+  virtual ~Work() = default;
+  /// Blocks until the operation completes (true) or timeout_seconds pass (false); throws
+  /// CommError when it failed (a peer died, or the backend was aborted).
+  virtual bool wait(double timeout_seconds) = 0;
+  /// True once complete (or failed).
+  virtual bool test() = 0;
+};
+
+/// What a backend does well, for choosing between backends per call (as UCC's score maps):
+/// the highest score for the op, memory type and size wins unless the config pins a backend.
+struct CommCapability {
+  std::string op;  ///< "all_reduce", ..., or "*"
+  MemoryType memory = MemoryType::host;
+  std::size_t min_bytes = 0;
+  std::size_t max_bytes = static_cast<std::size_t>(-1);
+  int score = 0;
 };
 
 class CommBackend {
  public:
   virtual ~CommBackend() = default;
 
-  /// Joins the job. Throws std::runtime_error naming the rank that could not be reached.
+  /// Joins the job (address exchange through the store). Throws CommError naming the rank that
+  /// could not be reached.
   virtual void init(const CommInit& init) = 0;
   /// Completes outstanding work and leaves the job; the object may then be destroyed.
   virtual void finalize() = 0;
@@ -30,6 +110,29 @@ class CommBackend {
   virtual void abort() noexcept = 0;
   /// A short description for logs: backend, transport, rank/world_size.
   virtual std::string describe() const = 0;
+  virtual std::vector<CommCapability> capabilities() const = 0;
+
+  /// A group of global ranks (ascending, containing this rank); every member calls it in the
+  /// same order. Returns the group's id for the calls below.
+  virtual int new_group(const std::vector<int>& ranks) = 0;
+
+  /// In place: buf becomes the reduction over the group of every member's buf.
+  virtual std::unique_ptr<Work> all_reduce(int group, CommBuffer buf, ReduceOp op) = 0;
+  /// out = the concatenation, in group order, of every member's `in`; counts[i] is member i's
+  /// element count (uneven allowed, as MPI_Allgatherv).
+  virtual std::unique_ptr<Work> all_gather(int group, CommBuffer in, CommBuffer out, std::vector<std::size_t> counts) = 0;
+  /// `in` holds counts[0] + counts[1] + ... elements; out = this member's slice of the
+  /// reduction over the group (counts[me] elements).
+  virtual std::unique_ptr<Work> reduce_scatter(int group, CommBuffer in, CommBuffer out, std::vector<std::size_t> counts,
+                                               ReduceOp op) = 0;
+  /// Member i's block j (send_counts[j] elements, blocks in order) goes to member j's block i
+  /// (recv_counts[i] elements).
+  virtual std::unique_ptr<Work> all_to_all(int group, CommBuffer in, CommBuffer out, std::vector<std::size_t> send_counts,
+                                           std::vector<std::size_t> recv_counts) = 0;
+  virtual std::unique_ptr<Work> broadcast(int group, CommBuffer buf, int root_member) = 0;
+  virtual std::unique_ptr<Work> send(CommBuffer buf, int peer_rank, int tag) = 0;
+  virtual std::unique_ptr<Work> recv(CommBuffer buf, int peer_rank, int tag) = 0;
+  virtual std::unique_ptr<Work> barrier(int group) = 0;
 };
 
 }  // namespace spmdx

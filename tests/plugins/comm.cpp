@@ -4,18 +4,48 @@
 #include <spmdx/plugin.h>
 
 #include <atomic>
+#include <stdexcept>
+#include <type_traits>
 
 namespace {
 
 std::atomic<int> g_live{0};
 
+using spmdx::Work;
+
 class CountingBackend final : public spmdx::CommBackend {
+  // The registry tests need lifecycle only; collectives are the real backends' business.
+  template <class T>
+  static auto none() {
+    throw std::logic_error("test backend " COMM_NAME " has no collectives");
+    if constexpr (std::is_same_v<T, int>) return 0;
+    else return std::unique_ptr<T>();
+  }
+
  public:
   explicit CountingBackend(std::string tls) : tls_(std::move(tls)) { ++g_live; }
   ~CountingBackend() override { --g_live; }
   void init(const spmdx::CommInit& init) override { init_ = init; }
   void finalize() override { finalized_ = true; }
   void abort() noexcept override {}
+  std::vector<spmdx::CommCapability> capabilities() const override { return {}; }
+  int new_group(const std::vector<int>&) override { return none<int>(); }
+  std::unique_ptr<spmdx::Work> all_reduce(int, spmdx::CommBuffer, spmdx::ReduceOp) override { return none<Work>(); }
+  std::unique_ptr<spmdx::Work> all_gather(int, spmdx::CommBuffer, spmdx::CommBuffer, std::vector<std::size_t>) override {
+    return none<Work>();
+  }
+  std::unique_ptr<spmdx::Work> reduce_scatter(int, spmdx::CommBuffer, spmdx::CommBuffer, std::vector<std::size_t>,
+                                              spmdx::ReduceOp) override {
+    return none<Work>();
+  }
+  std::unique_ptr<spmdx::Work> all_to_all(int, spmdx::CommBuffer, spmdx::CommBuffer, std::vector<std::size_t>,
+                                          std::vector<std::size_t>) override {
+    return none<Work>();
+  }
+  std::unique_ptr<spmdx::Work> broadcast(int, spmdx::CommBuffer, int) override { return none<Work>(); }
+  std::unique_ptr<spmdx::Work> send(spmdx::CommBuffer, int, int) override { return none<Work>(); }
+  std::unique_ptr<spmdx::Work> recv(spmdx::CommBuffer, int, int) override { return none<Work>(); }
+  std::unique_ptr<spmdx::Work> barrier(int) override { return none<Work>(); }
   std::string describe() const override {
     return std::string(COMM_NAME) + " tls=" + tls_ + " rank " + std::to_string(init_.rank) + "/" +
            std::to_string(init_.world_size) + " generation " + std::to_string(init_.generation) +

@@ -1,0 +1,542 @@
+#include "spmdx/comm/p2p_backend.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+
+#include "spmdx/core/log.h"
+
+namespace spmdx::comm {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// IEEE half and bfloat16 <-> float.
+float half_to_float(std::uint16_t h) {
+  const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000) << 16;
+  std::uint32_t exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
+  if (exp == 0) {
+    if (mant == 0) {
+      bits = sign;
+    } else {  // subnormal
+      exp = 127 - 15 + 1;
+      while (!(mant & 0x400)) mant <<= 1, --exp;
+      bits = sign | (exp << 23) | ((mant & 0x3ff) << 13);
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000 | (mant << 13);
+  } else {
+    bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+std::uint16_t float_to_half(float f) {
+  std::uint32_t x;
+  std::memcpy(&x, &f, 4);
+  const std::uint32_t sign = (x >> 16) & 0x8000;
+  const int exp = static_cast<int>((x >> 23) & 0xff) - 127 + 15;
+  std::uint32_t mant = x & 0x7fffff;
+  if (((x >> 23) & 0xff) == 0xff) return static_cast<std::uint16_t>(sign | 0x7c00 | (mant ? 0x200 : 0));
+  if (exp >= 31) return static_cast<std::uint16_t>(sign | 0x7c00);
+  if (exp <= 0) {
+    if (exp < -10) return static_cast<std::uint16_t>(sign);
+    mant |= 0x800000;
+    const int shift = 14 - exp;
+    std::uint32_t h = mant >> shift;
+    if ((mant >> (shift - 1)) & 1) ++h;  // round half up
+    return static_cast<std::uint16_t>(sign | h);
+  }
+  std::uint32_t h = sign | (static_cast<std::uint32_t>(exp) << 10) | (mant >> 13);
+  if ((mant & 0x1fff) > 0x1000 || ((mant & 0x1fff) == 0x1000 && (h & 1))) ++h;  // round to nearest even
+  return static_cast<std::uint16_t>(h);
+}
+
+float bf16_to_float(std::uint16_t b) {
+  const std::uint32_t bits = static_cast<std::uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+std::uint16_t float_to_bf16(float f) {
+  std::uint32_t x;
+  std::memcpy(&x, &f, 4);
+  if ((x & 0x7fffffff) > 0x7f800000) return static_cast<std::uint16_t>((x >> 16) | 0x40);  // NaN stays NaN
+  x += 0x7fff + ((x >> 16) & 1);  // round to nearest even
+  return static_cast<std::uint16_t>(x >> 16);
+}
+
+template <class T>
+T apply(T a, T b, ReduceOp op) {
+  switch (op) {
+    case ReduceOp::sum:
+    case ReduceOp::avg: return static_cast<T>(a + b);
+    case ReduceOp::max: return std::max(a, b);
+    case ReduceOp::min: return std::min(a, b);
+    case ReduceOp::prod: return static_cast<T>(a * b);
+  }
+  return a;
+}
+
+template <class T>
+void reduce_typed(void* dst, const void* src, std::size_t n, ReduceOp op) {
+  T* d = static_cast<T*>(dst);
+  const T* s = static_cast<const T*>(src);
+  for (std::size_t i = 0; i < n; ++i) d[i] = apply(d[i], s[i], op);
+}
+
+template <float (*To)(std::uint16_t), std::uint16_t (*From)(float)>
+void reduce_16(void* dst, const void* src, std::size_t n, ReduceOp op) {
+  auto* d = static_cast<std::uint16_t*>(dst);
+  const auto* s = static_cast<const std::uint16_t*>(src);
+  for (std::size_t i = 0; i < n; ++i) d[i] = From(apply(To(d[i]), To(s[i]), op));
+}
+
+std::size_t offset_of(const std::vector<std::size_t>& counts, std::size_t i) {
+  std::size_t o = 0;
+  for (std::size_t j = 0; j < i; ++j) o += counts[j];
+  return o;
+}
+
+// Near-even split of n elements in k blocks (the first n % k get one more).
+std::vector<std::size_t> even_blocks(std::size_t n, std::size_t k) {
+  std::vector<std::size_t> out(k, n / k);
+  for (std::size_t i = 0; i < n % k; ++i) ++out[i];
+  return out;
+}
+
+char* at(void* base, std::size_t elements, CommDType t) { return static_cast<char*>(base) + elements * comm_dtype_size(t); }
+
+}  // namespace
+
+void reduce_into(void* dst, const void* src, std::size_t count, CommDType dtype, ReduceOp op) {
+  switch (dtype) {
+    case CommDType::f32: reduce_typed<float>(dst, src, count, op); break;
+    case CommDType::f64: reduce_typed<double>(dst, src, count, op); break;
+    case CommDType::i32: reduce_typed<std::int32_t>(dst, src, count, op); break;
+    case CommDType::i64: reduce_typed<std::int64_t>(dst, src, count, op); break;
+    case CommDType::u8: reduce_typed<std::uint8_t>(dst, src, count, op); break;
+    case CommDType::f16: reduce_16<half_to_float, float_to_half>(dst, src, count, op); break;
+    case CommDType::bf16: reduce_16<bf16_to_float, float_to_bf16>(dst, src, count, op); break;
+  }
+}
+
+void divide(void* data, std::size_t n, CommDType dtype, double divisor) {
+  auto div = [&](auto* p) {
+    for (std::size_t i = 0; i < n; ++i) p[i] = static_cast<std::remove_reference_t<decltype(*p)>>(p[i] / divisor);
+  };
+  switch (dtype) {
+    case CommDType::f32: div(static_cast<float*>(data)); break;
+    case CommDType::f64: div(static_cast<double*>(data)); break;
+    case CommDType::i32: div(static_cast<std::int32_t*>(data)); break;
+    case CommDType::i64: div(static_cast<std::int64_t*>(data)); break;
+    case CommDType::u8: div(static_cast<std::uint8_t*>(data)); break;
+    case CommDType::f16: {
+      auto* p = static_cast<std::uint16_t*>(data);
+      for (std::size_t i = 0; i < n; ++i) p[i] = float_to_half(static_cast<float>(half_to_float(p[i]) / divisor));
+      break;
+    }
+    case CommDType::bf16: {
+      auto* p = static_cast<std::uint16_t*>(data);
+      for (std::size_t i = 0; i < n; ++i) p[i] = float_to_bf16(static_cast<float>(bf16_to_float(p[i]) / divisor));
+      break;
+    }
+  }
+}
+
+struct P2PBackend::Op {
+  const char* name = "";
+  int group = 0;
+  std::uint64_t seq = 0;
+  std::uint16_t step = 0;
+  std::function<void(Op&)> body;
+  std::mutex mutex;
+  std::condition_variable cv;
+  bool done = false;
+  std::string error;
+  int error_peer = -1;
+};
+
+class P2PBackend::OpWork final : public Work {
+ public:
+  explicit OpWork(std::shared_ptr<Op> op) : op_(std::move(op)) {}
+  bool wait(double timeout_seconds) override {
+    std::unique_lock lock(op_->mutex);
+    if (!op_->cv.wait_for(lock, std::chrono::duration<double>(timeout_seconds), [&] { return op_->done; })) return false;
+    if (!op_->error.empty()) throw CommError(op_->error, op_->error_peer);
+    return true;
+  }
+  bool test() override {
+    std::lock_guard lock(op_->mutex);
+    return op_->done;
+  }
+
+ private:
+  std::shared_ptr<Op> op_;
+};
+
+P2PBackend::P2PBackend() = default;
+
+P2PBackend::~P2PBackend() { stop(); }
+
+void P2PBackend::start(Transport* transport, const CommInit& init) {
+  transport_ = transport;
+  const int rank = init.rank, world_size = init.world_size;
+  rank_ = rank;
+  world_size_ = world_size;
+  timeout_ = init.timeout_seconds;
+  store_ = init.store;
+  heartbeat_prefix_ = "spmdx/heartbeat/g" + std::to_string(init.generation) + "/";
+  groups_.clear();
+  Group all;
+  for (int r = 0; r < world_size; ++r) all.ranks.push_back(r);
+  all.me = rank;
+  groups_.push_back(all);
+  stopping_ = false;
+  aborted_ = false;
+  thread_ = std::thread([this] { run(); });
+  if (store_ != nullptr) {
+    heartbeat_ = std::thread([this] {
+      std::unique_lock lock(heartbeat_mutex_);
+      while (!stopping_) {
+        try {
+          store_->add(heartbeat_prefix_ + std::to_string(rank_), 1);
+        } catch (const std::exception&) {
+          // the store is gone (rank 0 or the launcher exited): collectives will say so
+        }
+        heartbeat_cv_.wait_for(lock, std::chrono::milliseconds(300));
+      }
+    });
+  }
+}
+
+void P2PBackend::report_fault(int peer) {
+  if (store_ == nullptr || peer < 0) return;
+  try {
+    if (store_->add(heartbeat_prefix_ + "fault_reported", 1) == 1) store_->set(heartbeat_prefix_ + "fault", std::to_string(peer));
+  } catch (const std::exception&) {
+  }
+}
+
+int P2PBackend::reported_fault() {
+  if (store_ == nullptr) return -1;
+  try {
+    if (store_->add(heartbeat_prefix_ + "fault_reported", 0) == 0) return -1;
+    return std::stoi(store_->get(heartbeat_prefix_ + "fault", 5));
+  } catch (const std::exception&) {
+    return -1;
+  }
+}
+
+std::vector<int> P2PBackend::dead_ranks() {
+  if (store_ == nullptr) return {};
+  std::vector<std::int64_t> before(static_cast<std::size_t>(world_size_));
+  try {
+    for (int r = 0; r < world_size_; ++r) before[static_cast<std::size_t>(r)] = store_->add(heartbeat_prefix_ + std::to_string(r), 0);
+    std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+    std::vector<int> dead;
+    for (int r = 0; r < world_size_; ++r) {
+      if (store_->add(heartbeat_prefix_ + std::to_string(r), 0) == before[static_cast<std::size_t>(r)]) dead.push_back(r);
+    }
+    return dead;
+  } catch (const std::exception&) {
+    return {};
+  }
+}
+
+void P2PBackend::stop() {
+  {
+    std::lock_guard lock(mutex_);
+    std::lock_guard hb(heartbeat_mutex_);
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  heartbeat_cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+  if (heartbeat_.joinable()) heartbeat_.join();
+}
+
+void P2PBackend::abort() noexcept {
+  aborted_ = true;
+  cv_.notify_all();
+}
+
+int P2PBackend::new_group(const std::vector<int>& ranks) {
+  auto me = std::find(ranks.begin(), ranks.end(), rank_);
+  if (me == ranks.end()) throw std::invalid_argument("new_group: rank " + std::to_string(rank_) + " is not a member");
+  std::lock_guard lock(mutex_);
+  if (groups_.size() >= 255) throw std::invalid_argument("new_group: at most 255 groups");
+  groups_.push_back({ranks, static_cast<int>(me - ranks.begin()), 0});
+  return static_cast<int>(groups_.size() - 1);
+}
+
+std::unique_ptr<Work> P2PBackend::submit(const char* name, int group, std::function<void(Op&)> body) {
+  auto op = std::make_shared<Op>();
+  op->name = name;
+  op->group = group;
+  op->body = std::move(body);
+  {
+    std::lock_guard lock(mutex_);
+    if (group == kPointToPoint) {
+      op->group = 0xff;  // send/recv: the tag is the caller's, no group sequence
+    } else if (group < 0 || group >= static_cast<int>(groups_.size())) {
+      throw std::invalid_argument(std::string(name) + ": no group " + std::to_string(group));
+    } else {
+      op->seq = groups_[static_cast<std::size_t>(group)].seq++;
+    }
+    queue_.push_back(op);
+  }
+  cv_.notify_all();
+  return std::make_unique<OpWork>(op);
+}
+
+void P2PBackend::run() {
+  while (true) {
+    std::shared_ptr<Op> op;
+    {
+      std::unique_lock lock(mutex_);
+      cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+      if (queue_.empty()) return;
+      op = queue_.front();
+      queue_.pop_front();
+    }
+    std::string error;
+    int peer = -1;
+    if (aborted_) {
+      error = std::string(op->name) + " aborted: the backend was aborted";
+    } else {
+      try {
+        op->body(*op);
+      } catch (const CommError& e) {
+        error = e.what();
+        peer = e.peer();
+      } catch (const std::exception& e) {
+        error = std::string(op->name) + ": " + e.what();
+      }
+    }
+    {
+      std::lock_guard lock(op->mutex);
+      op->done = true;
+      op->error = error;
+      op->error_peer = peer;
+    }
+    op->cv.notify_all();
+  }
+}
+
+void P2PBackend::wait_all(Op& op, const std::vector<std::pair<std::uint64_t, int>>& requests) {
+  const auto deadline = Clock::now() + std::chrono::duration<double>(timeout_);
+  std::vector<bool> done(requests.size(), false);
+  std::size_t left = requests.size();
+  while (left > 0) {
+    for (std::size_t i = 0; i < requests.size(); ++i) {
+      if (done[i]) continue;
+      bool ok = false;
+      try {
+        ok = transport_->test(requests[i].first);
+      } catch (const CommError& e) {
+        report_fault(requests[i].second);
+        throw CommError(std::string(op.name) + " (group " + std::to_string(op.group) + ", #" + std::to_string(op.seq) +
+                            ") failed talking to rank " + std::to_string(requests[i].second) + ": " + e.what(),
+                        requests[i].second);
+      }
+      if (ok) done[i] = true, --left;
+    }
+    if (left == 0) break;
+    if (aborted_) throw CommError(std::string(op.name) + " aborted", -1);
+    if (Clock::now() > deadline) {
+      int silent = -1;
+      for (std::size_t i = 0; i < requests.size(); ++i) {
+        if (!done[i]) silent = requests[i].second;
+      }
+      const std::string what = std::string(op.name) + " (group " + std::to_string(op.group) + ", #" + std::to_string(op.seq) +
+                               ") timed out after " + std::to_string(timeout_) + " s";
+      if (const int blamed = reported_fault(); blamed >= 0) {
+        throw CommError(what + ": rank " + std::to_string(blamed) + " failed (reported by a peer)", blamed);
+      }
+      const std::vector<int> dead = dead_ranks();
+      if (!dead.empty()) {
+        report_fault(dead.front());
+        std::string list;
+        for (int r : dead) list += (list.empty() ? "" : ", ") + std::to_string(r);
+        throw CommError(what + ": rank " + list + " stopped (no heartbeat)", dead.front());
+      }
+      throw CommError(what + " waiting for rank " + std::to_string(silent) + " (hung, or not calling this collective)", silent);
+    }
+  }
+}
+
+namespace {
+// tag: sender (16 bits) | group (8) | sequence (24) | step (16)
+std::uint64_t make_tag(int sender, int group, std::uint64_t seq, std::uint16_t step) {
+  return (static_cast<std::uint64_t>(sender & 0xffff) << 48) | (static_cast<std::uint64_t>(group & 0xff) << 40) |
+         ((seq & 0xffffff) << 16) | step;
+}
+}  // namespace
+
+void P2PBackend::sendrecv(Op& op, int to, const void* sbuf, std::size_t sbytes, int from, void* rbuf, std::size_t rbytes,
+                          int explicit_step) {
+  const std::uint16_t step = explicit_step >= 0 ? static_cast<std::uint16_t>(explicit_step) : op.step++;
+  std::vector<std::pair<std::uint64_t, int>> reqs;
+  if (from >= 0) reqs.emplace_back(transport_->irecv(from, rbuf, rbytes, make_tag(from, op.group, op.seq, step)), from);
+  if (to >= 0) reqs.emplace_back(transport_->isend(to, sbuf, sbytes, make_tag(rank_, op.group, op.seq, step)), to);
+  wait_all(op, reqs);
+}
+
+std::unique_ptr<Work> P2PBackend::all_gather(int group, CommBuffer in, CommBuffer out, std::vector<std::size_t> counts) {
+  return submit("all_gather", group, [this, in, out, counts](Op& op) {
+    const Group& g = groups_[static_cast<std::size_t>(op.group)];
+    const std::size_t k = g.ranks.size(), me = static_cast<std::size_t>(g.me);
+    if (counts.size() != k || counts[me] != in.count || offset_of(counts, k) != out.count) {
+      throw std::invalid_argument("counts do not match the group size or the buffers");
+    }
+    std::memcpy(at(out.data, offset_of(counts, me), out.dtype), in.data, in.bytes());
+    const int next = g.ranks[(me + 1) % k], prev = g.ranks[(me + k - 1) % k];
+    const std::size_t es = comm_dtype_size(out.dtype);
+    for (std::size_t s = 0; s + 1 < k; ++s) {  // ring: pass along the block received last
+      const std::size_t send_block = (me + k - s) % k, recv_block = (me + k - s - 1) % k;
+      sendrecv(op, next, at(out.data, offset_of(counts, send_block), out.dtype), counts[send_block] * es, prev,
+               at(out.data, offset_of(counts, recv_block), out.dtype), counts[recv_block] * es);
+    }
+  });
+}
+
+std::unique_ptr<Work> P2PBackend::reduce_scatter(int group, CommBuffer in, CommBuffer out, std::vector<std::size_t> counts,
+                                                 ReduceOp rop) {
+  return submit("reduce_scatter", group, [this, in, out, counts, rop](Op& op) {
+    const Group& g = groups_[static_cast<std::size_t>(op.group)];
+    const std::size_t k = g.ranks.size(), me = static_cast<std::size_t>(g.me);
+    if (counts.size() != k || offset_of(counts, k) != in.count || counts[me] != out.count) {
+      throw std::invalid_argument("counts do not match the group size or the buffers");
+    }
+    const std::size_t es = comm_dtype_size(in.dtype);
+    std::vector<char> work(in.bytes()), incoming(*std::max_element(counts.begin(), counts.end()) * es);
+    std::memcpy(work.data(), in.data, in.bytes());
+    const int next = g.ranks[(me + 1) % k], prev = g.ranks[(me + k - 1) % k];
+    for (std::size_t s = 0; s + 1 < k; ++s) {  // ring: after k-1 steps block `me` holds every member's sum
+      const std::size_t send_block = (me + 2 * k - s - 1) % k, recv_block = (me + 2 * k - s - 2) % k;
+      sendrecv(op, next, work.data() + offset_of(counts, send_block) * es, counts[send_block] * es, prev, incoming.data(),
+               counts[recv_block] * es);
+      reduce_into(work.data() + offset_of(counts, recv_block) * es, incoming.data(), counts[recv_block], in.dtype, rop);
+    }
+    std::memcpy(out.data, work.data() + offset_of(counts, me) * es, out.bytes());
+    if (rop == ReduceOp::avg) divide(out.data, out.count, out.dtype, static_cast<double>(k));
+  });
+}
+
+std::unique_ptr<Work> P2PBackend::all_reduce(int group, CommBuffer buf, ReduceOp rop) {
+  return submit("all_reduce", group, [this, buf, rop](Op& op) {
+    const Group& g = groups_[static_cast<std::size_t>(op.group)];
+    const std::size_t k = g.ranks.size(), me = static_cast<std::size_t>(g.me);
+    if (k == 1) return;
+    const std::size_t es = comm_dtype_size(buf.dtype);
+    const bool power_of_two = (k & (k - 1)) == 0;
+    if (power_of_two && buf.bytes() <= 64 * 1024) {
+      // Recursive doubling: log2(k) exchanges of the whole buffer (latency-bound sizes).
+      std::vector<char> incoming(buf.bytes());
+      for (std::size_t dist = 1; dist < k; dist <<= 1) {
+        const int peer = g.ranks[me ^ dist];
+        sendrecv(op, peer, buf.data, buf.bytes(), peer, incoming.data(), buf.bytes());
+        // Same operand order on both sides (lower member first), so every rank gets the same bits.
+        if ((me & dist) == 0) {
+          reduce_into(buf.data, incoming.data(), buf.count, buf.dtype, rop);
+        } else {
+          reduce_into(incoming.data(), buf.data, buf.count, buf.dtype, rop);
+          std::memcpy(buf.data, incoming.data(), buf.bytes());
+        }
+      }
+    } else {
+      // Ring: reduce-scatter then all-gather of near-even blocks (bandwidth-optimal).
+      const auto counts = even_blocks(buf.count, k);
+      std::vector<char> incoming((counts[0] + 1) * es);
+      const int next = g.ranks[(me + 1) % k], prev = g.ranks[(me + k - 1) % k];
+      for (std::size_t s = 0; s + 1 < k; ++s) {
+        const std::size_t send_block = (me + 2 * k - s - 1) % k, recv_block = (me + 2 * k - s - 2) % k;
+        sendrecv(op, next, at(buf.data, offset_of(counts, send_block), buf.dtype), counts[send_block] * es, prev, incoming.data(),
+                 counts[recv_block] * es);
+        reduce_into(at(buf.data, offset_of(counts, recv_block), buf.dtype), incoming.data(), counts[recv_block], buf.dtype, rop);
+      }
+      for (std::size_t s = 0; s + 1 < k; ++s) {
+        const std::size_t send_block = (me + k - s) % k, recv_block = (me + k - s - 1) % k;
+        sendrecv(op, next, at(buf.data, offset_of(counts, send_block), buf.dtype), counts[send_block] * es, prev,
+                 at(buf.data, offset_of(counts, recv_block), buf.dtype), counts[recv_block] * es);
+      }
+    }
+    if (rop == ReduceOp::avg) divide(buf.data, buf.count, buf.dtype, static_cast<double>(k));
+  });
+}
+
+std::unique_ptr<Work> P2PBackend::all_to_all(int group, CommBuffer in, CommBuffer out, std::vector<std::size_t> send_counts,
+                                             std::vector<std::size_t> recv_counts) {
+  return submit("all_to_all", group, [this, in, out, send_counts, recv_counts](Op& op) {
+    const Group& g = groups_[static_cast<std::size_t>(op.group)];
+    const std::size_t k = g.ranks.size(), me = static_cast<std::size_t>(g.me);
+    if (send_counts.size() != k || recv_counts.size() != k || offset_of(send_counts, k) != in.count ||
+        offset_of(recv_counts, k) != out.count) {
+      throw std::invalid_argument("counts do not match the group size or the buffers");
+    }
+    const std::size_t es = comm_dtype_size(in.dtype);
+    std::memcpy(at(out.data, offset_of(recv_counts, me), out.dtype), at(in.data, offset_of(send_counts, me), in.dtype),
+                send_counts[me] * es);
+    for (std::size_t s = 1; s < k; ++s) {  // pairwise exchange
+      const std::size_t to = (me + s) % k, from = (me + k - s) % k;
+      sendrecv(op, g.ranks[to], at(in.data, offset_of(send_counts, to), in.dtype), send_counts[to] * es, g.ranks[from],
+               at(out.data, offset_of(recv_counts, from), out.dtype), recv_counts[from] * es);
+    }
+  });
+}
+
+std::unique_ptr<Work> P2PBackend::broadcast(int group, CommBuffer buf, int root_member) {
+  return submit("broadcast", group, [this, buf, root_member](Op& op) {
+    const Group& g = groups_[static_cast<std::size_t>(op.group)];
+    const std::size_t k = g.ranks.size();
+    const std::size_t vr = (static_cast<std::size_t>(g.me) + k - static_cast<std::size_t>(root_member)) % k;  // root is 0
+    auto real = [&](std::size_t v) { return g.ranks[(v + static_cast<std::size_t>(root_member)) % k]; };
+    // Binomial tree: receive from the parent, then send to the children; a message's step is
+    // its tree level, so parent and child agree on it.
+    std::size_t mask = 1;
+    int level = 0;
+    while (mask < k) {
+      if (vr & mask) {
+        sendrecv(op, -1, nullptr, 0, real(vr - mask), buf.data, buf.bytes(), level);
+        break;
+      }
+      mask <<= 1;
+      ++level;
+    }
+    for (mask >>= 1, --level; mask > 0; mask >>= 1, --level) {
+      if (vr + mask < k) sendrecv(op, real(vr + mask), buf.data, buf.bytes(), -1, nullptr, 0, level);
+    }
+  });
+}
+
+std::unique_ptr<Work> P2PBackend::send(CommBuffer buf, int peer_rank, int tag) {
+  return submit("send", kPointToPoint, [this, buf, peer_rank, tag](Op& op) {
+    op.seq = static_cast<std::uint64_t>(tag);
+    sendrecv(op, peer_rank, buf.data, buf.bytes(), -1, nullptr, 0);
+  });
+}
+
+std::unique_ptr<Work> P2PBackend::recv(CommBuffer buf, int peer_rank, int tag) {
+  return submit("recv", kPointToPoint, [this, buf, peer_rank, tag](Op& op) {
+    op.seq = static_cast<std::uint64_t>(tag);
+    sendrecv(op, -1, nullptr, 0, peer_rank, buf.data, buf.bytes());
+  });
+}
+
+std::unique_ptr<Work> P2PBackend::barrier(int group) {
+  return submit("barrier", group, [this](Op& op) {
+    const Group& g = groups_[static_cast<std::size_t>(op.group)];
+    const std::size_t k = g.ranks.size(), me = static_cast<std::size_t>(g.me);
+    char token = 0, incoming = 0;
+    for (std::size_t dist = 1; dist < k; dist <<= 1) {  // dissemination barrier (Hensgen et al. 1988)
+      sendrecv(op, g.ranks[(me + dist) % k], &token, 1, g.ranks[(me + k - dist) % k], &incoming, 1);
+    }
+  });
+}
+
+}  // namespace spmdx::comm

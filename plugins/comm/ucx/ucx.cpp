@@ -1,0 +1,174 @@
+// ucx: collectives over UCX's UCP tag-matching API (Shamis et al. 2015), host memory. Each
+// rank makes one UCP worker, publishes its address in the store, and connects an endpoint to
+// every other rank; spmdx's P2P algorithms (ring all_reduce, ...) run on top. Transports come
+// from UCX_TLS, or the plugin option "tls"; with neither, ranks that all share one host use
+// shared memory ("shm,self": plain posix alone is slow here), others UCX's default (TCP
+// across hosts).
+#include <spmdx/comm/p2p_backend.h>
+#include <spmdx/core/log.h>
+#include <spmdx/plugin.h>
+#include <ucp/api/ucp.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <unordered_map>
+
+namespace {
+
+using spmdx::CommError;
+
+std::string env_or(const char* name, const std::string& fallback) {
+  const char* v = std::getenv(name);
+  return v ? v : fallback;
+}
+
+class UcxTransport final : public spmdx::comm::Transport {
+ public:
+  UcxTransport(const spmdx::CommInit& init, const std::string& tls) : rank_(init.rank) {
+    ucp_config_t* config = nullptr;
+    check(ucp_config_read(nullptr, nullptr, &config), "read config");
+    if (!tls.empty()) check(ucp_config_modify(config, "TLS", tls.c_str()), "set TLS=" + tls);
+    ucp_params_t params{};
+    params.field_mask = UCP_PARAM_FIELD_FEATURES;
+    params.features = UCP_FEATURE_TAG;
+    const ucs_status_t st = ucp_init(&params, config, &context_);
+    ucp_config_release(config);
+    check(st, "init");
+    ucp_worker_params_t wp{};
+    wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+    wp.thread_mode = UCS_THREAD_MODE_SINGLE;  // only the backend's communication thread uses it
+    check(ucp_worker_create(context_, &wp, &worker_), "create worker");
+
+    ucp_address_t* address = nullptr;
+    std::size_t length = 0;
+    check(ucp_worker_get_address(worker_, &address, &length), "get worker address");
+    const std::string prefix = "spmdx/ucx/g" + std::to_string(init.generation) + "/addr/";
+    init.store->set(prefix + std::to_string(init.rank), std::string(reinterpret_cast<const char*>(address), length));
+    ucp_worker_release_address(worker_, address);
+
+    eps_.assign(static_cast<std::size_t>(init.world_size), nullptr);
+    for (int peer = 0; peer < init.world_size; ++peer) {
+      const std::string remote = init.store->get(prefix + std::to_string(peer), init.timeout_seconds);
+      ucp_ep_params_t ep{};
+      ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
+      ep.address = reinterpret_cast<const ucp_address_t*>(remote.data());
+      ep.err_mode = UCP_ERR_HANDLING_MODE_NONE;
+      const ucs_status_t s = ucp_ep_create(worker_, &ep, &eps_[static_cast<std::size_t>(peer)]);
+      if (s != UCS_OK) throw CommError("ucx: rank " + std::to_string(rank_) + " cannot reach rank " + std::to_string(peer) + ": " + ucs_status_string(s), peer);
+    }
+  }
+
+  ~UcxTransport() override {
+    for (auto* ep : eps_) {
+      if (ep == nullptr) continue;
+      ucp_request_param_t p{};
+      p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+      p.flags = UCP_EP_CLOSE_FLAG_FORCE;  // peers may already be gone; do not wait for them
+      void* r = ucp_ep_close_nbx(ep, &p);
+      if (UCS_PTR_IS_PTR(r)) {
+        while (ucp_request_check_status(r) == UCS_INPROGRESS) ucp_worker_progress(worker_);
+        ucp_request_free(r);
+      }
+    }
+    if (worker_) ucp_worker_destroy(worker_);
+    if (context_) ucp_cleanup(context_);
+  }
+
+  std::uint64_t isend(int peer, const void* data, std::size_t bytes, std::uint64_t tag) override {
+    ucp_request_param_t p{};
+    return track(ucp_tag_send_nbx(eps_.at(static_cast<std::size_t>(peer)), data, bytes, tag, &p), peer, "send");
+  }
+
+  std::uint64_t irecv(int peer, void* data, std::size_t bytes, std::uint64_t tag) override {
+    ucp_request_param_t p{};
+    return track(ucp_tag_recv_nbx(worker_, data, bytes, tag, ~std::uint64_t{0}, &p), peer, "receive");
+  }
+
+  bool test(std::uint64_t id) override {
+    ucp_worker_progress(worker_);
+    auto it = requests_.find(id);
+    if (it == requests_.end()) return true;  // completed when posted
+    const ucs_status_t s = ucp_request_check_status(it->second.request);
+    if (s == UCS_INPROGRESS) return false;
+    ucp_request_free(it->second.request);
+    const int peer = it->second.peer;
+    requests_.erase(it);
+    if (s != UCS_OK) throw CommError(std::string("ucx: ") + ucs_status_string(s), peer);
+    return true;
+  }
+
+ private:
+  struct Pending {
+    void* request;
+    int peer;
+  };
+
+  std::uint64_t track(void* r, int peer, const char* what) {
+    if (r == nullptr) return 0;  // done at once
+    if (UCS_PTR_IS_ERR(r)) {
+      throw CommError(std::string("ucx: ") + what + " with rank " + std::to_string(peer) + " failed: " +
+                          ucs_status_string(UCS_PTR_STATUS(r)), peer);
+    }
+    const std::uint64_t id = ++next_;
+    requests_[id] = {r, peer};
+    return id;
+  }
+
+  void check(ucs_status_t s, const std::string& what) {
+    if (s != UCS_OK) throw CommError("ucx (rank " + std::to_string(rank_) + "): cannot " + what + ": " + ucs_status_string(s), -1);
+  }
+
+  int rank_;
+  ucp_context_h context_ = nullptr;
+  ucp_worker_h worker_ = nullptr;
+  std::vector<ucp_ep_h> eps_;
+  std::unordered_map<std::uint64_t, Pending> requests_;
+  std::uint64_t next_ = 0;
+};
+
+class UcxBackend final : public spmdx::comm::P2PBackend {
+ public:
+  explicit UcxBackend(const spmdx::Options& options) {
+    if (auto it = options.find("tls"); it != options.end()) tls_ = it->second;
+  }
+  ~UcxBackend() override { finalize(); }
+
+  void init(const spmdx::CommInit& init) override {
+    if (init.store == nullptr) throw std::invalid_argument("ucx: init needs a store");
+    std::string tls = tls_;
+    if (tls.empty() && std::getenv("UCX_TLS") == nullptr) {
+      const std::string local = env_or("LOCAL_WORLD_SIZE", std::to_string(init.world_size));
+      if (local == std::to_string(init.world_size)) tls = "shm,self";  // every rank on this host
+    }
+    tls_used_ = tls.empty() ? env_or("UCX_TLS", "ucx default") : tls;
+    transport_ = std::make_unique<UcxTransport>(init, tls);
+    start(transport_.get(), init);
+    SPMDX_DEBUG("ucx: rank " << init.rank << "/" << init.world_size << " up, UCX_TLS=" << tls_used_);
+  }
+
+  void finalize() override {
+    stop();
+    transport_.reset();
+  }
+
+  std::string describe() const override {
+    return "ucx (UCX_TLS=" + tls_used_ + ") rank " + std::to_string(rank()) + "/" + std::to_string(world_size());
+  }
+
+  std::vector<spmdx::CommCapability> capabilities() const override {
+    return {{"*", spmdx::MemoryType::host, 0, static_cast<std::size_t>(-1), 10}};
+  }
+
+ private:
+  std::string tls_;
+  std::string tls_used_;
+  std::unique_ptr<UcxTransport> transport_;
+};
+
+void register_ucx(spmdx::Registrar& r) {
+  r.add_comm_backend("ucx", [](const spmdx::Options& options) { return std::make_unique<UcxBackend>(options); });
+}
+
+}  // namespace
+
+SPMDX_PLUGIN("ucx", comm, "0.1.0", "UCX (UCP tag matching): ring and tree collectives on host memory, shm or TCP", register_ucx)

@@ -1,0 +1,124 @@
+// The ucx backend across real processes: 2, 3 and 4 ranks started as torchrun would start them
+// (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), the store served here. Each worker checks every
+// collective, dtype and reduce op against a reference (comm_worker.cpp).
+#include <fcntl.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <thread>
+
+#include "spmdx/comm/store.h"
+#include "test_util.h"
+
+extern char** environ;
+
+namespace spmdx {
+namespace {
+
+using ::testing::HasSubstr;
+
+struct RankResult {
+  int exit_code = -1;  // -signal when killed
+  std::string output;
+};
+
+// Starts `world` workers with `extra` environment and waits for all (killing them after
+// `limit_seconds`).
+std::vector<RankResult> run_ranks(int world, const std::map<std::string, std::string>& extra, double limit_seconds = 240) {
+  comm::TcpStoreServer server("127.0.0.1", 0, "test-token");
+  test::TempDir dir;
+  std::vector<pid_t> pids;
+  for (int r = 0; r < world; ++r) {
+    std::map<std::string, std::string> env{{"RANK", std::to_string(r)},       {"WORLD_SIZE", std::to_string(world)},
+                                           {"LOCAL_RANK", std::to_string(r)}, {"LOCAL_WORLD_SIZE", std::to_string(world)},
+                                           {"MASTER_ADDR", "127.0.0.1"},       {"MASTER_PORT", std::to_string(server.port())},
+                                           {"SPMDX_JOB_TOKEN", "test-token"}};
+    for (const auto& [k, v] : extra) env[k] = v;
+    std::vector<std::string> strings;
+    for (char** e = environ; *e; ++e) {
+      const std::string kv = *e;
+      if (!env.count(kv.substr(0, kv.find('=')))) strings.push_back(kv);
+    }
+    for (const auto& [k, v] : env) strings.push_back(k + "=" + v);
+    std::vector<char*> envp;
+    for (auto& s : strings) envp.push_back(s.data());
+    envp.push_back(nullptr);
+    posix_spawn_file_actions_t fa;
+    posix_spawn_file_actions_init(&fa);
+    const std::string out = (dir / ("rank" + std::to_string(r))).string();
+    posix_spawn_file_actions_addopen(&fa, 1, out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    posix_spawn_file_actions_adddup2(&fa, 1, 2);
+    char* argv[] = {const_cast<char*>(COMM_WORKER), nullptr};
+    pid_t pid = 0;
+    EXPECT_EQ(posix_spawn(&pid, COMM_WORKER, &fa, nullptr, argv, envp.data()), 0);
+    posix_spawn_file_actions_destroy(&fa);
+    pids.push_back(pid);
+  }
+  std::vector<RankResult> results(static_cast<std::size_t>(world));
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(limit_seconds);
+  for (int r = 0; r < world; ++r) {
+    int status = 0;
+    while (waitpid(pids[static_cast<std::size_t>(r)], &status, WNOHANG) == 0) {
+      if (std::chrono::steady_clock::now() > deadline) {
+        for (pid_t p : pids) kill(p, SIGKILL);
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    auto& res = results[static_cast<std::size_t>(r)];
+    res.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -WTERMSIG(status);
+    std::ifstream in(dir / ("rank" + std::to_string(r)));
+    std::stringstream s;
+    s << in.rdbuf();
+    res.output = s.str();
+  }
+  return results;
+}
+
+TEST(CommUcx, EveryCollectiveDtypeAndOpOn2And3And4Ranks) {
+  for (int world : {2, 3, 4}) {
+    std::map<std::string, std::string> env;
+    if (world == 4) env["SPMDX_TEST_BIG"] = "1";  // 64 MiB all_reduce too
+    auto results = run_ranks(world, env);
+    for (int r = 0; r < world; ++r) {
+      EXPECT_EQ(results[static_cast<std::size_t>(r)].exit_code, 0) << "world " << world << " rank " << r << ":\n" << results[static_cast<std::size_t>(r)].output;
+      EXPECT_THAT(results[static_cast<std::size_t>(r)].output, HasSubstr("checked"));
+    }
+    std::printf("world %d: %s", world, results[0].output.c_str());
+  }
+}
+
+TEST(CommUcx, TwoGroupsRunConcurrently) {
+  auto results = run_ranks(4, {{"SPMDX_TEST_MODE", "groups"}});
+  for (const auto& r : results) EXPECT_EQ(r.exit_code, 0) << r.output;
+}
+
+TEST(CommUcx, OverTcpToo) {
+  auto results = run_ranks(2, {{"SPMDX_TEST_TLS", "tcp,self"}});
+  for (const auto& r : results) EXPECT_EQ(r.exit_code, 0) << r.output;
+}
+
+TEST(CommUcx, ARankThatDiesIsNamedByTheOthersWithinTheTimeout) {
+  const auto start = std::chrono::steady_clock::now();
+  auto results = run_ranks(4, {{"SPMDX_TEST_MODE", "die"}, {"SPMDX_TEST_TIMEOUT", "3"}}, 60);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_EQ(results[1].exit_code, 9);
+  for (int r : {0, 2, 3}) {
+    EXPECT_EQ(results[static_cast<std::size_t>(r)].exit_code, 3) << results[static_cast<std::size_t>(r)].output;
+    EXPECT_THAT(results[static_cast<std::size_t>(r)].output, HasSubstr("CommError peer=1"));
+    EXPECT_THAT(results[static_cast<std::size_t>(r)].output, HasSubstr("all_reduce"));
+    EXPECT_THAT(results[static_cast<std::size_t>(r)].output, HasSubstr("rank 1"));
+  }
+  EXPECT_LT(seconds, 20) << "the others did not fail fast";
+}
+
+}  // namespace
+}  // namespace spmdx
