@@ -18,6 +18,14 @@
 #include "spmdx/ir/serialize.h"
 #include "spmdx/sharding/distribute.h"
 #include "spmdx/train/job.h"
+#include "spmdx/launch/launcher.h"
+#ifdef SPMDX_HAVE_EXEC
+#include "spmdx/exec/job_runner.h"
+#endif
+
+#include <sys/prctl.h>
+#include <csignal>
+#include <unistd.h>
 #include "spmdx/models/model.h"
 #include "spmdx/train/train_step.h"
 
@@ -171,6 +179,48 @@ int run_compile(const CompileOptions& o) {
   return 0;
 }
 
+struct RunOptions {
+  std::string config;
+  int nproc = 0;
+  bool print_config = false;
+  std::vector<std::string> overrides;
+};
+
+// `spmdx run`: validates the config, then either starts --nproc ranks here (each one this same
+// command, told its rank by the environment) or runs as the rank its environment names.
+int run_run(const RunOptions& o) {
+  spmdx::config::Config cfg = spmdx::config::Config::load(o.config);
+  apply_overrides(cfg, o.overrides);
+  if (o.print_config) {
+    std::cout << cfg.to_toml();
+    return 0;
+  }
+  const bool launched = std::getenv("SPMDX_STORE_HOSTED") != nullptr;
+  if (o.nproc > 0 && !launched) {
+    // Check everything that can be checked before starting any rank.
+    const auto tokenizer = spmdx::data::make_tokenizer(cfg.get_string("model.tokenizer"));
+    spmdx::train::job_spec(cfg, o.nproc, tokenizer->vocab_size());
+    std::vector<std::string> argv{"/proc/self/exe", "run", o.config};
+    for (const auto& a : o.overrides) argv.push_back(a);
+    char self[4096];
+    const ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
+    if (n > 0) argv[0] = std::string(self, static_cast<std::size_t>(n));
+    return spmdx::launch::launch_local(o.nproc, argv);
+  }
+  const spmdx::launch::RankEnv env = spmdx::launch::rank_env();
+  if (launched) {
+    prctl(PR_SET_PDEATHSIG, SIGTERM);  // never outlive the launcher
+    if (getppid() == 1) return 1;
+  }
+  if (env.world_size > 1) spmdx::log::set_rank(env.rank);
+#ifdef SPMDX_HAVE_EXEC
+  return spmdx::exec::run_job(cfg, env);
+#else
+  std::cerr << "error: this spmdx was built without LibTorch (SPMDX_WITH_TORCH=OFF) and cannot run jobs\n";
+  return 1;
+#endif
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -212,6 +262,13 @@ int main(int argc, char** argv) {
   compile->add_flag("--fake", compile_options.fake, "Plan a mesh larger than this machine; dump only rank 0's graph");
   compile->add_flag("--print-config", compile_options.print_config, "Print the effective config and exit");
 
+  auto* run = app.add_subcommand("run", "Train: the job its config describes, on --nproc ranks here or as torchrun/srun/mpirun started it");
+  run->allow_extras();  // --section.key value overrides
+  RunOptions run_options;
+  run->add_option("config", run_options.config, "The job's TOML config")->required()->check(CLI::ExistingFile);
+  run->add_option("--nproc", run_options.nproc, "Start this many ranks on this machine (as torchrun --standalone)")->check(CLI::PositiveNumber);
+  run->add_flag("--print-config", run_options.print_config, "Print the effective config and exit");
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -231,6 +288,10 @@ int main(int argc, char** argv) {
   try {
     if (plugins->parsed()) return run_plugins(plugin_paths, json);
     if (graph->parsed()) return run_graph(graph_options);
+    if (run->parsed()) {
+      run_options.overrides = run->remaining();
+      return run_run(run_options);
+    }
     if (compile->parsed()) {
       compile_options.overrides = compile->remaining();
       return run_compile(compile_options);

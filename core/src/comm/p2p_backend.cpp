@@ -332,7 +332,10 @@ void P2PBackend::wait_all(Op& op, const std::vector<std::pair<std::uint64_t, int
   const auto deadline = Clock::now() + std::chrono::duration<double>(timeout_);
   std::vector<bool> done(requests.size(), false);
   std::size_t left = requests.size();
+  int idle_polls = 0;
   while (left > 0) {
+    // Spin briefly for latency, then yield: ranks share few cores with their compute threads.
+    if (++idle_polls > 64) std::this_thread::sleep_for(std::chrono::microseconds(idle_polls > 4096 ? 200 : 20));
     for (std::size_t i = 0; i < requests.size(); ++i) {
       if (done[i]) continue;
       bool ok = false;

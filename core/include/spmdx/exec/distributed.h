@@ -1,0 +1,53 @@
+// DistributedExecutor: runs this rank's graph (sharding::rank_graph) for real, with a comm
+// backend for its collectives. A collective is issued as soon as its input is computed and
+// waited for only when a node first needs its output (as torch.distributed._spmd's
+// schedule_comm_wait), so the backend's communication thread works while compute goes on.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "spmdx/comm.h"
+#include "spmdx/exec/executor.h"
+#include "spmdx/sharding/mesh.h"
+
+namespace spmdx::exec {
+
+/// Per-run timings, in seconds.
+struct RunStats {
+  double total = 0;          ///< wall time of run()
+  double exposed_comm = 0;   ///< time the compute thread waited for collectives
+  std::int64_t collectives = 0;
+  double comm_bytes = 0;     ///< bytes of the tensors handed to collectives
+  std::int64_t peak_bytes = 0;
+};
+
+class DistributedExecutor {
+ public:
+  /// `graph` is this rank's; `backend` is initialised with the mesh's ranks. Makes one group per
+  /// mesh dim (every rank calls this in the same order). Throws std::invalid_argument for an op
+  /// without a kernel.
+  DistributedExecutor(const ir::Graph& graph, const sharding::DeviceMesh& mesh, std::int64_t rank, CommBackend* backend,
+                      double timeout_seconds);
+
+  /// Runs the graph on this rank's local inputs; returns its local outputs. Throws CommError
+  /// when a collective fails or times out (naming the collective and the peer).
+  TensorMap run(const TensorMap& inputs);
+  const RunStats& stats() const noexcept { return stats_; }
+
+ private:
+  const ir::Graph& graph_;
+  std::vector<const Kernel*> kernels_;
+  std::vector<int> groups_;  // backend group id per mesh dim
+  std::vector<std::vector<const ir::Value*>> dead_;  // per node: values whose last use it is
+  CommBackend* backend_;
+  double timeout_;
+  RunStats stats_;
+};
+
+/// ATen's tensor dtype as the comm layer's; throws std::invalid_argument for bool.
+CommDType comm_dtype(at::ScalarType type);
+
+}  // namespace spmdx::exec

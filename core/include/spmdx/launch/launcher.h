@@ -1,0 +1,39 @@
+// Starting ranks. A rank learns who it is from its environment, as torchrun, SLURM and Open
+// MPI set it; `spmdx run --nproc N` starts N ranks on this machine itself (as
+// `torchrun --standalone`), serving the rendezvous store, prefixing their output with their
+// rank, and stopping all of them when one fails or the user presses Ctrl-C.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace spmdx::launch {
+
+struct RankEnv {
+  int rank = 0;
+  int world_size = 1;
+  int local_rank = 0;
+  int local_world_size = 1;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 29500;
+  std::string token;          ///< SPMDX_JOB_TOKEN ("" when none was set)
+  bool store_hosted = false;  ///< the launcher serves the store (else rank 0 does)
+  std::string source;         ///< "spmdx", "torchrun", "slurm", "openmpi" or "single"
+};
+
+/// Reads RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE/MASTER_ADDR/MASTER_PORT (torchrun and
+/// spmdx's launcher), else SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID, else
+/// OMPI_COMM_WORLD_RANK/_SIZE/_LOCAL_RANK; a single rank when none is set. Throws
+/// std::invalid_argument naming a variable that is set but not a valid number.
+RankEnv rank_env();
+
+/// Runs `nproc` copies of `argv` (argv[0]: the program) with the rank variables set, a store
+/// on a free loopback port and a fresh job token; lines of each rank's output get a
+/// "[rank R] " prefix. Returns 0 when every rank exits 0; otherwise stops the others (SIGTERM,
+/// then SIGKILL after 5 s), prints which rank failed and how, and returns 1. SIGINT and SIGTERM
+/// are passed on to every rank. No rank outlives the launcher.
+int launch_local(int nproc, const std::vector<std::string>& argv);
+
+}  // namespace spmdx::launch

@@ -1,0 +1,209 @@
+#include "spmdx/exec/distributed.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/InferenceMode.h>
+
+#include <chrono>
+#include <functional>
+#include <numeric>
+#include <stdexcept>
+#include <unordered_map>
+
+#include "spmdx/sharding/distribute.h"
+
+namespace spmdx::exec {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+CommBuffer buffer(const at::Tensor& t) {
+  return {t.data_ptr(), static_cast<std::size_t>(t.numel()), comm_dtype(t.scalar_type()), MemoryType::host};
+}
+
+ReduceOp reduce_op(const std::string& name) {
+  for (ReduceOp op : {ReduceOp::sum, ReduceOp::avg, ReduceOp::max, ReduceOp::min, ReduceOp::prod}) {
+    if (name == to_string(op)) return op;
+  }
+  throw std::invalid_argument("unknown reduce op '" + name + "'");
+}
+
+// A collective in flight: its Work, the buffers it uses, and how to make the node's output.
+struct Pending {
+  std::unique_ptr<Work> work;
+  std::vector<at::Tensor> keep;          // alive until done
+  std::function<at::Tensor()> finish;    // the output, once done
+};
+
+}  // namespace
+
+CommDType comm_dtype(at::ScalarType type) {
+  switch (type) {
+    case at::kFloat: return CommDType::f32;
+    case at::kDouble: return CommDType::f64;
+    case at::kHalf: return CommDType::f16;
+    case at::kBFloat16: return CommDType::bf16;
+    case at::kInt: return CommDType::i32;
+    case at::kLong: return CommDType::i64;
+    case at::kByte: return CommDType::u8;
+    default: throw std::invalid_argument(std::string("no comm dtype for ") + c10::toString(type));
+  }
+}
+
+DistributedExecutor::DistributedExecutor(const ir::Graph& graph, const sharding::DeviceMesh& mesh, std::int64_t rank,
+                                         CommBackend* backend, double timeout_seconds)
+    : graph_(graph), backend_(backend), timeout_(timeout_seconds) {
+  for (const auto& node : graph.nodes()) {
+    const Kernel* k = find_kernel(node->op());
+    const bool collective = sharding::is_communication(node->op()) && k == nullptr;
+    if (k == nullptr && !collective) throw std::invalid_argument("op '" + node->op() + "' has no kernel");
+    if (collective && backend == nullptr) throw std::invalid_argument("the graph has collectives but no comm backend was given");
+    kernels_.push_back(k);
+  }
+  std::unordered_map<const ir::Value*, std::size_t> last_use;
+  std::size_t i = 0;
+  for (const auto& node : graph.nodes()) {
+    for (const ir::Value* v : node->inputs()) last_use[v] = i;
+    ++i;
+  }
+  for (const auto& [name, v] : graph.outputs()) last_use[v] = graph.num_nodes();
+  dead_.resize(graph.num_nodes());
+  for (const auto& [v, at] : last_use) {
+    if (at < dead_.size()) dead_[at].push_back(v);
+  }
+  if (backend != nullptr) {
+    for (int d = 0; d < mesh.ndim(); ++d) {
+      std::vector<int> ranks;
+      for (auto r : mesh.group(rank, d)) ranks.push_back(static_cast<int>(r));
+      groups_.push_back(backend->new_group(ranks));
+    }
+  }
+}
+
+TensorMap DistributedExecutor::run(const TensorMap& inputs) {
+  c10::InferenceMode no_autograd;
+  const auto start = Clock::now();
+  stats_ = {};
+  std::unordered_map<const ir::Value*, at::Tensor> live;
+  std::unordered_map<const ir::Value*, Pending> pending;
+  for (const ir::Value* v : graph_.inputs()) {
+    auto it = inputs.find(v->name());
+    if (it == inputs.end()) throw std::invalid_argument("missing input '" + v->name() + "'");
+    if (it->second.sizes().vec() != v->meta().shape) {
+      throw std::invalid_argument("input '" + v->name() + "' is " + ir::shape_str(it->second.sizes().vec()) + ", this rank's graph expects " + v->meta().str());
+    }
+    live[v] = it->second;
+  }
+  auto value = [&](const ir::Value* v) -> const at::Tensor& {
+    if (auto p = pending.find(v); p != pending.end()) {
+      const auto t0 = Clock::now();
+      if (!p->second.work->wait(timeout_)) {
+        throw CommError("collective producing " + v->ref() + " did not finish within " + std::to_string(timeout_) + " s", -1);
+      }
+      stats_.exposed_comm += std::chrono::duration<double>(Clock::now() - t0).count();
+      live[v] = p->second.finish();
+      pending.erase(p);
+    }
+    return live.at(v);
+  };
+  std::size_t index = 0;
+  for (const auto& node : graph_.nodes()) {
+    const ir::Node& n = *node;
+    if (kernels_[index] != nullptr) {
+      std::vector<at::Tensor> args;
+      for (const ir::Value* v : n.inputs()) args.push_back(value(v));
+      auto out = (*kernels_[index])(n, args);
+      for (std::size_t i = 0; i < out.size(); ++i) live[n.outputs()[i]] = std::move(out[i]);
+    } else {
+      const at::Tensor& x = value(n.input(0));
+      const int group = groups_.at(static_cast<std::size_t>(n.attr_int("mesh_dim")));
+      Pending p;
+      const std::string& op = n.op();
+      if (op == "all_reduce") {
+        at::Tensor buf = x.contiguous().clone();
+        p.work = backend_->all_reduce(group, buffer(buf), reduce_op(n.attr_string("op")));
+        p.keep = {buf};
+        p.finish = [buf] { return buf; };
+      } else if (op == "all_gather" || op == "reduce_scatter") {
+        // Collectives concatenate along the outermost dim: move `dim` there and back.
+        const auto dim = n.attr_int("dim") < 0 ? n.attr_int("dim") + x.dim() : n.attr_int("dim");
+        at::Tensor in = x.movedim(dim, 0).contiguous();
+        const std::int64_t inner = in.dim() > 0 && in.size(0) > 0 ? in.numel() / in.size(0) : 1;
+        std::vector<std::int64_t> out_shape = in.sizes().vec();
+        std::vector<std::size_t> counts;
+        for (auto s : n.attr_ints("sizes")) counts.push_back(static_cast<std::size_t>(s * inner));
+        if (in.dim() > 0 && in.size(0) == 0) {  // an empty local block: inner from the output shape
+          std::int64_t rest = 1;
+          for (std::size_t d = 1; d < out_shape.size(); ++d) rest *= out_shape[d];
+          counts.clear();
+          for (auto s : n.attr_ints("sizes")) counts.push_back(static_cast<std::size_t>(s * rest));
+        }
+        out_shape[0] = op == "all_gather" ? std::accumulate(n.attr_ints("sizes").begin(), n.attr_ints("sizes").end(), std::int64_t{0})
+                                          : n.attr_ints("sizes")[static_cast<std::size_t>(n.attr_int("index"))];
+        at::Tensor out = at::empty(out_shape, in.options());
+        p.work = op == "all_gather" ? backend_->all_gather(group, buffer(in), buffer(out), counts)
+                                    : backend_->reduce_scatter(group, buffer(in), buffer(out), counts, reduce_op(n.attr_string("op")));
+        p.keep = {in, out};
+        p.finish = [out, dim] { return out.movedim(0, dim).contiguous(); };
+      } else if (op == "all_to_all") {
+        // Shard(g) -> Shard(c): send block j = my rows of chunk j along c; receive member j's
+        // chunk of g (for my part of c) and concatenate along g.
+        const auto g = n.attr_int("gather_dim"), c = n.attr_int("scatter_dim");
+        const auto& gs = n.attr_ints("gather_sizes");
+        const auto& cs = n.attr_ints("scatter_sizes");
+        const auto me = static_cast<std::size_t>(n.attr_int("index"));
+        std::vector<at::Tensor> blocks;
+        std::vector<std::size_t> send_counts, recv_counts;
+        std::int64_t offset = 0;
+        for (std::size_t j = 0; j < cs.size(); ++j) {
+          at::Tensor b = x.narrow(c, offset, cs[j]).contiguous();
+          offset += cs[j];
+          send_counts.push_back(static_cast<std::size_t>(b.numel()));
+          blocks.push_back(b.reshape({-1}));
+        }
+        std::vector<std::vector<std::int64_t>> recv_shapes;
+        for (std::size_t j = 0; j < gs.size(); ++j) {
+          std::vector<std::int64_t> s = x.sizes().vec();
+          s[static_cast<std::size_t>(g)] = gs[j];
+          s[static_cast<std::size_t>(c)] = cs[me];
+          std::int64_t numel = 1;
+          for (auto d : s) numel *= d;
+          recv_counts.push_back(static_cast<std::size_t>(numel));
+          recv_shapes.push_back(s);
+        }
+        at::Tensor in = at::cat(blocks);
+        std::int64_t total = 0;
+        for (auto r : recv_counts) total += static_cast<std::int64_t>(r);
+        at::Tensor out = at::empty({total}, x.options());
+        p.work = backend_->all_to_all(group, buffer(in), buffer(out), send_counts, recv_counts);
+        p.keep = {in, out};
+        p.finish = [out, recv_shapes, recv_counts, g] {
+          std::vector<at::Tensor> parts;
+          std::int64_t o = 0;
+          for (std::size_t j = 0; j < recv_shapes.size(); ++j) {
+            parts.push_back(out.narrow(0, o, static_cast<std::int64_t>(recv_counts[j])).reshape(recv_shapes[j]));
+            o += static_cast<std::int64_t>(recv_counts[j]);
+          }
+          return at::cat(parts, g);
+        };
+      } else {
+        throw std::invalid_argument("no executor support for communication op '" + op + "'");
+      }
+      ++stats_.collectives;
+      stats_.comm_bytes += static_cast<double>(x.nbytes());
+      pending.emplace(n.output(), std::move(p));
+    }
+    std::int64_t held = 0;
+    for (const ir::Value* v : dead_[index]) {
+      if (pending.count(v) == 0) live.erase(v);  // a collective's output is dropped once it is consumed
+    }
+    for (const auto& [v, t] : live) held += static_cast<std::int64_t>(t.nbytes());
+    stats_.peak_bytes = std::max(stats_.peak_bytes, held);
+    ++index;
+  }
+  TensorMap result;
+  for (const auto& [name, v] : graph_.outputs()) result.emplace(name, value(v));
+  stats_.total = std::chrono::duration<double>(Clock::now() - start).count();
+  return result;
+}
+
+}  // namespace spmdx::exec

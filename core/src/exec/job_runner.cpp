@@ -1,0 +1,166 @@
+#include "spmdx/exec/job_runner.h"
+
+#include <ATen/ATen.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <chrono>
+#include <thread>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "spmdx/comm/store.h"
+#include "spmdx/core/log.h"
+#include "spmdx/core/registry.h"
+#include "spmdx/data/text_dataset.h"
+#include "spmdx/exec/distributed.h"
+#include "spmdx/exec/simulated.h"
+#include "spmdx/exec/trainer.h"
+#include "spmdx/sharding/spec.h"
+#include "spmdx/train/job.h"
+
+namespace spmdx::exec {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::string human_bytes(double b) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB"};
+  int u = 0;
+  while (b >= 1024 && u < 3) b /= 1024, ++u;
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.1f %s", b, units[u]);
+  return buf;
+}
+
+}  // namespace
+
+int run_job(const config::Config& cfg, const launch::RankEnv& env) {
+  const bool lead = env.rank == 0;
+  // Ranks on one host share its cores: each takes its part for intra-op threads.
+  at::set_num_threads(std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / std::max(1, env.local_world_size)));
+  const auto tokenizer = data::make_tokenizer(cfg.get_string("model.tokenizer"));
+  const train::JobSpec spec = train::job_spec(cfg, env.world_size, tokenizer->vocab_size());
+  if (cfg.get_string("training.device") != "cpu") {
+    throw config::ConfigError((cfg.source().empty() ? std::string("config") : cfg.source()) +
+                              ": training.device = \"" + cfg.get_string("training.device") +
+                              "\" is not supported by this build yet (CPU only); use \"cpu\"");
+  }
+  if (cfg.get_list("data.paths").empty()) {
+    throw config::ConfigError((cfg.source().empty() ? std::string("config") : cfg.source()) +
+                              ": data.paths is empty: name text or JSON Lines files to train on");
+  }
+
+  PluginRegistry registry;
+  std::vector<std::filesystem::path> paths(cfg.get_list("plugins.paths").begin(), cfg.get_list("plugins.paths").end());
+  registry.discover(plugin_search_path(paths));
+  train::PlacedJob job = train::place_job(spec, registry);
+  const auto plan = sharding::propagate(job.model.graph, job.mesh, job.inputs, job.outputs, job.use);
+  const ir::Graph graph = sharding::rank_graph(plan, env.rank);
+
+  // Rendezvous and the comm backend (none for one rank).
+  std::unique_ptr<comm::TcpStoreServer> server;
+  std::unique_ptr<comm::TcpStore> store;
+  std::unique_ptr<CommBackend> backend;
+  const double timeout = cfg.get_float("comm.timeout_seconds");
+  if (env.world_size > 1) {
+    if (!env.store_hosted && env.rank == 0) server = std::make_unique<comm::TcpStoreServer>("0.0.0.0", env.master_port, env.token);
+    store = std::make_unique<comm::TcpStore>(env.master_addr, env.master_port, env.token, timeout);
+    backend = registry.make_comm_backend(cfg.get_string("comm.backend"));
+    backend->init({env.rank, env.world_size, 0, store.get(), timeout});
+  }
+  DistributedExecutor executor(graph, job.mesh, env.rank, backend.get(), timeout);
+
+  // This rank's shards of the initial parameters (the same full values on every rank).
+  const auto coord = job.mesh.coordinate(env.rank);
+  TensorMap state;
+  {
+    TensorMap full = init_tensors(job.model, spec.seed);
+    for (const auto& [name, t] : full) state[name] = shard_tensor(t, plan.placement.at(job.model.graph.find_input(name)), job.mesh, coord);
+    for (const auto& p : job.model.params) {
+      state["exp_avg." + p] = at::zeros_like(state.at(p));
+      state["exp_avg_sq." + p] = at::zeros_like(state.at(p));
+    }
+  }
+  data::TextDataset dataset({cfg.get_list("data.paths"), spec.global_batch_size, spec.seq_len,
+                             static_cast<std::uint64_t>(cfg.get_int("data.seed"))},
+                            *tokenizer);
+  const auto& tokens_pl = plan.placement.at(job.model.graph.find_input("tokens"));
+  const auto& labels_pl = plan.placement.at(job.model.graph.find_input("labels"));
+  const auto names = train::train_state_names(job.model.params);
+
+  std::ofstream metrics;
+  const std::filesystem::path dump = cfg.get_string("job.dump_folder");
+  if (lead) {
+    std::filesystem::create_directories(dump);
+    metrics.open(dump / "metrics.jsonl", std::ios::trunc);
+    if (!metrics) throw std::runtime_error("cannot write " + (dump / "metrics.jsonl").string());
+    double params = 0;
+    for (const auto& p : job.model.params) params += static_cast<double>(job.model.graph.find_input(p)->meta().numel());
+    std::printf("spmdx: %s %s (%.2fM parameters), mesh %s (%d ranks, %s), global batch %lld x %lld, %lld steps, comm %s\n",
+                spec.model.name.c_str(), spec.model.flavor.c_str(), params / 1e6,
+                job.mesh.str().c_str(), env.world_size, env.source.c_str(), static_cast<long long>(spec.global_batch_size),
+                static_cast<long long>(spec.seq_len), static_cast<long long>(spec.steps),
+                backend ? backend->describe().c_str() : "none (one rank)");
+    std::fflush(stdout);
+  }
+  const std::int64_t log_freq = cfg.get_int("metrics.log_freq");
+  double first_loss = 0, last_loss = 0;
+  const auto run_start = Clock::now();
+  for (std::int64_t step = 1; step <= spec.steps; ++step) {
+    const data::Batch batch = dataset.next_batch();
+    auto as_tensor = [&](const std::vector<std::int64_t>& ids) {
+      return at::tensor(ids, at::kLong).reshape({spec.global_batch_size, spec.seq_len});
+    };
+    TensorMap feed = state;
+    feed["tokens"] = shard_tensor(as_tensor(batch.tokens), tokens_pl, job.mesh, coord);
+    feed["labels"] = shard_tensor(as_tensor(batch.labels), labels_pl, job.mesh, coord);
+    const double lr = spec.lr * train::lr_factor(step, spec.warmup_steps, spec.steps, spec.min_lr_factor);
+    feed["lr"] = at::scalar_tensor(lr, at::kFloat);
+    feed["step"] = at::scalar_tensor(static_cast<double>(step), at::kFloat);
+    TensorMap out = executor.run(feed);
+    for (const auto& s : names) state[s] = out.at("next." + s);
+    const double loss = out.at("loss").item<double>();
+    if (!std::isfinite(loss)) throw std::runtime_error("step " + std::to_string(step) + ": the loss is " + std::to_string(loss));
+    if (step == 1) first_loss = loss;
+    last_loss = loss;
+    const RunStats& st = executor.stats();
+    const double tokens_per_s = static_cast<double>(spec.global_batch_size * spec.seq_len) / st.total;
+    if (lead) {
+      nlohmann::json row{{"step", step},
+                         {"loss", loss},
+                         {"grad_norm", out.at("grad_norm").item<double>()},
+                         {"lr", lr},
+                         {"tokens_per_s", tokens_per_s},
+                         {"step_ms", st.total * 1e3},
+                         {"exposed_comm_ms", st.exposed_comm * 1e3},
+                         {"collectives", st.collectives},
+                         {"comm_bytes", st.comm_bytes},
+                         {"peak_mem_bytes", st.peak_bytes}};
+      metrics << row.dump() << "\n" << std::flush;
+      if (step % log_freq == 0 || step == spec.steps) {
+        std::printf("step %4lld | loss %8.4f | grad_norm %7.3f | lr %.2e | %9.0f tok/s | %7.1f ms | exposed comm %4.1f%% | peak %s\n",
+                    static_cast<long long>(step), loss, out.at("grad_norm").item<double>(), lr, tokens_per_s, st.total * 1e3,
+                    100.0 * st.exposed_comm / st.total, human_bytes(static_cast<double>(st.peak_bytes)).c_str());
+        std::fflush(stdout);
+      }
+    }
+  }
+  if (lead) {
+    const double seconds = std::chrono::duration<double>(Clock::now() - run_start).count();
+    std::printf("done: %lld steps in %.1f s, loss %.4f -> %.4f (ln(vocab) = %.4f); metrics in %s\n", static_cast<long long>(spec.steps),
+                seconds, first_loss, last_loss, std::log(static_cast<double>(spec.model.vocab_size)),
+                (dump / "metrics.jsonl").string().c_str());
+  }
+  if (backend) {
+    backend->barrier(0)->wait(timeout);  // rank 0 may serve the store: nobody leaves before everyone is done
+    backend->finalize();
+  }
+  return 0;
+}
+
+}  // namespace spmdx::exec

@@ -1,0 +1,205 @@
+#include "spmdx/launch/launcher.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <iostream>
+#include <map>
+#include <random>
+#include <stdexcept>
+
+#include "spmdx/comm/store.h"
+
+extern char** environ;
+
+namespace spmdx::launch {
+namespace {
+
+std::optional<int> env_int(const char* name) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return std::nullopt;
+  char* end = nullptr;
+  const long x = std::strtol(v, &end, 10);
+  if (*end != '\0' || x < 0) throw std::invalid_argument(std::string(name) + "=" + v + " is not a non-negative integer");
+  return static_cast<int>(x);
+}
+
+std::string random_token() {
+  std::random_device rd;
+  std::string t;
+  const char* hex = "0123456789abcdef";
+  for (int i = 0; i < 32; ++i) t += hex[rd() % 16];
+  return t;
+}
+
+volatile sig_atomic_t g_signal = 0;
+void on_signal(int sig) { g_signal = sig; }
+
+}  // namespace
+
+RankEnv rank_env() {
+  RankEnv e;
+  if (auto r = env_int("RANK")) {
+    e.rank = *r;
+    e.world_size = env_int("WORLD_SIZE").value_or(1);
+    e.local_rank = env_int("LOCAL_RANK").value_or(e.rank);
+    e.local_world_size = env_int("LOCAL_WORLD_SIZE").value_or(e.world_size);
+    e.source = std::getenv("SPMDX_JOB_TOKEN") ? "spmdx" : "torchrun";
+  } else if (auto s = env_int("SLURM_PROCID")) {
+    e.rank = *s;
+    e.world_size = env_int("SLURM_NTASKS").value_or(1);
+    e.local_rank = env_int("SLURM_LOCALID").value_or(0);
+    e.local_world_size = env_int("SLURM_NTASKS_PER_NODE").value_or(e.world_size);
+    e.source = "slurm";
+  } else if (auto o = env_int("OMPI_COMM_WORLD_RANK")) {
+    e.rank = *o;
+    e.world_size = env_int("OMPI_COMM_WORLD_SIZE").value_or(1);
+    e.local_rank = env_int("OMPI_COMM_WORLD_LOCAL_RANK").value_or(0);
+    e.local_world_size = env_int("OMPI_COMM_WORLD_LOCAL_SIZE").value_or(e.world_size);
+    e.source = "openmpi";
+  } else {
+    e.source = "single";
+  }
+  if (e.rank >= e.world_size) {
+    throw std::invalid_argument("rank " + std::to_string(e.rank) + " is not below world size " + std::to_string(e.world_size));
+  }
+  if (const char* a = std::getenv("MASTER_ADDR")) e.master_addr = a;
+  e.master_port = env_int("MASTER_PORT").value_or(29500);
+  if (const char* t = std::getenv("SPMDX_JOB_TOKEN")) e.token = t;
+  e.store_hosted = std::getenv("SPMDX_STORE_HOSTED") != nullptr;
+  return e;
+}
+
+int launch_local(int nproc, const std::vector<std::string>& argv) {
+  const std::string token = random_token();
+  comm::TcpStoreServer store("127.0.0.1", 0, token);
+  struct sigaction sa {};
+  sa.sa_handler = on_signal;
+  sigaction(SIGINT, &sa, nullptr);
+  sigaction(SIGTERM, &sa, nullptr);
+
+  struct Child {
+    pid_t pid = -1;
+    int out = -1;  // read end of its stdout+stderr
+    std::string partial;
+    bool running = true;
+    int status = 0;
+  };
+  std::vector<Child> children(static_cast<std::size_t>(nproc));
+  for (int r = 0; r < nproc; ++r) {
+    std::map<std::string, std::string> env{{"RANK", std::to_string(r)},        {"WORLD_SIZE", std::to_string(nproc)},
+                                           {"LOCAL_RANK", std::to_string(r)},  {"LOCAL_WORLD_SIZE", std::to_string(nproc)},
+                                           {"MASTER_ADDR", "127.0.0.1"},        {"MASTER_PORT", std::to_string(store.port())},
+                                           {"SPMDX_JOB_TOKEN", token},          {"SPMDX_STORE_HOSTED", "1"}};
+    std::vector<std::string> strings;
+    for (char** e = environ; *e; ++e) {
+      const std::string kv = *e;
+      if (!env.count(kv.substr(0, kv.find('=')))) strings.push_back(kv);
+    }
+    for (const auto& [k, v] : env) strings.push_back(k + "=" + v);
+    std::vector<char*> envp, args;
+    for (auto& s : strings) envp.push_back(s.data());
+    envp.push_back(nullptr);
+    std::vector<std::string> argv_copy = argv;
+    for (auto& a : argv_copy) args.push_back(a.data());
+    args.push_back(nullptr);
+    int pipefd[2];
+    if (pipe(pipefd) != 0) throw std::runtime_error("launcher: pipe failed");
+    posix_spawn_file_actions_t fa;
+    posix_spawn_file_actions_init(&fa);
+    posix_spawn_file_actions_adddup2(&fa, pipefd[1], 1);
+    posix_spawn_file_actions_adddup2(&fa, pipefd[1], 2);
+    posix_spawn_file_actions_addclose(&fa, pipefd[0]);
+    pid_t pid = -1;
+    const int rc = posix_spawn(&pid, argv[0].c_str(), &fa, nullptr, args.data(), envp.data());
+    posix_spawn_file_actions_destroy(&fa);
+    close(pipefd[1]);
+    if (rc != 0) {
+      for (auto& c : children) {
+        if (c.pid > 0) kill(c.pid, SIGKILL);
+      }
+      throw std::runtime_error("launcher: cannot start " + argv[0] + ": " + std::strerror(rc));
+    }
+    children[static_cast<std::size_t>(r)] = {pid, pipefd[0], "", true, 0};
+  }
+
+  int failed_rank = -1;
+  std::string failure;
+  auto stop_all = [&](int sig) {
+    for (auto& c : children) {
+      if (c.running) kill(c.pid, sig);
+    }
+  };
+  auto kill_deadline = std::chrono::steady_clock::time_point::max();
+  std::size_t running = children.size();
+  while (running > 0) {
+    std::vector<pollfd> fds;
+    for (auto& c : children) fds.push_back({c.out, POLLIN, 0});
+    poll(fds.data(), fds.size(), 100);
+    for (std::size_t r = 0; r < children.size(); ++r) {
+      auto& c = children[r];
+      if (c.out >= 0 && (fds[r].revents & (POLLIN | POLLHUP))) {
+        char buf[4096];
+        const ssize_t n = read(c.out, buf, sizeof buf);
+        if (n <= 0) {
+          close(c.out);
+          c.out = -1;
+        } else {
+          c.partial.append(buf, static_cast<std::size_t>(n));
+          std::size_t nl;
+          while ((nl = c.partial.find('\n')) != std::string::npos) {
+            std::cout << "[rank " << r << "] " << c.partial.substr(0, nl) << "\n" << std::flush;
+            c.partial.erase(0, nl + 1);
+          }
+        }
+      }
+      if (c.running && waitpid(c.pid, &c.status, WNOHANG) == c.pid) {
+        c.running = false;
+        --running;
+        const bool ok = WIFEXITED(c.status) && WEXITSTATUS(c.status) == 0;
+        if (!ok && failed_rank < 0) {
+          failed_rank = static_cast<int>(r);
+          failure = WIFEXITED(c.status) ? "exited with code " + std::to_string(WEXITSTATUS(c.status))
+                                        : std::string("was killed by signal ") + strsignal(WTERMSIG(c.status));
+          if (g_signal == 0) {
+            stop_all(SIGTERM);
+            kill_deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+          }
+        }
+      }
+    }
+    if (g_signal != 0 && kill_deadline == std::chrono::steady_clock::time_point::max()) {
+      stop_all(g_signal);
+      kill_deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+    }
+    if (std::chrono::steady_clock::now() > kill_deadline) stop_all(SIGKILL);
+  }
+  for (auto& c : children) {
+    if (c.out >= 0) {
+      char buf[4096];
+      ssize_t n;
+      while ((n = read(c.out, buf, sizeof buf)) > 0) c.partial.append(buf, static_cast<std::size_t>(n));
+      close(c.out);
+    }
+    if (!c.partial.empty()) std::cout << "[rank " << (&c - children.data()) << "] " << c.partial << "\n";
+  }
+  if (g_signal != 0) {
+    std::cerr << "spmdx run: stopped by " << strsignal(g_signal) << "; every rank was stopped\n";
+    return 1;
+  }
+  if (failed_rank >= 0) {
+    std::cerr << "spmdx run: rank " << failed_rank << " " << failure << "; the other ranks were stopped\n";
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace spmdx::launch

@@ -1,0 +1,89 @@
+// `spmdx run` as a user runs it: real rank processes started by the launcher, talking over the
+// ucx plugin. N ranks give the one-rank losses; bad configs fail before any rank starts; a
+// failing rank stops the job with its name.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <fstream>
+
+#include "test_util.h"
+
+namespace spmdx {
+namespace {
+
+namespace fs = std::filesystem;
+using ::testing::HasSubstr;
+
+std::string corpus_file(const test::TempDir& dir) {
+  std::string text;
+  for (int i = 0; i < 200; ++i) {
+    text += "The ranks of a job agree on every number they compute, line " + std::to_string(i) + ".\n";
+  }
+  test::write_file(dir / "corpus.txt", text);
+  return (dir / "corpus.txt").string();
+}
+
+std::vector<double> losses(const fs::path& metrics) {
+  std::vector<double> out;
+  std::ifstream in(metrics);
+  std::string line;
+  while (std::getline(in, line)) out.push_back(nlohmann::json::parse(line).at("loss").get<double>());
+  return out;
+}
+
+test::CommandResult spmdx_run(const std::string& args) {
+  return test::run_command("'" SPMDX_EXE "' run " + args);
+}
+
+TEST(Run, FourRanksGiveTheLossesOfOneRankForEachLayout) {
+  test::TempDir dir;
+  const std::string data = corpus_file(dir);
+  const std::string common = " --data.paths '" + data + "' --training.steps 10 --training.global_batch_size 8 --training.seq_len 32";
+  auto one = spmdx_run("'" SPMDX_SOURCE_DIR "/configs/llama_fsdp.toml' --nproc 1 --job.dump_folder '" + (dir / "one").string() + "'" + common);
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  const auto want = losses(dir / "one" / "metrics.jsonl");
+  ASSERT_EQ(want.size(), 10u);
+  EXPECT_LT(want.back(), want.front());
+  const std::vector<std::pair<std::string, std::string>> layouts = {
+      {"fsdp4", "--parallelism.data_parallel_shard_degree -1"},
+      {"fsdp2xtp2", "--parallelism.data_parallel_shard_degree 2 --parallelism.tensor_parallel_degree 2"},
+      {"dp2xtp2", "--parallelism.data_parallel_replicate_degree 2 --parallelism.data_parallel_shard_degree 1 --parallelism.tensor_parallel_degree 2"},
+  };
+  for (const auto& [name, flags] : layouts) {
+    auto r = spmdx_run("'" SPMDX_SOURCE_DIR "/configs/llama_fsdp.toml' --nproc 4 " + flags + " --job.dump_folder '" + (dir / name).string() + "'" + common);
+    ASSERT_EQ(r.exit_code, 0) << name << "\n" << r.output;
+    EXPECT_THAT(r.output, HasSubstr("[rank 0] step   10 | loss"));
+    const auto got = losses(dir / name / "metrics.jsonl");
+    ASSERT_EQ(got.size(), want.size()) << name;
+    for (std::size_t i = 0; i < want.size(); ++i) EXPECT_NEAR(got[i], want[i], 1e-5 * std::abs(want[i])) << name << " step " << i + 1;
+  }
+  std::ifstream in(dir / "fsdp4" / "metrics.jsonl");
+  std::string line;
+  std::getline(in, line);
+  const auto row = nlohmann::json::parse(line);
+  for (const char* key : {"step", "loss", "tokens_per_s", "step_ms", "exposed_comm_ms", "peak_mem_bytes"}) {
+    EXPECT_TRUE(row.contains(key)) << key;
+  }
+}
+
+TEST(Run, TypoInConfigFailsBeforeAnyRankStartsNamingLineAndKey) {
+  test::TempDir dir;
+  test::write_file(dir / "bad.toml", "[model]\nname = \"llama\"\n[training]\nsteps = 3\nsqe_len = 16\n");
+  auto r = spmdx_run("'" + (dir / "bad.toml").string() + "' --nproc 4");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.output, HasSubstr("bad.toml:5:11: unknown key 'training.sqe_len'; did you mean 'training.seq_len'?"));
+  EXPECT_THAT(r.output, ::testing::Not(HasSubstr("[rank")));
+}
+
+TEST(Run, ARankThatFailsStopsTheJobNamingIt) {
+  test::TempDir dir;
+  auto r = spmdx_run("'" SPMDX_SOURCE_DIR "/configs/llama_fsdp.toml' --nproc 2 --data.paths /nonexistent/corpus.txt --job.dump_folder '" +
+                     dir.path().string() + "'");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.output, HasSubstr("/nonexistent/corpus.txt"));
+  EXPECT_THAT(r.output, HasSubstr("exited with code 1; the other ranks were stopped"));
+}
+
+}  // namespace
+}  // namespace spmdx
