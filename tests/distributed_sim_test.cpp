@@ -94,7 +94,8 @@ double rel(const at::Tensor& a, const at::Tensor& b) {
 
 TEST(Distributed, LlamaTinyGradientsEqualOneRank) {
   for (const auto& layout : layouts()) {
-    SCOPED_TRACE(layout.name);
+   for (bool reshard : {false, true}) {
+    SCOPED_TRACE(layout.name + (reshard ? " reshard_after_forward" : ""));
     models::Model m = models::build_model(models::model_args("llama", "tiny", kVocab), kBatch, kSeq);
     std::vector<ir::Value*> weights;
     for (const auto& p : m.params) weights.push_back(m.graph.find_input(p));
@@ -112,13 +113,14 @@ TEST(Distributed, LlamaTinyGradientsEqualOneRank) {
     for (const auto& p : m.params) out_pl["grad." + p] = placements.at(p);
     std::map<std::string, Placements> params;
     for (const auto& p : m.params) params[p] = placements.at(p);
-    const auto plan = sharding::propagate(m.graph, mesh, placements, out_pl, sharding::use_placements(mesh, params));
+    const auto plan = sharding::propagate(m.graph, mesh, placements, out_pl, sharding::use_placements(mesh, params), reshard);
     const exec::TensorMap got = run_distributed(plan, full);
 
     EXPECT_LE(rel(got.at("loss"), want.at("loss")), 1e-5);
     for (const auto& p : m.params) EXPECT_LE(rel(got.at("grad." + p), want.at("grad." + p)), 1e-5) << p;
-    std::printf("%-10s mesh %-22s comm %8.0f bytes/rank/step  loss %.6f vs %.6f\n", layout.name.c_str(), mesh.str().c_str(),
-                plan.comm_bytes, got.at("loss").item<double>(), want.at("loss").item<double>());
+    std::printf("%-10s %-8s mesh %-32s comm %8.0f bytes/rank/step  loss %.6f vs %.6f\n", layout.name.c_str(), reshard ? "reshard" : "keep",
+                mesh.str().c_str(), plan.comm_bytes, got.at("loss").item<double>(), want.at("loss").item<double>());
+   }
   }
 }
 
@@ -196,6 +198,29 @@ TEST(Distributed, FsdpGathersParametersOnceAndUpdatesShards) {
   EXPECT_EQ(g.find_input("w1.weight")->meta().shape, (std::vector<std::int64_t>{48, 64}));
   std::printf("fsdp4 mlp tiny: %.0f bytes per rank per step; classic all_gather + reduce_scatter: %.0f\n", plan.comm_bytes,
               2 * 0.75 * param_bytes);
+}
+
+TEST(Distributed, ReshardAfterForwardGathersEachParameterAgainForTheBackward) {
+  models::Model m = models::build_model(models::model_args("mlp", "tiny", kVocab), 8, 64);
+  train::append_train_step(m.graph, m.params, {});
+  const auto mesh = sharding::make_mesh({1, 4, 1}, 4);
+  auto placements = sharding::parallelize(registry(), mesh, strategy_input(m));
+  std::map<std::string, Placements> params;
+  for (const auto& p : m.params) {
+    placements["exp_avg." + p] = placements["exp_avg_sq." + p] = placements.at(p);
+    params[p] = placements.at(p);
+  }
+  std::map<std::string, Placements> out_pl;
+  for (const auto& s : train::train_state_names(m.params)) out_pl["next." + s] = placements.at(s);
+  auto gathers = [&](bool reshard) {
+    const auto plan = sharding::propagate(m.graph, mesh, placements, out_pl, sharding::use_placements(mesh, params), reshard);
+    const ir::Graph g = sharding::rank_graph(plan, 0);
+    int n = 0;
+    for (const auto& node : g.nodes()) n += node->op() == "all_gather" && params.count(node->input(0)->name()) > 0;
+    return n;
+  };
+  EXPECT_EQ(gathers(false), 3);
+  EXPECT_EQ(gathers(true), 5);  // tok_embeddings is not read by the backward (its gradient needs only the tokens)
 }
 
 TEST(Distributed, DegreesThatDoNotMultiplyToWorldSizeAreRejected) {

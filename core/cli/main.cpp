@@ -151,7 +151,7 @@ int run_compile(const CompileOptions& o) {
   std::vector<std::filesystem::path> paths(cfg.get_list("plugins.paths").begin(), cfg.get_list("plugins.paths").end());
   registry.discover(spmdx::plugin_search_path(paths));
   spmdx::train::PlacedJob job = spmdx::train::place_job(spec, registry);
-  const auto plan = spmdx::sharding::propagate(job.model.graph, job.mesh, job.inputs, job.outputs, job.use);
+  const auto plan = spmdx::sharding::propagate(job.model.graph, job.mesh, job.inputs, job.outputs, job.use, job.reshard_after_forward);
   const std::int64_t dumped_ranks = o.dump.empty() ? 0 : (o.fake ? 1 : world);
   if (!o.dump.empty()) {
     fs::create_directories(o.dump);
@@ -173,7 +173,8 @@ int run_compile(const CompileOptions& o) {
   std::cout << "model " << spec.model.name << " " << spec.model.flavor << " (vocab " << spec.model.vocab_size << "), " << job.model.graph.num_nodes()
             << " nodes; mesh " << job.mesh.str() << " (" << world << " ranks); global batch " << spec.global_batch_size << " x " << spec.seq_len << "\n"
             << "per rank (rank 0): parameters " << human_bytes(param) << ", gradients " << human_bytes(param) << ", AdamW state "
-            << human_bytes(2 * param) << ", communication " << human_bytes(plan.comm_bytes) << " sent per step\n"
+            << human_bytes(2 * param) << ", communication " << human_bytes(plan.comm_bytes) << " sent per step (about "
+            << plan.comm_seconds * 1e3 << " ms at 10 GB/s, 10 us per message)\n"
             << "planned in " << seconds << " s" << (o.fake ? " (--fake: no ranks started" : " (no ranks started")
             << (dumped_ranks ? "; wrote " + o.dump + " with " + std::to_string(dumped_ranks) + " rank graph(s))" : ")") << "\n";
   return 0;

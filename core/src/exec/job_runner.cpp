@@ -59,7 +59,7 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
   std::vector<std::filesystem::path> paths(cfg.get_list("plugins.paths").begin(), cfg.get_list("plugins.paths").end());
   registry.discover(plugin_search_path(paths));
   train::PlacedJob job = train::place_job(spec, registry);
-  const auto plan = sharding::propagate(job.model.graph, job.mesh, job.inputs, job.outputs, job.use);
+  const auto plan = sharding::propagate(job.model.graph, job.mesh, job.inputs, job.outputs, job.use, job.reshard_after_forward);
   const ir::Graph graph = sharding::rank_graph(plan, env.rank);
 
   // Rendezvous and the comm backend (none for one rank).

@@ -40,7 +40,7 @@ bool is_communication(const std::string& op) {
 }
 
 std::vector<RedistributeStep> redistribute_plan(const DeviceMesh& mesh, const ir::TensorMeta& meta, const Placements& from,
-                                                const Placements& to) {
+                                                const Placements& to, const CostModel& cost) {
   const int n = mesh.ndim();
   Placements state = from;
   // Mesh dims whose shard must be undone first because an outer mesh dim changes the same
@@ -85,6 +85,8 @@ std::vector<RedistributeStep> redistribute_plan(const DeviceMesh& mesh, const ir
       step.op = "all_gather";
     }
     step.bytes = step_cost(step.from, step.to, bytes, k);
+    const double messages = static_cast<double>(k - 1) * (step.op == "all_reduce" ? 2 : 1);
+    step.seconds = messages * cost.alpha + step.bytes / cost.beta;
     s = step.to;
     steps.push_back(step);
   }
@@ -109,9 +111,24 @@ std::string to_string(const std::vector<RedistributeStep>& plan) {
   return out.str();
 }
 
+std::string DistributedPlan::version_key(const ir::Value* v, const Placements& placements, const ir::Node* node) const {
+  const bool later = node != nullptr && reshard_after >= 0 && node->id() > reshard_after && resharded.count(v) > 0;
+  return to_string(placements) + (later ? "#after-forward" : "");
+}
+
 DistributedPlan propagate(const ir::Graph& graph, const DeviceMesh& mesh, const std::map<std::string, Placements>& inputs,
-                          const std::map<std::string, Placements>& outputs, const std::map<std::string, Placements>& use) {
-  DistributedPlan plan{mesh, &graph, {}, {}, {}, 0};
+                          const std::map<std::string, Placements>& outputs, const std::map<std::string, Placements>& use,
+                          bool reshard_after_forward) {
+  DistributedPlan plan{mesh, &graph, {}, {}, {}, 0, 0, -1, {}};
+  if (reshard_after_forward) {
+    if (const ir::Value* loss = graph.find_output("loss"); loss != nullptr && loss->producer() != nullptr) {
+      plan.reshard_after = loss->producer()->id();
+      for (const auto& [name, pl] : use) {
+        if (const ir::Value* v = graph.find_input(name)) plan.resharded.insert(v);
+      }
+    }
+  }
+  const ir::Node* reading = nullptr;  // the node whose inputs are being placed
   const int n = mesh.ndim();
   const Placements all_r(static_cast<std::size_t>(n), kR);
   for (const auto& [name, pl] : inputs) {
@@ -128,8 +145,11 @@ DistributedPlan propagate(const ir::Graph& graph, const DeviceMesh& mesh, const 
   // Values already redistributed, by target placements: reusing one costs nothing.
   std::set<std::pair<const ir::Value*, std::string>> made;  // keyed by to_string(placements)
   auto make = [&](const ir::Value* v, const Placements& want) {
-    if (want != plan.placement.at(v) && made.insert({v, to_string(want)}).second) {
-      for (const auto& step : redistribute_plan(mesh, v->meta(), plan.placement.at(v), want)) plan.comm_bytes += step.bytes;
+    if (want != plan.placement.at(v) && made.insert({v, plan.version_key(v, want, reading)}).second) {
+      for (const auto& step : redistribute_plan(mesh, v->meta(), plan.placement.at(v), want)) {
+        plan.comm_bytes += step.bytes;
+        plan.comm_seconds += step.seconds;
+      }
     }
   };
   // Placements to make a value in as soon as it exists: `use` for inputs, and for gradients
@@ -189,7 +209,7 @@ DistributedPlan propagate(const ir::Graph& graph, const DeviceMesh& mesh, const 
           Placements target = current;
           for (int j = 0; j < i; ++j) target[static_cast<std::size_t>(j)] = in_pl[a][static_cast<std::size_t>(j)];
           target[static_cast<std::size_t>(i)] = c.inputs[a];
-          if (target == current || made.count({v, to_string(target)})) continue;
+          if (target == current || made.count({v, plan.version_key(v, target, node.get())})) continue;
           cost += step_cost(current[static_cast<std::size_t>(i)], c.inputs[a], bytes_of(v, seen_in[a]), mesh.size(i));
         }
         // Work: what the rank computes, as the bytes of the local outputs it produces. A
@@ -208,6 +228,7 @@ DistributedPlan propagate(const ir::Graph& graph, const DeviceMesh& mesh, const 
       for (std::size_t a = 0; a < n_in; ++a) in_pl[a].push_back(best->inputs[a]);
       for (std::size_t a = 0; a < n_out; ++a) out_pl[a].push_back(best->outputs[a]);
     }
+    reading = node.get();
     for (std::size_t a = 0; a < n_in; ++a) make(node->inputs()[a], in_pl[a]);
     for (std::size_t a = 0; a < n_out; ++a) {
       plan.placement[node->outputs()[a]] = out_pl[a];
@@ -219,6 +240,7 @@ DistributedPlan propagate(const ir::Graph& graph, const DeviceMesh& mesh, const 
     if (graph.find_output(name) == nullptr) throw std::invalid_argument("placement required for '" + name + "', which is not a graph output");
     if (static_cast<int>(pl.size()) != n) throw std::invalid_argument("output '" + name + "' needs one placement per mesh dim");
   }
+  reading = nullptr;
   for (const auto& [name, v] : graph.outputs()) {
     auto it = outputs.find(name);
     Placements want = plan.placement.at(v);
@@ -237,7 +259,8 @@ DistributedPlan propagate(const ir::Graph& graph, const DeviceMesh& mesh, const 
 
 std::string DistributedPlan::str() const {
   std::ostringstream out;
-  out << "mesh " << mesh.str() << "; " << static_cast<std::int64_t>(comm_bytes) << " bytes sent per rank per run\n";
+  out << "mesh " << mesh.str() << "; " << static_cast<std::int64_t>(comm_bytes) << " bytes sent per rank per run, about "
+      << comm_seconds * 1e3 << " ms of communication (alpha-beta estimate)\n";
   for (const ir::Value* v : graph->inputs()) out << "  input " << v->ref() << ": " << to_string(placement.at(v)) << " " << v->meta().str() << "\n";
   for (const auto& node : graph->nodes()) {
     const auto& in = inputs.at(node.get());
@@ -266,6 +289,7 @@ std::string DistributedPlan::to_json() const {
   j["mesh"] = json::array();
   for (const auto& d : mesh.dims()) j["mesh"].push_back({{"name", d.name}, {"size", d.size}});
   j["comm_bytes"] = comm_bytes;
+  j["comm_seconds"] = comm_seconds;
   j["inputs"] = json::object();
   for (const ir::Value* v : graph->inputs()) j["inputs"][v->name()] = to_string(placement.at(v));
   j["nodes"] = json::array();
@@ -279,7 +303,8 @@ std::string DistributedPlan::to_json() const {
       if (in[a] == placement.at(v)) continue;
       json r{{"value", v->ref()}, {"node", node->id()}, {"from", to_string(placement.at(v))}, {"to", to_string(in[a])}, {"steps", json::array()}};
       for (const auto& step : redistribute_plan(mesh, v->meta(), placement.at(v), in[a])) {
-        r["steps"].push_back({{"mesh_dim", step.mesh_dim}, {"op", step.op}, {"from", step.from.str()}, {"to", step.to.str()}, {"bytes", step.bytes}});
+        r["steps"].push_back({{"mesh_dim", step.mesh_dim}, {"op", step.op}, {"from", step.from.str()}, {"to", step.to.str()},
+                              {"bytes", step.bytes}, {"seconds", step.seconds}});
       }
       j["redistributions"].push_back(std::move(r));
     }
@@ -295,7 +320,7 @@ ir::Graph rank_graph(const DistributedPlan& plan, std::int64_t rank) {
   const DeviceMesh& mesh = plan.mesh;
   const auto coord = mesh.coordinate(rank);
   ir::Graph g;
-  std::map<std::pair<const ir::Value*, std::string>, ir::Value*> versions;  // by to_string(placements)
+  std::map<std::pair<const ir::Value*, std::string>, ir::Value*> versions;  // by DistributedPlan::version_key
   auto local_meta = [&](const ir::TensorMeta& meta, const Placements& pl) {
     ir::TensorMeta m = meta;
     m.shape = ShardingSpec{pl, meta}.local_shape(mesh, coord);
@@ -303,13 +328,15 @@ ir::Graph rank_graph(const DistributedPlan& plan, std::int64_t rank) {
   };
   for (const ir::Value* v : plan.graph->inputs()) {
     const Placements& pl = plan.placement.at(v);
-    versions[{v, to_string(pl)}] = g.add_input(v->name(), local_meta(v->meta(), pl));
+    ir::Value* local = g.add_input(v->name(), local_meta(v->meta(), pl));
+    versions[{v, plan.version_key(v, pl, nullptr)}] = local;
+    versions[{v, to_string(pl) + "#after-forward"}] = local;  // its own placement needs no redistribution
   }
   // The local value of `v` in placements `want`, adding the redistribution's nodes once.
-  auto get = [&](const ir::Value* v, const Placements& want) -> ir::Value* {
-    if (auto it = versions.find({v, to_string(want)}); it != versions.end()) return it->second;
+  auto get = [&](const ir::Value* v, const Placements& want, const ir::Node* reader) -> ir::Value* {
+    if (auto it = versions.find({v, plan.version_key(v, want, reader)}); it != versions.end()) return it->second;
     Placements state = plan.placement.at(v);
-    ir::Value* cur = versions.at({v, to_string(state)});
+    ir::Value* cur = versions.at({v, plan.version_key(v, state, reader)});
     for (const auto& step : redistribute_plan(mesh, v->meta(), state, want)) {
       const int i = step.mesh_dim;
       const std::int64_t k = mesh.size(i), index = coord[static_cast<std::size_t>(i)];
@@ -332,14 +359,14 @@ ir::Graph rank_graph(const DistributedPlan& plan, std::int64_t rank) {
         cur = g.add("to_partial", {cur}, {{"index", index}});
       }
       state[static_cast<std::size_t>(i)] = step.to;
-      versions[{v, to_string(state)}] = cur;
+      versions[{v, plan.version_key(v, state, reader)}] = cur;
     }
     return cur;
   };
   for (const auto& node : plan.graph->nodes()) {
     const auto& in_pl = plan.inputs.at(node.get());
     std::vector<ir::Value*> args;
-    for (std::size_t a = 0; a < in_pl.size(); ++a) args.push_back(get(node->inputs()[a], in_pl[a]));
+    for (std::size_t a = 0; a < in_pl.size(); ++a) args.push_back(get(node->inputs()[a], in_pl[a], node.get()));
     std::vector<Shape> local_out;
     for (const ir::Value* o : node->outputs()) local_out.push_back(local_meta(o->meta(), plan.placement.at(o)).shape);
     ir::Node* ln = g.add_node(node->op(), args, local_attrs(*node, local_out));
@@ -350,10 +377,10 @@ ir::Graph rank_graph(const DistributedPlan& plan, std::int64_t rank) {
                           ln->output(static_cast<int>(a))->meta().str() + " locally, its placement " +
                           to_string(plan.placement.at(o)) + " says " + ir::shape_str(local_out[a]));
       }
-      versions[{o, to_string(plan.placement.at(o))}] = ln->output(static_cast<int>(a));
+      versions[{o, plan.version_key(o, plan.placement.at(o), nullptr)}] = ln->output(static_cast<int>(a));
     }
   }
-  for (const auto& [name, v] : plan.graph->outputs()) g.add_output(name, get(v, plan.outputs.at(name)));
+  for (const auto& [name, v] : plan.graph->outputs()) g.add_output(name, get(v, plan.outputs.at(name), nullptr));
   g.verify();
   return g;
 }

@@ -44,6 +44,7 @@ JobSpec job_spec(const config::Config& cfg, std::int64_t world_size, std::int64_
   s.lr = cfg.get_float("optimizer.lr");
   s.min_lr_factor = cfg.get_float("lr_scheduler.min_lr_factor");
   s.seed = static_cast<std::uint64_t>(cfg.get_int("job.seed"));
+  s.reshard_after_forward = cfg.get_string("parallelism.fsdp_reshard_after_forward") != "never";
   s.step.max_norm = cfg.get_float("training.max_norm");
   s.step.adamw = {cfg.get_float("optimizer.beta1"), cfg.get_float("optimizer.beta2"), cfg.get_float("optimizer.eps"),
                   cfg.get_float("optimizer.weight_decay")};
@@ -51,7 +52,7 @@ JobSpec job_spec(const config::Config& cfg, std::int64_t world_size, std::int64_
 }
 
 PlacedJob place_job(const JobSpec& spec, PluginRegistry& registry) {
-  PlacedJob job{models::build_model(spec.model, spec.global_batch_size, spec.seq_len), sharding::make_mesh(spec.dims, spec.world_size), {}, {}, {}};
+  PlacedJob job{models::build_model(spec.model, spec.global_batch_size, spec.seq_len), sharding::make_mesh(spec.dims, spec.world_size), {}, {}, {}, spec.reshard_after_forward};
   append_train_step(job.model.graph, job.model.params, spec.step);
   StrategyInput in;
   for (const auto& init : job.model.init) {

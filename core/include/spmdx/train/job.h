@@ -28,6 +28,9 @@ struct JobSpec {
   double min_lr_factor = 0.0;
   std::uint64_t seed = 42;
   TrainStepConfig step;
+  /// FSDP frees gathered parameters after the forward and gathers them again for the backward
+  /// (parallelism.fsdp_reshard_after_forward: "default" and "always" do, "never" keeps them).
+  bool reshard_after_forward = true;
 };
 
 /// Resolves the config for `world_size` ranks and a tokenizer of `vocab_size` ids:
@@ -47,6 +50,7 @@ struct PlacedJob {
   std::map<std::string, sharding::Placements> inputs;
   std::map<std::string, sharding::Placements> outputs;
   std::map<std::string, sharding::Placements> use;  ///< parameters' placements at use (FSDP unshard)
+  bool reshard_after_forward = true;
 };
 PlacedJob place_job(const JobSpec& spec, PluginRegistry& registry);
 
