@@ -342,10 +342,17 @@ void P2PBackend::wait_all(Op& op, const std::vector<std::pair<std::uint64_t, int
       try {
         ok = transport_->test(requests[i].first);
       } catch (const CommError& e) {
-        report_fault(requests[i].second);
+        // A peer that already exited because another rank failed is not the one to blame.
+        const int peer = requests[i].second;
+        int blamed = reported_fault();
+        if (blamed < 0) {
+          report_fault(peer);
+          blamed = peer;
+        }
         throw CommError(std::string(op.name) + " (group " + std::to_string(op.group) + ", #" + std::to_string(op.seq) +
-                            ") failed talking to rank " + std::to_string(requests[i].second) + ": " + e.what(),
-                        requests[i].second);
+                            ") failed talking to rank " + std::to_string(peer) + ": " + e.what() +
+                            (blamed != peer ? "; rank " + std::to_string(blamed) + " failed first" : ""),
+                        blamed);
       }
       if (ok) done[i] = true, --left;
     }
