@@ -183,6 +183,10 @@ int run_compile(const CompileOptions& o) {
 struct RunOptions {
   std::string config;
   int nproc = 0;
+  int nnodes = 1;
+  int node_rank = 0;
+  std::string master_addr;
+  int master_port = 0;
   bool print_config = false;
   std::vector<std::string> overrides;
 };
@@ -200,13 +204,13 @@ int run_run(const RunOptions& o) {
   if (o.nproc > 0 && !launched) {
     // Check everything that can be checked before starting any rank.
     const auto tokenizer = spmdx::data::make_tokenizer(cfg.get_string("model.tokenizer"));
-    spmdx::train::job_spec(cfg, o.nproc, tokenizer->vocab_size());
+    spmdx::train::job_spec(cfg, o.nproc * o.nnodes, tokenizer->vocab_size());
     std::vector<std::string> argv{"/proc/self/exe", "run", o.config};
     for (const auto& a : o.overrides) argv.push_back(a);
     char self[4096];
     const ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
     if (n > 0) argv[0] = std::string(self, static_cast<std::size_t>(n));
-    return spmdx::launch::launch_local(o.nproc, argv);
+    return spmdx::launch::launch({o.nproc, o.nnodes, o.node_rank, o.master_addr, o.master_port}, argv);
   }
   const spmdx::launch::RankEnv env = spmdx::launch::rank_env();
   if (launched) {
@@ -267,7 +271,12 @@ int main(int argc, char** argv) {
   run->allow_extras();  // --section.key value overrides
   RunOptions run_options;
   run->add_option("config", run_options.config, "The job's TOML config")->required()->check(CLI::ExistingFile);
-  run->add_option("--nproc", run_options.nproc, "Start this many ranks on this machine (as torchrun --standalone)")->check(CLI::PositiveNumber);
+  run->add_option("--nproc,--nproc-per-node", run_options.nproc, "Start this many ranks on this machine (as torchrun --standalone)")
+      ->check(CLI::PositiveNumber);
+  run->add_option("--nnodes", run_options.nnodes, "Nodes in the job (torchrun's flag; needs SPMDX_JOB_TOKEN)")->check(CLI::PositiveNumber);
+  run->add_option("--node-rank", run_options.node_rank, "This node's index, 0 .. nnodes-1 (node 0 serves the store)")->check(CLI::NonNegativeNumber);
+  run->add_option("--master-addr", run_options.master_addr, "Node 0's address, reachable from every node");
+  run->add_option("--master-port", run_options.master_port, "The store's port on node 0")->check(CLI::Range(1, 65535));
   run->add_flag("--print-config", run_options.print_config, "Print the effective config and exit");
 
   try {

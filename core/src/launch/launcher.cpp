@@ -13,6 +13,7 @@
 #include <cstring>
 #include <iostream>
 #include <map>
+#include <memory>
 #include <random>
 #include <stdexcept>
 
@@ -78,9 +79,30 @@ RankEnv rank_env() {
   return e;
 }
 
-int launch_local(int nproc, const std::vector<std::string>& argv) {
-  const std::string token = random_token();
-  comm::TcpStoreServer store("127.0.0.1", 0, token);
+int launch(const LaunchOptions& o, const std::vector<std::string>& argv) {
+  const int nproc = o.nproc;
+  if (nproc < 1 || o.nnodes < 1 || o.node_rank < 0 || o.node_rank >= o.nnodes) {
+    throw std::invalid_argument("launch: need --nproc >= 1 and 0 <= --node-rank < --nnodes");
+  }
+  std::string token, addr = "127.0.0.1";
+  int port = 0;
+  std::unique_ptr<comm::TcpStoreServer> server;
+  if (o.nnodes == 1) {
+    token = random_token();
+    server = std::make_unique<comm::TcpStoreServer>(addr, 0, token);
+    port = server->port();
+  } else {
+    const char* t = std::getenv("SPMDX_JOB_TOKEN");
+    if (t == nullptr || *t == '\0') {
+      throw std::invalid_argument("launch: with --nnodes > 1, set SPMDX_JOB_TOKEN to the same secret on every node");
+    }
+    if (o.master_addr.empty() || o.master_port <= 0) throw std::invalid_argument("launch: with --nnodes > 1, give --master-addr and --master-port");
+    token = t;
+    addr = o.master_addr;
+    port = o.master_port;
+    if (o.node_rank == 0) server = std::make_unique<comm::TcpStoreServer>(addr, port, token);
+  }
+  const int world = nproc * o.nnodes;
   struct sigaction sa {};
   sa.sa_handler = on_signal;
   sigaction(SIGINT, &sa, nullptr);
@@ -95,9 +117,9 @@ int launch_local(int nproc, const std::vector<std::string>& argv) {
   };
   std::vector<Child> children(static_cast<std::size_t>(nproc));
   for (int r = 0; r < nproc; ++r) {
-    std::map<std::string, std::string> env{{"RANK", std::to_string(r)},        {"WORLD_SIZE", std::to_string(nproc)},
+    std::map<std::string, std::string> env{{"RANK", std::to_string(o.node_rank * nproc + r)}, {"WORLD_SIZE", std::to_string(world)},
                                            {"LOCAL_RANK", std::to_string(r)},  {"LOCAL_WORLD_SIZE", std::to_string(nproc)},
-                                           {"MASTER_ADDR", "127.0.0.1"},        {"MASTER_PORT", std::to_string(store.port())},
+                                           {"MASTER_ADDR", addr},               {"MASTER_PORT", std::to_string(port)},
                                            {"SPMDX_JOB_TOKEN", token},          {"SPMDX_STORE_HOSTED", "1"}};
     std::vector<std::string> strings;
     for (char** e = environ; *e; ++e) {
@@ -156,7 +178,7 @@ int launch_local(int nproc, const std::vector<std::string>& argv) {
           c.partial.append(buf, static_cast<std::size_t>(n));
           std::size_t nl;
           while ((nl = c.partial.find('\n')) != std::string::npos) {
-            std::cout << "[rank " << r << "] " << c.partial.substr(0, nl) << "\n" << std::flush;
+            std::cout << "[rank " << o.node_rank * nproc + static_cast<int>(r) << "] " << c.partial.substr(0, nl) << "\n" << std::flush;
             c.partial.erase(0, nl + 1);
           }
         }
@@ -166,7 +188,7 @@ int launch_local(int nproc, const std::vector<std::string>& argv) {
         --running;
         const bool ok = WIFEXITED(c.status) && WEXITSTATUS(c.status) == 0;
         if (!ok && failed_rank < 0) {
-          failed_rank = static_cast<int>(r);
+          failed_rank = o.node_rank * nproc + static_cast<int>(r);
           failure = WIFEXITED(c.status) ? "exited with code " + std::to_string(WEXITSTATUS(c.status))
                                         : std::string("was killed by signal ") + strsignal(WTERMSIG(c.status));
           if (g_signal == 0) {
@@ -189,7 +211,7 @@ int launch_local(int nproc, const std::vector<std::string>& argv) {
       while ((n = read(c.out, buf, sizeof buf)) > 0) c.partial.append(buf, static_cast<std::size_t>(n));
       close(c.out);
     }
-    if (!c.partial.empty()) std::cout << "[rank " << (&c - children.data()) << "] " << c.partial << "\n";
+    if (!c.partial.empty()) std::cout << "[rank " << o.node_rank * nproc + (&c - children.data()) << "] " << c.partial << "\n";
   }
   if (g_signal != 0) {
     std::cerr << "spmdx run: stopped by " << strsignal(g_signal) << "; every rank was stopped\n";

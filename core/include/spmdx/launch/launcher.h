@@ -29,11 +29,22 @@ struct RankEnv {
 /// std::invalid_argument naming a variable that is set but not a valid number.
 RankEnv rank_env();
 
-/// Runs `nproc` copies of `argv` (argv[0]: the program) with the rank variables set, a store
-/// on a free loopback port and a fresh job token; lines of each rank's output get a
-/// "[rank R] " prefix. Returns 0 when every rank exits 0; otherwise stops the others (SIGTERM,
-/// then SIGKILL after 5 s), prints which rank failed and how, and returns 1. SIGINT and SIGTERM
-/// are passed on to every rank. No rank outlives the launcher.
-int launch_local(int nproc, const std::vector<std::string>& argv);
+/// torchrun's launch flags.
+struct LaunchOptions {
+  int nproc = 1;               ///< --nproc (--nproc-per-node): ranks on this node
+  int nnodes = 1;              ///< --nnodes
+  int node_rank = 0;           ///< --node-rank
+  std::string master_addr;     ///< --master-addr: node 0's address ("" on one node: loopback)
+  int master_port = 0;         ///< --master-port (0 on one node: any free port)
+};
+
+/// Runs `nproc` copies of `argv` (argv[0]: the program) with the rank variables set (ranks
+/// node_rank x nproc + i). On one node: a store on a free loopback port and a fresh job token.
+/// On several: node 0 serves the store on master_addr:master_port and every node needs the same
+/// SPMDX_JOB_TOKEN in its environment. Lines of each rank's output get a "[rank R] " prefix.
+/// Returns 0 when every rank exits 0; otherwise stops the others (SIGTERM, then SIGKILL after
+/// 5 s), prints which rank failed and how, and returns 1. SIGINT and SIGTERM are passed on to
+/// every rank. No rank outlives the launcher. Throws std::invalid_argument for bad options.
+int launch(const LaunchOptions& options, const std::vector<std::string>& argv);
 
 }  // namespace spmdx::launch
