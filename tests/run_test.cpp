@@ -85,5 +85,19 @@ TEST(Run, ARankThatFailsStopsTheJobNamingIt) {
   EXPECT_THAT(r.output, HasSubstr("exited with code 1; the other ranks were stopped"));
 }
 
+TEST(BenchComm, EveryOpSweepsSizesAndChecksEveryResult) {
+  for (const char* op : {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"}) {
+    auto r = test::run_command("'" SPMDX_EXE "' bench comm --nproc 3 --op " + std::string(op) +
+                               " --min-bytes 8 --max-bytes 256K --iters 2 --warmup 1");
+    EXPECT_EQ(r.exit_code, 0) << op << "\n" << r.output;
+    EXPECT_THAT(r.output, HasSubstr("# spmdx bench comm: " + std::string(op) + ", 3 ranks"));
+    EXPECT_THAT(r.output, HasSubstr("# wrong results: 0"));
+    EXPECT_THAT(r.output, HasSubstr("busbw"));
+  }
+  auto bad = test::run_command("'" SPMDX_EXE "' bench comm --min-bytes 1X");
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_THAT(bad.output, HasSubstr("'1X': unknown unit 'X'"));
+}
+
 }  // namespace
 }  // namespace spmdx

@@ -19,6 +19,8 @@
 #include "spmdx/sharding/distribute.h"
 #include "spmdx/train/job.h"
 #include "spmdx/launch/launcher.h"
+#include "spmdx/comm/bench.h"
+#include "spmdx/comm/store.h"
 #ifdef SPMDX_HAVE_EXEC
 #include "spmdx/exec/job_runner.h"
 #endif
@@ -226,6 +228,48 @@ int run_run(const RunOptions& o) {
 #endif
 }
 
+struct BenchCommOptions {
+  std::string backend = "ucx";
+  int nproc = 2;
+  std::string op = "all_reduce";
+  std::string min_bytes = "8";
+  std::string max_bytes = "64M";
+  int iters = 20;
+  int warmup = 5;
+  std::vector<std::string> plugin_paths;
+};
+
+// `spmdx bench comm`: starts --nproc ranks (or runs as the rank the environment names) and
+// sweeps sizes of one collective on the chosen backend.
+int run_bench_comm(const BenchCommOptions& o, const std::vector<std::string>& raw_args) {
+  spmdx::comm::BenchOptions bo;
+  bo.op = o.op;
+  bo.min_bytes = spmdx::comm::parse_bytes(o.min_bytes);
+  bo.max_bytes = spmdx::comm::parse_bytes(o.max_bytes);
+  bo.iters = o.iters;
+  bo.warmup = o.warmup;
+  if (bo.min_bytes > bo.max_bytes) throw std::invalid_argument("--min-bytes is larger than --max-bytes");
+  if (std::getenv("SPMDX_STORE_HOSTED") == nullptr) {
+    char self[4096];
+    const ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
+    std::vector<std::string> argv{n > 0 ? std::string(self, static_cast<std::size_t>(n)) : "/proc/self/exe"};
+    for (const auto& a : raw_args) argv.push_back(a);
+    return spmdx::launch::launch({o.nproc, 1, 0, "", 0}, argv);
+  }
+  prctl(PR_SET_PDEATHSIG, SIGTERM);
+  const auto env = spmdx::launch::rank_env();
+  spmdx::comm::TcpStore store(env.master_addr, env.master_port, env.token, 60);
+  spmdx::PluginRegistry registry;
+  std::vector<std::filesystem::path> paths(o.plugin_paths.begin(), o.plugin_paths.end());
+  registry.discover(spmdx::plugin_search_path(paths));
+  auto backend = registry.make_comm_backend(o.backend);
+  backend->init({env.rank, env.world_size, 0, &store, bo.timeout_seconds});
+  const std::int64_t wrong = spmdx::comm::run_comm_bench(*backend, env.rank, env.world_size, bo);
+  backend->barrier(0)->wait(bo.timeout_seconds);
+  backend->finalize();
+  return wrong == 0 ? 0 : 1;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -279,6 +323,19 @@ int main(int argc, char** argv) {
   run->add_option("--master-port", run_options.master_port, "The store's port on node 0")->check(CLI::Range(1, 65535));
   run->add_flag("--print-config", run_options.print_config, "Print the effective config and exit");
 
+  auto* bench = app.add_subcommand("bench", "Benchmarks");
+  auto* bench_comm = bench->add_subcommand("comm", "Time one collective over a backend, size by size, as nccl-tests do (algbw, busbw, checked)");
+  BenchCommOptions bench_options;
+  bench_comm->add_option("--backend", bench_options.backend, "comm plugin")->capture_default_str();
+  bench_comm->add_option("--nproc", bench_options.nproc, "ranks to start here")->capture_default_str()->check(CLI::Range(1, 256));
+  bench_comm->add_option("--op", bench_options.op, "collective")->capture_default_str()
+      ->check(CLI::IsMember({"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"}));
+  bench_comm->add_option("--min-bytes", bench_options.min_bytes, "smallest size (8, 4K, 64M, ...)")->capture_default_str();
+  bench_comm->add_option("--max-bytes", bench_options.max_bytes, "largest size")->capture_default_str();
+  bench_comm->add_option("--iters", bench_options.iters, "timed operations per size")->capture_default_str()->check(CLI::PositiveNumber);
+  bench_comm->add_option("--warmup", bench_options.warmup, "untimed operations per size")->capture_default_str()->check(CLI::NonNegativeNumber);
+  bench_comm->add_option("--plugin-path", bench_options.plugin_paths, "plugin files or folders searched first");
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -298,6 +355,11 @@ int main(int argc, char** argv) {
   try {
     if (plugins->parsed()) return run_plugins(plugin_paths, json);
     if (graph->parsed()) return run_graph(graph_options);
+    if (bench_comm->parsed()) return run_bench_comm(bench_options, std::vector<std::string>(argv + 1, argv + argc));
+    if (bench->parsed()) {
+      std::cout << bench->help();
+      return 2;
+    }
     if (run->parsed()) {
       run_options.overrides = run->remaining();
       return run_run(run_options);

@@ -84,9 +84,24 @@ T apply(T a, T b, ReduceOp op) {
 
 template <class T>
 void reduce_typed(void* dst, const void* src, std::size_t n, ReduceOp op) {
-  T* d = static_cast<T*>(dst);
-  const T* s = static_cast<const T*>(src);
-  for (std::size_t i = 0; i < n; ++i) d[i] = apply(d[i], s[i], op);
+  T* __restrict d = static_cast<T*>(dst);
+  const T* __restrict s = static_cast<const T*>(src);
+  // One loop per op, so that the compiler vectorises each.
+  switch (op) {
+    case ReduceOp::sum:
+    case ReduceOp::avg:
+      for (std::size_t i = 0; i < n; ++i) d[i] = static_cast<T>(d[i] + s[i]);
+      break;
+    case ReduceOp::max:
+      for (std::size_t i = 0; i < n; ++i) d[i] = d[i] < s[i] ? s[i] : d[i];
+      break;
+    case ReduceOp::min:
+      for (std::size_t i = 0; i < n; ++i) d[i] = s[i] < d[i] ? s[i] : d[i];
+      break;
+    case ReduceOp::prod:
+      for (std::size_t i = 0; i < n; ++i) d[i] = static_cast<T>(d[i] * s[i]);
+      break;
+  }
 }
 
 template <float (*To)(std::uint16_t), std::uint16_t (*From)(float)>
