@@ -79,18 +79,26 @@ void run(const Case& c, int steps) {
 int main(int argc, char** argv) {
   int steps = 10;
   std::string spec = "mlp:tiny:8:64,llama:tiny:8:64,llama:debugmodel:2:256";
-  for (int i = 1; i < argc; ++i) {
-    if (!std::strcmp(argv[i], "--steps") && i + 1 < argc) steps = std::atoi(argv[++i]);
-    else if (!std::strcmp(argv[i], "--models") && i + 1 < argc) spec = argv[++i];
-    else {
-      std::fprintf(stderr, "usage: %s [--steps N] [--models name:flavor:batch:seq,...]\n", argv[0]);
-      return 2;
+  auto usage = [&](const std::string& why) {
+    std::fprintf(stderr, "error: %s\nusage: %s [--steps N>=1] [--models name:flavor:batch:seq,...]\n", why.c_str(), argv[0]);
+    return 2;
+  };
+  try {
+    for (int i = 1; i < argc; ++i) {
+      const std::string a = argv[i];
+      if (a == "--steps" && i + 1 < argc) {
+        steps = std::stoi(argv[++i]);
+      } else if (a == "--models" && i + 1 < argc) {
+        spec = argv[++i];
+      } else {
+        return usage("unexpected argument '" + a + "'");
+      }
     }
+  } catch (const std::exception&) {
+    return usage("--steps needs a number");
   }
-  std::printf("static train-step graph vs eager LibTorch (autograd + torch::optim::AdamW), %d timed steps, %d threads\n",
-              steps, at::get_num_threads());
-  std::printf("%-6s %-11s %13s %10s %10s %9s %12s %12s %10s\n", "model", "flavor", "batch x seq", "static ms", "eager ms",
-              "speedup", "loss static", "loss eager", "peak MiB");
+  if (steps < 1) return usage("--steps must be at least 1");
+  std::vector<Case> cases;
   std::stringstream list(spec);
   std::string item;
   while (std::getline(list, item, ',')) {
@@ -101,9 +109,20 @@ int main(int argc, char** argv) {
     std::getline(fields, c.flavor, ':');
     std::getline(fields, b, ':');
     std::getline(fields, s, ':');
-    c.batch = std::stoll(b);
-    c.seq = std::stoll(s);
-    run(c, steps);
+    try {
+      c.batch = std::stoll(b);
+      c.seq = std::stoll(s);
+      spmdx::models::model_args(c.model, c.flavor, 256);
+    } catch (const std::invalid_argument& e) {
+      return usage("--models entry '" + item + "': " + (std::string(e.what()) == "stoll" ? "batch and seq must be numbers" : e.what()));
+    }
+    if (c.batch < 1 || c.seq < 1) return usage("--models entry '" + item + "': batch and seq must be >= 1");
+    cases.push_back(c);
   }
+  std::printf("static train-step graph vs eager LibTorch (autograd + torch::optim::AdamW), %d timed steps, %d threads\n",
+              steps, at::get_num_threads());
+  std::printf("%-6s %-11s %13s %10s %10s %9s %12s %12s %10s\n", "model", "flavor", "batch x seq", "static ms", "eager ms",
+              "speedup", "loss static", "loss eager", "peak MiB");
+  for (const auto& c : cases) run(c, steps);
   return 0;
 }

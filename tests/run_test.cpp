@@ -76,12 +76,20 @@ TEST(Run, TypoInConfigFailsBeforeAnyRankStartsNamingLineAndKey) {
   EXPECT_THAT(r.output, ::testing::Not(HasSubstr("[rank")));
 }
 
+TEST(Run, MissingDataFailsBeforeAnyRankStarts) {
+  auto r = spmdx_run("'" SPMDX_SOURCE_DIR "/configs/llama_fsdp.toml' --nproc 2 --data.paths /nonexistent/corpus.txt");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.output, HasSubstr("data.paths: '/nonexistent/corpus.txt' is not a readable file"));
+  EXPECT_THAT(r.output, ::testing::Not(HasSubstr("[rank")));
+}
+
 TEST(Run, ARankThatFailsStopsTheJobNamingIt) {
   test::TempDir dir;
-  auto r = spmdx_run("'" SPMDX_SOURCE_DIR "/configs/llama_fsdp.toml' --nproc 2 --data.paths /nonexistent/corpus.txt --job.dump_folder '" +
-                     dir.path().string() + "'");
+  test::write_file(dir / "short.txt", "too short\n");  // fewer tokens than seq_len + 1: every rank fails at its first batch
+  auto r = spmdx_run("'" SPMDX_SOURCE_DIR "/configs/llama_fsdp.toml' --nproc 2 --data.paths '" + (dir / "short.txt").string() +
+                     "' --job.dump_folder '" + dir.path().string() + "'");
   EXPECT_EQ(r.exit_code, 1);
-  EXPECT_THAT(r.output, HasSubstr("/nonexistent/corpus.txt"));
+  EXPECT_THAT(r.output, HasSubstr("short.txt"));
   EXPECT_THAT(r.output, HasSubstr("exited with code 1; the other ranks were stopped"));
 }
 

@@ -207,6 +207,21 @@ int run_run(const RunOptions& o) {
     // Check everything that can be checked before starting any rank.
     const auto tokenizer = spmdx::data::make_tokenizer(cfg.get_string("model.tokenizer"));
     spmdx::train::job_spec(cfg, o.nproc * o.nnodes, tokenizer->vocab_size());
+    spmdx::train::check_runnable(cfg);
+    if (o.nproc * o.nnodes > 1) {  // the comm backend must exist
+      spmdx::PluginRegistry registry;
+      std::vector<std::filesystem::path> paths(cfg.get_list("plugins.paths").begin(), cfg.get_list("plugins.paths").end());
+      registry.discover(spmdx::plugin_search_path(paths));
+      const auto* p = registry.find(cfg.get_string("comm.backend"));
+      if (p == nullptr || p->kind != spmdx::PluginKind::comm) {
+        std::string known;
+        for (const auto& q : registry.plugins()) {
+          if (q.kind == spmdx::PluginKind::comm) known += (known.empty() ? "" : ", ") + q.name;
+        }
+        throw spmdx::config::ConfigError(o.config + ": comm.backend = \"" + cfg.get_string("comm.backend") +
+                                         "\" is not a comm plugin found here; found: " + (known.empty() ? "none" : known));
+      }
+    }
     std::vector<std::string> argv{"/proc/self/exe", "run", o.config};
     for (const auto& a : o.overrides) argv.push_back(a);
     char self[4096];

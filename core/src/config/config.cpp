@@ -3,6 +3,7 @@
 #include <toml++/toml.h>
 
 #include <algorithm>
+#include <charconv>
 #include <fstream>
 #include <limits>
 #include <set>
@@ -97,10 +98,9 @@ std::string value_toml(const Value& v) {
   struct V {
     std::string operator()(std::int64_t x) const { return std::to_string(x); }
     std::string operator()(double x) const {
-      std::ostringstream s;
-      s.precision(17);
-      s << x;
-      std::string t = s.str();
+      char buf[64];
+      const auto r = std::to_chars(buf, buf + sizeof buf, x);  // the shortest text that reads back exactly
+      std::string t(buf, r.ptr);
       if (t.find_first_of(".eEn") == std::string::npos) t += ".0";
       return t;
     }

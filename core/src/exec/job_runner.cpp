@@ -45,15 +45,7 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
   at::set_num_threads(std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / std::max(1, env.local_world_size)));
   const auto tokenizer = data::make_tokenizer(cfg.get_string("model.tokenizer"));
   const train::JobSpec spec = train::job_spec(cfg, env.world_size, tokenizer->vocab_size());
-  if (cfg.get_string("training.device") != "cpu") {
-    throw config::ConfigError((cfg.source().empty() ? std::string("config") : cfg.source()) +
-                              ": training.device = \"" + cfg.get_string("training.device") +
-                              "\" is not supported by this build yet (CPU only); use \"cpu\"");
-  }
-  if (cfg.get_list("data.paths").empty()) {
-    throw config::ConfigError((cfg.source().empty() ? std::string("config") : cfg.source()) +
-                              ": data.paths is empty: name text or JSON Lines files to train on");
-  }
+  train::check_runnable(cfg);
 
   PluginRegistry registry;
   std::vector<std::filesystem::path> paths(cfg.get_list("plugins.paths").begin(), cfg.get_list("plugins.paths").end());
@@ -69,6 +61,11 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
   const double timeout = cfg.get_float("comm.timeout_seconds");
   if (env.world_size > 1) {
     if (!env.store_hosted && env.rank == 0) server = std::make_unique<comm::TcpStoreServer>("0.0.0.0", env.master_port, env.token);
+    if (lead) {
+      std::printf("rank 0: waiting for %d ranks to join at %s:%d (comm.timeout_seconds = %g)\n", env.world_size, env.master_addr.c_str(),
+                  env.master_port, timeout);
+      std::fflush(stdout);
+    }
     store = std::make_unique<comm::TcpStore>(env.master_addr, env.master_port, env.token, timeout);
     backend = registry.make_comm_backend(cfg.get_string("comm.backend"));
     backend->init({env.rank, env.world_size, 0, store.get(), timeout});
@@ -101,9 +98,9 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
     if (!metrics) throw std::runtime_error("cannot write " + (dump / "metrics.jsonl").string());
     double params = 0;
     for (const auto& p : job.model.params) params += static_cast<double>(job.model.graph.find_input(p)->meta().numel());
-    std::printf("spmdx: %s %s (%.2fM parameters), mesh %s (%d ranks, %s), global batch %lld x %lld, %lld steps, comm %s\n",
+    std::printf("spmdx: %s %s (%.2fM parameters), mesh %s (%d rank%s, %s), global batch %lld x %lld, %lld steps, comm %s\n",
                 spec.model.name.c_str(), spec.model.flavor.c_str(), params / 1e6,
-                job.mesh.str().c_str(), env.world_size, env.source.c_str(), static_cast<long long>(spec.global_batch_size),
+                job.mesh.str().c_str(), env.world_size, env.world_size == 1 ? "" : "s", env.source.c_str(), static_cast<long long>(spec.global_batch_size),
                 static_cast<long long>(spec.seq_len), static_cast<long long>(spec.steps),
                 backend ? backend->describe().c_str() : "none (one rank)");
     std::fflush(stdout);

@@ -215,7 +215,7 @@ int launch(const LaunchOptions& o, const std::vector<std::string>& argv) {
   }
   if (g_signal != 0) {
     std::cerr << "spmdx run: stopped by " << strsignal(g_signal) << "; every rank was stopped\n";
-    return 1;
+    return 128 + g_signal;  // as a shell reports a process ended by that signal
   }
   if (failed_rank >= 0) {
     std::cerr << "spmdx run: rank " << failed_rank << " " << failure << "; the other ranks were stopped\n";

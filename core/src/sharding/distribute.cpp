@@ -154,13 +154,13 @@ DistributedPlan propagate(const ir::Graph& graph, const DeviceMesh& mesh, const 
   };
   // Placements to make a value in as soon as it exists: `use` for inputs, and for gradients
   // their parameter's placement (through the clipping multiply by a scalar).
-  std::map<const ir::Value*, Placements> hint;
+  std::map<const ir::Value*, Placements> hint, use_of;
   for (const auto& [name, pl] : use) {
     const ir::Value* v = graph.find_input(name);
     if (v == nullptr || static_cast<int>(pl.size()) != n) {
       throw std::invalid_argument("use placements for '" + name + "': not a graph input, or not one placement per mesh dim");
     }
-    hint[v] = pl;
+    hint[v] = use_of[v] = pl;
   }
   for (auto it = graph.nodes().rbegin(); it != graph.nodes().rend(); ++it) {
     const ir::Node& node = **it;
@@ -209,6 +209,13 @@ DistributedPlan propagate(const ir::Graph& graph, const DeviceMesh& mesh, const 
           Placements target = current;
           for (int j = 0; j < i; ++j) target[static_cast<std::size_t>(j)] = in_pl[a][static_cast<std::size_t>(j)];
           target[static_cast<std::size_t>(i)] = c.inputs[a];
+          // A parameter is read only as stored or as used (FSDP gathers, TP computes on its
+          // shard): the strategy chose how it is computed, the cost model does not overrule it.
+          if (auto u = use_of.find(v); u != use_of.end() && c.inputs[a] != u->second[static_cast<std::size_t>(i)] &&
+                                       c.inputs[a] != current[static_cast<std::size_t>(i)]) {
+            cost += 1e30;
+            continue;
+          }
           if (target == current || made.count({v, plan.version_key(v, target, node.get())})) continue;
           cost += step_cost(current[static_cast<std::size_t>(i)], c.inputs[a], bytes_of(v, seen_in[a]), mesh.size(i));
         }

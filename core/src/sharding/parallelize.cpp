@@ -98,7 +98,7 @@ std::map<std::string, Placements> use_placements(const DeviceMesh& mesh, const s
       const std::string& dim = mesh.dims()[static_cast<std::size_t>(i)].name;
       if (dim == "dp_shard" || dim == "dp_replicate" || dim == "dp") use[static_cast<std::size_t>(i)] = Placement::replicate();
     }
-    if (use != pl) out[name] = use;
+    out[name] = use;
   }
   return out;
 }

@@ -2,6 +2,8 @@
 
 #include "spmdx/sharding/spec.h"
 
+#include <filesystem>
+
 namespace spmdx::train {
 
 JobSpec job_spec(const config::Config& cfg, std::int64_t world_size, std::int64_t vocab_size) {
@@ -49,6 +51,25 @@ JobSpec job_spec(const config::Config& cfg, std::int64_t world_size, std::int64_
   s.step.adamw = {cfg.get_float("optimizer.beta1"), cfg.get_float("optimizer.beta2"), cfg.get_float("optimizer.eps"),
                   cfg.get_float("optimizer.weight_decay")};
   return s;
+}
+
+void check_runnable(const config::Config& cfg) {
+  const std::string where = cfg.source().empty() ? std::string("config") : cfg.source();
+  auto fail = [&](const std::string& why) { throw config::ConfigError(where + ": " + why); };
+  if (cfg.get_string("training.device") != "cpu") {
+    fail("training.device = \"" + cfg.get_string("training.device") + "\": this build runs on the CPU only; use \"cpu\"");
+  }
+  if (cfg.get_list("data.paths").empty()) fail("data.paths is empty: name text or JSON Lines files to train on");
+  for (const auto& p : cfg.get_list("data.paths")) {
+    std::error_code ec;
+    if (!std::filesystem::is_regular_file(p, ec)) {
+      fail("data.paths: '" + p + "' is not a readable file" +
+           (p.rfind("/usr/share/games/fortunes", 0) == 0 ? " (scripts/setup installs Debian's fortunes package)" : ""));
+    }
+  }
+  if (cfg.get_bool("checkpoint.enable")) fail("checkpoint.enable = true: checkpoints are not implemented yet; set it to false");
+  if (!cfg.get_list("hooks.enable").empty()) fail("hooks.enable: debug hooks are not implemented yet; leave it empty");
+  if (cfg.get_int("comm.swap_at_step") > 0) fail("comm.swap_at_step: hot-swapping backends is not implemented yet; leave it 0");
 }
 
 PlacedJob place_job(const JobSpec& spec, PluginRegistry& registry) {

@@ -44,7 +44,7 @@ struct LaunchOptions {
 /// SPMDX_JOB_TOKEN in its environment. Lines of each rank's output get a "[rank R] " prefix.
 /// Returns 0 when every rank exits 0; otherwise stops the others (SIGTERM, then SIGKILL after
 /// 5 s), prints which rank failed and how, and returns 1. SIGINT and SIGTERM are passed on to
-/// every rank. No rank outlives the launcher. Throws std::invalid_argument for bad options.
+/// every rank (then it returns 128 + the signal, 130 for Ctrl-C). No rank outlives the launcher. Throws std::invalid_argument for bad options.
 int launch(const LaunchOptions& options, const std::vector<std::string>& argv);
 
 }  // namespace spmdx::launch

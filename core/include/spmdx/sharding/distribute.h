@@ -84,7 +84,9 @@ struct DistributedPlan {
 /// Placements for the whole graph. `inputs`: graph input name -> placements (others
 /// Replicate); `outputs`: graph output name -> the placements it must be returned in (others
 /// keep theirs, Partial ones become Replicate); `use`: graph input name -> the placements it is
-/// redistributed to as soon as the step starts (FSDP's unshard: stored sharded, used whole).
+/// redistributed to as soon as the step starts (FSDP's unshard: stored sharded, used whole);
+/// such an input is read only in these placements or as stored (the strategy decided how it is
+/// computed: a TP weight stays on its shard even where gathering it would move fewer bytes).
 /// The gradient an adamw node reads is made in its parameter's placement as soon as it is
 /// produced (all_reduce for DDP, reduce_scatter for FSDP), so clipping and AdamW reuse it.
 /// With reshard_after_forward, the backward redistributes the `use` inputs again (FSDP2's

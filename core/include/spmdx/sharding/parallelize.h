@@ -38,9 +38,10 @@ std::string strategy_for(const std::string& mesh_dim);
 std::map<std::string, Placements> parallelize(PluginRegistry& registry, const DeviceMesh& mesh, const StrategyInput& in,
                                               const std::map<std::string, std::string>& strategies = {});
 
-/// The placements parameters are used in (propagate()'s `use`): Replicate on the data-parallel
-/// mesh dims (dp_replicate, dp_shard), where a shard is for storage only (FSDP gathers a
-/// parameter before use and frees it after); unchanged on the others (tp shards are computed on).
+/// The placements parameters are used in (propagate()'s `use`), one entry per parameter:
+/// Replicate on the data-parallel mesh dims (dp_replicate, dp_shard), where a shard is for
+/// storage only (FSDP gathers a parameter before use and frees it after); unchanged on the
+/// others (tp shards are computed on).
 std::map<std::string, Placements> use_placements(const DeviceMesh& mesh, const std::map<std::string, Placements>& params);
 
 }  // namespace spmdx::sharding

@@ -41,6 +41,12 @@ struct JobSpec {
 /// does not divide the model's head count.
 JobSpec job_spec(const config::Config& cfg, std::int64_t world_size, std::int64_t vocab_size);
 
+/// Checks what this build can run before any rank starts: training.device "cpu", data.paths
+/// non-empty and every file present, and no setting of a feature that is not there yet
+/// (checkpoint.enable, hooks.enable, comm.swap_at_step). Throws config::ConfigError naming the
+/// key and what to do.
+void check_runnable(const config::Config& cfg);
+
 /// The train step of a job, placed: the model's graph with backward, clipping and AdamW, and
 /// the placements of every input (strategies for parameters and the batch, parameters' for
 /// their optimizer state) and of every state output (as its input).
