@@ -322,7 +322,9 @@ TEST(HuggingFaceTokenizer, BadFilesNameTheFileAndTheReason) {
               HasSubstr("merge.json': merge 22 uses \"zz\", which is not in the vocabulary"));
   EXPECT_THAT(variant("vocab.json", [](json& j) { j["model"]["vocab"] = 3; }),
               HasSubstr("vocab.json': its model.vocab is not a JSON object"));
-  EXPECT_THAT(variant("id.json", [](json& j) { j["model"]["vocab"]["a"] = "one"; }), HasSubstr("id.json': unexpected content ("));
+  EXPECT_THAT(variant("id.json", [](json& j) { j["model"]["vocab"]["a"] = "one"; }),
+              HasSubstr("id.json': model.vocab maps \"a\" to \"one\", not an id in [0, 16777216)"));
+  EXPECT_THAT(variant("neg.json", [](json& j) { j["model"]["vocab"]["a"] = -7; }), HasSubstr("maps \"a\" to -7"));
 
   test::write_file(dir / "tokenizer.json", byte_level_bpe(false).dump());
   test::write_file(dir / "tokenizer_config.json", R"({"bos_token": "<|eot|>", "eos_token": {"content": "<nope>"}})");

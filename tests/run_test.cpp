@@ -83,14 +83,33 @@ TEST(Run, MissingDataFailsBeforeAnyRankStarts) {
   EXPECT_THAT(r.output, ::testing::Not(HasSubstr("[rank")));
 }
 
-TEST(Run, ARankThatFailsStopsTheJobNamingIt) {
+TEST(Run, DataTooShortFailsBeforeAnyRankStarts) {
   test::TempDir dir;
-  test::write_file(dir / "short.txt", "too short\n");  // fewer tokens than seq_len + 1: every rank fails at its first batch
-  auto r = spmdx_run("'" SPMDX_SOURCE_DIR "/configs/llama_fsdp.toml' --nproc 2 --data.paths '" + (dir / "short.txt").string() +
-                     "' --job.dump_folder '" + dir.path().string() + "'");
+  test::write_file(dir / "short.txt", "too short\n");
+  auto r = spmdx_run("'" SPMDX_SOURCE_DIR "/configs/llama_fsdp.toml' --nproc 2 --data.paths '" + (dir / "short.txt").string() + "'");
   EXPECT_EQ(r.exit_code, 1);
-  EXPECT_THAT(r.output, HasSubstr("short.txt"));
-  EXPECT_THAT(r.output, HasSubstr("exited with code 1; the other ranks were stopped"));
+  EXPECT_THAT(r.output, HasSubstr("short.txt' hold 10 tokens, but a sample needs seq_len + 1 = 65"));
+  EXPECT_THAT(r.output, ::testing::Not(HasSubstr("[rank")));
+}
+
+TEST(Run, ARankKilledStopsTheJobNamingIt) {
+  test::TempDir dir;
+  const std::string data = corpus_file(dir);
+  // Start a long run, kill rank 1 (found by its RANK variable) with SIGKILL, and see the launcher stop the rest.
+  const std::string script =
+      "'" SPMDX_EXE "' run '" SPMDX_SOURCE_DIR "/configs/llama_fsdp.toml' --nproc 3 --training.steps 1000000 --data.paths '" + data +
+      "' --training.seq_len 16 --job.dump_folder '" + dir.path().string() + "' > '" + (dir / "log").string() + "' 2>&1 & launcher=$!; "
+      "for i in $(seq 1 100); do for p in $(pgrep -P $launcher); do "
+      "  if tr '\\0' '\\n' < /proc/$p/environ | grep -qx RANK=1; then kill -9 $p; break 2; fi; done; sleep 0.1; done; "
+      "wait $launcher; echo \"launcher exit $?\"; cat '" + (dir / "log").string() + "'";
+  auto r = test::run_command("bash -c \"" + [&] {
+    std::string escaped;
+    for (char c : script) escaped += (c == '"' || c == '$' || c == '`' || c == '\\') ? std::string("\\") + c : std::string(1, c);
+    return escaped;
+  }() + "\"");
+  EXPECT_THAT(r.output, HasSubstr("launcher exit 1"));
+  EXPECT_THAT(r.output, HasSubstr("spmdx run: rank 1 was killed by signal Killed; the other ranks were stopped"));
+  EXPECT_EQ(test::run_command("pgrep -f 'training[.]steps 1000000' | wc -l").output, "0\n") << "rank processes were left behind";
 }
 
 TEST(BenchComm, EveryOpSweepsSizesAndChecksEveryResult) {

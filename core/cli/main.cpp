@@ -142,6 +142,7 @@ int run_compile(const CompileOptions& o) {
     return 0;
   }
   const auto start = std::chrono::steady_clock::now();
+  if (o.world_size < 0 || o.world_size > 100000000) throw std::invalid_argument("--world-size must be between 1 and 1e8");
   std::int64_t world = o.world_size;
   if (world <= 0) {
     const std::int64_t shard = cfg.get_int("parallelism.data_parallel_shard_degree");
@@ -157,7 +158,12 @@ int run_compile(const CompileOptions& o) {
   const std::int64_t dumped_ranks = o.dump.empty() ? 0 : (o.fake ? 1 : world);
   if (!o.dump.empty()) {
     fs::create_directories(o.dump);
-    auto write = [&](const std::string& name, const std::string& text) { std::ofstream(fs::path(o.dump) / name) << text; };
+    auto write = [&](const std::string& name, const std::string& text) {
+      std::ofstream out(fs::path(o.dump) / name);
+      out << text;
+      out.flush();
+      if (!out) throw std::runtime_error("cannot write " + (fs::path(o.dump) / name).string() + ": " + std::strerror(errno));
+    };
     write("logical.txt", job.model.graph.str());
     write("logical.json", spmdx::ir::to_json(job.model.graph));
     write("plan.txt", plan.str());
@@ -206,12 +212,14 @@ int run_run(const RunOptions& o) {
   if (o.nproc > 0 && !launched) {
     // Check everything that can be checked before starting any rank.
     const auto tokenizer = spmdx::data::make_tokenizer(cfg.get_string("model.tokenizer"));
-    spmdx::train::job_spec(cfg, o.nproc * o.nnodes, tokenizer->vocab_size());
+    const auto spec = spmdx::train::job_spec(cfg, o.nproc * o.nnodes, tokenizer->vocab_size());
     spmdx::train::check_runnable(cfg);
+    spmdx::train::check_data(cfg, *tokenizer, spec);
     if (o.nproc * o.nnodes > 1) {  // the comm backend must exist
       spmdx::PluginRegistry registry;
       std::vector<std::filesystem::path> paths(cfg.get_list("plugins.paths").begin(), cfg.get_list("plugins.paths").end());
       registry.discover(spmdx::plugin_search_path(paths));
+      for (const auto& e : registry.errors()) throw spmdx::config::ConfigError(o.config + ": plugins: " + e.what());
       const auto* p = registry.find(cfg.get_string("comm.backend"));
       if (p == nullptr || p->kind != spmdx::PluginKind::comm) {
         std::string known;
@@ -230,6 +238,15 @@ int run_run(const RunOptions& o) {
     return spmdx::launch::launch({o.nproc, o.nnodes, o.node_rank, o.master_addr, o.master_port}, argv);
   }
   const spmdx::launch::RankEnv env = spmdx::launch::rank_env();
+  if (env.source == "single") {
+    const std::int64_t shard = cfg.get_int("parallelism.data_parallel_shard_degree");
+    const std::int64_t want = cfg.get_int("parallelism.data_parallel_replicate_degree") * cfg.get_int("parallelism.tensor_parallel_degree") *
+                              (shard > 0 ? shard : 1);
+    if (want > 1) {
+      throw spmdx::config::ConfigError(o.config + ": its parallelism degrees make " + std::to_string(want) +
+                                       " ranks: start them with --nproc " + std::to_string(want) + " (or under torchrun, srun, mpirun)");
+    }
+  }
   if (launched) {
     prctl(PR_SET_PDEATHSIG, SIGTERM);  // never outlive the launcher
     if (getppid() == 1) return 1;
@@ -321,7 +338,8 @@ int main(int argc, char** argv) {
   compile->allow_extras();  // --section.key value overrides
   CompileOptions compile_options;
   compile->add_option("config", compile_options.config, "The job's TOML config")->required()->check(CLI::ExistingFile);
-  compile->add_option("--world-size", compile_options.world_size, "Ranks to plan for (default: the product of the config's degrees)");
+  compile->add_option("--world-size", compile_options.world_size, "Ranks to plan for (default: the product of the config's degrees)")
+      ->check(CLI::Range(1, 100000000));
   compile->add_option("--dump", compile_options.dump, "Write logical.{txt,json}, plan.{txt,json} and rankR.{txt,json} here");
   compile->add_flag("--fake", compile_options.fake, "Plan a mesh larger than this machine; dump only rank 0's graph");
   compile->add_flag("--print-config", compile_options.print_config, "Print the effective config and exit");
@@ -331,8 +349,8 @@ int main(int argc, char** argv) {
   RunOptions run_options;
   run->add_option("config", run_options.config, "The job's TOML config")->required()->check(CLI::ExistingFile);
   run->add_option("--nproc,--nproc-per-node", run_options.nproc, "Start this many ranks on this machine (as torchrun --standalone)")
-      ->check(CLI::PositiveNumber);
-  run->add_option("--nnodes", run_options.nnodes, "Nodes in the job (torchrun's flag; needs SPMDX_JOB_TOKEN)")->check(CLI::PositiveNumber);
+      ->check(CLI::Range(1, 4096));
+  run->add_option("--nnodes", run_options.nnodes, "Nodes in the job (torchrun's flag; needs SPMDX_JOB_TOKEN)")->check(CLI::Range(1, 100000));
   run->add_option("--node-rank", run_options.node_rank, "This node's index, 0 .. nnodes-1 (node 0 serves the store)")->check(CLI::NonNegativeNumber);
   run->add_option("--master-addr", run_options.master_addr, "Node 0's address, reachable from every node");
   run->add_option("--master-port", run_options.master_port, "The store's port on node 0")->check(CLI::Range(1, 65535));

@@ -3,7 +3,10 @@
 #include <toml++/toml.h>
 
 #include <algorithm>
+#include <cmath>
 #include <charconv>
+#include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <limits>
 #include <set>
@@ -72,12 +75,17 @@ std::string where(const std::string& source, const toml::source_region& region) 
 // Checks a value against its spec: range and choices.
 void check_value(const KeySpec& spec, const Value& v, const std::string& at) {
   auto fail = [&](const std::string& why) { throw ConfigError(at + ": " + spec.key + " " + why); };
-  if (auto* i = std::get_if<std::int64_t>(&v); i && static_cast<double>(*i) < spec.min) {
-    fail("is " + std::to_string(*i) + ", must be >= " + std::to_string(static_cast<std::int64_t>(spec.min)));
-  }
-  if (auto* f = std::get_if<double>(&v); f && *f < spec.min) {
+  auto bounds = [&] {
     std::ostringstream s;
-    s << "is " << *f << ", must be >= " << spec.min;
+    s << "must be between " << spec.min << " and " << spec.max;
+    return s.str();
+  };
+  if (auto* i = std::get_if<std::int64_t>(&v); i && (static_cast<double>(*i) < spec.min || static_cast<double>(*i) > spec.max)) {
+    fail("is " + std::to_string(*i) + ", " + (spec.max < 1e299 ? bounds() : "must be >= " + std::to_string(static_cast<std::int64_t>(spec.min))));
+  }
+  if (auto* f = std::get_if<double>(&v); f && (!std::isfinite(*f) || *f < spec.min || *f > spec.max)) {
+    std::ostringstream s;
+    s << "is " << *f << ", " << (std::isfinite(*f) ? (spec.max < 1e299 ? bounds() : "must be >= " + std::to_string(spec.min)) : "must be a finite number");
     fail(s.str());
   }
   if (auto* s = std::get_if<std::string>(&v); s && !spec.choices.empty() &&
@@ -118,50 +126,55 @@ std::string value_toml(const Value& v) {
 }  // namespace
 
 namespace {
-KeySpec k(std::string key, Type type, Value default_value, std::string help, double min = -1e300, std::vector<std::string> choices = {}) {
-  return KeySpec{std::move(key), type, std::move(default_value), std::move(help), min, std::move(choices)};
+KeySpec k(std::string key, Type type, Value default_value, std::string help, double min = -1e300, std::vector<std::string> choices = {},
+          double max = 1e300) {
+  return KeySpec{std::move(key), type, std::move(default_value), std::move(help), min, max, std::move(choices)};
+}
+// A number with bounds.
+KeySpec n(std::string key, Type type, Value default_value, std::string help, double min, double max) {
+  return k(std::move(key), type, std::move(default_value), std::move(help), min, {}, max);
 }
 }  // namespace
 
 const std::vector<KeySpec>& schema() {
   static const std::vector<KeySpec> keys = {
       k("job.dump_folder", Type::string, std::string("./outputs"), "where metrics, checkpoints, graphs and traces go"),
-      k("job.seed", Type::integer, std::int64_t{42}, "seed of parameter initialisation", 0),
+      n("job.seed", Type::integer, std::int64_t{42}, "seed of parameter initialisation", 0, 9.2e18),
       k("model.name", Type::string, std::string("llama"), "model", -1e300, L{"llama", "mlp"}),
       k("model.flavor", Type::string, std::string("debugmodel"), "model size", -1e300, L{"tiny", "debugmodel"}),
       k("model.tokenizer", Type::string, std::string("byte"), "\"byte\", or a Hugging Face tokenizer.json (or its folder)"),
-      k("training.steps", Type::integer, std::int64_t{10}, "optimizer steps", 1),
-      k("training.global_batch_size", Type::integer, std::int64_t{-1}, "rows per step over all ranks (-1: local x data-parallel degree)", -1),
-      k("training.local_batch_size", Type::integer, std::int64_t{8}, "rows per step per data-parallel rank (when global is -1)", 1),
-      k("training.seq_len", Type::integer, std::int64_t{256}, "tokens per row", 1),
-      k("training.max_norm", Type::floating, 1.0, "clip the global gradient norm to this (0: off)", 0),
+      n("training.steps", Type::integer, std::int64_t{10}, "optimizer steps", 1, 1e9),
+      n("training.global_batch_size", Type::integer, std::int64_t{-1}, "rows per step over all ranks (-1: local x data-parallel degree)", -1, 1e7),
+      n("training.local_batch_size", Type::integer, std::int64_t{8}, "rows per step per data-parallel rank (when global is -1)", 1, 1e6),
+      n("training.seq_len", Type::integer, std::int64_t{256}, "tokens per row", 1, 1e7),
+      n("training.max_norm", Type::floating, 1.0, "clip the global gradient norm to this (0: off)", 0, 1e30),
       k("training.device", Type::string, std::string("cpu"), "where tensors live", -1e300, L{"cpu", "cuda"}),
       k("optimizer.name", Type::string, std::string("AdamW"), "optimizer", -1e300, L{"AdamW"}),
-      k("optimizer.lr", Type::floating, 8e-4, "peak learning rate", 0),
-      k("optimizer.beta1", Type::floating, 0.9, "AdamW beta1", 0),
-      k("optimizer.beta2", Type::floating, 0.95, "AdamW beta2", 0),
-      k("optimizer.eps", Type::floating, 1e-8, "AdamW eps", 0),
-      k("optimizer.weight_decay", Type::floating, 0.1, "AdamW decoupled weight decay", 0),
-      k("lr_scheduler.warmup_steps", Type::integer, std::int64_t{2}, "linear warm-up steps", 0),
+      n("optimizer.lr", Type::floating, 8e-4, "peak learning rate", 0, 1e3),
+      n("optimizer.beta1", Type::floating, 0.9, "AdamW beta1", 0, 1),
+      n("optimizer.beta2", Type::floating, 0.95, "AdamW beta2", 0, 1),
+      n("optimizer.eps", Type::floating, 1e-8, "AdamW eps", 0, 1),
+      n("optimizer.weight_decay", Type::floating, 0.1, "AdamW decoupled weight decay", 0, 1e3),
+      n("lr_scheduler.warmup_steps", Type::integer, std::int64_t{2}, "linear warm-up steps", 0, 1e9),
       k("lr_scheduler.decay_type", Type::string, std::string("linear"), "decay after warm-up", -1e300, L{"linear"}),
-      k("lr_scheduler.min_lr_factor", Type::floating, 0.0, "the decay ends at lr x this", 0),
+      n("lr_scheduler.min_lr_factor", Type::floating, 0.0, "the decay ends at lr x this", 0, 1),
       k("data.paths", Type::string_list, L{}, "text or JSON Lines files (\"text\" field)"),
-      k("data.seed", Type::integer, std::int64_t{0}, "seed of batch sampling", 0),
-      k("parallelism.data_parallel_replicate_degree", Type::integer, std::int64_t{1}, "DDP degree (mesh dim dp_replicate)", 1),
-      k("parallelism.data_parallel_shard_degree", Type::integer, std::int64_t{-1}, "FSDP degree (mesh dim dp_shard; -1: the ranks left)", -1),
-      k("parallelism.tensor_parallel_degree", Type::integer, std::int64_t{1}, "Megatron TP degree (mesh dim tp)", 1),
+      n("data.seed", Type::integer, std::int64_t{0}, "seed of batch sampling", 0, 9.2e18),
+      n("parallelism.data_parallel_replicate_degree", Type::integer, std::int64_t{1}, "DDP degree (mesh dim dp_replicate)", 1, 1e6),
+      n("parallelism.data_parallel_shard_degree", Type::integer, std::int64_t{-1}, "FSDP degree (mesh dim dp_shard; -1: the ranks left)", -1, 1e6),
+      n("parallelism.tensor_parallel_degree", Type::integer, std::int64_t{1}, "Megatron TP degree (mesh dim tp)", 1, 1e6),
       k("parallelism.fsdp_reshard_after_forward", Type::string, std::string("default"), "free gathered parameters after forward", -1e300,
        L{"default", "never", "always"}),
       k("comm.backend", Type::string, std::string("ucx"), "comm plugin for collectives"),
-      k("comm.timeout_seconds", Type::floating, 300.0, "a collective that takes longer fails, naming the peer", 0),
-      k("comm.swap_at_step", Type::integer, std::int64_t{0}, "hot-swap the backend after this step (0: never)", 0),
+      n("comm.timeout_seconds", Type::floating, 300.0, "a collective that takes longer fails, naming the peer", 1, 1e6),
+      n("comm.swap_at_step", Type::integer, std::int64_t{0}, "hot-swap the backend after this step (0: never)", 0, 1e9),
       k("comm.swap_to", Type::string, std::string(""), "the backend to swap to"),
       k("hooks.enable", Type::string_list, L{}, "debug hook plugins to run"),
       k("checkpoint.enable", Type::boolean, false, "write checkpoints"),
       k("checkpoint.folder", Type::string, std::string("checkpoint"), "under job.dump_folder"),
-      k("checkpoint.interval", Type::integer, std::int64_t{10}, "steps between checkpoints", 1),
-      k("checkpoint.load_step", Type::integer, std::int64_t{-1}, "resume from this step (-1: the latest, if any)", -1),
-      k("metrics.log_freq", Type::integer, std::int64_t{1}, "print a line every this many steps", 1),
+      n("checkpoint.interval", Type::integer, std::int64_t{10}, "steps between checkpoints", 1, 1e9),
+      n("checkpoint.load_step", Type::integer, std::int64_t{-1}, "resume from this step (-1: the latest, if any)", -1, 1e9),
+      n("metrics.log_freq", Type::integer, std::int64_t{1}, "print a line every this many steps", 1, 1e9),
       k("plugins.paths", Type::string_list, L{}, "plugin files or folders searched first"),
   };
   return keys;
@@ -172,8 +185,12 @@ Config::Config() {
 }
 
 Config Config::load(const std::string& path) {
+  std::error_code ec;
+  const auto st = std::filesystem::status(path, ec);
+  if (!std::filesystem::exists(st)) throw ConfigError(path + ": no such config file");
+  if (!std::filesystem::is_regular_file(st)) throw ConfigError(path + ": not a regular file (a folder, FIFO or device); name a TOML file");
   std::ifstream in(path);
-  if (!in) throw ConfigError(path + ": cannot read the config file (does it exist?)");
+  if (!in) throw ConfigError(path + ": cannot read the config file: " + std::strerror(errno));
   std::stringstream text;
   text << in.rdbuf();
   return parse(text.str(), path);
@@ -193,7 +210,17 @@ Config Config::parse(const std::string& text, const std::string& source) {
   for (const auto& [section_key, section_node] : root) {
     const std::string section(section_key.str());
     const toml::table* table = section_node.as_table();
-    if (table == nullptr || !sections.count(section)) {
+    if (table == nullptr) {
+      std::string home;
+      for (const auto& key : all_keys()) {
+        if (key.size() > section.size() && key.compare(key.size() - section.size() - 1, std::string::npos, "." + section) == 0) {
+          home = key.substr(0, key.size() - section.size() - 1);
+        }
+      }
+      throw ConfigError(where(source, section_node.source()) + ": key '" + section + "' is outside any [section]" +
+                        (home.empty() ? std::string() : "; put it under [" + home + "]"));
+    }
+    if (!sections.count(section)) {
       throw ConfigError(where(source, section_node.source()) + ": unknown section '" + section + "'" +
                         did_you_mean(section, std::vector<std::string>(sections.begin(), sections.end())));
     }

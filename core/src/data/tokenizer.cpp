@@ -578,6 +578,8 @@ void HuggingFaceTokenizer::Impl::load(const json& root) {
   byte_level_decoder = !decoder.is_null();
   for (const auto& [token, id] : bpe.vocab) vocab_size = std::max(vocab_size, id + 1);
   for (const auto& [token, id] : added_ids) vocab_size = std::max(vocab_size, id + 1);
+  if (vocab_size <= 0) fail(path, "its vocabulary is empty", "Pass a tokenizer.json with a model.vocab.");
+  if (vocab_size > (std::int64_t{1} << 24)) fail(path, "an added token has an id of " + std::to_string(vocab_size - 1), "Fix its added_tokens ids.");
 }
 
 void HuggingFaceTokenizer::Impl::load_model(const json& model) {
@@ -595,6 +597,10 @@ void HuggingFaceTokenizer::Impl::load_model(const json& model) {
     fail(path, "its model.vocab is not a JSON object", "Pass a Hugging Face tokenizer.json.");
   }
   for (const auto& [token, id] : model["vocab"].items()) {
+    if (!id.is_number_integer() || id.get<std::int64_t>() < 0 || id.get<std::int64_t>() >= (std::int64_t{1} << 24)) {
+      fail(path, "model.vocab maps \"" + token + "\" to " + id.dump() + ", not an id in [0, 16777216)",
+           "Fix the vocab; ids are small non-negative integers.");
+    }
     bpe.vocab[token] = id.get<std::int64_t>();
     bpe.vocab_r[id.get<std::int64_t>()] = token;
   }

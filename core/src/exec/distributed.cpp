@@ -96,7 +96,9 @@ TensorMap DistributedExecutor::run(const TensorMap& inputs) {
   auto value = [&](const ir::Value* v) -> const at::Tensor& {
     if (auto p = pending.find(v); p != pending.end()) {
       const auto t0 = Clock::now();
-      if (!p->second.work->wait(timeout_)) {
+      // The backend fails a stuck collective itself after the timeout, naming the rank; wait a
+      // little longer so that its message, not this one, is what the user sees.
+      if (!p->second.work->wait(timeout_ + 10)) {
         throw CommError("collective producing " + v->ref() + " did not finish within " + std::to_string(timeout_) + " s", -1);
       }
       stats_.exposed_comm += std::chrono::duration<double>(Clock::now() - t0).count();

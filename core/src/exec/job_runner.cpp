@@ -5,7 +5,9 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
+#include <cstring>
 #include <thread>
 #include <cmath>
 #include <cstdio>
@@ -139,6 +141,7 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
                          {"comm_bytes", st.comm_bytes},
                          {"peak_mem_bytes", st.peak_bytes}};
       metrics << row.dump() << "\n" << std::flush;
+      if (!metrics) throw std::runtime_error("cannot write " + (dump / "metrics.jsonl").string() + ": " + std::strerror(errno));
       if (step % log_freq == 0 || step == spec.steps) {
         std::printf("step %4lld | loss %8.4f | grad_norm %7.3f | lr %.2e | %9.0f tok/s | %7.1f ms | exposed comm %4.1f%% | peak %s\n",
                     static_cast<long long>(step), loss, out.at("grad_norm").item<double>(), lr, tokens_per_s, st.total * 1e3,

@@ -1,5 +1,6 @@
 #include "spmdx/train/job.h"
 
+#include "spmdx/data/text_dataset.h"
 #include "spmdx/sharding/spec.h"
 
 #include <filesystem>
@@ -29,7 +30,7 @@ JobSpec job_spec(const config::Config& cfg, std::int64_t world_size, std::int64_
     fail("parallelism degrees multiply to " + std::to_string(product) + " (" + std::to_string(s.dims.dp_replicate) + " x " +
          std::to_string(s.dims.dp_shard) + " x " + std::to_string(s.dims.tp) + "), but world_size is " + std::to_string(world_size));
   }
-  if (s.model.n_heads % s.dims.tp != 0) {
+  if (s.model.name == "llama" && s.model.n_heads % s.dims.tp != 0) {
     fail("parallelism.tensor_parallel_degree " + std::to_string(s.dims.tp) + " does not divide the " + std::to_string(s.model.n_heads) +
          " attention heads of " + s.model.name + " " + s.model.flavor);
   }
@@ -70,6 +71,18 @@ void check_runnable(const config::Config& cfg) {
   if (cfg.get_bool("checkpoint.enable")) fail("checkpoint.enable = true: checkpoints are not implemented yet; set it to false");
   if (!cfg.get_list("hooks.enable").empty()) fail("hooks.enable: debug hooks are not implemented yet; leave it empty");
   if (cfg.get_int("comm.swap_at_step") > 0) fail("comm.swap_at_step: hot-swapping backends is not implemented yet; leave it 0");
+}
+
+void check_data(const config::Config& cfg, const data::Tokenizer& tokenizer, const JobSpec& spec) {
+  data::TextDataset dataset({cfg.get_list("data.paths"), spec.global_batch_size, spec.seq_len,
+                             static_cast<std::uint64_t>(cfg.get_int("data.seed"))},
+                            tokenizer);
+  std::error_code ec;
+  std::filesystem::create_directories(cfg.get_string("job.dump_folder"), ec);
+  if (ec || !std::filesystem::is_directory(cfg.get_string("job.dump_folder"))) {
+    throw config::ConfigError((cfg.source().empty() ? std::string("config") : cfg.source()) + ": job.dump_folder '" +
+                              cfg.get_string("job.dump_folder") + "' cannot be made: " + ec.message());
+  }
 }
 
 PlacedJob place_job(const JobSpec& spec, PluginRegistry& registry) {

@@ -33,6 +33,7 @@ struct KeySpec {
   Value default_value;
   std::string help;
   double min = -1e300;                  ///< numbers: the smallest allowed
+  double max = 1e300;                   ///< numbers: the largest allowed
   std::vector<std::string> choices;     ///< strings: the allowed values, when fixed
 };
 

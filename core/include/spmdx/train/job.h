@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "spmdx/config/config.h"
+#include "spmdx/data/tokenizer.h"
 #include "spmdx/models/model.h"
 #include "spmdx/sharding/distribute.h"
 #include "spmdx/sharding/parallelize.h"
@@ -46,6 +47,12 @@ JobSpec job_spec(const config::Config& cfg, std::int64_t world_size, std::int64_
 /// (checkpoint.enable, hooks.enable, comm.swap_at_step). Throws config::ConfigError naming the
 /// key and what to do.
 void check_runnable(const config::Config& cfg);
+
+/// Reads and tokenizes the job's data as every rank will (so that a file without text, a JSON
+/// Lines record without "text", or data shorter than seq_len + 1 tokens fails before any rank
+/// starts), and checks that job.dump_folder can be made. Throws config::ConfigError or
+/// std::runtime_error naming the file.
+void check_data(const config::Config& cfg, const data::Tokenizer& tokenizer, const JobSpec& spec);
 
 /// The train step of a job, placed: the model's graph with backward, clipping and AdamW, and
 /// the placements of every input (strategies for parameters and the batch, parameters' for
