@@ -3,6 +3,8 @@
 #include <toml++/toml.h>
 
 #include <algorithm>
+
+#include "spmdx/core/text.h"
 #include <cmath>
 #include <charconv>
 #include <cstring>
@@ -17,27 +19,13 @@ namespace {
 
 using L = std::vector<std::string>;
 
-std::size_t distance(const std::string& a, const std::string& b) {
-  std::vector<std::size_t> row(b.size() + 1);
-  for (std::size_t j = 0; j <= b.size(); ++j) row[j] = j;
-  for (std::size_t i = 1; i <= a.size(); ++i) {
-    std::size_t diag = row[0];
-    row[0] = i;
-    for (std::size_t j = 1; j <= b.size(); ++j) {
-      const std::size_t up = row[j];
-      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] == b[j - 1] ? 0 : 1)});
-      diag = up;
-    }
-  }
-  return row[b.size()];
-}
 
 // " (did you mean 'x'?)" for the nearest of `known`, when near enough.
 std::string did_you_mean(const std::string& word, const std::vector<std::string>& known) {
   std::string best;
   std::size_t best_d = std::numeric_limits<std::size_t>::max();
   for (const auto& k : known) {
-    const std::size_t d = distance(word, k);
+    const std::size_t d = edit_distance(word, k);
     if (d < best_d) best_d = d, best = k;
   }
   if (best.empty() || best_d > std::max<std::size_t>(2, word.size() / 3)) return "";

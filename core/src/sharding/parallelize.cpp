@@ -1,31 +1,18 @@
 #include "spmdx/sharding/parallelize.h"
 
 #include <algorithm>
+
+#include "spmdx/core/text.h"
 #include <stdexcept>
 
 namespace spmdx::sharding {
 namespace {
 
-// Levenshtein distance, for "did you mean" lists.
-std::size_t distance(const std::string& a, const std::string& b) {
-  std::vector<std::size_t> row(b.size() + 1);
-  for (std::size_t j = 0; j <= b.size(); ++j) row[j] = j;
-  for (std::size_t i = 1; i <= a.size(); ++i) {
-    std::size_t diag = row[0];
-    row[0] = i;
-    for (std::size_t j = 1; j <= b.size(); ++j) {
-      const std::size_t up = row[j];
-      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] == b[j - 1] ? 0 : 1)});
-      diag = up;
-    }
-  }
-  return row[b.size()];
-}
 
 std::string nearest(const std::string& name, const StrategyInput& in) {
   std::vector<std::pair<std::size_t, std::string>> all;
   for (const auto* list : {&in.parameters, &in.inputs}) {
-    for (const auto& t : *list) all.emplace_back(distance(name, t.name), t.name);
+    for (const auto& t : *list) all.emplace_back(edit_distance(name, t.name), t.name);
   }
   std::sort(all.begin(), all.end());
   std::string out;
