@@ -112,6 +112,50 @@ TEST(Run, ARankKilledStopsTheJobNamingIt) {
   EXPECT_EQ(test::run_command("pgrep -f 'training[.]steps 1000000' | wc -l").output, "0\n") << "rank processes were left behind";
 }
 
+// Saved on 4 ranks as fsdp x tp 2 x 2 at step 5, resumed on 2 ranks as dp 2: steps 6-10 give
+// the losses of an uninterrupted one-rank run.
+TEST(Checkpoint, ResumesOnAnotherMeshAndStrategyWithTheSameLosses) {
+  test::TempDir dir;
+  const std::string data = corpus_file(dir);
+  const std::string common = "'" SPMDX_SOURCE_DIR "/configs/llama_fsdp.toml' --data.paths '" + data +
+                             "' --training.steps 10 --training.global_batch_size 8 --training.seq_len 32";
+  ASSERT_EQ(spmdx_run(common + " --nproc 1 --job.dump_folder '" + (dir / "full").string() + "'").exit_code, 0);
+  auto save = spmdx_run(common + " --nproc 4 --parallelism.data_parallel_shard_degree 2 --parallelism.tensor_parallel_degree 2"
+                                 " --checkpoint.enable true --checkpoint.interval 5 --job.dump_folder '" + (dir / "a").string() + "'");
+  ASSERT_EQ(save.exit_code, 0) << save.output;
+  EXPECT_THAT(save.output, HasSubstr("saved checkpoint"));
+  EXPECT_TRUE(fs::exists(dir / "a" / "checkpoint" / "step-5" / "metadata.json"));
+  EXPECT_FALSE(fs::exists(dir / "a" / "checkpoint" / ".step-5.partial"));
+  fs::remove_all(dir / "a" / "checkpoint" / "step-10");
+  auto resume = spmdx_run(common + " --nproc 2 --parallelism.data_parallel_replicate_degree 2 --parallelism.data_parallel_shard_degree 1"
+                                   " --checkpoint.enable true --job.dump_folder '" + (dir / "a").string() + "'");
+  ASSERT_EQ(resume.exit_code, 0) << resume.output;
+  EXPECT_THAT(resume.output, HasSubstr("resumed from"));
+  const auto want = losses(dir / "full" / "metrics.jsonl");
+  const auto got = losses(dir / "a" / "metrics.jsonl");  // the resumed run rewrote it: steps 6-10
+  ASSERT_EQ(got.size(), 5u);
+  for (std::size_t i = 0; i < got.size(); ++i) EXPECT_NEAR(got[i], want[i + 5], 1e-5 * std::abs(want[i + 5])) << "step " << i + 6;
+
+  // A corrupted shard is named, not loaded.
+  const fs::path shard = dir / "a" / "checkpoint" / "step-10" / "rank1.bin";
+  ASSERT_TRUE(fs::exists(shard));
+  {
+    std::fstream f(shard, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(-8, std::ios::end);
+    f.write("garbage!", 8);
+  }
+  auto bad = spmdx_run(common + " --nproc 2 --parallelism.data_parallel_replicate_degree 2 --parallelism.data_parallel_shard_degree 1"
+                                " --checkpoint.enable true --training.steps 12 --job.dump_folder '" + (dir / "a").string() + "'");
+  EXPECT_EQ(bad.exit_code, 1);
+  EXPECT_THAT(bad.output, HasSubstr("rank1.bin: corrupted: tensor"));
+  // A truncated one too.
+  fs::resize_file(shard, fs::file_size(shard) / 2);
+  bad = spmdx_run(common + " --nproc 2 --parallelism.data_parallel_replicate_degree 2 --parallelism.data_parallel_shard_degree 1"
+                           " --checkpoint.enable true --training.steps 12 --job.dump_folder '" + (dir / "a").string() + "'");
+  EXPECT_EQ(bad.exit_code, 1);
+  EXPECT_THAT(bad.output, HasSubstr("rank1.bin: truncated"));
+}
+
 TEST(BenchComm, EveryOpSweepsSizesAndChecksEveryResult) {
   for (const char* op : {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"}) {
     auto r = test::run_command("'" SPMDX_EXE "' bench comm --nproc 3 --op " + std::string(op) +

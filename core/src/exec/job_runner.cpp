@@ -19,6 +19,7 @@
 #include "spmdx/core/log.h"
 #include "spmdx/core/registry.h"
 #include "spmdx/data/text_dataset.h"
+#include "spmdx/exec/checkpoint.h"
 #include "spmdx/exec/distributed.h"
 #include "spmdx/exec/simulated.h"
 #include "spmdx/exec/trainer.h"
@@ -88,6 +89,31 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
   data::TextDataset dataset({cfg.get_list("data.paths"), spec.global_batch_size, spec.seq_len,
                              static_cast<std::uint64_t>(cfg.get_int("data.seed"))},
                             *tokenizer);
+
+  // Resume from the newest checkpoint (or checkpoint.load_step), resharding when it was saved
+  // on another mesh or strategy.
+  const bool checkpointing = cfg.get_bool("checkpoint.enable");
+  const std::filesystem::path ckpt_dir = std::filesystem::path(cfg.get_string("job.dump_folder")) / cfg.get_string("checkpoint.folder");
+  std::map<std::string, ir::TensorMeta> state_metas;
+  std::map<std::string, sharding::Placements> state_placements;
+  for (const auto& [name, t] : state) {
+    const ir::Value* v = job.model.graph.find_input(name);
+    state_metas[name] = v->meta();
+    state_placements[name] = plan.placement.at(v);
+  }
+  std::int64_t first_step = 1;
+  if (checkpointing || cfg.get_int("checkpoint.load_step") >= 0) {
+    if (const auto found = find_checkpoint(ckpt_dir, cfg.get_int("checkpoint.load_step"))) {
+      CheckpointMeta meta;
+      state = load_checkpoint(ckpt_dir, *found, job.mesh, env.rank, state_metas, state_placements, &meta);
+      dataset.restore({meta.data_samples});
+      first_step = meta.step + 1;
+      if (lead) {
+        std::printf("resumed from %s (step %lld)\n", (ckpt_dir / ("step-" + std::to_string(*found))).string().c_str(),
+                    static_cast<long long>(meta.step));
+      }
+    }
+  }
   const auto& tokens_pl = plan.placement.at(job.model.graph.find_input("tokens"));
   const auto& labels_pl = plan.placement.at(job.model.graph.find_input("labels"));
   const auto names = train::train_state_names(job.model.params);
@@ -110,7 +136,7 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
   const std::int64_t log_freq = cfg.get_int("metrics.log_freq");
   double first_loss = 0, last_loss = 0;
   const auto run_start = Clock::now();
-  for (std::int64_t step = 1; step <= spec.steps; ++step) {
+  for (std::int64_t step = first_step; step <= spec.steps; ++step) {
     const data::Batch batch = dataset.next_batch();
     auto as_tensor = [&](const std::vector<std::int64_t>& ids) {
       return at::tensor(ids, at::kLong).reshape({spec.global_batch_size, spec.seq_len});
@@ -125,9 +151,14 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
     for (const auto& s : names) state[s] = out.at("next." + s);
     const double loss = out.at("loss").item<double>();
     if (!std::isfinite(loss)) throw std::runtime_error("step " + std::to_string(step) + ": the loss is " + std::to_string(loss));
-    if (step == 1) first_loss = loss;
+    if (step == first_step) first_loss = loss;
     last_loss = loss;
-    const RunStats& st = executor.stats();
+    const RunStats st = executor.stats();
+    if (checkpointing && (step % cfg.get_int("checkpoint.interval") == 0 || step == spec.steps)) {
+      const auto where = save_checkpoint(ckpt_dir, {step, dataset.state().samples}, job.mesh, env.rank, state, state_metas,
+                                         state_placements, backend.get());
+      if (lead) std::printf("saved checkpoint %s\n", where.string().c_str());
+    }
     const double tokens_per_s = static_cast<double>(spec.global_batch_size * spec.seq_len) / st.total;
     if (lead) {
       nlohmann::json row{{"step", step},

@@ -68,7 +68,6 @@ void check_runnable(const config::Config& cfg) {
            (p.rfind("/usr/share/games/fortunes", 0) == 0 ? " (scripts/setup installs Debian's fortunes package)" : ""));
     }
   }
-  if (cfg.get_bool("checkpoint.enable")) fail("checkpoint.enable = true: checkpoints are not implemented yet; set it to false");
   if (!cfg.get_list("hooks.enable").empty()) fail("hooks.enable: debug hooks are not implemented yet; leave it empty");
   if (cfg.get_int("comm.swap_at_step") > 0) fail("comm.swap_at_step: hot-swapping backends is not implemented yet; leave it 0");
 }

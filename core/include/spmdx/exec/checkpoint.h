@@ -1,0 +1,51 @@
+// Checkpoints: each rank writes its shards, rank 0 one metadata file (global shapes, dtypes,
+// placements, mesh, step, data-set position), into <folder>/step-<N>/. Written atomically:
+// everything goes into a temporary folder, files are fsync'ed, and rank 0 renames the folder
+// into place only after every rank has finished, so a crash mid-save never leaves a
+// checkpoint that looks whole. Loading on the same mesh reads the rank's own file; on another
+// mesh or strategy each rank reassembles the full tensors from every file and takes its new
+// shards (resharding, as torch.distributed.checkpoint does).
+//
+// Shard file format: 8 bytes "SPMDXCK1", u64 header length, a JSON header {tensors: [{name,
+// dtype, shape, offset, bytes, crc32}]}, then the raw little-endian data.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <map>
+#include <optional>
+#include <string>
+
+#include "spmdx/comm.h"
+#include "spmdx/exec/executor.h"
+#include "spmdx/sharding/distribute.h"
+
+namespace spmdx::exec {
+
+struct CheckpointMeta {
+  std::int64_t step = 0;
+  std::uint64_t data_samples = 0;  ///< TextDatasetState::samples
+};
+
+/// Writes this rank's `local` tensors (by name; their global metas and placements in `global`
+/// and `placements`) for `step`. Every rank calls it; `backend` (null for one rank) makes them
+/// wait for each other before rank 0 publishes the checkpoint. Returns the folder. Throws
+/// std::runtime_error naming the file that could not be written.
+std::filesystem::path save_checkpoint(const std::filesystem::path& folder, const CheckpointMeta& meta, const sharding::DeviceMesh& mesh,
+                                      std::int64_t rank, const TensorMap& local, const std::map<std::string, ir::TensorMeta>& global,
+                                      const std::map<std::string, sharding::Placements>& placements, CommBackend* backend);
+
+/// The step of the newest whole checkpoint in `folder` (load_step -1), or load_step itself when
+/// it exists; nullopt when there is none. Throws std::runtime_error when load_step >= 0 names a
+/// step that is not there.
+std::optional<std::int64_t> find_checkpoint(const std::filesystem::path& folder, std::int64_t load_step);
+
+/// This rank's tensors from checkpoint `step`, for a run on `mesh` with `placements` (every
+/// name in `global` must be in the checkpoint with the same global shape and dtype). Throws
+/// std::runtime_error naming the file for a truncated or corrupted file (checksum), a missing
+/// tensor, or a shape that differs.
+TensorMap load_checkpoint(const std::filesystem::path& folder, std::int64_t step, const sharding::DeviceMesh& mesh, std::int64_t rank,
+                          const std::map<std::string, ir::TensorMeta>& global,
+                          const std::map<std::string, sharding::Placements>& placements, CheckpointMeta* meta);
+
+}  // namespace spmdx::exec
