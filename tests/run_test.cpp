@@ -136,6 +136,17 @@ TEST(Checkpoint, ResumesOnAnotherMeshAndStrategyWithTheSameLosses) {
   ASSERT_EQ(got.size(), 5u);
   for (std::size_t i = 0; i < got.size(); ++i) EXPECT_NEAR(got[i], want[i + 5], 1e-5 * std::abs(want[i + 5])) << "step " << i + 6;
 
+  // Consolidated weights as safetensors, read back by an independent reader (Python).
+  auto exported = test::run_command("'" SPMDX_EXE "' export '" + (dir / "a" / "checkpoint" / "step-10").string() + "' '" +
+                                    (dir / "model.safetensors").string() + "'");
+  ASSERT_EQ(exported.exit_code, 0) << exported.output;
+  auto read = test::run_command(
+      "python3 -c \"import json,struct,sys; b=open('" + (dir / "model.safetensors").string() +
+      "','rb').read(); n=struct.unpack('<Q',b[:8])[0]; h=json.loads(b[8:8+n]); "
+      "w=h['layers.0.attention.wq.weight']; print(w['dtype'], w['shape'], w['data_offsets'][1]-w['data_offsets'][0], "
+      "len([k for k in h if k!='__metadata__']), 8+n+max(v['data_offsets'][1] for k,v in h.items() if k!='__metadata__')==len(b))\"");
+  EXPECT_EQ(read.output, "F32 [64, 64] 16384 23 True\n")  // 21 parameters + the 2 rope tables << read.output;
+
   // A corrupted shard is named, not loaded.
   const fs::path shard = dir / "a" / "checkpoint" / "step-10" / "rank1.bin";
   ASSERT_TRUE(fs::exists(shard));

@@ -22,6 +22,7 @@
 #include "spmdx/comm/bench.h"
 #include "spmdx/comm/store.h"
 #ifdef SPMDX_HAVE_EXEC
+#include "spmdx/exec/checkpoint.h"
 #include "spmdx/exec/job_runner.h"
 #endif
 
@@ -369,6 +370,11 @@ int main(int argc, char** argv) {
   bench_comm->add_option("--warmup", bench_options.warmup, "untimed operations per size")->capture_default_str()->check(CLI::NonNegativeNumber);
   bench_comm->add_option("--plugin-path", bench_options.plugin_paths, "plugin files or folders searched first");
 
+  auto* export_cmd = app.add_subcommand("export", "Write a checkpoint's parameters, consolidated, as a safetensors file");
+  std::string export_step, export_out;
+  export_cmd->add_option("checkpoint", export_step, "A checkpoint's step-N folder")->required()->check(CLI::ExistingDirectory);
+  export_cmd->add_option("out", export_out, "The .safetensors file to write")->required();
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -388,6 +394,16 @@ int main(int argc, char** argv) {
   try {
     if (plugins->parsed()) return run_plugins(plugin_paths, json);
     if (graph->parsed()) return run_graph(graph_options);
+    if (export_cmd->parsed()) {
+#ifdef SPMDX_HAVE_EXEC
+      const std::size_t n = spmdx::exec::export_safetensors(export_step, export_out);
+      std::cout << "wrote " << n << " tensors to " << export_out << "\n";
+      return 0;
+#else
+      std::cerr << "error: this spmdx was built without LibTorch\n";
+      return 1;
+#endif
+    }
     if (bench_comm->parsed()) return run_bench_comm(bench_options, std::vector<std::string>(argv + 1, argv + argc));
     if (bench->parsed()) {
       std::cout << bench->help();

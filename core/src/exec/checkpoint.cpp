@@ -234,4 +234,45 @@ TensorMap load_checkpoint(const fs::path& folder, std::int64_t step, const shard
   return out;
 }
 
+std::size_t export_safetensors(const fs::path& step_dir, const fs::path& out) {
+  const fs::path mfile = step_dir / "metadata.json";
+  json m;
+  try {
+    m = json::parse(read_file(mfile));
+  } catch (const json::exception& e) {
+    fail(mfile, std::string("corrupted: ") + e.what());
+  }
+  std::vector<MeshDim> dims;
+  for (const auto& d : m.at("mesh")) dims.push_back({d.at("name").get<std::string>(), d.at("size").get<std::int64_t>()});
+  const sharding::DeviceMesh saved(dims);
+  std::vector<TensorMap> files;
+  for (std::int64_t r = 0; r < saved.size(); ++r) files.push_back(decode(step_dir / ("rank" + std::to_string(r) + ".bin")));
+  static const std::map<std::string, std::string> names{{"f32", "F32"}, {"f64", "F64"}, {"f16", "F16"}, {"bf16", "BF16"},
+                                                        {"i32", "I32"}, {"i64", "I64"}, {"u8", "U8"}, {"bool", "BOOL"}};
+  json header = json::object();
+  header["__metadata__"] = {{"format", "pt"}, {"step", std::to_string(m.at("step").get<std::int64_t>())}};
+  std::string data;
+  std::size_t n = 0;
+  for (const auto& [name, t] : m.at("tensors").items()) {
+    if (name.rfind("exp_avg", 0) == 0) continue;  // optimizer state
+    std::vector<at::Tensor> parts;
+    for (auto& f : files) parts.push_back(f.at(name));
+    const at::Tensor full = assemble_tensor(parts, parse_placements(t.at("placements").get<std::string>(), mfile), saved).contiguous();
+    const std::size_t begin = data.size();
+    data.append(static_cast<const char*>(full.data_ptr()), static_cast<std::size_t>(full.nbytes()));
+    header[name] = {{"dtype", names.at(t.at("dtype").get<std::string>())}, {"shape", full.sizes().vec()}, {"data_offsets", {begin, data.size()}}};
+    ++n;
+  }
+  std::string h = header.dump();
+  while (h.size() % 8 != 0) h += ' ';  // the format pads the header to 8 bytes
+  const std::uint64_t len = h.size();
+  std::string bytes(reinterpret_cast<const char*>(&len), 8);
+  bytes += h;
+  bytes += data;
+  const fs::path tmp = out.string() + ".partial";
+  write_file(tmp, bytes);
+  fs::rename(tmp, out);
+  return n;
+}
+
 }  // namespace spmdx::exec

@@ -48,4 +48,11 @@ TensorMap load_checkpoint(const std::filesystem::path& folder, std::int64_t step
                           const std::map<std::string, ir::TensorMeta>& global,
                           const std::map<std::string, sharding::Placements>& placements, CheckpointMeta* meta);
 
+/// Writes the parameters of checkpoint `step_dir` (a step-N folder), consolidated into whole
+/// tensors, as a safetensors file (Hugging Face's format: u64 header length, JSON header with
+/// dtype, shape and data_offsets per tensor, then the data). Optimizer state is left out, as
+/// torchtitan's last_save_model_only. Returns the number of tensors written. Throws
+/// std::runtime_error naming the file that is missing, corrupted or cannot be written.
+std::size_t export_safetensors(const std::filesystem::path& step_dir, const std::filesystem::path& out);
+
 }  // namespace spmdx::exec
