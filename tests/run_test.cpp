@@ -145,7 +145,7 @@ TEST(Checkpoint, ResumesOnAnotherMeshAndStrategyWithTheSameLosses) {
       "','rb').read(); n=struct.unpack('<Q',b[:8])[0]; h=json.loads(b[8:8+n]); "
       "w=h['layers.0.attention.wq.weight']; print(w['dtype'], w['shape'], w['data_offsets'][1]-w['data_offsets'][0], "
       "len([k for k in h if k!='__metadata__']), 8+n+max(v['data_offsets'][1] for k,v in h.items() if k!='__metadata__')==len(b))\"");
-  EXPECT_EQ(read.output, "F32 [64, 64] 16384 23 True\n")  // 21 parameters + the 2 rope tables << read.output;
+  EXPECT_EQ(read.output, "F32 [64, 64] 16384 23 True\n") << read.output;  // 21 parameters + the 2 rope tables
 
   // A corrupted shard is named, not loaded.
   const fs::path shard = dir / "a" / "checkpoint" / "step-10" / "rank1.bin";
