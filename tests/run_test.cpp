@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include <fstream>
+#include <map>
 
 #include "test_util.h"
 
@@ -165,6 +166,38 @@ TEST(Checkpoint, ResumesOnAnotherMeshAndStrategyWithTheSameLosses) {
                            " --checkpoint.enable true --training.steps 12 --job.dump_folder '" + (dir / "a").string() + "'");
   EXPECT_EQ(bad.exit_code, 1);
   EXPECT_THAT(bad.output, HasSubstr("rank1.bin: truncated"));
+}
+
+// Hot-swap: every step the ranks leave one backend and join the other (UCX over shared memory,
+// UCX over TCP); the losses are those of a run without swaps, and 100 swaps leak nothing.
+TEST(HotSwap, SwappingBackendsEveryStepChangesNoResultAndLeaksNothing) {
+  test::TempDir dir;
+  const std::string data = corpus_file(dir);
+  const std::string common = "'" SPMDX_SOURCE_DIR "/configs/llama_fsdp.toml' --nproc 4 --data.paths '" + data +
+                             "' --training.global_batch_size 8 --training.seq_len 16 --training.steps 10";
+  ASSERT_EQ(spmdx_run(common + " --job.dump_folder '" + (dir / "plain").string() + "'").exit_code, 0);
+  auto swapped = spmdx_run(common + " --comm.swap_at_step 1 --comm.swap_to 'ucx:tls=tcp,self' --job.dump_folder '" + (dir / "swap").string() + "'");
+  ASSERT_EQ(swapped.exit_code, 0) << swapped.output;
+  EXPECT_THAT(swapped.output, HasSubstr("swapped the comm backend to ucx (UCX_TLS=tcp,self)"));
+  EXPECT_THAT(swapped.output, HasSubstr("swapped the comm backend to ucx (UCX_TLS=shm,self)"));
+  EXPECT_EQ(losses(dir / "swap" / "metrics.jsonl"), losses(dir / "plain" / "metrics.jsonl"));
+
+  auto many = spmdx_run("'" SPMDX_SOURCE_DIR "/configs/llama_fsdp.toml' --nproc 2 --data.paths '" + data +
+                        "' --training.global_batch_size 4 --training.seq_len 16 --training.steps 111 --metrics.log_freq 1000"
+                        " --comm.swap_at_step 1 --comm.swap_to 'ucx:tls=tcp,self' --job.dump_folder '" + (dir / "many").string() + "'");
+  ASSERT_EQ(many.exit_code, 0) << many.output;
+  std::ifstream in(dir / "many" / "metrics.jsonl");
+  std::string line;
+  std::map<std::int64_t, std::int64_t> rss;
+  while (std::getline(in, line)) {
+    const auto row = nlohmann::json::parse(line);
+    rss[row.at("step").get<std::int64_t>()] = row.at("rss_bytes").get<std::int64_t>();
+  }
+  ASSERT_EQ(rss.size(), 111u);
+  const double growth_mib = static_cast<double>(rss.at(110) - rss.at(10)) / (1 << 20);
+  std::printf("RSS after 10 swaps %.1f MiB, after 110 swaps %.1f MiB\n", static_cast<double>(rss.at(10)) / (1 << 20),
+              static_cast<double>(rss.at(110)) / (1 << 20));
+  EXPECT_LT(growth_mib, 8.0) << "100 swaps grew RSS by " << growth_mib << " MiB";
 }
 
 TEST(BenchComm, EveryOpSweepsSizesAndChecksEveryResult) {

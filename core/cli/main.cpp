@@ -221,14 +221,18 @@ int run_run(const RunOptions& o) {
       std::vector<std::filesystem::path> paths(cfg.get_list("plugins.paths").begin(), cfg.get_list("plugins.paths").end());
       registry.discover(spmdx::plugin_search_path(paths));
       for (const auto& e : registry.errors()) throw spmdx::config::ConfigError(o.config + ": plugins: " + e.what());
-      const auto* p = registry.find(cfg.get_string("comm.backend"));
-      if (p == nullptr || p->kind != spmdx::PluginKind::comm) {
-        std::string known;
-        for (const auto& q : registry.plugins()) {
-          if (q.kind == spmdx::PluginKind::comm) known += (known.empty() ? "" : ", ") + q.name;
+      for (const char* key : {"comm.backend", "comm.swap_to"}) {
+        const std::string spec = cfg.get_string(key);
+        if (spec.empty() && std::string(key) == "comm.swap_to") continue;
+        const auto* p = registry.find(spec.substr(0, spec.find(':')));
+        if (p == nullptr || p->kind != spmdx::PluginKind::comm) {
+          std::string known;
+          for (const auto& q : registry.plugins()) {
+            if (q.kind == spmdx::PluginKind::comm) known += (known.empty() ? "" : ", ") + q.name;
+          }
+          throw spmdx::config::ConfigError(o.config + ": " + key + " = \"" + spec + "\" is not a comm plugin found here; found: " +
+                                           (known.empty() ? "none" : known));
         }
-        throw spmdx::config::ConfigError(o.config + ": comm.backend = \"" + cfg.get_string("comm.backend") +
-                                         "\" is not a comm plugin found here; found: " + (known.empty() ? "none" : known));
       }
     }
     std::vector<std::string> argv{"/proc/self/exe", "run", o.config};

@@ -70,12 +70,20 @@ DistributedExecutor::DistributedExecutor(const ir::Graph& graph, const sharding:
   for (const auto& [v, at] : last_use) {
     if (at < dead_.size()) dead_[at].push_back(v);
   }
+  mesh_dims_.clear();
+  for (int d = 0; d < mesh.ndim(); ++d) {
+    std::vector<int> ranks;
+    for (auto r : mesh.group(rank, d)) ranks.push_back(static_cast<int>(r));
+    mesh_dims_.push_back(ranks);
+  }
+  set_backend(backend);
+}
+
+void DistributedExecutor::set_backend(CommBackend* backend) {
+  backend_ = backend;
+  groups_.clear();
   if (backend != nullptr) {
-    for (int d = 0; d < mesh.ndim(); ++d) {
-      std::vector<int> ranks;
-      for (auto r : mesh.group(rank, d)) ranks.push_back(static_cast<int>(r));
-      groups_.push_back(backend->new_group(ranks));
-    }
+    for (const auto& ranks : mesh_dims_) groups_.push_back(backend->new_group(ranks));
   }
 }
 
@@ -204,6 +212,10 @@ TensorMap DistributedExecutor::run(const TensorMap& inputs) {
   }
   TensorMap result;
   for (const auto& [name, v] : graph_.outputs()) result.emplace(name, value(v));
+  // A collective whose output nobody read must still finish before its buffers go.
+  for (auto& [v, p] : pending) {
+    if (!p.work->wait(timeout_ + 10)) throw CommError("collective producing " + v->ref() + " did not finish", -1);
+  }
   stats_.total = std::chrono::duration<double>(Clock::now() - start).count();
   return result;
 }

@@ -12,6 +12,8 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <sstream>
+#include <unistd.h>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
@@ -38,6 +40,30 @@ std::string human_bytes(double b) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "%.1f %s", b, units[u]);
   return buf;
+}
+
+// Resident memory of this process, in bytes (from /proc/self/statm).
+std::int64_t rss_bytes() {
+  std::ifstream statm("/proc/self/statm");
+  std::int64_t pages = 0, resident = 0;
+  statm >> pages >> resident;
+  return resident * static_cast<std::int64_t>(sysconf(_SC_PAGESIZE));
+}
+
+// A comm backend made from "name" or "name:key=value;key=value" (e.g. "ucx:tls=tcp,self").
+std::unique_ptr<CommBackend> make_backend(PluginRegistry& registry, const std::string& spec) {
+  const auto colon = spec.find(':');
+  Options options;
+  if (colon != std::string::npos) {
+    std::stringstream list(spec.substr(colon + 1));
+    std::string item;
+    while (std::getline(list, item, ';')) {
+      const auto eq = item.find('=');
+      if (eq == std::string::npos) throw std::invalid_argument("comm backend '" + spec + "': option '" + item + "' is not key=value");
+      options[item.substr(0, eq)] = item.substr(eq + 1);
+    }
+  }
+  return registry.make_comm_backend(spec.substr(0, colon), options);
 }
 
 }  // namespace
@@ -70,7 +96,7 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
       std::fflush(stdout);
     }
     store = std::make_unique<comm::TcpStore>(env.master_addr, env.master_port, env.token, timeout);
-    backend = registry.make_comm_backend(cfg.get_string("comm.backend"));
+    backend = make_backend(registry, cfg.get_string("comm.backend"));
     backend->init({env.rank, env.world_size, 0, store.get(), timeout});
   }
   DistributedExecutor executor(graph, job.mesh, env.rank, backend.get(), timeout);
@@ -154,6 +180,22 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
     if (step == first_step) first_loss = loss;
     last_loss = loss;
     const RunStats st = executor.stats();
+    // Hot-swap at a step boundary: nothing is in flight between runs; the old backend leaves
+    // the job, the other one joins it under the next generation's keys.
+    const std::int64_t swap_every = cfg.get_int("comm.swap_at_step");
+    if (backend && swap_every > 0 && step % swap_every == 0 && step < spec.steps) {
+      backend->barrier(0)->wait(timeout);
+      backend->finalize();
+      const std::int64_t generation = step / swap_every;
+      const std::string next = generation % 2 == 1 ? cfg.get_string("comm.swap_to") : cfg.get_string("comm.backend");
+      backend.reset();
+      backend = make_backend(registry, next);
+      backend->init({env.rank, env.world_size, generation, store.get(), timeout});
+      executor.set_backend(backend.get());
+      if (lead && (step / swap_every) % std::max<std::int64_t>(1, log_freq) == 0) {
+        std::printf("step %lld: swapped the comm backend to %s\n", static_cast<long long>(step), backend->describe().c_str());
+      }
+    }
     if (checkpointing && (step % cfg.get_int("checkpoint.interval") == 0 || step == spec.steps)) {
       const auto where = save_checkpoint(ckpt_dir, {step, dataset.state().samples}, job.mesh, env.rank, state, state_metas,
                                          state_placements, backend.get());
@@ -170,7 +212,8 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
                          {"exposed_comm_ms", st.exposed_comm * 1e3},
                          {"collectives", st.collectives},
                          {"comm_bytes", st.comm_bytes},
-                         {"peak_mem_bytes", st.peak_bytes}};
+                         {"peak_mem_bytes", st.peak_bytes},
+                         {"rss_bytes", rss_bytes()}};
       metrics << row.dump() << "\n" << std::flush;
       if (!metrics) throw std::runtime_error("cannot write " + (dump / "metrics.jsonl").string() + ": " + std::strerror(errno));
       if (step % log_freq == 0 || step == spec.steps) {

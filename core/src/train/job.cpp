@@ -69,7 +69,9 @@ void check_runnable(const config::Config& cfg) {
     }
   }
   if (!cfg.get_list("hooks.enable").empty()) fail("hooks.enable: debug hooks are not implemented yet; leave it empty");
-  if (cfg.get_int("comm.swap_at_step") > 0) fail("comm.swap_at_step: hot-swapping backends is not implemented yet; leave it 0");
+  if (cfg.get_int("comm.swap_at_step") > 0 && cfg.get_string("comm.swap_to").empty()) {
+    fail("comm.swap_at_step is set but comm.swap_to is empty: name the backend to swap to (e.g. \"ucx:tls=tcp,self\")");
+  }
 }
 
 void check_data(const config::Config& cfg, const data::Tokenizer& tokenizer, const JobSpec& spec) {

@@ -35,12 +35,16 @@ class DistributedExecutor {
   /// Runs the graph on this rank's local inputs; returns its local outputs. Throws CommError
   /// when a collective fails or times out (naming the collective and the peer).
   TensorMap run(const TensorMap& inputs);
+  /// Uses another backend from the next run on (hot-swap), making its groups; between runs
+  /// nothing is in flight. `backend` is initialised with the same ranks.
+  void set_backend(CommBackend* backend);
   const RunStats& stats() const noexcept { return stats_; }
 
  private:
   const ir::Graph& graph_;
   std::vector<const Kernel*> kernels_;
   std::vector<int> groups_;  // backend group id per mesh dim
+  std::vector<std::vector<int>> mesh_dims_;  // the ranks of this rank's group along each mesh dim
   std::vector<std::vector<const ir::Value*>> dead_;  // per node: values whose last use it is
   CommBackend* backend_;
   double timeout_;

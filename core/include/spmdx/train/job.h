@@ -44,7 +44,7 @@ JobSpec job_spec(const config::Config& cfg, std::int64_t world_size, std::int64_
 
 /// Checks what this build can run before any rank starts: training.device "cpu", data.paths
 /// non-empty and every file present, and no setting of a feature that is not there yet
-/// (hooks.enable, comm.swap_at_step). Throws config::ConfigError naming the
+/// (hooks.enable), and a swap schedule names what to swap to. Throws config::ConfigError naming the
 /// key and what to do.
 void check_runnable(const config::Config& cfg);
 
