@@ -8,7 +8,6 @@
 #include <cstring>
 #include <fstream>
 #include <nlohmann/json.hpp>
-#include <regex>
 
 #include "spmdx/exec/kernels.h"
 #include "spmdx/exec/simulated.h"
@@ -108,23 +107,32 @@ TensorMap decode(const fs::path& file) {
 
 std::string placements_text(const sharding::Placements& p) { return to_string(p); }
 
+// "S(0)RP(sum)" -> {Shard(0), Replicate, Partial(sum)}.
 sharding::Placements parse_placements(const std::string& text, const fs::path& file) {
   sharding::Placements out;
-  static const std::regex item(R"(S\((\d+)\)|R|P\((sum|avg|max|min|prod)\))");
-  std::size_t used = 0;
-  for (auto it = std::sregex_iterator(text.begin(), text.end(), item); it != std::sregex_iterator(); ++it) {
-    const auto& m = *it;
-    if (static_cast<std::size_t>(m.position()) != used) fail(file, "bad placements '" + text + "'");
-    used += static_cast<std::size_t>(m.length());
-    if (m.str()[0] == 'S') out.push_back(Placement::shard(std::stoi(m[1].str())));
-    else if (m.str() == "R") out.push_back(Placement::replicate());
-    else {
-      for (ReduceOp op : {ReduceOp::sum, ReduceOp::avg, ReduceOp::max, ReduceOp::min, ReduceOp::prod}) {
-        if (m[2].str() == to_string(op)) out.push_back(Placement::partial(op));
-      }
+  std::size_t i = 0;
+  auto bad = [&] { fail(file, "bad placements '" + text + "'"); };
+  while (i < text.size()) {
+    if (text[i] == 'R') {
+      out.push_back(Placement::replicate());
+      ++i;
+      continue;
     }
+    const auto close = text.find(')', i);
+    if ((text[i] != 'S' && text[i] != 'P') || i + 1 >= text.size() || text[i + 1] != '(' || close == std::string::npos) bad();
+    const std::string arg = text.substr(i + 2, close - i - 2);
+    if (text[i] == 'S') {
+      if (arg.empty() || arg.find_first_not_of("0123456789") != std::string::npos) bad();
+      out.push_back(Placement::shard(std::stoi(arg)));
+    } else {
+      bool found = false;
+      for (ReduceOp op : {ReduceOp::sum, ReduceOp::avg, ReduceOp::max, ReduceOp::min, ReduceOp::prod}) {
+        if (arg == to_string(op)) out.push_back(Placement::partial(op)), found = true;
+      }
+      if (!found) bad();
+    }
+    i = close + 1;
   }
-  if (used != text.size()) fail(file, "bad placements '" + text + "'");
   return out;
 }
 
