@@ -197,7 +197,11 @@ TEST(HotSwap, SwappingBackendsEveryStepChangesNoResultAndLeaksNothing) {
   const double growth_mib = static_cast<double>(rss.at(110) - rss.at(10)) / (1 << 20);
   std::printf("RSS after 10 swaps %.1f MiB, after 110 swaps %.1f MiB\n", static_cast<double>(rss.at(10)) / (1 << 20),
               static_cast<double>(rss.at(110)) / (1 << 20));
+#if defined(__SANITIZE_ADDRESS__)
+  std::printf("RSS check skipped: AddressSanitizer keeps freed memory in quarantine\n");
+#else
   EXPECT_LT(growth_mib, 8.0) << "100 swaps grew RSS by " << growth_mib << " MiB";
+#endif
 }
 
 TEST(BenchComm, EveryOpSweepsSizesAndChecksEveryResult) {

@@ -12,6 +12,11 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+// memcpy that accepts empty buffers (whose data() may be null) without undefined behaviour.
+void copy_bytes(void* dst, const void* src, std::size_t n) {
+  if (n > 0) std::memcpy(dst, src, n);
+}
+
 // IEEE half and bfloat16 <-> float.
 float half_to_float(std::uint16_t h) {
   const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000) << 16;
@@ -30,13 +35,13 @@ float half_to_float(std::uint16_t h) {
     bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
   }
   float f;
-  std::memcpy(&f, &bits, 4);
+  copy_bytes(&f, &bits, 4);
   return f;
 }
 
 std::uint16_t float_to_half(float f) {
   std::uint32_t x;
-  std::memcpy(&x, &f, 4);
+  copy_bytes(&x, &f, 4);
   const std::uint32_t sign = (x >> 16) & 0x8000;
   const int exp = static_cast<int>((x >> 23) & 0xff) - 127 + 15;
   std::uint32_t mant = x & 0x7fffff;
@@ -58,13 +63,13 @@ std::uint16_t float_to_half(float f) {
 float bf16_to_float(std::uint16_t b) {
   const std::uint32_t bits = static_cast<std::uint32_t>(b) << 16;
   float f;
-  std::memcpy(&f, &bits, 4);
+  copy_bytes(&f, &bits, 4);
   return f;
 }
 
 std::uint16_t float_to_bf16(float f) {
   std::uint32_t x;
-  std::memcpy(&x, &f, 4);
+  copy_bytes(&x, &f, 4);
   if ((x & 0x7fffffff) > 0x7f800000) return static_cast<std::uint16_t>((x >> 16) | 0x40);  // NaN stays NaN
   x += 0x7fff + ((x >> 16) & 1);  // round to nearest even
   return static_cast<std::uint16_t>(x >> 16);
@@ -419,7 +424,7 @@ std::unique_ptr<Work> P2PBackend::all_gather(int group, CommBuffer in, CommBuffe
     if (counts.size() != k || counts[me] != in.count || offset_of(counts, k) != out.count) {
       throw std::invalid_argument("counts do not match the group size or the buffers");
     }
-    std::memcpy(at(out.data, offset_of(counts, me), out.dtype), in.data, in.bytes());
+    copy_bytes(at(out.data, offset_of(counts, me), out.dtype), in.data, in.bytes());
     const int next = g.ranks[(me + 1) % k], prev = g.ranks[(me + k - 1) % k];
     const std::size_t es = comm_dtype_size(out.dtype);
     for (std::size_t s = 0; s + 1 < k; ++s) {  // ring: pass along the block received last
@@ -440,7 +445,7 @@ std::unique_ptr<Work> P2PBackend::reduce_scatter(int group, CommBuffer in, CommB
     }
     const std::size_t es = comm_dtype_size(in.dtype);
     std::vector<char> work(in.bytes()), incoming(*std::max_element(counts.begin(), counts.end()) * es);
-    std::memcpy(work.data(), in.data, in.bytes());
+    copy_bytes(work.data(), in.data, in.bytes());
     const int next = g.ranks[(me + 1) % k], prev = g.ranks[(me + k - 1) % k];
     for (std::size_t s = 0; s + 1 < k; ++s) {  // ring: after k-1 steps block `me` holds every member's sum
       const std::size_t send_block = (me + 2 * k - s - 1) % k, recv_block = (me + 2 * k - s - 2) % k;
@@ -448,7 +453,7 @@ std::unique_ptr<Work> P2PBackend::reduce_scatter(int group, CommBuffer in, CommB
                counts[recv_block] * es);
       reduce_into(work.data() + offset_of(counts, recv_block) * es, incoming.data(), counts[recv_block], in.dtype, rop);
     }
-    std::memcpy(out.data, work.data() + offset_of(counts, me) * es, out.bytes());
+    copy_bytes(out.data, work.data() + offset_of(counts, me) * es, out.bytes());
     if (rop == ReduceOp::avg) divide(out.data, out.count, out.dtype, static_cast<double>(k));
   });
 }
@@ -471,7 +476,7 @@ std::unique_ptr<Work> P2PBackend::all_reduce(int group, CommBuffer buf, ReduceOp
           reduce_into(buf.data, incoming.data(), buf.count, buf.dtype, rop);
         } else {
           reduce_into(incoming.data(), buf.data, buf.count, buf.dtype, rop);
-          std::memcpy(buf.data, incoming.data(), buf.bytes());
+          copy_bytes(buf.data, incoming.data(), buf.bytes());
         }
       }
     } else {
@@ -505,7 +510,7 @@ std::unique_ptr<Work> P2PBackend::all_to_all(int group, CommBuffer in, CommBuffe
       throw std::invalid_argument("counts do not match the group size or the buffers");
     }
     const std::size_t es = comm_dtype_size(in.dtype);
-    std::memcpy(at(out.data, offset_of(recv_counts, me), out.dtype), at(in.data, offset_of(send_counts, me), in.dtype),
+    copy_bytes(at(out.data, offset_of(recv_counts, me), out.dtype), at(in.data, offset_of(send_counts, me), in.dtype),
                 send_counts[me] * es);
     for (std::size_t s = 1; s < k; ++s) {  // pairwise exchange
       const std::size_t to = (me + s) % k, from = (me + k - s) % k;
