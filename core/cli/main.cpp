@@ -11,6 +11,7 @@
 #include <iostream>
 
 #include "spmdx/core/log.h"
+#include "spmdx/core/text.h"
 #include "spmdx/core/registry.h"
 #include "spmdx/core/version.h"
 #include "spmdx/config/config.h"
@@ -115,13 +116,11 @@ void apply_overrides(spmdx::config::Config& cfg, const std::vector<std::string>&
   }
 }
 
-std::string human_bytes(double b) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  int u = 0;
-  while (b >= 1024 && u < 4) b /= 1024, ++u;
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%.1f %s", b, units[u]);
-  return buf;
+// This program's own path, for starting ranks as copies of it.
+std::string self_exe() {
+  char self[4096];
+  const ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
+  return n > 0 ? std::string(self, static_cast<std::size_t>(n)) : "/proc/self/exe";
 }
 
 struct CompileOptions {
@@ -181,8 +180,8 @@ int run_compile(const CompileOptions& o) {
   const double param = static_cast<double>(spmdx::train::local_parameter_bytes(job, 0));
   std::cout << "model " << spec.model.name << " " << spec.model.flavor << " (vocab " << spec.model.vocab_size << "), " << job.model.graph.num_nodes()
             << " nodes; mesh " << job.mesh.str() << " (" << world << " ranks); global batch " << spec.global_batch_size << " x " << spec.seq_len << "\n"
-            << "per rank (rank 0): parameters " << human_bytes(param) << ", gradients " << human_bytes(param) << ", AdamW state "
-            << human_bytes(2 * param) << ", communication " << human_bytes(plan.comm_bytes) << " sent per step (about "
+            << "per rank (rank 0): parameters " << spmdx::human_bytes(param) << ", gradients " << spmdx::human_bytes(param) << ", AdamW state "
+            << spmdx::human_bytes(2 * param) << ", communication " << spmdx::human_bytes(plan.comm_bytes) << " sent per step (about "
             << plan.comm_seconds * 1e3 << " ms at 10 GB/s, 10 us per message)\n"
             << "planned in " << seconds << " s" << (o.fake ? " (--fake: no ranks started" : " (no ranks started")
             << (dumped_ranks ? "; wrote " + o.dump + " with " + std::to_string(dumped_ranks) + " rank graph(s))" : ")") << "\n";
@@ -235,11 +234,8 @@ int run_run(const RunOptions& o) {
         }
       }
     }
-    std::vector<std::string> argv{"/proc/self/exe", "run", o.config};
+    std::vector<std::string> argv{self_exe(), "run", o.config};
     for (const auto& a : o.overrides) argv.push_back(a);
-    char self[4096];
-    const ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
-    if (n > 0) argv[0] = std::string(self, static_cast<std::size_t>(n));
     return spmdx::launch::launch({o.nproc, o.nnodes, o.node_rank, o.master_addr, o.master_port}, argv);
   }
   const spmdx::launch::RankEnv env = spmdx::launch::rank_env();
@@ -287,9 +283,7 @@ int run_bench_comm(const BenchCommOptions& o, const std::vector<std::string>& ra
   bo.warmup = o.warmup;
   if (bo.min_bytes > bo.max_bytes) throw std::invalid_argument("--min-bytes is larger than --max-bytes");
   if (std::getenv("SPMDX_STORE_HOSTED") == nullptr) {
-    char self[4096];
-    const ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
-    std::vector<std::string> argv{n > 0 ? std::string(self, static_cast<std::size_t>(n)) : "/proc/self/exe"};
+    std::vector<std::string> argv{self_exe()};
     for (const auto& a : raw_args) argv.push_back(a);
     return spmdx::launch::launch({o.nproc, 1, 0, "", 0}, argv);
   }

@@ -1,6 +1,7 @@
 #include "spmdx/core/text.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <vector>
 
 namespace spmdx {
@@ -18,6 +19,15 @@ std::size_t edit_distance(const std::string& a, const std::string& b) {
     }
   }
   return row[b.size()];
+}
+
+std::string human_bytes(double b) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  int u = 0;
+  while (b >= 1024 && u < 4) b /= 1024, ++u;
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.1f %s", b, units[u]);
+  return buf;
 }
 
 }  // namespace spmdx

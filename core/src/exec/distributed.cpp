@@ -93,13 +93,20 @@ TensorMap DistributedExecutor::run(const TensorMap& inputs) {
   stats_ = {};
   std::unordered_map<const ir::Value*, at::Tensor> live;
   std::unordered_map<const ir::Value*, Pending> pending;
+  std::int64_t held = 0;  // bytes of the tensors in `live`
+  auto keep = [&](const ir::Value* v, at::Tensor t) {
+    held += static_cast<std::int64_t>(t.nbytes());
+    at::Tensor& slot = live[v];
+    if (slot.defined()) held -= static_cast<std::int64_t>(slot.nbytes());
+    slot = std::move(t);
+  };
   for (const ir::Value* v : graph_.inputs()) {
     auto it = inputs.find(v->name());
     if (it == inputs.end()) throw std::invalid_argument("missing input '" + v->name() + "'");
     if (it->second.sizes().vec() != v->meta().shape) {
       throw std::invalid_argument("input '" + v->name() + "' is " + ir::shape_str(it->second.sizes().vec()) + ", this rank's graph expects " + v->meta().str());
     }
-    live[v] = it->second;
+    keep(v, it->second);
   }
   auto value = [&](const ir::Value* v) -> const at::Tensor& {
     if (auto p = pending.find(v); p != pending.end()) {
@@ -110,7 +117,7 @@ TensorMap DistributedExecutor::run(const TensorMap& inputs) {
         throw CommError("collective producing " + v->ref() + " did not finish within " + std::to_string(timeout_) + " s", -1);
       }
       stats_.exposed_comm += std::chrono::duration<double>(Clock::now() - t0).count();
-      live[v] = p->second.finish();
+      keep(v, p->second.finish());
       pending.erase(p);
     }
     return live.at(v);
@@ -122,7 +129,7 @@ TensorMap DistributedExecutor::run(const TensorMap& inputs) {
       std::vector<at::Tensor> args;
       for (const ir::Value* v : n.inputs()) args.push_back(value(v));
       auto out = (*kernels_[index])(n, args);
-      for (std::size_t i = 0; i < out.size(); ++i) live[n.outputs()[i]] = std::move(out[i]);
+      for (std::size_t i = 0; i < out.size(); ++i) keep(n.outputs()[i], std::move(out[i]));
     } else {
       const at::Tensor& x = value(n.input(0));
       const int group = groups_.at(static_cast<std::size_t>(n.attr_int("mesh_dim")));
@@ -202,11 +209,13 @@ TensorMap DistributedExecutor::run(const TensorMap& inputs) {
       stats_.comm_bytes += static_cast<double>(x.nbytes());
       pending.emplace(n.output(), std::move(p));
     }
-    std::int64_t held = 0;
     for (const ir::Value* v : dead_[index]) {
-      if (pending.count(v) == 0) live.erase(v);  // a collective's output is dropped once it is consumed
+      if (pending.count(v) > 0) continue;  // a collective's output is dropped once it is consumed
+      if (auto it = live.find(v); it != live.end()) {
+        held -= static_cast<std::int64_t>(it->second.nbytes());
+        live.erase(it);
+      }
     }
-    for (const auto& [v, t] : live) held += static_cast<std::int64_t>(t.nbytes());
     stats_.peak_bytes = std::max(stats_.peak_bytes, held);
     ++index;
   }

@@ -20,6 +20,7 @@
 #include "spmdx/comm/store.h"
 #include "spmdx/core/log.h"
 #include "spmdx/core/registry.h"
+#include "spmdx/core/text.h"
 #include "spmdx/data/text_dataset.h"
 #include "spmdx/exec/checkpoint.h"
 #include "spmdx/exec/distributed.h"
@@ -32,15 +33,6 @@ namespace spmdx::exec {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-std::string human_bytes(double b) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB"};
-  int u = 0;
-  while (b >= 1024 && u < 3) b /= 1024, ++u;
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%.1f %s", b, units[u]);
-  return buf;
-}
 
 // Resident memory of this process, in bytes (from /proc/self/statm).
 std::int64_t rss_bytes() {

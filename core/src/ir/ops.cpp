@@ -395,6 +395,14 @@ std::vector<OpSchema> builtin_ops() {
   const AttrSpec mesh_dim{"mesh_dim", AttrType::integer, true, {}};
   const AttrSpec reduce_op{"op", AttrType::string, false, std::string("sum")};
   const AttrSpec index{"index", AttrType::integer, true, {}};
+  // A full `dim` (the sum of sizes) becomes this rank's piece of it (sizes[index]).
+  const InferFn scatter_dim = [=](const Metas& in, const Attributes& a) {
+    Shape s = in[0]->shape;
+    auto d = static_cast<std::size_t>(wrap_dim(std::get<std::int64_t>(a.at("dim")), in[0]->rank()));
+    if (s[d] != sum_of(std::get<Shape>(a.at("sizes")))) fail("dim " + std::to_string(d) + " is not the sum of sizes");
+    s[d] = at_index(a, "sizes");
+    return std::vector{like(*in[0], s, in[0]->requires_grad)};
+  };
   ops.push_back({"all_reduce", 1, 1, {mesh_dim, reduce_op}, [](const Metas& in, const Attributes&) { return std::vector{*in[0]}; }});
   ops.push_back({"all_gather", 1, 1, {mesh_dim, {"dim", AttrType::integer, true, {}}, {"sizes", AttrType::ints, true, {}}, index},
                  [=](const Metas& in, const Attributes& a) {
@@ -406,13 +414,7 @@ std::vector<OpSchema> builtin_ops() {
                  }});
   ops.push_back({"reduce_scatter", 1, 1,
                  {mesh_dim, {"dim", AttrType::integer, true, {}}, reduce_op, {"sizes", AttrType::ints, true, {}}, index},
-                 [=](const Metas& in, const Attributes& a) {
-                   Shape s = in[0]->shape;
-                   auto d = static_cast<std::size_t>(wrap_dim(std::get<std::int64_t>(a.at("dim")), in[0]->rank()));
-                   if (s[d] != sum_of(std::get<Shape>(a.at("sizes")))) fail("dim " + std::to_string(d) + " is not the sum of sizes");
-                   s[d] = at_index(a, "sizes");
-                   return std::vector{like(*in[0], s, in[0]->requires_grad)};
-                 }});
+                 scatter_dim});
   // all_to_all: Shard(gather_dim) -> Shard(scatter_dim) along the group.
   ops.push_back({"all_to_all", 1, 1,
                  {mesh_dim, {"gather_dim", AttrType::integer, true, {}}, {"scatter_dim", AttrType::integer, true, {}},
@@ -430,13 +432,7 @@ std::vector<OpSchema> builtin_ops() {
                  }});
   // chunk (local, Replicate -> Shard): this rank's torch.chunk piece of `dim`.
   ops.push_back({"chunk", 1, 1, {{"dim", AttrType::integer, true, {}}, {"sizes", AttrType::ints, true, {}}, index},
-                 [=](const Metas& in, const Attributes& a) {
-                   Shape s = in[0]->shape;
-                   auto d = static_cast<std::size_t>(wrap_dim(std::get<std::int64_t>(a.at("dim")), in[0]->rank()));
-                   if (s[d] != sum_of(std::get<Shape>(a.at("sizes")))) fail("dim " + std::to_string(d) + " is not the sum of sizes");
-                   s[d] = at_index(a, "sizes");
-                   return std::vector{like(*in[0], s, in[0]->requires_grad)};
-                 }});
+                 scatter_dim});
   // to_partial (local, Replicate -> Partial(sum)): the value on index 0, zeros elsewhere.
   ops.push_back({"to_partial", 1, 1, {index}, [](const Metas& in, const Attributes&) { return std::vector{*in[0]}; }});
   // slice_backward: grad of a slice -> zeros of input_shape with grad written into the slice.

@@ -11,4 +11,7 @@ namespace spmdx {
 /// that turn `a` into `b`.
 std::size_t edit_distance(const std::string& a, const std::string& b);
 
+/// "1.5 MiB": bytes in binary units (B, KiB, MiB, GiB, TiB), one decimal.
+std::string human_bytes(double bytes);
+
 }  // namespace spmdx
