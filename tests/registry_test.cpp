@@ -117,7 +117,7 @@ TEST(Registry, AbiMajorMismatchSaysBothVersions) {
   registry.discover(user({plugin_dir("test_abi_major")}));
   PluginError e = only_error(registry);
   EXPECT_EQ(e.code(), Code::abi_mismatch);
-  EXPECT_THAT(e.what(), HasSubstr("was built for ABI 2, this host supports 1"));
+  EXPECT_THAT(e.what(), HasSubstr("was built for ABI 3, this host supports 2"));
   EXPECT_THAT(e.what(), HasSubstr(plugin_file("test_abi_major").string()));
 }
 
@@ -126,7 +126,7 @@ TEST(Registry, AbiMinorNewerThanHostIsRefused) {
   registry.discover(user({plugin_dir("test_abi_minor")}));
   PluginError e = only_error(registry);
   EXPECT_EQ(e.code(), Code::abi_mismatch);
-  EXPECT_THAT(e.what(), HasSubstr("was built for ABI 1.99, this host supports up to 1.0"));
+  EXPECT_THAT(e.what(), HasSubstr("was built for ABI 2.99, this host supports up to 2.0"));
 }
 
 TEST(Registry, DescriptorWithoutCallbackIsRefused) {

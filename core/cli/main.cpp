@@ -22,6 +22,8 @@
 #include "spmdx/launch/launcher.h"
 #include "spmdx/comm/bench.h"
 #include "spmdx/comm/store.h"
+#include "spmdx/hooks/fr_trace.h"
+#include "spmdx/hooks/hook_set.h"
 #ifdef SPMDX_HAVE_EXEC
 #include "spmdx/exec/checkpoint.h"
 #include "spmdx/exec/job_runner.h"
@@ -176,6 +178,19 @@ int run_compile(const CompileOptions& o) {
   } else {
     spmdx::sharding::rank_graph(plan, 0);  // checks that the local shapes work out
   }
+  if (!cfg.get_list("hooks.enable").empty()) {  // compile-stage hooks: pictures, partition checks
+    spmdx::HookContext base;
+    base.world_size = static_cast<int>(world);
+    base.mesh = job.mesh.dims();
+    base.coordinate = job.mesh.coordinate(0);
+    base.compile_only = true;
+    spmdx::hooks::HookSet hooks = spmdx::hooks::make_hooks(cfg, registry, base);
+    std::vector<std::int64_t> ranks;
+    for (std::int64_t r = 0; r < (o.fake ? 1 : world); ++r) ranks.push_back(r);
+    hooks.compile(plan, ranks);
+    std::cout << "hooks " << cfg.get_list("hooks.enable").size() << " ran on the compile stages; output in "
+              << (fs::path(cfg.get_string("job.dump_folder")) / "hooks").string() << "\n";
+  }
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   const double param = static_cast<double>(spmdx::train::local_parameter_bytes(job, 0));
   std::cout << "model " << spec.model.name << " " << spec.model.flavor << " (vocab " << spec.model.vocab_size << "), " << job.model.graph.num_nodes()
@@ -232,6 +247,18 @@ int run_run(const RunOptions& o) {
           throw spmdx::config::ConfigError(o.config + ": " + key + " = \"" + spec + "\" is not a comm plugin found here; found: " +
                                            (known.empty() ? "none" : known));
         }
+      }
+    }
+    if (!cfg.get_list("hooks.enable").empty()) {  // names and options, before any rank starts
+      spmdx::PluginRegistry registry;
+      std::vector<std::filesystem::path> paths(cfg.get_list("plugins.paths").begin(), cfg.get_list("plugins.paths").end());
+      registry.discover(spmdx::plugin_search_path(paths));
+      spmdx::HookContext base;
+      base.compile_only = true;
+      try {
+        spmdx::hooks::make_hooks(cfg, registry, base);
+      } catch (const std::invalid_argument& e) {
+        throw spmdx::config::ConfigError(o.config + ": " + e.what());
       }
     }
     std::vector<std::string> argv{self_exe(), "run", o.config};
@@ -368,6 +395,10 @@ int main(int argc, char** argv) {
   bench_comm->add_option("--warmup", bench_options.warmup, "untimed operations per size")->capture_default_str()->check(CLI::NonNegativeNumber);
   bench_comm->add_option("--plugin-path", bench_options.plugin_paths, "plugin files or folders searched first");
 
+  auto* fr_trace = app.add_subcommand("fr-trace", "Merge the flight_recorder hook's dumps; name the rank missing from a collective");
+  std::string fr_folder;
+  fr_trace->add_option("folder", fr_folder, "<job.dump_folder>/hooks/flight_recorder")->required();
+
   auto* export_cmd = app.add_subcommand("export", "Write a checkpoint's parameters, consolidated, as a safetensors file");
   std::string export_step, export_out;
   export_cmd->add_option("checkpoint", export_step, "A checkpoint's step-N folder")->required()->check(CLI::ExistingDirectory);
@@ -401,6 +432,10 @@ int main(int argc, char** argv) {
       std::cerr << "error: this spmdx was built without LibTorch\n";
       return 1;
 #endif
+    }
+    if (fr_trace->parsed()) {
+      std::cout << spmdx::hooks::analyze_flight_recorder(fr_folder).text;
+      return 0;
     }
     if (bench_comm->parsed()) return run_bench_comm(bench_options, std::vector<std::string>(argv + 1, argv + argc));
     if (bench->parsed()) {

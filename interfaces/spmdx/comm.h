@@ -32,6 +32,20 @@ inline std::size_t comm_dtype_size(CommDType t) noexcept {
   return 0;
 }
 
+/// "f32", "f64", "f16", "bf16", "i32", "i64", "u8".
+inline const char* to_string(CommDType t) noexcept {
+  switch (t) {
+    case CommDType::f32: return "f32";
+    case CommDType::f64: return "f64";
+    case CommDType::f16: return "f16";
+    case CommDType::bf16: return "bf16";
+    case CommDType::i32: return "i32";
+    case CommDType::i64: return "i64";
+    case CommDType::u8: return "u8";
+  }
+  return "unknown";
+}
+
 enum class MemoryType : std::uint8_t { host, cuda };
 
 /// `count` elements of `dtype` at `data`, contiguous.
@@ -85,6 +99,12 @@ class Work {
   virtual bool wait(double timeout_seconds) = 0;
   /// True once complete (or failed).
   virtual bool test() = 0;
+  /// When the backend began and finished moving the data, in seconds since the Unix epoch
+  /// (system_clock); false while not complete or when the backend does not record it.
+  virtual bool times(double& started_at, double& finished_at) const {
+    (void)started_at, (void)finished_at;
+    return false;
+  }
 };
 
 /// What a backend does well, for choosing between backends per call (as UCC's score maps):

@@ -34,7 +34,7 @@
 #include "spmdx/hook.h"
 #include "spmdx/strategy.h"
 
-#define SPMDX_ABI_MAJOR 1
+#define SPMDX_ABI_MAJOR 2
 #define SPMDX_ABI_MINOR 0
 
 namespace spmdx {

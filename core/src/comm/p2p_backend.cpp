@@ -1,4 +1,5 @@
 #include "spmdx/comm/p2p_backend.h"
+#include "spmdx/core/clock.h"
 
 #include <algorithm>
 #include <chrono>
@@ -179,6 +180,7 @@ struct P2PBackend::Op {
   bool done = false;
   std::string error;
   int error_peer = -1;
+  double started_at = 0, finished_at = 0;  // seconds since the epoch, on the comm thread
 };
 
 class P2PBackend::OpWork final : public Work {
@@ -193,6 +195,13 @@ class P2PBackend::OpWork final : public Work {
   bool test() override {
     std::lock_guard lock(op_->mutex);
     return op_->done;
+  }
+  bool times(double& started_at, double& finished_at) const override {
+    std::lock_guard lock(op_->mutex);
+    if (!op_->done) return false;
+    started_at = op_->started_at;
+    finished_at = op_->finished_at;
+    return true;
   }
 
  private:
@@ -326,6 +335,7 @@ void P2PBackend::run() {
     }
     std::string error;
     int peer = -1;
+    const double started_at = wall_seconds();
     if (aborted_) {
       error = std::string(op->name) + " aborted: the backend was aborted";
     } else {
@@ -343,6 +353,8 @@ void P2PBackend::run() {
       op->done = true;
       op->error = error;
       op->error_peer = peer;
+      op->started_at = started_at;
+      op->finished_at = wall_seconds();
     }
     op->cv.notify_all();
   }

@@ -215,6 +215,26 @@ Config Config::parse(const std::string& text, const std::string& source) {
     for (const auto& [name_key, node] : *table) {
       const std::string key = section + "." + std::string(name_key.str());
       const std::string at = where(source, node.source());
+      if (section == "hooks" && node.is_table()) {  // [hooks.<name>]: that hook's options
+        auto& options = cfg.plugin_options_[key];
+        for (const auto& [opt_key, opt] : *node.as_table()) {
+          const std::string opt_at = where(source, opt.source());
+          if (auto x = opt.value_exact<std::string>()) {
+            options[std::string(opt_key.str())] = *x;
+          } else if (auto i = opt.value_exact<std::int64_t>()) {
+            options[std::string(opt_key.str())] = std::to_string(*i);
+          } else if (auto d = opt.value_exact<double>()) {
+            std::ostringstream text;
+            text << *d;
+            options[std::string(opt_key.str())] = text.str();
+          } else if (auto b = opt.value_exact<bool>()) {
+            options[std::string(opt_key.str())] = *b ? "true" : "false";
+          } else {
+            throw ConfigError(opt_at + ": " + key + "." + std::string(opt_key.str()) + " must be a string, number or boolean");
+          }
+        }
+        continue;
+      }
       const KeySpec* spec = find_spec(key);
       if (spec == nullptr) throw ConfigError(at + ": unknown key '" + key + "'" + did_you_mean(key, all_keys()));
       Value v;
@@ -256,6 +276,12 @@ Config Config::parse(const std::string& text, const std::string& source) {
 
 void Config::override_value(const std::string& key, const std::string& text) {
   const std::string at = "command line: --" + key;
+  if (key.rfind("hooks.", 0) == 0 && std::count(key.begin(), key.end(), '.') == 2) {  // --hooks.<name>.<option>
+    const auto dot = key.rfind('.');
+    if (dot == 6 || dot + 1 == key.size()) throw ConfigError(at + ": expected --hooks.<hook>.<option> value");
+    plugin_options_[key.substr(0, dot)][key.substr(dot + 1)] = text;
+    return;
+  }
   const KeySpec* spec = find_spec(key);
   if (spec == nullptr) throw ConfigError(at + ": unknown key '" + key + "'" + did_you_mean(key, all_keys()));
   Value v;
@@ -313,7 +339,17 @@ std::string Config::to_toml() const {
     }
     out << s.key.substr(sec.size() + 1) << " = " << value_toml(values_.at(s.key)) << "  # " << s.help << "\n";
   }
+  for (const auto& [table, options] : plugin_options_) {
+    out << "\n[" << table << "]\n";
+    for (const auto& [k, v] : options) out << k << " = " << quote(v) << "\n";
+  }
   return out.str();
+}
+
+const std::map<std::string, std::string>& Config::plugin_options(const std::string& table) const {
+  static const std::map<std::string, std::string> none;
+  auto it = plugin_options_.find(table);
+  return it == plugin_options_.end() ? none : it->second;
 }
 
 }  // namespace spmdx::config

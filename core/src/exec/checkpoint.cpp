@@ -9,6 +9,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "spmdx/core/files.h"
 #include "spmdx/exec/kernels.h"
 #include "spmdx/exec/simulated.h"
 
@@ -28,14 +29,6 @@ std::uint32_t crc32(const void* data, std::size_t n) {
 
 [[noreturn]] void fail(const fs::path& file, const std::string& why) {
   throw std::runtime_error("checkpoint file " + file.string() + ": " + why);
-}
-
-void fsync_path(const fs::path& p) {
-  const int fd = ::open(p.c_str(), O_RDONLY);
-  if (fd >= 0) {
-    ::fsync(fd);
-    ::close(fd);
-  }
 }
 
 void write_file(const fs::path& file, const std::string& bytes) {

@@ -9,6 +9,8 @@
 #include <stdexcept>
 #include <unordered_map>
 
+#include "spmdx/core/clock.h"
+#include "spmdx/hooks/hook_set.h"
 #include "spmdx/sharding/distribute.h"
 
 namespace spmdx::exec {
@@ -32,7 +34,37 @@ struct Pending {
   std::unique_ptr<Work> work;
   std::vector<at::Tensor> keep;          // alive until done
   std::function<at::Tensor()> finish;    // the output, once done
+  CollectiveInfo info;                   // for the hooks
 };
+
+// The union of [start, end) intervals, sorted and disjoint.
+std::vector<std::pair<double, double>> merged(std::vector<std::pair<double, double>> spans) {
+  std::sort(spans.begin(), spans.end());
+  std::vector<std::pair<double, double>> out;
+  for (const auto& [a, b] : spans) {
+    if (b <= a) continue;
+    if (!out.empty() && a <= out.back().second) out.back().second = std::max(out.back().second, b);
+    else out.emplace_back(a, b);
+  }
+  return out;
+}
+
+double length(const std::vector<std::pair<double, double>>& spans) {
+  double total = 0;
+  for (const auto& [a, b] : spans) total += b - a;
+  return total;
+}
+
+// The length of the intersection of two sorted disjoint interval lists.
+double overlap(const std::vector<std::pair<double, double>>& x, const std::vector<std::pair<double, double>>& y) {
+  double total = 0;
+  for (std::size_t i = 0, j = 0; i < x.size() && j < y.size();) {
+    total += std::max(0.0, std::min(x[i].second, y[j].second) - std::max(x[i].first, y[j].first));
+    if (x[i].second < y[j].second) ++i;
+    else ++j;
+  }
+  return total;
+}
 
 }  // namespace
 
@@ -75,7 +107,9 @@ DistributedExecutor::DistributedExecutor(const ir::Graph& graph, const sharding:
     std::vector<int> ranks;
     for (auto r : mesh.group(rank, d)) ranks.push_back(static_cast<int>(r));
     mesh_dims_.push_back(ranks);
+    mesh_dim_names_.push_back(mesh.dims()[static_cast<std::size_t>(d)].name);
   }
+  seq_.assign(mesh_dims_.size(), 0);
   set_backend(backend);
 }
 
@@ -87,10 +121,13 @@ void DistributedExecutor::set_backend(CommBackend* backend) {
   }
 }
 
-TensorMap DistributedExecutor::run(const TensorMap& inputs) {
+TensorMap DistributedExecutor::run(const TensorMap& inputs, std::int64_t step) {
   c10::InferenceMode no_autograd;
   const auto start = Clock::now();
   stats_ = {};
+  spans_.clear();
+  // Wall-clock intervals: the backend's collective spans, and compute's waits for them.
+  std::vector<std::pair<double, double>> comm_spans, wait_spans;
   std::unordered_map<const ir::Value*, at::Tensor> live;
   std::unordered_map<const ir::Value*, Pending> pending;
   std::int64_t held = 0;  // bytes of the tensors in `live`
@@ -108,32 +145,81 @@ TensorMap DistributedExecutor::run(const TensorMap& inputs) {
     }
     keep(v, it->second);
   }
+  // Waits for a pending collective and reports it; the backend fails a stuck collective itself
+  // after the timeout, naming the rank, so wait a little longer for its message to be the one.
+  auto complete = [&](const ir::Value* v, Pending& p) {
+    const auto t0 = Clock::now();
+    const double wall0 = wall_seconds();
+    auto fail = [&](const std::string& error) {
+      if (hooks_ == nullptr) return;
+      p.info.state = CollectiveState::failed;
+      p.info.finished_at = wall_seconds();
+      p.info.error = error;
+      hooks_->collective(p.info);
+    };
+    try {
+      if (!p.work->wait(timeout_ + 10)) {
+        const std::string what = "collective producing " + v->ref() + " did not finish within " + std::to_string(timeout_) + " s";
+        fail(what);
+        throw CommError(what, -1);
+      }
+    } catch (const CommError& e) {
+      if (p.info.state != CollectiveState::failed) fail(e.what());
+      throw;
+    }
+    stats_.exposed_comm += std::chrono::duration<double>(Clock::now() - t0).count();
+    const double waited = wall_seconds();
+    wait_spans.emplace_back(wall0, waited);
+    double started = 0, finished = 0;
+    if (p.work->times(started, finished)) comm_spans.emplace_back(started, finished);
+    if (hooks_ != nullptr) {
+      p.info.state = CollectiveState::completed;
+      p.info.started_at = started;
+      p.info.finished_at = finished > 0 ? finished : waited;
+      hooks_->collective(p.info);
+      if (started > 0) spans_.push_back({p.info.op, "comm", started, finished, p.info.bytes});
+      if (waited - wall0 > 1e-6) spans_.push_back({"wait " + p.info.op, "compute", wall0, waited, 0});
+    }
+  };
   auto value = [&](const ir::Value* v) -> const at::Tensor& {
     if (auto p = pending.find(v); p != pending.end()) {
-      const auto t0 = Clock::now();
-      // The backend fails a stuck collective itself after the timeout, naming the rank; wait a
-      // little longer so that its message, not this one, is what the user sees.
-      if (!p->second.work->wait(timeout_ + 10)) {
-        throw CommError("collective producing " + v->ref() + " did not finish within " + std::to_string(timeout_) + " s", -1);
-      }
-      stats_.exposed_comm += std::chrono::duration<double>(Clock::now() - t0).count();
+      complete(v, p->second);
       keep(v, p->second.finish());
       pending.erase(p);
     }
     return live.at(v);
   };
   std::size_t index = 0;
+  std::int64_t collective_index = -1;  // in this step
   for (const auto& node : graph_.nodes()) {
     const ir::Node& n = *node;
     if (kernels_[index] != nullptr) {
       std::vector<at::Tensor> args;
       for (const ir::Value* v : n.inputs()) args.push_back(value(v));
+      const double t0 = hooks_ ? wall_seconds() : 0;
       auto out = (*kernels_[index])(n, args);
+      if (hooks_ != nullptr) spans_.push_back({n.op(), "compute", t0, wall_seconds(), 0});
       for (std::size_t i = 0; i < out.size(); ++i) keep(n.outputs()[i], std::move(out[i]));
+    } else if (++collective_index == skip_.second && step == skip_.first && n.op() == "all_reduce") {
+      keep(n.output(), value(n.input(0)));  // the planted fault: this rank skips the collective
     } else {
       const at::Tensor& x = value(n.input(0));
-      const int group = groups_.at(static_cast<std::size_t>(n.attr_int("mesh_dim")));
+      const auto mesh_dim = static_cast<std::size_t>(n.attr_int("mesh_dim"));
+      const int group = groups_.at(mesh_dim);
       Pending p;
+      if (hooks_ != nullptr) {
+        p.info.op = n.op();
+        p.info.mesh_dim = static_cast<int>(mesh_dim);
+        p.info.group_name = mesh_dim_names_.at(mesh_dim);
+        p.info.group_ranks = mesh_dims_.at(mesh_dim);
+        p.info.step = step;
+        p.info.bytes = static_cast<std::int64_t>(x.nbytes());
+        p.info.dtype = comm_dtype(x.scalar_type());
+        p.info.shape = x.sizes().vec();
+        p.info.value = n.output()->ref();
+        p.info.issued_at = wall_seconds();
+      }
+      p.info.seq = seq_.at(mesh_dim)++;
       const std::string& op = n.op();
       if (op == "all_reduce") {
         at::Tensor buf = x.contiguous().clone();
@@ -207,6 +293,7 @@ TensorMap DistributedExecutor::run(const TensorMap& inputs) {
       }
       ++stats_.collectives;
       stats_.comm_bytes += static_cast<double>(x.nbytes());
+      if (hooks_ != nullptr) hooks_->collective(p.info);
       pending.emplace(n.output(), std::move(p));
     }
     for (const ir::Value* v : dead_[index]) {
@@ -222,10 +309,11 @@ TensorMap DistributedExecutor::run(const TensorMap& inputs) {
   TensorMap result;
   for (const auto& [name, v] : graph_.outputs()) result.emplace(name, value(v));
   // A collective whose output nobody read must still finish before its buffers go.
-  for (auto& [v, p] : pending) {
-    if (!p.work->wait(timeout_ + 10)) throw CommError("collective producing " + v->ref() + " did not finish", -1);
-  }
+  for (auto& [v, p] : pending) complete(v, p);
   stats_.total = std::chrono::duration<double>(Clock::now() - start).count();
+  const auto comm = merged(std::move(comm_spans));
+  stats_.comm = length(comm);
+  stats_.hidden_comm = stats_.comm - overlap(comm, merged(std::move(wait_spans)));
   return result;
 }
 

@@ -5,6 +5,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <optional>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
@@ -13,6 +14,8 @@
 #include <cstdio>
 #include <filesystem>
 #include <sstream>
+#include <csignal>
+#include <pthread.h>
 #include <unistd.h>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -26,6 +29,7 @@
 #include "spmdx/exec/distributed.h"
 #include "spmdx/exec/simulated.h"
 #include "spmdx/exec/trainer.h"
+#include "spmdx/hooks/hook_set.h"
 #include "spmdx/sharding/spec.h"
 #include "spmdx/train/job.h"
 
@@ -58,10 +62,95 @@ std::unique_ptr<CommBackend> make_backend(PluginRegistry& registry, const std::s
   return registry.make_comm_backend(spec.substr(0, colon), options);
 }
 
+// Fault injection for testing the debug hooks, from SPMDX_FAULT (never set in normal runs):
+//   skip_collective:rank=R,step=S,index=I  rank R does not issue its I-th collective of step S
+//   perturb:rank=R,step=S,tensor=NAME[,delta=D]  rank R adds D (1e-3) to NAME after step S
+struct Fault {
+  std::string kind;
+  int rank = -1;
+  std::int64_t step = -1, index = 0;
+  std::string tensor;
+  double delta = 1e-3;
+};
+
+Fault parse_fault(const char* text) {
+  Fault f;
+  if (text == nullptr || *text == '\0') return f;
+  const std::string spec(text);
+  auto bad = [&](const std::string& why) {
+    return std::invalid_argument("SPMDX_FAULT='" + spec + "': " + why +
+                                 " (expected skip_collective:rank=R,step=S,index=I or perturb:rank=R,step=S,tensor=NAME[,delta=D])");
+  };
+  const auto colon = spec.find(':');
+  f.kind = spec.substr(0, colon);
+  if (f.kind != "skip_collective" && f.kind != "perturb") throw bad("unknown fault '" + f.kind + "'");
+  std::stringstream list(colon == std::string::npos ? "" : spec.substr(colon + 1));
+  std::string item;
+  while (std::getline(list, item, ',')) {
+    const auto eq = item.find('=');
+    if (eq == std::string::npos) throw bad("'" + item + "' is not key=value");
+    const std::string key = item.substr(0, eq), value = item.substr(eq + 1);
+    try {
+      if (key == "rank") f.rank = std::stoi(value);
+      else if (key == "step") f.step = std::stoll(value);
+      else if (key == "index") f.index = std::stoll(value);
+      else if (key == "delta") f.delta = std::stod(value);
+      else if (key == "tensor") f.tensor = value;
+      else throw bad("unknown key '" + key + "'");
+    } catch (const std::logic_error& e) {
+      if (dynamic_cast<const std::invalid_argument*>(&e) && std::string(e.what()).rfind("SPMDX_FAULT", 0) == 0) throw;
+      throw bad("'" + value + "' is not a number");
+    }
+  }
+  if (f.rank < 0 || f.step < 1) throw bad("rank and step are required");
+  if (f.kind == "perturb" && f.tensor.empty()) throw bad("perturb needs tensor=NAME");
+  return f;
+}
+
+// With debug hooks on, SIGTERM, SIGINT and SIGUSR1 go to a thread of their own: SIGUSR1 asks
+// the hooks to dump (the flight recorder) and goes on; SIGTERM and SIGINT (the launcher
+// stopping the job, Ctrl-C) dump, then exit 128 + signal. Blocked before any other thread
+// starts, so that every thread inherits the mask.
+class SignalDumper {
+ public:
+  SignalDumper() {
+    sigemptyset(&set_);
+    for (int s : {SIGTERM, SIGINT, SIGUSR1, SIGUSR2}) sigaddset(&set_, s);
+    pthread_sigmask(SIG_BLOCK, &set_, &old_);
+  }
+  void start(hooks::HookSet* hooks) {
+    thread_ = std::thread([this, hooks] {
+      while (true) {
+        int sig = 0;
+        if (sigwait(&set_, &sig) != 0 || sig == SIGUSR2) return;  // SIGUSR2: the destructor's stop
+        hooks->failure(std::string("signal ") + strsignal(sig) + (sig == SIGUSR1 ? " (dump requested)" : ""));
+        if (sig != SIGUSR1) {
+          std::fflush(nullptr);
+          _exit(128 + sig);
+        }
+      }
+    });
+  }
+  ~SignalDumper() {
+    if (thread_.joinable()) {
+      pthread_kill(thread_.native_handle(), SIGUSR2);
+      thread_.join();
+    }
+    pthread_sigmask(SIG_SETMASK, &old_, nullptr);
+  }
+
+ private:
+  sigset_t set_, old_;
+  std::thread thread_;
+};
+
 }  // namespace
 
 int run_job(const config::Config& cfg, const launch::RankEnv& env) {
   const bool lead = env.rank == 0;
+  std::optional<SignalDumper> signals;
+  if (!cfg.get_list("hooks.enable").empty()) signals.emplace();  // before any thread starts
+  const Fault fault = parse_fault(std::getenv("SPMDX_FAULT"));
   // Ranks on one host share its cores: each takes its part for intra-op threads.
   at::set_num_threads(std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / std::max(1, env.local_world_size)));
   const auto tokenizer = data::make_tokenizer(cfg.get_string("model.tokenizer"));
@@ -88,10 +177,30 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
       std::fflush(stdout);
     }
     store = std::make_unique<comm::TcpStore>(env.master_addr, env.master_port, env.token, timeout);
+  }
+  // Debug hooks: made on every rank; the compile stages run on rank 0, before any backend
+  // joins, so a validator that fails stops the job before its first step.
+  HookContext hook_base;
+  hook_base.rank = env.rank;
+  hook_base.world_size = env.world_size;
+  hook_base.mesh = job.mesh.dims();
+  hook_base.coordinate = job.mesh.coordinate(env.rank);
+  hook_base.store = store.get();
+  hook_base.timeout_seconds = timeout;
+  hooks::HookSet hooks = hooks::make_hooks(cfg, registry, hook_base);
+  if (signals) signals->start(&hooks);
+  if (lead && !hooks.empty()) {
+    std::vector<std::int64_t> ranks;
+    for (std::int64_t r = 0; r < env.world_size; ++r) ranks.push_back(r);
+    hooks.compile(plan, ranks);
+  }
+  if (env.world_size > 1) {
     backend = make_backend(registry, cfg.get_string("comm.backend"));
     backend->init({env.rank, env.world_size, 0, store.get(), timeout});
   }
   DistributedExecutor executor(graph, job.mesh, env.rank, backend.get(), timeout);
+  if (!hooks.empty()) executor.set_hooks(&hooks);
+  if (fault.kind == "skip_collective" && fault.rank == env.rank) executor.inject_skip(fault.step, fault.index);
 
   // This rank's shards of the initial parameters (the same full values on every rank).
   const auto coord = job.mesh.coordinate(env.rank);
@@ -154,67 +263,101 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
   const std::int64_t log_freq = cfg.get_int("metrics.log_freq");
   double first_loss = 0, last_loss = 0;
   const auto run_start = Clock::now();
-  for (std::int64_t step = first_step; step <= spec.steps; ++step) {
-    const data::Batch batch = dataset.next_batch();
-    auto as_tensor = [&](const std::vector<std::int64_t>& ids) {
-      return at::tensor(ids, at::kLong).reshape({spec.global_batch_size, spec.seq_len});
-    };
-    TensorMap feed = state;
-    feed["tokens"] = shard_tensor(as_tensor(batch.tokens), tokens_pl, job.mesh, coord);
-    feed["labels"] = shard_tensor(as_tensor(batch.labels), labels_pl, job.mesh, coord);
-    const double lr = spec.lr * train::lr_factor(step, spec.warmup_steps, spec.steps, spec.min_lr_factor);
-    feed["lr"] = at::scalar_tensor(lr, at::kFloat);
-    feed["step"] = at::scalar_tensor(static_cast<double>(step), at::kFloat);
-    TensorMap out = executor.run(feed);
-    for (const auto& s : names) state[s] = out.at("next." + s);
-    const double loss = out.at("loss").item<double>();
-    if (!std::isfinite(loss)) throw std::runtime_error("step " + std::to_string(step) + ": the loss is " + std::to_string(loss));
-    if (step == first_step) first_loss = loss;
-    last_loss = loss;
-    const RunStats st = executor.stats();
-    // Hot-swap at a step boundary: nothing is in flight between runs; the old backend leaves
-    // the job, the other one joins it under the next generation's keys.
-    const std::int64_t swap_every = cfg.get_int("comm.swap_at_step");
-    if (backend && swap_every > 0 && step % swap_every == 0 && step < spec.steps) {
-      backend->barrier(0)->wait(timeout);
-      backend->finalize();
-      const std::int64_t generation = step / swap_every;
-      const std::string next = generation % 2 == 1 ? cfg.get_string("comm.swap_to") : cfg.get_string("comm.backend");
-      backend.reset();
-      backend = make_backend(registry, next);
-      backend->init({env.rank, env.world_size, generation, store.get(), timeout});
-      executor.set_backend(backend.get());
-      if (lead && (step / swap_every) % std::max<std::int64_t>(1, log_freq) == 0) {
-        std::printf("step %lld: swapped the comm backend to %s\n", static_cast<long long>(step), backend->describe().c_str());
+  // A failing rank tells the hooks first (the flight recorder dumps), then fails.
+  try {
+    for (std::int64_t step = first_step; step <= spec.steps; ++step) {
+      const data::Batch batch = dataset.next_batch();
+      auto as_tensor = [&](const std::vector<std::int64_t>& ids) {
+        return at::tensor(ids, at::kLong).reshape({spec.global_batch_size, spec.seq_len});
+      };
+      TensorMap feed = state;
+      feed["tokens"] = shard_tensor(as_tensor(batch.tokens), tokens_pl, job.mesh, coord);
+      feed["labels"] = shard_tensor(as_tensor(batch.labels), labels_pl, job.mesh, coord);
+      const double lr = spec.lr * train::lr_factor(step, spec.warmup_steps, spec.steps, spec.min_lr_factor);
+      feed["lr"] = at::scalar_tensor(lr, at::kFloat);
+      feed["step"] = at::scalar_tensor(static_cast<double>(step), at::kFloat);
+      TensorMap out = executor.run(feed, step);
+      for (const auto& s : names) state[s] = out.at("next." + s);
+      if (fault.kind == "perturb" && fault.rank == env.rank && fault.step == step) {
+        auto it = state.find(fault.tensor);
+        if (it == state.end()) throw std::invalid_argument("SPMDX_FAULT: no tensor '" + fault.tensor + "' in the train state");
+        it->second = it->second + fault.delta;
+      }
+      const double loss = out.at("loss").item<double>();
+      if (!std::isfinite(loss)) throw std::runtime_error("step " + std::to_string(step) + ": the loss is " + std::to_string(loss));
+      if (step == first_step) first_loss = loss;
+      last_loss = loss;
+      const RunStats st = executor.stats();
+      if (!hooks.empty()) {  // OnGlobalSyncComplete: the state after the step, and its spans
+        StepInfo info;
+        info.step = step;
+        info.rank = env.rank;
+        info.world_size = env.world_size;
+        info.loss = loss;
+        info.step_seconds = st.total;
+        info.comm_seconds = st.comm;
+        info.exposed_comm_seconds = st.exposed_comm;
+      info.hidden_comm_seconds = st.hidden_comm;
+        std::vector<at::Tensor> alive;
+        auto view = [&](const std::string& name, const at::Tensor& t, const sharding::Placements& pl) {
+          alive.push_back(t.contiguous());
+          info.tensors.push_back({name, t.sizes().vec(), comm_dtype(t.scalar_type()), alive.back().data_ptr(), alive.back().nbytes(), pl});
+        };
+        for (const auto& name : names) view(name, state.at(name), state_placements.at(name));
+        view("loss", out.at("loss"), sharding::Placements(static_cast<std::size_t>(job.mesh.ndim()), Placement::replicate()));
+        info.spans = executor.spans();
+        hooks.step_end(info);
+      }
+      // Hot-swap at a step boundary: nothing is in flight between runs; the old backend leaves
+      // the job, the other one joins it under the next generation's keys.
+      const std::int64_t swap_every = cfg.get_int("comm.swap_at_step");
+      if (backend && swap_every > 0 && step % swap_every == 0 && step < spec.steps) {
+        backend->barrier(0)->wait(timeout);
+        backend->finalize();
+        const std::int64_t generation = step / swap_every;
+        const std::string next = generation % 2 == 1 ? cfg.get_string("comm.swap_to") : cfg.get_string("comm.backend");
+        backend.reset();
+        backend = make_backend(registry, next);
+        backend->init({env.rank, env.world_size, generation, store.get(), timeout});
+        executor.set_backend(backend.get());
+        if (lead && (step / swap_every) % std::max<std::int64_t>(1, log_freq) == 0) {
+          std::printf("step %lld: swapped the comm backend to %s\n", static_cast<long long>(step), backend->describe().c_str());
+        }
+      }
+      if (checkpointing && (step % cfg.get_int("checkpoint.interval") == 0 || step == spec.steps)) {
+        const auto where = save_checkpoint(ckpt_dir, {step, dataset.state().samples}, job.mesh, env.rank, state, state_metas,
+                                           state_placements, backend.get());
+        if (lead) std::printf("saved checkpoint %s\n", where.string().c_str());
+      }
+      const double tokens_per_s = static_cast<double>(spec.global_batch_size * spec.seq_len) / st.total;
+      if (lead) {
+        nlohmann::json row{{"step", step},
+                           {"loss", loss},
+                           {"grad_norm", out.at("grad_norm").item<double>()},
+                           {"lr", lr},
+                           {"tokens_per_s", tokens_per_s},
+                           {"step_ms", st.total * 1e3},
+                           {"comm_ms", st.comm * 1e3},
+                           {"exposed_comm_ms", st.exposed_comm * 1e3},
+                           {"overlap_ratio", st.overlap_ratio()},
+                           {"collectives", st.collectives},
+                           {"comm_bytes", st.comm_bytes},
+                           {"peak_mem_bytes", st.peak_bytes},
+                           {"rss_bytes", rss_bytes()}};
+        metrics << row.dump() << "\n" << std::flush;
+        if (!metrics) throw std::runtime_error("cannot write " + (dump / "metrics.jsonl").string() + ": " + std::strerror(errno));
+        if (step % log_freq == 0 || step == spec.steps) {
+          std::printf("step %4lld | loss %8.4f | grad_norm %7.3f | lr %.2e | %9.0f tok/s | %7.1f ms | exposed comm %4.1f%% | peak %s\n",
+                      static_cast<long long>(step), loss, out.at("grad_norm").item<double>(), lr, tokens_per_s, st.total * 1e3,
+                      100.0 * st.exposed_comm / st.total, human_bytes(static_cast<double>(st.peak_bytes)).c_str());
+          std::fflush(stdout);
+        }
       }
     }
-    if (checkpointing && (step % cfg.get_int("checkpoint.interval") == 0 || step == spec.steps)) {
-      const auto where = save_checkpoint(ckpt_dir, {step, dataset.state().samples}, job.mesh, env.rank, state, state_metas,
-                                         state_placements, backend.get());
-      if (lead) std::printf("saved checkpoint %s\n", where.string().c_str());
-    }
-    const double tokens_per_s = static_cast<double>(spec.global_batch_size * spec.seq_len) / st.total;
-    if (lead) {
-      nlohmann::json row{{"step", step},
-                         {"loss", loss},
-                         {"grad_norm", out.at("grad_norm").item<double>()},
-                         {"lr", lr},
-                         {"tokens_per_s", tokens_per_s},
-                         {"step_ms", st.total * 1e3},
-                         {"exposed_comm_ms", st.exposed_comm * 1e3},
-                         {"collectives", st.collectives},
-                         {"comm_bytes", st.comm_bytes},
-                         {"peak_mem_bytes", st.peak_bytes},
-                         {"rss_bytes", rss_bytes()}};
-      metrics << row.dump() << "\n" << std::flush;
-      if (!metrics) throw std::runtime_error("cannot write " + (dump / "metrics.jsonl").string() + ": " + std::strerror(errno));
-      if (step % log_freq == 0 || step == spec.steps) {
-        std::printf("step %4lld | loss %8.4f | grad_norm %7.3f | lr %.2e | %9.0f tok/s | %7.1f ms | exposed comm %4.1f%% | peak %s\n",
-                    static_cast<long long>(step), loss, out.at("grad_norm").item<double>(), lr, tokens_per_s, st.total * 1e3,
-                    100.0 * st.exposed_comm / st.total, human_bytes(static_cast<double>(st.peak_bytes)).c_str());
-        std::fflush(stdout);
-      }
-    }
+    hooks.finish();
+  } catch (const std::exception& e) {
+    hooks.failure(e.what());
+    throw;
   }
   if (lead) {
     const double seconds = std::chrono::duration<double>(Clock::now() - run_start).count();

@@ -68,7 +68,6 @@ void check_runnable(const config::Config& cfg) {
            (p.rfind("/usr/share/games/fortunes", 0) == 0 ? " (scripts/setup installs Debian's fortunes package)" : ""));
     }
   }
-  if (!cfg.get_list("hooks.enable").empty()) fail("hooks.enable: debug hooks are not implemented yet; leave it empty");
   if (cfg.get_int("comm.swap_at_step") > 0 && cfg.get_string("comm.swap_to").empty()) {
     fail("comm.swap_at_step is set but comm.swap_to is empty: name the backend to swap to (e.g. \"ucx:tls=tcp,self\")");
   }

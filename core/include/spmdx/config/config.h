@@ -9,7 +9,7 @@
 //   [data] paths, seed               [parallelism] data_parallel_replicate_degree,
 //   data_parallel_shard_degree, tensor_parallel_degree, fsdp_reshard_after_forward
 //   [comm] backend, timeout_seconds, swap_at_step, swap_to
-//   [hooks] enable                   [checkpoint] enable, folder, interval, load_step
+//   [hooks] enable, [hooks.<name>]   [checkpoint] enable, folder, interval, load_step
 //   [metrics] log_freq               [plugins] paths
 // The full list, with types, defaults and ranges: `spmdx run --print-config` or schema().
 #pragma once
@@ -67,6 +67,13 @@ class Config {
   const std::string& get_string(const std::string& key) const;
   const std::vector<std::string>& get_list(const std::string& key) const;
 
+  /// A plugin's options table, e.g. plugin_options("hooks.timeline") for [hooks.timeline]
+  /// (or --hooks.timeline.<option> value): option -> value as written (numbers and booleans
+  /// as TOML prints them). The plugin checks its own options. Empty when absent.
+  const std::map<std::string, std::string>& plugin_options(const std::string& table) const;
+  /// Every plugin options table given: "hooks.timeline" -> its options.
+  const std::map<std::string, std::map<std::string, std::string>>& plugin_option_tables() const noexcept { return plugin_options_; }
+
   /// The effective config as TOML, every key, in schema order.
   std::string to_toml() const;
   /// The file it came from ("" for defaults).
@@ -75,6 +82,7 @@ class Config {
  private:
   const Value& get(const std::string& key) const;
   std::map<std::string, Value> values_;
+  std::map<std::string, std::map<std::string, std::string>> plugin_options_;
   std::string source_;
 };
 

@@ -6,19 +6,30 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
 #include "spmdx/comm.h"
 #include "spmdx/exec/executor.h"
+#include "spmdx/hook.h"
 #include "spmdx/sharding/mesh.h"
+
+namespace spmdx::hooks {
+class HookSet;
+}
 
 namespace spmdx::exec {
 
 /// Per-run timings, in seconds.
 struct RunStats {
   double total = 0;          ///< wall time of run()
+  double comm = 0;           ///< time at least one collective was moving data (union of the backend's spans)
   double exposed_comm = 0;   ///< time the compute thread waited for collectives
+  double hidden_comm = 0;    ///< of `comm`, the time compute was not waiting (it ran kernels)
+  /// Hidden / total communication time (0 without communication, or when the backend does
+  /// not report its spans).
+  double overlap_ratio() const noexcept { return comm > 0 ? std::clamp(hidden_comm / comm, 0.0, 1.0) : 0.0; }
   std::int64_t collectives = 0;
   double comm_bytes = 0;     ///< bytes of the tensors handed to collectives
   std::int64_t peak_bytes = 0;
@@ -34,7 +45,16 @@ class DistributedExecutor {
 
   /// Runs the graph on this rank's local inputs; returns its local outputs. Throws CommError
   /// when a collective fails or times out (naming the collective and the peer).
-  TensorMap run(const TensorMap& inputs);
+  TensorMap run(const TensorMap& inputs, std::int64_t step = 0);
+  /// Reports every collective (issued, completed, failed) to `hooks`, and keeps the last run's
+  /// compute and comm spans for StepInfo (spans()). Null: off.
+  void set_hooks(hooks::HookSet* hooks) { hooks_ = hooks; }
+  /// The last run's spans (only with hooks set).
+  const std::vector<Span>& spans() const noexcept { return spans_; }
+  /// Fault injection for testing the debug hooks: in `step`, this rank does not issue its
+  /// collective number `index` (0-based, in the step's order) and uses the input as its
+  /// output, as a rank whose code skipped the call would. Only all_reduce can be skipped.
+  void inject_skip(std::int64_t step, std::int64_t index) { skip_ = {step, index}; }
   /// Uses another backend from the next run on (hot-swap), making its groups; between runs
   /// nothing is in flight. `backend` is initialised with the same ranks.
   void set_backend(CommBackend* backend);
@@ -46,9 +66,14 @@ class DistributedExecutor {
   std::vector<int> groups_;  // backend group id per mesh dim
   std::vector<std::vector<int>> mesh_dims_;  // the ranks of this rank's group along each mesh dim
   std::vector<std::vector<const ir::Value*>> dead_;  // per node: values whose last use it is
+  std::vector<std::string> mesh_dim_names_;
+  std::vector<std::uint64_t> seq_;  // per mesh dim: collectives issued so far over the run
   CommBackend* backend_;
   double timeout_;
   RunStats stats_;
+  hooks::HookSet* hooks_ = nullptr;
+  std::vector<Span> spans_;
+  std::pair<std::int64_t, std::int64_t> skip_{-1, -1};
 };
 
 /// ATen's tensor dtype as the comm layer's; throws std::invalid_argument for bool.

@@ -1,0 +1,229 @@
+#include <map>
+#include <sstream>
+#include <unordered_map>
+
+#include "spmdx/hooks/hook_set.h"
+#include "spmdx/sharding/spec.h"
+
+namespace spmdx::hooks {
+namespace {
+
+using Placements = std::vector<Placement>;
+
+bool is_collective(const std::string& op) {
+  return op == "all_reduce" || op == "all_gather" || op == "reduce_scatter" || op == "all_to_all";
+}
+
+std::string attrs_str(const ir::Node& node) {
+  std::string out;
+  for (const auto& [k, v] : node.attrs()) out += (out.empty() ? "" : " ") + k + "=" + ir::attribute_str(v);
+  return out;
+}
+
+// Appends the graph's values and nodes to `view`; `placement_of` gives a value's placements
+// (empty when unknown), `reads` a node's read placements (may be empty).
+template <class PlacementOf, class Reads>
+void fill(GraphView& view, const ir::Graph& graph, const sharding::DeviceMesh& mesh, PlacementOf placement_of, Reads reads) {
+  view.mesh = mesh.dims();
+  view.world_size = static_cast<int>(mesh.size());
+  std::unordered_map<const ir::Value*, int> index;
+  auto add_value = [&](const ir::Value* v, int producer) {
+    GraphValue gv;
+    gv.name = v->name().empty() ? v->ref() : v->name();
+    gv.shape = v->meta().shape;
+    gv.dtype = ir::to_string(v->meta().dtype);
+    gv.bytes = v->meta().nbytes();
+    gv.placements = placement_of(v);
+    gv.producer = producer;
+    index[v] = static_cast<int>(view.values.size());
+    view.values.push_back(std::move(gv));
+  };
+  for (const ir::Value* v : graph.inputs()) {
+    add_value(v, -1);
+    view.inputs.push_back(index.at(v));
+  }
+  std::vector<bool> weak_layer;  // per node: its layer came from a shared parameter only
+  for (const auto& node : graph.nodes()) {
+    GraphNode gn;
+    gn.op = node->op();
+    gn.attrs = attrs_str(*node);
+    for (const ir::Value* v : node->inputs()) gn.inputs.push_back(index.at(v));
+    for (const ir::Value* v : node->outputs()) {
+      add_value(v, static_cast<int>(view.nodes.size()));
+      gn.outputs.push_back(index.at(v));
+    }
+    gn.reads = reads(node.get());
+    gn.flops = node_flops(*node);
+    gn.collective = is_collective(gn.op);
+    if (node->attrs().count("mesh_dim") > 0) gn.mesh_dim = static_cast<int>(node->attr_int("mesh_dim"));
+    if (gn.collective) {
+      const double k = static_cast<double>(mesh.size(gn.mesh_dim));
+      const double in = static_cast<double>(node->input(0)->meta().nbytes());
+      double sent = (k - 1) / k * in;                                 // reduce_scatter, all_to_all
+      if (gn.op == "all_reduce") sent = 2 * (k - 1) / k * in;          // ring: reduce-scatter + all-gather
+      if (gn.op == "all_gather") sent = (k - 1) * in;                  // every other block passes through
+      gn.comm_bytes = static_cast<std::int64_t>(sent);
+    }
+    // The layer: a block's parameter it reads directly ("layers.3"), else the one the nodes
+    // it reads from agree on, else another parameter it reads (norm, output, rope: "weak",
+    // since rope tables and their redistributions feed every block).
+    std::string direct;
+    for (const ir::Value* v : node->inputs()) {
+      const std::string l = v->producer() == nullptr ? layer_of(v->name()) : "";
+      if (l.rfind("layers.", 0) == 0) gn.layer = l;
+      if (direct.empty()) direct = l;
+      if (!gn.layer.empty()) break;
+    }
+    bool is_weak = false;
+    if (gn.layer.empty()) {
+      std::string strong, weak;
+      bool strong_same = true, weak_same = true;
+      for (int vi : gn.inputs) {
+        const int p = view.values[static_cast<std::size_t>(vi)].producer;
+        if (p < 0 || view.nodes[static_cast<std::size_t>(p)].layer.empty()) continue;
+        const std::string& l = view.nodes[static_cast<std::size_t>(p)].layer;
+        std::string& agreed = weak_layer[static_cast<std::size_t>(p)] ? weak : strong;
+        bool& same = weak_layer[static_cast<std::size_t>(p)] ? weak_same : strong_same;
+        if (agreed.empty()) agreed = l;
+        else if (agreed != l) same = false;
+      }
+      if (!strong.empty()) {
+        gn.layer = strong_same ? strong : "";
+      } else {
+        gn.layer = !weak.empty() && weak_same ? weak : direct;
+        is_weak = true;
+      }
+    }
+    weak_layer.push_back(is_weak);
+    view.nodes.push_back(std::move(gn));
+  }
+  for (const auto& [name, v] : graph.outputs()) view.outputs.emplace_back(name, index.at(v));
+}
+
+// The placements after a communication node, from its input's.
+Placements after(const ir::Node& node, Placements in) {
+  if (in.empty() || node.attrs().count("mesh_dim") == 0) {
+    if (node.op() == "chunk" || node.op() == "to_partial") return {};  // local halves: the next collective tells
+    return in;
+  }
+  auto& p = in.at(static_cast<std::size_t>(node.attr_int("mesh_dim")));
+  const std::string& op = node.op();
+  if (op == "all_reduce" || op == "all_gather") p = Placement::replicate();
+  if (op == "reduce_scatter") p = Placement::shard(static_cast<int>(node.attr_int("dim")));
+  if (op == "all_to_all") p = Placement::shard(static_cast<int>(node.attr_int("scatter_dim")));
+  return in;
+}
+
+}  // namespace
+
+std::string layer_of(const std::string& tensor_name) {
+  std::string name = tensor_name;
+  for (const char* prefix : {"exp_avg_sq.", "exp_avg.", "next."}) {
+    if (name.rfind(prefix, 0) == 0) name = name.substr(std::string(prefix).size());
+  }
+  const auto dot = name.find('.');
+  if (dot == std::string::npos) return "";  // tokens, labels, lr, step, %12
+  if (name.compare(0, 7, "layers.") == 0) {
+    const auto second = name.find('.', 7);
+    return name.substr(0, second);
+  }
+  return name.substr(0, dot);
+}
+
+double node_flops(const ir::Node& node) {
+  const std::string& op = node.op();
+  double out = 0;
+  for (const ir::Value* v : node.outputs()) out += static_cast<double>(v->meta().numel());
+  auto last_dim = [](const ir::Value* v) {
+    const auto& s = v->meta().shape;
+    return s.empty() ? 1.0 : static_cast<double>(s.back());
+  };
+  if (op == "matmul" || op == "linear") return 2 * out * last_dim(node.input(0));
+  if (op == "sdpa" || op == "sdpa_backward") {
+    const auto& q = node.input(op == "sdpa" ? 0 : 1)->meta().shape;  // [B, H, S, D]
+    if (q.size() != 4) return out;
+    const double f = 4.0 * static_cast<double>(q[0] * q[1]) * static_cast<double>(q[2]) * static_cast<double>(q[2]) * static_cast<double>(q[3]);
+    return op == "sdpa" ? f : 2 * f;
+  }
+  return out;
+}
+
+GraphView captured_view(const ir::Graph& graph, const sharding::DeviceMesh& mesh) {
+  GraphView view;
+  view.stage = CompileStage::captured;
+  fill(view, graph, mesh, [](const ir::Value*) { return Placements{}; }, [](const ir::Node*) { return std::vector<Placements>{}; });
+  return view;
+}
+
+GraphView propagated_view(const sharding::DistributedPlan& plan) {
+  GraphView view;
+  view.stage = CompileStage::propagated;
+  fill(
+      view, *plan.graph, plan.mesh, [&](const ir::Value* v) { return plan.placement.at(v); },
+      [&](const ir::Node* n) { return plan.inputs.at(n); });
+  return view;
+}
+
+GraphView rank_view(const sharding::DistributedPlan& plan, const ir::Graph& rank_graph, int rank, CompileStage stage) {
+  // rank_graph() emits each logical node after the communication nodes of its inputs, in the
+  // logical order: walking both graphs together gives every value its placements.
+  std::vector<const ir::Node*> logical;
+  for (const auto& n : plan.graph->nodes()) logical.push_back(n.get());
+  std::unordered_map<const ir::Value*, Placements> placement;
+  for (const ir::Value* v : rank_graph.inputs()) {
+    if (const ir::Value* lv = plan.graph->find_input(v->name())) placement[v] = plan.placement.at(lv);
+  }
+  std::size_t next = 0;
+  for (const auto& node : rank_graph.nodes()) {
+    if (sharding::is_communication(node->op())) {
+      auto it = placement.find(node->input(0));
+      placement[node->output()] = after(*node, it == placement.end() ? Placements{} : it->second);
+    } else if (next < logical.size() && logical[next]->op() == node->op()) {
+      for (std::size_t i = 0; i < node->outputs().size(); ++i) placement[node->outputs()[i]] = plan.placement.at(logical[next]->outputs()[i]);
+      ++next;
+    }
+  }
+  GraphView view;
+  view.stage = stage;
+  view.rank = rank;
+  fill(
+      view, rank_graph, plan.mesh,
+      [&](const ir::Value* v) {
+        auto it = placement.find(v);
+        return it == placement.end() ? Placements{} : it->second;
+      },
+      [](const ir::Node*) { return std::vector<Placements>{}; });
+  if (stage == CompileStage::planned) {
+    std::vector<int> first_use(view.values.size(), -1);
+    for (std::size_t n = 0; n < view.nodes.size(); ++n) {
+      for (int v : view.nodes[n].inputs) {
+        if (first_use[static_cast<std::size_t>(v)] < 0) first_use[static_cast<std::size_t>(v)] = static_cast<int>(n);
+      }
+    }
+    for (auto& n : view.nodes) {
+      if (n.collective) n.wait_before = first_use[static_cast<std::size_t>(n.outputs.at(0))];
+    }
+  }
+  return view;
+}
+
+std::vector<GraphEdge> edges_of(const GraphView& view) {
+  std::vector<GraphEdge> edges;
+  for (std::size_t n = 0; n < view.nodes.size(); ++n) {
+    const GraphNode& node = view.nodes[n];
+    for (std::size_t i = 0; i < node.inputs.size(); ++i) {
+      const GraphValue& v = view.values[static_cast<std::size_t>(node.inputs[i])];
+      GraphEdge e;
+      e.value = node.inputs[i];
+      e.producer = v.producer;
+      e.consumer = static_cast<int>(n);
+      e.input_index = static_cast<int>(i);
+      e.from = v.placements;
+      e.to = i < node.reads.size() ? node.reads[i] : v.placements;
+      edges.push_back(std::move(e));
+    }
+  }
+  return edges;
+}
+
+}  // namespace spmdx::hooks

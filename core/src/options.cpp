@@ -1,0 +1,106 @@
+#include "spmdx/core/options.h"
+
+#include <cmath>
+#include <stdexcept>
+
+#include "spmdx/core/text.h"
+
+namespace spmdx {
+
+OptionReader::OptionReader(std::string owner, Options options) : owner_(std::move(owner)), options_(std::move(options)) {}
+
+const std::string* OptionReader::find(const std::string& key) {
+  read_.insert(key);
+  auto it = options_.find(key);
+  return it == options_.end() ? nullptr : &it->second;
+}
+
+void OptionReader::bad(const std::string& key, const std::string& value, const std::string& expected) const {
+  throw std::invalid_argument(owner_ + " " + key + " = \"" + value + "\": expected " + expected);
+}
+
+bool OptionReader::get_bool(const std::string& key, bool fallback) {
+  const std::string* v = find(key);
+  if (v == nullptr) return fallback;
+  if (*v == "true") return true;
+  if (*v == "false") return false;
+  bad(key, *v, "true or false");
+}
+
+double OptionReader::get_double(const std::string& key, double fallback, double min, double max) {
+  const std::string* v = find(key);
+  if (v == nullptr) return fallback;
+  const std::string range = "a number from " + std::to_string(min) + " to " + std::to_string(max);
+  try {
+    std::size_t used = 0;
+    const double x = std::stod(*v, &used);
+    if (used != v->size() || !std::isfinite(x) || x < min || x > max) bad(key, *v, range);
+    return x;
+  } catch (const std::logic_error&) {
+    bad(key, *v, range);
+  }
+}
+
+std::int64_t OptionReader::get_int(const std::string& key, std::int64_t fallback, std::int64_t min, std::int64_t max) {
+  const std::string* v = find(key);
+  if (v == nullptr) return fallback;
+  const std::string range = "an integer from " + std::to_string(min) + " to " + std::to_string(max);
+  try {
+    std::size_t used = 0;
+    const long long x = std::stoll(*v, &used);
+    if (used != v->size() || x < min || x > max) bad(key, *v, range);
+    return x;
+  } catch (const std::logic_error&) {
+    bad(key, *v, range);
+  }
+}
+
+std::string OptionReader::get_string(const std::string& key, const std::string& fallback, const std::vector<std::string>& choices) {
+  const std::string* v = find(key);
+  if (v == nullptr) return fallback;
+  if (choices.empty()) return *v;
+  std::string list;
+  for (const auto& c : choices) {
+    if (c == *v) return *v;
+    list += (list.empty() ? "" : ", ") + c;
+  }
+  bad(key, *v, "one of " + list);
+}
+
+double OptionReader::get_bytes(const std::string& key, double fallback) {
+  const std::string* v = find(key);
+  if (v == nullptr) return fallback;
+  const std::string expected = "a size such as 4GiB, 512MiB, 1.5GB or 1048576";
+  try {
+    std::size_t used = 0;
+    const double x = std::stod(*v, &used);
+    std::string unit = v->substr(used);
+    while (!unit.empty() && unit.front() == ' ') unit.erase(0, 1);
+    static const std::pair<const char*, double> units[] = {{"", 1}, {"B", 1}, {"KiB", 1024.0}, {"MiB", 1048576.0}, {"GiB", 1073741824.0},
+                                                           {"TiB", 1099511627776.0}, {"KB", 1e3}, {"MB", 1e6}, {"GB", 1e9}, {"TB", 1e12}};
+    for (const auto& [name, scale] : units) {
+      if (unit == name && std::isfinite(x) && x >= 0) return x * scale;
+    }
+    bad(key, *v, expected);
+  } catch (const std::logic_error&) {
+    bad(key, *v, expected);
+  }
+}
+
+void OptionReader::done() const {
+  for (const auto& [key, value] : options_) {
+    if (read_.count(key) > 0) continue;
+    std::string best;
+    std::size_t best_d = 3;
+    for (const auto& known : read_) {
+      const std::size_t d = edit_distance(key, known);
+      if (d < best_d) best_d = d, best = known;
+    }
+    std::string known;
+    for (const auto& k : read_) known += (known.empty() ? "" : ", ") + k;
+    throw std::invalid_argument(owner_ + ": unknown option '" + key + "'" + (best.empty() ? "" : "; did you mean '" + best + "'?") +
+                                " (known: " + known + ")");
+  }
+}
+
+}  // namespace spmdx

@@ -1,0 +1,100 @@
+// flight_recorder: the last N collectives of each rank in a ring buffer (op, group, sequence
+// number, bytes, state, times), dumped to <dump>/hooks/flight_recorder/rank<R>.json when the
+// rank fails (a collective fails or times out, an exception), on SIGTERM or SIGINT, and on
+// SIGUSR1 (without stopping). `spmdx fr-trace <folder>` merges the dumps and names the rank
+// missing from a collective, as PyTorch's NCCL Flight Recorder and its fr_trace tool do.
+//
+// Options ([hooks.flight_recorder]): size, entries kept per rank (default 2000);
+// dump_at_end, also dump after the last step (default false).
+#include <deque>
+#include <filesystem>
+#include <mutex>
+#include <nlohmann/json.hpp>
+
+#include "spmdx/core/files.h"
+#include "spmdx/core/log.h"
+#include "spmdx/core/options.h"
+#include "spmdx/plugin.h"
+
+namespace {
+
+using nlohmann::json;
+
+class FlightRecorder final : public spmdx::Hook {
+ public:
+  explicit FlightRecorder(const spmdx::Options& options) {
+    spmdx::OptionReader o("[hooks.flight_recorder]", options);
+    size_ = static_cast<std::size_t>(o.get_int("size", 2000, 1, 10'000'000));
+    dump_at_end_ = o.get_bool("dump_at_end", false);
+    o.done();
+  }
+
+  void init(const spmdx::HookContext& context) override { context_ = context; }
+
+  void on_collective(const spmdx::CollectiveInfo& c) override {
+    std::lock_guard lock(mutex_);
+    if (c.state != spmdx::CollectiveState::issued) {
+      // Completion: update the entry of this (group, seq), newest first.
+      for (auto it = entries_.rbegin(); it != entries_.rend(); ++it) {
+        if (it->mesh_dim == c.mesh_dim && it->seq == c.seq) {
+          *it = c;
+          return;
+        }
+      }
+    }
+    entries_.push_back(c);
+    if (entries_.size() > size_) entries_.pop_front();
+  }
+
+  void on_failure(const std::string& what) override { dump(what); }
+
+  void finish() override {
+    if (dump_at_end_) dump("end of run");
+  }
+
+ private:
+  void dump(const std::string& reason) {
+    std::lock_guard lock(mutex_);
+    json mesh = json::array();
+    for (const auto& d : context_.mesh) mesh.push_back({{"name", d.name}, {"size", d.size}});
+    json entries = json::array();
+    for (const auto& c : entries_) {
+      entries.push_back({{"op", c.op},
+                         {"mesh_dim", c.mesh_dim},
+                         {"group_name", c.group_name},
+                         {"group_ranks", c.group_ranks},
+                         {"seq", c.seq},
+                         {"step", c.step},
+                         {"bytes", c.bytes},
+                         {"dtype", spmdx::to_string(c.dtype)},
+                         {"shape", c.shape},
+                         {"value", c.value},
+                         {"state", spmdx::to_string(c.state)},
+                         {"issued_at", c.issued_at},
+                         {"started_at", c.started_at},
+                         {"finished_at", c.finished_at},
+                         {"error", c.error}});
+    }
+    const json doc{{"format", "spmdx-flight-recorder-1"}, {"rank", context_.rank}, {"world_size", context_.world_size},
+                   {"mesh", mesh}, {"reason", reason}, {"entries", entries}};
+    const auto path = std::filesystem::path(context_.output_dir) / ("rank" + std::to_string(context_.rank) + ".json");
+    spmdx::write_file_atomic(path, doc.dump(1) + "\n");
+    SPMDX_WARN("flight_recorder: rank " << context_.rank << " dumped its last " << entries_.size() << " collectives to " << path.string()
+                                        << " (" << reason << "); merge the ranks' dumps with: spmdx fr-trace " << context_.output_dir);
+  }
+
+  std::size_t size_ = 2000;
+  bool dump_at_end_ = false;
+  spmdx::HookContext context_;
+  std::mutex mutex_;
+  std::deque<spmdx::CollectiveInfo> entries_;
+};
+
+void register_flight_recorder(spmdx::Registrar& r) {
+  r.add_hook("flight_recorder", [](const spmdx::Options& o) { return std::make_unique<FlightRecorder>(o); });
+}
+
+}  // namespace
+
+SPMDX_PLUGIN("flight_recorder", hook, "0.1.0", "Ring buffer of the last collectives per rank, dumped on failure; spmdx fr-trace merges the dumps",
+             register_flight_recorder)

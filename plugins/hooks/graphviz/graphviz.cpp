@@ -1,0 +1,236 @@
+// graphviz: DOT pictures of the logical graph (after propagation) and of each rank's graph
+// (after rewriting), rendered to SVG with Graphviz's `dot` when it is installed. Nodes are
+// coloured by the placements of their output (a legend lists them); collectives are red boxes
+// labelled with their mesh dim and the bytes each rank sends. collapse_layers draws one box
+// per layer ("layers.3": its ops, FLOPs and collectives) so a 6-layer model stays readable.
+//
+// Options ([hooks.graphviz]): collapse_layers (default false); format, "svg" or "dot"
+// (default "svg"); ranks, "all" or a list such as "0,3" (default "all"); max_svg_nodes, above
+// this many nodes the SVG is drawn by layer, since Graphviz's layout grows fast (default 300).
+// Output: <dump>/hooks/graphviz/logical.{dot,svg}, rank<R>.{dot,svg}; <stem>.layers.dot for
+// the by-layer picture.
+#include <spawn.h>
+#include <sys/wait.h>
+
+#include <filesystem>
+#include <map>
+#include <set>
+#include <sstream>
+
+#include "spmdx/core/files.h"
+#include "spmdx/core/log.h"
+#include "spmdx/core/options.h"
+#include "spmdx/core/text.h"
+#include "spmdx/plugin.h"
+
+extern char** environ;
+
+namespace {
+
+namespace fs = std::filesystem;
+
+std::string escape(const std::string& s) {
+  std::string out;
+  for (char c : s) {
+    if (c == '"' || c == '\\') out += '\\';
+    out += c;
+  }
+  return out;
+}
+
+std::string shape_str(const std::vector<std::int64_t>& shape) {
+  std::string s = "[";
+  for (std::size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+std::string placement_str(const std::vector<spmdx::Placement>& p) { return p.empty() ? "?" : spmdx::to_string(p); }
+
+// Runs `dot -Tsvg in -o out`; "" on success, else why not.
+std::string render_svg(const fs::path& dot, const fs::path& svg) {
+  std::vector<std::string> args = {"dot", "-Tsvg", dot.string(), "-o", svg.string()};
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  pid_t pid = 0;
+  if (posix_spawnp(&pid, "dot", nullptr, nullptr, argv.data(), environ) != 0) return "Graphviz's dot is not installed (apt install graphviz)";
+  int status = 0;
+  waitpid(pid, &status, 0);
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) return "dot failed on " + dot.string() + " (exit " + std::to_string(WEXITSTATUS(status)) + ")";
+  return "";
+}
+
+class Graphviz final : public spmdx::Hook {
+ public:
+  explicit Graphviz(const spmdx::Options& options) {
+    spmdx::OptionReader o("[hooks.graphviz]", options);
+    collapse_ = o.get_bool("collapse_layers", false);
+    svg_ = o.get_string("format", "svg", {"svg", "dot"}) == "svg";
+    const std::string ranks = o.get_string("ranks", "all");
+    max_svg_nodes_ = o.get_int("max_svg_nodes", 300, 1, 100'000'000);
+    o.done();
+    if (ranks != "all") {
+      std::stringstream list(ranks);
+      std::string item;
+      while (std::getline(list, item, ',')) {
+        try {
+          ranks_.insert(std::stoi(item));
+        } catch (const std::logic_error&) {
+          throw std::invalid_argument("[hooks.graphviz] ranks = \"" + ranks + "\": expected \"all\" or rank numbers such as \"0,3\"");
+        }
+      }
+    }
+  }
+
+  void init(const spmdx::HookContext& context) override { context_ = context; }
+
+  void on_compile_stage(const spmdx::GraphView& g) override {
+    if (g.stage == spmdx::CompileStage::propagated) {
+      write(g, "logical");
+    } else if (g.stage == spmdx::CompileStage::rewritten && (ranks_.empty() || ranks_.count(g.rank) > 0)) {
+      write(g, "rank" + std::to_string(g.rank));
+    }
+  }
+
+ private:
+  const std::string& colour(const std::string& placement) {
+    static const std::vector<std::string> palette = {"#8dd3c7", "#ffffb3", "#bebada", "#80b1d3", "#fdb462", "#b3de69",
+                                                     "#fccde5", "#d9d9d9", "#bc80bd", "#ccebc5", "#ffed6f", "#a6cee3"};
+    auto it = colours_.find(placement);
+    if (it == colours_.end()) it = colours_.emplace(placement, palette[colours_.size() % palette.size()]).first;
+    return it->second;
+  }
+
+  std::string mesh_dim_name(const spmdx::GraphView& g, int d) const {
+    return d >= 0 && d < static_cast<int>(g.mesh.size()) ? g.mesh[static_cast<std::size_t>(d)].name : "?";
+  }
+
+  void write(const spmdx::GraphView& g, const std::string& stem) {
+    const fs::path dir(context_.output_dir);
+    const bool big = g.nodes.size() + g.inputs.size() > static_cast<std::size_t>(max_svg_nodes_);
+    if (!collapse_) spmdx::write_file_atomic(dir / (stem + ".dot"), dot_of(g, false));
+    if (collapse_ || big) spmdx::write_file_atomic(dir / (stem + ".layers.dot"), dot_of(g, true));
+    if (!svg_) return;
+    // Graphviz's layout grows fast with the node count: a large graph is drawn by layer.
+    const fs::path source = dir / (stem + (collapse_ || big ? ".layers.dot" : ".dot"));
+    if (big && !collapse_ && !told_) {
+      told_ = true;
+      SPMDX_INFO("graphviz: " << stem << " has " << g.nodes.size() << " nodes (> max_svg_nodes " << max_svg_nodes_
+                              << "): its SVG shows one box per layer; the full graph is in " << (dir / (stem + ".dot")).string());
+    }
+    const std::string error = render_svg(source, dir / (stem + ".svg"));
+    if (!error.empty() && !warned_) {
+      warned_ = true;
+      SPMDX_WARN("graphviz: " << error << "; the DOT files are in " << dir.string());
+    }
+  }
+
+  std::string dot_of(const spmdx::GraphView& g, bool collapsed) {
+    std::ostringstream dot;
+    std::string mesh;
+    for (const auto& d : g.mesh) mesh += (mesh.empty() ? "" : " x ") + d.name + "=" + std::to_string(d.size);
+    const std::string title = (g.rank < 0 ? "logical graph" : "rank " + std::to_string(g.rank)) + " (" + spmdx::to_string(g.stage) + "), mesh " + mesh;
+    dot << "digraph \"" << escape(title) << "\" {\n  label=\"" << escape(title) << "\"; labelloc=t; rankdir=TB;\n"
+        << "  node [shape=box, style=filled, fontname=\"Helvetica\", fontsize=10];\n";
+    std::set<std::string> used;
+    if (collapsed) {
+      write_collapsed(g, dot, used);
+    } else {
+      for (int v : g.inputs) {
+        const auto& value = g.values[static_cast<std::size_t>(v)];
+        const std::string pl = placement_str(value.placements);
+        used.insert(pl);
+        dot << "  v" << v << " [shape=ellipse, fillcolor=\"" << colour(pl) << "\", label=\"" << escape(value.name) << "\\n" << shape_str(value.shape)
+            << " " << pl << "\"];\n";
+      }
+      for (std::size_t n = 0; n < g.nodes.size(); ++n) {
+        const auto& node = g.nodes[n];
+        const auto& out = g.values[static_cast<std::size_t>(node.outputs.empty() ? 0 : node.outputs[0])];
+        const std::string pl = node.outputs.empty() ? "?" : placement_str(out.placements);
+        if (node.collective) {
+          dot << "  n" << n << " [shape=box, style=\"filled,bold\", penwidth=3, color=\"#b2182b\", fillcolor=\"#f4a582\", label=\"" << escape(node.op)
+              << " (" << escape(mesh_dim_name(g, node.mesh_dim)) << ")\\n" << spmdx::human_bytes(static_cast<double>(node.comm_bytes)) << " sent\\n"
+              << shape_str(out.shape) << " " << pl << "\"];\n";
+        } else {
+          used.insert(pl);
+          dot << "  n" << n << " [fillcolor=\"" << colour(pl) << "\", label=\"" << escape(node.op) << "\\n" << shape_str(out.shape) << " " << pl << "\"];\n";
+        }
+        for (int v : node.inputs) {
+          const int p = g.values[static_cast<std::size_t>(v)].producer;
+          dot << "  " << (p < 0 ? "v" + std::to_string(v) : "n" + std::to_string(p)) << " -> n" << n << ";\n";
+        }
+      }
+    }
+    dot << "  subgraph cluster_legend { label=\"placements\"; fontsize=10;\n";
+    int i = 0;
+    for (const auto& pl : used) dot << "    legend" << i++ << " [shape=box, fillcolor=\"" << colour(pl) << "\", label=\"" << escape(pl) << "\"];\n";
+    dot << "    legend_c [shape=box, style=\"filled,bold\", penwidth=3, color=\"#b2182b\", fillcolor=\"#f4a582\", label=\"collective\"];\n  }\n}\n";
+    return dot.str();
+  }
+
+  // One box per layer; returns the boxes drawn.
+  std::size_t write_collapsed(const spmdx::GraphView& g, std::ostringstream& dot, std::set<std::string>& used) {
+    struct Group {
+      std::size_t ops = 0, collectives = 0;
+      double flops = 0, comm = 0;
+      std::map<std::string, std::size_t> placements;
+    };
+    std::map<std::string, Group> groups;
+    std::vector<std::string> order;
+    auto key = [](const spmdx::GraphNode& n) { return n.layer.empty() ? std::string("(no layer)") : n.layer; };
+    for (const auto& n : g.nodes) {
+      const std::string k = key(n);
+      if (!groups.count(k)) order.push_back(k);
+      Group& gr = groups[k];
+      ++gr.ops;
+      gr.flops += n.flops;
+      if (n.collective) ++gr.collectives, gr.comm += static_cast<double>(n.comm_bytes);
+      if (!n.outputs.empty()) ++gr.placements[placement_str(g.values[static_cast<std::size_t>(n.outputs[0])].placements)];
+    }
+    std::map<std::string, int> id;
+    for (const auto& k : order) {
+      const Group& gr = groups[k];
+      std::string main_pl = "?";
+      std::size_t best = 0;
+      for (const auto& [pl, c] : gr.placements) {
+        if (c > best) best = c, main_pl = pl;
+      }
+      used.insert(main_pl);
+      const int i = static_cast<int>(id.size());
+      id[k] = i;
+      std::ostringstream flops;
+      flops.precision(3);
+      flops << gr.flops / 1e9;
+      dot << "  g" << i << " [fillcolor=\"" << colour(main_pl) << "\"" << (gr.collectives ? ", style=\"filled,bold\", penwidth=3, color=\"#b2182b\"" : "")
+          << ", label=\"" << escape(k) << "\\n" << gr.ops << " ops, " << flops.str() << " GFLOP, mostly " << main_pl;
+      if (gr.collectives) dot << "\\n" << gr.collectives << " collectives, " << spmdx::human_bytes(gr.comm) << " sent";
+      dot << "\"];\n";
+    }
+    std::map<std::pair<int, int>, double> edges;
+    for (const auto& n : g.nodes) {
+      for (int v : n.inputs) {
+        const int p = g.values[static_cast<std::size_t>(v)].producer;
+        if (p < 0) continue;
+        const int from = id[key(g.nodes[static_cast<std::size_t>(p)])], to = id[key(n)];
+        if (from != to) edges[{from, to}] += static_cast<double>(g.values[static_cast<std::size_t>(v)].bytes);
+      }
+    }
+    for (const auto& [e, bytes] : edges) dot << "  g" << e.first << " -> g" << e.second << " [label=\"" << spmdx::human_bytes(bytes) << "\", fontsize=8];\n";
+    return order.size();
+  }
+
+  bool collapse_ = false, svg_ = true, warned_ = false, told_ = false;
+  std::int64_t max_svg_nodes_ = 300;
+  std::set<int> ranks_;
+  std::map<std::string, std::string> colours_;
+  spmdx::HookContext context_;
+};
+
+void register_graphviz(spmdx::Registrar& r) {
+  r.add_hook("graphviz", [](const spmdx::Options& o) { return std::make_unique<Graphviz>(o); });
+}
+
+}  // namespace
+
+SPMDX_PLUGIN("graphviz", hook, "0.1.0", "DOT and SVG of the logical and per-rank graphs, coloured by placement, collectives highlighted",
+             register_graphviz)

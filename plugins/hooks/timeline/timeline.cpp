@@ -1,0 +1,134 @@
+// timeline: Chrome trace / Perfetto JSON (the Trace Event Format's complete "X" events) of the
+// recorded steps, per rank and merged: one process per rank, a "compute" thread with every
+// kernel and every wait for a collective, a "comm" thread with the backend's collective spans,
+// and per step the overlap ratio (hidden / total communication). Open in ui.perfetto.dev or
+// chrome://tracing.
+//
+// Options ([hooks.timeline]): start_step, the first step recorded (default 1); steps, how
+// many (default 5).
+// Output: <dump>/hooks/timeline/rank<R>.json, and on rank 0 merged.json (every rank's file
+// that exists once all ranks wrote theirs) and summary.json (per rank and step: step, comm and
+// exposed comm in ms, overlap ratio).
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <thread>
+
+#include "spmdx/core/files.h"
+#include "spmdx/core/log.h"
+#include "spmdx/core/options.h"
+#include "spmdx/plugin.h"
+
+namespace {
+
+using nlohmann::json;
+namespace fs = std::filesystem;
+
+class Timeline final : public spmdx::Hook {
+ public:
+  explicit Timeline(const spmdx::Options& options) {
+    spmdx::OptionReader o("[hooks.timeline]", options);
+    start_ = o.get_int("start_step", 1, 1, 1'000'000'000);
+    steps_ = o.get_int("steps", 5, 1, 10'000);
+    o.done();
+  }
+
+  void init(const spmdx::HookContext& context) override {
+    context_ = context;
+    const int pid = context.rank;
+    events_.push_back({{"ph", "M"}, {"name", "process_name"}, {"pid", pid}, {"args", {{"name", "rank " + std::to_string(pid)}}}});
+    events_.push_back({{"ph", "M"}, {"name", "process_sort_index"}, {"pid", pid}, {"args", {{"sort_index", pid}}}});
+    const char* threads[] = {"compute", "comm"};
+    for (int t = 0; t < 2; ++t) {
+      events_.push_back({{"ph", "M"}, {"name", "thread_name"}, {"pid", pid}, {"tid", t}, {"args", {{"name", threads[t]}}}});
+    }
+  }
+
+  void on_step_end(const spmdx::StepInfo& step) override {
+    if (step.step < start_ || step.step >= start_ + steps_) return;
+    std::lock_guard lock(mutex_);
+    const int pid = context_.rank;
+    auto us = [](double seconds) { return seconds * 1e6; };
+    double first = 1e300, last = 0;
+    for (const auto& s : step.spans) {
+      first = std::min(first, s.start);
+      last = std::max(last, s.end);
+      events_.push_back({{"ph", "X"}, {"name", s.name}, {"cat", s.thread}, {"pid", pid}, {"tid", s.thread == "comm" ? 1 : 0},
+                         {"ts", us(s.start)}, {"dur", us(s.end - s.start)}, {"args", s.bytes > 0 ? json{{"bytes", s.bytes}} : json::object()}});
+    }
+    const double overlap = step.comm_seconds > 0 ? std::clamp(step.hidden_comm_seconds / step.comm_seconds, 0.0, 1.0) : 0.0;
+    if (first < last) {
+      events_.push_back({{"ph", "X"}, {"name", "step " + std::to_string(step.step)}, {"cat", "step"}, {"pid", pid}, {"tid", 0},
+                         {"ts", us(first)}, {"dur", us(last - first)},
+                         {"args", {{"loss", step.loss}, {"comm_ms", step.comm_seconds * 1e3}, {"exposed_comm_ms", step.exposed_comm_seconds * 1e3},
+                                   {"overlap_ratio", overlap}}}});
+      events_.push_back({{"ph", "C"}, {"name", "overlap_ratio"}, {"pid", pid}, {"ts", us(first)}, {"args", {{"overlap", overlap}}}});
+    }
+    summary_.push_back({{"rank", pid}, {"step", step.step}, {"step_ms", step.step_seconds * 1e3}, {"comm_ms", step.comm_seconds * 1e3},
+                        {"exposed_comm_ms", step.exposed_comm_seconds * 1e3}, {"overlap_ratio", overlap}});
+  }
+
+  void on_failure(const std::string&) override { write_own(); }  // what was recorded so far
+
+  void finish() override {
+    write_own();
+    if (context_.store != nullptr) context_.store->add("spmdx/hooks/timeline/written", 1);
+    if (context_.rank != 0) return;
+    // Rank 0 merges once every rank wrote its file (or the timeout passed: merge what exists).
+    if (context_.store != nullptr) {
+      const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(context_.timeout_seconds);
+      while (context_.store->add("spmdx/hooks/timeline/written", 0) < context_.world_size && std::chrono::steady_clock::now() < deadline) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+    }
+    json merged = json::array(), summary = json::array();
+    std::vector<int> missing;
+    for (int r = 0; r < context_.world_size; ++r) {
+      std::ifstream in(fs::path(context_.output_dir) / ("rank" + std::to_string(r) + ".json"));
+      if (!in) {
+        missing.push_back(r);
+        continue;
+      }
+      const json doc = json::parse(in);
+      for (const auto& e : doc.at("traceEvents")) merged.push_back(e);
+      for (const auto& s : doc.at("otherData").at("summary")) summary.push_back(s);
+    }
+    spmdx::write_file_atomic(fs::path(context_.output_dir) / "merged.json",
+                             json{{"traceEvents", merged}, {"displayTimeUnit", "ms"}}.dump() + "\n");
+    spmdx::write_file_atomic(fs::path(context_.output_dir) / "summary.json", summary.dump(1) + "\n");
+    double hidden = 0, total = 0;
+    for (const auto& s : summary) {
+      total += s.at("comm_ms").get<double>();
+      hidden += s.at("comm_ms").get<double>() * s.at("overlap_ratio").get<double>();
+    }
+    std::string miss;
+    for (int r : missing) miss += (miss.empty() ? "" : ", ") + std::to_string(r);
+    SPMDX_INFO("timeline: " << summary.size() << " rank-steps, overlap ratio " << (total > 0 ? hidden / total : 0.0) << "; open "
+                            << (fs::path(context_.output_dir) / "merged.json").string() << " in ui.perfetto.dev"
+                            << (missing.empty() ? "" : " (no trace from rank " + miss + ": on another host's disk?)"));
+  }
+
+ private:
+  void write_own() {
+    std::lock_guard lock(mutex_);
+    const json doc{{"traceEvents", events_}, {"displayTimeUnit", "ms"}, {"otherData", {{"rank", context_.rank}, {"summary", summary_}}}};
+    spmdx::write_file_atomic(fs::path(context_.output_dir) / ("rank" + std::to_string(context_.rank) + ".json"), doc.dump() + "\n");
+  }
+
+  std::int64_t start_ = 1, steps_ = 5;
+  spmdx::HookContext context_;
+  std::mutex mutex_;  // on_failure may come from the signal thread
+  json events_ = json::array();
+  json summary_ = json::array();
+};
+
+void register_timeline(spmdx::Registrar& r) {
+  r.add_hook("timeline", [](const spmdx::Options& o) { return std::make_unique<Timeline>(o); });
+}
+
+}  // namespace
+
+SPMDX_PLUGIN("timeline", hook, "0.1.0", "Chrome trace / Perfetto JSON per rank and merged: compute and comm spans, overlap ratio",
+             register_timeline)
