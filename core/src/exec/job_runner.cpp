@@ -280,7 +280,11 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
       for (const auto& s : names) state[s] = out.at("next." + s);
       if (fault.kind == "perturb" && fault.rank == env.rank && fault.step == step) {
         auto it = state.find(fault.tensor);
-        if (it == state.end()) throw std::invalid_argument("SPMDX_FAULT: no tensor '" + fault.tensor + "' in the train state");
+        if (it == state.end()) {
+        std::string known;
+        for (const auto& n : names) known += (known.empty() ? "" : ", ") + n;
+        throw std::invalid_argument("SPMDX_FAULT: no tensor '" + fault.tensor + "' in the train state; it has " + known);
+      }
         it->second = it->second + fault.delta;
       }
       const double loss = out.at("loss").item<double>();

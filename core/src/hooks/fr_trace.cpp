@@ -137,10 +137,12 @@ FrAnalysis analyze_flight_recorder(const std::filesystem::path& folder) {
           odd.insert(odd.end(), ranks.begin(), ranks.end());
           const Entry& e = *entry(ranks.front(), s);
           m << "; " << list(ranks) << " issued " << e.describe();
-          // A skipped collective: the odd rank's #s is what the others issue next.
-          const Entry* next = entry(majority->second.front(), s + 1);
-          if (next != nullptr && next->signature() == sig) {
-            m << ", which is the others' #" << s + 1 << ": " << list(ranks) << " skipped " << ref.describe();
+          // A skipped collective: the odd rank never produced the value the others' #s produces
+          // (a value's name is the same on every rank: all rank graphs have the same nodes).
+          bool issued_elsewhere = false;
+          for (const auto& [q, other] : by_rank.at(ranks.front())) issued_elsewhere |= other.value == ref.value && other.step == ref.step;
+          if (!issued_elsewhere && e.value != ref.value) {
+            m << ": " << list(ranks) << " skipped the collective producing " << ref.value << " in step " << ref.step << " and went on to the next one";
           }
         }
         m << ". Every rank of a group must issue the same collectives in the same order.";

@@ -115,7 +115,7 @@ class Graphviz final : public spmdx::Hook {
     const fs::path source = dir / (stem + (collapse_ || big ? ".layers.dot" : ".dot"));
     if (big && !collapse_ && !told_) {
       told_ = true;
-      SPMDX_INFO("graphviz: " << stem << " has " << g.nodes.size() << " nodes (> max_svg_nodes " << max_svg_nodes_
+      SPMDX_INFO("graphviz: " << stem << " has " << g.nodes.size() + g.inputs.size() << " nodes and inputs (> max_svg_nodes " << max_svg_nodes_
                               << "): its SVG shows one box per layer; the full graph is in " << (dir / (stem + ".dot")).string());
     }
     const std::string error = render_svg(source, dir / (stem + ".svg"));

@@ -1,0 +1,408 @@
+// Debug hooks (interfaces/spmdx/hook.h): the GraphViews the host builds, HookSet's isolation of
+// a failing hook, the flight recorder analysis, and every hook plugin on real multi-process
+// runs, with planted faults: a rank that skips a collective, a rank whose replicated weight
+// is perturbed, a plan over its memory budget.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <fstream>
+#include <map>
+#include <set>
+
+#include "spmdx/config/config.h"
+#include "spmdx/core/options.h"
+#include "spmdx/core/registry.h"
+#include "spmdx/hooks/fr_trace.h"
+#include "spmdx/hooks/hook_set.h"
+#include "spmdx/train/job.h"
+#include "test_util.h"
+
+namespace spmdx {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+std::string read(const fs::path& p) {
+  std::ifstream in(p);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+std::map<std::string, long> counts(const fs::path& p) {
+  std::map<std::string, long> out;
+  std::ifstream in(p);
+  std::string k;
+  long v = 0;
+  while (in >> k >> v) out[k] = v;
+  return out;
+}
+
+// llama tiny on fsdp 2 x tp 2, planned as `spmdx compile` does.
+struct Planned {
+  config::Config cfg;
+  PluginRegistry registry;
+  std::unique_ptr<train::PlacedJob> job;
+  std::unique_ptr<sharding::DistributedPlan> plan_;
+  const sharding::DistributedPlan& plan() const { return *plan_; }
+  Planned() {
+    cfg = config::Config::load(SPMDX_SOURCE_DIR "/configs/llama_fsdp.toml");
+    cfg.override_value("parallelism.data_parallel_shard_degree", "2");
+    cfg.override_value("parallelism.tensor_parallel_degree", "2");
+    registry.discover({{BUILTIN_PLUGIN_DIR, PluginSource::Origin::builtin}});
+    job = std::make_unique<train::PlacedJob>(train::place_job(train::job_spec(cfg, 4, 256), registry));
+    plan_ = std::make_unique<sharding::DistributedPlan>(
+        sharding::propagate(job->model.graph, job->mesh, job->inputs, job->outputs, job->use, job->reshard_after_forward));
+  }
+};
+
+TEST(GraphView, StagesCarryPlacementsCollectivesAndWaits) {
+  Planned p;
+  const GraphView captured = hooks::captured_view(p.job->model.graph, p.job->mesh);
+  EXPECT_EQ(captured.stage, CompileStage::captured);
+  EXPECT_EQ(captured.nodes.size(), p.job->model.graph.num_nodes());
+  for (const auto& v : captured.values) EXPECT_TRUE(v.placements.empty());
+
+  const GraphView propagated = hooks::propagated_view(p.plan());
+  const auto edges = hooks::edges_of(propagated);
+  std::size_t uses = 0, redistributed = 0;
+  for (const auto& n : propagated.nodes) uses += n.inputs.size();
+  for (const auto& e : edges) redistributed += e.from != e.to;
+  EXPECT_EQ(edges.size(), uses);
+  EXPECT_GT(redistributed, 0u);  // FSDP's all_gathers at least
+  const auto wq = std::find_if(propagated.values.begin(), propagated.values.end(), [](const GraphValue& v) { return v.name == "layers.0.attention.wq.weight"; });
+  ASSERT_NE(wq, propagated.values.end());
+  EXPECT_EQ(to_string(wq->placements), "S(0)S(0)");  // FSDP dim 0 on dp_shard, column-parallel on tp
+
+  const ir::Graph g = sharding::rank_graph(p.plan(), 3);
+  const GraphView planned = hooks::rank_view(p.plan(), g, 3, CompileStage::planned);
+  EXPECT_EQ(planned.rank, 3);
+  std::size_t collectives = 0;
+  for (std::size_t i = 0; i < planned.nodes.size(); ++i) {
+    const GraphNode& n = planned.nodes[i];
+    if (!n.collective) continue;
+    ++collectives;
+    ASSERT_GE(n.mesh_dim, 0);
+    const double k = 2, in = static_cast<double>(planned.values[static_cast<std::size_t>(n.inputs[0])].bytes);
+    const double want = n.op == "all_reduce" ? 2 * (k - 1) / k * in : n.op == "all_gather" ? (k - 1) * in : (k - 1) / k * in;
+    EXPECT_EQ(n.comm_bytes, static_cast<std::int64_t>(want)) << n.op;
+    EXPECT_TRUE(n.wait_before == -1 || n.wait_before > static_cast<int>(i)) << "a collective is waited for after it is issued";
+    EXPECT_FALSE(planned.values[static_cast<std::size_t>(n.outputs[0])].placements.empty()) << n.op << " output has placements";
+  }
+  EXPECT_GT(collectives, 10u);
+  // Matmuls reading a block's weight belong to that block.
+  for (const auto& n : planned.nodes) {
+    for (int v : n.inputs) {
+      if (planned.values[static_cast<std::size_t>(v)].name == "layers.1.feed_forward.w2.weight" && n.op == "matmul") {
+        EXPECT_EQ(n.layer, "layers.1");
+      }
+    }
+  }
+  EXPECT_EQ(hooks::layer_of("exp_avg_sq.layers.12.attention.wo.weight"), "layers.12");
+  EXPECT_EQ(hooks::layer_of("tok_embeddings.weight"), "tok_embeddings");
+  EXPECT_EQ(hooks::layer_of("tokens"), "");
+}
+
+TEST(HookSet, CallsEveryStageAndValidatorOnEveryNodeAndEdge) {
+  Planned p;
+  test::TempDir dir;
+  PluginRegistry registry;
+  registry.discover({{fs::path(TEST_PLUGIN_DIR) / "test_hook", PluginSource::Origin::user}});
+  HookContext base;
+  base.world_size = 4;
+  base.compile_only = true;
+  hooks::HookSet set(registry, {"test_hook"}, {}, base, dir.path().string());
+  set.compile(p.plan(), {0, 1, 2, 3});
+  const auto c = counts(dir / "hooks" / "test_hook" / "rank0.txt");
+  EXPECT_EQ(c.at("stage.captured"), 1);
+  EXPECT_EQ(c.at("stage.propagated"), 1);
+  EXPECT_EQ(c.at("stage.rewritten"), 4);
+  EXPECT_EQ(c.at("stage.planned"), 4);
+  EXPECT_EQ(c.at("vertex.propagated"), static_cast<long>(p.job->model.graph.num_nodes()));
+  EXPECT_EQ(c.at("vertex.rewritten"), c.at("nodes.rewritten"));
+  EXPECT_GT(c.at("edge.propagated"), c.at("vertex.propagated"));
+  EXPECT_GT(c.at("edge.redistributed"), 0);
+}
+
+TEST(HookSet, AThrowingHookIsReportedAndTheRunGoesOnButAValidationErrorStops) {
+  Planned p;
+  test::TempDir dir;
+  PluginRegistry registry;
+  registry.discover({{fs::path(TEST_PLUGIN_DIR) / "test_hook", PluginSource::Origin::user}});
+  HookContext base;
+  base.compile_only = true;
+  hooks::HookSet throwing(registry, {"test_hook"}, {{"test_hook", {{"throw_in", "vertex"}}}}, base, dir.path().string());
+  EXPECT_NO_THROW(throwing.compile(p.plan(), {0}));
+  hooks::HookSet validating(registry, {"test_hook"}, {{"test_hook", {{"validate", "compile"}}}}, base, dir.path().string());
+  try {
+    validating.compile(p.plan(), {0});
+    FAIL() << "a ValidationError must stop the job";
+  } catch (const ValidationError& e) {
+    EXPECT_THAT(e.what(), HasSubstr("hook test_hook: the plan is not acceptable"));
+  }
+}
+
+TEST(HookSet, UnknownHookListsTheAvailableOnesAndBadOptionsNameTheHook) {
+  test::TempDir dir;
+  PluginRegistry registry;
+  registry.discover({{BUILTIN_PLUGIN_DIR, PluginSource::Origin::builtin}});
+  HookContext base;
+  try {
+    hooks::HookSet(registry, {"timelime"}, {}, base, dir.path().string());
+    FAIL();
+  } catch (const std::invalid_argument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("hooks.enable: no hook plugin named 'timelime'"));
+    EXPECT_THAT(e.what(), HasSubstr("timeline"));
+  }
+  try {
+    hooks::HookSet(registry, {"timeline"}, {{"timeline", {{"stpes", "3"}}}}, base, dir.path().string());
+    FAIL();
+  } catch (const std::invalid_argument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("[hooks.timeline]: unknown option 'stpes'; did you mean 'steps'?"));
+  }
+  try {
+    hooks::HookSet(registry, {"partition_validator"}, {{"partition_validator", {{"memory_budget", "lots"}}}}, base, dir.path().string());
+    FAIL();
+  } catch (const std::invalid_argument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("[hooks.partition_validator] memory_budget = \"lots\": expected a size such as 4GiB"));
+  }
+}
+
+TEST(OptionReader, ParsesSizesNumbersAndBooleans) {
+  OptionReader o("[hooks.x]", {{"budget", "1.5GiB"}, {"n", "7"}, {"on", "true"}, {"f", "0.25"}});
+  EXPECT_DOUBLE_EQ(o.get_bytes("budget", 0), 1.5 * 1024 * 1024 * 1024);
+  EXPECT_EQ(o.get_int("n", 0, 0, 10), 7);
+  EXPECT_TRUE(o.get_bool("on", false));
+  EXPECT_DOUBLE_EQ(o.get_double("f", 0, 0, 1), 0.25);
+  EXPECT_EQ(o.get_int("absent", 3, 0, 10), 3);
+  EXPECT_NO_THROW(o.done());
+  OptionReader bad("[hooks.x]", {{"n", "11"}});
+  EXPECT_THROW(bad.get_int("n", 0, 0, 10), std::invalid_argument);
+}
+
+TEST(Config, HookOptionTablesAndOverrides) {
+  config::Config cfg = config::Config::parse("[hooks]\nenable = [\"timeline\"]\n[hooks.timeline]\nsteps = 3\nstart_step = \"2\"\n", "x.toml");
+  EXPECT_EQ(cfg.plugin_options("hooks.timeline").at("steps"), "3");
+  EXPECT_EQ(cfg.plugin_options("hooks.timeline").at("start_step"), "2");
+  cfg.override_value("hooks.timeline.steps", "4");
+  EXPECT_EQ(cfg.plugin_options("hooks.timeline").at("steps"), "4");
+  EXPECT_THAT(cfg.to_toml(), HasSubstr("[hooks.timeline]\nstart_step = \"2\"\nsteps = \"4\"\n"));
+  EXPECT_TRUE(cfg.plugin_options("hooks.graphviz").empty());
+}
+
+// Flight recorder dumps written by hand: which rank is missing from which collective.
+void dump(const fs::path& dir, int rank, const std::vector<std::tuple<std::uint64_t, std::string, std::int64_t, std::string>>& entries) {
+  json e = json::array();
+  for (const auto& [seq, value, bytes, state] : entries) {
+    e.push_back({{"op", "all_reduce"}, {"mesh_dim", 0}, {"group_name", "dp"}, {"group_ranks", {0, 1, 2}}, {"seq", seq}, {"step", 4},
+                 {"bytes", bytes}, {"dtype", "f32"}, {"shape", {bytes / 4}}, {"value", value}, {"state", state}, {"error", ""}});
+  }
+  test::write_file(dir / ("rank" + std::to_string(rank) + ".json"),
+                   json{{"format", "spmdx-flight-recorder-1"}, {"rank", rank}, {"world_size", 3}, {"reason", "timeout"}, {"entries", e}}.dump());
+}
+
+TEST(FrTrace, NamesTheRankMissingFromACollective) {
+  test::TempDir dir;
+  dump(dir.path(), 0, {{7, "%10", 64, "completed"}, {8, "%12", 128, "issued"}});
+  dump(dir.path(), 1, {{7, "%10", 64, "completed"}});
+  dump(dir.path(), 2, {{7, "%10", 64, "completed"}, {8, "%12", 128, "issued"}});
+  const auto a = hooks::analyze_flight_recorder(dir.path());
+  ASSERT_EQ(a.findings.size(), 1u) << a.text;
+  EXPECT_EQ(a.findings[0].ranks, std::vector<int>{1});
+  EXPECT_EQ(a.findings[0].seq, 8u);
+  EXPECT_THAT(a.text, HasSubstr("group dp [0, 1, 2], collective #8: rank 1 never issued it; ranks 0, 2 issued all_reduce f32[32] (128.0 B) producing %12 in step 4"));
+  EXPECT_THAT(a.text, HasSubstr("Rank 1's last collective on this group is #7"));
+}
+
+TEST(FrTrace, NamesTheRankThatIssuedADifferentCollectiveAndAStall) {
+  test::TempDir dir;
+  dump(dir.path(), 0, {{3, "%10", 64, "issued"}});
+  dump(dir.path(), 1, {{3, "%14", 256, "issued"}});
+  dump(dir.path(), 2, {{3, "%10", 64, "issued"}});
+  auto a = hooks::analyze_flight_recorder(dir.path());
+  ASSERT_EQ(a.findings.size(), 1u) << a.text;
+  EXPECT_EQ(a.findings[0].ranks, std::vector<int>{1});
+  EXPECT_THAT(a.text, HasSubstr("rank 1 skipped the collective producing %10 in step 4"));
+
+  test::TempDir stall;
+  for (int r = 0; r < 3; ++r) dump(stall.path(), r, {{5, "%10", 64, r == 2 ? "issued" : "completed"}});
+  a = hooks::analyze_flight_recorder(stall.path());
+  ASSERT_EQ(a.findings.size(), 1u) << a.text;
+  EXPECT_THAT(a.text, HasSubstr("every rank issued it, it did not complete on rank 2"));
+}
+
+TEST(FrTrace, NoDumpsOrABadDumpIsAClearError) {
+  test::TempDir dir;
+  EXPECT_THAT([&] { try { hooks::analyze_flight_recorder(dir.path()); } catch (const std::exception& e) { return std::string(e.what()); } return std::string(); }(),
+              HasSubstr("no rank*.json dumps"));
+  test::write_file(dir / "rank0.json", "{\"format\": \"spmdx-flight-recorder-1\", \"rank\": 0");
+  EXPECT_THAT([&] { try { hooks::analyze_flight_recorder(dir.path()); } catch (const std::exception& e) { return std::string(e.what()); } return std::string(); }(),
+              HasSubstr((dir / "rank0.json").string()));
+}
+
+// Real runs: `spmdx run` with real rank processes over the ucx plugin.
+std::string corpus(const test::TempDir& dir) {
+  std::string text;
+  for (int i = 0; i < 200; ++i) text += "Every hook sees the same run, line " + std::to_string(i) + ".\n";
+  test::write_file(dir / "corpus.txt", text);
+  return (dir / "corpus.txt").string();
+}
+
+test::CommandResult spmdx(const std::string& args, const std::string& env = "") {
+  return test::run_command(env + " '" SPMDX_EXE "' " + args);
+}
+
+std::vector<double> losses(const fs::path& metrics) {
+  std::vector<double> out;
+  std::ifstream in(metrics);
+  std::string line;
+  while (std::getline(in, line)) out.push_back(json::parse(line).at("loss").get<double>());
+  return out;
+}
+
+TEST(Hooks, EveryHookOnAFourRankRunWritesItsOutputAndChangesNoLoss) {
+  test::TempDir dir;
+  const std::string common = "run '" SPMDX_SOURCE_DIR "/configs/llama_fsdp.toml' --nproc 4 --parallelism.data_parallel_shard_degree 2 "
+                             "--parallelism.tensor_parallel_degree 2 --training.steps 3 --training.seq_len 32 --data.paths '" + corpus(dir) + "'";
+  auto plain = spmdx(common + " --job.dump_folder '" + (dir / "plain").string() + "'");
+  ASSERT_EQ(plain.exit_code, 0) << plain.output;
+  const fs::path out = dir / "hooked";
+  auto r = spmdx(common + " --job.dump_folder '" + out.string() +
+                 "' --hooks.enable graphviz,partition_validator,timeline,consistency,flight_recorder --hooks.consistency.every 1");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(losses(out / "metrics.jsonl"), losses(dir / "plain" / "metrics.jsonl"));
+  const fs::path h = out / "hooks";
+
+  // graphviz: an SVG per graph, and Graphviz accepts the full DOT.
+  for (const char* stem : {"logical", "rank0", "rank3"}) {
+    EXPECT_NE(read(h / "graphviz" / (std::string(stem) + ".svg")).find("<svg"), std::string::npos) << stem;
+    EXPECT_NE(read(h / "graphviz" / (std::string(stem) + ".dot")).find("label=\"adamw"), std::string::npos) << stem;
+  }
+  EXPECT_NE(read(h / "graphviz" / "rank0.dot").find("all_gather (dp_shard)"), std::string::npos);
+  // Graphviz parses the full DOT (gc reads a graph without laying it out, which takes ~30 s).
+  if (test::run_command("command -v gc").exit_code == 0) {
+    auto gc = test::run_command("gc '" + (h / "graphviz" / "rank0.dot").string() + "'");
+    EXPECT_THAT(gc.output, HasSubstr("rank0.dot)"));
+    EXPECT_THAT(gc.output, Not(HasSubstr("rror")));
+  } else {
+    std::cout << "Graphviz is not installed: the DOT syntax check is skipped\n";
+  }
+
+  // partition_validator: every rank, same load (even shards), a cut ratio strictly inside (0, 1).
+  const json pv = json::parse(read(h / "partition_validator" / "report.json"));
+  ASSERT_EQ(pv.at("ranks").size(), 4u);
+  EXPECT_GT(pv.at("edge_cut_ratio").get<double>(), 0.0);
+  EXPECT_LT(pv.at("edge_cut_ratio").get<double>(), 1.0);
+  EXPECT_NEAR(pv.at("flops_std_over_mean").get<double>(), 0.0, 1e-12);
+  EXPECT_GT(pv.at("ranks")[0].at("comm_bytes").get<double>(), 0.0);
+  EXPECT_TRUE(pv.at("failures").empty());
+
+  // timeline: every rank's compute and comm spans in the merged trace, and the overlap ratio.
+  const json merged = json::parse(read(h / "timeline" / "merged.json"));
+  std::set<std::pair<int, std::string>> seen;
+  for (const auto& e : merged.at("traceEvents")) {
+    if (e.at("ph") == "X" && e.contains("cat")) seen.insert({e.at("pid").get<int>(), e.at("cat").get<std::string>()});
+  }
+  for (int rank = 0; rank < 4; ++rank) {
+    EXPECT_TRUE(seen.count({rank, "compute"})) << rank;
+    EXPECT_TRUE(seen.count({rank, "comm"})) << rank;
+    EXPECT_TRUE(seen.count({rank, "step"})) << rank;
+  }
+  const json summary = json::parse(read(h / "timeline" / "summary.json"));
+  ASSERT_EQ(summary.size(), 12u);  // 4 ranks x 3 steps
+  for (const auto& s : summary) {
+    EXPECT_GT(s.at("comm_ms").get<double>(), 0.0);
+    EXPECT_GE(s.at("overlap_ratio").get<double>(), 0.0);
+    EXPECT_LE(s.at("overlap_ratio").get<double>(), 1.0);
+  }
+  const json row = json::parse(read(out / "metrics.jsonl").substr(0, read(out / "metrics.jsonl").find('\n')));
+  EXPECT_GT(row.at("comm_ms").get<double>(), 0.0);
+  EXPECT_TRUE(row.contains("overlap_ratio"));
+
+  // consistency: three checks, nothing diverged. flight_recorder: nothing failed, nothing dumped.
+  const json cons = json::parse(read(h / "consistency" / "report.json"));
+  EXPECT_EQ(cons.at("checks").size(), 3u);
+  EXPECT_TRUE(cons.at("divergence").is_null());
+  EXPECT_TRUE(fs::is_empty(h / "flight_recorder"));
+}
+
+TEST(Hooks, FlightRecorderNamesTheRankThatSkippedACollective) {
+  test::TempDir dir;
+  const fs::path out = dir / "out";
+  auto r = spmdx("run '" SPMDX_SOURCE_DIR "/configs/mlp_dp.toml' --nproc 4 --parallelism.data_parallel_replicate_degree 4 --training.steps 4 "
+                 "--comm.timeout_seconds 10 --data.paths '" + corpus(dir) + "' --job.dump_folder '" + out.string() + "' --hooks.enable flight_recorder",
+                 "SPMDX_FAULT=skip_collective:rank=1,step=2,index=1");
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("flight_recorder: rank 0 dumped"));
+  for (int rank = 0; rank < 4; ++rank) EXPECT_TRUE(fs::exists(out / "hooks" / "flight_recorder" / ("rank" + std::to_string(rank) + ".json"))) << rank;
+  auto trace = spmdx("fr-trace '" + (out / "hooks" / "flight_recorder").string() + "'");
+  ASSERT_EQ(trace.exit_code, 0) << trace.output;
+  EXPECT_THAT(trace.output, HasSubstr("ranks 0, 2, 3 issued all_reduce"));
+  EXPECT_THAT(trace.output, HasSubstr("rank 1 skipped the collective producing"));
+  EXPECT_THAT(trace.output, HasSubstr("in step 2"));
+}
+
+TEST(Hooks, ConsistencyNamesTheRankWhoseReplicatedWeightWasPerturbed) {
+  test::TempDir dir;
+  const fs::path out = dir / "out";
+  auto r = spmdx("run '" SPMDX_SOURCE_DIR "/configs/mlp_dp.toml' --nproc 4 --parallelism.data_parallel_replicate_degree 4 --training.steps 6 "
+                 "--data.paths '" + corpus(dir) + "' --job.dump_folder '" + out.string() + "' --hooks.enable consistency --hooks.consistency.every 1",
+                 "SPMDX_FAULT=perturb:rank=2,step=3,tensor=w1.weight");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("consistency: step 3: tensor w1.weight differs on rank 2 from ranks 0, 1, 3"));
+  EXPECT_THAT(r.output, Not(HasSubstr("step    4 |")));
+  const json report = json::parse(read(out / "hooks" / "consistency" / "report.json"));
+  EXPECT_EQ(report.at("divergence").at("tensor"), "w1.weight");
+  EXPECT_EQ(report.at("divergence").at("ranks"), json::array({2}));
+  EXPECT_EQ(report.at("divergence").at("step"), 3);
+}
+
+TEST(Hooks, PartitionValidatorStopsBeforeTheFirstStepNamingRankAndTensors) {
+  test::TempDir dir;
+  auto r = spmdx("run '" SPMDX_SOURCE_DIR "/configs/llama_fsdp.toml' --nproc 4 --training.steps 2 --data.paths '" + corpus(dir) +
+                 "' --job.dump_folder '" + (dir / "out").string() + "' --hooks.enable partition_validator --hooks.partition_validator.memory_budget 1MiB");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("hook partition_validator: rank 0 needs about"));
+  EXPECT_THAT(r.output, HasSubstr("over memory_budget 1.0 MiB; largest tensors: "));
+  EXPECT_THAT(r.output, Not(HasSubstr("step    1 |")));
+  // The same check from `spmdx compile`, without starting ranks.
+  auto c = spmdx("compile '" SPMDX_SOURCE_DIR "/configs/llama_fsdp.toml' --world-size 4 --job.dump_folder '" + (dir / "c").string() +
+                 "' --hooks.enable partition_validator --hooks.partition_validator.memory_budget 1MiB");
+  EXPECT_EQ(c.exit_code, 1) << c.output;
+  EXPECT_THAT(c.output, HasSubstr("rank 0 needs about"));
+}
+
+TEST(Hooks, AHookThatThrowsIsNamedAndTheRunFinishes) {
+  test::TempDir dir;
+  auto r = spmdx("run '" SPMDX_SOURCE_DIR "/configs/mlp_dp.toml' --nproc 2 --training.steps 3 --data.paths '" + corpus(dir) + "' --job.dump_folder '" +
+                 (dir / "out").string() + "' --plugins.paths '" TEST_PLUGIN_DIR "/test_hook' --hooks.enable test_hook --hooks.test_hook.throw_in step");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("hook test_hook failed in on_step_end: step trouble at step 1 (the run goes on)"));
+  EXPECT_THAT(r.output, HasSubstr("[rank 0] done: 3 steps"));
+  const auto c = counts(dir / "out" / "hooks" / "test_hook" / "rank1.txt");
+  EXPECT_EQ(c.at("step"), 3);
+  EXPECT_EQ(c.at("collective.issued"), c.at("collective.completed"));
+  EXPECT_GT(c.at("spans"), 0);
+}
+
+TEST(Hooks, BadHookConfigFailsBeforeAnyRankStarts) {
+  test::TempDir dir;
+  const std::string base = "run '" SPMDX_SOURCE_DIR "/configs/mlp_dp.toml' --nproc 2 --data.paths '" + corpus(dir) + "' --job.dump_folder '" + (dir / "o").string() + "'";
+  auto unknown = spmdx(base + " --hooks.enable timelime");
+  EXPECT_EQ(unknown.exit_code, 1);
+  EXPECT_THAT(unknown.output, HasSubstr("no hook plugin named 'timelime'"));
+  EXPECT_THAT(unknown.output, Not(HasSubstr("[rank")));
+  auto option = spmdx(base + " --hooks.enable timeline --hooks.timeline.steps many");
+  EXPECT_EQ(option.exit_code, 1);
+  EXPECT_THAT(option.output, HasSubstr("[hooks.timeline] steps = \"many\": expected an integer"));
+  auto orphan = spmdx(base + " --hooks.timeline.steps 3");
+  EXPECT_EQ(orphan.exit_code, 1);
+  EXPECT_THAT(orphan.output, HasSubstr("[hooks.timeline] sets options of hook 'timeline', which hooks.enable does not list"));
+}
+
+}  // namespace
+}  // namespace spmdx
