@@ -214,7 +214,7 @@ TEST(FrTrace, NamesTheRankMissingFromACollective) {
   ASSERT_EQ(a.findings.size(), 1u) << a.text;
   EXPECT_EQ(a.findings[0].ranks, std::vector<int>{1});
   EXPECT_EQ(a.findings[0].seq, 8u);
-  EXPECT_THAT(a.text, HasSubstr("group dp [0, 1, 2], collective #8: rank 1 never issued it; ranks 0, 2 issued all_reduce f32[32] (128.0 B) producing %12 in step 4"));
+  EXPECT_THAT(a.text, HasSubstr("group dp [0, 1, 2], collective #8: rank 1 never issued it; ranks 0, 2 issued all_reduce f32[32] (128.0 B) producing %12 in step 4 (state issued)"));
   EXPECT_THAT(a.text, HasSubstr("Rank 1's last collective on this group is #7"));
 }
 

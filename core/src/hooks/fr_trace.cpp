@@ -115,13 +115,14 @@ FrAnalysis analyze_flight_recorder(const std::filesystem::path& folder) {
       const Entry& ref = *entry(majority->second.front(), s);
       if (!absent.empty()) {
         std::ostringstream m;
-        m << "group " << group << ", collective #" << s << ": " << list(absent) << (absent.size() == 1 ? " never issued" : " never issued") << " it; "
-          << list(majority->second) << " issued " << ref.describe() << " and wait for it (state " << ref.state << ").";
+        m << "group " << group << ", collective #" << s << ": " << list(absent) << " never issued it; " << list(majority->second) << " issued "
+          << ref.describe() << " (state " << ref.state << ").";
         for (int r : absent) {
           auto it = by_rank.find(r);
           if (it != by_rank.end() && !it->second.empty()) {
             const Entry& last = it->second.rbegin()->second;
-            m << " Rank " << r << "'s last collective on this group is #" << last.seq << " (" << last.describe() << ", " << last.state << ").";
+            m << " Rank " << r << "'s last collective on this group is #" << last.seq << " (" << last.describe() << ", " << last.state << ")"
+              << (last.state == "completed" ? ": when it dumped it was computing, stuck outside collectives, or had skipped this one." : ".");
           } else {
             m << " Rank " << r << " recorded no collective on this group.";
           }

@@ -43,8 +43,7 @@ struct JobSpec {
 JobSpec job_spec(const config::Config& cfg, std::int64_t world_size, std::int64_t vocab_size);
 
 /// Checks what this build can run before any rank starts: training.device "cpu", data.paths
-/// non-empty and every file present, and no setting of a feature that is not there yet
-/// (hooks.enable), and a swap schedule names what to swap to. Throws config::ConfigError naming the
+/// non-empty and every file present, and a swap schedule names what to swap to. Throws config::ConfigError naming the
 /// key and what to do.
 void check_runnable(const config::Config& cfg);
 
