@@ -15,6 +15,7 @@
 #include "spmdx/core/registry.h"
 #include "spmdx/hooks/fr_trace.h"
 #include "spmdx/hooks/hook_set.h"
+#include "spmdx/models/model.h"
 #include "spmdx/train/job.h"
 #include "test_util.h"
 
@@ -102,9 +103,9 @@ TEST(GraphView, StagesCarryPlacementsCollectivesAndWaits) {
       }
     }
   }
-  EXPECT_EQ(hooks::layer_of("exp_avg_sq.layers.12.attention.wo.weight"), "layers.12");
-  EXPECT_EQ(hooks::layer_of("tok_embeddings.weight"), "tok_embeddings");
-  EXPECT_EQ(hooks::layer_of("tokens"), "");
+  EXPECT_EQ(models::layer_of("exp_avg_sq.layers.12.attention.wo.weight"), "layers.12");
+  EXPECT_EQ(models::layer_of("tok_embeddings.weight"), "tok_embeddings");
+  EXPECT_EQ(models::layer_of("tokens"), "");
 }
 
 TEST(HookSet, CallsEveryStageAndValidatorOnEveryNodeAndEdge) {

@@ -7,6 +7,7 @@
 
 #include <fstream>
 #include <map>
+#include <tuple>
 
 #include "test_util.h"
 
@@ -37,24 +38,32 @@ test::CommandResult spmdx_run(const std::string& args) {
   return test::run_command("'" SPMDX_EXE "' run " + args);
 }
 
-TEST(Run, FourRanksGiveTheLossesOfOneRankForEachLayout) {
+TEST(Run, NRanksGiveTheLossesOfOneRankForEachLayout) {
   test::TempDir dir;
   const std::string data = corpus_file(dir);
-  const std::string common = " --data.paths '" + data + "' --training.steps 10 --training.global_batch_size 8 --training.seq_len 32";
+  const std::string common = " --data.paths '" + data + "' --training.steps 20 --training.global_batch_size 8 --training.seq_len 32";
   auto one = spmdx_run("'" SPMDX_SOURCE_DIR "/configs/llama_fsdp.toml' --nproc 1 --job.dump_folder '" + (dir / "one").string() + "'" + common);
   ASSERT_EQ(one.exit_code, 0) << one.output;
   const auto want = losses(dir / "one" / "metrics.jsonl");
-  ASSERT_EQ(want.size(), 10u);
+  ASSERT_EQ(want.size(), 20u);
   EXPECT_LT(want.back(), want.front());
-  const std::vector<std::pair<std::string, std::string>> layouts = {
-      {"fsdp4", "--parallelism.data_parallel_shard_degree -1"},
-      {"fsdp2xtp2", "--parallelism.data_parallel_shard_degree 2 --parallelism.tensor_parallel_degree 2"},
-      {"dp2xtp2", "--parallelism.data_parallel_replicate_degree 2 --parallelism.data_parallel_shard_degree 1 --parallelism.tensor_parallel_degree 2"},
+  const std::string dp = "--parallelism.data_parallel_shard_degree 1 --parallelism.data_parallel_replicate_degree ";
+  const std::string tp = "--parallelism.data_parallel_shard_degree 1 --parallelism.tensor_parallel_degree ";
+  const std::vector<std::tuple<std::string, int, std::string>> layouts = {
+      {"dp2", 2, dp + "2"},
+      {"dp4", 4, dp + "4"},
+      {"fsdp2", 2, "--parallelism.data_parallel_shard_degree -1"},
+      {"fsdp4", 4, "--parallelism.data_parallel_shard_degree -1"},
+      {"tp2", 2, tp + "2"},
+      {"tp4", 4, tp + "4"},
+      {"fsdp2xtp2", 4, "--parallelism.data_parallel_shard_degree 2 --parallelism.tensor_parallel_degree 2"},
+      {"dp2xtp2", 4, "--parallelism.data_parallel_replicate_degree 2 --parallelism.data_parallel_shard_degree 1 --parallelism.tensor_parallel_degree 2"},
   };
-  for (const auto& [name, flags] : layouts) {
-    auto r = spmdx_run("'" SPMDX_SOURCE_DIR "/configs/llama_fsdp.toml' --nproc 4 " + flags + " --job.dump_folder '" + (dir / name).string() + "'" + common);
+  for (const auto& [name, nproc, flags] : layouts) {
+    auto r = spmdx_run("'" SPMDX_SOURCE_DIR "/configs/llama_fsdp.toml' --nproc " + std::to_string(nproc) + " " + flags + " --job.dump_folder '" +
+                       (dir / name).string() + "'" + common);
     ASSERT_EQ(r.exit_code, 0) << name << "\n" << r.output;
-    EXPECT_THAT(r.output, HasSubstr("[rank 0] step   10 | loss"));
+    EXPECT_THAT(r.output, HasSubstr("[rank 0] step   20 | loss"));
     const auto got = losses(dir / name / "metrics.jsonl");
     ASSERT_EQ(got.size(), want.size()) << name;
     for (std::size_t i = 0; i < want.size(); ++i) EXPECT_NEAR(got[i], want[i], 1e-5 * std::abs(want[i])) << name << " step " << i + 1;
@@ -63,8 +72,38 @@ TEST(Run, FourRanksGiveTheLossesOfOneRankForEachLayout) {
   std::string line;
   std::getline(in, line);
   const auto row = nlohmann::json::parse(line);
-  for (const char* key : {"step", "loss", "tokens_per_s", "step_ms", "exposed_comm_ms", "peak_mem_bytes"}) {
+  for (const char* key : {"step", "loss", "tokens_per_s", "step_ms", "compute_ms", "comm_ms", "exposed_comm_ms", "overlap_ratio", "peak_mem_bytes"}) {
     EXPECT_TRUE(row.contains(key)) << key;
+  }
+}
+
+// The RuntimePlan changes when collectives run, never what they compute: bucketing (small
+// buckets: many of them), prefetch and overlap on give the losses of all of them off, bit for bit.
+TEST(Run, BucketingPrefetchAndOverlapChangeNoLoss) {
+  test::TempDir dir;
+  const std::string common = " --data.paths '" + corpus_file(dir) + "' --training.steps 10 --training.global_batch_size 8 --training.seq_len 32 --nproc 4";
+  const std::vector<std::pair<std::string, std::string>> layouts = {
+      {"dp4", "--parallelism.data_parallel_shard_degree 1 --parallelism.data_parallel_replicate_degree 4"},
+      {"fsdp2xtp2", "--parallelism.data_parallel_shard_degree 2 --parallelism.tensor_parallel_degree 2"},
+  };
+  for (const auto& [name, flags] : layouts) {
+    auto off = spmdx_run("'" SPMDX_SOURCE_DIR "/configs/llama_fsdp.toml' " + flags + common + " --job.dump_folder '" + (dir / (name + "off")).string() +
+                         "' --comm.bucket_cap_mb 0 --comm.prefetch false --comm.overlap false");
+    ASSERT_EQ(off.exit_code, 0) << off.output;
+    auto on = spmdx_run("'" SPMDX_SOURCE_DIR "/configs/llama_fsdp.toml' " + flags + common + " --job.dump_folder '" + (dir / (name + "on")).string() +
+                        "' --comm.bucket_cap_mb 0.05 --comm.first_bucket_cap_mb 0.01");
+    ASSERT_EQ(on.exit_code, 0) << on.output;
+    EXPECT_EQ(losses(dir / (name + "on") / "metrics.jsonl"), losses(dir / (name + "off") / "metrics.jsonl")) << name;
+    // Fewer backend calls with buckets.
+    auto calls = [&](const std::string& run) {
+      std::ifstream in(dir / run / "metrics.jsonl");
+      std::string line;
+      std::getline(in, line);
+      return nlohmann::json::parse(line).at("collectives").get<std::int64_t>();
+    };
+    if (name == "dp4") {
+      EXPECT_LT(calls(name + "on"), calls(name + "off"));
+    }
   }
 }
 

@@ -24,6 +24,7 @@
 #include "spmdx/comm/store.h"
 #include "spmdx/hooks/fr_trace.h"
 #include "spmdx/hooks/hook_set.h"
+#include "spmdx/plan/runtime_plan.h"
 #ifdef SPMDX_HAVE_EXEC
 #include "spmdx/exec/checkpoint.h"
 #include "spmdx/exec/job_runner.h"
@@ -173,6 +174,7 @@ int run_compile(const CompileOptions& o) {
     for (std::int64_t r = 0; r < dumped_ranks; ++r) {
       const spmdx::ir::Graph g = spmdx::sharding::rank_graph(plan, r);
       write("rank" + std::to_string(r) + ".txt", g.str());
+      write("rank" + std::to_string(r) + ".plan.txt", spmdx::plan::make_runtime_plan(g, job.mesh, spmdx::plan::plan_options(cfg)).str(g, job.mesh));
       write("rank" + std::to_string(r) + ".json", spmdx::ir::to_json(g));
     }
   } else {
@@ -366,7 +368,7 @@ int main(int argc, char** argv) {
   compile->add_option("config", compile_options.config, "The job's TOML config")->required()->check(CLI::ExistingFile);
   compile->add_option("--world-size", compile_options.world_size, "Ranks to plan for (default: the product of the config's degrees)")
       ->check(CLI::Range(1, 100000000));
-  compile->add_option("--dump", compile_options.dump, "Write logical.{txt,json}, plan.{txt,json} and rankR.{txt,json} here");
+  compile->add_option("--dump", compile_options.dump, "Write logical.{txt,json}, plan.{txt,json}, rankR.{txt,json} and rankR.plan.txt (RuntimePlan) here");
   compile->add_flag("--fake", compile_options.fake, "Plan a mesh larger than this machine; dump only rank 0's graph");
   compile->add_flag("--print-config", compile_options.print_config, "Print the effective config and exit");
 

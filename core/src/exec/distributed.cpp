@@ -29,12 +29,19 @@ ReduceOp reduce_op(const std::string& name) {
   throw std::invalid_argument("unknown reduce op '" + name + "'");
 }
 
-// A collective in flight: its Work, the buffers it uses, and how to make the node's output.
-struct Pending {
+// A backend call in flight (one collective, or one bucket of them): its Work, the buffers it
+// uses, and what the hooks are told.
+struct Issued {
   std::unique_ptr<Work> work;
-  std::vector<at::Tensor> keep;          // alive until done
-  std::function<at::Tensor()> finish;    // the output, once done
-  CollectiveInfo info;                   // for the hooks
+  std::vector<at::Tensor> keep;  // alive until done
+  CollectiveInfo info;
+  bool completed = false;
+};
+
+// A collective's output to come: its call, and how to make the output once the call is done.
+struct Pending {
+  std::shared_ptr<Issued> issued;       // null until a bucket is issued
+  std::function<at::Tensor()> finish;
 };
 
 // The union of [start, end) intervals, sorted and disjoint.
@@ -82,25 +89,35 @@ CommDType comm_dtype(at::ScalarType type) {
 }
 
 DistributedExecutor::DistributedExecutor(const ir::Graph& graph, const sharding::DeviceMesh& mesh, std::int64_t rank,
-                                         CommBackend* backend, double timeout_seconds)
+                                         CommBackend* backend, double timeout_seconds, const plan::PlanOptions& options)
     : graph_(graph), backend_(backend), timeout_(timeout_seconds) {
   for (const auto& node : graph.nodes()) {
+    nodes_.push_back(node.get());
     const Kernel* k = find_kernel(node->op());
     const bool collective = sharding::is_communication(node->op()) && k == nullptr;
     if (k == nullptr && !collective) throw std::invalid_argument("op '" + node->op() + "' has no kernel");
     if (collective && backend == nullptr) throw std::invalid_argument("the graph has collectives but no comm backend was given");
     kernels_.push_back(k);
   }
+  plan_ = plan::make_runtime_plan(graph, mesh, options);
+  // Each value is released after its last reader in the plan's order.
   std::unordered_map<const ir::Value*, std::size_t> last_use;
-  std::size_t i = 0;
-  for (const auto& node : graph.nodes()) {
-    for (const ir::Value* v : node->inputs()) last_use[v] = i;
-    ++i;
+  for (std::size_t p = 0; p < plan_.order.size(); ++p) {
+    for (const ir::Value* v : nodes_[static_cast<std::size_t>(plan_.order[p])]->inputs()) last_use[v] = p;
   }
   for (const auto& [name, v] : graph.outputs()) last_use[v] = graph.num_nodes();
-  dead_.resize(graph.num_nodes());
+  dead_.assign(graph.num_nodes(), {});
   for (const auto& [v, at] : last_use) {
     if (at < dead_.size()) dead_[at].push_back(v);
+  }
+  // Each bucket member's offset in its bucket's flat buffer, in elements.
+  bucket_offset_.assign(nodes_.size(), 0);
+  bucket_numel_.assign(plan_.buckets.size(), 0);
+  for (std::size_t b = 0; b < plan_.buckets.size(); ++b) {
+    for (int m : plan_.buckets[b].members) {
+      bucket_offset_[static_cast<std::size_t>(m)] = bucket_numel_[b];
+      bucket_numel_[b] += nodes_[static_cast<std::size_t>(m)]->input(0)->meta().numel();
+    }
   }
   mesh_dims_.clear();
   for (int d = 0; d < mesh.ndim(); ++d) {
@@ -148,37 +165,41 @@ TensorMap DistributedExecutor::run(const TensorMap& inputs, std::int64_t step) {
   // Waits for a pending collective and reports it; the backend fails a stuck collective itself
   // after the timeout, naming the rank, so wait a little longer for its message to be the one.
   auto complete = [&](const ir::Value* v, Pending& p) {
+    if (!p.issued) throw std::logic_error("RuntimePlan: " + v->ref() + " is read before its bucket was issued");
+    Issued& is = *p.issued;
+    if (is.completed) return;
     const auto t0 = Clock::now();
     const double wall0 = wall_seconds();
     auto fail = [&](const std::string& error) {
       if (hooks_ == nullptr) return;
-      p.info.state = CollectiveState::failed;
-      p.info.finished_at = wall_seconds();
-      p.info.error = error;
-      hooks_->collective(p.info);
+      is.info.state = CollectiveState::failed;
+      is.info.finished_at = wall_seconds();
+      is.info.error = error;
+      hooks_->collective(is.info);
     };
     try {
-      if (!p.work->wait(timeout_ + 10)) {
+      if (!is.work->wait(timeout_ + 10)) {
         const std::string what = "collective producing " + v->ref() + " did not finish within " + std::to_string(timeout_) + " s";
         fail(what);
         throw CommError(what, -1);
       }
     } catch (const CommError& e) {
-      if (p.info.state != CollectiveState::failed) fail(e.what());
+      if (is.info.state != CollectiveState::failed) fail(e.what());
       throw;
     }
+    is.completed = true;
     stats_.exposed_comm += std::chrono::duration<double>(Clock::now() - t0).count();
     const double waited = wall_seconds();
     wait_spans.emplace_back(wall0, waited);
     double started = 0, finished = 0;
-    if (p.work->times(started, finished)) comm_spans.emplace_back(started, finished);
+    if (is.work->times(started, finished)) comm_spans.emplace_back(started, finished);
     if (hooks_ != nullptr) {
-      p.info.state = CollectiveState::completed;
-      p.info.started_at = started;
-      p.info.finished_at = finished > 0 ? finished : waited;
-      hooks_->collective(p.info);
-      if (started > 0) spans_.push_back({p.info.op, "comm", started, finished, p.info.bytes});
-      if (waited - wall0 > 1e-6) spans_.push_back({"wait " + p.info.op, "compute", wall0, waited, 0});
+      is.info.state = CollectiveState::completed;
+      is.info.started_at = started;
+      is.info.finished_at = finished > 0 ? finished : waited;
+      hooks_->collective(is.info);
+      if (started > 0) spans_.push_back({is.info.op, "comm", started, finished, is.info.bytes});
+      if (waited - wall0 > 1e-6) spans_.push_back({"wait " + is.info.op, "compute", wall0, waited, 0});
     }
   };
   auto value = [&](const ir::Value* v) -> const at::Tensor& {
@@ -189,10 +210,30 @@ TensorMap DistributedExecutor::run(const TensorMap& inputs, std::int64_t step) {
     }
     return live.at(v);
   };
-  std::size_t index = 0;
+  // Hands a call to the backend: counts it, tells the hooks.
+  auto issue = [&](const std::shared_ptr<Issued>& is, const ir::Node& n, const at::Tensor& x, std::size_t mesh_dim, const std::string& what) {
+    if (hooks_ != nullptr) {
+      is->info.op = n.op();
+      is->info.mesh_dim = static_cast<int>(mesh_dim);
+      is->info.group_name = mesh_dim_names_.at(mesh_dim);
+      is->info.group_ranks = mesh_dims_.at(mesh_dim);
+      is->info.step = step;
+      is->info.bytes = static_cast<std::int64_t>(x.nbytes());
+      is->info.dtype = comm_dtype(x.scalar_type());
+      is->info.shape = x.sizes().vec();
+      is->info.value = what;
+      is->info.issued_at = wall_seconds();
+    }
+    is->info.seq = seq_.at(mesh_dim)++;
+    ++stats_.collectives;
+    stats_.comm_bytes += static_cast<double>(x.nbytes());
+    if (hooks_ != nullptr) hooks_->collective(is->info);
+  };
+  std::vector<at::Tensor> bucket_flat(plan_.buckets.size());
   std::int64_t collective_index = -1;  // in this step
-  for (const auto& node : graph_.nodes()) {
-    const ir::Node& n = *node;
+  for (std::size_t pos = 0; pos < plan_.order.size(); ++pos) {
+    const std::size_t index = static_cast<std::size_t>(plan_.order[pos]);
+    const ir::Node& n = *nodes_[index];
     if (kernels_[index] != nullptr) {
       std::vector<at::Tensor> args;
       for (const ir::Value* v : n.inputs()) args.push_back(value(v));
@@ -202,29 +243,43 @@ TensorMap DistributedExecutor::run(const TensorMap& inputs, std::int64_t step) {
       for (std::size_t i = 0; i < out.size(); ++i) keep(n.outputs()[i], std::move(out[i]));
     } else if (++collective_index == skip_.second && step == skip_.first && n.op() == "all_reduce") {
       keep(n.output(), value(n.input(0)));  // the planted fault: this rank skips the collective
+    } else if (const int b = plan_.bucket_of[index]; b >= 0) {
+      // A bucket member: its input goes into the bucket's flat buffer; the last one issues it.
+      const auto& bucket = plan_.buckets[static_cast<std::size_t>(b)];
+      const at::Tensor& x = value(n.input(0));
+      at::Tensor& flat = bucket_flat[static_cast<std::size_t>(b)];
+      if (!flat.defined()) flat = at::empty({bucket_numel_[static_cast<std::size_t>(b)]}, x.options());
+      const std::int64_t offset = bucket_offset_[index], numel = x.numel();
+      flat.narrow(0, offset, numel).copy_(x.reshape({-1}));
+      const auto shape = x.sizes().vec();
+      pending[n.output()] = {nullptr, [flat, offset, numel, shape] { return flat.narrow(0, offset, numel).view(shape); }};
+      if (static_cast<int>(pos) == bucket.issue_after) {
+        auto is = std::make_shared<Issued>();
+        const auto mesh_dim = static_cast<std::size_t>(bucket.mesh_dim);
+        issue(is, n, flat, mesh_dim, "bucket " + std::to_string(b) + " (" + std::to_string(bucket.members.size()) + " tensors, last " + n.output()->ref() + ")");
+        is->work = backend_->all_reduce(groups_.at(mesh_dim), buffer(flat), reduce_op(bucket.reduce_op));
+        is->keep = {flat};
+        for (int m : bucket.members) {
+          auto it = pending.find(nodes_[static_cast<std::size_t>(m)]->output());
+          if (it != pending.end()) it->second.issued = is;
+        }
+        if (!plan_.options.overlap) {
+          for (int m : bucket.members) value(nodes_[static_cast<std::size_t>(m)]->output());
+        }
+      }
     } else {
       const at::Tensor& x = value(n.input(0));
       const auto mesh_dim = static_cast<std::size_t>(n.attr_int("mesh_dim"));
       const int group = groups_.at(mesh_dim);
+      auto is = std::make_shared<Issued>();
       Pending p;
-      if (hooks_ != nullptr) {
-        p.info.op = n.op();
-        p.info.mesh_dim = static_cast<int>(mesh_dim);
-        p.info.group_name = mesh_dim_names_.at(mesh_dim);
-        p.info.group_ranks = mesh_dims_.at(mesh_dim);
-        p.info.step = step;
-        p.info.bytes = static_cast<std::int64_t>(x.nbytes());
-        p.info.dtype = comm_dtype(x.scalar_type());
-        p.info.shape = x.sizes().vec();
-        p.info.value = n.output()->ref();
-        p.info.issued_at = wall_seconds();
-      }
-      p.info.seq = seq_.at(mesh_dim)++;
+      p.issued = is;
       const std::string& op = n.op();
+      issue(is, n, x, mesh_dim, n.output()->ref());
       if (op == "all_reduce") {
         at::Tensor buf = x.contiguous().clone();
-        p.work = backend_->all_reduce(group, buffer(buf), reduce_op(n.attr_string("op")));
-        p.keep = {buf};
+        is->work = backend_->all_reduce(group, buffer(buf), reduce_op(n.attr_string("op")));
+        is->keep = {buf};
         p.finish = [buf] { return buf; };
       } else if (op == "all_gather" || op == "reduce_scatter") {
         // Collectives concatenate along the outermost dim: move `dim` there and back.
@@ -243,9 +298,9 @@ TensorMap DistributedExecutor::run(const TensorMap& inputs, std::int64_t step) {
         out_shape[0] = op == "all_gather" ? std::accumulate(n.attr_ints("sizes").begin(), n.attr_ints("sizes").end(), std::int64_t{0})
                                           : n.attr_ints("sizes")[static_cast<std::size_t>(n.attr_int("index"))];
         at::Tensor out = at::empty(out_shape, in.options());
-        p.work = op == "all_gather" ? backend_->all_gather(group, buffer(in), buffer(out), counts)
+        is->work = op == "all_gather" ? backend_->all_gather(group, buffer(in), buffer(out), counts)
                                     : backend_->reduce_scatter(group, buffer(in), buffer(out), counts, reduce_op(n.attr_string("op")));
-        p.keep = {in, out};
+        is->keep = {in, out};
         p.finish = [out, dim] { return out.movedim(0, dim).contiguous(); };
       } else if (op == "all_to_all") {
         // Shard(g) -> Shard(c): send block j = my rows of chunk j along c; receive member j's
@@ -277,8 +332,8 @@ TensorMap DistributedExecutor::run(const TensorMap& inputs, std::int64_t step) {
         std::int64_t total = 0;
         for (auto r : recv_counts) total += static_cast<std::int64_t>(r);
         at::Tensor out = at::empty({total}, x.options());
-        p.work = backend_->all_to_all(group, buffer(in), buffer(out), send_counts, recv_counts);
-        p.keep = {in, out};
+        is->work = backend_->all_to_all(group, buffer(in), buffer(out), send_counts, recv_counts);
+        is->keep = {in, out};
         p.finish = [out, recv_shapes, recv_counts, g] {
           std::vector<at::Tensor> parts;
           std::int64_t o = 0;
@@ -291,12 +346,10 @@ TensorMap DistributedExecutor::run(const TensorMap& inputs, std::int64_t step) {
       } else {
         throw std::invalid_argument("no executor support for communication op '" + op + "'");
       }
-      ++stats_.collectives;
-      stats_.comm_bytes += static_cast<double>(x.nbytes());
-      if (hooks_ != nullptr) hooks_->collective(p.info);
       pending.emplace(n.output(), std::move(p));
+      if (!plan_.options.overlap) value(n.output());
     }
-    for (const ir::Value* v : dead_[index]) {
+    for (const ir::Value* v : dead_[pos]) {
       if (pending.count(v) > 0) continue;  // a collective's output is dropped once it is consumed
       if (auto it = live.find(v); it != live.end()) {
         held -= static_cast<std::int64_t>(it->second.nbytes());
@@ -304,7 +357,6 @@ TensorMap DistributedExecutor::run(const TensorMap& inputs, std::int64_t step) {
       }
     }
     stats_.peak_bytes = std::max(stats_.peak_bytes, held);
-    ++index;
   }
   TensorMap result;
   for (const auto& [name, v] : graph_.outputs()) result.emplace(name, value(v));

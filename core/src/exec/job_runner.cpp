@@ -198,7 +198,7 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
     backend = make_backend(registry, cfg.get_string("comm.backend"));
     backend->init({env.rank, env.world_size, 0, store.get(), timeout});
   }
-  DistributedExecutor executor(graph, job.mesh, env.rank, backend.get(), timeout);
+  DistributedExecutor executor(graph, job.mesh, env.rank, backend.get(), timeout, plan::plan_options(cfg));
   if (!hooks.empty()) executor.set_hooks(&hooks);
   if (fault.kind == "skip_collective" && fault.rank == env.rank) executor.inject_skip(fault.step, fault.index);
 
@@ -341,7 +341,8 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
                            {"lr", lr},
                            {"tokens_per_s", tokens_per_s},
                            {"step_ms", st.total * 1e3},
-                           {"comm_ms", st.comm * 1e3},
+                           {"compute_ms", (st.total - st.exposed_comm) * 1e3},
+                         {"comm_ms", st.comm * 1e3},
                            {"exposed_comm_ms", st.exposed_comm * 1e3},
                            {"overlap_ratio", st.overlap_ratio()},
                            {"collectives", st.collectives},

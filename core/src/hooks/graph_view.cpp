@@ -3,6 +3,7 @@
 #include <unordered_map>
 
 #include "spmdx/hooks/hook_set.h"
+#include "spmdx/models/model.h"
 #include "spmdx/sharding/spec.h"
 
 namespace spmdx::hooks {
@@ -69,7 +70,7 @@ void fill(GraphView& view, const ir::Graph& graph, const sharding::DeviceMesh& m
     // since rope tables and their redistributions feed every block).
     std::string direct;
     for (const ir::Value* v : node->inputs()) {
-      const std::string l = v->producer() == nullptr ? layer_of(v->name()) : "";
+      const std::string l = v->producer() == nullptr ? models::layer_of(v->name()) : "";
       if (l.rfind("layers.", 0) == 0) gn.layer = l;
       if (direct.empty()) direct = l;
       if (!gn.layer.empty()) break;
@@ -115,20 +116,6 @@ Placements after(const ir::Node& node, Placements in) {
 }
 
 }  // namespace
-
-std::string layer_of(const std::string& tensor_name) {
-  std::string name = tensor_name;
-  for (const char* prefix : {"exp_avg_sq.", "exp_avg.", "next."}) {
-    if (name.rfind(prefix, 0) == 0) name = name.substr(std::string(prefix).size());
-  }
-  const auto dot = name.find('.');
-  if (dot == std::string::npos) return "";  // tokens, labels, lr, step, %12
-  if (name.compare(0, 7, "layers.") == 0) {
-    const auto second = name.find('.', 7);
-    return name.substr(0, second);
-  }
-  return name.substr(0, dot);
-}
 
 double node_flops(const ir::Node& node) {
   const std::string& op = node.op();

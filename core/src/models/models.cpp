@@ -128,4 +128,18 @@ Model build_model(const ModelArgs& args, std::int64_t batch, std::int64_t seq_le
   return m;
 }
 
+std::string layer_of(const std::string& tensor_name) {
+  std::string name = tensor_name;
+  for (const char* prefix : {"exp_avg_sq.", "exp_avg.", "next."}) {
+    if (name.rfind(prefix, 0) == 0) name = name.substr(std::string(prefix).size());
+  }
+  const auto dot = name.find('.');
+  if (dot == std::string::npos) return "";  // tokens, labels, lr, step, %12
+  if (name.compare(0, 7, "layers.") == 0) {
+    const auto second = name.find('.', 7);
+    return name.substr(0, second);
+  }
+  return name.substr(0, dot);
+}
+
 }  // namespace spmdx::models

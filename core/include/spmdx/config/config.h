@@ -8,7 +8,8 @@
 //   [lr_scheduler] warmup_steps, decay_type, min_lr_factor
 //   [data] paths, seed               [parallelism] data_parallel_replicate_degree,
 //   data_parallel_shard_degree, tensor_parallel_degree, fsdp_reshard_after_forward
-//   [comm] backend, timeout_seconds, swap_at_step, swap_to
+//   [comm] backend, timeout_seconds, swap_at_step, swap_to, bucket_cap_mb, first_bucket_cap_mb,
+//   overlap, prefetch
 //   [hooks] enable, [hooks.<name>]   [checkpoint] enable, folder, interval, load_step
 //   [metrics] log_freq               [plugins] paths
 // The full list, with types, defaults and ranges: `spmdx run --print-config` or schema().

@@ -13,6 +13,7 @@
 #include "spmdx/comm.h"
 #include "spmdx/exec/executor.h"
 #include "spmdx/hook.h"
+#include "spmdx/plan/runtime_plan.h"
 #include "spmdx/sharding/mesh.h"
 
 namespace spmdx::hooks {
@@ -38,10 +39,12 @@ struct RunStats {
 class DistributedExecutor {
  public:
   /// `graph` is this rank's; `backend` is initialised with the mesh's ranks. Makes one group per
-  /// mesh dim (every rank calls this in the same order). Throws std::invalid_argument for an op
-  /// without a kernel.
+  /// mesh dim (every rank calls this in the same order) and the RuntimePlan it runs by
+  /// (`options`: buckets, prefetch, overlap). Throws std::invalid_argument for an op without a
+  /// kernel.
   DistributedExecutor(const ir::Graph& graph, const sharding::DeviceMesh& mesh, std::int64_t rank, CommBackend* backend,
-                      double timeout_seconds);
+                      double timeout_seconds, const plan::PlanOptions& options = {});
+  const plan::RuntimePlan& plan() const noexcept { return plan_; }
 
   /// Runs the graph on this rank's local inputs; returns its local outputs. Throws CommError
   /// when a collective fails or times out (naming the collective and the peer).
@@ -62,10 +65,14 @@ class DistributedExecutor {
 
  private:
   const ir::Graph& graph_;
+  std::vector<const ir::Node*> nodes_;  // graph order
+  plan::RuntimePlan plan_;
+  std::vector<std::int64_t> bucket_offset_;  // per node: its offset in its bucket, elements
+  std::vector<std::int64_t> bucket_numel_;   // per bucket
   std::vector<const Kernel*> kernels_;
   std::vector<int> groups_;  // backend group id per mesh dim
   std::vector<std::vector<int>> mesh_dims_;  // the ranks of this rank's group along each mesh dim
-  std::vector<std::vector<const ir::Value*>> dead_;  // per node: values whose last use it is
+  std::vector<std::vector<const ir::Value*>> dead_;  // per plan position: values whose last use it is
   std::vector<std::string> mesh_dim_names_;
   std::vector<std::uint64_t> seq_;  // per mesh dim: collectives issued so far over the run
   CommBackend* backend_;

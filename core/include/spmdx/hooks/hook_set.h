@@ -36,10 +36,6 @@ std::vector<GraphEdge> edges_of(const GraphView& view);
 /// backward, as matmuls), 4·B·H·S²·D for sdpa (8· for its backward), else one per output element.
 double node_flops(const ir::Node& node);
 
-/// Where a tensor name belongs in the model: "layers.3" for "layers.3.attention.wq.weight"
-/// (also for its "exp_avg."/"exp_avg_sq." state), "tok_embeddings" for "tok_embeddings.weight",
-/// "" for batch inputs and scalars (tokens, labels, lr, step).
-std::string layer_of(const std::string& tensor_name);
 
 class HookSet {
  public:

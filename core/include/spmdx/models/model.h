@@ -59,4 +59,9 @@ struct Model {
 /// Builds the forward graph for a batch of [batch, seq_len] tokens.
 Model build_model(const ModelArgs& args, std::int64_t batch, std::int64_t seq_len, ir::DType dtype = ir::DType::f32);
 
+/// Where a tensor name belongs in the model: "layers.3" for "layers.3.attention.wq.weight"
+/// (also for its "exp_avg."/"exp_avg_sq."/"next." forms), "tok_embeddings" for
+/// "tok_embeddings.weight", "" for batch inputs and scalars (tokens, labels, lr, step).
+std::string layer_of(const std::string& tensor_name);
+
 }  // namespace spmdx::models

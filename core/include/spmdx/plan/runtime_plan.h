@@ -1,0 +1,68 @@
+// RuntimePlan (../shared/DESIGN.md): how one rank runs its DistributedGraph. From the rank's
+// graph (sharding::rank_graph) it decides
+//  - the execution order: FSDP's parameter all_gathers of the next layer are issued when the
+//    current layer's parameters are first used (FSDP2's forward and backward prefetch), every
+//    other node keeps the graph's order;
+//  - buckets: gradient all_reduces of one mesh dim, reduce op and dtype whose first use is far
+//    enough are fused into flat buffers of up to bucket_bytes, the first one of a mesh dim up to
+//    first_bucket_bytes so that communication starts early in the backward (PyTorch DDP's
+//    Reducer: bucket_cap_mb = 25, first bucket 1 MiB);
+//  - waits: a collective (or bucket) is issued once its last input exists and waited for just
+//    before its first use (torch.distributed._spmd's schedule_comm_wait), or right away with
+//    overlap off.
+// Every rank of a group makes the same buckets: the members of a group run the same
+// collectives with the same shapes in the same order. No LibTorch.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "spmdx/config/config.h"
+#include "spmdx/ir/graph.h"
+#include "spmdx/sharding/mesh.h"
+
+namespace spmdx::plan {
+
+struct PlanOptions {
+  double bucket_bytes = 25.0 * 1024 * 1024;      ///< a bucket's cap, bytes (0: no bucketing)
+  double first_bucket_bytes = 1.0 * 1024 * 1024;  ///< the cap of each mesh dim's first bucket, bytes
+  bool prefetch = true;                           ///< issue the next layer's parameter all_gathers early
+  bool overlap = true;                            ///< false: wait for each collective right after issuing it
+};
+
+/// Collectives sent as one over a flat buffer: the members' inputs concatenated in member
+/// order (each flattened), all_reduced once, each member's output a slice of the result.
+struct Bucket {
+  std::vector<int> members;   ///< node indices (graph order) of its collectives, in execution order
+  int mesh_dim = 0;
+  std::string reduce_op;      ///< "sum", "avg", ...
+  std::int64_t bytes = 0;     ///< of the flat buffer
+  double cap = 0;             ///< the cap it was filled to: first_bucket_bytes for a mesh dim's first
+  int issue_after = 0;        ///< position in RuntimePlan::order of its last member: issued there
+  int first_use = 0;          ///< position in `order` of the first node reading any member
+};
+
+struct RuntimePlan {
+  PlanOptions options;
+  std::vector<int> order;         ///< node indices (graph order) in execution order
+  std::vector<int> bucket_of;     ///< per node index: its bucket, or -1
+  std::vector<Bucket> buckets;
+  std::vector<int> prefetched;    ///< node indices of the all_gathers moved ahead of their place
+  std::int64_t collectives = 0;   ///< collective nodes in the graph
+  std::int64_t issues = 0;        ///< backend calls per run: unbucketed collectives + buckets
+
+  /// One line per collective issue (position, op, mesh dim, bytes, where it is waited for) and
+  /// per bucket; the summary first. `graph` is the graph the plan was made for.
+  std::string str(const ir::Graph& graph, const sharding::DeviceMesh& mesh) const;
+};
+
+/// The plan for `graph` (a rank graph). Throws ir::IrError when the graph is not in
+/// topological order.
+RuntimePlan make_runtime_plan(const ir::Graph& graph, const sharding::DeviceMesh& mesh, const PlanOptions& options = {});
+
+/// The options a job config gives (comm.bucket_cap_mb, comm.first_bucket_cap_mb, comm.overlap,
+/// comm.prefetch).
+PlanOptions plan_options(const config::Config& cfg);
+
+}  // namespace spmdx::plan

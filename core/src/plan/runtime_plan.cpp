@@ -1,0 +1,248 @@
+#include "spmdx/plan/runtime_plan.h"
+
+#include <algorithm>
+#include <map>
+#include <sstream>
+#include <tuple>
+#include <unordered_map>
+
+#include "spmdx/core/text.h"
+#include "spmdx/models/model.h"
+#include "spmdx/sharding/distribute.h"
+
+namespace spmdx::plan {
+namespace {
+
+bool is_collective(const std::string& op) {
+  return op == "all_reduce" || op == "all_gather" || op == "reduce_scatter" || op == "all_to_all";
+}
+
+}  // namespace
+
+RuntimePlan make_runtime_plan(const ir::Graph& graph, const sharding::DeviceMesh& mesh, const PlanOptions& options) {
+  (void)mesh;
+  RuntimePlan plan;
+  plan.options = options;
+  std::vector<const ir::Node*> nodes;
+  std::unordered_map<const ir::Node*, int> index;
+  for (const auto& n : graph.nodes()) {
+    index[n.get()] = static_cast<int>(nodes.size());
+    nodes.push_back(n.get());
+  }
+  const int n_nodes = static_cast<int>(nodes.size());
+  // The first node (graph order) reading each node's first output.
+  auto first_reader = [&](int n, const std::vector<int>& pos) {
+    int best = static_cast<int>(pos.size());
+    for (const ir::Value* out : nodes[static_cast<std::size_t>(n)]->outputs()) {
+      for (const auto& use : out->uses()) best = std::min(best, pos[static_cast<std::size_t>(index.at(use.user))]);
+    }
+    return best;
+  };
+  std::vector<int> identity(static_cast<std::size_t>(n_nodes));
+  for (int i = 0; i < n_nodes; ++i) identity[static_cast<std::size_t>(i)] = i;
+
+  // Prefetch: the parameters' redistributions (an all_gather of a graph input, and the
+  // communication nodes fed only by it: TP's steps after FSDP's all_gather) form chains; chains
+  // are grouped by layer in the order they are first read (a parameter gathered again in the
+  // backward is another chain), and group k+1 is issued just before group k's first reader.
+  std::vector<int> chain_of(static_cast<std::size_t>(n_nodes), -1);  // chain root node, or -1
+  std::map<int, int> chain_first;                                     // root -> first outside reader
+  if (options.prefetch) {
+    for (int i = 0; i < n_nodes; ++i) {
+      const ir::Node* n = nodes[static_cast<std::size_t>(i)];
+      if (!sharding::is_communication(n->op())) continue;
+      const ir::Value* in = n->input(0);
+      if (in->producer() == nullptr) {
+        if (n->op() == "all_gather") chain_of[static_cast<std::size_t>(i)] = i;
+      } else {
+        chain_of[static_cast<std::size_t>(i)] = chain_of[static_cast<std::size_t>(index.at(in->producer()))];
+      }
+    }
+    for (int i = 0; i < n_nodes; ++i) {
+      const int root = chain_of[static_cast<std::size_t>(i)];
+      if (root < 0) continue;
+      for (const ir::Value* out : nodes[static_cast<std::size_t>(i)]->outputs()) {
+        for (const auto& use : out->uses()) {
+          const int u = index.at(use.user);
+          if (chain_of[static_cast<std::size_t>(u)] == root) continue;
+          auto [it, fresh] = chain_first.emplace(root, u);
+          if (!fresh) it->second = std::min(it->second, u);
+        }
+      }
+    }
+    for (int i = 0; i < n_nodes; ++i) {  // a chain nobody reads stays where it is
+      if (chain_of[static_cast<std::size_t>(i)] >= 0 && chain_first.count(chain_of[static_cast<std::size_t>(i)]) == 0) chain_of[static_cast<std::size_t>(i)] = -1;
+    }
+  }
+  std::vector<std::pair<int, int>> roots;  // (first reader, root)
+  for (const auto& [root, first] : chain_first) roots.emplace_back(first, root);
+  std::sort(roots.begin(), roots.end());
+  std::vector<int> group_of_root(static_cast<std::size_t>(n_nodes), -1);
+  std::vector<int> group_first;  // per group: its first reader
+  std::string layer;
+  for (const auto& [first, root] : roots) {
+    const std::string l = models::layer_of(nodes[static_cast<std::size_t>(root)]->input(0)->name());
+    if (group_first.empty() || l != layer) {
+      group_first.push_back(first);
+      layer = l;
+    }
+    group_of_root[static_cast<std::size_t>(root)] = static_cast<int>(group_first.size()) - 1;
+  }
+  std::vector<std::vector<int>> groups(group_first.size());
+  for (int i = 0; i < n_nodes; ++i) {
+    const int root = chain_of[static_cast<std::size_t>(i)];
+    if (root >= 0) groups[static_cast<std::size_t>(group_of_root[static_cast<std::size_t>(root)])].push_back(i);
+  }
+  std::multimap<int, std::size_t> groups_at;  // anchor node -> group
+  for (std::size_t k = 0; k < groups.size(); ++k) groups_at.emplace(group_first[k == 0 ? 0 : k - 1], k);
+  // Issue early: every other collective right after the kernel that produces its input (one
+  // whose input comes from a collective stays before its reader: issuing it means waiting).
+  std::multimap<int, int> after;  // producer -> collectives issued right after it
+  std::vector<bool> hoisted(static_cast<std::size_t>(n_nodes), false);
+  if (options.overlap) {
+    for (int i = 0; i < n_nodes; ++i) {
+      const ir::Node* n = nodes[static_cast<std::size_t>(i)];
+      if (!is_collective(n->op()) || chain_of[static_cast<std::size_t>(i)] >= 0) continue;
+      const ir::Node* producer = n->input(0)->producer();
+      if (producer == nullptr || is_collective(producer->op())) continue;
+      after.emplace(index.at(producer), i);
+      hoisted[static_cast<std::size_t>(i)] = true;
+    }
+  }
+  for (int i = 0; i < n_nodes; ++i) {
+    auto [lo, hi] = groups_at.equal_range(i);
+    for (auto it = lo; it != hi; ++it) {
+      for (int g : groups[it->second]) {
+        plan.order.push_back(g);
+        if (it->second > 0 && nodes[static_cast<std::size_t>(g)]->op() == "all_gather") plan.prefetched.push_back(g);
+      }
+    }
+    if (chain_of[static_cast<std::size_t>(i)] >= 0 || hoisted[static_cast<std::size_t>(i)]) continue;
+    plan.order.push_back(i);
+    auto [a, b] = after.equal_range(i);
+    for (auto it = a; it != b; ++it) plan.order.push_back(it->second);
+  }
+  std::vector<int> pos(static_cast<std::size_t>(n_nodes));
+  for (int p = 0; p < n_nodes; ++p) pos[static_cast<std::size_t>(plan.order[static_cast<std::size_t>(p)])] = p;
+  for (int p = 0; p < n_nodes; ++p) {  // the new order must still be topological
+    for (const ir::Value* v : nodes[static_cast<std::size_t>(plan.order[static_cast<std::size_t>(p)])]->inputs()) {
+      if (v->producer() != nullptr && pos[static_cast<std::size_t>(index.at(v->producer()))] >= p) {
+        throw ir::IrError("RuntimePlan: node %" + std::to_string(nodes[static_cast<std::size_t>(plan.order[static_cast<std::size_t>(p)])]->id()) +
+                          " would run before its input " + v->ref());
+      }
+    }
+  }
+
+  // Buckets: greedy in execution order, per (mesh dim, reduce op, dtype).
+  plan.bucket_of.assign(static_cast<std::size_t>(n_nodes), -1);
+  std::map<std::tuple<std::int64_t, std::string, int>, int> open;  // key -> bucket index
+  std::map<std::tuple<std::int64_t, std::string, int>, int> made;  // key -> buckets opened so far
+  std::vector<double> caps;
+  for (int p = 0; p < n_nodes; ++p) {
+    const int i = plan.order[static_cast<std::size_t>(p)];
+    const ir::Node* n = nodes[static_cast<std::size_t>(i)];
+    if (!is_collective(n->op())) continue;
+    ++plan.collectives;
+    if (n->op() != "all_reduce" || options.bucket_bytes <= 0) continue;
+    const auto key = std::make_tuple(n->attr_int("mesh_dim"), n->attr_string("op"), static_cast<int>(n->input(0)->meta().dtype));
+    const std::int64_t bytes = n->input(0)->meta().nbytes();
+    const int reader = first_reader(i, pos);
+    if (reader == p + 1) continue;  // read at once (a forward all_reduce): nothing to fuse it with
+    auto it = open.find(key);
+    if (it != open.end()) {
+      Bucket& b = plan.buckets[static_cast<std::size_t>(it->second)];
+      if (static_cast<double>(b.bytes + bytes) <= caps[static_cast<std::size_t>(it->second)] && b.first_use > p) {
+        b.members.push_back(i);
+        b.bytes += bytes;
+        b.first_use = std::min(b.first_use, reader);
+        b.issue_after = p;
+        continue;
+      }
+    }
+    Bucket b;
+    b.members = {i};
+    b.mesh_dim = static_cast<int>(n->attr_int("mesh_dim"));
+    b.reduce_op = n->attr_string("op");
+    b.bytes = bytes;
+    b.issue_after = p;
+    b.first_use = reader;
+    b.cap = made[key]++ == 0 ? options.first_bucket_bytes : options.bucket_bytes;
+    caps.push_back(b.cap);
+    open[key] = static_cast<int>(plan.buckets.size());
+    plan.buckets.push_back(std::move(b));
+  }
+  // A bucket of one is a plain collective.
+  std::vector<Bucket> kept;
+  for (auto& b : plan.buckets) {
+    if (b.members.size() < 2) continue;
+    for (int m : b.members) plan.bucket_of[static_cast<std::size_t>(m)] = static_cast<int>(kept.size());
+    kept.push_back(std::move(b));
+  }
+  plan.buckets = std::move(kept);
+  plan.issues = plan.collectives;
+  for (const auto& b : plan.buckets) plan.issues -= static_cast<std::int64_t>(b.members.size()) - 1;
+  return plan;
+}
+
+PlanOptions plan_options(const config::Config& cfg) {
+  PlanOptions o;
+  o.bucket_bytes = cfg.get_float("comm.bucket_cap_mb") * 1024 * 1024;
+  o.first_bucket_bytes = cfg.get_float("comm.first_bucket_cap_mb") * 1024 * 1024;
+  o.overlap = cfg.get_bool("comm.overlap");
+  o.prefetch = cfg.get_bool("comm.prefetch");
+  return o;
+}
+
+std::string RuntimePlan::str(const ir::Graph& graph, const sharding::DeviceMesh& mesh) const {
+  std::vector<const ir::Node*> nodes;
+  for (const auto& n : graph.nodes()) nodes.push_back(n.get());
+  std::vector<int> pos(nodes.size());
+  for (std::size_t p = 0; p < order.size(); ++p) pos[static_cast<std::size_t>(order[p])] = static_cast<int>(p);
+  auto first_use = [&](const ir::Node* n) {
+    int best = -1;
+    for (const ir::Value* out : n->outputs()) {
+      for (const auto& use : out->uses()) {
+        for (std::size_t i = 0; i < nodes.size(); ++i) {
+          if (nodes[i] == use.user && (best < 0 || pos[i] < best)) best = pos[i];
+        }
+      }
+    }
+    return best;
+  };
+  std::ostringstream out;
+  out << "RuntimePlan: " << order.size() << " nodes, " << collectives << " collectives in " << issues << " backend calls ("
+      << buckets.size() << " buckets), " << prefetched.size() << " parameter all_gathers prefetched; bucket cap "
+      << human_bytes(options.bucket_bytes) << " (first " << human_bytes(options.first_bucket_bytes) << "), overlap "
+      << (options.overlap ? "on" : "off") << "\n";
+  for (int d = 0; d < mesh.ndim(); ++d) {
+    std::int64_t stride = 1;
+    for (int e = d + 1; e < mesh.ndim(); ++e) stride *= mesh.size(e);
+    out << "mesh dim " << d << " " << mesh.dims()[static_cast<std::size_t>(d)].name << ": groups of " << mesh.size(d) << " ranks " << stride
+        << " apart" << (d == mesh.ndim() - 1 ? " (innermost: consecutive ranks, one host under torchrun's numbering)" : "") << "\n";
+  }
+  std::vector<bool> printed(buckets.size(), false);
+  for (std::size_t p = 0; p < order.size(); ++p) {
+    const ir::Node* n = nodes[static_cast<std::size_t>(order[p])];
+    if (!is_collective(n->op())) continue;
+    const int b = bucket_of[static_cast<std::size_t>(order[p])];
+    const std::string dim = mesh.dims()[static_cast<std::size_t>(n->attr_int("mesh_dim"))].name;
+    if (b >= 0) {
+      const Bucket& bucket = buckets[static_cast<std::size_t>(b)];
+      if (static_cast<int>(p) != bucket.issue_after || printed[static_cast<std::size_t>(b)]) continue;
+      printed[static_cast<std::size_t>(b)] = true;
+      out << "[" << p << "] bucket " << b << ": all_reduce(" << bucket.reduce_op << ") on " << dim << ", " << human_bytes(static_cast<double>(bucket.bytes))
+          << ", " << bucket.members.size() << " gradients (";
+      for (std::size_t m = 0; m < bucket.members.size(); ++m) out << (m ? " " : "") << nodes[static_cast<std::size_t>(bucket.members[m])]->output()->ref();
+      out << "); waited at [" << (options.overlap ? bucket.first_use : static_cast<int>(p)) << "]\n";
+    } else {
+      const int w = first_use(n);
+      const bool pre = std::find(prefetched.begin(), prefetched.end(), order[p]) != prefetched.end();
+      out << "[" << p << "] " << n->op() << " on " << dim << ", " << human_bytes(static_cast<double>(n->input(0)->meta().nbytes())) << " in -> "
+          << n->output()->ref() << (pre ? " (prefetched)" : "") << "; waited at ["
+          << (options.overlap ? w : static_cast<int>(p)) << "]\n";
+    }
+  }
+  return out.str();
+}
+
+}  // namespace spmdx::plan

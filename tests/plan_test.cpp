@@ -1,0 +1,139 @@
+// RuntimePlan: the order it runs a rank's graph in, its buckets and its prefetches, checked on
+// the plans of real jobs (llama tiny as DDP, FSDP and FSDP x TP).
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <set>
+
+#include "spmdx/config/config.h"
+#include "spmdx/core/registry.h"
+#include "spmdx/plan/runtime_plan.h"
+#include "spmdx/sharding/distribute.h"
+#include "spmdx/train/job.h"
+
+namespace spmdx {
+namespace {
+
+using ::testing::HasSubstr;
+
+struct Job {
+  std::unique_ptr<train::PlacedJob> job;
+  std::unique_ptr<sharding::DistributedPlan> plan;
+  std::unique_ptr<ir::Graph> graph;  // rank 0's
+  Job(std::int64_t replicate, std::int64_t shard, std::int64_t tp) {
+    config::Config cfg = config::Config::load(SPMDX_SOURCE_DIR "/configs/llama_fsdp.toml");
+    cfg.override_value("parallelism.data_parallel_replicate_degree", std::to_string(replicate));
+    cfg.override_value("parallelism.data_parallel_shard_degree", std::to_string(shard));
+    cfg.override_value("parallelism.tensor_parallel_degree", std::to_string(tp));
+    PluginRegistry registry;
+    registry.discover({{BUILTIN_PLUGIN_DIR, PluginSource::Origin::builtin}});
+    job = std::make_unique<train::PlacedJob>(train::place_job(train::job_spec(cfg, replicate * shard * tp, 256), registry));
+    plan = std::make_unique<sharding::DistributedPlan>(
+        sharding::propagate(job->model.graph, job->mesh, job->inputs, job->outputs, job->use, job->reshard_after_forward));
+    graph = std::make_unique<ir::Graph>(sharding::rank_graph(*plan, 0));
+  }
+};
+
+std::vector<const ir::Node*> nodes_of(const ir::Graph& g) {
+  std::vector<const ir::Node*> out;
+  for (const auto& n : g.nodes()) out.push_back(n.get());
+  return out;
+}
+
+// Every node once, every input produced before it is read.
+void expect_valid_order(const ir::Graph& g, const plan::RuntimePlan& p) {
+  const auto nodes = nodes_of(g);
+  ASSERT_EQ(p.order.size(), nodes.size());
+  std::set<const ir::Value*> ready(g.inputs().begin(), g.inputs().end());
+  std::set<int> seen;
+  for (int i : p.order) {
+    EXPECT_TRUE(seen.insert(i).second) << "node " << i << " twice";
+    for (const ir::Value* v : nodes[static_cast<std::size_t>(i)]->inputs()) EXPECT_TRUE(ready.count(v)) << v->ref() << " read before it exists";
+    for (const ir::Value* v : nodes[static_cast<std::size_t>(i)]->outputs()) ready.insert(v);
+  }
+}
+
+TEST(RuntimePlan, DdpBucketsGradientsFirstBucketSmallAndIssuesEachAfterItsLastGradient) {
+  Job j(4, 1, 1);
+  plan::PlanOptions o;
+  o.bucket_bytes = 4.0 * 1024 * 1024;
+  o.first_bucket_bytes = 128.0 * 1024;  // the output weight's gradient (64 KiB) and the next ones
+  const auto p = plan::make_runtime_plan(*j.graph, j.job->mesh, o);
+  expect_valid_order(*j.graph, p);
+  const auto nodes = nodes_of(*j.graph);
+  ASSERT_GE(p.buckets.size(), 2u);
+  std::int64_t members = 0;
+  for (std::size_t b = 0; b < p.buckets.size(); ++b) {
+    const auto& bucket = p.buckets[b];
+    std::int64_t bytes = 0;
+    for (int m : bucket.members) {
+      EXPECT_EQ(nodes[static_cast<std::size_t>(m)]->op(), "all_reduce");
+      EXPECT_EQ(p.bucket_of[static_cast<std::size_t>(m)], static_cast<int>(b));
+      bytes += nodes[static_cast<std::size_t>(m)]->input(0)->meta().nbytes();
+    }
+    members += static_cast<std::int64_t>(bucket.members.size());
+    EXPECT_EQ(bucket.bytes, bytes);
+    EXPECT_LE(static_cast<double>(bucket.bytes), bucket.cap) << "bucket " << b;
+    EXPECT_EQ(bucket.cap, b == 0 ? o.first_bucket_bytes : o.bucket_bytes) << "bucket " << b;
+    EXPECT_GT(bucket.first_use, bucket.issue_after) << "every member is read after the bucket is issued";
+  }
+  EXPECT_EQ(p.issues, p.collectives - members + static_cast<std::int64_t>(p.buckets.size()));
+  // Issued early: each gradient's all_reduce right after the node that computes the gradient.
+  std::vector<int> pos(nodes.size());
+  for (std::size_t i = 0; i < p.order.size(); ++i) pos[static_cast<std::size_t>(p.order[i])] = static_cast<int>(i);
+  for (const auto& b : p.buckets) {
+    for (int m : b.members) {
+      const ir::Node* producer = nodes[static_cast<std::size_t>(m)]->input(0)->producer();
+      const int pp = pos[static_cast<std::size_t>(std::find(nodes.begin(), nodes.end(), producer) - nodes.begin())];
+      EXPECT_LE(pos[static_cast<std::size_t>(m)] - pp, 3) << "a gradient's all_reduce follows its producer";
+    }
+  }
+  EXPECT_THAT(p.str(*j.graph, j.job->mesh), HasSubstr("bucket 0: all_reduce(sum) on dp_replicate"));
+}
+
+TEST(RuntimePlan, NoBucketsWhenOffAndForwardAllReducesAreNeverBucketed) {
+  Job j(1, 1, 2);
+  plan::PlanOptions off;
+  off.bucket_bytes = 0;
+  const auto p = plan::make_runtime_plan(*j.graph, j.job->mesh, off);
+  EXPECT_TRUE(p.buckets.empty());
+  EXPECT_EQ(p.issues, p.collectives);
+  const auto on = plan::make_runtime_plan(*j.graph, j.job->mesh);
+  expect_valid_order(*j.graph, on);
+  for (const auto& b : on.buckets) EXPECT_GT(b.first_use, b.issue_after);
+}
+
+TEST(RuntimePlan, FsdpPrefetchesTheNextLayersAllGathersWhileTheCurrentLayerRuns) {
+  Job j(1, 4, 1);
+  const auto p = plan::make_runtime_plan(*j.graph, j.job->mesh);
+  expect_valid_order(*j.graph, p);
+  ASSERT_FALSE(p.prefetched.empty());
+  const auto nodes = nodes_of(*j.graph);
+  std::vector<int> pos(nodes.size());
+  for (std::size_t i = 0; i < p.order.size(); ++i) pos[static_cast<std::size_t>(p.order[i])] = static_cast<int>(i);
+  // layers.1's first all_gather is issued before layers.0's parameters are first used.
+  auto first_read = [&](const std::string& layer) {
+    int best = static_cast<int>(nodes.size());
+    for (std::size_t i = 0; i < nodes.size(); ++i) {
+      if (nodes[i]->op() == "all_gather") continue;
+      for (const ir::Value* v : nodes[i]->inputs()) {
+        const ir::Node* prod = v->producer();
+        if (prod != nullptr && prod->op() == "all_gather" && prod->input(0)->name().rfind(layer + ".", 0) == 0) best = std::min(best, pos[i]);
+      }
+    }
+    return best;
+  };
+  int layer1_gather = static_cast<int>(nodes.size());
+  for (std::size_t i = 0; i < nodes.size(); ++i) {
+    if (nodes[i]->op() == "all_gather" && nodes[i]->input(0)->name().rfind("layers.1.", 0) == 0) layer1_gather = std::min(layer1_gather, pos[i]);
+  }
+  EXPECT_LT(layer1_gather, first_read("layers.0"));
+  EXPECT_GT(layer1_gather, 0) << "not everything at the start: one layer ahead";
+  plan::PlanOptions none;
+  none.prefetch = false;
+  EXPECT_TRUE(plan::make_runtime_plan(*j.graph, j.job->mesh, none).prefetched.empty());
+}
+
+}  // namespace
+}  // namespace spmdx
