@@ -257,6 +257,7 @@ int run_run(const RunOptions& o) {
       registry.discover(spmdx::plugin_search_path(paths));
       spmdx::HookContext base;
       base.compile_only = true;
+      base.world_size = o.nproc * o.nnodes;
       try {
         spmdx::hooks::make_hooks(cfg, registry, base);
       } catch (const std::invalid_argument& e) {

@@ -31,8 +31,9 @@ void write_file_atomic(const std::filesystem::path& path, const std::string& byt
   std::error_code ec;
   std::filesystem::rename(tmp, path, ec);
   if (ec) {
+    const std::string why = ec.message();
     std::filesystem::remove(tmp, ec);
-    throw std::runtime_error("cannot rename " + tmp.string() + " to " + path.string() + ": " + ec.message());
+    throw std::runtime_error("cannot rename " + tmp.string() + " to " + path.string() + ": " + why);
   }
   fsync_path(path.parent_path().empty() ? std::filesystem::path(".") : path.parent_path());
 }

@@ -162,6 +162,7 @@ struct Span {
 
 struct StepInfo {
   std::int64_t step = 0;               ///< 1-based training step just completed
+  bool last = false;                   ///< the run's last step
   int rank = 0;
   int world_size = 1;
   double loss = 0.0;                   ///< the step's global loss (mean over tokens)

@@ -90,19 +90,34 @@ Fault parse_fault(const char* text) {
     const auto eq = item.find('=');
     if (eq == std::string::npos) throw bad("'" + item + "' is not key=value");
     const std::string key = item.substr(0, eq), value = item.substr(eq + 1);
-    try {
-      if (key == "rank") f.rank = std::stoi(value);
-      else if (key == "step") f.step = std::stoll(value);
-      else if (key == "index") f.index = std::stoll(value);
-      else if (key == "delta") f.delta = std::stod(value);
-      else if (key == "tensor") f.tensor = value;
-      else throw bad("unknown key '" + key + "'");
-    } catch (const std::logic_error& e) {
-      if (dynamic_cast<const std::invalid_argument*>(&e) && std::string(e.what()).rfind("SPMDX_FAULT", 0) == 0) throw;
-      throw bad("'" + value + "' is not a number");
+    auto integer = [&] {
+      std::size_t used = 0;
+      long long x = 0;
+      try {
+        x = std::stoll(value, &used);
+      } catch (const std::logic_error&) {
+        used = 0;
+      }
+      if (used == 0 || used != value.size() || x < 0) throw bad(key + "='" + value + "' is not a whole number >= 0");
+      return static_cast<std::int64_t>(x);
+    };
+    if (key == "rank") f.rank = static_cast<int>(integer());
+    else if (key == "step") f.step = integer();
+    else if (key == "index") f.index = integer();
+    else if (key == "tensor") f.tensor = value;
+    else if (key == "delta") {
+      try {
+        std::size_t used = 0;
+        f.delta = std::stod(value, &used);
+        if (used != value.size()) throw std::invalid_argument(value);
+      } catch (const std::logic_error&) {
+        throw bad("delta='" + value + "' is not a number");
+      }
+    } else {
+      throw bad("unknown key '" + key + "'");
     }
   }
-  if (f.rank < 0 || f.step < 1) throw bad("rank and step are required");
+  if (f.rank < 0 || f.step < 1) throw bad("rank=R and step=S (S >= 1) are required");
   if (f.kind == "perturb" && f.tensor.empty()) throw bad("perturb needs tensor=NAME");
   return f;
 }
@@ -149,7 +164,11 @@ class SignalDumper {
 int run_job(const config::Config& cfg, const launch::RankEnv& env) {
   const bool lead = env.rank == 0;
   std::optional<SignalDumper> signals;
-  if (!cfg.get_list("hooks.enable").empty()) signals.emplace();  // before any thread starts
+  if (!cfg.get_list("hooks.enable").empty()) {
+    signals.emplace();  // before any thread starts
+  } else {
+    std::signal(SIGUSR1, SIG_IGN);  // a dump request (the launcher passes it on) with nothing to dump
+  }
   const Fault fault = parse_fault(std::getenv("SPMDX_FAULT"));
   // Ranks on one host share its cores: each takes its part for intra-op threads.
   at::set_num_threads(std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / std::max(1, env.local_world_size)));
@@ -161,6 +180,18 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
   std::vector<std::filesystem::path> paths(cfg.get_list("plugins.paths").begin(), cfg.get_list("plugins.paths").end());
   registry.discover(plugin_search_path(paths));
   train::PlacedJob job = train::place_job(spec, registry);
+  if (!fault.kind.empty()) {  // a fault that can never happen is a mistake in the test
+    const auto state_names = train::train_state_names(job.model.params);
+    if (fault.rank >= env.world_size || fault.step > spec.steps) {
+      throw std::invalid_argument("SPMDX_FAULT: rank " + std::to_string(fault.rank) + ", step " + std::to_string(fault.step) +
+                                  " never happens in this job (" + std::to_string(env.world_size) + " ranks, " + std::to_string(spec.steps) + " steps)");
+    }
+    if (fault.kind == "perturb" && std::find(state_names.begin(), state_names.end(), fault.tensor) == state_names.end()) {
+      std::string known;
+      for (const auto& n : state_names) known += (known.empty() ? "" : ", ") + n;
+      throw std::invalid_argument("SPMDX_FAULT: no tensor '" + fault.tensor + "' in the train state; it has " + known);
+    }
+  }
   const auto plan = sharding::propagate(job.model.graph, job.mesh, job.inputs, job.outputs, job.use, job.reshard_after_forward);
   const ir::Graph graph = sharding::rank_graph(plan, env.rank);
 

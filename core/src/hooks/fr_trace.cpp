@@ -45,6 +45,8 @@ FrAnalysis analyze_flight_recorder(const std::filesystem::path& folder) {
   FrAnalysis out;
   int world_size = 0;
   std::map<int, std::string> reasons;
+  std::map<int, std::string> file_of;  // rank -> its dump
+  std::map<int, std::vector<std::string>> by_world;  // world_size -> files
   for (const auto& file : fs::directory_iterator(folder)) {
     const std::string name = file.path().filename().string();
     if (name.rfind("rank", 0) != 0 || file.path().extension() != ".json") continue;
@@ -52,9 +54,15 @@ FrAnalysis analyze_flight_recorder(const std::filesystem::path& folder) {
     try {
       std::ifstream in(file.path());
       doc = json::parse(in);
-      if (doc.value("format", "") != "spmdx-flight-recorder-1") throw std::runtime_error("not a flight recorder dump (no format \"spmdx-flight-recorder-1\")");
+      if (!doc.is_object() || doc.value("format", "") != "spmdx-flight-recorder-1") throw std::runtime_error("no format \"spmdx-flight-recorder-1\"");
       const int rank = doc.at("rank").get<int>();
-      world_size = std::max(world_size, doc.at("world_size").get<int>());
+      const int ws = doc.at("world_size").get<int>();
+      if (rank < 0 || ws < 1 || rank >= ws) throw std::runtime_error("rank " + std::to_string(rank) + " of world_size " + std::to_string(ws));
+      if (auto [it, fresh] = file_of.emplace(rank, file.path().string()); !fresh) {
+        throw std::runtime_error("rank " + std::to_string(rank) + " also dumped " + it->second + "; keep one dump per rank");
+      }
+      world_size = std::max(world_size, ws);
+      by_world[ws].push_back(name);
       reasons[rank] = doc.value("reason", "");
       out.dumped.push_back(rank);
       for (const auto& e : doc.at("entries")) {
@@ -71,8 +79,17 @@ FrAnalysis analyze_flight_recorder(const std::filesystem::path& folder) {
         groups[{e.at("group_name").get<std::string>(), e.at("group_ranks").get<std::vector<int>>()}][rank][x.seq] = x;
       }
     } catch (const std::exception& e) {
-      throw std::runtime_error(file.path().string() + ": " + e.what());
+      throw std::runtime_error(file.path().string() + ": not a valid flight recorder dump (" + e.what() +
+                               "); the flight_recorder hook writes them: remove the file or re-run");
     }
+  }
+  if (by_world.size() > 1) {
+    std::string list;
+    for (const auto& [ws, files] : by_world) {
+      list += (list.empty() ? "" : "; ") + std::string("world_size ") + std::to_string(ws) + ":";
+      for (const auto& f : files) list += " " + f;
+    }
+    throw std::runtime_error(folder.string() + ": the dumps come from different runs (" + list + "); remove the old ones");
   }
   if (out.dumped.empty()) throw std::runtime_error(folder.string() + ": no rank*.json dumps (ranks dump when a collective fails or times out, on SIGTERM/SIGINT, or on SIGUSR1)");
   std::sort(out.dumped.begin(), out.dumped.end());
@@ -85,17 +102,20 @@ FrAnalysis analyze_flight_recorder(const std::filesystem::path& folder) {
     for (std::size_t i = 0; i < key.second.size(); ++i) group += (i ? ", " : "") + std::to_string(key.second[i]);
     group += "]";
     // Members with a dump; a member that dumped but never used this group has no entries.
-    std::vector<int> members;
+    std::vector<int> members, undumped;
     for (int r : key.second) {
       if (std::binary_search(out.dumped.begin(), out.dumped.end(), r)) members.push_back(r);
+      else undumped.push_back(r);
     }
-    std::uint64_t lo = 0, hi = 0;
+    std::uint64_t lo = 0;
+    std::set<std::uint64_t> seqs;
     for (int r : members) {
       auto it = by_rank.find(r);
       if (it == by_rank.end() || it->second.empty()) continue;
       lo = std::max(lo, it->second.begin()->first);  // older entries fell out of some ring buffer
-      hi = std::max(hi, it->second.rbegin()->first);
+      for (const auto& [q, e] : it->second) seqs.insert(q);
     }
+    const std::string no_dump = undumped.empty() ? "" : " " + list(undumped) + " of this group left no dump (it exited, died or was stopped before dumping): it may be the one missing.";
     auto entry = [&](int r, std::uint64_t s) -> const Entry* {
       auto it = by_rank.find(r);
       if (it == by_rank.end()) return nullptr;
@@ -103,7 +123,8 @@ FrAnalysis analyze_flight_recorder(const std::filesystem::path& folder) {
       return e == it->second.end() ? nullptr : &e->second;
     };
     bool found = false;
-    for (std::uint64_t s = lo; s <= hi && !found; ++s) {
+    for (auto sit = seqs.lower_bound(lo); sit != seqs.end() && !found; ++sit) {
+      const std::uint64_t s = *sit;
       std::map<std::string, std::vector<int>> by_sig;
       std::vector<int> absent;
       for (int r : members) {
@@ -127,6 +148,7 @@ FrAnalysis analyze_flight_recorder(const std::filesystem::path& folder) {
             m << " Rank " << r << " recorded no collective on this group.";
           }
         }
+        m << no_dump;
         mismatches.push_back({group, s, absent, m.str()});
         found = true;
       } else if (by_sig.size() > 1) {
@@ -159,9 +181,15 @@ FrAnalysis analyze_flight_recorder(const std::filesystem::path& folder) {
           if (!e.error.empty() && errors.empty()) errors = " (rank " + std::to_string(r) + ": " + e.error + ")";
         }
         if (!pending.empty()) {
-          stalls.push_back({group, s, pending,
-                            "group " + group + ", collective #" + std::to_string(s) + " (" + ref.describe() + "): every rank issued it, it did not complete on " +
-                                list(pending) + errors + "."});
+          if (undumped.empty()) {
+            stalls.push_back({group, s, pending,
+                              "group " + group + ", collective #" + std::to_string(s) + " (" + ref.describe() + "): every rank issued it, it did not complete on " +
+                                  list(pending) + errors + "."});
+          } else {
+            stalls.push_back({group, s, undumped,
+                              "group " + group + ", collective #" + std::to_string(s) + " (" + ref.describe() + "): " + list(members) +
+                                  " issued it, it did not complete on " + list(pending) + errors + "." + no_dump});
+          }
           found = true;
         }
       }

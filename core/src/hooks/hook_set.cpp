@@ -142,8 +142,8 @@ HookSet make_hooks(const config::Config& cfg, PluginRegistry& registry, const Ho
   for (const auto& [table, opts] : cfg.plugin_option_tables()) {
     const std::string name = table.substr(table.find('.') + 1);
     if (std::find(enabled.begin(), enabled.end(), name) == enabled.end()) {
-      throw config::ConfigError(cfg.source() + ": [" + table + "] sets options of hook '" + name +
-                                "', which hooks.enable does not list; add it there or remove the table");
+      SPMDX_WARN(cfg.source() << ": [" << table << "] sets options of hook '" << name << "', which hooks.enable does not list: ignored");
+      continue;
     }
     options[name] = opts;
   }

@@ -42,7 +42,9 @@ std::string random_token() {
 }
 
 volatile sig_atomic_t g_signal = 0;
+volatile sig_atomic_t g_dump_requests = 0;  // SIGUSR1: passed on to the ranks (flight recorder dumps)
 void on_signal(int sig) { g_signal = sig; }
+void on_usr1(int) { g_dump_requests = g_dump_requests + 1; }
 
 }  // namespace
 
@@ -107,6 +109,9 @@ int launch(const LaunchOptions& o, const std::vector<std::string>& argv) {
   sa.sa_handler = on_signal;
   sigaction(SIGINT, &sa, nullptr);
   sigaction(SIGTERM, &sa, nullptr);
+  struct sigaction usr1 {};
+  usr1.sa_handler = on_usr1;
+  sigaction(SIGUSR1, &usr1, nullptr);
 
   struct Child {
     pid_t pid = -1;
@@ -197,6 +202,10 @@ int launch(const LaunchOptions& o, const std::vector<std::string>& argv) {
           }
         }
       }
+    }
+    if (g_dump_requests != 0) {  // kill -USR1 <launcher>: every rank dumps, the run goes on
+      g_dump_requests = 0;
+      stop_all(SIGUSR1);
     }
     if (g_signal != 0 && kill_deadline == std::chrono::steady_clock::time_point::max()) {
       stop_all(g_signal);

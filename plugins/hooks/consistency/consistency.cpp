@@ -6,7 +6,8 @@
 // copies. Bitwise: the collectives give every rank the same bits (ring all_reduce distributes
 // each reduced chunk from one rank), so any difference is a bug or corruption.
 //
-// Options ([hooks.consistency]): every, steps between checks (default 10); fail, stop the
+// Options ([hooks.consistency]): every, steps between checks, and the last step is always
+// checked (default 10); fail, stop the
 // job on a divergence (default true; false only reports it).
 // Output: <dump>/hooks/consistency/report.json (rank 0): the checks and the first divergence.
 #include <filesystem>
@@ -48,7 +49,7 @@ class Consistency final : public spmdx::Hook {
   }
 
   void on_step_end(const spmdx::StepInfo& step) override {
-    if (context_.store == nullptr || step.step % every_ != 0) return;
+    if (context_.store == nullptr || (step.step % every_ != 0 && !step.last)) return;
     // This rank's hashes: "name|copy key|hash" per line, in the state's order.
     std::ostringstream mine;
     for (const auto& t : step.tensors) {

@@ -5,7 +5,10 @@
 // missing from a collective, as PyTorch's NCCL Flight Recorder and its fr_trace tool do.
 //
 // Options ([hooks.flight_recorder]): size, entries kept per rank (default 2000);
-// dump_at_end, also dump after the last step (default false).
+// dump_at_end, also dump after the last step (default true: a rank that finished while others
+// hang is then seen in the merge, with the collectives it did issue).
+// A rank removes its own old dump when it starts, and rank 0 those of ranks beyond world_size,
+// so that a merge never mixes runs.
 #include <deque>
 #include <filesystem>
 #include <mutex>
@@ -25,11 +28,25 @@ class FlightRecorder final : public spmdx::Hook {
   explicit FlightRecorder(const spmdx::Options& options) {
     spmdx::OptionReader o("[hooks.flight_recorder]", options);
     size_ = static_cast<std::size_t>(o.get_int("size", 2000, 1, 10'000'000));
-    dump_at_end_ = o.get_bool("dump_at_end", false);
+    dump_at_end_ = o.get_bool("dump_at_end", true);
     o.done();
   }
 
-  void init(const spmdx::HookContext& context) override { context_ = context; }
+  void init(const spmdx::HookContext& context) override {
+    context_ = context;
+    if (context.compile_only) return;
+    std::error_code ec;
+    std::filesystem::remove(path_of(context.rank), ec);
+    if (context.rank != 0) return;
+    for (const auto& f : std::filesystem::directory_iterator(context.output_dir, ec)) {
+      const std::string name = f.path().filename().string();
+      if (name.rfind("rank", 0) != 0 || f.path().extension() != ".json") continue;
+      try {
+        if (std::stoi(name.substr(4)) >= context.world_size) std::filesystem::remove(f.path(), ec);
+      } catch (const std::logic_error&) {
+      }
+    }
+  }
 
   void on_collective(const spmdx::CollectiveInfo& c) override {
     std::lock_guard lock(mutex_);
@@ -53,6 +70,8 @@ class FlightRecorder final : public spmdx::Hook {
   }
 
  private:
+  std::filesystem::path path_of(int rank) const { return std::filesystem::path(context_.output_dir) / ("rank" + std::to_string(rank) + ".json"); }
+
   void dump(const std::string& reason) {
     std::lock_guard lock(mutex_);
     json mesh = json::array();
@@ -77,8 +96,9 @@ class FlightRecorder final : public spmdx::Hook {
     }
     const json doc{{"format", "spmdx-flight-recorder-1"}, {"rank", context_.rank}, {"world_size", context_.world_size},
                    {"mesh", mesh}, {"reason", reason}, {"entries", entries}};
-    const auto path = std::filesystem::path(context_.output_dir) / ("rank" + std::to_string(context_.rank) + ".json");
+    const auto path = path_of(context_.rank);
     spmdx::write_file_atomic(path, doc.dump(1) + "\n");
+    if (reason == "end of run") return;  // quiet: nothing went wrong
     SPMDX_WARN("flight_recorder: rank " << context_.rank << " dumped its last " << entries_.size() << " collectives to " << path.string()
                                         << " (" << reason << "); merge the ranks' dumps with: spmdx fr-trace " << context_.output_dir);
   }

@@ -69,12 +69,15 @@ class Graphviz final : public spmdx::Hook {
     const std::string ranks = o.get_string("ranks", "all");
     max_svg_nodes_ = o.get_int("max_svg_nodes", 300, 1, 100'000'000);
     o.done();
+    if (ranks.empty()) throw std::invalid_argument("[hooks.graphviz] ranks = \"\": expected \"all\" or rank numbers such as \"0,3\"");
     if (ranks != "all") {
       std::stringstream list(ranks);
       std::string item;
       while (std::getline(list, item, ',')) {
         try {
-          ranks_.insert(std::stoi(item));
+          std::size_t used = 0;
+          ranks_.insert(std::stoi(item, &used));
+          if (used != item.size()) throw std::invalid_argument(item);
         } catch (const std::logic_error&) {
           throw std::invalid_argument("[hooks.graphviz] ranks = \"" + ranks + "\": expected \"all\" or rank numbers such as \"0,3\"");
         }
@@ -82,7 +85,15 @@ class Graphviz final : public spmdx::Hook {
     }
   }
 
-  void init(const spmdx::HookContext& context) override { context_ = context; }
+  void init(const spmdx::HookContext& context) override {
+    context_ = context;
+    for (int r : ranks_) {
+      if (r < 0 || r >= context.world_size) {
+        throw std::invalid_argument("[hooks.graphviz] ranks: " + std::to_string(r) + " is not a rank of this job (world_size " +
+                                    std::to_string(context.world_size) + ")");
+      }
+    }
+  }
 
   void on_compile_stage(const spmdx::GraphView& g) override {
     if (g.stage == spmdx::CompileStage::propagated) {

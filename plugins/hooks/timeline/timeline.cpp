@@ -73,7 +73,16 @@ class Timeline final : public spmdx::Hook {
   void on_failure(const std::string&) override { write_own(); }  // what was recorded so far
 
   void finish() override {
-    write_own();
+    if (summary_.empty()) {
+      SPMDX_WARN("timeline: no step recorded (start_step " << start_ << ", steps " << steps_ << " is past the run's last step)");
+    }
+    // Counted written even when the write fails, so that rank 0 never waits for it.
+    try {
+      write_own();
+    } catch (...) {
+      if (context_.store != nullptr) context_.store->add("spmdx/hooks/timeline/written", 1);
+      throw;
+    }
     if (context_.store != nullptr) context_.store->add("spmdx/hooks/timeline/written", 1);
     if (context_.rank != 0) return;
     // Rank 0 merges once every rank wrote its file (or the timeout passed: merge what exists).
@@ -87,11 +96,13 @@ class Timeline final : public spmdx::Hook {
     std::vector<int> missing;
     for (int r = 0; r < context_.world_size; ++r) {
       std::ifstream in(fs::path(context_.output_dir) / ("rank" + std::to_string(r) + ".json"));
-      if (!in) {
-        missing.push_back(r);
+      json doc;
+      try {
+        doc = json::parse(in);
+      } catch (const std::exception&) {
+        missing.push_back(r);  // absent, unreadable, or half-written by a failing rank
         continue;
       }
-      const json doc = json::parse(in);
       for (const auto& e : doc.at("traceEvents")) merged.push_back(e);
       for (const auto& s : doc.at("otherData").at("summary")) summary.push_back(s);
     }

@@ -78,8 +78,9 @@ class HookSet {
 };
 
 /// The hooks a config enables (hooks.enable, options from [hooks.<name>]), writing under
-/// <job.dump_folder>/hooks/. Throws config::ConfigError for an options table of a hook that
-/// hooks.enable does not list, and what HookSet's constructor throws.
+/// <job.dump_folder>/hooks/. An options table of a hook that hooks.enable does not list is
+/// ignored with a warning (a command line may enable other hooks than the file). Throws what
+/// HookSet's constructor throws.
 HookSet make_hooks(const config::Config& cfg, PluginRegistry& registry, const HookContext& base);
 
 }  // namespace spmdx::hooks
