@@ -190,7 +190,9 @@ int run_compile(const CompileOptions& o) {
     std::vector<std::int64_t> ranks;
     for (std::int64_t r = 0; r < (o.fake ? 1 : world); ++r) ranks.push_back(r);
     hooks.compile(plan, ranks);
-    std::cout << "hooks " << cfg.get_list("hooks.enable").size() << " ran on the compile stages; output in "
+    std::string names;
+    for (const auto& n : cfg.get_list("hooks.enable")) names += (names.empty() ? "" : ", ") + n;
+    std::cout << "hooks (" << names << ") ran on the compile stages; their files are under "
               << (fs::path(cfg.get_string("job.dump_folder")) / "hooks").string() << "\n";
   }
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

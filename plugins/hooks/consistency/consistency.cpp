@@ -102,8 +102,11 @@ class Consistency final : public spmdx::Hook {
           "step " + std::to_string(step.step) + ": tensor " + name + (copy.empty() ? "" : " (copy " + copy + ")") + " differs on rank" +
           (odd.size() > 1 ? "s " : " ") + list(odd) + " from rank" + (majority->second.size() > 1 ? "s " : " ") + list(majority->second) +
           (tie ? " (no majority: either side may be wrong)" : "") + "; it should be identical on all of them";
-      report_["divergence"] = {{"step", step.step}, {"tensor", name}, {"copy", copy}, {"ranks", odd}, {"reference_ranks", majority->second},
-                               {"message", message}};
+      if (!report_.contains("divergence") || report_["divergence"].is_null()) {  // the first one is the one to chase
+        report_["divergence"] = {{"step", step.step}, {"tensor", name}, {"copy", copy}, {"ranks", odd}, {"reference_ranks", majority->second},
+                                 {"message", message}};
+      }
+      ++divergences_;
       write_report();
       SPMDX_ERROR("consistency: " << message);
       if (fail_) throw spmdx::ValidationError(message);
@@ -115,7 +118,12 @@ class Consistency final : public spmdx::Hook {
   void finish() override {
     if (context_.rank == 0 && context_.store != nullptr) {
       write_report();
-      SPMDX_INFO("consistency: " << checks_ << " check(s), no divergence; report in " << context_.output_dir);
+      if (divergences_ == 0) {
+        SPMDX_INFO("consistency: " << checks_ << " check(s), no divergence; report in " << context_.output_dir);
+      } else {
+        SPMDX_ERROR("consistency: " << checks_ << " check(s), " << divergences_ << " with a divergence; the first: "
+                                    << report_["divergence"]["message"].get<std::string>() << "; report in " << context_.output_dir);
+      }
     }
   }
 
@@ -128,7 +136,7 @@ class Consistency final : public spmdx::Hook {
 
   std::int64_t every_ = 10;
   bool fail_ = true;
-  int checks_ = 0;
+  int checks_ = 0, divergences_ = 0;
   spmdx::HookContext context_;
   json report_ = {{"checks", json::array()}};
 };

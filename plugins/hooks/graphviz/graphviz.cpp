@@ -6,14 +6,18 @@
 //
 // Options ([hooks.graphviz]): collapse_layers (default false); format, "svg" or "dot"
 // (default "svg"); ranks, "all" or a list such as "0,3" (default "all"); max_svg_nodes, above
-// this many nodes the SVG is drawn by layer, since Graphviz's layout grows fast (default 300).
+// this many nodes the SVG is drawn by layer, since Graphviz's layout grows fast (default 300);
+// svg_timeout_seconds, dot is stopped after this long (default 60).
 // Output: <dump>/hooks/graphviz/logical.{dot,svg}, rank<R>.{dot,svg}; <stem>.layers.dot for
 // the by-layer picture.
 #include <spawn.h>
 #include <sys/wait.h>
 
+#include <chrono>
+#include <csignal>
 #include <filesystem>
 #include <map>
+#include <thread>
 #include <set>
 #include <sstream>
 
@@ -46,8 +50,8 @@ std::string shape_str(const std::vector<std::int64_t>& shape) {
 
 std::string placement_str(const std::vector<spmdx::Placement>& p) { return p.empty() ? "?" : spmdx::to_string(p); }
 
-// Runs `dot -Tsvg in -o out`; "" on success, else why not.
-std::string render_svg(const fs::path& dot, const fs::path& svg) {
+// Runs `dot -Tsvg in -o out`, killed after `timeout` seconds; "" on success, else why not.
+std::string render_svg(const fs::path& dot, const fs::path& svg, double timeout) {
   std::vector<std::string> args = {"dot", "-Tsvg", dot.string(), "-o", svg.string()};
   std::vector<char*> argv;
   for (auto& a : args) argv.push_back(a.data());
@@ -55,7 +59,16 @@ std::string render_svg(const fs::path& dot, const fs::path& svg) {
   pid_t pid = 0;
   if (posix_spawnp(&pid, "dot", nullptr, nullptr, argv.data(), environ) != 0) return "Graphviz's dot is not installed (apt install graphviz)";
   int status = 0;
-  waitpid(pid, &status, 0);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout);
+  while (waitpid(pid, &status, WNOHANG) == 0) {
+    if (std::chrono::steady_clock::now() > deadline) {
+      kill(pid, SIGKILL);
+      waitpid(pid, &status, 0);
+      return "dot took over svg_timeout_seconds = " + std::to_string(static_cast<int>(timeout)) + " s on " + dot.string() +
+             " and was stopped (lower max_svg_nodes or set collapse_layers = true)";
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
   if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) return "dot failed on " + dot.string() + " (exit " + std::to_string(WEXITSTATUS(status)) + ")";
   return "";
 }
@@ -68,6 +81,7 @@ class Graphviz final : public spmdx::Hook {
     svg_ = o.get_string("format", "svg", {"svg", "dot"}) == "svg";
     const std::string ranks = o.get_string("ranks", "all");
     max_svg_nodes_ = o.get_int("max_svg_nodes", 300, 1, 100'000'000);
+    svg_timeout_ = o.get_double("svg_timeout_seconds", 60, 1, 86400);
     o.done();
     if (ranks.empty()) throw std::invalid_argument("[hooks.graphviz] ranks = \"\": expected \"all\" or rank numbers such as \"0,3\"");
     if (ranks != "all") {
@@ -129,7 +143,7 @@ class Graphviz final : public spmdx::Hook {
       SPMDX_INFO("graphviz: " << stem << " has " << g.nodes.size() + g.inputs.size() << " nodes and inputs (> max_svg_nodes " << max_svg_nodes_
                               << "): its SVG shows one box per layer; the full graph is in " << (dir / (stem + ".dot")).string());
     }
-    const std::string error = render_svg(source, dir / (stem + ".svg"));
+    const std::string error = render_svg(source, dir / (stem + ".svg"), svg_timeout_);
     if (!error.empty() && !warned_) {
       warned_ = true;
       SPMDX_WARN("graphviz: " << error << "; the DOT files are in " << dir.string());
@@ -232,6 +246,7 @@ class Graphviz final : public spmdx::Hook {
 
   bool collapse_ = false, svg_ = true, warned_ = false, told_ = false;
   std::int64_t max_svg_nodes_ = 300;
+  double svg_timeout_ = 60;
   std::set<int> ranks_;
   std::map<std::string, std::string> colours_;
   spmdx::HookContext context_;

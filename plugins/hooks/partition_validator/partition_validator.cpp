@@ -34,6 +34,16 @@ namespace {
 
 using nlohmann::json;
 
+// "%526 = matmul(...) f32[8, 128, 192]": a value by its name (or the op making it) and shape.
+std::string describe(const spmdx::GraphView& g, int v) {
+  const auto& value = g.values[static_cast<std::size_t>(v)];
+  std::string s = value.name;
+  if (value.producer >= 0) s += " (" + g.nodes[static_cast<std::size_t>(value.producer)].op + ")";
+  s += " " + value.dtype + "[";
+  for (std::size_t i = 0; i < value.shape.size(); ++i) s += (i ? ", " : "") + std::to_string(value.shape[i]);
+  return s + "]";
+}
+
 struct RankLoad {
   double flops = 0;
   double comm_bytes = 0;
@@ -132,7 +142,7 @@ class PartitionValidator final : public spmdx::Hook {
       if (held > load.peak_activation_bytes) {
         load.peak_activation_bytes = held;
         load.largest.clear();
-        for (int v : live) load.largest.emplace_back(static_cast<double>(g.values[static_cast<std::size_t>(v)].bytes), g.values[static_cast<std::size_t>(v)].name);
+        for (int v : live) load.largest.emplace_back(static_cast<double>(g.values[static_cast<std::size_t>(v)].bytes), describe(g, v));
       }
       for (int v : frees[n]) {
         if (live.erase(v)) held -= static_cast<double>(g.values[static_cast<std::size_t>(v)].bytes);
