@@ -227,6 +227,7 @@ void P2PBackend::start(Transport* transport, const CommInit& init) {
   groups_.push_back(all);
   stopping_ = false;
   aborted_ = false;
+  queue_.reopen();
   thread_ = std::thread([this] { run(); });
   if (store_ != nullptr) {
     heartbeat_ = std::thread([this] {
@@ -283,15 +284,14 @@ void P2PBackend::stop() {
     std::lock_guard hb(heartbeat_mutex_);
     stopping_ = true;
   }
-  cv_.notify_all();
+  queue_.close();  // the comm thread drains what is queued, then ends
   heartbeat_cv_.notify_all();
   if (thread_.joinable()) thread_.join();
   if (heartbeat_.joinable()) heartbeat_.join();
 }
 
 void P2PBackend::abort() noexcept {
-  aborted_ = true;
-  cv_.notify_all();
+  aborted_ = true;  // queued operations fail at once; one in progress fails at its next poll
 }
 
 int P2PBackend::new_group(const std::vector<int>& ranks) {
@@ -317,22 +317,15 @@ std::unique_ptr<Work> P2PBackend::submit(const char* name, int group, std::funct
     } else {
       op->seq = groups_[static_cast<std::size_t>(group)].seq++;
     }
-    queue_.push_back(op);
+    queue_.push(op);
   }
-  cv_.notify_all();
   return std::make_unique<OpWork>(op);
 }
 
 void P2PBackend::run() {
   while (true) {
     std::shared_ptr<Op> op;
-    {
-      std::unique_lock lock(mutex_);
-      cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
-      if (queue_.empty()) return;
-      op = queue_.front();
-      queue_.pop_front();
-    }
+    if (!queue_.pop_wait(op)) return;  // closed and drained
     std::string error;
     int peer = -1;
     const double started_at = wall_seconds();

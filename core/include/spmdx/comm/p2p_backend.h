@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "spmdx/comm.h"
+#include "spmdx/comm/comm_queue.h"
 
 namespace spmdx::comm {
 
@@ -99,9 +100,8 @@ class P2PBackend : public CommBackend {
   int world_size_ = 1;
   double timeout_ = 300;
   std::vector<Group> groups_;
-  std::mutex mutex_;
-  std::condition_variable cv_;
-  std::deque<std::shared_ptr<Op>> queue_;
+  std::mutex mutex_;  // groups_ and their sequence numbers: a group's operations enter the queue in sequence order
+  CommQueue<std::shared_ptr<Op>> queue_{1024};  // to the comm thread, which never locks
   bool stopping_ = false;
   std::atomic<bool> aborted_{false};
   std::thread thread_;
