@@ -1,0 +1,147 @@
+// The `local` comm plugin: ranks as threads of one process. Every collective on 2, 3 and 4
+// ranks against a reference computed here; two groups at once; a rank in another process is
+// refused by name.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <thread>
+
+#include "spmdx/comm/store.h"
+#include "spmdx/core/registry.h"
+
+namespace spmdx {
+namespace {
+
+using ::testing::HasSubstr;
+
+// Runs body(rank, backend) on `n` threads, each with its own initialised local backend.
+void on_ranks(int n, const std::string& job, const std::function<void(int, CommBackend&)>& body) {
+  PluginRegistry registry;
+  registry.discover({{BUILTIN_PLUGIN_DIR, PluginSource::Origin::builtin}});
+  std::vector<std::unique_ptr<CommBackend>> backends;
+  for (int r = 0; r < n; ++r) backends.push_back(registry.make_comm_backend("local", {{"job", job}}));
+  std::vector<std::thread> threads;
+  std::vector<std::string> errors(static_cast<std::size_t>(n));
+  for (int r = 0; r < n; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        backends[static_cast<std::size_t>(r)]->init({r, n, 0, nullptr, 30});
+        body(r, *backends[static_cast<std::size_t>(r)]);
+        backends[static_cast<std::size_t>(r)]->finalize();
+      } catch (const std::exception& e) {
+        errors[static_cast<std::size_t>(r)] = e.what();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < n; ++r) EXPECT_EQ(errors[static_cast<std::size_t>(r)], "") << "rank " << r;
+}
+
+double input(int rank, std::size_t i) { return static_cast<double>((rank + 1) * static_cast<int>(i % 5 + 1)); }
+
+template <class T>
+void check_all_reduce(CommDType dtype, ReduceOp op, int n, std::size_t count) {
+  on_ranks(n, "ar", [&](int rank, CommBackend& b) {
+    std::vector<T> buf(count);
+    for (std::size_t i = 0; i < count; ++i) buf[i] = static_cast<T>(input(rank, i));
+    ASSERT_TRUE(b.all_reduce(0, {buf.data(), count, dtype, MemoryType::host}, op)->wait(30));
+    for (std::size_t i = 0; i < count; ++i) {
+      double want = op == ReduceOp::prod ? 1 : op == ReduceOp::max ? -1e300 : op == ReduceOp::min ? 1e300 : 0;
+      for (int r = 0; r < n; ++r) {
+        const double x = input(r, i);
+        if (op == ReduceOp::sum || op == ReduceOp::avg) want += x;
+        if (op == ReduceOp::prod) want = static_cast<double>(static_cast<T>(static_cast<T>(want) * static_cast<T>(x)));  // wraps as T does
+        if (op == ReduceOp::max) want = std::max(want, x);
+        if (op == ReduceOp::min) want = std::min(want, x);
+      }
+      if (op == ReduceOp::avg) want /= n;
+      ASSERT_NEAR(static_cast<double>(buf[i]), want, 1e-6 * std::abs(want)) << to_string(op) << " element " << i << " rank " << rank;
+    }
+  });
+}
+
+TEST(LocalComm, AllReduceEveryDtypeAndOpOn2To4Ranks) {
+  for (int n : {2, 3, 4}) {
+    for (ReduceOp op : {ReduceOp::sum, ReduceOp::max, ReduceOp::min, ReduceOp::prod}) {
+      check_all_reduce<float>(CommDType::f32, op, n, 7);
+      check_all_reduce<double>(CommDType::f64, op, n, 7);
+      check_all_reduce<std::int32_t>(CommDType::i32, op, n, 7);
+      check_all_reduce<std::int64_t>(CommDType::i64, op, n, 7);
+      check_all_reduce<std::uint8_t>(CommDType::u8, op, n, 7);
+    }
+    check_all_reduce<float>(CommDType::f32, ReduceOp::avg, n, 7);
+    for (std::size_t count : {std::size_t{0}, std::size_t{1}, std::size_t{1000003}}) check_all_reduce<float>(CommDType::f32, ReduceOp::sum, n, count);
+  }
+}
+
+TEST(LocalComm, GatherScatterAllToAllBroadcastAndBarrier) {
+  for (int n : {2, 3, 4}) {
+    on_ranks(n, "mix", [&](int rank, CommBackend& b) {
+      std::vector<std::size_t> counts;
+      std::size_t total = 0;
+      for (int r = 0; r < n; ++r) counts.push_back(static_cast<std::size_t>(r + 2)), total += static_cast<std::size_t>(r + 2);  // uneven
+      // all_gather: member r contributes counts[r] copies of r.
+      std::vector<float> mine(counts[static_cast<std::size_t>(rank)], static_cast<float>(rank)), all(total);
+      ASSERT_TRUE(b.all_gather(0, {mine.data(), mine.size()}, {all.data(), total}, counts)->wait(30));
+      std::size_t o = 0;
+      for (int r = 0; r < n; ++r) {
+        for (std::size_t i = 0; i < counts[static_cast<std::size_t>(r)]; ++i) ASSERT_EQ(all[o++], static_cast<float>(r));
+      }
+      // reduce_scatter: everyone sends 1..total; member r gets its slice times n.
+      std::vector<double> in(total), out(counts[static_cast<std::size_t>(rank)]);
+      for (std::size_t i = 0; i < total; ++i) in[i] = static_cast<double>(i + 1);
+      ASSERT_TRUE(b.reduce_scatter(0, {in.data(), total, CommDType::f64}, {out.data(), out.size(), CommDType::f64}, counts, ReduceOp::sum)->wait(30));
+      std::size_t start = 0;
+      for (int r = 0; r < rank; ++r) start += counts[static_cast<std::size_t>(r)];
+      for (std::size_t i = 0; i < out.size(); ++i) ASSERT_EQ(out[i], static_cast<double>(n * static_cast<int>(start + i + 1)));
+      // all_to_all: block j of member r is 100 r + j, one element each.
+      std::vector<std::int64_t> send(static_cast<std::size_t>(n)), recv(static_cast<std::size_t>(n));
+      for (int j = 0; j < n; ++j) send[static_cast<std::size_t>(j)] = 100 * rank + j;
+      std::vector<std::size_t> ones(static_cast<std::size_t>(n), 1);
+      ASSERT_TRUE(b.all_to_all(0, {send.data(), send.size(), CommDType::i64}, {recv.data(), recv.size(), CommDType::i64}, ones, ones)->wait(30));
+      for (int j = 0; j < n; ++j) ASSERT_EQ(recv[static_cast<std::size_t>(j)], 100 * j + rank);
+      // broadcast from the last member, then a barrier.
+      std::vector<float> x(5, rank == n - 1 ? 42.0f : 0.0f);
+      ASSERT_TRUE(b.broadcast(0, {x.data(), x.size()}, n - 1)->wait(30));
+      for (float v : x) ASSERT_EQ(v, 42.0f);
+      ASSERT_TRUE(b.barrier(0)->wait(30));
+    });
+  }
+}
+
+TEST(LocalComm, TwoGroupsRunCollectivesAtTheSameTime) {
+  on_ranks(4, "groups", [&](int rank, CommBackend& b) {
+    const int pairs = b.new_group(rank < 2 ? std::vector<int>{0, 1} : std::vector<int>{2, 3});
+    const int evens_odds = b.new_group(rank % 2 == 0 ? std::vector<int>{0, 2} : std::vector<int>{1, 3});
+    std::vector<float> a(1000, static_cast<float>(rank)), c(1000, static_cast<float>(rank));
+    auto w1 = b.all_reduce(pairs, {a.data(), a.size()}, ReduceOp::sum);
+    auto w2 = b.all_reduce(evens_odds, {c.data(), c.size()}, ReduceOp::sum);
+    ASSERT_TRUE(w1->wait(30));
+    ASSERT_TRUE(w2->wait(30));
+    EXPECT_EQ(a[999], rank < 2 ? 1.0f : 5.0f);
+    EXPECT_EQ(c[999], rank % 2 == 0 ? 2.0f : 4.0f);
+  });
+}
+
+TEST(LocalComm, RanksInAnotherProcessAreRefusedByName) {
+  comm::TcpStoreServer server("127.0.0.1", 0, "tok");
+  comm::TcpStore store("127.0.0.1", server.port(), "tok", 10);
+  store.set("spmdx/local/g0/pid", "1");  // as if rank 0 were process 1
+  PluginRegistry registry;
+  registry.discover({{BUILTIN_PLUGIN_DIR, PluginSource::Origin::builtin}});
+  auto b = registry.make_comm_backend("local");
+  try {
+    b->init({1, 2, 0, &store, 10});
+    FAIL() << "a rank in another process must be refused";
+  } catch (const CommError& e) {
+    EXPECT_THAT(e.what(), HasSubstr("local: rank 1 is process"));
+    EXPECT_THAT(e.what(), HasSubstr("use ucx for ranks in processes"));
+  }
+  EXPECT_THROW(registry.make_comm_backend("local", {{"jobb", "x"}}), std::invalid_argument);
+}
+
+}  // namespace
+}  // namespace spmdx
