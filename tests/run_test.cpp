@@ -107,6 +107,22 @@ TEST(Run, BucketingPrefetchAndOverlapChangeNoLoss) {
   }
 }
 
+// Under torchrun, whose agent holds MASTER_PORT with a c10d TCPStore, the ranks join that store
+// (LibTorch's c10d client) and train as under spmdx's own launcher.
+TEST(Run, UnderTorchrunTheRanksJoinItsC10dStore) {
+  const std::string torchrun = SPMDX_SOURCE_DIR "/.venv/bin/torchrun";
+  if (!fs::exists(torchrun)) GTEST_SKIP() << torchrun << " is absent (scripts/setup installs it)";
+  test::TempDir dir;
+  const std::string common = "'" SPMDX_SOURCE_DIR "/configs/mlp_dp.toml' --training.steps 3 --data.paths '" + corpus_file(dir) + "'";
+  auto ours = spmdx_run(common + " --nproc 2 --job.dump_folder '" + (dir / "ours").string() + "'");
+  ASSERT_EQ(ours.exit_code, 0) << ours.output;
+  auto r = test::run_command("'" + torchrun + "' --nproc-per-node 2 --no-python '" SPMDX_EXE "' run " + common + " --job.dump_folder '" +
+                             (dir / "torchrun").string() + "'");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("(2 ranks, torchrun)"));
+  EXPECT_EQ(losses(dir / "torchrun" / "metrics.jsonl"), losses(dir / "ours" / "metrics.jsonl"));
+}
+
 TEST(Run, TypoInConfigFailsBeforeAnyRankStartsNamingLineAndKey) {
   test::TempDir dir;
   test::write_file(dir / "bad.toml", "[model]\nname = \"llama\"\n[training]\nsteps = 3\nsqe_len = 16\n");

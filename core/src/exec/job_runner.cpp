@@ -25,6 +25,7 @@
 #include "spmdx/core/registry.h"
 #include "spmdx/core/text.h"
 #include "spmdx/data/text_dataset.h"
+#include "spmdx/exec/c10d_store.h"
 #include "spmdx/exec/checkpoint.h"
 #include "spmdx/exec/distributed.h"
 #include "spmdx/exec/simulated.h"
@@ -197,17 +198,21 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
 
   // Rendezvous and the comm backend (none for one rank).
   std::unique_ptr<comm::TcpStoreServer> server;
-  std::unique_ptr<comm::TcpStore> store;
+  std::unique_ptr<Store> store;
   std::unique_ptr<CommBackend> backend;
   const double timeout = cfg.get_float("comm.timeout_seconds");
   if (env.world_size > 1) {
-    if (!env.store_hosted && env.rank == 0) server = std::make_unique<comm::TcpStoreServer>("0.0.0.0", env.master_port, env.token);
+    if (!env.store_hosted && !env.c10d_store && env.rank == 0) server = std::make_unique<comm::TcpStoreServer>("0.0.0.0", env.master_port, env.token);
     if (lead) {
       std::printf("rank 0: waiting for %d ranks to join at %s:%d (comm.timeout_seconds = %g)\n", env.world_size, env.master_addr.c_str(),
                   env.master_port, timeout);
       std::fflush(stdout);
     }
-    store = std::make_unique<comm::TcpStore>(env.master_addr, env.master_port, env.token, timeout);
+    if (env.c10d_store) {  // under torchrun: its agent's c10d TCPStore
+      store = connect_c10d_store(env.master_addr, env.master_port, "spmdx/" + env.run_id + "/", timeout);
+    } else {
+      store = std::make_unique<comm::TcpStore>(env.master_addr, env.master_port, env.token, timeout);
+    }
   }
   // Debug hooks: made on every rank; the compile stages run on rank 0, before any backend
   // joins, so a validator that fails stops the job before its first step.

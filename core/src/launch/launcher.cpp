@@ -78,6 +78,8 @@ RankEnv rank_env() {
   e.master_port = env_int("MASTER_PORT").value_or(29500);
   if (const char* t = std::getenv("SPMDX_JOB_TOKEN")) e.token = t;
   e.store_hosted = std::getenv("SPMDX_STORE_HOSTED") != nullptr;
+  if (const char* agent = std::getenv("TORCHELASTIC_USE_AGENT_STORE"); agent != nullptr && std::string(agent) == "True") e.c10d_store = true;
+  if (const char* id = std::getenv("TORCHELASTIC_RUN_ID")) e.run_id = id;
   return e;
 }
 
