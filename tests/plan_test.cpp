@@ -133,6 +133,16 @@ TEST(RuntimePlan, FsdpPrefetchesTheNextLayersAllGathersWhileTheCurrentLayerRuns)
   plan::PlanOptions none;
   none.prefetch = false;
   EXPECT_TRUE(plan::make_runtime_plan(*j.graph, j.job->mesh, none).prefetched.empty());
+  // FSDP's gradients are reduce-scattered in buckets, one backend call per bucket.
+  std::size_t rs_buckets = 0;
+  for (const auto& b : p.buckets) {
+    if (b.op != "reduce_scatter") continue;
+    ++rs_buckets;
+    for (int m : b.members) EXPECT_EQ(nodes[static_cast<std::size_t>(m)]->op(), "reduce_scatter");
+    EXPECT_LE(static_cast<double>(b.bytes), b.cap);
+  }
+  EXPECT_GT(rs_buckets, 0u);
+  EXPECT_LT(p.issues, p.collectives);
 }
 
 }  // namespace

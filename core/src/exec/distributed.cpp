@@ -110,13 +110,44 @@ DistributedExecutor::DistributedExecutor(const ir::Graph& graph, const sharding:
   for (const auto& [v, at] : last_use) {
     if (at < dead_.size()) dead_[at].push_back(v);
   }
-  // Each bucket member's offset in its bucket's flat buffer, in elements.
-  bucket_offset_.assign(nodes_.size(), 0);
-  bucket_numel_.assign(plan_.buckets.size(), 0);
+  // The bucket layouts (see MemberLayout).
+  member_.assign(nodes_.size(), {});
+  layout_.assign(plan_.buckets.size(), {});
   for (std::size_t b = 0; b < plan_.buckets.size(); ++b) {
-    for (int m : plan_.buckets[b].members) {
-      bucket_offset_[static_cast<std::size_t>(m)] = bucket_numel_[b];
-      bucket_numel_[b] += nodes_[static_cast<std::size_t>(m)]->input(0)->meta().numel();
+    const auto& bucket = plan_.buckets[b];
+    BucketLayout& L = layout_[b];
+    if (bucket.op == "all_reduce") {
+      for (int m : bucket.members) {
+        member_[static_cast<std::size_t>(m)].in_offset = {L.in_numel};
+        L.in_numel += nodes_[static_cast<std::size_t>(m)]->input(0)->meta().numel();
+      }
+      L.out_numel = L.in_numel;
+      continue;
+    }
+    const std::size_t k = nodes_[static_cast<std::size_t>(bucket.members.front())]->attr_ints("sizes").size();
+    L.counts.assign(k, 0);
+    for (int m : bucket.members) {  // chunk j of member m holds sizes[j] rows of `inner` elements
+      const ir::Node& n = *nodes_[static_cast<std::size_t>(m)];
+      MemberLayout& M = member_[static_cast<std::size_t>(m)];
+      const auto& shape = n.input(0)->meta().shape;
+      M.dim = n.attr_int("dim") < 0 ? n.attr_int("dim") + static_cast<std::int64_t>(shape.size()) : n.attr_int("dim");
+      M.inner = n.input(0)->meta().numel() / shape.at(static_cast<std::size_t>(M.dim));
+      M.out_offset = L.out_numel;
+      L.out_numel += n.attr_ints("sizes").at(static_cast<std::size_t>(n.attr_int("index"))) * M.inner;
+      for (std::size_t j = 0; j < k; ++j) L.counts[j] += static_cast<std::size_t>(n.attr_ints("sizes")[j] * M.inner);
+    }
+    std::vector<std::int64_t> filled(k, 0);  // per rank block: elements placed so far
+    std::int64_t block = 0;
+    std::vector<std::int64_t> block_start(k, 0);
+    for (std::size_t j = 0; j < k; ++j) block_start[j] = block, block += static_cast<std::int64_t>(L.counts[j]);
+    L.in_numel = block;
+    for (int m : bucket.members) {
+      const ir::Node& n = *nodes_[static_cast<std::size_t>(m)];
+      MemberLayout& M = member_[static_cast<std::size_t>(m)];
+      for (std::size_t j = 0; j < k; ++j) {
+        M.in_offset.push_back(block_start[j] + filled[j]);
+        filled[j] += n.attr_ints("sizes")[j] * M.inner;
+      }
     }
   }
   mesh_dims_.clear();
@@ -229,7 +260,7 @@ TensorMap DistributedExecutor::run(const TensorMap& inputs, std::int64_t step) {
     stats_.comm_bytes += static_cast<double>(x.nbytes());
     if (hooks_ != nullptr) hooks_->collective(is->info);
   };
-  std::vector<at::Tensor> bucket_flat(plan_.buckets.size());
+  std::vector<at::Tensor> bucket_flat(plan_.buckets.size()), bucket_out(plan_.buckets.size());
   std::int64_t collective_index = -1;  // in this step
   for (std::size_t pos = 0; pos < plan_.order.size(); ++pos) {
     const std::size_t index = static_cast<std::size_t>(plan_.order[pos]);
@@ -246,19 +277,43 @@ TensorMap DistributedExecutor::run(const TensorMap& inputs, std::int64_t step) {
     } else if (const int b = plan_.bucket_of[index]; b >= 0) {
       // A bucket member: its input goes into the bucket's flat buffer; the last one issues it.
       const auto& bucket = plan_.buckets[static_cast<std::size_t>(b)];
+      const BucketLayout& L = layout_[static_cast<std::size_t>(b)];
+      const MemberLayout& M = member_[index];
       const at::Tensor& x = value(n.input(0));
       at::Tensor& flat = bucket_flat[static_cast<std::size_t>(b)];
-      if (!flat.defined()) flat = at::empty({bucket_numel_[static_cast<std::size_t>(b)]}, x.options());
-      const std::int64_t offset = bucket_offset_[index], numel = x.numel();
-      flat.narrow(0, offset, numel).copy_(x.reshape({-1}));
-      const auto shape = x.sizes().vec();
-      pending[n.output()] = {nullptr, [flat, offset, numel, shape] { return flat.narrow(0, offset, numel).view(shape); }};
+      at::Tensor& out = bucket_out[static_cast<std::size_t>(b)];
+      if (!flat.defined()) {
+        flat = at::empty({L.in_numel}, x.options());
+        out = bucket.op == "all_reduce" ? flat : at::empty({L.out_numel}, x.options());
+      }
+      if (bucket.op == "all_reduce") {
+        const std::int64_t offset = M.in_offset[0], numel = x.numel();
+        flat.narrow(0, offset, numel).copy_(x.reshape({-1}));
+        const auto shape = x.sizes().vec();
+        pending[n.output()] = {nullptr, [flat, offset, numel, shape] { return flat.narrow(0, offset, numel).view(shape); }};
+      } else {  // chunk j (rows along `dim`) into rank j's block
+        const at::Tensor in = x.movedim(M.dim, 0).contiguous();
+        const auto& sizes = n.attr_ints("sizes");
+        std::int64_t row = 0;
+        for (std::size_t j = 0; j < sizes.size(); ++j) {
+          flat.narrow(0, M.in_offset[j], sizes[j] * M.inner).copy_(in.narrow(0, row, sizes[j]).reshape({-1}));
+          row += sizes[j];
+        }
+        auto mine = in.sizes().vec();
+        mine[0] = sizes.at(static_cast<std::size_t>(n.attr_int("index")));
+        const std::int64_t offset = M.out_offset, numel = mine[0] * M.inner, dim = M.dim;
+        pending[n.output()] = {nullptr, [out, offset, numel, mine, dim] { return out.narrow(0, offset, numel).view(mine).movedim(0, dim).contiguous(); }};
+      }
       if (static_cast<int>(pos) == bucket.issue_after) {
         auto is = std::make_shared<Issued>();
         const auto mesh_dim = static_cast<std::size_t>(bucket.mesh_dim);
         issue(is, n, flat, mesh_dim, "bucket " + std::to_string(b) + " (" + std::to_string(bucket.members.size()) + " tensors, last " + n.output()->ref() + ")");
-        is->work = backend_->all_reduce(groups_.at(mesh_dim), buffer(flat), reduce_op(bucket.reduce_op));
-        is->keep = {flat};
+        if (bucket.op == "all_reduce") {
+          is->work = backend_->all_reduce(groups_.at(mesh_dim), buffer(flat), reduce_op(bucket.reduce_op));
+        } else {
+          is->work = backend_->reduce_scatter(groups_.at(mesh_dim), buffer(flat), buffer(out), L.counts, reduce_op(bucket.reduce_op));
+        }
+        is->keep = {flat, out};
         for (int m : bucket.members) {
           auto it = pending.find(nodes_[static_cast<std::size_t>(m)]->output());
           if (it != pending.end()) it->second.issued = is;

@@ -135,7 +135,7 @@ RuntimePlan make_runtime_plan(const ir::Graph& graph, const sharding::DeviceMesh
 
   // Buckets: greedy in execution order, per (mesh dim, reduce op, dtype).
   plan.bucket_of.assign(static_cast<std::size_t>(n_nodes), -1);
-  std::map<std::tuple<std::int64_t, std::string, int>, int> open;  // key -> bucket index
+  std::map<std::tuple<std::int64_t, std::string, int>, int> open;  // (mesh dim, op/reduce op, dtype) -> bucket
   std::map<std::tuple<std::int64_t, std::string, int>, int> made;  // key -> buckets opened so far
   std::vector<double> caps;
   for (int p = 0; p < n_nodes; ++p) {
@@ -143,8 +143,8 @@ RuntimePlan make_runtime_plan(const ir::Graph& graph, const sharding::DeviceMesh
     const ir::Node* n = nodes[static_cast<std::size_t>(i)];
     if (!is_collective(n->op())) continue;
     ++plan.collectives;
-    if (n->op() != "all_reduce" || options.bucket_bytes <= 0) continue;
-    const auto key = std::make_tuple(n->attr_int("mesh_dim"), n->attr_string("op"), static_cast<int>(n->input(0)->meta().dtype));
+    if ((n->op() != "all_reduce" && n->op() != "reduce_scatter") || options.bucket_bytes <= 0 || n->input(0)->meta().numel() == 0) continue;
+    const auto key = std::make_tuple(n->attr_int("mesh_dim"), n->op() + "/" + n->attr_string("op"), static_cast<int>(n->input(0)->meta().dtype));
     const std::int64_t bytes = n->input(0)->meta().nbytes();
     const int reader = first_reader(i, pos);
     if (reader == p + 1) continue;  // read at once (a forward all_reduce): nothing to fuse it with
@@ -161,6 +161,7 @@ RuntimePlan make_runtime_plan(const ir::Graph& graph, const sharding::DeviceMesh
     }
     Bucket b;
     b.members = {i};
+    b.op = n->op();
     b.mesh_dim = static_cast<int>(n->attr_int("mesh_dim"));
     b.reduce_op = n->attr_string("op");
     b.bytes = bytes;
@@ -230,7 +231,7 @@ std::string RuntimePlan::str(const ir::Graph& graph, const sharding::DeviceMesh&
       const Bucket& bucket = buckets[static_cast<std::size_t>(b)];
       if (static_cast<int>(p) != bucket.issue_after || printed[static_cast<std::size_t>(b)]) continue;
       printed[static_cast<std::size_t>(b)] = true;
-      out << "[" << p << "] bucket " << b << ": all_reduce(" << bucket.reduce_op << ") on " << dim << ", " << human_bytes(static_cast<double>(bucket.bytes))
+      out << "[" << p << "] bucket " << b << ": " << bucket.op << "(" << bucket.reduce_op << ") on " << dim << ", " << human_bytes(static_cast<double>(bucket.bytes))
           << ", " << bucket.members.size() << " gradients (";
       for (std::size_t m = 0; m < bucket.members.size(); ++m) out << (m ? " " : "") << nodes[static_cast<std::size_t>(bucket.members[m])]->output()->ref();
       out << "); waited at [" << (options.overlap ? bucket.first_use : static_cast<int>(p)) << "]\n";

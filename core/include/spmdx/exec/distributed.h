@@ -67,8 +67,20 @@ class DistributedExecutor {
   const ir::Graph& graph_;
   std::vector<const ir::Node*> nodes_;  // graph order
   plan::RuntimePlan plan_;
-  std::vector<std::int64_t> bucket_offset_;  // per node: its offset in its bucket, elements
-  std::vector<std::int64_t> bucket_numel_;   // per bucket
+  // Where each bucket member's data goes, in elements: all_reduce, one block per member;
+  // reduce_scatter, per rank j of the group a block per member (in_offset[j]), and one output
+  // block per member.
+  struct MemberLayout {
+    std::vector<std::int64_t> in_offset;  // per rank of the group (all_reduce: one)
+    std::int64_t out_offset = 0;
+    std::int64_t dim = 0, inner = 1;      // reduce_scatter: the scattered dim, elements per row
+  };
+  struct BucketLayout {
+    std::int64_t in_numel = 0, out_numel = 0;
+    std::vector<std::size_t> counts;      // reduce_scatter: elements each rank receives
+  };
+  std::vector<MemberLayout> member_;  // per node
+  std::vector<BucketLayout> layout_;  // per bucket
   std::vector<const Kernel*> kernels_;
   std::vector<int> groups_;  // backend group id per mesh dim
   std::vector<std::vector<int>> mesh_dims_;  // the ranks of this rank's group along each mesh dim

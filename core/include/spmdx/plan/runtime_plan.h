@@ -3,8 +3,8 @@
 //  - the execution order: FSDP's parameter all_gathers of the next layer are issued when the
 //    current layer's parameters are first used (FSDP2's forward and backward prefetch), every
 //    other node keeps the graph's order;
-//  - buckets: gradient all_reduces of one mesh dim, reduce op and dtype whose first use is far
-//    enough are fused into flat buffers of up to bucket_bytes, the first one of a mesh dim up to
+//  - buckets: gradient all_reduces (DDP) and reduce_scatters (FSDP) of one mesh dim, reduce op
+//    and dtype whose first use is far enough are fused into flat buffers of up to bucket_bytes, the first one of a mesh dim up to
 //    first_bucket_bytes so that communication starts early in the backward (PyTorch DDP's
 //    Reducer: bucket_cap_mb = 25, first bucket 1 MiB);
 //  - waits: a collective (or bucket) is issued once its last input exists and waited for just
@@ -31,10 +31,14 @@ struct PlanOptions {
   bool overlap = true;                            ///< false: wait for each collective right after issuing it
 };
 
-/// Collectives sent as one over a flat buffer: the members' inputs concatenated in member
-/// order (each flattened), all_reduced once, each member's output a slice of the result.
+/// Collectives sent as one over a flat buffer. all_reduce: the members' inputs concatenated in
+/// member order (each flattened), all_reduced once, each member's output a slice of the result.
+/// reduce_scatter: the buffer holds, for each rank j of the group in turn, every member's
+/// chunk j (as FSDP2 packs a layer's gradients), so one reduce_scatter leaves each rank its
+/// chunks of every member.
 struct Bucket {
   std::vector<int> members;   ///< node indices (graph order) of its collectives, in execution order
+  std::string op;             ///< "all_reduce" or "reduce_scatter"
   int mesh_dim = 0;
   std::string reduce_op;      ///< "sum", "avg", ...
   std::int64_t bytes = 0;     ///< of the flat buffer
