@@ -1,0 +1,74 @@
+// The nccl plugin, where a GPU is: one rank (NCCL allows one rank per GPU in a communicator),
+// every collective on device buffers and on host buffers (staged), against the values they
+// must produce. Skipped, saying so, where there is no CUDA device.
+#include <cuda_runtime.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <vector>
+
+#include "spmdx/comm/store.h"
+#include "spmdx/core/registry.h"
+
+namespace spmdx {
+namespace {
+
+bool have_gpu() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+
+std::unique_ptr<CommBackend> make_nccl() {
+  static PluginRegistry registry;
+  static bool discovered = false;
+  if (!discovered) registry.discover({{BUILTIN_PLUGIN_DIR, PluginSource::Origin::builtin}}), discovered = true;
+  return registry.make_comm_backend("nccl");
+}
+
+TEST(Nccl, OneRankEveryCollectiveOnDeviceAndHostBuffers) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device here: the nccl plugin's tests need a GPU";
+  comm::TcpStoreServer server("127.0.0.1", 0, "t");
+  comm::TcpStore store("127.0.0.1", server.port(), "t", 30);
+  auto b = make_nccl();
+  b->init({0, 1, 0, &store, 30});
+  // Host buffer, staged: a sum over one rank is the identity.
+  std::vector<float> host = {1, 2, 3, 4, 5, 6, 7};
+  ASSERT_TRUE(b->all_reduce(0, {host.data(), host.size()}, ReduceOp::sum)->wait(30));
+  EXPECT_EQ(host, (std::vector<float>{1, 2, 3, 4, 5, 6, 7}));
+  // Device buffers.
+  float* d = nullptr;
+  float* e = nullptr;
+  ASSERT_EQ(cudaMalloc(&d, 7 * sizeof(float)), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&e, 7 * sizeof(float)), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(d, host.data(), 7 * sizeof(float), cudaMemcpyHostToDevice), cudaSuccess);
+  CommBuffer in{d, 7, CommDType::f32, MemoryType::cuda}, out{e, 7, CommDType::f32, MemoryType::cuda};
+  ASSERT_TRUE(b->all_reduce(0, in, ReduceOp::max)->wait(30));
+  ASSERT_TRUE(b->all_gather(0, in, out, {7})->wait(30));
+  ASSERT_TRUE(b->reduce_scatter(0, in, out, {7}, ReduceOp::sum)->wait(30));
+  ASSERT_TRUE(b->all_to_all(0, in, out, {7}, {7})->wait(30));
+  ASSERT_TRUE(b->broadcast(0, out, 0)->wait(30));
+  ASSERT_TRUE(b->barrier(0)->wait(30));
+  std::vector<float> back(7);
+  ASSERT_EQ(cudaMemcpy(back.data(), e, 7 * sizeof(float), cudaMemcpyDeviceToHost), cudaSuccess);
+  EXPECT_EQ(back, host);
+  const int g = b->new_group({0});
+  ASSERT_TRUE(b->all_reduce(g, {host.data(), host.size()}, ReduceOp::avg)->wait(30));
+  EXPECT_EQ(host[6], 7.0f);
+  cudaFree(d);
+  cudaFree(e);
+  b->finalize();
+}
+
+TEST(Nccl, WithoutADeviceInitSaysSoAndNamesTheRank) {
+  if (have_gpu()) GTEST_SKIP() << "a GPU is present: this checks the message where there is none";
+  auto b = make_nccl();
+  try {
+    b->init({0, 1, 0, nullptr, 5});
+    FAIL();
+  } catch (const CommError& e) {
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("nccl: rank 0 sees no CUDA device; use ucx for host memory"));
+  }
+}
+
+}  // namespace
+}  // namespace spmdx
