@@ -222,7 +222,8 @@ class PartitionValidator final : public spmdx::Hook {
                                                  << "); report in " << (dir / "report.txt").string());
       return;
     }
-    for (const auto& f : failures) SPMDX_ERROR("partition_validator: " << f);
+    // With fail on, the first failure is the job's error message; log only the others.
+    for (std::size_t i = fail_ ? 1 : 0; i < failures.size(); ++i) SPMDX_ERROR("partition_validator: " << failures[i]);
     if (fail_) throw spmdx::ValidationError(failures.front() + " (report: " + (dir / "report.txt").string() + ")");
   }
 
