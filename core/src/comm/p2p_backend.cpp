@@ -413,6 +413,15 @@ std::uint64_t make_tag(int sender, int group, std::uint64_t seq, std::uint16_t s
 }
 }  // namespace
 
+char* P2PBackend::scratch(std::size_t slot, std::size_t bytes) {
+  auto& s = scratch_[slot];
+  if (s.size < bytes) {  // grown, never shrunk, never zeroed: no page faults or memset per call
+    s.data.reset(new char[bytes]);
+    s.size = bytes;
+  }
+  return s.data.get();
+}
+
 void P2PBackend::sendrecv(Op& op, int to, const void* sbuf, std::size_t sbytes, int from, void* rbuf, std::size_t rbytes,
                           int explicit_step) {
   const std::uint16_t step = explicit_step >= 0 ? static_cast<std::uint16_t>(explicit_step) : op.step++;
@@ -449,16 +458,16 @@ std::unique_ptr<Work> P2PBackend::reduce_scatter(int group, CommBuffer in, CommB
       throw std::invalid_argument("counts do not match the group size or the buffers");
     }
     const std::size_t es = comm_dtype_size(in.dtype);
-    std::vector<char> work(in.bytes()), incoming(*std::max_element(counts.begin(), counts.end()) * es);
-    copy_bytes(work.data(), in.data, in.bytes());
+    char* work = scratch(0, in.bytes());
+    char* incoming = scratch(1, *std::max_element(counts.begin(), counts.end()) * es);
+    copy_bytes(work, in.data, in.bytes());
     const int next = g.ranks[(me + 1) % k], prev = g.ranks[(me + k - 1) % k];
     for (std::size_t s = 0; s + 1 < k; ++s) {  // ring: after k-1 steps block `me` holds every member's sum
       const std::size_t send_block = (me + 2 * k - s - 1) % k, recv_block = (me + 2 * k - s - 2) % k;
-      sendrecv(op, next, work.data() + offset_of(counts, send_block) * es, counts[send_block] * es, prev, incoming.data(),
-               counts[recv_block] * es);
-      reduce_into(work.data() + offset_of(counts, recv_block) * es, incoming.data(), counts[recv_block], in.dtype, rop);
+      sendrecv(op, next, work + offset_of(counts, send_block) * es, counts[send_block] * es, prev, incoming, counts[recv_block] * es);
+      reduce_into(work + offset_of(counts, recv_block) * es, incoming, counts[recv_block], in.dtype, rop);
     }
-    copy_bytes(out.data, work.data() + offset_of(counts, me) * es, out.bytes());
+    copy_bytes(out.data, work + offset_of(counts, me) * es, out.bytes());
     if (rop == ReduceOp::avg) divide(out.data, out.count, out.dtype, static_cast<double>(k));
   });
 }
@@ -472,28 +481,28 @@ std::unique_ptr<Work> P2PBackend::all_reduce(int group, CommBuffer buf, ReduceOp
     const bool power_of_two = (k & (k - 1)) == 0;
     if (power_of_two && buf.bytes() <= 64 * 1024) {
       // Recursive doubling: log2(k) exchanges of the whole buffer (latency-bound sizes).
-      std::vector<char> incoming(buf.bytes());
+      char* incoming = scratch(0, buf.bytes());
       for (std::size_t dist = 1; dist < k; dist <<= 1) {
         const int peer = g.ranks[me ^ dist];
-        sendrecv(op, peer, buf.data, buf.bytes(), peer, incoming.data(), buf.bytes());
+        sendrecv(op, peer, buf.data, buf.bytes(), peer, incoming, buf.bytes());
         // Same operand order on both sides (lower member first), so every rank gets the same bits.
         if ((me & dist) == 0) {
-          reduce_into(buf.data, incoming.data(), buf.count, buf.dtype, rop);
+          reduce_into(buf.data, incoming, buf.count, buf.dtype, rop);
         } else {
-          reduce_into(incoming.data(), buf.data, buf.count, buf.dtype, rop);
-          copy_bytes(buf.data, incoming.data(), buf.bytes());
+          reduce_into(incoming, buf.data, buf.count, buf.dtype, rop);
+          copy_bytes(buf.data, incoming, buf.bytes());
         }
       }
     } else {
       // Ring: reduce-scatter then all-gather of near-even blocks (bandwidth-optimal).
       const auto counts = even_blocks(buf.count, k);
-      std::vector<char> incoming((counts[0] + 1) * es);
+      char* incoming = scratch(0, (counts[0] + 1) * es);
       const int next = g.ranks[(me + 1) % k], prev = g.ranks[(me + k - 1) % k];
       for (std::size_t s = 0; s + 1 < k; ++s) {
         const std::size_t send_block = (me + 2 * k - s - 1) % k, recv_block = (me + 2 * k - s - 2) % k;
-        sendrecv(op, next, at(buf.data, offset_of(counts, send_block), buf.dtype), counts[send_block] * es, prev, incoming.data(),
+        sendrecv(op, next, at(buf.data, offset_of(counts, send_block), buf.dtype), counts[send_block] * es, prev, incoming,
                  counts[recv_block] * es);
-        reduce_into(at(buf.data, offset_of(counts, recv_block), buf.dtype), incoming.data(), counts[recv_block], buf.dtype, rop);
+        reduce_into(at(buf.data, offset_of(counts, recv_block), buf.dtype), incoming, counts[recv_block], buf.dtype, rop);
       }
       for (std::size_t s = 0; s + 1 < k; ++s) {
         const std::size_t send_block = (me + k - s) % k, recv_block = (me + k - s - 1) % k;

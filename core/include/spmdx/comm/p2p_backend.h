@@ -94,6 +94,13 @@ class P2PBackend : public CommBackend {
   // The ranks whose heartbeat stopped (checked over ~2 s), or empty.
   std::vector<int> dead_ranks();
   void wait_all(Op& op, const std::vector<std::pair<std::uint64_t, int>>& requests);
+  // Scratch memory of the comm thread, reused across operations: slot 0 or 1, at least `bytes`.
+  char* scratch(std::size_t slot, std::size_t bytes);
+  struct Scratch {
+    std::unique_ptr<char[]> data;
+    std::size_t size = 0;
+  };
+  Scratch scratch_[2];
 
   Transport* transport_ = nullptr;
   int rank_ = 0;
