@@ -74,6 +74,28 @@ std::map<std::string, Placements> parallelize(PluginRegistry& registry, const De
       it->second[static_cast<std::size_t>(i)] = pl[static_cast<std::size_t>(i)];
     }
   }
+  // Two mesh dims sharding one tensor dim nest (the outer dim's shard is a block of the inner
+  // dim's shards), so using the tensor whole along the outer dim takes an all_gather on both
+  // and a re-chunk. FSDP's shard of a TP-sharded parameter moves to another tensor dim when
+  // there is one (DTensor solves the same with _StridedShard): one all_gather then.
+  for (const auto& t : in.parameters) {
+    Placements& pl = out.at(t.name);
+    for (int i = 0; i < mesh.ndim(); ++i) {
+      const Placement p = pl[static_cast<std::size_t>(i)];
+      if (!p.is_shard() || mesh.dims()[static_cast<std::size_t>(i)].name != "dp_shard") continue;
+      bool nested = false;
+      for (int j = 0; j < mesh.ndim(); ++j) nested |= j != i && pl[static_cast<std::size_t>(j)].is_shard() && pl[static_cast<std::size_t>(j)].dim() == p.dim();
+      if (!nested) continue;
+      for (int e = 0; e < static_cast<int>(t.shape.size()); ++e) {
+        bool taken = false;
+        for (const auto& q : pl) taken |= q.is_shard() && q.dim() == e;
+        if (!taken && t.shape[static_cast<std::size_t>(e)] >= mesh.size(i)) {
+          pl[static_cast<std::size_t>(i)] = Placement::shard(e);
+          break;
+        }
+      }
+    }
+  }
   return out;
 }
 
