@@ -123,6 +123,13 @@ TEST(Run, UnderTorchrunTheRanksJoinItsC10dStore) {
   EXPECT_EQ(losses(dir / "torchrun" / "metrics.jsonl"), losses(dir / "ours" / "metrics.jsonl"));
 }
 
+TEST(Run, TheLocalBackendIsRefusedBeforeAnyRankStarts) {
+  auto r = spmdx_run("'" SPMDX_SOURCE_DIR "/configs/mlp_dp.toml' --nproc 2 --comm.backend local");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.output, HasSubstr("comm.backend = \"local\": the local backend runs ranks as threads of one process"));
+  EXPECT_THAT(r.output, ::testing::Not(HasSubstr("[rank")));
+}
+
 TEST(Run, TypoInConfigFailsBeforeAnyRankStartsNamingLineAndKey) {
   test::TempDir dir;
   test::write_file(dir / "bad.toml", "[model]\nname = \"llama\"\n[training]\nsteps = 3\nsqe_len = 16\n");

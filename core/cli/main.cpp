@@ -242,6 +242,10 @@ int run_run(const RunOptions& o) {
       for (const char* key : {"comm.backend", "comm.swap_to"}) {
         const std::string spec = cfg.get_string(key);
         if (spec.empty() && std::string(key) == "comm.swap_to") continue;
+        if (spec.substr(0, spec.find(':')) == "local") {
+          throw spmdx::config::ConfigError(o.config + ": " + key + " = \"" + spec +
+                                           "\": the local backend runs ranks as threads of one process, and spmdx run starts a process per rank; use ucx");
+        }
         const auto* p = registry.find(spec.substr(0, spec.find(':')));
         if (p == nullptr || p->kind != spmdx::PluginKind::comm) {
           std::string known;

@@ -402,7 +402,7 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
   }
   if (lead) {
     const double seconds = std::chrono::duration<double>(Clock::now() - run_start).count();
-    std::printf("done: %lld steps in %.1f s, loss %.4f -> %.4f (ln(vocab) = %.4f); metrics in %s\n", static_cast<long long>(spec.steps),
+    std::printf("done: %lld steps in %.2f s, loss %.4f -> %.4f (ln(vocab) = %.4f); metrics in %s\n", static_cast<long long>(spec.steps),
                 seconds, first_loss, last_loss, std::log(static_cast<double>(spec.model.vocab_size)),
                 (dump / "metrics.jsonl").string().c_str());
   }

@@ -214,7 +214,8 @@ std::string RuntimePlan::str(const ir::Graph& graph, const sharding::DeviceMesh&
   out << "RuntimePlan: " << order.size() << " nodes, " << collectives << " collectives in " << issues << " backend calls ("
       << buckets.size() << " buckets), " << prefetched.size() << " parameter all_gathers prefetched; bucket cap "
       << human_bytes(options.bucket_bytes) << " (first " << human_bytes(options.first_bucket_bytes) << "), overlap "
-      << (options.overlap ? "on" : "off") << "\n";
+      << (options.overlap ? "on" : "off") << "\n"
+      << "([n]: position in execution order; %v: values as in the rank's graph; one line per backend call)\n";
   for (int d = 0; d < mesh.ndim(); ++d) {
     std::int64_t stride = 1;
     for (int e = d + 1; e < mesh.ndim(); ++e) stride *= mesh.size(e);
