@@ -218,6 +218,14 @@ DistributedPlan propagate(const ir::Graph& graph, const DeviceMesh& mesh, const 
           }
           if (target == current || made.count({v, plan.version_key(v, target, node.get())})) continue;
           cost += step_cost(current[static_cast<std::size_t>(i)], c.inputs[a], bytes_of(v, seen_in[a]), mesh.size(i));
+          // Splitting a replicated input saves work now, but its result is often wanted whole
+          // later: an all_gather, whose latency (alpha, in bytes at beta) the greedy choice
+          // cannot see. So a split must save more than that message costs (a rope table's
+          // neg, 1,024 elements, was split and gathered back on every layer).
+          if (current[static_cast<std::size_t>(i)].is_replicate() && c.inputs[a].is_shard()) {
+            const CostModel m;
+            cost += m.alpha * m.beta;
+          }
         }
         // Work: what the rank computes, as the bytes of the local outputs it produces. A
         // strategy that replicates an output this mesh dim could split makes every rank of the
