@@ -81,8 +81,13 @@ TEST(GraphView, StagesCarryPlacementsCollectivesAndWaits) {
   EXPECT_EQ(to_string(wq->placements), "S(1)S(0)");
 
   const ir::Graph g = sharding::rank_graph(p.plan(), 3);
-  const GraphView planned = hooks::rank_view(p.plan(), g, 3, CompileStage::planned);
+  const plan::RuntimePlan runtime = plan::make_runtime_plan(g, p.job->mesh);
+  const GraphView planned = hooks::rank_view(p.plan(), g, 3, &runtime);
+  EXPECT_EQ(planned.stage, CompileStage::planned);
   EXPECT_EQ(planned.rank, 3);
+  for (std::size_t i = 0; i < planned.nodes.size(); ++i) {  // the plan's execution order
+    EXPECT_EQ(planned.nodes[i].op, std::next(g.nodes().begin(), runtime.order[i])->get()->op()) << i;
+  }
   std::size_t collectives = 0;
   for (std::size_t i = 0; i < planned.nodes.size(); ++i) {
     const GraphNode& n = planned.nodes[i];

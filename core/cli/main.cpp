@@ -189,7 +189,7 @@ int run_compile(const CompileOptions& o) {
     spmdx::hooks::HookSet hooks = spmdx::hooks::make_hooks(cfg, registry, base);
     std::vector<std::int64_t> ranks;
     for (std::int64_t r = 0; r < (o.fake ? 1 : world); ++r) ranks.push_back(r);
-    hooks.compile(plan, ranks);
+    hooks.compile(plan, ranks, spmdx::plan::plan_options(cfg));
     std::string names;
     for (const auto& n : cfg.get_list("hooks.enable")) names += (names.empty() ? "" : ", ") + n;
     std::cout << "hooks (" << names << ") ran on the compile stages; their files are under "
@@ -234,10 +234,14 @@ int run_run(const RunOptions& o) {
     const auto spec = spmdx::train::job_spec(cfg, o.nproc * o.nnodes, tokenizer->vocab_size());
     spmdx::train::check_runnable(cfg);
     spmdx::train::check_data(cfg, *tokenizer, spec);
-    if (o.nproc * o.nnodes > 1) {  // the comm backend must exist
-      spmdx::PluginRegistry registry;
+    // One discovery serves the comm and hook checks.
+    spmdx::PluginRegistry registry;
+    const bool hooks = !cfg.get_list("hooks.enable").empty();
+    if (o.nproc * o.nnodes > 1 || hooks) {
       std::vector<std::filesystem::path> paths(cfg.get_list("plugins.paths").begin(), cfg.get_list("plugins.paths").end());
       registry.discover(spmdx::plugin_search_path(paths));
+    }
+    if (o.nproc * o.nnodes > 1) {  // the comm backend must exist
       for (const auto& e : registry.errors()) throw spmdx::config::ConfigError(o.config + ": plugins: " + e.what());
       for (const char* key : {"comm.backend", "comm.swap_to"}) {
         const std::string spec = cfg.get_string(key);
@@ -257,10 +261,7 @@ int run_run(const RunOptions& o) {
         }
       }
     }
-    if (!cfg.get_list("hooks.enable").empty()) {  // names and options, before any rank starts
-      spmdx::PluginRegistry registry;
-      std::vector<std::filesystem::path> paths(cfg.get_list("plugins.paths").begin(), cfg.get_list("plugins.paths").end());
-      registry.discover(spmdx::plugin_search_path(paths));
+    if (hooks) {  // names and options, before any rank starts
       spmdx::HookContext base;
       base.compile_only = true;
       base.world_size = o.nproc * o.nnodes;

@@ -228,7 +228,7 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
   if (lead && !hooks.empty()) {
     std::vector<std::int64_t> ranks;
     for (std::int64_t r = 0; r < env.world_size; ++r) ranks.push_back(r);
-    hooks.compile(plan, ranks);
+    hooks.compile(plan, ranks, plan::plan_options(cfg));
   }
   if (env.world_size > 1) {
     backend = make_backend(registry, cfg.get_string("comm.backend"));

@@ -11,10 +11,6 @@ namespace {
 
 using Placements = std::vector<Placement>;
 
-bool is_collective(const std::string& op) {
-  return op == "all_reduce" || op == "all_gather" || op == "reduce_scatter" || op == "all_to_all";
-}
-
 std::string attrs_str(const ir::Node& node) {
   std::string out;
   for (const auto& [k, v] : node.attrs()) out += (out.empty() ? "" : " ") + k + "=" + ir::attribute_str(v);
@@ -24,7 +20,8 @@ std::string attrs_str(const ir::Node& node) {
 // Appends the graph's values and nodes to `view`; `placement_of` gives a value's placements
 // (empty when unknown), `reads` a node's read placements (may be empty).
 template <class PlacementOf, class Reads>
-void fill(GraphView& view, const ir::Graph& graph, const sharding::DeviceMesh& mesh, PlacementOf placement_of, Reads reads) {
+void fill(GraphView& view, const ir::Graph& graph, const std::vector<const ir::Node*>& order, const sharding::DeviceMesh& mesh,
+          PlacementOf placement_of, Reads reads) {
   view.mesh = mesh.dims();
   view.world_size = static_cast<int>(mesh.size());
   std::unordered_map<const ir::Value*, int> index;
@@ -44,7 +41,7 @@ void fill(GraphView& view, const ir::Graph& graph, const sharding::DeviceMesh& m
     view.inputs.push_back(index.at(v));
   }
   std::vector<bool> weak_layer;  // per node: its layer came from a shared parameter only
-  for (const auto& node : graph.nodes()) {
+  for (const ir::Node* node : order) {
     GraphNode gn;
     gn.op = node->op();
     gn.attrs = attrs_str(*node);
@@ -53,9 +50,9 @@ void fill(GraphView& view, const ir::Graph& graph, const sharding::DeviceMesh& m
       add_value(v, static_cast<int>(view.nodes.size()));
       gn.outputs.push_back(index.at(v));
     }
-    gn.reads = reads(node.get());
+    gn.reads = reads(node);
     gn.flops = node_flops(*node);
-    gn.collective = is_collective(gn.op);
+    gn.collective = sharding::is_collective(gn.op);
     if (node->attrs().count("mesh_dim") > 0) gn.mesh_dim = static_cast<int>(node->attr_int("mesh_dim"));
     if (gn.collective) {
       const double k = static_cast<double>(mesh.size(gn.mesh_dim));
@@ -115,6 +112,12 @@ Placements after(const ir::Node& node, Placements in) {
   return in;
 }
 
+std::vector<const ir::Node*> graph_order(const ir::Graph& graph) {
+  std::vector<const ir::Node*> out;
+  for (const auto& n : graph.nodes()) out.push_back(n.get());
+  return out;
+}
+
 }  // namespace
 
 double node_flops(const ir::Node& node) {
@@ -138,7 +141,7 @@ double node_flops(const ir::Node& node) {
 GraphView captured_view(const ir::Graph& graph, const sharding::DeviceMesh& mesh) {
   GraphView view;
   view.stage = CompileStage::captured;
-  fill(view, graph, mesh, [](const ir::Value*) { return Placements{}; }, [](const ir::Node*) { return std::vector<Placements>{}; });
+  fill(view, graph, graph_order(graph), mesh, [](const ir::Value*) { return Placements{}; }, [](const ir::Node*) { return std::vector<Placements>{}; });
   return view;
 }
 
@@ -146,12 +149,12 @@ GraphView propagated_view(const sharding::DistributedPlan& plan) {
   GraphView view;
   view.stage = CompileStage::propagated;
   fill(
-      view, *plan.graph, plan.mesh, [&](const ir::Value* v) { return plan.placement.at(v); },
+      view, *plan.graph, graph_order(*plan.graph), plan.mesh, [&](const ir::Value* v) { return plan.placement.at(v); },
       [&](const ir::Node* n) { return plan.inputs.at(n); });
   return view;
 }
 
-GraphView rank_view(const sharding::DistributedPlan& plan, const ir::Graph& rank_graph, int rank, CompileStage stage) {
+GraphView rank_view(const sharding::DistributedPlan& plan, const ir::Graph& rank_graph, int rank, const plan::RuntimePlan* runtime) {
   // rank_graph() emits each logical node after the communication nodes of its inputs, in the
   // logical order: walking both graphs together gives every value its placements.
   std::vector<const ir::Node*> logical;
@@ -171,24 +174,26 @@ GraphView rank_view(const sharding::DistributedPlan& plan, const ir::Graph& rank
     }
   }
   GraphView view;
-  view.stage = stage;
+  view.stage = runtime != nullptr ? CompileStage::planned : CompileStage::rewritten;
   view.rank = rank;
+  std::vector<const ir::Node*> order = graph_order(rank_graph);
+  if (runtime != nullptr) {  // the plan's execution order
+    const auto nodes = order;
+    for (std::size_t p = 0; p < runtime->order.size(); ++p) order[p] = nodes[static_cast<std::size_t>(runtime->order[p])];
+  }
   fill(
-      view, rank_graph, plan.mesh,
+      view, rank_graph, order, plan.mesh,
       [&](const ir::Value* v) {
         auto it = placement.find(v);
         return it == placement.end() ? Placements{} : it->second;
       },
       [](const ir::Node*) { return std::vector<Placements>{}; });
-  if (stage == CompileStage::planned) {
-    std::vector<int> first_use(view.values.size(), -1);
-    for (std::size_t n = 0; n < view.nodes.size(); ++n) {
-      for (int v : view.nodes[n].inputs) {
-        if (first_use[static_cast<std::size_t>(v)] < 0) first_use[static_cast<std::size_t>(v)] = static_cast<int>(n);
-      }
-    }
-    for (auto& n : view.nodes) {
-      if (n.collective) n.wait_before = first_use[static_cast<std::size_t>(n.outputs.at(0))];
+  if (runtime != nullptr) {  // view index = position in the plan's order
+    for (std::size_t p = 0; p < view.nodes.size(); ++p) {
+      if (!view.nodes[p].collective) continue;
+      const int first = runtime->first_use[static_cast<std::size_t>(runtime->order[p])];
+      view.nodes[p].wait_before = !runtime->options.overlap ? static_cast<int>(p) + 1
+                                  : first < static_cast<int>(view.nodes.size()) ? first : -1;
     }
   }
   return view;

@@ -95,7 +95,7 @@ void HookSet::validate(const GraphView& view) {
   }
 }
 
-void HookSet::compile(const sharding::DistributedPlan& plan, const std::vector<std::int64_t>& ranks) {
+void HookSet::compile(const sharding::DistributedPlan& plan, const std::vector<std::int64_t>& ranks, const plan::PlanOptions& options) {
   if (hooks_.empty()) return;
   const GraphView captured = captured_view(*plan.graph, plan.mesh);
   each("on_compile_stage(captured)", [&](Hook& h) { h.on_compile_stage(captured); });
@@ -104,10 +104,11 @@ void HookSet::compile(const sharding::DistributedPlan& plan, const std::vector<s
   validate(propagated);
   for (std::int64_t r : ranks) {
     const ir::Graph g = sharding::rank_graph(plan, r);
-    const GraphView rewritten = rank_view(plan, g, static_cast<int>(r), CompileStage::rewritten);
+    const GraphView rewritten = rank_view(plan, g, static_cast<int>(r));
     each("on_compile_stage(rewritten)", [&](Hook& h) { h.on_compile_stage(rewritten); });
     validate(rewritten);
-    const GraphView planned = rank_view(plan, g, static_cast<int>(r), CompileStage::planned);
+    const plan::RuntimePlan runtime = plan::make_runtime_plan(g, plan.mesh, options);
+    const GraphView planned = rank_view(plan, g, static_cast<int>(r), &runtime);
     each("on_compile_stage(planned)", [&](Hook& h) { h.on_compile_stage(planned); });
   }
   each("on_compile_end", [&](Hook& h) { h.on_compile_end(); });

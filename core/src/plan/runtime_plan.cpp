@@ -11,14 +11,6 @@
 #include "spmdx/sharding/distribute.h"
 
 namespace spmdx::plan {
-namespace {
-
-bool is_collective(const std::string& op) {
-  return op == "all_reduce" || op == "all_gather" || op == "reduce_scatter" || op == "all_to_all";
-}
-
-}  // namespace
-
 RuntimePlan make_runtime_plan(const ir::Graph& graph, const sharding::DeviceMesh& mesh, const PlanOptions& options) {
   (void)mesh;
   RuntimePlan plan;
@@ -102,9 +94,9 @@ RuntimePlan make_runtime_plan(const ir::Graph& graph, const sharding::DeviceMesh
   if (options.overlap) {
     for (int i = 0; i < n_nodes; ++i) {
       const ir::Node* n = nodes[static_cast<std::size_t>(i)];
-      if (!is_collective(n->op()) || chain_of[static_cast<std::size_t>(i)] >= 0) continue;
+      if (!sharding::is_collective(n->op()) || chain_of[static_cast<std::size_t>(i)] >= 0) continue;
       const ir::Node* producer = n->input(0)->producer();
-      if (producer == nullptr || is_collective(producer->op())) continue;
+      if (producer == nullptr || sharding::is_collective(producer->op())) continue;
       after.emplace(index.at(producer), i);
       hoisted[static_cast<std::size_t>(i)] = true;
     }
@@ -133,6 +125,9 @@ RuntimePlan make_runtime_plan(const ir::Graph& graph, const sharding::DeviceMesh
     }
   }
 
+  plan.first_use.resize(static_cast<std::size_t>(n_nodes));
+  for (int i = 0; i < n_nodes; ++i) plan.first_use[static_cast<std::size_t>(i)] = first_reader(i, pos);
+
   // Buckets: greedy in execution order, per (mesh dim, reduce op, dtype).
   plan.bucket_of.assign(static_cast<std::size_t>(n_nodes), -1);
   std::map<std::tuple<std::int64_t, std::string, int>, int> open;  // (mesh dim, op/reduce op, dtype) -> bucket
@@ -141,12 +136,12 @@ RuntimePlan make_runtime_plan(const ir::Graph& graph, const sharding::DeviceMesh
   for (int p = 0; p < n_nodes; ++p) {
     const int i = plan.order[static_cast<std::size_t>(p)];
     const ir::Node* n = nodes[static_cast<std::size_t>(i)];
-    if (!is_collective(n->op())) continue;
+    if (!sharding::is_collective(n->op())) continue;
     ++plan.collectives;
     if ((n->op() != "all_reduce" && n->op() != "reduce_scatter") || options.bucket_bytes <= 0 || n->input(0)->meta().numel() == 0) continue;
     const auto key = std::make_tuple(n->attr_int("mesh_dim"), n->op() + "/" + n->attr_string("op"), static_cast<int>(n->input(0)->meta().dtype));
     const std::int64_t bytes = n->input(0)->meta().nbytes();
-    const int reader = first_reader(i, pos);
+    const int reader = plan.first_use[static_cast<std::size_t>(i)];
     if (reader == p + 1) continue;  // read at once (a forward all_reduce): nothing to fuse it with
     auto it = open.find(key);
     if (it != open.end()) {
@@ -197,19 +192,6 @@ PlanOptions plan_options(const config::Config& cfg) {
 std::string RuntimePlan::str(const ir::Graph& graph, const sharding::DeviceMesh& mesh) const {
   std::vector<const ir::Node*> nodes;
   for (const auto& n : graph.nodes()) nodes.push_back(n.get());
-  std::vector<int> pos(nodes.size());
-  for (std::size_t p = 0; p < order.size(); ++p) pos[static_cast<std::size_t>(order[p])] = static_cast<int>(p);
-  auto first_use = [&](const ir::Node* n) {
-    int best = -1;
-    for (const ir::Value* out : n->outputs()) {
-      for (const auto& use : out->uses()) {
-        for (std::size_t i = 0; i < nodes.size(); ++i) {
-          if (nodes[i] == use.user && (best < 0 || pos[i] < best)) best = pos[i];
-        }
-      }
-    }
-    return best;
-  };
   std::ostringstream out;
   out << "RuntimePlan: " << order.size() << " nodes, " << collectives << " collectives in " << issues << " backend calls ("
       << buckets.size() << " buckets), " << prefetched.size() << " parameter all_gathers prefetched; bucket cap "
@@ -225,7 +207,7 @@ std::string RuntimePlan::str(const ir::Graph& graph, const sharding::DeviceMesh&
   std::vector<bool> printed(buckets.size(), false);
   for (std::size_t p = 0; p < order.size(); ++p) {
     const ir::Node* n = nodes[static_cast<std::size_t>(order[p])];
-    if (!is_collective(n->op())) continue;
+    if (!sharding::is_collective(n->op())) continue;
     const int b = bucket_of[static_cast<std::size_t>(order[p])];
     const std::string dim = mesh.dims()[static_cast<std::size_t>(n->attr_int("mesh_dim"))].name;
     if (b >= 0) {
@@ -237,7 +219,7 @@ std::string RuntimePlan::str(const ir::Graph& graph, const sharding::DeviceMesh&
       for (std::size_t m = 0; m < bucket.members.size(); ++m) out << (m ? " " : "") << nodes[static_cast<std::size_t>(bucket.members[m])]->output()->ref();
       out << "); waited at [" << (options.overlap ? bucket.first_use : static_cast<int>(p)) << "]\n";
     } else {
-      const int w = first_use(n);
+      const int w = first_use[static_cast<std::size_t>(order[p])];
       const bool pre = std::find(prefetched.begin(), prefetched.end(), order[p]) != prefetched.end();
       out << "[" << p << "] " << n->op() << " on " << dim << ", " << human_bytes(static_cast<double>(n->input(0)->meta().nbytes())) << " in -> "
           << n->output()->ref() << (pre ? " (prefetched)" : "") << "; waited at ["

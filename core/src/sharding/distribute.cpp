@@ -34,9 +34,10 @@ bool shards(const Placement& p, int d) { return p.is_shard() && p.dim() == d; }
 
 }  // namespace
 
-bool is_communication(const std::string& op) {
-  static const std::set<std::string> ops{"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "chunk", "to_partial"};
-  return ops.count(op) > 0;
+bool is_communication(const std::string& op) { return is_collective(op) || op == "chunk" || op == "to_partial"; }
+
+bool is_collective(const std::string& op) {
+  return op == "all_reduce" || op == "all_gather" || op == "reduce_scatter" || op == "all_to_all";
 }
 
 std::vector<RedistributeStep> redistribute_plan(const DeviceMesh& mesh, const ir::TensorMeta& meta, const Placements& from,

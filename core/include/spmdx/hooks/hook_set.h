@@ -13,6 +13,7 @@
 #include "spmdx/config/config.h"
 #include "spmdx/hook.h"
 #include "spmdx/ir/graph.h"
+#include "spmdx/plan/runtime_plan.h"
 #include "spmdx/sharding/distribute.h"
 
 namespace spmdx {
@@ -25,10 +26,11 @@ namespace spmdx::hooks {
 GraphView captured_view(const ir::Graph& graph, const sharding::DeviceMesh& mesh);
 /// The logical graph with the plan's placements, and what each node reads (GraphNode::reads).
 GraphView propagated_view(const sharding::DistributedPlan& plan);
-/// A rank's graph (sharding::rank_graph(plan, rank)) with local shapes and placements.
-/// `planned` also fills GraphNode::wait_before: the first node that reads a collective's
-/// output, where the executor waits for it.
-GraphView rank_view(const sharding::DistributedPlan& plan, const ir::Graph& rank_graph, int rank, CompileStage stage);
+/// A rank's graph (sharding::rank_graph(plan, rank)) with local shapes and placements: the
+/// `rewritten` stage in graph order, or with `runtime` (that graph's RuntimePlan) the `planned`
+/// stage: nodes in the plan's execution order, and GraphNode::wait_before where the executor
+/// waits for each collective.
+GraphView rank_view(const sharding::DistributedPlan& plan, const ir::Graph& rank_graph, int rank, const plan::RuntimePlan* runtime = nullptr);
 /// Every edge (use of a value by a node) of a view, in node order.
 std::vector<GraphEdge> edges_of(const GraphView& view);
 
@@ -54,8 +56,8 @@ class HookSet {
 
   /// The compile stages, validation included, for the logical graph and the rank graphs of
   /// `ranks`: captured, propagated (validated), then per rank rewritten (validated) and
-  /// planned. Throws ValidationError ("hook NAME: ...") when a validator stops the job.
-  void compile(const sharding::DistributedPlan& plan, const std::vector<std::int64_t>& ranks);
+  /// planned (the RuntimePlan that `options` make). Throws ValidationError ("hook NAME: ...") when a validator stops the job.
+  void compile(const sharding::DistributedPlan& plan, const std::vector<std::int64_t>& ranks, const plan::PlanOptions& options = {});
   void collective(const CollectiveInfo& info);
   void step_end(const StepInfo& step);
   /// Thread-safe against the calls above (a signal thread may call it).

@@ -50,6 +50,7 @@ struct Bucket {
 struct RuntimePlan {
   PlanOptions options;
   std::vector<int> order;         ///< node indices (graph order) in execution order
+  std::vector<int> first_use;     ///< per node index: position in `order` of its first reader (order.size(): none)
   std::vector<int> bucket_of;     ///< per node index: its bucket, or -1
   std::vector<Bucket> buckets;
   std::vector<int> prefetched;    ///< node indices of the all_gathers moved ahead of their place

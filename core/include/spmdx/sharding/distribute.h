@@ -104,5 +104,7 @@ ir::Graph rank_graph(const DistributedPlan& plan, std::int64_t rank);
 
 /// True for the ops rank_graph() inserts (collectives and their local halves).
 bool is_communication(const std::string& op);
+/// True for the ops that talk to other ranks: all_reduce, all_gather, reduce_scatter, all_to_all.
+bool is_collective(const std::string& op);
 
 }  // namespace spmdx::sharding
