@@ -17,7 +17,7 @@
 #include "spmdx/hooks/hook_set.h"
 #include "spmdx/models/model.h"
 #include "spmdx/train/job.h"
-#include "test_util.h"
+#include "run_util.h"
 
 namespace spmdx {
 namespace {
@@ -278,36 +278,21 @@ TEST(FrTrace, NoDumpsOrABadDumpIsAClearError) {
 }
 
 // Real runs: `spmdx run` with real rank processes over the ucx plugin.
-std::string corpus(const test::TempDir& dir) {
-  std::string text;
-  for (int i = 0; i < 200; ++i) text += "Every hook sees the same run, line " + std::to_string(i) + ".\n";
-  test::write_file(dir / "corpus.txt", text);
-  return (dir / "corpus.txt").string();
-}
-
 test::CommandResult spmdx(const std::string& args, const std::string& env = "") {
   return test::run_command(env + " '" SPMDX_EXE "' " + args);
-}
-
-std::vector<double> losses(const fs::path& metrics) {
-  std::vector<double> out;
-  std::ifstream in(metrics);
-  std::string line;
-  while (std::getline(in, line)) out.push_back(json::parse(line).at("loss").get<double>());
-  return out;
 }
 
 TEST(Hooks, EveryHookOnAFourRankRunWritesItsOutputAndChangesNoLoss) {
   test::TempDir dir;
   const std::string common = "run '" SPMDX_SOURCE_DIR "/configs/llama_fsdp.toml' --nproc 4 --parallelism.data_parallel_shard_degree 2 "
-                             "--parallelism.tensor_parallel_degree 2 --training.steps 3 --training.seq_len 32 --data.paths '" + corpus(dir) + "'";
+                             "--parallelism.tensor_parallel_degree 2 --training.steps 3 --training.seq_len 32 --data.paths '" + test::corpus_file(dir) + "'";
   auto plain = spmdx(common + " --job.dump_folder '" + (dir / "plain").string() + "'");
   ASSERT_EQ(plain.exit_code, 0) << plain.output;
   const fs::path out = dir / "hooked";
   auto r = spmdx(common + " --job.dump_folder '" + out.string() +
                  "' --hooks.enable graphviz,partition_validator,timeline,consistency,flight_recorder --hooks.consistency.every 1");
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_EQ(losses(out / "metrics.jsonl"), losses(dir / "plain" / "metrics.jsonl"));
+  EXPECT_EQ(test::losses(out / "metrics.jsonl"), test::losses(dir / "plain" / "metrics.jsonl"));
   const fs::path h = out / "hooks";
 
   // graphviz: an SVG per graph, and Graphviz accepts the full DOT.
@@ -369,7 +354,7 @@ TEST(Hooks, FlightRecorderNamesTheRankThatSkippedACollective) {
   test::TempDir dir;
   const fs::path out = dir / "out";
   auto r = spmdx("run '" SPMDX_SOURCE_DIR "/configs/mlp_dp.toml' --nproc 4 --parallelism.data_parallel_replicate_degree 4 --training.steps 4 "
-                 "--comm.timeout_seconds 10 --data.paths '" + corpus(dir) + "' --job.dump_folder '" + out.string() + "' --hooks.enable flight_recorder",
+                 "--comm.timeout_seconds 10 --data.paths '" + test::corpus_file(dir) + "' --job.dump_folder '" + out.string() + "' --hooks.enable flight_recorder",
                  "SPMDX_FAULT=skip_collective:rank=1,step=2,index=1");
   EXPECT_NE(r.exit_code, 0) << r.output;
   EXPECT_THAT(r.output, HasSubstr("flight_recorder: rank 0 dumped"));
@@ -385,7 +370,7 @@ TEST(Hooks, ConsistencyNamesTheRankWhoseReplicatedWeightWasPerturbed) {
   test::TempDir dir;
   const fs::path out = dir / "out";
   auto r = spmdx("run '" SPMDX_SOURCE_DIR "/configs/mlp_dp.toml' --nproc 4 --parallelism.data_parallel_replicate_degree 4 --training.steps 6 "
-                 "--data.paths '" + corpus(dir) + "' --job.dump_folder '" + out.string() + "' --hooks.enable consistency --hooks.consistency.every 1",
+                 "--data.paths '" + test::corpus_file(dir) + "' --job.dump_folder '" + out.string() + "' --hooks.enable consistency --hooks.consistency.every 1",
                  "SPMDX_FAULT=perturb:rank=2,step=3,tensor=w1.weight");
   EXPECT_EQ(r.exit_code, 1) << r.output;
   EXPECT_THAT(r.output, HasSubstr("consistency: step 3: tensor w1.weight differs on rank 2 from ranks 0, 1, 3"));
@@ -398,7 +383,7 @@ TEST(Hooks, ConsistencyNamesTheRankWhoseReplicatedWeightWasPerturbed) {
 
 TEST(Hooks, PartitionValidatorStopsBeforeTheFirstStepNamingRankAndTensors) {
   test::TempDir dir;
-  auto r = spmdx("run '" SPMDX_SOURCE_DIR "/configs/llama_fsdp.toml' --nproc 4 --training.steps 2 --data.paths '" + corpus(dir) +
+  auto r = spmdx("run '" SPMDX_SOURCE_DIR "/configs/llama_fsdp.toml' --nproc 4 --training.steps 2 --data.paths '" + test::corpus_file(dir) +
                  "' --job.dump_folder '" + (dir / "out").string() + "' --hooks.enable partition_validator --hooks.partition_validator.memory_budget 1MiB");
   EXPECT_EQ(r.exit_code, 1) << r.output;
   EXPECT_THAT(r.output, HasSubstr("hook partition_validator: rank 0 needs about"));
@@ -413,7 +398,7 @@ TEST(Hooks, PartitionValidatorStopsBeforeTheFirstStepNamingRankAndTensors) {
 
 TEST(Hooks, AHookThatThrowsIsNamedAndTheRunFinishes) {
   test::TempDir dir;
-  auto r = spmdx("run '" SPMDX_SOURCE_DIR "/configs/mlp_dp.toml' --nproc 2 --training.steps 3 --data.paths '" + corpus(dir) + "' --job.dump_folder '" +
+  auto r = spmdx("run '" SPMDX_SOURCE_DIR "/configs/mlp_dp.toml' --nproc 2 --training.steps 3 --data.paths '" + test::corpus_file(dir) + "' --job.dump_folder '" +
                  (dir / "out").string() + "' --plugins.paths '" TEST_PLUGIN_DIR "/test_hook' --hooks.enable test_hook --hooks.test_hook.throw_in step");
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_THAT(r.output, HasSubstr("hook test_hook failed in on_step_end: step trouble at step 1 (the run goes on)"));
@@ -426,7 +411,7 @@ TEST(Hooks, AHookThatThrowsIsNamedAndTheRunFinishes) {
 
 TEST(Hooks, BadHookConfigFailsBeforeAnyRankStarts) {
   test::TempDir dir;
-  const std::string base = "run '" SPMDX_SOURCE_DIR "/configs/mlp_dp.toml' --nproc 2 --data.paths '" + corpus(dir) + "' --job.dump_folder '" + (dir / "o").string() + "'";
+  const std::string base = "run '" SPMDX_SOURCE_DIR "/configs/mlp_dp.toml' --nproc 2 --data.paths '" + test::corpus_file(dir) + "' --job.dump_folder '" + (dir / "o").string() + "'";
   auto unknown = spmdx(base + " --hooks.enable timelime");
   EXPECT_EQ(unknown.exit_code, 1);
   EXPECT_THAT(unknown.output, HasSubstr("no hook plugin named 'timelime'"));

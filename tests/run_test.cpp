@@ -9,7 +9,7 @@
 #include <map>
 #include <tuple>
 
-#include "test_util.h"
+#include "run_util.h"
 
 namespace spmdx {
 namespace {
@@ -17,22 +17,8 @@ namespace {
 namespace fs = std::filesystem;
 using ::testing::HasSubstr;
 
-std::string corpus_file(const test::TempDir& dir) {
-  std::string text;
-  for (int i = 0; i < 200; ++i) {
-    text += "The ranks of a job agree on every number they compute, line " + std::to_string(i) + ".\n";
-  }
-  test::write_file(dir / "corpus.txt", text);
-  return (dir / "corpus.txt").string();
-}
-
-std::vector<double> losses(const fs::path& metrics) {
-  std::vector<double> out;
-  std::ifstream in(metrics);
-  std::string line;
-  while (std::getline(in, line)) out.push_back(nlohmann::json::parse(line).at("loss").get<double>());
-  return out;
-}
+using test::corpus_file;
+using test::losses;
 
 test::CommandResult spmdx_run(const std::string& args) {
   return test::run_command("'" SPMDX_EXE "' run " + args);
