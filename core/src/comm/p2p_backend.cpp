@@ -294,6 +294,26 @@ void P2PBackend::abort() noexcept {
   aborted_ = true;  // queued operations fail at once; one in progress fails at its next poll
 }
 
+bool P2PBackend::take_option(const std::string& plugin, const std::string& key, const std::string& value) {
+  if (key != "chunk_bytes" && key != "direct_max_bytes") return false;
+  const long long least = key == "chunk_bytes" ? 64 : 0;
+  std::size_t used = 0;
+  long long bytes = -1;
+  try {
+    bytes = std::stoll(value, &used);
+  } catch (const std::exception&) {
+  }
+  if (bytes < least || used != value.size()) {
+    throw std::invalid_argument(plugin + ": option " + key + "='" + value + "' must be a whole number of bytes, at least " + std::to_string(least));
+  }
+  (key == "chunk_bytes" ? chunk_bytes_ : direct_max_bytes_) = static_cast<std::size_t>(bytes);
+  return true;
+}
+
+bool P2PBackend::use_direct(std::size_t members, std::size_t bytes) const {
+  return members > 1 && members <= kDirectMaxMembers && bytes <= direct_max_bytes_;
+}
+
 int P2PBackend::new_group(const std::vector<int>& ranks) {
   auto me = std::find(ranks.begin(), ranks.end(), rank_);
   if (me == ranks.end()) throw std::invalid_argument("new_group: rank " + std::to_string(rank_) + " is not a member");
@@ -357,10 +377,9 @@ void P2PBackend::wait_all(Op& op, const std::vector<std::pair<std::uint64_t, int
   const auto deadline = Clock::now() + std::chrono::duration<double>(timeout_);
   std::vector<bool> done(requests.size(), false);
   std::size_t left = requests.size();
-  int idle_polls = 0;
+  auto last_progress = Clock::now();
   while (left > 0) {
-    // Spin briefly for latency, then yield: ranks share few cores with their compute threads.
-    if (++idle_polls > 64) std::this_thread::sleep_for(std::chrono::microseconds(idle_polls > 4096 ? 200 : 20));
+    bool progressed = false;
     for (std::size_t i = 0; i < requests.size(); ++i) {
       if (done[i]) continue;
       bool ok = false;
@@ -379,11 +398,22 @@ void P2PBackend::wait_all(Op& op, const std::vector<std::pair<std::uint64_t, int
                             (blamed != peer ? "; rank " + std::to_string(blamed) + " failed first" : ""),
                         blamed);
       }
-      if (ok) done[i] = true, --left;
+      if (ok) done[i] = true, --left, progressed = true;
     }
     if (left == 0) break;
     if (aborted_) throw CommError(std::string(op.name) + " aborted", -1);
-    if (Clock::now() > deadline) {
+    // Back off by how long nothing has completed: poll hard while a peer is mid-message (a
+    // ring step's partner is usually microseconds behind), yield the core for a while, then
+    // sleep, since ranks share few cores with their compute threads.
+    const auto now = Clock::now();
+    if (progressed) last_progress = now;
+    const auto idle = now - last_progress;
+    if (idle > std::chrono::microseconds(2000)) {
+      std::this_thread::sleep_for(std::chrono::microseconds(idle > std::chrono::milliseconds(50) ? 200 : 20));
+    } else if (idle > std::chrono::microseconds(20)) {
+      std::this_thread::yield();
+    }
+    if (now > deadline) {
       int silent = -1;
       for (std::size_t i = 0; i < requests.size(); ++i) {
         if (!done[i]) silent = requests[i].second;
@@ -431,6 +461,112 @@ void P2PBackend::sendrecv(Op& op, int to, const void* sbuf, std::size_t sbytes, 
   wait_all(op, reqs);
 }
 
+void P2PBackend::reduce_step(Op& op, int to, const void* sbuf, std::size_t scount, int from, void* dst, std::size_t rcount,
+                             std::size_t max_count, CommDType dtype, ReduceOp rop) {
+  // Pipelined in chunks (as NCCL's and Open MPI's rings are): up to kDepth chunk receives in
+  // flight into scratch slots that stay in cache, each reduced into `dst` as it lands while
+  // the next ones arrive. Unchunked, a step writes the whole incoming block to memory and
+  // reads it back to reduce; here the incoming bytes are reduced from cache.
+  constexpr std::size_t kDepth = 4;
+  const std::size_t es = comm_dtype_size(dtype);
+  // Every rank reserves the same tag steps per ring step (from the largest block), so that
+  // the senders and receivers of blocks of different sizes agree on the tags.
+  const std::size_t max_chunks = std::max<std::size_t>(1, kStepBudget / groups_[static_cast<std::size_t>(op.group)].ranks.size());
+  const std::size_t chunk = std::max<std::size_t>({1, chunk_bytes_ / es, (max_count + max_chunks - 1) / max_chunks});
+  const std::size_t slots = std::max<std::size_t>(1, (max_count + chunk - 1) / chunk);
+  const std::uint16_t base = op.step;
+  op.step = static_cast<std::uint16_t>(op.step + slots);
+  auto pieces = [&](std::size_t count) { return count == 0 ? std::size_t{1} : (count + chunk - 1) / chunk; };
+  auto piece = [&](std::size_t count, std::size_t c) { return std::min(chunk, count - std::min(count, c * chunk)); };
+  const std::size_t nsend = pieces(scount), nrecv = pieces(rcount);
+  char* slot = scratch(0, kDepth * chunk * es);
+  std::vector<std::pair<std::uint64_t, int>> sends;
+  sends.reserve(nsend);
+  for (std::size_t c = 0; c < nsend; ++c) {
+    sends.emplace_back(transport_->isend(to, static_cast<const char*>(sbuf) + c * chunk * es, piece(scount, c) * es,
+                                         make_tag(rank_, op.group, op.seq, static_cast<std::uint16_t>(base + c))),
+                       to);
+  }
+  std::vector<std::uint64_t> recvs(nrecv);
+  auto post = [&](std::size_t c) {
+    recvs[c] = transport_->irecv(from, slot + (c % kDepth) * chunk * es, piece(rcount, c) * es,
+                                 make_tag(from, op.group, op.seq, static_cast<std::uint16_t>(base + c)));
+  };
+  for (std::size_t c = 0; c < std::min(kDepth, nrecv); ++c) post(c);
+  for (std::size_t c = 0; c < nrecv; ++c) {
+    wait_all(op, {{recvs[c], from}});  // also progresses the sends
+    reduce_into(static_cast<char*>(dst) + c * chunk * es, slot + (c % kDepth) * chunk * es, piece(rcount, c), dtype, rop);
+    if (c + kDepth < nrecv) post(c + kDepth);
+  }
+  wait_all(op, sends);
+}
+
+void P2PBackend::direct_reduce_scatter(Op& op, const char* in, const std::vector<std::size_t>& counts, char* dst, CommDType dtype,
+                                       ReduceOp rop) {
+  // Every member sends block j of its input straight to member j and reduces the k-1 blocks it
+  // receives into its own, chunk by chunk, in member order after itself (me+1, me+2, ...).
+  // The same bytes as the ring, but no step waits for another: with more ranks than cores the
+  // ring's chain of k-1 dependent steps is what costs.
+  constexpr std::size_t kDepth = 2;
+  const Group& g = groups_[static_cast<std::size_t>(op.group)];
+  const std::size_t k = g.ranks.size(), me = static_cast<std::size_t>(g.me), es = comm_dtype_size(dtype);
+  const std::size_t max_count = *std::max_element(counts.begin(), counts.end());
+  const std::size_t max_chunks = std::max<std::size_t>(1, kStepBudget / 2);
+  const std::size_t chunk = std::max<std::size_t>({1, chunk_bytes_ / es, (max_count + max_chunks - 1) / max_chunks});
+  const std::uint16_t base = op.step;
+  op.step = static_cast<std::uint16_t>(op.step + std::max<std::size_t>(1, (max_count + chunk - 1) / chunk));
+  auto pieces = [&](std::size_t count) { return count == 0 ? std::size_t{1} : (count + chunk - 1) / chunk; };
+  auto piece = [&](std::size_t count, std::size_t c) { return std::min(chunk, count - std::min(count, c * chunk)); };
+  std::vector<std::pair<std::uint64_t, int>> sends;
+  for (std::size_t d = 1; d < k; ++d) {
+    const std::size_t j = (me + d) % k;
+    const char* block = in + offset_of(counts, j) * es;
+    for (std::size_t c = 0; c < pieces(counts[j]); ++c) {
+      sends.emplace_back(transport_->isend(g.ranks[j], block + c * chunk * es, piece(counts[j], c) * es,
+                                           make_tag(rank_, op.group, op.seq, static_cast<std::uint16_t>(base + c))),
+                         g.ranks[j]);
+    }
+  }
+  const std::size_t n = pieces(counts[me]);
+  char* slots = scratch(0, kDepth * (k - 1) * chunk * es);
+  std::vector<std::uint64_t> recvs(n * (k - 1));
+  auto slot = [&](std::size_t c, std::size_t d) { return slots + ((c % kDepth) * (k - 1) + (d - 1)) * chunk * es; };
+  auto post = [&](std::size_t c) {
+    for (std::size_t d = 1; d < k; ++d) {
+      const int from = g.ranks[(me + d) % k];
+      recvs[c * (k - 1) + d - 1] = transport_->irecv(from, slot(c, d), piece(counts[me], c) * es,
+                                                     make_tag(from, op.group, op.seq, static_cast<std::uint16_t>(base + c)));
+    }
+  };
+  for (std::size_t c = 0; c < std::min(kDepth, n); ++c) post(c);
+  for (std::size_t c = 0; c < n; ++c) {
+    for (std::size_t d = 1; d < k; ++d) {
+      wait_all(op, {{recvs[c * (k - 1) + d - 1], g.ranks[(me + d) % k]}});
+      reduce_into(dst + c * chunk * es, slot(c, d), piece(counts[me], c), dtype, rop);
+    }
+    if (c + kDepth < n) post(c + kDepth);
+  }
+  wait_all(op, sends);
+}
+
+void P2PBackend::direct_all_gather(Op& op, char* out, const std::vector<std::size_t>& counts, CommDType dtype) {
+  // Every member sends its block to every other and receives theirs in place, all at once.
+  const Group& g = groups_[static_cast<std::size_t>(op.group)];
+  const std::size_t k = g.ranks.size(), me = static_cast<std::size_t>(g.me), es = comm_dtype_size(dtype);
+  const std::uint16_t step = op.step++;
+  std::vector<std::pair<std::uint64_t, int>> reqs;
+  for (std::size_t d = 1; d < k; ++d) {
+    const std::size_t j = (me + k - d) % k;
+    reqs.emplace_back(transport_->irecv(g.ranks[j], out + offset_of(counts, j) * es, counts[j] * es, make_tag(g.ranks[j], op.group, op.seq, step)),
+                      g.ranks[j]);
+  }
+  for (std::size_t d = 1; d < k; ++d) {
+    const int to = g.ranks[(me + d) % k];
+    reqs.emplace_back(transport_->isend(to, out + offset_of(counts, me) * es, counts[me] * es, make_tag(rank_, op.group, op.seq, step)), to);
+  }
+  wait_all(op, reqs);
+}
+
 std::unique_ptr<Work> P2PBackend::all_gather(int group, CommBuffer in, CommBuffer out, std::vector<std::size_t> counts) {
   return submit("all_gather", group, [this, in, out, counts](Op& op) {
     const Group& g = groups_[static_cast<std::size_t>(op.group)];
@@ -439,6 +575,10 @@ std::unique_ptr<Work> P2PBackend::all_gather(int group, CommBuffer in, CommBuffe
       throw std::invalid_argument("counts do not match the group size or the buffers");
     }
     copy_bytes(at(out.data, offset_of(counts, me), out.dtype), in.data, in.bytes());
+    if (use_direct(k, out.bytes())) {
+      direct_all_gather(op, static_cast<char*>(out.data), counts, out.dtype);
+      return;
+    }
     const int next = g.ranks[(me + 1) % k], prev = g.ranks[(me + k - 1) % k];
     const std::size_t es = comm_dtype_size(out.dtype);
     for (std::size_t s = 0; s + 1 < k; ++s) {  // ring: pass along the block received last
@@ -458,14 +598,20 @@ std::unique_ptr<Work> P2PBackend::reduce_scatter(int group, CommBuffer in, CommB
       throw std::invalid_argument("counts do not match the group size or the buffers");
     }
     const std::size_t es = comm_dtype_size(in.dtype);
-    char* work = scratch(0, in.bytes());
-    char* incoming = scratch(1, *std::max_element(counts.begin(), counts.end()) * es);
+    if (use_direct(k, in.bytes())) {
+      copy_bytes(out.data, at(in.data, offset_of(counts, me), in.dtype), out.bytes());
+      direct_reduce_scatter(op, static_cast<const char*>(in.data), counts, static_cast<char*>(out.data), in.dtype, rop);
+      if (rop == ReduceOp::avg) divide(out.data, out.count, out.dtype, static_cast<double>(k));
+      return;
+    }
+    char* work = scratch(1, in.bytes());
+    const std::size_t max_count = *std::max_element(counts.begin(), counts.end());
     copy_bytes(work, in.data, in.bytes());
     const int next = g.ranks[(me + 1) % k], prev = g.ranks[(me + k - 1) % k];
     for (std::size_t s = 0; s + 1 < k; ++s) {  // ring: after k-1 steps block `me` holds every member's sum
       const std::size_t send_block = (me + 2 * k - s - 1) % k, recv_block = (me + 2 * k - s - 2) % k;
-      sendrecv(op, next, work + offset_of(counts, send_block) * es, counts[send_block] * es, prev, incoming, counts[recv_block] * es);
-      reduce_into(work + offset_of(counts, recv_block) * es, incoming, counts[recv_block], in.dtype, rop);
+      reduce_step(op, next, work + offset_of(counts, send_block) * es, counts[send_block], prev, work + offset_of(counts, recv_block) * es,
+                  counts[recv_block], max_count, in.dtype, rop);
     }
     copy_bytes(out.data, work + offset_of(counts, me) * es, out.bytes());
     if (rop == ReduceOp::avg) divide(out.data, out.count, out.dtype, static_cast<double>(k));
@@ -496,19 +642,27 @@ std::unique_ptr<Work> P2PBackend::all_reduce(int group, CommBuffer buf, ReduceOp
     } else {
       // Ring: reduce-scatter then all-gather of near-even blocks (bandwidth-optimal).
       const auto counts = even_blocks(buf.count, k);
-      char* incoming = scratch(0, (counts[0] + 1) * es);
+      if (use_direct(k, buf.bytes())) {
+        direct_reduce_scatter(op, static_cast<char*>(buf.data), counts, at(buf.data, offset_of(counts, me), buf.dtype), buf.dtype, rop);
+        if (rop == ReduceOp::avg) divide(at(buf.data, offset_of(counts, me), buf.dtype), counts[me], buf.dtype, static_cast<double>(k));
+        direct_all_gather(op, static_cast<char*>(buf.data), counts, buf.dtype);
+        return;
+      }
       const int next = g.ranks[(me + 1) % k], prev = g.ranks[(me + k - 1) % k];
       for (std::size_t s = 0; s + 1 < k; ++s) {
         const std::size_t send_block = (me + 2 * k - s - 1) % k, recv_block = (me + 2 * k - s - 2) % k;
-        sendrecv(op, next, at(buf.data, offset_of(counts, send_block), buf.dtype), counts[send_block] * es, prev, incoming,
-                 counts[recv_block] * es);
-        reduce_into(at(buf.data, offset_of(counts, recv_block), buf.dtype), incoming, counts[recv_block], buf.dtype, rop);
+        reduce_step(op, next, at(buf.data, offset_of(counts, send_block), buf.dtype), counts[send_block], prev,
+                    at(buf.data, offset_of(counts, recv_block), buf.dtype), counts[recv_block], counts[0], buf.dtype, rop);
       }
+      // Each member divides only the block it reduced, before passing it on: k times less work
+      // than dividing the whole buffer afterwards, and the same bits on every member.
+      if (rop == ReduceOp::avg) divide(at(buf.data, offset_of(counts, me), buf.dtype), counts[me], buf.dtype, static_cast<double>(k));
       for (std::size_t s = 0; s + 1 < k; ++s) {
         const std::size_t send_block = (me + k - s) % k, recv_block = (me + k - s - 1) % k;
         sendrecv(op, next, at(buf.data, offset_of(counts, send_block), buf.dtype), counts[send_block] * es, prev,
                  at(buf.data, offset_of(counts, recv_block), buf.dtype), counts[recv_block] * es);
       }
+      return;
     }
     if (rop == ReduceOp::avg) divide(buf.data, buf.count, buf.dtype, static_cast<double>(k));
   });

@@ -5,7 +5,8 @@
 // algorithms as `ucx` without processes. Never for ranks in separate processes: with a store,
 // init() checks that every rank shares this process and fails naming the rank otherwise.
 //
-// Options: job, a name that tells apart several jobs in one process (default "default").
+// Options: job, a name that tells apart several jobs in one process (default "default");
+// chunk_bytes and direct_max_bytes, as for ucx (P2PBackend::take_option).
 #include <unistd.h>
 
 #include <cstring>
@@ -139,7 +140,7 @@ class LocalBackend final : public spmdx::comm::P2PBackend {
  public:
   explicit LocalBackend(const spmdx::Options& options) {
     for (const auto& [k, v] : options) {
-      if (k != "job") throw std::invalid_argument("local: unknown option '" + k + "' (known: job)");
+      if (k != "job" && !take_option("local", k, v)) throw std::invalid_argument("local: unknown option '" + k + "' (known: job, chunk_bytes, direct_max_bytes)");
     }
     if (auto it = options.find("job"); it != options.end()) job_ = it->second;
   }

@@ -3,7 +3,8 @@
 // every other rank; spmdx's P2P algorithms (ring all_reduce, ...) run on top. Transports come
 // from UCX_TLS, or the plugin option "tls"; with neither, ranks that all share one host use
 // shared memory ("shm,self": plain posix alone is slow here), others UCX's default (TCP
-// across hosts).
+// across hosts). Options chunk_bytes (ring pipeline chunk, default 1 MiB) and direct_max_bytes
+// (all-pairs up to this size on up to 8 ranks, default 4 MiB): P2PBackend::take_option.
 #include <spmdx/comm/p2p_backend.h>
 #include <spmdx/core/log.h>
 #include <spmdx/plugin.h>
@@ -129,7 +130,13 @@ class UcxTransport final : public spmdx::comm::Transport {
 class UcxBackend final : public spmdx::comm::P2PBackend {
  public:
   explicit UcxBackend(const spmdx::Options& options) {
-    if (auto it = options.find("tls"); it != options.end()) tls_ = it->second;
+    for (const auto& [key, value] : options) {
+      if (key == "tls") {
+        tls_ = value;
+      } else if (!take_option("ucx", key, value)) {
+        throw std::invalid_argument("ucx: unknown option '" + key + "' (known: tls, chunk_bytes, direct_max_bytes)");
+      }
+    }
   }
   ~UcxBackend() override { finalize(); }
 
