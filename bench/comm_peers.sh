@@ -2,20 +2,39 @@
 # all_reduce of float32 sums on this machine, spmdx's ucx plugin against Open MPI (mpirun,
 # shared memory) and Gloo (PyTorch torch.distributed), measured in the same run; prints each
 # one's bus bandwidth and spmdx's ratio to each (issue target: >= Open MPI, >= 2x Gloo at 64 MiB).
+# The three peers run in turn, ROUNDS times (default 3), and the medians are compared: on a
+# shared machine one run of any of them can be off by 2x.
 # Usage: bench/comm_peers.sh [BYTES] [NPROC...]   (default: 64 MiB on 2 and 4 ranks)
+#        ROUNDS=5 bench/comm_peers.sh
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 build="${SPMDX_BUILD_DIR:-$repo/build}"
 bytes="${1:-67108864}"; shift || true
 nprocs=("${@:-2 4}"); nprocs=(${nprocs[@]})
+rounds="${ROUNDS:-3}"
 iters=10
-printf "%-6s %12s %12s %12s %12s %10s %10s\n" ranks bytes "spmdx GB/s" "mpi GB/s" "gloo GB/s" "vs mpi" "vs gloo"
+
+spmdx_busbw() {  # in-place busbw
+  "$build/bin/spmdx" bench comm --nproc "$1" --op all_reduce --min-bytes "$bytes" --max-bytes "$bytes" --iters $iters --warmup 3 \
+    | awk '$1 == "[rank" && $3 ~ /^[0-9]+$/ { print $(NF-1) }' | tail -1
+}
+mpi_busbw() {
+  mpirun --allow-run-as-root --oversubscribe -np "$1" --mca btl self,vader "$build/bin/bench_mpi_allreduce" "$bytes" $iters \
+    2>/dev/null | awk '{ print $2 }'
+}
+gloo_busbw() {
+  "$repo/.venv/bin/python" "$repo/bench/peers/gloo_allreduce.py" "$1" "$bytes" $iters 2>/dev/null | awk '{ print $2 }'
+}
+median() { tr ' ' '\n' | grep -v '^$' | sort -g | awk '{ v[NR] = $1 } END { if (NR == 0) print "n/a"; else if (NR % 2) print v[(NR + 1) / 2]; else printf "%.3f\n", (v[NR / 2] + v[NR / 2 + 1]) / 2 }'; }
+ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (a + 0 > 0 && b + 0 > 0) printf "%.2fx", a / b; else print "n/a" }'; }
+
+printf "%-6s %10s %-26s %-26s %-26s %8s %8s\n" ranks bytes "spmdx GB/s (rounds)" "mpi GB/s" "gloo GB/s" "vs mpi" "vs gloo"
 for n in "${nprocs[@]}"; do
-  spmdx=$("$build/bin/spmdx" bench comm --nproc "$n" --op all_reduce --min-bytes "$bytes" --max-bytes "$bytes" --iters $iters --warmup 3 \
-          | awk '$1 == "[rank" && $3 ~ /^[0-9]+$/ { print $(NF-1) }' | tail -1)   # in-place busbw
-  mpi=$(mpirun --allow-run-as-root --oversubscribe -np "$n" --mca btl self,vader "$build/bin/bench_mpi_allreduce" "$bytes" $iters \
-        2>/dev/null | awk '{ print $2 }')
-  gloo=$("$repo/.venv/bin/python" "$repo/bench/peers/gloo_allreduce.py" "$n" "$bytes" $iters 2>/dev/null | awk '{ print $2 }')
-  ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (b > 0) printf "%.2fx", a / b; else print "n/a" }'; }
-  printf "%-6s %12s %12s %12s %12s %10s %10s\n" "$n" "$bytes" "$spmdx" "${mpi:-n/a}" "${gloo:-n/a}" "$(ratio "$spmdx" "${mpi:-0}")" "$(ratio "$spmdx" "${gloo:-0}")"
+  s=(); m=(); g=()
+  for ((r = 0; r < rounds; r++)); do
+    s+=("$(spmdx_busbw "$n")"); m+=("$(mpi_busbw "$n" || true)"); g+=("$(gloo_busbw "$n" || true)")
+  done
+  ms=$(echo "${s[*]}" | median); mm=$(echo "${m[*]}" | median); mg=$(echo "${g[*]}" | median)
+  printf "%-6s %10s %-26s %-26s %-26s %8s %8s\n" "$n" "$bytes" "$ms (${s[*]})" "$mm (${m[*]})" "$mg (${g[*]})" "$(ratio "$ms" "$mm")" "$(ratio "$ms" "$mg")"
 done
+echo "medians of $rounds rounds; targets: >= 1x Open MPI, >= 2x Gloo"

@@ -330,7 +330,7 @@ int run_bench_comm(const BenchCommOptions& o, const std::vector<std::string>& ra
   spmdx::PluginRegistry registry;
   std::vector<std::filesystem::path> paths(o.plugin_paths.begin(), o.plugin_paths.end());
   registry.discover(spmdx::plugin_search_path(paths));
-  auto backend = registry.make_comm_backend(o.backend);
+  auto backend = registry.make_comm_backend_from_spec(o.backend);
   backend->init({env.rank, env.world_size, 0, &store, bo.timeout_seconds});
   const std::int64_t wrong = spmdx::comm::run_comm_bench(*backend, env.rank, env.world_size, bo);
   backend->barrier(0)->wait(bo.timeout_seconds);
@@ -395,7 +395,7 @@ int main(int argc, char** argv) {
   auto* bench = app.add_subcommand("bench", "Benchmarks");
   auto* bench_comm = bench->add_subcommand("comm", "Time one collective over a backend, size by size, as nccl-tests do (algbw, busbw, checked)");
   BenchCommOptions bench_options;
-  bench_comm->add_option("--backend", bench_options.backend, "comm plugin")->capture_default_str();
+  bench_comm->add_option("--backend", bench_options.backend, "comm plugin, \"name\" or \"name:key=value;...\" (ucx:chunk_bytes=1048576)")->capture_default_str();
   bench_comm->add_option("--nproc", bench_options.nproc, "ranks to start here")->capture_default_str()->check(CLI::Range(1, 256));
   bench_comm->add_option("--op", bench_options.op, "collective")->capture_default_str()
       ->check(CLI::IsMember({"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"}));

@@ -516,6 +516,21 @@ std::unique_ptr<Strategy> PluginRegistry::make_strategy(std::string_view name, c
   return factories_->strategies.find(name)->second.factory(options);
 }
 
+std::unique_ptr<CommBackend> PluginRegistry::make_comm_backend_from_spec(const std::string& spec) {
+  const auto colon = spec.find(':');
+  Options options;
+  if (colon != std::string::npos) {
+    std::stringstream list(spec.substr(colon + 1));
+    std::string item;
+    while (std::getline(list, item, ';')) {
+      const auto eq = item.find('=');
+      if (eq == std::string::npos) throw std::invalid_argument("comm backend '" + spec + "': option '" + item + "' is not key=value");
+      options[item.substr(0, eq)] = item.substr(eq + 1);
+    }
+  }
+  return make_comm_backend(spec.substr(0, colon), options);
+}
+
 std::unique_ptr<CommBackend> PluginRegistry::make_comm_backend(std::string_view name, const Options& options) {
   ensure_factory(PluginKind::comm, name);
   return factories_->comm_backends.find(name)->second.factory(options);

@@ -47,22 +47,6 @@ std::int64_t rss_bytes() {
   return resident * static_cast<std::int64_t>(sysconf(_SC_PAGESIZE));
 }
 
-// A comm backend made from "name" or "name:key=value;key=value" (e.g. "ucx:tls=tcp,self").
-std::unique_ptr<CommBackend> make_backend(PluginRegistry& registry, const std::string& spec) {
-  const auto colon = spec.find(':');
-  Options options;
-  if (colon != std::string::npos) {
-    std::stringstream list(spec.substr(colon + 1));
-    std::string item;
-    while (std::getline(list, item, ';')) {
-      const auto eq = item.find('=');
-      if (eq == std::string::npos) throw std::invalid_argument("comm backend '" + spec + "': option '" + item + "' is not key=value");
-      options[item.substr(0, eq)] = item.substr(eq + 1);
-    }
-  }
-  return registry.make_comm_backend(spec.substr(0, colon), options);
-}
-
 // Fault injection for testing the debug hooks, from SPMDX_FAULT (never set in normal runs):
 //   skip_collective:rank=R,step=S,index=I  rank R does not issue its I-th collective of step S
 //   perturb:rank=R,step=S,tensor=NAME[,delta=D]  rank R adds D (1e-3) to NAME after step S
@@ -231,7 +215,7 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
     hooks.compile(plan, ranks, plan::plan_options(cfg));
   }
   if (env.world_size > 1) {
-    backend = make_backend(registry, cfg.get_string("comm.backend"));
+    backend = registry.make_comm_backend_from_spec(cfg.get_string("comm.backend"));
     backend->init({env.rank, env.world_size, 0, store.get(), timeout});
   }
   DistributedExecutor executor(graph, job.mesh, env.rank, backend.get(), timeout, plan::plan_options(cfg));
@@ -357,7 +341,7 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
         const std::int64_t generation = step / swap_every;
         const std::string next = generation % 2 == 1 ? cfg.get_string("comm.swap_to") : cfg.get_string("comm.backend");
         backend.reset();
-        backend = make_backend(registry, next);
+        backend = registry.make_comm_backend_from_spec(next);
         backend->init({env.rank, env.world_size, generation, store.get(), timeout});
         executor.set_backend(backend.get());
         if (lead && (step / swap_every) % std::max<std::int64_t>(1, log_freq) == 0) {
