@@ -3,6 +3,8 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <set>
+
 #include "spmdx/ir/graph.h"
 #include "spmdx/ir/op_registry.h"
 #include "spmdx/ir/serialize.h"
@@ -54,6 +56,31 @@ TEST(Ir, BuildsInfersAndPrintsAnMlp) {
   EXPECT_EQ(loss->meta().shape, Shape{});
   EXPECT_EQ(g.find_input("w1")->uses().size(), 1u);
   EXPECT_EQ(g.find_input("w1")->uses()[0].user->op(), "linear");
+}
+
+// release_after: each value at its last reader in the given order; an unread output at its
+// producer; graph outputs never.
+TEST(Ir, ReleaseAfterFollowsTheExecutionOrder) {
+  Graph g = mlp();
+  Value* x = g.find_input("x");
+  Value* unread = g.add("relu", {x});  // node 4: nobody reads it
+  auto names = [](const std::vector<const Value*>& values) {
+    std::set<std::string> out;
+    for (const Value* v : values) out.insert(v->name().empty() ? "%" + std::to_string(v->id()) : v->name());
+    return out;
+  };
+  // Graph order: linear(x, w1), relu, linear(h, w2), cross_entropy, relu(x).
+  auto in_order = release_after(g, {0, 1, 2, 3, 4});
+  ASSERT_EQ(in_order.size(), 5u);
+  EXPECT_EQ(names(in_order[0]), (std::set<std::string>{"w1"}));
+  EXPECT_EQ(names(in_order[1]), (std::set<std::string>{"%4"}));
+  EXPECT_EQ(names(in_order[2]), (std::set<std::string>{"%5", "w2"}));
+  EXPECT_EQ(names(in_order[3]), (std::set<std::string>{"%6", "y"}));  // the loss is an output: kept
+  EXPECT_EQ(names(in_order[4]), (std::set<std::string>{"x", "%" + std::to_string(unread->id())}));
+  // The unread relu run first: x is still needed by the first linear.
+  auto reordered = release_after(g, {4, 0, 1, 2, 3});
+  EXPECT_EQ(names(reordered[0]), (std::set<std::string>{"%" + std::to_string(unread->id())}));
+  EXPECT_EQ(names(reordered[1]), (std::set<std::string>{"w1", "x"}));
 }
 
 TEST(Ir, ShapeMismatchNamesNodeOpAndBothShapes) {

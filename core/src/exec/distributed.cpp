@@ -101,15 +101,7 @@ DistributedExecutor::DistributedExecutor(const ir::Graph& graph, const sharding:
   }
   plan_ = plan::make_runtime_plan(graph, mesh, options);
   // Each value is released after its last reader in the plan's order.
-  std::unordered_map<const ir::Value*, std::size_t> last_use;
-  for (std::size_t p = 0; p < plan_.order.size(); ++p) {
-    for (const ir::Value* v : nodes_[static_cast<std::size_t>(plan_.order[p])]->inputs()) last_use[v] = p;
-  }
-  for (const auto& [name, v] : graph.outputs()) last_use[v] = graph.num_nodes();
-  dead_.assign(graph.num_nodes(), {});
-  for (const auto& [v, at] : last_use) {
-    if (at < dead_.size()) dead_[at].push_back(v);
-  }
+  dead_ = ir::release_after(graph, plan_.order);
   // The bucket layouts (see MemberLayout).
   member_.assign(nodes_.size(), {});
   layout_.assign(plan_.buckets.size(), {});

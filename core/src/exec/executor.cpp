@@ -2,6 +2,7 @@
 
 #include <c10/core/InferenceMode.h>
 
+#include <algorithm>
 #include <chrono>
 #include <stdexcept>
 #include <unordered_map>
@@ -9,28 +10,36 @@
 namespace spmdx::exec {
 
 Executor::Executor(const ir::Graph& graph) : graph_(graph) {
-  std::unordered_map<const ir::Value*, std::size_t> last_use;  // value -> index of its last user
-  std::size_t index = 0;
+  std::unordered_map<const ir::Value*, int> slot;  // every value's index into run()'s tensors
+  auto slot_of = [&](const ir::Value* v) { return slot.emplace(v, static_cast<int>(slot.size())).first->second; };
+  for (const ir::Value* v : graph.inputs()) slot_of(v);
   for (const auto& node : graph.nodes()) {
     const Kernel* kernel = find_kernel(node->op());
     if (kernel == nullptr) {
       throw std::invalid_argument("node %" + std::to_string(node->id()) + ": op '" + node->op() + "' has no ATen kernel");
     }
     kernels_.push_back(kernel);
-    for (const ir::Value* v : node->inputs()) last_use[v] = index;
-    for (const ir::Value* v : node->outputs()) last_use.emplace(v, index);  // unused outputs die at once
-    ++index;
+    Step step;
+    for (const ir::Value* v : node->inputs()) step.inputs.push_back(slot_of(v));
+    for (const ir::Value* v : node->outputs()) step.outputs.push_back(slot_of(v));
+    steps_.push_back(std::move(step));
   }
-  for (const auto& [name, v] : graph.outputs()) last_use[v] = graph.num_nodes();  // kept to the end
-  dead_.resize(graph.num_nodes());
-  for (const auto& [value, at] : last_use) {
-    if (at < dead_.size() && value->producer() != nullptr) dead_[at].push_back(value);
+  slots_ = slot.size();
+  std::vector<int> order(graph.num_nodes());
+  for (std::size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int>(i);
+  const auto dead = ir::release_after(graph, order);
+  for (std::size_t i = 0; i < dead.size(); ++i) {
+    for (const ir::Value* v : dead[i]) {  // inputs belong to the caller and are not counted in peak_bytes
+      if (v->producer() != nullptr) steps_[i].release.push_back(slot.at(v));
+    }
   }
+  for (const auto& [name, v] : graph.outputs()) outputs_.emplace_back(name, slot.at(v));
 }
 
 TensorMap Executor::run(const TensorMap& inputs) {
   c10::InferenceMode no_autograd;
-  std::unordered_map<const ir::Value*, at::Tensor> live;
+  std::vector<at::Tensor> live(slots_);
+  std::size_t input_slot = 0;
   for (const ir::Value* v : graph_.inputs()) {
     auto it = inputs.find(v->name());
     if (it == inputs.end()) throw std::invalid_argument("missing input '" + v->name() + "' (" + v->meta().str() + ")");
@@ -39,15 +48,16 @@ TensorMap Executor::run(const TensorMap& inputs) {
       throw std::invalid_argument("input '" + v->name() + "' is " + c10::toString(t.scalar_type()) + " " +
                                   ir::shape_str(t.sizes().vec()) + ", the graph expects " + v->meta().str());
     }
-    live.emplace(v, t);
+    live[input_slot++] = t;
   }
   std::int64_t held = 0;
   peak_bytes_ = 0;
   std::size_t index = 0;
   std::vector<at::Tensor> args;
   for (const auto& node : graph_.nodes()) {
+    const Step& step = steps_[index];
     args.clear();
-    for (const ir::Value* v : node->inputs()) args.push_back(live.at(v));
+    for (int i : step.inputs) args.push_back(live[static_cast<std::size_t>(i)]);
     std::vector<at::Tensor> out;
     const auto start = profiling_ ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};
     try {
@@ -60,18 +70,18 @@ TensorMap Executor::run(const TensorMap& inputs) {
     }
     for (std::size_t i = 0; i < out.size(); ++i) {
       held += static_cast<std::int64_t>(out[i].nbytes());
-      live[node->outputs()[i]] = std::move(out[i]);
+      live[static_cast<std::size_t>(step.outputs[i])] = std::move(out[i]);
     }
     peak_bytes_ = std::max(peak_bytes_, held);
-    for (const ir::Value* v : dead_[index]) {
-      auto it = live.find(v);
-      held -= static_cast<std::int64_t>(it->second.nbytes());
-      live.erase(it);
+    for (int i : step.release) {
+      at::Tensor& t = live[static_cast<std::size_t>(i)];
+      held -= static_cast<std::int64_t>(t.nbytes());
+      t.reset();
     }
     ++index;
   }
   TensorMap result;
-  for (const auto& [name, v] : graph_.outputs()) result.emplace(name, live.at(v));
+  for (const auto& [name, i] : outputs_) result.emplace(name, live[static_cast<std::size_t>(i)]);
   return result;
 }
 

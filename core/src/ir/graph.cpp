@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <set>
 #include <sstream>
+#include <unordered_map>
 
 #include "spmdx/ir/op_registry.h"
 
@@ -311,6 +312,21 @@ std::string Graph::str() const {
   for (std::size_t i = 0; i < outputs_.size(); ++i) out << (i ? ", " : "") << outputs_[i].first << "=" << outputs_[i].second->ref();
   out << ")\n";
   return out.str();
+}
+
+std::vector<std::vector<const Value*>> release_after(const Graph& graph, const std::vector<int>& order) {
+  std::vector<const Node*> nodes;
+  for (const auto& n : graph.nodes()) nodes.push_back(n.get());
+  std::unordered_map<const Value*, std::size_t> last;  // value -> position of its last reader
+  for (std::size_t p = 0; p < order.size(); ++p) {
+    const Node* n = nodes.at(static_cast<std::size_t>(order[p]));
+    for (const Value* v : n->inputs()) last[v] = p;
+    for (const Value* v : n->outputs()) last.emplace(v, p);  // unread outputs go at once
+  }
+  for (const auto& [name, v] : graph.outputs()) last.erase(v);
+  std::vector<std::vector<const Value*>> out(order.size());
+  for (const auto& [v, p] : last) out[p].push_back(v);
+  return out;
 }
 
 }  // namespace spmdx::ir

@@ -39,8 +39,14 @@ class Executor {
 
  private:
   const ir::Graph& graph_;
-  std::vector<const Kernel*> kernels_;               // per node, in order
-  std::vector<std::vector<const ir::Value*>> dead_;  // per node: values whose last use it is
+  struct Step {                 // per node: slots of run()'s tensors (values, numbered once)
+    std::vector<int> inputs, outputs;
+    std::vector<int> release;    // values whose last use this node is
+  };
+  std::vector<const Kernel*> kernels_;  // per node, in order
+  std::vector<Step> steps_;
+  std::size_t slots_ = 0;
+  std::vector<std::pair<std::string, int>> outputs_;
   std::int64_t peak_bytes_ = 0;
   bool profiling_ = false;
   std::map<std::string, double> op_seconds_;

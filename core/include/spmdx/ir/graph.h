@@ -159,4 +159,10 @@ class Graph {
   std::vector<std::pair<std::string, Value*>> outputs_;
 };
 
+/// Liveness for executors. `order` lists indices into graph.nodes() in execution order (each
+/// node once). Returns, per position p of `order`, the values an executor may release after
+/// running the node at p: those whose last reader it is, and its own outputs that nothing
+/// reads. Graph inputs are listed at their last reader; graph outputs never.
+std::vector<std::vector<const Value*>> release_after(const Graph& graph, const std::vector<int>& order);
+
 }  // namespace spmdx::ir
