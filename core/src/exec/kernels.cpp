@@ -121,14 +121,16 @@ const std::map<std::string, Kernel>& kernels() {
     // d(CE)/d(logits) = softmax(logits) - onehot(target), rows of ignored targets 0, divided by
     // the count of the others for the mean.
     k["cross_entropy_backward"] = [](const Node& n, const Tensors& x) {
-      const at::Tensor& logits = x[1];
-      const at::Tensor& target = x[2];
-      at::Tensor keep = target.ne(n.attr_int("ignore_index"));
-      at::Tensor safe = at::where(keep, target, at::zeros_like(target));
-      at::Tensor grad = at::softmax(logits, -1) - at::one_hot(safe, logits.size(-1)).to(logits.scalar_type());
-      grad = grad * keep.unsqueeze(-1).to(logits.scalar_type());
-      if (n.attr_string("reduction") == "sum") return one(grad * x[0]);
-      return one(grad * (x[0] / keep.sum().to(logits.scalar_type())));
+      // As autograd does for cross_entropy = nll_loss(log_softmax): ATen's two fused backward
+      // kernels, softmax(x) - onehot(target) without materialising the one-hot [N, V] matrix.
+      const std::int64_t ignore = n.attr_int("ignore_index");
+      const at::Tensor logits = x[1].reshape({-1, x[1].size(-1)});
+      const at::Tensor target = x[2].reshape({-1});
+      const bool sum = n.attr_string("reduction") == "sum";
+      at::Tensor lsm = at::log_softmax(logits, -1);
+      at::Tensor total_weight = target.ne(ignore).sum().to(logits.scalar_type());
+      at::Tensor g = at::nll_loss_backward(x[0], lsm, target, {}, sum ? at::Reduction::Sum : at::Reduction::Mean, ignore, total_weight);
+      return one(at::_log_softmax_backward_data(g, lsm, -1, logits.scalar_type()).view(x[1].sizes()));
     };
     k["rms_norm_backward"] = [](const Node& n, const Tensors& x) {
       const at::Tensor &g = x[0], &in = x[1], &w = x[2];
