@@ -116,6 +116,17 @@ TEST(Run, TheLocalBackendIsRefusedBeforeAnyRankStarts) {
   EXPECT_THAT(r.output, ::testing::Not(HasSubstr("[rank")));
 }
 
+TEST(Run, ABadCommBackendOptionFailsBeforeAnyRankStarts) {
+  auto r = spmdx_run("'" SPMDX_SOURCE_DIR "/configs/mlp_dp.toml' --nproc 2 --comm.backend 'ucx:chunk_bytes=1e6'");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.output, HasSubstr("comm.backend = \"ucx:chunk_bytes=1e6\": ucx: option chunk_bytes='1e6' must be a whole number of bytes"));
+  EXPECT_THAT(r.output, ::testing::Not(HasSubstr("[rank")));
+  r = spmdx_run("'" SPMDX_SOURCE_DIR "/configs/mlp_dp.toml' --nproc 2 --comm.swap_at_step 1 --comm.swap_to 'ucx:chunk=64'");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.output, HasSubstr("comm.swap_to = \"ucx:chunk=64\": ucx: unknown option 'chunk' (known: tls, chunk_bytes, direct_max_bytes)"));
+  EXPECT_THAT(r.output, ::testing::Not(HasSubstr("[rank")));
+}
+
 TEST(Run, TypoInConfigFailsBeforeAnyRankStartsNamingLineAndKey) {
   test::TempDir dir;
   test::write_file(dir / "bad.toml", "[model]\nname = \"llama\"\n[training]\nsteps = 3\nsqe_len = 16\n");

@@ -154,8 +154,7 @@ int run_compile(const CompileOptions& o) {
   const auto tokenizer = spmdx::data::make_tokenizer(cfg.get_string("model.tokenizer"));
   const spmdx::train::JobSpec spec = spmdx::train::job_spec(cfg, world, tokenizer->vocab_size());
   spmdx::PluginRegistry registry;
-  std::vector<std::filesystem::path> paths(cfg.get_list("plugins.paths").begin(), cfg.get_list("plugins.paths").end());
-  registry.discover(spmdx::plugin_search_path(paths));
+  spmdx::train::discover_plugins(registry, cfg);
   spmdx::train::PlacedJob job = spmdx::train::place_job(spec, registry);
   const auto plan = spmdx::sharding::propagate(job.model.graph, job.mesh, job.inputs, job.outputs, job.use, job.reshard_after_forward);
   const std::int64_t dumped_ranks = o.dump.empty() ? 0 : (o.fake ? 1 : world);
@@ -238,8 +237,7 @@ int run_run(const RunOptions& o) {
     spmdx::PluginRegistry registry;
     const bool hooks = !cfg.get_list("hooks.enable").empty();
     if (o.nproc * o.nnodes > 1 || hooks) {
-      std::vector<std::filesystem::path> paths(cfg.get_list("plugins.paths").begin(), cfg.get_list("plugins.paths").end());
-      registry.discover(spmdx::plugin_search_path(paths));
+      spmdx::train::discover_plugins(registry, cfg);
     }
     if (o.nproc * o.nnodes > 1) {  // the comm backend must exist
       for (const auto& e : registry.errors()) throw spmdx::config::ConfigError(o.config + ": plugins: " + e.what());
@@ -258,6 +256,11 @@ int run_run(const RunOptions& o) {
           }
           throw spmdx::config::ConfigError(o.config + ": " + key + " = \"" + spec + "\" is not a comm plugin found here; found: " +
                                            (known.empty() ? "none" : known));
+        }
+        try {  // its options: made (not initialised), so a bad one fails here rather than on every rank
+          registry.make_comm_backend_from_spec(spec);
+        } catch (const std::exception& e) {
+          throw spmdx::config::ConfigError(o.config + ": " + key + " = \"" + spec + "\": " + e.what());
         }
       }
     }

@@ -30,4 +30,10 @@ std::string human_bytes(double b) {
   return buf;
 }
 
+std::string rank_list(const std::vector<int>& ranks) {
+  std::string s;
+  for (int r : ranks) s += (s.empty() ? "" : ", ") + std::to_string(r);
+  return (ranks.size() == 1 ? "rank " : "ranks ") + s;
+}
+
 }  // namespace spmdx

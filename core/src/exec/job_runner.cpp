@@ -162,8 +162,7 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
   train::check_runnable(cfg);
 
   PluginRegistry registry;
-  std::vector<std::filesystem::path> paths(cfg.get_list("plugins.paths").begin(), cfg.get_list("plugins.paths").end());
-  registry.discover(plugin_search_path(paths));
+  train::discover_plugins(registry, cfg);
   train::PlacedJob job = train::place_job(spec, registry);
   if (!fault.kind.empty()) {  // a fault that can never happen is a mistake in the test
     const auto state_names = train::train_state_names(job.model.params);

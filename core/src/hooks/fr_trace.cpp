@@ -27,11 +27,7 @@ struct Entry {
   std::string describe() const { return signature() + " producing " + value + " in step " + std::to_string(step); }
 };
 
-std::string list(const std::vector<int>& ranks) {
-  std::string s;
-  for (int r : ranks) s += (s.empty() ? "" : ", ") + std::to_string(r);
-  return (ranks.size() == 1 ? "rank " : "ranks ") + s;
-}
+std::string list(const std::vector<int>& ranks) { return rank_list(ranks); }
 
 }  // namespace
 

@@ -1,9 +1,9 @@
 #include "spmdx/train/job.h"
 
+#include <filesystem>
+
 #include "spmdx/data/text_dataset.h"
 #include "spmdx/sharding/spec.h"
-
-#include <filesystem>
 
 namespace spmdx::train {
 
@@ -83,6 +83,11 @@ void check_data(const config::Config& cfg, const data::Tokenizer& tokenizer, con
     throw config::ConfigError((cfg.source().empty() ? std::string("config") : cfg.source()) + ": job.dump_folder '" +
                               cfg.get_string("job.dump_folder") + "' cannot be made: " + ec.message());
   }
+}
+
+void discover_plugins(PluginRegistry& registry, const config::Config& cfg) {
+  const auto& listed = cfg.get_list("plugins.paths");
+  registry.discover(plugin_search_path(std::vector<std::filesystem::path>(listed.begin(), listed.end())));
 }
 
 PlacedJob place_job(const JobSpec& spec, PluginRegistry& registry) {

@@ -18,6 +18,7 @@
 #include "spmdx/core/files.h"
 #include "spmdx/core/log.h"
 #include "spmdx/core/options.h"
+#include "spmdx/core/text.h"
 #include "spmdx/plugin.h"
 
 namespace {
@@ -90,17 +91,12 @@ class Consistency final : public spmdx::Hook {
         if (h != majority->first) odd.insert(odd.end(), ranks.begin(), ranks.end());
       }
       const bool tie = std::count_if(hashes.begin(), hashes.end(), [&](const auto& e) { return e.second.size() == majority->second.size(); }) > 1;
-      auto list = [](const std::vector<int>& ranks) {
-        std::string s;
-        for (int r : ranks) s += (s.empty() ? "" : ", ") + std::to_string(r);
-        return s;
-      };
       const std::string name = key.substr(0, key.find('|'));
       std::string copy = key.substr(key.find('|') + 1);
       if (!copy.empty() && copy.back() == ' ') copy.pop_back();
       const std::string message =
-          "step " + std::to_string(step.step) + ": tensor " + name + (copy.empty() ? "" : " (copy " + copy + ")") + " differs on rank" +
-          (odd.size() > 1 ? "s " : " ") + list(odd) + " from rank" + (majority->second.size() > 1 ? "s " : " ") + list(majority->second) +
+          "step " + std::to_string(step.step) + ": tensor " + name + (copy.empty() ? "" : " (copy " + copy + ")") + " differs on " +
+          spmdx::rank_list(odd) + " from " + spmdx::rank_list(majority->second) +
           (tie ? " (no majority: either side may be wrong)" : "") + "; it should be identical on all of them";
       if (!report_.contains("divergence") || report_["divergence"].is_null()) {  // the first one is the one to chase
         report_["divergence"] = {{"step", step.step}, {"tensor", name}, {"copy", copy}, {"ranks", odd}, {"reference_ranks", majority->second},

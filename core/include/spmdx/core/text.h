@@ -4,6 +4,7 @@
 
 #include <cstddef>
 #include <string>
+#include <vector>
 
 namespace spmdx {
 
@@ -13,5 +14,8 @@ std::size_t edit_distance(const std::string& a, const std::string& b);
 
 /// "1.5 MiB": bytes in binary units (B, KiB, MiB, GiB, TiB), one decimal.
 std::string human_bytes(double bytes);
+
+/// "rank 3" or "ranks 0, 1, 3", in the order given (for messages naming ranks).
+std::string rank_list(const std::vector<int>& ranks);
 
 }  // namespace spmdx

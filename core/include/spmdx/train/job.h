@@ -66,6 +66,10 @@ struct PlacedJob {
 };
 PlacedJob place_job(const JobSpec& spec, PluginRegistry& registry);
 
+/// registry.discover() over the config's plugins.paths, then SPMDX_PLUGIN_PATH and the
+/// built-in folder (plugin_search_path).
+void discover_plugins(PluginRegistry& registry, const config::Config& cfg);
+
 /// Bytes one rank holds for parameters (equal to its gradients'), and AdamW state (twice).
 std::int64_t local_parameter_bytes(const PlacedJob& job, std::int64_t rank);
 
