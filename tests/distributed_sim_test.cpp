@@ -256,6 +256,15 @@ TEST(Distributed, RedistributePlansArePrintable) {
             "mesh dim 1: S(0) -> R all_gather (32 bytes); mesh dim 0: S(0) -> R all_gather (64 bytes)");
   EXPECT_EQ(sharding::to_string(sharding::redistribute_plan(mesh, meta, {R, R}, {S0, Placement::shard(1)})),
             "mesh dim 0: R -> S(0) chunk; mesh dim 1: R -> S(1) chunk");
+  // Nested shards of one tensor dim: an inner Partial under an outer shard that stays is
+  // reduce-scattered (the local tensor is the outer block; FSDP x TP's residual stream) ...
+  EXPECT_EQ(sharding::to_string(sharding::redistribute_plan(mesh, meta, {S0, P}, {S0, S0})),
+            "mesh dim 1: P(sum) -> S(0) reduce_scatter (32 bytes)");
+  // ... but an outer Partial under an inner shard of the same dim is not: the inner shard is
+  // undone first and the blocks re-cut outer to inner.
+  EXPECT_EQ(sharding::to_string(sharding::redistribute_plan(mesh, meta, {P, S0}, {S0, S0})),
+            "mesh dim 1: S(0) -> R all_gather (64 bytes); mesh dim 0: P(sum) -> R all_reduce (128 bytes); "
+            "mesh dim 0: R -> S(0) chunk; mesh dim 1: R -> S(0) chunk");
 }
 
 }  // namespace

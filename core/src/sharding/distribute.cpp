@@ -70,6 +70,21 @@ std::vector<RedistributeStep> redistribute_plan(const DeviceMesh& mesh, const ir
     }
     return false;
   };
+  // Whether a reduce_scatter on mesh dim i along tensor dim d gives the right block: it does
+  // when no other mesh dim shards d, or only outer ones that stay as they are (the local
+  // tensor is then their block, and nested shards go outer to inner: the same block that
+  // all_reduce + chunk would give, for half the bytes).
+  auto scatter_ok = [&](int i, int d) {
+    for (int j = 0; j < n; ++j) {
+      if (j == i) continue;
+      const auto& sj = state[static_cast<std::size_t>(j)];
+      const auto& tj = to[static_cast<std::size_t>(j)];
+      if (!shards(sj, d) && !shards(tj, d)) continue;
+      if (j < i && sj == tj && !force[static_cast<std::size_t>(j)]) continue;
+      return false;
+    }
+    return true;
+  };
   for (int i = n - 1; i >= 0; --i) {
     Placement& s = state[static_cast<std::size_t>(i)];
     const Placement& t = to[static_cast<std::size_t>(i)];
@@ -78,7 +93,7 @@ std::vector<RedistributeStep> redistribute_plan(const DeviceMesh& mesh, const ir
     const std::int64_t k = mesh.size(i);
     RedistributeStep step{i, s, kR, "", 0};
     if (s.is_partial()) {
-      if (t.is_shard() && !force[static_cast<std::size_t>(i)] && !others_shard(i, t.dim())) step.to = t, step.op = "reduce_scatter";
+      if (t.is_shard() && !force[static_cast<std::size_t>(i)] && scatter_ok(i, t.dim())) step.to = t, step.op = "reduce_scatter";
       else step.op = "all_reduce";
     } else if (t.is_shard() && !force[static_cast<std::size_t>(i)] && !others_shard(i, s.dim()) && !others_shard(i, t.dim())) {
       step.to = t, step.op = "all_to_all";
