@@ -13,6 +13,7 @@ build="${SPMDX_BUILD_DIR:-$repo/build}"
 steps="${1:-8}"
 n="${2:-4}"
 rounds="${ROUNDS:-3}"
+if ! [[ "$rounds" =~ ^[1-9][0-9]*$ ]]; then echo "ROUNDS must be a positive whole number, got '$rounds'" >&2; exit 2; fi
 out="$(mktemp -d)"
 trap 'rm -rf "$out"' EXIT
 local_batch=4

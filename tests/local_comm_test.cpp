@@ -144,11 +144,14 @@ TEST(LocalComm, PipelinedChunksGiveTheBitsOfOneMessagePerStep) {
   PluginRegistry registry;
   registry.discover({{BUILTIN_PLUGIN_DIR, PluginSource::Origin::builtin}});
   try {
-    registry.make_comm_backend("local", {{"chunk_bytes", "1e3"}});
-    ADD_FAILURE() << "chunk_bytes=1e3 was accepted";
+    registry.make_comm_backend("local", {{"chunk_bytes", "12"}});
+    ADD_FAILURE() << "chunk_bytes=12 was accepted";
   } catch (const std::invalid_argument& e) {
-    EXPECT_THAT(e.what(), HasSubstr("local: option chunk_bytes='1e3' must be a whole number of bytes"));
+    EXPECT_THAT(e.what(), HasSubstr("local: option chunk_bytes='12' must be a size in bytes from 64 to 1T"));
   }
+  EXPECT_NO_THROW(registry.make_comm_backend("local", {{"chunk_bytes", "256K"}, {"direct_max_bytes", "0"}}));
+  EXPECT_THROW(registry.make_comm_backend("local", {{"direct_max_bytes", "-1"}}), std::invalid_argument);
+  EXPECT_THROW(registry.make_comm_backend("local", {{"direct_max_bytes", "4Q"}}), std::invalid_argument);
 }
 
 TEST(LocalComm, GatherScatterAllToAllBroadcastAndBarrier) {

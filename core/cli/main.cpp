@@ -323,9 +323,14 @@ int run_bench_comm(const BenchCommOptions& o, const std::vector<std::string>& ra
   bo.warmup = o.warmup;
   if (bo.min_bytes > bo.max_bytes) throw std::invalid_argument("--min-bytes is larger than --max-bytes");
   if (std::getenv("SPMDX_STORE_HOSTED") == nullptr) {
+    {  // the backend and its options, once, before any rank starts
+      spmdx::PluginRegistry registry;
+      registry.discover(spmdx::plugin_search_path(std::vector<std::filesystem::path>(o.plugin_paths.begin(), o.plugin_paths.end())));
+      registry.make_comm_backend_from_spec(o.backend);
+    }
     std::vector<std::string> argv{self_exe()};
     for (const auto& a : raw_args) argv.push_back(a);
-    return spmdx::launch::launch({o.nproc, 1, 0, "", 0}, argv);
+    return spmdx::launch::launch({o.nproc, 1, 0, "", 0, "spmdx bench comm"}, argv);
   }
   prctl(PR_SET_PDEATHSIG, SIGTERM);
   const auto env = spmdx::launch::rank_env();

@@ -1,11 +1,12 @@
 #include "spmdx/comm/p2p_backend.h"
-#include "spmdx/core/clock.h"
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstring>
 
+#include "spmdx/comm/bench.h"
+#include "spmdx/core/clock.h"
 #include "spmdx/core/log.h"
 
 namespace spmdx::comm {
@@ -296,18 +297,24 @@ void P2PBackend::abort() noexcept {
 
 bool P2PBackend::take_option(const std::string& plugin, const std::string& key, const std::string& value) {
   if (key != "chunk_bytes" && key != "direct_max_bytes") return false;
-  const long long least = key == "chunk_bytes" ? 64 : 0;
-  std::size_t used = 0;
-  long long bytes = -1;
+  const std::uint64_t least = key == "chunk_bytes" ? 64 : 0;
+  std::uint64_t bytes = 0;
+  bool ok = !value.empty() && value.find_first_of("-+ ") == std::string::npos;
   try {
-    bytes = std::stoll(value, &used);
+    if (ok) bytes = parse_bytes(value);
   } catch (const std::exception&) {
+    ok = false;
   }
-  if (bytes < least || used != value.size()) {
-    throw std::invalid_argument(plugin + ": option " + key + "='" + value + "' must be a whole number of bytes, at least " + std::to_string(least));
+  if (!ok || bytes < least || bytes > (std::uint64_t{1} << 40)) {
+    throw std::invalid_argument(plugin + ": option " + key + "='" + value + "' must be a size in bytes from " + std::to_string(least) +
+                                " to 1T (examples: 262144, 256K, 4M)");
   }
   (key == "chunk_bytes" ? chunk_bytes_ : direct_max_bytes_) = static_cast<std::size_t>(bytes);
   return true;
+}
+
+std::string P2PBackend::option_str() const {
+  return "chunk_bytes=" + std::to_string(chunk_bytes_) + ", direct_max_bytes=" + std::to_string(direct_max_bytes_);
 }
 
 bool P2PBackend::use_direct(std::size_t members, std::size_t bytes) const {

@@ -314,13 +314,14 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
       if (!hooks.empty()) {  // OnGlobalSyncComplete: the state after the step, and its spans
         StepInfo info;
         info.step = step;
+        info.last = step == spec.steps;
         info.rank = env.rank;
         info.world_size = env.world_size;
         info.loss = loss;
         info.step_seconds = st.total;
         info.comm_seconds = st.comm;
         info.exposed_comm_seconds = st.exposed_comm;
-      info.hidden_comm_seconds = st.hidden_comm;
+        info.hidden_comm_seconds = st.hidden_comm;
         std::vector<at::Tensor> alive;
         auto view = [&](const std::string& name, const at::Tensor& t, const sharding::Placements& pl) {
           alive.push_back(t.contiguous());
@@ -385,7 +386,9 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
   }
   if (lead) {
     const double seconds = std::chrono::duration<double>(Clock::now() - run_start).count();
-    std::printf("done: %lld steps in %.2f s, loss %.4f -> %.4f (ln(vocab) = %.4f); metrics in %s\n", static_cast<long long>(spec.steps),
+    const long long ran = static_cast<long long>(spec.steps - first_step + 1);
+    const std::string which = first_step > 1 ? " (" + std::to_string(first_step) + "-" + std::to_string(spec.steps) + ", resumed)" : "";
+    std::printf("done: %lld steps%s in %.2f s, loss %.4f -> %.4f (ln(vocab) = %.4f); metrics in %s\n", ran, which.c_str(),
                 seconds, first_loss, last_loss, std::log(static_cast<double>(spec.model.vocab_size)),
                 (dump / "metrics.jsonl").string().c_str());
   }

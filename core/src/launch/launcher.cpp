@@ -225,11 +225,11 @@ int launch(const LaunchOptions& o, const std::vector<std::string>& argv) {
     if (!c.partial.empty()) std::cout << "[rank " << o.node_rank * nproc + (&c - children.data()) << "] " << c.partial << "\n";
   }
   if (g_signal != 0) {
-    std::cerr << "spmdx run: stopped by " << strsignal(g_signal) << "; every rank was stopped\n";
+    std::cerr << o.command << ": stopped by " << strsignal(g_signal) << "; every rank was stopped\n";
     return 128 + g_signal;  // as a shell reports a process ended by that signal
   }
   if (failed_rank >= 0) {
-    std::cerr << "spmdx run: rank " << failed_rank << " " << failure << "; the other ranks were stopped\n";
+    std::cerr << o.command << ": rank " << failed_rank << " " << failure << "; the other ranks were stopped\n";
     return 1;
   }
   return 0;

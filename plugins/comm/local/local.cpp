@@ -169,7 +169,7 @@ class LocalBackend final : public spmdx::comm::P2PBackend {
   }
 
   std::string describe() const override {
-    return "local (threads of one process, job " + job_ + ") rank " + std::to_string(rank()) + "/" + std::to_string(world_size());
+    return "local (threads of one process, job " + job_ + ", " + option_str() + ") rank " + std::to_string(rank()) + "/" + std::to_string(world_size());
   }
 
   std::vector<spmdx::CommCapability> capabilities() const override {

@@ -159,7 +159,7 @@ class UcxBackend final : public spmdx::comm::P2PBackend {
   }
 
   std::string describe() const override {
-    return "ucx (UCX_TLS=" + tls_used_ + ") rank " + std::to_string(rank()) + "/" + std::to_string(world_size());
+    return "ucx (UCX_TLS=" + tls_used_ + ", " + option_str() + ") rank " + std::to_string(rank()) + "/" + std::to_string(world_size());
   }
 
   std::vector<spmdx::CommCapability> capabilities() const override {
@@ -178,4 +178,4 @@ void register_ucx(spmdx::Registrar& r) {
 
 }  // namespace
 
-SPMDX_PLUGIN("ucx", comm, "0.1.0", "UCX (UCP tag matching): ring and tree collectives on host memory, shm or TCP", register_ucx)
+SPMDX_PLUGIN("ucx", comm, "0.1.0", "UCX (UCP tag matching): ring, all-pairs and tree collectives on host memory, shm or TCP", register_ucx)

@@ -123,6 +123,7 @@ class P2PBackend : public CommBackend {
 
  protected:
   /// Takes an option every P2P backend understands, returning false for any other key:
+  /// Values are sizes as parse_bytes reads them (262144, 256K, 4M).
   /// - chunk_bytes: the pipeline chunk of ring all_reduce / reduce_scatter steps in bytes (at
   ///   least 64; default 1 MiB: 4 chunks in flight stay in the last-level cache; 256 KiB to
   ///   4 MiB measured alike on 2 and 4 ranks here);
@@ -133,6 +134,8 @@ class P2PBackend : public CommBackend {
   /// Call before init. Throws std::invalid_argument naming the plugin, the option and the
   /// value when the value is bad.
   bool take_option(const std::string& plugin, const std::string& key, const std::string& value);
+  /// "chunk_bytes=1048576, direct_max_bytes=4194304": the values in use, for describe().
+  std::string option_str() const;
 
  private:
 

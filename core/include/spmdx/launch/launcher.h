@@ -40,6 +40,7 @@ struct LaunchOptions {
   int node_rank = 0;           ///< --node-rank
   std::string master_addr;     ///< --master-addr: node 0's address ("" on one node: loopback)
   int master_port = 0;         ///< --master-port (0 on one node: any free port)
+  std::string command = "spmdx run";  ///< the command its messages name
 };
 
 /// Runs `nproc` copies of `argv` (argv[0]: the program) with the rank variables set (ranks
