@@ -12,6 +12,9 @@ build="${SPMDX_BUILD_DIR:-$repo/build}"
 bytes="${1:-67108864}"; shift || true
 nprocs=("${@:-2 4}"); nprocs=(${nprocs[@]})
 rounds="${ROUNDS:-3}"
+if ! [[ "$bytes" =~ ^[0-9]+$ ]] || [ "$bytes" -lt 4 ] || [ $((bytes % 4)) -ne 0 ]; then
+  echo "BYTES must be a whole number of float32s (a multiple of 4, at least 4), got '$bytes'" >&2; exit 2
+fi
 if ! [[ "$rounds" =~ ^[1-9][0-9]*$ ]]; then echo "ROUNDS must be a positive whole number, got '$rounds'" >&2; exit 2; fi
 iters=10
 

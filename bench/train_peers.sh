@@ -13,6 +13,8 @@ build="${SPMDX_BUILD_DIR:-$repo/build}"
 steps="${1:-8}"
 n="${2:-4}"
 rounds="${ROUNDS:-3}"
+if ! [[ "$steps" =~ ^[0-9]+$ ]] || [ "$steps" -lt 4 ]; then echo "STEPS must be at least 4 (steps 1-2 are warm-up, not timed), got '$steps'" >&2; exit 2; fi
+if ! [[ "$n" =~ ^[1-9][0-9]*$ ]]; then echo "NPROC must be a positive whole number, got '$n'" >&2; exit 2; fi
 if ! [[ "$rounds" =~ ^[1-9][0-9]*$ ]]; then echo "ROUNDS must be a positive whole number, got '$rounds'" >&2; exit 2; fi
 out="$(mktemp -d)"
 trap 'rm -rf "$out"' EXIT
@@ -28,7 +30,7 @@ spmdx_ms() {  # dp|fsdp -> median step ms of steps 3..
   python3 -c '
 import json, statistics, sys
 r = [json.loads(l)["step_ms"] for l in open(sys.argv[1])]
-print("%.1f" % statistics.median(r[2:] if len(r) > 3 else r))' "$out/$1/metrics.jsonl"
+print("%.1f" % statistics.median(r[2:]))' "$out/$1/metrics.jsonl"
 }
 torch_ms() {  # ddp|fsdp
   "$repo/.venv/bin/python" "$repo/bench/peers/torch_llama.py" "$1" "$n" "$steps" debugmodel $local_batch 128 2> "$out/torch_$1.log" \

@@ -120,5 +120,23 @@ TEST(CommUcx, ARankThatDiesIsNamedByTheOthersWithinTheTimeout) {
   EXPECT_LT(seconds, 20) << "the others did not fail fast";
 }
 
+// A rank that stops answering, heartbeat included (SIGSTOP: as a node that vanished, which no
+// local launcher notices), fails the others after two heartbeat checks, long before the
+// collective's timeout (100 s here), naming it.
+TEST(CommUcx, ARankWhoseHeartbeatStopsIsNamedBeforeTheTimeout) {
+  auto results = run_ranks(4, {{"SPMDX_TEST_MODE", "stop"}, {"SPMDX_TEST_TIMEOUT", "100"}}, 60);
+  EXPECT_EQ(results[1].exit_code, -SIGKILL) << "rank 1 is ended by its own child after 25 s";
+  for (int r : {0, 2, 3}) {
+    const std::string& out = results[static_cast<std::size_t>(r)].output;
+    EXPECT_EQ(results[static_cast<std::size_t>(r)].exit_code, 3) << out;
+    EXPECT_THAT(out, HasSubstr("CommError peer=1 after"));
+    EXPECT_THAT(out, ::testing::ContainsRegex("rank 1 (stopped \\(no heartbeat|failed \\(reported by a peer)"));
+    const auto at = out.find(" after ");
+    ASSERT_NE(at, std::string::npos) << out;
+    EXPECT_LT(std::stod(out.substr(at + 7)), 20.0) << "rank " << r << " failed late: " << out;
+  }
+  std::printf("%s", results[0].output.c_str());
+}
+
 }  // namespace
 }  // namespace spmdx

@@ -10,11 +10,16 @@
 #include <spmdx/comm/store.h>
 #include <spmdx/core/registry.h>
 
+#include <signal.h>
+#include <unistd.h>
+
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <iostream>
+#include <thread>
 #include <vector>
 
 namespace {
@@ -272,16 +277,26 @@ int main() {
       const int g_odd = rank % 2 ? backend->new_group(odd) : -1;
       run_collectives(*backend, rank % 2 ? g_odd : g_even, rank % 2 ? odd : even, c, false);
       run_collectives(*backend, 0, all, c, false);
-    } else if (mode == "die") {
+    } else if (mode == "die" || mode == "stop") {
       float x = 1;
       if (!backend->all_reduce(0, {&x, 1, CommDType::f32}, ReduceOp::sum)->wait(60)) c.fail("warm-up timed out");
-      if (rank == 1) std::_Exit(9);  // dies without a word
+      const auto warm = std::chrono::steady_clock::now();
+      if (rank == 1 && mode == "die") std::_Exit(9);  // dies without a word
+      if (rank == 1) {  // hangs, its heartbeat too (as a node that vanished); a child ends it after 25 s
+        if (fork() == 0) {
+          std::this_thread::sleep_for(std::chrono::seconds(25));
+          kill(getppid(), SIGKILL);
+          std::_Exit(0);
+        }
+        raise(SIGSTOP);
+      }
       std::vector<float> big(1 << 16, 1.0f);
       try {
         backend->all_reduce(0, {big.data(), big.size(), CommDType::f32}, ReduceOp::sum)->wait(timeout + 30);
         c.fail("the collective succeeded without rank 1");
       } catch (const CommError& e) {
-        std::printf("rank %d CommError peer=%d: %s\n", rank, e.peer(), e.what());
+        std::printf("rank %d CommError peer=%d after %.1f s: %s\n", rank, e.peer(),
+                    std::chrono::duration<double>(std::chrono::steady_clock::now() - warm).count(), e.what());
         std::fflush(stdout);
         std::_Exit(3);
       }

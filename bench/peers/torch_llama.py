@@ -7,7 +7,7 @@ intra-op threads per rank as spmdx (cores / ranks). Tokens are random: only time
 
 Prints one line on rank 0: "MODE median_step_ms tokens_per_s".
 Usage: python torch_llama.py ddp|fsdp NPROC STEPS [FLAVOR] [LOCAL_BATCH] [SEQ_LEN]
-       (defaults: debugmodel, 4, 128; steps 1-2 are warm-up and not counted)"""
+       (defaults: debugmodel, 4, 128; steps 1-2 are warm-up and not counted, so STEPS >= 3)"""
 import os
 import socket
 import statistics
@@ -111,7 +111,7 @@ def worker(rank, mode, n, steps, flavor, local_batch, seq_len, port, queue):
         opt.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - t0)
     if rank == 0:
-        ms = statistics.median(times[2:] if len(times) > 3 else times) * 1e3
+        ms = statistics.median(times[2:]) * 1e3
         queue.put(f"{mode} {ms:.1f} {local_batch * n * seq_len / ms * 1e3:.0f}")
     dist.destroy_process_group()
 
@@ -121,7 +121,7 @@ def main():
     flavor = sys.argv[4] if len(sys.argv) > 4 else "debugmodel"
     local_batch = int(sys.argv[5]) if len(sys.argv) > 5 else 4
     seq_len = int(sys.argv[6]) if len(sys.argv) > 6 else 128
-    if mode not in ("ddp", "fsdp") or flavor not in FLAVORS:
+    if mode not in ("ddp", "fsdp") or flavor not in FLAVORS or steps < 3:
         sys.exit(__doc__)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

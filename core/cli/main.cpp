@@ -309,6 +309,7 @@ struct BenchCommOptions {
   std::string max_bytes = "64M";
   int iters = 20;
   int warmup = 5;
+  double timeout_seconds = 300;
   std::vector<std::string> plugin_paths;
 };
 
@@ -321,6 +322,7 @@ int run_bench_comm(const BenchCommOptions& o, const std::vector<std::string>& ra
   bo.max_bytes = spmdx::comm::parse_bytes(o.max_bytes);
   bo.iters = o.iters;
   bo.warmup = o.warmup;
+  bo.timeout_seconds = o.timeout_seconds;
   if (bo.min_bytes > bo.max_bytes) throw std::invalid_argument("--min-bytes is larger than --max-bytes");
   if (std::getenv("SPMDX_STORE_HOSTED") == nullptr) {
     {  // the backend and its options, once, before any rank starts
@@ -411,6 +413,8 @@ int main(int argc, char** argv) {
   bench_comm->add_option("--max-bytes", bench_options.max_bytes, "largest size")->capture_default_str();
   bench_comm->add_option("--iters", bench_options.iters, "timed operations per size")->capture_default_str()->check(CLI::PositiveNumber);
   bench_comm->add_option("--warmup", bench_options.warmup, "untimed operations per size")->capture_default_str()->check(CLI::NonNegativeNumber);
+  bench_comm->add_option("--timeout-seconds", bench_options.timeout_seconds, "a collective that takes longer fails, naming the peer")
+      ->capture_default_str()->check(CLI::Range(0.1, 1e6));
   bench_comm->add_option("--plugin-path", bench_options.plugin_paths, "plugin files or folders searched first");
 
   auto* fr_trace = app.add_subcommand("fr-trace", "Merge the flight_recorder hook's dumps; name the rank missing from a collective");

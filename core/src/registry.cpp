@@ -525,7 +525,9 @@ std::unique_ptr<CommBackend> PluginRegistry::make_comm_backend_from_spec(const s
     while (std::getline(list, item, ';')) {
       const auto eq = item.find('=');
       if (eq == std::string::npos) throw std::invalid_argument("comm backend '" + spec + "': option '" + item + "' is not key=value");
-      options[item.substr(0, eq)] = item.substr(eq + 1);
+      if (!options.emplace(item.substr(0, eq), item.substr(eq + 1)).second) {
+        throw std::invalid_argument("comm backend '" + spec + "': option '" + item.substr(0, eq) + "' is given twice");
+      }
     }
   }
   return make_comm_backend(spec.substr(0, colon), options);

@@ -385,6 +385,8 @@ void P2PBackend::wait_all(Op& op, const std::vector<std::pair<std::uint64_t, int
   std::vector<bool> done(requests.size(), false);
   std::size_t left = requests.size();
   auto last_progress = Clock::now();
+  auto next_health_check = last_progress;
+  std::vector<int> suspects;  // ranks without a heartbeat at the last check
   while (left > 0) {
     bool progressed = false;
     for (std::size_t i = 0; i < requests.size(); ++i) {
@@ -415,6 +417,28 @@ void P2PBackend::wait_all(Op& op, const std::vector<std::pair<std::uint64_t, int
     const auto now = Clock::now();
     if (progressed) last_progress = now;
     const auto idle = now - last_progress;
+    // Stuck for a while: a rank that a peer already blamed, or whose heartbeat stopped in two
+    // checks in a row, fails this wait now rather than at the timeout (a peer on another node
+    // that died is not seen by this node's launcher).
+    if (idle > std::chrono::seconds(5) && now >= next_health_check) {
+      next_health_check = now + std::chrono::seconds(5);
+      const std::string what = std::string(op.name) + " (group " + std::to_string(op.group) + ", #" + std::to_string(op.seq) + ")";
+      if (const int blamed = reported_fault(); blamed >= 0) {
+        throw CommError(what + " failed: rank " + std::to_string(blamed) + " failed (reported by a peer)", blamed);
+      }
+      const std::vector<int> dead = dead_ranks();
+      std::vector<int> confirmed;
+      for (int r : dead) {
+        if (std::find(suspects.begin(), suspects.end(), r) != suspects.end()) confirmed.push_back(r);
+      }
+      suspects = dead;
+      if (!confirmed.empty()) {
+        report_fault(confirmed.front());
+        std::string list;
+        for (int r : confirmed) list += (list.empty() ? "" : ", ") + std::to_string(r);
+        throw CommError(what + " failed: rank " + list + " stopped (no heartbeat in two checks 5 s apart)", confirmed.front());
+      }
+    }
     if (idle > std::chrono::microseconds(2000)) {
       std::this_thread::sleep_for(std::chrono::microseconds(idle > std::chrono::milliseconds(50) ? 200 : 20));
     } else if (idle > std::chrono::microseconds(20)) {
@@ -479,7 +503,9 @@ void P2PBackend::reduce_step(Op& op, int to, const void* sbuf, std::size_t scoun
   // Every rank reserves the same tag steps per ring step (from the largest block), so that
   // the senders and receivers of blocks of different sizes agree on the tags.
   const std::size_t max_chunks = std::max<std::size_t>(1, kStepBudget / groups_[static_cast<std::size_t>(op.group)].ranks.size());
-  const std::size_t chunk = std::max<std::size_t>({1, chunk_bytes_ / es, (max_count + max_chunks - 1) / max_chunks});
+  // (at most the block: the scratch is sized from the chunk)
+  const std::size_t chunk = std::min(std::max<std::size_t>({1, chunk_bytes_ / es, (max_count + max_chunks - 1) / max_chunks}),
+                                     std::max<std::size_t>(1, max_count));
   const std::size_t slots = std::max<std::size_t>(1, (max_count + chunk - 1) / chunk);
   const std::uint16_t base = op.step;
   op.step = static_cast<std::uint16_t>(op.step + slots);
@@ -519,7 +545,8 @@ void P2PBackend::direct_reduce_scatter(Op& op, const char* in, const std::vector
   const std::size_t k = g.ranks.size(), me = static_cast<std::size_t>(g.me), es = comm_dtype_size(dtype);
   const std::size_t max_count = *std::max_element(counts.begin(), counts.end());
   const std::size_t max_chunks = std::max<std::size_t>(1, kStepBudget / 2);
-  const std::size_t chunk = std::max<std::size_t>({1, chunk_bytes_ / es, (max_count + max_chunks - 1) / max_chunks});
+  const std::size_t chunk = std::min(std::max<std::size_t>({1, chunk_bytes_ / es, (max_count + max_chunks - 1) / max_chunks}),
+                                     std::max<std::size_t>(1, max_count));  // at most the block: the scratch is sized from it
   const std::uint16_t base = op.step;
   op.step = static_cast<std::uint16_t>(op.step + std::max<std::size_t>(1, (max_count + chunk - 1) / chunk));
   auto pieces = [&](std::size_t count) { return count == 0 ? std::size_t{1} : (count + chunk - 1) / chunk; };

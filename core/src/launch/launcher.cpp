@@ -168,6 +168,14 @@ int launch(const LaunchOptions& o, const std::vector<std::string>& argv) {
     }
   };
   auto kill_deadline = std::chrono::steady_clock::time_point::max();
+  // The rank to blame, chosen among those that fail within 500 ms of the first: killed by a
+  // signal from outside (kill -9, a crash) before one that aborted (a comm library that found
+  // its peer gone aborts: UCX's shared-memory transports do) before one that exited with an
+  // error (it reports a peer's failure). A dying process can stay unreaped longer than the
+  // peers it takes down.
+  int blame_rank = -1, blame_priority = -1;
+  std::string blame;
+  auto blame_deadline = std::chrono::steady_clock::time_point::max();
   std::size_t running = children.size();
   while (running > 0) {
     std::vector<pollfd> fds;
@@ -195,14 +203,25 @@ int launch(const LaunchOptions& o, const std::vector<std::string>& argv) {
         --running;
         const bool ok = WIFEXITED(c.status) && WEXITSTATUS(c.status) == 0;
         if (!ok && failed_rank < 0) {
-          failed_rank = o.node_rank * nproc + static_cast<int>(r);
-          failure = WIFEXITED(c.status) ? "exited with code " + std::to_string(WEXITSTATUS(c.status))
+          const int priority = WIFEXITED(c.status) ? 0 : WTERMSIG(c.status) == SIGABRT ? 1 : 2;
+          if (priority > blame_priority) {
+            blame_priority = priority;
+            blame_rank = o.node_rank * nproc + static_cast<int>(r);
+            blame = WIFEXITED(c.status) ? "exited with code " + std::to_string(WEXITSTATUS(c.status))
                                         : std::string("was killed by signal ") + strsignal(WTERMSIG(c.status));
-          if (g_signal == 0) {
-            stop_all(SIGTERM);
-            kill_deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+          }
+          if (blame_deadline == std::chrono::steady_clock::time_point::max()) {
+            blame_deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(500);
           }
         }
+      }
+    }
+    if (failed_rank < 0 && blame_rank >= 0 && (std::chrono::steady_clock::now() >= blame_deadline || running == 0)) {
+      failed_rank = blame_rank;
+      failure = blame;
+      if (g_signal == 0) {
+        stop_all(SIGTERM);
+        kill_deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
       }
     }
     if (g_dump_requests != 0) {  // kill -USR1 <launcher>: every rank dumps, the run goes on

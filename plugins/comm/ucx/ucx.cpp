@@ -53,7 +53,7 @@ class UcxTransport final : public spmdx::comm::Transport {
       ucp_ep_params_t ep{};
       ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
       ep.address = reinterpret_cast<const ucp_address_t*>(remote.data());
-      ep.err_mode = UCP_ERR_HANDLING_MODE_NONE;
+      ep.err_mode = UCP_ERR_HANDLING_MODE_NONE;  // PEER: UCX 1.13 has no shared-memory transport with peer failure handling
       const ucs_status_t s = ucp_ep_create(worker_, &ep, &eps_[static_cast<std::size_t>(peer)]);
       if (s != UCS_OK) throw CommError("ucx: rank " + std::to_string(rank_) + " cannot reach rank " + std::to_string(peer) + ": " + ucs_status_string(s), peer);
     }
