@@ -21,7 +21,9 @@ bool have_gpu() {
 std::unique_ptr<CommBackend> make_nccl() {
   static PluginRegistry registry;
   static bool discovered = false;
-  if (!discovered) registry.discover({{BUILTIN_PLUGIN_DIR, PluginSource::Origin::builtin}}), discovered = true;
+  // SPMDX_PLUGIN_PATH, then the folder beside libspmdx_core: a bundle made by
+  // scripts/device_check runs on a GPU machine from another path.
+  if (!discovered) registry.discover(plugin_search_path({})), discovered = true;
   return registry.make_comm_backend("nccl");
 }
 
