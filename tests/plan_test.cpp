@@ -145,5 +145,44 @@ TEST(RuntimePlan, FsdpPrefetchesTheNextLayersAllGathersWhileTheCurrentLayerRuns)
   EXPECT_LT(p.issues, p.collectives);
 }
 
+// FSDP x TP: a norm weight's gradient is all-reduced over tp (in a bucket), then
+// reduce-scattered over dp_shard. Those second collectives are moved to where the tp bucket is
+// waited for and bucketed together, instead of each being issued and read at once.
+TEST(RuntimePlan, CollectivesFedByABucketAreBucketedTogetherWhereItIsWaitedFor) {
+  Job j(1, 2, 2);
+  const auto p = plan::make_runtime_plan(*j.graph, j.job->mesh);
+  expect_valid_order(*j.graph, p);
+  const auto nodes = nodes_of(*j.graph);
+  std::vector<int> pos(nodes.size());
+  for (std::size_t i = 0; i < p.order.size(); ++i) pos[static_cast<std::size_t>(p.order[i])] = static_cast<int>(i);
+  std::size_t fed = 0, fed_bucketed = 0;
+  for (std::size_t i = 0; i < nodes.size(); ++i) {
+    const ir::Node* n = nodes[i];
+    if (n->op() != "reduce_scatter" || n->input(0)->producer() == nullptr) continue;
+    const ir::Node* prod = n->input(0)->producer();
+    if (prod->op() != "all_reduce") continue;
+    const int b = p.bucket_of[static_cast<std::size_t>(std::find(nodes.begin(), nodes.end(), prod) - nodes.begin())];
+    if (b < 0) continue;  // fed by a plain collective
+    ++fed;
+    if (p.bucket_of[i] >= 0) {
+      ++fed_bucketed;
+      const auto& mine = p.buckets[static_cast<std::size_t>(p.bucket_of[i])];
+      for (int m : mine.members) {  // a bucket of such collectives only
+        const ir::Node* mp = nodes[static_cast<std::size_t>(m)]->input(0)->producer();
+        EXPECT_TRUE(mp != nullptr && mp->op() == "all_reduce") << nodes[static_cast<std::size_t>(m)]->output()->ref();
+      }
+      EXPECT_GE(mine.issue_after, p.buckets[static_cast<std::size_t>(b)].first_use - static_cast<int>(mine.members.size()));
+    }
+  }
+  EXPECT_GT(fed, 2u);
+  EXPECT_EQ(fed_bucketed, fed) << "every reduce_scatter fed by the tp bucket is in a bucket";
+  // Without overlap the order is the graph's and nothing moves.
+  plan::PlanOptions off;
+  off.overlap = false;
+  const auto q = plan::make_runtime_plan(*j.graph, j.job->mesh, off);
+  expect_valid_order(*j.graph, q);
+  EXPECT_LT(p.issues, q.issues);
+}
+
 }  // namespace
 }  // namespace spmdx

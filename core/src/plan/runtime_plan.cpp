@@ -115,59 +115,110 @@ RuntimePlan make_runtime_plan(const ir::Graph& graph, const sharding::DeviceMesh
     for (auto it = a; it != b; ++it) plan.order.push_back(it->second);
   }
   std::vector<int> pos(static_cast<std::size_t>(n_nodes));
-  for (int p = 0; p < n_nodes; ++p) pos[static_cast<std::size_t>(plan.order[static_cast<std::size_t>(p)])] = p;
-  for (int p = 0; p < n_nodes; ++p) {  // the new order must still be topological
-    for (const ir::Value* v : nodes[static_cast<std::size_t>(plan.order[static_cast<std::size_t>(p)])]->inputs()) {
-      if (v->producer() != nullptr && pos[static_cast<std::size_t>(index.at(v->producer()))] >= p) {
-        throw ir::IrError("RuntimePlan: node %" + std::to_string(nodes[static_cast<std::size_t>(plan.order[static_cast<std::size_t>(p)])]->id()) +
-                          " would run before its input " + v->ref());
+  auto check_and_index = [&] {
+    for (int p = 0; p < n_nodes; ++p) pos[static_cast<std::size_t>(plan.order[static_cast<std::size_t>(p)])] = p;
+    for (int p = 0; p < n_nodes; ++p) {  // the new order must still be topological
+      for (const ir::Value* v : nodes[static_cast<std::size_t>(plan.order[static_cast<std::size_t>(p)])]->inputs()) {
+        if (v->producer() != nullptr && pos[static_cast<std::size_t>(index.at(v->producer()))] >= p) {
+          throw ir::IrError("RuntimePlan: node %" + std::to_string(nodes[static_cast<std::size_t>(plan.order[static_cast<std::size_t>(p)])]->id()) +
+                            " would run before its input " + v->ref());
+        }
       }
     }
-  }
+    plan.first_use.assign(static_cast<std::size_t>(n_nodes), 0);
+    for (int i = 0; i < n_nodes; ++i) plan.first_use[static_cast<std::size_t>(i)] = first_reader(i, pos);
+  };
+  check_and_index();
 
-  plan.first_use.resize(static_cast<std::size_t>(n_nodes));
-  for (int i = 0; i < n_nodes; ++i) plan.first_use[static_cast<std::size_t>(i)] = first_reader(i, pos);
-
-  // Buckets: greedy in execution order, per (mesh dim, reduce op, dtype).
-  plan.bucket_of.assign(static_cast<std::size_t>(n_nodes), -1);
-  std::map<std::tuple<std::int64_t, std::string, int>, int> open;  // (mesh dim, op/reduce op, dtype) -> bucket
-  std::map<std::tuple<std::int64_t, std::string, int>, int> made;  // key -> buckets opened so far
-  std::vector<double> caps;
-  for (int p = 0; p < n_nodes; ++p) {
-    const int i = plan.order[static_cast<std::size_t>(p)];
-    const ir::Node* n = nodes[static_cast<std::size_t>(i)];
-    if (!sharding::is_collective(n->op())) continue;
-    ++plan.collectives;
-    if ((n->op() != "all_reduce" && n->op() != "reduce_scatter") || options.bucket_bytes <= 0 || n->input(0)->meta().numel() == 0) continue;
-    const auto key = std::make_tuple(n->attr_int("mesh_dim"), n->op() + "/" + n->attr_string("op"), static_cast<int>(n->input(0)->meta().dtype));
-    const std::int64_t bytes = n->input(0)->meta().nbytes();
-    const int reader = plan.first_use[static_cast<std::size_t>(i)];
-    if (reader == p + 1) continue;  // read at once (a forward all_reduce): nothing to fuse it with
-    auto it = open.find(key);
-    if (it != open.end()) {
-      Bucket& b = plan.buckets[static_cast<std::size_t>(it->second)];
-      if (static_cast<double>(b.bytes + bytes) <= caps[static_cast<std::size_t>(it->second)] && b.first_use > p) {
-        b.members.push_back(i);
-        b.bytes += bytes;
-        b.first_use = std::min(b.first_use, reader);
-        b.issue_after = p;
-        continue;
+  // Buckets: greedy in execution order, per (mesh dim, reduce op, dtype, fed by a collective).
+  auto make_buckets = [&] {
+    plan.buckets.clear();
+    plan.collectives = 0;
+    // (mesh dim, op/reduce op, dtype, fed by a collective) -> bucket: one fed by another
+    // collective waits for it when issued, so it does not join (and hold back) the others
+    std::map<std::tuple<std::int64_t, std::string, int, bool>, int> open;
+    std::map<std::tuple<std::int64_t, std::string, int, bool>, int> made;  // key -> buckets opened so far
+    std::vector<double> caps;
+    for (int p = 0; p < n_nodes; ++p) {
+      const int i = plan.order[static_cast<std::size_t>(p)];
+      const ir::Node* n = nodes[static_cast<std::size_t>(i)];
+      if (!sharding::is_collective(n->op())) continue;
+      ++plan.collectives;
+      if ((n->op() != "all_reduce" && n->op() != "reduce_scatter") || options.bucket_bytes <= 0 || n->input(0)->meta().numel() == 0) continue;
+      const ir::Node* producer = n->input(0)->producer();
+      const bool fed = producer != nullptr && sharding::is_collective(producer->op());
+      const auto key = std::make_tuple(n->attr_int("mesh_dim"), n->op() + "/" + n->attr_string("op"), static_cast<int>(n->input(0)->meta().dtype), fed);
+      const std::int64_t bytes = n->input(0)->meta().nbytes();
+      const int reader = plan.first_use[static_cast<std::size_t>(i)];
+      // Read at once (a forward all_reduce): nothing to fuse it with, and joining a bucket would
+      // hold the bucket back. The last of a run of collectives fed by one bucket still joins.
+      if (reader == p + 1 && !fed) continue;
+      auto it = open.find(key);
+      if (it != open.end()) {
+        Bucket& b = plan.buckets[static_cast<std::size_t>(it->second)];
+        if (static_cast<double>(b.bytes + bytes) <= caps[static_cast<std::size_t>(it->second)] && b.first_use > p) {
+          b.members.push_back(i);
+          b.bytes += bytes;
+          b.first_use = std::min(b.first_use, reader);
+          b.issue_after = p;
+          continue;
+        }
       }
+      if (reader == p + 1) continue;
+      Bucket b;
+      b.members = {i};
+      b.op = n->op();
+      b.mesh_dim = static_cast<int>(n->attr_int("mesh_dim"));
+      b.reduce_op = n->attr_string("op");
+      b.bytes = bytes;
+      b.issue_after = p;
+      b.first_use = reader;
+      b.cap = made[key]++ == 0 ? options.first_bucket_bytes : options.bucket_bytes;
+      caps.push_back(b.cap);
+      open[key] = static_cast<int>(plan.buckets.size());
+      plan.buckets.push_back(std::move(b));
     }
-    Bucket b;
-    b.members = {i};
-    b.op = n->op();
-    b.mesh_dim = static_cast<int>(n->attr_int("mesh_dim"));
-    b.reduce_op = n->attr_string("op");
-    b.bytes = bytes;
-    b.issue_after = p;
-    b.first_use = reader;
-    b.cap = made[key]++ == 0 ? options.first_bucket_bytes : options.bucket_bytes;
-    caps.push_back(b.cap);
-    open[key] = static_cast<int>(plan.buckets.size());
-    plan.buckets.push_back(std::move(b));
+  };
+  make_buckets();
+
+  // Collectives fed by a bucket's members (FSDP x TP: a norm weight's gradient reduce_scatter
+  // over dp_shard after its all_reduce over tp) can only be issued once that bucket is waited
+  // for; left before their readers, each is issued and read at once. Moved together to where
+  // the bucket is waited for, they become a bucket of their own: one backend call, not one each.
+  if (options.overlap && options.bucket_bytes > 0) {
+    std::vector<int> bucket_of_node(static_cast<std::size_t>(n_nodes), -1);
+    for (std::size_t b = 0; b < plan.buckets.size(); ++b) {
+      if (plan.buckets[b].members.size() < 2) continue;
+      for (int m : plan.buckets[b].members) bucket_of_node[static_cast<std::size_t>(m)] = static_cast<int>(b);
+    }
+    std::map<int, std::vector<int>> moved;  // position of the node they go before -> collectives, in order
+    std::vector<bool> moving(static_cast<std::size_t>(n_nodes), false);
+    for (int p = 0; p < n_nodes; ++p) {
+      const int i = plan.order[static_cast<std::size_t>(p)];
+      const ir::Node* n = nodes[static_cast<std::size_t>(i)];
+      if (!sharding::is_collective(n->op()) || n->input(0)->producer() == nullptr) continue;
+      const int b = bucket_of_node[static_cast<std::size_t>(index.at(n->input(0)->producer()))];
+      if (b < 0) continue;
+      const int at = plan.buckets[static_cast<std::size_t>(b)].first_use;
+      if (at >= p) continue;  // it is the bucket's first reader already
+      moved[at].push_back(i);
+      moving[static_cast<std::size_t>(i)] = true;
+    }
+    if (!moved.empty()) {
+      std::vector<int> order;
+      order.reserve(plan.order.size());
+      for (int p = 0; p < n_nodes; ++p) {
+        if (auto it = moved.find(p); it != moved.end()) order.insert(order.end(), it->second.begin(), it->second.end());
+        const int i = plan.order[static_cast<std::size_t>(p)];
+        if (!moving[static_cast<std::size_t>(i)]) order.push_back(i);
+      }
+      plan.order = std::move(order);
+      check_and_index();
+      make_buckets();
+    }
   }
   // A bucket of one is a plain collective.
+  plan.bucket_of.assign(static_cast<std::size_t>(n_nodes), -1);
   std::vector<Bucket> kept;
   for (auto& b : plan.buckets) {
     if (b.members.size() < 2) continue;
