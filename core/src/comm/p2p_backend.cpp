@@ -283,6 +283,9 @@ std::vector<int> P2PBackend::dead_ranks() {
     for (int r = 0; r < world_size_; ++r) {
       if (store_->add(heartbeat_prefix_ + std::to_string(r), 0) == before[static_cast<std::size_t>(r)]) dead.push_back(r);
     }
+    // This rank's own heartbeat must have advanced: otherwise the store or this machine is too
+    // slow to tell, and nobody is called dead.
+    if (std::find(dead.begin(), dead.end(), rank_) != dead.end()) return {};
     return dead;
   } catch (const std::exception&) {
     return {};
