@@ -259,6 +259,8 @@ void P2PBackend::report_fault(int peer) {
   if (store_ == nullptr || peer < 0) return;
   try {
     if (store_->add(heartbeat_prefix_ + "fault_reported", 1) == 1) store_->set(heartbeat_prefix_ + "fault", std::to_string(peer));
+    // And for the launcher, across backend generations (see kFaultKey).
+    if (store_->add(std::string(kFaultKey) + "_reported", 1) == 1) store_->set(kFaultKey, std::to_string(peer));
   } catch (const std::exception&) {
   }
 }

@@ -17,6 +17,7 @@
 #include <random>
 #include <stdexcept>
 
+#include "spmdx/comm/p2p_backend.h"
 #include "spmdx/comm/store.h"
 
 extern char** environ;
@@ -219,6 +220,21 @@ int launch(const LaunchOptions& o, const std::vector<std::string>& argv) {
     if (failed_rank < 0 && blame_rank >= 0 && (std::chrono::steady_clock::now() >= blame_deadline || running == 0)) {
       failed_rank = blame_rank;
       failure = blame;
+      if (blame_priority == 0) {  // it exited with an error: did the ranks name another one?
+        try {
+          comm::TcpStore store(addr, port, token, 1);
+          if (store.add(std::string(comm::kFaultKey) + "_reported", 0) > 0) {
+            const int named = std::stoi(store.get(comm::kFaultKey, 1));
+            if (named != failed_rank && named >= 0 && named < world) {
+              failure = "was named by the other ranks as the one that failed (rank " + std::to_string(failed_rank) + " " + blame +
+                        " reporting it)";
+              failed_rank = named;
+            }
+          }
+        } catch (const std::exception&) {
+          // no store any more, or nothing in it: blame the rank that exited
+        }
+      }
       if (g_signal == 0) {
         stop_all(SIGTERM);
         kill_deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);

@@ -50,6 +50,10 @@ void reduce_into(void* dst, const void* src, std::size_t count, CommDType dtype,
 /// dst[i] /= divisor.
 void divide(void* data, std::size_t count, CommDType dtype, double divisor);
 
+/// The store key where ranks name the first rank that failed a collective (the first report
+/// wins; "<key>_reported" counts the reports), read by the launcher to say whom to blame.
+inline constexpr const char* kFaultKey = "spmdx/fault";
+
 class P2PBackend : public CommBackend {
  public:
   P2PBackend();
