@@ -205,9 +205,10 @@ int launch(const LaunchOptions& o, const std::vector<std::string>& argv) {
         const bool ok = WIFEXITED(c.status) && WEXITSTATUS(c.status) == 0;
         if (!ok && failed_rank < 0) {
           const int priority = WIFEXITED(c.status) ? 0 : WTERMSIG(c.status) == SIGABRT ? 1 : 2;
-          if (priority > blame_priority) {
+          const int rank = o.node_rank * nproc + static_cast<int>(r);
+          if (priority > blame_priority || (priority == blame_priority && rank < blame_rank)) {  // ties: the lowest rank
             blame_priority = priority;
-            blame_rank = o.node_rank * nproc + static_cast<int>(r);
+            blame_rank = rank;
             blame = WIFEXITED(c.status) ? "exited with code " + std::to_string(WEXITSTATUS(c.status))
                                         : std::string("was killed by signal ") + strsignal(WTERMSIG(c.status));
           }
