@@ -151,8 +151,10 @@ RuntimePlan make_runtime_plan(const ir::Graph& graph, const sharding::DeviceMesh
       const std::int64_t bytes = n->input(0)->meta().nbytes();
       const int reader = plan.first_use[static_cast<std::size_t>(i)];
       // Read at once (a forward all_reduce): nothing to fuse it with, and joining a bucket would
-      // hold the bucket back. The last of a run of collectives fed by one bucket still joins.
-      if (reader == p + 1 && !fed) continue;
+      // hold the bucket back. The last of a run of collectives fed by one bucket still joins
+      // that run's bucket, but starts none.
+      const bool read_at_once = reader == p + 1;
+      if (read_at_once && !fed) continue;
       auto it = open.find(key);
       if (it != open.end()) {
         Bucket& b = plan.buckets[static_cast<std::size_t>(it->second)];
@@ -164,7 +166,7 @@ RuntimePlan make_runtime_plan(const ir::Graph& graph, const sharding::DeviceMesh
           continue;
         }
       }
-      if (reader == p + 1) continue;
+      if (read_at_once) continue;
       Bucket b;
       b.members = {i};
       b.op = n->op();
@@ -178,6 +180,15 @@ RuntimePlan make_runtime_plan(const ir::Graph& graph, const sharding::DeviceMesh
       open[key] = static_cast<int>(plan.buckets.size());
       plan.buckets.push_back(std::move(b));
     }
+    // A bucket of one is a plain collective.
+    plan.bucket_of.assign(static_cast<std::size_t>(n_nodes), -1);
+    std::vector<Bucket> kept;
+    for (auto& b : plan.buckets) {
+      if (b.members.size() < 2) continue;
+      for (int m : b.members) plan.bucket_of[static_cast<std::size_t>(m)] = static_cast<int>(kept.size());
+      kept.push_back(std::move(b));
+    }
+    plan.buckets = std::move(kept);
   };
   make_buckets();
 
@@ -186,18 +197,13 @@ RuntimePlan make_runtime_plan(const ir::Graph& graph, const sharding::DeviceMesh
   // for; left before their readers, each is issued and read at once. Moved together to where
   // the bucket is waited for, they become a bucket of their own: one backend call, not one each.
   if (options.overlap && options.bucket_bytes > 0) {
-    std::vector<int> bucket_of_node(static_cast<std::size_t>(n_nodes), -1);
-    for (std::size_t b = 0; b < plan.buckets.size(); ++b) {
-      if (plan.buckets[b].members.size() < 2) continue;
-      for (int m : plan.buckets[b].members) bucket_of_node[static_cast<std::size_t>(m)] = static_cast<int>(b);
-    }
     std::map<int, std::vector<int>> moved;  // position of the node they go before -> collectives, in order
     std::vector<bool> moving(static_cast<std::size_t>(n_nodes), false);
     for (int p = 0; p < n_nodes; ++p) {
       const int i = plan.order[static_cast<std::size_t>(p)];
       const ir::Node* n = nodes[static_cast<std::size_t>(i)];
       if (!sharding::is_collective(n->op()) || n->input(0)->producer() == nullptr) continue;
-      const int b = bucket_of_node[static_cast<std::size_t>(index.at(n->input(0)->producer()))];
+      const int b = plan.bucket_of[static_cast<std::size_t>(index.at(n->input(0)->producer()))];
       if (b < 0) continue;
       const int at = plan.buckets[static_cast<std::size_t>(b)].first_use;
       if (at >= p) continue;  // it is the bucket's first reader already
@@ -217,15 +223,6 @@ RuntimePlan make_runtime_plan(const ir::Graph& graph, const sharding::DeviceMesh
       make_buckets();
     }
   }
-  // A bucket of one is a plain collective.
-  plan.bucket_of.assign(static_cast<std::size_t>(n_nodes), -1);
-  std::vector<Bucket> kept;
-  for (auto& b : plan.buckets) {
-    if (b.members.size() < 2) continue;
-    for (int m : b.members) plan.bucket_of[static_cast<std::size_t>(m)] = static_cast<int>(kept.size());
-    kept.push_back(std::move(b));
-  }
-  plan.buckets = std::move(kept);
   plan.issues = plan.collectives;
   for (const auto& b : plan.buckets) plan.issues -= static_cast<std::int64_t>(b.members.size()) - 1;
   return plan;
