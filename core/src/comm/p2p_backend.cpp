@@ -9,6 +9,7 @@
 #include "spmdx/comm/bench.h"
 #include "spmdx/core/clock.h"
 #include "spmdx/core/log.h"
+#include "spmdx/core/text.h"
 
 namespace spmdx::comm {
 namespace {
@@ -417,8 +418,7 @@ void P2PBackend::wait_all(Op& op, const std::vector<std::pair<std::uint64_t, int
           report_fault(peer);
           blamed = peer;
         }
-        throw CommError(std::string(op.name) + " (group " + std::to_string(op.group) + ", #" + std::to_string(op.seq) +
-                            ") failed talking to rank " + std::to_string(peer) + ": " + e.what() +
+        throw CommError(op_name(op) + " failed talking to rank " + std::to_string(peer) + ": " + e.what() +
                             (blamed != peer ? "; rank " + std::to_string(blamed) + " failed first" : ""),
                         blamed);
       }
@@ -426,9 +426,6 @@ void P2PBackend::wait_all(Op& op, const std::vector<std::pair<std::uint64_t, int
     }
     if (left == 0) break;
     if (aborted_) throw CommError(std::string(op.name) + " aborted", -1);
-    // Back off by how long nothing has completed: poll hard while a peer is mid-message (a
-    // ring step's partner is usually microseconds behind), yield the core for a while, then
-    // sleep, since ranks share few cores with their compute threads.
     const auto now = Clock::now();
     if (progressed) last_progress = now;
     const auto idle = now - last_progress;
@@ -437,7 +434,7 @@ void P2PBackend::wait_all(Op& op, const std::vector<std::pair<std::uint64_t, int
     // that died is not seen by this node's launcher).
     if (idle > std::chrono::seconds(5) && now >= next_health_check) {
       next_health_check = now + std::chrono::seconds(5);
-      const std::string what = std::string(op.name) + " (group " + std::to_string(op.group) + ", #" + std::to_string(op.seq) + ")";
+      const std::string what = op_name(op);
       if (const int blamed = reported_fault(); blamed >= 0) {
         throw CommError(what + " failed: rank " + std::to_string(blamed) + " failed (reported by a peer)", blamed);
       }
@@ -449,11 +446,12 @@ void P2PBackend::wait_all(Op& op, const std::vector<std::pair<std::uint64_t, int
       suspects = dead;
       if (!confirmed.empty()) {
         report_fault(confirmed.front());
-        std::string list;
-        for (int r : confirmed) list += (list.empty() ? "" : ", ") + std::to_string(r);
-        throw CommError(what + " failed: rank " + list + " stopped (no heartbeat in two checks 5 s apart)", confirmed.front());
+        throw CommError(what + " failed: " + rank_list(confirmed) + " stopped (no heartbeat in two checks 5 s apart)", confirmed.front());
       }
     }
+    // Back off by how long nothing has completed: poll hard while a peer is mid-message (a
+    // ring step's partner is usually microseconds behind), yield the core for a while, then
+    // sleep, since ranks share few cores with their compute threads.
     if (idle > std::chrono::microseconds(2000)) {
       std::this_thread::sleep_for(std::chrono::microseconds(idle > std::chrono::milliseconds(50) ? 200 : 20));
     } else if (idle > std::chrono::microseconds(20)) {
@@ -464,17 +462,14 @@ void P2PBackend::wait_all(Op& op, const std::vector<std::pair<std::uint64_t, int
       for (std::size_t i = 0; i < requests.size(); ++i) {
         if (!done[i]) silent = requests[i].second;
       }
-      const std::string what = std::string(op.name) + " (group " + std::to_string(op.group) + ", #" + std::to_string(op.seq) +
-                               ") timed out after " + std::to_string(timeout_) + " s";
+      const std::string what = op_name(op) + " timed out after " + std::to_string(timeout_) + " s";
       if (const int blamed = reported_fault(); blamed >= 0) {
         throw CommError(what + ": rank " + std::to_string(blamed) + " failed (reported by a peer)", blamed);
       }
       const std::vector<int> dead = dead_ranks();
       if (!dead.empty()) {
         report_fault(dead.front());
-        std::string list;
-        for (int r : dead) list += (list.empty() ? "" : ", ") + std::to_string(r);
-        throw CommError(what + ": rank " + list + " stopped (no heartbeat)", dead.front());
+        throw CommError(what + ": " + rank_list(dead) + " stopped (no heartbeat)", dead.front());
       }
       throw CommError(what + " waiting for rank " + std::to_string(silent) + " (hung, or not calling this collective)", silent);
     }
@@ -507,6 +502,28 @@ void P2PBackend::sendrecv(Op& op, int to, const void* sbuf, std::size_t sbytes, 
   wait_all(op, reqs);
 }
 
+P2PBackend::Chunks P2PBackend::reserve_chunks(Op& op, std::size_t max_count, std::size_t element_size, std::size_t max_chunks) {
+  Chunks c;
+  c.chunk = std::min(std::max<std::size_t>({1, chunk_bytes_ / element_size, (max_count + max_chunks - 1) / max_chunks}),
+                     std::max<std::size_t>(1, max_count));
+  c.base = op.step;
+  op.step = static_cast<std::uint16_t>(op.step + c.pieces(max_count));
+  return c;
+}
+
+std::string P2PBackend::op_name(const Op& op) {
+  return std::string(op.name) + " (group " + std::to_string(op.group) + ", #" + std::to_string(op.seq) + ")";
+}
+
+void P2PBackend::send_chunks(Op& op, const Chunks& ck, int to, const char* block, std::size_t count, std::size_t element_size,
+                              std::vector<std::pair<std::uint64_t, int>>& sends) {
+  for (std::size_t c = 0; c < ck.pieces(count); ++c) {
+    sends.emplace_back(transport_->isend(to, block + c * ck.chunk * element_size, ck.piece(count, c) * element_size,
+                                         make_tag(rank_, op.group, op.seq, static_cast<std::uint16_t>(ck.base + c))),
+                       to);
+  }
+}
+
 void P2PBackend::reduce_step(Op& op, int to, const void* sbuf, std::size_t scount, int from, void* dst, std::size_t rcount,
                              std::size_t max_count, CommDType dtype, ReduceOp rop) {
   // Pipelined in chunks (as NCCL's and Open MPI's rings are): up to kDepth chunk receives in
@@ -515,35 +532,21 @@ void P2PBackend::reduce_step(Op& op, int to, const void* sbuf, std::size_t scoun
   // reads it back to reduce; here the incoming bytes are reduced from cache.
   constexpr std::size_t kDepth = 4;
   const std::size_t es = comm_dtype_size(dtype);
-  // Every rank reserves the same tag steps per ring step (from the largest block), so that
-  // the senders and receivers of blocks of different sizes agree on the tags.
-  const std::size_t max_chunks = std::max<std::size_t>(1, kStepBudget / groups_[static_cast<std::size_t>(op.group)].ranks.size());
-  // (at most the block: the scratch is sized from the chunk)
-  const std::size_t chunk = std::min(std::max<std::size_t>({1, chunk_bytes_ / es, (max_count + max_chunks - 1) / max_chunks}),
-                                     std::max<std::size_t>(1, max_count));
-  const std::size_t slots = std::max<std::size_t>(1, (max_count + chunk - 1) / chunk);
-  const std::uint16_t base = op.step;
-  op.step = static_cast<std::uint16_t>(op.step + slots);
-  auto pieces = [&](std::size_t count) { return count == 0 ? std::size_t{1} : (count + chunk - 1) / chunk; };
-  auto piece = [&](std::size_t count, std::size_t c) { return std::min(chunk, count - std::min(count, c * chunk)); };
-  const std::size_t nsend = pieces(scount), nrecv = pieces(rcount);
-  char* slot = scratch(0, kDepth * chunk * es);
+  // 2(k-1) ring steps share the tag's step budget.
+  const Chunks ck = reserve_chunks(op, max_count, es, std::max<std::size_t>(1, kStepBudget / groups_[static_cast<std::size_t>(op.group)].ranks.size()));
   std::vector<std::pair<std::uint64_t, int>> sends;
-  sends.reserve(nsend);
-  for (std::size_t c = 0; c < nsend; ++c) {
-    sends.emplace_back(transport_->isend(to, static_cast<const char*>(sbuf) + c * chunk * es, piece(scount, c) * es,
-                                         make_tag(rank_, op.group, op.seq, static_cast<std::uint16_t>(base + c))),
-                       to);
-  }
+  send_chunks(op, ck, to, static_cast<const char*>(sbuf), scount, es, sends);
+  const std::size_t nrecv = ck.pieces(rcount);
+  char* slots = scratch(0, kDepth * ck.chunk * es);
+  auto slot = [&](std::size_t c) { return slots + (c % kDepth) * ck.chunk * es; };
   std::vector<std::uint64_t> recvs(nrecv);
   auto post = [&](std::size_t c) {
-    recvs[c] = transport_->irecv(from, slot + (c % kDepth) * chunk * es, piece(rcount, c) * es,
-                                 make_tag(from, op.group, op.seq, static_cast<std::uint16_t>(base + c)));
+    recvs[c] = transport_->irecv(from, slot(c), ck.piece(rcount, c) * es, make_tag(from, op.group, op.seq, static_cast<std::uint16_t>(ck.base + c)));
   };
   for (std::size_t c = 0; c < std::min(kDepth, nrecv); ++c) post(c);
   for (std::size_t c = 0; c < nrecv; ++c) {
     wait_all(op, {{recvs[c], from}});  // also progresses the sends
-    reduce_into(static_cast<char*>(dst) + c * chunk * es, slot + (c % kDepth) * chunk * es, piece(rcount, c), dtype, rop);
+    reduce_into(static_cast<char*>(dst) + c * ck.chunk * es, slot(c), ck.piece(rcount, c), dtype, rop);
     if (c + kDepth < nrecv) post(c + kDepth);
   }
   wait_all(op, sends);
@@ -558,40 +561,28 @@ void P2PBackend::direct_reduce_scatter(Op& op, const char* in, const std::vector
   constexpr std::size_t kDepth = 2;
   const Group& g = groups_[static_cast<std::size_t>(op.group)];
   const std::size_t k = g.ranks.size(), me = static_cast<std::size_t>(g.me), es = comm_dtype_size(dtype);
-  const std::size_t max_count = *std::max_element(counts.begin(), counts.end());
-  const std::size_t max_chunks = std::max<std::size_t>(1, kStepBudget / 2);
-  const std::size_t chunk = std::min(std::max<std::size_t>({1, chunk_bytes_ / es, (max_count + max_chunks - 1) / max_chunks}),
-                                     std::max<std::size_t>(1, max_count));  // at most the block: the scratch is sized from it
-  const std::uint16_t base = op.step;
-  op.step = static_cast<std::uint16_t>(op.step + std::max<std::size_t>(1, (max_count + chunk - 1) / chunk));
-  auto pieces = [&](std::size_t count) { return count == 0 ? std::size_t{1} : (count + chunk - 1) / chunk; };
-  auto piece = [&](std::size_t count, std::size_t c) { return std::min(chunk, count - std::min(count, c * chunk)); };
+  const Chunks ck = reserve_chunks(op, *std::max_element(counts.begin(), counts.end()), es, kStepBudget / 2);  // one step, then the all-gather's
   std::vector<std::pair<std::uint64_t, int>> sends;
   for (std::size_t d = 1; d < k; ++d) {
     const std::size_t j = (me + d) % k;
-    const char* block = in + offset_of(counts, j) * es;
-    for (std::size_t c = 0; c < pieces(counts[j]); ++c) {
-      sends.emplace_back(transport_->isend(g.ranks[j], block + c * chunk * es, piece(counts[j], c) * es,
-                                           make_tag(rank_, op.group, op.seq, static_cast<std::uint16_t>(base + c))),
-                         g.ranks[j]);
-    }
+    send_chunks(op, ck, g.ranks[j], in + offset_of(counts, j) * es, counts[j], es, sends);
   }
-  const std::size_t n = pieces(counts[me]);
-  char* slots = scratch(0, kDepth * (k - 1) * chunk * es);
+  const std::size_t n = ck.pieces(counts[me]);
+  char* slots = scratch(0, kDepth * (k - 1) * ck.chunk * es);
+  auto slot = [&](std::size_t c, std::size_t d) { return slots + ((c % kDepth) * (k - 1) + (d - 1)) * ck.chunk * es; };
   std::vector<std::uint64_t> recvs(n * (k - 1));
-  auto slot = [&](std::size_t c, std::size_t d) { return slots + ((c % kDepth) * (k - 1) + (d - 1)) * chunk * es; };
   auto post = [&](std::size_t c) {
     for (std::size_t d = 1; d < k; ++d) {
       const int from = g.ranks[(me + d) % k];
-      recvs[c * (k - 1) + d - 1] = transport_->irecv(from, slot(c, d), piece(counts[me], c) * es,
-                                                     make_tag(from, op.group, op.seq, static_cast<std::uint16_t>(base + c)));
+      recvs[c * (k - 1) + d - 1] = transport_->irecv(from, slot(c, d), ck.piece(counts[me], c) * es,
+                                                     make_tag(from, op.group, op.seq, static_cast<std::uint16_t>(ck.base + c)));
     }
   };
   for (std::size_t c = 0; c < std::min(kDepth, n); ++c) post(c);
   for (std::size_t c = 0; c < n; ++c) {
     for (std::size_t d = 1; d < k; ++d) {
       wait_all(op, {{recvs[c * (k - 1) + d - 1], g.ranks[(me + d) % k]}});
-      reduce_into(dst + c * chunk * es, slot(c, d), piece(counts[me], c), dtype, rop);
+      reduce_into(dst + c * ck.chunk * es, slot(c, d), ck.piece(counts[me], c), dtype, rop);
     }
     if (c + kDepth < n) post(c + kDepth);
   }
@@ -690,22 +681,27 @@ std::unique_ptr<Work> P2PBackend::all_reduce(int group, CommBuffer buf, ReduceOp
       }
     } else {
       // Ring: reduce-scatter then all-gather of near-even blocks (bandwidth-optimal).
+      // (or both halves direct, see use_direct)
       const auto counts = even_blocks(buf.count, k);
-      if (use_direct(k, buf.bytes())) {
-        direct_reduce_scatter(op, static_cast<char*>(buf.data), counts, at(buf.data, offset_of(counts, me), buf.dtype), buf.dtype, rop);
-        if (rop == ReduceOp::avg) divide(at(buf.data, offset_of(counts, me), buf.dtype), counts[me], buf.dtype, static_cast<double>(k));
-        direct_all_gather(op, static_cast<char*>(buf.data), counts, buf.dtype);
-        return;
-      }
+      const bool direct = use_direct(k, buf.bytes());
+      char* mine = at(buf.data, offset_of(counts, me), buf.dtype);
       const int next = g.ranks[(me + 1) % k], prev = g.ranks[(me + k - 1) % k];
-      for (std::size_t s = 0; s + 1 < k; ++s) {
-        const std::size_t send_block = (me + 2 * k - s - 1) % k, recv_block = (me + 2 * k - s - 2) % k;
-        reduce_step(op, next, at(buf.data, offset_of(counts, send_block), buf.dtype), counts[send_block], prev,
-                    at(buf.data, offset_of(counts, recv_block), buf.dtype), counts[recv_block], counts[0], buf.dtype, rop);
+      if (direct) {
+        direct_reduce_scatter(op, static_cast<char*>(buf.data), counts, mine, buf.dtype, rop);
+      } else {
+        for (std::size_t s = 0; s + 1 < k; ++s) {
+          const std::size_t send_block = (me + 2 * k - s - 1) % k, recv_block = (me + 2 * k - s - 2) % k;
+          reduce_step(op, next, at(buf.data, offset_of(counts, send_block), buf.dtype), counts[send_block], prev,
+                      at(buf.data, offset_of(counts, recv_block), buf.dtype), counts[recv_block], counts[0], buf.dtype, rop);
+        }
       }
       // Each member divides only the block it reduced, before passing it on: k times less work
       // than dividing the whole buffer afterwards, and the same bits on every member.
-      if (rop == ReduceOp::avg) divide(at(buf.data, offset_of(counts, me), buf.dtype), counts[me], buf.dtype, static_cast<double>(k));
+      if (rop == ReduceOp::avg) divide(mine, counts[me], buf.dtype, static_cast<double>(k));
+      if (direct) {
+        direct_all_gather(op, static_cast<char*>(buf.data), counts, buf.dtype);
+        return;
+      }
       for (std::size_t s = 0; s + 1 < k; ++s) {
         const std::size_t send_block = (me + k - s) % k, recv_block = (me + k - s - 1) % k;
         sendrecv(op, next, at(buf.data, offset_of(counts, send_block), buf.dtype), counts[send_block] * es, prev,

@@ -97,6 +97,22 @@ class P2PBackend : public CommBackend {
   // `step` tells messages of one operation apart; both sides of an exchange must use the same
   // (-1: the operation's next step, for algorithms where every rank takes the same steps).
   void sendrecv(Op& op, int to, const void* sbuf, std::size_t sbytes, int from, void* rbuf, std::size_t rbytes, int step = -1);
+  // How a pipelined reduction cuts blocks into chunks, and the tag steps it reserved: every
+  // member reserves as many as the group's largest block has chunks (so that senders and
+  // receivers of blocks of different sizes agree), at most `max_chunks`; a chunk is at most
+  // that block (the scratch is sized from it).
+  struct Chunks {
+    std::size_t chunk = 1;    // elements
+    std::uint16_t base = 0;   // tag step of chunk 0
+    std::size_t pieces(std::size_t count) const { return count == 0 ? 1 : (count + chunk - 1) / chunk; }
+    std::size_t piece(std::size_t count, std::size_t c) const { return std::min(chunk, count - std::min(count, c * chunk)); }
+  };
+  Chunks reserve_chunks(Op& op, std::size_t max_count, std::size_t element_size, std::size_t max_chunks);
+  // Posts the sends of `count` elements at `block` to `to`, one per chunk, tagged from ck.base.
+  void send_chunks(Op& op, const Chunks& ck, int to, const char* block, std::size_t count, std::size_t element_size,
+                   std::vector<std::pair<std::uint64_t, int>>& sends);
+  // "all_reduce (group 1, #12)": an operation, for errors.
+  static std::string op_name(const Op& op);
   // One reduce-scatter ring step: sends `scount` elements of sbuf to `to` while receiving
   // `rcount` from `from` and reducing them into dst, pipelined in chunks of chunk_bytes_.
   // `max_count` is the group's largest block (every member reserves the same tag steps).
