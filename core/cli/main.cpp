@@ -324,10 +324,11 @@ int run_bench_comm(const BenchCommOptions& o, const std::vector<std::string>& ra
   bo.warmup = o.warmup;
   bo.timeout_seconds = o.timeout_seconds;
   if (bo.min_bytes > bo.max_bytes) throw std::invalid_argument("--min-bytes is larger than --max-bytes");
+  const std::vector<std::filesystem::path> paths(o.plugin_paths.begin(), o.plugin_paths.end());
   if (std::getenv("SPMDX_STORE_HOSTED") == nullptr) {
     {  // the backend and its options, once, before any rank starts
       spmdx::PluginRegistry registry;
-      registry.discover(spmdx::plugin_search_path(std::vector<std::filesystem::path>(o.plugin_paths.begin(), o.plugin_paths.end())));
+      registry.discover(spmdx::plugin_search_path(paths));
       registry.make_comm_backend_from_spec(o.backend);
     }
     std::vector<std::string> argv{self_exe()};
@@ -338,7 +339,6 @@ int run_bench_comm(const BenchCommOptions& o, const std::vector<std::string>& ra
   const auto env = spmdx::launch::rank_env();
   spmdx::comm::TcpStore store(env.master_addr, env.master_port, env.token, 60);
   spmdx::PluginRegistry registry;
-  std::vector<std::filesystem::path> paths(o.plugin_paths.begin(), o.plugin_paths.end());
   registry.discover(spmdx::plugin_search_path(paths));
   auto backend = registry.make_comm_backend_from_spec(o.backend);
   backend->init({env.rank, env.world_size, 0, &store, bo.timeout_seconds});

@@ -27,8 +27,6 @@ struct Entry {
   std::string describe() const { return signature() + " producing " + value + " in step " + std::to_string(step); }
 };
 
-std::string list(const std::vector<int>& ranks) { return rank_list(ranks); }
-
 }  // namespace
 
 FrAnalysis analyze_flight_recorder(const std::filesystem::path& folder) {
@@ -111,7 +109,7 @@ FrAnalysis analyze_flight_recorder(const std::filesystem::path& folder) {
       lo = std::max(lo, it->second.begin()->first);  // older entries fell out of some ring buffer
       for (const auto& [q, e] : it->second) seqs.insert(q);
     }
-    const std::string no_dump = undumped.empty() ? "" : " " + list(undumped) + " of this group left no dump (it exited, died or was stopped before dumping): it may be the one missing.";
+    const std::string no_dump = undumped.empty() ? "" : " " + rank_list(undumped) + " of this group left no dump (it exited, died or was stopped before dumping): it may be the one missing.";
     auto entry = [&](int r, std::uint64_t s) -> const Entry* {
       auto it = by_rank.find(r);
       if (it == by_rank.end()) return nullptr;
@@ -132,7 +130,7 @@ FrAnalysis analyze_flight_recorder(const std::filesystem::path& folder) {
       const Entry& ref = *entry(majority->second.front(), s);
       if (!absent.empty()) {
         std::ostringstream m;
-        m << "group " << group << ", collective #" << s << ": " << list(absent) << " never issued it; " << list(majority->second) << " issued "
+        m << "group " << group << ", collective #" << s << ": " << rank_list(absent) << " never issued it; " << rank_list(majority->second) << " issued "
           << ref.describe() << " (state " << ref.state << ").";
         for (int r : absent) {
           auto it = by_rank.find(r);
@@ -150,18 +148,18 @@ FrAnalysis analyze_flight_recorder(const std::filesystem::path& folder) {
       } else if (by_sig.size() > 1) {
         std::vector<int> odd;
         std::ostringstream m;
-        m << "group " << group << ", collective #" << s << ": the ranks disagree on what it is: " << list(majority->second) << " issued " << ref.describe();
+        m << "group " << group << ", collective #" << s << ": the ranks disagree on what it is: " << rank_list(majority->second) << " issued " << ref.describe();
         for (const auto& [sig, ranks] : by_sig) {
           if (sig == majority->first) continue;
           odd.insert(odd.end(), ranks.begin(), ranks.end());
           const Entry& e = *entry(ranks.front(), s);
-          m << "; " << list(ranks) << " issued " << e.describe();
+          m << "; " << rank_list(ranks) << " issued " << e.describe();
           // A skipped collective: the odd rank never produced the value the others' #s produces
           // (a value's name is the same on every rank: all rank graphs have the same nodes).
           bool issued_elsewhere = false;
           for (const auto& [q, other] : by_rank.at(ranks.front())) issued_elsewhere |= other.value == ref.value && other.step == ref.step;
           if (!issued_elsewhere && e.value != ref.value) {
-            m << ": " << list(ranks) << " skipped the collective producing " << ref.value << " in step " << ref.step << " and went on to the next one";
+            m << ": " << rank_list(ranks) << " skipped the collective producing " << ref.value << " in step " << ref.step << " and went on to the next one";
           }
         }
         m << ". Every rank of a group must issue the same collectives in the same order.";
@@ -180,11 +178,11 @@ FrAnalysis analyze_flight_recorder(const std::filesystem::path& folder) {
           if (undumped.empty()) {
             stalls.push_back({group, s, pending,
                               "group " + group + ", collective #" + std::to_string(s) + " (" + ref.describe() + "): every rank issued it, it did not complete on " +
-                                  list(pending) + errors + "."});
+                                  rank_list(pending) + errors + "."});
           } else {
             stalls.push_back({group, s, undumped,
-                              "group " + group + ", collective #" + std::to_string(s) + " (" + ref.describe() + "): " + list(members) +
-                                  " issued it, it did not complete on " + list(pending) + errors + "." + no_dump});
+                              "group " + group + ", collective #" + std::to_string(s) + " (" + ref.describe() + "): " + rank_list(members) +
+                                  " issued it, it did not complete on " + rank_list(pending) + errors + "." + no_dump});
           }
           found = true;
         }
@@ -194,8 +192,8 @@ FrAnalysis analyze_flight_recorder(const std::filesystem::path& folder) {
   out.findings = mismatches;
   out.findings.insert(out.findings.end(), stalls.begin(), stalls.end());
   std::ostringstream text;
-  text << "flight recorder dumps in " << folder.string() << ": " << list(out.dumped);
-  if (!out.no_dump.empty()) text << "; no dump from " << list(out.no_dump) << " (it died before dumping, or its disk is elsewhere)";
+  text << "flight recorder dumps in " << folder.string() << ": " << rank_list(out.dumped);
+  if (!out.no_dump.empty()) text << "; no dump from " << rank_list(out.no_dump) << " (it died before dumping, or its disk is elsewhere)";
   text << "\n";
   for (const auto& [r, why] : reasons) text << "  rank " << r << " dumped on: " << why << "\n";
   if (out.findings.empty()) {
