@@ -29,7 +29,7 @@ mpi_busbw() {
 gloo_busbw() {
   "$repo/.venv/bin/python" "$repo/bench/peers/gloo_allreduce.py" "$1" "$bytes" $iters 2>/dev/null | awk '{ print $2 }'
 }
-median() { tr ' ' '\n' | grep -v '^$' | sort -g | awk '{ v[NR] = $1 } END { if (NR == 0) print "n/a"; else if (NR % 2) print v[(NR + 1) / 2]; else printf "%.3f\n", (v[NR / 2] + v[NR / 2 + 1]) / 2 }'; }
+source "$repo/bench/lib.sh"  # median
 met() { awk -v r="${1%x}" -v t="$2" 'BEGIN { if (r == "n/a" || r == "") print "(not measured)"; else if (r + 0 >= t) print "met"; else print "NOT met" }'; }
 verdicts=()
 ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (a + 0 > 0 && b + 0 > 0) printf "%.2fx", a / b; else print "n/a" }'; }

@@ -36,7 +36,7 @@ torch_ms() {  # ddp|fsdp
   "$repo/.venv/bin/python" "$repo/bench/peers/torch_llama.py" "$1" "$n" "$steps" debugmodel $local_batch 128 2> "$out/torch_$1.log" \
     | awk '{ print $2 }' || { cat "$out/torch_$1.log" >&2; return 1; }
 }
-median() { tr ' ' '\n' | grep -v '^$' | sort -g | awk '{ v[NR] = $1 } END { if (NR == 0) print "n/a"; else if (NR % 2) print v[(NR + 1) / 2]; else printf "%.1f\n", (v[NR / 2] + v[NR / 2 + 1]) / 2 }'; }
+source "$repo/bench/lib.sh"  # median
 
 printf "%-26s %-28s %-28s %8s\n" "llama debugmodel, $n ranks" "spmdx step ms (rounds)" "PyTorch step ms" speedup
 for pair in "dp ddp DDP" "fsdp fsdp FSDP2"; do
@@ -45,7 +45,7 @@ for pair in "dp ddp DDP" "fsdp fsdp FSDP2"; do
   for ((r = 0; r < rounds; r++)); do
     s+=("$(spmdx_ms "$1")"); t+=("$(torch_ms "$2" || true)")
   done
-  ms=$(echo "${s[*]}" | median); mt=$(echo "${t[*]}" | median)
+  ms=$(echo "${s[*]}" | median 1); mt=$(echo "${t[*]}" | median 1)
   speedup=$(awk -v a="$ms" -v b="$mt" 'BEGIN { if (a + 0 > 0 && b + 0 > 0) printf "%.2fx", b / a; else print "n/a" }')
   printf "%-26s %-28s %-28s %8s\n" "spmdx $1 $n vs $3" "$ms (${s[*]})" "$mt (${t[*]})" "$speedup"
 done
