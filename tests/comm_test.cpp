@@ -96,14 +96,51 @@ TEST(CommUcx, EveryCollectiveDtypeAndOpOn2And3And4Ranks) {
   }
 }
 
+// Ranks on one host run all_reduce, reduce_scatter and all_gather through a shared-memory
+// segment per group, unlinked once every member mapped it; with shm=off, over UCX's messages.
+TEST(CommUcx, OneHostSharesMemoryAndShmOffGoesThroughTheTransport) {
+  for (int world : {2, 3}) {
+    for (const char* shm : {"on", "off"}) {
+      auto results = run_ranks(world, {{"SPMDX_TEST_OPTIONS", std::string("shm=") + shm}});
+      for (const auto& r : results) {
+        EXPECT_EQ(r.exit_code, 0) << r.output;
+        EXPECT_THAT(r.output, HasSubstr(std::string("shared memory: ") + (shm == std::string("on") ? "unlinked" : "none"))) << r.output;
+      }
+    }
+  }
+}
+
+// 64-byte rounds: every collective of more than a few elements runs many rounds, reusing each
+// slot, over blocks of uneven sizes (3 ranks).
+TEST(CommUcx, SharedMemoryInSmallRoundsGivesTheSameResults) {
+  auto results = run_ranks(3, {{"SPMDX_TEST_OPTIONS", "shm_chunk_bytes=64"}});
+  for (const auto& r : results) EXPECT_EQ(r.exit_code, 0) << r.output;
+}
+
+// abort() from another thread fails a collective that waits on peers who never come, at once.
+TEST(CommUcx, AbortUnblocksAWaitingCollective) {
+  for (const char* shm : {"on", "off"}) {
+    auto results = run_ranks(2, {{"SPMDX_TEST_MODE", "abort"}, {"SPMDX_TEST_OPTIONS", std::string("shm=") + shm}}, 60);
+    const std::string& out = results[0].output;
+    EXPECT_EQ(results[0].exit_code, 3) << out;
+    EXPECT_THAT(out, HasSubstr("aborted"));
+    const auto at = out.find("CommError after ");
+    ASSERT_NE(at, std::string::npos) << out;
+    EXPECT_LT(std::stod(out.substr(at + 16)), 2.0) << "shm=" << shm << ": " << out;
+  }
+}
+
 TEST(CommUcx, TwoGroupsRunConcurrently) {
   auto results = run_ranks(4, {{"SPMDX_TEST_MODE", "groups"}});
   for (const auto& r : results) EXPECT_EQ(r.exit_code, 0) << r.output;
 }
 
 TEST(CommUcx, OverTcpToo) {
-  auto results = run_ranks(2, {{"SPMDX_TEST_TLS", "tcp,self"}});
-  for (const auto& r : results) EXPECT_EQ(r.exit_code, 0) << r.output;
+  auto results = run_ranks(2, {{"SPMDX_TEST_TLS", "tcp,self"}, {"SPMDX_TEST_OPTIONS", "shm=off"}});  // every byte over TCP
+  for (const auto& r : results) {
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_THAT(r.output, HasSubstr("shared memory: none"));
+  }
 }
 
 TEST(CommUcx, ARankThatDiesIsNamedByTheOthersWithinTheTimeout) {

@@ -4,6 +4,9 @@
 //                computed locally (every rank can compute every rank's inputs)
 //   groups       two groups running collectives concurrently
 //   die          rank 1 exits before a collective; the others must fail naming it
+//   stop         rank 1 freezes (SIGSTOP); the others must fail naming it
+//   abort        rank 0 waits in a collective the others skip until abort() (another thread)
+// SPMDX_TEST_OPTIONS ("key=value;...") and SPMDX_TEST_TLS are the ucx plugin's options.
 // Prints "checked N" and exits 0, or prints the failure and exits 1 (3: the expected CommError).
 #include <spmdx/comm.h>
 #include <spmdx/comm/p2p_backend.h>
@@ -18,6 +21,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <iostream>
 #include <thread>
 #include <vector>
@@ -262,6 +266,14 @@ int main() {
     registry.discover(plugin_search_path({}));
     Options options;
     if (const char* tls = std::getenv("SPMDX_TEST_TLS")) options["tls"] = tls;
+    if (const char* o = std::getenv("SPMDX_TEST_OPTIONS")) {  // "key=value;key=value"
+      std::string rest = o;
+      while (!rest.empty()) {
+        const std::string kv = rest.substr(0, rest.find(';'));
+        rest = kv.size() < rest.size() ? rest.substr(kv.size() + 1) : "";
+        options[kv.substr(0, kv.find('='))] = kv.substr(kv.find('=') + 1);
+      }
+    }
     auto backend = registry.make_comm_backend("ucx", options);
     backend->init({rank, world, 0, &store, timeout});
     Checker c{rank, world};
@@ -300,6 +312,41 @@ int main() {
         std::fflush(stdout);
         std::_Exit(3);
       }
+    }
+    if (mode == "abort") {
+      // Rank 0 waits in a collective the others never join, until another thread aborts the
+      // backend after 1 s; the others leave after 4 s.
+      float x = 1;
+      if (!backend->all_reduce(0, {&x, 1, CommDType::f32}, ReduceOp::sum)->wait(60)) c.fail("warm-up timed out");
+      if (rank != 0) {
+        std::this_thread::sleep_for(std::chrono::seconds(4));
+        std::_Exit(0);
+      }
+      std::vector<float> big(1 << 18, 1.0f);
+      const auto start = std::chrono::steady_clock::now();
+      std::thread aborter([&] {
+        std::this_thread::sleep_for(std::chrono::seconds(1));
+        backend->abort();
+      });
+      try {
+        backend->all_reduce(0, {big.data(), big.size(), CommDType::f32}, ReduceOp::sum)->wait(60);
+        c.fail("the collective succeeded without the others");
+      } catch (const CommError& e) {
+        std::printf("rank 0 CommError after %.2f s: %s\n", std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(),
+                    e.what());
+      }
+      aborter.join();
+      std::fflush(stdout);
+      std::_Exit(3);
+    }
+    // Whether this process maps a group's shared memory, already unlinked ("(deleted)").
+    {
+      std::ifstream maps("/proc/self/maps");
+      std::string line, shm = "none";
+      while (std::getline(maps, line)) {
+        if (line.find("/dev/shm/spmdx-") != std::string::npos) shm = line.find("(deleted)") != std::string::npos ? "unlinked" : "linked";
+      }
+      std::printf("rank %d shared memory: %s\n", rank, shm.c_str());
     }
     backend->finalize();
     std::printf("rank %d checked %ld\n", rank, c.checks);

@@ -259,6 +259,7 @@ int launch(const LaunchOptions& o, const std::vector<std::string>& argv) {
       close(c.out);
     }
     if (!c.partial.empty()) std::cout << "[rank " << o.node_rank * nproc + (&c - children.data()) << "] " << c.partial << "\n";
+    comm::remove_shared_memory_of(c.pid);  // a rank killed while its groups set up shared memory
   }
   if (g_signal != 0) {
     std::cerr << o.command << ": stopped by " << strsignal(g_signal) << "; every rank was stopped\n";

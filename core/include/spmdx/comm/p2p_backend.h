@@ -32,6 +32,8 @@
 
 namespace spmdx::comm {
 
+class ShmChannel;
+
 /// What a transport provides. Called from the communication thread only.
 class Transport {
  public:
@@ -53,6 +55,11 @@ void divide(void* data, std::size_t count, CommDType dtype, double divisor);
 /// The store key where ranks name the first rank that failed a collective (the first report
 /// wins; "<key>_reported" counts the reports), read by the launcher to say whom to blame.
 inline constexpr const char* kFaultKey = "spmdx/fault";
+
+/// Unlinks the shared-memory segments (/dev/shm/spmdx-<pid>-...) that rank process `pid` made
+/// for a group and left behind because it died before every member had mapped them; the
+/// launcher calls it for every rank it reaped. Returns how many it removed.
+int remove_shared_memory_of(long pid);
 
 class P2PBackend : public CommBackend {
  public:
@@ -87,6 +94,11 @@ class P2PBackend : public CommBackend {
     std::vector<int> ranks;
     int me = 0;
     std::uint64_t seq = 0;  // collectives issued on this group
+    // Shared memory, when every member is on this host: set up at the group's first
+    // collective that can use it (0: not yet tried, 1: up, -1: not available).
+    int shm_state = 0;
+    std::shared_ptr<ShmChannel> shm;
+    std::uint64_t shm_round = 0;  // rounds run through `shm`, the same count on every member
   };
   static constexpr int kPointToPoint = -1;
   struct Op;
@@ -128,6 +140,20 @@ class P2PBackend : public CommBackend {
   // The ranks whose heartbeat stopped (checked over ~2 s), or empty.
   std::vector<int> dead_ranks();
   void wait_all(Op& op, const std::vector<std::pair<std::uint64_t, int>>& requests);
+  // A wait that is not progressing: throws CommError when the backend was aborted, when after
+  // 5 s stuck a peer is blamed by another rank or its heartbeat stopped, or at the timeout
+  // (naming `silent`, the peer waited for).
+  struct Stall;
+  void check_stall(Op& op, Stall& stall, int silent);
+  // The group's shared-memory channel, set up on first use (collectively: every member calls
+  // it at the same collective), or null when some member is on another host or cannot map it.
+  ShmChannel* shm_channel(Op& op);
+  // Reduce-scatter, all-gather or both (all_reduce) through the group's shared memory, in
+  // rounds of up to shm_chunk_bytes per block (see shm_channel.h).
+  enum class ShmKind { all_reduce, reduce_scatter, all_gather };
+  void shm_collective(Op& op, ShmChannel& ch, ShmKind kind, const char* in, char* out, const std::vector<std::size_t>& counts,
+                      CommDType dtype, ReduceOp rop);
+  void shm_wait(Op& op, ShmChannel& ch, int counter, std::uint32_t target);
   // Scratch memory of the comm thread, reused across operations: slot 0 or 1, at least `bytes`.
   char* scratch(std::size_t slot, std::size_t bytes);
   struct Scratch {
@@ -140,6 +166,10 @@ class P2PBackend : public CommBackend {
   std::size_t direct_max_bytes_ = 4 * 1024 * 1024;
   static constexpr std::size_t kStepBudget = 32768;  // tag steps of one operation's ring steps (the tag's step field is 16 bits)
   std::size_t chunk_bytes_ = 1024 * 1024;
+  bool shm_ = true;
+  std::size_t shm_chunk_bytes_ = 256 * 1024;
+  std::string host_id_;  // hostname and boot id: ranks with the same one can share memory
+  std::int64_t generation_ = 0;
 
  protected:
   /// Takes an option every P2P backend understands, returning false for any other key:
