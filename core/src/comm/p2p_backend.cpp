@@ -342,6 +342,8 @@ void P2PBackend::stop() {
   heartbeat_cv_.notify_all();
   if (thread_.joinable()) thread_.join();
   if (heartbeat_.joinable()) heartbeat_.join();
+  std::lock_guard lock(mutex_);
+  for (Group& g : groups_) g.shm.reset(), g.shm_state = 0;  // unmapped now, not when the backend goes
 }
 
 void P2PBackend::abort() noexcept {

@@ -140,7 +140,7 @@ class LocalBackend final : public spmdx::comm::P2PBackend {
  public:
   explicit LocalBackend(const spmdx::Options& options) {
     for (const auto& [k, v] : options) {
-      if (k != "job" && !take_option("local", k, v)) throw std::invalid_argument("local: unknown option '" + k + "' (known: job, chunk_bytes, direct_max_bytes)");
+      if (k != "job" && !take_option("local", k, v)) throw std::invalid_argument("local: unknown option '" + k + "' (known: job, chunk_bytes, direct_max_bytes, shm, shm_chunk_bytes)");
     }
     if (auto it = options.find("job"); it != options.end()) job_ = it->second;
   }

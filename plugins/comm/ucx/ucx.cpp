@@ -3,8 +3,10 @@
 // every other rank; spmdx's P2P algorithms (ring all_reduce, ...) run on top. Transports come
 // from UCX_TLS, or the plugin option "tls"; with neither, ranks that all share one host use
 // shared memory ("shm,self": plain posix alone is slow here), others UCX's default (TCP
-// across hosts). Options chunk_bytes (ring pipeline chunk, default 1 MiB) and direct_max_bytes
-// (all-pairs up to this size on up to 8 ranks, default 4 MiB): P2PBackend::take_option.
+// across hosts). Options (P2PBackend::take_option): shm and shm_chunk_bytes (all_reduce,
+// reduce_scatter and all_gather of a group on one host through shared memory, on by default:
+// then only the rest goes over UCX), chunk_bytes (ring pipeline chunk, default 1 MiB) and
+// direct_max_bytes (all-pairs up to this size on up to 8 ranks, default 4 MiB).
 #include <spmdx/comm/p2p_backend.h>
 #include <spmdx/core/log.h>
 #include <spmdx/plugin.h>
@@ -134,7 +136,7 @@ class UcxBackend final : public spmdx::comm::P2PBackend {
       if (key == "tls") {
         tls_ = value;
       } else if (!take_option("ucx", key, value)) {
-        throw std::invalid_argument("ucx: unknown option '" + key + "' (known: tls, chunk_bytes, direct_max_bytes)");
+        throw std::invalid_argument("ucx: unknown option '" + key + "' (known: tls, chunk_bytes, direct_max_bytes, shm, shm_chunk_bytes)");
       }
     }
   }

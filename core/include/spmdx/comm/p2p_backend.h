@@ -10,6 +10,10 @@
 //   reduce_scatter  ring (pipelined) or direct, uneven blocks
 //   all_to_all      pairwise exchange
 //   broadcast       binomial tree
+// Groups whose members share a host run all_reduce, reduce_scatter and all_gather through a
+// shared-memory segment instead (shm_channel.h): each member copies its data in once, reduces
+// its own block straight from every peer's copy, and copies the result out (as Open MPI's
+// coll/sm and DeepSpeed's CPU shm all_reduce), in rounds that stay in the last-level cache.
 // Operations run in submission order on one communication thread per backend (so compute
 // overlaps them); Work handles report completion, and a peer that fails or stays silent past
 // the timeout fails the operation with a CommError naming the collective and the peer rank.
@@ -181,10 +185,18 @@ class P2PBackend : public CommBackend {
   ///   on groups of at most 8 members go direct, every member to every other at once, instead
   ///   of around the ring (default 4 MiB; 0: always the ring). On 3 and 4 ranks here direct
   ///   had 1.3-2x the ring's busbw from 128 KiB to 4 MiB and the same above.
+  /// - shm: on (default) or off. On: all_reduce, reduce_scatter and all_gather of a group whose
+  ///   members share a host (same host name and boot id, with a store) go through shared
+  ///   memory; a group that cannot map it (full /dev/shm) warns and uses the transport.
+  ///   Measured here (64 MiB all_reduce busbw): 2 ranks 7.5 vs 3.2-3.6 GB/s, 4 ranks 3.2 vs
+  ///   1.8-1.9 GB/s through UCX.
+  /// - shm_chunk_bytes: bytes of each member's block per shared-memory round (64 to 64M,
+  ///   default 256 KiB); each member maps 3 x members x this.
   /// Call before init. Throws std::invalid_argument naming the plugin, the option and the
   /// value when the value is bad.
   bool take_option(const std::string& plugin, const std::string& key, const std::string& value);
-  /// "chunk_bytes=1048576, direct_max_bytes=4194304": the values in use, for describe().
+  /// "chunk_bytes=1048576, direct_max_bytes=4194304, shm=on, shm_chunk_bytes=262144": the
+  /// values in use, for describe().
   std::string option_str() const;
 
  private:
