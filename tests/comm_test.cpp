@@ -117,6 +117,18 @@ TEST(CommUcx, SharedMemoryInSmallRoundsGivesTheSameResults) {
   for (const auto& r : results) EXPECT_EQ(r.exit_code, 0) << r.output;
 }
 
+// Members that call different collectives fail with an error that says what each called
+// (through shared memory, each member's round carries what it runs).
+TEST(CommUcx, MembersCallingDifferentCollectivesFailSayingWhatEachCalled) {
+  auto results = run_ranks(3, {{"SPMDX_TEST_MODE", "mismatch"}}, 60);
+  for (const auto& r : results) {
+    EXPECT_EQ(r.exit_code, 3) << r.output;
+    EXPECT_THAT(r.output, HasSubstr("all_reduce #0 of 2000 f32 sum"));
+    EXPECT_THAT(r.output, HasSubstr("all_reduce #0 of 1000 f32 sum"));
+    EXPECT_THAT(r.output, HasSubstr("every member must call the same collectives"));
+  }  std::printf("%s", results[0].output.c_str());
+}
+
 // abort() from another thread fails a collective that waits on peers who never come, at once.
 TEST(CommUcx, AbortUnblocksAWaitingCollective) {
   for (const char* shm : {"on", "off"}) {

@@ -5,6 +5,7 @@
 //   groups       two groups running collectives concurrently
 //   die          rank 1 exits before a collective; the others must fail naming it
 //   stop         rank 1 freezes (SIGSTOP); the others must fail naming it
+//   mismatch     rank 1 all_reduces more elements than the others; all must fail saying so
 //   abort        rank 0 waits in a collective the others skip until abort() (another thread)
 // SPMDX_TEST_OPTIONS ("key=value;...") and SPMDX_TEST_TLS are the ucx plugin's options.
 // Prints "checked N" and exits 0, or prints the failure and exits 1 (3: the expected CommError).
@@ -309,6 +310,19 @@ int main() {
       } catch (const CommError& e) {
         std::printf("rank %d CommError peer=%d after %.1f s: %s\n", rank, e.peer(),
                     std::chrono::duration<double>(std::chrono::steady_clock::now() - warm).count(), e.what());
+        std::fflush(stdout);
+        std::_Exit(3);
+      }
+    }
+    if (mode == "mismatch") {
+      // Rank 1 all_reduces twice as many elements as the others: every rank must fail naming
+      // the difference, not return sums of the wrong elements.
+      std::vector<float> x(rank == 1 ? 2000 : 1000, 1.0f);
+      try {
+        backend->all_reduce(0, {x.data(), x.size(), CommDType::f32}, ReduceOp::sum)->wait(60);
+        c.fail("mismatched all_reduce succeeded");
+      } catch (const CommError& e) {
+        std::printf("rank %d CommError peer=%d: %s\n", rank, e.peer(), e.what());
         std::fflush(stdout);
         std::_Exit(3);
       }

@@ -773,6 +773,11 @@ void P2PBackend::shm_collective(Op& op, ShmChannel& ch, ShmKind kind, const char
   std::vector<std::size_t> offsets(k);
   for (std::size_t j = 1; j < k; ++j) offsets[j] = offsets[j - 1] + counts[j - 1];
   auto piece = [&](std::size_t j, std::size_t r) { return std::min(chunk, counts[j] - std::min(counts[j], r * chunk)); };
+  ShmChannel::Signature sig;
+  sig.seq = op.seq;
+  sig.what = static_cast<std::uint32_t>(kind) | static_cast<std::uint32_t>(dtype) << 8 | static_cast<std::uint32_t>(rop) << 16;
+  sig.count = offsets[k - 1] + counts[k - 1];
+  for (std::size_t c : counts) sig.blocks = sig.blocks * 1000003 + c;
   for (std::size_t r = 0; r < rounds; ++r) {
     const std::uint64_t round = g.shm_round++;
     if (round + 2 > ShmChannel::kBuffers) shm_wait(op, ch, ShmChannel::ready, static_cast<std::uint32_t>(round + 2 - ShmChannel::kBuffers));
@@ -782,8 +787,27 @@ void P2PBackend::shm_collective(Op& op, ShmChannel& ch, ShmKind kind, const char
     } else {
       for (std::size_t j = 0; j < k; ++j) copy_bytes(mine + j * chunk * es, in + (offsets[j] + r * chunk) * es, piece(j, r) * es);
     }
+    sig.round = static_cast<std::uint32_t>(r);
+    ch.sign(round, sig);
     ch.publish(ShmChannel::ready, static_cast<std::uint32_t>(round + 1));
     shm_wait(op, ch, ShmChannel::ready, static_cast<std::uint32_t>(round + 1));
+    for (std::size_t j = 0; j < k; ++j) {
+      const ShmChannel::Signature theirs = ch.signature(static_cast<int>(j), round);
+      if (!(theirs == sig)) {
+        auto say = [&](const ShmChannel::Signature& x) {
+          static const char* kinds[] = {"all_reduce", "reduce_scatter", "all_gather"};
+          const auto kind_of = x.what & 0xff;
+          return std::string(kind_of < 3 ? kinds[kind_of] : "?") + " #" + std::to_string(x.seq) + " of " + std::to_string(x.count) + " " +
+                 to_string(static_cast<CommDType>((x.what >> 8) & 0xff)) +
+                 (kind_of == 2 ? "" : std::string(" ") + to_string(static_cast<ReduceOp>((x.what >> 16) & 0xff))) +
+                 (x.blocks != sig.blocks && x.count == sig.count ? " (other block sizes)" : "");
+        };
+        report_fault(g.ranks[j]);
+        throw CommError(op_name(op) + ": rank " + std::to_string(g.ranks[j]) + " called " + say(theirs) + " where rank " +
+                            std::to_string(rank_) + " called " + say(sig) + ": every member must call the same collectives in the same order",
+                        g.ranks[j]);
+      }
+    }
     if (kind != ShmKind::all_gather) {
       const std::size_t n = piece(me, r);
       char* dst = kind == ShmKind::reduce_scatter ? out + r * chunk * es : mine + me * chunk * es;

@@ -44,7 +44,8 @@ long futex(std::atomic<std::uint32_t>* addr, int op, std::uint32_t value, const 
 ShmChannel::ShmChannel(const std::string& name, bool create, int members, int me, std::size_t slot_bytes, long spin_us)
     : name_(name), owner_(create), members_(members), me_(me), slot_bytes_(round_up(slot_bytes, kLine)), spin_us_(spin_us) {
   header_bytes_ = kLine;  // sleepers
-  member_bytes_ = 2 * kLine + kBuffers * slot_bytes_;
+  member_bytes_ = (2 + kBuffers) * kLine + kBuffers * slot_bytes_;
+  static_assert(sizeof(Signature) <= kLine);
   size_ = header_bytes_ + static_cast<std::size_t>(members) * member_bytes_;
   const int fd = create ? shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600) : shm_open(name.c_str(), O_RDWR, 0600);
   auto fail = [&](const std::string& what, int err) {
@@ -96,7 +97,17 @@ void ShmChannel::unlink() noexcept {
 }
 
 char* ShmChannel::slot(int member, std::uint64_t round) const noexcept {
-  return base_ + header_bytes_ + static_cast<std::size_t>(member) * member_bytes_ + 2 * kLine + (round % kBuffers) * slot_bytes_;
+  return base_ + header_bytes_ + static_cast<std::size_t>(member) * member_bytes_ + (2 + kBuffers) * kLine + (round % kBuffers) * slot_bytes_;
+}
+
+void ShmChannel::sign(std::uint64_t round, const Signature& s) noexcept {
+  std::memcpy(base_ + header_bytes_ + static_cast<std::size_t>(me_) * member_bytes_ + (2 + round % kBuffers) * kLine, &s, sizeof s);
+}
+
+ShmChannel::Signature ShmChannel::signature(int member, std::uint64_t round) const noexcept {
+  Signature s;
+  std::memcpy(&s, base_ + header_bytes_ + static_cast<std::size_t>(member) * member_bytes_ + (2 + round % kBuffers) * kLine, sizeof s);
+  return s;
 }
 
 std::atomic<std::uint32_t>& ShmChannel::counter(Counter c, int member) const noexcept {

@@ -3,8 +3,8 @@
 // member copies its data into the segment once, reads its peers' straight from it, and no
 // message passes through a transport or the kernel).
 //
-// Layout: a header, then per member two 32-bit counters (each on its own cache line) and
-// kBuffers slots of slot_bytes. A member writes only its own slots and counters; peers read
+// Layout: a header, then per member two 32-bit counters (each on its own cache line), a
+// signature per slot, and kBuffers slots of slot_bytes. A member writes only its own slots and counters; peers read
 // them after seeing the counter (release/acquire). Waits spin for spin_us, then sleep on a
 // futex, which the writer wakes only when someone sleeps.
 #pragma once
@@ -41,6 +41,21 @@ class ShmChannel {
   /// setting up, before every member had mapped them); -1: those of every process that no
   /// longer exists. Returns how many were removed.
   static int remove_left_by(long pid) noexcept;
+
+  /// What a member runs in a round: peers compare it with theirs, so that members calling
+  /// different collectives fail with an error instead of reading each other's data wrongly.
+  struct Signature {
+    std::uint64_t seq = 0;    // the group's collective number
+    std::uint32_t what = 0;   // kind | dtype << 8 | reduce op << 16
+    std::uint32_t round = 0;  // within the collective
+    std::uint64_t count = 0;  // elements, all blocks
+    std::uint64_t blocks = 0; // a hash of the block sizes
+    bool operator==(const Signature&) const = default;
+  };
+  /// This member's signature for global round `round` (write before publishing `ready`).
+  void sign(std::uint64_t round, const Signature& s) noexcept;
+  /// `member`'s signature for `round` (read after its `ready` reached round + 1).
+  Signature signature(int member, std::uint64_t round) const noexcept;
 
   std::size_t slot_bytes() const noexcept { return slot_bytes_; }
   /// The slot of `member` for global round `round` (round % kBuffers).
