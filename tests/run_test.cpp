@@ -123,7 +123,7 @@ TEST(Run, ABadCommBackendOptionFailsBeforeAnyRankStarts) {
   EXPECT_THAT(r.output, ::testing::Not(HasSubstr("[rank")));
   r = spmdx_run("'" SPMDX_SOURCE_DIR "/configs/mlp_dp.toml' --nproc 2 --comm.swap_at_step 1 --comm.swap_to 'ucx:chunk=64'");
   EXPECT_EQ(r.exit_code, 1);
-  EXPECT_THAT(r.output, HasSubstr("comm.swap_to = \"ucx:chunk=64\": ucx: unknown option 'chunk' (known: tls, chunk_bytes, direct_max_bytes)"));
+  EXPECT_THAT(r.output, HasSubstr("comm.swap_to = \"ucx:chunk=64\": ucx: unknown option 'chunk' (known: tls, chunk_bytes, direct_max_bytes, shm, shm_chunk_bytes)"));
   EXPECT_THAT(r.output, ::testing::Not(HasSubstr("[rank")));
 }
 
