@@ -218,6 +218,7 @@ void divide(void* data, std::size_t n, CommDType dtype, double divisor) {
 struct P2PBackend::Op {
   const char* name = "";
   int group = 0;
+  Group* g = nullptr;  // null for send/recv; stays valid as groups are added (a deque)
   std::uint64_t seq = 0;
   std::uint16_t step = 0;
   std::function<void(Op&)> body;
@@ -409,7 +410,8 @@ std::unique_ptr<Work> P2PBackend::submit(const char* name, int group, std::funct
     } else if (group < 0 || group >= static_cast<int>(groups_.size())) {
       throw std::invalid_argument(std::string(name) + ": no group " + std::to_string(group));
     } else {
-      op->seq = groups_[static_cast<std::size_t>(group)].seq++;
+      op->g = &groups_[static_cast<std::size_t>(group)];
+      op->seq = op->g->seq++;
     }
     queue_.push(op);
   }
@@ -597,7 +599,7 @@ void P2PBackend::reduce_step(Op& op, int to, const void* sbuf, std::size_t scoun
   constexpr std::size_t kDepth = 4;
   const std::size_t es = comm_dtype_size(dtype);
   // 2(k-1) ring steps share the tag's step budget.
-  const Chunks ck = reserve_chunks(op, max_count, es, std::max<std::size_t>(1, kStepBudget / groups_[static_cast<std::size_t>(op.group)].ranks.size()));
+  const Chunks ck = reserve_chunks(op, max_count, es, std::max<std::size_t>(1, kStepBudget / op.g->ranks.size()));
   std::vector<std::pair<std::uint64_t, int>> sends;
   send_chunks(op, ck, to, static_cast<const char*>(sbuf), scount, es, sends);
   const std::size_t nrecv = ck.pieces(rcount);
@@ -623,7 +625,7 @@ void P2PBackend::direct_reduce_scatter(Op& op, const char* in, const std::vector
   // The same bytes as the ring, but no step waits for another: with more ranks than cores the
   // ring's chain of k-1 dependent steps is what costs.
   constexpr std::size_t kDepth = 2;
-  const Group& g = groups_[static_cast<std::size_t>(op.group)];
+  const Group& g = *op.g;
   const std::size_t k = g.ranks.size(), me = static_cast<std::size_t>(g.me), es = comm_dtype_size(dtype);
   const Chunks ck = reserve_chunks(op, *std::max_element(counts.begin(), counts.end()), es, kStepBudget / 2);  // one step, then the all-gather's
   std::vector<std::pair<std::uint64_t, int>> sends;
@@ -655,7 +657,7 @@ void P2PBackend::direct_reduce_scatter(Op& op, const char* in, const std::vector
 
 void P2PBackend::direct_all_gather(Op& op, char* out, const std::vector<std::size_t>& counts, CommDType dtype) {
   // Every member sends its block to every other and receives theirs in place, all at once.
-  const Group& g = groups_[static_cast<std::size_t>(op.group)];
+  const Group& g = *op.g;
   const std::size_t k = g.ranks.size(), me = static_cast<std::size_t>(g.me), es = comm_dtype_size(dtype);
   const std::uint16_t step = op.step++;
   std::vector<std::pair<std::uint64_t, int>> reqs;
@@ -672,7 +674,7 @@ void P2PBackend::direct_all_gather(Op& op, char* out, const std::vector<std::siz
 }
 
 ShmChannel* P2PBackend::shm_channel(Op& op) {
-  Group& g = groups_[static_cast<std::size_t>(op.group)];
+  Group& g = *op.g;
   if (g.shm_state != 0) return g.shm.get();
   g.shm_state = -1;
   if (host_id_.empty() || g.ranks.size() < 2) return nullptr;  // shm off, or no store
@@ -744,7 +746,7 @@ ShmChannel* P2PBackend::shm_channel(Op& op) {
 }
 
 void P2PBackend::shm_wait(Op& op, ShmChannel& ch, int counter, std::uint32_t target) {
-  const Group& g = groups_[static_cast<std::size_t>(op.group)];
+  const Group& g = *op.g;
   for (std::size_t m = 0; m < g.ranks.size(); ++m) {
     if (static_cast<int>(m) == g.me) continue;
     Stall stall(timeout_);
@@ -765,7 +767,7 @@ void P2PBackend::shm_collective(Op& op, ShmChannel& ch, ShmKind kind, const char
   //      every block's piece out of its owner's slot.
   // A slot is written again kBuffers rounds later, once every member has begun the round
   // before (so has finished reading it).
-  Group& g = groups_[static_cast<std::size_t>(op.group)];
+  Group& g = *op.g;
   const std::size_t k = g.ranks.size(), me = static_cast<std::size_t>(g.me), es = comm_dtype_size(dtype);
   const std::size_t chunk = std::max<std::size_t>(1, shm_chunk_bytes_ / es);
   const std::size_t max_count = *std::max_element(counts.begin(), counts.end());
@@ -829,7 +831,7 @@ void P2PBackend::shm_collective(Op& op, ShmChannel& ch, ShmKind kind, const char
 
 std::unique_ptr<Work> P2PBackend::all_gather(int group, CommBuffer in, CommBuffer out, std::vector<std::size_t> counts) {
   return submit("all_gather", group, [this, in, out, counts](Op& op) {
-    const Group& g = groups_[static_cast<std::size_t>(op.group)];
+    const Group& g = *op.g;
     const std::size_t k = g.ranks.size(), me = static_cast<std::size_t>(g.me);
     if (counts.size() != k || counts[me] != in.count || offset_of(counts, k) != out.count) {
       throw std::invalid_argument("counts do not match the group size or the buffers");
@@ -856,7 +858,7 @@ std::unique_ptr<Work> P2PBackend::all_gather(int group, CommBuffer in, CommBuffe
 std::unique_ptr<Work> P2PBackend::reduce_scatter(int group, CommBuffer in, CommBuffer out, std::vector<std::size_t> counts,
                                                  ReduceOp rop) {
   return submit("reduce_scatter", group, [this, in, out, counts, rop](Op& op) {
-    const Group& g = groups_[static_cast<std::size_t>(op.group)];
+    const Group& g = *op.g;
     const std::size_t k = g.ranks.size(), me = static_cast<std::size_t>(g.me);
     if (counts.size() != k || offset_of(counts, k) != in.count || counts[me] != out.count) {
       throw std::invalid_argument("counts do not match the group size or the buffers");
@@ -888,7 +890,7 @@ std::unique_ptr<Work> P2PBackend::reduce_scatter(int group, CommBuffer in, CommB
 
 std::unique_ptr<Work> P2PBackend::all_reduce(int group, CommBuffer buf, ReduceOp rop) {
   return submit("all_reduce", group, [this, buf, rop](Op& op) {
-    const Group& g = groups_[static_cast<std::size_t>(op.group)];
+    const Group& g = *op.g;
     const std::size_t k = g.ranks.size(), me = static_cast<std::size_t>(g.me);
     if (k == 1) return;
     if (ShmChannel* ch = shm_channel(op)) {
@@ -949,7 +951,7 @@ std::unique_ptr<Work> P2PBackend::all_reduce(int group, CommBuffer buf, ReduceOp
 std::unique_ptr<Work> P2PBackend::all_to_all(int group, CommBuffer in, CommBuffer out, std::vector<std::size_t> send_counts,
                                              std::vector<std::size_t> recv_counts) {
   return submit("all_to_all", group, [this, in, out, send_counts, recv_counts](Op& op) {
-    const Group& g = groups_[static_cast<std::size_t>(op.group)];
+    const Group& g = *op.g;
     const std::size_t k = g.ranks.size(), me = static_cast<std::size_t>(g.me);
     if (send_counts.size() != k || recv_counts.size() != k || offset_of(send_counts, k) != in.count ||
         offset_of(recv_counts, k) != out.count) {
@@ -968,7 +970,7 @@ std::unique_ptr<Work> P2PBackend::all_to_all(int group, CommBuffer in, CommBuffe
 
 std::unique_ptr<Work> P2PBackend::broadcast(int group, CommBuffer buf, int root_member) {
   return submit("broadcast", group, [this, buf, root_member](Op& op) {
-    const Group& g = groups_[static_cast<std::size_t>(op.group)];
+    const Group& g = *op.g;
     const std::size_t k = g.ranks.size();
     const std::size_t vr = (static_cast<std::size_t>(g.me) + k - static_cast<std::size_t>(root_member)) % k;  // root is 0
     auto real = [&](std::size_t v) { return g.ranks[(v + static_cast<std::size_t>(root_member)) % k]; };
@@ -1006,7 +1008,7 @@ std::unique_ptr<Work> P2PBackend::recv(CommBuffer buf, int peer_rank, int tag) {
 
 std::unique_ptr<Work> P2PBackend::barrier(int group) {
   return submit("barrier", group, [this](Op& op) {
-    const Group& g = groups_[static_cast<std::size_t>(op.group)];
+    const Group& g = *op.g;
     const std::size_t k = g.ranks.size(), me = static_cast<std::size_t>(g.me);
     char token = 0, incoming = 0;
     for (std::size_t dist = 1; dist < k; dist <<= 1) {  // dissemination barrier (Hensgen et al. 1988)

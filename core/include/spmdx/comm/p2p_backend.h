@@ -205,7 +205,7 @@ class P2PBackend : public CommBackend {
   int rank_ = 0;
   int world_size_ = 1;
   double timeout_ = 300;
-  std::vector<Group> groups_;
+  std::deque<Group> groups_;  // a deque: operations keep pointers to their group while new_group adds more
   std::mutex mutex_;  // groups_ and their sequence numbers: a group's operations enter the queue in sequence order
   CommQueue<std::shared_ptr<Op>> queue_{1024};  // to the comm thread, which never locks
   bool stopping_ = false;
