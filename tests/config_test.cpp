@@ -113,5 +113,23 @@ TEST(Job, DerivesDegreesAndBatchAndRejectsWhatCannotWork) {
   EXPECT_THAT(error("training.global_batch_size", "6", 8), HasSubstr("training.global_batch_size 6 does not split over the 4 data-parallel ranks"));
 }
 
+// An error says where the values it is about came from: the file, the command line, or both.
+TEST(Config, ErrorsSayWhetherAValueCameFromTheFileOrTheCommandLine) {
+  Config c = Config::parse("[training]\nsteps = 7\n[parallelism]\ntensor_parallel_degree = 3\n", "job.toml");
+  EXPECT_EQ(c.where({"training.steps"}), "job.toml");
+  c.override_value("training.steps", "5");
+  c.override_value("parallelism.data_parallel_shard_degree", "2");
+  EXPECT_EQ(c.where({"training.steps"}), "command line --training.steps 5");
+  EXPECT_EQ(c.where({"parallelism.tensor_parallel_degree", "parallelism.data_parallel_shard_degree"}),
+            "job.toml with command line --parallelism.data_parallel_shard_degree 2");
+  try {
+    train::job_spec(c, 4, 256);
+    FAIL() << "3 x 2 ranks on 4";
+  } catch (const ConfigError& e) {
+    EXPECT_THAT(e.what(), HasSubstr("job.toml with command line --parallelism.data_parallel_shard_degree 2: parallelism degrees multiply to 6"));
+  }
+  EXPECT_EQ(Config().where({"training.steps"}), "config");
+}
+
 }  // namespace
 }  // namespace spmdx::config

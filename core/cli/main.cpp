@@ -240,12 +240,12 @@ int run_run(const RunOptions& o) {
       spmdx::train::discover_plugins(registry, cfg);
     }
     if (o.nproc * o.nnodes > 1) {  // the comm backend must exist
-      for (const auto& e : registry.errors()) throw spmdx::config::ConfigError(o.config + ": plugins: " + e.what());
+      for (const auto& e : registry.errors()) throw spmdx::config::ConfigError(cfg.where({"plugins.paths"}) + ": plugins: " + e.what());
       for (const char* key : {"comm.backend", "comm.swap_to"}) {
         const std::string spec = cfg.get_string(key);
         if (spec.empty() && std::string(key) == "comm.swap_to") continue;
         if (spec.substr(0, spec.find(':')) == "local") {
-          throw spmdx::config::ConfigError(o.config + ": " + key + " = \"" + spec +
+          throw spmdx::config::ConfigError(cfg.where({key}) + ": " + key + " = \"" + spec +
                                            "\": the local backend runs ranks as threads of one process, and spmdx run starts a process per rank; use ucx");
         }
         const auto* p = registry.find(spec.substr(0, spec.find(':')));
@@ -254,13 +254,13 @@ int run_run(const RunOptions& o) {
           for (const auto& q : registry.plugins()) {
             if (q.kind == spmdx::PluginKind::comm) known += (known.empty() ? "" : ", ") + q.name;
           }
-          throw spmdx::config::ConfigError(o.config + ": " + key + " = \"" + spec + "\" is not a comm plugin found here; found: " +
+          throw spmdx::config::ConfigError(cfg.where({key}) + ": " + key + " = \"" + spec + "\" is not a comm plugin found here; found: " +
                                            (known.empty() ? "none" : known));
         }
         try {  // its options: made (not initialised), so a bad one fails here rather than on every rank
           registry.make_comm_backend_from_spec(spec);
         } catch (const std::exception& e) {
-          throw spmdx::config::ConfigError(o.config + ": " + key + " = \"" + spec + "\": " + e.what());
+          throw spmdx::config::ConfigError(cfg.where({key}) + ": " + key + " = \"" + spec + "\": " + e.what());
         }
       }
     }
@@ -271,7 +271,7 @@ int run_run(const RunOptions& o) {
       try {
         spmdx::hooks::make_hooks(cfg, registry, base);
       } catch (const std::invalid_argument& e) {
-        throw spmdx::config::ConfigError(o.config + ": " + e.what());
+        throw spmdx::config::ConfigError(cfg.where({"hooks.enable"}) + ": " + e.what());
       }
     }
     std::vector<std::string> argv{self_exe(), "run", o.config};
@@ -284,7 +284,8 @@ int run_run(const RunOptions& o) {
     const std::int64_t want = cfg.get_int("parallelism.data_parallel_replicate_degree") * cfg.get_int("parallelism.tensor_parallel_degree") *
                               (shard > 0 ? shard : 1);
     if (want > 1) {
-      throw spmdx::config::ConfigError(o.config + ": its parallelism degrees make " + std::to_string(want) +
+      throw spmdx::config::ConfigError(cfg.where({"parallelism.data_parallel_replicate_degree", "parallelism.data_parallel_shard_degree",
+                                                  "parallelism.tensor_parallel_degree"}) + ": its parallelism degrees make " + std::to_string(want) +
                                        " ranks: start them with --nproc " + std::to_string(want) + " (or under torchrun, srun, mpirun)");
     }
   }

@@ -56,7 +56,7 @@ std::vector<std::string> all_keys() {
   return out;
 }
 
-std::string where(const std::string& source, const toml::source_region& region) {
+std::string at_line(const std::string& source, const toml::source_region& region) {
   return source + ":" + std::to_string(region.begin.line) + ":" + std::to_string(region.begin.column);
 }
 
@@ -195,7 +195,7 @@ Config Config::parse(const std::string& text, const std::string& source) {
   try {
     root = toml::parse(text, source);
   } catch (const toml::parse_error& e) {
-    throw ConfigError(where(source, e.source()) + ": " + std::string(e.description()));
+    throw ConfigError(at_line(source, e.source()) + ": " + std::string(e.description()));
   }
   std::set<std::string> sections;
   for (const auto& s : schema()) sections.insert(s.key.substr(0, s.key.find('.')));
@@ -209,20 +209,20 @@ Config Config::parse(const std::string& text, const std::string& source) {
           home = key.substr(0, key.size() - section.size() - 1);
         }
       }
-      throw ConfigError(where(source, section_node.source()) + ": key '" + section + "' is outside any [section]" +
+      throw ConfigError(at_line(source, section_node.source()) + ": key '" + section + "' is outside any [section]" +
                         (home.empty() ? std::string() : "; put it under [" + home + "]"));
     }
     if (!sections.count(section)) {
-      throw ConfigError(where(source, section_node.source()) + ": unknown section '" + section + "'" +
+      throw ConfigError(at_line(source, section_node.source()) + ": unknown section '" + section + "'" +
                         did_you_mean(section, std::vector<std::string>(sections.begin(), sections.end())));
     }
     for (const auto& [name_key, node] : *table) {
       const std::string key = section + "." + std::string(name_key.str());
-      const std::string at = where(source, node.source());
+      const std::string at = at_line(source, node.source());
       if (section == "hooks" && node.is_table()) {  // [hooks.<name>]: that hook's options
         auto& options = cfg.plugin_options_[key];
         for (const auto& [opt_key, opt] : *node.as_table()) {
-          const std::string opt_at = where(source, opt.source());
+          const std::string opt_at = at_line(source, opt.source());
           if (auto x = opt.value_exact<std::string>()) {
             options[std::string(opt_key.str())] = *x;
           } else if (auto i = opt.value_exact<std::int64_t>()) {
@@ -318,6 +318,23 @@ void Config::override_value(const std::string& key, const std::string& text) {
   }
   check_value(*spec, v, at);
   values_[key] = v;
+  overrides_[key] = text;
+}
+
+std::string Config::where(const std::vector<std::string>& keys) const {
+  std::string given;
+  bool all = !keys.empty();
+  for (const auto& key : keys) {
+    auto it = overrides_.find(key);
+    if (it == overrides_.end()) {
+      all = false;
+      continue;
+    }
+    given += (given.empty() ? "command line --" : ", --") + key + " " + it->second;
+  }
+  const std::string file = source_.empty() ? "config" : source_;
+  if (given.empty()) return file;
+  return all ? given : file + " with " + given;
 }
 
 const Value& Config::get(const std::string& key) const {

@@ -8,7 +8,10 @@
 namespace spmdx::train {
 
 JobSpec job_spec(const config::Config& cfg, std::int64_t world_size, std::int64_t vocab_size) {
-  auto fail = [&](const std::string& why) { throw config::ConfigError((cfg.source().empty() ? "config" : cfg.source()) + ": " + why); };
+  // `keys`: those the message is about, so that it says where their values came from.
+  auto fail = [&](const std::vector<std::string>& keys, const std::string& why) { throw config::ConfigError(cfg.where(keys) + ": " + why); };
+  const std::vector<std::string> degrees{"parallelism.data_parallel_replicate_degree", "parallelism.data_parallel_shard_degree",
+                                         "parallelism.tensor_parallel_degree"};
   JobSpec s;
   s.world_size = world_size;
   s.model = models::model_args(cfg.get_string("model.name"), cfg.get_string("model.flavor"), vocab_size);
@@ -18,27 +21,27 @@ JobSpec job_spec(const config::Config& cfg, std::int64_t world_size, std::int64_
   if (s.dims.dp_shard == -1) {
     const std::int64_t rest = s.dims.dp_replicate * s.dims.tp;
     if (world_size % rest != 0) {
-      fail("parallelism.data_parallel_replicate_degree x tensor_parallel_degree = " + std::to_string(rest) +
+      fail(degrees, "parallelism.data_parallel_replicate_degree x tensor_parallel_degree = " + std::to_string(rest) +
            " does not divide world_size " + std::to_string(world_size));
     }
     s.dims.dp_shard = world_size / rest;
   } else if (s.dims.dp_shard < 1) {
-    fail("parallelism.data_parallel_shard_degree must be >= 1 or -1");
+    fail({"parallelism.data_parallel_shard_degree"}, "parallelism.data_parallel_shard_degree must be >= 1 or -1");
   }
   const std::int64_t product = s.dims.dp_replicate * s.dims.dp_shard * s.dims.tp;
   if (product != world_size) {
-    fail("parallelism degrees multiply to " + std::to_string(product) + " (" + std::to_string(s.dims.dp_replicate) + " x " +
+    fail(degrees, "parallelism degrees multiply to " + std::to_string(product) + " (" + std::to_string(s.dims.dp_replicate) + " x " +
          std::to_string(s.dims.dp_shard) + " x " + std::to_string(s.dims.tp) + "), but world_size is " + std::to_string(world_size));
   }
   if (s.model.name == "llama" && s.model.n_heads % s.dims.tp != 0) {
-    fail("parallelism.tensor_parallel_degree " + std::to_string(s.dims.tp) + " does not divide the " + std::to_string(s.model.n_heads) +
+    fail({"parallelism.tensor_parallel_degree", "model.name", "model.flavor"}, "parallelism.tensor_parallel_degree " + std::to_string(s.dims.tp) + " does not divide the " + std::to_string(s.model.n_heads) +
          " attention heads of " + s.model.name + " " + s.model.flavor);
   }
   const std::int64_t dp = s.dims.dp_replicate * s.dims.dp_shard;
   const std::int64_t global = cfg.get_int("training.global_batch_size");
   s.global_batch_size = global > 0 ? global : cfg.get_int("training.local_batch_size") * dp;
   if (s.global_batch_size % dp != 0) {
-    fail("training.global_batch_size " + std::to_string(s.global_batch_size) + " does not split over the " + std::to_string(dp) +
+    fail({"training.global_batch_size", "training.local_batch_size", degrees[0], degrees[1]}, "training.global_batch_size " + std::to_string(s.global_batch_size) + " does not split over the " + std::to_string(dp) +
          " data-parallel ranks: make it a multiple of " + std::to_string(dp));
   }
   s.seq_len = cfg.get_int("training.seq_len");
@@ -55,21 +58,20 @@ JobSpec job_spec(const config::Config& cfg, std::int64_t world_size, std::int64_
 }
 
 void check_runnable(const config::Config& cfg) {
-  const std::string where = cfg.source().empty() ? std::string("config") : cfg.source();
-  auto fail = [&](const std::string& why) { throw config::ConfigError(where + ": " + why); };
+  auto fail = [&](const std::vector<std::string>& keys, const std::string& why) { throw config::ConfigError(cfg.where(keys) + ": " + why); };
   if (cfg.get_string("training.device") != "cpu") {
-    fail("training.device = \"" + cfg.get_string("training.device") + "\": this build runs on the CPU only; use \"cpu\"");
+    fail({"training.device"}, "training.device = \"" + cfg.get_string("training.device") + "\": this build runs on the CPU only; use \"cpu\"");
   }
-  if (cfg.get_list("data.paths").empty()) fail("data.paths is empty: name text or JSON Lines files to train on");
+  if (cfg.get_list("data.paths").empty()) fail({"data.paths"}, "data.paths is empty: name text or JSON Lines files to train on");
   for (const auto& p : cfg.get_list("data.paths")) {
     std::error_code ec;
     if (!std::filesystem::is_regular_file(p, ec)) {
-      fail("data.paths: '" + p + "' is not a readable file" +
+      fail({"data.paths"}, "data.paths: '" + p + "' is not a readable file" +
            (p.rfind("/usr/share/games/fortunes", 0) == 0 ? " (scripts/setup installs Debian's fortunes package)" : ""));
     }
   }
   if (cfg.get_int("comm.swap_at_step") > 0 && cfg.get_string("comm.swap_to").empty()) {
-    fail("comm.swap_at_step is set but comm.swap_to is empty: name the backend to swap to (e.g. \"ucx:tls=tcp,self\")");
+    fail({"comm.swap_at_step", "comm.swap_to"}, "comm.swap_at_step is set but comm.swap_to is empty: name the backend to swap to (e.g. \"ucx:tls=tcp,self\")");
   }
 }
 
@@ -80,7 +82,7 @@ void check_data(const config::Config& cfg, const data::Tokenizer& tokenizer, con
   std::error_code ec;
   std::filesystem::create_directories(cfg.get_string("job.dump_folder"), ec);
   if (ec || !std::filesystem::is_directory(cfg.get_string("job.dump_folder"))) {
-    throw config::ConfigError((cfg.source().empty() ? std::string("config") : cfg.source()) + ": job.dump_folder '" +
+    throw config::ConfigError(cfg.where({"job.dump_folder"}) + ": job.dump_folder '" +
                               cfg.get_string("job.dump_folder") + "' cannot be made: " + ec.message());
   }
 }

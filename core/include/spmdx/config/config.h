@@ -79,12 +79,18 @@ class Config {
   std::string to_toml() const;
   /// The file it came from ("" for defaults).
   const std::string& source() const noexcept { return source_; }
+  /// Where the values of `keys` come from, to start an error message with: the file ("config"
+  /// for defaults), or the command line for those given there:
+  /// "configs/llama_debug.toml", "command line --training.steps 5",
+  /// "configs/llama_debug.toml with command line --parallelism.tensor_parallel_degree 3".
+  std::string where(const std::vector<std::string>& keys) const;
 
  private:
   const Value& get(const std::string& key) const;
   std::map<std::string, Value> values_;
   std::map<std::string, std::map<std::string, std::string>> plugin_options_;
   std::string source_;
+  std::map<std::string, std::string> overrides_;  // key -> the text given on the command line
 };
 
 }  // namespace spmdx::config
