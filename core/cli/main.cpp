@@ -324,6 +324,9 @@ int run_bench_comm(const BenchCommOptions& o, const std::vector<std::string>& ra
   bo.iters = o.iters;
   bo.warmup = o.warmup;
   bo.timeout_seconds = o.timeout_seconds;
+  if (bo.min_bytes < 4 || bo.max_bytes < 4) {
+    throw std::invalid_argument("--min-bytes and --max-bytes must be at least 4 (one float32), got " + o.min_bytes + " and " + o.max_bytes);
+  }
   if (bo.min_bytes > bo.max_bytes) throw std::invalid_argument("--min-bytes is larger than --max-bytes");
   const std::vector<std::filesystem::path> paths(o.plugin_paths.begin(), o.plugin_paths.end());
   if (std::getenv("SPMDX_STORE_HOSTED") == nullptr) {
