@@ -18,7 +18,13 @@ namespace {
 using ::testing::HasSubstr;
 
 // Runs body(rank, backend) on `n` threads (backend options: `options`), each with its own initialised local backend.
-void on_ranks(int n, const std::string& job, const std::function<void(int, CommBackend&)>& body, Options options = {}) {
+// With a store, ranks that share a host (all of them here) may share memory (option shm).
+void on_ranks(int n, const std::string& job, const std::function<void(int, CommBackend&)>& body, Options options = {},
+              bool with_store = false) {
+  std::unique_ptr<comm::TcpStoreServer> server;
+  std::vector<std::unique_ptr<comm::TcpStore>> stores;
+  if (with_store) server = std::make_unique<comm::TcpStoreServer>("127.0.0.1", 0, "tok");
+  for (int r = 0; with_store && r < n; ++r) stores.push_back(std::make_unique<comm::TcpStore>("127.0.0.1", server->port(), "tok", 10));
   PluginRegistry registry;
   registry.discover({{BUILTIN_PLUGIN_DIR, PluginSource::Origin::builtin}});
   std::vector<std::unique_ptr<CommBackend>> backends;
@@ -29,7 +35,7 @@ void on_ranks(int n, const std::string& job, const std::function<void(int, CommB
   for (int r = 0; r < n; ++r) {
     threads.emplace_back([&, r] {
       try {
-        backends[static_cast<std::size_t>(r)]->init({r, n, 0, nullptr, 30});
+        backends[static_cast<std::size_t>(r)]->init({r, n, 0, with_store ? stores[static_cast<std::size_t>(r)].get() : nullptr, 30});
         body(r, *backends[static_cast<std::size_t>(r)]);
         backends[static_cast<std::size_t>(r)]->finalize();
       } catch (const std::exception& e) {
@@ -154,6 +160,62 @@ TEST(LocalComm, PipelinedChunksGiveTheBitsOfOneMessagePerStep) {
   EXPECT_NO_THROW(registry.make_comm_backend("local", {{"chunk_bytes", "256K"}, {"direct_max_bytes", "0"}}));
   EXPECT_THROW(registry.make_comm_backend("local", {{"direct_max_bytes", "-1"}}), std::invalid_argument);
   EXPECT_THROW(registry.make_comm_backend("local", {{"direct_max_bytes", "4Q"}}), std::invalid_argument);
+}
+
+// Through shared memory each member reduces its own block from every member's copy, in the
+// direct algorithm's order (its own, then me+1, me+2, ...): with 64-byte rounds (many rounds,
+// slots reused, blocks of different sizes, an empty one) the results are the bits of direct.
+TEST(LocalComm, SharedMemoryRoundsGiveTheBitsOfTheDirectAlgorithm) {
+  struct Result {
+    std::vector<std::vector<float>> all_reduce;
+    std::vector<std::vector<double>> reduce_scatter;
+    std::vector<std::vector<float>> all_gather;
+  };
+  for (int n : {2, 3, 4}) {
+    for (std::size_t count : {std::size_t{0}, std::size_t{1}, std::size_t{7}, std::size_t{20001}}) {
+      Result direct, shm;
+      for (Result* run : {&direct, &shm}) {
+        run->all_reduce.resize(static_cast<std::size_t>(n));
+        run->reduce_scatter.resize(static_cast<std::size_t>(n));
+        run->all_gather.resize(static_cast<std::size_t>(n));
+        const Options options = run == &shm ? Options{{"shm_chunk_bytes", "64"}} : Options{{"shm", "off"}, {"direct_max_bytes", "1G"}};
+        on_ranks(n, run == &shm ? "shm" : "direct", [&](int rank, CommBackend& b) {
+          const auto me = static_cast<std::size_t>(rank);
+          std::vector<float> buf(count);
+          for (std::size_t i = 0; i < count; ++i) buf[i] = 1.0f / static_cast<float>(rank * 7 + static_cast<int>(i % 13) + 1);
+          ASSERT_TRUE(b.all_reduce(0, {buf.data(), count}, ReduceOp::sum)->wait(30));
+          run->all_reduce[me] = buf;
+          std::vector<std::size_t> counts(static_cast<std::size_t>(n));  // uneven, member 1's empty
+          std::size_t total = 0;
+          for (int r = 0; r < n; ++r) total += counts[static_cast<std::size_t>(r)] = r == 1 ? 0 : count + static_cast<std::size_t>(r) * 37;
+          std::vector<double> in(total), out(counts[me]);
+          for (std::size_t i = 0; i < total; ++i) in[i] = 1.0 / static_cast<double>(rank + static_cast<int>(i % 11) + 1);
+          ASSERT_TRUE(b.reduce_scatter(0, {in.data(), total, CommDType::f64}, {out.data(), out.size(), CommDType::f64}, counts, ReduceOp::avg)->wait(30));
+          run->reduce_scatter[me] = out;
+          std::vector<float> mine(counts[me], static_cast<float>(rank) + 0.5f), all(total);
+          ASSERT_TRUE(b.all_gather(0, {mine.data(), mine.size()}, {all.data(), total}, counts)->wait(30));
+          run->all_gather[me] = all;
+        }, options, /*with_store=*/true);
+      }
+      for (int r = 0; r < n; ++r) {
+        const auto i = static_cast<std::size_t>(r);
+        const std::string what = std::to_string(n) + " ranks, count " + std::to_string(count) + ", rank " + std::to_string(r);
+        ASSERT_EQ(shm.all_reduce[i].size(), count) << what;
+        // (4 ranks' all_reduce up to 64 KiB is recursive doubling, another order: values only)
+        if (count > 0 && (n != 4 || count * sizeof(float) > 65536)) {
+          EXPECT_EQ(0, std::memcmp(direct.all_reduce[i].data(), shm.all_reduce[i].data(), count * sizeof(float))) << what;
+        }
+        for (std::size_t e = 0; e < count; ++e) ASSERT_NEAR(shm.all_reduce[i][e], direct.all_reduce[i][e], 1e-6) << what;
+        EXPECT_EQ(direct.reduce_scatter[i], shm.reduce_scatter[i]) << what;
+        EXPECT_EQ(direct.all_gather[i], shm.all_gather[i]) << what;
+      }
+      if (count == 20001) {
+        double want = 0;
+        for (int r = 0; r < n; ++r) want += 1.0 / (r * 7 + 20000 % 13 + 1);
+        EXPECT_NEAR(shm.all_reduce[0][20000], want, 1e-6);
+      }
+    }
+  }
 }
 
 TEST(LocalComm, GatherScatterAllToAllBroadcastAndBarrier) {
