@@ -196,11 +196,13 @@ int run_compile(const CompileOptions& o) {
   }
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   const double param = static_cast<double>(spmdx::train::local_parameter_bytes(job, 0));
+  char comm_ms[32];
+  std::snprintf(comm_ms, sizeof comm_ms, "%.2f", plan.comm_seconds * 1e3);
   std::cout << "model " << spec.model.name << " " << spec.model.flavor << " (vocab " << spec.model.vocab_size << "), " << job.model.graph.num_nodes()
             << " nodes; mesh " << job.mesh.str() << " (" << world << " ranks); global batch " << spec.global_batch_size << " x " << spec.seq_len << "\n"
             << "per rank (rank 0): parameters " << spmdx::human_bytes(param) << ", gradients " << spmdx::human_bytes(param) << ", AdamW state "
             << spmdx::human_bytes(2 * param) << ", communication " << spmdx::human_bytes(plan.comm_bytes) << " sent per step (about "
-            << plan.comm_seconds * 1e3 << " ms at 10 GB/s, 10 us per message)\n"
+            << comm_ms << " ms at 10 GB/s, 10 us per message)\n"
             << "planned in " << seconds << " s" << (o.fake ? " (--fake: no ranks started" : " (no ranks started")
             << (dumped_ranks ? "; wrote " + o.dump + " with " + std::to_string(dumped_ranks) + " rank graph(s))" : ")") << "\n";
   return 0;
