@@ -127,6 +127,28 @@ TEST(CommUcx, MembersCallingDifferentCollectivesFailSayingWhatEachCalled) {
     EXPECT_THAT(r.output, HasSubstr("all_reduce #0 of 1000 f32 sum"));
     EXPECT_THAT(r.output, HasSubstr("every member must call the same collectives"));
   }  std::printf("%s", results[0].output.c_str());
+  // A member that passes no elements at all is caught too (every collective has a round).
+  results = run_ranks(3, {{"SPMDX_TEST_MODE", "mismatch"}, {"SPMDX_TEST_RANK1_COUNT", "0"}}, 60);
+  for (const auto& r : results) {
+    EXPECT_EQ(r.exit_code, 3) << r.output;
+    EXPECT_THAT(r.output, HasSubstr("all_reduce #0 of 0 f32 sum"));
+    EXPECT_THAT(r.output, HasSubstr("all_reduce #0 of 1000 f32 sum"));
+  }
+}
+
+// Ranks whose shared-memory options differ do not share memory (a segment sized by one
+// member's options would be read by another's): they warn, naming the options, and run every
+// collective through the transport, correctly.
+TEST(CommUcx, RanksWithOtherShmOptionsWarnAndUseTheTransport) {
+  for (const char* rank1 : {"shm_chunk_bytes=64", "shm=off"}) {
+    auto results = run_ranks(3, {{"SPMDX_TEST_OPTIONS_RANK1", rank1}});
+    for (const auto& r : results) {
+      EXPECT_EQ(r.exit_code, 0) << r.output;
+      EXPECT_THAT(r.output, HasSubstr("shared memory: none")) << rank1;
+    }
+    EXPECT_THAT(results[0].output, HasSubstr("does not share memory: rank 1 has shm " + std::string(rank1[4] == 'c' ? "chunk 64" : "off")))
+        << results[0].output;
+  }
 }
 
 // abort() from another thread fails a collective that waits on peers who never come, at once.

@@ -5,9 +5,11 @@
 //   groups       two groups running collectives concurrently
 //   die          rank 1 exits before a collective; the others must fail naming it
 //   stop         rank 1 freezes (SIGSTOP); the others must fail naming it
-//   mismatch     rank 1 all_reduces more elements than the others; all must fail saying so
+//   mismatch     rank 1 all_reduces other than 1000 elements (SPMDX_TEST_RANK1_COUNT, default
+//                2000); all must fail saying so
 //   abort        rank 0 waits in a collective the others skip until abort() (another thread)
-// SPMDX_TEST_OPTIONS ("key=value;...") and SPMDX_TEST_TLS are the ucx plugin's options.
+// SPMDX_TEST_OPTIONS ("key=value;...") and SPMDX_TEST_TLS are the ucx plugin's options
+// (SPMDX_TEST_OPTIONS_RANK1: rank 1's, when they should differ).
 // Prints "checked N" and exits 0, or prints the failure and exits 1 (3: the expected CommError).
 #include <spmdx/comm.h>
 #include <spmdx/comm/p2p_backend.h>
@@ -267,7 +269,8 @@ int main() {
     registry.discover(plugin_search_path({}));
     Options options;
     if (const char* tls = std::getenv("SPMDX_TEST_TLS")) options["tls"] = tls;
-    if (const char* o = std::getenv("SPMDX_TEST_OPTIONS")) {  // "key=value;key=value"
+    const char* rank1 = std::getenv("SPMDX_TEST_OPTIONS_RANK1");  // rank 1's instead, when set
+    if (const char* o = rank == 1 && rank1 ? rank1 : std::getenv("SPMDX_TEST_OPTIONS")) {  // "key=value;key=value"
       std::string rest = o;
       while (!rest.empty()) {
         const std::string kv = rest.substr(0, rest.find(';'));
@@ -317,7 +320,8 @@ int main() {
     if (mode == "mismatch") {
       // Rank 1 all_reduces twice as many elements as the others: every rank must fail naming
       // the difference, not return sums of the wrong elements.
-      std::vector<float> x(rank == 1 ? 2000 : 1000, 1.0f);
+      const char* count1 = std::getenv("SPMDX_TEST_RANK1_COUNT");
+      std::vector<float> x(rank == 1 ? (count1 ? std::strtoul(count1, nullptr, 10) : 2000) : 1000, 1.0f);
       try {
         backend->all_reduce(0, {x.data(), x.size(), CommDType::f32}, ReduceOp::sum)->wait(60);
         c.fail("mismatched all_reduce succeeded");

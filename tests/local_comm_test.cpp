@@ -155,9 +155,16 @@ TEST(LocalComm, PipelinedChunksGiveTheBitsOfOneMessagePerStep) {
     registry.make_comm_backend("local", {{"chunk_bytes", "12"}});
     ADD_FAILURE() << "chunk_bytes=12 was accepted";
   } catch (const std::invalid_argument& e) {
-    EXPECT_THAT(e.what(), HasSubstr("local: option chunk_bytes='12' must be a size in bytes from 64 to 1T"));
+    EXPECT_THAT(e.what(), HasSubstr("local: option chunk_bytes='12' must be a size in bytes from 64 to 1024G"));
   }
   EXPECT_NO_THROW(registry.make_comm_backend("local", {{"chunk_bytes", "256K"}, {"direct_max_bytes", "0"}}));
+  try {
+    registry.make_comm_backend("local", {{"shm_chunk_bytes", "128M"}});
+    ADD_FAILURE() << "shm_chunk_bytes=128M was accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("local: option shm_chunk_bytes='128M' must be a size in bytes from 64 to 64M"));
+  }
+  EXPECT_THROW(registry.make_comm_backend("local", {{"shm", "yes"}}), std::invalid_argument);
   EXPECT_THROW(registry.make_comm_backend("local", {{"direct_max_bytes", "-1"}}), std::invalid_argument);
   EXPECT_THROW(registry.make_comm_backend("local", {{"direct_max_bytes", "4Q"}}), std::invalid_argument);
 }

@@ -124,13 +124,25 @@ std::int64_t run_comm_bench(CommBackend& b, int rank, int n, const BenchOptions&
         wrong[1] = wrong[0];
         continue;
       }
+      // Waits for one operation. Past the timeout it aborts the backend and lets the operation
+      // fail before the buffers it uses go away.
+      auto finish = [&](std::unique_ptr<Work> w, const char* what) {
+        if (w->wait(o.timeout_seconds)) return;
+        b.abort();
+        try {
+          w->wait(60);
+        } catch (const CommError&) {
+        }
+        throw CommError(std::string(what) + " of " + std::to_string(count * 4) + " bytes timed out after " +
+                            std::to_string(o.timeout_seconds) + " s (--timeout-seconds)", -1);
+      };
       prepare(in_place);
-      if (!issue(in_place)->wait(o.timeout_seconds)) throw CommError(op + " timed out", -1);
+      finish(issue(in_place), op.c_str());
       wrong[mode] = check();
-      for (int i = 0; i < o.warmup; ++i) issue(in_place)->wait(o.timeout_seconds);
-      b.barrier(0)->wait(o.timeout_seconds);
+      for (int i = 0; i < o.warmup; ++i) finish(issue(in_place), op.c_str());
+      finish(b.barrier(0), "barrier");
       const auto t0 = Clock::now();
-      for (int i = 0; i < o.iters; ++i) issue(in_place)->wait(o.timeout_seconds);
+      for (int i = 0; i < o.iters; ++i) finish(issue(in_place), op.c_str());
       us[mode] = std::chrono::duration<double, std::micro>(Clock::now() - t0).count() / o.iters;
     }
     total_wrong += wrong[0] + wrong[1];

@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <random>
 #include <type_traits>
 
 #include "spmdx/comm/bench.h"
@@ -268,8 +269,14 @@ void P2PBackend::start(Transport* transport, const CommInit& init) {
   store_ = init.store;
   heartbeat_prefix_ = "spmdx/heartbeat/g" + std::to_string(init.generation) + "/";
   generation_ = init.generation;
-  host_id_ = shm_ && store_ != nullptr ? host_id() : "";
-  if (!host_id_.empty()) store_->set("spmdx/host/g" + std::to_string(generation_) + "/" + std::to_string(rank), host_id_);
+  // Every rank says where it runs and how it would share memory; members of a group share
+  // memory only if they all say the same (one host, shm on, the same shm_chunk_bytes).
+  host_id_.clear();
+  if (store_ != nullptr) {
+    host_id_ = host_id();
+    if (!host_id_.empty()) host_id_ = (shm_ ? "shm chunk " + std::to_string(shm_chunk_bytes_) : std::string("shm off")) + " on " + host_id_;
+    store_->set("spmdx/host/g" + std::to_string(generation_) + "/" + std::to_string(rank), host_id_);
+  }
   groups_.clear();
   Group all;
   for (int r = 0; r < world_size; ++r) all.ranks.push_back(r);
@@ -366,12 +373,10 @@ bool P2PBackend::take_option(const std::string& plugin, const std::string& key, 
   } catch (const std::exception&) {
     ok = false;
   }
-  if (!ok || bytes < least || bytes > (std::uint64_t{1} << 40)) {
+  const bool shm_chunk = key == "shm_chunk_bytes";
+  if (!ok || bytes < least || bytes > (shm_chunk ? std::uint64_t{64} << 20 : std::uint64_t{1} << 40)) {
     throw std::invalid_argument(plugin + ": option " + key + "='" + value + "' must be a size in bytes from " + std::to_string(least) +
-                                " to 1T (examples: 262144, 256K, 4M)");
-  }
-  if (key == "shm_chunk_bytes" && bytes > (std::uint64_t{64} << 20)) {
-    throw std::invalid_argument(plugin + ": option shm_chunk_bytes='" + value + "' must be at most 64M (each member maps 3 x members x this)");
+                                (shm_chunk ? " to 64M" : " to 1024G") + " (examples: 262144, 256K, 4M)");
   }
   (key == "chunk_bytes" ? chunk_bytes_ : key == "direct_max_bytes" ? direct_max_bytes_ : shm_chunk_bytes_) = static_cast<std::size_t>(bytes);
   return true;
@@ -673,11 +678,17 @@ void P2PBackend::direct_all_gather(Op& op, char* out, const std::vector<std::siz
   wait_all(op, reqs);
 }
 
+std::size_t P2PBackend::shm_round_bytes(std::size_t members) const {
+  // A segment is 3 x members^2 x this: at most kShmMaxSegment, in whole cache lines.
+  const std::size_t cap = std::max<std::size_t>(64, kShmMaxSegment / (ShmChannel::kBuffers * members * members) / 64 * 64);
+  return std::min(shm_chunk_bytes_, cap);
+}
+
 ShmChannel* P2PBackend::shm_channel(Op& op) {
   Group& g = *op.g;
   if (g.shm_state != 0) return g.shm.get();
   g.shm_state = -1;
-  if (host_id_.empty() || g.ranks.size() < 2) return nullptr;  // shm off, or no store
+  if (!shm_ || host_id_.empty() || g.ranks.size() < 2) return nullptr;  // shm off, or no store
   const std::string gen = std::to_string(generation_);
   // A store read that a member has yet to write; waits as a collective does (a member that
   // died or hangs is named, see check_stall).
@@ -693,7 +704,14 @@ ShmChannel* P2PBackend::shm_channel(Op& op) {
     }
   };
   for (int r : g.ranks) {
-    if (get("spmdx/host/g" + gen + "/" + std::to_string(r), r) != host_id_) return nullptr;
+    const std::string theirs = get("spmdx/host/g" + gen + "/" + std::to_string(r), r);
+    if (theirs == host_id_) continue;
+    if (theirs.substr(theirs.find(" on ")) == host_id_.substr(host_id_.find(" on "))) {  // same host, other settings
+      SPMDX_WARN("comm: group " << op.group << " (" << rank_list(g.ranks) << ") does not share memory: rank " << r << " has "
+                                << theirs.substr(0, theirs.find(" on ")) << ", rank " << rank_ << " "
+                                << host_id_.substr(0, host_id_.find(" on ")) << " (give every rank the same shm options)");
+    }
+    return nullptr;
   }
   // Member 0 creates the segment and names it in the store; every member says whether it
   // mapped it; all use it only if every one did (the same answer on every member).
@@ -705,6 +723,7 @@ ShmChannel* P2PBackend::shm_channel(Op& op) {
   // 50 us of spinning made 2 ranks' small all_reduce 10x faster (6 vs 60 us) and 4 ranks' 64 MiB
   // one 1.7x slower than sleeping at once.
   const long spin_us = local_ranks(k) <= usable_cpus() ? 50 : 0;
+  const std::size_t slot_bytes = k * shm_round_bytes(k);
   std::shared_ptr<ShmChannel> ch;
   std::string error;
   try {
@@ -712,9 +731,12 @@ ShmChannel* P2PBackend::shm_channel(Op& op) {
     if (g.me == 0) {
       static std::atomic<int> made{0};
       ShmChannel::remove_left_by(-1);  // from processes that died setting up a group (not under spmdx run)
-      name = ShmChannel::name_for(getpid(), gen + "-" + std::to_string(op.group) + "-" + std::to_string(made++));
+      // The process id names the creator for the sweeps; a random part keeps the names of
+      // jobs in other pid namespaces that share /dev/shm apart.
+      name = ShmChannel::name_for(getpid(), gen + "-" + std::to_string(op.group) + "-" + std::to_string(made++) + "-" +
+                                                std::to_string(std::random_device{}()));
       try {
-        ch = std::make_shared<ShmChannel>(name, true, static_cast<int>(k), 0, k * shm_chunk_bytes_, spin_us);
+        ch = std::make_shared<ShmChannel>(name, true, static_cast<int>(k), 0, slot_bytes, spin_us);
       } catch (...) {
         store_->set(prefix + "name", "");
         throw;
@@ -723,7 +745,7 @@ ShmChannel* P2PBackend::shm_channel(Op& op) {
     } else {
       name = get(prefix + "name", g.ranks[0]);
       if (name.empty()) throw std::runtime_error("member 0 (rank " + std::to_string(g.ranks[0]) + ") could not create it");
-      ch = std::make_shared<ShmChannel>(name, false, static_cast<int>(k), g.me, k * shm_chunk_bytes_, spin_us);
+      ch = std::make_shared<ShmChannel>(name, false, static_cast<int>(k), g.me, slot_bytes, spin_us);
     }
   } catch (const CommError&) {
     throw;  // the store is gone: the collective fails as any other would
@@ -769,9 +791,11 @@ void P2PBackend::shm_collective(Op& op, ShmChannel& ch, ShmKind kind, const char
   // before (so has finished reading it).
   Group& g = *op.g;
   const std::size_t k = g.ranks.size(), me = static_cast<std::size_t>(g.me), es = comm_dtype_size(dtype);
-  const std::size_t chunk = std::max<std::size_t>(1, shm_chunk_bytes_ / es);
+  const std::size_t chunk = std::max<std::size_t>(1, shm_round_bytes(k) / es);
   const std::size_t max_count = *std::max_element(counts.begin(), counts.end());
-  const std::size_t rounds = (max_count + chunk - 1) / chunk;
+  // At least one round, empty if need be: members compare what they run in every round, so a
+  // member that calls this with no elements while the others have some is caught too.
+  const std::size_t rounds = std::max<std::size_t>(1, (max_count + chunk - 1) / chunk);
   std::vector<std::size_t> offsets(k);
   for (std::size_t j = 1; j < k; ++j) offsets[j] = offsets[j - 1] + counts[j - 1];
   auto piece = [&](std::size_t j, std::size_t r) { return std::min(chunk, counts[j] - std::min(counts[j], r * chunk)); };

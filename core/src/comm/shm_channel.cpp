@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <linux/futex.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -49,12 +50,21 @@ ShmChannel::ShmChannel(const std::string& name, bool create, int members, int me
   size_ = header_bytes_ + static_cast<std::size_t>(members) * member_bytes_;
   const int fd = create ? shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600) : shm_open(name.c_str(), O_RDWR, 0600);
   auto fail = [&](const std::string& what, int err) {
-    const std::string msg = "shared memory " + name + ": " + what + ": " + std::strerror(err);
-    if (fd >= 0) close(fd);
-    if (create) shm_unlink(name.c_str());
+    const std::string msg = "shared memory " + name + ": " + what + (err != 0 ? std::string(": ") + std::strerror(err) : "");
+    if (fd >= 0) {
+      close(fd);
+      if (create) shm_unlink(name.c_str());  // made here: not someone else's of the same name
+    }
     throw std::runtime_error(msg);
   };
   if (fd < 0) fail(create ? "cannot create" : "cannot open", errno);
+  if (!create) {  // made by member 0 for the same group: the same size, or another job's object
+    struct stat st {};
+    if (fstat(fd, &st) != 0) fail("cannot stat", errno);
+    if (static_cast<std::size_t>(st.st_size) != size_) {
+      fail("is " + std::to_string(st.st_size) + " bytes where this member expects " + std::to_string(size_), 0);
+    }
+  }
   if (create) {
     if (ftruncate(fd, static_cast<off_t>(size_)) != 0) fail("cannot size to " + std::to_string(size_) + " bytes", errno);
     // Reserve the pages now: on a full tmpfs (a container's 64 MiB /dev/shm) touching them
@@ -80,8 +90,16 @@ int ShmChannel::remove_left_by(long pid) noexcept {
     char* after = nullptr;
     const long owner = std::strtol(file.c_str() + 6, &after, 10);
     if (after == nullptr || *after != '-' || owner <= 0) continue;
-    const bool gone = kill(static_cast<pid_t>(owner), 0) != 0 && errno == ESRCH;
-    if ((pid < 0 ? gone : owner == pid) && shm_unlink(("/" + file).c_str()) == 0) ++removed;
+    bool stale = false;
+    if (pid < 0) {
+      // Its owner is gone, and it is an hour old: a process in another pid namespace that
+      // shares /dev/shm looks gone from here, but keeps a segment only while its group sets up.
+      std::error_code age_ec;
+      const auto written = std::filesystem::last_write_time(it->path(), age_ec);
+      stale = kill(static_cast<pid_t>(owner), 0) != 0 && errno == ESRCH && !age_ec &&
+              std::filesystem::file_time_type::clock::now() - written > std::chrono::hours(1);
+    }
+    if ((pid < 0 ? stale : owner == pid) && shm_unlink(("/" + file).c_str()) == 0) ++removed;
   }
   return removed;
 }

@@ -23,7 +23,8 @@ class ShmChannel {
 
   /// Member 0 creates the POSIX shared-memory object `name` ("/spmdx-..."); the others open it.
   /// The creator reserves its pages (posix_fallocate), so a full /dev/shm fails here rather
-  /// than with SIGBUS later. Waits spin `spin_us` microseconds before they sleep (spinning pays
+  /// than with SIGBUS later; a member that opens an object of another size refuses it (another
+  /// job's, or a member with other options). Waits spin `spin_us` microseconds before they sleep (spinning pays
   /// when every rank has a core, and costs the peer its core when ranks outnumber cores).
   /// Throws std::runtime_error naming the object and the reason.
   ShmChannel(const std::string& name, bool create, int members, int me, std::size_t slot_bytes, long spin_us);
@@ -38,8 +39,8 @@ class ShmChannel {
   /// The name a creator with process id `pid` gives a segment ("/spmdx-<pid>-<tag>").
   static std::string name_for(long pid, const std::string& tag);
   /// Unlinks the segments that process `pid` created and left (it died while a group was
-  /// setting up, before every member had mapped them); -1: those of every process that no
-  /// longer exists. Returns how many were removed.
+  /// setting up, before every member had mapped them); -1: those over an hour old whose process
+  /// no longer exists. Returns how many were removed.
   static int remove_left_by(long pid) noexcept;
 
   /// What a member runs in a round: peers compare it with theirs, so that members calling

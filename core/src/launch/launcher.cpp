@@ -165,7 +165,9 @@ int launch(const LaunchOptions& o, const std::vector<std::string>& argv) {
   std::string failure;
   auto stop_all = [&](int sig) {
     for (auto& c : children) {
-      if (c.running) kill(c.pid, sig);
+      if (!c.running) continue;
+      kill(c.pid, sig);
+      if (sig == SIGTERM || sig == SIGINT) kill(c.pid, SIGCONT);  // a stopped rank (kill -STOP) acts on it only when continued
     }
   };
   auto kill_deadline = std::chrono::steady_clock::time_point::max();

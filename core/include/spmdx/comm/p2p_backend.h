@@ -172,6 +172,10 @@ class P2PBackend : public CommBackend {
   std::size_t chunk_bytes_ = 1024 * 1024;
   bool shm_ = true;
   std::size_t shm_chunk_bytes_ = 256 * 1024;
+  static constexpr std::size_t kShmMaxSegment = std::size_t{256} << 20;  // bytes of one group's segment
+  // Bytes of each block per round on a group of `members`: shm_chunk_bytes, less where the
+  // segment would pass kShmMaxSegment.
+  std::size_t shm_round_bytes(std::size_t members) const;
   std::string host_id_;  // hostname and boot id: ranks with the same one can share memory
   std::int64_t generation_ = 0;
 
@@ -191,7 +195,10 @@ class P2PBackend : public CommBackend {
   ///   Measured here (64 MiB all_reduce busbw): 2 ranks 7.5 vs 3.2-3.6 GB/s, 4 ranks 3.2 vs
   ///   1.8-1.9 GB/s through UCX.
   /// - shm_chunk_bytes: bytes of each member's block per shared-memory round (64 to 64M,
-  ///   default 256 KiB); each member maps 3 x members x this.
+  ///   default 256 KiB). A group's segment, which every member maps, is 3 x members^2 x this
+  ///   (12 MiB for 4 members at the default), at most 256 MiB: larger groups get smaller rounds.
+  ///   Every rank must use the same shm and shm_chunk_bytes; a group whose members differ warns
+  ///   and uses the transport.
   /// Call before init. Throws std::invalid_argument naming the plugin, the option and the
   /// value when the value is bad.
   bool take_option(const std::string& plugin, const std::string& key, const std::string& value);
