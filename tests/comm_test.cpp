@@ -126,7 +126,10 @@ TEST(CommUcx, MembersCallingDifferentCollectivesFailSayingWhatEachCalled) {
     EXPECT_THAT(r.output, HasSubstr("all_reduce #0 of 2000 f32 sum"));
     EXPECT_THAT(r.output, HasSubstr("all_reduce #0 of 1000 f32 sum"));
     EXPECT_THAT(r.output, HasSubstr("every member must call the same collectives"));
-  }  std::printf("%s", results[0].output.c_str());
+    // and the backend is aborted: the next collective fails at once, naming the first failure
+    EXPECT_THAT(r.output, ::testing::ContainsRegex("then after 0\\.[0-9]+ s: all_reduce aborted: an earlier collective failed: all_reduce \\(group 0, #0\\)"));
+  }
+  std::printf("%s", results[0].output.c_str());
   // A member that passes no elements at all is caught too (every collective has a round).
   results = run_ranks(3, {{"SPMDX_TEST_MODE", "mismatch"}, {"SPMDX_TEST_RANK1_COUNT", "0"}}, 60);
   for (const auto& r : results) {

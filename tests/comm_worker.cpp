@@ -327,9 +327,18 @@ int main() {
         c.fail("mismatched all_reduce succeeded");
       } catch (const CommError& e) {
         std::printf("rank %d CommError peer=%d: %s\n", rank, e.peer(), e.what());
-        std::fflush(stdout);
-        std::_Exit(3);
       }
+      // The failure aborted the backend: a later collective fails at once, naming it.
+      const auto start = std::chrono::steady_clock::now();
+      try {
+        backend->all_reduce(0, {x.data(), x.size(), CommDType::f32}, ReduceOp::sum)->wait(60);
+        c.fail("a collective after the failure succeeded");
+      } catch (const CommError& e) {
+        std::printf("rank %d then after %.2f s: %s\n", rank, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(),
+                    e.what());
+      }
+      std::fflush(stdout);
+      std::_Exit(3);
     }
     if (mode == "abort") {
       // Rank 0 waits in a collective the others never join, until another thread aborts the

@@ -284,6 +284,8 @@ void P2PBackend::start(Transport* transport, const CommInit& init) {
   groups_.push_back(std::move(all));
   stopping_ = false;
   aborted_ = false;
+  first_failure_.clear();
+  first_failure_peer_ = -1;
   queue_.reopen();
   thread_ = std::thread([this] { run(); });
   if (store_ != nullptr) {
@@ -431,13 +433,20 @@ void P2PBackend::run() {
     int peer = -1;
     const double started_at = wall_seconds();
     if (aborted_) {
-      error = std::string(op->name) + " aborted: the backend was aborted";
+      error = std::string(op->name) + " aborted: " + (first_failure_.empty() ? "the backend was aborted" : "an earlier collective failed: " + first_failure_);
+      peer = first_failure_peer_;
     } else {
       try {
         op->body(*op);
       } catch (const CommError& e) {
         error = e.what();
         peer = e.peer();
+        // A failed collective leaves its peers mid-operation: the ones queued after it fail at
+        // once rather than each waiting out the timeout (as NCCL's communicator, aborted on
+        // an error). The caller may be unwinding past all of them.
+        first_failure_ = error;
+        first_failure_peer_ = peer;
+        aborted_ = true;
       } catch (const std::exception& e) {
         error = std::string(op->name) + ": " + e.what();
       }

@@ -382,6 +382,19 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
     hooks.finish();
   } catch (const std::exception& e) {
     hooks.failure(e.what());
+    // Collectives still queued or waiting on peers fail now, instead of each waiting out
+    // comm.timeout_seconds while the backend is destroyed.
+    if (backend) backend->abort();
+    if (server && dynamic_cast<const CommError*>(&e) != nullptr) {
+      // This rank serves the store (started without spmdx run, as under mpirun or srun): the
+      // others learn from it which rank failed, at their next health check (every 5 s of a
+      // stuck wait). Leaving at once would take the store down with this rank, and they
+      // would time out blaming it.
+      const double linger = std::min(12.0, timeout);
+      std::fprintf(stderr, "rank %d serves the store: keeping it up %.0f s so that the other ranks can name the rank that failed\n",
+                   env.rank, linger);
+      std::this_thread::sleep_for(std::chrono::duration<double>(linger));
+    }
     throw;
   }
   if (lead) {

@@ -17,6 +17,8 @@
 // Operations run in submission order on one communication thread per backend (so compute
 // overlaps them); Work handles report completion, and a peer that fails or stays silent past
 // the timeout fails the operation with a CommError naming the collective and the peer rank.
+// After such a failure the backend is aborted: every later operation fails at once, naming the
+// first failure.
 #pragma once
 
 #include <algorithm>
@@ -217,6 +219,8 @@ class P2PBackend : public CommBackend {
   CommQueue<std::shared_ptr<Op>> queue_{1024};  // to the comm thread, which never locks
   bool stopping_ = false;
   std::atomic<bool> aborted_{false};
+  std::string first_failure_;    // the CommError that aborted the backend (comm thread only)
+  int first_failure_peer_ = -1;
   std::thread thread_;
   Store* store_ = nullptr;
   std::string heartbeat_prefix_;
