@@ -84,44 +84,50 @@ TEST(LocalComm, AllReduceEveryDtypeAndOpOn2To4Ranks) {
   }
 }
 
+// Each rank's results of an all_reduce (f32 sum of `count` elements), a reduce_scatter (f64
+// avg, uneven blocks of count + 37 r elements, member 1's empty) and an all_gather (f32, the
+// same blocks) on `n` ranks, with backend `options`.
+struct ThreeCollectives {
+  std::vector<std::vector<float>> all_reduce;
+  std::vector<std::vector<double>> reduce_scatter;
+  std::vector<std::vector<float>> all_gather;
+};
+
+ThreeCollectives run_three_collectives(int n, std::size_t count, const std::string& job, const Options& options, bool with_store = false) {
+  ThreeCollectives run;
+  run.all_reduce.resize(static_cast<std::size_t>(n));
+  run.reduce_scatter.resize(static_cast<std::size_t>(n));
+  run.all_gather.resize(static_cast<std::size_t>(n));
+  on_ranks(n, job, [&](int rank, CommBackend& b) {
+    const auto me = static_cast<std::size_t>(rank);
+    std::vector<float> buf(count);
+    for (std::size_t i = 0; i < count; ++i) buf[i] = 1.0f / static_cast<float>(rank * 7 + static_cast<int>(i % 13) + 1);
+    ASSERT_TRUE(b.all_reduce(0, {buf.data(), count}, ReduceOp::sum)->wait(30));
+    run.all_reduce[me] = buf;
+    std::vector<std::size_t> counts(static_cast<std::size_t>(n));  // uneven, member 1's empty
+    std::size_t total = 0;
+    for (int r = 0; r < n; ++r) total += counts[static_cast<std::size_t>(r)] = r == 1 ? 0 : count + static_cast<std::size_t>(r) * 37;
+    std::vector<double> in(total), out(counts[me]);
+    for (std::size_t i = 0; i < total; ++i) in[i] = 1.0 / static_cast<double>(rank + static_cast<int>(i % 11) + 1);
+    ASSERT_TRUE(b.reduce_scatter(0, {in.data(), total, CommDType::f64}, {out.data(), out.size(), CommDType::f64}, counts, ReduceOp::avg)->wait(30));
+    run.reduce_scatter[me] = out;
+    std::vector<float> mine(counts[me], static_cast<float>(rank) + 0.5f), all(total);
+    ASSERT_TRUE(b.all_gather(0, {mine.data(), mine.size()}, {all.data(), total}, counts)->wait(30));
+    run.all_gather[me] = all;
+  }, options, with_store);
+  return run;
+}
+
 // Ring reduce steps and direct reduce-scatters are pipelined in chunks (option chunk_bytes).
 // Chunks change neither the order of the additions nor the bits: for each algorithm, results
 // with 64-byte chunks (many chunks, more than those in flight, a short last one, blocks of
 // different sizes, an empty one) equal those with one message per step.
 TEST(LocalComm, PipelinedChunksGiveTheBitsOfOneMessagePerStep) {
-  struct Result {
-    std::vector<std::vector<float>> all_reduce;
-    std::vector<std::vector<double>> reduce_scatter;
-    std::vector<std::vector<float>> all_gather;
-  };
   for (int n : {2, 3, 4}) {
     for (std::size_t count : {std::size_t{0}, std::size_t{1}, std::size_t{7}, std::size_t{20001}}) {
       for (const char* direct_max : {"0", "1000000000"}) {  // ring, then direct
-        Result whole, chunked;
-        for (Result* run : {&whole, &chunked}) {
-          run->all_reduce.resize(static_cast<std::size_t>(n));
-          run->reduce_scatter.resize(static_cast<std::size_t>(n));
-          run->all_gather.resize(static_cast<std::size_t>(n));
-          Options options{{"direct_max_bytes", direct_max}};
-          if (run == &chunked) options["chunk_bytes"] = "64";
-          on_ranks(n, run == &chunked ? "chunked" : "whole", [&](int rank, CommBackend& b) {
-            const auto me = static_cast<std::size_t>(rank);
-            std::vector<float> buf(count);
-            for (std::size_t i = 0; i < count; ++i) buf[i] = 1.0f / static_cast<float>(rank * 7 + static_cast<int>(i % 13) + 1);
-            ASSERT_TRUE(b.all_reduce(0, {buf.data(), count}, ReduceOp::sum)->wait(30));
-            run->all_reduce[me] = buf;
-            std::vector<std::size_t> counts(static_cast<std::size_t>(n));  // uneven, member 1's empty
-            std::size_t total = 0;
-            for (int r = 0; r < n; ++r) total += counts[static_cast<std::size_t>(r)] = r == 1 ? 0 : count + static_cast<std::size_t>(r) * 37;
-            std::vector<double> in(total), out(counts[me]);
-            for (std::size_t i = 0; i < total; ++i) in[i] = 1.0 / static_cast<double>(rank + static_cast<int>(i % 11) + 1);
-            ASSERT_TRUE(b.reduce_scatter(0, {in.data(), total, CommDType::f64}, {out.data(), out.size(), CommDType::f64}, counts, ReduceOp::avg)->wait(30));
-            run->reduce_scatter[me] = out;
-            std::vector<float> mine(counts[me], static_cast<float>(rank) + 0.5f), all(total);
-            ASSERT_TRUE(b.all_gather(0, {mine.data(), mine.size()}, {all.data(), total}, counts)->wait(30));
-            run->all_gather[me] = all;
-          }, options);
-        }
+        const ThreeCollectives whole = run_three_collectives(n, count, "whole", {{"direct_max_bytes", direct_max}});
+        const ThreeCollectives chunked = run_three_collectives(n, count, "chunked", {{"direct_max_bytes", direct_max}, {"chunk_bytes", "64"}});
         for (int r = 0; r < n; ++r) {
           const auto i = static_cast<std::size_t>(r);
           const std::string what = std::to_string(n) + " ranks, count " + std::to_string(count) + ", direct_max_bytes " + direct_max + ", rank " + std::to_string(r);
@@ -173,37 +179,10 @@ TEST(LocalComm, PipelinedChunksGiveTheBitsOfOneMessagePerStep) {
 // direct algorithm's order (its own, then me+1, me+2, ...): with 64-byte rounds (many rounds,
 // slots reused, blocks of different sizes, an empty one) the results are the bits of direct.
 TEST(LocalComm, SharedMemoryRoundsGiveTheBitsOfTheDirectAlgorithm) {
-  struct Result {
-    std::vector<std::vector<float>> all_reduce;
-    std::vector<std::vector<double>> reduce_scatter;
-    std::vector<std::vector<float>> all_gather;
-  };
   for (int n : {2, 3, 4}) {
     for (std::size_t count : {std::size_t{0}, std::size_t{1}, std::size_t{7}, std::size_t{20001}}) {
-      Result direct, shm;
-      for (Result* run : {&direct, &shm}) {
-        run->all_reduce.resize(static_cast<std::size_t>(n));
-        run->reduce_scatter.resize(static_cast<std::size_t>(n));
-        run->all_gather.resize(static_cast<std::size_t>(n));
-        const Options options = run == &shm ? Options{{"shm_chunk_bytes", "64"}} : Options{{"shm", "off"}, {"direct_max_bytes", "1G"}};
-        on_ranks(n, run == &shm ? "shm" : "direct", [&](int rank, CommBackend& b) {
-          const auto me = static_cast<std::size_t>(rank);
-          std::vector<float> buf(count);
-          for (std::size_t i = 0; i < count; ++i) buf[i] = 1.0f / static_cast<float>(rank * 7 + static_cast<int>(i % 13) + 1);
-          ASSERT_TRUE(b.all_reduce(0, {buf.data(), count}, ReduceOp::sum)->wait(30));
-          run->all_reduce[me] = buf;
-          std::vector<std::size_t> counts(static_cast<std::size_t>(n));  // uneven, member 1's empty
-          std::size_t total = 0;
-          for (int r = 0; r < n; ++r) total += counts[static_cast<std::size_t>(r)] = r == 1 ? 0 : count + static_cast<std::size_t>(r) * 37;
-          std::vector<double> in(total), out(counts[me]);
-          for (std::size_t i = 0; i < total; ++i) in[i] = 1.0 / static_cast<double>(rank + static_cast<int>(i % 11) + 1);
-          ASSERT_TRUE(b.reduce_scatter(0, {in.data(), total, CommDType::f64}, {out.data(), out.size(), CommDType::f64}, counts, ReduceOp::avg)->wait(30));
-          run->reduce_scatter[me] = out;
-          std::vector<float> mine(counts[me], static_cast<float>(rank) + 0.5f), all(total);
-          ASSERT_TRUE(b.all_gather(0, {mine.data(), mine.size()}, {all.data(), total}, counts)->wait(30));
-          run->all_gather[me] = all;
-        }, options, /*with_store=*/true);
-      }
+      const ThreeCollectives direct = run_three_collectives(n, count, "direct", {{"shm", "off"}, {"direct_max_bytes", "1G"}}, /*with_store=*/true);
+      const ThreeCollectives shm = run_three_collectives(n, count, "shm", {{"shm_chunk_bytes", "64"}}, /*with_store=*/true);
       for (int r = 0; r < n; ++r) {
         const auto i = static_cast<std::size_t>(r);
         const std::string what = std::to_string(n) + " ranks, count " + std::to_string(count) + ", rank " + std::to_string(r);
