@@ -712,13 +712,19 @@ ShmChannel* P2PBackend::shm_channel(Op& op) {
       check_stall(op, stall, rank);
     }
   };
+  // "<settings> on <host>" (see start()) as {settings, host}; a rank that could not name its
+  // host wrote "", which matches nobody.
+  auto split = [](const std::string& id) {
+    const auto on = id.find(" on ");
+    return on == std::string::npos ? std::pair<std::string, std::string>{id, ""} : std::pair{id.substr(0, on), id.substr(on + 4)};
+  };
+  const auto [settings, host] = split(host_id_);
   for (int r : g.ranks) {
     const std::string theirs = get("spmdx/host/g" + gen + "/" + std::to_string(r), r);
     if (theirs == host_id_) continue;
-    if (theirs.substr(theirs.find(" on ")) == host_id_.substr(host_id_.find(" on "))) {  // same host, other settings
+    if (const auto [their_settings, their_host] = split(theirs); their_host == host) {  // same host, other settings
       SPMDX_WARN("comm: group " << op.group << " (" << rank_list(g.ranks) << ") does not share memory: rank " << r << " has "
-                                << theirs.substr(0, theirs.find(" on ")) << ", rank " << rank_ << " "
-                                << host_id_.substr(0, host_id_.find(" on ")) << " (give every rank the same shm options)");
+                                << their_settings << ", rank " << rank_ << " " << settings << " (give every rank the same shm options)");
     }
     return nullptr;
   }
@@ -800,14 +806,16 @@ void P2PBackend::shm_collective(Op& op, ShmChannel& ch, ShmKind kind, const char
   // before (so has finished reading it).
   Group& g = *op.g;
   const std::size_t k = g.ranks.size(), me = static_cast<std::size_t>(g.me), es = comm_dtype_size(dtype);
-  const std::size_t chunk = std::max<std::size_t>(1, shm_round_bytes(k) / es);
-  const std::size_t max_count = *std::max_element(counts.begin(), counts.end());
-  // At least one round, empty if need be: members compare what they run in every round, so a
-  // member that calls this with no elements while the others have some is caught too.
-  const std::size_t rounds = std::max<std::size_t>(1, (max_count + chunk - 1) / chunk);
+  Chunks ck;  // a round's piece of each block: as the ring cuts its chunks
+  ck.chunk = std::max<std::size_t>(1, shm_round_bytes(k) / es);
+  const std::size_t chunk = ck.chunk;
+  // At least one round, empty if need be (pieces(0) is 1): members compare what they run in
+  // every round, so a member that calls this with no elements while the others have some is
+  // caught too.
+  const std::size_t rounds = ck.pieces(*std::max_element(counts.begin(), counts.end()));
   std::vector<std::size_t> offsets(k);
   for (std::size_t j = 1; j < k; ++j) offsets[j] = offsets[j - 1] + counts[j - 1];
-  auto piece = [&](std::size_t j, std::size_t r) { return std::min(chunk, counts[j] - std::min(counts[j], r * chunk)); };
+  auto piece = [&](std::size_t j, std::size_t r) { return ck.piece(counts[j], r); };
   ShmChannel::Signature sig;
   sig.seq = op.seq;
   sig.what = static_cast<std::uint32_t>(kind) | static_cast<std::uint32_t>(dtype) << 8 | static_cast<std::uint32_t>(rop) << 16;

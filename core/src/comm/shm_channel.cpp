@@ -17,7 +17,6 @@
 #include <ctime>
 #include <filesystem>
 #include <stdexcept>
-#include <thread>
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -43,7 +42,7 @@ long futex(std::atomic<std::uint32_t>* addr, int op, std::uint32_t value, const 
 }  // namespace
 
 ShmChannel::ShmChannel(const std::string& name, bool create, int members, int me, std::size_t slot_bytes, long spin_us)
-    : name_(name), owner_(create), members_(members), me_(me), slot_bytes_(round_up(slot_bytes, kLine)), spin_us_(spin_us) {
+    : name_(name), owner_(create), me_(me), slot_bytes_(round_up(slot_bytes, kLine)), spin_us_(spin_us) {
   header_bytes_ = kLine;  // sleepers
   member_bytes_ = (2 + kBuffers) * kLine + kBuffers * slot_bytes_;
   static_assert(sizeof(Signature) <= kLine);
@@ -114,23 +113,25 @@ void ShmChannel::unlink() noexcept {
   owner_ = false;
 }
 
+// A member's part: its 2 counter lines, kBuffers signature lines, then kBuffers slots.
+char* ShmChannel::member_base(int member) const noexcept { return base_ + header_bytes_ + static_cast<std::size_t>(member) * member_bytes_; }
+
 char* ShmChannel::slot(int member, std::uint64_t round) const noexcept {
-  return base_ + header_bytes_ + static_cast<std::size_t>(member) * member_bytes_ + (2 + kBuffers) * kLine + (round % kBuffers) * slot_bytes_;
+  return member_base(member) + (2 + kBuffers) * kLine + (round % kBuffers) * slot_bytes_;
 }
 
 void ShmChannel::sign(std::uint64_t round, const Signature& s) noexcept {
-  std::memcpy(base_ + header_bytes_ + static_cast<std::size_t>(me_) * member_bytes_ + (2 + round % kBuffers) * kLine, &s, sizeof s);
+  std::memcpy(member_base(me_) + (2 + round % kBuffers) * kLine, &s, sizeof s);
 }
 
 ShmChannel::Signature ShmChannel::signature(int member, std::uint64_t round) const noexcept {
   Signature s;
-  std::memcpy(&s, base_ + header_bytes_ + static_cast<std::size_t>(member) * member_bytes_ + (2 + round % kBuffers) * kLine, sizeof s);
+  std::memcpy(&s, member_base(member) + (2 + round % kBuffers) * kLine, sizeof s);
   return s;
 }
 
 std::atomic<std::uint32_t>& ShmChannel::counter(Counter c, int member) const noexcept {
-  return *reinterpret_cast<std::atomic<std::uint32_t>*>(base_ + header_bytes_ + static_cast<std::size_t>(member) * member_bytes_ +
-                                                        static_cast<std::size_t>(c) * kLine);
+  return *reinterpret_cast<std::atomic<std::uint32_t>*>(member_base(member) + static_cast<std::size_t>(c) * kLine);
 }
 
 std::atomic<std::uint32_t>& ShmChannel::sleepers() const noexcept { return *reinterpret_cast<std::atomic<std::uint32_t>*>(base_); }

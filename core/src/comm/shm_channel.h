@@ -71,12 +71,12 @@ class ShmChannel {
   struct alignas(64) Line {
     std::atomic<std::uint32_t> value{0};
   };
+  char* member_base(int member) const noexcept;
   std::atomic<std::uint32_t>& counter(Counter c, int member) const noexcept;
   std::atomic<std::uint32_t>& sleepers() const noexcept;
 
   std::string name_;
   bool owner_ = false;
-  int members_ = 0;
   int me_ = 0;
   std::size_t slot_bytes_ = 0;
   long spin_us_ = 0;
