@@ -286,8 +286,7 @@ int run_run(const RunOptions& o) {
     const std::int64_t want = cfg.get_int("parallelism.data_parallel_replicate_degree") * cfg.get_int("parallelism.tensor_parallel_degree") *
                               (shard > 0 ? shard : 1);
     if (want > 1) {
-      throw spmdx::config::ConfigError(cfg.where({"parallelism.data_parallel_replicate_degree", "parallelism.data_parallel_shard_degree",
-                                                  "parallelism.tensor_parallel_degree"}) + ": its parallelism degrees make " + std::to_string(want) +
+      throw spmdx::config::ConfigError(cfg.where(spmdx::train::kDegreeKeys) + ": its parallelism degrees make " + std::to_string(want) +
                                        " ranks: start them with --nproc " + std::to_string(want) + " (or under torchrun, srun, mpirun)");
     }
   }

@@ -10,8 +10,6 @@ namespace spmdx::train {
 JobSpec job_spec(const config::Config& cfg, std::int64_t world_size, std::int64_t vocab_size) {
   // `keys`: those the message is about, so that it says where their values came from.
   auto fail = [&](const std::vector<std::string>& keys, const std::string& why) { throw config::ConfigError(cfg.where(keys) + ": " + why); };
-  const std::vector<std::string> degrees{"parallelism.data_parallel_replicate_degree", "parallelism.data_parallel_shard_degree",
-                                         "parallelism.tensor_parallel_degree"};
   JobSpec s;
   s.world_size = world_size;
   s.model = models::model_args(cfg.get_string("model.name"), cfg.get_string("model.flavor"), vocab_size);
@@ -21,7 +19,7 @@ JobSpec job_spec(const config::Config& cfg, std::int64_t world_size, std::int64_
   if (s.dims.dp_shard == -1) {
     const std::int64_t rest = s.dims.dp_replicate * s.dims.tp;
     if (world_size % rest != 0) {
-      fail(degrees, "parallelism.data_parallel_replicate_degree x tensor_parallel_degree = " + std::to_string(rest) +
+      fail(kDegreeKeys, "parallelism.data_parallel_replicate_degree x tensor_parallel_degree = " + std::to_string(rest) +
            " does not divide world_size " + std::to_string(world_size));
     }
     s.dims.dp_shard = world_size / rest;
@@ -30,7 +28,7 @@ JobSpec job_spec(const config::Config& cfg, std::int64_t world_size, std::int64_
   }
   const std::int64_t product = s.dims.dp_replicate * s.dims.dp_shard * s.dims.tp;
   if (product != world_size) {
-    fail(degrees, "parallelism degrees multiply to " + std::to_string(product) + " (" + std::to_string(s.dims.dp_replicate) + " x " +
+    fail(kDegreeKeys, "parallelism degrees multiply to " + std::to_string(product) + " (" + std::to_string(s.dims.dp_replicate) + " x " +
          std::to_string(s.dims.dp_shard) + " x " + std::to_string(s.dims.tp) + "), but world_size is " + std::to_string(world_size));
   }
   if (s.model.name == "llama" && s.model.n_heads % s.dims.tp != 0) {
@@ -41,7 +39,7 @@ JobSpec job_spec(const config::Config& cfg, std::int64_t world_size, std::int64_
   const std::int64_t global = cfg.get_int("training.global_batch_size");
   s.global_batch_size = global > 0 ? global : cfg.get_int("training.local_batch_size") * dp;
   if (s.global_batch_size % dp != 0) {
-    fail({"training.global_batch_size", "training.local_batch_size", degrees[0], degrees[1]}, "training.global_batch_size " + std::to_string(s.global_batch_size) + " does not split over the " + std::to_string(dp) +
+    fail({"training.global_batch_size", "training.local_batch_size", kDegreeKeys[0], kDegreeKeys[1]}, "training.global_batch_size " + std::to_string(s.global_batch_size) + " does not split over the " + std::to_string(dp) +
          " data-parallel ranks: make it a multiple of " + std::to_string(dp));
   }
   s.seq_len = cfg.get_int("training.seq_len");

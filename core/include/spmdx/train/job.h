@@ -34,6 +34,10 @@ struct JobSpec {
   bool reshard_after_forward = true;
 };
 
+/// The config keys of the mesh's degrees (dp_replicate, dp_shard, tp), for messages about them.
+inline const std::vector<std::string> kDegreeKeys{"parallelism.data_parallel_replicate_degree", "parallelism.data_parallel_shard_degree",
+                                                  "parallelism.tensor_parallel_degree"};
+
 /// Resolves the config for `world_size` ranks and a tokenizer of `vocab_size` ids:
 /// data_parallel_shard_degree -1 takes the ranks the other degrees leave; the global batch is
 /// global_batch_size, or local_batch_size x the data-parallel degree. Throws
