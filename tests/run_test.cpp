@@ -275,6 +275,9 @@ TEST(BenchComm, EveryOpSweepsSizesAndChecksEveryResult) {
   auto bad = test::run_command("'" SPMDX_EXE "' bench comm --min-bytes 1X");
   EXPECT_NE(bad.exit_code, 0);
   EXPECT_THAT(bad.output, HasSubstr("'1X': unknown unit 'X'"));
+  auto empty = test::run_command("'" SPMDX_EXE "' bench comm --max-bytes 0");  // ran nothing and said nothing
+  EXPECT_NE(empty.exit_code, 0);
+  EXPECT_THAT(empty.output, HasSubstr("--min-bytes and --max-bytes must be at least 4 (one float32), got 8 and 0"));
 }
 
 }  // namespace
