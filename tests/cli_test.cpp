@@ -31,7 +31,7 @@ TEST(Cli, PluginsJsonListsTheBuiltPlugins) {
   }
   ASSERT_NE(dp, nullptr) << r.output;
   EXPECT_EQ(dp->at("kind"), "strategy");
-  EXPECT_EQ(dp->at("abi"), "2.0");
+  EXPECT_EQ(dp->at("abi"), "2.1");
   EXPECT_EQ(dp->at("version"), "0.1.0");
   EXPECT_EQ(dp->at("registered"), true);
   EXPECT_EQ(fs::path(dp->at("path").get<std::string>()),
@@ -48,7 +48,7 @@ TEST(Cli, PluginsTableNamesEachPlugin) {
 TEST(Cli, VersionPrintsTheAbi) {
   auto r = spmdx("--version");
   ASSERT_EQ(r.exit_code, 0);
-  EXPECT_THAT(r.output, HasSubstr("plugin ABI 2.0"));
+  EXPECT_THAT(r.output, HasSubstr("plugin ABI 2.1"));
 }
 
 struct ErrorCase {

@@ -201,12 +201,15 @@ TEST(Config, HookOptionTablesAndOverrides) {
   EXPECT_TRUE(cfg.plugin_options("hooks.graphviz").empty());
 }
 
-// Flight recorder dumps written by hand: which rank is missing from which collective.
-void dump(const fs::path& dir, int rank, const std::vector<std::tuple<std::uint64_t, std::string, std::int64_t, std::string>>& entries) {
+// Flight recorder dumps written by hand: which rank is missing from which collective. With
+// `index`, entry i carries plan index index[i] (as dumps since ABI 2.1 do); without, none.
+void dump(const fs::path& dir, int rank, const std::vector<std::tuple<std::uint64_t, std::string, std::int64_t, std::string>>& entries,
+          const std::vector<std::int64_t>& index = {}) {
   json e = json::array();
   for (const auto& [seq, value, bytes, state] : entries) {
     e.push_back({{"op", "all_reduce"}, {"mesh_dim", 0}, {"group_name", "dp"}, {"group_ranks", {0, 1, 2}}, {"seq", seq}, {"step", 4},
                  {"bytes", bytes}, {"dtype", "f32"}, {"shape", {bytes / 4}}, {"value", value}, {"state", state}, {"error", ""}});
+    if (!index.empty()) e.back()["index"] = index.at(e.size() - 1);
   }
   test::write_file(dir / ("rank" + std::to_string(rank) + ".json"),
                    json{{"format", "spmdx-flight-recorder-1"}, {"rank", rank}, {"world_size", 3}, {"reason", "timeout"}, {"entries", e}}.dump());
@@ -233,13 +236,68 @@ TEST(FrTrace, NamesTheRankThatIssuedADifferentCollectiveAndAStall) {
   auto a = hooks::analyze_flight_recorder(dir.path());
   ASSERT_EQ(a.findings.size(), 1u) << a.text;
   EXPECT_EQ(a.findings[0].ranks, std::vector<int>{1});
-  EXPECT_THAT(a.text, HasSubstr("rank 1 skipped the collective producing %10 in step 4"));
+  // Nothing tells which comes first in the plan: the minority is named, not called a skipper.
+  EXPECT_EQ(a.findings[0].kind, hooks::FrFinding::Kind::different);
+  EXPECT_THAT(a.text, HasSubstr("the ranks disagree on what it is: ranks 0, 2 issued all_reduce f32[16] (64.0 B) producing %10 in step 4; rank 1 issued"));
 
   test::TempDir stall;
   for (int r = 0; r < 3; ++r) dump(stall.path(), r, {{5, "%10", 64, r == 2 ? "issued" : "completed"}});
   a = hooks::analyze_flight_recorder(stall.path());
   ASSERT_EQ(a.findings.size(), 1u) << a.text;
   EXPECT_THAT(a.text, HasSubstr("every rank issued it, it did not complete on rank 2"));
+}
+
+// The case that blamed the wrong rank: rank 1 skipped %126 and issued the next collective, of
+// the same op and size, as the same sequence number. Two ranks: no majority to go by.
+TEST(FrTrace, ASkippedCollectiveFollowedByOneOfTheSameSizeBlamesTheRankThatSkipped) {
+  for (bool with_index : {true, false}) {
+    test::TempDir dir;
+    dump(dir.path(), 0, {{4, "%126", 4, "completed"}, {5, "%128", 4, "failed"}}, with_index ? std::vector<std::int64_t>{0, 1} : std::vector<std::int64_t>{});
+    dump(dir.path(), 1, {{4, "%128", 4, "completed"}, {5, "bucket 0 (20 tensors, last %273)", 492800, "failed"}},
+         with_index ? std::vector<std::int64_t>{1, 21} : std::vector<std::int64_t>{});
+    dump(dir.path(), 2, {{4, "%126", 4, "completed"}, {5, "%128", 4, "failed"}}, with_index ? std::vector<std::int64_t>{0, 1} : std::vector<std::int64_t>{});
+    const auto a = hooks::analyze_flight_recorder(dir.path());
+    ASSERT_FALSE(a.findings.empty()) << a.text;
+    const auto& f = a.findings.front();
+    EXPECT_EQ(f.kind, hooks::FrFinding::Kind::skipped) << a.text;
+    EXPECT_EQ(f.ranks, std::vector<int>{1}) << a.text;
+    EXPECT_EQ(f.value, "%126");
+    EXPECT_EQ(f.seq, 4u);
+    EXPECT_EQ(f.index, with_index ? 0 : -1);
+    EXPECT_THAT(f.message, HasSubstr("rank 1 skipped the collective producing %126 in step 4"));
+    EXPECT_THAT(f.message, HasSubstr("ranks 0, 2 issued it as #4, rank 1 issued all_reduce f32[1] (4.0 B) producing %128"));
+  }
+  // Two ranks, by plan index alone (rank 1's dump ends where it failed): still rank 1.
+  test::TempDir two;
+  for (int r : {0, 1}) {
+    json e = json::array();
+    auto add = [&](std::uint64_t seq, const std::string& value, std::int64_t index) {
+      e.push_back({{"op", "all_reduce"}, {"mesh_dim", 0}, {"group_name", "dp_replicate"}, {"group_ranks", {0, 1}}, {"seq", seq}, {"step", 2},
+                   {"index", index}, {"bytes", 4}, {"dtype", "f32"}, {"shape", json::array()}, {"value", value}, {"state", "failed"}});
+    };
+    if (r == 0) add(4, "%126", 0);
+    else add(4, "%128", 1);
+    test::write_file(two / ("rank" + std::to_string(r) + ".json"),
+                     json{{"format", "spmdx-flight-recorder-1"}, {"rank", r}, {"world_size", 2}, {"reason", "x"}, {"entries", e}}.dump());
+  }
+  const auto b = hooks::analyze_flight_recorder(two.path());
+  ASSERT_FALSE(b.findings.empty()) << b.text;
+  EXPECT_EQ(b.findings.front().ranks, std::vector<int>{1}) << b.text;
+  EXPECT_EQ(b.findings.front().value, "%126");
+}
+
+// A collective not yet seen complete (the rank had not waited for it) before a divergence is
+// not reported as a stall that hides it.
+TEST(FrTrace, AnUnwaitedCollectiveBeforeADivergenceIsNotCalledAStall) {
+  test::TempDir dir;
+  dump(dir.path(), 0, {{6, "bucket 0", 400, "completed"}, {7, "%272", 4, "failed"}}, {21, 23});
+  dump(dir.path(), 1, {{6, "bucket 0", 400, "issued"}, {7, "%270", 4, "failed"}}, {21, 22});
+  dump(dir.path(), 2, {{6, "bucket 0", 400, "completed"}, {7, "%270", 4, "failed"}}, {21, 22});
+  const auto a = hooks::analyze_flight_recorder(dir.path());
+  ASSERT_EQ(a.findings.size(), 1u) << a.text;
+  EXPECT_EQ(a.findings[0].kind, hooks::FrFinding::Kind::skipped);
+  EXPECT_EQ(a.findings[0].ranks, std::vector<int>{0}) << a.text;
+  EXPECT_EQ(a.findings[0].value, "%270");
 }
 
 TEST(FrTrace, AGroupMemberWithoutADumpIsNamedAsTheLikelyOneMissing) {
@@ -364,9 +422,76 @@ TEST(Hooks, FlightRecorderNamesTheRankThatSkippedACollective) {
   for (int rank = 0; rank < 4; ++rank) EXPECT_TRUE(fs::exists(out / "hooks" / "flight_recorder" / ("rank" + std::to_string(rank) + ".json"))) << rank;
   auto trace = spmdx("fr-trace '" + (out / "hooks" / "flight_recorder").string() + "'");
   ASSERT_EQ(trace.exit_code, 0) << trace.output;
-  EXPECT_THAT(trace.output, HasSubstr("ranks 0, 2, 3 issued all_reduce"));
+  EXPECT_THAT(trace.output, HasSubstr("ranks 0, 2, 3 issued it as #"));
+  // Four members: the comm layer itself tells the odd one out, and the launcher names it.
+  EXPECT_THAT(r.output, HasSubstr("(rank 1 differs from the other members)"));
+  EXPECT_THAT(r.output, HasSubstr("spmdx run: rank 1 was named by the other ranks"));
   EXPECT_THAT(trace.output, HasSubstr("rank 1 skipped the collective producing"));
   EXPECT_THAT(trace.output, HasSubstr("in step 2"));
+}
+
+// The issue's grid: for each layout, each rank skips in turn the first, a middle and the last
+// collective of step 2; the launcher and fr-trace must name that rank and what it skipped. What
+// was skipped is read from a clean run's dump (same plan, no fault), not from the faulty run.
+TEST(Hooks, FlightRecorderNamesTheRankAndValueSkippedForEveryIndexRankAndLayout) {
+  struct Layout {
+    std::string name;
+    int nproc;
+    std::string args;
+  };
+  const std::vector<Layout> layouts = {
+      {"ddp 2", 2, "--parallelism.data_parallel_replicate_degree 2"},
+      {"fsdp x tp 2 x 2", 4, "--parallelism.data_parallel_shard_degree 2 --parallelism.tensor_parallel_degree 2"}};
+  test::TempDir dir;
+  const std::string corpus = test::corpus_file(dir);
+  for (const auto& layout : layouts) {
+    const std::string base = "run '" SPMDX_SOURCE_DIR "/configs/llama_fsdp.toml' --model.flavor tiny --training.steps 3 --training.global_batch_size 4 "
+                             "--training.seq_len 32 --nproc " + std::to_string(layout.nproc) + " " + layout.args +
+                             " --comm.timeout_seconds 6 --hooks.enable flight_recorder --data.paths '" + corpus + "'";
+    const fs::path clean = dir / ("clean" + std::to_string(layout.nproc));
+    auto c = spmdx(base + " --job.dump_folder '" + clean.string() + "'");
+    ASSERT_EQ(c.exit_code, 0) << c.output;
+    std::map<std::int64_t, std::string> value_at;  // plan index of step 2 -> what that call produces (every rank runs the same plan)
+    for (int r = 0; r < layout.nproc; ++r) {
+      const json d = json::parse(read(clean / "hooks" / "flight_recorder" / ("rank" + std::to_string(r) + ".json")));
+      for (const auto& e : d.at("entries")) {
+        if (e.at("step") == 2) value_at[e.at("index").get<std::int64_t>()] = e.at("value").get<std::string>();
+      }
+    }
+    ASSERT_GE(value_at.size(), 3u) << c.output;
+    const std::vector<std::int64_t> picks = {value_at.begin()->first, std::next(value_at.begin(), static_cast<long>(value_at.size() / 2))->first,
+                                             value_at.rbegin()->first};
+    for (std::int64_t index : picks) {
+      for (int rank = 0; rank < layout.nproc; ++rank) {
+        SCOPED_TRACE(layout.name + ", rank " + std::to_string(rank) + " skips index " + std::to_string(index) + " (" + value_at[index] + ")");
+        const fs::path out = dir / ("fault" + std::to_string(layout.nproc) + "_" + std::to_string(index) + "_" + std::to_string(rank));
+        auto r = spmdx(base + " --job.dump_folder '" + out.string() + "'",
+                       "SPMDX_FAULT=skip_collective:rank=" + std::to_string(rank) + ",step=2,index=" + std::to_string(index));
+        EXPECT_EQ(r.exit_code, 1) << r.output;
+        EXPECT_THAT(r.output, HasSubstr("spmdx run: rank " + std::to_string(rank) + " diverged, as the flight recorder's dumps show")) << r.output;
+        const auto a = hooks::analyze_flight_recorder(out / "hooks" / "flight_recorder");
+        ASSERT_FALSE(a.findings.empty()) << a.text;
+        EXPECT_EQ(a.findings.front().ranks, std::vector<int>{rank}) << a.text;
+        EXPECT_EQ(a.findings.front().value, value_at[index]) << a.text;
+        EXPECT_EQ(a.findings.front().step, 2) << a.text;
+        EXPECT_EQ(a.findings.front().index, index) << a.text;
+      }
+    }
+  }
+}
+
+// Without the flight recorder, two members that called different collectives cannot tell which
+// one skipped: the launcher says so instead of blaming the lowest rank.
+TEST(Hooks, WithoutTheFlightRecorderTheLauncherDoesNotGuessWhichOfTwoRanksSkipped) {
+  test::TempDir dir;
+  auto r = spmdx("run '" SPMDX_SOURCE_DIR "/configs/llama_fsdp.toml' --model.flavor tiny --training.steps 3 --training.global_batch_size 4 "
+                 "--training.seq_len 32 --nproc 2 --parallelism.data_parallel_replicate_degree 2 --comm.timeout_seconds 6 --data.paths '" +
+                     test::corpus_file(dir) + "' --job.dump_folder '" + (dir / "out").string() + "'",
+                 "SPMDX_FAULT=skip_collective:rank=1,step=2,index=0");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("spmdx run: the ranks called different collectives (all_reduce"));
+  EXPECT_THAT(r.output, HasSubstr("run with --hooks.enable flight_recorder and the launcher names it"));
+  EXPECT_THAT(r.output, Not(HasSubstr("was named by the other ranks")));
 }
 
 TEST(Hooks, ConsistencyNamesTheRankWhoseReplicatedWeightWasPerturbed) {

@@ -278,7 +278,12 @@ int run_run(const RunOptions& o) {
     }
     std::vector<std::string> argv{self_exe(), "run", o.config};
     for (const auto& a : o.overrides) argv.push_back(a);
-    return spmdx::launch::launch({o.nproc, o.nnodes, o.node_rank, o.master_addr, o.master_port}, argv);
+    spmdx::launch::LaunchOptions lo{o.nproc, o.nnodes, o.node_rank, o.master_addr, o.master_port, "spmdx run", ""};
+    const auto& enabled = cfg.get_list("hooks.enable");
+    if (std::find(enabled.begin(), enabled.end(), "flight_recorder") != enabled.end()) {
+      lo.flight_recorder_dir = (std::filesystem::path(cfg.get_string("job.dump_folder")) / "hooks" / "flight_recorder").string();
+    }
+    return spmdx::launch::launch(lo, argv);
   }
   const spmdx::launch::RankEnv env = spmdx::launch::rank_env();
   if (env.source == "single") {
@@ -338,7 +343,7 @@ int run_bench_comm(const BenchCommOptions& o, const std::vector<std::string>& ra
     }
     std::vector<std::string> argv{self_exe()};
     for (const auto& a : raw_args) argv.push_back(a);
-    return spmdx::launch::launch({o.nproc, 1, 0, "", 0, "spmdx bench comm"}, argv);
+    return spmdx::launch::launch({o.nproc, 1, 0, "", 0, "spmdx bench comm", ""}, argv);
   }
   prctl(PR_SET_PDEATHSIG, SIGTERM);
   const auto env = spmdx::launch::rank_env();

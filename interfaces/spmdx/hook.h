@@ -139,6 +139,11 @@ struct CollectiveInfo {
   double started_at = 0;               ///< when the backend began moving data (0: unknown)
   double finished_at = 0;              ///< when it completed or failed (0: not yet)
   std::string error;                   ///< `failed`: the backend's message
+  /// Its place in the step's plan: the ordinal, among the step's collective nodes in plan
+  /// order, of the node that issues it (a bucket: its last member). The same on every rank
+  /// (every rank runs the same plan), so ranks compare it to tell a skipped collective from
+  /// the next one (ABI 2.1; -1: not known).
+  std::int64_t index = -1;
 };
 
 /// A tensor of this rank's train state, in host memory; valid during the callback only.

@@ -35,7 +35,7 @@
 #include "spmdx/strategy.h"
 
 #define SPMDX_ABI_MAJOR 2
-#define SPMDX_ABI_MINOR 0
+#define SPMDX_ABI_MINOR 1
 
 namespace spmdx {
 

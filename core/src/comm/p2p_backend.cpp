@@ -313,6 +313,14 @@ void P2PBackend::report_fault(int peer) {
   }
 }
 
+void P2PBackend::report_mismatch(const std::string& what) {
+  if (store_ == nullptr) return;
+  try {
+    if (store_->add(std::string(kMismatchKey) + "_reported", 1) == 1) store_->set(kMismatchKey, what);
+  } catch (const std::exception&) {
+  }
+}
+
 int P2PBackend::reported_fault() {
   if (store_ == nullptr) return -1;
   try {
@@ -837,6 +845,17 @@ void P2PBackend::shm_collective(Op& op, ShmChannel& ch, ShmKind kind, const char
     for (std::size_t j = 0; j < k; ++j) {
       const ShmChannel::Signature theirs = ch.signature(static_cast<int>(j), round);
       if (!(theirs == sig)) {
+        // Whom to blame: the members outside a strict majority that called the same; with no
+        // such majority (two members, say) nobody can tell here which one skipped a call.
+        std::vector<int> blamed;
+        for (std::size_t a = 0; a < k && blamed.empty(); ++a) {
+          std::vector<int> others;
+          const ShmChannel::Signature x = ch.signature(static_cast<int>(a), round);
+          for (std::size_t b = 0; b < k; ++b) {
+            if (!(ch.signature(static_cast<int>(b), round) == x)) others.push_back(g.ranks[b]);
+          }
+          if (2 * others.size() < k) blamed = others;
+        }
         auto say = [&](const ShmChannel::Signature& x) {
           static const char* kinds[] = {"all_reduce", "reduce_scatter", "all_gather"};
           const auto kind_of = x.what & 0xff;
@@ -845,10 +864,15 @@ void P2PBackend::shm_collective(Op& op, ShmChannel& ch, ShmKind kind, const char
                  (kind_of == 2 ? "" : std::string(" ") + to_string(static_cast<ReduceOp>((x.what >> 16) & 0xff))) +
                  (x.blocks != sig.blocks && x.count == sig.count ? " (other block sizes)" : "");
         };
-        report_fault(g.ranks[j]);
-        throw CommError(op_name(op) + ": rank " + std::to_string(g.ranks[j]) + " called " + say(theirs) + " where rank " +
-                            std::to_string(rank_) + " called " + say(sig) + ": every member must call the same collectives in the same order",
-                        g.ranks[j]);
+        std::string what = op_name(op) + ": rank " + std::to_string(g.ranks[j]) + " called " + say(theirs) + " where rank " +
+                           std::to_string(rank_) + " called " + say(sig) + ": every member must call the same collectives in the same order";
+        if (blamed.size() == 1) {
+          report_fault(blamed.front());
+          what += " (" + rank_list(blamed) + " differs from the other members)";
+        } else {
+          report_mismatch(what);
+        }
+        throw CommError(what, blamed.size() == 1 ? blamed.front() : -1);
       }
     }
     if (kind != ShmKind::all_gather) {

@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <c10/core/InferenceMode.h>
 
+#include <algorithm>
 #include <chrono>
 #include <functional>
 #include <numeric>
@@ -153,6 +154,15 @@ DistributedExecutor::DistributedExecutor(const ir::Graph& graph, const sharding:
   set_backend(backend);
 }
 
+void DistributedExecutor::inject_skip(std::int64_t step, std::int64_t index) {
+  const auto collectives = static_cast<std::int64_t>(std::count(kernels_.begin(), kernels_.end(), nullptr));
+  if (index < 0 || index >= collectives) {
+    throw std::invalid_argument("SPMDX_FAULT: index=" + std::to_string(index) + " never happens: a step of this rank's plan has " +
+                                std::to_string(collectives) + " collectives (index 0 to " + std::to_string(collectives - 1) + ")");
+  }
+  skip_ = {step, index};
+}
+
 void DistributedExecutor::set_backend(CommBackend* backend) {
   backend_ = backend;
   groups_.clear();
@@ -234,8 +244,10 @@ TensorMap DistributedExecutor::run(const TensorMap& inputs, std::int64_t step) {
     return live.at(v);
   };
   // Hands a call to the backend: counts it, tells the hooks.
+  std::int64_t collective_index = -1;  // in this step: the ordinal of the collective node in plan order
   auto issue = [&](const std::shared_ptr<Issued>& is, const ir::Node& n, const at::Tensor& x, std::size_t mesh_dim, const std::string& what) {
     if (hooks_ != nullptr) {
+      is->info.index = collective_index;
       is->info.op = n.op();
       is->info.mesh_dim = static_cast<int>(mesh_dim);
       is->info.group_name = mesh_dim_names_.at(mesh_dim);
@@ -253,7 +265,7 @@ TensorMap DistributedExecutor::run(const TensorMap& inputs, std::int64_t step) {
     if (hooks_ != nullptr) hooks_->collective(is->info);
   };
   std::vector<at::Tensor> bucket_flat(plan_.buckets.size()), bucket_out(plan_.buckets.size());
-  std::int64_t collective_index = -1;  // in this step
+  int skip_bucket = -1;  // the planted fault's bucket: never issued
   for (std::size_t pos = 0; pos < plan_.order.size(); ++pos) {
     const std::size_t index = static_cast<std::size_t>(plan_.order[pos]);
     const ir::Node& n = *nodes_[index];
@@ -264,9 +276,13 @@ TensorMap DistributedExecutor::run(const TensorMap& inputs, std::int64_t step) {
       auto out = (*kernels_[index])(n, args);
       if (hooks_ != nullptr) spans_.push_back({n.op(), "compute", t0, wall_seconds(), 0});
       for (std::size_t i = 0; i < out.size(); ++i) keep(n.outputs()[i], std::move(out[i]));
-    } else if (++collective_index == skip_.second && step == skip_.first && n.op() == "all_reduce") {
-      keep(n.output(), value(n.input(0)));  // the planted fault: this rank skips the collective
+    } else if (const bool skip = ++collective_index == skip_.second && step == skip_.first; skip && plan_.bucket_of[index] < 0) {
+      // The planted fault: this rank skips the collective; its output is the input (all_reduce)
+      // or zeros of the output's shape, as a rank whose code skipped the call would go on.
+      const at::Tensor& x = value(n.input(0));
+      keep(n.output(), n.op() == "all_reduce" ? x.clone() : at::zeros(n.output()->meta().shape, x.options()));
     } else if (const int b = plan_.bucket_of[index]; b >= 0) {
+      if (skip) skip_bucket = b;  // the planted fault on a member: the bucket is never issued
       // A bucket member: its input goes into the bucket's flat buffer; the last one issues it.
       const auto& bucket = plan_.buckets[static_cast<std::size_t>(b)];
       const BucketLayout& L = layout_[static_cast<std::size_t>(b)];
@@ -296,7 +312,17 @@ TensorMap DistributedExecutor::run(const TensorMap& inputs, std::int64_t step) {
         const std::int64_t offset = M.out_offset, numel = mine[0] * M.inner, dim = M.dim;
         pending[n.output()] = {nullptr, [out, offset, numel, mine, dim] { return out.narrow(0, offset, numel).view(mine).movedim(0, dim).contiguous(); }};
       }
-      if (static_cast<int>(pos) == bucket.issue_after) {
+      if (static_cast<int>(pos) == bucket.issue_after && b == skip_bucket) {
+        // The planted fault: every member keeps its own unreduced block (all_reduce) or zeros.
+        if (bucket.op != "all_reduce") out.zero_();
+        for (int m : bucket.members) {
+          const ir::Value* v = nodes_[static_cast<std::size_t>(m)]->output();
+          if (auto it = pending.find(v); it != pending.end()) {
+            keep(v, it->second.finish());
+            pending.erase(it);
+          }
+        }
+      } else if (static_cast<int>(pos) == bucket.issue_after) {
         auto is = std::make_shared<Issued>();
         const auto mesh_dim = static_cast<std::size_t>(bucket.mesh_dim);
         issue(is, n, flat, mesh_dim, "bucket " + std::to_string(b) + " (" + std::to_string(bucket.members.size()) + " tensors, last " + n.output()->ref() + ")");

@@ -3,9 +3,11 @@
 #include <algorithm>
 #include <fstream>
 #include <map>
+#include <optional>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
+#include <tuple>
 
 #include "spmdx/core/text.h"
 
@@ -17,15 +19,26 @@ using nlohmann::json;
 struct Entry {
   std::string op, dtype, value, state, error;
   std::vector<std::int64_t> shape;
-  std::int64_t bytes = 0, step = 0;
+  std::int64_t bytes = 0, step = 0, index = -1;
   std::uint64_t seq = 0;
   std::string signature() const {
     std::string s = op + " " + dtype + "[";
     for (std::size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
     return s + "] (" + human_bytes(static_cast<double>(bytes)) + ")";
   }
-  std::string describe() const { return signature() + " producing " + value + " in step " + std::to_string(step); }
+  std::string where() const { return "in step " + std::to_string(step) + (index >= 0 ? ", plan index " + std::to_string(index) : ""); }
+  std::string describe() const { return signature() + " producing " + value + " " + where(); }
 };
+
+using Timeline = std::map<std::uint64_t, Entry>;  // one rank's collectives on one group, by seq
+
+// What makes two ranks' entries the same collective: the step and the place in the plan (or,
+// in dumps without it, the value produced), and the op.
+std::string identity(const Entry& e, bool by_index) {
+  return std::to_string(e.step) + (by_index ? "#" + std::to_string(e.index) : ":" + e.value) + " " + e.op;
+}
+
+int kind_rank(FrFinding::Kind k) { return static_cast<int>(k); }
 
 }  // namespace
 
@@ -35,7 +48,7 @@ FrAnalysis analyze_flight_recorder(const std::filesystem::path& folder) {
   if (!fs::is_directory(folder, ec)) throw std::runtime_error(folder.string() + ": no such folder (the flight_recorder hook writes <job.dump_folder>/hooks/flight_recorder)");
   // group key -> rank -> seq -> entry
   using Key = std::pair<std::string, std::vector<int>>;  // name, ranks
-  std::map<Key, std::map<int, std::map<std::uint64_t, Entry>>> groups;
+  std::map<Key, std::map<int, Timeline>> groups;
   FrAnalysis out;
   int world_size = 0;
   std::map<int, std::string> reasons;
@@ -69,6 +82,7 @@ FrAnalysis analyze_flight_recorder(const std::filesystem::path& folder) {
         x.shape = e.at("shape").get<std::vector<std::int64_t>>();
         x.bytes = e.at("bytes");
         x.step = e.at("step");
+        x.index = e.value("index", std::int64_t{-1});  // dumps before ABI 2.1 have none
         x.seq = e.at("seq");
         groups[{e.at("group_name").get<std::string>(), e.at("group_ranks").get<std::vector<int>>()}][rank][x.seq] = x;
       }
@@ -90,7 +104,6 @@ FrAnalysis analyze_flight_recorder(const std::filesystem::path& folder) {
   for (int r = 0; r < world_size; ++r) {
     if (!std::binary_search(out.dumped.begin(), out.dumped.end(), r)) out.no_dump.push_back(r);
   }
-  std::vector<FrFinding> mismatches, stalls;
   for (const auto& [key, by_rank] : groups) {
     std::string group = key.first + " [";
     for (std::size_t i = 0; i < key.second.size(); ++i) group += (i ? ", " : "") + std::to_string(key.second[i]);
@@ -103,69 +116,54 @@ FrAnalysis analyze_flight_recorder(const std::filesystem::path& folder) {
     }
     std::uint64_t lo = 0;
     std::set<std::uint64_t> seqs;
+    bool by_index = true;  // every entry knows its place in the plan
     for (int r : members) {
       auto it = by_rank.find(r);
       if (it == by_rank.end() || it->second.empty()) continue;
       lo = std::max(lo, it->second.begin()->first);  // older entries fell out of some ring buffer
-      for (const auto& [q, e] : it->second) seqs.insert(q);
+      for (const auto& [q, e] : it->second) {
+        seqs.insert(q);
+        by_index = by_index && e.index >= 0;
+      }
     }
     const std::string no_dump = undumped.empty() ? "" : " " + rank_list(undumped) + " of this group left no dump (it exited, died or was stopped before dumping): it may be the one missing.";
-    auto entry = [&](int r, std::uint64_t s) -> const Entry* {
+    auto timeline = [&](int r) -> const Timeline* {
       auto it = by_rank.find(r);
-      if (it == by_rank.end()) return nullptr;
-      auto e = it->second.find(s);
-      return e == it->second.end() ? nullptr : &e->second;
+      return it == by_rank.end() ? nullptr : &it->second;
     };
-    bool found = false;
-    for (auto sit = seqs.lower_bound(lo); sit != seqs.end() && !found; ++sit) {
+    auto entry = [&](int r, std::uint64_t s) -> const Entry* {
+      const Timeline* t = timeline(r);
+      if (t == nullptr) return nullptr;
+      auto e = t->find(s);
+      return e == t->end() ? nullptr : &e->second;
+    };
+    // Whether rank r issued collective `id` after its call #s.
+    auto issues_later = [&](int r, std::uint64_t s, const std::string& id) {
+      const Timeline* t = timeline(r);
+      if (t == nullptr) return false;
+      for (auto it = t->upper_bound(s); it != t->end(); ++it) {
+        if (identity(it->second, by_index) == id) return true;
+      }
+      return false;
+    };
+    auto finding = [&](FrFinding::Kind kind, std::uint64_t s, std::vector<int> ranks, const Entry& subject, std::string message) {
+      out.findings.push_back({kind, group, s, std::move(ranks), subject.step, subject.index, subject.value, std::move(message)});
+    };
+    // A collective every rank issued but some have not seen complete is a stall only when no
+    // later one diverges: with overlap a rank may not have waited for it yet when a later
+    // collective fails.
+    std::optional<FrFinding> stall;
+    bool diverged = false;
+    for (auto sit = seqs.lower_bound(lo); sit != seqs.end() && !diverged; ++sit) {
       const std::uint64_t s = *sit;
-      std::map<std::string, std::vector<int>> by_sig;
+      std::map<std::string, std::vector<int>> holders;  // identity -> ranks that issued it as #s
       std::vector<int> absent;
       for (int r : members) {
-        if (const Entry* e = entry(r, s)) by_sig[e->signature()].push_back(r);
+        if (const Entry* e = entry(r, s)) holders[identity(*e, by_index)].push_back(r);
         else absent.push_back(r);
       }
-      if (by_sig.empty()) continue;
-      auto majority = std::max_element(by_sig.begin(), by_sig.end(), [](const auto& a, const auto& b) { return a.second.size() < b.second.size(); });
-      const Entry& ref = *entry(majority->second.front(), s);
-      if (!absent.empty()) {
-        std::ostringstream m;
-        m << "group " << group << ", collective #" << s << ": " << rank_list(absent) << " never issued it; " << rank_list(majority->second) << " issued "
-          << ref.describe() << " (state " << ref.state << ").";
-        for (int r : absent) {
-          auto it = by_rank.find(r);
-          if (it != by_rank.end() && !it->second.empty()) {
-            const Entry& last = it->second.rbegin()->second;
-            m << " Rank " << r << "'s last collective on this group is #" << last.seq << " (" << last.describe() << ", " << last.state << ")"
-              << (last.state == "completed" ? ": when it dumped it was computing, stuck outside collectives, or had skipped this one." : ".");
-          } else {
-            m << " Rank " << r << " recorded no collective on this group.";
-          }
-        }
-        m << no_dump;
-        mismatches.push_back({group, s, absent, m.str()});
-        found = true;
-      } else if (by_sig.size() > 1) {
-        std::vector<int> odd;
-        std::ostringstream m;
-        m << "group " << group << ", collective #" << s << ": the ranks disagree on what it is: " << rank_list(majority->second) << " issued " << ref.describe();
-        for (const auto& [sig, ranks] : by_sig) {
-          if (sig == majority->first) continue;
-          odd.insert(odd.end(), ranks.begin(), ranks.end());
-          const Entry& e = *entry(ranks.front(), s);
-          m << "; " << rank_list(ranks) << " issued " << e.describe();
-          // A skipped collective: the odd rank never produced the value the others' #s produces
-          // (a value's name is the same on every rank: all rank graphs have the same nodes).
-          bool issued_elsewhere = false;
-          for (const auto& [q, other] : by_rank.at(ranks.front())) issued_elsewhere |= other.value == ref.value && other.step == ref.step;
-          if (!issued_elsewhere && e.value != ref.value) {
-            m << ": " << rank_list(ranks) << " skipped the collective producing " << ref.value << " in step " << ref.step << " and went on to the next one";
-          }
-        }
-        m << ". Every rank of a group must issue the same collectives in the same order.";
-        mismatches.push_back({group, s, odd, m.str()});
-        found = true;
-      } else {
+      if (holders.empty()) continue;
+      if (holders.size() == 1 && absent.empty()) {  // the same collective everywhere: did it complete?
         std::vector<int> pending;
         std::string errors;
         for (int r : members) {
@@ -174,23 +172,120 @@ FrAnalysis analyze_flight_recorder(const std::filesystem::path& folder) {
           pending.push_back(r);
           if (!e.error.empty() && errors.empty()) errors = " (rank " + std::to_string(r) + ": " + e.error + ")";
         }
-        if (!pending.empty()) {
-          if (undumped.empty()) {
-            stalls.push_back({group, s, pending,
-                              "group " + group + ", collective #" + std::to_string(s) + " (" + ref.describe() + "): every rank issued it, it did not complete on " +
-                                  rank_list(pending) + errors + "."});
-          } else {
-            stalls.push_back({group, s, undumped,
-                              "group " + group + ", collective #" + std::to_string(s) + " (" + ref.describe() + "): " + rank_list(members) +
-                                  " issued it, it did not complete on " + rank_list(pending) + errors + "." + no_dump});
-          }
-          found = true;
+        if (pending.empty() || stall) continue;
+        const Entry& ref = *entry(members.front(), s);
+        if (undumped.empty()) {
+          stall = FrFinding{FrFinding::Kind::stalled, group, s, pending, ref.step, ref.index, ref.value,
+                            "group " + group + ", collective #" + std::to_string(s) + " (" + ref.describe() +
+                                "): every rank issued it, it did not complete on " + rank_list(pending) + errors + "."};
+        } else {
+          stall = FrFinding{FrFinding::Kind::stalled, group, s, undumped, ref.step, ref.index, ref.value,
+                            "group " + group + ", collective #" + std::to_string(s) + " (" + ref.describe() + "): " + rank_list(members) +
+                                " issued it, it did not complete on " + rank_list(pending) + errors + "." + no_dump};
         }
+        continue;
       }
+      diverged = true;
+      if (holders.size() == 1) {  // some ranks never issued #s
+        const std::vector<int>& issued = holders.begin()->second;
+        const Entry& ref = *entry(issued.front(), s);
+        std::ostringstream m;
+        m << "group " << group << ", collective #" << s << ": " << rank_list(absent) << " never issued it; " << rank_list(issued) << " issued "
+          << ref.describe() << " (state " << ref.state << ").";
+        for (int r : absent) {
+          const Timeline* t = timeline(r);
+          if (t != nullptr && !t->empty()) {
+            const Entry& last = t->rbegin()->second;
+            m << " Rank " << r << "'s last collective on this group is #" << last.seq << " (" << last.describe() << ", " << last.state << ")"
+              << (last.state == "completed" ? ": when it dumped it was computing, stuck outside collectives, or had skipped this one." : ".");
+          } else {
+            m << " Rank " << r << " recorded no collective on this group.";
+          }
+        }
+        m << no_dump;
+        finding(FrFinding::Kind::missing, s, absent, ref, m.str());
+        continue;
+      }
+      // The ranks issued different collectives as #s. The one that comes first in the plan is
+      // the one the others skipped: by plan index, or else the only one that no other rank
+      // issues later (the others' turn up later in its holders' timelines).
+      std::string first;
+      if (by_index) {
+        std::tuple<std::int64_t, std::int64_t> best{INT64_MAX, INT64_MAX};
+        for (const auto& [id, ranks] : holders) {
+          const Entry& e = *entry(ranks.front(), s);
+          if (std::make_tuple(e.step, e.index) < best) best = {e.step, e.index}, first = id;
+        }
+      } else {
+        std::vector<std::string> earliest;
+        for (const auto& [id, ranks] : holders) {
+          bool later = false;  // some rank holding another collective issues this one afterwards
+          for (const auto& [other, others] : holders) {
+            for (int q : others) later = later || (other != id && issues_later(q, s, id));
+          }
+          if (!later) earliest.push_back(id);
+        }
+        if (earliest.size() == 1) first = earliest.front();
+      }
+      if (!first.empty()) {
+        const std::vector<int>& in_order = holders.at(first);
+        const Entry& ref = *entry(in_order.front(), s);
+        std::vector<int> skipped;
+        std::ostringstream m;
+        m << "group " << group << ", collective #" << s << ": ";
+        bool head = true;
+        for (const auto& [id, ranks] : holders) {
+          if (id == first) continue;
+          skipped.insert(skipped.end(), ranks.begin(), ranks.end());
+          const Entry& theirs = *entry(ranks.front(), s);
+          // What they skipped: the holders' collectives from #s up to the one they issued.
+          std::vector<const Entry*> missed;
+          const Timeline& t = *timeline(in_order.front());
+          for (auto it = t.find(s); it != t.end() && identity(it->second, by_index) != id; ++it) missed.push_back(&it->second);
+          m << (head ? "" : "; ") << rank_list(ranks) << " skipped the collective producing " << ref.value << " " << ref.where() << " (" << ref.signature()
+            << ")";
+          if (missed.size() > 1) {
+            m << " and " << (missed.size() - 1) << " after it (";
+            for (std::size_t i = 1; i < missed.size() && i < 5; ++i) m << (i > 1 ? ", " : "") << missed[i]->value;
+            m << (missed.size() > 5 ? ", ..." : "") << ")";
+          }
+          m << ": " << rank_list(in_order) << " issued it as #" << s << ", " << rank_list(ranks) << " issued " << theirs.describe() << " there instead";
+          head = false;
+        }
+        if (!absent.empty()) m << "; " << rank_list(absent) << " issued nothing as #" << s;
+        m << ". Every rank of a group must issue the same collectives in the same order." << no_dump;
+        std::sort(skipped.begin(), skipped.end());
+        finding(FrFinding::Kind::skipped, s, skipped, ref, m.str());
+        continue;
+      }
+      // No order to go by: name the minority.
+      auto majority = std::max_element(holders.begin(), holders.end(), [](const auto& a, const auto& b) { return a.second.size() < b.second.size(); });
+      const Entry& ref = *entry(majority->second.front(), s);
+      std::vector<int> odd;
+      std::ostringstream m;
+      m << "group " << group << ", collective #" << s << ": the ranks disagree on what it is: " << rank_list(majority->second) << " issued " << ref.describe();
+      for (const auto& [id, ranks] : holders) {
+        if (id == majority->first) continue;
+        odd.insert(odd.end(), ranks.begin(), ranks.end());
+        m << "; " << rank_list(ranks) << " issued " << entry(ranks.front(), s)->describe();
+      }
+      m << ". Every rank of a group must issue the same collectives in the same order." << no_dump;
+      std::sort(odd.begin(), odd.end());
+      finding(FrFinding::Kind::different, s, odd, ref, m.str());
     }
+    if (!diverged && stall) out.findings.push_back(*stall);
   }
-  out.findings = mismatches;
-  out.findings.insert(out.findings.end(), stalls.begin(), stalls.end());
+  // Divergences before stalls (a collective not yet seen complete may only not have been
+  // waited for), the earliest in plan order first: a rank that skipped a collective makes
+  // later ones fail on other groups too.
+  std::stable_sort(out.findings.begin(), out.findings.end(), [](const FrFinding& a, const FrFinding& b) {
+    const bool sa = a.kind == FrFinding::Kind::stalled, sb = b.kind == FrFinding::Kind::stalled;
+    if (sa != sb) return sb;
+    const bool ka = a.index >= 0, kb = b.index >= 0;
+    if (ka != kb) return ka;
+    if (ka && std::make_tuple(a.step, a.index) != std::make_tuple(b.step, b.index)) return std::make_tuple(a.step, a.index) < std::make_tuple(b.step, b.index);
+    return kind_rank(a.kind) < kind_rank(b.kind);
+  });
   std::ostringstream text;
   text << "flight recorder dumps in " << folder.string() << ": " << rank_list(out.dumped);
   if (!out.no_dump.empty()) text << "; no dump from " << rank_list(out.no_dump) << " (it died before dumping, or its disk is elsewhere)";
@@ -199,6 +294,7 @@ FrAnalysis analyze_flight_recorder(const std::filesystem::path& folder) {
   if (out.findings.empty()) {
     text << "no mismatch: the ranks with dumps issued the same collectives in the same order, and the last ones completed\n";
   } else {
+    if (out.findings.size() > 1) text << "findings, divergences first, the earliest in the plan first (later ones may follow from it):\n";
     for (const auto& f : out.findings) text << "- " << f.message << "\n";
   }
   out.text = text.str();

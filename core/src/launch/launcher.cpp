@@ -19,6 +19,8 @@
 
 #include "spmdx/comm/p2p_backend.h"
 #include "spmdx/comm/store.h"
+#include "spmdx/core/text.h"
+#include "spmdx/hooks/fr_trace.h"
 
 extern char** environ;
 
@@ -177,6 +179,8 @@ int launch(const LaunchOptions& o, const std::vector<std::string>& argv) {
   // error (it reports a peer's failure). A dying process can stay unreaped longer than the
   // peers it takes down.
   int blame_rank = -1, blame_priority = -1;
+  bool named_by_ranks = false;  // the ranks named the rank that failed (through the store)
+  std::string mismatch;         // ranks found members calling different collectives (kMismatchKey)
   std::string blame;
   auto blame_deadline = std::chrono::steady_clock::time_point::max();
   std::size_t running = children.size();
@@ -226,6 +230,7 @@ int launch(const LaunchOptions& o, const std::vector<std::string>& argv) {
       if (blame_priority == 0) {  // it exited with an error: did the ranks name another one?
         try {
           comm::TcpStore store(addr, port, token, 1);
+          if (store.add(std::string(comm::kMismatchKey) + "_reported", 0) > 0) mismatch = store.get(comm::kMismatchKey, 1);
           if (store.add(std::string(comm::kFaultKey) + "_reported", 0) > 0) {
             const int named = std::stoi(store.get(comm::kFaultKey, 1));
             if (named != failed_rank && named >= 0 && named < world) {
@@ -233,6 +238,7 @@ int launch(const LaunchOptions& o, const std::vector<std::string>& argv) {
                         " reporting it)";
               failed_rank = named;
             }
+            named_by_ranks = true;
           }
         } catch (const std::exception&) {
           // no store any more, or nothing in it: blame the rank that exited
@@ -268,6 +274,27 @@ int launch(const LaunchOptions& o, const std::vector<std::string>& argv) {
     return 128 + g_signal;  // as a shell reports a process ended by that signal
   }
   if (failed_rank >= 0) {
+    // Ranks that failed alike (each exited with an error, e.g. members that called different
+    // collectives) blame each other: their flight recorder dumps say which one diverged.
+    if (blame_priority == 0 && !named_by_ranks && !o.flight_recorder_dir.empty()) {
+      try {
+        const hooks::FrAnalysis a = hooks::analyze_flight_recorder(o.flight_recorder_dir);
+        if (!a.findings.empty() && a.findings.front().kind != hooks::FrFinding::Kind::stalled && !a.findings.front().ranks.empty()) {
+          const auto& f = a.findings.front();
+          std::cerr << o.command << ": " << rank_list(f.ranks) << " diverged, as the flight recorder's dumps show: " << f.message
+                    << " (spmdx fr-trace " << o.flight_recorder_dir << " prints every finding); the other ranks were stopped\n";
+          return 1;
+        }
+      } catch (const std::exception&) {
+        // no dumps, or not from this run: blame the rank that exited
+      }
+    }
+    if (blame_priority == 0 && !named_by_ranks && !mismatch.empty()) {
+      std::cerr << o.command << ": the ranks called different collectives (" << mismatch << "); which rank skipped or added one cannot be told "
+                << "from the collective alone: run with --hooks.enable flight_recorder and the launcher names it (rank " << failed_rank << " "
+                << failure << " first); the other ranks were stopped\n";
+      return 1;
+    }
     std::cerr << o.command << ": rank " << failed_rank << " " << failure << "; the other ranks were stopped\n";
     return 1;
   }

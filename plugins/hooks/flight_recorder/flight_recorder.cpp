@@ -84,6 +84,7 @@ class FlightRecorder final : public spmdx::Hook {
                          {"group_ranks", c.group_ranks},
                          {"seq", c.seq},
                          {"step", c.step},
+                         {"index", c.index},
                          {"bytes", c.bytes},
                          {"dtype", spmdx::to_string(c.dtype)},
                          {"shape", c.shape},

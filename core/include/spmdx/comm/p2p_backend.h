@@ -61,6 +61,9 @@ void divide(void* data, std::size_t count, CommDType dtype, double divisor);
 /// The store key where ranks name the first rank that failed a collective (the first report
 /// wins; "<key>_reported" counts the reports), read by the launcher to say whom to blame.
 inline constexpr const char* kFaultKey = "spmdx/fault";
+/// The store key where ranks that found members calling different collectives, with no
+/// majority to tell which one is wrong, leave the first such message for the launcher.
+inline constexpr const char* kMismatchKey = "spmdx/mismatch";
 
 /// Unlinks the shared-memory segments (/dev/shm/spmdx-<pid>-...) that rank process `pid` made
 /// for a group and left behind because it died before every member had mapped them; the
@@ -142,6 +145,8 @@ class P2PBackend : public CommBackend {
   void direct_all_gather(Op& op, char* out, const std::vector<std::size_t>& counts, CommDType dtype);
   // A failure every rank should blame on `peer` (the first one seen wins), kept in the store.
   void report_fault(int peer);
+  // Members called different collectives and none can be blamed alone: says so (kMismatchKey).
+  void report_mismatch(const std::string& what);
   int reported_fault();
   // The ranks whose heartbeat stopped (checked over ~2 s), or empty.
   std::vector<int> dead_ranks();

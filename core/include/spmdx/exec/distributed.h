@@ -55,9 +55,11 @@ class DistributedExecutor {
   /// The last run's spans (only with hooks set).
   const std::vector<Span>& spans() const noexcept { return spans_; }
   /// Fault injection for testing the debug hooks: in `step`, this rank does not issue its
-  /// collective number `index` (0-based, in the step's order) and uses the input as its
-  /// output, as a rank whose code skipped the call would. Only all_reduce can be skipped.
-  void inject_skip(std::int64_t step, std::int64_t index) { skip_ = {step, index}; }
+  /// collective number `index` (0-based, among the step's collective nodes in plan order, as
+  /// CollectiveInfo::index counts them; a bucket member: the whole bucket) and goes on with
+  /// the input (all_reduce) or zeros as the output, as a rank whose code skipped the call
+  /// would. Throws std::invalid_argument when the step has no collective `index`.
+  void inject_skip(std::int64_t step, std::int64_t index);
   /// Uses another backend from the next run on (hot-swap), making its groups; between runs
   /// nothing is in flight. `backend` is initialised with the same ranks.
   void set_backend(CommBackend* backend);

@@ -41,6 +41,10 @@ struct LaunchOptions {
   std::string master_addr;     ///< --master-addr: node 0's address ("" on one node: loopback)
   int master_port = 0;         ///< --master-port (0 on one node: any free port)
   std::string command = "spmdx run";  ///< the command its messages name
+  /// The flight_recorder hook's folder when the job runs it ("" otherwise): when ranks fail
+  /// alike (each exits with an error, none named by the others), the launcher reads their
+  /// dumps and blames the rank that skipped or missed a collective rather than the lowest.
+  std::string flight_recorder_dir;
 };
 
 /// Runs `nproc` copies of `argv` (argv[0]: the program) with the rank variables set (ranks
