@@ -367,6 +367,15 @@ std::string Config::to_toml() const {
   return out.str();
 }
 
+std::map<std::string, std::string> Config::settings() const {
+  std::map<std::string, std::string> out;
+  for (const auto& [key, v] : values_) out[key] = value_toml(v);
+  for (const auto& [table, options] : plugin_options_) {
+    for (const auto& [k, v] : options) out[table + "." + k] = quote(v);
+  }
+  return out;
+}
+
 const std::map<std::string, std::string>& Config::plugin_options(const std::string& table) const {
   static const std::map<std::string, std::string> none;
   auto it = plugin_options_.find(table);

@@ -2,12 +2,14 @@
 
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include <algorithm>
 #include <chrono>
 
 namespace spmdx::exec {
 namespace {
 
-std::chrono::milliseconds ms(double seconds) { return std::chrono::milliseconds(static_cast<std::int64_t>(seconds * 1000)); }
+// c10d reads a timeout of 0 as "no timeout": the shortest wait asked for is 1 ms.
+std::chrono::milliseconds ms(double seconds) { return std::chrono::milliseconds(std::max<std::int64_t>(1, static_cast<std::int64_t>(seconds * 1000))); }
 
 class C10dStore final : public Store {
  public:

@@ -30,6 +30,8 @@
 #include "spmdx/exec/distributed.h"
 #include "spmdx/exec/simulated.h"
 #include "spmdx/exec/trainer.h"
+#include "spmdx/core/version.h"
+#include "spmdx/launch/rendezvous.h"
 #include "spmdx/hooks/hook_set.h"
 #include "spmdx/sharding/spec.h"
 #include "spmdx/train/job.h"
@@ -194,8 +196,22 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
     if (env.c10d_store) {  // under torchrun: its agent's c10d TCPStore
       store = connect_c10d_store(env.master_addr, env.master_port, "spmdx/" + env.run_id + "/", timeout);
     } else {
-      store = std::make_unique<comm::TcpStore>(env.master_addr, env.master_port, env.token, timeout);
+      store = std::make_unique<comm::TcpStore>(env.master_addr, env.master_port, env.token, timeout, env.rank);
     }
+    // Every rank says who it is and what it runs; rank 0 checks that they agree.
+    launch::RankIdentity me;
+    me.rank = env.rank;
+    me.world_size = env.world_size;
+    me.world_size_from = env.world_size_from;
+    char host[256] = {};
+    ::gethostname(host, sizeof host - 1);
+    me.host = host;
+    me.version = std::string("spmdx ") + SPMDX_VERSION + ", plugin ABI " + std::to_string(SPMDX_ABI_MAJOR) + "." + std::to_string(SPMDX_ABI_MINOR);
+    me.token = env.token;
+    me.settings = cfg.settings();
+    // Where each node keeps its own files may differ (node-local disks); what runs may not.
+    for (const char* local : {"job.dump_folder", "plugins.paths"}) me.settings.erase(local);
+    launch::rendezvous(*store, me, timeout, env.master_addr + ":" + std::to_string(env.master_port));
   }
   // Debug hooks: made on every rank; the compile stages run on rank 0, before any backend
   // joins, so a validator that fails stops the job before its first step.

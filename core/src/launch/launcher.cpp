@@ -65,12 +65,14 @@ RankEnv rank_env() {
     e.local_rank = env_int("SLURM_LOCALID").value_or(0);
     e.local_world_size = env_int("SLURM_NTASKS_PER_NODE").value_or(e.world_size);
     e.source = "slurm";
+    e.world_size_from = "SLURM_NTASKS";
   } else if (auto o = env_int("OMPI_COMM_WORLD_RANK")) {
     e.rank = *o;
     e.world_size = env_int("OMPI_COMM_WORLD_SIZE").value_or(1);
     e.local_rank = env_int("OMPI_COMM_WORLD_LOCAL_RANK").value_or(0);
     e.local_world_size = env_int("OMPI_COMM_WORLD_LOCAL_SIZE").value_or(e.world_size);
     e.source = "openmpi";
+    e.world_size_from = "OMPI_COMM_WORLD_SIZE";
   } else {
     e.source = "single";
   }
@@ -83,6 +85,8 @@ RankEnv rank_env() {
   e.store_hosted = std::getenv("SPMDX_STORE_HOSTED") != nullptr;
   if (const char* agent = std::getenv("TORCHELASTIC_USE_AGENT_STORE"); agent != nullptr && std::string(agent) == "True") e.c10d_store = true;
   if (const char* id = std::getenv("TORCHELASTIC_RUN_ID")) e.run_id = id;
+  // torchrun restarts failed workers under the same run id and store: a restart is a new job.
+  if (const char* restart = std::getenv("TORCHELASTIC_RESTART_COUNT"); restart != nullptr && !e.run_id.empty()) e.run_id += std::string("-") + restart;
   return e;
 }
 

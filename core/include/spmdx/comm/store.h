@@ -1,11 +1,17 @@
 // The rendezvous store: a small TCP key-value server (set, get that waits, add) that rank 0
 // or the launcher serves, and the client every rank uses — the role c10d's TCPStore plays for
-// torchrun. Every connection must first present the job's token. Binds loopback unless told
-// otherwise.
+// torchrun. Binds loopback unless told otherwise.
 //
 // Wire format (both directions): frames of [u32 length][bytes], little endian. A request is
-// a frame with the command ("AUTH", "SET", "GET", "ADD") followed by its argument frames; the
-// reply is one frame ("OK", a value, a number, or "ERR <reason>").
+// a frame with the command followed by its argument frames; the reply is one frame ("OK", a
+// value, a number, or "ERR <reason>"). A connection starts with a handshake and then
+// authentication:
+//   "HELLO spmdx-store 2"             -> "SPMDX-STORE 2"  (protocol 2; "ERR ..." for another)
+//   "AUTH" <token> <rank>             -> "OK" | "ERR wrong job token"
+// so that a port held by another service, a stopped process or an older spmdx store fails at
+// once or at a deadline, never waits silently. The server records each refused token under
+// kRejectedKey ("rank R from ADDR: wrong job token"), so that the ranks waiting for that rank
+// can say why it never joined.
 #pragma once
 
 #include <atomic>
@@ -19,6 +25,11 @@
 #include "spmdx/comm.h"
 
 namespace spmdx::comm {
+
+/// The store's wire protocol version (the handshake's); 1 had no handshake.
+inline constexpr int kStoreProtocol = 2;
+/// Where the server lists the connections it refused for a wrong job token, one line each.
+inline constexpr const char* kRejectedKey = "spmdx/store/rejected";
 
 class TcpStoreServer {
  public:
@@ -42,16 +53,25 @@ class TcpStoreServer {
 class TcpStore final : public Store {
  public:
   /// Connects to host:port, retrying until timeout_seconds pass (the server may start later),
-  /// and authenticates with `token`. Throws CommError naming host:port and the reason.
-  TcpStore(const std::string& host, int port, const std::string& token, double timeout_seconds);
+  /// shakes hands and authenticates with `token` as `rank` (-1: not a rank, e.g. the
+  /// launcher). Logs what it waits for after 5 s. Throws CommError naming host:port and what
+  /// did not answer: nothing listening, a listener that does not answer the handshake within
+  /// the timeout or answers as something else (another service, an older spmdx store), or a
+  /// wrong job token.
+  TcpStore(const std::string& host, int port, const std::string& token, double timeout_seconds, int rank = -1);
   ~TcpStore() override;
+  /// set and add wait at most the constructor's timeout_seconds for the server's answer; get
+  /// waits timeout_seconds for the key (logging what it waits for after 5 s, then every 30 s).
+  /// All throw CommError naming the store, the command and the key.
   void set(const std::string& key, const std::string& value) override;
   std::string get(const std::string& key, double timeout_seconds) override;
   std::int64_t add(const std::string& key, std::int64_t delta) override;
+  const std::string& address() const noexcept { return where_; }
 
  private:
-  std::string request(const std::vector<std::string>& frames);
+  std::string request(const std::vector<std::string>& frames, double seconds, const std::string& what);
   std::string where_;
+  double timeout_ = 300;
   int fd_ = -1;
   std::mutex mutex_;
 };

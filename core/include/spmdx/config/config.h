@@ -77,6 +77,9 @@ class Config {
 
   /// The effective config as TOML, every key, in schema order.
   std::string to_toml() const;
+  /// The effective config as key -> value in TOML's notation: every schema key, and
+  /// "hooks.<name>.<option>" for plugin options (what ranks compare at rendezvous).
+  std::map<std::string, std::string> settings() const;
   /// The file it came from ("" for defaults).
   const std::string& source() const noexcept { return source_; }
   /// Where the values of `keys` come from, to start an error message with: the file ("config"

@@ -21,10 +21,11 @@ struct RankEnv {
   std::string token;          ///< SPMDX_JOB_TOKEN ("" when none was set)
   bool store_hosted = false;  ///< the launcher serves the store (else rank 0 does)
   std::string source;         ///< "spmdx", "torchrun", "slurm", "openmpi" or "single"
+  std::string world_size_from = "WORLD_SIZE";  ///< the variable world_size came from (for messages)
   /// torchrun's agent serves a c10d TCPStore at master_addr:master_port
   /// (TORCHELASTIC_USE_AGENT_STORE=True): join it rather than serve one.
   bool c10d_store = false;
-  std::string run_id;         ///< TORCHELASTIC_RUN_ID, to prefix keys in a shared store
+  std::string run_id;         ///< TORCHELASTIC_RUN_ID (and -TORCHELASTIC_RESTART_COUNT), to prefix keys in a shared store
 };
 
 /// Reads RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE/MASTER_ADDR/MASTER_PORT (torchrun and

@@ -1,0 +1,223 @@
+#include "spmdx/launch/rendezvous.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <set>
+#include <sstream>
+#include <thread>
+#include <vector>
+
+#include "spmdx/comm/store.h"
+#include "spmdx/core/log.h"
+#include "spmdx/core/text.h"
+
+namespace spmdx::launch {
+namespace {
+
+using nlohmann::json;
+using Clock = std::chrono::steady_clock;
+
+std::string key(const std::string& what, int rank = -1) { return "spmdx/rdzv/" + what + (rank >= 0 ? "/" + std::to_string(rank) : ""); }
+
+// FNV-1a, 64 bits, as hex: the same on every machine and build (std::hash is not).
+std::string fnv1a(const std::string& s) {
+  std::uint64_t h = 1469598103934665603ULL;
+  for (unsigned char c : s) h = (h ^ c) * 1099511628211ULL;
+  char buf[17];
+  std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(h));
+  return buf;
+}
+
+std::string settings_text(const std::map<std::string, std::string>& settings) {
+  std::string out;
+  for (const auto& [k, v] : settings) out += k + " = " + v + "\n";
+  return out;
+}
+
+std::map<std::string, std::string> parse_settings(const std::string& text) {
+  std::map<std::string, std::string> out;
+  std::istringstream in(text);
+  std::string line;
+  while (std::getline(in, line)) {
+    const auto eq = line.find(" = ");
+    if (eq != std::string::npos) out[line.substr(0, eq)] = line.substr(eq + 3);
+  }
+  return out;
+}
+
+std::string seconds(double s) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g", std::round(s * 10) / 10);
+  return buf;
+}
+
+// The value at `k`, or nullopt when it is not set within `wait` seconds (a store that is
+// gone throws).
+std::optional<std::string> try_get(Store& store, const std::string& k, double wait) {
+  try {
+    return store.get(k, wait);
+  } catch (const CommError& e) {
+    if (e.peer() != -1) throw;
+    return std::nullopt;
+  }
+}
+
+// "rank 1 has X, ranks 0, 2 have Y" for ranks grouped by what they have; the largest group last.
+std::string who_has(std::map<std::string, std::vector<int>> by_value, const std::string& prefix) {
+  std::vector<std::pair<std::string, std::vector<int>>> groups(by_value.begin(), by_value.end());
+  std::stable_sort(groups.begin(), groups.end(), [](const auto& a, const auto& b) { return a.second.size() < b.second.size(); });
+  std::string out;
+  for (std::size_t i = 0; i < groups.size(); ++i) {
+    const auto& [value, ranks] = groups[i];
+    out += (i == 0 ? "" : ", ") + rank_list(ranks) + (ranks.size() == 1 ? " has " : " have ") + (i == 0 ? prefix : "") + value;
+  }
+  return out;
+}
+
+// Rank 0's comparison of every rank's identity; "" when they agree.
+std::string compare(Store& store, const std::vector<json>& infos) {
+  std::vector<std::string> problems;
+  auto group = [&](auto field) {
+    std::map<std::string, std::vector<int>> by;
+    for (std::size_t r = 0; r < infos.size(); ++r) by[field(infos[r])].push_back(static_cast<int>(r));
+    return by;
+  };
+  if (auto by = group([](const json& i) { return i.at("world_size_from").get<std::string>() + "=" + std::to_string(i.at("world_size").get<int>()); });
+      by.size() > 1) {
+    problems.push_back("the world size differs: " + who_has(by, "") + " (every rank must be started with the same world size)");
+  }
+  if (auto by = group([](const json& i) { return i.at("token").get<std::string>(); }); by.size() > 1) {
+    std::map<std::string, std::vector<int>> named;
+    int n = 0;
+    for (const auto& [hash, ranks] : by) named[hash.empty() ? "no SPMDX_JOB_TOKEN" : "SPMDX_JOB_TOKEN #" + std::to_string(++n)] = ranks;
+    problems.push_back("the job token differs: " + who_has(named, ""));
+  }
+  if (auto by = group([](const json& i) { return i.at("version").get<std::string>(); }); by.size() > 1) {
+    problems.push_back("the spmdx build differs: " + who_has(by, "") + " (run the same spmdx everywhere)");
+  }
+  if (auto by = group([](const json& i) { return i.at("settings").get<std::string>(); }); by.size() > 1) {
+    // Key by key, from one rank of each distinct config.
+    std::vector<std::pair<std::vector<int>, std::map<std::string, std::string>>> configs;
+    for (const auto& [hash, ranks] : by) configs.emplace_back(ranks, parse_settings(store.get(key("settings", ranks.front()), 10)));
+    std::set<std::string> keys;
+    for (const auto& [ranks, s] : configs) {
+      for (const auto& [k, v] : s) keys.insert(k);
+    }
+    std::vector<std::string> differ;
+    for (const auto& k : keys) {
+      std::map<std::string, std::vector<int>> values;
+      for (const auto& [ranks, s] : configs) {
+        auto it = s.find(k);
+        auto& into = values[it == s.end() ? "(not set)" : it->second];
+        into.insert(into.end(), ranks.begin(), ranks.end());
+      }
+      if (values.size() < 2) continue;
+      for (auto& [v, ranks] : values) std::sort(ranks.begin(), ranks.end());
+      differ.push_back(who_has(values, k + " = "));
+    }
+    std::string list;
+    for (std::size_t i = 0; i < differ.size() && i < 8; ++i) list += (i ? "; " : "") + differ[i];
+    if (differ.size() > 8) list += "; and " + std::to_string(differ.size() - 8) + " more";
+    problems.push_back("the ranks were started with different configs: " + list +
+                       " (start every rank with the same config file and command-line overrides)");
+  }
+  std::string out;
+  for (const auto& p : problems) out += (out.empty() ? "" : "; ") + p;
+  return out;
+}
+
+}  // namespace
+
+void rendezvous(Store& store, const RankIdentity& me, double timeout_seconds, const std::string& where) {
+  const auto start = Clock::now();
+  auto elapsed = [&] { return std::chrono::duration<double>(Clock::now() - start).count(); };
+  const int w = me.world_size;
+  const std::string at = "rendezvous at " + where + ": ";
+  if (store.add(key("claim", me.rank), 1) > 1) {
+    throw CommError(at + "another process already joined this job as rank " + std::to_string(me.rank) + " (every rank needs its own RANK)", -1);
+  }
+  const std::string text = settings_text(me.settings);
+  store.set(key("settings", me.rank), text);
+  store.set(key("info", me.rank), json{{"rank", me.rank},
+                                       {"world_size", w},
+                                       {"world_size_from", me.world_size_from},
+                                       {"host", me.host},
+                                       {"version", me.version},
+                                       {"token", me.token.empty() ? std::string() : fnv1a(me.token)},
+                                       {"settings", fnv1a(text)}}
+                                      .dump());
+  store.add(key("joined"), 1);
+  if (me.rank != 0) {
+    // Rank 0 may wait its whole timeout for a missing rank before it answers: wait longer.
+    const double limit = timeout_seconds + 10;
+    double next_log = 5;
+    std::optional<std::string> verdict;
+    while (!(verdict = try_get(store, key("verdict"), std::min(1.0, std::max(0.01, limit - elapsed()))))) {
+      if (elapsed() >= limit) {
+        throw CommError(at + "rank " + std::to_string(me.rank) + " waited " + seconds(limit) +
+                            " s for rank 0 to check every rank's world size, job token and config: is rank 0 running, started with the same "
+                            "MASTER_ADDR and MASTER_PORT?",
+                        0);
+      }
+      if (elapsed() >= next_log) {
+        SPMDX_INFO("rank " << me.rank << ": waiting at " << where << " for rank 0 to check every rank's world size, job token and config ("
+                           << seconds(elapsed()) << " s of " << seconds(limit) << " s)");
+        next_log += 10;
+      }
+    }
+    const json v = json::parse(*verdict);
+    if (!v.at("ok").get<bool>()) throw CommError(v.at("error").get<std::string>(), -1);
+    if (v.at("world_size").get<int>() != w) {
+      throw CommError(at + "rank 0 runs a job of " + std::to_string(v.at("world_size").get<int>()) + " ranks, rank " + std::to_string(me.rank) +
+                          " was started with " + me.world_size_from + "=" + std::to_string(w) + " (every rank must be started with the same world size)",
+                      -1);
+    }
+    return;
+  }
+  // Rank 0: wait for every rank, naming those it waits for, then compare.
+  auto fail = [&](const std::string& why) {
+    store.set(key("verdict"), json{{"ok", false}, {"error", at + why}, {"world_size", w}}.dump());
+    throw CommError(at + why, -1);
+  };
+  auto missing = [&] {
+    std::vector<int> out;
+    for (int r = 0; r < w; ++r) {
+      if (!try_get(store, key("info", r), 0.001)) out.push_back(r);
+    }
+    return out;
+  };
+  double next_log = 5;
+  std::vector<json> infos;
+  while (true) {
+    if (const auto refused = try_get(store, comm::kRejectedKey, 0.001)) {
+      std::string first = refused->substr(0, refused->find('\n'));
+      const auto colon = first.rfind(": ");
+      fail((colon == std::string::npos ? first : first.substr(0, colon)) + " could not join: the store refused its job token " +
+           "(SPMDX_JOB_TOKEN must be the same on every rank and launcher)");
+    }
+    if (store.add(key("joined"), 0) >= w) {
+      const auto absent = missing();
+      if (absent.empty()) break;
+    }
+    if (elapsed() >= timeout_seconds) {
+      const auto absent = missing();
+      fail("rank 0 waited " + seconds(timeout_seconds) + " s (comm.timeout_seconds) for " + rank_list(absent) + " of " + std::to_string(w) +
+           " to join: start " + (absent.size() == 1 ? "it" : "them") + ", or check " + (absent.size() == 1 ? "its" : "their") +
+           " RANK, world size (" + me.world_size_from + "=" + std::to_string(w) + " here), MASTER_ADDR and MASTER_PORT");
+    }
+    if (elapsed() >= next_log) {
+      SPMDX_INFO("rank 0: waiting at " << where << " for " << rank_list(missing()) << " of " << w << " to join (" << seconds(elapsed()) << " s of "
+                                       << seconds(timeout_seconds) << " s)");
+      next_log += 10;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  for (int r = 0; r < w; ++r) infos.push_back(json::parse(store.get(key("info", r), 10)));
+  if (const std::string why = compare(store, infos); !why.empty()) fail(why);
+  store.set(key("verdict"), json{{"ok", true}, {"error", ""}, {"world_size", w}}.dump());
+}
+
+}  // namespace spmdx::launch
