@@ -16,6 +16,7 @@ namespace {
 
 namespace fs = std::filesystem;
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 using test::corpus_file;
 using test::losses;
@@ -192,9 +193,9 @@ TEST(Checkpoint, ResumesOnAnotherMeshAndStrategyWithTheSameLosses) {
   ASSERT_EQ(resume.exit_code, 0) << resume.output;
   EXPECT_THAT(resume.output, HasSubstr("resumed from"));
   const auto want = losses(dir / "full" / "metrics.jsonl");
-  const auto got = losses(dir / "a" / "metrics.jsonl");  // the resumed run rewrote it: steps 6-10
-  ASSERT_EQ(got.size(), 5u);
-  for (std::size_t i = 0; i < got.size(); ++i) EXPECT_NEAR(got[i], want[i + 5], 1e-5 * std::abs(want[i + 5])) << "step " << i + 6;
+  const auto got = losses(dir / "a" / "metrics.jsonl");  // steps 1-5 of the first run, 6-10 of the resumed one
+  ASSERT_EQ(got.size(), 10u);
+  for (std::size_t i = 0; i < got.size(); ++i) EXPECT_NEAR(got[i], want[i], 1e-5 * std::abs(want[i])) << "step " << i + 1;
 
   // Consolidated weights as safetensors, read back by an independent reader (Python).
   auto exported = test::run_command("'" SPMDX_EXE "' export '" + (dir / "a" / "checkpoint" / "step-10").string() + "' '" +
@@ -225,6 +226,67 @@ TEST(Checkpoint, ResumesOnAnotherMeshAndStrategyWithTheSameLosses) {
                            " --checkpoint.enable true --training.steps 12 --job.dump_folder '" + (dir / "a").string() + "'");
   EXPECT_EQ(bad.exit_code, 1);
   EXPECT_THAT(bad.output, HasSubstr("rank1.bin: truncated"));
+}
+
+// Resuming in the job's own folder, as after a preemption: every file the run appends to keeps
+// the steps up to the checkpoint once and drops those past it; a finished job changes nothing.
+TEST(Checkpoint, ResumingInTheSameFolderKeepsTheHistoryOfEveryFile) {
+  test::TempDir dir;
+  const fs::path out = dir / "job";
+  const std::string common = "'" SPMDX_SOURCE_DIR "/configs/llama_fsdp.toml' --nproc 2 --data.paths '" + corpus_file(dir) +
+                             "' --training.global_batch_size 4 --training.seq_len 32 --checkpoint.enable true --checkpoint.interval 3"
+                             " --hooks.enable timeline,flight_recorder,consistency --hooks.timeline.steps 20 --hooks.consistency.every 1"
+                             " --job.dump_folder '" + out.string() + "'";
+  auto steps = [](const fs::path& metrics) {
+    std::vector<std::int64_t> s;
+    std::ifstream in(metrics);
+    std::string line;
+    while (std::getline(in, line)) s.push_back(nlohmann::json::parse(line).at("step").get<std::int64_t>());
+    return s;
+  };
+  auto first = spmdx_run(common + " --training.steps 8");
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  const auto uninterrupted = losses(out / "metrics.jsonl");
+  // A crash after step 8 that left no step-8 checkpoint: the job resumes from step 6.
+  fs::remove_all(out / "checkpoint" / "step-8");
+  auto resumed = spmdx_run(common + " --training.steps 8");
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_THAT(resumed.output, HasSubstr("done: 2 steps (7-8, resumed)"));
+  EXPECT_EQ(steps(out / "metrics.jsonl"), (std::vector<std::int64_t>{1, 2, 3, 4, 5, 6, 7, 8}));
+  const auto after = losses(out / "metrics.jsonl");
+  for (std::size_t i = 0; i < after.size(); ++i) EXPECT_NEAR(after[i], uninterrupted[i], 1e-6) << "step " << i + 1;
+  // The hooks' files: steps 1-6 of the first run and 7-8 of the second, once each.
+  const auto summary = nlohmann::json::parse(std::ifstream(out / "hooks" / "timeline" / "summary.json"));
+  std::map<int, std::vector<std::int64_t>> timeline_steps;
+  for (const auto& row : summary) timeline_steps[row.at("rank").get<int>()].push_back(row.at("step").get<std::int64_t>());
+  for (int r : {0, 1}) EXPECT_EQ(timeline_steps[r], (std::vector<std::int64_t>{1, 2, 3, 4, 5, 6, 7, 8})) << "rank " << r;
+  std::vector<std::int64_t> checked;
+  const auto report = nlohmann::json::parse(std::ifstream(out / "hooks" / "consistency" / "report.json"));
+  for (const auto& c : report.at("checks")) {
+    checked.push_back(c.at("step").get<std::int64_t>());
+  }
+  EXPECT_EQ(checked, (std::vector<std::int64_t>{1, 2, 3, 4, 5, 6, 7, 8}));
+  // The first run's flight recorder dumps are kept aside, the new ones merge alone.
+  for (int r : {0, 1}) {
+    EXPECT_TRUE(fs::exists(out / "hooks" / "flight_recorder" / "before-step-7" / ("rank" + std::to_string(r) + ".json"))) << r;
+    EXPECT_TRUE(fs::exists(out / "hooks" / "flight_recorder" / ("rank" + std::to_string(r) + ".json"))) << r;
+  }
+  auto trace = test::run_command("'" SPMDX_EXE "' fr-trace '" + (out / "hooks" / "flight_recorder").string() + "'");
+  EXPECT_THAT(trace.output, HasSubstr("no mismatch"));
+
+  // Finished: said so, nothing written (not even the hooks' files), exit 0.
+  const auto before = fs::last_write_time(out / "metrics.jsonl");
+  const auto timeline_before = fs::last_write_time(out / "hooks" / "timeline" / "rank0.json");
+  for (const char* n : {"8", "4"}) {
+    auto again = spmdx_run(common + " --training.steps " + n);
+    EXPECT_EQ(again.exit_code, 0) << again.output;
+    EXPECT_THAT(again.output, HasSubstr("nothing to do: the job is finished (checkpoint"));
+    EXPECT_THAT(again.output, HasSubstr("is at step 8, training.steps is " + std::string(n) + "); nothing was changed"));
+    EXPECT_THAT(again.output, Not(HasSubstr("done:")));
+  }
+  EXPECT_EQ(fs::last_write_time(out / "metrics.jsonl"), before);
+  EXPECT_EQ(fs::last_write_time(out / "hooks" / "timeline" / "rank0.json"), timeline_before);
+  EXPECT_EQ(steps(out / "metrics.jsonl").size(), 8u);
 }
 
 // Hot-swap: every step the ranks leave one backend and join the other (UCX over shared memory,

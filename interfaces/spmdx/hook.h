@@ -109,6 +109,10 @@ struct HookContext {
   Store* store = nullptr;              ///< for exchanging results across ranks; null with one rank or in `spmdx compile`
   double timeout_seconds = 300;        ///< comm.timeout_seconds: how long cross-rank waits may take
   bool compile_only = false;           ///< `spmdx compile`: no step will run
+  /// The first step this run trains: 1, or the step after the checkpoint it resumed from in
+  /// the same dump folder. A hook that writes files keeps what earlier runs recorded for the
+  /// steps before it, and replaces the rest (ABI 2.1).
+  std::int64_t first_step = 1;
 };
 
 enum class CollectiveState : std::uint8_t { issued, completed, failed };

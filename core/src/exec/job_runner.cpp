@@ -21,6 +21,7 @@
 #include <nlohmann/json.hpp>
 
 #include "spmdx/comm/store.h"
+#include "spmdx/core/files.h"
 #include "spmdx/core/log.h"
 #include "spmdx/core/registry.h"
 #include "spmdx/core/text.h"
@@ -146,6 +147,22 @@ class SignalDumper {
   std::thread thread_;
 };
 
+// Rewrites a JSON Lines file of per-step rows (metrics.jsonl) keeping only the rows of steps
+// before `first_step`, atomically; a line that does not parse (torn by a crash) is dropped.
+void keep_rows_before(const std::filesystem::path& file, std::int64_t first_step) {
+  std::ifstream in(file);
+  if (!in) return;
+  std::string kept, line;
+  while (std::getline(in, line)) {
+    try {
+      const auto row = nlohmann::json::parse(line);
+      if (row.at("step").get<std::int64_t>() < first_step) kept += line + "\n";
+    } catch (const std::exception&) {
+    }
+  }
+  write_file_atomic(file, kept);
+}
+
 }  // namespace
 
 int run_job(const config::Config& cfg, const launch::RankEnv& env) {
@@ -162,6 +179,23 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
   const auto tokenizer = data::make_tokenizer(cfg.get_string("model.tokenizer"));
   const train::JobSpec spec = train::job_spec(cfg, env.world_size, tokenizer->vocab_size());
   train::check_runnable(cfg);
+
+  // Resuming: from the newest checkpoint (or checkpoint.load_step). A job whose checkpoint is
+  // already at its last step has nothing to do, and changes nothing.
+  const bool checkpointing = cfg.get_bool("checkpoint.enable");
+  const std::filesystem::path ckpt_dir = std::filesystem::path(cfg.get_string("job.dump_folder")) / cfg.get_string("checkpoint.folder");
+  std::optional<std::int64_t> resume_step;
+  if (checkpointing || cfg.get_int("checkpoint.load_step") >= 0) resume_step = find_checkpoint(ckpt_dir, cfg.get_int("checkpoint.load_step"));
+  const std::int64_t first_step = resume_step ? *resume_step + 1 : 1;
+  if (first_step > spec.steps) {
+    if (lead) {
+      std::printf("nothing to do: the job is finished (checkpoint %s is at step %lld, training.steps is %lld); nothing was changed "
+                  "(raise training.steps to train further)\n",
+                  (ckpt_dir / ("step-" + std::to_string(*resume_step))).string().c_str(), static_cast<long long>(*resume_step),
+                  static_cast<long long>(spec.steps));
+    }
+    return 0;
+  }
 
   PluginRegistry registry;
   train::discover_plugins(registry, cfg);
@@ -222,6 +256,7 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
   hook_base.coordinate = job.mesh.coordinate(env.rank);
   hook_base.store = store.get();
   hook_base.timeout_seconds = timeout;
+  hook_base.first_step = first_step;
   hooks::HookSet hooks = hooks::make_hooks(cfg, registry, hook_base);
   if (signals) signals->start(&hooks);
   if (lead && !hooks.empty()) {
@@ -252,10 +287,8 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
                              static_cast<std::uint64_t>(cfg.get_int("data.seed"))},
                             *tokenizer);
 
-  // Resume from the newest checkpoint (or checkpoint.load_step), resharding when it was saved
-  // on another mesh or strategy.
-  const bool checkpointing = cfg.get_bool("checkpoint.enable");
-  const std::filesystem::path ckpt_dir = std::filesystem::path(cfg.get_string("job.dump_folder")) / cfg.get_string("checkpoint.folder");
+  // Resume from the checkpoint found above, resharding when it was saved on another mesh or
+  // strategy.
   std::map<std::string, ir::TensorMeta> state_metas;
   std::map<std::string, sharding::Placements> state_placements;
   for (const auto& [name, t] : state) {
@@ -263,17 +296,13 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
     state_metas[name] = v->meta();
     state_placements[name] = plan.placement.at(v);
   }
-  std::int64_t first_step = 1;
-  if (checkpointing || cfg.get_int("checkpoint.load_step") >= 0) {
-    if (const auto found = find_checkpoint(ckpt_dir, cfg.get_int("checkpoint.load_step"))) {
-      CheckpointMeta meta;
-      state = load_checkpoint(ckpt_dir, *found, job.mesh, env.rank, state_metas, state_placements, &meta);
-      dataset.restore({meta.data_samples});
-      first_step = meta.step + 1;
-      if (lead) {
-        std::printf("resumed from %s (step %lld)\n", (ckpt_dir / ("step-" + std::to_string(*found))).string().c_str(),
-                    static_cast<long long>(meta.step));
-      }
+  if (resume_step) {
+    CheckpointMeta meta;
+    state = load_checkpoint(ckpt_dir, *resume_step, job.mesh, env.rank, state_metas, state_placements, &meta);
+    dataset.restore({meta.data_samples});
+    if (lead) {
+      std::printf("resumed from %s (step %lld)\n", (ckpt_dir / ("step-" + std::to_string(*resume_step))).string().c_str(),
+                  static_cast<long long>(meta.step));
     }
   }
   const auto& tokens_pl = plan.placement.at(job.model.graph.find_input("tokens"));
@@ -284,7 +313,14 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
   const std::filesystem::path dump = cfg.get_string("job.dump_folder");
   if (lead) {
     std::filesystem::create_directories(dump);
-    metrics.open(dump / "metrics.jsonl", std::ios::trunc);
+    if (first_step > 1) {
+      // Resumed: keep the history of the steps up to the checkpoint, drop those past it (a run
+      // that went on after it and failed), and append from here.
+      keep_rows_before(dump / "metrics.jsonl", first_step);
+      metrics.open(dump / "metrics.jsonl", std::ios::app);
+    } else {
+      metrics.open(dump / "metrics.jsonl", std::ios::trunc);
+    }
     if (!metrics) throw std::runtime_error("cannot write " + (dump / "metrics.jsonl").string());
     double params = 0;
     for (const auto& p : job.model.params) params += static_cast<double>(job.model.graph.find_input(p)->meta().numel());

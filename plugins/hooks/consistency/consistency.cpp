@@ -9,8 +9,10 @@
 // Options ([hooks.consistency]): every, steps between checks, and the last step is always
 // checked (default 10); fail, stop the
 // job on a divergence (default true; false only reports it).
-// Output: <dump>/hooks/consistency/report.json (rank 0): the checks and the first divergence.
+// Output: <dump>/hooks/consistency/report.json (rank 0): the checks and the first divergence; a
+// run resumed in the same folder keeps those of the steps before it.
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -47,6 +49,7 @@ class Consistency final : public spmdx::Hook {
     if (context.store == nullptr && !context.compile_only) {
       SPMDX_INFO("consistency: one rank, nothing to compare");
     }
+    if (context.rank == 0 && context.first_step > 1 && !context.compile_only) keep_earlier_report();
   }
 
   void on_step_end(const spmdx::StepInfo& step) override {
@@ -128,6 +131,25 @@ class Consistency final : public spmdx::Hook {
     report_["every"] = every_;
     if (!report_.contains("divergence")) report_["divergence"] = nullptr;
     spmdx::write_file_atomic(std::filesystem::path(context_.output_dir) / "report.json", report_.dump(1) + "\n");
+  }
+
+  // Resumed in the same folder: the report keeps the checks (and a divergence) of the steps
+  // before this run's first step.
+  void keep_earlier_report() {
+    std::ifstream in(std::filesystem::path(context_.output_dir) / "report.json");
+    if (!in) return;
+    try {
+      const json old = json::parse(in);
+      for (const auto& c : old.at("checks")) {
+        if (c.at("step").get<std::int64_t>() < context_.first_step) report_["checks"].push_back(c);
+      }
+      const json& d = old.value("divergence", json());
+      if (d.is_object() && d.at("step").get<std::int64_t>() < context_.first_step) report_["divergence"] = d;
+    } catch (const std::exception& e) {
+      SPMDX_WARN("consistency: the report of the run before (" << context_.output_dir << "report.json) is unreadable (" << e.what()
+                                                                << "); starting a new one");
+      report_ = {{"checks", json::array()}};
+    }
   }
 
   std::int64_t every_ = 10;

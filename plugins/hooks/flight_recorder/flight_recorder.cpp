@@ -8,7 +8,9 @@
 // dump_at_end, also dump after the last step (default true: a rank that finished while others
 // hang is then seen in the merge, with the collectives it did issue).
 // A rank removes its own old dump when it starts, and rank 0 those of ranks beyond world_size,
-// so that a merge never mixes runs.
+// so that a merge never mixes runs; a run resumed from a checkpoint in the same folder moves
+// them into before-step-<first step>/ instead, so that the dumps of the failure it resumes
+// after are kept.
 #include <deque>
 #include <filesystem>
 #include <mutex>
@@ -35,14 +37,14 @@ class FlightRecorder final : public spmdx::Hook {
   void init(const spmdx::HookContext& context) override {
     context_ = context;
     if (context.compile_only) return;
-    std::error_code ec;
-    std::filesystem::remove(path_of(context.rank), ec);
+    retire(path_of(context.rank));
     if (context.rank != 0) return;
+    std::error_code ec;
     for (const auto& f : std::filesystem::directory_iterator(context.output_dir, ec)) {
       const std::string name = f.path().filename().string();
       if (name.rfind("rank", 0) != 0 || f.path().extension() != ".json") continue;
       try {
-        if (std::stoi(name.substr(4)) >= context.world_size) std::filesystem::remove(f.path(), ec);
+        if (std::stoi(name.substr(4)) >= context.world_size) retire(f.path());
       } catch (const std::logic_error&) {
       }
     }
@@ -70,6 +72,27 @@ class FlightRecorder final : public spmdx::Hook {
   }
 
  private:
+  // A dump of the run before: a fresh run removes it; a run resumed in the same folder keeps it
+  // (the dump of the failure it resumes after, say) in before-step-<first step>[.N]/, out of
+  // the way of fr-trace's merge of this run's dumps.
+  void retire(const std::filesystem::path& old) const {
+    std::error_code ec;
+    if (!std::filesystem::exists(old, ec)) return;
+    if (context_.first_step <= 1) {
+      std::filesystem::remove(old, ec);
+      return;
+    }
+    const std::filesystem::path base = std::filesystem::path(context_.output_dir) / ("before-step-" + std::to_string(context_.first_step));
+    for (int n = 1; n < 1000; ++n) {
+      const std::filesystem::path dir = n == 1 ? base : std::filesystem::path(base.string() + "." + std::to_string(n));
+      if (std::filesystem::exists(dir / old.filename(), ec)) continue;
+      std::filesystem::create_directories(dir, ec);
+      std::filesystem::rename(old, dir / old.filename(), ec);
+      if (!ec) return;
+    }
+    SPMDX_WARN("flight_recorder: could not keep " << old.string() << " aside; it will be overwritten");
+  }
+
   std::filesystem::path path_of(int rank) const { return std::filesystem::path(context_.output_dir) / ("rank" + std::to_string(rank) + ".json"); }
 
   void dump(const std::string& reason) {

@@ -8,11 +8,13 @@
 // many (default 5).
 // Output: <dump>/hooks/timeline/rank<R>.json, and on rank 0 merged.json (every rank's file
 // that exists once all ranks wrote theirs) and summary.json (per rank and step: step, comm and
-// exposed comm in ms, overlap ratio).
+// exposed comm in ms, overlap ratio). A run resumed from a checkpoint in the same folder keeps
+// what the runs before recorded for the steps before its first.
 #include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <mutex>
+#include <set>
 #include <nlohmann/json.hpp>
 #include <thread>
 
@@ -44,6 +46,7 @@ class Timeline final : public spmdx::Hook {
     for (int t = 0; t < 2; ++t) {
       events_.push_back({{"ph", "M"}, {"name", "thread_name"}, {"pid", pid}, {"tid", t}, {"args", {{"name", threads[t]}}}});
     }
+    if (context.first_step > 1 && !context.compile_only) keep_earlier_steps();
   }
 
   void on_step_end(const spmdx::StepInfo& step) override {
@@ -55,15 +58,17 @@ class Timeline final : public spmdx::Hook {
     for (const auto& s : step.spans) {
       first = std::min(first, s.start);
       last = std::max(last, s.end);
+      json args{{"step", step.step}};
+      if (s.bytes > 0) args["bytes"] = s.bytes;
       events_.push_back({{"ph", "X"}, {"name", s.name}, {"cat", s.thread}, {"pid", pid}, {"tid", s.thread == "comm" ? 1 : 0},
-                         {"ts", us(s.start)}, {"dur", us(s.end - s.start)}, {"args", s.bytes > 0 ? json{{"bytes", s.bytes}} : json::object()}});
+                         {"ts", us(s.start)}, {"dur", us(s.end - s.start)}, {"args", args}});
     }
     const double overlap = step.comm_seconds > 0 ? std::clamp(step.hidden_comm_seconds / step.comm_seconds, 0.0, 1.0) : 0.0;
     if (first < last) {
       events_.push_back({{"ph", "X"}, {"name", "step " + std::to_string(step.step)}, {"cat", "step"}, {"pid", pid}, {"tid", 0},
                          {"ts", us(first)}, {"dur", us(last - first)},
-                         {"args", {{"loss", step.loss}, {"comm_ms", step.comm_seconds * 1e3}, {"exposed_comm_ms", step.exposed_comm_seconds * 1e3},
-                                   {"overlap_ratio", overlap}}}});
+                         {"args", {{"step", step.step}, {"loss", step.loss}, {"comm_ms", step.comm_seconds * 1e3},
+                                   {"exposed_comm_ms", step.exposed_comm_seconds * 1e3}, {"overlap_ratio", overlap}}}});
       events_.push_back({{"ph", "C"}, {"name", "overlap_ratio"}, {"pid", pid}, {"ts", us(first)}, {"args", {{"overlap", overlap}}}});
     }
     summary_.push_back({{"rank", pid}, {"step", step.step}, {"step_ms", step.step_seconds * 1e3}, {"comm_ms", step.comm_seconds * 1e3},
@@ -126,6 +131,37 @@ class Timeline final : public spmdx::Hook {
     std::lock_guard lock(mutex_);
     const json doc{{"traceEvents", events_}, {"displayTimeUnit", "ms"}, {"otherData", {{"rank", context_.rank}, {"summary", summary_}}}};
     spmdx::write_file_atomic(fs::path(context_.output_dir) / ("rank" + std::to_string(context_.rank) + ".json"), doc.dump() + "\n");
+  }
+
+  // Resumed in the same folder: this rank's trace keeps the events and summary rows of the
+  // steps before this run's first step (spans carry their step; a step's overlap counter
+  // shares the start of its "step N" span).
+  void keep_earlier_steps() {
+    const fs::path own = fs::path(context_.output_dir) / ("rank" + std::to_string(context_.rank) + ".json");
+    std::ifstream in(own);
+    if (!in) return;
+    try {
+      const json old = json::parse(in);
+      std::set<double> step_starts;
+      json kept = json::array();
+      for (const auto& e : old.at("traceEvents")) {
+        if (e.value("ph", "") != "X" || !e.contains("args") || !e["args"].contains("step")) continue;
+        if (e["args"]["step"].get<std::int64_t>() >= context_.first_step) continue;
+        kept.push_back(e);
+        if (e.value("cat", "") == "step") step_starts.insert(e.at("ts").get<double>());
+      }
+      for (const auto& e : old.at("traceEvents")) {
+        if (e.value("ph", "") == "C" && step_starts.count(e.at("ts").get<double>())) kept.push_back(e);
+      }
+      json summary = json::array();
+      for (const auto& row : old.at("otherData").at("summary")) {
+        if (row.at("step").get<std::int64_t>() < context_.first_step) summary.push_back(row);
+      }
+      for (auto& e : kept) events_.push_back(std::move(e));
+      summary_ = std::move(summary);
+    } catch (const std::exception& e) {
+      SPMDX_WARN("timeline: the trace of the run before (" << own.string() << ") is unreadable (" << e.what() << "); starting a new one");
+    }
   }
 
   std::int64_t start_ = 1, steps_ = 5;
