@@ -7,11 +7,13 @@
 #include <boost/crc.hpp>
 #include <cstring>
 #include <fstream>
+#include <set>
 #include <nlohmann/json.hpp>
 
 #include "spmdx/core/files.h"
 #include "spmdx/exec/kernels.h"
 #include "spmdx/exec/simulated.h"
+#include "spmdx/sharding/spec.h"
 
 namespace spmdx::exec {
 namespace {
@@ -47,7 +49,9 @@ std::string read_file(const fs::path& file) {
   return std::string(std::istreambuf_iterator<char>(in), {});
 }
 
-std::string encode(const TensorMap& tensors) {
+// `where`: each tensor's offset in its global tensor, per dim (as torch.distributed.checkpoint's
+// chunk offsets), so that a load can tell placements that do not describe the file.
+std::string encode(const TensorMap& tensors, const std::map<std::string, std::vector<std::int64_t>>& where) {
   json header{{"tensors", json::array()}};
   std::string data;
   for (const auto& [name, t0] : tensors) {
@@ -56,6 +60,7 @@ std::string encode(const TensorMap& tensors) {
     header["tensors"].push_back({{"name", name},
                                  {"dtype", ir::to_string(from_aten(t.scalar_type()))},
                                  {"shape", t.sizes().vec()},
+                                 {"global_offset", where.at(name)},
                                  {"offset", data.size()},
                                  {"bytes", bytes},
                                  {"crc32", crc32(t.data_ptr(), bytes)}});
@@ -68,34 +73,87 @@ std::string encode(const TensorMap& tensors) {
   return out + h + data;
 }
 
-TensorMap decode(const fs::path& file) {
-  const std::string bytes = read_file(file);
-  if (bytes.size() < 16 || std::memcmp(bytes.data(), kMagic, 8) != 0) fail(file, "not a spmdx checkpoint shard (bad magic)");
+// The shard file's header: the JSON between the 16-byte preamble and the data, as bytes.
+struct ShardFile {
+  std::string bytes;
+  std::size_t header_begin = 16, header_end = 16;  // [begin, end) of the JSON header
+};
+
+ShardFile read_shard(const fs::path& file) {
+  ShardFile f{read_file(file)};
+  if (f.bytes.size() < 16 || std::memcmp(f.bytes.data(), kMagic, 8) != 0) fail(file, "not a spmdx checkpoint shard (bad magic)");
   std::uint64_t n = 0;
-  std::memcpy(&n, bytes.data() + 8, 8);
-  if (n > bytes.size() - 16) fail(file, "truncated header");
+  std::memcpy(&n, f.bytes.data() + 8, 8);
+  if (n > f.bytes.size() - 16) fail(file, "truncated header");
+  f.header_end = 16 + static_cast<std::size_t>(n);
+  return f;
+}
+
+std::uint32_t header_crc(const ShardFile& f) { return crc32(f.bytes.data() + f.header_begin, f.header_end - f.header_begin); }
+
+// Every tensor of a shard file, each checked: header fields typed and in range, data inside the
+// file, shape and dtype matching the byte count (before anything is allocated), CRC-32.
+struct Decoded {
+  TensorMap tensors;
+  std::map<std::string, std::vector<std::int64_t>> global_offset;  // where the header says so
+};
+
+Decoded decode(const fs::path& file, const ShardFile& f) {
   json header;
   try {
-    header = json::parse(bytes.substr(16, n));
+    header = json::parse(f.bytes.substr(f.header_begin, f.header_end - f.header_begin));
   } catch (const json::exception& e) {
     fail(file, std::string("corrupted header: ") + e.what());
   }
-  const std::size_t base = 16 + n;
-  TensorMap out;
-  for (const auto& t : header.at("tensors")) {
-    const auto name = t.at("name").get<std::string>();
-    const auto offset = t.at("offset").get<std::size_t>(), size = t.at("bytes").get<std::size_t>();
-    if (base + offset + size > bytes.size()) fail(file, "truncated: tensor '" + name + "' ends past the end of the file");
-    const char* p = bytes.data() + base + offset;
-    if (crc32(p, size) != t.at("crc32").get<std::uint32_t>()) fail(file, "corrupted: tensor '" + name + "' fails its checksum");
-    const auto dtype = ir::parse_dtype(t.at("dtype").get<std::string>());
-    if (!dtype) fail(file, "unknown dtype for '" + name + "'");
-    at::Tensor x = at::empty(t.at("shape").get<std::vector<std::int64_t>>(), at::TensorOptions().dtype(to_aten(*dtype)));
-    if (static_cast<std::size_t>(x.nbytes()) != size) fail(file, "tensor '" + name + "' has the wrong size");
+  if (!header.is_object() || !header.contains("tensors") || !header["tensors"].is_array()) fail(file, "corrupted header: no \"tensors\" list");
+  const std::size_t base = f.header_end, size_of_data = f.bytes.size() - base;
+  Decoded decoded;
+  TensorMap& out = decoded.tensors;
+  std::size_t i = 0;
+  for (const auto& t : header["tensors"]) {
+    const std::string at = "header tensor #" + std::to_string(i++);
+    auto unsigned_field = [&](const char* key) -> std::uint64_t {
+      if (!t.is_object() || !t.contains(key) || !t[key].is_number_unsigned()) fail(file, at + ": \"" + key + "\" must be a whole number >= 0");
+      return t[key].get<std::uint64_t>();
+    };
+    if (!t.is_object() || !t.contains("name") || !t["name"].is_string()) fail(file, at + ": \"name\" must be a string");
+    const auto name = t["name"].get<std::string>();
+    const std::uint64_t offset = unsigned_field("offset"), size = unsigned_field("bytes"), crc = unsigned_field("crc32");
+    if (offset > size_of_data || size > size_of_data - offset) fail(file, "truncated: tensor '" + name + "' ends past the end of the file");
+    if (!t.contains("dtype") || !t["dtype"].is_string()) fail(file, "tensor '" + name + "': \"dtype\" must be a string");
+    const auto dtype = ir::parse_dtype(t["dtype"].get<std::string>());
+    if (!dtype) fail(file, "tensor '" + name + "': unknown dtype '" + t["dtype"].get<std::string>() + "'");
+    if (!t.contains("shape") || !t["shape"].is_array() || t["shape"].size() > 16) fail(file, "tensor '" + name + "': \"shape\" must be a list of at most 16 sizes");
+    std::vector<std::int64_t> shape;
+    std::uint64_t numel = 1;
+    for (const auto& d : t["shape"]) {
+      if (!d.is_number_unsigned() || d.get<std::uint64_t>() > (std::uint64_t{1} << 40)) fail(file, "tensor '" + name + "': a size in \"shape\" is not a whole number in [0, 2^40]");
+      const std::uint64_t x = d.get<std::uint64_t>();
+      if (x != 0 && numel > (std::uint64_t{1} << 50) / x) fail(file, "tensor '" + name + "': \"shape\" holds more than 2^50 elements");
+      numel *= x;
+      shape.push_back(static_cast<std::int64_t>(x));
+    }
+    if (numel * ir::element_size(*dtype) != size) {
+      fail(file, "tensor '" + name + "' is " + ir::to_string(*dtype) + ir::shape_str(shape) + " but holds " + std::to_string(size) + " bytes");
+    }
+    const char* p = f.bytes.data() + base + offset;
+    if (crc32(p, size) != crc) fail(file, "corrupted: tensor '" + name + "' fails its checksum");
+    if (out.count(name)) fail(file, "tensor '" + name + "' appears twice");
+    if (t.contains("global_offset")) {
+      const json& g = t["global_offset"];
+      std::vector<std::int64_t> where;
+      for (const auto& d : g.is_array() ? g : json::array()) {
+        if (!d.is_number_unsigned() || d.get<std::uint64_t>() > (std::uint64_t{1} << 40)) break;
+        where.push_back(d.get<std::int64_t>());
+      }
+      if (!g.is_array() || where.size() != shape.size()) fail(file, "tensor '" + name + "': \"global_offset\" must be one whole number >= 0 per dim");
+      decoded.global_offset[name] = where;
+    }
+    at::Tensor x = at::empty(shape, at::TensorOptions().dtype(to_aten(*dtype)));
     std::memcpy(x.data_ptr(), p, size);
     out[name] = x;
   }
-  return out;
+  return decoded;
 }
 
 std::string placements_text(const sharding::Placements& p) { return to_string(p); }
@@ -129,6 +187,192 @@ sharding::Placements parse_placements(const std::string& text, const fs::path& f
   return out;
 }
 
+constexpr int kMetadataVersion = 2;  // 2: metadata.json has its own crc32 and each shard file's size and header CRC
+const char* const kReadableVersions = "1, 2";
+
+// The checksum of metadata.json: CRC-32 of its compact JSON (keys sorted) without "crc32".
+std::uint32_t metadata_crc(json m) {
+  m.erase("crc32");
+  const std::string text = m.dump();
+  return crc32(text.data(), text.size());
+}
+
+// A shard file's size and the CRC-32 of its header (which holds every tensor's CRC-32), read
+// from its first bytes only.
+std::pair<std::uint64_t, std::uint32_t> shard_signature(const fs::path& file) {
+  std::ifstream in(file, std::ios::binary);
+  char pre[16];
+  if (!in.read(pre, 16) || std::memcmp(pre, kMagic, 8) != 0) fail(file, "not a spmdx checkpoint shard (bad magic)");
+  std::uint64_t n = 0;
+  std::memcpy(&n, pre + 8, 8);
+  const std::uint64_t size = fs::file_size(file);
+  if (n > size - 16) fail(file, "truncated header");
+  std::string header(static_cast<std::size_t>(n), '\0');
+  if (!in.read(header.data(), static_cast<std::streamsize>(n))) fail(file, "truncated header");
+  return {size, crc32(header.data(), header.size())};
+}
+
+struct SavedTensor {
+  std::vector<std::int64_t> shape;
+  ir::DType dtype = ir::DType::f32;
+  sharding::Placements placements;
+  ir::TensorMeta meta() const { return {shape, dtype}; }
+};
+
+struct Metadata {
+  int version = 0;
+  CheckpointMeta meta;
+  std::vector<MeshDim> mesh;
+  std::map<std::string, SavedTensor> tensors;
+  std::vector<std::pair<std::uint64_t, std::uint32_t>> files;  // v2: per rank, bytes and header CRC-32
+};
+
+// metadata.json, checked like data: its own checksum, a version this build reads, and every
+// field's type and range, each error naming the file and the key. `dir` is the step-N folder.
+Metadata read_metadata(const fs::path& dir) {
+  const fs::path mfile = dir / "metadata.json";
+  json m;
+  try {
+    m = json::parse(read_file(mfile));
+  } catch (const json::exception& e) {
+    fail(mfile, std::string("corrupted (not JSON): ") + e.what());
+  }
+  auto bad = [&](const std::string& key, const std::string& why) { fail(mfile, "key '" + key + "' " + why); };
+  if (!m.is_object()) fail(mfile, "corrupted: not a JSON object");
+  if (m.value("format", json()) != "spmdx.checkpoint") fail(mfile, "not a spmdx checkpoint (no \"format\": \"spmdx.checkpoint\")");
+  auto integer = [&](const json& v, const std::string& key, std::int64_t lo, std::int64_t hi) -> std::int64_t {
+    if (!v.is_number_integer()) bad(key, "must be a whole number, is " + std::string(v.type_name()) + " " + v.dump());
+    if (v.is_number_unsigned() ? v.get<std::uint64_t>() > static_cast<std::uint64_t>(hi) : (v.get<std::int64_t>() < lo || v.get<std::int64_t>() > hi)) {
+      bad(key, "must be between " + std::to_string(lo) + " and " + std::to_string(hi) + ", is " + v.dump());
+    }
+    return v.get<std::int64_t>();
+  };
+  auto field = [&](const json& obj, const std::string& name, const std::string& key) -> const json& {
+    if (!obj.is_object() || !obj.contains(name)) bad(key, "is missing");
+    return obj.at(name);
+  };
+  Metadata md;
+  md.version = static_cast<int>(m.contains("version") && m["version"].is_number_integer() ? m["version"].get<std::int64_t>() : -1);
+  if (md.version < 1 || md.version > kMetadataVersion) {
+    bad("version", "is " + (m.contains("version") ? m["version"].dump() : std::string("missing")) + ": this build reads versions " + kReadableVersions +
+                       " (a newer spmdx wrote it? use that one)");
+  }
+  if (m.contains("crc32") || md.version >= 2) {
+    const json& c = field(m, "crc32", "crc32");
+    if (!c.is_number_unsigned() || c.get<std::uint64_t>() != metadata_crc(m)) {
+      fail(mfile, "fails its checksum (key 'crc32'): it was edited or corrupted after the checkpoint was written; restore it, or resume from another step");
+    }
+  }
+  md.meta.step = integer(field(m, "step", "step"), "step", 1, 1'000'000'000);
+  const std::string folder = dir.filename().string();
+  if (folder.rfind("step-", 0) == 0 && folder != "step-" + std::to_string(md.meta.step)) {
+    bad("step", "is " + std::to_string(md.meta.step) + " but the checkpoint is in folder " + folder);
+  }
+  const json& samples = field(m, "data_samples", "data_samples");
+  // Every step takes at least one sample and at most training.global_batch_size's largest (1e7).
+  const std::int64_t most = md.meta.step * 10'000'000;
+  md.meta.data_samples = static_cast<std::uint64_t>(integer(samples, "data_samples", md.meta.step, most));
+  const std::int64_t world = integer(field(m, "world_size", "world_size"), "world_size", 1, 100'000'000);
+  const json& mesh = field(m, "mesh", "mesh");
+  if (!mesh.is_array() || mesh.empty() || mesh.size() > 8) bad("mesh", "must be a list of 1 to 8 {name, size} dims");
+  std::int64_t product = 1;
+  std::set<std::string> names;
+  for (std::size_t i = 0; i < mesh.size(); ++i) {
+    const std::string key = "mesh[" + std::to_string(i) + "]";
+    const json& n = field(mesh[i], "name", key + ".name");
+    if (!n.is_string() || n.get<std::string>().empty() || !names.insert(n.get<std::string>()).second) bad(key + ".name", "must be a name not used by another dim");
+    const std::int64_t size = integer(field(mesh[i], "size", key + ".size"), key + ".size", 1, 100'000'000);
+    product *= size;
+    if (product > 100'000'000) bad("mesh", "has more than 1e8 ranks");
+    md.mesh.push_back({n.get<std::string>(), size});
+  }
+  if (product != world) bad("world_size", "is " + std::to_string(world) + " but the mesh's sizes multiply to " + std::to_string(product));
+  // The shard files: exactly rank0.bin .. rank<world-1>.bin.
+  std::set<std::int64_t> present;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    const std::string n = e.path().filename().string();
+    if (n.size() < 9 || n.rfind("rank", 0) != 0 || n.substr(n.size() - 4) != ".bin") continue;
+    const std::string digits = n.substr(4, n.size() - 8);
+    if (digits.empty() || digits.size() > 9 || digits.find_first_not_of("0123456789") != std::string::npos) continue;
+    present.insert(std::stoll(digits));
+  }
+  for (std::int64_t r = 0; r < world; ++r) {
+    if (!present.count(r)) bad("world_size", "is " + std::to_string(world) + " but rank" + std::to_string(r) + ".bin is missing from " + dir.string());
+  }
+  if (!present.empty() && *present.rbegin() >= world) {
+    bad("world_size", "is " + std::to_string(world) + " but rank" + std::to_string(*present.rbegin()) + ".bin is there too: files of another save mixed in?");
+  }
+  if (md.version >= 2) {
+    const json& files = field(m, "files", "files");
+    if (!files.is_object() || files.size() != static_cast<std::size_t>(world)) bad("files", "must list the " + std::to_string(world) + " shard files");
+    for (std::int64_t r = 0; r < world; ++r) {
+      const std::string name = "rank" + std::to_string(r) + ".bin", key = "files." + name;
+      const json& f = field(files, name, key);
+      const auto bytes = static_cast<std::uint64_t>(integer(field(f, "bytes", key + ".bytes"), key + ".bytes", 16, INT64_MAX));
+      const auto crc = static_cast<std::uint32_t>(integer(field(f, "header_crc32", key + ".header_crc32"), key + ".header_crc32", 0, UINT32_MAX));
+      const std::uint64_t actual = fs::file_size(dir / name, ec);
+      if (ec || actual != bytes) fail(dir / name, "is " + std::to_string(actual) + " bytes, metadata.json says " + std::to_string(bytes) + ": truncated, or from another save");
+      md.files.emplace_back(bytes, crc);
+    }
+  }
+  const json& tensors = field(m, "tensors", "tensors");
+  if (!tensors.is_object()) bad("tensors", "must be an object of name -> {shape, dtype, placements}");
+  for (const auto& [name, t] : tensors.items()) {
+    const std::string key = "tensors." + name;
+    SavedTensor st;
+    const json& shape = field(t, "shape", key + ".shape");
+    if (!shape.is_array() || shape.size() > 16) bad(key + ".shape", "must be a list of at most 16 sizes");
+    for (std::size_t d = 0; d < shape.size(); ++d) st.shape.push_back(integer(shape[d], key + ".shape[" + std::to_string(d) + "]", 0, std::int64_t{1} << 40));
+    const json& dtype = field(t, "dtype", key + ".dtype");
+    const auto parsed = dtype.is_string() ? ir::parse_dtype(dtype.get<std::string>()) : std::nullopt;
+    if (!parsed) bad(key + ".dtype", "is " + dtype.dump() + ", not a dtype (f32, f64, f16, bf16, i32, i64, u8, bool)");
+    st.dtype = *parsed;
+    const json& pl = field(t, "placements", key + ".placements");
+    if (!pl.is_string()) bad(key + ".placements", "must be a string such as \"S(0)R\"");
+    st.placements = parse_placements(pl.get<std::string>(), mfile);
+    if (st.placements.size() != md.mesh.size()) {
+      bad(key + ".placements", "'" + pl.get<std::string>() + "' has " + std::to_string(st.placements.size()) + " placements for a mesh of " + std::to_string(md.mesh.size()) + " dims");
+    }
+    for (const auto& p : st.placements) {
+      if (p.is_shard() && (p.dim() < 0 || static_cast<std::size_t>(p.dim()) >= st.shape.size())) {
+        bad(key + ".placements", "'" + pl.get<std::string>() + "' shards dim " + std::to_string(p.dim()) + " of a tensor with " + std::to_string(st.shape.size()) + " dims");
+      }
+    }
+    md.tensors[name] = std::move(st);
+  }
+  return md;
+}
+
+// Decodes rank `r`'s shard file and checks it against the metadata: the header's CRC-32 (v2),
+// and every tensor's dtype and shape against what the placements say rank r holds.
+TensorMap load_shard(const fs::path& dir, std::int64_t r, const Metadata& md, const sharding::DeviceMesh& saved) {
+  const fs::path file = dir / ("rank" + std::to_string(r) + ".bin");
+  const ShardFile f = read_shard(file);
+  if (!md.files.empty() && header_crc(f) != md.files.at(static_cast<std::size_t>(r)).second) {
+    fail(file, "its header does not match metadata.json (files.rank" + std::to_string(r) + ".bin.header_crc32): a shard of another save, or corrupted");
+  }
+  Decoded d = decode(file, f);
+  TensorMap& out = d.tensors;
+  const auto coord = saved.coordinate(r);
+  for (const auto& [name, t] : md.tensors) {
+    auto it = out.find(name);
+    if (it == out.end()) fail(file, "has no tensor '" + name + "' (metadata.json lists it)");
+    const sharding::ShardingSpec spec{t.placements, t.meta()};
+    const auto want = spec.local_shape(saved, coord);
+    if (it->second.sizes().vec() != want || from_aten(it->second.scalar_type()) != t.dtype) {
+      fail(file, "tensor '" + name + "' is " + ir::to_string(from_aten(it->second.scalar_type())) + ir::shape_str(it->second.sizes().vec()) +
+                     ", but metadata.json's " + to_string(t.placements) + " " + ir::to_string(t.dtype) + ir::shape_str(t.shape) + " gives rank " +
+                     std::to_string(r) + " " + ir::shape_str(want));
+    }
+    if (auto w = d.global_offset.find(name); w != d.global_offset.end() && w->second != spec.local_offset(saved, coord)) {
+      fail(file, "tensor '" + name + "' holds the block at " + ir::shape_str(w->second) + " of the global tensor, but metadata.json's placements " +
+                     to_string(t.placements) + " put rank " + std::to_string(r) + "'s block at " + ir::shape_str(spec.local_offset(saved, coord)));
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 fs::path save_checkpoint(const fs::path& folder, const CheckpointMeta& meta, const sharding::DeviceMesh& mesh, std::int64_t rank,
@@ -142,15 +386,23 @@ fs::path save_checkpoint(const fs::path& folder, const CheckpointMeta& meta, con
   }
   if (backend) backend->barrier(0)->wait(600);
   fs::create_directories(tmp);
-  write_file(tmp / ("rank" + std::to_string(rank) + ".bin"), encode(local));
+  std::map<std::string, std::vector<std::int64_t>> where;
+  for (const auto& [name, t] : local) where[name] = sharding::ShardingSpec{placements.at(name), global.at(name)}.local_offset(mesh, mesh.coordinate(rank));
+  write_file(tmp / ("rank" + std::to_string(rank) + ".bin"), encode(local, where));
   if (backend) backend->barrier(0)->wait(600);  // every shard is on disk
   if (rank == 0) {
-    json m{{"format", "spmdx.checkpoint"}, {"version", 1}, {"step", meta.step}, {"data_samples", meta.data_samples},
-           {"world_size", mesh.size()}, {"mesh", json::array()}, {"tensors", json::object()}};
+    json m{{"format", "spmdx.checkpoint"}, {"version", kMetadataVersion}, {"step", meta.step}, {"data_samples", meta.data_samples},
+           {"world_size", mesh.size()}, {"mesh", json::array()}, {"tensors", json::object()}, {"files", json::object()}};
     for (const auto& d : mesh.dims()) m["mesh"].push_back({{"name", d.name}, {"size", d.size}});
     for (const auto& [name, g] : global) {
       m["tensors"][name] = {{"shape", g.shape}, {"dtype", ir::to_string(g.dtype)}, {"placements", placements_text(placements.at(name))}};
     }
+    for (std::int64_t r = 0; r < mesh.size(); ++r) {  // ties the shard files to this save
+      const std::string name = "rank" + std::to_string(r) + ".bin";
+      const auto [bytes, crc] = shard_signature(tmp / name);
+      m["files"][name] = {{"bytes", bytes}, {"header_crc32", crc}};
+    }
+    m["crc32"] = metadata_crc(m);
     write_file(tmp / "metadata.json", m.dump(1));
     fsync_path(tmp);
     fs::remove_all(final_dir);
@@ -160,6 +412,8 @@ fs::path save_checkpoint(const fs::path& folder, const CheckpointMeta& meta, con
   if (backend) backend->barrier(0)->wait(600);
   return final_dir;
 }
+
+CheckpointMeta read_checkpoint_meta(const fs::path& folder, std::int64_t step) { return read_metadata(folder / ("step-" + std::to_string(step))).meta; }
 
 std::optional<std::int64_t> find_checkpoint(const fs::path& folder, std::int64_t load_step) {
   if (load_step >= 0) {
@@ -188,80 +442,60 @@ TensorMap load_checkpoint(const fs::path& folder, std::int64_t step, const shard
                           const std::map<std::string, sharding::Placements>& placements, CheckpointMeta* meta) {
   const fs::path dir = folder / ("step-" + std::to_string(step));
   const fs::path mfile = dir / "metadata.json";
-  json m;
-  try {
-    m = json::parse(read_file(mfile));
-  } catch (const json::exception& e) {
-    fail(mfile, std::string("corrupted: ") + e.what());
-  }
-  if (m.value("format", "") != "spmdx.checkpoint") fail(mfile, "not a spmdx checkpoint");
-  std::vector<MeshDim> dims;
-  for (const auto& d : m.at("mesh")) dims.push_back({d.at("name").get<std::string>(), d.at("size").get<std::int64_t>()});
-  const sharding::DeviceMesh saved(dims);
-  if (meta) *meta = {m.at("step").get<std::int64_t>(), m.at("data_samples").get<std::uint64_t>()};
+  const Metadata md = read_metadata(dir);
+  const sharding::DeviceMesh saved(md.mesh);
+  if (meta) *meta = md.meta;
   bool same = saved.dims().size() == mesh.dims().size();
   for (std::size_t i = 0; same && i < mesh.dims().size(); ++i) {
     same = saved.dims()[i].name == mesh.dims()[i].name && saved.dims()[i].size == mesh.dims()[i].size;
   }
   for (const auto& [name, g] : global) {
-    if (!m.at("tensors").contains(name)) fail(mfile, "has no tensor '" + name + "' (saved by another model?)");
-    const auto& t = m.at("tensors").at(name);
-    if (t.at("shape").get<std::vector<std::int64_t>>() != g.shape || t.at("dtype").get<std::string>() != ir::to_string(g.dtype)) {
-      fail(mfile, "tensor '" + name + "' was saved as " + t.at("dtype").get<std::string>() + ir::shape_str(t.at("shape").get<std::vector<std::int64_t>>()) +
-                      ", this run has " + g.str());
+    auto it = md.tensors.find(name);
+    if (it == md.tensors.end()) fail(mfile, "has no tensor '" + name + "' (saved by another model?)");
+    const SavedTensor& t = it->second;
+    if (t.shape != g.shape || t.dtype != g.dtype) {
+      fail(mfile, "tensor '" + name + "' was saved as " + ir::to_string(t.dtype) + ir::shape_str(t.shape) + ", this run has " + g.str());
     }
-    same = same && t.at("placements").get<std::string>() == placements_text(placements.at(name));
+    same = same && placements_text(t.placements) == placements_text(placements.at(name));
   }
   TensorMap out;
   if (same) {  // the same layout: this rank's own file
-    const TensorMap mine = decode(dir / ("rank" + std::to_string(rank) + ".bin"));
-    for (const auto& [name, g] : global) {
-      auto it = mine.find(name);
-      if (it == mine.end()) fail(dir / ("rank" + std::to_string(rank) + ".bin"), "has no tensor '" + name + "'");
-      out[name] = it->second;
-    }
+    const TensorMap mine = load_shard(dir, rank, md, saved);
+    for (const auto& [name, g] : global) out[name] = mine.at(name);
     return out;
   }
   // Another mesh or strategy: reassemble every tensor from all saved shards, then reshard.
   std::vector<TensorMap> files;
-  for (std::int64_t r = 0; r < saved.size(); ++r) files.push_back(decode(dir / ("rank" + std::to_string(r) + ".bin")));
+  for (std::int64_t r = 0; r < saved.size(); ++r) files.push_back(load_shard(dir, r, md, saved));
   const auto coord = mesh.coordinate(rank);
   for (const auto& [name, g] : global) {
     std::vector<at::Tensor> parts;
     for (auto& f : files) parts.push_back(f.at(name));
-    const at::Tensor full = assemble_tensor(parts, parse_placements(m.at("tensors").at(name).at("placements").get<std::string>(), mfile), saved);
+    const at::Tensor full = assemble_tensor(parts, md.tensors.at(name).placements, saved);
     out[name] = shard_tensor(full, placements.at(name), mesh, coord);
   }
   return out;
 }
 
 std::size_t export_safetensors(const fs::path& step_dir, const fs::path& out) {
-  const fs::path mfile = step_dir / "metadata.json";
-  json m;
-  try {
-    m = json::parse(read_file(mfile));
-  } catch (const json::exception& e) {
-    fail(mfile, std::string("corrupted: ") + e.what());
-  }
-  std::vector<MeshDim> dims;
-  for (const auto& d : m.at("mesh")) dims.push_back({d.at("name").get<std::string>(), d.at("size").get<std::int64_t>()});
-  const sharding::DeviceMesh saved(dims);
+  const Metadata md = read_metadata(step_dir);
+  const sharding::DeviceMesh saved(md.mesh);
   std::vector<TensorMap> files;
-  for (std::int64_t r = 0; r < saved.size(); ++r) files.push_back(decode(step_dir / ("rank" + std::to_string(r) + ".bin")));
+  for (std::int64_t r = 0; r < saved.size(); ++r) files.push_back(load_shard(step_dir, r, md, saved));
   static const std::map<std::string, std::string> names{{"f32", "F32"}, {"f64", "F64"}, {"f16", "F16"}, {"bf16", "BF16"},
                                                         {"i32", "I32"}, {"i64", "I64"}, {"u8", "U8"}, {"bool", "BOOL"}};
   json header = json::object();
-  header["__metadata__"] = {{"format", "pt"}, {"step", std::to_string(m.at("step").get<std::int64_t>())}};
+  header["__metadata__"] = {{"format", "pt"}, {"step", std::to_string(md.meta.step)}};
   std::string data;
   std::size_t n = 0;
-  for (const auto& [name, t] : m.at("tensors").items()) {
+  for (const auto& [name, t] : md.tensors) {
     if (name.rfind("exp_avg", 0) == 0) continue;  // optimizer state
     std::vector<at::Tensor> parts;
     for (auto& f : files) parts.push_back(f.at(name));
-    const at::Tensor full = assemble_tensor(parts, parse_placements(t.at("placements").get<std::string>(), mfile), saved).contiguous();
+    const at::Tensor full = assemble_tensor(parts, t.placements, saved).contiguous();
     const std::size_t begin = data.size();
     data.append(static_cast<const char*>(full.data_ptr()), static_cast<std::size_t>(full.nbytes()));
-    header[name] = {{"dtype", names.at(t.at("dtype").get<std::string>())}, {"shape", full.sizes().vec()}, {"data_offsets", {begin, data.size()}}};
+    header[name] = {{"dtype", names.at(ir::to_string(t.dtype))}, {"shape", full.sizes().vec()}, {"data_offsets", {begin, data.size()}}};
     ++n;
   }
   std::string h = header.dump();

@@ -186,6 +186,7 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
   const std::filesystem::path ckpt_dir = std::filesystem::path(cfg.get_string("job.dump_folder")) / cfg.get_string("checkpoint.folder");
   std::optional<std::int64_t> resume_step;
   if (checkpointing || cfg.get_int("checkpoint.load_step") >= 0) resume_step = find_checkpoint(ckpt_dir, cfg.get_int("checkpoint.load_step"));
+  if (resume_step) read_checkpoint_meta(ckpt_dir, *resume_step);  // a checkpoint that fails its checks is refused here
   const std::int64_t first_step = resume_step ? *resume_step + 1 : 1;
   if (first_step > spec.steps) {
     if (lead) {

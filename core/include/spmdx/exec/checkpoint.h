@@ -7,7 +7,11 @@
 // shards (resharding, as torch.distributed.checkpoint does).
 //
 // Shard file format: 8 bytes "SPMDXCK1", u64 header length, a JSON header {tensors: [{name,
-// dtype, shape, offset, bytes, crc32}]}, then the raw little-endian data.
+// dtype, shape, global_offset, offset, bytes, crc32}]}, then the raw little-endian data.
+// metadata.json (version 2): format, version, step, data_samples, world_size, mesh [{name,
+// size}], tensors {name: {shape, dtype, placements}}, files {rank<R>.bin: {bytes,
+// header_crc32}}, and crc32, the CRC-32 of the compact JSON of everything else. Version 1
+// (no files, no crc32) is still read.
 #pragma once
 
 #include <cstdint>
@@ -40,10 +44,19 @@ std::filesystem::path save_checkpoint(const std::filesystem::path& folder, const
 /// step that is not there.
 std::optional<std::int64_t> find_checkpoint(const std::filesystem::path& folder, std::int64_t load_step);
 
+/// The step and data position of checkpoint `step`, its metadata.json checked (see
+/// load_checkpoint). Throws std::runtime_error naming the file and the key.
+CheckpointMeta read_checkpoint_meta(const std::filesystem::path& folder, std::int64_t step);
+
 /// This rank's tensors from checkpoint `step`, for a run on `mesh` with `placements` (every
 /// name in `global` must be in the checkpoint with the same global shape and dtype). Throws
-/// std::runtime_error naming the file for a truncated or corrupted file (checksum), a missing
-/// tensor, or a shape that differs.
+/// std::runtime_error naming the file (and the key) for: a metadata.json that fails its own
+/// CRC-32, has a version this build does not read (1, 2), or a field of the wrong type or out of
+/// range (a step that is not its folder's, a data position outside [step, step x 1e7], a world
+/// size that is not the mesh's or the number of shard files); a shard file that is truncated,
+/// corrupted (CRC-32 of its header, recorded in metadata.json, and of every tensor), or holds
+/// tensors whose shape, dtype or place in the global tensor disagrees with the placements
+/// metadata.json gives; a missing tensor, or a shape that differs from this run's.
 TensorMap load_checkpoint(const std::filesystem::path& folder, std::int64_t step, const sharding::DeviceMesh& mesh, std::int64_t rank,
                           const std::map<std::string, ir::TensorMeta>& global,
                           const std::map<std::string, sharding::Placements>& placements, CheckpointMeta* meta);

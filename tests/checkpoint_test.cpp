@@ -1,0 +1,353 @@
+// Checkpoint files as they are found after crashes, disk faults and hand edits. A fuzz test
+// mutates metadata.json and the shard files of a 4-rank checkpoint (fsdp x tp 2 x 2, uneven
+// shards) in hundreds of ways — raw bytes flipped, cut, inserted, and fields replaced with
+// wrong types and out-of-range values, re-signed as a writer would — and loads each on the
+// same mesh (every rank) and on another (resharding from every file). Every load must either
+// be refused with a std::runtime_error naming the checkpoint file, or give exactly the tensors
+// that were saved: never a crash, another exception type, a NaN or other values.
+#include <ATen/ATen.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <barrier>
+#include <boost/crc.hpp>
+#include <cstring>
+#include <fstream>
+#include <random>
+#include <thread>
+
+#include "spmdx/exec/checkpoint.h"
+#include "spmdx/exec/simulated.h"
+#include "test_util.h"
+
+namespace spmdx {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+using ::testing::HasSubstr;
+using sharding::Placements;
+
+// Ranks as threads: only barrier() is used by save_checkpoint.
+class ThreadBarrierBackend final : public CommBackend {
+ public:
+  explicit ThreadBarrierBackend(std::barrier<>& b) : b_(b) {}
+  void init(const CommInit&) override {}
+  void finalize() override {}
+  void abort() noexcept override {}
+  std::string describe() const override { return "threads"; }
+  std::vector<CommCapability> capabilities() const override { return {}; }
+  int new_group(const std::vector<int>&) override { return 0; }
+  std::unique_ptr<Work> all_reduce(int, CommBuffer, ReduceOp) override { throw std::logic_error("unused"); }
+  std::unique_ptr<Work> all_gather(int, CommBuffer, CommBuffer, std::vector<std::size_t>) override { throw std::logic_error("unused"); }
+  std::unique_ptr<Work> reduce_scatter(int, CommBuffer, CommBuffer, std::vector<std::size_t>, ReduceOp) override { throw std::logic_error("unused"); }
+  std::unique_ptr<Work> all_to_all(int, CommBuffer, CommBuffer, std::vector<std::size_t>, std::vector<std::size_t>) override {
+    throw std::logic_error("unused");
+  }
+  std::unique_ptr<Work> broadcast(int, CommBuffer, int) override { throw std::logic_error("unused"); }
+  std::unique_ptr<Work> send(CommBuffer, int, int) override { throw std::logic_error("unused"); }
+  std::unique_ptr<Work> recv(CommBuffer, int, int) override { throw std::logic_error("unused"); }
+  std::unique_ptr<Work> barrier(int) override {
+    b_.arrive_and_wait();
+    return std::make_unique<Done>();
+  }
+
+ private:
+  struct Done final : Work {
+    bool wait(double) override { return true; }
+    bool test() override { return true; }
+  };
+  std::barrier<>& b_;
+};
+
+std::string slurp(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+void spill(const fs::path& p, const std::string& bytes) {
+  std::ofstream out(p, std::ios::binary | std::ios::trunc);
+  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+}
+std::uint32_t crc32(const std::string& s) {
+  boost::crc_32_type c;
+  c.process_bytes(s.data(), s.size());
+  return c.checksum();
+}
+// What the writer does: crc32 of the compact JSON without "crc32".
+void sign(json& m) {
+  m.erase("crc32");
+  m["crc32"] = crc32(m.dump());
+}
+
+// The saved job: a 2 x 2 mesh, tensors of several placements, dtypes and uneven shards.
+struct Saved {
+  const sharding::DeviceMesh mesh{{{"dp_shard", 2}, {"tp", 2}}};
+  std::map<std::string, ir::TensorMeta> global{{"a", {{4, 6}, ir::DType::f32}},  {"b", {{6}, ir::DType::f32}},
+                                                {"c", {{5, 3}, ir::DType::f32}}, {"d", {{3, 4}, ir::DType::i64}},
+                                                {"e", {{6, 6}, ir::DType::f32}}};
+  std::map<std::string, Placements> placements{{"a", {Placement::shard(0), Placement::shard(1)}},
+                                               {"b", {Placement::replicate(), Placement::replicate()}},
+                                               {"c", {Placement::shard(0), Placement::replicate()}},
+                                               {"d", {Placement::replicate(), Placement::shard(1)}},
+                                               {"e", {Placement::shard(1), Placement::shard(0)}}};
+  std::map<std::string, at::Tensor> full;
+  std::vector<exec::TensorMap> local;  // by rank
+  Saved() {
+    at::manual_seed(7);
+    for (const auto& [name, m] : global) {
+      full[name] = m.dtype == ir::DType::i64 ? at::randint(-1000, 1000, m.shape, at::kLong) : at::randn(m.shape, at::kFloat);
+    }
+    for (std::int64_t r = 0; r < mesh.size(); ++r) {
+      exec::TensorMap t;
+      for (const auto& [name, f] : full) t[name] = exec::shard_tensor(f, placements.at(name), mesh, mesh.coordinate(r));
+      local.push_back(t);
+    }
+  }
+  void save(const fs::path& folder) const {
+    std::barrier<> b(static_cast<std::ptrdiff_t>(mesh.size()));
+    std::vector<std::thread> ranks;
+    for (std::int64_t r = 0; r < mesh.size(); ++r) {
+      ranks.emplace_back([&, r] {
+        ThreadBarrierBackend backend(b);
+        exec::save_checkpoint(folder, {3, 24}, mesh, r, local[static_cast<std::size_t>(r)], global, placements, &backend);
+      });
+    }
+    for (auto& t : ranks) t.join();
+  }
+};
+
+enum class Outcome { refused, loaded };
+
+// Loads `folder`'s step 3 on the saved mesh as every rank, and on one rank with everything
+// replicated (reassembled from every file); each must be refused cleanly or be exact.
+Outcome load_all(const Saved& s, const fs::path& folder, const std::string& what) {
+  int refused = 0, loaded = 0;
+  auto attempt = [&](const sharding::DeviceMesh& mesh, std::int64_t rank, const std::map<std::string, Placements>& pl,
+                     const std::function<at::Tensor(const std::string&)>& expected) {
+    exec::CheckpointMeta meta;
+    exec::TensorMap got;
+    try {
+      got = exec::load_checkpoint(folder, 3, mesh, rank, s.global, pl, &meta);
+    } catch (const std::runtime_error& e) {
+      EXPECT_THAT(e.what(), HasSubstr("checkpoint")) << what;
+      EXPECT_THAT(e.what(), HasSubstr(folder.string())) << what << ": " << e.what();
+      ++refused;
+      return;
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << what << ": not a std::runtime_error naming the file: " << e.what();
+      return;
+    }
+    ++loaded;
+    EXPECT_EQ(meta.step, 3) << what;
+    EXPECT_GE(meta.data_samples, 3u) << what;
+    for (const auto& [name, m] : s.global) {
+      ASSERT_TRUE(got.count(name)) << what << ": " << name;
+      const at::Tensor& t = got.at(name);
+      EXPECT_TRUE(t.scalar_type() == expected(name).scalar_type() && t.sizes() == expected(name).sizes() && at::equal(t, expected(name)))
+          << what << ": tensor " << name << " loaded with other values";
+      if (t.is_floating_point()) {
+        EXPECT_FALSE(at::isnan(t).any().item<bool>()) << what;
+      }
+    }
+  };
+  for (std::int64_t r = 0; r < s.mesh.size(); ++r) {
+    attempt(s.mesh, r, s.placements, [&](const std::string& n) { return s.local[static_cast<std::size_t>(r)].at(n); });
+  }
+  const sharding::DeviceMesh one({{"dp_shard", 1}});
+  std::map<std::string, Placements> replicated;
+  for (const auto& [name, m] : s.global) replicated[name] = {Placement::replicate()};
+  attempt(one, 0, replicated, [&](const std::string& n) { return s.full.at(n); });
+  return refused > 0 ? Outcome::refused : Outcome::loaded;
+}
+
+TEST(Checkpoint, ASavedCheckpointLoadsExactlyOnTheSameAndAnotherMesh) {
+  test::TempDir dir;
+  Saved s;
+  s.save(dir / "ckpt");
+  EXPECT_EQ(load_all(s, dir / "ckpt", "pristine"), Outcome::loaded);
+  const json m = json::parse(slurp(dir / "ckpt" / "step-3" / "metadata.json"));
+  EXPECT_EQ(m.at("version"), 2);
+  EXPECT_EQ(m.at("files").size(), 4u);
+  // As version 1 wrote it (no checksum, no files): still read.
+  json v1 = m;
+  v1.erase("crc32");
+  v1.erase("files");
+  v1["version"] = 1;
+  spill(dir / "ckpt" / "step-3" / "metadata.json", v1.dump(1));
+  EXPECT_EQ(load_all(s, dir / "ckpt", "version 1"), Outcome::loaded);
+}
+
+// The named faults of the issue, each refused with the key named (re-signed, so that the field
+// check and not the checksum refuses them), and unsigned edits refused by the checksum.
+TEST(Checkpoint, EditedMetadataIsRefusedNamingTheFileAndKey) {
+  test::TempDir dir;
+  Saved s;
+  s.save(dir / "pristine");
+  const std::vector<std::tuple<std::string, std::function<void(json&)>, std::string>> cases = {
+      {"negative step", [](json& m) { m["step"] = -5; }, "key 'step' must be between 1 and"},
+      {"step of another folder", [](json& m) { m["step"] = 4; }, "key 'step' is 4 but the checkpoint is in folder step-3"},
+      {"negative data_samples", [](json& m) { m["data_samples"] = -1; }, "key 'data_samples' must be between 3 and"},
+      {"data_samples past the data", [](json& m) { m["data_samples"] = 1ULL << 62; }, "key 'data_samples' must be between 3 and 30000000"},
+      {"unknown version", [](json& m) { m["version"] = 99; }, "key 'version' is 99: this build reads versions 1, 2"},
+      {"step as a string", [](json& m) { m["step"] = "3"; }, "key 'step' must be a whole number, is string \"3\""},
+      {"world size of no file", [](json& m) { m["world_size"] = 8; }, "key 'world_size' is 8 but the mesh's sizes multiply to 4"},
+      {"placements for another layout", [](json& m) { m["tensors"]["e"]["placements"] = "S(0)S(1)"; }, "holds the block at"},
+      {"placements that do not fit", [](json& m) { m["tensors"]["a"]["placements"] = "S(0)RR"; }, "has 3 placements for a mesh of 2 dims"},
+  };
+  for (const auto& [name, edit, expected] : cases) {
+    SCOPED_TRACE(name);
+    fs::remove_all(dir / "c");
+    fs::copy(dir / "pristine", dir / "c", fs::copy_options::recursive);
+    const fs::path file = dir / "c" / "step-3" / "metadata.json";
+    json m = json::parse(slurp(file));
+    edit(m);
+    spill(file, m.dump(1));  // not re-signed: the checksum refuses it
+    try {
+      exec::load_checkpoint(dir / "c", 3, s.mesh, 0, s.global, s.placements, nullptr);
+      ADD_FAILURE() << "loaded";
+    } catch (const std::runtime_error& e) {
+      EXPECT_THAT(e.what(), HasSubstr(file.string()));
+      EXPECT_THAT(e.what(), ::testing::AnyOf(HasSubstr("fails its checksum"), HasSubstr("key 'version' is 99")));
+    }
+    sign(m);
+    spill(file, m.dump(1));
+    try {
+      exec::load_checkpoint(dir / "c", 3, s.mesh, 1, s.global, s.placements, nullptr);
+      ADD_FAILURE() << "loaded";
+    } catch (const std::runtime_error& e) {
+      EXPECT_THAT(e.what(), HasSubstr("checkpoint file " + (dir / "c" / "step-3").string()));
+      EXPECT_THAT(e.what(), HasSubstr(expected));
+    }
+  }
+  // A shard file of another save dropped in: same tensors and shapes, other header.
+  fs::remove_all(dir / "c");
+  fs::copy(dir / "pristine", dir / "c", fs::copy_options::recursive);
+  Saved other;
+  other.full["a"] = other.full["a"] + 1;
+  other.local[1]["a"] = other.local[1]["a"] + 1;
+  other.save(dir / "other");
+  fs::copy_file(dir / "other" / "step-3" / "rank1.bin", dir / "c" / "step-3" / "rank1.bin", fs::copy_options::overwrite_existing);
+  try {
+    exec::load_checkpoint(dir / "c", 3, s.mesh, 1, s.global, s.placements, nullptr);
+    ADD_FAILURE() << "loaded";
+  } catch (const std::runtime_error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("rank1.bin: its header does not match metadata.json"));
+  }
+}
+
+// A random JSON path of `j` (object keys and array indices), for structured mutations.
+void paths(const json& j, std::vector<json::json_pointer>& out, const json::json_pointer& at = json::json_pointer()) {
+  out.push_back(at);
+  if (j.is_object()) {
+    for (const auto& [k, v] : j.items()) paths(v, out, at / k);
+  } else if (j.is_array()) {
+    for (std::size_t i = 0; i < j.size(); ++i) paths(j[i], out, at / i);
+  }
+}
+
+const std::vector<json>& replacements() {
+  static const std::vector<json> values = {
+      -1, 0, 1, 2, 3, 4, 7, 99, 24, 16, 1ULL << 32, 1ULL << 62, -(1LL << 62), 1.5, -0.0, 1e300, "3", "", "f32", "i64", "bf16", "x",
+      "S(0)S(1)", "S(1)S(0)", "RR", "S(0)R", "RS(0)", "S(5)R", "P(sum)R", "S(0)", "S(-1)R", "S(", nullptr, true, json::array(),
+      json::object(), json::array({1, 2}), json::array({4, 6}), json::array({6, 4}), json::array({-1, 6}), json::array({1ULL << 40, 1ULL << 40}),
+      json{{"name", "dp_shard"}, {"size", 4}}};
+  return values;
+}
+
+TEST(Checkpoint, FuzzedMetadataAndShardFilesAreRefusedCleanlyOrLoadExactly) {
+  test::TempDir dir;
+  Saved s;
+  s.save(dir / "pristine");
+  const fs::path step = dir / "work" / "step-3";
+  std::mt19937_64 rng(20261201);
+  auto pick = [&](std::size_t n) { return static_cast<std::size_t>(rng() % n); };
+  std::map<std::string, std::pair<int, int>> tally;  // kind -> refused, loaded
+  auto run = [&](const std::string& kind, const std::function<void()>& mutate) {
+    fs::remove_all(dir / "work");
+    fs::copy(dir / "pristine", dir / "work", fs::copy_options::recursive);
+    mutate();
+    const Outcome o = load_all(s, dir / "work", kind + " #" + std::to_string(tally[kind].first + tally[kind].second));
+    (o == Outcome::refused ? tally[kind].first : tally[kind].second)++;
+  };
+  auto raw = [&](const fs::path& file, std::size_t lo, std::size_t hi) {
+    std::string b = slurp(file);
+    hi = std::min(hi, b.size());
+    const std::size_t at = lo + pick(std::max<std::size_t>(1, hi - lo));
+    switch (pick(5)) {
+      case 0: b[at] = static_cast<char>(b[at] ^ (1 + pick(255))); break;  // a flipped byte
+      case 1: b.erase(at, 1 + pick(8)); break;                           // bytes lost
+      case 2: b.insert(at, 1, static_cast<char>(pick(256))); break;      // a byte more
+      case 3: b.resize(at); break;                                        // cut short
+      default: b += std::string(1 + pick(64), static_cast<char>(pick(256)));  // garbage appended
+    }
+    spill(file, b);
+  };
+  auto structured = [&](json& j) {
+    std::vector<json::json_pointer> ps;
+    paths(j, ps);
+    const auto p = ps[1 + pick(ps.size() - 1)];
+    if (pick(6) == 0) {
+      j.at(p.parent_pointer()).is_object() ? (void)j.at(p.parent_pointer()).erase(p.back()) : (void)(j[p] = nullptr);
+    } else {
+      j[p] = replacements()[pick(replacements().size())];
+    }
+  };
+  for (int i = 0; i < 200; ++i) {
+    run("metadata bytes", [&] { raw(step / "metadata.json", 0, SIZE_MAX); });
+  }
+  for (int i = 0; i < 250; ++i) {
+    run("metadata fields, re-signed", [&] {
+      json m = json::parse(slurp(step / "metadata.json"));
+      structured(m);
+      if (pick(8) != 0) sign(m);
+      spill(step / "metadata.json", m.dump(1));
+    });
+  }
+  for (int i = 0; i < 150; ++i) {
+    run("shard bytes", [&] {
+      const fs::path f = step / ("rank" + std::to_string(pick(4)) + ".bin");
+      const std::string b = slurp(f);
+      std::uint64_t n = 0;
+      std::memcpy(&n, b.data() + 8, 8);
+      if (pick(2) == 0) raw(f, 0, 16 + n);  // preamble and header
+      else raw(f, 16 + n, SIZE_MAX);         // data
+    });
+  }
+  for (int i = 0; i < 150; ++i) {
+    run("shard header fields, re-signed", [&] {
+      const int r = static_cast<int>(pick(4));
+      const fs::path f = step / ("rank" + std::to_string(r) + ".bin");
+      const std::string b = slurp(f);
+      std::uint64_t n = 0;
+      std::memcpy(&n, b.data() + 8, 8);
+      json h = json::parse(b.substr(16, n));
+      structured(h);
+      const std::string text = h.dump();
+      const std::uint64_t len = text.size();
+      std::string out = b.substr(0, 8);
+      out.append(reinterpret_cast<const char*>(&len), 8);
+      out += text + b.substr(16 + n);
+      spill(f, out);
+      if (pick(4) != 0) {  // and metadata.json updated to match, as a writer would
+        json m = json::parse(slurp(step / "metadata.json"));
+        m["files"]["rank" + std::to_string(r) + ".bin"] = {{"bytes", out.size()}, {"header_crc32", crc32(text)}};
+        sign(m);
+        spill(step / "metadata.json", m.dump(1));
+      }
+    });
+  }
+  int total = 0, refused = 0;
+  for (const auto& [kind, c] : tally) {
+    total += c.first + c.second;
+    refused += c.first;
+    std::printf("%-32s %4d refused, %4d loaded exactly\n", kind.c_str(), c.first, c.second);
+  }
+  EXPECT_GE(total, 500);
+  // Not vacuous: most mutations are refused (the rest changed nothing that matters, such as
+  // a space in metadata.json, or an unknown field).
+  EXPECT_GT(refused, total * 3 / 4);
+}
+
+}  // namespace
+}  // namespace spmdx
