@@ -7,6 +7,7 @@
 
 #include "spmdx/config/config.h"
 #include "spmdx/train/job.h"
+#include "test_util.h"
 
 namespace spmdx::config {
 namespace {
@@ -129,6 +130,98 @@ TEST(Config, ErrorsSayWhetherAValueCameFromTheFileOrTheCommandLine) {
     EXPECT_THAT(e.what(), HasSubstr("job.toml with command line --parallelism.data_parallel_shard_degree 2: parallelism degrees multiply to 6"));
   }
   EXPECT_EQ(Config().where({"training.steps"}), "config");
+}
+
+// Every problem of a config in one message, in file order, each with its line and column;
+// command-line ones after.
+TEST(Config, EveryProblemIsListedInOneMessageInFileOrder) {
+  test::TempDir dir;
+  test::write_file(dir / "job.toml", "[training]\nsteps = \"ten\"\nseq_len = 0\nstpes = 3\n[optimizer]\nlr = -1.0\n[nonsense]\nx = 1\n");
+  try {
+    Config::load((dir / "job.toml").string(), {"--training.max_norm", "big", "--parallelism.tensor_parallel_degree", "2", "stray"});
+    FAIL() << "loaded";
+  } catch (const ConfigError& e) {
+    const std::string f = (dir / "job.toml").string();
+    EXPECT_EQ(std::string(e.what()), f + ": 7 problems (every one found):\n"
+                                         "  " + f + ":2:9: training.steps must be an integer\n"
+                                         "  " + f + ":3:11: training.seq_len is 0, must be between 1 and 1e+07\n"
+                                         "  " + f + ":4:9: unknown key 'training.stpes'; did you mean 'training.steps'?\n"
+                                         "  " + f + ":6:6: optimizer.lr is -1, must be between 0 and 1000\n"
+                                         "  " + f + ":7:1: unknown section 'nonsense'\n"
+                                         "  command line: --training.max_norm big: training.max_norm must be a number\n"
+                                         "  command line: unexpected argument 'stray' (overrides look like --section.key value)");
+  }
+  // Without throwing: the problems, and the good values taken.
+  const Config c = Config::load((dir / "job.toml").string(), {"--parallelism.tensor_parallel_degree", "2"}, false);
+  EXPECT_EQ(c.problems().size(), 5u);
+  EXPECT_TRUE(c.has_problem("training."));
+  EXPECT_FALSE(c.has_problem("parallelism."));
+  EXPECT_EQ(c.get_int("parallelism.tensor_parallel_degree"), 2);
+  EXPECT_EQ(c.get_int("training.steps"), 10);  // the default, since "ten" was refused
+}
+
+// A hint only when it is likely right: a typo in the same section, or the same name in another
+// section; never a different feature that happens to be spelled alike.
+TEST(Config, SuggestionsAreOnlyTheLikelyOnes) {
+  EXPECT_EQ(error_of("[training]\ndevise = \"cpu\"\n"), "job.toml:2:10: unknown key 'training.devise'; did you mean 'training.device'?");
+  EXPECT_EQ(error_of("[optimizer]\nwarmup_steps = 3\n"), "job.toml:2:16: unknown key 'optimizer.warmup_steps'; spmdx has it as 'lr_scheduler.warmup_steps'");
+  EXPECT_EQ(error_of("[training]\ndatasets = \"x\"\n"), "job.toml:2:12: unknown key 'training.datasets'");  // not 'device'
+  EXPECT_EQ(error_of("[parallelism]\npipe_degree = 2\n"), "job.toml:2:15: unknown key 'parallelism.pipe_degree'");
+  EXPECT_THAT(error_of("[training]\ndataset = \"c4_test\"\n"), ::testing::Not(HasSubstr("did you mean")));
+  EXPECT_THAT(error_of("[lr_scheduler]\ndecay_ratio = 0.8\n"), ::testing::Not(HasSubstr("decay_type")));
+}
+
+// torchtitan's keys: its names for spmdx's settings are read as those; features spmdx does not
+// have are refused unless off, naming the feature; the rest is ignored, each with its reason.
+TEST(Config, TorchtitanKeysAreReadAsTorchtitanMeansThem) {
+  Config c = Config::parse("[model]\nname = \"llama3\"\nhf_assets_path = \"/tok\"\n[checkpoint]\nenable_checkpoint = true\n"
+                           "[training]\nwarmup_steps = 5\n[lr_scheduler]\nlr_min = 0.1\n[parallelism]\npipeline_parallel_degree = 1\n"
+                           "[activation_checkpoint]\nmode = \"selective\"\n[quantize.linear.float8]\nfilter_fqns = [\"output\"]\n",
+                           "titan.toml");
+  EXPECT_EQ(c.get_string("model.name"), "llama");
+  EXPECT_EQ(c.get_string("model.tokenizer"), "/tok");
+  EXPECT_EQ(c.given_as("model.tokenizer"), "model.hf_assets_path (torchtitan's name for model.tokenizer)");
+  EXPECT_TRUE(c.get_bool("checkpoint.enable"));
+  EXPECT_EQ(c.get_int("lr_scheduler.warmup_steps"), 5);
+  EXPECT_DOUBLE_EQ(c.get_float("lr_scheduler.min_lr_factor"), 0.1);
+  ASSERT_EQ(c.ignored().size(), 3u);
+  EXPECT_EQ(c.ignored()[0], "titan.toml:11:28: parallelism.pipeline_parallel_degree = 1: pipeline parallelism is off (spmdx does not have it yet)");
+  EXPECT_THAT(c.ignored()[1], HasSubstr("activation_checkpoint.mode = \"selective\": spmdx keeps every activation"));
+  EXPECT_THAT(c.ignored()[2], HasSubstr("quantize.linear.float8.filter_fqns = [\"output\"]: options of torchtitan's quantization converters"));
+  EXPECT_THAT(c.ignored_text(), HasSubstr("spmdx ignores 3 keys of torchtitan's that change nothing it computes:\n"
+                                          "  parallelism.pipeline_parallel_degree = 1 (line 11): pipeline parallelism is off"));
+
+  EXPECT_EQ(error_of("[parallelism]\npipeline_parallel_degree = 2\n"),
+            "job.toml:2:28: parallelism.pipeline_parallel_degree = 2 is torchtitan's; spmdx does not support pipeline parallelism yet: set it to 1 or remove it");
+  EXPECT_THAT(error_of("[training]\nmixed_precision_param = \"bfloat16\"\n"), HasSubstr("spmdx does not support mixed precision yet"));
+  EXPECT_THAT(error_of("[checkpoint]\nenable = true\nenable_checkpoint = true\n"),
+              HasSubstr("checkpoint.enable_checkpoint is torchtitan's name for checkpoint.enable, which is set too: keep one"));
+  EXPECT_THAT(error_of("[checkpoint]\nenable_checkpoint = 3\n"), HasSubstr("checkpoint.enable_checkpoint (spmdx's checkpoint.enable) must be true or false"));
+  Config cli;
+  cli.override_value("checkpoint.enable_checkpoint", "true");
+  cli.override_value("model.name", "llama3");
+  EXPECT_TRUE(cli.get_bool("checkpoint.enable"));
+  EXPECT_EQ(cli.get_string("model.name"), "llama");
+  EXPECT_EQ(cli.where({"checkpoint.enable"}), "command line --checkpoint.enable true");
+  EXPECT_THROW(cli.override_value("parallelism.context_parallel_degree", "2"), ConfigError);
+  EXPECT_NO_THROW(cli.override_value("parallelism.context_parallel_degree", "1"));
+}
+
+// torchtitan's own llama3 debug_model.toml, read as is (when the shared data is here): one
+// message with what spmdx refuses and why, and what it ignores.
+TEST(Config, TorchtitansDebugModelTomlGivesOneMessage) {
+  const std::filesystem::path file = std::filesystem::path(SPMDX_SOURCE_DIR) / ".." / "shared" / "data" / "torchtitan_reference" / "debug_model.toml";
+  if (!std::filesystem::exists(file)) GTEST_SKIP() << file << " is absent (shared data not on this machine)";
+  try {
+    Config::load(file.string());
+    FAIL() << "loaded";
+  } catch (const ConfigError& e) {
+    const std::string m = e.what();
+    EXPECT_THAT(m, HasSubstr("2 problems (every one found)"));
+    EXPECT_THAT(m, HasSubstr("lr_scheduler.decay_ratio = 0.8 is torchtitan's; spmdx does not support the warmup-stable-decay schedule"));
+    EXPECT_THAT(m, HasSubstr("training.dataset = \"c4_test\" is torchtitan's; spmdx does not support torchtitan's named data sets"));
+    EXPECT_THAT(m, HasSubstr("spmdx ignores 29 keys of torchtitan's"));
+  }
 }
 
 }  // namespace

@@ -137,6 +137,36 @@ TEST(Run, TypoInConfigFailsBeforeAnyRankStartsNamingLineAndKey) {
   EXPECT_THAT(r.output, ::testing::Not(HasSubstr("[rank")));
 }
 
+// Everything the config alone shows to be wrong is said before any rank starts, all at once:
+// the config's own problems, a comm plugin's options (UCX's transports, checked without
+// joining a job), and what only placing the model finds (a vocabulary tensor parallelism
+// cannot split), which used to fail on every rank after start.
+TEST(Run, EveryCheckThatNeedsNoRankRunsBeforeRanksStartAndAllAreSaidAtOnce) {
+  test::TempDir dir;
+  // A tokenizer of 27 ids (a-z and the space): output.weight [27, dim] does not split over tp 2.
+  nlohmann::json vocab = nlohmann::json::object();
+  for (char c = 'a'; c <= 'z'; ++c) vocab[std::string(1, c)] = c - 'a';
+  vocab[" "] = 26;
+  test::write_file(dir / "tokenizer.json", nlohmann::json{{"model", {{"type", "BPE"}, {"vocab", vocab}, {"merges", nlohmann::json::array()}}}}.dump());
+  auto r = spmdx_run("'" SPMDX_SOURCE_DIR "/configs/llama_fsdp.toml' --nproc 2 --parallelism.tensor_parallel_degree 2 --data.paths '" + corpus_file(dir) +
+                     "' --job.dump_folder '" + (dir / "out").string() + "' --model.tokenizer '" + (dir / "tokenizer.json").string() +
+                     "' --comm.swap_at_step 3 --comm.swap_to 'ucx:tls=bogus' --training.dataset c4");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("problems (every one found)"));
+  EXPECT_THAT(r.output, HasSubstr("training.dataset = c4 is torchtitan's; spmdx does not support torchtitan's named data sets"));
+  EXPECT_THAT(r.output, HasSubstr("comm.swap_to = \"ucx:tls=bogus\": ucx: tls=bogus: UCX here has no transport bogus (it has: self, tcp"));
+  EXPECT_THAT(r.output, HasSubstr("tensor_parallel: parameter 'output.weight' dim 0 (27) does not split evenly over tp=2"));
+  EXPECT_THAT(r.output, ::testing::Not(HasSubstr("[rank")));
+  EXPECT_FALSE(fs::exists(dir / "out" / "metrics.jsonl"));
+  // nccl on a machine without a GPU: refused before the ranks, not at the swap step.
+  if (!fs::exists("/dev/nvidiactl")) {
+    auto n = spmdx_run("'" SPMDX_SOURCE_DIR "/configs/mlp_dp.toml' --nproc 2 --data.paths '" + corpus_file(dir) + "' --comm.swap_at_step 3 --comm.swap_to nccl");
+    EXPECT_EQ(n.exit_code, 1) << n.output;
+    EXPECT_THAT(n.output, HasSubstr("comm.swap_to = \"nccl\": nccl: this machine has no CUDA device"));
+    EXPECT_THAT(n.output, ::testing::Not(HasSubstr("[rank")));
+  }
+}
+
 TEST(Run, MissingDataFailsBeforeAnyRankStarts) {
   auto r = spmdx_run("'" SPMDX_SOURCE_DIR "/configs/llama_fsdp.toml' --nproc 2 --data.paths /nonexistent/corpus.txt");
   EXPECT_EQ(r.exit_code, 1);

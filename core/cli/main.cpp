@@ -9,6 +9,7 @@
 #include <fstream>
 #include <iomanip>
 #include <iostream>
+#include <optional>
 
 #include "spmdx/core/log.h"
 #include "spmdx/core/text.h"
@@ -99,26 +100,6 @@ int run_graph(const GraphOptions& o) {
   return 0;
 }
 
-// "--section.key value" pairs left over by CLI11, as torchtitan's command-line overrides.
-void apply_overrides(spmdx::config::Config& cfg, const std::vector<std::string>& extras) {
-  for (std::size_t i = 0; i < extras.size(); ++i) {
-    const std::string& a = extras[i];
-    if (a.rfind("--", 0) != 0 || a.find('.') == std::string::npos) {
-      throw spmdx::config::ConfigError("command line: unexpected argument '" + a + "' (overrides look like --section.key value)");
-    }
-    std::string key = a.substr(2), value;
-    if (auto eq = key.find('='); eq != std::string::npos) {
-      value = key.substr(eq + 1);
-      key.resize(eq);
-    } else if (i + 1 < extras.size()) {
-      value = extras[++i];
-    } else {
-      throw spmdx::config::ConfigError("command line: " + a + " needs a value");
-    }
-    cfg.override_value(key, value);
-  }
-}
-
 // This program's own path, for starting ranks as copies of it.
 std::string self_exe() {
   char self[4096];
@@ -138,12 +119,12 @@ struct CompileOptions {
 // Plans a job without starting ranks: placements, each rank's graph, bytes per rank.
 int run_compile(const CompileOptions& o) {
   namespace fs = std::filesystem;
-  spmdx::config::Config cfg = spmdx::config::Config::load(o.config);
-  apply_overrides(cfg, o.overrides);
+  spmdx::config::Config cfg = spmdx::config::Config::load(o.config, o.overrides);
   if (o.print_config) {
     std::cout << cfg.to_toml();
     return 0;
   }
+  if (!cfg.ignored().empty()) std::cerr << "spmdx: " << cfg.ignored_text() << "\n";
   const auto start = std::chrono::steady_clock::now();
   if (o.world_size < 0 || o.world_size > 100000000) throw std::invalid_argument("--world-size must be between 1 and 1e8");
   std::int64_t world = o.world_size;
@@ -222,60 +203,34 @@ struct RunOptions {
 // `spmdx run`: validates the config, then either starts --nproc ranks here (each one this same
 // command, told its rank by the environment) or runs as the rank its environment names.
 int run_run(const RunOptions& o) {
-  spmdx::config::Config cfg = spmdx::config::Config::load(o.config);
-  apply_overrides(cfg, o.overrides);
+  const bool launched = std::getenv("SPMDX_STORE_HOSTED") != nullptr;
+  // A rank the launcher started: the launcher has checked everything already.
+  spmdx::config::Config cfg = spmdx::config::Config::load(o.config, o.overrides, /*throw_on_problems=*/launched);
   if (o.print_config) {
+    cfg.check();
     std::cout << cfg.to_toml();
     return 0;
   }
-  const bool launched = std::getenv("SPMDX_STORE_HOSTED") != nullptr;
   if (o.nproc > 0 && !launched) {
-    // Check everything that can be checked before starting any rank.
-    const auto tokenizer = spmdx::data::make_tokenizer(cfg.get_string("model.tokenizer"));
-    const auto spec = spmdx::train::job_spec(cfg, o.nproc * o.nnodes, tokenizer->vocab_size());
-    spmdx::train::check_runnable(cfg);
-    spmdx::train::check_data(cfg, *tokenizer, spec);
-    // One discovery serves the comm and hook checks.
+    // Check everything that can be checked before starting any rank, and say all of it at once.
     spmdx::PluginRegistry registry;
+    std::unique_ptr<spmdx::data::Tokenizer> tokenizer;
+    std::optional<spmdx::train::JobSpec> spec;
+    std::vector<std::string> problems = spmdx::train::preflight(cfg, o.nproc * o.nnodes, registry, &tokenizer, &spec);
     const bool hooks = !cfg.get_list("hooks.enable").empty();
-    if (o.nproc * o.nnodes > 1 || hooks) {
-      spmdx::train::discover_plugins(registry, cfg);
-    }
-    if (o.nproc * o.nnodes > 1) {  // the comm backend must exist
-      for (const auto& e : registry.errors()) throw spmdx::config::ConfigError(cfg.where({"plugins.paths"}) + ": plugins: " + e.what());
-      for (const char* key : {"comm.backend", "comm.swap_to"}) {
-        const std::string spec = cfg.get_string(key);
-        if (spec.empty() && std::string(key) == "comm.swap_to") continue;
-        if (spec.substr(0, spec.find(':')) == "local") {
-          throw spmdx::config::ConfigError(cfg.where({key}) + ": " + key + " = \"" + spec +
-                                           "\": the local backend runs ranks as threads of one process, and spmdx run starts a process per rank; use ucx");
-        }
-        const auto* p = registry.find(spec.substr(0, spec.find(':')));
-        if (p == nullptr || p->kind != spmdx::PluginKind::comm) {
-          std::string known;
-          for (const auto& q : registry.plugins()) {
-            if (q.kind == spmdx::PluginKind::comm) known += (known.empty() ? "" : ", ") + q.name;
-          }
-          throw spmdx::config::ConfigError(cfg.where({key}) + ": " + key + " = \"" + spec + "\" is not a comm plugin found here; found: " +
-                                           (known.empty() ? "none" : known));
-        }
-        try {  // its options: made (not initialised), so a bad one fails here rather than on every rank
-          registry.make_comm_backend_from_spec(spec);
-        } catch (const std::exception& e) {
-          throw spmdx::config::ConfigError(cfg.where({key}) + ": " + key + " = \"" + spec + "\": " + e.what());
-        }
-      }
-    }
-    if (hooks) {  // names and options, before any rank starts
+    if (hooks && !cfg.has_problem("hooks.")) {  // names and options
       spmdx::HookContext base;
       base.compile_only = true;
       base.world_size = o.nproc * o.nnodes;
       try {
         spmdx::hooks::make_hooks(cfg, registry, base);
       } catch (const std::invalid_argument& e) {
-        throw spmdx::config::ConfigError(cfg.where({"hooks.enable"}) + ": " + e.what());
+        problems.push_back(cfg.where({"hooks.enable"}) + ": " + e.what());
       }
     }
+    cfg.check(problems);
+    spmdx::train::check_data(cfg, *tokenizer, *spec);  // reads the data: only once the rest is right
+    if (!cfg.ignored().empty()) std::cerr << "spmdx: " << cfg.ignored_text() << "\n";
     std::vector<std::string> argv{self_exe(), "run", o.config};
     for (const auto& a : o.overrides) argv.push_back(a);
     spmdx::launch::LaunchOptions lo{o.nproc, o.nnodes, o.node_rank, o.master_addr, o.master_port, "spmdx run", ""};
@@ -286,6 +241,13 @@ int run_run(const RunOptions& o) {
     return spmdx::launch::launch(lo, argv);
   }
   const spmdx::launch::RankEnv env = spmdx::launch::rank_env();
+  if (!launched) {  // one rank, or started by hand, torchrun, srun or mpirun: this rank checks its own job
+    spmdx::PluginRegistry registry;
+    std::unique_ptr<spmdx::data::Tokenizer> tokenizer;
+    std::optional<spmdx::train::JobSpec> spec;
+    cfg.check(spmdx::train::preflight(cfg, env.world_size, registry, &tokenizer, &spec));
+    if (env.rank == 0 && !cfg.ignored().empty()) std::cerr << "spmdx: " << cfg.ignored_text() << "\n";
+  }
   if (env.source == "single") {
     const std::int64_t shard = cfg.get_int("parallelism.data_parallel_shard_degree");
     const std::int64_t want = cfg.get_int("parallelism.data_parallel_replicate_degree") * cfg.get_int("parallelism.tensor_parallel_degree") *

@@ -3,12 +3,17 @@
 #include <toml++/toml.h>
 
 #include <algorithm>
+#include <array>
+#include <cstdio>
 
 #include "spmdx/core/text.h"
+#include "torchtitan_keys.h"
 #include <cmath>
 #include <charconv>
 #include <cstring>
 #include <filesystem>
+#include <functional>
+#include <map>
 #include <fstream>
 #include <limits>
 #include <set>
@@ -20,7 +25,11 @@ namespace {
 using L = std::vector<std::string>;
 
 
-// " (did you mean 'x'?)" for the nearest of `known`, when near enough.
+// How far a typo may be from the word it was meant to be: 1 edit for words of up to 3
+// characters, 2 up to 8, 3 beyond (so that 'dataset' is not taken for 'device').
+std::size_t typo_distance(const std::string& word) { return word.size() <= 3 ? 1 : word.size() <= 8 ? 2 : 3; }
+
+// " (did you mean 'x'?)" for the nearest of `known`, only when it is a plausible typo.
 std::string did_you_mean(const std::string& word, const std::vector<std::string>& known) {
   std::string best;
   std::size_t best_d = std::numeric_limits<std::size_t>::max();
@@ -28,7 +37,7 @@ std::string did_you_mean(const std::string& word, const std::vector<std::string>
     const std::size_t d = edit_distance(word, k);
     if (d < best_d) best_d = d, best = k;
   }
-  if (best.empty() || best_d > std::max<std::size_t>(2, word.size() / 3)) return "";
+  if (best.empty() || best_d > typo_distance(word)) return "";
   return "; did you mean '" + best + "'?";
 }
 
@@ -60,28 +69,34 @@ std::string at_line(const std::string& source, const toml::source_region& region
   return source + ":" + std::to_string(region.begin.line) + ":" + std::to_string(region.begin.column);
 }
 
-// Checks a value against its spec: range and choices.
-void check_value(const KeySpec& spec, const Value& v, const std::string& at) {
-  auto fail = [&](const std::string& why) { throw ConfigError(at + ": " + spec.key + " " + why); };
+// A value against its spec: range and choices. The problem ("" when none), starting with the key.
+std::string value_problem(const KeySpec& spec, const Value& v) {
   auto bounds = [&] {
     std::ostringstream s;
     s << "must be between " << spec.min << " and " << spec.max;
     return s.str();
   };
   if (auto* i = std::get_if<std::int64_t>(&v); i && (static_cast<double>(*i) < spec.min || static_cast<double>(*i) > spec.max)) {
-    fail("is " + std::to_string(*i) + ", " + (spec.max < 1e299 ? bounds() : "must be >= " + std::to_string(static_cast<std::int64_t>(spec.min))));
+    return spec.key + " is " + std::to_string(*i) + ", " + (spec.max < 1e299 ? bounds() : "must be >= " + std::to_string(static_cast<std::int64_t>(spec.min)));
   }
   if (auto* f = std::get_if<double>(&v); f && (!std::isfinite(*f) || *f < spec.min || *f > spec.max)) {
     std::ostringstream s;
-    s << "is " << *f << ", " << (std::isfinite(*f) ? (spec.max < 1e299 ? bounds() : "must be >= " + std::to_string(spec.min)) : "must be a finite number");
-    fail(s.str());
+    s << spec.key << " is " << *f << ", " << (std::isfinite(*f) ? (spec.max < 1e299 ? bounds() : "must be >= " + std::to_string(spec.min)) : "must be a finite number");
+    return s.str();
   }
   if (auto* s = std::get_if<std::string>(&v); s && !spec.choices.empty() &&
                                                std::find(spec.choices.begin(), spec.choices.end(), *s) == spec.choices.end()) {
     std::string list;
     for (const auto& c : spec.choices) list += (list.empty() ? "" : ", ") + c;
-    fail("is \"" + *s + "\", expected one of " + list + did_you_mean(*s, spec.choices));
+    return spec.key + " is \"" + *s + "\", expected one of " + list + did_you_mean(*s, spec.choices);
   }
+  return "";
+}
+
+// torchtitan's names for spmdx's values of the same meaning.
+const std::map<std::string, std::map<std::string, std::string>>& value_aliases() {
+  static const std::map<std::string, std::map<std::string, std::string>> aliases{{"model.name", {{"llama3", "llama"}}}};
+  return aliases;
 }
 
 std::string quote(const std::string& s) {
@@ -176,7 +191,303 @@ Config::Config() {
   for (const auto& s : schema()) values_[s.key] = s.default_value;
 }
 
-Config Config::load(const std::string& path) {
+namespace {
+
+// The TOML text of a node, as the config's own printer writes values.
+std::string node_text(const toml::node& n) {
+  if (auto x = n.value_exact<std::int64_t>()) return std::to_string(*x);
+  if (auto x = n.value_exact<double>()) return value_toml(Value(*x));
+  if (auto x = n.value_exact<bool>()) return *x ? "true" : "false";
+  if (auto x = n.value_exact<std::string>()) return quote(*x);
+  if (const toml::array* a = n.as_array()) {
+    std::string out = "[";
+    for (std::size_t i = 0; i < a->size(); ++i) out += (i ? ", " : "") + node_text(*a->get(i));
+    return out + "]";
+  }
+  return "{...}";
+}
+
+// Where a key of spmdx's schema with the same name lives in another section ("" when none).
+std::string other_section(const std::string& section, const std::string& name) {
+  for (const auto& k : all_keys()) {
+    const auto dot = k.find('.');
+    if (k.substr(dot + 1) == name && k.substr(0, dot) != section) return k;
+  }
+  return "";
+}
+
+// " (did you mean ...)" for an unknown key: the same name in another section, or a plausible
+// typo of a key of the same section. Nothing otherwise: a wrong hint is worse than none.
+std::string key_hint(const std::string& key) {
+  const auto dot = key.find('.');
+  const std::string section = key.substr(0, dot), name = dot == std::string::npos ? key : key.substr(dot + 1);
+  if (const std::string elsewhere = other_section(section, name); !elsewhere.empty()) return "; spmdx has it as '" + elsewhere + "'";
+  std::vector<std::string> same;
+  for (const auto& k : all_keys()) {
+    if (k.compare(0, section.size() + 1, section + ".") == 0) same.push_back(k.substr(section.size() + 1));
+  }
+  const std::string hint = did_you_mean(name, same);
+  return hint.empty() ? "" : "; did you mean '" + section + "." + hint.substr(std::string("; did you mean '").size());
+}
+
+}  // namespace
+
+// Every problem of a config, collected rather than thrown one at a time.
+struct Config::Checker {
+  Config& cfg;
+  std::set<std::string> from_file;  // keys set in the file (an alias counts as its target)
+
+  // Messages are kept in the order of the file (line, column), command-line ones after.
+  static std::pair<long, long> position(const std::string& at, const std::string& source) {
+    if (source.empty() || at.compare(0, source.size() + 1, source + ":") != 0) return {1L << 40, 0};
+    long line = 0, col = 0;
+    std::sscanf(at.c_str() + source.size() + 1, "%ld:%ld", &line, &col);
+    return {line, col};
+  }
+  template <class T>
+  void insert_sorted(std::vector<T>& list, std::vector<std::pair<long, long>>& keys, const std::string& at, T item) {
+    const auto k = position(at, cfg.source_);
+    const auto it = std::upper_bound(keys.begin(), keys.end(), k);
+    list.insert(list.begin() + (it - keys.begin()), std::move(item));
+    keys.insert(it, k);
+  }
+  void problem(const std::string& at, const std::string& key, const std::string& message) {
+    insert_sorted(cfg.problems_, cfg.problem_order_, at, at + ": " + message);
+    if (find_spec(key) != nullptr) cfg.problem_keys_.insert(key);  // spmdx's keys, which later checks read
+  }
+  void ignored(const std::string& at, const std::string& what, const std::string& reason) {
+    insert_sorted(cfg.ignored_, cfg.ignored_order_, at, at + ": " + what + ": " + reason);
+    insert_sorted(cfg.ignored_parts_, cfg.ignored_parts_order_, at, std::array<std::string, 3>{at, what, reason});
+  }
+
+  // `key` = `v` (already typed) from `at`; `given` is how it was written (for messages).
+  void set(const KeySpec& spec, Value v, const std::string& at, const std::string& given_key) {
+    if (auto* str = std::get_if<std::string>(&v)) {
+      if (auto a = value_aliases().find(spec.key); a != value_aliases().end()) {
+        if (auto it = a->second.find(*str); it != a->second.end()) v = it->second;  // torchtitan's name for it
+      }
+    }
+    if (std::string why = value_problem(spec, v); !why.empty()) {
+      if (given_key != spec.key) why = given_key + " (spmdx's " + why + ")";
+      problem(at, spec.key, why);
+      return;
+    }
+    cfg.values_[spec.key] = v;
+  }
+
+  // A key that is not spmdx's: torchtitan's alias, ignored, or unsupported; else unknown.
+  // `text` is the value as TOML writes it; `apply` sets an alias's target from the node or text.
+  void foreign(const std::string& key, const std::string& text, const std::string& at, const std::function<void(const KeySpec&)>& apply) {
+    const TitanKey* t = find_titan_key(key);
+    if (t == nullptr) {
+      const std::string section = key.substr(0, key.find('.'));
+      problem(at, key, "unknown key '" + key + "'" + key_hint(key));
+      return;
+    }
+    switch (t->kind) {
+      case TitanKey::Kind::alias: {
+        const KeySpec* spec = find_spec(t->target);
+        if (from_file.count(t->target)) {
+          problem(at, t->target, key + " is torchtitan's name for " + t->target + ", which is set too: keep one");
+          return;
+        }
+        from_file.insert(t->target);
+        const std::size_t before = cfg.problems_.size();
+        apply(*spec);
+        if (cfg.problems_.size() == before) cfg.given_as_[t->target] = key;
+        return;
+      }
+      case TitanKey::Kind::ignored:
+        ignored(at, key + " = " + text, t->why);
+        return;
+      case TitanKey::Kind::unsupported: {
+        auto unquoted = [](std::string x) { return x.size() >= 2 && x.front() == '"' ? x.substr(1, x.size() - 2) : x; };
+        for (const auto& off : t->off) {
+          if (text == off || unquoted(text) == unquoted(off)) {
+            ignored(at, key + " = " + text, t->target + " is off (spmdx does not have it yet)");
+            return;
+          }
+        }
+        std::string off_list;
+        for (const auto& o : t->off) off_list += (off_list.empty() ? "" : " or ") + o;
+        problem(at, key, key + " = " + text + " is torchtitan's; spmdx does not support " + t->target + " yet" +
+                             (t->why.empty() ? (off_list.empty() ? "" : ": set it to " + off_list + " or remove it") : ": " + t->why));
+        return;
+      }
+    }
+  }
+
+  // A TOML node for spmdx key `spec`, typed.
+  void from_node(const KeySpec& spec, const toml::node& node, const std::string& at, const std::string& given_key) {
+    Value v;
+    bool ok = true;
+    switch (spec.type) {
+      case Type::integer:
+        if (auto x = node.value_exact<std::int64_t>()) v = *x; else ok = false;
+        break;
+      case Type::floating:
+        if (auto x = node.value_exact<double>()) v = *x;
+        else if (auto y = node.value_exact<std::int64_t>()) v = static_cast<double>(*y);
+        else ok = false;
+        break;
+      case Type::boolean:
+        if (auto x = node.value_exact<bool>()) v = *x; else ok = false;
+        break;
+      case Type::string:
+        if (auto x = node.value_exact<std::string>()) v = *x; else ok = false;
+        break;
+      case Type::string_list:
+        if (const toml::array* arr = node.as_array()) {
+          std::vector<std::string> items;
+          for (const auto& item : *arr) {
+            if (auto x = item.value_exact<std::string>()) items.push_back(*x); else ok = false;
+          }
+          v = items;
+        } else {
+          ok = false;
+        }
+        break;
+    }
+    if (!ok) {
+      problem(at, spec.key, (given_key != spec.key ? given_key + " (spmdx's " + spec.key + ")" : spec.key) + " must be " + type_name(spec.type));
+      return;
+    }
+    set(spec, v, at, given_key);
+  }
+
+  // Every leaf of a table that is not spmdx's (torchtitan's [quantize.linear.float8], ...).
+  void foreign_table(const std::string& prefix, const toml::table& table, const std::string& source) {
+    for (const auto& [k, node] : table) {
+      const std::string key = prefix + "." + std::string(k.str());
+      if (const toml::table* sub = node.as_table()) {
+        foreign_table(key, *sub, source);
+        continue;
+      }
+      foreign(key, node_text(node), at_line(source, node.source()), [&](const KeySpec& spec) { from_node(spec, node, at_line(source, node.source()), key); });
+    }
+  }
+
+  void file(const toml::table& root, const std::string& source) {
+    std::set<std::string> sections;
+    for (const auto& s : schema()) sections.insert(s.key.substr(0, s.key.find('.')));
+    for (const auto& [section_key, section_node] : root) {
+      const std::string section(section_key.str());
+      const std::string at = at_line(source, section_node.source());
+      const toml::table* table = section_node.as_table();
+      if (table == nullptr) {
+        std::string home;
+        for (const auto& key : all_keys()) {
+          if (key.size() > section.size() && key.compare(key.size() - section.size() - 1, std::string::npos, "." + section) == 0) {
+            home = key.substr(0, key.size() - section.size() - 1);
+          }
+        }
+        problem(at, section, "key '" + section + "' is outside any [section]" + (home.empty() ? std::string() : "; put it under [" + home + "]"));
+        continue;
+      }
+      if (!sections.count(section)) {
+        if (is_titan_section(section)) {
+          foreign_table(section, *table, source);
+        } else {
+          problem(at, section, "unknown section '" + section + "'" + did_you_mean(section, std::vector<std::string>(sections.begin(), sections.end())));
+        }
+        continue;
+      }
+      for (const auto& [name_key, node] : *table) {
+        const std::string key = section + "." + std::string(name_key.str());
+        const std::string node_at = at_line(source, node.source());
+        if (section == "hooks" && node.is_table()) {  // [hooks.<name>]: that hook's options
+          auto& options = cfg.plugin_options_[key];
+          for (const auto& [opt_key, opt] : *node.as_table()) {
+            const std::string opt_at = at_line(source, opt.source());
+            if (auto x = opt.value_exact<std::string>()) {
+              options[std::string(opt_key.str())] = *x;
+            } else if (auto i = opt.value_exact<std::int64_t>()) {
+              options[std::string(opt_key.str())] = std::to_string(*i);
+            } else if (auto d = opt.value_exact<double>()) {
+              std::ostringstream text;
+              text << *d;
+              options[std::string(opt_key.str())] = text.str();
+            } else if (auto b = opt.value_exact<bool>()) {
+              options[std::string(opt_key.str())] = *b ? "true" : "false";
+            } else {
+              problem(opt_at, key, key + "." + std::string(opt_key.str()) + " must be a string, number or boolean");
+            }
+          }
+          continue;
+        }
+        if (const KeySpec* spec = find_spec(key)) {
+          if (from_file.count(key)) {
+            problem(node_at, key, key + " is set twice (once under torchtitan's name): keep one");
+            continue;
+          }
+          from_file.insert(key);
+          from_node(*spec, node, node_at, key);
+          continue;
+        }
+        if (const toml::table* sub = node.as_table(); sub != nullptr && find_titan_key(key + ".x") == nullptr) {
+          problem(node_at, key, "unknown key '" + key + "'" + key_hint(key));
+          continue;
+        }
+        foreign(key, node_text(node), node_at, [&](const KeySpec& spec) { from_node(spec, node, node_at, key); });
+      }
+    }
+  }
+
+  // One "--section.key value" override.
+  void override_value(const std::string& key, const std::string& text) {
+    const std::string at = "command line: --" + key;
+    if (key.rfind("hooks.", 0) == 0 && std::count(key.begin(), key.end(), '.') == 2) {  // --hooks.<name>.<option>
+      const auto dot = key.rfind('.');
+      if (dot == 6 || dot + 1 == key.size()) {
+        problem(at, key, "expected --hooks.<hook>.<option> value");
+        return;
+      }
+      cfg.plugin_options_[key.substr(0, dot)][key.substr(dot + 1)] = text;
+      return;
+    }
+    auto typed = [&](const KeySpec& spec) {
+      Value v;
+      try {
+        std::size_t used = 0;
+        switch (spec.type) {
+          case Type::integer: v = static_cast<std::int64_t>(std::stoll(text, &used)); break;
+          case Type::floating: v = std::stod(text, &used); break;
+          case Type::boolean:
+            if (text != "true" && text != "false") throw std::invalid_argument("bool");
+            v = text == "true";
+            used = text.size();
+            break;
+          case Type::string: v = text; used = text.size(); break;
+          case Type::string_list: {
+            std::vector<std::string> items;
+            std::stringstream s(text);
+            std::string item;
+            while (std::getline(s, item, ',')) {
+              if (!item.empty()) items.push_back(item);
+            }
+            v = items;
+            used = text.size();
+            break;
+          }
+        }
+        if (used != text.size()) throw std::invalid_argument("trailing text");
+      } catch (const std::logic_error&) {
+        problem(at + " " + text, spec.key, (key != spec.key ? key + " (spmdx's " + spec.key + ")" : spec.key) + " must be " + type_name(spec.type));
+        return;
+      }
+      const std::size_t before = cfg.problems_.size();
+      set(spec, v, at, key);
+      if (cfg.problems_.size() == before) cfg.overrides_[spec.key] = text;
+    };
+    if (const KeySpec* spec = find_spec(key)) {
+      typed(*spec);
+      return;
+    }
+    foreign(key, text, at, typed);
+  }
+};
+
+Config Config::load(const std::string& path, const std::vector<std::string>& overrides, bool throw_on_problems) {
   std::error_code ec;
   const auto st = std::filesystem::status(path, ec);
   if (!std::filesystem::exists(st)) throw ConfigError(path + ": no such config file");
@@ -185,10 +496,31 @@ Config Config::load(const std::string& path) {
   if (!in) throw ConfigError(path + ": cannot read the config file: " + std::strerror(errno));
   std::stringstream text;
   text << in.rdbuf();
-  return parse(text.str(), path);
+  Config cfg = parse(text.str(), path, false);
+  Checker c{cfg, {}};
+  for (std::size_t i = 0; i < overrides.size(); ++i) {
+    const std::string& a = overrides[i];
+    if (a.rfind("--", 0) != 0 || a.find('.') == std::string::npos) {
+      c.problem("command line", a, "unexpected argument '" + a + "' (overrides look like --section.key value)");
+      continue;
+    }
+    std::string key = a.substr(2), value;
+    if (auto eq = key.find('='); eq != std::string::npos) {
+      value = key.substr(eq + 1);
+      key.resize(eq);
+    } else if (i + 1 < overrides.size()) {
+      value = overrides[++i];
+    } else {
+      c.problem("command line", key, a + " needs a value");
+      continue;
+    }
+    c.override_value(key, value);
+  }
+  if (throw_on_problems) cfg.check();
+  return cfg;
 }
 
-Config Config::parse(const std::string& text, const std::string& source) {
+Config Config::parse(const std::string& text, const std::string& source, bool throw_on_problems) {
   Config cfg;
   cfg.source_ = source;
   toml::table root;
@@ -197,128 +529,65 @@ Config Config::parse(const std::string& text, const std::string& source) {
   } catch (const toml::parse_error& e) {
     throw ConfigError(at_line(source, e.source()) + ": " + std::string(e.description()));
   }
-  std::set<std::string> sections;
-  for (const auto& s : schema()) sections.insert(s.key.substr(0, s.key.find('.')));
-  for (const auto& [section_key, section_node] : root) {
-    const std::string section(section_key.str());
-    const toml::table* table = section_node.as_table();
-    if (table == nullptr) {
-      std::string home;
-      for (const auto& key : all_keys()) {
-        if (key.size() > section.size() && key.compare(key.size() - section.size() - 1, std::string::npos, "." + section) == 0) {
-          home = key.substr(0, key.size() - section.size() - 1);
-        }
-      }
-      throw ConfigError(at_line(source, section_node.source()) + ": key '" + section + "' is outside any [section]" +
-                        (home.empty() ? std::string() : "; put it under [" + home + "]"));
-    }
-    if (!sections.count(section)) {
-      throw ConfigError(at_line(source, section_node.source()) + ": unknown section '" + section + "'" +
-                        did_you_mean(section, std::vector<std::string>(sections.begin(), sections.end())));
-    }
-    for (const auto& [name_key, node] : *table) {
-      const std::string key = section + "." + std::string(name_key.str());
-      const std::string at = at_line(source, node.source());
-      if (section == "hooks" && node.is_table()) {  // [hooks.<name>]: that hook's options
-        auto& options = cfg.plugin_options_[key];
-        for (const auto& [opt_key, opt] : *node.as_table()) {
-          const std::string opt_at = at_line(source, opt.source());
-          if (auto x = opt.value_exact<std::string>()) {
-            options[std::string(opt_key.str())] = *x;
-          } else if (auto i = opt.value_exact<std::int64_t>()) {
-            options[std::string(opt_key.str())] = std::to_string(*i);
-          } else if (auto d = opt.value_exact<double>()) {
-            std::ostringstream text;
-            text << *d;
-            options[std::string(opt_key.str())] = text.str();
-          } else if (auto b = opt.value_exact<bool>()) {
-            options[std::string(opt_key.str())] = *b ? "true" : "false";
-          } else {
-            throw ConfigError(opt_at + ": " + key + "." + std::string(opt_key.str()) + " must be a string, number or boolean");
-          }
-        }
-        continue;
-      }
-      const KeySpec* spec = find_spec(key);
-      if (spec == nullptr) throw ConfigError(at + ": unknown key '" + key + "'" + did_you_mean(key, all_keys()));
-      Value v;
-      bool ok = true;
-      switch (spec->type) {
-        case Type::integer:
-          if (auto x = node.value_exact<std::int64_t>()) v = *x; else ok = false;
-          break;
-        case Type::floating:
-          if (auto x = node.value_exact<double>()) v = *x;
-          else if (auto y = node.value_exact<std::int64_t>()) v = static_cast<double>(*y);
-          else ok = false;
-          break;
-        case Type::boolean:
-          if (auto x = node.value_exact<bool>()) v = *x; else ok = false;
-          break;
-        case Type::string:
-          if (auto x = node.value_exact<std::string>()) v = *x; else ok = false;
-          break;
-        case Type::string_list:
-          if (const toml::array* arr = node.as_array()) {
-            std::vector<std::string> items;
-            for (const auto& item : *arr) {
-              if (auto x = item.value_exact<std::string>()) items.push_back(*x); else ok = false;
-            }
-            v = items;
-          } else {
-            ok = false;
-          }
-          break;
-      }
-      if (!ok) throw ConfigError(at + ": " + key + " must be " + type_name(spec->type));
-      check_value(*spec, v, at);
-      cfg.values_[key] = v;
-    }
-  }
+  Checker{cfg, {}}.file(root, source);
+  if (throw_on_problems) cfg.check();
   return cfg;
 }
 
-void Config::override_value(const std::string& key, const std::string& text) {
-  const std::string at = "command line: --" + key;
-  if (key.rfind("hooks.", 0) == 0 && std::count(key.begin(), key.end(), '.') == 2) {  // --hooks.<name>.<option>
-    const auto dot = key.rfind('.');
-    if (dot == 6 || dot + 1 == key.size()) throw ConfigError(at + ": expected --hooks.<hook>.<option> value");
-    plugin_options_[key.substr(0, dot)][key.substr(dot + 1)] = text;
-    return;
+void Config::override_value(const std::string& key, const std::string& value) {
+  const std::size_t before = problems_.size();
+  Checker{*this, {}}.override_value(key, value);
+  if (problems_.size() > before) {  // a command-line problem sorts last
+    const std::string p = problems_.back();
+    problems_.pop_back();
+    problem_order_.pop_back();
+    throw ConfigError(p);
   }
-  const KeySpec* spec = find_spec(key);
-  if (spec == nullptr) throw ConfigError(at + ": unknown key '" + key + "'" + did_you_mean(key, all_keys()));
-  Value v;
-  try {
-    std::size_t used = 0;
-    switch (spec->type) {
-      case Type::integer: v = static_cast<std::int64_t>(std::stoll(text, &used)); break;
-      case Type::floating: v = std::stod(text, &used); break;
-      case Type::boolean:
-        if (text != "true" && text != "false") throw std::invalid_argument("bool");
-        v = text == "true";
-        used = text.size();
-        break;
-      case Type::string: v = text; used = text.size(); break;
-      case Type::string_list: {
-        std::vector<std::string> items;
-        std::stringstream s(text);
-        std::string item;
-        while (std::getline(s, item, ',')) {
-          if (!item.empty()) items.push_back(item);
-        }
-        v = items;
-        used = text.size();
-        break;
-      }
-    }
-    if (used != text.size()) throw std::invalid_argument("trailing text");
-  } catch (const std::logic_error&) {
-    throw ConfigError(at + " " + text + ": " + key + " must be " + type_name(spec->type));
+}
+
+std::string Config::report(const std::vector<std::string>& more) const {
+  std::vector<std::string> all = problems_;
+  all.insert(all.end(), more.begin(), more.end());
+  if (all.empty()) return "";
+  if (all.size() == 1 && ignored_.empty()) return all.front();
+  std::string out = (source_.empty() ? std::string("config") : source_) + ": " +
+                    (all.size() == 1 ? std::string("1 problem:") : std::to_string(all.size()) + " problems (every one found):");
+  for (const auto& p : all) out += "\n  " + p;
+  if (!ignored_.empty()) out += "\n" + ignored_text();
+  return out;
+}
+
+std::string Config::ignored_text() const {
+  if (ignored_.empty()) return "";
+  std::string out = "spmdx ignores " + std::to_string(ignored_.size()) + " key" + (ignored_.size() == 1 ? "" : "s") +
+                    " of torchtitan's that change nothing it computes:";
+  // One line per reason, its keys in file order with where each is ("line 64" in the file).
+  std::vector<std::string> reasons;
+  std::map<std::string, std::string> keys;
+  for (const auto& [at, what, reason] : ignored_parts_) {
+    std::string where = at;
+    if (!source_.empty() && at.compare(0, source_.size() + 1, source_ + ":") == 0) where = "line " + at.substr(source_.size() + 1, at.find(':', source_.size() + 1) - source_.size() - 1);
+    if (!keys.count(reason)) reasons.push_back(reason);
+    keys[reason] += (keys[reason].empty() ? "" : ", ") + what + " (" + where + ")";
   }
-  check_value(*spec, v, at);
-  values_[key] = v;
-  overrides_[key] = text;
+  for (const auto& r : reasons) out += "\n  " + keys[r] + ": " + r;
+  return out;
+}
+
+void Config::check(const std::vector<std::string>& more) const {
+  if (!problems_.empty() || !more.empty()) throw ConfigError(report(more));
+}
+
+std::string Config::given_as(const std::string& key) const {
+  auto it = given_as_.find(key);
+  return it == given_as_.end() ? key : it->second + " (torchtitan's name for " + key + ")";
+}
+
+bool Config::has_problem(const std::string& prefix) const {
+  for (const auto& k : problem_keys_) {
+    if (k.compare(0, prefix.size(), prefix) == 0) return true;
+  }
+  return false;
 }
 
 std::string Config::where(const std::vector<std::string>& keys) const {

@@ -1,15 +1,36 @@
 #include "spmdx/train/job.h"
 
+#include <algorithm>
 #include <filesystem>
+#include <functional>
 
 #include "spmdx/data/text_dataset.h"
 #include "spmdx/sharding/spec.h"
+#include "spmdx/sharding/parallelize.h"
 
 namespace spmdx::train {
 
-JobSpec job_spec(const config::Config& cfg, std::int64_t world_size, std::int64_t vocab_size) {
+namespace {
+
+// Problems found one after another and thrown together: one ConfigError, a line each.
+struct Problems {
+  const config::Config& cfg;
+  std::vector<std::string> lines;
   // `keys`: those the message is about, so that it says where their values came from.
-  auto fail = [&](const std::vector<std::string>& keys, const std::string& why) { throw config::ConfigError(cfg.where(keys) + ": " + why); };
+  void add(const std::vector<std::string>& keys, const std::string& why) { lines.push_back(cfg.where(keys) + ": " + why); }
+  void throw_if_any() const {
+    if (lines.empty()) return;
+    std::string all;
+    for (const auto& l : lines) all += (all.empty() ? "" : "\n") + l;
+    throw config::ConfigError(all);
+  }
+};
+
+}  // namespace
+
+JobSpec job_spec(const config::Config& cfg, std::int64_t world_size, std::int64_t vocab_size) {
+  Problems problems{cfg, {}};
+  auto fail = [&](const std::vector<std::string>& keys, const std::string& why) { problems.add(keys, why); };
   JobSpec s;
   s.world_size = world_size;
   s.model = models::model_args(cfg.get_string("model.name"), cfg.get_string("model.flavor"), vocab_size);
@@ -22,15 +43,17 @@ JobSpec job_spec(const config::Config& cfg, std::int64_t world_size, std::int64_
       fail(kDegreeKeys, "parallelism.data_parallel_replicate_degree x tensor_parallel_degree = " + std::to_string(rest) +
            " does not divide world_size " + std::to_string(world_size));
     }
-    s.dims.dp_shard = world_size / rest;
+    s.dims.dp_shard = std::max<std::int64_t>(1, world_size / rest);
   } else if (s.dims.dp_shard < 1) {
     fail({"parallelism.data_parallel_shard_degree"}, "parallelism.data_parallel_shard_degree must be >= 1 or -1");
+    s.dims.dp_shard = 1;
   }
   const std::int64_t product = s.dims.dp_replicate * s.dims.dp_shard * s.dims.tp;
-  if (product != world_size) {
+  if (product != world_size && problems.lines.empty()) {
     fail(kDegreeKeys, "parallelism degrees multiply to " + std::to_string(product) + " (" + std::to_string(s.dims.dp_replicate) + " x " +
          std::to_string(s.dims.dp_shard) + " x " + std::to_string(s.dims.tp) + "), but world_size is " + std::to_string(world_size));
   }
+  const bool degrees_ok = problems.lines.empty();  // the batch check below needs the data-parallel degree
   if (s.model.name == "llama" && s.model.n_heads % s.dims.tp != 0) {
     fail({"parallelism.tensor_parallel_degree", "model.name", "model.flavor"}, "parallelism.tensor_parallel_degree " + std::to_string(s.dims.tp) + " does not divide the " + std::to_string(s.model.n_heads) +
          " attention heads of " + s.model.name + " " + s.model.flavor);
@@ -38,7 +61,7 @@ JobSpec job_spec(const config::Config& cfg, std::int64_t world_size, std::int64_
   const std::int64_t dp = s.dims.dp_replicate * s.dims.dp_shard;
   const std::int64_t global = cfg.get_int("training.global_batch_size");
   s.global_batch_size = global > 0 ? global : cfg.get_int("training.local_batch_size") * dp;
-  if (s.global_batch_size % dp != 0) {
+  if (degrees_ok && s.global_batch_size % dp != 0) {
     fail({"training.global_batch_size", "training.local_batch_size", kDegreeKeys[0], kDegreeKeys[1]}, "training.global_batch_size " + std::to_string(s.global_batch_size) + " does not split over the " + std::to_string(dp) +
          " data-parallel ranks: make it a multiple of " + std::to_string(dp));
   }
@@ -52,11 +75,13 @@ JobSpec job_spec(const config::Config& cfg, std::int64_t world_size, std::int64_
   s.step.max_norm = cfg.get_float("training.max_norm");
   s.step.adamw = {cfg.get_float("optimizer.beta1"), cfg.get_float("optimizer.beta2"), cfg.get_float("optimizer.eps"),
                   cfg.get_float("optimizer.weight_decay")};
+  problems.throw_if_any();
   return s;
 }
 
 void check_runnable(const config::Config& cfg) {
-  auto fail = [&](const std::vector<std::string>& keys, const std::string& why) { throw config::ConfigError(cfg.where(keys) + ": " + why); };
+  Problems problems{cfg, {}};
+  auto fail = [&](const std::vector<std::string>& keys, const std::string& why) { problems.add(keys, why); };
   if (cfg.get_string("training.device") != "cpu") {
     fail({"training.device"}, "training.device = \"" + cfg.get_string("training.device") + "\": this build runs on the CPU only; use \"cpu\"");
   }
@@ -66,11 +91,13 @@ void check_runnable(const config::Config& cfg) {
     if (!std::filesystem::is_regular_file(p, ec)) {
       fail({"data.paths"}, "data.paths: '" + p + "' is not a readable file" +
            (p.rfind("/usr/share/games/fortunes", 0) == 0 ? " (scripts/setup installs Debian's fortunes package)" : ""));
+      break;  // one missing file says enough
     }
   }
   if (cfg.get_int("comm.swap_at_step") > 0 && cfg.get_string("comm.swap_to").empty()) {
     fail({"comm.swap_at_step", "comm.swap_to"}, "comm.swap_at_step is set but comm.swap_to is empty: name the backend to swap to (e.g. \"ucx:tls=tcp,self\")");
   }
+  problems.throw_if_any();
 }
 
 void check_data(const config::Config& cfg, const data::Tokenizer& tokenizer, const JobSpec& spec) {
@@ -83,6 +110,85 @@ void check_data(const config::Config& cfg, const data::Tokenizer& tokenizer, con
     throw config::ConfigError(cfg.where({"job.dump_folder"}) + ": job.dump_folder '" +
                               cfg.get_string("job.dump_folder") + "' cannot be made: " + ec.message());
   }
+}
+
+std::vector<std::string> preflight(const config::Config& cfg, std::int64_t world_size, PluginRegistry& registry, std::unique_ptr<data::Tokenizer>* tokenizer,
+                                   std::optional<JobSpec>* spec) {
+  std::vector<std::string> out;
+  auto lines = [&](const std::string& text) {
+    std::size_t start = 0;
+    while (start <= text.size()) {
+      const auto nl = text.find('\n', start);
+      out.push_back(text.substr(start, nl == std::string::npos ? std::string::npos : nl - start));
+      if (nl == std::string::npos) break;
+      start = nl + 1;
+    }
+  };
+  auto attempt = [&](const std::vector<std::string>& keys, const std::function<void()>& f) {
+    try {
+      f();
+      return true;
+    } catch (const config::ConfigError& e) {
+      lines(e.what());
+    } catch (const std::exception& e) {
+      lines(cfg.where(keys) + ": " + e.what());
+    }
+    return false;
+  };
+  if (!cfg.has_problem("model.tokenizer")) {
+    try {
+      *tokenizer = data::make_tokenizer(cfg.get_string("model.tokenizer"));
+    } catch (const std::exception& e) {
+      out.push_back(cfg.where({"model.tokenizer"}) + ": " + cfg.given_as("model.tokenizer") + ": " + e.what());
+    }
+  }
+  if (*tokenizer && !cfg.has_problem("model.") && !cfg.has_problem("parallelism.") && !cfg.has_problem("training.")) {
+    attempt({}, [&] { *spec = job_spec(cfg, world_size, (*tokenizer)->vocab_size()); });
+  }
+  if (!cfg.has_problem("training.device") && !cfg.has_problem("data.") && !cfg.has_problem("comm.")) attempt({}, [&] { check_runnable(cfg); });
+  discover_plugins(registry, cfg);
+  for (const auto& e : registry.errors()) out.push_back(cfg.where({"plugins.paths"}) + ": plugins: " + e.what());
+  if (world_size > 1 && !cfg.has_problem("comm.")) {
+    const bool cuda = cfg.get_string("training.device") == "cuda";
+    for (const char* key : {"comm.backend", "comm.swap_to"}) {
+      const std::string spec_text = cfg.get_string(key);
+      if (spec_text.empty() && std::string(key) == "comm.swap_to") continue;
+      const std::string name = spec_text.substr(0, spec_text.find(':'));
+      auto fail = [&](const std::string& why) { out.push_back(cfg.where({key}) + ": " + key + " = \"" + spec_text + "\"" + why); };
+      if (name == "local") {
+        fail(": the local backend runs ranks as threads of one process, and spmdx run starts a process per rank; use ucx");
+        continue;
+      }
+      const auto* p = registry.find(name);
+      if (p == nullptr || p->kind != PluginKind::comm) {
+        std::string known;
+        for (const auto& q : registry.plugins()) {
+          if (q.kind == PluginKind::comm) known += (known.empty() ? "" : ", ") + q.name;
+        }
+        fail(" is not a comm plugin found here; found: " + (known.empty() ? std::string("none") : known));
+        continue;
+      }
+      try {  // made, not initialised: the plugin checks its options (and what it needs) here
+        const auto backend = registry.make_comm_backend_from_spec(spec_text);
+        bool moves = false;
+        for (const auto& c : backend->capabilities()) moves = moves || c.memory == (cuda ? MemoryType::cuda : MemoryType::host);
+        if (!moves) {
+          fail(": the " + name + " plugin does not move " + (cuda ? "CUDA" : "host") + " memory, which training.device = \"" +
+               cfg.get_string("training.device") + "\" needs");
+        }
+      } catch (const std::exception& e) {
+        fail(": " + std::string(e.what()));
+      }
+    }
+  }
+  if (*spec && registry.errors().empty()) {  // what `spmdx compile` finds: placements and local shapes
+    attempt({"model.name", "model.flavor", "model.tokenizer", kDegreeKeys[0], kDegreeKeys[1], kDegreeKeys[2]}, [&] {
+      PlacedJob job = place_job(**spec, registry);
+      const auto plan = sharding::propagate(job.model.graph, job.mesh, job.inputs, job.outputs, job.use, job.reshard_after_forward);
+      sharding::rank_graph(plan, 0);
+    });
+  }
+  return out;
 }
 
 void discover_plugins(PluginRegistry& registry, const config::Config& cfg) {

@@ -95,8 +95,16 @@ class NcclWork final : public spmdx::Work {
 
 class NcclBackend final : public spmdx::CommBackend {
  public:
+  /// Checks, without joining a job, that this machine has a CUDA device: NCCL moves data
+  /// between GPUs (host buffers are staged through one). Throws std::invalid_argument.
   explicit NcclBackend(const spmdx::Options& options) {
     for (const auto& [k, v] : options) throw std::invalid_argument("nccl: unknown option '" + k + "' (it has none)");
+    int devices = 0;
+    const cudaError_t e = cudaGetDeviceCount(&devices);
+    if (e != cudaSuccess || devices == 0) {
+      throw std::invalid_argument(std::string("nccl: this machine has no CUDA device (") + (e != cudaSuccess ? cudaGetErrorString(e) : "0 devices") +
+                                  "); nccl needs one per rank: use ucx for host memory");
+    }
   }
   ~NcclBackend() override { finalize(); }
 

@@ -11,9 +11,12 @@
 #include <spmdx/core/log.h>
 #include <spmdx/plugin.h>
 #include <ucp/api/ucp.h>
+#include <ucs/config/global_opts.h>
 
 #include <cstdlib>
 #include <cstring>
+#include <sstream>
+#include <vector>
 #include <unordered_map>
 
 namespace {
@@ -23,6 +26,47 @@ using spmdx::CommError;
 std::string env_or(const char* name, const std::string& fallback) {
   const char* v = std::getenv(name);
   return v ? v : fallback;
+}
+
+// Whether UCX on this machine can make a context with UCX_TLS=tls: local only (no peer, no
+// store), quiet (UCX would log its refusal as an error).
+bool tls_usable(const std::string& tls) {
+  char level[64] = "";
+  const bool saved = ucs_global_opts_get_value("LOG_LEVEL", level, sizeof level) == UCS_OK;
+  ucs_global_opts_set_value("LOG_LEVEL", "fatal");
+  ucp_config_t* config = nullptr;
+  bool ok = ucp_config_read(nullptr, nullptr, &config) == UCS_OK && ucp_config_modify(config, "TLS", tls.c_str()) == UCS_OK;
+  if (ok) {
+    ucp_params_t params{};
+    params.field_mask = UCP_PARAM_FIELD_FEATURES;
+    params.features = UCP_FEATURE_TAG;
+    ucp_context_h context = nullptr;
+    ok = ucp_init(&params, config, &context) == UCS_OK;
+    if (ok) ucp_cleanup(context);
+  }
+  if (config != nullptr) ucp_config_release(config);
+  if (saved) ucs_global_opts_set_value("LOG_LEVEL", level);
+  return ok;
+}
+
+// The "tls" option, checked without joining any job: every transport it names must exist
+// here (UCX alone would only warn about a missing one next to others, or fail at init).
+void check_tls(const std::string& tls) {
+  std::vector<std::string> missing;
+  std::stringstream names(tls.rfind('^', 0) == 0 ? tls.substr(1) : tls);
+  std::string name;
+  while (std::getline(names, name, ',')) {
+    if (name.empty() || name == "all") continue;
+    if (!tls_usable(name)) missing.push_back(name);
+  }
+  if (missing.empty() && tls_usable(tls)) return;
+  std::string have, list;
+  for (const char* t : {"self", "tcp", "shm", "posix", "sysv", "cma", "knem", "xpmem", "rc", "ud", "dc", "cuda_copy", "cuda_ipc", "gdr_copy", "rocm_copy"}) {
+    if (tls_usable(t)) have += (have.empty() ? "" : ", ") + std::string(t);
+  }
+  for (const auto& m : missing) list += (list.empty() ? "" : ", ") + m;
+  throw std::invalid_argument("ucx: tls=" + tls + ": " + (missing.empty() ? std::string("UCX finds no usable transport in it") : "UCX here has no transport " + list) +
+                              " (it has: " + have + ")");
 }
 
 class UcxTransport final : public spmdx::comm::Transport {
@@ -134,6 +178,7 @@ class UcxBackend final : public spmdx::comm::P2PBackend {
   explicit UcxBackend(const spmdx::Options& options) {
     for (const auto& [key, value] : options) {
       if (key == "tls") {
+        check_tls(value);
         tls_ = value;
       } else if (!take_option("ucx", key, value)) {
         throw std::invalid_argument("ucx: unknown option '" + key + "' (known: tls, chunk_bytes, direct_max_bytes, shm, shm_chunk_bytes)");

@@ -15,8 +15,10 @@
 // The full list, with types, defaults and ranges: `spmdx run --print-config` or schema().
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <map>
+#include <set>
 #include <stdexcept>
 #include <string>
 #include <variant>
@@ -51,16 +53,40 @@ class Config {
  public:
   /// All defaults.
   Config();
-  /// Reads and checks a TOML file. Throws ConfigError for a missing or unreadable file, TOML
-  /// syntax, an unknown section or key (with "did you mean"), a wrong type or an out-of-range
-  /// value.
-  static Config load(const std::string& path);
+  /// Reads a TOML file and then "--section.key value" (or "--section.key=value") command-line
+  /// overrides, as torchtitan's, and checks all of it: TOML syntax, unknown sections and keys
+  /// (a hint only for the same name in another section or a plausible typo in the same one),
+  /// types and ranges. torchtitan's keys are read as torchtitan means them: its names for
+  /// spmdx's keys and values (checkpoint.enable_checkpoint, model.name = "llama3") are
+  /// accepted; keys that change nothing spmdx computes are ignored (ignored()); features spmdx
+  /// does not have yet are refused unless switched off. Throws one ConfigError listing every
+  /// problem (file:line:column each) and what is ignored, unless `throw_on_problems` is false:
+  /// then problems() lists them and bad keys keep their defaults. A missing or unreadable
+  /// file, or TOML that does not parse, throws at once.
+  static Config load(const std::string& path, const std::vector<std::string>& overrides = {}, bool throw_on_problems = true);
   /// The same from TOML text; `source` names it in messages.
-  static Config parse(const std::string& text, const std::string& source);
+  static Config parse(const std::string& text, const std::string& source, bool throw_on_problems = true);
 
-  /// Applies "--section.key value" overrides (as torchtitan's command line), value parsed by
-  /// the key's type ("a,b" for lists). Throws ConfigError ("command line: ...") like load().
+  /// Applies one override, value parsed by the key's type ("a,b" for lists). Throws
+  /// ConfigError ("command line: --key: ...") for its problem.
   void override_value(const std::string& key, const std::string& value);
+
+  /// The problems found ("file:line:col: message"), when loaded without throwing.
+  const std::vector<std::string>& problems() const noexcept { return problems_; }
+  /// The torchtitan keys read and ignored ("file:line:col: key = value: why").
+  const std::vector<std::string>& ignored() const noexcept { return ignored_; }
+  /// How `key` was given, for messages: "model.hf_assets_path (torchtitan's name for
+  /// model.tokenizer)" when set under torchtitan's name, else the key itself.
+  std::string given_as(const std::string& key) const;
+  /// Whether a key starting with `prefix` ("parallelism.", "model.tokenizer") had a problem.
+  bool has_problem(const std::string& prefix) const;
+  /// Throws one ConfigError listing problems() and `more` (later checks' messages), and what
+  /// is ignored; returns when there are none.
+  void check(const std::vector<std::string>& more = {}) const;
+  /// That message ("" without problems).
+  std::string report(const std::vector<std::string>& more = {}) const;
+  /// The ignored keys as one message ("" when none), for a warning before a run.
+  std::string ignored_text() const;
 
   std::int64_t get_int(const std::string& key) const;
   double get_float(const std::string& key) const;
@@ -89,8 +115,14 @@ class Config {
   std::string where(const std::vector<std::string>& keys) const;
 
  private:
+  struct Checker;
   const Value& get(const std::string& key) const;
   std::map<std::string, Value> values_;
+  std::vector<std::string> problems_, ignored_;
+  std::vector<std::array<std::string, 3>> ignored_parts_;  // where, "key = value", why
+  std::vector<std::pair<long, long>> problem_order_, ignored_order_, ignored_parts_order_;  // (line, column) of each
+  std::set<std::string> problem_keys_;
+  std::map<std::string, std::string> given_as_;  // spmdx key -> torchtitan's name it was set under
   std::map<std::string, std::map<std::string, std::string>> plugin_options_;
   std::string source_;
   std::map<std::string, std::string> overrides_;  // key -> the text given on the command line

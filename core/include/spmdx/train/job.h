@@ -5,6 +5,8 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -56,6 +58,17 @@ void check_runnable(const config::Config& cfg);
 /// starts), and checks that job.dump_folder can be made. Throws config::ConfigError or
 /// std::runtime_error naming the file.
 void check_data(const config::Config& cfg, const data::Tokenizer& tokenizer, const JobSpec& spec);
+
+/// Every check of a job that needs no rank, each problem collected (none stops the others that
+/// do not depend on it): the tokenizer; job_spec and check_runnable; the plugins found; the
+/// comm backends named by comm.backend and comm.swap_to (made, not initialised, so that each
+/// checks its options, and refused when none of their capabilities moves the memory of
+/// training.device), when world_size > 1; the strategies' placements and rank 0's local shapes
+/// (what `spmdx compile` finds). Returns the messages, a line each, for Config::check; `spec`
+/// and `tokenizer` are set when they could be made. Keys that already have a problem in the
+/// config (Config::has_problem) are not checked again.
+std::vector<std::string> preflight(const config::Config& cfg, std::int64_t world_size, PluginRegistry& registry, std::unique_ptr<data::Tokenizer>* tokenizer,
+                                   std::optional<JobSpec>* spec);
 
 /// The train step of a job, placed: the model's graph with backward, clipping and AdamW, and
 /// the placements of every input (strategies for parameters and the batch, parameters' for
