@@ -51,7 +51,8 @@ std::int64_t rss_bytes() {
 }
 
 // Fault injection for testing the debug hooks, from SPMDX_FAULT (never set in normal runs):
-//   skip_collective:rank=R,step=S,index=I  rank R does not issue its I-th collective of step S
+//   skip_collective:rank=R,step=S,index=I  rank R does not issue the collective at plan index I of
+//                                          step S (CollectiveInfo::index; a bucket member: its bucket)
 //   perturb:rank=R,step=S,tensor=NAME[,delta=D]  rank R adds D (1e-3) to NAME after step S
 struct Fault {
   std::string kind;
