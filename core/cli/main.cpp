@@ -309,7 +309,7 @@ int run_bench_comm(const BenchCommOptions& o, const std::vector<std::string>& ra
   }
   prctl(PR_SET_PDEATHSIG, SIGTERM);
   const auto env = spmdx::launch::rank_env();
-  spmdx::comm::TcpStore store(env.master_addr, env.master_port, env.token, 60);
+  spmdx::comm::TcpStore store(env.master_addr, env.master_port, env.token, 60, env.rank);
   spmdx::PluginRegistry registry;
   registry.discover(spmdx::plugin_search_path(paths));
   auto backend = registry.make_comm_backend_from_spec(o.backend);

@@ -1,6 +1,7 @@
 #include "spmdx/core/text.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <vector>
 
@@ -34,6 +35,12 @@ std::string rank_list(const std::vector<int>& ranks) {
   std::string s;
   for (int r : ranks) s += (s.empty() ? "" : ", ") + std::to_string(r);
   return (ranks.size() == 1 ? "rank " : "ranks ") + s;
+}
+
+std::string seconds_text(double seconds) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g", std::round(seconds * 10) / 10);
+  return buf;
 }
 
 }  // namespace spmdx

@@ -17,6 +17,7 @@
 #include <map>
 
 #include "spmdx/core/log.h"
+#include "spmdx/core/text.h"
 
 namespace spmdx::comm {
 namespace {
@@ -94,12 +95,6 @@ std::string shown(const std::string& s) {
   std::string out;
   for (char c : s.substr(0, 60)) out += (c >= 32 && c < 127) ? c : '?';
   return "'" + out + (s.size() > 60 ? "...'" : "'");
-}
-
-std::string seconds_text(double s) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%g", std::round(s * 10) / 10);
-  return buf;
 }
 
 std::string peer_address(int fd) {

@@ -48,12 +48,6 @@ std::map<std::string, std::string> parse_settings(const std::string& text) {
   return out;
 }
 
-std::string seconds(double s) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%g", std::round(s * 10) / 10);
-  return buf;
-}
-
 // The value at `k`, or nullopt when it is not set within `wait` seconds (a store that is
 // gone throws).
 std::optional<std::string> try_get(Store& store, const std::string& k, double wait) {
@@ -157,14 +151,14 @@ void rendezvous(Store& store, const RankIdentity& me, double timeout_seconds, co
     std::optional<std::string> verdict;
     while (!(verdict = try_get(store, key("verdict"), std::min(1.0, std::max(0.01, limit - elapsed()))))) {
       if (elapsed() >= limit) {
-        throw CommError(at + "rank " + std::to_string(me.rank) + " waited " + seconds(limit) +
+        throw CommError(at + "rank " + std::to_string(me.rank) + " waited " + seconds_text(limit) +
                             " s for rank 0 to check every rank's world size, job token and config: is rank 0 running, started with the same "
                             "MASTER_ADDR and MASTER_PORT?",
                         0);
       }
       if (elapsed() >= next_log) {
         SPMDX_INFO("rank " << me.rank << ": waiting at " << where << " for rank 0 to check every rank's world size, job token and config ("
-                           << seconds(elapsed()) << " s of " << seconds(limit) << " s)");
+                           << seconds_text(elapsed()) << " s of " << seconds_text(limit) << " s)");
         next_log += 10;
       }
     }
@@ -204,13 +198,13 @@ void rendezvous(Store& store, const RankIdentity& me, double timeout_seconds, co
     }
     if (elapsed() >= timeout_seconds) {
       const auto absent = missing();
-      fail("rank 0 waited " + seconds(timeout_seconds) + " s (comm.timeout_seconds) for " + rank_list(absent) + " of " + std::to_string(w) +
+      fail("rank 0 waited " + seconds_text(timeout_seconds) + " s (comm.timeout_seconds) for " + rank_list(absent) + " of " + std::to_string(w) +
            " to join: start " + (absent.size() == 1 ? "it" : "them") + ", or check " + (absent.size() == 1 ? "its" : "their") +
            " RANK, world size (" + me.world_size_from + "=" + std::to_string(w) + " here), MASTER_ADDR and MASTER_PORT");
     }
     if (elapsed() >= next_log) {
-      SPMDX_INFO("rank 0: waiting at " << where << " for " << rank_list(missing()) << " of " << w << " to join (" << seconds(elapsed()) << " s of "
-                                       << seconds(timeout_seconds) << " s)");
+      SPMDX_INFO("rank 0: waiting at " << where << " for " << rank_list(missing()) << " of " << w << " to join (" << seconds_text(elapsed()) << " s of "
+                                       << seconds_text(timeout_seconds) << " s)");
       next_log += 10;
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));

@@ -18,4 +18,7 @@ std::string human_bytes(double bytes);
 /// "rank 3" or "ranks 0, 1, 3", in the order given (for messages naming ranks).
 std::string rank_list(const std::vector<int>& ranks);
 
+/// Seconds to one decimal, without trailing zeros: "20", "1.5" (for messages naming waits).
+std::string seconds_text(double seconds);
+
 }  // namespace spmdx
