@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include <fstream>
+#include <functional>
 #include <map>
 #include <set>
 
@@ -324,6 +325,34 @@ TEST(FrTrace, DumpsOfAnotherRunOrHugeSequenceNumbersAreHandled) {
   } catch (const std::runtime_error& e) {
     EXPECT_THAT(e.what(), HasSubstr("the dumps come from different runs"));
   }
+}
+
+// A dump edited by hand, or of another run, is refused naming the file, the entry and the key,
+// rather than analysed into blaming the wrong rank.
+TEST(FrTrace, EditedOrMixedDumpsAreRefusedNamingTheEntryAndKey) {
+  auto error_with = [](const std::function<void(json&)>& edit, const std::string& file = "rank1.json") {
+    test::TempDir dir;
+    for (int r = 0; r < 3; ++r) dump(dir.path(), r, {{7, "%10", 64, "completed"}, {8, "%12", 128, "issued"}}, {3, 4});
+    json d = json::parse(read(dir / "rank1.json"));
+    edit(d);
+    fs::remove(dir / "rank1.json");
+    test::write_file(dir / file, d.dump());
+    try {
+      hooks::analyze_flight_recorder(dir.path());
+    } catch (const std::runtime_error& e) {
+      return std::string(e.what());
+    }
+    return std::string("(analysed)");
+  };
+  EXPECT_THAT(error_with([](json& d) { d["entries"][1]["index"] = 1.5; }), HasSubstr("rank1.json: not a valid flight recorder dump (entry #1: 'index' must be a whole number"));
+  EXPECT_THAT(error_with([](json& d) { d["entries"][1]["seq"] = -1; }), HasSubstr("entry #1: 'seq' must be a whole number from 0"));
+  EXPECT_THAT(error_with([](json& d) { d["entries"][0]["seq"] = "7"; }), HasSubstr("entry #0: 'seq' must be a whole number"));
+  EXPECT_THAT(error_with([](json& d) { d["entries"][0].erase("step"); }), HasSubstr("entry #0: 'step' is missing"));
+  EXPECT_THAT(error_with([](json& d) { d["entries"][0]["group_ranks"] = {1, 7}; }), HasSubstr("'group_ranks' must hold ascending ranks below world_size 3"));
+  EXPECT_THAT(error_with([](json& d) { d["entries"][0]["group_ranks"] = {0, 2}; }), HasSubstr("does not hold the rank that dumped it (1)"));
+  EXPECT_THAT(error_with([](json&) {}, "rank9.json"), HasSubstr("rank9.json: not a valid flight recorder dump (it holds rank 1's dump under another rank's name"));
+  EXPECT_THAT(error_with([](json& d) { d["run"] = "another"; }), HasSubstr("the dumps come from different runs"));
+  EXPECT_EQ(error_with([](json&) {}), "(analysed)");
 }
 
 TEST(FrTrace, NoDumpsOrABadDumpIsAClearError) {

@@ -95,7 +95,7 @@ TEST(Store, AnotherServiceOrAnOlderStoreFailsAtOnceSayingWhatAnswered) {
   };
   const std::vector<Case> cases = {
       {"http", [](int c) { ::send(c, "HTTP/1.1 400 Bad Request\r\n\r\n", 28, MSG_NOSIGNAL); std::this_thread::sleep_for(std::chrono::milliseconds(300)); },
-       "answered the spmdx store handshake with something that is not a spmdx store's"},
+       "answered the spmdx store handshake with 'HTTP'..., not as a spmdx store does"},
       {"closes", [](int) {}, "closed the connection at the spmdx store handshake: not a spmdx store"},
       {"protocol 1", [](int c) { send_frame(c, "ERR not authenticated"); std::this_thread::sleep_for(std::chrono::milliseconds(300)); },
        "an older spmdx store (protocol 1, without a handshake) answers there"},
@@ -133,6 +133,29 @@ TEST(Store, RequestsToAStoreThatStopsAnsweringFailAtTheirDeadline) {
     EXPECT_THAT(e.what(), HasSubstr("did not answer set 'spmdx/x' within 1 s"));
   }
   EXPECT_LT(since(t0), 3.0);
+}
+
+// A listener that passes the handshake and then answers nonsense is named, not "stoll".
+TEST(Store, AnAnswerThatIsNotAStoresIsNamed) {
+  Listener l([](int c) {
+    std::uint32_t n = 0;
+    std::string buf(256, ' ');
+    for (int frame = 0; frame < 7; ++frame) {  // HELLO, AUTH token rank, ADD key delta
+      if (::recv(c, &n, 4, MSG_WAITALL) != 4) return;
+      ::recv(c, buf.data(), n, MSG_WAITALL);
+      if (frame == 0) send_frame(c, "SPMDX-STORE 2");
+      if (frame == 3) send_frame(c, "OK");
+      if (frame == 6) send_frame(c, "HELLO");
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  });
+  comm::TcpStore store("127.0.0.1", l.port(), "tok", 5.0, 1);
+  try {
+    store.add("spmdx/rdzv/claim/1", 1);
+    FAIL() << "add returned";
+  } catch (const CommError& e) {
+    EXPECT_THAT(e.what(), HasSubstr("answered add 'spmdx/rdzv/claim/1' with 'HELLO', not a number"));
+  }
 }
 
 TEST(Store, AWrongTokenIsRefusedAndRecordedForTheRanksThatWait) {
@@ -209,6 +232,12 @@ TEST(Rendezvous, AWorldSizeThatDiffersIsNamedWithItsVariable) {
   big.world_size_from = "SLURM_NTASKS";
   const auto out = job.run({job.rank(0, 2), big});
   for (const auto& e : out) EXPECT_THAT(e, HasSubstr("the world size differs: rank 1 has SLURM_NTASKS=4, rank 0 has WORLD_SIZE=2"));
+  // Rank 0 with the larger world size learns it as soon as rank 1 arrives, not at its timeout.
+  Job bigger;
+  const auto t0 = Clock::now();
+  const auto out3 = bigger.run({bigger.rank(0, 3), bigger.rank(1, 2)}, 20);
+  EXPECT_LT(since(t0), 5.0);
+  for (const auto& e : out3) EXPECT_THAT(e, HasSubstr("the world size differs: rank 1 has WORLD_SIZE=2, rank 0 has WORLD_SIZE=3"));
   // A rank beyond rank 0's world learns it from the verdict.
   Job other;
   const auto out2 = other.run({other.rank(0, 2), other.rank(1, 2), other.rank(3, 4)});
@@ -235,12 +264,27 @@ TEST(Rendezvous, ARankRefusedForItsTokenIsNamedByTheRanksWaitingForIt) {
   EXPECT_THAT(out[1], HasSubstr("wrong job token"));
 }
 
-TEST(Rendezvous, TwoProcessesWithTheSameRankAreRefused) {
+// Every rank fails at once, naming the rank two processes claimed, not only the second one.
+TEST(Rendezvous, TwoProcessesWithTheSameRankAreRefusedOnEveryRank) {
   Job job;
-  const auto out = job.run({job.rank(0, 2), job.rank(1, 2), job.rank(1, 2)}, 3);
-  int refused = 0;
-  for (const auto& e : out) refused += e.find("another process already joined this job as rank 1") != std::string::npos;
-  EXPECT_EQ(refused, 1);
+  const auto t0 = Clock::now();
+  const auto out = job.run({job.rank(0, 3), job.rank(1, 3), job.rank(1, 3)}, 20);
+  EXPECT_LT(since(t0), 5.0);
+  for (const auto& e : out) EXPECT_THAT(e, HasSubstr("two processes joined this job as rank 1"));
+}
+
+// Rank variables that cannot make a job are refused at once, before any store is touched.
+TEST(Rendezvous, RankVariablesThatCannotMakeAJobAreRefusedAtOnce) {
+  test::TempDir dir;
+  const std::string run = "'" SPMDX_EXE "' run '" SPMDX_SOURCE_DIR "/configs/mlp_dp.toml' --data.paths '" + test::corpus_file(dir) +
+                          "' --job.dump_folder '" + (dir / "out").string() + "'";
+  auto r = test::run_command("env -u RANK WORLD_SIZE=2 LOCAL_RANK=1 " + run);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("WORLD_SIZE=2 is set but RANK is not"));
+  EXPECT_THAT(r.output, ::testing::Not(HasSubstr("done:")));
+  r = test::run_command("env RANK=1 WORLD_SIZE=2 MASTER_PORT=70000 " + run);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("MASTER_PORT=70000 is not a TCP port (1 to 65535)"));
 }
 
 // Real rank processes started by hand, as torchrun or srun starts them.

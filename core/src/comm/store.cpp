@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <charconv>
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
@@ -31,9 +32,11 @@ const std::string kWelcome = "SPMDX-STORE " + std::to_string(kStoreProtocol);
 enum class Io { ok, closed, timeout, garbage };
 
 // Milliseconds left until `deadline` (at least 0), for poll().
+// Milliseconds left until `deadline`, rounded up (at least 0), for poll(): rounding down would
+// spin through the last millisecond.
 int ms_left(Clock::time_point deadline) {
-  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
-  return left <= 0 ? 0 : static_cast<int>(std::min<long long>(left, 1 << 30));
+  const auto left = std::chrono::duration_cast<std::chrono::microseconds>(deadline - Clock::now()).count();
+  return left <= 0 ? 0 : static_cast<int>(std::min<long long>((left + 999) / 1000, 1 << 30));
 }
 
 // Waits until fd is ready for `events` or the deadline passes.
@@ -79,10 +82,15 @@ Io write_frame(int fd, const std::string& s, Clock::time_point deadline) {
   return a != Io::ok ? a : write_all(fd, s.data(), s.size(), deadline);
 }
 
+// A frame; `garbage` when its length is beyond any store frame (s: the 4 bytes read, which are
+// then what another service sent, e.g. "HTTP" or "SSH-").
 Io read_frame(int fd, std::string& s, Clock::time_point deadline) {
   std::uint32_t n = 0;
   if (const Io a = read_all(fd, &n, 4, deadline); a != Io::ok) return a;
-  if (n > kMaxFrame) return Io::garbage;
+  if (n > kMaxFrame) {
+    s.assign(reinterpret_cast<const char*>(&n), 4);
+    return Io::garbage;
+  }
   s.resize(n);
   return read_all(fd, s.data(), n, deadline);
 }
@@ -287,17 +295,20 @@ TcpStore::TcpStore(const std::string& host, int port, const std::string& token, 
   const auto hello_deadline = std::max(deadline, Clock::now() + std::chrono::seconds(1));
   std::string reply;
   Io io = write_frame(fd_, kHello, hello_deadline);
+  // Wait for the answer's first byte in slices, saying after 5 s (then every 15 s) what it
+  // waits for; then read the answer whole, by the same deadline.
   const auto hello_start = Clock::now();
-  auto slice = std::chrono::seconds(5);  // log after 5 s, then every 15 s
+  auto next_say = hello_start + std::chrono::seconds(5);
   while (io == Io::ok) {
-    io = read_frame(fd_, reply, std::min(hello_deadline, Clock::now() + slice));
-    slice = std::chrono::seconds(15);
+    io = wait_ready(fd_, POLLIN, std::min(hello_deadline, next_say));
     if (io != Io::timeout || Clock::now() >= hello_deadline) break;
     SPMDX_INFO("the store at " << where_ << " accepted a connection but has not answered the spmdx store handshake for "
                                << seconds_text(std::chrono::duration<double>(Clock::now() - hello_start).count()) << " s (of "
                                << seconds_text(timeout_seconds) << " s): is another service on MASTER_PORT " << port << "?");
+    next_say = Clock::now() + std::chrono::seconds(15);
     io = Io::ok;
   }
+  if (io == Io::ok) io = read_frame(fd_, reply, hello_deadline);
   switch (io) {
     case Io::timeout:
       fail("accepted the connection but did not answer the spmdx store handshake within " + seconds_text(timeout_seconds) +
@@ -309,7 +320,7 @@ TcpStore::TcpStore(const std::string& host, int port, const std::string& token, 
            "?), or it is shutting down");
       break;
     case Io::garbage:
-      fail("answered the spmdx store handshake with something that is not a spmdx store's: another service holds MASTER_PORT " +
+      fail("answered the spmdx store handshake with " + shown(reply) + "..., not as a spmdx store does: another service holds MASTER_PORT " +
            std::to_string(port) + "; pick another MASTER_PORT or free this one");
       break;
     case Io::ok:
@@ -348,6 +359,7 @@ std::string TcpStore::request(const std::vector<std::string>& frames, double sec
     throw CommError("store " + where_ + " did not answer " + what + " within " + seconds_text(seconds) +
                         " s: is the process serving it (rank 0 or the launcher) stopped or overloaded?", 0);
   }
+  if (io == Io::garbage) throw CommError("store " + where_ + " answered " + what + " with " + shown(reply) + "..., not as a spmdx store does", 0);
   throw CommError("store " + where_ + ": connection lost during " + what + " (did rank 0 or the launcher exit?)", 0);
 }
 
@@ -381,7 +393,12 @@ std::string TcpStore::get(const std::string& key, double timeout_seconds) {
 std::int64_t TcpStore::add(const std::string& key, std::int64_t delta) {
   const std::string r = request({"ADD", key, std::to_string(delta)}, timeout_, "add '" + key + "'");
   if (r.rfind("ERR", 0) == 0) throw CommError("store " + where_ + ": add " + key + ": " + r, 0);
-  return std::stoll(r);
+  std::int64_t v = 0;
+  const auto [end, ec] = std::from_chars(r.data(), r.data() + r.size(), v);
+  if (ec != std::errc() || end != r.data() + r.size()) {
+    throw CommError("store " + where_ + " answered add '" + key + "' with " + shown(r) + ", not a number: not a spmdx store, or a broken one", 0);
+  }
+  return v;
 }
 
 }  // namespace spmdx::comm

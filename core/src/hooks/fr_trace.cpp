@@ -54,6 +54,7 @@ FrAnalysis analyze_flight_recorder(const std::filesystem::path& folder) {
   std::map<int, std::string> reasons;
   std::map<int, std::string> file_of;  // rank -> its dump
   std::map<int, std::vector<std::string>> by_world;  // world_size -> files
+  std::map<std::string, std::vector<std::string>> by_run;  // the job's run id (its rank 0 drew it) -> files
   for (const auto& file : fs::directory_iterator(folder)) {
     const std::string name = file.path().filename().string();
     if (name.rfind("rank", 0) != 0 || file.path().extension() != ".json") continue;
@@ -62,34 +63,79 @@ FrAnalysis analyze_flight_recorder(const std::filesystem::path& folder) {
       std::ifstream in(file.path());
       doc = json::parse(in);
       if (!doc.is_object() || doc.value("format", "") != "spmdx-flight-recorder-1") throw std::runtime_error("no format \"spmdx-flight-recorder-1\"");
-      const int rank = doc.at("rank").get<int>();
-      const int ws = doc.at("world_size").get<int>();
-      if (rank < 0 || ws < 1 || rank >= ws) throw std::runtime_error("rank " + std::to_string(rank) + " of world_size " + std::to_string(ws));
-      if (auto [it, fresh] = file_of.emplace(rank, file.path().string()); !fresh) {
-        throw std::runtime_error("rank " + std::to_string(rank) + " also dumped " + it->second + "; keep one dump per rank");
+      // Every field typed and in range, each error naming the entry and the key: a dump edited
+      // by hand, or of another build, must not make the analysis blame the wrong rank.
+      auto integer = [](const json& obj, const std::string& key, std::int64_t lo, std::int64_t hi, const std::string& where) {
+        if (!obj.contains(key)) throw std::runtime_error(where + "'" + key + "' is missing");
+        const json& v = obj.at(key);
+        if (!v.is_number_integer() || (v.is_number_unsigned() ? v.get<std::uint64_t>() > static_cast<std::uint64_t>(hi)
+                                                              : (v.get<std::int64_t>() < lo || v.get<std::int64_t>() > hi))) {
+          throw std::runtime_error(where + "'" + key + "' must be a whole number from " + std::to_string(lo) + " to " + std::to_string(hi) + ", is " + v.dump());
+        }
+        return v.get<std::int64_t>();
+      };
+      auto text = [](const json& obj, const std::string& key, const std::string& where) {
+        if (!obj.contains(key) || !obj.at(key).is_string()) throw std::runtime_error(where + "'" + key + "' must be a string");
+        return obj.at(key).get<std::string>();
+      };
+      const int ws = static_cast<int>(integer(doc, "world_size", 1, 100'000'000, ""));
+      const int rank = static_cast<int>(integer(doc, "rank", 0, ws - 1, ""));
+      if (name != "rank" + std::to_string(rank) + ".json") {
+        throw std::runtime_error("it holds rank " + std::to_string(rank) + "'s dump under another rank's name");
       }
+      file_of.emplace(rank, file.path().string());
       world_size = std::max(world_size, ws);
       by_world[ws].push_back(name);
+      by_run[doc.contains("run") && doc["run"].is_string() ? doc["run"].get<std::string>() : std::string("(none)")].push_back(name);
       reasons[rank] = doc.value("reason", "");
       out.dumped.push_back(rank);
-      for (const auto& e : doc.at("entries")) {
+      if (!doc.contains("entries") || !doc["entries"].is_array()) throw std::runtime_error("'entries' must be a list");
+      std::size_t i = 0;
+      for (const auto& e : doc["entries"]) {
+        const std::string where = "entry #" + std::to_string(i++) + ": ";
+        if (!e.is_object()) throw std::runtime_error(where + "not an object");
         Entry x;
-        x.op = e.at("op");
-        x.dtype = e.at("dtype");
-        x.value = e.at("value");
-        x.state = e.at("state");
-        x.error = e.value("error", "");
-        x.shape = e.at("shape").get<std::vector<std::int64_t>>();
-        x.bytes = e.at("bytes");
-        x.step = e.at("step");
-        x.index = e.value("index", std::int64_t{-1});  // dumps before ABI 2.1 have none
-        x.seq = e.at("seq");
-        groups[{e.at("group_name").get<std::string>(), e.at("group_ranks").get<std::vector<int>>()}][rank][x.seq] = x;
+        x.op = text(e, "op", where);
+        x.dtype = text(e, "dtype", where);
+        x.value = text(e, "value", where);
+        x.state = text(e, "state", where);
+        if (x.state != "issued" && x.state != "completed" && x.state != "failed") throw std::runtime_error(where + "'state' is \"" + x.state + "\"");
+        x.error = e.contains("error") && e["error"].is_string() ? e["error"].get<std::string>() : "";
+        if (!e.contains("shape") || !e["shape"].is_array()) throw std::runtime_error(where + "'shape' must be a list");
+        for (const auto& d : e["shape"]) {
+          if (!d.is_number_integer() || d.get<std::int64_t>() < 0) throw std::runtime_error(where + "'shape' must hold whole numbers >= 0");
+          x.shape.push_back(d.get<std::int64_t>());
+        }
+        x.bytes = integer(e, "bytes", 0, INT64_MAX, where);
+        x.step = integer(e, "step", 0, INT64_MAX, where);
+        x.index = e.contains("index") ? integer(e, "index", -1, INT64_MAX, where) : -1;  // dumps before ABI 2.1 have none
+        x.seq = static_cast<std::uint64_t>(integer(e, "seq", 0, INT64_MAX, where));
+        const std::string group = text(e, "group_name", where);
+        if (!e.contains("group_ranks") || !e["group_ranks"].is_array() || e["group_ranks"].empty()) throw std::runtime_error(where + "'group_ranks' must be a list of ranks");
+        std::vector<int> members;
+        for (const auto& g : e["group_ranks"]) {
+          if (!g.is_number_integer() || g.get<std::int64_t>() < 0 || g.get<std::int64_t>() >= ws || (!members.empty() && g.get<int>() <= members.back())) {
+            throw std::runtime_error(where + "'group_ranks' must hold ascending ranks below world_size " + std::to_string(ws) + ", is " + e["group_ranks"].dump());
+          }
+          members.push_back(g.get<int>());
+        }
+        if (!std::binary_search(members.begin(), members.end(), rank)) {
+          throw std::runtime_error(where + "'group_ranks' " + e["group_ranks"].dump() + " does not hold the rank that dumped it (" + std::to_string(rank) + ")");
+        }
+        groups[{group, members}][rank][x.seq] = x;
       }
     } catch (const std::exception& e) {
       throw std::runtime_error(file.path().string() + ": not a valid flight recorder dump (" + e.what() +
                                "); the flight_recorder hook writes them: remove the file or re-run");
     }
+  }
+  if (by_run.size() > 1) {
+    std::string list;
+    for (const auto& [run, files] : by_run) {
+      list += (list.empty() ? "" : "; ") + std::string("run ") + run + ":";
+      for (const auto& f : files) list += " " + f;
+    }
+    throw std::runtime_error(folder.string() + ": the dumps come from different runs (" + list + "); remove the old ones");
   }
   if (by_world.size() > 1) {
     std::string list;

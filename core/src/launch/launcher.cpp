@@ -74,6 +74,15 @@ RankEnv rank_env() {
     e.source = "openmpi";
     e.world_size_from = "OMPI_COMM_WORLD_SIZE";
   } else {
+    // A rank variable missing while others are set is a mistake in how the rank was started,
+    // not a one-rank job: it would train alone while its job waits for it.
+    for (const char* var : {"WORLD_SIZE", "LOCAL_RANK"}) {
+      if (const char* v = std::getenv(var); v != nullptr && *v != '\0' && !(std::string(var) == "WORLD_SIZE" && std::string(v) == "1")) {
+        throw std::invalid_argument(std::string(var) + "=" + v +
+                                    " is set but RANK is not: set RANK (0 .. WORLD_SIZE-1) for each rank, as torchrun does, or unset " + var +
+                                    " to run one rank");
+      }
+    }
     e.source = "single";
   }
   if (e.rank >= e.world_size) {
@@ -81,6 +90,9 @@ RankEnv rank_env() {
   }
   if (const char* a = std::getenv("MASTER_ADDR")) e.master_addr = a;
   e.master_port = env_int("MASTER_PORT").value_or(29500);
+  if (e.master_port < 1 || e.master_port > 65535) {
+    throw std::invalid_argument("MASTER_PORT=" + std::to_string(e.master_port) + " is not a TCP port (1 to 65535)");
+  }
   if (const char* t = std::getenv("SPMDX_JOB_TOKEN")) e.token = t;
   e.store_hosted = std::getenv("SPMDX_STORE_HOSTED") != nullptr;
   if (const char* agent = std::getenv("TORCHELASTIC_USE_AGENT_STORE"); agent != nullptr && std::string(agent) == "True") e.c10d_store = true;

@@ -71,12 +71,13 @@ std::string who_has(std::map<std::string, std::vector<int>> by_value, const std:
   return out;
 }
 
-// Rank 0's comparison of every rank's identity; "" when they agree.
-std::string compare(Store& store, const std::vector<json>& infos) {
+// Rank 0's comparison of the identities of the ranks that joined so far (rank -> info); ""
+// when they agree.
+std::string compare(Store& store, const std::map<int, json>& infos) {
   std::vector<std::string> problems;
   auto group = [&](auto field) {
     std::map<std::string, std::vector<int>> by;
-    for (std::size_t r = 0; r < infos.size(); ++r) by[field(infos[r])].push_back(static_cast<int>(r));
+    for (const auto& [r, info] : infos) by[field(info)].push_back(r);
     return by;
   };
   if (auto by = group([](const json& i) { return i.at("world_size_from").get<std::string>() + "=" + std::to_string(i.at("world_size").get<int>()); });
@@ -131,7 +132,14 @@ void rendezvous(Store& store, const RankIdentity& me, double timeout_seconds, co
   const int w = me.world_size;
   const std::string at = "rendezvous at " + where + ": ";
   if (store.add(key("claim", me.rank), 1) > 1) {
-    throw CommError(at + "another process already joined this job as rank " + std::to_string(me.rank) + " (every rank needs its own RANK)", -1);
+    // Said to rank 0 too, which fails the job with it rather than waiting for a missing rank.
+    const std::string why = "two processes joined this job as rank " + std::to_string(me.rank) + " (the second on " + me.host +
+                            "): every rank needs its own RANK";
+    try {
+      store.set(key("problem", static_cast<int>(store.add(key("problems"), 1))), why);
+    } catch (const std::exception&) {
+    }
+    throw CommError(at + why, -1);
   }
   const std::string text = settings_text(me.settings);
   store.set(key("settings", me.rank), text);
@@ -183,8 +191,11 @@ void rendezvous(Store& store, const RankIdentity& me, double timeout_seconds, co
     }
     return out;
   };
-  double next_log = 5;
-  std::vector<json> infos;
+  // Identities are read as ranks join and compared at once: a rank with another world size or
+  // config fails the job when it arrives, not when the last rank does (or never does).
+  std::map<int, json> infos;
+  infos[0] = json::parse(store.get(key("info", 0), 10));
+  double next_log = 5, next_scan = 0;
   while (true) {
     if (const auto refused = try_get(store, comm::kRejectedKey, 0.001)) {
       std::string first = refused->substr(0, refused->find('\n'));
@@ -192,9 +203,22 @@ void rendezvous(Store& store, const RankIdentity& me, double timeout_seconds, co
       fail((colon == std::string::npos ? first : first.substr(0, colon)) + " could not join: the store refused its job token " +
            "(SPMDX_JOB_TOKEN must be the same on every rank and launcher)");
     }
-    if (store.add(key("joined"), 0) >= w) {
-      const auto absent = missing();
-      if (absent.empty()) break;
+    if (store.add(key("problems"), 0) > 0) fail(store.get(key("problem", 1), 10));
+    const bool all_joined = store.add(key("joined"), 0) >= w;
+    if (all_joined || elapsed() >= next_scan) {
+      next_scan = elapsed() + 0.1;
+      bool arrived = false;
+      for (int r = 1; r < w; ++r) {
+        if (infos.count(r)) continue;
+        if (const auto info = try_get(store, key("info", r), 0.001)) {
+          infos[r] = json::parse(*info);
+          arrived = true;
+        }
+      }
+      if (arrived) {
+        if (const std::string why = compare(store, infos); !why.empty()) fail(why);
+      }
+      if (static_cast<int>(infos.size()) == w) break;
     }
     if (elapsed() >= timeout_seconds) {
       const auto absent = missing();
@@ -209,8 +233,6 @@ void rendezvous(Store& store, const RankIdentity& me, double timeout_seconds, co
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
-  for (int r = 0; r < w; ++r) infos.push_back(json::parse(store.get(key("info", r), 10)));
-  if (const std::string why = compare(store, infos); !why.empty()) fail(why);
   store.set(key("verdict"), json{{"ok", true}, {"error", ""}, {"world_size", w}}.dump());
 }
 

@@ -13,7 +13,9 @@
 // after are kept.
 #include <deque>
 #include <filesystem>
+#include <cstdio>
 #include <mutex>
+#include <random>
 #include <nlohmann/json.hpp>
 
 #include "spmdx/core/files.h"
@@ -37,6 +39,18 @@ class FlightRecorder final : public spmdx::Hook {
   void init(const spmdx::HookContext& context) override {
     context_ = context;
     if (context.compile_only) return;
+    // The run's id, drawn by rank 0 and shared through the store: fr-trace refuses to merge the
+    // dumps of different runs.
+    const std::string key = "spmdx/hooks/flight_recorder/run";
+    if (context.store == nullptr || context.rank == 0) {
+      std::random_device rd;
+      char id[17];
+      std::snprintf(id, sizeof id, "%08x%08x", rd(), rd());
+      run_ = id;
+      if (context.store != nullptr) context.store->set(key, run_);
+    } else {
+      run_ = context.store->get(key, context.timeout_seconds);
+    }
     retire(path_of(context.rank));
     if (context.rank != 0) return;
     std::error_code ec;
@@ -118,7 +132,7 @@ class FlightRecorder final : public spmdx::Hook {
                          {"finished_at", c.finished_at},
                          {"error", c.error}});
     }
-    const json doc{{"format", "spmdx-flight-recorder-1"}, {"rank", context_.rank}, {"world_size", context_.world_size},
+    const json doc{{"format", "spmdx-flight-recorder-1"}, {"run", run_}, {"rank", context_.rank}, {"world_size", context_.world_size},
                    {"mesh", mesh}, {"reason", reason}, {"entries", entries}};
     const auto path = path_of(context_.rank);
     spmdx::write_file_atomic(path, doc.dump(1) + "\n");
@@ -127,6 +141,7 @@ class FlightRecorder final : public spmdx::Hook {
                                         << " (" << reason << "); merge the ranks' dumps with: spmdx fr-trace " << context_.output_dir);
   }
 
+  std::string run_;
   std::size_t size_ = 2000;
   bool dump_at_end_ = false;
   spmdx::HookContext context_;
