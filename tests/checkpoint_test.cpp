@@ -194,6 +194,7 @@ TEST(Checkpoint, EditedMetadataIsRefusedNamingTheFileAndKey) {
       {"world size of no file", [](json& m) { m["world_size"] = 8; }, "key 'world_size' is 8 but the mesh's sizes multiply to 4"},
       {"placements for another layout", [](json& m) { m["tensors"]["e"]["placements"] = "S(0)S(1)"; }, "holds the block at"},
       {"placements that do not fit", [](json& m) { m["tensors"]["a"]["placements"] = "S(0)RR"; }, "has 3 placements for a mesh of 2 dims"},
+      {"placements written otherwise", [](json& m) { m["tensors"]["a"]["placements"] = "Shard(0)"; }, "key 'tensors.a.placements' is \"Shard(0)\""},
   };
   for (const auto& [name, edit, expected] : cases) {
     SCOPED_TRACE(name);

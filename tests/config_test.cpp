@@ -117,17 +117,17 @@ TEST(Job, DerivesDegreesAndBatchAndRejectsWhatCannotWork) {
 // An error says where the values it is about came from: the file, the command line, or both.
 TEST(Config, ErrorsSayWhetherAValueCameFromTheFileOrTheCommandLine) {
   Config c = Config::parse("[training]\nsteps = 7\n[parallelism]\ntensor_parallel_degree = 3\n", "job.toml");
-  EXPECT_EQ(c.where({"training.steps"}), "job.toml");
+  EXPECT_EQ(c.where({"training.steps"}), "job.toml:2:9");  // where the file sets it
   c.override_value("training.steps", "5");
   c.override_value("parallelism.data_parallel_shard_degree", "2");
   EXPECT_EQ(c.where({"training.steps"}), "command line --training.steps 5");
   EXPECT_EQ(c.where({"parallelism.tensor_parallel_degree", "parallelism.data_parallel_shard_degree"}),
-            "job.toml with command line --parallelism.data_parallel_shard_degree 2");
+            "job.toml:4:26 with command line --parallelism.data_parallel_shard_degree 2");
   try {
     train::job_spec(c, 4, 256);
     FAIL() << "3 x 2 ranks on 4";
   } catch (const ConfigError& e) {
-    EXPECT_THAT(e.what(), HasSubstr("job.toml with command line --parallelism.data_parallel_shard_degree 2: parallelism degrees multiply to 6"));
+    EXPECT_THAT(e.what(), HasSubstr("job.toml:4:26 with command line --parallelism.data_parallel_shard_degree 2: parallelism degrees multiply to 6"));
   }
   EXPECT_EQ(Config().where({"training.steps"}), "config");
 }
@@ -169,6 +169,9 @@ TEST(Config, SuggestionsAreOnlyTheLikelyOnes) {
   EXPECT_EQ(error_of("[parallelism]\npipe_degree = 2\n"), "job.toml:2:15: unknown key 'parallelism.pipe_degree'");
   EXPECT_THAT(error_of("[training]\ndataset = \"c4_test\"\n"), ::testing::Not(HasSubstr("did you mean")));
   EXPECT_THAT(error_of("[lr_scheduler]\ndecay_ratio = 0.8\n"), ::testing::Not(HasSubstr("decay_type")));
+  EXPECT_EQ(error_of("[job]\nname = \"x\"\n"), "job.toml:2:8: unknown key 'job.name'");  // not model.name: a generic name
+  EXPECT_EQ(error_of("[optimizer]\nname = \"Adam\"\n"), "job.toml:2:8: optimizer.name is \"Adam\", expected one of AdamW");  // another optimizer, not a typo
+  EXPECT_EQ(error_of("[[training]]\nsteps = 3\n"), "job.toml:1:1: [[training]] is an array of tables; a section is one table: write [training]");
 }
 
 // torchtitan's keys: its names for spmdx's settings are read as those; features spmdx does not
@@ -202,8 +205,25 @@ TEST(Config, TorchtitanKeysAreReadAsTorchtitanMeansThem) {
   cli.override_value("model.name", "llama3");
   EXPECT_TRUE(cli.get_bool("checkpoint.enable"));
   EXPECT_EQ(cli.get_string("model.name"), "llama");
-  EXPECT_EQ(cli.where({"checkpoint.enable"}), "command line --checkpoint.enable true");
+  EXPECT_EQ(cli.where({"checkpoint.enable"}), "command line --checkpoint.enable_checkpoint true");  // as the user wrote it
   EXPECT_THROW(cli.override_value("parallelism.context_parallel_degree", "2"), ConfigError);
+  // On the command line too, a key and its torchtitan name are one setting: both is a mistake.
+  try {
+    Config::load(SPMDX_SOURCE_DIR "/configs/mlp_dp.toml", {"--checkpoint.enable_checkpoint", "true", "--checkpoint.enable", "false"});
+    FAIL() << "loaded";
+  } catch (const ConfigError& e) {
+    EXPECT_THAT(e.what(), HasSubstr("--checkpoint.enable and --checkpoint.enable_checkpoint both set checkpoint.enable"));
+  }
+  // A command-line value replaces the file's, and what the file's had ignored is no longer said.
+  test::TempDir dir;
+  test::write_file(dir / "t.toml", "[parallelism]\npipeline_parallel_degree = 1\n");
+  try {
+    Config::load((dir / "t.toml").string(), {"--parallelism.pipeline_parallel_degree", "2"});
+    FAIL() << "loaded";
+  } catch (const ConfigError& e) {
+    EXPECT_THAT(e.what(), HasSubstr("pipeline_parallel_degree = 2 is torchtitan's"));
+    EXPECT_THAT(e.what(), ::testing::Not(HasSubstr("pipeline parallelism is off")));
+  }
   EXPECT_NO_THROW(cli.override_value("parallelism.context_parallel_degree", "1"));
 }
 

@@ -124,7 +124,7 @@ int run_compile(const CompileOptions& o) {
     std::cout << cfg.to_toml();
     return 0;
   }
-  if (!cfg.ignored().empty()) std::cerr << "spmdx: " << cfg.ignored_text() << "\n";
+  if (!cfg.ignored().empty()) std::cerr << cfg.ignored_text() << "\n";
   const auto start = std::chrono::steady_clock::now();
   if (o.world_size < 0 || o.world_size > 100000000) throw std::invalid_argument("--world-size must be between 1 and 1e8");
   std::int64_t world = o.world_size;
@@ -230,7 +230,7 @@ int run_run(const RunOptions& o) {
     }
     cfg.check(problems);
     spmdx::train::check_data(cfg, *tokenizer, *spec);  // reads the data: only once the rest is right
-    if (!cfg.ignored().empty()) std::cerr << "spmdx: " << cfg.ignored_text() << "\n";
+    if (!cfg.ignored().empty()) std::cerr << cfg.ignored_text() << "\n";
     std::vector<std::string> argv{self_exe(), "run", o.config};
     for (const auto& a : o.overrides) argv.push_back(a);
     spmdx::launch::LaunchOptions lo{o.nproc, o.nnodes, o.node_rank, o.master_addr, o.master_port, "spmdx run", ""};
@@ -241,14 +241,7 @@ int run_run(const RunOptions& o) {
     return spmdx::launch::launch(lo, argv);
   }
   const spmdx::launch::RankEnv env = spmdx::launch::rank_env();
-  if (!launched) {  // one rank, or started by hand, torchrun, srun or mpirun: this rank checks its own job
-    spmdx::PluginRegistry registry;
-    std::unique_ptr<spmdx::data::Tokenizer> tokenizer;
-    std::optional<spmdx::train::JobSpec> spec;
-    cfg.check(spmdx::train::preflight(cfg, env.world_size, registry, &tokenizer, &spec));
-    if (env.rank == 0 && !cfg.ignored().empty()) std::cerr << "spmdx: " << cfg.ignored_text() << "\n";
-  }
-  if (env.source == "single") {
+  if (env.source == "single" && !cfg.has_problem("parallelism.")) {  // a job of several ranks started as one: say how to start it
     const std::int64_t shard = cfg.get_int("parallelism.data_parallel_shard_degree");
     const std::int64_t want = cfg.get_int("parallelism.data_parallel_replicate_degree") * cfg.get_int("parallelism.tensor_parallel_degree") *
                               (shard > 0 ? shard : 1);
@@ -256,6 +249,13 @@ int run_run(const RunOptions& o) {
       throw spmdx::config::ConfigError(cfg.where(spmdx::train::kDegreeKeys) + ": its parallelism degrees make " + std::to_string(want) +
                                        " ranks: start them with --nproc " + std::to_string(want) + " (or under torchrun, srun, mpirun)");
     }
+  }
+  if (!launched) {  // one rank, or started by hand, torchrun, srun or mpirun: this rank checks its own job
+    spmdx::PluginRegistry registry;
+    std::unique_ptr<spmdx::data::Tokenizer> tokenizer;
+    std::optional<spmdx::train::JobSpec> spec;
+    cfg.check(spmdx::train::preflight(cfg, env.world_size, registry, &tokenizer, &spec));
+    if (env.rank == 0 && !cfg.ignored().empty()) std::cerr << cfg.ignored_text() << "\n";
   }
   if (launched) {
     prctl(PR_SET_PDEATHSIG, SIGTERM);  // never outlive the launcher

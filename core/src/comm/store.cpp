@@ -194,6 +194,8 @@ void TcpStoreServer::serve() {
               {
                 std::lock_guard l(state->mutex);
                 state->data[kRejectedKey] += (b == "-1" ? std::string("a client") : "rank " + b) + " from " + peer_address(fd) + ": wrong job token\n";
+                auto& count = state->data[kRejectedCountKey];
+                count = std::to_string((count.empty() ? 0 : std::stoll(count)) + 1);
               }
               state->changed.notify_all();
             }

@@ -88,7 +88,13 @@ std::string value_problem(const KeySpec& spec, const Value& v) {
                                                std::find(spec.choices.begin(), spec.choices.end(), *s) == spec.choices.end()) {
     std::string list;
     for (const auto& c : spec.choices) list += (list.empty() ? "" : ", ") + c;
-    return spec.key + " is \"" + *s + "\", expected one of " + list + did_you_mean(*s, spec.choices);
+    // No hint where the nearest choice extends the value or the other way round: "Adam" is not
+    // a typo of "AdamW" but another optimizer.
+    std::string hint = did_you_mean(*s, spec.choices);
+    for (const auto& c : spec.choices) {
+      if (hint.find("'" + c + "'") != std::string::npos && (c.rfind(*s, 0) == 0 || s->rfind(c, 0) == 0)) hint.clear();
+    }
+    return spec.key + " is \"" + *s + "\", expected one of " + list + hint;
   }
   return "";
 }
@@ -221,7 +227,11 @@ std::string other_section(const std::string& section, const std::string& name) {
 std::string key_hint(const std::string& key) {
   const auto dot = key.find('.');
   const std::string section = key.substr(0, dot), name = dot == std::string::npos ? key : key.substr(dot + 1);
-  if (const std::string elsewhere = other_section(section, name); !elsewhere.empty()) return "; spmdx has it as '" + elsewhere + "'";
+  // Only a specific name (warmup_steps) means the same thing in another section; a generic one
+  // (name, enable, folder) does not.
+  if (const std::string elsewhere = other_section(section, name); !elsewhere.empty() && (name.find('_') != std::string::npos || name.size() >= 8)) {
+    return "; spmdx has it as '" + elsewhere + "'";
+  }
   std::vector<std::string> same;
   for (const auto& k : all_keys()) {
     if (k.compare(0, section.size() + 1, section + ".") == 0) same.push_back(k.substr(section.size() + 1));
@@ -236,6 +246,7 @@ std::string key_hint(const std::string& key) {
 struct Config::Checker {
   Config& cfg;
   std::set<std::string> from_file;  // keys set in the file (an alias counts as its target)
+  std::map<std::string, std::string> given_here;  // spmdx key -> the name the command line gave it under
 
   // Messages are kept in the order of the file (line, column), command-line ones after.
   static std::pair<long, long> position(const std::string& at, const std::string& source) {
@@ -352,7 +363,9 @@ struct Config::Checker {
       problem(at, spec.key, (given_key != spec.key ? given_key + " (spmdx's " + spec.key + ")" : spec.key) + " must be " + type_name(spec.type));
       return;
     }
+    const std::size_t before = cfg.problems_.size();
     set(spec, v, at, given_key);
+    if (cfg.problems_.size() == before) cfg.positions_[spec.key] = at;
   }
 
   // Every leaf of a table that is not spmdx's (torchtitan's [quantize.linear.float8], ...).
@@ -374,6 +387,10 @@ struct Config::Checker {
       const std::string section(section_key.str());
       const std::string at = at_line(source, section_node.source());
       const toml::table* table = section_node.as_table();
+      if (const toml::array* a = section_node.as_array(); a != nullptr && a->is_array_of_tables()) {
+        problem(at, section, "[[" + section + "]] is an array of tables; a section is one table: write [" + section + "]");
+        continue;
+      }
       if (table == nullptr) {
         std::string home;
         for (const auto& key : all_keys()) {
@@ -475,10 +492,26 @@ struct Config::Checker {
         problem(at + " " + text, spec.key, (key != spec.key ? key + " (spmdx's " + spec.key + ")" : spec.key) + " must be " + type_name(spec.type));
         return;
       }
+      if (auto earlier = given_here.find(spec.key); earlier != given_here.end() && earlier->second != key) {
+        problem(at, spec.key, "--" + key + " and --" + earlier->second + " both set " + spec.key + " (one is torchtitan's name for the other): keep one");
+        return;
+      }
+      given_here[spec.key] = key;
       const std::size_t before = cfg.problems_.size();
       set(spec, v, at, key);
-      if (cfg.problems_.size() == before) cfg.overrides_[spec.key] = text;
+      if (cfg.problems_.size() == before) cfg.overrides_[spec.key] = key + " " + text;
     };
+    // A key given on the command line replaces the file's: what the file's had ignored is moot.
+    for (std::size_t i = 0; i < cfg.ignored_parts_.size();) {
+      if (cfg.ignored_parts_[i][1].rfind(key + " = ", 0) == 0 && cfg.ignored_parts_[i][0].rfind("command line", 0) != 0) {
+        cfg.ignored_parts_.erase(cfg.ignored_parts_.begin() + static_cast<long>(i));
+        cfg.ignored_parts_order_.erase(cfg.ignored_parts_order_.begin() + static_cast<long>(i));
+        cfg.ignored_.erase(cfg.ignored_.begin() + static_cast<long>(i));
+        cfg.ignored_order_.erase(cfg.ignored_order_.begin() + static_cast<long>(i));
+      } else {
+        ++i;
+      }
+    }
     if (const KeySpec* spec = find_spec(key)) {
       typed(*spec);
       return;
@@ -497,7 +530,7 @@ Config Config::load(const std::string& path, const std::vector<std::string>& ove
   std::stringstream text;
   text << in.rdbuf();
   Config cfg = parse(text.str(), path, false);
-  Checker c{cfg, {}};
+  Checker c{cfg, {}, {}};
   for (std::size_t i = 0; i < overrides.size(); ++i) {
     const std::string& a = overrides[i];
     if (a.rfind("--", 0) != 0 || a.find('.') == std::string::npos) {
@@ -529,14 +562,14 @@ Config Config::parse(const std::string& text, const std::string& source, bool th
   } catch (const toml::parse_error& e) {
     throw ConfigError(at_line(source, e.source()) + ": " + std::string(e.description()));
   }
-  Checker{cfg, {}}.file(root, source);
+  Checker{cfg, {}, {}}.file(root, source);
   if (throw_on_problems) cfg.check();
   return cfg;
 }
 
 void Config::override_value(const std::string& key, const std::string& value) {
   const std::size_t before = problems_.size();
-  Checker{*this, {}}.override_value(key, value);
+  Checker{*this, {}, {}}.override_value(key, value);
   if (problems_.size() > before) {  // a command-line problem sorts last
     const std::string p = problems_.back();
     problems_.pop_back();
@@ -591,17 +624,18 @@ bool Config::has_problem(const std::string& prefix) const {
 }
 
 std::string Config::where(const std::vector<std::string>& keys) const {
-  std::string given;
+  std::string given, file;
   bool all = !keys.empty();
   for (const auto& key : keys) {
     auto it = overrides_.find(key);
     if (it == overrides_.end()) {
       all = false;
+      if (auto p = positions_.find(key); p != positions_.end() && file.empty()) file = p->second;  // file:line:column
       continue;
     }
-    given += (given.empty() ? "command line --" : ", --") + key + " " + it->second;
+    given += (given.empty() ? "command line --" : ", --") + it->second;
   }
-  const std::string file = source_.empty() ? "config" : source_;
+  if (file.empty()) file = source_.empty() ? "config" : source_;
   if (given.empty()) return file;
   return all ? given : file + " with " + given;
 }

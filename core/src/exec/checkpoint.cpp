@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "spmdx/core/files.h"
+#include "spmdx/core/log.h"
 #include "spmdx/exec/kernels.h"
 #include "spmdx/exec/simulated.h"
 #include "spmdx/sharding/spec.h"
@@ -330,7 +331,11 @@ Metadata read_metadata(const fs::path& dir) {
     st.dtype = *parsed;
     const json& pl = field(t, "placements", key + ".placements");
     if (!pl.is_string()) bad(key + ".placements", "must be a string such as \"S(0)R\"");
-    st.placements = parse_placements(pl.get<std::string>(), mfile);
+    try {
+      st.placements = parse_placements(pl.get<std::string>(), mfile);
+    } catch (const std::runtime_error&) {
+      bad(key + ".placements", "is " + pl.dump() + ": expected one placement per mesh dim, written R, S(<dim>) or P(<op>), e.g. \"S(0)R\"");
+    }
     if (st.placements.size() != md.mesh.size()) {
       bad(key + ".placements", "'" + pl.get<std::string>() + "' has " + std::to_string(st.placements.size()) + " placements for a mesh of " + std::to_string(md.mesh.size()) + " dims");
     }
@@ -427,7 +432,14 @@ std::optional<std::int64_t> find_checkpoint(const fs::path& folder, std::int64_t
   std::error_code ec;
   for (const auto& e : fs::directory_iterator(folder, ec)) {
     const std::string n = e.path().filename().string();
-    if (n.rfind("step-", 0) != 0 || !fs::exists(e.path() / "metadata.json")) continue;
+    if (n.rfind("step-", 0) != 0) continue;
+    if (!fs::exists(e.path() / "metadata.json")) {
+      // Saves appear whole (renamed into place once complete): a step folder without its
+      // metadata was damaged afterwards. Skipped, but said.
+      SPMDX_WARN("checkpoint folder " << e.path().string() << " has no metadata.json (damaged after it was saved?): skipped; "
+                                      << "resuming from an earlier step, if any");
+      continue;
+    }
     try {
       const std::int64_t s = std::stoll(n.substr(5));
       if (!best || s > *best) best = s;

@@ -20,6 +20,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "spmdx/comm/p2p_backend.h"
 #include "spmdx/comm/store.h"
 #include "spmdx/core/files.h"
 #include "spmdx/core/log.h"
@@ -268,7 +269,19 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
   }
   if (env.world_size > 1) {
     backend = registry.make_comm_backend_from_spec(cfg.get_string("comm.backend"));
-    backend->init({env.rank, env.world_size, 0, store.get(), timeout});
+    try {
+      backend->init({env.rank, env.world_size, 0, store.get(), timeout});
+    } catch (const CommError& e) {
+      // A peer that could not be reached (it failed first, say): named for the launcher, which
+      // otherwise blames whichever rank it reaps first.
+      if (e.peer() >= 0 && e.peer() != env.rank) {
+        try {
+          if (store->add(std::string(comm::kFaultKey) + "_reported", 1) == 1) store->set(comm::kFaultKey, std::to_string(e.peer()));
+        } catch (const std::exception&) {
+        }
+      }
+      throw;
+    }
   }
   DistributedExecutor executor(graph, job.mesh, env.rank, backend.get(), timeout, plan::plan_options(cfg));
   if (!hooks.empty()) executor.set_hooks(&hooks);
@@ -321,6 +334,11 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
       keep_rows_before(dump / "metrics.jsonl", first_step);
       metrics.open(dump / "metrics.jsonl", std::ios::app);
     } else {
+      std::error_code ec;
+      if (std::filesystem::file_size(dump / "metrics.jsonl", ec) > 0 && !ec) {
+        SPMDX_WARN("starting from step 1 in " << dump.string() << ", which holds the metrics of an earlier run: metrics.jsonl is replaced"
+                                              << (checkpointing ? "" : " (with checkpoint.enable true, a run resumes from its newest checkpoint instead)"));
+      }
       metrics.open(dump / "metrics.jsonl", std::ios::trunc);
     }
     if (!metrics) throw std::runtime_error("cannot write " + (dump / "metrics.jsonl").string());
@@ -402,11 +420,6 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
           std::printf("step %lld: swapped the comm backend to %s\n", static_cast<long long>(step), backend->describe().c_str());
         }
       }
-      if (checkpointing && (step % cfg.get_int("checkpoint.interval") == 0 || step == spec.steps)) {
-        const auto where = save_checkpoint(ckpt_dir, {step, dataset.state().samples}, job.mesh, env.rank, state, state_metas,
-                                           state_placements, backend.get());
-        if (lead) std::printf("saved checkpoint %s\n", where.string().c_str());
-      }
       const double tokens_per_s = static_cast<double>(spec.global_batch_size * spec.seq_len) / st.total;
       if (lead) {
         nlohmann::json row{{"step", step},
@@ -431,6 +444,11 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
                       100.0 * st.exposed_comm / st.total, human_bytes(static_cast<double>(st.peak_bytes)).c_str());
           std::fflush(stdout);
         }
+      }
+      if (checkpointing && (step % cfg.get_int("checkpoint.interval") == 0 || step == spec.steps)) {
+        const auto where = save_checkpoint(ckpt_dir, {step, dataset.state().samples}, job.mesh, env.rank, state, state_metas,
+                                           state_placements, backend.get());
+        if (lead) std::printf("saved checkpoint %s\n", where.string().c_str());
       }
     }
     hooks.finish();

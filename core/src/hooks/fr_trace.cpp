@@ -42,9 +42,11 @@ int kind_rank(FrFinding::Kind k) { return static_cast<int>(k); }
 
 }  // namespace
 
-FrAnalysis analyze_flight_recorder(const std::filesystem::path& folder) {
+FrAnalysis analyze_flight_recorder(const std::filesystem::path& given) {
   namespace fs = std::filesystem;
   std::error_code ec;
+  // The job's dump folder names the flight recorder's folder inside it.
+  const fs::path folder = fs::is_directory(given / "hooks" / "flight_recorder", ec) ? given / "hooks" / "flight_recorder" : given;
   if (!fs::is_directory(folder, ec)) throw std::runtime_error(folder.string() + ": no such folder (the flight_recorder hook writes <job.dump_folder>/hooks/flight_recorder)");
   // group key -> rank -> seq -> entry
   using Key = std::pair<std::string, std::vector<int>>;  // name, ranks
@@ -336,7 +338,15 @@ FrAnalysis analyze_flight_recorder(const std::filesystem::path& folder) {
   text << "flight recorder dumps in " << folder.string() << ": " << rank_list(out.dumped);
   if (!out.no_dump.empty()) text << "; no dump from " << rank_list(out.no_dump) << " (it died before dumping, or its disk is elsewhere)";
   text << "\n";
-  for (const auto& [r, why] : reasons) text << "  rank " << r << " dumped on: " << why << "\n";
+  bool on_request = !reasons.empty();
+  for (const auto& [r, why] : reasons) {
+    text << "  rank " << r << " dumped on: " << why << "\n";
+    on_request = on_request && why.find("dump requested") != std::string::npos;
+  }
+  if (on_request && !out.findings.empty()) {
+    text << "(every dump was taken on request while the job ran: each rank took its snapshot a moment apart from the others, so the "
+            "newest collectives may differ without anything being wrong)\n";
+  }
   if (out.findings.empty()) {
     text << "no mismatch: the ranks with dumps issued the same collectives in the same order, and the last ones completed\n";
   } else {

@@ -58,7 +58,8 @@ RankEnv rank_env() {
     e.world_size = env_int("WORLD_SIZE").value_or(1);
     e.local_rank = env_int("LOCAL_RANK").value_or(e.rank);
     e.local_world_size = env_int("LOCAL_WORLD_SIZE").value_or(e.world_size);
-    e.source = std::getenv("SPMDX_JOB_TOKEN") ? "spmdx" : "torchrun";
+    // Who set RANK: spmdx run's launcher, torchrun's agent, or a person (or script) by hand.
+    e.source = std::getenv("SPMDX_STORE_HOSTED") ? "spmdx" : std::getenv("TORCHELASTIC_RUN_ID") ? "torchrun" : "RANK";
   } else if (auto s = env_int("SLURM_PROCID")) {
     e.rank = *s;
     e.world_size = env_int("SLURM_NTASKS").value_or(1);

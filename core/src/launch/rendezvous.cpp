@@ -62,7 +62,11 @@ std::optional<std::string> try_get(Store& store, const std::string& k, double wa
 // "rank 1 has X, ranks 0, 2 have Y" for ranks grouped by what they have; the largest group last.
 std::string who_has(std::map<std::string, std::vector<int>> by_value, const std::string& prefix) {
   std::vector<std::pair<std::string, std::vector<int>>> groups(by_value.begin(), by_value.end());
-  std::stable_sort(groups.begin(), groups.end(), [](const auto& a, const auto& b) { return a.second.size() < b.second.size(); });
+  // The fewest ranks first (the odd ones out); between groups of one size, the higher ranks
+  // first, so that two ranks read "rank 1 has X, rank 0 has Y" for every key.
+  std::stable_sort(groups.begin(), groups.end(), [](const auto& a, const auto& b) {
+    return a.second.size() != b.second.size() ? a.second.size() < b.second.size() : a.second.front() > b.second.front();
+  });
   std::string out;
   for (std::size_t i = 0; i < groups.size(); ++i) {
     const auto& [value, ranks] = groups[i];
@@ -151,13 +155,17 @@ void rendezvous(Store& store, const RankIdentity& me, double timeout_seconds, co
                                        {"token", me.token.empty() ? std::string() : fnv1a(me.token)},
                                        {"settings", fnv1a(text)}}
                                       .dump());
+  store.add(key("present", me.rank), 1);
   store.add(key("joined"), 1);
+  // Rank 0 polls counters (add 0) rather than keys with short timeouts: torchrun's c10d store
+  // logs every timed-out wait.
   if (me.rank != 0) {
-    // Rank 0 may wait its whole timeout for a missing rank before it answers: wait longer.
+    // Rank 0 may wait its whole timeout for a missing rank before it answers: wait longer, in
+    // slices of 5 s, saying what for.
     const double limit = timeout_seconds + 10;
     double next_log = 5;
     std::optional<std::string> verdict;
-    while (!(verdict = try_get(store, key("verdict"), std::min(1.0, std::max(0.01, limit - elapsed()))))) {
+    while (!(verdict = try_get(store, key("verdict"), std::max(0.01, std::min(5.0, limit - elapsed()))))) {
       if (elapsed() >= limit) {
         throw CommError(at + "rank " + std::to_string(me.rank) + " waited " + seconds_text(limit) +
                             " s for rank 0 to check every rank's world size, job token and config: is rank 0 running, started with the same "
@@ -170,6 +178,10 @@ void rendezvous(Store& store, const RankIdentity& me, double timeout_seconds, co
         next_log += 10;
       }
     }
+    try {
+      store.add(key("verdict_read"), 1);  // rank 0, which may serve the store, waits for this before it leaves
+    } catch (const std::exception&) {
+    }
     const json v = json::parse(*verdict);
     if (!v.at("ok").get<bool>()) throw CommError(v.at("error").get<std::string>(), -1);
     if (v.at("world_size").get<int>() != w) {
@@ -180,14 +192,21 @@ void rendezvous(Store& store, const RankIdentity& me, double timeout_seconds, co
     return;
   }
   // Rank 0: wait for every rank, naming those it waits for, then compare.
+  auto present = [&](int r) { return store.add(key("present", r), 0) > 0; };
   auto fail = [&](const std::string& why) {
     store.set(key("verdict"), json{{"ok", false}, {"error", at + why}, {"world_size", w}}.dump());
+    // Rank 0 may serve the store (ranks started by hand, srun, mpirun): the ranks that joined
+    // read the verdict before it leaves, for a few seconds at most.
+    int joined = 0;
+    for (int r = 1; r < w; ++r) joined += present(r);
+    const auto until = Clock::now() + std::chrono::seconds(5);
+    while (store.add(key("verdict_read"), 0) < joined && Clock::now() < until) std::this_thread::sleep_for(std::chrono::milliseconds(10));
     throw CommError(at + why, -1);
   };
   auto missing = [&] {
     std::vector<int> out;
     for (int r = 0; r < w; ++r) {
-      if (!try_get(store, key("info", r), 0.001)) out.push_back(r);
+      if (!present(r)) out.push_back(r);
     }
     return out;
   };
@@ -197,8 +216,9 @@ void rendezvous(Store& store, const RankIdentity& me, double timeout_seconds, co
   infos[0] = json::parse(store.get(key("info", 0), 10));
   double next_log = 5, next_scan = 0;
   while (true) {
-    if (const auto refused = try_get(store, comm::kRejectedKey, 0.001)) {
-      std::string first = refused->substr(0, refused->find('\n'));
+    if (store.add(comm::kRejectedCountKey, 0) > 0) {
+      const std::string refused = store.get(comm::kRejectedKey, 10);
+      std::string first = refused.substr(0, refused.find('\n'));
       const auto colon = first.rfind(": ");
       fail((colon == std::string::npos ? first : first.substr(0, colon)) + " could not join: the store refused its job token " +
            "(SPMDX_JOB_TOKEN must be the same on every rank and launcher)");
@@ -209,11 +229,9 @@ void rendezvous(Store& store, const RankIdentity& me, double timeout_seconds, co
       next_scan = elapsed() + 0.1;
       bool arrived = false;
       for (int r = 1; r < w; ++r) {
-        if (infos.count(r)) continue;
-        if (const auto info = try_get(store, key("info", r), 0.001)) {
-          infos[r] = json::parse(*info);
-          arrived = true;
-        }
+        if (infos.count(r) || !present(r)) continue;
+        infos[r] = json::parse(store.get(key("info", r), 10));
+        arrived = true;
       }
       if (arrived) {
         if (const std::string why = compare(store, infos); !why.empty()) fail(why);

@@ -59,6 +59,21 @@ void check_tls(const std::string& tls) {
     if (name.empty() || name == "all") continue;
     if (!tls_usable(name)) missing.push_back(name);
   }
+  // The ranks are processes: at least one transport between processes (shared memory on a
+  // host, a network across hosts). self (within a process) and cma (a zero-copy helper that
+  // needs another transport to set up) are not.
+  if (missing.empty() && tls.rfind('^', 0) != 0) {
+    bool between = false;
+    std::stringstream all(tls);
+    while (std::getline(all, name, ',')) {
+      between = between || (name != "self" && name != "cma" && name != "knem" && name != "xpmem" && name.rfind("cuda", 0) != 0 &&
+                            name.rfind("rocm", 0) != 0 && name != "gdr_copy");
+    }
+    if (!between) {
+      throw std::invalid_argument("ucx: tls=" + tls + " names no transport between rank processes: add shm for ranks on one host, tcp across hosts "
+                                  "(e.g. tls=shm,self or tls=tcp,self)");
+    }
+  }
   if (missing.empty() && tls_usable(tls)) return;
   std::string have, list;
   for (const char* t : {"self", "tcp", "shm", "posix", "sysv", "cma", "knem", "xpmem", "rc", "ud", "dc", "cuda_copy", "cuda_ipc", "gdr_copy", "rocm_copy"}) {

@@ -11,6 +11,7 @@
 // exposed comm in ms, overlap ratio). A run resumed from a checkpoint in the same folder keeps
 // what the runs before recorded for the steps before its first.
 #include <chrono>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <mutex>
@@ -121,7 +122,9 @@ class Timeline final : public spmdx::Hook {
     }
     std::string miss;
     for (int r : missing) miss += (miss.empty() ? "" : ", ") + std::to_string(r);
-    SPMDX_INFO("timeline: " << summary.size() << " rank-steps, overlap ratio " << (total > 0 ? hidden / total : 0.0) << "; open "
+    char ratio[16];
+    std::snprintf(ratio, sizeof ratio, "%.2f", total > 0 ? hidden / total : 0.0);
+    SPMDX_INFO("timeline: " << summary.size() << " rank-steps, overlap ratio " << ratio << "; open "
                             << (fs::path(context_.output_dir) / "merged.json").string() << " in ui.perfetto.dev"
                             << (missing.empty() ? "" : " (no trace from rank " + miss + ": on another host's disk?)"));
   }

@@ -30,6 +30,8 @@ namespace spmdx::comm {
 inline constexpr int kStoreProtocol = 2;
 /// Where the server lists the connections it refused for a wrong job token, one line each.
 inline constexpr const char* kRejectedKey = "spmdx/store/rejected";
+/// How many connections the server refused (an integer key, for polling with add 0).
+inline constexpr const char* kRejectedCountKey = "spmdx/store/rejected_count";
 
 class TcpStoreServer {
  public:

@@ -125,7 +125,8 @@ class Config {
   std::map<std::string, std::string> given_as_;  // spmdx key -> torchtitan's name it was set under
   std::map<std::string, std::map<std::string, std::string>> plugin_options_;
   std::string source_;
-  std::map<std::string, std::string> overrides_;  // key -> the text given on the command line
+  std::map<std::string, std::string> overrides_;  // key -> "name value" as given on the command line (name: the key, or torchtitan's)
+  std::map<std::string, std::string> positions_;  // key -> "file:line:column" where the file set it
 };
 
 }  // namespace spmdx::config

@@ -41,8 +41,10 @@ struct FrAnalysis {
   std::string text;            ///< the report, as `spmdx fr-trace` prints it
 };
 
-/// Reads <folder>/rank*.json (format "spmdx-flight-recorder-1"). Throws std::runtime_error
-/// naming the folder when it holds no dump, or the file that is not valid.
+/// Reads <folder>/rank*.json (format "spmdx-flight-recorder-1"; a job's dump folder stands for
+/// its hooks/flight_recorder). Throws std::runtime_error naming the folder when it holds no
+/// dump, or the file that is not valid (a field of the wrong type or out of range, named with
+/// its entry; a file named for another rank; dumps of different runs).
 FrAnalysis analyze_flight_recorder(const std::filesystem::path& folder);
 
 }  // namespace spmdx::hooks

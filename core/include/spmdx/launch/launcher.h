@@ -20,7 +20,7 @@ struct RankEnv {
   int master_port = 29500;
   std::string token;          ///< SPMDX_JOB_TOKEN ("" when none was set)
   bool store_hosted = false;  ///< the launcher serves the store (else rank 0 does)
-  std::string source;         ///< "spmdx", "torchrun", "slurm", "openmpi" or "single"
+  std::string source;         ///< "spmdx" (spmdx run's launcher), "torchrun", "RANK" (set by hand), "slurm", "openmpi" or "single"
   std::string world_size_from = "WORLD_SIZE";  ///< the variable world_size came from (for messages)
   /// torchrun's agent serves a c10d TCPStore at master_addr:master_port
   /// (TORCHELASTIC_USE_AGENT_STORE=True): join it rather than serve one.
