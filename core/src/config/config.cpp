@@ -630,7 +630,7 @@ std::string Config::where(const std::vector<std::string>& keys) const {
     auto it = overrides_.find(key);
     if (it == overrides_.end()) {
       all = false;
-      if (auto p = positions_.find(key); p != positions_.end() && file.empty()) file = p->second;  // file:line:column
+      if (auto p = positions_.find(key); p != positions_.end() && keys.size() == 1) file = p->second;  // one key: file:line:column
       continue;
     }
     given += (given.empty() ? "command line --" : ", --") + it->second;

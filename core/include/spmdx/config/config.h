@@ -109,7 +109,8 @@ class Config {
   /// The file it came from ("" for defaults).
   const std::string& source() const noexcept { return source_; }
   /// Where the values of `keys` come from, to start an error message with: the file ("config"
-  /// for defaults), or the command line for those given there:
+  /// for defaults; "file:line:column" for one key the file sets), or the command line for those
+  /// given there:
   /// "configs/llama_debug.toml", "command line --training.steps 5",
   /// "configs/llama_debug.toml with command line --parallelism.tensor_parallel_degree 3".
   std::string where(const std::vector<std::string>& keys) const;
