@@ -51,7 +51,7 @@ void run(const Case& c, int steps) {
   for (int step = 1; step <= warmup + steps; ++step) {
     at::Tensor seq = at::randint(0, kVocab, {c.batch, c.seq + 1}, data, at::TensorOptions().dtype(at::kLong));
     at::Tensor tokens = seq.slice(1, 0, c.seq).contiguous(), labels = seq.slice(1, 1, c.seq + 1).contiguous();
-    const double lr = kLr * train::lr_factor(step, 2, warmup + steps);
+    const double lr = kLr * train::lr_factor(step, {2, warmup + steps});
     auto t0 = Clock::now();
     loss_static = trainer.step(step, lr, tokens, labels).loss;
     auto t1 = Clock::now();

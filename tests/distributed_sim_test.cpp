@@ -146,7 +146,7 @@ TEST(Distributed, LlamaTinyTrainStepLossesEqualOneRankFor5Steps) {
     for (std::int64_t step = 1; step <= 5; ++step) {
       exec::TensorMap feed = state;
       for (auto& [k, v] : batch(static_cast<std::uint64_t>(step))) feed[k] = v;
-      const double lr = 8e-4 * train::lr_factor(step, 2, 5);
+      const double lr = 8e-4 * train::lr_factor(step, {2, 5});
       feed["lr"] = at::scalar_tensor(lr, at::kFloat);
       feed["step"] = at::scalar_tensor(static_cast<double>(step), at::kFloat);
       const exec::TensorMap got = run_distributed(plan, feed);

@@ -51,7 +51,7 @@ void expect_same_losses(const std::string& name, const std::string& flavor) {
   for (std::int64_t step = 1; step <= kSteps; ++step) {
     const data::Batch batch = dataset.next_batch();
     const at::Tensor tokens = as_tensor(batch.tokens, kBatch, kSeq), labels = as_tensor(batch.labels, kBatch, kSeq);
-    const double lr = kLr * train::lr_factor(step, kWarmup, kSteps);
+    const double lr = kLr * train::lr_factor(step, {kWarmup, kSteps});
     const double want = eager.step(lr, tokens, labels);
     const double got = trainer.step(step, lr, tokens, labels).loss;
     EXPECT_NEAR(got, want, 1e-5 * std::abs(want)) << name << " " << flavor << " step " << step;
@@ -71,12 +71,26 @@ void expect_same_losses(const std::string& name, const std::string& flavor) {
 TEST(TrainStep, MlpTinyMatchesEagerLibTorchFor20Steps) { expect_same_losses("mlp", "tiny"); }
 TEST(TrainStep, LlamaTinyMatchesEagerLibTorchFor20Steps) { expect_same_losses("llama", "tiny"); }
 
-TEST(TrainStep, LrScheduleIsTorchtitansLinearWarmupLinearDecay) {
-  EXPECT_DOUBLE_EQ(train::lr_factor(1, 2, 10), 1.0 / 3.0);
-  EXPECT_DOUBLE_EQ(train::lr_factor(2, 2, 10), 2.0 / 3.0);
-  EXPECT_DOUBLE_EQ(train::lr_factor(3, 2, 10), 1.0);
-  EXPECT_DOUBLE_EQ(train::lr_factor(4, 2, 10), 1.0 - 1.0 / 8.0);
-  EXPECT_DOUBLE_EQ(train::lr_factor(10, 2, 10), 1.0 - 7.0 / 8.0);
+// torchtitan's linear_warmup_stable_decay (torchtitan/components/lr_scheduler.py since mid-2025):
+// warm-up (c+1)/warmup, then stable, then decay over round(steps x decay_ratio) steps.
+TEST(TrainStep, LrScheduleIsTorchtitansWarmupStableDecay) {
+  using train::lr_factor;
+  const train::LrSchedule plain{2, 10};  // decay_ratio unset: every step after warm-up decays
+  EXPECT_DOUBLE_EQ(lr_factor(1, plain), 0.5);
+  EXPECT_DOUBLE_EQ(lr_factor(2, plain), 1.0);
+  EXPECT_DOUBLE_EQ(lr_factor(3, plain), 1.0 - 1.0 / 8.0);
+  EXPECT_DOUBLE_EQ(lr_factor(10, plain), 0.0);
+  const train::LrSchedule wsd{2, 10, 0.5};  // 2 warm-up, 3 stable, 5 decay
+  for (int step : {3, 4, 5}) EXPECT_DOUBLE_EQ(lr_factor(step, wsd), 1.0) << step;
+  EXPECT_DOUBLE_EQ(lr_factor(6, wsd), 0.8);
+  EXPECT_DOUBLE_EQ(lr_factor(10, wsd), 0.0);
+  EXPECT_DOUBLE_EQ(lr_factor(8, {2, 10, 0.5, "cosine"}), 0.5 * (1.0 + std::cos(M_PI * 0.6)));
+  EXPECT_DOUBLE_EQ(lr_factor(8, {2, 10, 0.5, "sqrt"}), 1.0 - std::sqrt(0.6));
+  EXPECT_DOUBLE_EQ(lr_factor(10, {2, 10, -1, "linear", 0.1}), 0.1);
+  EXPECT_DOUBLE_EQ(lr_factor(3, {2, 10, 0.25}), 1.0);        // round(2.5) is 2 (ties to even): 6 stable steps
+  EXPECT_DOUBLE_EQ(lr_factor(9, {2, 10, 0.25}), 0.5);
+  EXPECT_DOUBLE_EQ(lr_factor(5, {2, 10, 0.95}), 1.0 - 3.0 / 8.0);  // 10 decay steps cut to the 8 after warm-up
+  EXPECT_DOUBLE_EQ(lr_factor(1, {0, 4}), 0.75);              // no warm-up
 }
 
 TEST(TrainStep, UnknownModelOrFlavorIsNamed) {

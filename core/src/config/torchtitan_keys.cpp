@@ -21,8 +21,6 @@ const std::vector<TitanKey>& table() {
       // Features spmdx does not have yet: accepted only switched off.
       {"model.converters", K::unsupported, "model converters (float8, MX)", {"[]"}, ""},
       {"optimizer.early_step_in_backward", K::unsupported, "the optimizer step inside the backward", {"false"}, ""},
-      {"lr_scheduler.decay_ratio", K::unsupported, "the warmup-stable-decay schedule (decay_ratio)", {},
-       "spmdx decays over every step after warm-up, as torchtitan does with decay_ratio unset: remove the key"},
       {"training.dataset", K::unsupported, "torchtitan's named data sets (c4, c4_test)", {},
        "spmdx reads text or JSON Lines files: set data.paths"},
       {"training.dataset_path", K::unsupported, "torchtitan's data set folders", {}, "spmdx reads text or JSON Lines files: set data.paths"},

@@ -364,7 +364,7 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
       TensorMap feed = state;
       feed["tokens"] = shard_tensor(as_tensor(batch.tokens), tokens_pl, job.mesh, coord);
       feed["labels"] = shard_tensor(as_tensor(batch.labels), labels_pl, job.mesh, coord);
-      const double lr = spec.lr * train::lr_factor(step, spec.warmup_steps, spec.steps, spec.min_lr_factor);
+      const double lr = spec.lr * train::lr_factor(step, spec.schedule);
       feed["lr"] = at::scalar_tensor(lr, at::kFloat);
       feed["step"] = at::scalar_tensor(static_cast<double>(step), at::kFloat);
       TensorMap out = executor.run(feed, step);

@@ -18,13 +18,33 @@ TensorMap init_tensors(const models::Model& model, std::uint64_t seed) {
     using K = models::InitSpec::Kind;
     switch (spec.kind) {
       case K::normal: out[spec.name] = at::normal(0.0, spec.std, spec.shape, gen, options); break;
+      case K::trunc_normal: {
+        // torch.nn.init.trunc_normal_'s method (inverse CDF): uniform in [2 Phi(a) - 1, 2 Phi(b) - 1],
+        // erfinv, scaled by std sqrt(2), then clamped to [a, b].
+        const double a = -spec.bound / spec.std, b = spec.bound / spec.std;
+        auto cdf = [](double x) { return 0.5 * (1.0 + std::erf(x / std::sqrt(2.0))); };
+        at::Tensor t = at::empty(spec.shape, at::TensorOptions().dtype(at::kDouble));
+        t.uniform_(2.0 * cdf(a) - 1.0, 2.0 * cdf(b) - 1.0, gen);
+        t.erfinv_().mul_(spec.std * std::sqrt(2.0)).clamp_(-spec.bound, spec.bound);
+        out[spec.name] = t.to(options.dtype());
+        break;
+      }
       case K::ones: out[spec.name] = at::ones(spec.shape, options); break;
       case K::zeros: out[spec.name] = at::zeros(spec.shape, options); break;
       case K::rope_cos:
       case K::rope_sin: {
-        // angle[t, i] = t * theta^(-2i/head_dim), as torchtitan's precompute_freqs_cis (in f64).
+        // angle[t, i] = t * f_i, f_i = theta^(-2i/head_dim), as torchtitan's precompute_freqs_cis
+        // (in f64), with Llama 3.1's frequency scaling (torchtitan's apply_scaling).
         const std::int64_t half = spec.shape[1];
         at::Tensor inv = at::pow(spec.rope_theta, -at::arange(0, half, at::kDouble) * 2.0 / static_cast<double>(2 * half));
+        if (const models::RopeScaling& r = spec.rope_scaling; r.scaling_factor > 0) {
+          const double low_wavelen = r.original_max_position_embeddings / r.low_freq_factor;
+          const double high_wavelen = r.original_max_position_embeddings / r.high_freq_factor;
+          const at::Tensor wavelen = 2.0 * M_PI / inv;
+          const at::Tensor scaled = at::where(wavelen > low_wavelen, inv / r.scaling_factor, inv);
+          const at::Tensor smooth = (r.original_max_position_embeddings / wavelen - r.low_freq_factor) / (r.high_freq_factor - r.low_freq_factor);
+          inv = at::where((wavelen >= high_wavelen) & (wavelen <= low_wavelen), (1.0 - smooth) * scaled / r.scaling_factor + smooth * scaled, scaled);
+        }
         at::Tensor angles = at::outer(at::arange(spec.shape[0], at::kDouble), inv);
         out[spec.name] = (spec.kind == K::rope_cos ? at::cos(angles) : at::sin(angles)).to(options.dtype());
         break;

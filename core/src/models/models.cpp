@@ -14,13 +14,13 @@ class Builder {
  public:
   Builder(Model& m, ir::DType dtype) : m_(m), b_(m.graph, dtype) {}
 
-  Value* param(const std::string& name, Shape shape, InitSpec::Kind kind, double std = 0.0) {
-    m_.init.push_back({name, shape, kind, std, 0.0, true});
+  Value* param(const std::string& name, Shape shape, InitSpec::Kind kind, double std = 0.0, double bound = 2.0) {
+    m_.init.push_back({name, shape, kind, std, bound, 0.0, {}, true});
     m_.params.push_back(name);
     return b_.param(name, std::move(shape));
   }
-  Value* buffer(const std::string& name, Shape shape, InitSpec::Kind kind, double theta) {
-    m_.init.push_back({name, shape, kind, 0.0, theta, false});
+  Value* buffer(const std::string& name, Shape shape, InitSpec::Kind kind, double theta, const RopeScaling& scaling) {
+    m_.init.push_back({name, shape, kind, 0.0, 0.0, theta, scaling, false});
     return b_.input(name, std::move(shape), b_.dtype());
   }
   ir::GraphBuilder& b() { return b_; }
@@ -51,38 +51,41 @@ void build_mlp(Model& m, Builder& mb, Value* tokens, Value* labels) {
   m.graph.add_output("loss", loss_of(b, b.linear(h, w2), labels, a.vocab_size));
 }
 
-// Llama 3 as torchtitan's llama3 model: pre-norm RMSNorm blocks, rotary attention (causal),
-// SwiGLU feed-forward; parameter names and init as torchtitan's init_weights (depth-scaled std
-// for wo, w2, w3).
+// Llama 3 as torchtitan's llama3 model: pre-norm RMSNorm blocks, rotary attention (causal,
+// Llama 3.1 frequency scaling), SwiGLU feed-forward; parameter names and init as torchtitan's
+// init_weights: the embedding N(0, 1); wq, wk, wv, w1 trunc_normal(std 0.02); wo, w2, w3
+// trunc_normal(depth-scaled std 0.02 / sqrt(2 (layer + 1))), all cut at +-2; output.weight
+// trunc_normal(std dim^-1/2) cut at 3 std; norms ones.
 void build_llama(Model& m, Builder& mb, Value* tokens, Value* labels, std::int64_t batch, std::int64_t seq) {
   const auto& a = m.args;
   auto& b = mb.b();
   const std::int64_t hd = a.dim / a.n_heads;
   using K = InitSpec::Kind;
   Value* h = b.embedding(mb.param("tok_embeddings.weight", {a.vocab_size, a.dim}, K::normal, 1.0), tokens);
-  Value* cos = mb.buffer("rope.cos", {seq, hd / 2}, K::rope_cos, a.rope_theta);
-  Value* sin = mb.buffer("rope.sin", {seq, hd / 2}, K::rope_sin, a.rope_theta);
+  Value* cos = mb.buffer("rope.cos", {seq, hd / 2}, K::rope_cos, a.rope_theta, a.rope_scaling);
+  Value* sin = mb.buffer("rope.sin", {seq, hd / 2}, K::rope_sin, a.rope_theta, a.rope_scaling);
   for (std::int64_t l = 0; l < a.n_layers; ++l) {
     const std::string p = "layers." + std::to_string(l) + ".";
     const double depth_std = 0.02 / std::sqrt(2.0 * static_cast<double>(l + 1));
     Value* x = b.rms_norm(h, mb.param(p + "attention_norm.weight", {a.dim}, K::ones), a.norm_eps);
     auto heads = [&](const std::string& w, double std) {
-      return b.reshape(b.linear(x, mb.param(p + "attention." + w + ".weight", {a.dim, a.dim}, K::normal, std)),
+      return b.reshape(b.linear(x, mb.param(p + "attention." + w + ".weight", {a.dim, a.dim}, K::trunc_normal, std)),
                        {batch, seq, a.n_heads, hd});
     };
     Value* q = b.transpose(b.rotary(heads("wq", 0.02), cos, sin), 1, 2);
     Value* k = b.transpose(b.rotary(heads("wk", 0.02), cos, sin), 1, 2);
     Value* v = b.transpose(heads("wv", 0.02), 1, 2);
     Value* o = b.reshape(b.transpose(b.causal_attention(q, k, v), 1, 2), {batch, seq, a.dim});
-    h = b.add(h, b.linear(o, mb.param(p + "attention.wo.weight", {a.dim, a.dim}, K::normal, depth_std)));
+    h = b.add(h, b.linear(o, mb.param(p + "attention.wo.weight", {a.dim, a.dim}, K::trunc_normal, depth_std)));
     Value* y = b.rms_norm(h, mb.param(p + "ffn_norm.weight", {a.dim}, K::ones), a.norm_eps);
-    Value* w1 = mb.param(p + "feed_forward.w1.weight", {a.ffn_hidden, a.dim}, K::normal, 0.02);
-    Value* w2 = mb.param(p + "feed_forward.w2.weight", {a.dim, a.ffn_hidden}, K::normal, depth_std);
-    Value* w3 = mb.param(p + "feed_forward.w3.weight", {a.ffn_hidden, a.dim}, K::normal, depth_std);
+    Value* w1 = mb.param(p + "feed_forward.w1.weight", {a.ffn_hidden, a.dim}, K::trunc_normal, 0.02);
+    Value* w2 = mb.param(p + "feed_forward.w2.weight", {a.dim, a.ffn_hidden}, K::trunc_normal, depth_std);
+    Value* w3 = mb.param(p + "feed_forward.w3.weight", {a.ffn_hidden, a.dim}, K::trunc_normal, depth_std);
     h = b.add(h, b.linear(b.mul(b.silu(b.linear(y, w1)), b.linear(y, w3)), w2));
   }
   h = b.rms_norm(h, mb.param("norm.weight", {a.dim}, K::ones), a.norm_eps);
-  Value* logits = b.linear(h, mb.param("output.weight", {a.vocab_size, a.dim}, K::normal, 1.0 / std::sqrt(static_cast<double>(a.dim))));
+  const double out_std = 1.0 / std::sqrt(static_cast<double>(a.dim));
+  Value* logits = b.linear(h, mb.param("output.weight", {a.vocab_size, a.dim}, K::trunc_normal, out_std, 3.0 * out_std));
   m.graph.add_output("loss", loss_of(b, logits, labels, a.vocab_size));
 }
 

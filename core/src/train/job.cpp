@@ -67,9 +67,13 @@ JobSpec job_spec(const config::Config& cfg, std::int64_t world_size, std::int64_
   }
   s.seq_len = cfg.get_int("training.seq_len");
   s.steps = cfg.get_int("training.steps");
-  s.warmup_steps = cfg.get_int("lr_scheduler.warmup_steps");
   s.lr = cfg.get_float("optimizer.lr");
-  s.min_lr_factor = cfg.get_float("lr_scheduler.min_lr_factor");
+  s.schedule = {cfg.get_int("lr_scheduler.warmup_steps"), s.steps, cfg.get_float("lr_scheduler.decay_ratio"), cfg.get_string("lr_scheduler.decay_type"),
+                cfg.get_float("lr_scheduler.min_lr_factor")};
+  if (s.schedule.decay_ratio != -1 && s.schedule.decay_ratio < 0) {
+    fail({"lr_scheduler.decay_ratio"}, "lr_scheduler.decay_ratio must be between 0 and 1, or -1 (unset: decay over every step after warm-up)");
+  }
+
   s.seed = static_cast<std::uint64_t>(cfg.get_int("job.seed"));
   s.reshard_after_forward = cfg.get_string("parallelism.fsdp_reshard_after_forward") != "never";
   s.step.max_norm = cfg.get_float("training.max_norm");

@@ -66,13 +66,20 @@ void append_train_step(ir::Graph& g, const std::vector<std::string>& params, con
 #endif
 }
 
-double lr_factor(std::int64_t step, std::int64_t warmup_steps, std::int64_t total_steps, double lr_min) {
-  // torchtitan's linear_warmup_linear_decay: LambdaLR counts from 0.
-  const std::int64_t current = step - 1;
-  if (current < warmup_steps) return static_cast<double>(current + 1) / static_cast<double>(warmup_steps + 1);
-  const double decay_steps = static_cast<double>(std::max<std::int64_t>(1, total_steps - warmup_steps));
-  const double adjustment = 1.0 - static_cast<double>(current - warmup_steps) / decay_steps;
-  return lr_min + (1.0 - lr_min) * adjustment;
+double lr_factor(std::int64_t step, const LrSchedule& s) {
+  const std::int64_t warmup = s.warmup_steps;
+  std::int64_t decay = s.decay_ratio >= 0 ? static_cast<std::int64_t>(std::nearbyint(static_cast<double>(s.steps) * s.decay_ratio))  // Python's round: ties to even
+                                          : s.steps - warmup;
+  if (warmup + decay > s.steps) decay = s.steps - warmup;
+  const std::int64_t stable = s.steps - warmup - decay;
+  const std::int64_t c = step - 1;  // LambdaLR counts from 0
+  if (c < warmup) return static_cast<double>(c + 1) / static_cast<double>(warmup);
+  if (c < warmup + stable || decay <= 0) return 1.0;
+  const double p = static_cast<double>(c + 1 - warmup - stable) / static_cast<double>(decay);
+  double f = 1.0 - p;
+  if (s.decay_type == "sqrt") f = 1.0 - std::sqrt(p);
+  else if (s.decay_type == "cosine") f = 0.5 * (1.0 + std::cos(M_PI * p));
+  return s.min_lr_factor + (1.0 - s.min_lr_factor) * f;
 }
 
 }  // namespace spmdx::train

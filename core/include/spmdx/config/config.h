@@ -5,7 +5,7 @@
 //   [job] dump_folder, seed          [model] name, flavor, tokenizer
 //   [training] steps, global_batch_size, local_batch_size, seq_len, max_norm, device
 //   [optimizer] name, lr, beta1, beta2, eps, weight_decay
-//   [lr_scheduler] warmup_steps, decay_type, min_lr_factor
+//   [lr_scheduler] warmup_steps, decay_ratio, decay_type, min_lr_factor
 //   [data] paths, seed               [parallelism] data_parallel_replicate_degree,
 //   data_parallel_shard_degree, tensor_parallel_degree, fsdp_reshard_after_forward
 //   [comm] backend, timeout_seconds, swap_at_step, swap_to, bucket_cap_mb, first_bucket_cap_mb,

@@ -11,20 +11,35 @@
 
 namespace spmdx::models {
 
+/// Llama 3.1's RoPE frequency scaling (torchtitan's RoPEScalingArgs, and apply_scaling in its
+/// llama3 model): frequencies whose wavelength 2 pi / f exceeds original / low_freq_factor are
+/// divided by scaling_factor, those below original / high_freq_factor kept, and those between
+/// blended by smooth = (original / wavelength - low) / (high - low). scaling_factor 0: none.
+struct RopeScaling {
+  double scaling_factor = 0.0;
+  double low_freq_factor = 1.0;
+  double high_freq_factor = 4.0;
+  double original_max_position_embeddings = 8192;
+};
+
 /// How a graph input is filled before the first step.
 struct InitSpec {
   enum class Kind {
-    normal,    ///< N(0, std^2), from the seeded generator in declaration order
+    normal,        ///< N(0, std^2), from the seeded generator in declaration order
+    trunc_normal,  ///< N(0, std^2) truncated to [-bound, bound], as torch.nn.init.trunc_normal_
     ones,
     zeros,
-    rope_cos,  ///< cos(t * theta^(-2i/head_dim)), [seq_len, head_dim/2], as torchtitan's precompute_freqs_cis
+    rope_cos,      ///< cos(t * f_i), [seq_len, head_dim/2]: f_i = theta^(-2i/head_dim), with Llama 3.1's
+                   ///< scaling when rope_scaling_factor > 0, as torchtitan's precompute_freqs_cis
     rope_sin,
   };
   std::string name;
   std::vector<std::int64_t> shape;
   Kind kind = Kind::normal;
   double std = 0.02;
+  double bound = 2.0;       ///< trunc_normal: the absolute cut (torchtitan: 2, or 3 std for output.weight)
   double rope_theta = 0.0;  ///< rope tables only
+  RopeScaling rope_scaling;  ///< rope tables only
   bool trainable = true;    ///< false for buffers (rope tables)
 };
 
@@ -37,11 +52,13 @@ struct ModelArgs {
   std::int64_t n_heads = 4;
   std::int64_t ffn_hidden = 192;
   double rope_theta = 500000.0;
+  RopeScaling rope_scaling{8.0, 1.0, 4.0, 8192};  ///< torchtitan's llama3 default (RoPEScalingArgs())
   double norm_eps = 1e-5;
 };
 
 /// The flavors: llama `debugmodel` (torchtitan's: dim 256, 6 layers, 16 heads, FFN 768,
-/// rope_theta 500000) and `tiny` (dim 64, 2 layers, 4 heads, FFN 192); mlp `tiny` (dim 64,
+/// rope_theta 500000, Llama 3.1 RoPE scaling 8 / 1 / 4 / 8192, norm eps 1e-5) and `tiny`
+/// (dim 64, 2 layers, 4 heads, FFN 192, the same RoPE and eps); mlp `tiny` (dim 64,
 /// FFN 192) and `debugmodel` (dim 256, FFN 768). Throws std::invalid_argument naming the
 /// model or flavor and listing the known ones.
 ModelArgs model_args(const std::string& name, const std::string& flavor, std::int64_t vocab_size);

@@ -26,9 +26,8 @@ struct JobSpec {
   std::int64_t global_batch_size = 8;  ///< rows per step, all ranks
   std::int64_t seq_len = 256;
   std::int64_t steps = 10;
-  std::int64_t warmup_steps = 2;
   double lr = 8e-4;
-  double min_lr_factor = 0.0;
+  LrSchedule schedule;  ///< [lr_scheduler], with training.steps
   std::uint64_t seed = 42;
   TrainStepConfig step;
   /// FSDP frees gathered parameters after the forward and gathers them again for the backward

@@ -37,9 +37,22 @@ void append_train_step(ir::Graph& forward, const std::vector<std::string>& param
 /// exp_avg_sq.P.
 std::vector<std::string> train_state_names(const std::vector<std::string>& params);
 
-/// Learning-rate factor of torchtitan's linear_warmup_linear_decay (then scaled into
-/// [lr_min, 1]): `step` is 1-based; steps 1..warmup give step/(warmup+1); then
-/// 1 - (step-1-warmup)/max(1, total-warmup). The learning rate of step s is lr * lr_factor(s, ...).
-double lr_factor(std::int64_t step, std::int64_t warmup_steps, std::int64_t total_steps, double lr_min = 0.0);
+/// torchtitan's learning-rate schedule ([lr_scheduler]): linear warm-up, a stable phase, then
+/// a decay to min_lr_factor (warmup-stable-decay, Hu et al. 2024, MiniCPM).
+struct LrSchedule {
+  std::int64_t warmup_steps = 2;
+  std::int64_t steps = 10;        ///< training.steps
+  double decay_ratio = -1;        ///< the share of steps that decay (-1: unset, every step after warm-up)
+  std::string decay_type = "linear";  ///< "linear", "sqrt" or "cosine"
+  double min_lr_factor = 0.0;     ///< the decay ends at lr x this
+};
+
+/// The learning-rate factor of 1-based `step`, as torchtitan's linear_warmup_stable_decay
+/// (torchtitan/components/lr_scheduler.py, mid-2025 on) with LambdaLR's 0-based c = step - 1:
+/// decay = round(steps x decay_ratio) (every step after warm-up when unset; cut to fit), stable
+/// = steps - warmup - decay; warm-up (c < warmup): (c + 1) / warmup; stable: 1; decay, with
+/// p = (c + 1 - warmup - stable) / decay: linear 1 - p, sqrt 1 - sqrt(p), cosine (1 + cos(pi p)) / 2,
+/// then min_lr_factor + (1 - min_lr_factor) x that. The learning rate of step s is lr x lr_factor(s, ...).
+double lr_factor(std::int64_t step, const LrSchedule& schedule);
 
 }  // namespace spmdx::train
