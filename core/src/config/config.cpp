@@ -191,6 +191,10 @@ const std::vector<KeySpec>& schema() {
       n("checkpoint.load_step", Type::integer, std::int64_t{-1}, "resume from this step (-1: the latest, if any)", -1, 1e9),
       n("metrics.log_freq", Type::integer, std::int64_t{1}, "print a line every this many steps", 1, 1e9),
       k("plugins.paths", Type::string_list, L{}, "plugin files or folders searched first"),
+      k("debug.dump_batches", Type::boolean, false,
+        "rank 0 writes each step's global batch, tokens and labels (int64 [global_batch, seq_len]), as <dump>/debug/batches/step-N.{tokens,labels}.npy"),
+      k("debug.dump_initial_weights", Type::boolean, false,
+        "rank 0 writes the parameters and buffers before the first step, whole, as <dump>/debug/initial.safetensors"),
   };
   return keys;
 }

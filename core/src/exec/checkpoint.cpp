@@ -489,26 +489,18 @@ TensorMap load_checkpoint(const fs::path& folder, std::int64_t step, const shard
   return out;
 }
 
-std::size_t export_safetensors(const fs::path& step_dir, const fs::path& out) {
-  const Metadata md = read_metadata(step_dir);
-  const sharding::DeviceMesh saved(md.mesh);
-  std::vector<TensorMap> files;
-  for (std::int64_t r = 0; r < saved.size(); ++r) files.push_back(load_shard(step_dir, r, md, saved));
+void write_safetensors(const fs::path& out, const TensorMap& tensors, const std::map<std::string, std::string>& metadata) {
   static const std::map<std::string, std::string> names{{"f32", "F32"}, {"f64", "F64"}, {"f16", "F16"}, {"bf16", "BF16"},
                                                         {"i32", "I32"}, {"i64", "I64"}, {"u8", "U8"}, {"bool", "BOOL"}};
   json header = json::object();
-  header["__metadata__"] = {{"format", "pt"}, {"step", std::to_string(md.meta.step)}};
+  header["__metadata__"] = json::object();
+  for (const auto& [k, v] : metadata) header["__metadata__"][k] = v;
   std::string data;
-  std::size_t n = 0;
-  for (const auto& [name, t] : md.tensors) {
-    if (name.rfind("exp_avg", 0) == 0) continue;  // optimizer state
-    std::vector<at::Tensor> parts;
-    for (auto& f : files) parts.push_back(f.at(name));
-    const at::Tensor full = assemble_tensor(parts, t.placements, saved).contiguous();
+  for (const auto& [name, t0] : tensors) {
+    const at::Tensor t = t0.contiguous();
     const std::size_t begin = data.size();
-    data.append(static_cast<const char*>(full.data_ptr()), static_cast<std::size_t>(full.nbytes()));
-    header[name] = {{"dtype", names.at(ir::to_string(t.dtype))}, {"shape", full.sizes().vec()}, {"data_offsets", {begin, data.size()}}};
-    ++n;
+    data.append(static_cast<const char*>(t.data_ptr()), static_cast<std::size_t>(t.nbytes()));
+    header[name] = {{"dtype", names.at(ir::to_string(from_aten(t.scalar_type())))}, {"shape", t.sizes().vec()}, {"data_offsets", {begin, data.size()}}};
   }
   std::string h = header.dump();
   while (h.size() % 8 != 0) h += ' ';  // the format pads the header to 8 bytes
@@ -519,7 +511,22 @@ std::size_t export_safetensors(const fs::path& step_dir, const fs::path& out) {
   const fs::path tmp = out.string() + ".partial";
   write_file(tmp, bytes);
   fs::rename(tmp, out);
-  return n;
+}
+
+std::size_t export_safetensors(const fs::path& step_dir, const fs::path& out) {
+  const Metadata md = read_metadata(step_dir);
+  const sharding::DeviceMesh saved(md.mesh);
+  std::vector<TensorMap> files;
+  for (std::int64_t r = 0; r < saved.size(); ++r) files.push_back(load_shard(step_dir, r, md, saved));
+  TensorMap full;
+  for (const auto& [name, t] : md.tensors) {
+    if (name.rfind("exp_avg", 0) == 0) continue;  // optimizer state
+    std::vector<at::Tensor> parts;
+    for (auto& f : files) parts.push_back(f.at(name));
+    full[name] = assemble_tensor(parts, t.placements, saved);
+  }
+  write_safetensors(out, full, {{"format", "pt"}, {"step", std::to_string(md.meta.step)}});
+  return full.size();
 }
 
 }  // namespace spmdx::exec

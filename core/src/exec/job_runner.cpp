@@ -149,6 +149,20 @@ class SignalDumper {
   std::thread thread_;
 };
 
+// A NumPy .npy file (format 1.0) of int64 [rows, cols], little endian, C order.
+std::string npy_i64(const std::vector<std::int64_t>& data, std::int64_t rows, std::int64_t cols) {
+  std::string header = "{'descr': '<i8', 'fortran_order': False, 'shape': (" + std::to_string(rows) + ", " + std::to_string(cols) + "), }";
+  while ((10 + header.size() + 1) % 64 != 0) header += ' ';
+  header += '\n';
+  std::string out("\x93NUMPY\x01\x00", 8);
+  const auto len = static_cast<std::uint16_t>(header.size());
+  out += static_cast<char>(len & 0xff);
+  out += static_cast<char>(len >> 8);
+  out += header;
+  out.append(reinterpret_cast<const char*>(data.data()), data.size() * sizeof(std::int64_t));
+  return out;
+}
+
 // Rewrites a JSON Lines file of per-step rows (metrics.jsonl) keeping only the rows of steps
 // before `first_step`, atomically; a line that does not parse (torn by a crash) is dropped.
 void keep_rows_before(const std::filesystem::path& file, std::int64_t first_step) {
@@ -292,6 +306,11 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
   TensorMap state;
   {
     TensorMap full = init_tensors(job.model, spec.seed);
+    if (lead && cfg.get_bool("debug.dump_initial_weights") && first_step == 1) {
+      const auto dir = std::filesystem::path(cfg.get_string("job.dump_folder")) / "debug";
+      std::filesystem::create_directories(dir);
+      write_safetensors(dir / "initial.safetensors", full, {{"format", "pt"}, {"step", "0"}, {"seed", std::to_string(spec.seed)}});
+    }
     for (const auto& [name, t] : full) state[name] = shard_tensor(t, plan.placement.at(job.model.graph.find_input(name)), job.mesh, coord);
     for (const auto& p : job.model.params) {
       state["exp_avg." + p] = at::zeros_like(state.at(p));
@@ -352,12 +371,20 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
     std::fflush(stdout);
   }
   const std::int64_t log_freq = cfg.get_int("metrics.log_freq");
+  const bool dump_batches = cfg.get_bool("debug.dump_batches");
+  const std::filesystem::path batches_dir = dump / "debug" / "batches";
+  if (lead && dump_batches) std::filesystem::create_directories(batches_dir);
   double first_loss = 0, last_loss = 0;
   const auto run_start = Clock::now();
   // A failing rank tells the hooks first (the flight recorder dumps), then fails.
   try {
     for (std::int64_t step = first_step; step <= spec.steps; ++step) {
       const data::Batch batch = dataset.next_batch();
+      if (lead && dump_batches) {
+        for (const auto& [what, ids] : {std::pair<const char*, const std::vector<std::int64_t>*>{"tokens", &batch.tokens}, {"labels", &batch.labels}}) {
+          write_file_atomic(batches_dir / ("step-" + std::to_string(step) + "." + what + ".npy"), npy_i64(*ids, spec.global_batch_size, spec.seq_len));
+        }
+      }
       auto as_tensor = [&](const std::vector<std::int64_t>& ids) {
         return at::tensor(ids, at::kLong).reshape({spec.global_batch_size, spec.seq_len});
       };

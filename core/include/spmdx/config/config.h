@@ -12,6 +12,7 @@
 //   overlap, prefetch
 //   [hooks] enable, [hooks.<name>]   [checkpoint] enable, folder, interval, load_step
 //   [metrics] log_freq               [plugins] paths
+//   [debug] dump_batches, dump_initial_weights
 // The full list, with types, defaults and ranges: `spmdx run --print-config` or schema().
 #pragma once
 

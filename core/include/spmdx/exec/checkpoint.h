@@ -61,6 +61,11 @@ TensorMap load_checkpoint(const std::filesystem::path& folder, std::int64_t step
                           const std::map<std::string, ir::TensorMeta>& global,
                           const std::map<std::string, sharding::Placements>& placements, CheckpointMeta* meta);
 
+/// Writes `tensors` (whole, contiguous) as a safetensors file (Hugging Face's format: u64 header
+/// length, a JSON header with dtype, shape and data_offsets per tensor and `metadata` as
+/// __metadata__, then the data), atomically. Throws std::runtime_error naming the file.
+void write_safetensors(const std::filesystem::path& out, const TensorMap& tensors, const std::map<std::string, std::string>& metadata = {});
+
 /// Writes the parameters of checkpoint `step_dir` (a step-N folder), consolidated into whole
 /// tensors, as a safetensors file (Hugging Face's format: u64 header length, JSON header with
 /// dtype, shape and data_offsets per tensor, then the data). Optimizer state is left out, as
