@@ -1,7 +1,8 @@
 // The whole pipeline on llama tiny, every rank in one process: strategy plugins place the
 // parameters and the batch, propagation places everything else, the rewriter makes each rank's
 // graph with its collectives, and SimulatedRun executes them in lock step. The losses and
-// gradients must equal one rank's within 1e-5 relative, for dp, fsdp, tp and their 2-D
+// gradients must equal one rank's within what float32 gives in other reduction orders (3e-7 for
+// the loss, 1e-6 for the largest gradient element), for dp, fsdp, tp and their 2-D
 // compositions.
 #include <ATen/ATen.h>
 #include <gmock/gmock.h>
@@ -116,8 +117,9 @@ TEST(Distributed, LlamaTinyGradientsEqualOneRank) {
     const auto plan = sharding::propagate(m.graph, mesh, placements, out_pl, sharding::use_placements(mesh, params), reshard);
     const exec::TensorMap got = run_distributed(plan, full);
 
-    EXPECT_LE(rel(got.at("loss"), want.at("loss")), 1e-5);
-    for (const auto& p : m.params) EXPECT_LE(rel(got.at("grad." + p), want.at("grad." + p)), 1e-5) << p;
+    EXPECT_LE(rel(got.at("loss"), want.at("loss")), 3e-7);
+    // Gradients: max |diff| / max |one rank's|, at most 5.7e-7 here (float32 sums in other orders).
+    for (const auto& p : m.params) EXPECT_LE(rel(got.at("grad." + p), want.at("grad." + p)), 1e-6) << p;
     std::printf("%-10s %-8s mesh %-32s comm %8.0f bytes/rank/step  loss %.6f vs %.6f\n", layout.name.c_str(), reshard ? "reshard" : "keep",
                 mesh.str().c_str(), plan.comm_bytes, got.at("loss").item<double>(), want.at("loss").item<double>());
    }
@@ -151,7 +153,7 @@ TEST(Distributed, LlamaTinyTrainStepLossesEqualOneRankFor5Steps) {
       feed["step"] = at::scalar_tensor(static_cast<double>(step), at::kFloat);
       const exec::TensorMap got = run_distributed(plan, feed);
       const double want = one.step(step, lr, feed.at("tokens"), feed.at("labels")).loss;
-      EXPECT_NEAR(got.at("loss").item<double>(), want, 1e-5 * std::abs(want)) << "step " << step;
+      EXPECT_NEAR(got.at("loss").item<double>(), want, 3e-7 * std::abs(want)) << "step " << step;
       for (const auto& s : train::train_state_names(m.params)) state[s] = got.at("next." + s);
     }
     for (const auto& p : m.params) EXPECT_LE(rel(state.at(p), one.state().at(p)), 1e-4) << p;

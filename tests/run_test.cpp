@@ -53,7 +53,14 @@ TEST(Run, NRanksGiveTheLossesOfOneRankForEachLayout) {
     EXPECT_THAT(r.output, HasSubstr("[rank 0] step   20 | loss"));
     const auto got = losses(dir / name / "metrics.jsonl");
     ASSERT_EQ(got.size(), want.size()) << name;
-    for (std::size_t i = 0; i < want.size(); ++i) EXPECT_NEAR(got[i], want[i], 1e-5 * std::abs(want[i])) << name << " step " << i + 1;
+    // What float32 gives with other reduction orders: at most 1.8e-7 for the loss and 1.4e-7 for
+    // the gradient norm here (a step's ulp is 1e-7 of it); a dropped term or a wrong scale is far
+    // more.
+    const auto norms = test::column(dir / name / "metrics.jsonl", "grad_norm"), want_norms = test::column(dir / "one" / "metrics.jsonl", "grad_norm");
+    for (std::size_t i = 0; i < want.size(); ++i) {
+      EXPECT_NEAR(got[i], want[i], 3e-7 * std::abs(want[i])) << name << " step " << i + 1;
+      EXPECT_NEAR(norms[i], want_norms[i], 3e-7 * std::abs(want_norms[i])) << name << " step " << i + 1;
+    }
   }
   std::ifstream in(dir / "fsdp4" / "metrics.jsonl");
   std::string line;
@@ -225,7 +232,7 @@ TEST(Checkpoint, ResumesOnAnotherMeshAndStrategyWithTheSameLosses) {
   const auto want = losses(dir / "full" / "metrics.jsonl");
   const auto got = losses(dir / "a" / "metrics.jsonl");  // steps 1-5 of the first run, 6-10 of the resumed one
   ASSERT_EQ(got.size(), 10u);
-  for (std::size_t i = 0; i < got.size(); ++i) EXPECT_NEAR(got[i], want[i], 1e-5 * std::abs(want[i])) << "step " << i + 1;
+  for (std::size_t i = 0; i < got.size(); ++i) EXPECT_NEAR(got[i], want[i], 3e-7 * std::abs(want[i])) << "step " << i + 1;
 
   // Consolidated weights as safetensors, read back by an independent reader (Python).
   auto exported = test::run_command("'" SPMDX_EXE "' export '" + (dir / "a" / "checkpoint" / "step-10").string() + "' '" +

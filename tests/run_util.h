@@ -21,6 +21,15 @@ inline std::string corpus_file(const TempDir& dir) {
   return (dir / "corpus.txt").string();
 }
 
+/// The value of `key` in every row of a metrics.jsonl, in step order.
+inline std::vector<double> column(const std::filesystem::path& metrics, const std::string& key) {
+  std::vector<double> out;
+  std::ifstream in(metrics);
+  std::string line;
+  while (std::getline(in, line)) out.push_back(nlohmann::json::parse(line).at(key).get<double>());
+  return out;
+}
+
 /// The "loss" of every row of a metrics.jsonl, in step order.
 inline std::vector<double> losses(const std::filesystem::path& metrics) {
   std::vector<double> out;

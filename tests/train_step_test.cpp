@@ -1,7 +1,7 @@
 // The static train step (forward, loss, backward, clipping, AdamW in one graph) against an
 // eager LibTorch implementation of the same model: same init, same batches of text from the
 // data pipeline (byte tokenizer), same schedule; the loss of every one of 20 steps within
-// 1e-5 relative.
+// 3e-7 relative (float32 in another order of operations).
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <gmock/gmock.h>
@@ -54,7 +54,7 @@ void expect_same_losses(const std::string& name, const std::string& flavor) {
     const double lr = kLr * train::lr_factor(step, {kWarmup, kSteps});
     const double want = eager.step(lr, tokens, labels);
     const double got = trainer.step(step, lr, tokens, labels).loss;
-    EXPECT_NEAR(got, want, 1e-5 * std::abs(want)) << name << " " << flavor << " step " << step;
+    EXPECT_NEAR(got, want, 3e-7 * std::abs(want)) << name << " " << flavor << " step " << step;
     if (step == 1) first = got;
     last = got;
   }
