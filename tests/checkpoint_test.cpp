@@ -110,7 +110,7 @@ struct Saved {
     for (std::int64_t r = 0; r < mesh.size(); ++r) {
       ranks.emplace_back([&, r] {
         ThreadBarrierBackend backend(b);
-        exec::save_checkpoint(folder, {3, 24}, mesh, r, local[static_cast<std::size_t>(r)], global, placements, &backend);
+        exec::save_checkpoint(folder, {3, 24, "byte"}, mesh, r, local[static_cast<std::size_t>(r)], global, placements, &backend);
       });
     }
     for (auto& t : ranks) t.join();

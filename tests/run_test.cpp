@@ -266,6 +266,50 @@ TEST(Checkpoint, ResumesOnAnotherMeshAndStrategyWithTheSameLosses) {
   EXPECT_THAT(bad.output, HasSubstr("bytes, metadata.json says"));
 }
 
+// A checkpoint keeps what its ids mean: resuming with another tokenizer of the same size is
+// refused; and export never writes into the checkpoint it reads.
+TEST(Checkpoint, ResumeRefusesAnotherTokenizerAndExportNeverWritesIntoTheCheckpoint) {
+  test::TempDir dir;
+  auto tokenizer = [&](const std::string& name, bool swapped) {
+    nlohmann::json vocab = nlohmann::json::object();
+    for (char c = 'a'; c <= 'z'; ++c) vocab[std::string(1, c)] = c - 'a';
+    vocab[" "] = 26;
+    vocab["."] = 27;
+    if (swapped) std::swap(vocab["a"], vocab["e"]);  // the same ids, meaning other letters
+    test::write_file(dir / name, nlohmann::json{{"model", {{"type", "BPE"}, {"vocab", vocab}, {"merges", nlohmann::json::array()}}}}.dump());
+    return (dir / name).string();
+  };
+  std::string text;
+  for (int i = 0; i < 200; ++i) text += "the ranks of a job agree on every number they compute. ";
+  test::write_file(dir / "corpus.txt", text);
+  const std::string common = "'" SPMDX_SOURCE_DIR "/configs/llama_fsdp.toml' --nproc 1 --data.paths '" + (dir / "corpus.txt").string() +
+                             "' --training.global_batch_size 4 --training.seq_len 32 --checkpoint.enable true --checkpoint.interval 2 --job.dump_folder '" +
+                             (dir / "job").string() + "'";
+  auto first = spmdx_run(common + " --training.steps 2 --model.tokenizer '" + tokenizer("a.json", false) + "'");
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  auto other = spmdx_run(common + " --training.steps 4 --model.tokenizer '" + tokenizer("b.json", true) + "'");
+  EXPECT_EQ(other.exit_code, 1) << other.output;
+  EXPECT_THAT(other.output, HasSubstr("was saved with another tokenizer (tokenizer.json "));
+  EXPECT_THAT(other.output, HasSubstr("resume with the tokenizer it was trained with"));
+  auto same = spmdx_run(common + " --training.steps 4 --model.tokenizer '" + tokenizer("c.json", false) + "'");  // the same file elsewhere
+  EXPECT_EQ(same.exit_code, 0) << same.output;
+  EXPECT_THAT(same.output, HasSubstr("resumed from"));
+
+  const fs::path step = dir / "job" / "checkpoint" / "step-4";
+  const auto before = fs::file_size(step / "metadata.json");
+  for (const fs::path& bad : {step / "metadata.json", step / "rank0.bin", step / "new.safetensors"}) {
+    auto e = test::run_command("'" SPMDX_EXE "' export '" + step.string() + "' '" + bad.string() + "'");
+    EXPECT_EQ(e.exit_code, 1) << e.output;
+    EXPECT_THAT(e.output, HasSubstr("is inside the checkpoint")) << e.output;
+  }
+  EXPECT_EQ(fs::file_size(step / "metadata.json"), before);
+  fs::create_directories(dir / "folder");
+  auto d = test::run_command("'" SPMDX_EXE "' export '" + step.string() + "' '" + (dir / "folder").string() + "'");
+  EXPECT_EQ(d.exit_code, 1) << d.output;
+  EXPECT_THAT(d.output, HasSubstr("is a folder: name the .safetensors file to write"));
+  EXPECT_FALSE(fs::exists(dir / "folder.partial"));
+}
+
 // Resuming in the job's own folder, as after a preemption: every file the run appends to keeps
 // the steps up to the checkpoint once and drops those past it; a finished job changes nothing.
 TEST(Checkpoint, ResumingInTheSameFolderKeepsTheHistoryOfEveryFile) {

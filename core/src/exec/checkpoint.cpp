@@ -45,6 +45,12 @@ void write_file(const fs::path& file, const std::string& bytes) {
 }
 
 std::string read_file(const fs::path& file) {
+  // A folder, FIFO, device or link loop where a file should be: said, not read (a FIFO would
+  // block, a folder gives a bare stream error).
+  std::error_code ec;
+  const auto st = fs::status(file, ec);
+  if (ec && ec != std::errc::no_such_file_or_directory) fail(file, "cannot read: " + ec.message());
+  if (fs::exists(st) && !fs::is_regular_file(st)) fail(file, "is not a regular file (a folder, FIFO or device): a checkpoint holds files");
   std::ifstream in(file, std::ios::binary);
   if (!in) fail(file, std::string("cannot read: ") + std::strerror(errno));
   return std::string(std::istreambuf_iterator<char>(in), {});
@@ -85,7 +91,9 @@ ShardFile read_shard(const fs::path& file) {
   if (f.bytes.size() < 16 || std::memcmp(f.bytes.data(), kMagic, 8) != 0) fail(file, "not a spmdx checkpoint shard (bad magic)");
   std::uint64_t n = 0;
   std::memcpy(&n, f.bytes.data() + 8, 8);
-  if (n > f.bytes.size() - 16) fail(file, "truncated header");
+  if (n > f.bytes.size() - 16) {
+    fail(file, "truncated or corrupted: its header length says " + std::to_string(n) + " bytes, the file holds " + std::to_string(f.bytes.size() - 16) + " after the preamble");
+  }
   f.header_end = 16 + static_cast<std::size_t>(n);
   return f;
 }
@@ -201,6 +209,8 @@ std::uint32_t metadata_crc(json m) {
 // A shard file's size and the CRC-32 of its header (which holds every tensor's CRC-32), read
 // from its first bytes only.
 std::pair<std::uint64_t, std::uint32_t> shard_signature(const fs::path& file) {
+  std::error_code ec;
+  if (!fs::is_regular_file(file, ec)) fail(file, "is not a regular file");
   std::ifstream in(file, std::ios::binary);
   char pre[16];
   if (!in.read(pre, 16) || std::memcmp(pre, kMagic, 8) != 0) fail(file, "not a spmdx checkpoint shard (bad magic)");
@@ -273,6 +283,10 @@ Metadata read_metadata(const fs::path& dir) {
   // Every step takes at least one sample and at most training.global_batch_size's largest (1e7).
   const std::int64_t most = md.meta.step * 10'000'000;
   md.meta.data_samples = static_cast<std::uint64_t>(integer(samples, "data_samples", md.meta.step, most));
+  if (m.contains("tokenizer")) {
+    if (!m["tokenizer"].is_string()) bad("tokenizer", "must be a string");
+    md.meta.tokenizer = m["tokenizer"].get<std::string>();
+  }
   const std::int64_t world = integer(field(m, "world_size", "world_size"), "world_size", 1, 100'000'000);
   const json& mesh = field(m, "mesh", "mesh");
   if (!mesh.is_array() || mesh.empty() || mesh.size() > 8) bad("mesh", "must be a list of 1 to 8 {name, size} dims");
@@ -312,6 +326,7 @@ Metadata read_metadata(const fs::path& dir) {
       const json& f = field(files, name, key);
       const auto bytes = static_cast<std::uint64_t>(integer(field(f, "bytes", key + ".bytes"), key + ".bytes", 16, INT64_MAX));
       const auto crc = static_cast<std::uint32_t>(integer(field(f, "header_crc32", key + ".header_crc32"), key + ".header_crc32", 0, UINT32_MAX));
+      if (!fs::is_regular_file(dir / name, ec)) fail(dir / name, "is not a regular file (a folder, FIFO or device): a checkpoint holds files");
       const std::uint64_t actual = fs::file_size(dir / name, ec);
       if (ec || actual != bytes) fail(dir / name, "is " + std::to_string(actual) + " bytes, metadata.json says " + std::to_string(bytes) + ": truncated, or from another save");
       md.files.emplace_back(bytes, crc);
@@ -396,7 +411,7 @@ fs::path save_checkpoint(const fs::path& folder, const CheckpointMeta& meta, con
   write_file(tmp / ("rank" + std::to_string(rank) + ".bin"), encode(local, where));
   if (backend) backend->barrier(0)->wait(600);  // every shard is on disk
   if (rank == 0) {
-    json m{{"format", "spmdx.checkpoint"}, {"version", kMetadataVersion}, {"step", meta.step}, {"data_samples", meta.data_samples},
+    json m{{"format", "spmdx.checkpoint"}, {"version", kMetadataVersion}, {"step", meta.step}, {"data_samples", meta.data_samples}, {"tokenizer", meta.tokenizer},
            {"world_size", mesh.size()}, {"mesh", json::array()}, {"tensors", json::object()}, {"files", json::object()}};
     for (const auto& d : mesh.dims()) m["mesh"].push_back({{"name", d.name}, {"size", d.size}});
     for (const auto& [name, g] : global) {
@@ -508,13 +523,28 @@ void write_safetensors(const fs::path& out, const TensorMap& tensors, const std:
   std::string bytes(reinterpret_cast<const char*>(&len), 8);
   bytes += h;
   bytes += data;
+  std::error_code ec;
+  if (fs::is_directory(out, ec)) throw std::runtime_error(out.string() + " is a folder: name the .safetensors file to write");
   const fs::path tmp = out.string() + ".partial";
-  write_file(tmp, bytes);
-  fs::rename(tmp, out);
+  try {
+    write_file(tmp, bytes);
+    fs::rename(tmp, out);
+  } catch (const std::exception& e) {
+    fs::remove(tmp, ec);  // nothing half-written stays behind
+    throw std::runtime_error("cannot write " + out.string() + ": " + e.what());
+  }
 }
 
 std::size_t export_safetensors(const fs::path& step_dir, const fs::path& out) {
+  // Never into the checkpoint it reads: that would destroy it (and its checksums say so only later).
+  std::error_code ec;
+  const fs::path dir = fs::weakly_canonical(step_dir, ec), target = fs::weakly_canonical(out, ec);
+  const auto rel = target.lexically_relative(dir);
+  if (!rel.empty() && *rel.begin() != "..") {
+    throw std::runtime_error(out.string() + " is inside the checkpoint " + step_dir.string() + ", which export reads: write it elsewhere");
+  }
   const Metadata md = read_metadata(step_dir);
+  if (md.tensors.empty()) fail(step_dir / "metadata.json", "lists no tensors: nothing to export");
   const sharding::DeviceMesh saved(md.mesh);
   std::vector<TensorMap> files;
   for (std::int64_t r = 0; r < saved.size(); ++r) files.push_back(load_shard(step_dir, r, md, saved));

@@ -149,6 +149,21 @@ class SignalDumper {
   std::thread thread_;
 };
 
+// What the token ids of a run mean, for checkpoints: "byte", or "tokenizer.json <FNV-1a of its
+// bytes> (<n> ids)": another file with the same vocabulary size maps ids to other tokens.
+std::string tokenizer_fingerprint(const std::string& spec, std::int64_t vocab) {
+  if (spec == "byte") return "byte";
+  std::filesystem::path p = spec;
+  std::error_code ec;
+  if (std::filesystem::is_directory(p, ec)) p /= "tokenizer.json";
+  std::ifstream in(p, std::ios::binary);
+  std::uint64_t h = 1469598103934665603ULL;
+  for (std::istreambuf_iterator<char> it(in), end; it != end; ++it) h = (h ^ static_cast<unsigned char>(*it)) * 1099511628211ULL;
+  char hex[17];
+  std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(h));
+  return "tokenizer.json " + std::string(hex) + " (" + std::to_string(vocab) + " ids)";
+}
+
 // A NumPy .npy file (format 1.0) of int64 [rows, cols], little endian, C order.
 std::string npy_i64(const std::vector<std::int64_t>& data, std::int64_t rows, std::int64_t cols) {
   std::string header = "{'descr': '<i8', 'fortran_order': False, 'shape': (" + std::to_string(rows) + ", " + std::to_string(cols) + "), }";
@@ -202,7 +217,15 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
   const std::filesystem::path ckpt_dir = std::filesystem::path(cfg.get_string("job.dump_folder")) / cfg.get_string("checkpoint.folder");
   std::optional<std::int64_t> resume_step;
   if (checkpointing || cfg.get_int("checkpoint.load_step") >= 0) resume_step = find_checkpoint(ckpt_dir, cfg.get_int("checkpoint.load_step"));
-  if (resume_step) read_checkpoint_meta(ckpt_dir, *resume_step);  // a checkpoint that fails its checks is refused here
+  const std::string tokenizer_id = tokenizer_fingerprint(cfg.get_string("model.tokenizer"), tokenizer->vocab_size());
+  if (resume_step) {  // a checkpoint that fails its checks is refused here, before anything is made
+    const CheckpointMeta saved = read_checkpoint_meta(ckpt_dir, *resume_step);
+    if (!saved.tokenizer.empty() && saved.tokenizer != tokenizer_id) {
+      throw config::ConfigError(cfg.where({"model.tokenizer"}) + ": the checkpoint " + (ckpt_dir / ("step-" + std::to_string(*resume_step))).string() +
+                                " was saved with another tokenizer (" + saved.tokenizer + "), this run has " + tokenizer_id +
+                                " (model.tokenizer): its embeddings would mean other tokens; resume with the tokenizer it was trained with");
+    }
+  }
   const std::int64_t first_step = resume_step ? *resume_step + 1 : 1;
   if (first_step > spec.steps) {
     if (lead) {
@@ -473,7 +496,7 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
         }
       }
       if (checkpointing && (step % cfg.get_int("checkpoint.interval") == 0 || step == spec.steps)) {
-        const auto where = save_checkpoint(ckpt_dir, {step, dataset.state().samples}, job.mesh, env.rank, state, state_metas,
+        const auto where = save_checkpoint(ckpt_dir, {step, dataset.state().samples, tokenizer_id}, job.mesh, env.rank, state, state_metas,
                                            state_placements, backend.get());
         if (lead) std::printf("saved checkpoint %s\n", where.string().c_str());
       }

@@ -29,6 +29,9 @@ namespace spmdx::exec {
 struct CheckpointMeta {
   std::int64_t step = 0;
   std::uint64_t data_samples = 0;  ///< TextDatasetState::samples
+  /// What the token ids mean: "byte", or the tokenizer file's hash and size ("" when the
+  /// checkpoint does not say: version 1, or older version 2).
+  std::string tokenizer;
 };
 
 /// Writes this rank's `local` tensors (by name; their global metas and placements in `global`
