@@ -170,7 +170,7 @@ TEST(HookSet, UnknownHookListsTheAvailableOnesAndBadOptionsNameTheHook) {
     hooks::HookSet(registry, {"timeline"}, {{"timeline", {{"stpes", "3"}}}}, base, dir.path().string());
     FAIL();
   } catch (const std::invalid_argument& e) {
-    EXPECT_THAT(e.what(), HasSubstr("[hooks.timeline]: unknown option 'stpes'; did you mean 'steps'?"));
+    EXPECT_THAT(e.what(), HasSubstr("[hooks.timeline] stpes: unknown option; did you mean 'steps'?"));
   }
   try {
     hooks::HookSet(registry, {"partition_validator"}, {{"partition_validator", {{"memory_budget", "lots"}}}}, base, dir.path().string());
@@ -188,8 +188,17 @@ TEST(OptionReader, ParsesSizesNumbersAndBooleans) {
   EXPECT_DOUBLE_EQ(o.get_double("f", 0, 0, 1), 0.25);
   EXPECT_EQ(o.get_int("absent", 3, 0, 10), 3);
   EXPECT_NO_THROW(o.done());
-  OptionReader bad("[hooks.x]", {{"n", "11"}});
-  EXPECT_THROW(bad.get_int("n", 0, 0, 10), std::invalid_argument);
+  // Every problem at once, in done(): bad values (the getter returns its fallback) and unknown keys.
+  OptionReader bad("[hooks.x]", {{"n", "11"}, {"on", "yes"}, {"bogus", "1"}});
+  EXPECT_EQ(bad.get_int("n", 5, 0, 10), 5);
+  EXPECT_FALSE(bad.get_bool("on", false));
+  try {
+    bad.done();
+    FAIL();
+  } catch (const std::invalid_argument& e) {
+    EXPECT_EQ(std::string(e.what()), "[hooks.x] n = \"11\": expected an integer from 0 to 10\n[hooks.x] on = \"yes\": expected true or false\n"
+                                     "[hooks.x] bogus: unknown option (known: n, on)");
+  }
 }
 
 TEST(Config, HookOptionTablesAndOverrides) {

@@ -180,6 +180,8 @@ struct Job {
     me.rank = r;
     me.world_size = world_size;
     me.host = "h";
+    me.local_rank = r;  // every rank on one host
+    me.local_world_size = world_size;
     me.version = "spmdx test";
     me.token = "tok";
     me.settings = {{"optimizer.lr", "0.0008"}, {"training.steps", "10"}};
@@ -262,6 +264,26 @@ TEST(Rendezvous, ARankRefusedForItsTokenIsNamedByTheRanksWaitingForIt) {
   EXPECT_LT(since(t0), 5.0);  // not at the timeout
   EXPECT_THAT(out[0], HasSubstr("rank 1 from 127.0.0.1 could not join: the store refused its job token"));
   EXPECT_THAT(out[1], HasSubstr("wrong job token"));
+}
+
+// LOCAL_WORLD_SIZE and LOCAL_RANK must describe the hosts as they are: they decide shared
+// memory and each rank's share of the cores.
+TEST(Rendezvous, LocalRanksThatDoNotDescribeTheHostsAreRefused) {
+  Job job;
+  auto a = job.rank(0, 2), b = job.rank(1, 2);
+  b.local_world_size = 1;
+  b.local_rank = 0;
+  for (const auto& e : job.run({a, b})) EXPECT_THAT(e, HasSubstr("ranks 0, 1 run on host h, but rank 1 has LOCAL_WORLD_SIZE=1"));
+  Job same;
+  auto c = same.rank(0, 2), d = same.rank(1, 2);
+  d.local_rank = 0;
+  for (const auto& e : same.run({c, d})) EXPECT_THAT(e, HasSubstr("ranks 0, 1 run on host h and two of them have LOCAL_RANK=0"));
+  Job two_hosts;  // one rank on each of two hosts: LOCAL_WORLD_SIZE 1, LOCAL_RANK 0 each
+  auto e = two_hosts.rank(0, 2), f = two_hosts.rank(1, 2);
+  e.local_world_size = f.local_world_size = 1;
+  f.local_rank = 0;
+  f.host = "other";
+  for (const auto& m : two_hosts.run({e, f})) EXPECT_EQ(m, "");
 }
 
 // Every rank fails at once, naming the rank two processes claimed, not only the second one.

@@ -119,12 +119,12 @@ struct CompileOptions {
 // Plans a job without starting ranks: placements, each rank's graph, bytes per rank.
 int run_compile(const CompileOptions& o) {
   namespace fs = std::filesystem;
-  spmdx::config::Config cfg = spmdx::config::Config::load(o.config, o.overrides);
+  spmdx::config::Config cfg = spmdx::config::Config::load(o.config, o.overrides, /*throw_on_problems=*/false);
   if (o.print_config) {
+    cfg.check();
     std::cout << cfg.to_toml();
     return 0;
   }
-  if (!cfg.ignored().empty()) std::cerr << cfg.ignored_text() << "\n";
   const auto start = std::chrono::steady_clock::now();
   if (o.world_size < 0 || o.world_size > 100000000) throw std::invalid_argument("--world-size must be between 1 and 1e8");
   std::int64_t world = o.world_size;
@@ -132,6 +132,13 @@ int run_compile(const CompileOptions& o) {
     const std::int64_t shard = cfg.get_int("parallelism.data_parallel_shard_degree");
     world = cfg.get_int("parallelism.data_parallel_replicate_degree") * cfg.get_int("parallelism.tensor_parallel_degree") * (shard > 0 ? shard : 1);
   }
+  {  // every problem at once: the config's, the tokenizer's, the degrees', the placements'
+    spmdx::PluginRegistry registry;
+    std::unique_ptr<spmdx::data::Tokenizer> tokenizer;
+    std::optional<spmdx::train::JobSpec> spec;
+    cfg.check(spmdx::train::preflight(cfg, world, registry, &tokenizer, &spec, spmdx::train::Preflight::plan));
+  }
+  if (!cfg.ignored().empty()) std::cerr << cfg.ignored_text() << "\n";
   const auto tokenizer = spmdx::data::make_tokenizer(cfg.get_string("model.tokenizer"));
   const spmdx::train::JobSpec spec = spmdx::train::job_spec(cfg, world, tokenizer->vocab_size());
   spmdx::PluginRegistry registry;
@@ -216,19 +223,7 @@ int run_run(const RunOptions& o) {
     spmdx::PluginRegistry registry;
     std::unique_ptr<spmdx::data::Tokenizer> tokenizer;
     std::optional<spmdx::train::JobSpec> spec;
-    std::vector<std::string> problems = spmdx::train::preflight(cfg, o.nproc * o.nnodes, registry, &tokenizer, &spec);
-    const bool hooks = !cfg.get_list("hooks.enable").empty();
-    if (hooks && !cfg.has_problem("hooks.")) {  // names and options
-      spmdx::HookContext base;
-      base.compile_only = true;
-      base.world_size = o.nproc * o.nnodes;
-      try {
-        spmdx::hooks::make_hooks(cfg, registry, base);
-      } catch (const std::invalid_argument& e) {
-        problems.push_back(cfg.where({"hooks.enable"}) + ": " + e.what());
-      }
-    }
-    cfg.check(problems);
+    cfg.check(spmdx::train::preflight(cfg, o.nproc * o.nnodes, registry, &tokenizer, &spec));
     spmdx::train::check_data(cfg, *tokenizer, *spec);  // reads the data: only once the rest is right
     if (!cfg.ignored().empty()) std::cerr << cfg.ignored_text() << "\n";
     std::vector<std::string> argv{self_exe(), "run", o.config};

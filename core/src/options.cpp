@@ -15,8 +15,8 @@ const std::string* OptionReader::find(const std::string& key) {
   return it == options_.end() ? nullptr : &it->second;
 }
 
-void OptionReader::bad(const std::string& key, const std::string& value, const std::string& expected) const {
-  throw std::invalid_argument(owner_ + " " + key + " = \"" + value + "\": expected " + expected);
+void OptionReader::bad(const std::string& key, const std::string& value, const std::string& expected) {
+  problems_.push_back(owner_ + " " + key + " = \"" + value + "\": expected " + expected);
 }
 
 bool OptionReader::get_bool(const std::string& key, bool fallback) {
@@ -25,6 +25,7 @@ bool OptionReader::get_bool(const std::string& key, bool fallback) {
   if (*v == "true") return true;
   if (*v == "false") return false;
   bad(key, *v, "true or false");
+  return fallback;
 }
 
 double OptionReader::get_double(const std::string& key, double fallback, double min, double max) {
@@ -34,11 +35,11 @@ double OptionReader::get_double(const std::string& key, double fallback, double 
   try {
     std::size_t used = 0;
     const double x = std::stod(*v, &used);
-    if (used != v->size() || !std::isfinite(x) || x < min || x > max) bad(key, *v, range);
-    return x;
+    if (used == v->size() && std::isfinite(x) && x >= min && x <= max) return x;
   } catch (const std::logic_error&) {
-    bad(key, *v, range);
   }
+  bad(key, *v, range);
+  return fallback;
 }
 
 std::int64_t OptionReader::get_int(const std::string& key, std::int64_t fallback, std::int64_t min, std::int64_t max) {
@@ -48,11 +49,11 @@ std::int64_t OptionReader::get_int(const std::string& key, std::int64_t fallback
   try {
     std::size_t used = 0;
     const long long x = std::stoll(*v, &used);
-    if (used != v->size() || x < min || x > max) bad(key, *v, range);
-    return x;
+    if (used == v->size() && x >= min && x <= max) return x;
   } catch (const std::logic_error&) {
-    bad(key, *v, range);
   }
+  bad(key, *v, range);
+  return fallback;
 }
 
 std::string OptionReader::get_string(const std::string& key, const std::string& fallback, const std::vector<std::string>& choices) {
@@ -65,6 +66,7 @@ std::string OptionReader::get_string(const std::string& key, const std::string& 
     list += (list.empty() ? "" : ", ") + c;
   }
   bad(key, *v, "one of " + list);
+  return fallback;
 }
 
 double OptionReader::get_bytes(const std::string& key, double fallback) {
@@ -81,13 +83,14 @@ double OptionReader::get_bytes(const std::string& key, double fallback) {
     for (const auto& [name, scale] : units) {
       if (unit == name && std::isfinite(x) && x >= 0) return x * scale;
     }
-    bad(key, *v, expected);
   } catch (const std::logic_error&) {
-    bad(key, *v, expected);
   }
+  bad(key, *v, expected);
+  return fallback;
 }
 
 void OptionReader::done() const {
+  std::vector<std::string> problems = problems_;
   for (const auto& [key, value] : options_) {
     if (read_.count(key) > 0) continue;
     std::string best;
@@ -98,9 +101,11 @@ void OptionReader::done() const {
     }
     std::string known;
     for (const auto& k : read_) known += (known.empty() ? "" : ", ") + k;
-    throw std::invalid_argument(owner_ + ": unknown option '" + key + "'" + (best.empty() ? "" : "; did you mean '" + best + "'?") +
-                                " (known: " + known + ")");
+    problems.push_back(owner_ + " " + key + ": unknown option" + (best.empty() ? "" : "; did you mean '" + best + "'?") + " (known: " + known + ")");
   }
+  std::string all;
+  for (const auto& p : problems) all += (all.empty() ? "" : "\n") + p;
+  if (!all.empty()) throw std::invalid_argument(all);
 }
 
 }  // namespace spmdx

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <array>
+#include <tuple>
 #include <cstdio>
 
 #include "spmdx/core/text.h"
@@ -422,6 +423,7 @@ struct Config::Checker {
           auto& options = cfg.plugin_options_[key];
           for (const auto& [opt_key, opt] : *node.as_table()) {
             const std::string opt_at = at_line(source, opt.source());
+            cfg.positions_[key + "." + std::string(opt_key.str())] = opt_at;
             if (auto x = opt.value_exact<std::string>()) {
               options[std::string(opt_key.str())] = *x;
             } else if (auto i = opt.value_exact<std::int64_t>()) {
@@ -466,6 +468,7 @@ struct Config::Checker {
         return;
       }
       cfg.plugin_options_[key.substr(0, dot)][key.substr(dot + 1)] = text;
+      cfg.overrides_[key] = key + " " + text;
       return;
     }
     auto typed = [&](const KeySpec& spec) {
@@ -588,6 +591,17 @@ std::string Config::report(const std::vector<std::string>& more) const {
   std::vector<std::string> all = problems_;
   all.insert(all.end(), more.begin(), more.end());
   if (all.empty()) return "";
+  // In file order: those with a line first, then the file's others, then the command line's.
+  auto order = [&](const std::string& p) {
+    const std::string src = source_.empty() ? "config" : source_;
+    if (p.rfind("command line", 0) == 0) return std::make_tuple(2L, 0L, 0L);
+    if (p.compare(0, src.size() + 1, src + ":") == 0) {
+      long line = 0, col = 0;
+      if (std::sscanf(p.c_str() + src.size() + 1, "%ld:%ld", &line, &col) == 2) return std::make_tuple(0L, line, col);
+    }
+    return std::make_tuple(1L, 0L, 0L);
+  };
+  std::stable_sort(all.begin(), all.end(), [&](const std::string& a, const std::string& b) { return order(a) < order(b); });
   if (all.size() == 1 && ignored_.empty()) return all.front();
   std::string out = (source_.empty() ? std::string("config") : source_) + ": " +
                     (all.size() == 1 ? std::string("1 problem:") : std::to_string(all.size()) + " problems (every one found):");

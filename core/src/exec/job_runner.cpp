@@ -280,6 +280,12 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
     char host[256] = {};
     ::gethostname(host, sizeof host - 1);
     me.host = host;
+    // Hosts are told apart by name and network namespace (containers, or tests/two_hosts.sh's
+    // namespaces, may share a name).
+    char ns[64] = {};
+    if (const ssize_t n = ::readlink("/proc/self/ns/net", ns, sizeof ns - 1); n > 0) me.host += std::string(" (") + std::string(ns, static_cast<std::size_t>(n)) + ")";
+    me.local_rank = env.local_rank;
+    me.local_world_size = env.local_world_size;
     me.version = std::string("spmdx ") + SPMDX_VERSION + ", plugin ABI " + std::to_string(SPMDX_ABI_MAJOR) + "." + std::to_string(SPMDX_ABI_MINOR);
     me.token = env.token;
     me.settings = cfg.settings();

@@ -2,10 +2,12 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <set>
 #include <stdexcept>
 
 #include "spmdx/core/log.h"
 #include "spmdx/core/registry.h"
+#include "spmdx/core/text.h"
 
 namespace spmdx::hooks {
 namespace {
@@ -16,20 +18,36 @@ constexpr int kMaxReported = 5;  // inconsistent edges printed per hook and grap
 HookSet::HookSet(PluginRegistry& registry, const std::vector<std::string>& names,
                  const std::map<std::string, std::map<std::string, std::string>>& options, const HookContext& base,
                  const std::string& dump_folder) {
+  // Every hook is made before any is refused, so that all their problems are said at once.
+  std::string problems;
+  auto problem = [&](const std::string& prefix, const std::string& what) {
+    std::size_t start = 0;
+    while (start <= what.size()) {
+      const auto nl = what.find('\n', start);
+      problems += (problems.empty() ? "" : "\n") + prefix + what.substr(start, nl == std::string::npos ? std::string::npos : nl - start);
+      if (nl == std::string::npos) break;
+      start = nl + 1;
+    }
+  };
+  std::vector<std::pair<std::string, std::unique_ptr<Hook>>> made;
+  std::set<std::string> seen;
   for (const auto& name : names) {
-    for (const auto& e : hooks_) {
-      if (e.name == name) throw std::invalid_argument("hooks.enable: '" + name + "' is listed twice");
+    if (!seen.insert(name).second) {
+      problem("hooks.enable: ", "'" + name + "' is listed twice");
+      continue;
     }
     Options opts;
     if (auto it = options.find(name); it != options.end()) opts = Options(it->second.begin(), it->second.end());
-    std::unique_ptr<Hook> hook;
     try {
-      hook = registry.make_hook(name, opts);
+      made.emplace_back(name, registry.make_hook(name, opts));
     } catch (const PluginError& e) {
-      throw std::invalid_argument(std::string("hooks.enable: ") + e.what());
+      problem("hooks.enable: ", e.what());
     } catch (const std::exception& e) {
-      throw std::invalid_argument("hook " + name + ": " + e.what() + " (its options are in [hooks." + name + "])");
+      problem("hook " + name + ": ", e.what());
     }
+  }
+  if (!problems.empty()) throw std::invalid_argument(problems);
+  for (auto& [name, hook] : made) {
     HookContext context = base;
     context.name = name;
     const std::filesystem::path dir = std::filesystem::path(dump_folder) / "hooks" / name;
@@ -143,7 +161,13 @@ HookSet make_hooks(const config::Config& cfg, PluginRegistry& registry, const Ho
   for (const auto& [table, opts] : cfg.plugin_option_tables()) {
     const std::string name = table.substr(table.find('.') + 1);
     if (std::find(enabled.begin(), enabled.end(), name) == enabled.end()) {
-      SPMDX_WARN(cfg.source() << ": [" << table << "] sets options of hook '" << name << "', which hooks.enable does not list: ignored");
+      // A near miss of an enabled hook is a typo whose options would be lost: refused.
+      for (const auto& e : enabled) {
+        if (edit_distance(name, e) <= 2) {
+          throw std::invalid_argument("[" + table + "] sets options of hook '" + name + "', which hooks.enable does not list; did you mean [hooks." + e + "]?");
+        }
+      }
+      SPMDX_WARN(cfg.where({table}) << ": [" << table << "] sets options of hook '" << name << "', which hooks.enable does not list: ignored");
       continue;
     }
     options[name] = opts;

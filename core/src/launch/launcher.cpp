@@ -86,6 +86,11 @@ RankEnv rank_env() {
     }
     e.source = "single";
   }
+  if (e.local_world_size < 1 || e.local_world_size > e.world_size || e.local_rank >= e.local_world_size) {
+    throw std::invalid_argument("LOCAL_RANK=" + std::to_string(e.local_rank) + " and LOCAL_WORLD_SIZE=" + std::to_string(e.local_world_size) + " (with " +
+                                e.world_size_from + "=" + std::to_string(e.world_size) +
+                                ") cannot be: the local rank counts the ranks of this host from 0, and a host holds at most the whole job");
+  }
   if (e.rank >= e.world_size) {
     throw std::invalid_argument("rank " + std::to_string(e.rank) + " is not below world size " + std::to_string(e.world_size));
   }

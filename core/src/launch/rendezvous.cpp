@@ -151,6 +151,8 @@ void rendezvous(Store& store, const RankIdentity& me, double timeout_seconds, co
                                        {"world_size", w},
                                        {"world_size_from", me.world_size_from},
                                        {"host", me.host},
+                                       {"local_rank", me.local_rank},
+                                       {"local_world_size", me.local_world_size},
                                        {"version", me.version},
                                        {"token", me.token.empty() ? std::string() : fnv1a(me.token)},
                                        {"settings", fnv1a(text)}}
@@ -250,6 +252,22 @@ void rendezvous(Store& store, const RankIdentity& me, double timeout_seconds, co
       next_log += 10;
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  // Every rank is here: each host holds as many ranks as their LOCAL_WORLD_SIZE says, with
+  // LOCAL_RANKs 0 .. n-1 (they decide shared memory and each rank's share of the cores).
+  std::map<std::string, std::vector<int>> by_host;
+  for (const auto& [r, info] : infos) by_host[info.value("host", std::string())].push_back(r);
+  for (const auto& [host, ranks] : by_host) {
+    std::set<int> locals;
+    for (int r : ranks) {
+      const json& info = infos.at(r);
+      const int lws = info.value("local_world_size", 1), lr = info.value("local_rank", 0);
+      if (lws != static_cast<int>(ranks.size())) {
+        fail(rank_list(ranks) + " run on host " + host + ", but rank " + std::to_string(r) + " has LOCAL_WORLD_SIZE=" + std::to_string(lws) +
+             ": set it to the number of ranks on each host");
+      }
+      if (!locals.insert(lr).second) fail(rank_list(ranks) + " run on host " + host + " and two of them have LOCAL_RANK=" + std::to_string(lr) + ": give each its own");
+    }
   }
   store.set(key("verdict"), json{{"ok", true}, {"error", ""}, {"world_size", w}}.dump());
 }

@@ -3,10 +3,13 @@
 #include <algorithm>
 #include <filesystem>
 #include <functional>
+#include <sstream>
 
 #include "spmdx/data/text_dataset.h"
 #include "spmdx/sharding/spec.h"
 #include "spmdx/sharding/parallelize.h"
+#include "spmdx/hooks/hook_set.h"
+#include "spmdx/plan/runtime_plan.h"
 
 namespace spmdx::train {
 
@@ -117,7 +120,8 @@ void check_data(const config::Config& cfg, const data::Tokenizer& tokenizer, con
 }
 
 std::vector<std::string> preflight(const config::Config& cfg, std::int64_t world_size, PluginRegistry& registry, std::unique_ptr<data::Tokenizer>* tokenizer,
-                                   std::optional<JobSpec>* spec) {
+                                   std::optional<JobSpec>* spec, Preflight what) {
+  const bool run = what == Preflight::run;
   std::vector<std::string> out;
   auto lines = [&](const std::string& text) {
     std::size_t start = 0;
@@ -149,10 +153,10 @@ std::vector<std::string> preflight(const config::Config& cfg, std::int64_t world
   if (*tokenizer && !cfg.has_problem("model.") && !cfg.has_problem("parallelism.") && !cfg.has_problem("training.")) {
     attempt({}, [&] { *spec = job_spec(cfg, world_size, (*tokenizer)->vocab_size()); });
   }
-  if (!cfg.has_problem("training.device") && !cfg.has_problem("data.") && !cfg.has_problem("comm.")) attempt({}, [&] { check_runnable(cfg); });
+  if (run && !cfg.has_problem("training.device") && !cfg.has_problem("data.") && !cfg.has_problem("comm.")) attempt({}, [&] { check_runnable(cfg); });
   discover_plugins(registry, cfg);
   for (const auto& e : registry.errors()) out.push_back(cfg.where({"plugins.paths"}) + ": plugins: " + e.what());
-  if (world_size > 1 && !cfg.has_problem("comm.")) {
+  if (run && world_size > 1 && !cfg.has_problem("comm.")) {
     const bool cuda = cfg.get_string("training.device") == "cuda";
     for (const char* key : {"comm.backend", "comm.swap_to"}) {
       const std::string spec_text = cfg.get_string(key);
@@ -185,12 +189,46 @@ std::vector<std::string> preflight(const config::Config& cfg, std::int64_t world
       }
     }
   }
+  std::optional<PlacedJob> job;
+  std::optional<sharding::DistributedPlan> plan;
   if (*spec && registry.errors().empty()) {  // what `spmdx compile` finds: placements and local shapes
     attempt({"model.name", "model.flavor", "model.tokenizer", kDegreeKeys[0], kDegreeKeys[1], kDegreeKeys[2]}, [&] {
-      PlacedJob job = place_job(**spec, registry);
-      const auto plan = sharding::propagate(job.model.graph, job.mesh, job.inputs, job.outputs, job.use, job.reshard_after_forward);
-      sharding::rank_graph(plan, 0);
+      job.emplace(place_job(**spec, registry));
+      plan.emplace(sharding::propagate(job->model.graph, job->mesh, job->inputs, job->outputs, job->use, job->reshard_after_forward));
+      sharding::rank_graph(*plan, 0);
     });
+  }
+  if (run && !cfg.get_list("hooks.enable").empty() && !cfg.has_problem("hooks.")) {
+    HookContext base;
+    base.compile_only = true;
+    base.world_size = static_cast<int>(world_size);
+    if (job) {
+      base.mesh = job->mesh.dims();
+      base.coordinate = job->mesh.coordinate(0);
+    }
+    try {
+      hooks::HookSet hooks = hooks::make_hooks(cfg, registry, base);
+      if (plan) {  // the validators' verdicts (partition_validator), as rank 0 would give them after start
+        std::vector<std::int64_t> ranks;
+        for (std::int64_t r = 0; r < std::min<std::int64_t>(world_size, 64); ++r) ranks.push_back(r);
+        hooks.compile(*plan, ranks, plan::plan_options(cfg));
+      }
+    } catch (const ValidationError& e) {
+      out.push_back(cfg.where({"hooks.enable"}) + ": " + e.what());
+    } catch (const std::invalid_argument& e) {
+      // A line per problem; one about an option names where the config set it.
+      std::istringstream lines(e.what());
+      std::string line;
+      while (std::getline(lines, line)) {
+        std::string key = "hooks.enable";
+        if (const auto open = line.find("[hooks."); open != std::string::npos) {
+          const auto close = line.find(']', open);
+          const auto end = line.find_first_of(" :=", close + 2);
+          if (close != std::string::npos && close + 2 < line.size()) key = line.substr(open + 1, close - open - 1) + "." + line.substr(close + 2, end - close - 2);
+        }
+        out.push_back(cfg.where({key}) + ": " + line);
+      }
+    }
   }
   return out;
 }

@@ -62,13 +62,30 @@ void check_tls(const std::string& tls) {
   // The ranks are processes: at least one transport between processes (shared memory on a
   // host, a network across hosts). self (within a process) and cma (a zero-copy helper that
   // needs another transport to set up) are not.
-  if (missing.empty() && tls.rfind('^', 0) != 0) {
-    bool between = false;
-    std::stringstream all(tls);
-    while (std::getline(all, name, ',')) {
-      between = between || (name != "self" && name != "cma" && name != "knem" && name != "xpmem" && name.rfind("cuda", 0) != 0 &&
-                            name.rfind("rocm", 0) != 0 && name != "gdr_copy");
+  // "^a,b" excludes: what is left is every transport here but those (shm also names posix, sysv).
+  const bool excluding = tls.rfind('^', 0) == 0;
+  if (missing.empty()) {
+    auto between_processes = [](const std::string& t) {
+      return t != "self" && t != "cma" && t != "knem" && t != "xpmem" && t.rfind("cuda", 0) != 0 && t.rfind("rocm", 0) != 0 && t != "gdr_copy";
+    };
+    std::vector<std::string> listed, left;
+    std::stringstream all(excluding ? tls.substr(1) : tls);
+    while (std::getline(all, name, ',')) listed.push_back(name);
+    if (excluding) {
+      auto excluded = [&](const std::string& t) {
+        for (const auto& x : listed) {
+          if (x == t || x == "all" || (x == "shm" && (t == "posix" || t == "sysv" || t == "cma")) || (x == "sm" && (t == "posix" || t == "sysv"))) return true;
+        }
+        return false;
+      };
+      for (const char* t : {"tcp", "shm", "posix", "sysv", "rc", "ud", "dc", "self", "cma"}) {
+        if (!excluded(t) && tls_usable(t)) left.push_back(t);
+      }
+    } else {
+      left = listed;
     }
+    bool between = false;
+    for (const auto& t : left) between = between || (t != "all" && between_processes(t)) || t == "all";
     if (!between) {
       throw std::invalid_argument("ucx: tls=" + tls + " names no transport between rank processes: add shm for ranks on one host, tcp across hosts "
                                   "(e.g. tls=shm,self or tls=tcp,self)");

@@ -26,6 +26,8 @@ struct RankIdentity {
   int world_size = 1;
   std::string world_size_from = "WORLD_SIZE";  ///< the variable world_size came from
   std::string host;                            ///< this machine's name
+  int local_rank = 0;                          ///< LOCAL_RANK: this rank among its host's
+  int local_world_size = 1;                    ///< LOCAL_WORLD_SIZE: the ranks on its host
   std::string version;                         ///< "spmdx 0.1.0, plugin ABI 2.1"
   std::string token;                           ///< SPMDX_JOB_TOKEN ("" when none): only its hash is published
   std::map<std::string, std::string> settings; ///< the effective config (Config::settings())

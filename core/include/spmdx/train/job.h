@@ -58,16 +58,22 @@ void check_runnable(const config::Config& cfg);
 /// std::runtime_error naming the file.
 void check_data(const config::Config& cfg, const data::Tokenizer& tokenizer, const JobSpec& spec);
 
+/// What a preflight is for: a run checks everything; a plan (`spmdx compile`) what planning
+/// needs (no data files, comm backends or hooks: compile runs its hooks itself).
+enum class Preflight { run, plan };
+
 /// Every check of a job that needs no rank, each problem collected (none stops the others that
-/// do not depend on it): the tokenizer; job_spec and check_runnable; the plugins found; the
-/// comm backends named by comm.backend and comm.swap_to (made, not initialised, so that each
-/// checks its options, and refused when none of their capabilities moves the memory of
-/// training.device), when world_size > 1; the strategies' placements and rank 0's local shapes
-/// (what `spmdx compile` finds). Returns the messages, a line each, for Config::check; `spec`
-/// and `tokenizer` are set when they could be made. Keys that already have a problem in the
-/// config (Config::has_problem) are not checked again.
+/// do not depend on it): the tokenizer; job_spec; the plugins found; the strategies'
+/// placements and rank 0's local shapes (what `spmdx compile` finds); and for a run also
+/// check_runnable, the comm backends named by comm.backend and comm.swap_to when world_size > 1
+/// (made, not initialised, so that each checks its options, and refused when none of their
+/// capabilities moves the memory of training.device), and the hooks (every option of every
+/// hook, then their compile stages, so that a validator's verdict comes before any rank
+/// starts). Returns the messages, a line each, for Config::check; a hook option's names where
+/// the config set it. `spec` and `tokenizer` are set when they could be made. Keys that already
+/// have a problem in the config (Config::has_problem) are not checked again.
 std::vector<std::string> preflight(const config::Config& cfg, std::int64_t world_size, PluginRegistry& registry, std::unique_ptr<data::Tokenizer>* tokenizer,
-                                   std::optional<JobSpec>* spec);
+                                   std::optional<JobSpec>* spec, Preflight what = Preflight::run);
 
 /// The train step of a job, placed: the model's graph with backward, clipping and AdamW, and
 /// the placements of every input (strategies for parameters and the batch, parameters' for
