@@ -256,6 +256,9 @@ TcpStore::TcpStore(const std::string& host, int port, const std::string& token, 
     hints.ai_family = AF_INET;
     hints.ai_socktype = SOCK_STREAM;
     addrinfo* res = nullptr;
+    if (host.find(':') != std::string::npos) {
+      throw CommError("store: MASTER_ADDR " + host + " is an IPv6 address; the store speaks IPv4: give an IPv4 address or a host name with one (127.0.0.1 for this host)", 0);
+    }
     if (::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &res) == 0) {
       fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK, 0);
       int rc = ::connect(fd_, res->ai_addr, res->ai_addrlen);

@@ -184,12 +184,23 @@ void keep_rows_before(const std::filesystem::path& file, std::int64_t first_step
   std::ifstream in(file);
   if (!in) return;
   std::string kept, line;
+  int dropped = 0;
   while (std::getline(in, line)) {
     try {
       const auto row = nlohmann::json::parse(line);
-      if (row.at("step").get<std::int64_t>() < first_step) kept += line + "\n";
+      const std::int64_t step = row.at("step").get<std::int64_t>();
+      if (step >= 1 && step < first_step) {
+        kept += line + "\n";
+        continue;
+      }
+      if (step >= 1) continue;  // past the checkpoint: the resumed run writes it again
     } catch (const std::exception&) {
     }
+    if (!line.empty()) ++dropped;
+  }
+  if (dropped > 0) {
+    SPMDX_WARN(file.string() << ": dropped " << dropped << " line" << (dropped == 1 ? "" : "s")
+                             << " that are not a step's metrics (not JSON, or no step >= 1: torn by a crash, or edited)");
   }
   write_file_atomic(file, kept);
 }
@@ -291,7 +302,7 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
     me.settings = cfg.settings();
     // Where each node keeps its own files may differ (node-local disks); what runs may not.
     for (const char* local : {"job.dump_folder", "plugins.paths"}) me.settings.erase(local);
-    launch::rendezvous(*store, me, timeout, env.master_addr + ":" + std::to_string(env.master_port));
+    launch::rendezvous(*store, me, timeout, env.master_addr + ":" + std::to_string(env.master_port), server ? std::min(12.0, timeout) : 0.0);
   }
   // Debug hooks: made on every rank; the compile stages run on rank 0, before any backend
   // joins, so a validator that fails stops the job before its first step.
@@ -361,7 +372,13 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
   }
   if (resume_step) {
     CheckpointMeta meta;
-    state = load_checkpoint(ckpt_dir, *resume_step, job.mesh, env.rank, state_metas, state_placements, &meta);
+    // Buffers (the RoPE tables) are made from the config, not loaded: a resume may change
+    // training.seq_len, as torchtitan's may.
+    std::map<std::string, ir::TensorMeta> trained = state_metas;
+    for (const auto& spec_i : job.model.init) {
+      if (!spec_i.trainable) trained.erase(spec_i.name);
+    }
+    for (auto& [name, t] : load_checkpoint(ckpt_dir, *resume_step, job.mesh, env.rank, trained, state_placements, &meta)) state[name] = t;
     dataset.restore({meta.data_samples});
     if (lead) {
       std::printf("resumed from %s (step %lld)\n", (ckpt_dir / ("step-" + std::to_string(*resume_step))).string().c_str(),

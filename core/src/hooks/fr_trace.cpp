@@ -57,6 +57,7 @@ FrAnalysis analyze_flight_recorder(const std::filesystem::path& given) {
   std::map<int, std::string> file_of;  // rank -> its dump
   std::map<int, std::vector<std::string>> by_world;  // world_size -> files
   std::map<std::string, std::vector<std::string>> by_run;  // the job's run id (its rank 0 drew it) -> files
+  std::map<int, std::size_t> full_ring;  // ranks whose dump holds as many entries as their ring: older ones were lost
   for (const auto& file : fs::directory_iterator(folder)) {
     const std::string name = file.path().filename().string();
     if (name.rfind("rank", 0) != 0 || file.path().extension() != ".json") continue;
@@ -90,6 +91,10 @@ FrAnalysis analyze_flight_recorder(const std::filesystem::path& given) {
       by_world[ws].push_back(name);
       by_run[doc.contains("run") && doc["run"].is_string() ? doc["run"].get<std::string>() : std::string("(none)")].push_back(name);
       reasons[rank] = doc.value("reason", "");
+      if (doc.contains("size") && doc["size"].is_number_unsigned() && doc.contains("entries") && doc["entries"].is_array() &&
+          doc["entries"].size() >= doc["size"].get<std::size_t>()) {
+        full_ring[rank] = doc["size"].get<std::size_t>();
+      }
       out.dumped.push_back(rank);
       if (!doc.contains("entries") || !doc["entries"].is_array()) throw std::runtime_error("'entries' must be a list");
       std::size_t i = 0;
@@ -195,6 +200,17 @@ FrAnalysis analyze_flight_recorder(const std::filesystem::path& given) {
       return false;
     };
     auto finding = [&](FrFinding::Kind kind, std::uint64_t s, std::vector<int> ranks, const Entry& subject, std::string message) {
+      // At the oldest collective every member still holds, with a ring that was full: what went
+      // wrong may be older than the dumps reach.
+      if (s == lo) {
+        for (int r : members) {
+          if (auto f = full_ring.find(r); f != full_ring.end()) {
+            message += " (Rank " + std::to_string(r) + "'s dump holds only its last " + std::to_string(f->second) + " collectives, from #" +
+                       std::to_string(lo) + " on this group: the divergence may be older; raise hooks.flight_recorder.size to see it.)";
+            break;
+          }
+        }
+      }
       out.findings.push_back({kind, group, s, std::move(ranks), subject.step, subject.index, subject.value, std::move(message)});
     };
     // A collective every rank issued but some have not seen complete is a stall only when no

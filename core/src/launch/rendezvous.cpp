@@ -1,6 +1,7 @@
 #include "spmdx/launch/rendezvous.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <chrono>
 #include <cmath>
 #include <nlohmann/json.hpp>
@@ -130,7 +131,7 @@ std::string compare(Store& store, const std::map<int, json>& infos) {
 
 }  // namespace
 
-void rendezvous(Store& store, const RankIdentity& me, double timeout_seconds, const std::string& where) {
+void rendezvous(Store& store, const RankIdentity& me, double timeout_seconds, const std::string& where, double linger_seconds) {
   const auto start = Clock::now();
   auto elapsed = [&] { return std::chrono::duration<double>(Clock::now() - start).count(); };
   const int w = me.world_size;
@@ -198,11 +199,17 @@ void rendezvous(Store& store, const RankIdentity& me, double timeout_seconds, co
   auto fail = [&](const std::string& why) {
     store.set(key("verdict"), json{{"ok", false}, {"error", at + why}, {"world_size", w}}.dump());
     // Rank 0 may serve the store (ranks started by hand, srun, mpirun): the ranks that joined
-    // read the verdict before it leaves, for a few seconds at most.
+    // read the verdict before it leaves, for a few seconds at most; and when it serves the
+    // store (linger_seconds > 0), so do ranks that have not joined yet, for that long.
     int joined = 0;
     for (int r = 1; r < w; ++r) joined += present(r);
-    const auto until = Clock::now() + std::chrono::seconds(5);
-    while (store.add(key("verdict_read"), 0) < joined && Clock::now() < until) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    const int readers = linger_seconds > 0 ? w - 1 : joined;
+    if (linger_seconds > 0 && joined < w - 1) {
+      std::fprintf(stderr, "%s%s\nrank 0 serves the store: keeping it up %g s for the ranks that have not joined yet, to tell them\n", at.c_str(),
+                   why.c_str(), linger_seconds);
+    }
+    const auto until = Clock::now() + std::chrono::duration<double>(std::max(5.0, linger_seconds));
+    while (store.add(key("verdict_read"), 0) < readers && Clock::now() < until) std::this_thread::sleep_for(std::chrono::milliseconds(10));
     throw CommError(at + why, -1);
   };
   auto missing = [&] {

@@ -67,13 +67,15 @@ class FlightRecorder final : public spmdx::Hook {
   void on_collective(const spmdx::CollectiveInfo& c) override {
     std::lock_guard lock(mutex_);
     if (c.state != spmdx::CollectiveState::issued) {
-      // Completion: update the entry of this (group, seq), newest first.
+      // Completion: update the entry of this (group, seq), newest first. One that fell out of
+      // the ring is older than all it keeps: dropped, so that the ring keeps the newest.
       for (auto it = entries_.rbegin(); it != entries_.rend(); ++it) {
         if (it->mesh_dim == c.mesh_dim && it->seq == c.seq) {
           *it = c;
           return;
         }
       }
+      return;
     }
     entries_.push_back(c);
     if (entries_.size() > size_) entries_.pop_front();
@@ -132,7 +134,7 @@ class FlightRecorder final : public spmdx::Hook {
                          {"finished_at", c.finished_at},
                          {"error", c.error}});
     }
-    const json doc{{"format", "spmdx-flight-recorder-1"}, {"run", run_}, {"rank", context_.rank}, {"world_size", context_.world_size},
+    const json doc{{"format", "spmdx-flight-recorder-1"}, {"run", run_}, {"rank", context_.rank}, {"world_size", context_.world_size}, {"size", size_},
                    {"mesh", mesh}, {"reason", reason}, {"entries", entries}};
     const auto path = path_of(context_.rank);
     spmdx::write_file_atomic(path, doc.dump(1) + "\n");

@@ -39,7 +39,9 @@ struct RankIdentity {
 /// (other ranks: a little longer, for rank 0's verdict). Throws CommError, with the same
 /// message on every rank, naming what differs and on which ranks ("rank 1 has optimizer.lr =
 /// 0.003, rank 0 has 0.0008"), the ranks that never joined, a rank refused for its job token,
-/// or another process that joined as the same rank.
-void rendezvous(Store& store, const RankIdentity& me, double timeout_seconds, const std::string& store_address);
+/// or another process that joined as the same rank. `linger_seconds` (> 0 when rank 0 serves
+/// the store itself): after refusing, rank 0 keeps the store up that long for ranks that have
+/// not joined yet, so that they learn why rather than time out on a missing store.
+void rendezvous(Store& store, const RankIdentity& me, double timeout_seconds, const std::string& store_address, double linger_seconds = 0);
 
 }  // namespace spmdx::launch
