@@ -5,6 +5,8 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <sys/stat.h>
+
 #include <fstream>
 #include <map>
 #include <tuple>
@@ -308,6 +310,22 @@ TEST(Checkpoint, ResumeRefusesAnotherTokenizerAndExportNeverWritesIntoTheCheckpo
   EXPECT_EQ(d.exit_code, 1) << d.output;
   EXPECT_THAT(d.output, HasSubstr("is a folder: name the .safetensors file to write"));
   EXPECT_FALSE(fs::exists(dir / "folder.partial"));
+  // Never renamed over what is not a regular file (a link, a FIFO; as root, /dev/null).
+  test::write_file(dir / "real", "keep");
+  fs::create_symlink(dir / "real", dir / "link");
+  ASSERT_EQ(::mkfifo((dir / "fifo").c_str(), 0600), 0);
+  for (const char* name : {"link", "fifo"}) {
+    auto e = test::run_command("'" SPMDX_EXE "' export '" + step.string() + "' '" + (dir / name).string() + "'");
+    EXPECT_EQ(e.exit_code, 1) << e.output;
+    EXPECT_THAT(e.output, HasSubstr("exists and is not a regular file")) << e.output;
+  }
+  EXPECT_TRUE(fs::is_symlink(dir / "link"));
+  EXPECT_TRUE(fs::is_fifo(dir / "fifo"));
+  auto missing = test::run_command("'" SPMDX_EXE "' export '" + step.string() + "' '" + (dir / "no" / "x.safetensors").string() + "'");
+  EXPECT_THAT(missing.output, HasSubstr("the folder " + (dir / "no").string() + " does not exist"));
+  auto ok = test::run_command("'" SPMDX_EXE "' export '" + step.string() + "' '" + (dir / "real").string() + "'");  // a regular file is replaced
+  EXPECT_EQ(ok.exit_code, 0) << ok.output;
+  EXPECT_GT(fs::file_size(dir / "real"), 4u);
 }
 
 // Resuming in the job's own folder, as after a preemption: every file the run appends to keeps

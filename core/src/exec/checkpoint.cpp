@@ -523,8 +523,18 @@ void write_safetensors(const fs::path& out, const TensorMap& tensors, const std:
   std::string bytes(reinterpret_cast<const char*>(&len), 8);
   bytes += h;
   bytes += data;
+  // Only a new file or an existing regular one is replaced: never a device (/dev/null), FIFO,
+  // socket, folder or link, which renaming over would destroy.
   std::error_code ec;
-  if (fs::is_directory(out, ec)) throw std::runtime_error(out.string() + " is a folder: name the .safetensors file to write");
+  if (out.empty()) throw std::runtime_error("no output file named: name the .safetensors file to write");
+  const auto st = fs::symlink_status(out, ec);
+  if (fs::is_directory(st)) throw std::runtime_error(out.string() + " is a folder: name the .safetensors file to write");
+  if (fs::exists(st) && !fs::is_regular_file(st)) {
+    throw std::runtime_error(out.string() + " exists and is not a regular file (a link, device, FIFO or socket): name a new file, or a regular one to replace");
+  }
+  if (const fs::path parent = out.parent_path(); !parent.empty() && !fs::is_directory(parent, ec)) {
+    throw std::runtime_error("cannot write " + out.string() + ": the folder " + parent.string() + " does not exist");
+  }
   const fs::path tmp = out.string() + ".partial";
   try {
     write_file(tmp, bytes);
