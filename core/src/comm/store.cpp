@@ -339,7 +339,11 @@ TcpStore::TcpStore(const std::string& host, int port, const std::string& token, 
     fail("answered the spmdx store handshake with " + shown(reply) + (reply.rfind("ERR ", 0) == 0 ? "" : ": not a spmdx store (another service on MASTER_PORT?)"));
   }
   reply = request({"AUTH", token, std::to_string(rank)}, timeout_seconds, "authentication");
-  if (reply != "OK") fail(reply.substr(reply.rfind("ERR ", 0) == 0 ? 4 : 0) + " (check SPMDX_JOB_TOKEN: every rank and launcher of a job needs the same)");
+  if (reply != "OK") {
+    fail(reply.substr(reply.rfind("ERR ", 0) == 0 ? 4 : 0) +
+         (token.empty() ? " (SPMDX_JOB_TOKEN is not set here, and the store has one: set the job's token on every rank and launcher)"
+                        : " (check SPMDX_JOB_TOKEN: every rank and launcher of a job needs the same)"));
+  }
 }
 
 TcpStore::~TcpStore() {

@@ -158,21 +158,33 @@ void HookSet::finish() {
 HookSet make_hooks(const config::Config& cfg, PluginRegistry& registry, const HookContext& base) {
   const auto& enabled = cfg.get_list("hooks.enable");
   std::map<std::string, std::map<std::string, std::string>> options;
+  std::string typos;  // said together with the hooks' own problems
   for (const auto& [table, opts] : cfg.plugin_option_tables()) {
     const std::string name = table.substr(table.find('.') + 1);
     if (std::find(enabled.begin(), enabled.end(), name) == enabled.end()) {
+      std::vector<std::string> keys;
+      for (const auto& [k, v] : opts) keys.push_back(table + "." + k);
       // A near miss of an enabled hook is a typo whose options would be lost: refused.
+      bool near = false;
       for (const auto& e : enabled) {
-        if (edit_distance(name, e) <= 2) {
-          throw std::invalid_argument("[" + table + "] sets options of hook '" + name + "', which hooks.enable does not list; did you mean [hooks." + e + "]?");
+        if (!near && edit_distance(name, e) <= 2) {
+          typos += (typos.empty() ? "" : "\n") + std::string("[") + table + "] sets options of hook '" + name +
+                   "', which hooks.enable does not list; did you mean [hooks." + e + "]?";
+          near = true;
         }
       }
-      SPMDX_WARN(cfg.where({table}) << ": [" << table << "] sets options of hook '" << name << "', which hooks.enable does not list: ignored");
+      if (!near) SPMDX_WARN(cfg.where({keys.front()}) << ": [" << table << "] sets options of hook '" << name << "', which hooks.enable does not list: ignored");
       continue;
     }
     options[name] = opts;
   }
-  return HookSet(registry, enabled, options, base, cfg.get_string("job.dump_folder"));
+  try {
+    HookSet hooks(registry, enabled, options, base, cfg.get_string("job.dump_folder"));
+    if (!typos.empty()) throw std::invalid_argument(typos);
+    return hooks;
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument(typos.empty() || std::string(e.what()) == typos ? std::string(e.what()) : typos + "\n" + e.what());
+  }
 }
 
 }  // namespace spmdx::hooks

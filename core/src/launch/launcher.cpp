@@ -298,10 +298,14 @@ int launch(const LaunchOptions& o, const std::vector<std::string>& argv) {
   if (failed_rank >= 0) {
     // Ranks that failed alike (each exited with an error, e.g. members that called different
     // collectives) blame each other: their flight recorder dumps say which one diverged.
-    if (blame_priority == 0 && !named_by_ranks && !o.flight_recorder_dir.empty()) {
+    // Also when the ranks named one: the dumps say what it skipped. Ranks named for a skip are
+    // trusted over a weaker finding (one that only says a rank never issued a collective).
+    if (blame_priority == 0 && !o.flight_recorder_dir.empty()) {
       try {
         const hooks::FrAnalysis a = hooks::analyze_flight_recorder(o.flight_recorder_dir);
-        if (!a.findings.empty() && a.findings.front().kind != hooks::FrFinding::Kind::stalled && !a.findings.front().ranks.empty()) {
+        const bool strong = !a.findings.empty() && (a.findings.front().kind == hooks::FrFinding::Kind::skipped ||
+                                                    a.findings.front().ranks == std::vector<int>{failed_rank} || !named_by_ranks);
+        if (strong && a.findings.front().kind != hooks::FrFinding::Kind::stalled && !a.findings.front().ranks.empty()) {
           const auto& f = a.findings.front();
           std::cerr << o.command << ": " << rank_list(f.ranks) << " diverged, as the flight recorder's dumps show: " << f.message
                     << " (spmdx fr-trace " << o.flight_recorder_dir << " prints every finding); the other ranks were stopped\n";

@@ -198,7 +198,7 @@ std::vector<std::string> preflight(const config::Config& cfg, std::int64_t world
       sharding::rank_graph(*plan, 0);
     });
   }
-  if (run && !cfg.get_list("hooks.enable").empty() && !cfg.has_problem("hooks.")) {
+  if (!cfg.get_list("hooks.enable").empty() && !cfg.has_problem("hooks.")) {
     HookContext base;
     base.compile_only = true;
     base.world_size = static_cast<int>(world_size);
@@ -208,7 +208,7 @@ std::vector<std::string> preflight(const config::Config& cfg, std::int64_t world
     }
     try {
       hooks::HookSet hooks = hooks::make_hooks(cfg, registry, base);
-      if (plan) {  // the validators' verdicts (partition_validator), as rank 0 would give them after start
+      if (plan && run) {  // the validators' verdicts (partition_validator), as rank 0 would give them after start (compile runs them itself)
         std::vector<std::int64_t> ranks;
         for (std::int64_t r = 0; r < std::min<std::int64_t>(world_size, 64); ++r) ranks.push_back(r);
         hooks.compile(*plan, ranks, plan::plan_options(cfg));

@@ -127,7 +127,15 @@ class UcxTransport final : public spmdx::comm::Transport {
 
     eps_.assign(static_cast<std::size_t>(init.world_size), nullptr);
     for (int peer = 0; peer < init.world_size; ++peer) {
-      const std::string remote = init.store->get(prefix + std::to_string(peer), init.timeout_seconds);
+      std::string remote;
+      try {
+        remote = init.store->get(prefix + std::to_string(peer), init.timeout_seconds);
+      } catch (const CommError& e) {
+        if (e.peer() != -1) throw;  // the store itself is gone
+        throw CommError("ucx: rank " + std::to_string(peer) + " did not publish its UCX address within " + std::to_string(static_cast<int>(init.timeout_seconds)) +
+                            " s: it stopped or died after the rendezvous (or is stuck before its comm backend starts)",
+                        peer);
+      }
       ucp_ep_params_t ep{};
       ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
       ep.address = reinterpret_cast<const ucp_address_t*>(remote.data());

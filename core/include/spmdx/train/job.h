@@ -59,7 +59,8 @@ void check_runnable(const config::Config& cfg);
 void check_data(const config::Config& cfg, const data::Tokenizer& tokenizer, const JobSpec& spec);
 
 /// What a preflight is for: a run checks everything; a plan (`spmdx compile`) what planning
-/// needs (no data files, comm backends or hooks: compile runs its hooks itself).
+/// needs (no data files or comm backends; the hooks' options, but not their compile stages,
+/// which compile runs itself).
 enum class Preflight { run, plan };
 
 /// Every check of a job that needs no rank, each problem collected (none stops the others that
