@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <vector>
 
@@ -40,6 +41,14 @@ std::string rank_list(const std::vector<int>& ranks) {
 std::string seconds_text(double seconds) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "%g", std::round(seconds * 10) / 10);
+  return buf;
+}
+
+std::string fnv1a_hex(std::string_view bytes) {
+  std::uint64_t h = 1469598103934665603ULL;
+  for (unsigned char c : bytes) h = (h ^ c) * 1099511628211ULL;
+  char buf[17];
+  std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(h));
   return buf;
 }
 

@@ -157,11 +157,8 @@ std::string tokenizer_fingerprint(const std::string& spec, std::int64_t vocab) {
   std::error_code ec;
   if (std::filesystem::is_directory(p, ec)) p /= "tokenizer.json";
   std::ifstream in(p, std::ios::binary);
-  std::uint64_t h = 1469598103934665603ULL;
-  for (std::istreambuf_iterator<char> it(in), end; it != end; ++it) h = (h ^ static_cast<unsigned char>(*it)) * 1099511628211ULL;
-  char hex[17];
-  std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(h));
-  return "tokenizer.json " + std::string(hex) + " (" + std::to_string(vocab) + " ids)";
+  const std::string bytes(std::istreambuf_iterator<char>(in), {});
+  return "tokenizer.json " + fnv1a_hex(bytes) + " (" + std::to_string(vocab) + " ids)";
 }
 
 // A NumPy .npy file (format 1.0) of int64 [rows, cols], little endian, C order.

@@ -23,15 +23,6 @@ using Clock = std::chrono::steady_clock;
 
 std::string key(const std::string& what, int rank = -1) { return "spmdx/rdzv/" + what + (rank >= 0 ? "/" + std::to_string(rank) : ""); }
 
-// FNV-1a, 64 bits, as hex: the same on every machine and build (std::hash is not).
-std::string fnv1a(const std::string& s) {
-  std::uint64_t h = 1469598103934665603ULL;
-  for (unsigned char c : s) h = (h ^ c) * 1099511628211ULL;
-  char buf[17];
-  std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(h));
-  return buf;
-}
-
 std::string settings_text(const std::map<std::string, std::string>& settings) {
   std::string out;
   for (const auto& [k, v] : settings) out += k + " = " + v + "\n";
@@ -155,8 +146,8 @@ void rendezvous(Store& store, const RankIdentity& me, double timeout_seconds, co
                                        {"local_rank", me.local_rank},
                                        {"local_world_size", me.local_world_size},
                                        {"version", me.version},
-                                       {"token", me.token.empty() ? std::string() : fnv1a(me.token)},
-                                       {"settings", fnv1a(text)}}
+                                       {"token", me.token.empty() ? std::string() : fnv1a_hex(me.token)},
+                                       {"settings", fnv1a_hex(text)}}
                                       .dump());
   store.add(key("present", me.rank), 1);
   store.add(key("joined"), 1);

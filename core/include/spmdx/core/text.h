@@ -4,6 +4,7 @@
 
 #include <cstddef>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace spmdx {
@@ -20,5 +21,9 @@ std::string rank_list(const std::vector<int>& ranks);
 
 /// Seconds to one decimal, without trailing zeros: "20", "1.5" (for messages naming waits).
 std::string seconds_text(double seconds);
+
+/// FNV-1a, 64 bits (Fowler, Noll, Vo), of `bytes` as 16 lowercase hex digits: the same on
+/// every machine and build, unlike std::hash. A fingerprint, not a cryptographic hash.
+std::string fnv1a_hex(std::string_view bytes);
 
 }  // namespace spmdx
