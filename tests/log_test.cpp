@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include "spmdx/core/log.h"
+#include "spmdx/core/text.h"
 
 namespace spmdx {
 namespace {
@@ -29,6 +30,14 @@ TEST(Log, ParsesLevelNames) {
   EXPECT_EQ(log::parse_level("debug"), log::Level::debug);
   EXPECT_EQ(log::parse_level("warning"), log::Level::warn);
   EXPECT_EQ(log::parse_level("loud"), std::nullopt);
+}
+
+TEST(Text, Fnv1aHexMatchesThePublishedVectors) {
+  // Test vectors from the FNV reference (Landon Curt Noll, isthe.com/chongo/tech/comp/fnv).
+  EXPECT_EQ(fnv1a_hex(""), "cbf29ce484222325");
+  EXPECT_EQ(fnv1a_hex("a"), "af63dc4c8601ec8c");
+  EXPECT_EQ(fnv1a_hex("foobar"), "85944171f73967e8");
+  EXPECT_EQ(fnv1a_hex(std::string("\0", 1)), "af63bd4c8601b7df");
 }
 
 }  // namespace

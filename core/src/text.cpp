@@ -45,7 +45,7 @@ std::string seconds_text(double seconds) {
 }
 
 std::string fnv1a_hex(std::string_view bytes) {
-  std::uint64_t h = 1469598103934665603ULL;
+  std::uint64_t h = 14695981039346656037ULL;
   for (unsigned char c : bytes) h = (h ^ c) * 1099511628211ULL;
   char buf[17];
   std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(h));

@@ -27,9 +27,9 @@ namespace {
 
 using nlohmann::json;
 
-// FNV-1a, 64 bits, over the tensor's bytes.
+// FNV-1a, 64 bits, over the tensor's bytes (the same as the core's fnv1a_hex, which a plugin may not link).
 std::uint64_t fnv1a(const void* data, std::size_t n) {
-  std::uint64_t h = 1469598103934665603ull;
+  std::uint64_t h = 14695981039346656037ull;
   const auto* p = static_cast<const unsigned char*>(data);
   for (std::size_t i = 0; i < n; ++i) h = (h ^ p[i]) * 1099511628211ull;
   return h;
