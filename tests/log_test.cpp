@@ -40,5 +40,11 @@ TEST(Text, Fnv1aHexMatchesThePublishedVectors) {
   EXPECT_EQ(fnv1a_hex(std::string("\0", 1)), "af63bd4c8601b7df");
 }
 
+TEST(Text, SplitLinesKeepsEveryPiece) {
+  EXPECT_EQ(split_lines("a\nb"), (std::vector<std::string>{"a", "b"}));
+  EXPECT_EQ(split_lines("a\n\nb\n"), (std::vector<std::string>{"a", "", "b", ""}));
+  EXPECT_EQ(split_lines(""), (std::vector<std::string>{""}));
+}
+
 }  // namespace
 }  // namespace spmdx

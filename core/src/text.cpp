@@ -44,6 +44,16 @@ std::string seconds_text(double seconds) {
   return buf;
 }
 
+std::vector<std::string> split_lines(std::string_view text) {
+  std::vector<std::string> out;
+  for (std::size_t start = 0;;) {
+    const auto nl = text.find('\n', start);
+    out.emplace_back(text.substr(start, nl == std::string_view::npos ? std::string_view::npos : nl - start));
+    if (nl == std::string_view::npos) return out;
+    start = nl + 1;
+  }
+}
+
 std::string fnv1a_hex(std::string_view bytes) {
   std::uint64_t h = 14695981039346656037ULL;
   for (unsigned char c : bytes) h = (h ^ c) * 1099511628211ULL;

@@ -21,13 +21,7 @@ HookSet::HookSet(PluginRegistry& registry, const std::vector<std::string>& names
   // Every hook is made before any is refused, so that all their problems are said at once.
   std::string problems;
   auto problem = [&](const std::string& prefix, const std::string& what) {
-    std::size_t start = 0;
-    while (start <= what.size()) {
-      const auto nl = what.find('\n', start);
-      problems += (problems.empty() ? "" : "\n") + prefix + what.substr(start, nl == std::string::npos ? std::string::npos : nl - start);
-      if (nl == std::string::npos) break;
-      start = nl + 1;
-    }
+    for (const auto& line : split_lines(what)) problems += (problems.empty() ? "" : "\n") + prefix + line;
   };
   std::vector<std::pair<std::string, std::unique_ptr<Hook>>> made;
   std::set<std::string> seen;

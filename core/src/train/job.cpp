@@ -3,8 +3,8 @@
 #include <algorithm>
 #include <filesystem>
 #include <functional>
-#include <sstream>
 
+#include "spmdx/core/text.h"
 #include "spmdx/data/text_dataset.h"
 #include "spmdx/sharding/spec.h"
 #include "spmdx/sharding/parallelize.h"
@@ -124,13 +124,7 @@ std::vector<std::string> preflight(const config::Config& cfg, std::int64_t world
   const bool run = what == Preflight::run;
   std::vector<std::string> out;
   auto lines = [&](const std::string& text) {
-    std::size_t start = 0;
-    while (start <= text.size()) {
-      const auto nl = text.find('\n', start);
-      out.push_back(text.substr(start, nl == std::string::npos ? std::string::npos : nl - start));
-      if (nl == std::string::npos) break;
-      start = nl + 1;
-    }
+    for (auto& line : split_lines(text)) out.push_back(std::move(line));
   };
   auto attempt = [&](const std::vector<std::string>& keys, const std::function<void()>& f) {
     try {
@@ -217,9 +211,7 @@ std::vector<std::string> preflight(const config::Config& cfg, std::int64_t world
       out.push_back(cfg.where({"hooks.enable"}) + ": " + e.what());
     } catch (const std::invalid_argument& e) {
       // A line per problem; one about an option names where the config set it.
-      std::istringstream lines(e.what());
-      std::string line;
-      while (std::getline(lines, line)) {
+      for (const auto& line : split_lines(e.what())) {
         std::string key = "hooks.enable";
         if (const auto open = line.find("[hooks."); open != std::string::npos) {
           const auto close = line.find(']', open);

@@ -22,6 +22,10 @@ std::string rank_list(const std::vector<int>& ranks);
 /// Seconds to one decimal, without trailing zeros: "20", "1.5" (for messages naming waits).
 std::string seconds_text(double seconds);
 
+/// `text` cut at each '\n' (which is dropped): n newlines give n + 1 lines, so "" gives one
+/// empty line and "a\n" gives "a" and "". For messages that say one problem per line.
+std::vector<std::string> split_lines(std::string_view text);
+
 /// FNV-1a, 64 bits (Fowler, Noll, Vo), of `bytes` as 16 lowercase hex digits: the same on
 /// every machine and build, unlike std::hash. A fingerprint, not a cryptographic hash.
 std::string fnv1a_hex(std::string_view bytes);
