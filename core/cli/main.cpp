@@ -132,17 +132,14 @@ int run_compile(const CompileOptions& o) {
     const std::int64_t shard = cfg.get_int("parallelism.data_parallel_shard_degree");
     world = cfg.get_int("parallelism.data_parallel_replicate_degree") * cfg.get_int("parallelism.tensor_parallel_degree") * (shard > 0 ? shard : 1);
   }
-  {  // every problem at once: the config's, the tokenizer's, the degrees', the placements'
-    spmdx::PluginRegistry registry;
-    std::unique_ptr<spmdx::data::Tokenizer> tokenizer;
-    std::optional<spmdx::train::JobSpec> spec;
-    cfg.check(spmdx::train::preflight(cfg, world, registry, &tokenizer, &spec, spmdx::train::Preflight::plan));
-  }
-  if (!cfg.ignored().empty()) std::cerr << cfg.ignored_text() << "\n";
-  const auto tokenizer = spmdx::data::make_tokenizer(cfg.get_string("model.tokenizer"));
-  const spmdx::train::JobSpec spec = spmdx::train::job_spec(cfg, world, tokenizer->vocab_size());
+  // Every problem at once: the config's, the tokenizer's, the degrees', the placements'. With
+  // none, the preflight's tokenizer, job spec and plugins are the ones to plan with.
   spmdx::PluginRegistry registry;
-  spmdx::train::discover_plugins(registry, cfg);
+  std::unique_ptr<spmdx::data::Tokenizer> tokenizer;
+  std::optional<spmdx::train::JobSpec> checked_spec;
+  cfg.check(spmdx::train::preflight(cfg, world, registry, &tokenizer, &checked_spec, spmdx::train::Preflight::plan));
+  if (!cfg.ignored().empty()) std::cerr << cfg.ignored_text() << "\n";
+  const spmdx::train::JobSpec& spec = checked_spec.value();
   spmdx::train::PlacedJob job = spmdx::train::place_job(spec, registry);
   const auto plan = spmdx::sharding::propagate(job.model.graph, job.mesh, job.inputs, job.outputs, job.use, job.reshard_after_forward);
   const std::int64_t dumped_ranks = o.dump.empty() ? 0 : (o.fake ? 1 : world);
