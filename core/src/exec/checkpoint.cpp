@@ -8,6 +8,7 @@
 #include <cstring>
 #include <fstream>
 #include <set>
+#include <string_view>
 #include <nlohmann/json.hpp>
 
 #include "spmdx/core/files.h"
@@ -86,15 +87,21 @@ struct ShardFile {
   std::size_t header_begin = 16, header_end = 16;  // [begin, end) of the JSON header
 };
 
+// The JSON header's length, from a shard file's 16-byte preamble (the magic, then the length as
+// a little-endian uint64), checked against `file_size`.
+std::uint64_t header_length(const fs::path& file, std::string_view preamble, std::uint64_t file_size) {
+  if (preamble.size() < 16 || file_size < 16 || std::memcmp(preamble.data(), kMagic, 8) != 0) fail(file, "not a spmdx checkpoint shard (bad magic)");
+  std::uint64_t n = 0;
+  std::memcpy(&n, preamble.data() + 8, 8);
+  if (n > file_size - 16) {
+    fail(file, "truncated or corrupted: its header length says " + std::to_string(n) + " bytes, the file holds " + std::to_string(file_size - 16) + " after the preamble");
+  }
+  return n;
+}
+
 ShardFile read_shard(const fs::path& file) {
   ShardFile f{read_file(file)};
-  if (f.bytes.size() < 16 || std::memcmp(f.bytes.data(), kMagic, 8) != 0) fail(file, "not a spmdx checkpoint shard (bad magic)");
-  std::uint64_t n = 0;
-  std::memcpy(&n, f.bytes.data() + 8, 8);
-  if (n > f.bytes.size() - 16) {
-    fail(file, "truncated or corrupted: its header length says " + std::to_string(n) + " bytes, the file holds " + std::to_string(f.bytes.size() - 16) + " after the preamble");
-  }
-  f.header_end = 16 + static_cast<std::size_t>(n);
+  f.header_end = 16 + static_cast<std::size_t>(header_length(file, f.bytes, f.bytes.size()));
   return f;
 }
 
@@ -213,11 +220,9 @@ std::pair<std::uint64_t, std::uint32_t> shard_signature(const fs::path& file) {
   if (!fs::is_regular_file(file, ec)) fail(file, "is not a regular file");
   std::ifstream in(file, std::ios::binary);
   char pre[16];
-  if (!in.read(pre, 16) || std::memcmp(pre, kMagic, 8) != 0) fail(file, "not a spmdx checkpoint shard (bad magic)");
-  std::uint64_t n = 0;
-  std::memcpy(&n, pre + 8, 8);
+  in.read(pre, 16);
   const std::uint64_t size = fs::file_size(file);
-  if (n > size - 16) fail(file, "truncated header");
+  const std::uint64_t n = header_length(file, std::string_view(pre, static_cast<std::size_t>(in.gcount())), size);
   std::string header(static_cast<std::size_t>(n), '\0');
   if (!in.read(header.data(), static_cast<std::streamsize>(n))) fail(file, "truncated header");
   return {size, crc32(header.data(), header.size())};
