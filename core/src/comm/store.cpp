@@ -1,7 +1,6 @@
 #include "spmdx/comm/store.h"
 
 #include <arpa/inet.h>
-#include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -12,7 +11,6 @@
 #include <cerrno>
 #include <charconv>
 #include <chrono>
-#include <cmath>
 #include <condition_variable>
 #include <cstring>
 #include <map>
@@ -31,7 +29,6 @@ const std::string kWelcome = "SPMDX-STORE " + std::to_string(kStoreProtocol);
 
 enum class Io { ok, closed, timeout, garbage };
 
-// Milliseconds left until `deadline` (at least 0), for poll().
 // Milliseconds left until `deadline`, rounded up (at least 0), for poll(): rounding down would
 // spin through the last millisecond.
 int ms_left(Clock::time_point deadline) {
@@ -250,15 +247,15 @@ TcpStore::TcpStore(const std::string& host, int port, const std::string& token, 
   const auto deadline = start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_seconds));
   auto waited = [&] { return std::chrono::duration<double>(Clock::now() - start).count(); };
   double next_log = 5;
+  if (host.find(':') != std::string::npos) {
+    throw CommError("store: MASTER_ADDR " + host + " is an IPv6 address; the store speaks IPv4: give an IPv4 address or a host name with one (127.0.0.1 for this host)", 0);
+  }
   std::string last = "no attempt";
   while (true) {
     addrinfo hints{};
     hints.ai_family = AF_INET;
     hints.ai_socktype = SOCK_STREAM;
     addrinfo* res = nullptr;
-    if (host.find(':') != std::string::npos) {
-      throw CommError("store: MASTER_ADDR " + host + " is an IPv6 address; the store speaks IPv4: give an IPv4 address or a host name with one (127.0.0.1 for this host)", 0);
-    }
     if (::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &res) == 0) {
       fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK, 0);
       int rc = ::connect(fd_, res->ai_addr, res->ai_addrlen);
