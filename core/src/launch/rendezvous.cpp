@@ -3,11 +3,9 @@
 #include <algorithm>
 #include <cstdio>
 #include <chrono>
-#include <cmath>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <set>
-#include <sstream>
 #include <thread>
 #include <vector>
 
@@ -31,9 +29,7 @@ std::string settings_text(const std::map<std::string, std::string>& settings) {
 
 std::map<std::string, std::string> parse_settings(const std::string& text) {
   std::map<std::string, std::string> out;
-  std::istringstream in(text);
-  std::string line;
-  while (std::getline(in, line)) {
+  for (const auto& line : split_lines(text)) {
     const auto eq = line.find(" = ");
     if (eq != std::string::npos) out[line.substr(0, eq)] = line.substr(eq + 3);
   }
