@@ -274,8 +274,7 @@ struct Config::Checker {
     if (find_spec(key) != nullptr) cfg.problem_keys_.insert(key);  // spmdx's keys, which later checks read
   }
   void ignored(const std::string& at, const std::string& what, const std::string& reason) {
-    insert_sorted(cfg.ignored_, cfg.ignored_order_, at, at + ": " + what + ": " + reason);
-    insert_sorted(cfg.ignored_parts_, cfg.ignored_parts_order_, at, std::array<std::string, 3>{at, what, reason});
+    insert_sorted(cfg.ignored_, cfg.ignored_order_, at, std::array<std::string, 3>{at, what, reason});
   }
 
   // `key` = `v` (already typed) from `at`; `given` is how it was written (for messages).
@@ -511,10 +510,8 @@ struct Config::Checker {
       if (cfg.problems_.size() == before) cfg.overrides_[spec.key] = key + " " + text;
     };
     // A key given on the command line replaces the file's: what the file's had ignored is moot.
-    for (std::size_t i = 0; i < cfg.ignored_parts_.size();) {
-      if (cfg.ignored_parts_[i][1].rfind(key + " = ", 0) == 0 && cfg.ignored_parts_[i][0].rfind("command line", 0) != 0) {
-        cfg.ignored_parts_.erase(cfg.ignored_parts_.begin() + static_cast<long>(i));
-        cfg.ignored_parts_order_.erase(cfg.ignored_parts_order_.begin() + static_cast<long>(i));
+    for (std::size_t i = 0; i < cfg.ignored_.size();) {
+      if (cfg.ignored_[i][1].rfind(key + " = ", 0) == 0 && cfg.ignored_[i][0].rfind("command line", 0) != 0) {
         cfg.ignored_.erase(cfg.ignored_.begin() + static_cast<long>(i));
         cfg.ignored_order_.erase(cfg.ignored_order_.begin() + static_cast<long>(i));
       } else {
@@ -610,6 +607,12 @@ std::string Config::report(const std::vector<std::string>& more) const {
   return out;
 }
 
+std::vector<std::string> Config::ignored() const {
+  std::vector<std::string> out;
+  for (const auto& [at, what, reason] : ignored_) out.push_back(at + ": " + what + ": " + reason);
+  return out;
+}
+
 std::string Config::ignored_text() const {
   if (ignored_.empty()) return "";
   std::string out = "spmdx ignores " + std::to_string(ignored_.size()) + " key" + (ignored_.size() == 1 ? "" : "s") +
@@ -617,7 +620,7 @@ std::string Config::ignored_text() const {
   // One line per reason, its keys in file order with where each is ("line 64" in the file).
   std::vector<std::string> reasons;
   std::map<std::string, std::string> keys;
-  for (const auto& [at, what, reason] : ignored_parts_) {
+  for (const auto& [at, what, reason] : ignored_) {
     std::string where = at;
     if (!source_.empty() && at.compare(0, source_.size() + 1, source_ + ":") == 0) where = "line " + at.substr(source_.size() + 1, at.find(':', source_.size() + 1) - source_.size() - 1);
     if (!keys.count(reason)) reasons.push_back(reason);

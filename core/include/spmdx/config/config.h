@@ -74,8 +74,8 @@ class Config {
 
   /// The problems found ("file:line:col: message"), when loaded without throwing.
   const std::vector<std::string>& problems() const noexcept { return problems_; }
-  /// The torchtitan keys read and ignored ("file:line:col: key = value: why").
-  const std::vector<std::string>& ignored() const noexcept { return ignored_; }
+  /// The torchtitan keys read and ignored ("file:line:col: key = value: why"), in file order.
+  std::vector<std::string> ignored() const;
   /// How `key` was given, for messages: "model.hf_assets_path (torchtitan's name for
   /// model.tokenizer)" when set under torchtitan's name, else the key itself.
   std::string given_as(const std::string& key) const;
@@ -120,9 +120,9 @@ class Config {
   struct Checker;
   const Value& get(const std::string& key) const;
   std::map<std::string, Value> values_;
-  std::vector<std::string> problems_, ignored_;
-  std::vector<std::array<std::string, 3>> ignored_parts_;  // where, "key = value", why
-  std::vector<std::pair<long, long>> problem_order_, ignored_order_, ignored_parts_order_;  // (line, column) of each
+  std::vector<std::string> problems_;
+  std::vector<std::array<std::string, 3>> ignored_;  // where, "key = value", why
+  std::vector<std::pair<long, long>> problem_order_, ignored_order_;  // (line, column) of each
   std::set<std::string> problem_keys_;
   std::map<std::string, std::string> given_as_;  // spmdx key -> torchtitan's name it was set under
   std::map<std::string, std::map<std::string, std::string>> plugin_options_;
