@@ -15,6 +15,7 @@
 #include <filesystem>
 #include <functional>
 #include <map>
+#include <optional>
 #include <fstream>
 #include <limits>
 #include <set>
@@ -68,6 +69,15 @@ std::vector<std::string> all_keys() {
 
 std::string at_line(const std::string& source, const toml::source_region& region) {
   return source + ":" + std::to_string(region.begin.line) + ":" + std::to_string(region.begin.column);
+}
+
+// (line, column) of a place or message that starts as at_line writes one for `source`;
+// nullopt for any other (the command line, the file without a line, another file).
+std::optional<std::pair<long, long>> file_position(const std::string& at, const std::string& source) {
+  if (source.empty() || at.compare(0, source.size() + 1, source + ":") != 0) return std::nullopt;
+  long line = 0, col = 0;
+  if (std::sscanf(at.c_str() + source.size() + 1, "%ld:%ld", &line, &col) != 2) return std::nullopt;
+  return std::make_pair(line, col);
 }
 
 // A value against its spec: range and choices. The problem ("" when none), starting with the key.
@@ -256,15 +266,9 @@ struct Config::Checker {
   std::map<std::string, std::string> given_here;  // spmdx key -> the name the command line gave it under
 
   // Messages are kept in the order of the file (line, column), command-line ones after.
-  static std::pair<long, long> position(const std::string& at, const std::string& source) {
-    if (source.empty() || at.compare(0, source.size() + 1, source + ":") != 0) return {1L << 40, 0};
-    long line = 0, col = 0;
-    std::sscanf(at.c_str() + source.size() + 1, "%ld:%ld", &line, &col);
-    return {line, col};
-  }
   template <class T>
   void insert_sorted(std::vector<T>& list, std::vector<std::pair<long, long>>& keys, const std::string& at, T item) {
-    const auto k = position(at, cfg.source_);
+    const auto k = file_position(at, cfg.source_).value_or(std::make_pair(1L << 40, 0L));
     const auto it = std::upper_bound(keys.begin(), keys.end(), k);
     list.insert(list.begin() + (it - keys.begin()), std::move(item));
     keys.insert(it, k);
@@ -592,10 +596,7 @@ std::string Config::report(const std::vector<std::string>& more) const {
   auto order = [&](const std::string& p) {
     const std::string src = source_.empty() ? "config" : source_;
     if (p.rfind("command line", 0) == 0) return std::make_tuple(2L, 0L, 0L);
-    if (p.compare(0, src.size() + 1, src + ":") == 0) {
-      long line = 0, col = 0;
-      if (std::sscanf(p.c_str() + src.size() + 1, "%ld:%ld", &line, &col) == 2) return std::make_tuple(0L, line, col);
-    }
+    if (const auto at = file_position(p, src)) return std::make_tuple(0L, at->first, at->second);
     return std::make_tuple(1L, 0L, 0L);
   };
   std::stable_sort(all.begin(), all.end(), [&](const std::string& a, const std::string& b) { return order(a) < order(b); });
@@ -621,8 +622,8 @@ std::string Config::ignored_text() const {
   std::vector<std::string> reasons;
   std::map<std::string, std::string> keys;
   for (const auto& [at, what, reason] : ignored_) {
-    std::string where = at;
-    if (!source_.empty() && at.compare(0, source_.size() + 1, source_ + ":") == 0) where = "line " + at.substr(source_.size() + 1, at.find(':', source_.size() + 1) - source_.size() - 1);
+    const auto position = file_position(at, source_);
+    const std::string where = position ? "line " + std::to_string(position->first) : at;
     if (!keys.count(reason)) reasons.push_back(reason);
     keys[reason] += (keys[reason].empty() ? "" : ", ") + what + " (" + where + ")";
   }
