@@ -46,5 +46,14 @@ TEST(Text, SplitLinesKeepsEveryPiece) {
   EXPECT_EQ(split_lines(""), (std::vector<std::string>{""}));
 }
 
+TEST(Text, NearestWordIsTheFirstOfTheNearestWithinTheDistance) {
+  const std::vector<std::string> known{"timeline", "graphviz", "flight_recorder"};
+  EXPECT_EQ(nearest_word("timelin", known, 2), "timeline");
+  EXPECT_EQ(nearest_word("grapvhiz", known, 2), "graphviz");  // a swap is two edits
+  EXPECT_EQ(nearest_word("grapvhiz", known, 1), "");
+  EXPECT_EQ(nearest_word("consistency", known, 3), "");
+  EXPECT_EQ(nearest_word("ab", {"ax", "ay"}, 1), "ax");
+}
+
 }  // namespace
 }  // namespace spmdx

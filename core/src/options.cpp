@@ -93,12 +93,7 @@ void OptionReader::done() const {
   std::vector<std::string> problems = problems_;
   for (const auto& [key, value] : options_) {
     if (read_.count(key) > 0) continue;
-    std::string best;
-    std::size_t best_d = 3;
-    for (const auto& known : read_) {
-      const std::size_t d = edit_distance(key, known);
-      if (d < best_d) best_d = d, best = known;
-    }
+    const std::string best = nearest_word(key, std::vector<std::string>(read_.begin(), read_.end()), 2);
     std::string known;
     for (const auto& k : read_) known += (known.empty() ? "" : ", ") + k;
     problems.push_back(owner_ + " " + key + ": unknown option" + (best.empty() ? "" : "; did you mean '" + best + "'?") + " (known: " + known + ")");

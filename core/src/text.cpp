@@ -23,6 +23,16 @@ std::size_t edit_distance(const std::string& a, const std::string& b) {
   return row[b.size()];
 }
 
+std::string nearest_word(const std::string& word, const std::vector<std::string>& known, std::size_t max_distance) {
+  std::string best;
+  std::size_t best_d = max_distance + 1;
+  for (const auto& k : known) {
+    const std::size_t d = edit_distance(word, k);
+    if (d < best_d) best_d = d, best = k;
+  }
+  return best;
+}
+
 std::string human_bytes(double b) {
   const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
   int u = 0;

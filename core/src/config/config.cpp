@@ -17,7 +17,6 @@
 #include <map>
 #include <optional>
 #include <fstream>
-#include <limits>
 #include <set>
 #include <sstream>
 
@@ -33,14 +32,8 @@ std::size_t typo_distance(const std::string& word) { return word.size() <= 3 ? 1
 
 // " (did you mean 'x'?)" for the nearest of `known`, only when it is a plausible typo.
 std::string did_you_mean(const std::string& word, const std::vector<std::string>& known) {
-  std::string best;
-  std::size_t best_d = std::numeric_limits<std::size_t>::max();
-  for (const auto& k : known) {
-    const std::size_t d = edit_distance(word, k);
-    if (d < best_d) best_d = d, best = k;
-  }
-  if (best.empty() || best_d > typo_distance(word)) return "";
-  return "; did you mean '" + best + "'?";
+  const std::string near = nearest_word(word, known, typo_distance(word));
+  return near.empty() ? "" : "; did you mean '" + near + "'?";
 }
 
 const char* type_name(Type t) {
@@ -101,11 +94,9 @@ std::string value_problem(const KeySpec& spec, const Value& v) {
     for (const auto& c : spec.choices) list += (list.empty() ? "" : ", ") + c;
     // No hint where the nearest choice extends the value or the other way round: "Adam" is not
     // a typo of "AdamW" but another optimizer.
-    std::string hint = did_you_mean(*s, spec.choices);
-    for (const auto& c : spec.choices) {
-      if (hint.find("'" + c + "'") != std::string::npos && (c.rfind(*s, 0) == 0 || s->rfind(c, 0) == 0)) hint.clear();
-    }
-    return spec.key + " is \"" + *s + "\", expected one of " + list + hint;
+    const std::string near = nearest_word(*s, spec.choices, typo_distance(*s));
+    const bool hint = !near.empty() && near.rfind(*s, 0) != 0 && s->rfind(near, 0) != 0;
+    return spec.key + " is \"" + *s + "\", expected one of " + list + (hint ? "; did you mean '" + near + "'?" : "");
   }
   return "";
 }
@@ -253,8 +244,8 @@ std::string key_hint(const std::string& key) {
   for (const auto& k : all_keys()) {
     if (k.compare(0, section.size() + 1, section + ".") == 0) same.push_back(k.substr(section.size() + 1));
   }
-  const std::string hint = did_you_mean(name, same);
-  return hint.empty() ? "" : "; did you mean '" + section + "." + hint.substr(std::string("; did you mean '").size());
+  const std::string near = nearest_word(name, same, typo_distance(name));
+  return near.empty() ? "" : "; did you mean '" + section + "." + near + "'?";
 }
 
 }  // namespace
@@ -301,7 +292,6 @@ struct Config::Checker {
   void foreign(const std::string& key, const std::string& text, const std::string& at, const std::function<void(const KeySpec&)>& apply) {
     const TitanKey* t = find_titan_key(key);
     if (t == nullptr) {
-      const std::string section = key.substr(0, key.find('.'));
       problem(at, key, "unknown key '" + key + "'" + key_hint(key));
       return;
     }

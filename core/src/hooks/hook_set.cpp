@@ -159,15 +159,12 @@ HookSet make_hooks(const config::Config& cfg, PluginRegistry& registry, const Ho
       std::vector<std::string> keys;
       for (const auto& [k, v] : opts) keys.push_back(table + "." + k);
       // A near miss of an enabled hook is a typo whose options would be lost: refused.
-      bool near = false;
-      for (const auto& e : enabled) {
-        if (!near && edit_distance(name, e) <= 2) {
-          typos += (typos.empty() ? "" : "\n") + std::string("[") + table + "] sets options of hook '" + name +
-                   "', which hooks.enable does not list; did you mean [hooks." + e + "]?";
-          near = true;
-        }
+      if (const std::string near = nearest_word(name, enabled, 2); !near.empty()) {
+        typos += (typos.empty() ? "" : "\n") + std::string("[") + table + "] sets options of hook '" + name +
+                 "', which hooks.enable does not list; did you mean [hooks." + near + "]?";
+      } else {
+        SPMDX_WARN(cfg.where({keys.front()}) << ": [" << table << "] sets options of hook '" << name << "', which hooks.enable does not list: ignored");
       }
-      if (!near) SPMDX_WARN(cfg.where({keys.front()}) << ": [" << table << "] sets options of hook '" << name << "', which hooks.enable does not list: ignored");
       continue;
     }
     options[name] = opts;
