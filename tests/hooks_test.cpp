@@ -591,5 +591,18 @@ TEST(Hooks, BadHookConfigFailsBeforeAnyRankStarts) {
   EXPECT_THAT(orphan.output, HasSubstr("[hooks.timeline] sets options of hook 'timeline', which hooks.enable does not list: ignored"));
 }
 
+TEST(Hooks, AnEmptyHookTableNoHookUsesIsNamedWithItsLine) {
+  test::TempDir dir;
+  const fs::path cfg = dir / "c.toml";
+  std::ofstream(cfg) << "[model]\nname = \"mlp\"\n\n[hooks.unused]\n\n[hooks.timelin]\n";
+  auto c = spmdx("compile '" + cfg.string() + "' --job.dump_folder '" + (dir / "o").string() + "' --hooks.enable timeline");
+  EXPECT_EQ(c.exit_code, 1) << c.output;
+  EXPECT_THAT(c.output, HasSubstr("[hooks.timelin] sets options of hook 'timelin', which hooks.enable does not list; did you mean [hooks.timeline]?"));
+  std::ofstream(cfg) << "[model]\nname = \"mlp\"\n\n[hooks.unused]\n";
+  c = spmdx("compile '" + cfg.string() + "' --job.dump_folder '" + (dir / "o").string() + "' --hooks.enable timeline");
+  EXPECT_EQ(c.exit_code, 0) << c.output;
+  EXPECT_THAT(c.output, HasSubstr(cfg.string() + ":4:1: [hooks.unused] sets options of hook 'unused', which hooks.enable does not list: ignored"));
+}
+
 }  // namespace
 }  // namespace spmdx

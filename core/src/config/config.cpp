@@ -414,6 +414,7 @@ struct Config::Checker {
         const std::string node_at = at_line(source, node.source());
         if (section == "hooks" && node.is_table()) {  // [hooks.<name>]: that hook's options
           auto& options = cfg.plugin_options_[key];
+          cfg.positions_[key] = node_at;  // where the table is, for a table without options
           for (const auto& [opt_key, opt] : *node.as_table()) {
             const std::string opt_at = at_line(source, opt.source());
             cfg.positions_[key + "." + std::string(opt_key.str())] = opt_at;

@@ -156,14 +156,13 @@ HookSet make_hooks(const config::Config& cfg, PluginRegistry& registry, const Ho
   for (const auto& [table, opts] : cfg.plugin_option_tables()) {
     const std::string name = table.substr(table.find('.') + 1);
     if (std::find(enabled.begin(), enabled.end(), name) == enabled.end()) {
-      std::vector<std::string> keys;
-      for (const auto& [k, v] : opts) keys.push_back(table + "." + k);
       // A near miss of an enabled hook is a typo whose options would be lost: refused.
       if (const std::string near = nearest_word(name, enabled, 2); !near.empty()) {
         typos += (typos.empty() ? "" : "\n") + std::string("[") + table + "] sets options of hook '" + name +
                  "', which hooks.enable does not list; did you mean [hooks." + near + "]?";
       } else {
-        SPMDX_WARN(cfg.where({keys.front()}) << ": [" << table << "] sets options of hook '" << name << "', which hooks.enable does not list: ignored");
+        // Where its first option is set (the file's line, or the command line), else the table.
+        SPMDX_WARN(cfg.where({opts.empty() ? table : table + "." + opts.begin()->first}) << ": [" << table << "] sets options of hook '" << name << "', which hooks.enable does not list: ignored");
       }
       continue;
     }
