@@ -38,8 +38,6 @@ std::string identity(const Entry& e, bool by_index) {
   return std::to_string(e.step) + (by_index ? "#" + std::to_string(e.index) : ":" + e.value) + " " + e.op;
 }
 
-int kind_rank(FrFinding::Kind k) { return static_cast<int>(k); }
-
 }  // namespace
 
 FrAnalysis analyze_flight_recorder(const std::filesystem::path& given) {
@@ -54,7 +52,6 @@ FrAnalysis analyze_flight_recorder(const std::filesystem::path& given) {
   FrAnalysis out;
   int world_size = 0;
   std::map<int, std::string> reasons;
-  std::map<int, std::string> file_of;  // rank -> its dump
   std::map<int, std::vector<std::string>> by_world;  // world_size -> files
   std::map<std::string, std::vector<std::string>> by_run;  // the job's run id (its rank 0 drew it) -> files
   std::map<int, std::size_t> full_ring;  // ranks whose dump holds as many entries as their ring: older ones were lost
@@ -86,7 +83,6 @@ FrAnalysis analyze_flight_recorder(const std::filesystem::path& given) {
       if (name != "rank" + std::to_string(rank) + ".json") {
         throw std::runtime_error("it holds rank " + std::to_string(rank) + "'s dump under another rank's name");
       }
-      file_of.emplace(rank, file.path().string());
       world_size = std::max(world_size, ws);
       by_world[ws].push_back(name);
       by_run[doc.contains("run") && doc["run"].is_string() ? doc["run"].get<std::string>() : std::string("(none)")].push_back(name);
@@ -348,7 +344,7 @@ FrAnalysis analyze_flight_recorder(const std::filesystem::path& given) {
     const bool ka = a.index >= 0, kb = b.index >= 0;
     if (ka != kb) return ka;
     if (ka && std::make_tuple(a.step, a.index) != std::make_tuple(b.step, b.index)) return std::make_tuple(a.step, a.index) < std::make_tuple(b.step, b.index);
-    return kind_rank(a.kind) < kind_rank(b.kind);
+    return a.kind < b.kind;
   });
   std::ostringstream text;
   text << "flight recorder dumps in " << folder.string() << ": " << rank_list(out.dumped);
