@@ -146,8 +146,8 @@ class Consistency final : public spmdx::Hook {
       const json& d = old.value("divergence", json());
       if (d.is_object() && d.at("step").get<std::int64_t>() < context_.first_step) report_["divergence"] = d;
     } catch (const std::exception& e) {
-      SPMDX_WARN("consistency: the report of the run before (" << context_.output_dir << "report.json) is unreadable (" << e.what()
-                                                                << "); starting a new one");
+      SPMDX_WARN("consistency: the report of the run before (" << (std::filesystem::path(context_.output_dir) / "report.json").string()
+                                                                << ") is unreadable (" << e.what() << "); starting a new one");
       report_ = {{"checks", json::array()}};
     }
   }
