@@ -135,6 +135,11 @@ TEST(Run, ABadCommBackendOptionFailsBeforeAnyRankStarts) {
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_THAT(r.output, HasSubstr("comm.swap_to = \"ucx:chunk=64\": ucx: unknown option 'chunk' (known: tls, chunk_bytes, direct_max_bytes, shm, shm_chunk_bytes)"));
   EXPECT_THAT(r.output, ::testing::Not(HasSubstr("[rank")));
+  // A transport that exists everywhere but carries nothing between the rank processes.
+  r = spmdx_run("'" SPMDX_SOURCE_DIR "/configs/mlp_dp.toml' --nproc 2 --comm.backend 'ucx:tls=self'");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.output, HasSubstr("comm.backend = \"ucx:tls=self\": ucx: tls=self names no transport between rank processes: add shm"));
+  EXPECT_THAT(r.output, ::testing::Not(HasSubstr("[rank")));
 }
 
 TEST(Run, TypoInConfigFailsBeforeAnyRankStartsNamingLineAndKey) {

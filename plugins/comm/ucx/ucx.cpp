@@ -13,6 +13,7 @@
 #include <ucp/api/ucp.h>
 #include <ucs/config/global_opts.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <sstream>
@@ -52,25 +53,22 @@ bool tls_usable(const std::string& tls) {
 // The "tls" option, checked without joining any job: every transport it names must exist
 // here (UCX alone would only warn about a missing one next to others, or fail at init).
 void check_tls(const std::string& tls) {
-  std::vector<std::string> missing;
-  std::stringstream names(tls.rfind('^', 0) == 0 ? tls.substr(1) : tls);
-  std::string name;
-  while (std::getline(names, name, ',')) {
-    if (name.empty() || name == "all") continue;
-    if (!tls_usable(name)) missing.push_back(name);
+  // "^a,b" excludes: what is left is every transport here but those (shm also names posix, sysv).
+  const bool excluding = tls.rfind('^', 0) == 0;
+  std::vector<std::string> listed, missing;
+  std::stringstream names(excluding ? tls.substr(1) : tls);
+  for (std::string name; std::getline(names, name, ',');) listed.push_back(name);
+  for (const auto& name : listed) {
+    if (!name.empty() && name != "all" && !tls_usable(name)) missing.push_back(name);
   }
   // The ranks are processes: at least one transport between processes (shared memory on a
   // host, a network across hosts). self (within a process) and cma (a zero-copy helper that
   // needs another transport to set up) are not.
-  // "^a,b" excludes: what is left is every transport here but those (shm also names posix, sysv).
-  const bool excluding = tls.rfind('^', 0) == 0;
   if (missing.empty()) {
     auto between_processes = [](const std::string& t) {
       return t != "self" && t != "cma" && t != "knem" && t != "xpmem" && t.rfind("cuda", 0) != 0 && t.rfind("rocm", 0) != 0 && t != "gdr_copy";
     };
-    std::vector<std::string> listed, left;
-    std::stringstream all(excluding ? tls.substr(1) : tls);
-    while (std::getline(all, name, ',')) listed.push_back(name);
+    std::vector<std::string> left;
     if (excluding) {
       auto excluded = [&](const std::string& t) {
         for (const auto& x : listed) {
@@ -84,9 +82,7 @@ void check_tls(const std::string& tls) {
     } else {
       left = listed;
     }
-    bool between = false;
-    for (const auto& t : left) between = between || (t != "all" && between_processes(t)) || t == "all";
-    if (!between) {
+    if (std::none_of(left.begin(), left.end(), [&](const std::string& t) { return t == "all" || between_processes(t); })) {
       throw std::invalid_argument("ucx: tls=" + tls + " names no transport between rank processes: add shm for ranks on one host, tcp across hosts "
                                   "(e.g. tls=shm,self or tls=tcp,self)");
     }
