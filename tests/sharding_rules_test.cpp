@@ -48,6 +48,8 @@ std::vector<Case> cases() {
       {"sigmoid", "sigmoid", {{4, 5}}, {}},
       {"silu", "silu", {{4, 5}}, {}},
       {"gelu", "gelu", {{4, 5}}, {}},
+      {"gelu_tanh", "gelu", {{4, 5}}, {{"approximate", std::string("tanh")}}},
+      {"cast_f64", "cast", {{4, 5}}, {{"dtype", std::string("f64")}}},
       {"relu", "relu", {{4, 5}}, {}},
       {"add_scalar", "add_scalar", {{4, 5}}, {{"value", 1.5}}},
       {"mul_scalar", "mul_scalar", {{4, 5}}, {{"value", -2.0}}},
@@ -100,6 +102,7 @@ std::vector<Case> cases() {
       {"relu_backward", "relu_backward", {{4, 5}, {4, 5}}, {}, [](Tensors& x) { x[1] = at::relu(x[1]); }},
       {"silu_backward", "silu_backward", {{4, 5}, {4, 5}}, {}},
       {"gelu_backward", "gelu_backward", {{4, 5}, {4, 5}}, {}},
+      {"gelu_backward_tanh", "gelu_backward", {{4, 5}, {4, 5}}, {{"approximate", std::string("tanh")}}},
       {"adamw", "adamw", {{4, 6}, {4, 6}, {4, 6}, {4, 6}, {}, {}}, {{"weight_decay", 0.1}},
        [](Tensors& x) {
          positive(x[3]);

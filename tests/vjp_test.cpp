@@ -46,6 +46,9 @@ std::vector<OpCase> cases() {
       {"sigmoid", "sigmoid", {{{2, 3}}}, {}},
       {"silu", "silu", {{{2, 3}}}, {}},
       {"gelu", "gelu", {{{2, 3}}}, {}},
+      {"gelu_tanh", "gelu", {{{2, 3}}}, {{"approximate", std::string("tanh")}}},
+      {"cast_f64", "cast", {{{2, 3}}}, {{"dtype", std::string("f64")}}},
+      {"cast_f32", "cast", {{{2, 3}}}, {{"dtype", std::string("f32")}}},
       {"relu", "relu", {{{4, 5}}}, {}},
       {"add_scalar", "add_scalar", {{{3}}}, {{"value", 2.5}}},
       {"mul_scalar", "mul_scalar", {{{3}}}, {{"value", -1.5}}},
@@ -119,8 +122,9 @@ void check_case(const OpCase& c, at::ScalarType dtype, double tolerance) {
   }
   ir::Node* node = g.add_node(c.op, args, c.attrs);
   // loss = sum(out * r), r random: every output element gets its own upstream gradient.
-  at::Tensor r = at::randn(node->output()->meta().shape, gen, at::TensorOptions().dtype(dtype));
-  ir::Value* rv = g.add_input("r", {r.sizes().vec(), exec::from_aten(dtype), "cpu", false});
+  // (in the output's dtype, which a cast changes)
+  at::Tensor r = at::randn(node->output()->meta().shape, gen, at::TensorOptions().dtype(exec::to_aten(node->output()->meta().dtype)));
+  ir::Value* rv = g.add_input("r", {r.sizes().vec(), node->output()->meta().dtype, "cpu", false});
   feed["r"] = r;
   g.add_output("loss", g.add("sum", {g.add("mul", {node->output(), rv})}));
   auto grads = ir::gradients(g, g.find_output("loss"), wrt);

@@ -40,7 +40,8 @@ const std::map<std::string, Kernel>& kernels() {
     k["rsqrt"] = [](const Node&, const Tensors& x) { return one(at::rsqrt(x[0])); };
     k["sigmoid"] = [](const Node&, const Tensors& x) { return one(at::sigmoid(x[0])); };
     k["silu"] = [](const Node&, const Tensors& x) { return one(at::silu(x[0])); };
-    k["gelu"] = [](const Node&, const Tensors& x) { return one(at::gelu(x[0])); };
+    k["gelu"] = [](const Node& n, const Tensors& x) { return one(at::gelu(x[0], n.attr_string("approximate"))); };
+    k["cast"] = [](const Node& n, const Tensors& x) { return one(x[0].to(to_aten(n.output()->meta().dtype))); };
     k["relu"] = [](const Node&, const Tensors& x) { return one(at::relu(x[0])); };
     k["add_scalar"] = [](const Node& n, const Tensors& x) { return one(at::add(x[0], n.attr_float("value"))); };
     k["mul_scalar"] = [](const Node& n, const Tensors& x) { return one(at::mul(x[0], n.attr_float("value"))); };
@@ -108,7 +109,7 @@ const std::map<std::string, Kernel>& kernels() {
     // ---- backward ops ----
     k["relu_backward"] = [](const Node&, const Tensors& x) { return one(at::threshold_backward(x[0], x[1], 0)); };
     k["silu_backward"] = [](const Node&, const Tensors& x) { return one(at::silu_backward(x[0], x[1])); };
-    k["gelu_backward"] = [](const Node&, const Tensors& x) { return one(at::gelu_backward(x[0], x[1])); };
+    k["gelu_backward"] = [](const Node& n, const Tensors& x) { return one(at::gelu_backward(x[0], x[1], n.attr_string("approximate"))); };
     k["softmax_backward"] = [](const Node& n, const Tensors& x) {
       return one(at::_softmax_backward_data(x[0], x[1], n.attr_int("dim"), x[1].scalar_type()));
     };

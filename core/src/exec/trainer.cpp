@@ -4,6 +4,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 
 #include <cmath>
+#include <cstring>
 #include <stdexcept>
 
 namespace spmdx::exec {
@@ -30,6 +31,16 @@ TensorMap init_tensors(const models::Model& model, std::uint64_t seed) {
         break;
       }
       case K::ones: out[spec.name] = at::ones(spec.shape, options); break;
+      case K::data: {
+        at::Tensor t = at::empty(spec.shape, options);
+        if (spec.data == nullptr || spec.data->size() != t.nbytes()) {
+          throw std::invalid_argument("init: '" + spec.name + "' has " + std::to_string(spec.data ? spec.data->size() : 0) + " bytes of data, not the " +
+                                      std::to_string(t.nbytes()) + " its shape and dtype take");
+        }
+        if (t.nbytes() > 0) std::memcpy(t.data_ptr(), spec.data->data(), t.nbytes());
+        out[spec.name] = t;
+        break;
+      }
       case K::zeros: out[spec.name] = at::zeros(spec.shape, options); break;
       case K::rope_cos:
       case K::rope_sin: {

@@ -114,7 +114,28 @@ OpSchema softmax_like(const std::string& name) {
 std::vector<OpSchema> builtin_ops() {
   std::vector<OpSchema> ops;
   for (const char* n : {"add", "sub", "mul", "div"}) ops.push_back(binary(n));
-  for (const char* n : {"neg", "exp", "log", "sqrt", "rsqrt", "sigmoid", "silu", "gelu", "relu"}) ops.push_back(unary(n));
+  for (const char* n : {"neg", "exp", "log", "sqrt", "rsqrt", "sigmoid", "silu", "relu"}) ops.push_back(unary(n));
+  // gelu: x * Phi(x) ("none"), or its tanh approximation ("tanh"), as torch.nn.functional.gelu.
+  const AttrSpec approximate{"approximate", AttrType::string, false, std::string("none")};
+  auto check_approximate = [](const Attributes& a) {
+    const auto& v = std::get<std::string>(a.at("approximate"));
+    if (v != "none" && v != "tanh") fail("approximate must be \"none\" or \"tanh\", got \"" + v + "\"");
+  };
+  ops.push_back({"gelu", 1, 1, {approximate}, [check_approximate](const Metas& in, const Attributes& a) {
+                   floating(*in[0], "the input");
+                   check_approximate(a);
+                   return std::vector{like(*in[0], in[0]->shape, in[0]->requires_grad)};
+                 }});
+  // cast: the same values in another dtype, as Tensor.to(dtype) (round to nearest even for
+  // floats). The gradient is cast back to the input's dtype.
+  ops.push_back({"cast", 1, 1, {{"dtype", AttrType::string, true, {}}}, [](const Metas& in, const Attributes& a) {
+                   const auto& name = std::get<std::string>(a.at("dtype"));
+                   auto dtype = parse_dtype(name);
+                   if (!dtype) fail("dtype \"" + name + "\" is not one of f32, f64, f16, bf16, i32, i64, u8, bool");
+                   TensorMeta out = like(*in[0], in[0]->shape, in[0]->requires_grad && is_floating(*dtype));
+                   out.dtype = *dtype;
+                   return std::vector{out};
+                 }});
   for (const char* n : {"add_scalar", "mul_scalar", "pow_scalar"}) ops.push_back(scalar(n));
   ops.push_back(reduction("sum"));
   ops.push_back(reduction("mean"));
@@ -334,7 +355,11 @@ std::vector<OpSchema> builtin_ops() {
                               any_requires_grad(in))};
     };
   };
-  for (const char* n : {"relu_backward", "silu_backward", "gelu_backward"}) ops.push_back({n, 2, 2, {}, grad_like(1, 1)});
+  for (const char* n : {"relu_backward", "silu_backward"}) ops.push_back({n, 2, 2, {}, grad_like(1, 1)});
+  ops.push_back({"gelu_backward", 2, 2, {approximate}, [grad_like, check_approximate](const Metas& in, const Attributes& a) {
+                   check_approximate(a);
+                   return grad_like(1, 1)(in, a);
+                 }});
   for (const char* n : {"softmax_backward", "log_softmax_backward"}) {
     ops.push_back({n, 2, 2, {{"dim", AttrType::integer, false, std::int64_t{-1}}}, grad_like(1, 1)});
   }

@@ -60,7 +60,12 @@ const std::map<std::string, Rule>& rules() {
     };
     r["relu"] = [](Graph& g, const Node& n, const Grads& go) { return Grads{g.add("relu_backward", {go[0], n.output()})}; };
     r["silu"] = [](Graph& g, const Node& n, const Grads& go) { return Grads{g.add("silu_backward", {go[0], n.input(0)})}; };
-    r["gelu"] = [](Graph& g, const Node& n, const Grads& go) { return Grads{g.add("gelu_backward", {go[0], n.input(0)})}; };
+    r["gelu"] = [](Graph& g, const Node& n, const Grads& go) {
+      return Grads{g.add("gelu_backward", {go[0], n.input(0)}, {{"approximate", n.attr_string("approximate")}})};
+    };
+    r["cast"] = [](Graph& g, const Node& n, const Grads& go) {
+      return Grads{g.add("cast", {go[0]}, {{"dtype", std::string(to_string(n.input(0)->meta().dtype))}})};
+    };
     r["add_scalar"] = [](Graph&, const Node&, const Grads& go) { return Grads{go[0]}; };
     r["mul_scalar"] = [](Graph& g, const Node& n, const Grads& go) {
       return Grads{g.add("mul_scalar", {go[0]}, float_attr(n.attr_float("value")))};

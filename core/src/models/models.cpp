@@ -15,12 +15,12 @@ class Builder {
   Builder(Model& m, ir::DType dtype) : m_(m), b_(m.graph, dtype) {}
 
   Value* param(const std::string& name, Shape shape, InitSpec::Kind kind, double std = 0.0, double bound = 2.0) {
-    m_.init.push_back({name, shape, kind, std, bound, 0.0, {}, true});
+    m_.init.push_back({name, shape, kind, std, bound, 0.0, {}, true, nullptr});
     m_.params.push_back(name);
     return b_.param(name, std::move(shape));
   }
   Value* buffer(const std::string& name, Shape shape, InitSpec::Kind kind, double theta, const RopeScaling& scaling) {
-    m_.init.push_back({name, shape, kind, 0.0, 0.0, theta, scaling, false});
+    m_.init.push_back({name, shape, kind, 0.0, 0.0, theta, scaling, false, nullptr});
     return b_.input(name, std::move(shape), b_.dtype());
   }
   ir::GraphBuilder& b() { return b_; }
@@ -89,15 +89,24 @@ void build_llama(Model& m, Builder& mb, Value* tokens, Value* labels, std::int64
   m.graph.add_output("loss", loss_of(b, logits, labels, a.vocab_size));
 }
 
+Importer& importer() {
+  static Importer f;
+  return f;
+}
+
 }  // namespace
+
+void set_importer(Importer f) { importer() = std::move(f); }
+bool has_importer() { return static_cast<bool>(importer()); }
 
 ModelArgs model_args(const std::string& name, const std::string& flavor, std::int64_t vocab_size) {
   ModelArgs a;
   a.name = name;
   a.flavor = flavor;
   a.vocab_size = vocab_size;
+  if (name == "pt2") return a;  // everything else comes from the file
   if (name != "mlp" && name != "llama") {
-    throw std::invalid_argument("unknown model '" + name + "'; known models: mlp, llama");
+    throw std::invalid_argument("unknown model '" + name + "'; known models: mlp, llama, pt2");
   }
   if (flavor == "tiny") {
     a.dim = 64, a.n_layers = 2, a.n_heads = 4, a.ffn_hidden = 192;
@@ -113,6 +122,16 @@ ModelArgs model_args(const std::string& name, const std::string& flavor, std::in
 Model build_model(const ModelArgs& args, std::int64_t batch, std::int64_t seq_len, ir::DType dtype) {
   if (batch <= 0 || seq_len <= 0) {
     throw std::invalid_argument("batch and seq_len must be positive, got " + std::to_string(batch) + " x " + std::to_string(seq_len));
+  }
+  if (args.name == "pt2") {
+    if (!importer()) throw std::invalid_argument("model \"pt2\": this program was built without the importer (spmdx_exec, which needs LibTorch)");
+    Model m = importer()(args);
+    const ir::Value* tokens = m.graph.find_input("tokens");
+    if (tokens->meta().shape != std::vector<std::int64_t>{batch, seq_len}) {
+      throw std::invalid_argument(args.path + ": the program was exported for tokens " + ir::shape_str(tokens->meta().shape) + ", not [" +
+                                  std::to_string(batch) + ", " + std::to_string(seq_len) + "]");
+    }
+    return m;
   }
   if (args.dim % args.n_heads != 0 || (args.dim / args.n_heads) % 2 != 0) {
     throw std::invalid_argument("dim " + std::to_string(args.dim) + " must split into " + std::to_string(args.n_heads) +

@@ -118,7 +118,8 @@ const std::map<std::string, Rule>& rules() {
                            "rdiv_scalar", "clamp_max_scalar", "rpow_scalar", "ones_like"}) {
       r[op] = nonlinear();
     }
-    for (const char* op : {"neg", "mul_scalar", "zeros_like"}) r[op] = linear_unary();
+    // cast is linear up to rounding: a Partial sum stays one (as DTensor's to(dtype)).
+    for (const char* op : {"neg", "mul_scalar", "zeros_like", "cast"}) r[op] = linear_unary();
     for (const char* op : {"relu_backward", "silu_backward", "gelu_backward"}) r[op] = linear_in_first();
 
     auto reduction = [](bool mean) {

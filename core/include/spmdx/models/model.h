@@ -4,6 +4,8 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -32,6 +34,7 @@ struct InitSpec {
     rope_cos,      ///< cos(t * f_i), [seq_len, head_dim/2]: f_i = theta^(-2i/head_dim), with Llama 3.1's
                    ///< scaling when rope_scaling_factor > 0, as torchtitan's precompute_freqs_cis
     rope_sin,
+    data,          ///< the bytes in `data` (an imported program's weights, buffers and constants)
   };
   std::string name;
   std::vector<std::int64_t> shape;
@@ -41,11 +44,22 @@ struct InitSpec {
   double rope_theta = 0.0;  ///< rope tables only
   RopeScaling rope_scaling;  ///< rope tables only
   bool trainable = true;    ///< false for buffers (rope tables)
+  /// Kind::data: the tensor's elements, contiguous, in the graph input's dtype (native byte
+  /// order), shared with whoever read them (an importer's cache).
+  std::shared_ptr<const std::vector<unsigned char>> data;
 };
 
 struct ModelArgs {
-  std::string name;    ///< "mlp" or "llama"
-  std::string flavor;  ///< "tiny", "debugmodel"
+  std::string name;    ///< "mlp", "llama", or "pt2" (a torch.export program read from `path`)
+  std::string flavor;  ///< "tiny", "debugmodel"; unused for "pt2"
+  std::string path;    ///< "pt2": the archive (torch.export.save's .pt2)
+  /// "pt2": the program's user inputs that take the batch's tokens and labels, in that order,
+  /// by name; empty: by position (the first takes tokens, the second, if any, labels).
+  std::vector<std::string> inputs;
+  /// "pt2": "auto" (a scalar output is the loss, logits [..., vocab] get mean cross entropy
+  /// against the labels), "cross_entropy" (the output must be logits) or "output" (the output
+  /// must be the scalar loss).
+  std::string loss = "auto";
   std::int64_t vocab_size = 256;
   std::int64_t dim = 64;
   std::int64_t n_layers = 2;
@@ -73,8 +87,18 @@ struct Model {
   std::vector<std::string> params;     ///< trainable names, in declaration order
 };
 
-/// Builds the forward graph for a batch of [batch, seq_len] tokens.
+/// Builds the forward graph for a batch of [batch, seq_len] tokens. For "pt2" the program is
+/// imported (set_importer) and its exported tokens must be [batch, seq_len]. Throws
+/// std::invalid_argument for bad arguments and the importer's errors.
 Model build_model(const ModelArgs& args, std::int64_t batch, std::int64_t seq_len, ir::DType dtype = ir::DType::f32);
+
+/// Reads a model from a file (ModelArgs::path) for ModelArgs::name "pt2". The library that can
+/// read one (spmdx_exec, which links LibTorch: spmdx/models/pt2.h) sets it when it is loaded;
+/// without it build_model refuses "pt2" saying so.
+using Importer = std::function<Model(const ModelArgs&)>;
+void set_importer(Importer importer);
+/// Whether an importer is set.
+bool has_importer();
 
 /// Where a tensor name belongs in the model: "layers.3" for "layers.3.attention.wq.weight"
 /// (also for its "exp_avg."/"exp_avg_sq."/"next." forms), "tok_embeddings" for

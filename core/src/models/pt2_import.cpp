@@ -1,0 +1,1223 @@
+// The .pt2 importer (spmdx/models/pt2.h). Three parts:
+//   1. Archive: the zip (LibTorch's PyTorchStreamReader, which strips the archive's top
+//      folder), its JSON read strictly (every object's fields and every union's kind checked
+//      against torch/_export/serde/schema.py, major 8), and the weights rebuilt from raw
+//      bytes with their sizes, strides and storage offset. Cached per file for the process.
+//   2. Binding: each node's arguments bound by name to the op's ATen schema from
+//      c10::Dispatcher, which also gives the defaults the file leaves out.
+//   3. Mapping: node by node onto the IR. Nodes whose tensor inputs are all frozen (buffers,
+//      constants, their products) run once here, boxed through the dispatcher (constant
+//      folding); torchtitan's complex rotary pattern becomes rotary_embedding; the rest map
+//      op by op (the table in map_node).
+#include "spmdx/models/pt2.h"
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
+#include <caffe2/serialize/inline_container.h>
+#include <nlohmann/json.hpp>
+
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <limits>
+#include <mutex>
+#include <optional>
+#include <set>
+
+#include "spmdx/exec/kernels.h"
+
+namespace spmdx::models {
+namespace {
+
+using json = nlohmann::json;
+using Shape = std::vector<std::int64_t>;
+
+// ---------------------------------------------------------------------------------------------
+// 1. The archive
+
+struct Fail {
+  std::string path;
+  [[noreturn]] void operator()(const std::string& what) const { throw ImportError(path + ": " + what); }
+};
+
+// The object's fields must be among `known` (schema.py's dataclass fields): a newer writer's
+// field is an error, not a silent default.
+void only_fields(const Fail& fail, const json& j, std::initializer_list<const char*> known, const std::string& what) {
+  if (!j.is_object()) fail(what + " is not a JSON object");
+  for (const auto& [key, value] : j.items()) {
+    bool ok = false;
+    for (const char* k : known) ok = ok || key == k;
+    if (!ok) fail("unknown field '" + key + "' in " + what + " (written by a newer torch than spmdx reads?)");
+  }
+}
+
+const json& field(const Fail& fail, const json& j, const char* key, const std::string& what) {
+  auto it = j.find(key);
+  if (it == j.end()) fail(what + " has no field '" + key + "'");
+  return *it;
+}
+
+// A one-key union object: its kind, checked against `kinds`.
+std::string union_kind(const Fail& fail, const json& j, std::initializer_list<const char*> kinds, const std::string& what) {
+  if (!j.is_object() || j.size() != 1) fail(what + " must be an object with exactly one key");
+  const std::string kind = j.begin().key();
+  for (const char* k : kinds) {
+    if (kind == k) return kind;
+  }
+  fail("unknown kind '" + kind + "' of " + what);
+}
+
+// schema.py's ScalarType codes.
+std::optional<at::ScalarType> scalar_type(std::int64_t code) {
+  switch (code) {
+    case 1: return at::kByte;
+    case 2: return at::kChar;
+    case 3: return at::kShort;
+    case 4: return at::kInt;
+    case 5: return at::kLong;
+    case 6: return at::kHalf;
+    case 7: return at::kFloat;
+    case 8: return at::kDouble;
+    case 9: return at::kComplexHalf;
+    case 10: return at::kComplexFloat;
+    case 11: return at::kComplexDouble;
+    case 12: return at::kBool;
+    case 13: return at::kBFloat16;
+    default: return std::nullopt;
+  }
+}
+
+struct Meta {
+  at::ScalarType dtype = at::kFloat;
+  Shape sizes, strides;
+  std::int64_t storage_offset = 0;
+  bool requires_grad = false;
+};
+
+std::int64_t sym_int(const Fail& fail, const json& j, const std::string& what) {
+  const std::string kind = union_kind(fail, j, {"as_int", "as_expr"}, what);
+  if (kind == "as_expr") {
+    fail(what + " is symbolic (" + j["as_expr"].value("expr_str", std::string("?")) +
+         "): the program was exported with dynamic shapes; spmdx trains static ones: export without dynamic_shapes");
+  }
+  return j["as_int"].get<std::int64_t>();
+}
+
+Meta tensor_meta(const Fail& fail, const json& j, const std::string& what) {
+  only_fields(fail, j, {"dtype", "sizes", "requires_grad", "device", "strides", "storage_offset", "layout"}, what);
+  Meta m;
+  const auto code = field(fail, j, "dtype", what).get<std::int64_t>();
+  auto t = scalar_type(code);
+  if (!t) fail(what + " has dtype code " + std::to_string(code) + ", which spmdx does not read");
+  m.dtype = *t;
+  for (const auto& s : field(fail, j, "sizes", what)) m.sizes.push_back(sym_int(fail, s, what + " sizes"));
+  for (const auto& s : field(fail, j, "strides", what)) m.strides.push_back(sym_int(fail, s, what + " strides"));
+  m.storage_offset = sym_int(fail, field(fail, j, "storage_offset", what), what + " storage_offset");
+  m.requires_grad = j.value("requires_grad", false);
+  if (j.value("layout", 7) != 7) fail(what + " is not a strided (dense) tensor; spmdx reads dense tensors only");
+  return m;
+}
+
+struct Archive {
+  std::string path;
+  std::string model;  // the program's name in the archive ("model")
+  json program;
+  std::map<std::string, at::Tensor> tensors;   // fqn -> the tensor, contiguous
+  std::map<std::string, std::string> storage;  // fqn -> its payload ("weights/weight_0")
+  std::map<std::string, bool> is_param;
+};
+
+std::string record_text(caffe2::serialize::PyTorchStreamReader& reader, const std::string& name) {
+  auto [data, size] = reader.getRecord(name);
+  return std::string(static_cast<const char*>(data.get()), size);
+}
+
+// One payload folder (weights or constants) of the archive.
+void read_payloads(const Fail& fail, caffe2::serialize::PyTorchStreamReader& reader, Archive& a, const std::string& folder) {
+  const std::string config_name = "data/" + folder + "/" + a.model + "_" + folder + "_config.json";
+  if (!reader.hasRecord(config_name)) {
+    if (folder == "weights" && reader.hasRecord("data/weights/" + a.model + ".pt")) {
+      fail("its weights are pickled (data/weights/" + a.model + ".pt): it was written by torch 2.8 or older; load and save it again with torch >= 2.9");
+    }
+    if (folder == "constants") return;  // a program without constants may have none
+    fail("it has no " + config_name + "; is it a torch.export archive?");
+  }
+  json config;
+  try {
+    config = json::parse(record_text(reader, config_name));
+  } catch (const json::exception& e) {
+    fail(config_name + " is not valid JSON: " + e.what());
+  }
+  only_fields(fail, config, {"config"}, config_name);
+  std::map<std::string, at::Tensor> storages;
+  for (const auto& [fqn, payload] : field(fail, config, "config", config_name).items()) {
+    const std::string what = config_name + " entry '" + fqn + "'";
+    only_fields(fail, payload, {"path_name", "is_param", "use_pickle", "tensor_meta"}, what);
+    if (payload.value("use_pickle", false)) {
+      fail("'" + fqn + "' is stored pickled (a tensor subclass or a custom object, e.g. a DTensor); spmdx reads plain tensors: export the model with plain parameters");
+    }
+    const std::string path_name = field(fail, payload, "path_name", what).get<std::string>();
+    const auto& tm = field(fail, payload, "tensor_meta", what);
+    if (tm.is_null()) fail(what + " has no tensor_meta");
+    const Meta m = tensor_meta(fail, tm, what + " tensor_meta");
+    const std::string record = "data/" + folder + "/" + path_name;
+    auto it = storages.find(path_name);
+    if (it == storages.end()) {
+      if (!reader.hasRecord(record)) fail("'" + fqn + "' names payload " + record + ", which the archive lacks");
+      auto [data, size] = reader.getRecord(record);
+      const auto elem = static_cast<std::size_t>(c10::elementSize(m.dtype));
+      if (size % elem != 0) fail("payload " + record + " of '" + fqn + "' has " + std::to_string(size) + " bytes, not a whole number of " + c10::toString(m.dtype) + " elements (truncated?)");
+      at::Tensor storage = at::empty({static_cast<std::int64_t>(size / elem)}, at::TensorOptions().dtype(m.dtype));
+      if (size > 0) std::memcpy(storage.data_ptr(), data.get(), size);
+      it = storages.emplace(path_name, storage).first;
+    }
+    const at::Tensor& storage = it->second;
+    if (storage.scalar_type() != m.dtype) fail("'" + fqn + "' reads payload " + record + " as " + c10::toString(m.dtype) + ", another tensor as " + c10::toString(storage.scalar_type()));
+    std::int64_t extent = m.storage_offset + 1;  // one past the last element used
+    bool empty = false;
+    for (std::size_t d = 0; d < m.sizes.size(); ++d) {
+      if (m.sizes[d] == 0) empty = true;
+      extent += (m.sizes[d] - 1) * m.strides.at(d);
+    }
+    if (m.sizes.size() != m.strides.size()) fail(what + ": sizes and strides differ in length");
+    if (!empty && extent > storage.numel()) {
+      fail("payload " + record + " holds " + std::to_string(storage.numel()) + " elements but '" + fqn + "' " + ir::shape_str(m.sizes) +
+           " needs " + std::to_string(extent) + ": the file is truncated or damaged; save it again");
+    }
+    a.tensors[fqn] = storage.as_strided(m.sizes, m.strides, m.storage_offset).clone(at::MemoryFormat::Contiguous);
+    a.storage[fqn] = folder + "/" + path_name;
+    a.is_param[fqn] = payload.value("is_param", false);
+  }
+}
+
+std::shared_ptr<const Archive> read_archive(const std::string& path) {
+  const Fail fail{path};
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(path, ec)) fail("no such file (give the path of a .pt2 file that torch.export.save wrote)");
+  std::unique_ptr<caffe2::serialize::PyTorchStreamReader> reader;
+  try {
+    reader = std::make_unique<caffe2::serialize::PyTorchStreamReader>(path);
+  } catch (const c10::Error& e) {
+    const std::string why = e.what_without_backtrace();
+    // torch <= 2.7 wrote a plain zip without the archive's top folder.
+    for (const char* old : {"serialized_exported_program.json", "serialized_state_dict.pt", "serialized_constants.pt", "serialized_example_inputs.pt"}) {
+      if (why.find(std::string("not in a subdirectory: ") + old) != std::string::npos) {
+        fail("it was written by torch 2.7 or older (" + std::string(old) + " at the top of a plain zip); load and save it again with torch >= 2.9");
+      }
+    }
+    fail("not a readable PT2 archive (a zip file from torch.export.save): " + why);
+  }
+  auto a = std::make_shared<Archive>();
+  a->path = path;
+  try {
+    if (reader->hasRecord("serialized_exported_program.json")) {
+      fail("it was written by torch 2.7 or older (serialized_exported_program.json); load and save it again with torch >= 2.9");
+    }
+    if (!reader->hasRecord("archive_format")) fail("it has no archive_format record: not a PT2 archive from torch.export.save");
+    if (const std::string f = record_text(*reader, "archive_format"); f != "pt2") fail("archive_format is \"" + f + "\", not \"pt2\"");
+    if (reader->hasRecord("byteorder")) {
+      if (const std::string b = record_text(*reader, "byteorder"); b != "little") fail("byteorder is \"" + b + "\"; spmdx reads little-endian archives");
+    }
+    std::vector<std::string> programs;
+    for (const auto& r : reader->getAllRecords()) {
+      if (r.rfind("data/aotinductor/", 0) == 0) {
+        fail("it is an AOTInductor package (compiled for inference, data/aotinductor/); spmdx trains torch.export programs: save with torch.export.save(ep, path)");
+      }
+      if (r.rfind("models/", 0) == 0 && r.size() > 12 && r.compare(r.size() - 5, 5, ".json") == 0) programs.push_back(r);
+    }
+    if (programs.empty()) fail("it holds no program (models/*.json)");
+    if (programs.size() > 1) fail("it holds " + std::to_string(programs.size()) + " programs (" + programs[0] + ", " + programs[1] + ", ...); spmdx trains one: save one ExportedProgram per file");
+    a->model = programs[0].substr(7, programs[0].size() - 12);
+    try {
+      a->program = json::parse(record_text(*reader, programs[0]));
+    } catch (const json::exception& e) {
+      fail(programs[0] + " is not valid JSON: " + e.what());
+    }
+    read_payloads(fail, *reader, *a, "weights");
+    read_payloads(fail, *reader, *a, "constants");
+  } catch (const c10::Error& e) {
+    fail(std::string("reading the archive failed (corrupt or truncated?): ") + e.what_without_backtrace());
+  }
+  return a;
+}
+
+std::shared_ptr<const Archive> archive(const std::string& path) {
+  static std::mutex mu;
+  static std::map<std::string, std::pair<std::string, std::shared_ptr<const Archive>>> cache;
+  std::error_code ec;
+  const auto stamp = std::to_string(std::filesystem::file_size(path, ec)) + "@" +
+                     std::to_string(std::filesystem::last_write_time(path, ec).time_since_epoch().count());
+  std::lock_guard<std::mutex> lock(mu);
+  auto& entry = cache[path];
+  if (entry.second == nullptr || entry.first != stamp) entry = {stamp, read_archive(path)};
+  return entry.second;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The program's JSON, checked
+
+struct Program {
+  const json* graph = nullptr;
+  std::map<std::string, Meta> values;  // tensor_values
+  struct Input {
+    std::string kind;  // parameter, buffer, tensor_constant, user_input
+    std::string arg;   // the graph's name for it
+    std::string fqn;   // parameter_name / buffer_name / tensor_constant_name
+  };
+  std::vector<Input> inputs;
+  std::vector<std::string> outputs;  // user outputs' value names
+  std::string torch_version, schema_version, verifier;
+};
+
+void check_argument(const Fail& fail, const json& arg, const std::string& what);
+
+Program read_program(const Archive& a) {
+  const Fail fail{a.path};
+  const json& ep = a.program;
+  const std::string file = "models/" + a.model + ".json";
+  only_fields(fail, ep, {"graph_module", "opset_version", "range_constraints", "schema_version", "verifiers", "torch_version", "guards_code"}, file);
+  Program p;
+  const json& sv = field(fail, ep, "schema_version", file);
+  only_fields(fail, sv, {"major", "minor"}, file + " schema_version");
+  const auto major = sv.value("major", 0);
+  p.schema_version = std::to_string(major) + "." + std::to_string(sv.value("minor", 0));
+  p.torch_version = ep.value("torch_version", std::string("?"));
+  if (major != 8) {
+    fail("serialization schema " + p.schema_version + " (torch " + p.torch_version + "); spmdx reads schema 8 (torch 2.9 and later): save it again with torch >= 2.9");
+  }
+  for (const auto& v : ep.value("verifiers", json::array())) {
+    const auto name = v.get<std::string>();
+    if (name != "ATEN" && name != "TRAINING") fail("verifier \"" + name + "\": spmdx reads ATen programs (torch.export.export, optionally .run_decompositions())");
+    p.verifier = name;
+  }
+  if (!ep.value("range_constraints", json::object()).empty()) {
+    fail("the program has symbolic shapes (range_constraints " + ep["range_constraints"].dump() +
+         "): it was exported with dynamic_shapes; spmdx trains static shapes: export without dynamic_shapes");
+  }
+  const json& gm = field(fail, ep, "graph_module", file);
+  only_fields(fail, gm, {"graph", "signature", "module_call_graph", "metadata", "treespec_namedtuple_fields"}, file + " graph_module");
+  const json& g = field(fail, gm, "graph", file + " graph_module");
+  only_fields(fail, g, {"inputs", "outputs", "nodes", "tensor_values", "sym_int_values", "sym_bool_values", "is_single_tensor_return", "custom_obj_values", "sym_float_values"},
+              file + " graph");
+  for (const char* k : {"sym_int_values", "sym_bool_values", "sym_float_values"}) {
+    if (!g.value(k, json::object()).empty()) fail("the program has symbolic values (" + std::string(k) + "): it was exported with dynamic shapes; export without dynamic_shapes");
+  }
+  if (!g.value("custom_obj_values", json::object()).empty()) fail("the program holds custom objects (torchbind); spmdx trains programs of ATen ops on tensors");
+  p.graph = &g;
+  for (const auto& [name, meta] : field(fail, g, "tensor_values", file + " graph").items()) p.values[name] = tensor_meta(fail, meta, "tensor_values['" + name + "']");
+  const json& sig = field(fail, gm, "signature", file + " graph_module");
+  only_fields(fail, sig, {"input_specs", "output_specs"}, file + " signature");
+  for (const auto& spec : field(fail, sig, "input_specs", file + " signature")) {
+    const std::string kind = union_kind(fail, spec, {"user_input", "parameter", "buffer", "tensor_constant", "custom_obj", "token", "constant_input"}, "input spec");
+    const json& s = spec[kind];
+    Program::Input in{kind, "", ""};
+    if (kind == "user_input") {
+      only_fields(fail, s, {"arg"}, "user_input spec");
+      const json& arg = field(fail, s, "arg", "user_input spec");
+      if (union_kind(fail, arg, {"as_tensor", "as_none", "as_int", "as_float", "as_bool", "as_string", "as_sym_int", "as_ints"}, "user input") != "as_tensor") {
+        fail("user input " + arg.dump() + " is not a tensor; spmdx feeds tokens and labels: export a forward(tokens[, labels]) of tensors only");
+      }
+      in.arg = arg["as_tensor"].value("name", std::string());
+    } else if (kind == "parameter") {
+      only_fields(fail, s, {"arg", "parameter_name"}, "parameter spec");
+      in.arg = field(fail, s, "arg", "parameter spec").value("name", std::string());
+      in.fqn = field(fail, s, "parameter_name", "parameter spec").get<std::string>();
+    } else if (kind == "buffer") {
+      only_fields(fail, s, {"arg", "buffer_name", "persistent"}, "buffer spec");
+      in.arg = field(fail, s, "arg", "buffer spec").value("name", std::string());
+      in.fqn = field(fail, s, "buffer_name", "buffer spec").get<std::string>();
+    } else if (kind == "tensor_constant") {
+      only_fields(fail, s, {"arg", "tensor_constant_name"}, "tensor_constant spec");
+      in.arg = field(fail, s, "arg", "tensor_constant spec").value("name", std::string());
+      in.fqn = field(fail, s, "tensor_constant_name", "tensor_constant spec").get<std::string>();
+    } else if (kind == "constant_input") {
+      fail("the program takes a non-tensor input ('" + s.value("name", std::string("?")) + "'); export a forward(tokens[, labels]) of tensors only");
+    } else {
+      fail("the program takes a " + kind + " input; spmdx trains programs of ATen ops on tensors (export without custom objects or effect tokens)");
+    }
+    p.inputs.push_back(in);
+  }
+  for (const auto& spec : field(fail, sig, "output_specs", file + " signature")) {
+    const std::string kind = union_kind(fail, spec, {"user_output", "loss_output", "buffer_mutation", "gradient_to_parameter", "gradient_to_user_input",
+                                                     "user_input_mutation", "token", "parameter_mutation"},
+                                        "output spec");
+    if (kind != "user_output" && kind != "loss_output") {
+      fail("the program has a " + kind + " output (it changes a buffer, parameter or input in place, as BatchNorm's running stats do); spmdx trains programs without mutation");
+    }
+    const json& arg = field(fail, spec[kind], "arg", kind + " spec");
+    if (kind == "loss_output") {
+      p.outputs.push_back(arg.value("name", std::string()));
+    } else if (union_kind(fail, arg, {"as_tensor", "as_none", "as_int", "as_float", "as_bool", "as_string", "as_sym_int", "as_ints", "as_tensors"}, "user output") == "as_tensor") {
+      p.outputs.push_back(arg["as_tensor"].value("name", std::string()));
+    } else {
+      fail("the program returns " + arg.dump() + "; return the loss or the logits, one tensor");
+    }
+  }
+  for (const auto& node : field(fail, g, "nodes", file + " graph")) {
+    const std::string what = "node '" + node.value("name", std::string("?")) + "'";
+    only_fields(fail, node, {"target", "inputs", "outputs", "metadata", "is_hop_single_tensor_return", "name"}, what);
+    for (const auto& in : field(fail, node, "inputs", what)) {
+      only_fields(fail, in, {"name", "arg", "kind"}, what + " input");
+      if (in.contains("kind") && !in["kind"].is_null()) {
+        const auto k = in["kind"].get<std::int64_t>();
+        if (k != 1 && k != 2) fail(what + " input '" + in.value("name", std::string()) + "' has argument kind " + std::to_string(k) + " (1 positional, 2 keyword)");
+      }
+      check_argument(fail, field(fail, in, "arg", what + " input"), what + " input '" + in.value("name", std::string()) + "'");
+    }
+    for (const auto& out : field(fail, node, "outputs", what)) check_argument(fail, out, what + " output");
+  }
+  return p;
+}
+
+const std::initializer_list<const char*> kArgumentKinds = {
+    "as_none", "as_tensor", "as_tensors", "as_int", "as_ints", "as_float", "as_floats", "as_string", "as_strings", "as_sym_int", "as_sym_ints",
+    "as_scalar_type", "as_memory_format", "as_layout", "as_device", "as_bool", "as_bools", "as_sym_bool", "as_sym_bools", "as_graph",
+    "as_optional_tensors", "as_custom_obj", "as_operator", "as_sym_float", "as_sym_floats", "as_optional_tensor", "as_complex",
+    "as_nested_tensors", "as_int_lists", "as_string_to_argument", "as_float_lists"};
+
+void check_argument(const Fail& fail, const json& arg, const std::string& what) { union_kind(fail, arg, kArgumentKinds, what); }
+
+// "model.py:42: y = x.cumsum(-1)" from a node's stack trace: its last frame.
+std::string source_line(const json& node) {
+  const auto md = node.find("metadata");
+  if (md == node.end() || !md->is_object() || !md->contains("stack_trace")) return "";
+  const std::string trace = (*md)["stack_trace"].get<std::string>();
+  const auto at = trace.rfind("File \"");
+  if (at == std::string::npos) return "";
+  const auto end_file = trace.find('"', at + 6);
+  const auto line_at = trace.find("line ", end_file);
+  if (end_file == std::string::npos || line_at == std::string::npos) return "";
+  const std::string file = std::filesystem::path(trace.substr(at + 6, end_file - at - 6)).filename().string();
+  const std::string line = trace.substr(line_at + 5, trace.find_first_not_of("0123456789", line_at + 5) - line_at - 5);
+  std::string code;
+  if (const auto nl = trace.find('\n', line_at); nl != std::string::npos) {
+    code = trace.substr(nl + 1, trace.find('\n', nl + 1) - nl - 1);
+    code.erase(0, code.find_first_not_of(' '));
+  }
+  return file + ":" + line + (code.empty() ? "" : ": " + code);
+}
+
+// "torch.ops.aten.add.Tensor" -> ("aten::add", "Tensor"); "default" is the unnamed overload.
+std::pair<std::string, std::string> op_name(const std::string& target) {
+  std::string t = target.rfind("torch.ops.", 0) == 0 ? target.substr(10) : target;
+  const auto dot1 = t.find('.');
+  const auto dot2 = t.rfind('.');
+  if (dot1 == std::string::npos || dot1 == dot2) return {t, ""};
+  const std::string overload = t.substr(dot2 + 1);
+  return {t.substr(0, dot1) + "::" + t.substr(dot1 + 1, dot2 - dot1 - 1), overload == "default" ? "" : overload};
+}
+
+// "aten.add.Tensor" for messages and the op table.
+std::string short_target(const std::string& target) { return target.rfind("torch.ops.", 0) == 0 ? target.substr(10) : target; }
+
+// ---------------------------------------------------------------------------------------------
+// 2. Binding arguments to the ATen schema
+
+// An argument bound to its schema slot: a value from the file or the schema's default.
+struct Bound {
+  std::string name;
+  c10::IValue value;                 // non-tensor values (and None)
+  std::vector<std::string> tensors;  // as_tensor / as_tensors / as_optional_tensor(s) names ("" for a None in a list)
+  bool is_tensor = false, is_list = false;
+};
+
+c10::IValue to_ivalue(const Fail& fail, const json& arg, const std::string& what, Bound& b) {
+  const std::string kind = arg.begin().key();
+  const json& v = arg.begin().value();
+  auto real = [&](const json& x) -> double {
+    if (x.is_string()) {
+      const auto s = x.get<std::string>();
+      if (s == "Infinity") return std::numeric_limits<double>::infinity();
+      if (s == "-Infinity") return -std::numeric_limits<double>::infinity();
+      if (s == "NaN") return std::numeric_limits<double>::quiet_NaN();
+      fail(what + ": float " + s);
+    }
+    return x.get<double>();
+  };
+  auto sym = [&](const json& x) -> std::int64_t {
+    if (x.contains("as_name")) fail(what + " is symbolic ('" + x["as_name"].get<std::string>() + "'): the program was exported with dynamic shapes; export without dynamic_shapes");
+    return x.at("as_int").get<std::int64_t>();
+  };
+  if (kind == "as_none") return c10::IValue();
+  if (kind == "as_int") return c10::IValue(v.get<std::int64_t>());
+  if (kind == "as_ints") return c10::IValue(v.get<std::vector<std::int64_t>>());
+  if (kind == "as_float") return c10::IValue(real(v));
+  if (kind == "as_floats") {
+    std::vector<double> out;
+    for (const auto& x : v) out.push_back(real(x));
+    return c10::IValue(out);
+  }
+  if (kind == "as_bool") return c10::IValue(v.get<bool>());
+  if (kind == "as_bools") {
+    c10::List<bool> out;
+    for (const auto& x : v) out.push_back(x.get<bool>());
+    return c10::IValue(out);
+  }
+  if (kind == "as_string") return c10::IValue(v.get<std::string>());
+  if (kind == "as_strings") return c10::IValue(v.get<std::vector<std::string>>());
+  if (kind == "as_sym_int") return c10::IValue(sym(v));
+  if (kind == "as_sym_ints") {
+    std::vector<std::int64_t> out;
+    for (const auto& x : v) out.push_back(sym(x));
+    return c10::IValue(out);
+  }
+  if (kind == "as_scalar_type") {
+    auto t = scalar_type(v.get<std::int64_t>());
+    if (!t) fail(what + ": dtype code " + v.dump() + " is not one spmdx reads");
+    return c10::IValue(*t);
+  }
+  if (kind == "as_memory_format") {
+    switch (v.get<int>()) {
+      case 1: return c10::IValue(at::MemoryFormat::Contiguous);
+      case 2: return c10::IValue(at::MemoryFormat::ChannelsLast);
+      case 3: return c10::IValue(at::MemoryFormat::ChannelsLast3d);
+      case 4: return c10::IValue(at::MemoryFormat::Preserve);
+      default: fail(what + ": memory format " + v.dump());
+    }
+  }
+  if (kind == "as_layout") {
+    if (v.get<int>() != 7) fail(what + ": layout " + v.dump() + " is not strided (dense)");
+    return c10::IValue(at::kStrided);
+  }
+  if (kind == "as_device") {
+    // Where tensors live is spmdx's choice (training.device), not the file's: fold on the CPU.
+    return c10::IValue(c10::Device(c10::DeviceType::CPU));
+  }
+  if (kind == "as_complex") return c10::IValue(c10::complex<double>(real(v.at("real")), real(v.at("imag"))));
+  if (kind == "as_tensor") {
+    b.is_tensor = true;
+    b.tensors = {v.at("name").get<std::string>()};
+    return c10::IValue();
+  }
+  if (kind == "as_tensors" || kind == "as_optional_tensors") {
+    b.is_tensor = b.is_list = true;
+    for (const auto& x : v) {
+      if (kind == "as_tensors") b.tensors.push_back(x.at("name").get<std::string>());
+      else b.tensors.push_back(x.contains("as_tensor") ? x["as_tensor"].at("name").get<std::string>() : "");
+    }
+    return c10::IValue();
+  }
+  if (kind == "as_optional_tensor") {
+    if (v.contains("as_none")) return c10::IValue();
+    b.is_tensor = true;
+    b.tensors = {v.at("as_tensor").at("name").get<std::string>()};
+    return c10::IValue();
+  }
+  fail(what + " is an argument of kind " + kind + ", which spmdx does not read (" +
+       (kind == "as_graph" ? "a higher-order op: control flow or a wrapped subgraph" : "not an ATen tensor program") + ")");
+}
+
+struct BoundNode {
+  const json* node = nullptr;
+  std::string target;  // "aten.add.Tensor"
+  std::string name;    // the node's name ("add_3")
+  const c10::FunctionSchema* schema = nullptr;
+  std::optional<c10::OperatorHandle> op;
+  std::vector<Bound> args;  // in schema order
+  std::vector<std::string> outputs;  // value names ("" for an output not kept)
+
+  const Bound& arg(const std::string& n) const {
+    for (const auto& b : args) {
+      if (b.name == n) return b;
+    }
+    throw std::logic_error("no argument " + n);
+  }
+};
+
+std::optional<c10::OperatorHandle> find_op(const std::string& target) {
+  const auto [name, overload] = op_name(target);
+  return c10::Dispatcher::singleton().findOp({name, overload});
+}
+
+BoundNode bind_node(const Fail& fail, const json& node) {
+  BoundNode b;
+  b.node = &node;
+  b.target = short_target(node.at("target").get<std::string>());
+  b.name = node.value("name", std::string("?"));
+  auto op = find_op(node["target"].get<std::string>());
+  if (!op) fail("node '" + b.name + "' calls " + b.target + ", which this LibTorch does not know");
+  b.op = *op;
+  b.schema = &b.op->schema();
+  std::map<std::string, const json*> given;
+  for (const auto& in : node.at("inputs")) {
+    const std::string n = in.at("name").get<std::string>();
+    bool known = false;
+    for (const auto& a : b.schema->arguments()) known = known || a.name() == n;
+    if (!known) fail("node '" + b.name + "' (" + b.target + ") passes argument '" + n + "', which its ATen schema " + c10::toString(*b.schema) + " lacks");
+    given[n] = &in.at("arg");
+  }
+  for (const auto& a : b.schema->arguments()) {
+    Bound x;
+    x.name = a.name();
+    if (auto it = given.find(a.name()); it != given.end()) {
+      x.value = to_ivalue(fail, *it->second, "node '" + b.name + "' argument '" + a.name() + "'", x);
+    } else if (a.default_value()) {
+      x.value = *a.default_value();
+    } else {
+      fail("node '" + b.name + "' (" + b.target + ") leaves out argument '" + a.name() + "', which has no default");
+    }
+    b.args.push_back(std::move(x));
+  }
+  for (const auto& out : node.at("outputs")) {
+    const std::string kind = out.begin().key();
+    if (kind == "as_tensor") {
+      b.outputs.push_back(out["as_tensor"].at("name").get<std::string>());
+    } else if (kind == "as_tensors") {
+      for (const auto& t : out["as_tensors"]) b.outputs.push_back(t.at("name").get<std::string>());
+    } else if (kind == "as_none") {
+      b.outputs.push_back("");
+    } else {
+      fail("node '" + b.name + "' (" + b.target + ") returns " + kind + "; spmdx maps ops that return tensors");
+    }
+  }
+  return b;
+}
+
+// ---------------------------------------------------------------------------------------------
+// 3. Mapping onto the IR
+
+// The ATen ops with an IR mapping (the constant folder runs any op on frozen inputs).
+const std::set<std::string>& mapped_ops() {
+  static const std::set<std::string> ops = {
+      "aten.embedding.default", "aten.linear.default", "aten.mm.default", "aten.bmm.default", "aten.matmul.default", "aten.t.default",
+      "aten.transpose.int", "aten.permute.default", "aten.add.Tensor", "aten.sub.Tensor", "aten.mul.Tensor", "aten.div.Tensor",
+      "aten.add.Scalar", "aten.sub.Scalar", "aten.mul.Scalar", "aten.div.Scalar", "aten.rsub.Scalar", "aten.rsub.Tensor",
+      "aten.pow.Tensor_Scalar", "aten.neg.default", "aten.exp.default", "aten.log.default", "aten.sqrt.default", "aten.rsqrt.default",
+      "aten.sigmoid.default", "aten.silu.default", "aten.relu.default", "aten.gelu.default", "aten.view.default", "aten.reshape.default",
+      "aten._unsafe_view.default", "aten.flatten.using_ints", "aten.unsqueeze.default", "aten.squeeze.dim", "aten.squeeze.dims",
+      "aten.squeeze.default", "aten.slice.Tensor", "aten.select.int", "aten.cat.default", "aten.split.Tensor", "aten.split_with_sizes.default",
+      "aten.expand.default", "aten.sum.dim_IntList", "aten.sum.default", "aten.mean.dim", "aten.mean.default", "aten.softmax.int",
+      "aten._softmax.default", "aten.log_softmax.int", "aten._log_softmax.default", "aten.rms_norm.default", "aten.layer_norm.default",
+      "aten.scaled_dot_product_attention.default", "aten.cross_entropy_loss.default", "aten._to_copy.default", "aten.to.dtype",
+      "aten.to.dtype_layout", "aten.type_as.default", "aten.clone.default", "aten.contiguous.default", "aten.alias.default",
+      "aten.detach.default", "aten.lift_fresh_copy.default", "aten.dropout.default", "aten._assert_tensor_metadata.default",
+      "aten._assert_scalar.default", "aten.view_as_complex.default", "aten.view_as_real.default"};
+  return ops;
+}
+
+struct Sym {
+  enum class Kind { value, constant, complex, rotated } kind = Kind::value;
+  ir::Value* v = nullptr;  // value; complex/rotated: the real pairs x[..., d/2, 2]
+  at::Tensor c;            // constant
+  at::Tensor cos, sin;     // rotated: [seq, d/2]
+};
+
+class Mapper {
+ public:
+  Mapper(const Archive& a, const Program& p, const ModelArgs& args, Model& m) : a_(a), p_(p), args_(args), m_(m), fail_{a.path} {}
+
+  void run() {
+    bind_inputs();
+    for (const auto& node : p_.graph->at("nodes")) {
+      BoundNode b = bind_node(fail_, node);
+      try {
+        map_node(b);
+      } catch (const ImportError&) {
+        throw;
+      } catch (const std::exception& e) {
+        fail_(at_node(b) + ": " + e.what());
+      }
+    }
+    finish();
+  }
+
+ private:
+  std::string at_node(const BoundNode& b) const {
+    const std::string src = source_line(*b.node);
+    return "node '" + b.name + "' (" + b.target + (src.empty() ? "" : ", " + src) + ")";
+  }
+  [[noreturn]] void fail_at(const BoundNode& b, const std::string& why) const { fail_(at_node(b) + ": " + why); }
+
+  ir::DType ir_dtype(at::ScalarType t, const std::string& what) const {
+    try {
+      return exec::from_aten(t);
+    } catch (const std::exception&) {
+      fail_(what + " has dtype " + std::string(c10::toString(t)) + ", which the IR has no type for");
+    }
+  }
+
+  void bind_inputs() {
+    // Tied parameters: one trainable parameter per storage, under the first name.
+    std::map<std::string, std::string> first_of_storage;
+    std::vector<std::string> user;
+    for (const auto& in : p_.inputs) {
+      if (in.kind == "user_input") {
+        user.push_back(in.arg);
+        continue;
+      }
+      auto t = a_.tensors.find(in.fqn);
+      if (t == a_.tensors.end()) {
+        // A non-persistent buffer or a lifted constant lives with the constants; none at all is an error.
+        fail_("the program's " + in.kind + " '" + in.fqn + "' has no payload in the archive");
+      }
+      if (in.kind == "parameter") {
+        const std::string storage = a_.storage.at(in.fqn);
+        auto [it, first] = first_of_storage.emplace(storage, in.fqn);
+        if (!first) {
+          const at::Tensor& other = a_.tensors.at(it->second);
+          if (other.sizes() != t->second.sizes() || !at::equal(other, t->second)) {
+            fail_("parameters '" + it->second + "' and '" + in.fqn + "' share storage " + storage + " but are different views of it; spmdx ties whole tensors only");
+          }
+          env_[in.arg] = env_.at(arg_of_param_.at(it->second));
+          tied_.emplace_back(in.fqn, it->second);
+          continue;
+        }
+        arg_of_param_[in.fqn] = in.arg;
+        ir::TensorMeta meta{t->second.sizes().vec(), ir_dtype(t->second.scalar_type(), "parameter '" + in.fqn + "'"), "cpu", true};
+        if (!ir::is_floating(meta.dtype)) fail_("parameter '" + in.fqn + "' is " + ir::to_string(meta.dtype) + "; trainable parameters must be floating point");
+        Sym s;
+        s.v = m_.graph.add_input(in.fqn, meta);
+        add_init(in.fqn, t->second, true);
+        m_.params.push_back(in.fqn);
+        env_[in.arg] = s;
+      } else {
+        Sym s;
+        s.kind = Sym::Kind::constant;
+        s.c = t->second;
+        constant_names_[in.arg] = in.fqn;
+        env_[in.arg] = s;
+      }
+    }
+    // Tokens and labels, by name or position.
+    std::vector<std::string> chosen;
+    if (args_.inputs.empty()) {
+      chosen = user;
+    } else {
+      for (const auto& want : args_.inputs) {
+        if (std::find(user.begin(), user.end(), want) == user.end()) {
+          std::string names;
+          for (const auto& u : user) names += (names.empty() ? "" : ", ") + u;
+          fail_("model.inputs names '" + want + "', but the program's inputs are: " + names);
+        }
+        chosen.push_back(want);
+      }
+      if (chosen.size() != user.size()) fail_("model.inputs names " + std::to_string(chosen.size()) + " of the program's " + std::to_string(user.size()) + " inputs; name each");
+    }
+    if (chosen.empty() || chosen.size() > 2) {
+      fail_("the program takes " + std::to_string(chosen.size()) + " inputs; spmdx feeds forward(tokens) or forward(tokens, labels)");
+    }
+    for (std::size_t i = 0; i < chosen.size(); ++i) {
+      const Meta& m = p_.values.at(chosen[i]);
+      const char* role = i == 0 ? "tokens" : "labels";
+      if (m.dtype != at::kLong || m.sizes.size() != 2) {
+        fail_("input '" + chosen[i] + "' (taking " + role + ") is " + c10::toString(m.dtype) + ir::shape_str(m.sizes) + "; spmdx feeds int64 [batch, seq] token ids");
+      }
+      Sym s;
+      s.v = m_.graph.add_input(role, {m.sizes, ir::DType::i64, "cpu", false});
+      env_[chosen[i]] = s;
+    }
+    if (chosen.size() == 2 && p_.values.at(chosen[0]).sizes != p_.values.at(chosen[1]).sizes) {
+      fail_("the program's tokens " + ir::shape_str(p_.values.at(chosen[0]).sizes) + " and labels " + ir::shape_str(p_.values.at(chosen[1]).sizes) + " differ in shape");
+    }
+    takes_labels_ = chosen.size() == 2;
+    if (!takes_labels_) m_.graph.add_input("labels", m_.graph.find_input("tokens")->meta());
+  }
+
+  void add_init(const std::string& name, const at::Tensor& t, bool trainable) {
+    InitSpec spec;
+    spec.name = name;
+    spec.shape = t.sizes().vec();
+    spec.kind = InitSpec::Kind::data;
+    spec.trainable = trainable;
+    const at::Tensor c = t.contiguous();
+    const auto* begin = static_cast<const unsigned char*>(c.data_ptr());
+    spec.data = std::make_shared<const std::vector<unsigned char>>(begin, begin + c.nbytes());
+    m_.init.push_back(std::move(spec));
+  }
+
+  // The IR value of a tensor argument: a frozen constant becomes a graph input (once).
+  ir::Value* value(const std::string& name) {
+    Sym& s = env_.at(name);
+    if (s.kind == Sym::Kind::value) return s.v;
+    if (s.kind != Sym::Kind::constant) fail_("value '" + name + "' is complex; spmdx maps complex numbers only in torchtitan's rotary embedding (view_as_complex(x) * freqs_cis, view_as_real)");
+    auto it = constant_names_.find(name);
+    std::string input = it != constant_names_.end() ? it->second : "const." + name;
+    const ir::DType dtype = ir_dtype(s.c.scalar_type(), "constant '" + input + "'");
+    s.v = m_.graph.add_input(input, {s.c.sizes().vec(), dtype, "cpu", false});
+    add_init(input, s.c, false);
+    s.kind = Sym::Kind::value;
+    return s.v;
+  }
+
+  Sym& sym(const std::string& name) {
+    auto it = env_.find(name);
+    if (it == env_.end()) fail_("value '" + name + "' is used before it is computed");
+    return it->second;
+  }
+
+  const Meta& meta(const BoundNode& b, std::size_t i = 0) const {
+    auto it = p_.values.find(b.outputs.at(i));
+    if (it == p_.values.end()) fail_at(b, "its output '" + b.outputs.at(i) + "' has no entry in tensor_values");
+    return it->second;
+  }
+
+  ir::Value* cast(ir::Value* v, ir::DType to) {
+    if (v->meta().dtype == to) return v;
+    return m_.graph.add("cast", {v}, {{"dtype", std::string(ir::to_string(to))}});
+  }
+
+  void set(const BoundNode& b, ir::Value* v, std::size_t i = 0) {
+    const Meta& want = meta(b, i);
+    if (v->meta().shape != want.sizes) fail_at(b, "maps to " + v->meta().str() + " but the program has " + ir::shape_str(want.sizes) + " (an importer bug; please report it)");
+    v = cast(v, ir_dtype(want.dtype, "output '" + b.outputs[i] + "'"));
+    Sym s;
+    s.v = v;
+    env_[b.outputs.at(i)] = s;
+  }
+
+  // Constant folding: every tensor input frozen (or none), the op run once with ATen.
+  bool try_fold(const BoundNode& b) {
+    if (b.target == "aten._assert_tensor_metadata.default" || b.target == "aten._assert_scalar.default") return false;
+    for (const auto& a : b.args) {
+      for (const auto& t : a.tensors) {
+        if (!t.empty() && sym(t).kind != Sym::Kind::constant) return false;
+      }
+    }
+    if (b.op->hasTag(at::Tag::nondeterministic_seeded)) {
+      fail_at(b, "a random op (dropout, rand); spmdx runs each step's program as exported: export in eval() mode or without random ops");
+    }
+    torch::jit::Stack stack;
+    for (const auto& a : b.args) {
+      if (!a.is_tensor) {
+        stack.push_back(a.value);
+      } else if (!a.is_list) {
+        stack.emplace_back(sym(a.tensors[0]).c);
+      } else {
+        std::vector<at::Tensor> list;
+        for (const auto& t : a.tensors) list.push_back(sym(t).c);
+        stack.emplace_back(list);
+      }
+    }
+    b.op->callBoxed(&stack);
+    std::vector<at::Tensor> results;
+    for (const auto& r : stack) {
+      if (r.isTensor()) results.push_back(r.toTensor());
+      else if (r.isTensorList()) for (const auto& t : r.toTensorList()) results.push_back(t);
+    }
+    if (results.size() < b.outputs.size()) fail_at(b, "folding it gave " + std::to_string(results.size()) + " tensors for " + std::to_string(b.outputs.size()) + " outputs");
+    for (std::size_t i = 0; i < b.outputs.size(); ++i) {
+      if (b.outputs[i].empty()) continue;
+      Sym s;
+      s.kind = Sym::Kind::constant;
+      s.c = results[i].contiguous();
+      env_[b.outputs[i]] = s;
+    }
+    ++folded_;
+    return true;
+  }
+
+  std::int64_t i(const BoundNode& b, const char* n) const { return b.arg(n).value.toInt(); }
+  double f(const BoundNode& b, const char* n) const { return b.arg(n).value.toScalar().toDouble(); }
+  bool none(const BoundNode& b, const char* n) const { return !b.arg(n).is_tensor && b.arg(n).value.isNone(); }
+  const std::string& t(const BoundNode& b, const char* n) const { return b.arg(n).tensors.at(0); }
+  bool is_tensor(const BoundNode& b, const char* n) const { return b.arg(n).is_tensor; }
+
+  ir::Value* reshape_to(ir::Value* x, const Shape& shape) {
+    if (x->meta().shape == shape) return x;
+    return m_.graph.add("reshape", {x}, {{"shape", shape}});
+  }
+
+  // Binary ops on a tensor and a tensor or a scalar, operands cast to the result's dtype.
+  void binary(const BoundNode& b, const std::string& op, double alpha) {
+    const ir::DType out = ir_dtype(meta(b).dtype, "output");
+    ir::Value* x = cast(value(t(b, "self")), out);
+    if (is_tensor(b, "other")) {
+      ir::Value* y = cast(value(t(b, "other")), out);
+      if (alpha != 1.0) y = m_.graph.add("mul_scalar", {y}, {{"value", alpha}});
+      set(b, m_.graph.add(op, {x, y}));
+      return;
+    }
+    const double v = f(b, "other") * alpha;
+    if (op == "add") set(b, m_.graph.add("add_scalar", {x}, {{"value", v}}));
+    else if (op == "sub") set(b, m_.graph.add("add_scalar", {x}, {{"value", -v}}));
+    else if (op == "mul") set(b, m_.graph.add("mul_scalar", {x}, {{"value", v}}));
+    else set(b, m_.graph.add("mul_scalar", {x}, {{"value", 1.0 / v}}));
+  }
+
+  Shape dims_arg(const BoundNode& b, const char* n, std::size_t rank) const {
+    const c10::IValue& v = b.arg(n).value;
+    Shape dims;
+    if (v.isNone()) return dims;
+    if (v.isInt()) dims.push_back(v.toInt());
+    else dims = v.toIntVector();
+    for (auto& d : dims) {
+      if (d < 0) d += static_cast<std::int64_t>(rank);
+    }
+    return dims;
+  }
+
+  void map_node(const BoundNode& b) {
+    ++ops_[b.target];
+    if (try_fold(b)) return;
+    const std::string& op = b.target;
+    if (!mapped_ops().count(op)) fail_at(b, "spmdx has no mapping for " + op + "; it runs on trainable values, so it cannot be computed ahead either");
+    ir::Graph& g = m_.graph;
+    if (op == "aten._assert_tensor_metadata.default" || op == "aten._assert_scalar.default") return;
+    if (op == "aten.embedding.default") {
+      if (i(b, "padding_idx") != -1) fail_at(b, "embedding with padding_idx " + std::to_string(i(b, "padding_idx")) + "; spmdx's embedding has none");
+      if (b.arg("scale_grad_by_freq").value.toBool() || b.arg("sparse").value.toBool()) fail_at(b, "embedding with scale_grad_by_freq or sparse");
+      return set(b, g.add("embedding", {value(t(b, "weight")), value(t(b, "indices"))}));
+    }
+    if (op == "aten.linear.default") {
+      ir::Value* y = g.add("linear", {value(t(b, "input")), value(t(b, "weight"))});
+      if (is_tensor(b, "bias")) y = g.add("add", {y, value(t(b, "bias"))});
+      return set(b, y);
+    }
+    if (op == "aten.mm.default" || op == "aten.bmm.default") return set(b, g.add("matmul", {value(t(b, "self")), value(t(b, "mat2"))}));
+    if (op == "aten.matmul.default") {
+      ir::Value* x = value(t(b, "self"));
+      ir::Value* y = value(t(b, "other"));
+      if (x->meta().rank() < 2 || y->meta().rank() < 2) fail_at(b, "matmul of a vector; spmdx's matmul takes rank >= 2");
+      return set(b, g.add("matmul", {x, y}));
+    }
+    if (op == "aten.t.default") {
+      ir::Value* x = value(t(b, "self"));
+      return set(b, x->meta().rank() < 2 ? x : g.add("transpose", {x}, {{"dim0", std::int64_t{0}}, {"dim1", std::int64_t{1}}}));
+    }
+    if (op == "aten.transpose.int") return set(b, g.add("transpose", {value(t(b, "self"))}, {{"dim0", i(b, "dim0")}, {"dim1", i(b, "dim1")}}));
+    if (op == "aten.permute.default") return set(b, g.add("permute", {value(t(b, "self"))}, {{"dims", b.arg("dims").value.toIntVector()}}));
+    if (op == "aten.mul.Tensor" && is_tensor(b, "other")) {
+      Sym& x = sym(t(b, "self"));
+      Sym& y = sym(t(b, "other"));
+      if (x.kind == Sym::Kind::complex || y.kind == Sym::Kind::complex) return rotate(b, x.kind == Sym::Kind::complex ? x : y, x.kind == Sym::Kind::complex ? y : x);
+    }
+    if (op == "aten.add.Tensor" || op == "aten.add.Scalar") return binary(b, "add", f(b, "alpha"));
+    if (op == "aten.sub.Tensor" || op == "aten.sub.Scalar") return binary(b, "sub", f(b, "alpha"));
+    if (op == "aten.mul.Tensor" || op == "aten.mul.Scalar") return binary(b, "mul", 1.0);
+    if (op == "aten.div.Tensor" || op == "aten.div.Scalar") return binary(b, "div", 1.0);
+    if (op == "aten.rsub.Scalar" || op == "aten.rsub.Tensor") {  // other - alpha * self
+      ir::Value* x = g.add("mul_scalar", {value(t(b, "self"))}, {{"value", -f(b, "alpha")}});
+      if (is_tensor(b, "other")) return set(b, g.add("add", {x, value(t(b, "other"))}));
+      return set(b, g.add("add_scalar", {x}, {{"value", f(b, "other")}}));
+    }
+    if (op == "aten.pow.Tensor_Scalar") return set(b, g.add("pow_scalar", {value(t(b, "self"))}, {{"value", f(b, "exponent")}}));
+    for (const char* unary : {"neg", "exp", "log", "sqrt", "rsqrt", "sigmoid", "silu", "relu"}) {
+      if (op == std::string("aten.") + unary + ".default") return set(b, g.add(unary, {value(t(b, "self"))}));
+    }
+    if (op == "aten.gelu.default") return set(b, g.add("gelu", {value(t(b, "self"))}, {{"approximate", b.arg("approximate").value.toStringRef()}}));
+    if (op == "aten.view.default" || op == "aten.reshape.default" || op == "aten._unsafe_view.default" || op == "aten.flatten.using_ints" ||
+        op == "aten.unsqueeze.default" || op == "aten.squeeze.dim" || op == "aten.squeeze.dims" || op == "aten.squeeze.default") {
+      return set(b, reshape_to(value(t(b, "self")), meta(b).sizes));
+    }
+    if (op == "aten.slice.Tensor") {
+      const c10::IValue& start = b.arg("start").value;
+      const c10::IValue& end = b.arg("end").value;
+      ir::Value* x = value(t(b, "self"));
+      const std::int64_t dim = i(b, "dim") < 0 ? i(b, "dim") + x->meta().rank() : i(b, "dim");
+      const std::int64_t step = i(b, "step");
+      if (step == 1 && (start.isNone() || start.toInt() == 0) && meta(b).sizes == x->meta().shape) return set(b, x);  // the whole dim
+      return set(b, g.add("slice", {x}, {{"dim", dim}, {"start", start.isNone() ? std::int64_t{0} : start.toInt()},
+                                          {"end", end.isNone() ? std::numeric_limits<std::int64_t>::max() : end.toInt()}, {"step", step}}));
+    }
+    if (op == "aten.select.int") {
+      ir::Value* x = value(t(b, "self"));
+      std::int64_t index = i(b, "index");
+      const std::int64_t dim = i(b, "dim") < 0 ? i(b, "dim") + x->meta().rank() : i(b, "dim");
+      if (index < 0) index += x->meta().shape.at(static_cast<std::size_t>(dim));
+      ir::Value* s = g.add("slice", {x}, {{"dim", dim}, {"start", index}, {"end", index + 1}});
+      return set(b, reshape_to(s, meta(b).sizes));
+    }
+    if (op == "aten.cat.default") {
+      std::vector<ir::Value*> xs;
+      const ir::DType out = ir_dtype(meta(b).dtype, "output");
+      for (const auto& n : b.arg("tensors").tensors) xs.push_back(cast(value(n), out));
+      return set(b, g.add("cat", xs, {{"dim", i(b, "dim")}}));
+    }
+    if (op == "aten.split.Tensor" || op == "aten.split_with_sizes.default") {
+      ir::Value* x = value(t(b, "self"));
+      const std::int64_t dim = i(b, "dim") < 0 ? i(b, "dim") + x->meta().rank() : i(b, "dim");
+      std::int64_t start = 0;
+      for (std::size_t k = 0; k < b.outputs.size(); ++k) {
+        const std::int64_t size = meta(b, k).sizes.at(static_cast<std::size_t>(dim));
+        if (!b.outputs[k].empty()) set(b, g.add("slice", {x}, {{"dim", dim}, {"start", start}, {"end", start + size}}), k);
+        start += size;
+      }
+      return;
+    }
+    if (op == "aten.expand.default") return set(b, g.add("expand", {value(t(b, "self"))}, {{"shape", meta(b).sizes}}));
+    if (op == "aten.sum.dim_IntList" || op == "aten.sum.default" || op == "aten.mean.dim" || op == "aten.mean.default") {
+      ir::Value* x = value(t(b, "self"));
+      const bool mean = op.rfind("aten.mean", 0) == 0;
+      const bool has_dims = op == "aten.sum.dim_IntList" || op == "aten.mean.dim";
+      ir::Attributes attrs{{"dims", has_dims ? dims_arg(b, "dim", x->meta().shape.size()) : Shape{}}, {"keepdim", has_dims && b.arg("keepdim").value.toBool()}};
+      if (!b.arg("dtype").value.isNone()) x = cast(x, ir_dtype(b.arg("dtype").value.toScalarType(), "dtype"));
+      return set(b, g.add(mean ? "mean" : "sum", {x}, attrs));
+    }
+    if (op == "aten.softmax.int" || op == "aten._softmax.default" || op == "aten.log_softmax.int" || op == "aten._log_softmax.default") {
+      ir::Value* x = cast(value(t(b, "self")), ir_dtype(meta(b).dtype, "output"));
+      const bool log = op.find("log_softmax") != std::string::npos;
+      return set(b, g.add(log ? "log_softmax" : "softmax", {x}, {{"dim", i(b, "dim")}}));
+    }
+    if (op == "aten.rms_norm.default" || op == "aten.layer_norm.default") return norm(b);
+    if (op == "aten.scaled_dot_product_attention.default") return attention(b);
+    if (op == "aten.cross_entropy_loss.default") return cross_entropy(b);
+    if (op == "aten._to_copy.default" || op == "aten.to.dtype" || op == "aten.to.dtype_layout" || op == "aten.type_as.default" ||
+        op == "aten.clone.default" || op == "aten.contiguous.default" || op == "aten.alias.default" || op == "aten.detach.default" ||
+        op == "aten.lift_fresh_copy.default") {
+      if (op == "aten.detach.default") fail_at(b, "detach() stops gradients; spmdx's autodiff does not model it yet");
+      return set(b, value(t(b, "self")));  // set() casts to the output's dtype
+    }
+    if (op == "aten.dropout.default") {
+      if (b.arg("train").value.toBool() && f(b, "p") > 0) fail_at(b, "dropout with p > 0 in training; spmdx has no dropout yet: set p = 0");
+      return set(b, value(t(b, "input")));
+    }
+    if (op == "aten.view_as_complex.default") {
+      ir::Value* x = value(t(b, "self"));
+      if (x->meta().shape.empty() || x->meta().shape.back() != 2) fail_at(b, "view_as_complex of a tensor whose last dim is not 2");
+      Sym s;
+      s.kind = Sym::Kind::complex;
+      s.v = x;
+      env_[b.outputs[0]] = s;
+      return;
+    }
+    if (op == "aten.view_as_real.default") {
+      Sym& s = sym(t(b, "self"));
+      if (s.kind != Sym::Kind::rotated) fail_at(b, "view_as_real of a complex value other than view_as_complex(x) * freqs_cis (torchtitan's rotary embedding)");
+      // x[b, s, h, d/2, 2] -> [b, s, h, d] -> rotary_embedding -> back to pairs.
+      const Shape& pairs = s.v->meta().shape;
+      ir::Value* flat = reshape_to(s.v, {pairs[0], pairs[1], pairs[2], pairs[3] * 2});
+      ir::Value* cos = constant_input(b.outputs[0] + ".cos", s.cos.to(exec::to_aten(flat->meta().dtype)));
+      ir::Value* sin = constant_input(b.outputs[0] + ".sin", s.sin.to(exec::to_aten(flat->meta().dtype)));
+      return set(b, reshape_to(g.add("rotary_embedding", {flat, cos, sin}), pairs));
+    }
+    fail_at(b, "no mapping");  // in mapped_ops() but not handled above
+  }
+
+  ir::Value* constant_input(const std::string& name, const at::Tensor& t) {
+    const std::string input = "const." + name;
+    ir::Value* v = m_.graph.add_input(input, {t.sizes().vec(), ir_dtype(t.scalar_type(), input), "cpu", false});
+    add_init(input, t, false);
+    return v;
+  }
+
+  // view_as_complex(x) * freqs_cis, x [b, s, h, d/2, 2] and freqs_cis broadcasting as [1, s, 1, d/2].
+  void rotate(const BoundNode& b, const Sym& x, const Sym& freqs) {
+    const Shape& pairs = x.v->meta().shape;
+    if (freqs.kind != Sym::Kind::constant || pairs.size() != 5) {
+      fail_at(b, "a complex product other than torchtitan's rotary embedding (view_as_complex(x[batch, seq, heads, head_dim/2, 2]) * freqs_cis, a buffer)");
+    }
+    at::Tensor f = freqs.c;
+    while (f.dim() > 2 && f.size(0) == 1) f = f.squeeze(0);
+    if (f.dim() == 3 && f.size(1) == 1) f = f.squeeze(1);
+    if (f.dim() != 2 || f.size(0) != pairs[1] || f.size(1) != pairs[3]) {
+      fail_at(b, "freqs_cis " + ir::shape_str(freqs.c.sizes().vec()) + " does not broadcast as [1, " + std::to_string(pairs[1]) + ", 1, " + std::to_string(pairs[3]) + "] (torchtitan's reshape_for_broadcast)");
+    }
+    Sym s;
+    s.kind = Sym::Kind::rotated;
+    s.v = x.v;
+    s.cos = at::real(f).contiguous();
+    s.sin = at::imag(f).contiguous();
+    env_[b.outputs[0]] = s;
+  }
+
+  void norm(const BoundNode& b) {
+    const bool rms = b.target == "aten.rms_norm.default";
+    ir::Value* x = value(t(b, "input"));
+    const Shape shape = b.arg("normalized_shape").value.toIntVector();
+    if (x->meta().shape.empty() || shape != Shape{x->meta().shape.back()}) fail_at(b, "normalizes over " + ir::shape_str(shape) + "; spmdx's norms take the last dim only");
+    const at::TensorOptions options = at::TensorOptions().dtype(exec::to_aten(x->meta().dtype));
+    auto weight = [&](const char* n, bool ones) -> ir::Value* {
+      if (is_tensor(b, n)) return value(t(b, n));
+      return constant_input(b.name + "." + n, ones ? at::ones(shape, options) : at::zeros(shape, options));
+    };
+    double eps = 1e-5;
+    if (!b.arg("eps").value.isNone()) eps = b.arg("eps").value.toDouble();
+    else if (rms) eps = std::numeric_limits<float>::epsilon();  // torch.finfo(float32).eps, as nn.RMSNorm(eps=None)
+    if (rms) return set(b, m_.graph.add("rms_norm", {x, weight("weight", true)}, {{"eps", eps}}));
+    set(b, m_.graph.add("layer_norm", {x, weight("weight", true), weight("bias", false)}, {{"eps", eps}}));
+  }
+
+  void attention(const BoundNode& b) {
+    ir::Graph& g = m_.graph;
+    if (is_tensor(b, "attn_mask")) fail_at(b, "attention with attn_mask; spmdx's attention is causal or full: pass is_causal=True instead of a mask");
+    if (f(b, "dropout_p") != 0.0) fail_at(b, "attention dropout (dropout_p " + std::to_string(f(b, "dropout_p")) + "); export with dropout_p = 0");
+    ir::Value* q = value(t(b, "query"));
+    ir::Value* k = value(t(b, "key"));
+    ir::Value* v = value(t(b, "value"));
+    const Shape qs = q->meta().shape, ks = k->meta().shape;
+    if (qs.size() != 4 || ks.size() != 4) fail_at(b, "attention on rank-" + std::to_string(qs.size()) + " tensors; spmdx's takes [batch, heads, seq, head_dim]");
+    if (!b.arg("scale").value.isNone()) {  // spmdx's sdpa scales by 1/sqrt(head_dim): fold the rest into q
+      const double want = b.arg("scale").value.toDouble();
+      q = g.add("mul_scalar", {q}, {{"value", want * std::sqrt(static_cast<double>(qs[3]))}});
+    }
+    if (ks[1] != qs[1]) {
+      if (!b.arg("enable_gqa").value.toBool() || qs[1] % ks[1] != 0) fail_at(b, "q has " + std::to_string(qs[1]) + " heads, k and v " + std::to_string(ks[1]) + "; pass enable_gqa=True (or repeat k and v)");
+      // enable_gqa repeats each KV head heads/kv_heads times in a row (repeat_interleave on dim -3).
+      const std::int64_t rep = qs[1] / ks[1];
+      auto repeat = [&](ir::Value* x) {
+        const Shape s = x->meta().shape;
+        ir::Value* e = g.add("expand", {reshape_to(x, {s[0], s[1], 1, s[2], s[3]})}, {{"shape", Shape{s[0], s[1], rep, s[2], s[3]}}});
+        return reshape_to(e, {s[0], s[1] * rep, s[2], s[3]});
+      };
+      k = repeat(k);
+      v = repeat(v);
+    }
+    set(b, g.add_node("sdpa", {q, k, v}, {{"causal", b.arg("is_causal").value.toBool()}})->output(0));
+  }
+
+  // Mean cross entropy becomes sum / count of valid targets, as the built-in models' loss: both
+  // stay exact when the tokens are split over ranks.
+  void cross_entropy(const BoundNode& b) {
+    if (is_tensor(b, "weight")) fail_at(b, "cross entropy with class weights");
+    if (f(b, "label_smoothing") != 0.0) fail_at(b, "cross entropy with label_smoothing " + std::to_string(f(b, "label_smoothing")));
+    ir::Value* logits = value(t(b, "self"));
+    ir::Value* target = value(t(b, "target"));
+    if (logits->meta().rank() != 2 || target->meta().rank() != 1) fail_at(b, "cross entropy of " + logits->meta().str() + " and " + target->meta().str() + "; flatten to logits [N, classes] and targets [N]");
+    const std::int64_t reduction = i(b, "reduction");
+    const std::int64_t ignore = i(b, "ignore_index");
+    if (reduction == 0) fail_at(b, "cross entropy with reduction='none'; reduce to the mean or the sum");
+    vocab_ = logits->meta().shape[1];
+    ir::Value* total = m_.graph.add("cross_entropy", {logits, target}, {{"reduction", std::string("sum")}, {"ignore_index", ignore}});
+    if (reduction == 2) return set(b, total);
+    ir::Value* count = m_.graph.add("count_valid", {target}, {{"ignore_index", ignore}, {"dtype", std::string(ir::to_string(logits->meta().dtype))}});
+    set(b, m_.graph.add("div", {total, count}));
+  }
+
+  void finish() {
+    if (p_.outputs.size() != 1) fail_("the program returns " + std::to_string(p_.outputs.size()) + " tensors; return the loss or the logits, one tensor");
+    ir::Value* out = value(p_.outputs[0]);
+    const bool scalar = out->meta().shape.empty();
+    const std::string& loss = args_.loss;
+    if (loss != "auto" && loss != "cross_entropy" && loss != "output") fail_("model.loss is \"" + loss + "\"; use \"auto\", \"cross_entropy\" or \"output\"");
+    if (scalar) {
+      if (loss == "cross_entropy") fail_("model.loss = \"cross_entropy\" but the program returns a scalar " + out->meta().str() + " (a loss already): use \"output\" or \"auto\"");
+      if (!ir::is_floating(out->meta().dtype)) fail_("the program returns " + out->meta().str() + ", not a floating loss");
+      if (!takes_labels_) fail_("the program takes no labels but returns a scalar; spmdx trains forward(tokens, labels) -> loss or forward(tokens) -> logits");
+      m_.graph.add_output("loss", cast(out, ir::DType::f32));
+    } else {
+      if (loss == "output") fail_("model.loss = \"output\" but the program returns " + out->meta().str() + ", not a scalar loss");
+      if (takes_labels_) fail_("the program takes labels but returns " + out->meta().str() + ", not a scalar loss; return the loss, or take tokens only and let spmdx append cross entropy");
+      const Shape& s = out->meta().shape;
+      const std::int64_t classes = s.back();
+      ir::Value* labels = m_.graph.find_input("labels");
+      const std::int64_t rows = labels->meta().numel();
+      if (out->meta().numel() != rows * classes) fail_("the program returns " + out->meta().str() + ", not logits [batch, seq, vocab] for tokens " + labels->meta().str());
+      ir::Value* logits = cast(reshape_to(out, {rows, classes}), ir::DType::f32);
+      ir::Value* flat = reshape_to(labels, {rows});
+      ir::Value* total = m_.graph.add("cross_entropy", {logits, flat}, {{"reduction", std::string("sum")}});
+      ir::Value* count = m_.graph.add("count_valid", {flat}, {{"dtype", std::string("f32")}});
+      m_.graph.add_output("loss", m_.graph.add("div", {total, count}));
+      vocab_ = classes;
+    }
+    m_.args.vocab_size = vocab_;
+    m_.graph.verify();
+  }
+
+ public:
+  const Archive& a_;
+  const Program& p_;
+  const ModelArgs& args_;
+  Model& m_;
+  Fail fail_;
+  std::map<std::string, Sym> env_;
+  std::map<std::string, std::string> constant_names_;  // graph arg -> buffer/constant fqn
+  std::map<std::string, std::string> arg_of_param_;    // parameter fqn -> graph arg
+  std::vector<std::pair<std::string, std::string>> tied_;
+  std::map<std::string, int> ops_;
+  bool takes_labels_ = false;
+  std::int64_t vocab_ = 0;
+  int folded_ = 0;
+};
+
+std::string dtype_name(at::ScalarType t) {
+  try {
+    return ir::to_string(exec::from_aten(t));
+  } catch (const std::exception&) {
+    return t == at::kComplexFloat ? "complex64" : t == at::kComplexDouble ? "complex128" : c10::toString(t);
+  }
+}
+
+// Registers the importer with build_model when this library is loaded.
+const bool registered = [] {
+  set_importer(import_pt2);
+  return true;
+}();
+
+}  // namespace
+
+std::int64_t Pt2Summary::parameter_count() const {
+  std::int64_t n = 0;
+  for (const auto& p : parameters) {
+    std::int64_t e = 1;
+    for (auto d : p.shape) e *= d;
+    n += e;
+  }
+  return n;
+}
+
+std::int64_t Pt2Summary::parameter_bytes() const {
+  std::int64_t n = 0;
+  for (const auto& p : parameters) n += p.bytes;
+  return n;
+}
+
+Pt2Summary summarize_pt2(const std::string& path) {
+  (void)registered;
+  const auto a = archive(path);
+  const Program p = read_program(*a);
+  const Fail fail{path};
+  Pt2Summary s;
+  s.path = path;
+  s.torch_version = p.torch_version;
+  s.schema_version = p.schema_version;
+  s.verifier = p.verifier;
+  auto tensor = [](const std::string& name, const at::Tensor& t) {
+    return Pt2Summary::Tensor{name, t.sizes().vec(), dtype_name(t.scalar_type()), static_cast<std::int64_t>(t.nbytes())};
+  };
+  std::map<std::string, std::string> first_of_storage;
+  for (const auto& in : p.inputs) {
+    if (in.kind == "user_input") {
+      const Meta& m = p.values.at(in.arg);
+      s.inputs.push_back({in.arg, m.sizes, dtype_name(m.dtype), 0});
+      continue;
+    }
+    auto t = a->tensors.find(in.fqn);
+    if (t == a->tensors.end()) fail("the program's " + in.kind + " '" + in.fqn + "' has no payload in the archive");
+    if (in.kind == "parameter") {
+      auto [it, first] = first_of_storage.emplace(a->storage.at(in.fqn), in.fqn);
+      if (first) s.parameters.push_back(tensor(in.fqn, t->second));
+      else s.tied.emplace_back(in.fqn, it->second);
+    } else {
+      s.buffers.push_back(tensor(in.fqn, t->second));
+    }
+  }
+  for (const auto& o : p.outputs) {
+    auto m = p.values.find(o);
+    if (m != p.values.end()) s.outputs.push_back({o, m->second.sizes, dtype_name(m->second.dtype), 0});
+  }
+  // Which nodes could map: ops in the table, and any op whose inputs are all frozen.
+  std::set<std::string> frozen;
+  for (const auto& in : p.inputs) {
+    if (in.kind == "buffer" || in.kind == "tensor_constant") frozen.insert(in.arg);
+  }
+  for (const auto& node : p.graph->at("nodes")) {
+    BoundNode b = bind_node(fail, node);
+    ++s.ops[b.target];
+    bool all_frozen = true;
+    for (const auto& arg : b.args) {
+      for (const auto& t : arg.tensors) all_frozen = all_frozen && (t.empty() || frozen.count(t));
+    }
+    if (all_frozen && !b.op->hasTag(at::Tag::nondeterministic_seeded)) {
+      for (const auto& o : b.outputs) frozen.insert(o);
+      continue;
+    }
+    if (!mapped_ops().count(b.target)) {
+      s.unsupported.push_back({b.target, b.name, source_line(node),
+                               b.op->hasTag(at::Tag::nondeterministic_seeded) ? "a random op: export in eval() mode" : "spmdx has no mapping for it"});
+    }
+  }
+  return s;
+}
+
+Model import_pt2(const ModelArgs& args) {
+  const auto a = archive(args.path);
+  const Program p = read_program(*a);
+  Model m;
+  m.args = args;
+  Mapper mapper(*a, p, args, m);
+  mapper.run();
+  return m;
+}
+
+}  // namespace spmdx::models

@@ -1,0 +1,180 @@
+// Importing torch.export programs (.pt2) against PyTorch itself. The fixtures are written at
+// test time by examples/export/*.py with the project's Python (the pt2_fixtures test, into
+// PT2_FIXTURE_DIR): for each example model, PyTorch autograd's loss and gradients at the
+// exported weights, and the losses of 10 torch.optim.AdamW steps with clipping and
+// torchtitan's schedule. spmdx must match: loss and every gradient <= 1e-5 relative (f32), the
+// 10 losses <= 1e-4. Then the bad inputs, each refused with a message naming what is wrong.
+#include <ATen/ATen.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <filesystem>
+#include <fstream>
+
+#include "spmdx/exec/executor.h"
+#include "spmdx/exec/trainer.h"
+#include "spmdx/ir/autodiff.h"
+#include "spmdx/models/pt2.h"
+#include "test_util.h"
+
+namespace spmdx {
+namespace {
+
+using ::testing::HasSubstr;
+namespace fs = std::filesystem;
+
+const fs::path kDir = PT2_FIXTURE_DIR;
+
+nlohmann::json reference(const std::string& model) {
+  std::ifstream in(kDir / (model + ".reference.json"));
+  if (!in) throw std::runtime_error("no fixture " + (kDir / (model + ".reference.json")).string() + ": run the pt2_fixtures test first");
+  return nlohmann::json::parse(in);
+}
+
+models::Model import(const std::string& model) {
+  models::ModelArgs args = models::model_args("pt2", "", 0);
+  args.path = (kDir / (model + ".pt2")).string();
+  return models::import_pt2(args);
+}
+
+at::Tensor batch_tensor(const nlohmann::json& r, const char* key) {
+  return at::tensor(r[key].get<std::vector<std::int64_t>>(), at::kLong).reshape({r["batch"].get<std::int64_t>(), r["seq"].get<std::int64_t>()});
+}
+
+double rel_error(const at::Tensor& got, const at::Tensor& want) {
+  return (got - want).abs().max().item<double>() / std::max(want.abs().max().item<double>(), 1e-12);
+}
+
+class Pt2Model : public ::testing::TestWithParam<std::string> {};
+
+// Loss and every parameter's gradient at the exported weights, as PyTorch autograd has them.
+TEST_P(Pt2Model, LossAndGradientsMatchPyTorchAutograd) {
+  const nlohmann::json r = reference(GetParam());
+  models::Model m = import(GetParam());
+  std::vector<ir::Value*> params;
+  for (const auto& p : m.params) params.push_back(m.graph.find_input(p));
+  const auto grads = ir::gradients(m.graph, m.graph.find_output("loss"), params);
+  for (std::size_t i = 0; i < grads.size(); ++i) m.graph.add_output("grad." + m.params[i], grads[i]);
+  exec::TensorMap feed = exec::init_tensors(m, 0);
+  feed["tokens"] = batch_tensor(r, "tokens");
+  feed["labels"] = batch_tensor(r, "labels");
+  const exec::TensorMap out = exec::Executor(m.graph).run(feed);
+  const double loss = out.at("loss").item<double>();
+  EXPECT_NEAR(loss, r["loss"].get<double>(), 1e-5 * std::abs(r["loss"].get<double>()));
+  // The same parameters, in PyTorch's order (named_parameters: a tied weight once).
+  EXPECT_EQ(m.params, r["parameters"].get<std::vector<std::string>>());
+  for (const auto& p : m.params) {
+    const at::Tensor want = at::tensor(r["grads"][p].get<std::vector<float>>()).reshape(m.graph.find_input(p)->meta().shape);
+    EXPECT_LE(rel_error(out.at("grad." + p), want), 1e-5) << p;
+  }
+  std::printf("%s: loss %.6f (PyTorch %.6f), %zu parameters\n", GetParam().c_str(), loss, r["loss"].get<double>(), m.params.size());
+}
+
+// Ten AdamW steps with clipping and the warm-up/decay schedule, as torch.optim.AdamW runs them.
+TEST_P(Pt2Model, TenAdamWStepsMatchPyTorchEager) {
+  const nlohmann::json r = reference(GetParam());
+  models::Model m = import(GetParam());
+  exec::TensorMap init = exec::init_tensors(m, 0);
+  train::TrainStepConfig config;
+  config.adamw = {r["beta1"].get<double>(), r["beta2"].get<double>(), r["eps"].get<double>(), r["weight_decay"].get<double>()};
+  config.max_norm = r["max_norm"].get<double>();
+  exec::Trainer trainer(std::move(m), config, init);
+  const at::Tensor tokens = batch_tensor(r, "tokens"), labels = batch_tensor(r, "labels");
+  const auto want = r["losses"].get<std::vector<double>>();
+  const train::LrSchedule schedule{r["warmup_steps"].get<std::int64_t>(), r["steps"].get<std::int64_t>()};
+  for (std::size_t s = 0; s < want.size(); ++s) {
+    const auto step = static_cast<std::int64_t>(s + 1);
+    const double got = trainer.step(step, r["lr"].get<double>() * train::lr_factor(step, schedule), tokens, labels).loss;
+    EXPECT_NEAR(got, want[s], 1e-4 * std::abs(want[s])) << "step " << step;
+  }
+  EXPECT_LT(want.back(), want.front());  // it trains
+}
+
+INSTANTIATE_TEST_SUITE_P(Examples, Pt2Model, ::testing::Values("torchtitan_llama", "hf_llama", "gpt2"));
+
+// GPT-2's output layer is its token embedding: one parameter, used twice, its gradient the sum.
+TEST(Pt2Import, TiedWeightIsOneParameter) {
+  models::Model m = import("gpt2");
+  EXPECT_THAT(m.params, ::testing::Contains("transformer.wte.weight"));
+  EXPECT_THAT(m.params, ::testing::Not(::testing::Contains("lm_head.weight")));
+  int uses = 0;
+  for (const auto& u : m.graph.find_input("transformer.wte.weight")->uses()) uses += u.user->op() == "embedding" || u.user->op() == "linear";
+  EXPECT_EQ(uses, 2);
+  const models::Pt2Summary s = models::summarize_pt2((kDir / "gpt2.pt2").string());
+  ASSERT_EQ(s.tied.size(), 1u);
+  EXPECT_EQ(s.tied[0], std::make_pair(std::string("lm_head.weight"), std::string("transformer.wte.weight")));
+  EXPECT_EQ(s.parameter_count(), reference("gpt2")["grads"].size() > 0 ? 120576 : 0);
+}
+
+// torchtitan's complex rotary embedding becomes the IR's rotary_embedding; HF's half-split
+// rotary maps op by op with its cos/sin tables computed once at import.
+TEST(Pt2Import, RotaryPatternsMap) {
+  models::Model t = import("torchtitan_llama");
+  int rotary = 0;
+  for (const auto& n : t.graph.nodes()) rotary += n->op() == "rotary_embedding";
+  EXPECT_EQ(rotary, 4);  // q and k in 2 layers
+  models::Model h = import("hf_llama");
+  int consts = 0;
+  for (const auto* v : h.graph.inputs()) consts += v->name().rfind("const.", 0) == 0;
+  EXPECT_GE(consts, 2);  // cos and sin, folded
+  EXPECT_EQ(h.graph.find_input("model.rotary_emb.inv_freq"), nullptr);  // only used to fold them
+}
+
+// ---- Bad input: each a clear error ----
+
+std::string import_error(const std::string& path) {
+  models::ModelArgs args = models::model_args("pt2", "", 0);
+  args.path = path;
+  try {
+    models::import_pt2(args);
+  } catch (const models::ImportError& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+TEST(Pt2ImportErrors, DynamicShapes) {
+  EXPECT_THAT(import_error((kDir / "bad" / "gpt2.pt2").string()), HasSubstr("dynamic"));
+}
+
+TEST(Pt2ImportErrors, ArchiveFromTorch27) {
+  EXPECT_THAT(import_error((kDir / "bad" / "old.pt2").string()), HasSubstr("torch 2.7 or older"));
+}
+
+TEST(Pt2ImportErrors, UnsupportedOpNamedWithSourceLine) {
+  const std::string e = import_error((kDir / "bad" / "cumsum.pt2").string());
+  EXPECT_THAT(e, HasSubstr("aten.cumsum.default"));
+  EXPECT_THAT(e, HasSubstr("make_pt2_fixtures.py:"));  // the source line
+  EXPECT_THAT(e, HasSubstr("cumsum("));
+  const models::Pt2Summary s = models::summarize_pt2((kDir / "bad" / "cumsum.pt2").string());
+  ASSERT_EQ(s.unsupported.size(), 1u);
+  EXPECT_EQ(s.unsupported[0].op, "aten.cumsum.default");
+}
+
+TEST(Pt2ImportErrors, TruncatedWeight) {
+  EXPECT_THAT(import_error((kDir / "bad" / "truncated.pt2").string()), HasSubstr("truncated"));
+}
+
+TEST(Pt2ImportErrors, CorruptZip) {
+  test::TempDir dir;
+  std::ifstream in(kDir / "gpt2.pt2", std::ios::binary);
+  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  test::write_file(dir / "half.pt2", bytes.substr(0, bytes.size() / 2));
+  EXPECT_THAT(import_error((dir / "half.pt2").string()), HasSubstr("not a readable PT2 archive"));
+  test::write_file(dir / "text.pt2", "hello");
+  EXPECT_THAT(import_error((dir / "text.pt2").string()), HasSubstr("not a readable PT2 archive"));
+  EXPECT_THAT(import_error((dir / "missing.pt2").string()), HasSubstr("no such file"));
+}
+
+TEST(Pt2ImportErrors, UnknownFieldInModelJson) {
+  const std::string e = import_error((kDir / "bad" / "unknown_field.pt2").string());
+  EXPECT_THAT(e, HasSubstr("unknown field 'shiny_new_field'"));
+}
+
+TEST(Pt2ImportErrors, AotInductorPackage) {
+  EXPECT_THAT(import_error((kDir / "bad" / "aoti.pt2").string()), HasSubstr("AOTInductor"));
+}
+
+}  // namespace
+}  // namespace spmdx
