@@ -9,6 +9,7 @@
 
 #include "spmdx/core/text.h"
 #include "torchtitan_keys.h"
+#include <cctype>
 #include <cmath>
 #include <charconv>
 #include <cstring>
@@ -151,9 +152,15 @@ const std::vector<KeySpec>& schema() {
   static const std::vector<KeySpec> keys = {
       k("job.dump_folder", Type::string, std::string("./outputs"), "where metrics, checkpoints, graphs and traces go"),
       n("job.seed", Type::integer, std::int64_t{42}, "seed of parameter initialisation", 0, 9.2e18),
-      k("model.name", Type::string, std::string("llama"), "model", -1e300, L{"llama", "mlp"}),
+      k("model.name", Type::string, std::string("llama"), "model (\"pt2\": a torch.export program from model.path)", -1e300, L{"llama", "mlp", "pt2"}),
       k("model.flavor", Type::string, std::string("debugmodel"), "model size", -1e300, L{"tiny", "debugmodel"}),
       k("model.tokenizer", Type::string, std::string("byte"), "\"byte\", or a Hugging Face tokenizer.json (or its folder)"),
+      k("model.path", Type::string, std::string(""), "model.name = \"pt2\": the .pt2 file torch.export.save wrote (torch >= 2.9)"),
+      k("model.inputs", Type::string_list, L{},
+        "model.name = \"pt2\": the program's inputs that take tokens and labels, in that order (empty: by position)"),
+      k("model.loss", Type::string, std::string("auto"),
+        "model.name = \"pt2\": auto (a scalar output is the loss; logits get mean cross entropy), cross_entropy, or output", -1e300,
+        L{"auto", "cross_entropy", "output"}),
       n("training.steps", Type::integer, std::int64_t{10}, "optimizer steps", 1, 1e9),
       n("training.global_batch_size", Type::integer, std::int64_t{-1}, "rows per step over all ranks (-1: local x data-parallel degree)", -1, 1e7),
       n("training.local_batch_size", Type::integer, std::int64_t{8}, "rows per step per data-parallel rank (when global is -1)", 1, 1e6),
@@ -412,7 +419,8 @@ struct Config::Checker {
       for (const auto& [name_key, node] : *table) {
         const std::string key = section + "." + std::string(name_key.str());
         const std::string node_at = at_line(source, node.source());
-        if (section == "hooks" && node.is_table()) {  // [hooks.<name>]: that hook's options
+        // [hooks.<name>]: that hook's options; [parallelism.tp_plan]: tensor_parallel's plan
+        if ((section == "hooks" || key == "parallelism.tp_plan") && node.is_table()) {
           auto& options = cfg.plugin_options_[key];
           cfg.positions_[key] = node_at;  // where the table is, for a table without options
           for (const auto& [opt_key, opt] : *node.as_table()) {
@@ -455,6 +463,11 @@ struct Config::Checker {
   // One "--section.key value" override.
   void override_value(const std::string& key, const std::string& text) {
     const std::string at = "command line: --" + key;
+    if (const std::string plan = "parallelism.tp_plan."; key.rfind(plan, 0) == 0 && key.size() > plan.size()) {  // --parallelism.tp_plan.<glob> <style>
+      cfg.plugin_options_["parallelism.tp_plan"][key.substr(plan.size())] = text;
+      cfg.overrides_[key] = key + " " + text;
+      return;
+    }
     if (key.rfind("hooks.", 0) == 0 && std::count(key.begin(), key.end(), '.') == 2) {  // --hooks.<name>.<option>
       const auto dot = key.rfind('.');
       if (dot == 6 || dot + 1 == key.size()) {
@@ -680,7 +693,10 @@ std::string Config::to_toml() const {
   }
   for (const auto& [table, options] : plugin_options_) {
     out << "\n[" << table << "]\n";
-    for (const auto& [k, v] : options) out << k << " = " << quote(v) << "\n";
+    for (const auto& [k, v] : options) {
+      const bool bare = !k.empty() && std::all_of(k.begin(), k.end(), [](char c) { return std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '-'; });
+      out << (bare ? k : quote(k)) << " = " << quote(v) << "\n";
+    }
   }
   return out.str();
 }

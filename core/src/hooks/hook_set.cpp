@@ -154,6 +154,7 @@ HookSet make_hooks(const config::Config& cfg, PluginRegistry& registry, const Ho
   std::map<std::string, std::map<std::string, std::string>> options;
   std::string typos;  // said together with the hooks' own problems
   for (const auto& [table, opts] : cfg.plugin_option_tables()) {
+    if (table.rfind("hooks.", 0) != 0) continue;  // another plugin's table ([parallelism.tp_plan])
     const std::string name = table.substr(table.find('.') + 1);
     if (std::find(enabled.begin(), enabled.end(), name) == enabled.end()) {
       // A near miss of an enabled hook is a typo whose options would be lost: refused.

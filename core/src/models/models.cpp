@@ -97,7 +97,11 @@ Importer& importer() {
 }  // namespace
 
 void set_importer(Importer f) { importer() = std::move(f); }
-bool has_importer() { return static_cast<bool>(importer()); }
+Model import_model(const ModelArgs& args) {
+  if (!importer()) throw std::invalid_argument("model \"pt2\": this program was built without the importer (spmdx_exec, which needs LibTorch)");
+  if (args.path.empty()) throw std::invalid_argument("model \"pt2\" needs model.path: the .pt2 file torch.export.save wrote");
+  return importer()(args);
+}
 
 ModelArgs model_args(const std::string& name, const std::string& flavor, std::int64_t vocab_size) {
   ModelArgs a;
@@ -124,8 +128,7 @@ Model build_model(const ModelArgs& args, std::int64_t batch, std::int64_t seq_le
     throw std::invalid_argument("batch and seq_len must be positive, got " + std::to_string(batch) + " x " + std::to_string(seq_len));
   }
   if (args.name == "pt2") {
-    if (!importer()) throw std::invalid_argument("model \"pt2\": this program was built without the importer (spmdx_exec, which needs LibTorch)");
-    Model m = importer()(args);
+    Model m = import_model(args);
     const ir::Value* tokens = m.graph.find_input("tokens");
     if (tokens->meta().shape != std::vector<std::int64_t>{batch, seq_len}) {
       throw std::invalid_argument(args.path + ": the program was exported for tokens " + ir::shape_str(tokens->meta().shape) + ", not [" +

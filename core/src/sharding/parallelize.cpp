@@ -48,7 +48,8 @@ std::string strategy_for(const std::string& mesh_dim) {
 }
 
 std::map<std::string, Placements> parallelize(PluginRegistry& registry, const DeviceMesh& mesh, const StrategyInput& in,
-                                              const std::map<std::string, std::string>& strategies) {
+                                              const std::map<std::string, std::string>& strategies,
+                                              const std::map<std::string, Options>& options) {
   std::map<std::string, Placements> out;
   for (const auto* list : {&in.parameters, &in.inputs}) {
     for (const auto& t : *list) out[t.name] = Placements(static_cast<std::size_t>(mesh.ndim()), Placement::replicate());
@@ -60,7 +61,8 @@ std::map<std::string, Placements> parallelize(PluginRegistry& registry, const De
     const std::string& dim = mesh.dims()[static_cast<std::size_t>(i)].name;
     const auto chosen = strategies.find(dim);
     const std::string name = chosen != strategies.end() ? chosen->second : strategy_for(dim);
-    const PlacementMap placed = registry.make_strategy(name)->place(with_mesh);
+    const auto opts = options.find(name);
+    const PlacementMap placed = registry.make_strategy(name, opts == options.end() ? Options{} : opts->second)->place(with_mesh);
     for (const auto& [tensor, pl] : placed) {
       auto it = out.find(tensor);
       if (it == out.end()) {

@@ -37,6 +37,28 @@ JobSpec job_spec(const config::Config& cfg, std::int64_t world_size, std::int64_
   JobSpec s;
   s.world_size = world_size;
   s.model = models::model_args(cfg.get_string("model.name"), cfg.get_string("model.flavor"), vocab_size);
+  std::vector<std::int64_t> exported;  // pt2: the tokens' [batch, seq] as exported
+  if (s.model.name == "pt2") {
+    s.model.path = cfg.get_string("model.path");
+    s.model.inputs = cfg.get_list("model.inputs");
+    s.model.loss = cfg.get_string("model.loss");
+    if (s.model.path.empty()) {
+      fail({"model.name", "model.path"}, "model.name = \"pt2\" needs model.path: the .pt2 file torch.export.save wrote (see examples/export)");
+    } else {
+      try {
+        const models::Model m = models::import_model(s.model);
+        exported = m.graph.find_input("tokens")->meta().shape;
+        s.model.vocab_size = m.args.vocab_size;
+        if (vocab_size > s.model.vocab_size) {
+          fail({"model.tokenizer", "model.path"}, "the tokenizer '" + cfg.get_string("model.tokenizer") + "' has " + std::to_string(vocab_size) + " ids but " + s.model.path +
+               "'s logits have " + std::to_string(s.model.vocab_size) + " classes: export the model with a vocabulary of at least " + std::to_string(vocab_size));
+        }
+      } catch (const std::exception& e) {
+        fail({"model.path"}, e.what());
+      }
+    }
+  }
+  s.tp_plan = cfg.plugin_options("parallelism.tp_plan");
   s.dims.dp_replicate = cfg.get_int("parallelism.data_parallel_replicate_degree");
   s.dims.tp = cfg.get_int("parallelism.tensor_parallel_degree");
   s.dims.dp_shard = cfg.get_int("parallelism.data_parallel_shard_degree");
@@ -64,11 +86,24 @@ JobSpec job_spec(const config::Config& cfg, std::int64_t world_size, std::int64_
   const std::int64_t dp = s.dims.dp_replicate * s.dims.dp_shard;
   const std::int64_t global = cfg.get_int("training.global_batch_size");
   s.global_batch_size = global > 0 ? global : cfg.get_int("training.local_batch_size") * dp;
+  if (!exported.empty()) {  // a program's batch and sequence are fixed when it is exported
+    const bool local_set = global <= 0 && cfg.is_set("training.local_batch_size");
+    if ((global > 0 || local_set) && s.global_batch_size != exported[0]) {
+      fail({global > 0 ? "training.global_batch_size" : "training.local_batch_size", "model.path"},
+           (global > 0 ? "training.global_batch_size " + std::to_string(global) : "training.local_batch_size " + std::to_string(cfg.get_int("training.local_batch_size")) + " x " + std::to_string(dp) + " data-parallel ranks = " + std::to_string(s.global_batch_size)) +
+           ", but " + s.model.path + " was exported for a batch of " + std::to_string(exported[0]) + " rows: remove the key or export with that batch");
+    }
+    if (cfg.is_set("training.seq_len") && cfg.get_int("training.seq_len") != exported[1]) {
+      fail({"training.seq_len", "model.path"}, "training.seq_len " + std::to_string(cfg.get_int("training.seq_len")) + ", but " + s.model.path + " was exported for sequences of " +
+           std::to_string(exported[1]) + " tokens: remove the key or export with that length");
+    }
+    s.global_batch_size = exported[0];
+  }
   if (degrees_ok && s.global_batch_size % dp != 0) {
     fail({"training.global_batch_size", "training.local_batch_size", kDegreeKeys[0], kDegreeKeys[1]}, "training.global_batch_size " + std::to_string(s.global_batch_size) + " does not split over the " + std::to_string(dp) +
          " data-parallel ranks: make it a multiple of " + std::to_string(dp));
   }
-  s.seq_len = cfg.get_int("training.seq_len");
+  s.seq_len = exported.empty() ? cfg.get_int("training.seq_len") : exported[1];
   s.steps = cfg.get_int("training.steps");
   s.lr = cfg.get_float("optimizer.lr");
   s.schedule = {cfg.get_int("lr_scheduler.warmup_steps"), s.steps, cfg.get_float("lr_scheduler.decay_ratio"), cfg.get_string("lr_scheduler.decay_type"),
@@ -186,7 +221,7 @@ std::vector<std::string> preflight(const config::Config& cfg, std::int64_t world
   std::optional<PlacedJob> job;
   std::optional<sharding::DistributedPlan> plan;
   if (*spec && registry.errors().empty()) {  // what `spmdx compile` finds: placements and local shapes
-    attempt({"model.name", "model.flavor", "model.tokenizer", kDegreeKeys[0], kDegreeKeys[1], kDegreeKeys[2]}, [&] {
+    attempt({"model.name", "model.flavor", "model.tokenizer", "model.path", kDegreeKeys[0], kDegreeKeys[1], kDegreeKeys[2], "parallelism.tp_plan"}, [&] {
       job.emplace(place_job(**spec, registry));
       plan.emplace(sharding::propagate(job->model.graph, job->mesh, job->inputs, job->outputs, job->use, job->reshard_after_forward));
       sharding::rank_graph(*plan, 0);
@@ -238,7 +273,9 @@ PlacedJob place_job(const JobSpec& spec, PluginRegistry& registry) {
     if (init.trainable) in.parameters.push_back({init.name, init.shape});
   }
   for (const char* name : {"tokens", "labels"}) in.inputs.push_back({name, job.model.graph.find_input(name)->meta().shape});
-  job.inputs = sharding::parallelize(registry, job.mesh, in);
+  std::map<std::string, Options> options;
+  if (!spec.tp_plan.empty()) options["tensor_parallel"] = spec.tp_plan;
+  job.inputs = sharding::parallelize(registry, job.mesh, in, {}, options);
   std::map<std::string, sharding::Placements> params;
   for (const auto& p : job.model.params) params[p] = job.inputs.at(p);
   job.use = sharding::use_placements(job.mesh, params);

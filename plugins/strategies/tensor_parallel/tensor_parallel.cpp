@@ -1,21 +1,66 @@
 // tensor_parallel: Megatron-LM tensor parallelism (Shoeybi et al. 2019) on the "tp" mesh dim,
-// by torchtitan's parameter names. Column-parallel (weight [out, in] Shard(0)): attention
-// wq, wk, wv, feed_forward w1, w3, mlp w1, the output layer. Row-parallel (Shard(1)):
-// attention wo, feed_forward w2. The token embedding is sharded on its embedding dim
-// (Shard(1)). Norm weights and batch inputs are replicated. Other mesh dims are left to other
-// strategies.
+// by a plan over parameter names, as DTensor's parallelize_module takes one (ColwiseParallel,
+// RowwiseParallel) and torchtitan's parallelize plans write it.
+//
+// Options (the config's [parallelism.tp_plan]): parameter glob -> style. A glob matches a
+// whole parameter name, `*` any run of characters (dots too), `?` one. Styles:
+//   colwise    Linear weight [out, in] Shard(0), its bias [out] Shard(0)  (ColwiseParallel)
+//   rowwise    Linear weight [out, in] Shard(1), its bias Replicate       (RowwiseParallel)
+//   replicate  Replicate
+//   shard(d)   Shard(d): an embedding table [num, dim] is shard(1) (ColwiseParallel on
+//              nn.Embedding shards the embedding dim)
+// Of the globs that match a parameter, the longest (the most specific) decides it; a glob that
+// matches nothing is an error, as is a dim that does not split evenly. Without options the built-in plan covers torchtitan's Llama names (attention
+// wq, wk, wv, feed_forward w1, w3 and output colwise; wo, w2 rowwise; tok_embeddings shard(1)),
+// Hugging Face's Llama names (q_proj, k_proj, v_proj, gate_proj, up_proj, lm_head colwise;
+// o_proj, down_proj rowwise; embed_tokens shard(1)) and the built-in mlp. Norm weights and
+// batch inputs are replicated; other mesh dims are left to other strategies.
 #include <spmdx/plugin.h>
 
 #include <stdexcept>
+#include <utility>
+#include <vector>
 
 namespace {
 
-bool ends_with(const std::string& s, const std::string& suffix) {
-  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+// fnmatch without FNM_PATHNAME: '*' matches any run, '?' one character.
+bool glob_match(const char* p, const char* s) {
+  for (; *p != '\0'; ++p, ++s) {
+    if (*p == '*') {
+      for (const char* t = s;; ++t) {
+        if (glob_match(p + 1, t)) return true;
+        if (*t == '\0') return false;
+      }
+    }
+    if (*s == '\0' || (*p != '?' && *p != *s)) return false;
+  }
+  return *s == '\0';
+}
+
+using Plan = std::vector<std::pair<std::string, std::string>>;  // glob -> style
+
+const Plan& builtin_plan() {
+  static const Plan plan = {
+      // torchtitan's Llama 3 and the built-in mlp
+      {"*attention.wq.weight", "colwise"}, {"*attention.wk.weight", "colwise"}, {"*attention.wv.weight", "colwise"},
+      {"*attention.wo.weight", "rowwise"}, {"*feed_forward.w1.weight", "colwise"}, {"*feed_forward.w3.weight", "colwise"},
+      {"*feed_forward.w2.weight", "rowwise"}, {"w1.weight", "colwise"}, {"output.weight", "colwise"}, {"tok_embeddings.weight", "shard(1)"},
+      // Hugging Face's Llama
+      {"*self_attn.q_proj.weight", "colwise"}, {"*self_attn.k_proj.weight", "colwise"}, {"*self_attn.v_proj.weight", "colwise"},
+      {"*self_attn.o_proj.weight", "rowwise"}, {"*mlp.gate_proj.weight", "colwise"}, {"*mlp.up_proj.weight", "colwise"},
+      {"*mlp.down_proj.weight", "rowwise"}, {"lm_head.weight", "colwise"}, {"*embed_tokens.weight", "shard(1)"}};
+  return plan;
 }
 
 class TensorParallel final : public spmdx::Strategy {
  public:
+  explicit TensorParallel(const spmdx::Options& options) {
+    for (const auto& [glob, style] : options) {
+      parse(glob, style, 1);  // checks the style now: a bad plan fails before any rank starts
+      plan_.emplace_back(glob, style);
+    }
+  }
+
   spmdx::PlacementMap place(const spmdx::StrategyInput& in) const override {
     int tp = -1;
     for (std::size_t i = 0; i < in.mesh.size(); ++i) {
@@ -23,37 +68,75 @@ class TensorParallel final : public spmdx::Strategy {
     }
     if (tp < 0) throw std::invalid_argument("tensor_parallel needs a mesh dim named tp (tensor_parallel_degree)");
     const std::int64_t k = in.mesh[static_cast<std::size_t>(tp)].size;
+    const bool given = !plan_.empty();
+    const Plan& plan = given ? plan_ : builtin_plan();
+    std::vector<bool> used(plan.size(), false);
     spmdx::PlacementMap out;
+    bool any_sharded = false;
     for (const auto& p : in.parameters) {
       std::vector<spmdx::Placement> pl(in.mesh.size(), spmdx::Placement::replicate());
-      int dim = -1;
-      for (const char* col : {"attention.wq.weight", "attention.wk.weight", "attention.wv.weight", "feed_forward.w1.weight",
-                              "feed_forward.w3.weight"}) {
-        if (ends_with(p.name, col)) dim = 0;
+      std::size_t best = plan.size();
+      for (std::size_t g = 0; g < plan.size(); ++g) {
+        if (!glob_match(plan[g].first.c_str(), p.name.c_str())) continue;
+        used[g] = true;
+        if (best == plan.size() || plan[g].first.size() > plan[best].first.size()) best = g;
       }
-      if (p.name == "w1.weight" || p.name == "output.weight") dim = 0;
-      if (ends_with(p.name, "attention.wo.weight") || ends_with(p.name, "feed_forward.w2.weight")) dim = 1;
-      if (p.name == "tok_embeddings.weight") dim = 1;
-      if (dim >= 0) {
-        if (static_cast<std::int64_t>(p.shape.size()) <= dim || p.shape[static_cast<std::size_t>(dim)] % k != 0) {
-          throw std::invalid_argument("tensor_parallel: parameter '" + p.name + "' dim " + std::to_string(dim) + " (" +
-                                      (static_cast<std::int64_t>(p.shape.size()) > dim ? std::to_string(p.shape[static_cast<std::size_t>(dim)]) : std::string("none")) +
-                                      ") does not split evenly over tp=" + std::to_string(k) + ": pick a tensor_parallel_degree that divides it");
+      for (std::size_t g = best; g < plan.size(); g = plan.size()) {
+        const int dim = parse(plan[g].first, plan[g].second, p.shape.size());
+        if (dim >= 0) {
+          if (static_cast<std::size_t>(dim) >= p.shape.size()) {
+            throw std::invalid_argument("tensor_parallel: [parallelism.tp_plan] \"" + plan[g].first + "\" = \"" + plan[g].second + "\" shards dim " +
+                                        std::to_string(dim) + " of parameter '" + p.name + "', which has " + std::to_string(p.shape.size()) + " dims");
+          }
+          if (p.shape[static_cast<std::size_t>(dim)] % k != 0) {
+            throw std::invalid_argument("tensor_parallel: parameter '" + p.name + "' dim " + std::to_string(dim) + " (" + std::to_string(p.shape[static_cast<std::size_t>(dim)]) +
+                                        ") does not split evenly over tp=" + std::to_string(k) + ": pick a tensor_parallel_degree that divides it");
+          }
+          pl[static_cast<std::size_t>(tp)] = spmdx::Placement::shard(dim);
+          any_sharded = true;
         }
-        pl[static_cast<std::size_t>(tp)] = spmdx::Placement::shard(dim);
       }
       out[p.name] = pl;
     }
+    if (given) {
+      for (std::size_t g = 0; g < plan.size(); ++g) {
+        if (!used[g]) {
+          std::string some;
+          for (std::size_t i = 0; i < in.parameters.size() && i < 4; ++i) some += (i ? ", " : "") + in.parameters[i].name;
+          throw std::invalid_argument("tensor_parallel: [parallelism.tp_plan] \"" + plan[g].first + "\" matches no parameter (they are named like " + some +
+                                      "; `spmdx import MODEL.pt2` lists them all)");
+        }
+      }
+    } else if (!any_sharded && !in.parameters.empty()) {
+      throw std::invalid_argument("tensor_parallel: no parameter has a name of the built-in plan (torchtitan's or Hugging Face's Llama, e.g. '" + in.parameters[0].name +
+                                  "' is not one): give the plan as [parallelism.tp_plan], parameter glob = \"colwise\" | \"rowwise\" | \"replicate\" | \"shard(d)\"");
+    }
     return out;
   }
+
+ private:
+  // The tensor dim a style shards for a parameter of `rank` dims, -1 for Replicate.
+  static int parse(const std::string& glob, const std::string& style, std::size_t rank) {
+    if (style == "colwise") return 0;
+    if (style == "rowwise") return rank >= 2 ? 1 : -1;  // a row-parallel bias is added after the reduction: replicated
+    if (style == "replicate") return -1;
+    if (style.size() > 7 && style.compare(0, 6, "shard(") == 0 && style.back() == ')') {
+      const std::string d = style.substr(6, style.size() - 7);
+      if (!d.empty() && d.find_first_not_of("0123456789") == std::string::npos) return std::stoi(d);
+    }
+    throw std::invalid_argument("tensor_parallel: [parallelism.tp_plan] \"" + glob + "\" = \"" + style +
+                                "\": the style must be \"colwise\", \"rowwise\", \"replicate\" or \"shard(d)\"");
+  }
+
+  Plan plan_;
 };
 
 void register_tp(spmdx::Registrar& r) {
-  r.add_strategy("tensor_parallel", [](const spmdx::Options&) { return std::make_unique<TensorParallel>(); });
+  r.add_strategy("tensor_parallel", [](const spmdx::Options& options) { return std::make_unique<TensorParallel>(options); });
 }
 
 }  // namespace
 
-SPMDX_PLUGIN("tensor_parallel", strategy, "0.1.0",
-             "Megatron tensor parallel on tp: q/k/v, w1, w3 column-parallel; wo, w2 row-parallel; embedding sharded",
+SPMDX_PLUGIN("tensor_parallel", strategy, "0.2.0",
+             "Megatron tensor parallel on tp by a plan of parameter globs ([parallelism.tp_plan]); built in: torchtitan's and Hugging Face's Llama names",
              register_tp)

@@ -2,12 +2,13 @@
 // them, checked against a schema before anything runs. Every error names file:line:column,
 // the key, what was expected, and the nearest known key for a typo.
 //
-//   [job] dump_folder, seed          [model] name, flavor, tokenizer
+//   [job] dump_folder, seed          [model] name, flavor, tokenizer, path, inputs, loss
 //   [training] steps, global_batch_size, local_batch_size, seq_len, max_norm, device
 //   [optimizer] name, lr, beta1, beta2, eps, weight_decay
 //   [lr_scheduler] warmup_steps, decay_ratio, decay_type, min_lr_factor
 //   [data] paths, seed               [parallelism] data_parallel_replicate_degree,
-//   data_parallel_shard_degree, tensor_parallel_degree, fsdp_reshard_after_forward
+//   data_parallel_shard_degree, tensor_parallel_degree, fsdp_reshard_after_forward,
+//   [parallelism.tp_plan] (parameter glob -> colwise | rowwise | replicate | shard(d))
 //   [comm] backend, timeout_seconds, swap_at_step, swap_to, bucket_cap_mb, first_bucket_cap_mb,
 //   overlap, prefetch
 //   [hooks] enable, [hooks.<name>]   [checkpoint] enable, folder, interval, load_step
@@ -107,6 +108,8 @@ class Config {
   /// The effective config as key -> value in TOML's notation: every schema key, and
   /// "hooks.<name>.<option>" for plugin options (what ranks compare at rendezvous).
   std::map<std::string, std::string> settings() const;
+  /// Whether the file or the command line set `key` (under any of its names).
+  bool is_set(const std::string& key) const { return positions_.count(key) > 0 || overrides_.count(key) > 0; }
   /// The file it came from ("" for defaults).
   const std::string& source() const noexcept { return source_; }
   /// Where the values of `keys` come from, to start an error message with: the file ("config"

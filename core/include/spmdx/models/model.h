@@ -97,8 +97,9 @@ Model build_model(const ModelArgs& args, std::int64_t batch, std::int64_t seq_le
 /// without it build_model refuses "pt2" saying so.
 using Importer = std::function<Model(const ModelArgs&)>;
 void set_importer(Importer importer);
-/// Whether an importer is set.
-bool has_importer();
+/// The model args.path holds, through the importer, with the batch shape it was exported for.
+/// Throws std::invalid_argument without an importer, and what the importer throws.
+Model import_model(const ModelArgs& args);
 
 /// Where a tensor name belongs in the model: "layers.3" for "layers.3.attention.wq.weight"
 /// (also for its "exp_avg."/"exp_avg_sq."/"next." forms), "tok_embeddings" for

@@ -32,11 +32,13 @@ std::string strategy_for(const std::string& mesh_dim);
 
 /// Runs each mesh dim's strategy (loaded through `registry`) on `in` and takes, for every
 /// tensor and mesh dim, the placement that dim's strategy gave. `strategies` names another
-/// strategy plugin for a mesh dim (a third party's, say). Throws std::invalid_argument when a
+/// strategy plugin for a mesh dim (a third party's, say); `options` gives a strategy its
+/// options by strategy name (tensor_parallel's plan). Throws std::invalid_argument when a
 /// strategy places a tensor that is not in `in` (the message lists the nearest names),
 /// PluginError for an unknown strategy, and whatever a strategy throws.
 std::map<std::string, Placements> parallelize(PluginRegistry& registry, const DeviceMesh& mesh, const StrategyInput& in,
-                                              const std::map<std::string, std::string>& strategies = {});
+                                              const std::map<std::string, std::string>& strategies = {},
+                                              const std::map<std::string, Options>& options = {});
 
 /// The placements parameters are used in (propagate()'s `use`), one entry per parameter:
 /// Replicate on the data-parallel mesh dims (dp_replicate, dp_shard), where a shard is for

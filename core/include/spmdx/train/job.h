@@ -33,6 +33,9 @@ struct JobSpec {
   /// FSDP frees gathered parameters after the forward and gathers them again for the backward
   /// (parallelism.fsdp_reshard_after_forward: "default" and "always" do, "never" keeps them).
   bool reshard_after_forward = true;
+  /// [parallelism.tp_plan]: parameter glob -> colwise | rowwise | replicate | shard(d), the
+  /// tensor_parallel strategy's options (empty: its built-in plan).
+  std::map<std::string, std::string> tp_plan;
 };
 
 /// The config keys of the mesh's degrees (dp_replicate, dp_shard, tp), for messages about them.
@@ -41,7 +44,10 @@ inline const std::vector<std::string> kDegreeKeys{"parallelism.data_parallel_rep
 
 /// Resolves the config for `world_size` ranks and a tokenizer of `vocab_size` ids:
 /// data_parallel_shard_degree -1 takes the ranks the other degrees leave; the global batch is
-/// global_batch_size, or local_batch_size x the data-parallel degree. Throws
+/// global_batch_size, or local_batch_size x the data-parallel degree. For model.name "pt2" the
+/// program is imported: its exported tokens [batch, seq] are the global batch and seq_len (a
+/// config that sets either otherwise is refused, naming both), its logits' classes the vocab
+/// (a tokenizer with more ids is refused). Throws
 /// config::ConfigError naming the key when the degrees do not multiply to world_size, the
 /// global batch does not split evenly over the data-parallel ranks, or tensor_parallel_degree
 /// does not divide the model's head count.
