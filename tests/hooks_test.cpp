@@ -113,6 +113,9 @@ TEST(GraphView, StagesCarryPlacementsCollectivesAndWaits) {
   EXPECT_EQ(models::layer_of("exp_avg_sq.layers.12.attention.wo.weight"), "layers.12");
   EXPECT_EQ(models::layer_of("tok_embeddings.weight"), "tok_embeddings");
   EXPECT_EQ(models::layer_of("tokens"), "");
+  EXPECT_EQ(models::layer_of("model.layers.7.self_attn.q_proj.weight"), "model.layers.7");
+  EXPECT_EQ(models::layer_of("exp_avg.transformer.h.0.attn.c_attn.bias"), "transformer.h.0");
+  EXPECT_EQ(models::layer_of("const.rope.cos"), "const");
 }
 
 TEST(HookSet, CallsEveryStageAndValidatorOnEveryNodeAndEdge) {

@@ -406,8 +406,8 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
     if (!metrics) throw std::runtime_error("cannot write " + (dump / "metrics.jsonl").string());
     double params = 0;
     for (const auto& p : job.model.params) params += static_cast<double>(job.model.graph.find_input(p)->meta().numel());
-    std::printf("spmdx: %s %s (%.2fM parameters), mesh %s (%d rank%s, %s), global batch %lld x %lld, %lld steps, comm %s\n",
-                spec.model.name.c_str(), spec.model.flavor.c_str(), params / 1e6,
+    std::printf("spmdx: %s (%.2fM parameters), mesh %s (%d rank%s, %s), global batch %lld x %lld, %lld steps, comm %s\n",
+                models::model_label(spec.model).c_str(), params / 1e6,
                 job.mesh.str().c_str(), env.world_size, env.world_size == 1 ? "" : "s", env.source.c_str(), static_cast<long long>(spec.global_batch_size),
                 static_cast<long long>(spec.seq_len), static_cast<long long>(spec.steps),
                 backend ? backend->describe().c_str() : "none (one rank)");

@@ -153,18 +153,21 @@ Model build_model(const ModelArgs& args, std::int64_t batch, std::int64_t seq_le
   return m;
 }
 
+std::string model_label(const ModelArgs& args) { return args.name + " " + (args.name == "pt2" ? args.path : args.flavor); }
+
 std::string layer_of(const std::string& tensor_name) {
   std::string name = tensor_name;
   for (const char* prefix : {"exp_avg_sq.", "exp_avg.", "next."}) {
     if (name.rfind(prefix, 0) == 0) name = name.substr(std::string(prefix).size());
   }
-  const auto dot = name.find('.');
-  if (dot == std::string::npos) return "";  // tokens, labels, lr, step, %12
-  if (name.compare(0, 7, "layers.") == 0) {
-    const auto second = name.find('.', 7);
-    return name.substr(0, second);
+  if (name.find('.') == std::string::npos) return "";  // tokens, labels, lr, step, %12
+  // Up to the first numeric segment: "layers.3", "model.layers.3" (Hugging Face), "transformer.h.3" (GPT-2).
+  for (std::size_t start = 0; start < name.size();) {
+    const std::size_t end = std::min(name.find('.', start), name.size());
+    if (end > start && name.find_first_not_of("0123456789", start) >= end) return name.substr(0, end);
+    start = end + 1;
   }
-  return name.substr(0, dot);
+  return name.substr(0, name.find('.'));
 }
 
 }  // namespace spmdx::models

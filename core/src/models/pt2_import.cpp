@@ -24,6 +24,7 @@
 #include <mutex>
 #include <optional>
 #include <set>
+#include <tuple>
 
 #include "spmdx/exec/kernels.h"
 
@@ -814,6 +815,8 @@ class Mapper {
   bool is_tensor(const BoundNode& b, const char* n) const { return b.arg(n).is_tensor; }
 
   ir::Value* reshape_to(ir::Value* x, const Shape& shape) {
+    // A reshape of a reshape is one reshape (the first is dropped at the end if nothing else reads it).
+    while (x->meta().shape != shape && x->producer() != nullptr && x->producer()->op() == "reshape") x = x->producer()->input(0);
     if (x->meta().shape == shape) return x;
     return m_.graph.add("reshape", {x}, {{"shape", shape}});
   }
@@ -977,8 +980,19 @@ class Mapper {
       // x[b, s, h, d/2, 2] -> [b, s, h, d] -> rotary_embedding -> back to pairs.
       const Shape& pairs = s.v->meta().shape;
       ir::Value* flat = reshape_to(s.v, {pairs[0], pairs[1], pairs[2], pairs[3] * 2});
-      ir::Value* cos = constant_input(b.outputs[0] + ".cos", s.cos.to(exec::to_aten(flat->meta().dtype)));
-      ir::Value* sin = constant_input(b.outputs[0] + ".sin", s.sin.to(exec::to_aten(flat->meta().dtype)));
+      // One pair of tables for every use of the same frequencies (each layer's q and k).
+      const at::Tensor cos_t = s.cos.to(exec::to_aten(flat->meta().dtype)), sin_t = s.sin.to(exec::to_aten(flat->meta().dtype));
+      ir::Value* cos = nullptr;
+      ir::Value* sin = nullptr;
+      for (const auto& [c, s2, cv, sv] : rope_tables_) {
+        if (c.sizes() == cos_t.sizes() && c.scalar_type() == cos_t.scalar_type() && at::equal(c, cos_t) && at::equal(s2, sin_t)) cos = cv, sin = sv;
+      }
+      if (cos == nullptr) {
+        const std::string n = "rope" + (rope_tables_.empty() ? std::string() : std::to_string(rope_tables_.size()));
+        cos = constant_input(n + ".cos", cos_t);
+        sin = constant_input(n + ".sin", sin_t);
+        rope_tables_.emplace_back(cos_t, sin_t, cos, sin);
+      }
       return set(b, reshape_to(g.add("rotary_embedding", {flat, cos, sin}), pairs));
     }
     fail_at(b, "no mapping");  // in mapped_ops() but not handled above
@@ -1101,6 +1115,16 @@ class Mapper {
       vocab_ = classes;
     }
     m_.args.vocab_size = vocab_;
+    // Nodes nothing reads (reshapes collapsed into one, values only the loss's other branch used).
+    std::vector<ir::Node*> nodes;
+    for (const auto& n : m_.graph.nodes()) nodes.push_back(n.get());
+    std::set<const ir::Value*> outputs;
+    for (const auto& [name, v] : m_.graph.outputs()) outputs.insert(v);
+    for (auto it = nodes.rbegin(); it != nodes.rend(); ++it) {
+      bool used = false;
+      for (const ir::Value* v : (*it)->outputs()) used = used || !v->uses().empty() || outputs.count(v);
+      if (!used) m_.graph.erase(*it);
+    }
     m_.graph.verify();
   }
 
@@ -1115,6 +1139,7 @@ class Mapper {
   std::map<std::string, std::string> arg_of_param_;    // parameter fqn -> graph arg
   std::vector<std::pair<std::string, std::string>> tied_;
   std::map<std::string, int> ops_;
+  std::vector<std::tuple<at::Tensor, at::Tensor, ir::Value*, ir::Value*>> rope_tables_;  // cos, sin and their inputs
   bool takes_labels_ = false;
   std::int64_t vocab_ = 0;
   int folded_ = 0;

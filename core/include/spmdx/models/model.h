@@ -101,9 +101,14 @@ void set_importer(Importer importer);
 /// Throws std::invalid_argument without an importer, and what the importer throws.
 Model import_model(const ModelArgs& args);
 
-/// Where a tensor name belongs in the model: "layers.3" for "layers.3.attention.wq.weight"
-/// (also for its "exp_avg."/"exp_avg_sq."/"next." forms), "tok_embeddings" for
-/// "tok_embeddings.weight", "" for batch inputs and scalars (tokens, labels, lr, step).
+/// "llama debugmodel", "mlp tiny", or "pt2 outputs/export/gpt2.pt2": the model for messages.
+std::string model_label(const ModelArgs& args);
+
+/// Where a tensor name belongs in the model: up to its first numeric segment ("layers.3" for
+/// "layers.3.attention.wq.weight", "model.layers.3" for Hugging Face's, "transformer.h.3" for
+/// GPT-2's; also for the "exp_avg."/"exp_avg_sq."/"next." forms), else its first segment
+/// ("tok_embeddings" for "tok_embeddings.weight"); "" for batch inputs and scalars (tokens,
+/// labels, lr, step).
 std::string layer_of(const std::string& tensor_name);
 
 }  // namespace spmdx::models

@@ -1,0 +1,115 @@
+// Training an imported program as a user does: `spmdx run` on the examples' configs
+// (examples/export/*.toml) with the fixtures of pt2_fixtures, real rank processes over ucx.
+// Four ranks as fsdp 4, tp 2 (by plan) and fsdp x tp 2 x 2 give the one-rank losses; bad
+// files and configs fail before any rank starts; `spmdx import` says what a file holds.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <tuple>
+
+#include "run_util.h"
+
+namespace spmdx {
+namespace {
+
+namespace fs = std::filesystem;
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+const fs::path kFixtures = PT2_FIXTURE_DIR;
+
+test::CommandResult spmdx(const std::string& args) { return test::run_command("'" SPMDX_EXE "' " + args); }
+
+// `spmdx run` of an example's config on the fixture of that model, with the test's corpus.
+test::CommandResult run_example(const std::string& model, const test::TempDir& dir, const std::string& name, int nproc, const std::string& flags,
+                                const std::string& model_path = "") {
+  const std::string path = model_path.empty() ? (kFixtures / (model + ".pt2")).string() : model_path;
+  return spmdx("run '" SPMDX_SOURCE_DIR "/examples/export/" + model + ".toml' --nproc " + std::to_string(nproc) + " --model.path '" + path +
+               "' --data.paths '" + (dir / "corpus.txt").string() + "' --training.steps 4 --job.dump_folder '" + (dir / name).string() + "' " + flags);
+}
+
+class Pt2Run : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(Pt2Run, FourRanksGiveTheLossesOfOneRank) {
+  test::TempDir dir;
+  test::corpus_file(dir);
+  const std::string model = GetParam();
+  auto one = run_example(model, dir, "one", 1, "--parallelism.data_parallel_shard_degree 1 --parallelism.tensor_parallel_degree 1");
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  const auto want = test::losses(dir / "one" / "metrics.jsonl");
+  ASSERT_EQ(want.size(), 4u);
+  EXPECT_LT(want.back(), want.front());
+  const std::vector<std::tuple<std::string, std::string>> layouts = {
+      {"fsdp4", "--parallelism.data_parallel_shard_degree 4 --parallelism.tensor_parallel_degree 1"},
+      {"dp2xtp2", "--parallelism.data_parallel_replicate_degree 2 --parallelism.data_parallel_shard_degree 1 --parallelism.tensor_parallel_degree 2"},
+      {"fsdp2xtp2", "--parallelism.data_parallel_shard_degree 2 --parallelism.tensor_parallel_degree 2"},
+  };
+  for (const auto& [name, flags] : layouts) {
+    auto r = run_example(model, dir, name, 4, flags);
+    ASSERT_EQ(r.exit_code, 0) << name << "\n" << r.output;
+    const auto got = test::losses(dir / name / "metrics.jsonl");
+    ASSERT_EQ(got.size(), want.size()) << name;
+    for (std::size_t i = 0; i < want.size(); ++i) EXPECT_NEAR(got[i], want[i], 1e-5 * std::abs(want[i])) << model << " " << name << " step " << i + 1;
+  }
+}
+
+// gpt2: a tied embedding and a plan of its own; torchtitan_llama: logits with cross entropy
+// appended, complex rotary, GQA; hf_llama: the built-in plan's Hugging Face names.
+INSTANTIATE_TEST_SUITE_P(Examples, Pt2Run, ::testing::Values("gpt2", "torchtitan_llama", "hf_llama"));
+
+// Bad files and configs: a clear error, exit 1, and no rank started (nothing in the dump folder).
+TEST(Pt2RunErrors, BadInputFailsBeforeAnyRankStarts) {
+  test::TempDir dir;
+  test::corpus_file(dir);
+  const fs::path bad = kFixtures / "bad";
+  const std::vector<std::tuple<std::string, std::string, std::string, std::string>> cases = {
+      // name, model path ("" = the fixture), flags, what the message must say
+      {"dynamic", (bad / "gpt2.pt2").string(), "", "dynamic_shapes"},
+      {"unsupported", (bad / "cumsum.pt2").string(), "--model.inputs tokens,labels", "aten.cumsum.default"},
+      {"truncated", (bad / "truncated.pt2").string(), "", "truncated"},
+      {"old", (bad / "old.pt2").string(), "", "torch 2.7 or older"},
+      {"missing", (dir / "nope.pt2").string(), "", "no such file"},
+      {"seq_len", "", "--training.seq_len 64", "training.seq_len 64, but"},
+      {"batch", "", "--training.global_batch_size 16", "exported for a batch of 8 rows"},
+      {"inputs", "", "--model.inputs tokens,labels", "model.inputs names 'tokens'"},
+      {"plan_matches_nothing", "", "'--parallelism.tp_plan.transformer.h.*.attn.c_attn.wieght' colwise", "matches no parameter"},
+      {"plan_style", "", "--parallelism.tp_plan.lm_head.weight diagonal", "\"diagonal\": the style must be"},
+      {"plan_does_not_divide", "", "--parallelism.data_parallel_shard_degree 1 --parallelism.tensor_parallel_degree 3 --parallelism.tp_plan.transformer.wpe.weight 'shard(1)'",
+       "does not split evenly over tp=3"},
+  };
+  for (const auto& [name, path, flags, says] : cases) {
+    auto r = run_example("gpt2", dir, name, name == "plan_does_not_divide" ? 3 : 4, flags, path);
+    EXPECT_EQ(r.exit_code, 1) << name << "\n" << r.output;
+    EXPECT_THAT(r.output, HasSubstr(says)) << name;
+    EXPECT_THAT(r.output, Not(HasSubstr("[rank"))) << name;  // no rank started
+    EXPECT_FALSE(fs::exists(dir / name / "metrics.jsonl")) << name;
+  }
+}
+
+TEST(Pt2Import, SummaryNamesParametersOpsAndUnsupportedNodes) {
+  auto ok = spmdx("import '" + (kFixtures / "gpt2.pt2").string() + "'");
+  EXPECT_EQ(ok.exit_code, 0) << ok.output;
+  EXPECT_THAT(ok.output, HasSubstr("parameters: 28 tensors, 120576 elements"));
+  EXPECT_THAT(ok.output, HasSubstr("tied: lm_head.weight = transformer.wte.weight"));
+  EXPECT_THAT(ok.output, HasSubstr("aten.linear.default x9"));
+  EXPECT_THAT(ok.output, HasSubstr("imports: "));
+  auto json = spmdx("import --json '" + (kFixtures / "torchtitan_llama.pt2").string() + "'");
+  ASSERT_EQ(json.exit_code, 0) << json.output;
+  const auto j = nlohmann::json::parse(json.output);
+  EXPECT_EQ(j["parameter_count"].get<std::int64_t>(), 119104);
+  EXPECT_EQ(j["ops"]["aten.view_as_complex.default"].get<int>(), 4);
+  EXPECT_TRUE(j["imports"].get<bool>());
+  auto graph = spmdx("import --graph '" + (kFixtures / "torchtitan_llama.pt2").string() + "'");
+  EXPECT_EQ(graph.exit_code, 0);
+  EXPECT_THAT(graph.output, HasSubstr("rotary_embedding("));
+  auto bad = spmdx("import '" + (kFixtures / "bad" / "cumsum.pt2").string() + "'");
+  EXPECT_EQ(bad.exit_code, 1);
+  EXPECT_THAT(bad.output, HasSubstr("aten.cumsum.default at node 'cumsum': make_pt2_fixtures.py:"));
+  auto corrupt = spmdx("import '" + (kFixtures / "bad" / "aoti.pt2").string() + "'");
+  EXPECT_EQ(corrupt.exit_code, 1);
+  EXPECT_THAT(corrupt.output, HasSubstr("AOTInductor"));
+}
+
+}  // namespace
+}  // namespace spmdx
