@@ -40,7 +40,7 @@ TEST(Config, ErrorsNameFileLineColumnKeyAndExpectation) {
   EXPECT_EQ(error_of("[trainig]\nsteps = 3\n"), "job.toml:1:1: unknown section 'trainig'; did you mean 'training'?");
   EXPECT_EQ(error_of("[training]\nsteps = \"ten\"\n"), "job.toml:2:9: training.steps must be an integer");
   EXPECT_EQ(error_of("[training]\nsteps = 0\n"), "job.toml:2:9: training.steps is 0, must be between 1 and 1e+09");
-  EXPECT_EQ(error_of("[model]\nname = \"lama\"\n"), "job.toml:2:8: model.name is \"lama\", expected one of llama, mlp; did you mean 'llama'?");
+  EXPECT_EQ(error_of("[model]\nname = \"lama\"\n"), "job.toml:2:8: model.name is \"lama\", expected one of llama, mlp, pt2; did you mean 'llama'?");
   EXPECT_THAT(error_of("[training\nsteps = 3\n"), HasSubstr("job.toml:1:"));
   EXPECT_THAT(error_of("[data]\npaths = [1, 2]\n"), HasSubstr("data.paths must be a list of strings"));
 }
@@ -81,14 +81,36 @@ TEST(Config, EffectiveConfigRoundTrips) {
 }
 
 TEST(Config, ShippedConfigsAreValid) {
-  const std::filesystem::path dir = std::filesystem::path(SPMDX_SOURCE_DIR) / "configs";
   int n = 0;
-  for (const auto& f : std::filesystem::directory_iterator(dir)) {
-    if (f.path().extension() != ".toml") continue;
-    ++n;
-    EXPECT_NO_THROW(Config::load(f.path().string())) << f.path();
+  for (const char* folder : {"configs", "examples/export"}) {
+    for (const auto& f : std::filesystem::directory_iterator(std::filesystem::path(SPMDX_SOURCE_DIR) / folder)) {
+      if (f.path().extension() != ".toml") continue;
+      ++n;
+      EXPECT_NO_THROW(Config::load(f.path().string())) << f.path();
+    }
   }
-  EXPECT_GE(n, 4);
+  EXPECT_GE(n, 7);
+}
+
+// [parallelism.tp_plan]: glob keys (quoted in TOML) -> styles, tensor_parallel's options; from
+// the command line as --parallelism.tp_plan.<glob>; printed back with the keys quoted.
+TEST(Config, TpPlanTableAndImportKeys) {
+  Config c = Config::parse(
+      "[model]\nname = \"pt2\"\npath = \"m.pt2\"\ninputs = [\"idx\", \"targets\"]\nloss = \"output\"\n"
+      "[parallelism.tp_plan]\n\"layers.*.wq.weight\" = \"colwise\"\n\"output.weight\" = \"shard(0)\"\n",
+      "job.toml");
+  EXPECT_EQ(c.get_string("model.name"), "pt2");
+  EXPECT_EQ(c.get_list("model.inputs"), (std::vector<std::string>{"idx", "targets"}));
+  EXPECT_TRUE(c.is_set("model.path"));
+  EXPECT_FALSE(c.is_set("training.seq_len"));
+  c.override_value("parallelism.tp_plan.layers.*.wo.weight", "rowwise");
+  c.override_value("training.seq_len", "64");
+  EXPECT_TRUE(c.is_set("training.seq_len"));
+  const auto& plan = c.plugin_options("parallelism.tp_plan");
+  EXPECT_EQ(plan, (std::map<std::string, std::string>{{"layers.*.wq.weight", "colwise"}, {"output.weight", "shard(0)"}, {"layers.*.wo.weight", "rowwise"}}));
+  Config back = Config::parse(c.to_toml(), "printed");
+  EXPECT_EQ(back.plugin_options("parallelism.tp_plan"), plan);
+  EXPECT_THAT(error_of("[model]\nloss = \"mse\"\n"), HasSubstr("model.loss is \"mse\", expected one of auto, cross_entropy, output"));
 }
 
 TEST(Job, DerivesDegreesAndBatchAndRejectsWhatCannotWork) {
