@@ -32,9 +32,9 @@ nlohmann::json reference(const std::string& model) {
   return nlohmann::json::parse(in);
 }
 
-models::Model import(const std::string& model) {
+models::Model import(const std::string& model, const std::string& suffix = ".pt2") {
   models::ModelArgs args = models::model_args("pt2", "", 0);
-  args.path = (kDir / (model + ".pt2")).string();
+  args.path = (kDir / (model + suffix)).string();
   return models::import_pt2(args);
 }
 
@@ -48,10 +48,12 @@ double rel_error(const at::Tensor& got, const at::Tensor& want) {
 
 class Pt2Model : public ::testing::TestWithParam<std::string> {};
 
-// Loss and every parameter's gradient at the exported weights, as PyTorch autograd has them.
-TEST_P(Pt2Model, LossAndGradientsMatchPyTorchAutograd) {
-  const nlohmann::json r = reference(GetParam());
-  models::Model m = import(GetParam());
+// Loss and every parameter's gradient at the exported weights, as PyTorch autograd has them:
+// from export().run_decompositions({}) and from export()'s training IR as is.
+void expect_autograd_values(const std::string& model, const std::string& suffix) {
+  SCOPED_TRACE(model + suffix);
+  const nlohmann::json r = reference(model);
+  models::Model m = import(model, suffix);
   std::vector<ir::Value*> params;
   for (const auto& p : m.params) params.push_back(m.graph.find_input(p));
   const auto grads = ir::gradients(m.graph, m.graph.find_output("loss"), params);
@@ -68,8 +70,11 @@ TEST_P(Pt2Model, LossAndGradientsMatchPyTorchAutograd) {
     const at::Tensor want = at::tensor(r["grads"][p].get<std::vector<float>>()).reshape(m.graph.find_input(p)->meta().shape);
     EXPECT_LE(rel_error(out.at("grad." + p), want), 1e-5) << p;
   }
-  std::printf("%s: loss %.6f (PyTorch %.6f), %zu parameters\n", GetParam().c_str(), loss, r["loss"].get<double>(), m.params.size());
+  std::printf("%s%s: loss %.6f (PyTorch %.6f), %zu parameters\n", model.c_str(), suffix.c_str(), loss, r["loss"].get<double>(), m.params.size());
 }
+
+TEST_P(Pt2Model, LossAndGradientsMatchPyTorchAutograd) { expect_autograd_values(GetParam(), ".pt2"); }
+TEST_P(Pt2Model, TrainingIrAsExportedMatchesToo) { expect_autograd_values(GetParam(), ".training_ir.pt2"); }
 
 // Ten AdamW steps with clipping and the warm-up/decay schedule, as torch.optim.AdamW runs them.
 TEST_P(Pt2Model, TenAdamWStepsMatchPyTorchEager) {
@@ -138,8 +143,9 @@ TEST(Pt2ImportErrors, DynamicShapes) {
   EXPECT_THAT(import_error((kDir / "bad" / "gpt2.pt2").string()), HasSubstr("dynamic"));
 }
 
-TEST(Pt2ImportErrors, ArchiveFromTorch27) {
+TEST(Pt2ImportErrors, ArchivesFromTorch27And28) {
   EXPECT_THAT(import_error((kDir / "bad" / "old.pt2").string()), HasSubstr("torch 2.7 or older"));
+  EXPECT_THAT(import_error((kDir / "bad" / "torch28.pt2").string()), HasSubstr("torch 2.8 or older"));
 }
 
 TEST(Pt2ImportErrors, UnsupportedOpNamedWithSourceLine) {

@@ -46,6 +46,8 @@ def main(name, make_model, takes_labels, batch, seq, vocab):
     ap.add_argument("--out", default=".", help="folder to write into")
     ap.add_argument("--reference", action="store_true", help="also write PyTorch's loss, gradients and 10 AdamW steps")
     ap.add_argument("--dynamic-batch", action="store_true", help="export with a dynamic batch dim (spmdx refuses it: for tests)")
+    ap.add_argument("--training-ir", action="store_true",
+                    help="also write <model>.training_ir.pt2: export() as is, without run_decompositions({})")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
 
@@ -59,7 +61,10 @@ def main(name, make_model, takes_labels, batch, seq, vocab):
     if args.dynamic_batch:
         b = torch.export.Dim("batch", min=2, max=64)
         dynamic = tuple({0: b} for _ in example)
-    ep = torch.export.export(model, example, dynamic_shapes=dynamic).run_decompositions({})
+    raw = torch.export.export(model, example, dynamic_shapes=dynamic)
+    if args.training_ir:
+        torch.export.save(raw, os.path.join(args.out, f"{name}.training_ir.pt2"))
+    ep = raw.run_decompositions({})
     path = os.path.join(args.out, f"{name}.pt2")
     torch.export.save(ep, path)
     print(f"wrote {path}: {sum(p.numel() for p in model.parameters())} parameters, "

@@ -4,7 +4,14 @@ complex rotary embeddings (freqs_cis buffer, view_as_complex), grouped-query att
 logits: spmdx appends cross entropy (`[model] loss = "cross_entropy"`).
 
     python examples/export/torchtitan_llama.py --out outputs/export
+    python examples/export/torchtitan_llama.py --out DIR --layers 32 --dim 4096 --heads 32 --kv-heads 8 --ffn 14336 --zeros
+
+The size flags (defaults: the small model below) and --zeros (all weights zero: a file of a
+given size, fast to write) are for benchmarks.
 """
+import argparse
+import sys
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -99,5 +106,32 @@ class Transformer(nn.Module):
         return self.output(self.norm(h))
 
 
+def sized():
+    """Reads the size flags (leaving the rest to common.main) into the module's constants."""
+    global VOCAB, DIM, LAYERS, HEADS, KV_HEADS, FFN, BATCH, SEQ
+    ap = argparse.ArgumentParser(add_help=False)
+    for flag, value in (("--vocab", VOCAB), ("--dim", DIM), ("--layers", LAYERS), ("--heads", HEADS), ("--kv-heads", KV_HEADS),
+                        ("--ffn", FFN), ("--batch", BATCH), ("--seq", SEQ)):
+        ap.add_argument(flag, type=int, default=value)
+    ap.add_argument("--zeros", action="store_true")
+    a, rest = ap.parse_known_args()
+    sys.argv = [sys.argv[0]] + rest
+    VOCAB, DIM, LAYERS, HEADS, KV_HEADS, FFN, BATCH, SEQ = a.vocab, a.dim, a.layers, a.heads, a.kv_heads, a.ffn, a.batch, a.seq
+
+    def make():
+        if not a.zeros:
+            return Transformer()
+        with torch.device("meta"):
+            m = Transformer()
+        m = m.to_empty(device="cpu")
+        with torch.no_grad():
+            for p in m.parameters():
+                p.zero_()
+            m.freqs_cis.copy_(precompute_freqs_cis(DIM // HEADS, SEQ * 2))
+        return m
+    return make
+
+
 if __name__ == "__main__":
-    main("torchtitan_llama", Transformer, False, BATCH, SEQ, VOCAB)
+    make = sized()
+    main("torchtitan_llama", make, False, BATCH, SEQ, VOCAB)

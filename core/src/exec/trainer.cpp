@@ -33,11 +33,11 @@ TensorMap init_tensors(const models::Model& model, std::uint64_t seed) {
       case K::ones: out[spec.name] = at::ones(spec.shape, options); break;
       case K::data: {
         at::Tensor t = at::empty(spec.shape, options);
-        if (spec.data == nullptr || spec.data->size() != t.nbytes()) {
-          throw std::invalid_argument("init: '" + spec.name + "' has " + std::to_string(spec.data ? spec.data->size() : 0) + " bytes of data, not the " +
+        if (spec.data == nullptr || spec.nbytes != t.nbytes()) {
+          throw std::invalid_argument("init: '" + spec.name + "' has " + std::to_string(spec.data ? spec.nbytes : 0) + " bytes of data, not the " +
                                       std::to_string(t.nbytes()) + " its shape and dtype take");
         }
-        if (t.nbytes() > 0) std::memcpy(t.data_ptr(), spec.data->data(), t.nbytes());
+        if (t.nbytes() > 0) std::memcpy(t.data_ptr(), spec.data.get(), t.nbytes());
         out[spec.name] = t;
         break;
       }

@@ -15,12 +15,12 @@ class Builder {
   Builder(Model& m, ir::DType dtype) : m_(m), b_(m.graph, dtype) {}
 
   Value* param(const std::string& name, Shape shape, InitSpec::Kind kind, double std = 0.0, double bound = 2.0) {
-    m_.init.push_back({name, shape, kind, std, bound, 0.0, {}, true, nullptr});
+    m_.init.push_back({name, shape, kind, std, bound, 0.0, {}, true, nullptr, 0});
     m_.params.push_back(name);
     return b_.param(name, std::move(shape));
   }
   Value* buffer(const std::string& name, Shape shape, InitSpec::Kind kind, double theta, const RopeScaling& scaling) {
-    m_.init.push_back({name, shape, kind, 0.0, 0.0, theta, scaling, false, nullptr});
+    m_.init.push_back({name, shape, kind, 0.0, 0.0, theta, scaling, false, nullptr, 0});
     return b_.input(name, std::move(shape), b_.dtype());
   }
   ir::GraphBuilder& b() { return b_; }

@@ -166,11 +166,11 @@ void read_payloads(const Fail& fail, caffe2::serialize::PyTorchStreamReader& rea
     auto it = storages.find(path_name);
     if (it == storages.end()) {
       if (!reader.hasRecord(record)) fail("'" + fqn + "' names payload " + record + ", which the archive lacks");
-      auto [data, size] = reader.getRecord(record);
+      const std::size_t size = reader.getRecordSize(record);
       const auto elem = static_cast<std::size_t>(c10::elementSize(m.dtype));
       if (size % elem != 0) fail("payload " + record + " of '" + fqn + "' has " + std::to_string(size) + " bytes, not a whole number of " + c10::toString(m.dtype) + " elements (truncated?)");
       at::Tensor storage = at::empty({static_cast<std::int64_t>(size / elem)}, at::TensorOptions().dtype(m.dtype));
-      if (size > 0) std::memcpy(storage.data_ptr(), data.get(), size);
+      if (size > 0) reader.getRecord(record, storage.data_ptr(), size);  // straight into the tensor: the file's bytes are held once
       it = storages.emplace(path_name, storage).first;
     }
     const at::Tensor& storage = it->second;
@@ -186,7 +186,9 @@ void read_payloads(const Fail& fail, caffe2::serialize::PyTorchStreamReader& rea
       fail("payload " + record + " holds " + std::to_string(storage.numel()) + " elements but '" + fqn + "' " + ir::shape_str(m.sizes) +
            " needs " + std::to_string(extent) + ": the file is truncated or damaged; save it again");
     }
-    a.tensors[fqn] = storage.as_strided(m.sizes, m.strides, m.storage_offset).clone(at::MemoryFormat::Contiguous);
+    at::Tensor view = storage.as_strided(m.sizes, m.strides, m.storage_offset);
+    // The whole storage in order (the usual case) is used as is; a view of part of it is copied.
+    a.tensors[fqn] = view.is_contiguous() && m.storage_offset == 0 && view.numel() == storage.numel() ? view : view.clone(at::MemoryFormat::Contiguous);
     a.storage[fqn] = folder + "/" + path_name;
     a.is_param[fqn] = payload.value("is_param", false);
   }
@@ -721,9 +723,9 @@ class Mapper {
     spec.shape = t.sizes().vec();
     spec.kind = InitSpec::Kind::data;
     spec.trainable = trainable;
-    const at::Tensor c = t.contiguous();
-    const auto* begin = static_cast<const unsigned char*>(c.data_ptr());
-    spec.data = std::make_shared<const std::vector<unsigned char>>(begin, begin + c.nbytes());
+    auto held = std::make_shared<at::Tensor>(t.contiguous());  // the archive's own tensor when it is contiguous: no copy
+    spec.nbytes = held->nbytes();
+    spec.data = std::shared_ptr<const unsigned char>(held, static_cast<const unsigned char*>(held->data_ptr()));
     m_.init.push_back(std::move(spec));
   }
 

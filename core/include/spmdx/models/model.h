@@ -45,8 +45,10 @@ struct InitSpec {
   RopeScaling rope_scaling;  ///< rope tables only
   bool trainable = true;    ///< false for buffers (rope tables)
   /// Kind::data: the tensor's elements, contiguous, in the graph input's dtype (native byte
-  /// order), shared with whoever read them (an importer's cache).
-  std::shared_ptr<const std::vector<unsigned char>> data;
+  /// order): `nbytes` bytes, owned with whoever read them (the importer's cache of the file),
+  /// so that a model built twice holds its weights once.
+  std::shared_ptr<const unsigned char> data;
+  std::size_t nbytes = 0;
 };
 
 struct ModelArgs {

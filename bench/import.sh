@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Importing torch.export programs: what `spmdx import` costs and what an imported model's step
+# costs, each against a peer measured in the same run.
+#
+#   bench/import.sh [--layers 32] [--dim 1024] [--ffn 2816] [--heads 16] [--kv-heads 4]
+#
+# 1. `spmdx import` of a torchtitan-style Llama export with zero weights (the given size):
+#    wall time and peak RSS, as a ratio to the weights' bytes; the same for a tiny export (the
+#    process's own footprint, LibTorch included) is printed beside it.
+# 2. One-rank step of the imported torchtitan-style Llama vs the built-in `llama debugmodel` of
+#    the same shape (bench_import_step): ratio built-in / imported (goal >= 0.95).
+set -euo pipefail
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+py="${SPMDX_VENV:-$repo/.venv}/bin/python"
+spmdx="$repo/build/bin/spmdx"
+layers=32 dim=1024 ffn=2816 heads=16 kv=4
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --layers) layers=$2; shift 2 ;; --dim) dim=$2; shift 2 ;; --ffn) ffn=$2; shift 2 ;;
+    --heads) heads=$2; shift 2 ;; --kv-heads) kv=$2; shift 2 ;;
+    *) echo "usage: $0 [--layers N] [--dim N] [--ffn N] [--heads N] [--kv-heads N]" >&2; exit 2 ;;
+  esac
+done
+work="$(mktemp -d)"
+trap 'rm -rf "$work"' EXIT
+export_llama() {  # folder, then size flags
+  local out=$1; shift
+  "$py" "$repo/examples/export/torchtitan_llama.py" --out "$out" "$@" >/dev/null
+}
+peak() {  # wall seconds and max RSS KiB of a command
+  /usr/bin/time -f "%e %M" "$@" 2>&1 >/dev/null | tail -1
+}
+
+echo "== spmdx import: $layers layers, dim $dim, ffn $ffn, $heads heads ($kv KV), zero weights"
+export_llama "$work/big" --layers "$layers" --dim "$dim" --ffn "$ffn" --heads "$heads" --kv-heads "$kv" --batch 1 --seq 64 --zeros
+export_llama "$work/tiny"
+weights=$("$spmdx" import --json "$work/big/torchtitan_llama.pt2" | "$py" -c 'import json,sys; print(json.load(sys.stdin)["parameter_bytes"])')
+read -r t_big rss_big < <(peak "$spmdx" import "$work/big/torchtitan_llama.pt2")
+read -r t_tiny rss_tiny < <(peak "$spmdx" import "$work/tiny/torchtitan_llama.pt2")
+awk -v w="$weights" -v t="$t_big" -v r="$rss_big" -v rt="$rss_tiny" -v tt="$t_tiny" 'BEGIN {
+  printf "weights %.1f MiB: import %.2f s, peak RSS %.1f MiB = %.2fx the weights (goal <= 1.2x); over a tiny export'"'"'s %.1f MiB (%.2f s): %.2fx\n",
+    w / 1048576, t, r / 1024, r * 1024 / w, rt / 1024, tt, (r - rt) * 1024 / w }'
+
+echo "== one-rank step: imported torchtitan-style Llama vs built-in llama debugmodel (same shape)"
+export_llama "$work/debug" --layers 6 --dim 256 --ffn 768 --heads 16 --kv-heads 16 --batch 2 --seq 256
+"$repo/build/bin/bench_import_step" "$work/debug/torchtitan_llama.pt2" --flavor debugmodel --steps 20
