@@ -466,6 +466,7 @@ struct Config::Checker {
     if (const std::string plan = "parallelism.tp_plan."; key.rfind(plan, 0) == 0 && key.size() > plan.size()) {  // --parallelism.tp_plan.<glob> <style>
       cfg.plugin_options_["parallelism.tp_plan"][key.substr(plan.size())] = text;
       cfg.overrides_[key] = key + " " + text;
+      cfg.overrides_["parallelism.tp_plan"] = key + " " + text;  // where a message about the plan points
       return;
     }
     if (key.rfind("hooks.", 0) == 0 && std::count(key.begin(), key.end(), '.') == 2) {  // --hooks.<name>.<option>

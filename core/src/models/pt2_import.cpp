@@ -115,6 +115,13 @@ Meta tensor_meta(const Fail& fail, const json& j, const std::string& what) {
   for (const auto& s : field(fail, j, "sizes", what)) m.sizes.push_back(sym_int(fail, s, what + " sizes"));
   for (const auto& s : field(fail, j, "strides", what)) m.strides.push_back(sym_int(fail, s, what + " strides"));
   m.storage_offset = sym_int(fail, field(fail, j, "storage_offset", what), what + " storage_offset");
+  if (m.sizes.size() != m.strides.size()) fail(what + " has " + std::to_string(m.sizes.size()) + " sizes but " + std::to_string(m.strides.size()) + " strides: the file is damaged");
+  double numel = 1;
+  for (auto d : m.sizes) {
+    if (d < 0) fail(what + " has a negative size " + ir::shape_str(m.sizes) + ": the file is damaged");
+    numel *= static_cast<double>(d);
+  }
+  if (numel > 9e15 || m.storage_offset < 0) fail(what + " has sizes " + ir::shape_str(m.sizes) + " and offset " + std::to_string(m.storage_offset) + " no tensor can have: the file is damaged");
   m.requires_grad = j.value("requires_grad", false);
   if (j.value("layout", 7) != 7) fail(what + " is not a strided (dense) tensor; spmdx reads dense tensors only");
   return m;
@@ -127,6 +134,8 @@ struct Archive {
   std::map<std::string, at::Tensor> tensors;   // fqn -> the tensor, contiguous
   std::map<std::string, std::string> storage;  // fqn -> its payload ("weights/weight_0")
   std::map<std::string, bool> is_param;
+  std::map<std::string, Meta> meta;  // fqn -> its tensor_meta in the payload config
+  std::uintmax_t file_bytes = 0;
 };
 
 std::string record_text(caffe2::serialize::PyTorchStreamReader& reader, const std::string& name) {
@@ -167,6 +176,10 @@ void read_payloads(const Fail& fail, caffe2::serialize::PyTorchStreamReader& rea
     if (it == storages.end()) {
       if (!reader.hasRecord(record)) fail("'" + fqn + "' names payload " + record + ", which the archive lacks");
       const std::size_t size = reader.getRecordSize(record);
+      if (size > a.file_bytes) {
+        fail("payload " + record + " unpacks to " + std::to_string(size) + " bytes, more than the whole file's " + std::to_string(a.file_bytes) +
+             ": it is compressed, which torch.export.save never does; save the program again with torch.export.save");
+      }
       const auto elem = static_cast<std::size_t>(c10::elementSize(m.dtype));
       if (size % elem != 0) fail("payload " + record + " of '" + fqn + "' has " + std::to_string(size) + " bytes, not a whole number of " + c10::toString(m.dtype) + " elements (truncated?)");
       at::Tensor storage = at::empty({static_cast<std::int64_t>(size / elem)}, at::TensorOptions().dtype(m.dtype));
@@ -181,7 +194,6 @@ void read_payloads(const Fail& fail, caffe2::serialize::PyTorchStreamReader& rea
       if (m.sizes[d] == 0) empty = true;
       extent += (m.sizes[d] - 1) * m.strides.at(d);
     }
-    if (m.sizes.size() != m.strides.size()) fail(what + ": sizes and strides differ in length");
     if (!empty && extent > storage.numel()) {
       fail("payload " + record + " holds " + std::to_string(storage.numel()) + " elements but '" + fqn + "' " + ir::shape_str(m.sizes) +
            " needs " + std::to_string(extent) + ": the file is truncated or damaged; save it again");
@@ -190,6 +202,7 @@ void read_payloads(const Fail& fail, caffe2::serialize::PyTorchStreamReader& rea
     // The whole storage in order (the usual case) is used as is; a view of part of it is copied.
     a.tensors[fqn] = view.is_contiguous() && m.storage_offset == 0 && view.numel() == storage.numel() ? view : view.clone(at::MemoryFormat::Contiguous);
     a.storage[fqn] = folder + "/" + path_name;
+    a.meta[fqn] = m;
     a.is_param[fqn] = payload.value("is_param", false);
   }
 }
@@ -197,7 +210,8 @@ void read_payloads(const Fail& fail, caffe2::serialize::PyTorchStreamReader& rea
 std::shared_ptr<const Archive> read_archive(const std::string& path) {
   const Fail fail{path};
   std::error_code ec;
-  if (!std::filesystem::is_regular_file(path, ec)) fail("no such file (give the path of a .pt2 file that torch.export.save wrote)");
+  if (!std::filesystem::exists(path, ec)) fail("no such file (give the path of a .pt2 file that torch.export.save wrote)");
+  if (!std::filesystem::is_regular_file(path, ec)) fail("not a regular file (give the path of a .pt2 file that torch.export.save wrote)");
   std::unique_ptr<caffe2::serialize::PyTorchStreamReader> reader;
   try {
     reader = std::make_unique<caffe2::serialize::PyTorchStreamReader>(path);
@@ -213,14 +227,15 @@ std::shared_ptr<const Archive> read_archive(const std::string& path) {
   }
   auto a = std::make_shared<Archive>();
   a->path = path;
+  a->file_bytes = std::filesystem::file_size(path, ec);
   try {
     if (reader->hasRecord("serialized_exported_program.json")) {
       fail("it was written by torch 2.7 or older (serialized_exported_program.json); load and save it again with torch >= 2.9");
     }
     if (!reader->hasRecord("archive_format")) fail("it has no archive_format record: not a PT2 archive from torch.export.save");
-    if (const std::string f = record_text(*reader, "archive_format"); f != "pt2") fail("archive_format is \"" + f + "\", not \"pt2\"");
+    if (const std::string f = record_text(*reader, "archive_format"); f != "pt2") fail("archive_format is " + json(f).dump() + ", not \"pt2\"");
     if (reader->hasRecord("byteorder")) {
-      if (const std::string b = record_text(*reader, "byteorder"); b != "little") fail("byteorder is \"" + b + "\"; spmdx reads little-endian archives");
+      if (const std::string b = record_text(*reader, "byteorder"); b != "little") fail("byteorder is " + json(b).dump() + "; spmdx reads little-endian archives");
     }
     std::vector<std::string> programs;
     for (const auto& r : reader->getAllRecords()) {
@@ -294,10 +309,8 @@ Program read_program(const Archive& a) {
     if (name != "ATEN" && name != "TRAINING") fail("verifier \"" + name + "\": spmdx reads ATen programs (torch.export.export, optionally .run_decompositions())");
     p.verifier = name;
   }
-  if (!ep.value("range_constraints", json::object()).empty()) {
-    fail("the program has symbolic shapes (range_constraints " + ep["range_constraints"].dump() +
-         "): it was exported with dynamic_shapes; spmdx trains static shapes: export without dynamic_shapes");
-  }
+  // range_constraints alone do not make a program dynamic (an example input that is a view
+  // leaves some behind); a symbolic size or value does, and is refused where it is read.
   const json& gm = field(fail, ep, "graph_module", file);
   only_fields(fail, gm, {"graph", "signature", "module_call_graph", "metadata", "treespec_namedtuple_fields"}, file + " graph_module");
   const json& g = field(fail, gm, "graph", file + " graph_module");
@@ -386,7 +399,16 @@ std::string source_line(const json& node) {
   const auto md = node.find("metadata");
   if (md == node.end() || !md->is_object() || !md->contains("stack_trace")) return "";
   const std::string trace = (*md)["stack_trace"].get<std::string>();
-  const auto at = trace.rfind("File \"");
+  // The innermost frame of the user's code: frames in torch itself (nn.Dropout's forward) say less.
+  auto at = trace.rfind("File \"");
+  for (auto f = at; f != std::string::npos && f > 0; f = trace.rfind("File \"", f - 1)) {
+    const auto end = trace.find('"', f + 6);
+    const std::string file = trace.substr(f + 6, end - f - 6);
+    if (file.find("/site-packages/torch/") == std::string::npos && file.find("/dist-packages/torch/") == std::string::npos) {
+      at = f;
+      break;
+    }
+  }
   if (at == std::string::npos) return "";
   const auto end_file = trace.find('"', at + 6);
   const auto line_at = trace.find("line ", end_file);
@@ -397,6 +419,7 @@ std::string source_line(const json& node) {
   if (const auto nl = trace.find('\n', line_at); nl != std::string::npos) {
     code = trace.substr(nl + 1, trace.find('\n', nl + 1) - nl - 1);
     code.erase(0, code.find_first_not_of(' '));
+    if (code.size() > 160) code = code.substr(0, 157) + "...";
   }
   return file + ":" + line + (code.empty() ? "" : ": " + code);
 }
@@ -595,7 +618,8 @@ const std::set<std::string>& mapped_ops() {
       "aten.scaled_dot_product_attention.default", "aten.cross_entropy_loss.default", "aten._to_copy.default", "aten.to.dtype",
       "aten.to.dtype_layout", "aten.type_as.default", "aten.clone.default", "aten.contiguous.default", "aten.alias.default",
       "aten.detach.default", "aten.lift_fresh_copy.default", "aten.dropout.default", "aten._assert_tensor_metadata.default",
-      "aten._assert_scalar.default", "aten.view_as_complex.default", "aten.view_as_real.default"};
+      "aten._assert_scalar.default", "aten.view_as_complex.default", "aten.view_as_real.default", "aten.masked_fill.Scalar",
+      "aten.masked_fill.Tensor", "aten.where.self", "aten.where.ScalarOther", "aten.where.ScalarSelf"};
   return ops;
 }
 
@@ -618,6 +642,8 @@ class Mapper {
         map_node(b);
       } catch (const ImportError&) {
         throw;
+      } catch (const c10::Error& e) {
+        fail_(at_node(b) + ": " + e.what_without_backtrace());
       } catch (const std::exception& e) {
         fail_(at_node(b) + ": " + e.what());
       }
@@ -644,22 +670,36 @@ class Mapper {
     // Tied parameters: one trainable parameter per storage, under the first name.
     std::map<std::string, std::string> first_of_storage;
     std::vector<std::string> user;
+    std::set<std::string> names, args;
+    std::optional<std::pair<std::string, at::ScalarType>> param_dtype;  // the first trainable parameter's
     for (const auto& in : p_.inputs) {
+      if (!args.insert(in.arg).second) fail_("the program's input '" + in.arg + "' appears twice in its signature: the file is damaged");
       if (in.kind == "user_input") {
         user.push_back(in.arg);
         continue;
       }
+      if (!names.insert(in.fqn).second) fail_("two of the program's inputs are named '" + in.fqn + "': the file is damaged");
       auto t = a_.tensors.find(in.fqn);
       if (t == a_.tensors.end()) {
         // A non-persistent buffer or a lifted constant lives with the constants; none at all is an error.
         fail_("the program's " + in.kind + " '" + in.fqn + "' has no payload in the archive");
       }
-      if (in.kind == "parameter") {
+      // The payload as the weights config describes it must be the value the graph expects.
+      auto declared = p_.values.find(in.arg);
+      if (declared == p_.values.end()) fail_("the program's " + in.kind + " '" + in.fqn + "' (graph input '" + in.arg + "') has no entry in tensor_values: the file is damaged");
+      if (declared->second.sizes != t->second.sizes().vec() || declared->second.dtype != t->second.scalar_type()) {
+        fail_(in.kind + " '" + in.fqn + "' is " + c10::toString(t->second.scalar_type()) + ir::shape_str(t->second.sizes().vec()) + " in the weights but " +
+              c10::toString(declared->second.dtype) + ir::shape_str(declared->second.sizes) + " in the program: the file is damaged");
+      }
+      // A parameter exported with requires_grad=False trains no more than a buffer (AdamW skips it in PyTorch too).
+      const bool trainable = in.kind == "parameter" && a_.meta.at(in.fqn).requires_grad;
+      if (trainable) {
         const std::string storage = a_.storage.at(in.fqn);
         auto [it, first] = first_of_storage.emplace(storage, in.fqn);
         if (!first) {
-          const at::Tensor& other = a_.tensors.at(it->second);
-          if (other.sizes() != t->second.sizes() || !at::equal(other, t->second)) {
+          const Meta& m1 = a_.meta.at(it->second);
+          const Meta& m2 = a_.meta.at(in.fqn);
+          if (m1.sizes != m2.sizes || m1.strides != m2.strides || m1.storage_offset != m2.storage_offset || m1.dtype != m2.dtype) {
             fail_("parameters '" + it->second + "' and '" + in.fqn + "' share storage " + storage + " but are different views of it; spmdx ties whole tensors only");
           }
           env_[in.arg] = env_.at(arg_of_param_.at(it->second));
@@ -669,6 +709,11 @@ class Mapper {
         arg_of_param_[in.fqn] = in.arg;
         ir::TensorMeta meta{t->second.sizes().vec(), ir_dtype(t->second.scalar_type(), "parameter '" + in.fqn + "'"), "cpu", true};
         if (!ir::is_floating(meta.dtype)) fail_("parameter '" + in.fqn + "' is " + ir::to_string(meta.dtype) + "; trainable parameters must be floating point");
+        if (!param_dtype) param_dtype.emplace(in.fqn, t->second.scalar_type());
+        if (param_dtype->second != t->second.scalar_type()) {
+          fail_("parameters '" + param_dtype->first + "' (" + c10::toString(param_dtype->second) + ") and '" + in.fqn + "' (" + c10::toString(t->second.scalar_type()) +
+                ") differ in dtype; spmdx trains parameters of one dtype: export after model.to(dtype)");
+        }
         Sym s;
         s.v = m_.graph.add_input(in.fqn, meta);
         add_init(in.fqn, t->second, true);
@@ -688,6 +733,7 @@ class Mapper {
       chosen = user;
     } else {
       for (const auto& want : args_.inputs) {
+        if (std::find(chosen.begin(), chosen.end(), want) != chosen.end()) fail_("model.inputs names '" + want + "' twice; name the input that takes tokens, then the one that takes labels");
         if (std::find(user.begin(), user.end(), want) == user.end()) {
           std::string names;
           for (const auto& u : user) names += (names.empty() ? "" : ", ") + u;
@@ -762,7 +808,10 @@ class Mapper {
 
   void set(const BoundNode& b, ir::Value* v, std::size_t i = 0) {
     const Meta& want = meta(b, i);
-    if (v->meta().shape != want.sizes) fail_at(b, "maps to " + v->meta().str() + " but the program has " + ir::shape_str(want.sizes) + " (an importer bug; please report it)");
+    if (v->meta().shape != want.sizes) {
+      fail_at(b, "computes " + v->meta().str() + " but the file says its output '" + b.outputs[i] + "' is " + ir::shape_str(want.sizes) +
+                     ": the file's shapes disagree with the op's arguments (a damaged file?), or spmdx maps the op wrongly (then please report it with the file)");
+    }
     v = cast(v, ir_dtype(want.dtype, "output '" + b.outputs[i] + "'"));
     Sym s;
     s.v = v;
@@ -780,9 +829,25 @@ class Mapper {
     if (b.op->hasTag(at::Tag::nondeterministic_seeded)) {
       fail_at(b, "a random op (dropout, rand); spmdx runs each step's program as exported: export in eval() mode or without random ops");
     }
+    for (std::size_t i = 0; i < b.outputs.size(); ++i) {  // the sizes the file declares, before ATen allocates them
+      if (b.outputs[i].empty()) continue;
+      const Meta& m = meta(b, i);
+      double bytes = static_cast<double>(c10::elementSize(m.dtype));
+      for (auto d : m.sizes) bytes *= static_cast<double>(d);
+      if (bytes > 4.0 * (1 << 30)) fail_at(b, "computing it ahead would make a constant of " + ir::shape_str(m.sizes) + " (" + std::to_string(bytes / (1 << 30)) + " GiB); spmdx folds constants up to 4 GiB");
+    }
     torch::jit::Stack stack;
-    for (const auto& a : b.args) {
-      if (!a.is_tensor) {
+    const auto& schema_args = b.schema->arguments();
+    for (std::size_t k = 0; k < b.args.size(); ++k) {
+      const Bound& a = b.args[k];
+      if (!a.is_tensor && (a.value.isDouble() || a.value.isInt() || a.value.isBool()) && schema_args[k].type()->kind() == c10::TypeKind::TensorType) {
+        // A Python number where the schema has a Tensor (mul.Tensor(x, -1e9)): a wrapped number, as PyTorch makes it.
+        at::Tensor t = a.value.isDouble() ? at::scalar_tensor(a.value.toDouble(), at::kDouble)
+                       : a.value.isInt()  ? at::scalar_tensor(a.value.toInt(), at::kLong)
+                                          : at::scalar_tensor(a.value.toBool(), at::kBool);
+        t.unsafeGetTensorImpl()->set_wrapped_number(true);
+        stack.emplace_back(t);
+      } else if (!a.is_tensor) {
         stack.push_back(a.value);
       } else if (!a.is_list) {
         stack.emplace_back(sym(a.tensors[0]).c);
@@ -792,7 +857,11 @@ class Mapper {
         stack.emplace_back(list);
       }
     }
-    b.op->callBoxed(&stack);
+    try {
+      b.op->callBoxed(&stack);
+    } catch (const c10::Error& e) {
+      fail_at(b, std::string("computing it ahead (its inputs are all constants) failed: ") + e.what_without_backtrace());
+    }
     std::vector<at::Tensor> results;
     for (const auto& r : stack) {
       if (r.isTensor()) results.push_back(r.toTensor());
@@ -801,6 +870,9 @@ class Mapper {
     if (results.size() < b.outputs.size()) fail_at(b, "folding it gave " + std::to_string(results.size()) + " tensors for " + std::to_string(b.outputs.size()) + " outputs");
     for (std::size_t i = 0; i < b.outputs.size(); ++i) {
       if (b.outputs[i].empty()) continue;
+      if (results[i].sizes().vec() != meta(b, i).sizes) {
+        fail_at(b, "computed ahead it gives " + ir::shape_str(results[i].sizes().vec()) + " but the file says " + ir::shape_str(meta(b, i).sizes) + ": the file is damaged");
+      }
       Sym s;
       s.kind = Sym::Kind::constant;
       s.c = results[i].contiguous();
@@ -997,7 +1069,56 @@ class Mapper {
       }
       return set(b, reshape_to(g.add("rotary_embedding", {flat, cos, sin}), pairs));
     }
+    if (op == "aten.masked_fill.Scalar" || op == "aten.masked_fill.Tensor") {
+      // x.masked_fill(mask, v) with a constant mask (a causal mask buffer): x * keep + fill,
+      // keep = !mask and fill = where(mask, v, 0) computed here. Exact, and its gradient is
+      // zero where masked, as masked_fill's (x finite).
+      const Sym& mask = sym(t(b, "mask"));
+      if (mask.kind != Sym::Kind::constant) fail_at(b, "masked_fill with a mask computed from the batch; spmdx takes masks computed from buffers (a causal mask) only");
+      at::Tensor value;
+      if (is_tensor(b, "value")) {
+        const Sym& v = sym(t(b, "value"));
+        if (v.kind != Sym::Kind::constant) fail_at(b, "masked_fill with a fill value computed from trainable values");
+        value = v.c;
+      } else {
+        value = at::scalar_tensor(f(b, "value"), at::kDouble);
+      }
+      return select(b, value_of_mask(mask.c), t(b, "self"), value, /*fill_where_true=*/true);
+    }
+    if (op == "aten.where.ScalarOther" || op == "aten.where.ScalarSelf") {
+      const Sym& cond = sym(t(b, "condition"));
+      if (cond.kind != Sym::Kind::constant) fail_at(b, "where with a condition computed from the batch; spmdx takes conditions computed from buffers (a causal mask) only");
+      const bool other_scalar = op == "aten.where.ScalarOther";
+      const at::Tensor fill = at::scalar_tensor(f(b, other_scalar ? "other" : "self"), at::kDouble);
+      return select(b, value_of_mask(cond.c), t(b, other_scalar ? "self" : "other"), fill, /*fill_where_true=*/!other_scalar);
+    }
+    if (op == "aten.where.self") {
+      // where(cond, x, other) with a constant cond and one constant branch.
+      const Sym& cond = sym(t(b, "condition"));
+      const Sym& x = sym(t(b, "self"));
+      const Sym& y = sym(t(b, "other"));
+      if (cond.kind != Sym::Kind::constant) fail_at(b, "where with a condition computed from the batch; spmdx takes conditions computed from buffers (a causal mask) only");
+      if (y.kind == Sym::Kind::constant) return select(b, value_of_mask(cond.c), t(b, "self"), y.c, /*fill_where_true=*/false);
+      if (x.kind == Sym::Kind::constant) return select(b, value_of_mask(cond.c), t(b, "other"), x.c, /*fill_where_true=*/true);
+      fail_at(b, "where with both branches computed from trainable values; spmdx takes one constant branch (a fill value)");
+    }
     fail_at(b, "no mapping");  // in mapped_ops() but not handled above
+  }
+
+  static at::Tensor value_of_mask(const at::Tensor& m) { return m.to(at::kBool); }
+
+  // out = where(fill_where_true ? mask : !mask, fill, x) for a constant mask and fill, as
+  // x * keep + fill_values: both constants, x read once. The output's dtype is the file's.
+  void select(const BoundNode& b, const at::Tensor& mask, const std::string& x_name, const at::Tensor& fill, bool fill_where_true) {
+    const Meta& out = meta(b);
+    const at::TensorOptions options = at::TensorOptions().dtype(out.dtype);
+    const at::Tensor filled = fill_where_true ? mask : mask.logical_not();
+    const at::Tensor keep = filled.logical_not().to(options.dtype());
+    const at::Tensor fill_values = at::where(filled, fill.to(at::kDouble), at::zeros({}, at::kDouble)).to(options.dtype());
+    ir::Value* x = cast(value(x_name), ir_dtype(out.dtype, "output"));
+    ir::Value* kept = m_.graph.add("mul", {x, constant_input(b.name + ".keep", keep)});
+    ir::Value* y = m_.graph.add("add", {kept, constant_input(b.name + ".fill", fill_values)});
+    set(b, y->meta().shape == out.sizes ? y : m_.graph.add("expand", {y}, {{"shape", out.sizes}}));
   }
 
   ir::Value* constant_input(const std::string& name, const at::Tensor& t) {
@@ -1161,6 +1282,25 @@ const bool registered = [] {
   return true;
 }();
 
+Pt2Summary summarize(const std::string& path);
+
+// Runs `f`, turning what a malformed program makes the JSON library or a lookup throw into an
+// ImportError naming the file.
+template <class F>
+auto guarded(const std::string& path, F f) -> decltype(f()) {
+  try {
+    return f();
+  } catch (const ImportError&) {
+    throw;
+  } catch (const json::exception& e) {
+    throw ImportError(path + ": the program's JSON is malformed (" + e.what() + "): the file is damaged; save it again with torch.export.save");
+  } catch (const c10::Error& e) {
+    throw ImportError(path + ": " + e.what_without_backtrace());
+  } catch (const std::logic_error& e) {  // out_of_range (map::at, vector::at), length_error, invalid_argument
+    throw ImportError(path + ": the program refers to something it does not define (" + e.what() + "): the file is damaged; save it again with torch.export.save");
+  }
+}
+
 }  // namespace
 
 std::int64_t Pt2Summary::parameter_count() const {
@@ -1180,6 +1320,24 @@ std::int64_t Pt2Summary::parameter_bytes() const {
 }
 
 Pt2Summary summarize_pt2(const std::string& path) {
+  return guarded(path, [&] { return summarize(path); });
+}
+
+Model import_pt2(const ModelArgs& args) {
+  return guarded(args.path, [&] {
+    const auto a = archive(args.path);
+    const Program p = read_program(*a);
+    Model m;
+    m.args = args;
+    Mapper mapper(*a, p, args, m);
+    mapper.run();
+    return m;
+  });
+}
+
+namespace {
+
+Pt2Summary summarize(const std::string& path) {
   (void)registered;
   const auto a = archive(path);
   const Program p = read_program(*a);
@@ -1237,14 +1395,5 @@ Pt2Summary summarize_pt2(const std::string& path) {
   return s;
 }
 
-Model import_pt2(const ModelArgs& args) {
-  const auto a = archive(args.path);
-  const Program p = read_program(*a);
-  Model m;
-  m.args = args;
-  Mapper mapper(*a, p, args, m);
-  mapper.run();
-  return m;
-}
-
+}  // namespace
 }  // namespace spmdx::models
