@@ -121,6 +121,14 @@ TEST(Pt2Import, TiedWeightIsOneParameter) {
   EXPECT_EQ(s.parameter_count(), reference("gpt2")["grads"].size() > 0 ? 120576 : 0);
 }
 
+// A parameter exported with requires_grad=False is frozen, as AdamW leaves it in PyTorch.
+TEST(Pt2Import, FrozenParameterIsNotTrained) {
+  models::Model m = import("frozen");
+  EXPECT_EQ(m.params, (std::vector<std::string>{"head.weight", "head.bias"}));
+  ASSERT_NE(m.graph.find_input("emb.weight"), nullptr);
+  EXPECT_FALSE(m.graph.find_input("emb.weight")->meta().requires_grad);
+}
+
 // torchtitan's complex rotary embedding becomes the IR's rotary_embedding; HF's half-split
 // rotary maps op by op with its cos/sin tables computed once at import.
 TEST(Pt2Import, RotaryPatternsMap) {
@@ -165,6 +173,11 @@ TEST(Pt2ImportErrors, UnsupportedOpNamedWithSourceLine) {
   const models::Pt2Summary s = models::summarize_pt2((kDir / "bad" / "cumsum.pt2").string());
   ASSERT_EQ(s.unsupported.size(), 1u);
   EXPECT_EQ(s.unsupported[0].op, "aten.cumsum.default");
+}
+
+// Two parameters that are different rows of one storage are not tied, whatever their values.
+TEST(Pt2ImportErrors, ParametersSharingStorageAsDifferentViews) {
+  EXPECT_THAT(import_error((kDir / "bad" / "views.pt2").string()), HasSubstr("different views"));
 }
 
 TEST(Pt2ImportErrors, TruncatedWeight) {

@@ -75,11 +75,14 @@ TEST(Pt2RunErrors, BadInputFailsBeforeAnyRankStarts) {
       {"inputs", "", "--model.inputs tokens,labels", "model.inputs names 'tokens'"},
       {"plan_matches_nothing", "", "'--parallelism.tp_plan.transformer.h.*.attn.c_attn.wieght' colwise", "matches no parameter"},
       {"plan_style", "", "--parallelism.tp_plan.lm_head.weight diagonal", "\"diagonal\": the style must be"},
+      {"plan_checked_without_tp", "", "--parallelism.tensor_parallel_degree 1 --parallelism.data_parallel_shard_degree 4 --parallelism.tp_plan.nomatch colwise", "matches no parameter"},
+      {"batch_over_dp", "", "--parallelism.tensor_parallel_degree 1 --parallelism.data_parallel_shard_degree 3", "exported for a batch of 8 rows, which does not split over the 3"},
+      {"path_without_pt2", "", "--model.name llama --model.flavor tiny", "model.path is set but model.name is \"llama\""},
       {"plan_does_not_divide", "", "--parallelism.data_parallel_shard_degree 1 --parallelism.tensor_parallel_degree 3 --parallelism.tp_plan.transformer.wpe.weight 'shard(1)'",
        "does not split evenly over tp=3"},
   };
   for (const auto& [name, path, flags, says] : cases) {
-    auto r = run_example("gpt2", dir, name, name == "plan_does_not_divide" ? 3 : 4, flags, path);
+    auto r = run_example("gpt2", dir, name, name == "plan_does_not_divide" || name == "batch_over_dp" ? 3 : 4, flags, path);
     EXPECT_EQ(r.exit_code, 1) << name << "\n" << r.output;
     EXPECT_THAT(r.output, HasSubstr(says)) << name;
     EXPECT_THAT(r.output, Not(HasSubstr("[rank"))) << name;  // no rank started

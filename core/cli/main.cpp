@@ -158,6 +158,7 @@ int run_import(const ImportOptions& o) {
             << (s.tied.empty() ? "" : " (tied: ");
   for (std::size_t i = 0; i < s.tied.size(); ++i) std::cout << (i ? ", " : "") << s.tied[i].first << " = " << s.tied[i].second;
   std::cout << (s.tied.empty() ? "" : ")") << "\n";
+  for (const auto& p : s.parameters) std::cout << "  " << p.name << " " << shape(p) << "\n";  // the names a [parallelism.tp_plan] matches
   if (!s.buffers.empty()) {
     std::cout << "buffers and constants (frozen):";
     for (const auto& b : s.buffers) std::cout << " " << b.name << " " << shape(b);

@@ -38,6 +38,11 @@ JobSpec job_spec(const config::Config& cfg, std::int64_t world_size, std::int64_
   s.world_size = world_size;
   s.model = models::model_args(cfg.get_string("model.name"), cfg.get_string("model.flavor"), vocab_size);
   std::vector<std::int64_t> exported;  // pt2: the tokens' [batch, seq] as exported
+  if (s.model.name != "pt2") {
+    for (const char* key : {"model.path", "model.inputs", "model.loss"}) {
+      if (cfg.is_set(key)) fail({key, "model.name"}, std::string(key) + " is set but model.name is \"" + s.model.name + "\": it is for model.name = \"pt2\" (a torch.export file); set that, or remove " + key);
+    }
+  }
   if (s.model.name == "pt2") {
     s.model.path = cfg.get_string("model.path");
     s.model.inputs = cfg.get_list("model.inputs");
@@ -99,7 +104,10 @@ JobSpec job_spec(const config::Config& cfg, std::int64_t world_size, std::int64_
     }
     s.global_batch_size = exported[0];
   }
-  if (degrees_ok && s.global_batch_size % dp != 0) {
+  if (degrees_ok && !exported.empty() && exported[0] % dp != 0) {
+    fail({kDegreeKeys[0], kDegreeKeys[1], "model.path"}, s.model.path + " was exported for a batch of " + std::to_string(exported[0]) + " rows, which does not split over the " +
+         std::to_string(dp) + " data-parallel ranks: use a data-parallel degree that divides " + std::to_string(exported[0]) + ", or export with a batch it divides");
+  } else if (degrees_ok && s.global_batch_size % dp != 0) {
     fail({"training.global_batch_size", "training.local_batch_size", kDegreeKeys[0], kDegreeKeys[1]}, "training.global_batch_size " + std::to_string(s.global_batch_size) + " does not split over the " + std::to_string(dp) +
          " data-parallel ranks: make it a multiple of " + std::to_string(dp));
   }
@@ -274,7 +282,14 @@ PlacedJob place_job(const JobSpec& spec, PluginRegistry& registry) {
   }
   for (const char* name : {"tokens", "labels"}) in.inputs.push_back({name, job.model.graph.find_input(name)->meta().shape});
   std::map<std::string, Options> options;
-  if (!spec.tp_plan.empty()) options["tensor_parallel"] = spec.tp_plan;
+  if (!spec.tp_plan.empty()) {
+    options["tensor_parallel"] = spec.tp_plan;
+    if (spec.dims.tp == 1) {  // checked all the same: a plan's mistakes show before tensor parallelism is switched on
+      StrategyInput one = in;
+      one.mesh = {{"tp", 1}};
+      registry.make_strategy("tensor_parallel", spec.tp_plan)->place(one);
+    }
+  }
   job.inputs = sharding::parallelize(registry, job.mesh, in, {}, options);
   std::map<std::string, sharding::Placements> params;
   for (const auto& p : job.model.params) params[p] = job.inputs.at(p);
