@@ -354,6 +354,9 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
       state["exp_avg_sq." + p] = at::zeros_like(state.at(p));
     }
   }
+  // An imported model's weights, whole, are no longer needed once this rank holds its shards.
+  for (auto& init : job.model.init) init.data.reset();
+  models::release_imports();
   data::TextDataset dataset({cfg.get_list("data.paths"), spec.global_batch_size, spec.seq_len,
                              static_cast<std::uint64_t>(cfg.get_int("data.seed"))},
                             *tokenizer);

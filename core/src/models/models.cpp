@@ -97,6 +97,16 @@ Importer& importer() {
 }  // namespace
 
 void set_importer(Importer f) { importer() = std::move(f); }
+static std::function<void()>& releaser() {
+  static std::function<void()> f;
+  return f;
+}
+
+void set_import_release(std::function<void()> release) { releaser() = std::move(release); }
+void release_imports() {
+  if (releaser()) releaser()();
+}
+
 Model import_model(const ModelArgs& args) {
   if (!importer()) throw std::invalid_argument("model \"pt2\": this program was built without the importer (spmdx_exec, which needs LibTorch)");
   if (args.path.empty()) throw std::invalid_argument("model \"pt2\" needs model.path: the .pt2 file torch.export.save wrote");

@@ -260,9 +260,11 @@ std::shared_ptr<const Archive> read_archive(const std::string& path) {
   return a;
 }
 
+std::mutex cache_mu;
+std::map<std::string, std::pair<std::string, std::shared_ptr<const Archive>>> cache;  // path -> (size@mtime, archive)
+
 std::shared_ptr<const Archive> archive(const std::string& path) {
-  static std::mutex mu;
-  static std::map<std::string, std::pair<std::string, std::shared_ptr<const Archive>>> cache;
+  auto& mu = cache_mu;
   std::error_code ec;
   const auto stamp = std::to_string(std::filesystem::file_size(path, ec)) + "@" +
                      std::to_string(std::filesystem::last_write_time(path, ec).time_since_epoch().count());
@@ -1279,6 +1281,10 @@ std::string dtype_name(at::ScalarType t) {
 // Registers the importer with build_model when this library is loaded.
 const bool registered = [] {
   set_importer(import_pt2);
+  set_import_release([] {
+    std::lock_guard<std::mutex> lock(cache_mu);
+    cache.clear();
+  });
   return true;
 }();
 

@@ -99,6 +99,12 @@ Model build_model(const ModelArgs& args, std::int64_t batch, std::int64_t seq_le
 /// without it build_model refuses "pt2" saying so.
 using Importer = std::function<Model(const ModelArgs&)>;
 void set_importer(Importer importer);
+/// Lets the importer forget the files it has read (their weights stay alive only while a
+/// Model's InitSpec data holds them). A no-op without an importer.
+void release_imports();
+/// Set with the importer: what release_imports calls.
+void set_import_release(std::function<void()> release);
+
 /// The model args.path holds, through the importer, with the batch shape it was exported for.
 /// Throws std::invalid_argument without an importer, and what the importer throws.
 Model import_model(const ModelArgs& args);
