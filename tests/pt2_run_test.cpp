@@ -1,6 +1,6 @@
 // Training an imported program as a user does: `spmdx run` on the examples' configs
 // (examples/export/*.toml) with the fixtures of pt2_fixtures, real rank processes over ucx.
-// Four ranks as fsdp 4, tp 2 (by plan) and fsdp x tp 2 x 2 give the one-rank losses; bad
+// Four ranks as fsdp 4, dp x tp (tp by plan), fsdp x tp and HSDP give the one-rank losses; bad
 // files and configs fail before any rank starts; `spmdx import` says what a file holds.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -44,6 +44,7 @@ TEST_P(Pt2Run, FourRanksGiveTheLossesOfOneRank) {
       {"fsdp4", "--parallelism.data_parallel_shard_degree 4 --parallelism.tensor_parallel_degree 1"},
       {"dp2xtp2", "--parallelism.data_parallel_replicate_degree 2 --parallelism.data_parallel_shard_degree 1 --parallelism.tensor_parallel_degree 2"},
       {"fsdp2xtp2", "--parallelism.data_parallel_shard_degree 2 --parallelism.tensor_parallel_degree 2"},
+      {"hsdp2x2", "--parallelism.data_parallel_replicate_degree 2 --parallelism.data_parallel_shard_degree 2 --parallelism.tensor_parallel_degree 1"},
   };
   for (const auto& [name, flags] : layouts) {
     auto r = run_example(model, dir, name, 4, flags);
