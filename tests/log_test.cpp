@@ -1,6 +1,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <set>
+
 #include "spmdx/core/log.h"
 #include "spmdx/core/text.h"
 
@@ -38,6 +40,32 @@ TEST(Text, Fnv1aHexMatchesThePublishedVectors) {
   EXPECT_EQ(fnv1a_hex("a"), "af63dc4c8601ec8c");
   EXPECT_EQ(fnv1a_hex("foobar"), "85944171f73967e8");
   EXPECT_EQ(fnv1a_hex(std::string("\0", 1)), "af63bd4c8601b7df");
+}
+
+// One size grammar for every option and flag: K/M/G/T and KiB..TiB are powers of 1024,
+// KB..TB powers of 1000 (so "1MB" and "1M" both work and mean what they say).
+TEST(Text, ParseBytesReadsBinaryAndDecimalUnits) {
+  EXPECT_EQ(parse_bytes("262144"), 262144u);
+  EXPECT_EQ(parse_bytes("256K"), 262144u);
+  EXPECT_EQ(parse_bytes("4MiB"), 4u << 20);
+  EXPECT_EQ(parse_bytes("64 M"), 64u << 20);
+  EXPECT_EQ(parse_bytes("1MB"), 1000000u);
+  EXPECT_EQ(parse_bytes("1.5GB"), 1500000000u);
+  EXPECT_EQ(parse_bytes("2T"), 2ull << 40);
+  EXPECT_EQ(parse_bytes("0"), 0u);
+  for (const char* bad : {"", "K", "-1", "4Q", "1e30", "nan", "4 Mi"}) EXPECT_THROW(parse_bytes(bad), std::invalid_argument) << bad;
+  try {
+    parse_bytes("4Q");
+  } catch (const std::invalid_argument& e) {
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("unknown unit 'Q'"));
+  }
+}
+
+TEST(Text, JoinListsWithTheSeparator) {
+  EXPECT_EQ(join(std::vector<std::string>{}), "");
+  EXPECT_EQ(join(std::vector<std::string>{"a"}), "a");
+  EXPECT_EQ(join(std::vector<std::string>{"", "b", "c"}), ", b, c");
+  EXPECT_EQ(join(std::set<std::string>{"y", "x"}, " | "), "x | y");
 }
 
 TEST(Text, SplitLinesKeepsEveryPiece) {

@@ -259,9 +259,7 @@ int run_compile(const CompileOptions& o) {
     std::vector<std::int64_t> ranks;
     for (std::int64_t r = 0; r < (o.fake ? 1 : world); ++r) ranks.push_back(r);
     hooks.compile(plan, ranks, spmdx::plan::plan_options(cfg));
-    std::string names;
-    for (const auto& n : cfg.get_list("hooks.enable")) names += (names.empty() ? "" : ", ") + n;
-    std::cout << "hooks (" << names << ") ran on the compile stages; their files are under "
+    std::cout << "hooks (" << spmdx::join(cfg.get_list("hooks.enable")) << ") ran on the compile stages; their files are under "
               << (fs::path(cfg.get_string("job.dump_folder")) / "hooks").string() << "\n";
   }
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -364,8 +362,8 @@ struct BenchCommOptions {
 int run_bench_comm(const BenchCommOptions& o, const std::vector<std::string>& raw_args) {
   spmdx::comm::BenchOptions bo;
   bo.op = o.op;
-  bo.min_bytes = spmdx::comm::parse_bytes(o.min_bytes);
-  bo.max_bytes = spmdx::comm::parse_bytes(o.max_bytes);
+  bo.min_bytes = spmdx::parse_bytes(o.min_bytes);
+  bo.max_bytes = spmdx::parse_bytes(o.max_bytes);
   bo.iters = o.iters;
   bo.warmup = o.warmup;
   bo.timeout_seconds = o.timeout_seconds;

@@ -60,32 +60,21 @@ std::string OptionReader::get_string(const std::string& key, const std::string& 
   const std::string* v = find(key);
   if (v == nullptr) return fallback;
   if (choices.empty()) return *v;
-  std::string list;
   for (const auto& c : choices) {
     if (c == *v) return *v;
-    list += (list.empty() ? "" : ", ") + c;
   }
-  bad(key, *v, "one of " + list);
+  bad(key, *v, "one of " + join(choices));
   return fallback;
 }
 
 double OptionReader::get_bytes(const std::string& key, double fallback) {
   const std::string* v = find(key);
   if (v == nullptr) return fallback;
-  const std::string expected = "a size such as 4GiB, 512MiB, 1.5GB or 1048576";
   try {
-    std::size_t used = 0;
-    const double x = std::stod(*v, &used);
-    std::string unit = v->substr(used);
-    while (!unit.empty() && unit.front() == ' ') unit.erase(0, 1);
-    static const std::pair<const char*, double> units[] = {{"", 1}, {"B", 1}, {"KiB", 1024.0}, {"MiB", 1048576.0}, {"GiB", 1073741824.0},
-                                                           {"TiB", 1099511627776.0}, {"KB", 1e3}, {"MB", 1e6}, {"GB", 1e9}, {"TB", 1e12}};
-    for (const auto& [name, scale] : units) {
-      if (unit == name && std::isfinite(x) && x >= 0) return x * scale;
-    }
-  } catch (const std::logic_error&) {
+    return static_cast<double>(parse_bytes(*v));
+  } catch (const std::invalid_argument&) {
+    bad(key, *v, "a size such as 4GiB, 512M, 1.5GB or 1048576 (K, M, G, KiB, ...: powers of 1024; KB, MB, GB: of 1000)");
   }
-  bad(key, *v, expected);
   return fallback;
 }
 
@@ -94,9 +83,7 @@ void OptionReader::done() const {
   for (const auto& [key, value] : options_) {
     if (read_.count(key) > 0) continue;
     const std::string best = nearest_word(key, std::vector<std::string>(read_.begin(), read_.end()), 2);
-    std::string known;
-    for (const auto& k : read_) known += (known.empty() ? "" : ", ") + k;
-    problems.push_back(owner_ + " " + key + ": unknown option" + (best.empty() ? "" : "; did you mean '" + best + "'?") + " (known: " + known + ")");
+    problems.push_back(owner_ + " " + key + ": unknown option" + (best.empty() ? "" : "; did you mean '" + best + "'?") + " (known: " + join(read_) + ")");
   }
   std::string all;
   for (const auto& p : problems) all += (all.empty() ? "" : "\n") + p;

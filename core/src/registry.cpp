@@ -1,4 +1,5 @@
 #include "spmdx/core/registry.h"
+#include "spmdx/core/text.h"
 
 #include <dlfcn.h>
 #include <elf.h>
@@ -452,8 +453,9 @@ PluginInfo* PluginRegistry::find_mutable(std::string_view name) {
 void PluginRegistry::load(std::string_view plugin_name) {
   PluginInfo* info = find_mutable(plugin_name);
   if (info == nullptr) {
-    std::string known;
-    for (const auto& p : plugins_) known += (known.empty() ? "" : ", ") + p.name;
+    std::vector<std::string> names;
+    for (const auto& p : plugins_) names.push_back(p.name);
+    const std::string known = join(names);
     throw PluginError(Code::unknown_plugin, {},
                       "no plugin named '" + std::string(plugin_name) + "'; found: " +
                           (known.empty() ? "none" : known) +
@@ -501,10 +503,11 @@ void PluginRegistry::ensure_factory(PluginKind kind, std::string_view name) {
   if (has()) return;
   if (const PluginInfo* p = find(name); p != nullptr && p->kind == kind) load(name);
   if (has()) return;
-  std::string known;
+  std::vector<std::string> names;
   for (const auto& p : plugins_) {
-    if (p.kind == kind) known += (known.empty() ? "" : ", ") + p.name;
+    if (p.kind == kind) names.push_back(p.name);
   }
+  const std::string known = join(names);
   throw PluginError(Code::unknown_plugin, {},
                     std::string("no ") + to_string(kind) + " plugin named '" + std::string(name) + "'; found: " +
                         (known.empty() ? "none" : known) +

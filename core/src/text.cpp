@@ -4,6 +4,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <stdexcept>
+#include <utility>
 #include <vector>
 
 namespace spmdx {
@@ -42,9 +44,35 @@ std::string human_bytes(double b) {
   return buf;
 }
 
+std::uint64_t parse_bytes(std::string_view text) {
+  const std::string t(text);
+  const std::string examples = "'" + t + "' is not a size (examples: 262144, 256K, 4MiB, 1.5GB)";
+  std::size_t used = 0;
+  double v = 0;
+  try {
+    v = std::stod(t, &used);
+  } catch (const std::logic_error&) {
+    throw std::invalid_argument(examples);
+  }
+  std::string unit = t.substr(used);
+  while (!unit.empty() && unit.front() == ' ') unit.erase(0, 1);
+  static const std::pair<const char*, double> units[] = {
+      {"", 1}, {"B", 1}, {"K", 1024.0}, {"k", 1024.0}, {"M", 1048576.0}, {"G", 1073741824.0}, {"T", 1099511627776.0},
+      {"KiB", 1024.0}, {"MiB", 1048576.0}, {"GiB", 1073741824.0}, {"TiB", 1099511627776.0},
+      {"KB", 1e3}, {"kB", 1e3}, {"MB", 1e6}, {"GB", 1e9}, {"TB", 1e12}};
+  for (const auto& [name, scale] : units) {
+    if (unit != name) continue;
+    if (!std::isfinite(v) || v < 0 || v * scale > 1.8e19) throw std::invalid_argument("'" + t + "' is not a size in bytes: it must be between 0 and 16 EiB");
+    return static_cast<std::uint64_t>(v * scale);
+  }
+  throw std::invalid_argument("'" + t + "': unknown unit '" + unit + "' (K, M, G, T or KiB, MiB, GiB, TiB for powers of 1024; KB, MB, GB, TB for powers of 1000)");
+}
+
 std::string rank_list(const std::vector<int>& ranks) {
   std::string s;
-  for (int r : ranks) s += (s.empty() ? "" : ", ") + std::to_string(r);
+  std::vector<std::string> names;
+  for (int r : ranks) names.push_back(std::to_string(r));
+  s += join(names);
   return (ranks.size() == 1 ? "rank " : "ranks ") + s;
 }
 

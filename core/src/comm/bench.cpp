@@ -22,25 +22,6 @@ float value(int r, std::size_t i) { return static_cast<float>((r + 1) * 3 + stat
 
 }  // namespace
 
-std::uint64_t parse_bytes(const std::string& text) {
-  std::size_t used = 0;
-  double v = 0;
-  try {
-    v = std::stod(text, &used);
-  } catch (const std::exception&) {
-    throw std::invalid_argument("'" + text + "' is not a size (examples: 8, 4K, 64M, 1G)");
-  }
-  std::string unit = text.substr(used);
-  if (unit.size() == 3 && unit.substr(1) == "iB") unit.resize(1);
-  std::uint64_t scale = 1;
-  if (unit == "K" || unit == "k") scale = 1ull << 10;
-  else if (unit == "M") scale = 1ull << 20;
-  else if (unit == "G") scale = 1ull << 30;
-  else if (!unit.empty() && unit != "B") throw std::invalid_argument("'" + text + "': unknown unit '" + unit + "' (use K, M or G)");
-  if (v < 0) throw std::invalid_argument("'" + text + "' is negative");
-  return static_cast<std::uint64_t>(v * static_cast<double>(scale));
-}
-
 std::int64_t run_comm_bench(CommBackend& b, int rank, int n, const BenchOptions& o) {
   const std::string& op = o.op;
   if (op != "all_reduce" && op != "all_gather" && op != "reduce_scatter" && op != "all_to_all" && op != "broadcast") {

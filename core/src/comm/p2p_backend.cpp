@@ -12,7 +12,6 @@
 #include <random>
 #include <type_traits>
 
-#include "spmdx/comm/bench.h"
 #include "spmdx/core/clock.h"
 #include "spmdx/core/log.h"
 #include "spmdx/core/text.h"
@@ -379,7 +378,7 @@ bool P2PBackend::take_option(const std::string& plugin, const std::string& key, 
   std::uint64_t bytes = 0;
   bool ok = !value.empty() && value.find_first_of("-+ ") == std::string::npos;
   try {
-    if (ok) bytes = parse_bytes(value);
+    if (ok) bytes = spmdx::parse_bytes(value);
   } catch (const std::exception&) {
     ok = false;
   }

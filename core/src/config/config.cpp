@@ -91,8 +91,7 @@ std::string value_problem(const KeySpec& spec, const Value& v) {
   }
   if (auto* s = std::get_if<std::string>(&v); s && !spec.choices.empty() &&
                                                std::find(spec.choices.begin(), spec.choices.end(), *s) == spec.choices.end()) {
-    std::string list;
-    for (const auto& c : spec.choices) list += (list.empty() ? "" : ", ") + c;
+    const std::string list = join(spec.choices);
     // No hint where the nearest choice extends the value or the other way round: "Adam" is not
     // a typo of "AdamW" but another optimizer.
     const std::string near = nearest_word(*s, spec.choices, typo_distance(*s));

@@ -255,9 +255,7 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
                                   " never happens in this job (" + std::to_string(env.world_size) + " ranks, " + std::to_string(spec.steps) + " steps)");
     }
     if (fault.kind == "perturb" && std::find(state_names.begin(), state_names.end(), fault.tensor) == state_names.end()) {
-      std::string known;
-      for (const auto& n : state_names) known += (known.empty() ? "" : ", ") + n;
-      throw std::invalid_argument("SPMDX_FAULT: no tensor '" + fault.tensor + "' in the train state; it has " + known);
+      throw std::invalid_argument("SPMDX_FAULT: no tensor '" + fault.tensor + "' in the train state; it has " + join(state_names));
     }
   }
   const auto plan = sharding::propagate(job.model.graph, job.mesh, job.inputs, job.outputs, job.use, job.reshard_after_forward);
@@ -443,13 +441,8 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
       TensorMap out = executor.run(feed, step);
       for (const auto& s : names) state[s] = out.at("next." + s);
       if (fault.kind == "perturb" && fault.rank == env.rank && fault.step == step) {
-        auto it = state.find(fault.tensor);
-        if (it == state.end()) {
-        std::string known;
-        for (const auto& n : names) known += (known.empty() ? "" : ", ") + n;
-        throw std::invalid_argument("SPMDX_FAULT: no tensor '" + fault.tensor + "' in the train state; it has " + known);
-      }
-        it->second = it->second + fault.delta;
+        at::Tensor& t = state.at(fault.tensor);  // its name was checked before the first step
+        t = t + fault.delta;
       }
       const double loss = out.at("loss").item<double>();
       if (!std::isfinite(loss)) throw std::runtime_error("step " + std::to_string(step) + ": the loss is " + std::to_string(loss));

@@ -1,4 +1,5 @@
 #include "spmdx/ir/graph.h"
+#include "spmdx/core/text.h"
 
 #include <algorithm>
 #include <cstdio>
@@ -121,8 +122,9 @@ std::vector<TensorMeta> check_and_infer(const OpSchema& schema, const std::strin
   for (const auto& [name, value] : attrs) {
     auto spec = std::find_if(schema.attrs.begin(), schema.attrs.end(), [&](const AttrSpec& s) { return s.name == name; });
     if (spec == schema.attrs.end()) {
-      std::string known;
-      for (const auto& s : schema.attrs) known += (known.empty() ? "" : ", ") + s.name;
+      std::vector<std::string> names;
+      for (const auto& s : schema.attrs) names.push_back(s.name);
+      const std::string known = join(names);
       throw IrError(where + " has no attribute '" + name + "' (attributes: " + (known.empty() ? "none" : known) + ")");
     }
     if (!attr_has_type(value, spec->type)) {

@@ -10,6 +10,7 @@
 //      folding); torchtitan's complex rotary pattern becomes rotary_embedding; the rest map
 //      op by op (the table in map_node).
 #include "spmdx/models/pt2.h"
+#include "spmdx/core/text.h"
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -737,9 +738,7 @@ class Mapper {
       for (const auto& want : args_.inputs) {
         if (std::find(chosen.begin(), chosen.end(), want) != chosen.end()) fail_("model.inputs names '" + want + "' twice; name the input that takes tokens, then the one that takes labels");
         if (std::find(user.begin(), user.end(), want) == user.end()) {
-          std::string names;
-          for (const auto& u : user) names += (names.empty() ? "" : ", ") + u;
-          fail_("model.inputs names '" + want + "', but the program's inputs are: " + names);
+          fail_("model.inputs names '" + want + "', but the program's inputs are: " + join(user));
         }
         chosen.push_back(want);
       }

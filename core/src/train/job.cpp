@@ -206,10 +206,11 @@ std::vector<std::string> preflight(const config::Config& cfg, std::int64_t world
       }
       const auto* p = registry.find(name);
       if (p == nullptr || p->kind != PluginKind::comm) {
-        std::string known;
+        std::vector<std::string> names;
         for (const auto& q : registry.plugins()) {
-          if (q.kind == PluginKind::comm) known += (known.empty() ? "" : ", ") + q.name;
+          if (q.kind == PluginKind::comm) names.push_back(q.name);
         }
+        const std::string known = join(names);
         fail(" is not a comm plugin found here; found: " + (known.empty() ? std::string("none") : known));
         continue;
       }

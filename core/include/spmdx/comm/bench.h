@@ -26,8 +26,5 @@ struct BenchOptions {
 /// std::invalid_argument for an unknown op, and CommError when a collective fails.
 std::int64_t run_comm_bench(CommBackend& backend, int rank, int world_size, const BenchOptions& options);
 
-/// "8", "1K", "64M", "1G" (also KiB/MiB/GiB, K/M/G as powers of 1024) -> bytes; throws
-/// std::invalid_argument naming the text.
-std::uint64_t parse_bytes(const std::string& text);
 
 }  // namespace spmdx::comm

@@ -188,7 +188,7 @@ class P2PBackend : public CommBackend {
 
  protected:
   /// Takes an option every P2P backend understands, returning false for any other key:
-  /// Values are sizes as parse_bytes reads them (262144, 256K, 4M).
+  /// Values are sizes as spmdx::parse_bytes reads them (262144, 256K, 4MiB, 1MB).
   /// - chunk_bytes: the pipeline chunk of ring all_reduce / reduce_scatter steps in bytes (at
   ///   least 64; default 1 MiB: 4 chunks in flight stay in the last-level cache; 256 KiB to
   ///   4 MiB measured alike on 2 and 4 ranks here);

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -29,6 +30,26 @@ std::string seconds_text(double seconds);
 /// `text` cut at each '\n' (which is dropped): n newlines give n + 1 lines, so "" gives one
 /// empty line and "a\n" gives "a" and "". For messages that say one problem per line.
 std::vector<std::string> split_lines(std::string_view text);
+
+/// The items joined by `separator`: join({"a", "b"}) is "a, b"; an empty list gives "".
+/// For messages that list names.
+template <class Range>
+std::string join(const Range& items, std::string_view separator = ", ") {
+  std::string out;
+  bool first = true;
+  for (const auto& item : items) {
+    if (!first) out += separator;
+    out += item;
+    first = false;
+  }
+  return out;
+}
+
+/// A size in bytes as people write it: a non-negative number, optionally a space, then a unit:
+/// none or B (bytes); K, M, G, T or KiB, MiB, GiB, TiB (powers of 1024, as nccl-tests' -b 4K);
+/// KB, MB, GB, TB (powers of 1000, SI). "262144", "256K", "4MiB", "1.5GB", "64 M". The result is
+/// rounded down to whole bytes. Throws std::invalid_argument naming the text and giving examples.
+std::uint64_t parse_bytes(std::string_view text);
 
 /// FNV-1a, 64 bits (Fowler, Noll, Vo), of `bytes` as 16 lowercase hex digits: the same on
 /// every machine and build, unlike std::hash. A fingerprint, not a cryptographic hash.
