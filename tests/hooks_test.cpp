@@ -329,7 +329,13 @@ TEST(FrTrace, DumpsOfAnotherRunOrHugeSequenceNumbersAreHandled) {
   test::TempDir dir;
   dump(dir.path(), 0, {{std::uint64_t{1} << 62, "%8", 64, "issued"}});
   dump(dir.path(), 1, {{0, "%8", 64, "issued"}});
-  EXPECT_NO_THROW(hooks::analyze_flight_recorder(dir.path()));  // returns, however odd the numbers
+  // However odd the numbers, the analysis returns and reads them whole: rank 1 is behind, at
+  // #0, and never issued #2^62 (no overflow into a small or negative number).
+  const auto odd = hooks::analyze_flight_recorder(dir.path());
+  ASSERT_EQ(odd.findings.size(), 1u) << odd.text;
+  EXPECT_EQ(odd.findings[0].ranks, std::vector<int>{1}) << odd.text;
+  EXPECT_THAT(odd.text, HasSubstr("collective #4611686018427387904: rank 1 never issued it"));
+  EXPECT_THAT(odd.text, HasSubstr("Rank 1's last collective on this group is #0"));
   test::write_file(dir / "rank2.json", json{{"format", "spmdx-flight-recorder-1"}, {"rank", 2}, {"world_size", 8}, {"entries", json::array()}}.dump());
   try {
     hooks::analyze_flight_recorder(dir.path());
