@@ -212,11 +212,7 @@ int run_compile(const CompileOptions& o) {
   }
   const auto start = std::chrono::steady_clock::now();
   if (o.world_size < 0 || o.world_size > 100000000) throw std::invalid_argument("--world-size must be between 1 and 1e8");
-  std::int64_t world = o.world_size;
-  if (world <= 0) {
-    const std::int64_t shard = cfg.get_int("parallelism.data_parallel_shard_degree");
-    world = cfg.get_int("parallelism.data_parallel_replicate_degree") * cfg.get_int("parallelism.tensor_parallel_degree") * (shard > 0 ? shard : 1);
-  }
+  const std::int64_t world = o.world_size > 0 ? o.world_size : spmdx::train::degree_product(cfg);
   // Every problem at once: the config's, the tokenizer's, the degrees', the placements'. With
   // none, the preflight's tokenizer, job spec and plugins are the ones to plan with.
   spmdx::PluginRegistry registry;
@@ -317,9 +313,7 @@ int run_run(const RunOptions& o) {
   }
   const spmdx::launch::RankEnv env = spmdx::launch::rank_env();
   if (env.source == "single" && !cfg.has_problem("parallelism.")) {  // a job of several ranks started as one: say how to start it
-    const std::int64_t shard = cfg.get_int("parallelism.data_parallel_shard_degree");
-    const std::int64_t want = cfg.get_int("parallelism.data_parallel_replicate_degree") * cfg.get_int("parallelism.tensor_parallel_degree") *
-                              (shard > 0 ? shard : 1);
+    const std::int64_t want = spmdx::train::degree_product(cfg);
     if (want > 1) {
       throw spmdx::config::ConfigError(cfg.where(spmdx::train::kDegreeKeys) + ": its parallelism degrees make " + std::to_string(want) +
                                        " ranks: start them with --nproc " + std::to_string(want) + " (or under torchrun, srun, mpirun)");

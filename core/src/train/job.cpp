@@ -31,6 +31,11 @@ struct Problems {
 
 }  // namespace
 
+std::int64_t degree_product(const config::Config& cfg) {
+  const std::int64_t shard = cfg.get_int("parallelism.data_parallel_shard_degree");
+  return cfg.get_int("parallelism.data_parallel_replicate_degree") * cfg.get_int("parallelism.tensor_parallel_degree") * (shard > 0 ? shard : 1);
+}
+
 JobSpec job_spec(const config::Config& cfg, std::int64_t world_size, std::int64_t vocab_size) {
   Problems problems{cfg, {}};
   auto fail = [&](const std::vector<std::string>& keys, const std::string& why) { problems.add(keys, why); };

@@ -42,6 +42,10 @@ struct JobSpec {
 inline const std::vector<std::string> kDegreeKeys{"parallelism.data_parallel_replicate_degree", "parallelism.data_parallel_shard_degree",
                                                   "parallelism.tensor_parallel_degree"};
 
+/// The ranks the config's degrees make when data_parallel_shard_degree is given (-1, "the
+/// ranks left", counts as 1): what `spmdx compile` plans for and a lone `spmdx run` would need.
+std::int64_t degree_product(const config::Config& cfg);
+
 /// Resolves the config for `world_size` ranks and a tokenizer of `vocab_size` ids:
 /// data_parallel_shard_degree -1 takes the ranks the other degrees leave; the global batch is
 /// global_batch_size, or local_batch_size x the data-parallel degree. For model.name "pt2" the

@@ -1,4 +1,4 @@
-#include "spmdx/sharding/distribute.h"
+#include "spmdx/sharding/propagate.h"
 
 #include <nlohmann/json.hpp>
 
@@ -21,111 +21,7 @@ double numel(const Shape& s) {
   return n;
 }
 
-// Bytes one rank sends to move a tensor of `bytes` (as seen on this mesh dim) from -> to.
-double step_cost(const Placement& from, const Placement& to, double bytes, std::int64_t k) {
-  if (from == to || k == 1) return 0;
-  const double f = static_cast<double>(k - 1) / static_cast<double>(k);
-  if (from.is_partial()) return to.is_shard() ? f * bytes : 2 * f * bytes;           // reduce_scatter / all_reduce
-  if (from.is_shard()) return to.is_shard() ? f * bytes / static_cast<double>(k) : f * bytes;  // all_to_all / all_gather
-  return to.is_partial() ? 1.0 : 0.0;  // local; a Partial made from a Replicate costs later, so not quite free
-}
-
-bool shards(const Placement& p, int d) { return p.is_shard() && p.dim() == d; }
-
 }  // namespace
-
-bool is_communication(const std::string& op) { return is_collective(op) || op == "chunk" || op == "to_partial"; }
-
-bool is_collective(const std::string& op) {
-  return op == "all_reduce" || op == "all_gather" || op == "reduce_scatter" || op == "all_to_all";
-}
-
-std::vector<RedistributeStep> redistribute_plan(const DeviceMesh& mesh, const ir::TensorMeta& meta, const Placements& from,
-                                                const Placements& to, const CostModel& cost) {
-  const int n = mesh.ndim();
-  Placements state = from;
-  // Mesh dims whose shard must be undone first because an outer mesh dim changes the same
-  // tensor dim (nested shards are only right when applied outer to inner).
-  std::vector<bool> force(static_cast<std::size_t>(n), false);
-  for (bool changed = true; changed;) {
-    changed = false;
-    for (int i = 0; i < n; ++i) {
-      const auto& f = state[static_cast<std::size_t>(i)];
-      const auto& t = to[static_cast<std::size_t>(i)];
-      if (f == t && !force[static_cast<std::size_t>(i)]) continue;
-      for (int j = i + 1; j < n; ++j) {
-        const auto& sj = state[static_cast<std::size_t>(j)];
-        if (!force[static_cast<std::size_t>(j)] && sj.is_shard() && (shards(f, sj.dim()) || shards(t, sj.dim()))) {
-          force[static_cast<std::size_t>(j)] = changed = true;
-        }
-      }
-    }
-  }
-  std::vector<RedistributeStep> steps;
-  const std::vector<std::int64_t> zero(static_cast<std::size_t>(n), 0);
-  const double elem = static_cast<double>(ir::element_size(meta.dtype));
-  auto others_shard = [&](int i, int d) {
-    for (int j = 0; j < n; ++j) {
-      if (j != i && (shards(state[static_cast<std::size_t>(j)], d) || shards(to[static_cast<std::size_t>(j)], d))) return true;
-    }
-    return false;
-  };
-  // Whether a reduce_scatter on mesh dim i along tensor dim d gives the right block: it does
-  // when no other mesh dim shards d, or only outer ones that stay as they are (the local
-  // tensor is then their block, and nested shards go outer to inner: the same block that
-  // all_reduce + chunk would give, for half the bytes).
-  auto scatter_ok = [&](int i, int d) {
-    for (int j = 0; j < n; ++j) {
-      if (j == i) continue;
-      const auto& sj = state[static_cast<std::size_t>(j)];
-      const auto& tj = to[static_cast<std::size_t>(j)];
-      if (!shards(sj, d) && !shards(tj, d)) continue;
-      if (j < i && sj == tj && !force[static_cast<std::size_t>(j)]) continue;
-      return false;
-    }
-    return true;
-  };
-  for (int i = n - 1; i >= 0; --i) {
-    Placement& s = state[static_cast<std::size_t>(i)];
-    const Placement& t = to[static_cast<std::size_t>(i)];
-    if ((s == t && !force[static_cast<std::size_t>(i)]) || s.is_replicate()) continue;
-    const double bytes = numel(shape_after(mesh, state, meta.shape, zero, i)) * elem;
-    const std::int64_t k = mesh.size(i);
-    RedistributeStep step{i, s, kR, "", 0};
-    if (s.is_partial()) {
-      if (t.is_shard() && !force[static_cast<std::size_t>(i)] && scatter_ok(i, t.dim())) step.to = t, step.op = "reduce_scatter";
-      else step.op = "all_reduce";
-    } else if (t.is_shard() && !force[static_cast<std::size_t>(i)] && !others_shard(i, s.dim()) && !others_shard(i, t.dim())) {
-      step.to = t, step.op = "all_to_all";
-    } else {
-      step.op = "all_gather";
-    }
-    step.bytes = step_cost(step.from, step.to, bytes, k);
-    const double messages = static_cast<double>(k - 1) * (step.op == "all_reduce" ? 2 : 1);
-    step.seconds = messages * cost.alpha + step.bytes / cost.beta;
-    s = step.to;
-    steps.push_back(step);
-  }
-  for (int i = 0; i < n; ++i) {
-    Placement& s = state[static_cast<std::size_t>(i)];
-    const Placement& t = to[static_cast<std::size_t>(i)];
-    if (s == t) continue;
-    RedistributeStep step{i, s, t, t.is_shard() ? "chunk" : (t.is_partial() && t.reduce_op() == ReduceOp::sum ? "to_partial" : "none"), 0};
-    s = t;
-    steps.push_back(step);
-  }
-  return steps;
-}
-
-std::string to_string(const std::vector<RedistributeStep>& plan) {
-  std::ostringstream out;
-  for (std::size_t i = 0; i < plan.size(); ++i) {
-    const auto& s = plan[i];
-    out << (i ? "; " : "") << "mesh dim " << s.mesh_dim << ": " << s.from.str() << " -> " << s.to.str() << " " << s.op;
-    if (s.bytes > 0) out << " (" << static_cast<std::int64_t>(s.bytes) << " bytes)";
-  }
-  return out.str();
-}
 
 std::string DistributedPlan::version_key(const ir::Value* v, const Placements& placements, const ir::Node* node) const {
   const bool later = node != nullptr && reshard_after >= 0 && node->id() > reshard_after && resharded.count(v) > 0;
@@ -233,7 +129,7 @@ DistributedPlan propagate(const ir::Graph& graph, const DeviceMesh& mesh, const 
             continue;
           }
           if (target == current || made.count({v, plan.version_key(v, target, node.get())})) continue;
-          cost += step_cost(current[static_cast<std::size_t>(i)], c.inputs[a], bytes_of(v, seen_in[a]), mesh.size(i));
+          cost += redistribute_bytes(current[static_cast<std::size_t>(i)], c.inputs[a], bytes_of(v, seen_in[a]), mesh.size(i));
           // Splitting a replicated input saves work now, but its result is often wanted whole
           // later: an all_gather, whose latency (alpha, in bytes at beta) the greedy choice
           // cannot see. So a split must save more than that message costs (a rope table's
@@ -250,7 +146,7 @@ DistributedPlan propagate(const ir::Graph& graph, const DeviceMesh& mesh, const 
         for (std::size_t a = 0; a < n_out; ++a) {
           const double out_bytes = bytes_of(node->outputs()[a], seen_out[a]);
           if (auto d = demand.find(node->outputs()[a]); d != demand.end()) {
-            cost += step_cost(c.outputs[a], d->second[static_cast<std::size_t>(i)], out_bytes, mesh.size(i));
+            cost += redistribute_bytes(c.outputs[a], d->second[static_cast<std::size_t>(i)], out_bytes, mesh.size(i));
           }
           cost += c.outputs[a].is_shard() ? out_bytes / static_cast<double>(mesh.size(i)) : out_bytes;  // a Partial is full size
         }
@@ -345,75 +241,6 @@ std::string DistributedPlan::to_json() const {
   j["outputs"] = json::object();
   for (const auto& [name, pl] : outputs) j["outputs"][name] = to_string(pl);
   return j.dump(1);
-}
-
-ir::Graph rank_graph(const DistributedPlan& plan, std::int64_t rank) {
-  const DeviceMesh& mesh = plan.mesh;
-  const auto coord = mesh.coordinate(rank);
-  ir::Graph g;
-  std::map<std::pair<const ir::Value*, std::string>, ir::Value*> versions;  // by DistributedPlan::version_key
-  auto local_meta = [&](const ir::TensorMeta& meta, const Placements& pl) {
-    ir::TensorMeta m = meta;
-    m.shape = ShardingSpec{pl, meta}.local_shape(mesh, coord);
-    return m;
-  };
-  for (const ir::Value* v : plan.graph->inputs()) {
-    const Placements& pl = plan.placement.at(v);
-    ir::Value* local = g.add_input(v->name(), local_meta(v->meta(), pl));
-    versions[{v, plan.version_key(v, pl, nullptr)}] = local;
-    versions[{v, to_string(pl) + "#after-forward"}] = local;  // its own placement needs no redistribution
-  }
-  // The local value of `v` in placements `want`, adding the redistribution's nodes once.
-  auto get = [&](const ir::Value* v, const Placements& want, const ir::Node* reader) -> ir::Value* {
-    if (auto it = versions.find({v, plan.version_key(v, want, reader)}); it != versions.end()) return it->second;
-    Placements state = plan.placement.at(v);
-    ir::Value* cur = versions.at({v, plan.version_key(v, state, reader)});
-    for (const auto& step : redistribute_plan(mesh, v->meta(), state, want)) {
-      const int i = step.mesh_dim;
-      const std::int64_t k = mesh.size(i), index = coord[static_cast<std::size_t>(i)];
-      const Shape level = shape_after(mesh, state, v->meta().shape, coord, i);  // the extent this mesh dim splits
-      auto sizes_of = [&](int d) { return chunk_sizes(level[static_cast<std::size_t>(d)], k); };
-      const std::int64_t mi = i;
-      if (step.op == "all_reduce") {
-        cur = g.add("all_reduce", {cur}, {{"mesh_dim", mi}, {"op", std::string(spmdx::to_string(step.from.reduce_op()))}});
-      } else if (step.op == "reduce_scatter") {
-        cur = g.add("reduce_scatter", {cur}, {{"mesh_dim", mi}, {"dim", std::int64_t{step.to.dim()}},
-                                              {"op", std::string(spmdx::to_string(step.from.reduce_op()))}, {"sizes", sizes_of(step.to.dim())}, {"index", index}});
-      } else if (step.op == "all_gather") {
-        cur = g.add("all_gather", {cur}, {{"mesh_dim", mi}, {"dim", std::int64_t{step.from.dim()}}, {"sizes", sizes_of(step.from.dim())}, {"index", index}});
-      } else if (step.op == "all_to_all") {
-        cur = g.add("all_to_all", {cur}, {{"mesh_dim", mi}, {"gather_dim", std::int64_t{step.from.dim()}}, {"scatter_dim", std::int64_t{step.to.dim()}},
-                                          {"gather_sizes", sizes_of(step.from.dim())}, {"scatter_sizes", sizes_of(step.to.dim())}, {"index", index}});
-      } else if (step.op == "chunk") {
-        cur = g.add("chunk", {cur}, {{"dim", std::int64_t{step.to.dim()}}, {"sizes", sizes_of(step.to.dim())}, {"index", index}});
-      } else if (step.op == "to_partial") {
-        cur = g.add("to_partial", {cur}, {{"index", index}});
-      }
-      state[static_cast<std::size_t>(i)] = step.to;
-      versions[{v, plan.version_key(v, state, reader)}] = cur;
-    }
-    return cur;
-  };
-  for (const auto& node : plan.graph->nodes()) {
-    const auto& in_pl = plan.inputs.at(node.get());
-    std::vector<ir::Value*> args;
-    for (std::size_t a = 0; a < in_pl.size(); ++a) args.push_back(get(node->inputs()[a], in_pl[a], node.get()));
-    std::vector<Shape> local_out;
-    for (const ir::Value* o : node->outputs()) local_out.push_back(local_meta(o->meta(), plan.placement.at(o)).shape);
-    ir::Node* ln = g.add_node(node->op(), args, local_attrs(*node, local_out));
-    for (std::size_t a = 0; a < local_out.size(); ++a) {
-      const ir::Value* o = node->outputs()[a];
-      if (ln->output(static_cast<int>(a))->meta().shape != local_out[a]) {
-        throw ir::IrError("rank " + std::to_string(rank) + ": node %" + std::to_string(node->id()) + " (" + node->op() + ") computes " +
-                          ln->output(static_cast<int>(a))->meta().str() + " locally, its placement " +
-                          to_string(plan.placement.at(o)) + " says " + ir::shape_str(local_out[a]));
-      }
-      versions[{o, plan.version_key(o, plan.placement.at(o), nullptr)}] = ln->output(static_cast<int>(a));
-    }
-  }
-  for (const auto& [name, v] : plan.graph->outputs()) g.add_output(name, get(v, plan.outputs.at(name), nullptr));
-  g.verify();
-  return g;
 }
 
 }  // namespace spmdx::sharding

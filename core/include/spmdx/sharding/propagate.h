@@ -1,0 +1,60 @@
+// Sharding propagation (../docs/DESIGN.md: "sharding propagation"), as GSPMD and PyTorch
+// DTensor do: every value of the logical graph gets a placement per mesh dim. Graph inputs take
+// what the strategies gave (Replicate otherwise); each node picks, per mesh dim, the strategy of
+// its rule table (rules.h) with the least cost: the bytes its inputs' redistribution sends (a
+// value already redistributed to the same placement is reused for free) plus the bytes of the
+// outputs the rank computes (so that replicating work is not free). Greedy, in graph order.
+#pragma once
+
+#include <map>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "spmdx/sharding/redistribute.h"
+
+namespace spmdx::sharding {
+
+struct DistributedPlan {
+  DeviceMesh mesh;
+  const ir::Graph* graph = nullptr;                                ///< the logical graph
+  std::map<const ir::Value*, Placements> placement;                ///< as each value is produced
+  std::map<const ir::Node*, std::vector<Placements>> inputs;       ///< what each node reads
+  std::map<std::string, Placements> outputs;                       ///< each graph output, as returned
+  double comm_bytes = 0;                                           ///< per rank per run, all steps
+  double comm_seconds = 0;                                         ///< their alpha-beta estimate
+  /// FSDP's reshard after forward: nodes after this one (the loss) redistribute the `use`
+  /// inputs again instead of keeping the forward's copies alive (-1: never).
+  std::int64_t reshard_after = -1;
+  std::set<const ir::Value*> resharded;
+
+  /// The key of a value's version in `placements` as read by `node` (a resharded input read
+  /// after the forward is a different version from the forward's).
+  std::string version_key(const ir::Value* v, const Placements& placements, const ir::Node* node) const;
+
+  /// The logical graph annotated: each node with the placements it reads and writes, and each
+  /// redistribution with its steps.
+  std::string str() const;
+  /// The same as JSON: {"mesh": [{name, size}], "comm_bytes", "inputs": {name: "S(0)R"},
+  /// "nodes": [{id, op, inputs: [...], outputs: [...]}], "redistributions": [{value, from, to,
+  /// steps: [{mesh_dim, op, from, to, bytes}]}], "outputs": {name: placements}}.
+  std::string to_json() const;
+};
+
+/// Placements for the whole graph. `inputs`: graph input name -> placements (others
+/// Replicate); `outputs`: graph output name -> the placements it must be returned in (others
+/// keep theirs, Partial ones become Replicate); `use`: graph input name -> the placements it is
+/// redistributed to as soon as the step starts (FSDP's unshard: stored sharded, used whole);
+/// such an input is read only in these placements or as stored (the strategy decided how it is
+/// computed: a TP weight stays on its shard even where gathering it would move fewer bytes).
+/// The gradient an adamw node reads is made in its parameter's placement as soon as it is
+/// produced (all_reduce for DDP, reduce_scatter for FSDP), so clipping and AdamW reuse it.
+/// With reshard_after_forward, the backward redistributes the `use` inputs again (FSDP2's
+/// reshard_after_forward=True: less memory, one more all_gather per parameter).
+/// Throws std::invalid_argument naming an input or output that is not in the graph or whose
+/// placement count is not the mesh's ndim, and ir::IrError for an op without sharding rules.
+DistributedPlan propagate(const ir::Graph& graph, const DeviceMesh& mesh, const std::map<std::string, Placements>& inputs,
+                          const std::map<std::string, Placements>& outputs = {},
+                          const std::map<std::string, Placements>& use = {}, bool reshard_after_forward = false);
+
+}  // namespace spmdx::sharding
