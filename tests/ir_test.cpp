@@ -6,7 +6,7 @@
 #include <set>
 
 #include "spmdx/ir/graph.h"
-#include "spmdx/ir/op_registry.h"
+#include "spmdx/ir/ops.h"
 #include "spmdx/ir/serialize.h"
 
 namespace spmdx::ir {

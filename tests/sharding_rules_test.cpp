@@ -11,7 +11,7 @@
 #include <set>
 
 #include "spmdx/exec/kernels.h"
-#include "spmdx/ir/op_registry.h"
+#include "spmdx/ir/ops.h"
 #include "spmdx/sharding/distribute.h"
 #include "spmdx/sharding/rules.h"
 #include "spmdx/sharding/spec.h"

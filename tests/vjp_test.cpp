@@ -9,7 +9,7 @@
 
 #include "spmdx/exec/executor.h"
 #include "spmdx/ir/autodiff.h"
-#include "spmdx/ir/op_registry.h"
+#include "spmdx/ir/ops.h"
 
 namespace spmdx {
 namespace {

@@ -14,7 +14,7 @@
 #include "spmdx/core/files.h"
 #include "spmdx/core/log.h"
 #include "spmdx/exec/kernels.h"
-#include "spmdx/exec/simulated.h"
+#include "spmdx/exec/shards.h"
 #include "spmdx/sharding/spec.h"
 
 namespace spmdx::exec {

@@ -27,10 +27,10 @@
 #include "spmdx/core/registry.h"
 #include "spmdx/core/text.h"
 #include "spmdx/data/text_dataset.h"
-#include "spmdx/exec/c10d_store.h"
+#include "spmdx/comm/c10d_store.h"
 #include "spmdx/exec/checkpoint.h"
 #include "spmdx/exec/distributed.h"
-#include "spmdx/exec/simulated.h"
+#include "spmdx/exec/shards.h"
 #include "spmdx/exec/trainer.h"
 #include "spmdx/core/version.h"
 #include "spmdx/launch/rendezvous.h"
@@ -274,7 +274,7 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
       std::fflush(stdout);
     }
     if (env.c10d_store) {  // under torchrun: its agent's c10d TCPStore
-      store = connect_c10d_store(env.master_addr, env.master_port, "spmdx/" + env.run_id + "/", timeout);
+      store = comm::connect_c10d_store(env.master_addr, env.master_port, "spmdx/" + env.run_id + "/", timeout);
     } else {
       store = std::make_unique<comm::TcpStore>(env.master_addr, env.master_port, env.token, timeout, env.rank);
     }

@@ -8,6 +8,7 @@
 #include <stdexcept>
 #include <unordered_map>
 
+#include "spmdx/exec/shards.h"
 #include "spmdx/sharding/spec.h"
 
 namespace spmdx::exec {
@@ -15,47 +16,28 @@ namespace {
 
 using sharding::DeviceMesh;
 
-at::Tensor reduce(const std::vector<at::Tensor>& xs, const std::string& op) {
-  at::Tensor acc = xs[0].clone();
-  for (std::size_t i = 1; i < xs.size(); ++i) {
-    if (op == "sum" || op == "avg") acc.add_(xs[i]);
-    else if (op == "max") acc = at::maximum(acc, xs[i]);
-    else if (op == "min") acc = at::minimum(acc, xs[i]);
-    else if (op == "prod") acc.mul_(xs[i]);
-    else throw std::invalid_argument("unknown reduce op '" + op + "'");
-  }
-  if (op == "avg") acc.div_(static_cast<double>(xs.size()));
-  return acc;
-}
-
-std::int64_t offset_of(const std::vector<std::int64_t>& sizes, std::int64_t index) {
-  std::int64_t start = 0;
-  for (std::int64_t i = 0; i < index; ++i) start += sizes[static_cast<std::size_t>(i)];
-  return start;
-}
-
 // The outputs of one collective node for the ranks of one group (in group order).
 std::vector<at::Tensor> collective(const std::vector<const ir::Node*>& nodes, const std::vector<at::Tensor>& x) {
   const ir::Node& n = *nodes[0];
   const std::string& op = n.op();
   std::vector<at::Tensor> out;
   if (op == "all_reduce") {
-    at::Tensor r = reduce(x, n.attr_string("op"));
+    at::Tensor r = reduce_tensors(x, n.attr_string("op"));
     for (std::size_t i = 0; i < x.size(); ++i) out.push_back(r);
   } else if (op == "all_gather") {
     at::Tensor r = at::cat(x, n.attr_int("dim"));
     for (std::size_t i = 0; i < x.size(); ++i) out.push_back(r);
   } else if (op == "reduce_scatter") {
-    at::Tensor r = reduce(x, n.attr_string("op"));
+    at::Tensor r = reduce_tensors(x, n.attr_string("op"));
     const auto& sizes = n.attr_ints("sizes");
     for (std::size_t i = 0; i < x.size(); ++i) {
-      out.push_back(r.narrow(n.attr_int("dim"), offset_of(sizes, static_cast<std::int64_t>(i)), sizes[i]).contiguous());
+      out.push_back(r.narrow(n.attr_int("dim"), chunk_offset(sizes, static_cast<std::int64_t>(i)), sizes[i]).contiguous());
     }
   } else if (op == "all_to_all") {
     const auto& sizes = n.attr_ints("scatter_sizes");
     for (std::size_t r = 0; r < x.size(); ++r) {
       std::vector<at::Tensor> pieces;
-      for (const auto& t : x) pieces.push_back(t.narrow(n.attr_int("scatter_dim"), offset_of(sizes, static_cast<std::int64_t>(r)), sizes[r]));
+      for (const auto& t : x) pieces.push_back(t.narrow(n.attr_int("scatter_dim"), chunk_offset(sizes, static_cast<std::int64_t>(r)), sizes[r]));
       out.push_back(at::cat(pieces, n.attr_int("gather_dim")));
     }
   } else {
@@ -69,40 +51,6 @@ bool is_collective(const std::string& op) {
 }
 
 }  // namespace
-
-at::Tensor shard_tensor(const at::Tensor& full, const sharding::Placements& placements, const DeviceMesh& mesh,
-                        const std::vector<std::int64_t>& coordinate) {
-  at::Tensor t = full;
-  for (int i = 0; i < mesh.ndim(); ++i) {
-    const Placement& p = placements.at(static_cast<std::size_t>(i));
-    const std::int64_t j = coordinate.at(static_cast<std::size_t>(i));
-    if (p.is_shard()) {
-      const auto sizes = sharding::chunk_sizes(t.size(p.dim()), mesh.size(i));
-      t = t.narrow(p.dim(), offset_of(sizes, j), sizes[static_cast<std::size_t>(j)]);
-    } else if (p.is_partial() && p.reduce_op() == ReduceOp::sum && j != 0) {
-      t = at::zeros_like(t);
-    }
-  }
-  return t.contiguous();
-}
-
-at::Tensor assemble_tensor(const std::vector<at::Tensor>& local, const sharding::Placements& placements, const DeviceMesh& mesh) {
-  std::vector<std::int64_t> coord(static_cast<std::size_t>(mesh.ndim()), 0);
-  std::function<at::Tensor(int)> level = [&](int i) -> at::Tensor {
-    if (i == mesh.ndim()) return local.at(static_cast<std::size_t>(mesh.rank(coord)));
-    const Placement& p = placements.at(static_cast<std::size_t>(i));
-    std::vector<at::Tensor> parts;
-    for (std::int64_t j = 0; j < (p.is_replicate() ? 1 : mesh.size(i)); ++j) {
-      coord[static_cast<std::size_t>(i)] = j;
-      parts.push_back(level(i + 1));
-    }
-    coord[static_cast<std::size_t>(i)] = 0;
-    if (p.is_shard()) return at::cat(parts, p.dim());
-    if (p.is_partial()) return reduce(parts, spmdx::to_string(p.reduce_op()));
-    return parts[0];
-  };
-  return level(0);
-}
 
 SimulatedRun::SimulatedRun(const DeviceMesh& mesh, std::vector<ir::Graph> graphs) : mesh_(mesh), graphs_(std::move(graphs)) {
   if (static_cast<std::int64_t>(graphs_.size()) != mesh_.size()) {

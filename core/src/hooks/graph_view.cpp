@@ -1,8 +1,9 @@
+#include "spmdx/hooks/graph_view.h"
+
 #include <map>
 #include <sstream>
 #include <unordered_map>
 
-#include "spmdx/hooks/hook_set.h"
 #include "spmdx/models/model.h"
 #include "spmdx/sharding/spec.h"
 

@@ -7,7 +7,7 @@
 #include <sstream>
 #include <unordered_map>
 
-#include "spmdx/ir/op_registry.h"
+#include "spmdx/ir/ops.h"
 
 namespace spmdx::ir {
 

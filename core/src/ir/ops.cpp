@@ -4,7 +4,7 @@
 #include <algorithm>
 #include <numeric>
 
-#include "spmdx/ir/op_registry.h"
+#include "spmdx/ir/ops.h"
 
 namespace spmdx::ir {
 namespace {

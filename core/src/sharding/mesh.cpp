@@ -3,8 +3,6 @@
 #include <set>
 #include <stdexcept>
 
-#include "spmdx/sharding/spec.h"
-
 namespace spmdx::sharding {
 
 DeviceMesh::DeviceMesh(std::vector<MeshDim> dims, std::int64_t world_size) : dims_(std::move(dims)) {
@@ -61,42 +59,5 @@ std::string DeviceMesh::str() const {
   for (const auto& d : dims_) out += (out.empty() ? "" : " x ") + d.name + "=" + std::to_string(d.size);
   return out.empty() ? "(empty)" : out;
 }
-
-std::vector<std::int64_t> chunk_sizes(std::int64_t n, std::int64_t k) {
-  const std::int64_t c = (n + k - 1) / k;
-  std::vector<std::int64_t> out;
-  for (std::int64_t j = 0; j < k; ++j) out.push_back(std::max<std::int64_t>(0, std::min(c, n - j * c)));
-  return out;
-}
-
-std::vector<std::int64_t> shape_after(const DeviceMesh& mesh, const std::vector<Placement>& placements,
-                                      std::vector<std::int64_t> shape, const std::vector<std::int64_t>& coordinate,
-                                      int upto, std::vector<std::int64_t>* offset) {
-  if (offset) offset->assign(shape.size(), 0);
-  for (int i = 0; i < upto; ++i) {
-    const Placement& p = placements.at(static_cast<std::size_t>(i));
-    if (!p.is_shard()) continue;
-    auto& n = shape.at(static_cast<std::size_t>(p.dim()));
-    const auto sizes = chunk_sizes(n, mesh.size(i));
-    const auto j = static_cast<std::size_t>(coordinate.at(static_cast<std::size_t>(i)));
-    if (offset) {
-      for (std::size_t c = 0; c < j; ++c) (*offset)[static_cast<std::size_t>(p.dim())] += sizes[c];
-    }
-    n = sizes[j];
-  }
-  return shape;
-}
-
-std::vector<std::int64_t> ShardingSpec::local_shape(const DeviceMesh& mesh, const std::vector<std::int64_t>& coordinate) const {
-  return shape_after(mesh, placements, meta.shape, coordinate, mesh.ndim());
-}
-
-std::vector<std::int64_t> ShardingSpec::local_offset(const DeviceMesh& mesh, const std::vector<std::int64_t>& coordinate) const {
-  std::vector<std::int64_t> offset;
-  shape_after(mesh, placements, meta.shape, coordinate, mesh.ndim(), &offset);
-  return offset;
-}
-
-std::string ShardingSpec::str() const { return to_string(placements) + " " + meta.str(); }
 
 }  // namespace spmdx::sharding

@@ -1,6 +1,6 @@
-// The host side of debug hooks (interfaces/spmdx/hook.h): GraphViews of the compile stages,
-// and HookSet, which makes the hooks a config enables and calls them, keeping a hook's
-// exception from taking the run down.
+// The host side of debug hooks (interfaces/spmdx/hook.h): HookSet, which makes the hooks a
+// config enables and calls them, keeping a hook's exception from taking the run down. The
+// GraphViews it hands them are made in graph_view.h.
 #pragma once
 
 #include <cstdint>
@@ -12,6 +12,7 @@
 
 #include "spmdx/config/config.h"
 #include "spmdx/hook.h"
+#include "spmdx/hooks/graph_view.h"
 #include "spmdx/ir/graph.h"
 #include "spmdx/plan/runtime_plan.h"
 #include "spmdx/sharding/distribute.h"
@@ -21,23 +22,6 @@ class PluginRegistry;
 }
 
 namespace spmdx::hooks {
-
-/// The logical graph as captured (no placements).
-GraphView captured_view(const ir::Graph& graph, const sharding::DeviceMesh& mesh);
-/// The logical graph with the plan's placements, and what each node reads (GraphNode::reads).
-GraphView propagated_view(const sharding::DistributedPlan& plan);
-/// A rank's graph (sharding::rank_graph(plan, rank)) with local shapes and placements: the
-/// `rewritten` stage in graph order, or with `runtime` (that graph's RuntimePlan) the `planned`
-/// stage: nodes in the plan's execution order, and GraphNode::wait_before where the executor
-/// waits for each collective.
-GraphView rank_view(const sharding::DistributedPlan& plan, const ir::Graph& rank_graph, int rank, const plan::RuntimePlan* runtime = nullptr);
-/// Every edge (use of a value by a node) of a view, in node order.
-std::vector<GraphEdge> edges_of(const GraphView& view);
-
-/// Estimated floating-point operations of a node: 2·M·N·K for matmul and linear (and their
-/// backward, as matmuls), 4·B·H·S²·D for sdpa (8· for its backward), else one per output element.
-double node_flops(const ir::Node& node);
-
 
 class HookSet {
  public:

@@ -1,6 +1,6 @@
 // Reverse-mode automatic differentiation over the IR: appends to the graph the nodes that
 // compute gradients (as torch.autograd does at run time, but once, ahead of time, in IR).
-// Each forward op has a VJP rule (core/src/ir/vjp.cpp) that emits IR for its input gradients.
+// Each forward op has a VJP rule (core/src/ir/autodiff.cpp) that emits IR for its input gradients.
 #pragma once
 
 #include <vector>

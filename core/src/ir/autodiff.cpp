@@ -7,7 +7,7 @@
 #include <set>
 
 #include "spmdx/ir/autodiff.h"
-#include "spmdx/ir/op_registry.h"
+#include "spmdx/ir/ops.h"
 
 namespace spmdx::ir {
 namespace {

@@ -1,11 +1,11 @@
-#include "spmdx/exec/c10d_store.h"
+#include "spmdx/comm/c10d_store.h"
 
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <algorithm>
 #include <chrono>
 
-namespace spmdx::exec {
+namespace spmdx::comm {
 namespace {
 
 // c10d reads a timeout of 0 as "no timeout": the shortest wait asked for is 1 ms.
@@ -65,4 +65,4 @@ std::unique_ptr<Store> connect_c10d_store(const std::string& host, int port, con
   return std::make_unique<C10dStore>(host, port, prefix, timeout_seconds);
 }
 
-}  // namespace spmdx::exec
+}  // namespace spmdx::comm
