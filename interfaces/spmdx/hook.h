@@ -1,5 +1,5 @@
 // Debug hook plugins: graph pictures, partition checks, timelines, divergence detection, a
-// flight recorder (../shared/DESIGN.md: "Debug hooks").
+// flight recorder (docs/DESIGN.md: "Debug hooks").
 //
 // The host calls a hook at four kinds of moments:
 //  - compile stages (captured, propagated, rewritten, planned), once per job on rank 0 (and by

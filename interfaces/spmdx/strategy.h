@@ -2,7 +2,7 @@
 //
 // A strategy only decides where parameters and batch inputs live; the core propagates
 // placements through every other value of the train-step graph and inserts collectives
-// (../shared/DESIGN.md: PlacementStrategy -> sharding propagation -> Rewriter).
+// (docs/DESIGN.md: PlacementStrategy -> sharding propagation -> Rewriter).
 // Plain C++17: part of the plugin ABI.
 #pragma once
 

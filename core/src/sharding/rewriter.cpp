@@ -8,7 +8,7 @@
 
 namespace spmdx::sharding {
 
-ir::Graph rank_graph(const DistributedPlan& plan, std::int64_t rank) {
+DistributedGraph rank_graph(const DistributedPlan& plan, std::int64_t rank) {
   const DeviceMesh& mesh = plan.mesh;
   const auto coord = mesh.coordinate(rank);
   ir::Graph g;

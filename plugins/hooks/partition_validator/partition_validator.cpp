@@ -1,4 +1,4 @@
-// partition_validator: checks a sharding plan before any step runs (../shared/DESIGN.md:
+// partition_validator: checks a sharding plan before any step runs (docs/DESIGN.md:
 // TensorShardPlan::validate, partition quality):
 //  - edge-cut ratio: of the propagated graph's edges (a value read by a node), the share whose
 //    placements change between producer and consumer, i.e. that need a redistribution; by

@@ -1,4 +1,4 @@
-// CommQueue (../shared/DESIGN.md): the bounded ring between the threads that issue collectives
+// CommQueue (docs/DESIGN.md): the bounded ring between the threads that issue collectives
 // and the backend's communication thread. Dmitry Vyukov's bounded MPMC queue (1024cores.net,
 // 2010): a power-of-two array of cells, each with a sequence number; producers claim a slot by
 // compare-and-swap on the tail, the consumer on the head; no lock on either side. A full ring

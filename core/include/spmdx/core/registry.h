@@ -1,5 +1,5 @@
 // The plugin registry: finds plugin shared objects, checks them, and makes their factories
-// available by name (../shared/DESIGN.md, "Comm primitive registry"; the plugin ABI is
+// available by name (docs/DESIGN.md, "Comm primitive registry"; the plugin ABI is
 // interfaces/spmdx/plugin.h).
 //
 // Search order (first match of a plugin name wins; a later one is ignored with a warning

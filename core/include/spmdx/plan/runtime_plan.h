@@ -1,4 +1,4 @@
-// RuntimePlan (../shared/DESIGN.md): how one rank runs its DistributedGraph. From the rank's
+// RuntimePlan (docs/DESIGN.md): how one rank runs its DistributedGraph. From the rank's
 // graph (sharding::rank_graph) it decides
 //  - the execution order: FSDP's parameter all_gathers of the next layer are issued when the
 //    current layer's parameters are first used (FSDP2's forward and backward prefetch), every

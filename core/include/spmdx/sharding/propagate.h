@@ -1,4 +1,4 @@
-// Sharding propagation (../docs/DESIGN.md: "sharding propagation"), as GSPMD and PyTorch
+// Sharding propagation (docs/DESIGN.md: "sharding propagation"), as GSPMD and PyTorch
 // DTensor do: every value of the logical graph gets a placement per mesh dim. Graph inputs take
 // what the strategies gave (Replicate otherwise); each node picks, per mesh dim, the strategy of
 // its rule table (rules.h) with the least cost: the bytes its inputs' redistribution sends (a

@@ -1,4 +1,4 @@
-// Redistribution (../docs/DESIGN.md: "redistribute plans"): how a tensor changes placements
+// Redistribution (docs/DESIGN.md: "redistribute plans"): how a tensor changes placements
 // on a DeviceMesh, as DTensor's redistribute does, as a list of steps per mesh dim with their
 // bytes and alpha-beta time (Hockney 1994), printable before anything runs.
 #pragma once
