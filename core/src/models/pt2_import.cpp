@@ -606,26 +606,6 @@ BoundNode bind_node(const Fail& fail, const json& node) {
 // ---------------------------------------------------------------------------------------------
 // 3. Mapping onto the IR
 
-// The ATen ops with an IR mapping (the constant folder runs any op on frozen inputs).
-const std::set<std::string>& mapped_ops() {
-  static const std::set<std::string> ops = {
-      "aten.embedding.default", "aten.linear.default", "aten.mm.default", "aten.bmm.default", "aten.matmul.default", "aten.t.default",
-      "aten.transpose.int", "aten.permute.default", "aten.add.Tensor", "aten.sub.Tensor", "aten.mul.Tensor", "aten.div.Tensor",
-      "aten.add.Scalar", "aten.sub.Scalar", "aten.mul.Scalar", "aten.div.Scalar", "aten.rsub.Scalar", "aten.rsub.Tensor",
-      "aten.pow.Tensor_Scalar", "aten.neg.default", "aten.exp.default", "aten.log.default", "aten.sqrt.default", "aten.rsqrt.default",
-      "aten.sigmoid.default", "aten.silu.default", "aten.relu.default", "aten.gelu.default", "aten.view.default", "aten.reshape.default",
-      "aten._unsafe_view.default", "aten.flatten.using_ints", "aten.unsqueeze.default", "aten.squeeze.dim", "aten.squeeze.dims",
-      "aten.squeeze.default", "aten.slice.Tensor", "aten.select.int", "aten.cat.default", "aten.split.Tensor", "aten.split_with_sizes.default",
-      "aten.expand.default", "aten.sum.dim_IntList", "aten.sum.default", "aten.mean.dim", "aten.mean.default", "aten.softmax.int",
-      "aten._softmax.default", "aten.log_softmax.int", "aten._log_softmax.default", "aten.rms_norm.default", "aten.layer_norm.default",
-      "aten.scaled_dot_product_attention.default", "aten.cross_entropy_loss.default", "aten._to_copy.default", "aten.to.dtype",
-      "aten.to.dtype_layout", "aten.type_as.default", "aten.clone.default", "aten.contiguous.default", "aten.alias.default",
-      "aten.detach.default", "aten.lift_fresh_copy.default", "aten.dropout.default", "aten._assert_tensor_metadata.default",
-      "aten._assert_scalar.default", "aten.view_as_complex.default", "aten.view_as_real.default", "aten.masked_fill.Scalar",
-      "aten.masked_fill.Tensor", "aten.where.self", "aten.where.ScalarOther", "aten.where.ScalarSelf"};
-  return ops;
-}
-
 struct Sym {
   enum class Kind { value, constant, complex, rotated } kind = Kind::value;
   ir::Value* v = nullptr;  // value; complex/rotated: the real pairs x[..., d/2, 2]
@@ -925,13 +905,57 @@ class Mapper {
     return dims;
   }
 
+  using Handler = void (Mapper::*)(const BoundNode&);
+
+ public:
+  // The ATen ops with an IR mapping, by family (the constant folder runs any op on frozen inputs).
+  static const std::map<std::string, Handler>& mapped_ops() {
+    static const std::map<std::string, Handler> table = [] {
+      std::map<std::string, Handler> t;
+      auto add = [&](Handler h, std::initializer_list<const char*> ops) {
+        for (const char* op : ops) t[op] = h;
+      };
+      add(&Mapper::map_nothing, {"aten._assert_tensor_metadata.default", "aten._assert_scalar.default"});
+      add(&Mapper::map_dense, {"aten.embedding.default", "aten.linear.default", "aten.mm.default", "aten.bmm.default", "aten.matmul.default",
+                               "aten.t.default", "aten.transpose.int", "aten.permute.default"});
+      add(&Mapper::map_arith, {"aten.add.Tensor", "aten.sub.Tensor", "aten.mul.Tensor", "aten.div.Tensor", "aten.add.Scalar", "aten.sub.Scalar",
+                               "aten.mul.Scalar", "aten.div.Scalar", "aten.rsub.Scalar", "aten.rsub.Tensor", "aten.pow.Tensor_Scalar",
+                               "aten.neg.default", "aten.exp.default", "aten.log.default", "aten.sqrt.default", "aten.rsqrt.default",
+                               "aten.sigmoid.default", "aten.silu.default", "aten.relu.default", "aten.gelu.default"});
+      add(&Mapper::map_shape, {"aten.view.default", "aten.reshape.default", "aten._unsafe_view.default", "aten.flatten.using_ints",
+                               "aten.unsqueeze.default", "aten.squeeze.dim", "aten.squeeze.dims", "aten.squeeze.default", "aten.slice.Tensor",
+                               "aten.select.int", "aten.cat.default", "aten.split.Tensor", "aten.split_with_sizes.default", "aten.expand.default"});
+      add(&Mapper::map_reduce, {"aten.sum.dim_IntList", "aten.sum.default", "aten.mean.dim", "aten.mean.default", "aten.softmax.int",
+                                "aten._softmax.default", "aten.log_softmax.int", "aten._log_softmax.default"});
+      add(&Mapper::norm, {"aten.rms_norm.default", "aten.layer_norm.default"});
+      add(&Mapper::attention, {"aten.scaled_dot_product_attention.default"});
+      add(&Mapper::cross_entropy, {"aten.cross_entropy_loss.default"});
+      add(&Mapper::map_copy, {"aten._to_copy.default", "aten.to.dtype", "aten.to.dtype_layout", "aten.type_as.default", "aten.clone.default",
+                              "aten.contiguous.default", "aten.alias.default", "aten.detach.default", "aten.lift_fresh_copy.default",
+                              "aten.dropout.default"});
+      add(&Mapper::map_complex, {"aten.view_as_complex.default", "aten.view_as_real.default"});
+      add(&Mapper::map_select, {"aten.masked_fill.Scalar", "aten.masked_fill.Tensor", "aten.where.self", "aten.where.ScalarOther", "aten.where.ScalarSelf"});
+      return t;
+    }();
+    return table;
+  }
+
+ private:
   void map_node(const BoundNode& b) {
     ++ops_[b.target];
     if (try_fold(b)) return;
+    const auto& table = mapped_ops();
+    const auto it = table.find(b.target);
+    if (it == table.end()) fail_at(b, "spmdx has no mapping for " + b.target + "; it runs on trainable values, so it cannot be computed ahead either");
+    (this->*(it->second))(b);
+  }
+
+  void map_nothing(const BoundNode&) {}  // asserts: nothing to compute
+
+  // embedding, linear, matmuls, transposes
+  void map_dense(const BoundNode& b) {
     const std::string& op = b.target;
-    if (!mapped_ops().count(op)) fail_at(b, "spmdx has no mapping for " + op + "; it runs on trainable values, so it cannot be computed ahead either");
     ir::Graph& g = m_.graph;
-    if (op == "aten._assert_tensor_metadata.default" || op == "aten._assert_scalar.default") return;
     if (op == "aten.embedding.default") {
       if (i(b, "padding_idx") != -1) fail_at(b, "embedding with padding_idx " + std::to_string(i(b, "padding_idx")) + "; spmdx's embedding has none");
       if (b.arg("scale_grad_by_freq").value.toBool() || b.arg("sparse").value.toBool()) fail_at(b, "embedding with scale_grad_by_freq or sparse");
@@ -955,6 +979,13 @@ class Mapper {
     }
     if (op == "aten.transpose.int") return set(b, g.add("transpose", {value(t(b, "self"))}, {{"dim0", i(b, "dim0")}, {"dim1", i(b, "dim1")}}));
     if (op == "aten.permute.default") return set(b, g.add("permute", {value(t(b, "self"))}, {{"dims", b.arg("dims").value.toIntVector()}}));
+    fail_at(b, "no mapping");  // listed for this family but not handled above
+  }
+
+  // elementwise arithmetic with tensors or scalars, and the unary ops
+  void map_arith(const BoundNode& b) {
+    const std::string& op = b.target;
+    ir::Graph& g = m_.graph;
     if (op == "aten.mul.Tensor" && is_tensor(b, "other")) {
       Sym& x = sym(t(b, "self"));
       Sym& y = sym(t(b, "other"));
@@ -974,6 +1005,13 @@ class Mapper {
       if (op == std::string("aten.") + unary + ".default") return set(b, g.add(unary, {value(t(b, "self"))}));
     }
     if (op == "aten.gelu.default") return set(b, g.add("gelu", {value(t(b, "self"))}, {{"approximate", b.arg("approximate").value.toStringRef()}}));
+    fail_at(b, "no mapping");  // listed for this family but not handled above
+  }
+
+  // views, slices, concatenation, splits, expand
+  void map_shape(const BoundNode& b) {
+    const std::string& op = b.target;
+    ir::Graph& g = m_.graph;
     if (op == "aten.view.default" || op == "aten.reshape.default" || op == "aten._unsafe_view.default" || op == "aten.flatten.using_ints" ||
         op == "aten.unsqueeze.default" || op == "aten.squeeze.dim" || op == "aten.squeeze.dims" || op == "aten.squeeze.default") {
       return set(b, reshape_to(value(t(b, "self")), meta(b).sizes));
@@ -1014,6 +1052,13 @@ class Mapper {
       return;
     }
     if (op == "aten.expand.default") return set(b, g.add("expand", {value(t(b, "self"))}, {{"shape", meta(b).sizes}}));
+    fail_at(b, "no mapping");  // listed for this family but not handled above
+  }
+
+  // sums, means, softmax
+  void map_reduce(const BoundNode& b) {
+    const std::string& op = b.target;
+    ir::Graph& g = m_.graph;
     if (op == "aten.sum.dim_IntList" || op == "aten.sum.default" || op == "aten.mean.dim" || op == "aten.mean.default") {
       ir::Value* x = value(t(b, "self"));
       const bool mean = op.rfind("aten.mean", 0) == 0;
@@ -1027,9 +1072,12 @@ class Mapper {
       const bool log = op.find("log_softmax") != std::string::npos;
       return set(b, g.add(log ? "log_softmax" : "softmax", {x}, {{"dim", i(b, "dim")}}));
     }
-    if (op == "aten.rms_norm.default" || op == "aten.layer_norm.default") return norm(b);
-    if (op == "aten.scaled_dot_product_attention.default") return attention(b);
-    if (op == "aten.cross_entropy_loss.default") return cross_entropy(b);
+    fail_at(b, "no mapping");  // listed for this family but not handled above
+  }
+
+  // dtype casts and copies (identity but for the dtype), dropout off
+  void map_copy(const BoundNode& b) {
+    const std::string& op = b.target;
     if (op == "aten._to_copy.default" || op == "aten.to.dtype" || op == "aten.to.dtype_layout" || op == "aten.type_as.default" ||
         op == "aten.clone.default" || op == "aten.contiguous.default" || op == "aten.alias.default" || op == "aten.detach.default" ||
         op == "aten.lift_fresh_copy.default") {
@@ -1040,6 +1088,13 @@ class Mapper {
       if (b.arg("train").value.toBool() && f(b, "p") > 0) fail_at(b, "dropout with p > 0 in training; spmdx has no dropout yet: set p = 0");
       return set(b, value(t(b, "input")));
     }
+    fail_at(b, "no mapping");  // listed for this family but not handled above
+  }
+
+  // torchtitan's complex rotary embedding
+  void map_complex(const BoundNode& b) {
+    const std::string& op = b.target;
+    ir::Graph& g = m_.graph;
     if (op == "aten.view_as_complex.default") {
       ir::Value* x = value(t(b, "self"));
       if (x->meta().shape.empty() || x->meta().shape.back() != 2) fail_at(b, "view_as_complex of a tensor whose last dim is not 2");
@@ -1070,6 +1125,12 @@ class Mapper {
       }
       return set(b, reshape_to(g.add("rotary_embedding", {flat, cos, sin}), pairs));
     }
+    fail_at(b, "no mapping");  // listed for this family but not handled above
+  }
+
+  // masked_fill and where with a constant mask
+  void map_select(const BoundNode& b) {
+    const std::string& op = b.target;
     if (op == "aten.masked_fill.Scalar" || op == "aten.masked_fill.Tensor") {
       // x.masked_fill(mask, v) with a constant mask (a causal mask buffer): x * keep + fill,
       // keep = !mask and fill = where(mask, v, 0) computed here. Exact, and its gradient is
@@ -1103,7 +1164,7 @@ class Mapper {
       if (x.kind == Sym::Kind::constant) return select(b, value_of_mask(cond.c), t(b, "other"), x.c, /*fill_where_true=*/true);
       fail_at(b, "where with both branches computed from trainable values; spmdx takes one constant branch (a fill value)");
     }
-    fail_at(b, "no mapping");  // in mapped_ops() but not handled above
+    fail_at(b, "no mapping");  // listed for this family but not handled above
   }
 
   static at::Tensor value_of_mask(const at::Tensor& m) { return m.to(at::kBool); }
@@ -1392,7 +1453,7 @@ Pt2Summary summarize(const std::string& path) {
       for (const auto& o : b.outputs) frozen.insert(o);
       continue;
     }
-    if (!mapped_ops().count(b.target)) {
+    if (!Mapper::mapped_ops().count(b.target)) {
       s.unsupported.push_back({b.target, b.name, source_line(node),
                                b.op->hasTag(at::Tag::nondeterministic_seeded) ? "a random op: export in eval() mode" : "spmdx has no mapping for it"});
     }
