@@ -11,111 +11,136 @@
 #include "spmdx/sharding/distribute.h"
 
 namespace spmdx::plan {
-RuntimePlan make_runtime_plan(const ir::Graph& graph, const sharding::DeviceMesh& mesh, const PlanOptions& options) {
-  (void)mesh;
+namespace {
+
+// make_runtime_plan's passes over one rank's graph, each a method, sharing the graph's nodes
+// in graph order and the plan they fill in.
+struct PlanBuilder {
+  const PlanOptions& options;
   RuntimePlan plan;
-  plan.options = options;
   std::vector<const ir::Node*> nodes;
   std::unordered_map<const ir::Node*, int> index;
-  for (const auto& n : graph.nodes()) {
-    index[n.get()] = static_cast<int>(nodes.size());
-    nodes.push_back(n.get());
+  int n_nodes = 0;
+  std::vector<int> chain_of;          // prefetch chain root node per node, or -1
+  std::map<int, int> chain_first;     // chain root -> first outside reader
+  std::vector<std::vector<int>> groups;       // prefetch groups (by layer), nodes in graph order
+  std::multimap<int, std::size_t> groups_at;  // anchor node -> group issued just before it
+  std::multimap<int, int> after;              // producer -> collectives issued right after it
+  std::vector<bool> hoisted;                  // issued early, after its producer
+  std::vector<int> pos;                       // node -> position in plan.order
+
+  PlanBuilder(const ir::Graph& graph, const PlanOptions& o) : options(o) {
+    plan.options = o;
+    for (const auto& n : graph.nodes()) {
+      index[n.get()] = static_cast<int>(nodes.size());
+      nodes.push_back(n.get());
+    }
+    n_nodes = static_cast<int>(nodes.size());
+    chain_of.assign(static_cast<std::size_t>(n_nodes), -1);
   }
-  const int n_nodes = static_cast<int>(nodes.size());
-  // The first node (graph order) reading each node's first output.
-  auto first_reader = [&](int n, const std::vector<int>& pos) {
-    int best = static_cast<int>(pos.size());
+
+  // The first node (by `at`: a position per node) reading any output of node n.
+  int first_reader(int n, const std::vector<int>& at) const {
+    int best = static_cast<int>(at.size());
     for (const ir::Value* out : nodes[static_cast<std::size_t>(n)]->outputs()) {
-      for (const auto& use : out->uses()) best = std::min(best, pos[static_cast<std::size_t>(index.at(use.user))]);
+      for (const auto& use : out->uses()) best = std::min(best, at[static_cast<std::size_t>(index.at(use.user))]);
     }
     return best;
-  };
-  std::vector<int> identity(static_cast<std::size_t>(n_nodes));
-  for (int i = 0; i < n_nodes; ++i) identity[static_cast<std::size_t>(i)] = i;
+  }
 
   // Prefetch: the parameters' redistributions (an all_gather of a graph input, and the
-  // communication nodes fed only by it: TP's steps after FSDP's all_gather) form chains; chains
-  // are grouped by layer in the order they are first read (a parameter gathered again in the
-  // backward is another chain), and group k+1 is issued just before group k's first reader.
-  std::vector<int> chain_of(static_cast<std::size_t>(n_nodes), -1);  // chain root node, or -1
-  std::map<int, int> chain_first;                                     // root -> first outside reader
-  if (options.prefetch) {
-    for (int i = 0; i < n_nodes; ++i) {
-      const ir::Node* n = nodes[static_cast<std::size_t>(i)];
-      if (!sharding::is_communication(n->op())) continue;
-      const ir::Value* in = n->input(0);
-      if (in->producer() == nullptr) {
-        if (n->op() == "all_gather") chain_of[static_cast<std::size_t>(i)] = i;
-      } else {
-        chain_of[static_cast<std::size_t>(i)] = chain_of[static_cast<std::size_t>(index.at(in->producer()))];
-      }
-    }
-    for (int i = 0; i < n_nodes; ++i) {
-      const int root = chain_of[static_cast<std::size_t>(i)];
-      if (root < 0) continue;
-      for (const ir::Value* out : nodes[static_cast<std::size_t>(i)]->outputs()) {
-        for (const auto& use : out->uses()) {
-          const int u = index.at(use.user);
-          if (chain_of[static_cast<std::size_t>(u)] == root) continue;
-          auto [it, fresh] = chain_first.emplace(root, u);
-          if (!fresh) it->second = std::min(it->second, u);
+  // communication nodes fed only by it: TP's steps after FSDP's all_gather) form chains.
+  void find_chains() {
+    if (options.prefetch) {
+      for (int i = 0; i < n_nodes; ++i) {
+        const ir::Node* n = nodes[static_cast<std::size_t>(i)];
+        if (!sharding::is_communication(n->op())) continue;
+        const ir::Value* in = n->input(0);
+        if (in->producer() == nullptr) {
+          if (n->op() == "all_gather") chain_of[static_cast<std::size_t>(i)] = i;
+        } else {
+          chain_of[static_cast<std::size_t>(i)] = chain_of[static_cast<std::size_t>(index.at(in->producer()))];
         }
       }
-    }
-    for (int i = 0; i < n_nodes; ++i) {  // a chain nobody reads stays where it is
-      if (chain_of[static_cast<std::size_t>(i)] >= 0 && chain_first.count(chain_of[static_cast<std::size_t>(i)]) == 0) chain_of[static_cast<std::size_t>(i)] = -1;
-    }
+      for (int i = 0; i < n_nodes; ++i) {
+        const int root = chain_of[static_cast<std::size_t>(i)];
+        if (root < 0) continue;
+        for (const ir::Value* out : nodes[static_cast<std::size_t>(i)]->outputs()) {
+          for (const auto& use : out->uses()) {
+            const int u = index.at(use.user);
+            if (chain_of[static_cast<std::size_t>(u)] == root) continue;
+            auto [it, fresh] = chain_first.emplace(root, u);
+            if (!fresh) it->second = std::min(it->second, u);
+          }
+        }
+      }
+      for (int i = 0; i < n_nodes; ++i) {  // a chain nobody reads stays where it is
+        if (chain_of[static_cast<std::size_t>(i)] >= 0 && chain_first.count(chain_of[static_cast<std::size_t>(i)]) == 0) chain_of[static_cast<std::size_t>(i)] = -1;
+      }
   }
-  std::vector<std::pair<int, int>> roots;  // (first reader, root)
-  for (const auto& [root, first] : chain_first) roots.emplace_back(first, root);
-  std::sort(roots.begin(), roots.end());
-  std::vector<int> group_of_root(static_cast<std::size_t>(n_nodes), -1);
-  std::vector<int> group_first;  // per group: its first reader
-  std::string layer;
-  for (const auto& [first, root] : roots) {
-    const std::string l = models::layer_of(nodes[static_cast<std::size_t>(root)]->input(0)->name());
-    if (group_first.empty() || l != layer) {
-      group_first.push_back(first);
-      layer = l;
-    }
-    group_of_root[static_cast<std::size_t>(root)] = static_cast<int>(group_first.size()) - 1;
   }
-  std::vector<std::vector<int>> groups(group_first.size());
+
+  // Chains are grouped by layer in the order they are first read (a parameter gathered again
+  // in the backward is another chain), and group k+1 is issued just before group k's first reader.
+  void group_chains() {
+    std::vector<std::pair<int, int>> roots;  // (first reader, root)
+    for (const auto& [root, first] : chain_first) roots.emplace_back(first, root);
+    std::sort(roots.begin(), roots.end());
+    std::vector<int> group_of_root(static_cast<std::size_t>(n_nodes), -1);
+    std::vector<int> group_first;  // per group: its first reader
+    std::string layer;
+    for (const auto& [first, root] : roots) {
+      const std::string l = models::layer_of(nodes[static_cast<std::size_t>(root)]->input(0)->name());
+      if (group_first.empty() || l != layer) {
+        group_first.push_back(first);
+        layer = l;
+      }
+      group_of_root[static_cast<std::size_t>(root)] = static_cast<int>(group_first.size()) - 1;
+  }
+  groups.assign(group_first.size(), {});
   for (int i = 0; i < n_nodes; ++i) {
     const int root = chain_of[static_cast<std::size_t>(i)];
     if (root >= 0) groups[static_cast<std::size_t>(group_of_root[static_cast<std::size_t>(root)])].push_back(i);
   }
-  std::multimap<int, std::size_t> groups_at;  // anchor node -> group
   for (std::size_t k = 0; k < groups.size(); ++k) groups_at.emplace(group_first[k == 0 ? 0 : k - 1], k);
+  }
+
   // Issue early: every other collective right after the kernel that produces its input (one
   // whose input comes from a collective stays before its reader: issuing it means waiting).
-  std::multimap<int, int> after;  // producer -> collectives issued right after it
-  std::vector<bool> hoisted(static_cast<std::size_t>(n_nodes), false);
-  if (options.overlap) {
-    for (int i = 0; i < n_nodes; ++i) {
-      const ir::Node* n = nodes[static_cast<std::size_t>(i)];
-      if (!sharding::is_collective(n->op()) || chain_of[static_cast<std::size_t>(i)] >= 0) continue;
-      const ir::Node* producer = n->input(0)->producer();
-      if (producer == nullptr || sharding::is_collective(producer->op())) continue;
-      after.emplace(index.at(producer), i);
-      hoisted[static_cast<std::size_t>(i)] = true;
-    }
-  }
-  for (int i = 0; i < n_nodes; ++i) {
-    auto [lo, hi] = groups_at.equal_range(i);
-    for (auto it = lo; it != hi; ++it) {
-      for (int g : groups[it->second]) {
-        plan.order.push_back(g);
-        if (it->second > 0 && nodes[static_cast<std::size_t>(g)]->op() == "all_gather") plan.prefetched.push_back(g);
+  void issue_early() {
+    hoisted.assign(static_cast<std::size_t>(n_nodes), false);
+    if (options.overlap) {
+      for (int i = 0; i < n_nodes; ++i) {
+        const ir::Node* n = nodes[static_cast<std::size_t>(i)];
+        if (!sharding::is_collective(n->op()) || chain_of[static_cast<std::size_t>(i)] >= 0) continue;
+        const ir::Node* producer = n->input(0)->producer();
+        if (producer == nullptr || sharding::is_collective(producer->op())) continue;
+        after.emplace(index.at(producer), i);
+        hoisted[static_cast<std::size_t>(i)] = true;
       }
-    }
-    if (chain_of[static_cast<std::size_t>(i)] >= 0 || hoisted[static_cast<std::size_t>(i)]) continue;
-    plan.order.push_back(i);
-    auto [a, b] = after.equal_range(i);
-    for (auto it = a; it != b; ++it) plan.order.push_back(it->second);
   }
-  std::vector<int> pos(static_cast<std::size_t>(n_nodes));
-  auto check_and_index = [&] {
+  }
+
+  // The execution order: graph order, with prefetch groups and early collectives moved.
+  void order() {
+    for (int i = 0; i < n_nodes; ++i) {
+      auto [lo, hi] = groups_at.equal_range(i);
+      for (auto it = lo; it != hi; ++it) {
+        for (int g : groups[it->second]) {
+          plan.order.push_back(g);
+          if (it->second > 0 && nodes[static_cast<std::size_t>(g)]->op() == "all_gather") plan.prefetched.push_back(g);
+        }
+      }
+      if (chain_of[static_cast<std::size_t>(i)] >= 0 || hoisted[static_cast<std::size_t>(i)]) continue;
+      plan.order.push_back(i);
+      auto [a, b] = after.equal_range(i);
+      for (auto it = a; it != b; ++it) plan.order.push_back(it->second);
+  }
+  }
+
+  // The plan's verifier: the order is still topological; then each node's first reader.
+  void verify_and_index() {
+      pos.assign(static_cast<std::size_t>(n_nodes), 0);
     for (int p = 0; p < n_nodes; ++p) pos[static_cast<std::size_t>(plan.order[static_cast<std::size_t>(p)])] = p;
     for (int p = 0; p < n_nodes; ++p) {  // the new order must still be topological
       for (const ir::Value* v : nodes[static_cast<std::size_t>(plan.order[static_cast<std::size_t>(p)])]->inputs()) {
@@ -124,14 +149,13 @@ RuntimePlan make_runtime_plan(const ir::Graph& graph, const sharding::DeviceMesh
                             " would run before its input " + v->ref());
         }
       }
-    }
-    plan.first_use.assign(static_cast<std::size_t>(n_nodes), 0);
-    for (int i = 0; i < n_nodes; ++i) plan.first_use[static_cast<std::size_t>(i)] = first_reader(i, pos);
-  };
-  check_and_index();
+  }
+  plan.first_use.assign(static_cast<std::size_t>(n_nodes), 0);
+  for (int i = 0; i < n_nodes; ++i) plan.first_use[static_cast<std::size_t>(i)] = first_reader(i, pos);
+  }
 
   // Buckets: greedy in execution order, per (mesh dim, reduce op, dtype, fed by a collective).
-  auto make_buckets = [&] {
+  void make_buckets() {
     plan.buckets.clear();
     plan.collectives = 0;
     // (mesh dim, op/reduce op, dtype, fed by a collective) -> bucket: one fed by another
@@ -179,24 +203,24 @@ RuntimePlan make_runtime_plan(const ir::Graph& graph, const sharding::DeviceMesh
       caps.push_back(b.cap);
       open[key] = static_cast<int>(plan.buckets.size());
       plan.buckets.push_back(std::move(b));
-    }
-    // A bucket of one is a plain collective.
-    plan.bucket_of.assign(static_cast<std::size_t>(n_nodes), -1);
-    std::vector<Bucket> kept;
-    for (auto& b : plan.buckets) {
-      if (b.members.size() < 2) continue;
-      for (int m : b.members) plan.bucket_of[static_cast<std::size_t>(m)] = static_cast<int>(kept.size());
-      kept.push_back(std::move(b));
-    }
-    plan.buckets = std::move(kept);
-  };
-  make_buckets();
+  }
+  // A bucket of one is a plain collective.
+  plan.bucket_of.assign(static_cast<std::size_t>(n_nodes), -1);
+  std::vector<Bucket> kept;
+  for (auto& b : plan.buckets) {
+    if (b.members.size() < 2) continue;
+    for (int m : b.members) plan.bucket_of[static_cast<std::size_t>(m)] = static_cast<int>(kept.size());
+    kept.push_back(std::move(b));
+  }
+  plan.buckets = std::move(kept);
+  }
 
   // Collectives fed by a bucket's members (FSDP x TP: a norm weight's gradient reduce_scatter
   // over dp_shard after its all_reduce over tp) can only be issued once that bucket is waited
   // for; left before their readers, each is issued and read at once. Moved together to where
   // the bucket is waited for, they become a bucket of their own: one backend call, not one each.
-  if (options.overlap && options.bucket_bytes > 0) {
+  void chain_buckets() {
+    if (!options.overlap || options.bucket_bytes <= 0) return;
     std::map<int, std::vector<int>> moved;  // position of the node they go before -> collectives, in order
     std::vector<bool> moving(static_cast<std::size_t>(n_nodes), false);
     for (int p = 0; p < n_nodes; ++p) {
@@ -219,13 +243,28 @@ RuntimePlan make_runtime_plan(const ir::Graph& graph, const sharding::DeviceMesh
         if (!moving[static_cast<std::size_t>(i)]) order.push_back(i);
       }
       plan.order = std::move(order);
-      check_and_index();
+      verify_and_index();
       make_buckets();
     }
   }
+};
+
+}  // namespace
+
+RuntimePlan make_runtime_plan(const ir::Graph& graph, const sharding::DeviceMesh& mesh, const PlanOptions& options) {
+  (void)mesh;
+  PlanBuilder b(graph, options);
+  b.find_chains();
+  b.group_chains();
+  b.issue_early();
+  b.order();
+  b.verify_and_index();
+  b.make_buckets();
+  b.chain_buckets();
+  RuntimePlan& plan = b.plan;
   plan.issues = plan.collectives;
-  for (const auto& b : plan.buckets) plan.issues -= static_cast<std::int64_t>(b.members.size()) - 1;
-  return plan;
+  for (const auto& bucket : plan.buckets) plan.issues -= static_cast<std::int64_t>(bucket.members.size()) - 1;
+  return std::move(plan);
 }
 
 PlanOptions plan_options(const config::Config& cfg) {
