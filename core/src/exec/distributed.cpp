@@ -10,6 +10,7 @@
 #include <stdexcept>
 #include <unordered_map>
 
+#include "comm_lowering.h"
 #include "spmdx/core/clock.h"
 #include "spmdx/hooks/hook_set.h"
 #include "spmdx/sharding/distribute.h"
@@ -18,17 +19,6 @@ namespace spmdx::exec {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-CommBuffer buffer(const at::Tensor& t) {
-  return {t.data_ptr(), static_cast<std::size_t>(t.numel()), comm_dtype(t.scalar_type()), MemoryType::host};
-}
-
-ReduceOp reduce_op(const std::string& name) {
-  for (ReduceOp op : {ReduceOp::sum, ReduceOp::avg, ReduceOp::max, ReduceOp::min, ReduceOp::prod}) {
-    if (name == to_string(op)) return op;
-  }
-  throw std::invalid_argument("unknown reduce op '" + name + "'");
-}
 
 // A backend call in flight (one collective, or one bucket of them): its Work, the buffers it
 // uses, and what the hooks are told.
@@ -349,76 +339,12 @@ TensorMap DistributedExecutor::run(const TensorMap& inputs, std::int64_t step) {
       p.issued = is;
       const std::string& op = n.op();
       issue(is, n, x, mesh_dim, n.output()->ref());
-      if (op == "all_reduce") {
-        at::Tensor buf = x.contiguous().clone();
-        is->work = backend_->all_reduce(group, buffer(buf), reduce_op(n.attr_string("op")));
-        is->keep = {buf};
-        p.finish = [buf] { return buf; };
-      } else if (op == "all_gather" || op == "reduce_scatter") {
-        // Collectives concatenate along the outermost dim: move `dim` there and back.
-        const auto dim = n.attr_int("dim") < 0 ? n.attr_int("dim") + x.dim() : n.attr_int("dim");
-        at::Tensor in = x.movedim(dim, 0).contiguous();
-        const std::int64_t inner = in.dim() > 0 && in.size(0) > 0 ? in.numel() / in.size(0) : 1;
-        std::vector<std::int64_t> out_shape = in.sizes().vec();
-        std::vector<std::size_t> counts;
-        for (auto s : n.attr_ints("sizes")) counts.push_back(static_cast<std::size_t>(s * inner));
-        if (in.dim() > 0 && in.size(0) == 0) {  // an empty local block: inner from the output shape
-          std::int64_t rest = 1;
-          for (std::size_t d = 1; d < out_shape.size(); ++d) rest *= out_shape[d];
-          counts.clear();
-          for (auto s : n.attr_ints("sizes")) counts.push_back(static_cast<std::size_t>(s * rest));
-        }
-        out_shape[0] = op == "all_gather" ? std::accumulate(n.attr_ints("sizes").begin(), n.attr_ints("sizes").end(), std::int64_t{0})
-                                          : n.attr_ints("sizes")[static_cast<std::size_t>(n.attr_int("index"))];
-        at::Tensor out = at::empty(out_shape, in.options());
-        is->work = op == "all_gather" ? backend_->all_gather(group, buffer(in), buffer(out), counts)
-                                    : backend_->reduce_scatter(group, buffer(in), buffer(out), counts, reduce_op(n.attr_string("op")));
-        is->keep = {in, out};
-        p.finish = [out, dim] { return out.movedim(0, dim).contiguous(); };
-      } else if (op == "all_to_all") {
-        // Shard(g) -> Shard(c): send block j = my rows of chunk j along c; receive member j's
-        // chunk of g (for my part of c) and concatenate along g.
-        const auto g = n.attr_int("gather_dim"), c = n.attr_int("scatter_dim");
-        const auto& gs = n.attr_ints("gather_sizes");
-        const auto& cs = n.attr_ints("scatter_sizes");
-        const auto me = static_cast<std::size_t>(n.attr_int("index"));
-        std::vector<at::Tensor> blocks;
-        std::vector<std::size_t> send_counts, recv_counts;
-        std::int64_t offset = 0;
-        for (std::size_t j = 0; j < cs.size(); ++j) {
-          at::Tensor b = x.narrow(c, offset, cs[j]).contiguous();
-          offset += cs[j];
-          send_counts.push_back(static_cast<std::size_t>(b.numel()));
-          blocks.push_back(b.reshape({-1}));
-        }
-        std::vector<std::vector<std::int64_t>> recv_shapes;
-        for (std::size_t j = 0; j < gs.size(); ++j) {
-          std::vector<std::int64_t> s = x.sizes().vec();
-          s[static_cast<std::size_t>(g)] = gs[j];
-          s[static_cast<std::size_t>(c)] = cs[me];
-          std::int64_t numel = 1;
-          for (auto d : s) numel *= d;
-          recv_counts.push_back(static_cast<std::size_t>(numel));
-          recv_shapes.push_back(s);
-        }
-        at::Tensor in = at::cat(blocks);
-        std::int64_t total = 0;
-        for (auto r : recv_counts) total += static_cast<std::int64_t>(r);
-        at::Tensor out = at::empty({total}, x.options());
-        is->work = backend_->all_to_all(group, buffer(in), buffer(out), send_counts, recv_counts);
-        is->keep = {in, out};
-        p.finish = [out, recv_shapes, recv_counts, g] {
-          std::vector<at::Tensor> parts;
-          std::int64_t o = 0;
-          for (std::size_t j = 0; j < recv_shapes.size(); ++j) {
-            parts.push_back(out.narrow(0, o, static_cast<std::int64_t>(recv_counts[j])).reshape(recv_shapes[j]));
-            o += static_cast<std::int64_t>(recv_counts[j]);
-          }
-          return at::cat(parts, g);
-        };
-      } else {
-        throw std::invalid_argument("no executor support for communication op '" + op + "'");
-      }
+      const Lowering* lower = find_lowering(op);
+      if (lower == nullptr) throw std::invalid_argument("no executor support for communication op '" + op + "'");
+      Lowered l = (*lower)(*backend_, group, n, x);
+      is->work = std::move(l.work);
+      is->keep = std::move(l.keep);
+      p.finish = std::move(l.finish);
       pending.emplace(n.output(), std::move(p));
       if (!plan_.options.overlap) value(n.output());
     }

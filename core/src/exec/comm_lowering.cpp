@@ -1,0 +1,115 @@
+#include "comm_lowering.h"
+
+#include <ATen/ATen.h>
+
+#include <map>
+#include <numeric>
+#include <stdexcept>
+
+#include "spmdx/exec/distributed.h"
+
+namespace spmdx::exec {
+
+CommBuffer buffer(const at::Tensor& t) {
+  return {t.data_ptr(), static_cast<std::size_t>(t.numel()), comm_dtype(t.scalar_type()), MemoryType::host};
+}
+
+ReduceOp reduce_op(const std::string& name) {
+  for (ReduceOp op : {ReduceOp::sum, ReduceOp::avg, ReduceOp::max, ReduceOp::min, ReduceOp::prod}) {
+    if (name == to_string(op)) return op;
+  }
+  throw std::invalid_argument("unknown reduce op '" + name + "'");
+}
+
+namespace {
+
+Lowered all_reduce(CommBackend& backend, int group, const ir::Node& n, const at::Tensor& x) {
+  Lowered l;
+  at::Tensor buf = x.contiguous().clone();
+  l.work = backend.all_reduce(group, buffer(buf), reduce_op(n.attr_string("op")));
+  l.keep = {buf};
+  l.finish = [buf] { return buf; };
+  return l;
+}
+
+// all_gather and reduce_scatter concatenate along the outermost dim: move `dim` there and back.
+Lowered gather_or_scatter(CommBackend& backend, int group, const ir::Node& n, const at::Tensor& x) {
+  Lowered l;
+  const std::string& op = n.op();
+  const auto dim = n.attr_int("dim") < 0 ? n.attr_int("dim") + x.dim() : n.attr_int("dim");
+  at::Tensor in = x.movedim(dim, 0).contiguous();
+  const std::int64_t inner = in.dim() > 0 && in.size(0) > 0 ? in.numel() / in.size(0) : 1;
+  std::vector<std::int64_t> out_shape = in.sizes().vec();
+  std::vector<std::size_t> counts;
+  for (auto s : n.attr_ints("sizes")) counts.push_back(static_cast<std::size_t>(s * inner));
+  if (in.dim() > 0 && in.size(0) == 0) {  // an empty local block: inner from the output shape
+    std::int64_t rest = 1;
+    for (std::size_t d = 1; d < out_shape.size(); ++d) rest *= out_shape[d];
+    counts.clear();
+    for (auto s : n.attr_ints("sizes")) counts.push_back(static_cast<std::size_t>(s * rest));
+  }
+  out_shape[0] = op == "all_gather" ? std::accumulate(n.attr_ints("sizes").begin(), n.attr_ints("sizes").end(), std::int64_t{0})
+                                    : n.attr_ints("sizes")[static_cast<std::size_t>(n.attr_int("index"))];
+  at::Tensor out = at::empty(out_shape, in.options());
+  l.work = op == "all_gather" ? backend.all_gather(group, buffer(in), buffer(out), counts)
+                              : backend.reduce_scatter(group, buffer(in), buffer(out), counts, reduce_op(n.attr_string("op")));
+  l.keep = {in, out};
+  l.finish = [out, dim] { return out.movedim(0, dim).contiguous(); };
+  return l;
+}
+
+// Shard(g) -> Shard(c): send block j = my rows of chunk j along c; receive member j's chunk of g
+// (for my part of c) and concatenate along g.
+Lowered all_to_all(CommBackend& backend, int group, const ir::Node& n, const at::Tensor& x) {
+  Lowered l;
+  const auto g = n.attr_int("gather_dim"), c = n.attr_int("scatter_dim");
+  const auto& gs = n.attr_ints("gather_sizes");
+  const auto& cs = n.attr_ints("scatter_sizes");
+  const auto me = static_cast<std::size_t>(n.attr_int("index"));
+  std::vector<at::Tensor> blocks;
+  std::vector<std::size_t> send_counts, recv_counts;
+  std::int64_t offset = 0;
+  for (std::size_t j = 0; j < cs.size(); ++j) {
+    at::Tensor b = x.narrow(c, offset, cs[j]).contiguous();
+    offset += cs[j];
+    send_counts.push_back(static_cast<std::size_t>(b.numel()));
+    blocks.push_back(b.reshape({-1}));
+  }
+  std::vector<std::vector<std::int64_t>> recv_shapes;
+  for (std::size_t j = 0; j < gs.size(); ++j) {
+    std::vector<std::int64_t> s = x.sizes().vec();
+    s[static_cast<std::size_t>(g)] = gs[j];
+    s[static_cast<std::size_t>(c)] = cs[me];
+    std::int64_t numel = 1;
+    for (auto d : s) numel *= d;
+    recv_counts.push_back(static_cast<std::size_t>(numel));
+    recv_shapes.push_back(s);
+  }
+  at::Tensor in = at::cat(blocks);
+  std::int64_t total = 0;
+  for (auto r : recv_counts) total += static_cast<std::int64_t>(r);
+  at::Tensor out = at::empty({total}, x.options());
+  l.work = backend.all_to_all(group, buffer(in), buffer(out), send_counts, recv_counts);
+  l.keep = {in, out};
+  l.finish = [out, recv_shapes, recv_counts, g] {
+    std::vector<at::Tensor> parts;
+    std::int64_t o = 0;
+    for (std::size_t j = 0; j < recv_shapes.size(); ++j) {
+      parts.push_back(out.narrow(0, o, static_cast<std::int64_t>(recv_counts[j])).reshape(recv_shapes[j]));
+      o += static_cast<std::int64_t>(recv_counts[j]);
+    }
+    return at::cat(parts, g);
+  };
+  return l;
+}
+
+}  // namespace
+
+const Lowering* find_lowering(const std::string& op) {
+  static const std::map<std::string, Lowering> table = {
+      {"all_reduce", all_reduce}, {"all_gather", gather_or_scatter}, {"reduce_scatter", gather_or_scatter}, {"all_to_all", all_to_all}};
+  auto it = table.find(op);
+  return it == table.end() ? nullptr : &it->second;
+}
+
+}  // namespace spmdx::exec
