@@ -6,7 +6,6 @@
 #include <algorithm>
 #include <chrono>
 #include <functional>
-#include <numeric>
 #include <stdexcept>
 #include <unordered_map>
 
