@@ -239,7 +239,7 @@ int run_compile(const CompileOptions& o) {
     for (std::int64_t r = 0; r < dumped_ranks; ++r) {
       const spmdx::ir::Graph g = spmdx::sharding::rank_graph(plan, r);
       write("rank" + std::to_string(r) + ".txt", g.str());
-      write("rank" + std::to_string(r) + ".plan.txt", spmdx::plan::make_runtime_plan(g, job.mesh, spmdx::plan::plan_options(cfg)).str(g, job.mesh));
+      write("rank" + std::to_string(r) + ".plan.txt", spmdx::plan::make_runtime_plan(g, job.mesh, spec.plan).str(g, job.mesh));
       write("rank" + std::to_string(r) + ".json", spmdx::ir::to_json(g));
     }
   } else {
@@ -251,10 +251,10 @@ int run_compile(const CompileOptions& o) {
     base.mesh = job.mesh.dims();
     base.coordinate = job.mesh.coordinate(0);
     base.compile_only = true;
-    spmdx::hooks::HookSet hooks = spmdx::hooks::make_hooks(cfg, registry, base);
+    spmdx::hooks::HookSet hooks = spmdx::hooks::make_hooks(spmdx::train::hook_spec(cfg), registry, base);
     std::vector<std::int64_t> ranks;
     for (std::int64_t r = 0; r < (o.fake ? 1 : world); ++r) ranks.push_back(r);
-    hooks.compile(plan, ranks, spmdx::plan::plan_options(cfg));
+    hooks.compile(plan, ranks, spec.plan);
     std::cout << "hooks (" << spmdx::join(cfg.get_list("hooks.enable")) << ") ran on the compile stages; their files are under "
               << (fs::path(cfg.get_string("job.dump_folder")) / "hooks").string() << "\n";
   }

@@ -309,12 +309,12 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
   hook_base.store = store.get();
   hook_base.timeout_seconds = timeout;
   hook_base.first_step = first_step;
-  hooks::HookSet hooks = hooks::make_hooks(cfg, registry, hook_base);
+  hooks::HookSet hooks = hooks::make_hooks(train::hook_spec(cfg), registry, hook_base);
   if (signals) signals->start(&hooks);
   if (lead && !hooks.empty()) {
     std::vector<std::int64_t> ranks;
     for (std::int64_t r = 0; r < env.world_size; ++r) ranks.push_back(r);
-    hooks.compile(plan, ranks, plan::plan_options(cfg));
+    hooks.compile(plan, ranks, spec.plan);
   }
   if (env.world_size > 1) {
     backend = registry.make_comm_backend_from_spec(cfg.get_string("comm.backend"));
@@ -332,7 +332,7 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
       throw;
     }
   }
-  DistributedExecutor executor(graph, job.mesh, env.rank, backend.get(), timeout, plan::plan_options(cfg));
+  DistributedExecutor executor(graph, job.mesh, env.rank, backend.get(), timeout, spec.plan);
   if (!hooks.empty()) executor.set_hooks(&hooks);
   if (fault.kind == "skip_collective" && fault.rank == env.rank) executor.inject_skip(fault.step, fault.index);
 

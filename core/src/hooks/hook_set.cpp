@@ -149,28 +149,10 @@ void HookSet::finish() {
   each("finish", [&](Hook& h) { h.finish(); });
 }
 
-HookSet make_hooks(const config::Config& cfg, PluginRegistry& registry, const HookContext& base) {
-  const auto& enabled = cfg.get_list("hooks.enable");
-  std::map<std::string, std::map<std::string, std::string>> options;
-  std::string typos;  // said together with the hooks' own problems
-  for (const auto& [table, opts] : cfg.plugin_option_tables()) {
-    if (table.rfind("hooks.", 0) != 0) continue;  // another plugin's table ([parallelism.tp_plan])
-    const std::string name = table.substr(table.find('.') + 1);
-    if (std::find(enabled.begin(), enabled.end(), name) == enabled.end()) {
-      // A near miss of an enabled hook is a typo whose options would be lost: refused.
-      if (const std::string near = nearest_word(name, enabled, 2); !near.empty()) {
-        typos += (typos.empty() ? "" : "\n") + std::string("[") + table + "] sets options of hook '" + name +
-                 "', which hooks.enable does not list; did you mean [hooks." + near + "]?";
-      } else {
-        // Where its first option is set (the file's line, or the command line), else the table.
-        SPMDX_WARN(cfg.where({opts.empty() ? table : table + "." + opts.begin()->first}) << ": [" << table << "] sets options of hook '" << name << "', which hooks.enable does not list: ignored");
-      }
-      continue;
-    }
-    options[name] = opts;
-  }
+HookSet make_hooks(const HookSpec& spec, PluginRegistry& registry, const HookContext& base) {
+  const std::string typos = join(spec.problems, "\n");
   try {
-    HookSet hooks(registry, enabled, options, base, cfg.get_string("job.dump_folder"));
+    HookSet hooks(registry, spec.enabled, spec.options, base, spec.dump_folder);
     if (!typos.empty()) throw std::invalid_argument(typos);
     return hooks;
   } catch (const std::invalid_argument& e) {

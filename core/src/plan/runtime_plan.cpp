@@ -267,15 +267,6 @@ RuntimePlan make_runtime_plan(const ir::Graph& graph, const sharding::DeviceMesh
   return std::move(plan);
 }
 
-PlanOptions plan_options(const config::Config& cfg) {
-  PlanOptions o;
-  o.bucket_bytes = cfg.get_float("comm.bucket_cap_mb") * 1024 * 1024;
-  o.first_bucket_bytes = cfg.get_float("comm.first_bucket_cap_mb") * 1024 * 1024;
-  o.overlap = cfg.get_bool("comm.overlap");
-  o.prefetch = cfg.get_bool("comm.prefetch");
-  return o;
-}
-
 std::string RuntimePlan::str(const ir::Graph& graph, const sharding::DeviceMesh& mesh) const {
   std::vector<const ir::Node*> nodes;
   for (const auto& n : graph.nodes()) nodes.push_back(n.get());

@@ -4,6 +4,7 @@
 #include <filesystem>
 #include <functional>
 
+#include "spmdx/core/log.h"
 #include "spmdx/core/text.h"
 #include "spmdx/data/text_dataset.h"
 #include "spmdx/sharding/spec.h"
@@ -30,6 +31,38 @@ struct Problems {
 };
 
 }  // namespace
+
+plan::PlanOptions plan_options(const config::Config& cfg) {
+  plan::PlanOptions o;
+  o.bucket_bytes = cfg.get_float("comm.bucket_cap_mb") * 1024 * 1024;
+  o.first_bucket_bytes = cfg.get_float("comm.first_bucket_cap_mb") * 1024 * 1024;
+  o.overlap = cfg.get_bool("comm.overlap");
+  o.prefetch = cfg.get_bool("comm.prefetch");
+  return o;
+}
+
+hooks::HookSpec hook_spec(const config::Config& cfg) {
+  hooks::HookSpec spec;
+  spec.enabled = cfg.get_list("hooks.enable");
+  spec.dump_folder = cfg.get_string("job.dump_folder");
+  for (const auto& [table, opts] : cfg.plugin_option_tables()) {
+    if (table.rfind("hooks.", 0) != 0) continue;  // another plugin's table ([parallelism.tp_plan])
+    const std::string name = table.substr(table.find('.') + 1);
+    if (std::find(spec.enabled.begin(), spec.enabled.end(), name) == spec.enabled.end()) {
+      // A near miss of an enabled hook is a typo whose options would be lost: refused.
+      if (const std::string near = nearest_word(name, spec.enabled, 2); !near.empty()) {
+        spec.problems.push_back("[" + table + "] sets options of hook '" + name + "', which hooks.enable does not list; did you mean [hooks." + near + "]?");
+      } else {
+        // Where its first option is set (the file's line, or the command line), else the table.
+        SPMDX_WARN(cfg.where({opts.empty() ? table : table + "." + opts.begin()->first}) << ": [" << table << "] sets options of hook '" << name
+                                                                                        << "', which hooks.enable does not list: ignored");
+      }
+      continue;
+    }
+    spec.options[name] = opts;
+  }
+  return spec;
+}
 
 std::int64_t degree_product(const config::Config& cfg) {
   const std::int64_t shard = cfg.get_int("parallelism.data_parallel_shard_degree");
@@ -128,6 +161,7 @@ JobSpec job_spec(const config::Config& cfg, std::int64_t world_size, std::int64_
   s.seed = static_cast<std::uint64_t>(cfg.get_int("job.seed"));
   s.reshard_after_forward = cfg.get_string("parallelism.fsdp_reshard_after_forward") != "never";
   s.step.max_norm = cfg.get_float("training.max_norm");
+  s.plan = plan_options(cfg);
   s.step.adamw = {cfg.get_float("optimizer.beta1"), cfg.get_float("optimizer.beta2"), cfg.get_float("optimizer.eps"),
                   cfg.get_float("optimizer.weight_decay")};
   problems.throw_if_any();
@@ -250,11 +284,11 @@ std::vector<std::string> preflight(const config::Config& cfg, std::int64_t world
       base.coordinate = job->mesh.coordinate(0);
     }
     try {
-      hooks::HookSet hooks = hooks::make_hooks(cfg, registry, base);
+      hooks::HookSet hooks = hooks::make_hooks(hook_spec(cfg), registry, base);
       if (plan && run) {  // the validators' verdicts (partition_validator), as rank 0 would give them after start (compile runs them itself)
         std::vector<std::int64_t> ranks;
         for (std::int64_t r = 0; r < std::min<std::int64_t>(world_size, 64); ++r) ranks.push_back(r);
-        hooks.compile(*plan, ranks, plan::plan_options(cfg));
+        hooks.compile(*plan, ranks, plan_options(cfg));
       }
     } catch (const ValidationError& e) {
       out.push_back(cfg.where({"hooks.enable"}) + ": " + e.what());

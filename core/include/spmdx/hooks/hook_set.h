@@ -10,7 +10,6 @@
 #include <string>
 #include <vector>
 
-#include "spmdx/config/config.h"
 #include "spmdx/hook.h"
 #include "spmdx/hooks/graph_view.h"
 #include "spmdx/ir/graph.h"
@@ -63,10 +62,16 @@ class HookSet {
   std::unique_ptr<std::mutex> failure_mutex_ = std::make_unique<std::mutex>();
 };
 
-/// The hooks a config enables (hooks.enable, options from [hooks.<name>]), writing under
-/// <job.dump_folder>/hooks/. An options table of a hook that hooks.enable does not list is
-/// ignored with a warning (a command line may enable other hooks than the file). Throws what
-/// HookSet's constructor throws.
-HookSet make_hooks(const config::Config& cfg, PluginRegistry& registry, const HookContext& base);
+/// The hooks a job enables, as its config says them (train::hook_spec reads them).
+struct HookSpec {
+  std::vector<std::string> enabled;                                   ///< hooks.enable
+  std::map<std::string, std::map<std::string, std::string>> options;  ///< hook name -> [hooks.<name>]
+  std::string dump_folder;                                            ///< job.dump_folder: they write under its hooks/
+  std::vector<std::string> problems;  ///< found reading the config, said with the hooks' own problems
+};
+
+/// The hooks `spec` enables, made and initialised. Throws std::invalid_argument with
+/// spec.problems and what HookSet's constructor throws, a line each.
+HookSet make_hooks(const HookSpec& spec, PluginRegistry& registry, const HookContext& base);
 
 }  // namespace spmdx::hooks

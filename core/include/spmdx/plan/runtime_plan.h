@@ -18,7 +18,6 @@
 #include <string>
 #include <vector>
 
-#include "spmdx/config/config.h"
 #include "spmdx/ir/graph.h"
 #include "spmdx/sharding/mesh.h"
 
@@ -66,8 +65,5 @@ struct RuntimePlan {
 /// topological order.
 RuntimePlan make_runtime_plan(const ir::Graph& graph, const sharding::DeviceMesh& mesh, const PlanOptions& options = {});
 
-/// The options a job config gives (comm.bucket_cap_mb, comm.first_bucket_cap_mb, comm.overlap,
-/// comm.prefetch).
-PlanOptions plan_options(const config::Config& cfg);
 
 }  // namespace spmdx::plan

@@ -12,8 +12,10 @@
 
 #include "spmdx/config/config.h"
 #include "spmdx/data/tokenizer.h"
+#include "spmdx/hooks/hook_set.h"
 #include "spmdx/models/model.h"
 #include "spmdx/sharding/distribute.h"
+#include "spmdx/plan/runtime_plan.h"
 #include "spmdx/sharding/parallelize.h"
 #include "spmdx/train/train_step.h"
 
@@ -36,7 +38,18 @@ struct JobSpec {
   /// [parallelism.tp_plan]: parameter glob -> colwise | rowwise | replicate | shard(d), the
   /// tensor_parallel strategy's options (empty: its built-in plan).
   std::map<std::string, std::string> tp_plan;
+  plan::PlanOptions plan;  ///< [comm] bucket caps, overlap, prefetch (plan_options)
 };
+
+/// The RuntimePlan's options from [comm]: bucket_cap_mb and first_bucket_cap_mb (MiB ->
+/// bytes), overlap, prefetch.
+plan::PlanOptions plan_options(const config::Config& cfg);
+
+/// The hooks the config enables (hooks.enable; options from [hooks.<name>]; job.dump_folder).
+/// An options table of a hook that hooks.enable does not list is ignored with a warning naming
+/// where it was set (a command line may enable other hooks than the file), unless its name is
+/// a near miss of an enabled hook: then a problem (its options would be lost).
+hooks::HookSpec hook_spec(const config::Config& cfg);
 
 /// The config keys of the mesh's degrees (dp_replicate, dp_shard, tp), for messages about them.
 inline const std::vector<std::string> kDegreeKeys{"parallelism.data_parallel_replicate_degree", "parallelism.data_parallel_shard_degree",
