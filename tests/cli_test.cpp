@@ -120,6 +120,24 @@ TEST(Cli, GraphPrintsTheTrainStep) {
   EXPECT_THAT(bad.output, HasSubstr("unknown model 'gpt'; known models: mlp, llama"));
 }
 
+// [parallelism.strategies] binds a mesh dim to a strategy plugin: DDP's data_parallel on
+// dp_shard keeps whole parameters on every rank, where fsdp keeps a quarter.
+TEST(Cli, StrategiesTableBindsAMeshDimToAPlugin) {
+  const std::string config = "compile '" SPMDX_SOURCE_DIR "/configs/llama_fsdp.toml' --world-size 4";
+  auto fsdp = spmdx(config);
+  ASSERT_EQ(fsdp.exit_code, 0) << fsdp.output;
+  EXPECT_THAT(fsdp.output, HasSubstr("parameters 136.3 KiB"));
+  auto ddp = spmdx(config + " --parallelism.strategies.dp_shard data_parallel");
+  ASSERT_EQ(ddp.exit_code, 0) << ddp.output;
+  EXPECT_THAT(ddp.output, HasSubstr("parameters 545.2 KiB"));
+  auto typo = spmdx(config + " --parallelism.strategies.dp_shrad data_parallel");
+  EXPECT_EQ(typo.exit_code, 1);
+  EXPECT_THAT(typo.output, HasSubstr("names mesh dim 'dp_shrad'; the mesh dims are dp_replicate, dp_shard and tp; did you mean 'dp_shard'?"));
+  auto unknown = spmdx(config + " --parallelism.strategies.dp_shard nonesuch");
+  EXPECT_EQ(unknown.exit_code, 1);
+  EXPECT_THAT(unknown.output, HasSubstr("no strategy plugin named 'nonesuch'"));
+}
+
 TEST(Cli, CompilePlansWithoutStartingRanks) {
   test::TempDir dir;
   auto r = spmdx("compile '" SPMDX_SOURCE_DIR "/configs/llama_tp.toml' --dump '" + dir.path().string() + "'");

@@ -418,8 +418,9 @@ struct Config::Checker {
       for (const auto& [name_key, node] : *table) {
         const std::string key = section + "." + std::string(name_key.str());
         const std::string node_at = at_line(source, node.source());
-        // [hooks.<name>]: that hook's options; [parallelism.tp_plan]: tensor_parallel's plan
-        if ((section == "hooks" || key == "parallelism.tp_plan") && node.is_table()) {
+        // [hooks.<name>]: that hook's options; [parallelism.tp_plan]: tensor_parallel's plan;
+        // [parallelism.strategies]: the strategy plugin of each mesh dim
+        if ((section == "hooks" || key == "parallelism.tp_plan" || key == "parallelism.strategies") && node.is_table()) {
           auto& options = cfg.plugin_options_[key];
           cfg.positions_[key] = node_at;  // where the table is, for a table without options
           for (const auto& [opt_key, opt] : *node.as_table()) {
@@ -462,10 +463,11 @@ struct Config::Checker {
   // One "--section.key value" override.
   void override_value(const std::string& key, const std::string& text) {
     const std::string at = "command line: --" + key;
-    if (const std::string plan = "parallelism.tp_plan."; key.rfind(plan, 0) == 0 && key.size() > plan.size()) {  // --parallelism.tp_plan.<glob> <style>
-      cfg.plugin_options_["parallelism.tp_plan"][key.substr(plan.size())] = text;
+    for (const std::string table : {"parallelism.tp_plan", "parallelism.strategies"}) {  // --parallelism.tp_plan.<glob> <style>
+      if (key.rfind(table + ".", 0) != 0 || key.size() <= table.size() + 1) continue;
+      cfg.plugin_options_[table][key.substr(table.size() + 1)] = text;
       cfg.overrides_[key] = key + " " + text;
-      cfg.overrides_["parallelism.tp_plan"] = key + " " + text;  // where a message about the plan points
+      cfg.overrides_[table] = key + " " + text;  // where a message about the table points
       return;
     }
     if (key.rfind("hooks.", 0) == 0 && std::count(key.begin(), key.end(), '.') == 2) {  // --hooks.<name>.<option>

@@ -102,6 +102,14 @@ JobSpec job_spec(const config::Config& cfg, std::int64_t world_size, std::int64_
     }
   }
   s.tp_plan = cfg.plugin_options("parallelism.tp_plan");
+  s.strategies = cfg.plugin_options("parallelism.strategies");
+  for (const auto& [dim, plugin] : s.strategies) {
+    if (dim != "dp_replicate" && dim != "dp_shard" && dim != "tp") {
+      fail({"parallelism.strategies"}, "[parallelism.strategies] names mesh dim '" + dim + "'; the mesh dims are dp_replicate, dp_shard and tp" +
+           (nearest_word(dim, {"dp_replicate", "dp_shard", "tp"}, 3).empty() ? std::string() : "; did you mean '" + nearest_word(dim, {"dp_replicate", "dp_shard", "tp"}, 3) + "'?"));
+    }
+    if (plugin.empty()) fail({"parallelism.strategies"}, "[parallelism.strategies] " + dim + " names no plugin: give a strategy plugin's name (e.g. \"" + sharding::strategy_for(dim == "tp" ? "tp" : "dp_shard") + "\")");
+  }
   s.dims.dp_replicate = cfg.get_int("parallelism.data_parallel_replicate_degree");
   s.dims.tp = cfg.get_int("parallelism.tensor_parallel_degree");
   s.dims.dp_shard = cfg.get_int("parallelism.data_parallel_shard_degree");
@@ -269,7 +277,7 @@ std::vector<std::string> preflight(const config::Config& cfg, std::int64_t world
   std::optional<PlacedJob> job;
   std::optional<sharding::DistributedPlan> plan;
   if (*spec && registry.errors().empty()) {  // what `spmdx compile` finds: placements and local shapes
-    attempt({"model.name", "model.flavor", "model.tokenizer", "model.path", kDegreeKeys[0], kDegreeKeys[1], kDegreeKeys[2], "parallelism.tp_plan"}, [&] {
+    attempt({"model.name", "model.flavor", "model.tokenizer", "model.path", kDegreeKeys[0], kDegreeKeys[1], kDegreeKeys[2], "parallelism.tp_plan", "parallelism.strategies"}, [&] {
       job.emplace(place_job(**spec, registry));
       plan.emplace(sharding::propagate(job->model.graph, job->mesh, job->inputs, job->outputs, job->use, job->reshard_after_forward));
       sharding::rank_graph(*plan, 0);
@@ -330,7 +338,7 @@ PlacedJob place_job(const JobSpec& spec, PluginRegistry& registry) {
       registry.make_strategy("tensor_parallel", spec.tp_plan)->place(one);
     }
   }
-  job.inputs = sharding::parallelize(registry, job.mesh, in, {}, options);
+  job.inputs = sharding::parallelize(registry, job.mesh, in, spec.strategies, options);
   std::map<std::string, sharding::Placements> params;
   for (const auto& p : job.model.params) params[p] = job.inputs.at(p);
   job.use = sharding::use_placements(job.mesh, params);

@@ -8,7 +8,8 @@
 //   [lr_scheduler] warmup_steps, decay_ratio, decay_type, min_lr_factor
 //   [data] paths, seed               [parallelism] data_parallel_replicate_degree,
 //   data_parallel_shard_degree, tensor_parallel_degree, fsdp_reshard_after_forward,
-//   [parallelism.tp_plan] (parameter glob -> colwise | rowwise | replicate | shard(d))
+//   [parallelism.tp_plan] (parameter glob -> colwise | rowwise | replicate | shard(d)),
+//   [parallelism.strategies] (mesh dim -> strategy plugin: dp_replicate = "data_parallel", ...)
 //   [comm] backend, timeout_seconds, swap_at_step, swap_to, bucket_cap_mb, first_bucket_cap_mb,
 //   overlap, prefetch
 //   [hooks] enable, [hooks.<name>]   [checkpoint] enable, folder, interval, load_step

@@ -39,6 +39,9 @@ struct JobSpec {
   /// tensor_parallel strategy's options (empty: its built-in plan).
   std::map<std::string, std::string> tp_plan;
   plan::PlanOptions plan;  ///< [comm] bucket caps, overlap, prefetch (plan_options)
+  /// [parallelism.strategies]: mesh dim -> the strategy plugin that decides it, where the
+  /// config names one (others: sharding::strategy_for's defaults).
+  std::map<std::string, std::string> strategies;
 };
 
 /// The RuntimePlan's options from [comm]: bucket_cap_mb and first_bucket_cap_mb (MiB ->
