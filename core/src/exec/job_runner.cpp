@@ -204,6 +204,207 @@ void keep_rows_before(const std::filesystem::path& file, std::int64_t first_step
 
 }  // namespace
 
+namespace {
+
+// Resuming: from the newest checkpoint (or checkpoint.load_step), refused here, before anything
+// is made, when it was saved with another tokenizer.
+std::optional<std::int64_t> find_resume(const config::Config& cfg, const std::filesystem::path& ckpt_dir, const std::string& tokenizer_id) {
+  std::optional<std::int64_t> resume_step;
+  if (cfg.get_bool("checkpoint.enable") || cfg.get_int("checkpoint.load_step") >= 0) resume_step = find_checkpoint(ckpt_dir, cfg.get_int("checkpoint.load_step"));
+  if (resume_step) {
+    const CheckpointMeta saved = read_checkpoint_meta(ckpt_dir, *resume_step);
+    if (!saved.tokenizer.empty() && saved.tokenizer != tokenizer_id) {
+      throw config::ConfigError(cfg.where({"model.tokenizer"}) + ": the checkpoint " + (ckpt_dir / ("step-" + std::to_string(*resume_step))).string() +
+                                " was saved with another tokenizer (" + saved.tokenizer + "), this run has " + tokenizer_id +
+                                " (model.tokenizer): its embeddings would mean other tokens; resume with the tokenizer it was trained with");
+    }
+  }
+  return resume_step;
+}
+
+// A fault that can never happen is a mistake in the test that planted it.
+void check_fault(const Fault& fault, const launch::RankEnv& env, const train::JobSpec& spec, const train::PlacedJob& job) {
+  if (fault.kind.empty()) return;
+  const auto state_names = train::train_state_names(job.model.params);
+  if (fault.rank >= env.world_size || fault.step > spec.steps) {
+    throw std::invalid_argument("SPMDX_FAULT: rank " + std::to_string(fault.rank) + ", step " + std::to_string(fault.step) +
+                                " never happens in this job (" + std::to_string(env.world_size) + " ranks, " + std::to_string(spec.steps) + " steps)");
+  }
+  if (fault.kind == "perturb" && std::find(state_names.begin(), state_names.end(), fault.tensor) == state_names.end()) {
+    throw std::invalid_argument("SPMDX_FAULT: no tensor '" + fault.tensor + "' in the train state; it has " + join(state_names));
+  }
+}
+
+// The rendezvous: the store (this rank's server when it hosts one, torchrun's c10d store, or a
+// client of rank 0's), and every rank's identity checked by rank 0. Nothing for one rank.
+struct Joined {
+  std::unique_ptr<comm::TcpStoreServer> server;
+  std::unique_ptr<Store> store;
+};
+
+Joined join_job(const config::Config& cfg, const launch::RankEnv& env, double timeout) {
+  Joined j;
+  if (env.world_size <= 1) return j;
+  if (!env.store_hosted && !env.c10d_store && env.rank == 0) j.server = std::make_unique<comm::TcpStoreServer>("0.0.0.0", env.master_port, env.token);
+  if (env.rank == 0) {
+    std::printf("rank 0: waiting for %d ranks to join at %s:%d (comm.timeout_seconds = %g)\n", env.world_size, env.master_addr.c_str(),
+                env.master_port, timeout);
+    std::fflush(stdout);
+  }
+  if (env.c10d_store) {  // under torchrun: its agent's c10d TCPStore
+    j.store = comm::connect_c10d_store(env.master_addr, env.master_port, "spmdx/" + env.run_id + "/", timeout);
+  } else {
+    j.store = std::make_unique<comm::TcpStore>(env.master_addr, env.master_port, env.token, timeout, env.rank);
+  }
+  // Every rank says who it is and what it runs; rank 0 checks that they agree.
+  launch::RankIdentity me;
+  me.rank = env.rank;
+  me.world_size = env.world_size;
+  me.world_size_from = env.world_size_from;
+  char host[256] = {};
+  ::gethostname(host, sizeof host - 1);
+  me.host = host;
+  // Hosts are told apart by name and network namespace (containers, or tests/two_hosts.sh's
+  // namespaces, may share a name).
+  char ns[64] = {};
+  if (const ssize_t n = ::readlink("/proc/self/ns/net", ns, sizeof ns - 1); n > 0) me.host += std::string(" (") + std::string(ns, static_cast<std::size_t>(n)) + ")";
+  me.local_rank = env.local_rank;
+  me.local_world_size = env.local_world_size;
+  me.version = std::string("spmdx ") + SPMDX_VERSION + ", plugin ABI " + std::to_string(SPMDX_ABI_MAJOR) + "." + std::to_string(SPMDX_ABI_MINOR);
+  me.token = env.token;
+  me.settings = cfg.settings();
+  // Where each node keeps its own files may differ (node-local disks); what runs may not.
+  for (const char* local : {"job.dump_folder", "plugins.paths"}) me.settings.erase(local);
+  launch::rendezvous(*j.store, me, timeout, env.master_addr + ":" + std::to_string(env.master_port), j.server ? std::min(12.0, timeout) : 0.0);
+  return j;
+}
+
+// The comm backend `spec_text` names, joined to the job. A peer that cannot be reached (it
+// failed first, say) is named in the store for the launcher, which otherwise blames whichever
+// rank it reaps first.
+std::unique_ptr<CommBackend> join_backend(PluginRegistry& registry, const std::string& spec_text, const launch::RankEnv& env, Store& store,
+                                          std::int64_t generation, double timeout) {
+  auto backend = registry.make_comm_backend_from_spec(spec_text);
+  try {
+    backend->init({env.rank, env.world_size, generation, &store, timeout});
+  } catch (const CommError& e) {
+    if (e.peer() >= 0 && e.peer() != env.rank) {
+      try {
+        if (store.add(std::string(comm::kFaultKey) + "_reported", 1) == 1) store.set(comm::kFaultKey, std::to_string(e.peer()));
+      } catch (const std::exception&) {
+      }
+    }
+    throw;
+  }
+  return backend;
+}
+
+// This rank's shards of the initial parameters (the same full values on every rank) and zero
+// AdamW state; rank 0 writes them whole first when debug.dump_initial_weights asks.
+TensorMap initial_state(const config::Config& cfg, const train::JobSpec& spec, train::PlacedJob& job, const sharding::DistributedPlan& plan,
+                        std::int64_t rank, bool dump_whole) {
+  const auto coord = job.mesh.coordinate(rank);
+  TensorMap state;
+  TensorMap full = init_tensors(job.model, spec.seed);
+  if (dump_whole && cfg.get_bool("debug.dump_initial_weights")) {
+    const auto dir = std::filesystem::path(cfg.get_string("job.dump_folder")) / "debug";
+    std::filesystem::create_directories(dir);
+    write_safetensors(dir / "initial.safetensors", full, {{"format", "pt"}, {"step", "0"}, {"seed", std::to_string(spec.seed)}});
+  }
+  for (const auto& [name, t] : full) state[name] = shard_tensor(t, plan.placement.at(job.model.graph.find_input(name)), job.mesh, coord);
+  for (const auto& p : job.model.params) {
+    state["exp_avg." + p] = at::zeros_like(state.at(p));
+    state["exp_avg_sq." + p] = at::zeros_like(state.at(p));
+  }
+  // An imported model's weights, whole, are no longer needed once this rank holds its shards.
+  for (auto& init : job.model.init) init.data.reset();
+  models::release_imports();
+  return state;
+}
+
+// Rank 0's metrics: <dump>/metrics.jsonl (a resumed run keeps the rows before its first step
+// and appends), the banner, a JSON row per step and a printed line every metrics.log_freq.
+class MetricsWriter {
+ public:
+  MetricsWriter(const config::Config& cfg, std::int64_t first_step, bool checkpointing) : dump_(cfg.get_string("job.dump_folder")), log_freq_(cfg.get_int("metrics.log_freq")) {
+    std::filesystem::create_directories(dump_);
+    if (first_step > 1) {
+      // Resumed: keep the history of the steps up to the checkpoint, drop those past it (a run
+      // that went on after it and failed), and append from here.
+      keep_rows_before(file(), first_step);
+      out_.open(file(), std::ios::app);
+    } else {
+      std::error_code ec;
+      if (std::filesystem::file_size(file(), ec) > 0 && !ec) {
+        SPMDX_WARN("starting from step 1 in " << dump_.string() << ", which holds the metrics of an earlier run: metrics.jsonl is replaced"
+                                               << (checkpointing ? "" : " (with checkpoint.enable true, a run resumes from its newest checkpoint instead)"));
+      }
+      out_.open(file(), std::ios::trunc);
+    }
+    if (!out_) throw std::runtime_error("cannot write " + file().string());
+  }
+
+  std::filesystem::path file() const { return dump_ / "metrics.jsonl"; }
+
+  void row(std::int64_t step, std::int64_t last_step, double loss, double grad_norm, double lr, double tokens_per_s, const RunStats& st) {
+    nlohmann::json row{{"step", step},
+                       {"loss", loss},
+                       {"grad_norm", grad_norm},
+                       {"lr", lr},
+                       {"tokens_per_s", tokens_per_s},
+                       {"step_ms", st.total * 1e3},
+                       {"compute_ms", (st.total - st.exposed_comm) * 1e3},
+                       {"comm_ms", st.comm * 1e3},
+                       {"exposed_comm_ms", st.exposed_comm * 1e3},
+                       {"overlap_ratio", st.overlap_ratio()},
+                       {"collectives", st.collectives},
+                       {"comm_bytes", st.comm_bytes},
+                       {"peak_mem_bytes", st.peak_bytes},
+                       {"rss_bytes", rss_bytes()}};
+    out_ << row.dump() << "\n" << std::flush;
+    if (!out_) throw std::runtime_error("cannot write " + file().string() + ": " + std::strerror(errno));
+    if (step % log_freq_ == 0 || step == last_step) {
+      std::printf("step %4lld | loss %8.4f | grad_norm %7.3f | lr %.2e | %9.0f tok/s | %7.1f ms | exposed comm %4.1f%% | peak %s\n",
+                  static_cast<long long>(step), loss, grad_norm, lr, tokens_per_s, st.total * 1e3, 100.0 * st.exposed_comm / st.total,
+                  human_bytes(static_cast<double>(st.peak_bytes)).c_str());
+      std::fflush(stdout);
+    }
+  }
+
+ private:
+  std::filesystem::path dump_;
+  std::int64_t log_freq_;
+  std::ofstream out_;
+};
+
+// OnGlobalSyncComplete: the train state after the step (views of this rank's shards), the loss
+// and the step's spans, for the hooks.
+void tell_hooks(hooks::HookSet& hooks, std::int64_t step, const train::JobSpec& spec, const launch::RankEnv& env, double loss, const RunStats& st,
+                const std::vector<std::string>& names, const TensorMap& state, const TensorMap& out,
+                const std::map<std::string, sharding::Placements>& state_placements, const sharding::DeviceMesh& mesh, const DistributedExecutor& executor) {
+  StepInfo info;
+  info.step = step;
+  info.last = step == spec.steps;
+  info.rank = env.rank;
+  info.world_size = env.world_size;
+  info.loss = loss;
+  info.step_seconds = st.total;
+  info.comm_seconds = st.comm;
+  info.exposed_comm_seconds = st.exposed_comm;
+  info.hidden_comm_seconds = st.hidden_comm;
+  std::vector<at::Tensor> alive;
+  auto view = [&](const std::string& name, const at::Tensor& t, const sharding::Placements& pl) {
+    alive.push_back(t.contiguous());
+    info.tensors.push_back({name, t.sizes().vec(), comm_dtype(t.scalar_type()), alive.back().data_ptr(), alive.back().nbytes(), pl});
+  };
+  for (const auto& name : names) view(name, state.at(name), state_placements.at(name));
+  view("loss", out.at("loss"), sharding::Placements(static_cast<std::size_t>(mesh.ndim()), Placement::replicate()));
+  info.spans = executor.spans();
+  hooks.step_end(info);
+}
+
+}  // namespace
+
 int run_job(const config::Config& cfg, const launch::RankEnv& env) {
   const bool lead = env.rank == 0;
   std::optional<SignalDumper> signals;
@@ -219,21 +420,11 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
   const train::JobSpec spec = train::job_spec(cfg, env.world_size, tokenizer->vocab_size());
   train::check_runnable(cfg);
 
-  // Resuming: from the newest checkpoint (or checkpoint.load_step). A job whose checkpoint is
-  // already at its last step has nothing to do, and changes nothing.
+  // A job whose checkpoint is already at its last step has nothing to do, and changes nothing.
   const bool checkpointing = cfg.get_bool("checkpoint.enable");
   const std::filesystem::path ckpt_dir = std::filesystem::path(cfg.get_string("job.dump_folder")) / cfg.get_string("checkpoint.folder");
-  std::optional<std::int64_t> resume_step;
-  if (checkpointing || cfg.get_int("checkpoint.load_step") >= 0) resume_step = find_checkpoint(ckpt_dir, cfg.get_int("checkpoint.load_step"));
   const std::string tokenizer_id = tokenizer_fingerprint(cfg.get_string("model.tokenizer"), tokenizer->vocab_size());
-  if (resume_step) {  // a checkpoint that fails its checks is refused here, before anything is made
-    const CheckpointMeta saved = read_checkpoint_meta(ckpt_dir, *resume_step);
-    if (!saved.tokenizer.empty() && saved.tokenizer != tokenizer_id) {
-      throw config::ConfigError(cfg.where({"model.tokenizer"}) + ": the checkpoint " + (ckpt_dir / ("step-" + std::to_string(*resume_step))).string() +
-                                " was saved with another tokenizer (" + saved.tokenizer + "), this run has " + tokenizer_id +
-                                " (model.tokenizer): its embeddings would mean other tokens; resume with the tokenizer it was trained with");
-    }
-  }
+  const std::optional<std::int64_t> resume_step = find_resume(cfg, ckpt_dir, tokenizer_id);
   const std::int64_t first_step = resume_step ? *resume_step + 1 : 1;
   if (first_step > spec.steps) {
     if (lead) {
@@ -248,57 +439,12 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
   PluginRegistry registry;
   train::discover_plugins(registry, cfg);
   train::PlacedJob job = train::place_job(spec, registry);
-  if (!fault.kind.empty()) {  // a fault that can never happen is a mistake in the test
-    const auto state_names = train::train_state_names(job.model.params);
-    if (fault.rank >= env.world_size || fault.step > spec.steps) {
-      throw std::invalid_argument("SPMDX_FAULT: rank " + std::to_string(fault.rank) + ", step " + std::to_string(fault.step) +
-                                  " never happens in this job (" + std::to_string(env.world_size) + " ranks, " + std::to_string(spec.steps) + " steps)");
-    }
-    if (fault.kind == "perturb" && std::find(state_names.begin(), state_names.end(), fault.tensor) == state_names.end()) {
-      throw std::invalid_argument("SPMDX_FAULT: no tensor '" + fault.tensor + "' in the train state; it has " + join(state_names));
-    }
-  }
+  check_fault(fault, env, spec, job);
   const auto plan = sharding::propagate(job.model.graph, job.mesh, job.inputs, job.outputs, job.use, job.reshard_after_forward);
   const ir::Graph graph = sharding::rank_graph(plan, env.rank);
 
-  // Rendezvous and the comm backend (none for one rank).
-  std::unique_ptr<comm::TcpStoreServer> server;
-  std::unique_ptr<Store> store;
-  std::unique_ptr<CommBackend> backend;
   const double timeout = cfg.get_float("comm.timeout_seconds");
-  if (env.world_size > 1) {
-    if (!env.store_hosted && !env.c10d_store && env.rank == 0) server = std::make_unique<comm::TcpStoreServer>("0.0.0.0", env.master_port, env.token);
-    if (lead) {
-      std::printf("rank 0: waiting for %d ranks to join at %s:%d (comm.timeout_seconds = %g)\n", env.world_size, env.master_addr.c_str(),
-                  env.master_port, timeout);
-      std::fflush(stdout);
-    }
-    if (env.c10d_store) {  // under torchrun: its agent's c10d TCPStore
-      store = comm::connect_c10d_store(env.master_addr, env.master_port, "spmdx/" + env.run_id + "/", timeout);
-    } else {
-      store = std::make_unique<comm::TcpStore>(env.master_addr, env.master_port, env.token, timeout, env.rank);
-    }
-    // Every rank says who it is and what it runs; rank 0 checks that they agree.
-    launch::RankIdentity me;
-    me.rank = env.rank;
-    me.world_size = env.world_size;
-    me.world_size_from = env.world_size_from;
-    char host[256] = {};
-    ::gethostname(host, sizeof host - 1);
-    me.host = host;
-    // Hosts are told apart by name and network namespace (containers, or tests/two_hosts.sh's
-    // namespaces, may share a name).
-    char ns[64] = {};
-    if (const ssize_t n = ::readlink("/proc/self/ns/net", ns, sizeof ns - 1); n > 0) me.host += std::string(" (") + std::string(ns, static_cast<std::size_t>(n)) + ")";
-    me.local_rank = env.local_rank;
-    me.local_world_size = env.local_world_size;
-    me.version = std::string("spmdx ") + SPMDX_VERSION + ", plugin ABI " + std::to_string(SPMDX_ABI_MAJOR) + "." + std::to_string(SPMDX_ABI_MINOR);
-    me.token = env.token;
-    me.settings = cfg.settings();
-    // Where each node keeps its own files may differ (node-local disks); what runs may not.
-    for (const char* local : {"job.dump_folder", "plugins.paths"}) me.settings.erase(local);
-    launch::rendezvous(*store, me, timeout, env.master_addr + ":" + std::to_string(env.master_port), server ? std::min(12.0, timeout) : 0.0);
-  }
+  Joined joined = join_job(cfg, env, timeout);
   // Debug hooks: made on every rank; the compile stages run on rank 0, before any backend
   // joins, so a validator that fails stops the job before its first step.
   HookContext hook_base;
@@ -306,7 +452,7 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
   hook_base.world_size = env.world_size;
   hook_base.mesh = job.mesh.dims();
   hook_base.coordinate = job.mesh.coordinate(env.rank);
-  hook_base.store = store.get();
+  hook_base.store = joined.store.get();
   hook_base.timeout_seconds = timeout;
   hook_base.first_step = first_step;
   hooks::HookSet hooks = hooks::make_hooks(train::hook_spec(cfg), registry, hook_base);
@@ -316,45 +462,13 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
     for (std::int64_t r = 0; r < env.world_size; ++r) ranks.push_back(r);
     hooks.compile(plan, ranks, spec.plan);
   }
-  if (env.world_size > 1) {
-    backend = registry.make_comm_backend_from_spec(cfg.get_string("comm.backend"));
-    try {
-      backend->init({env.rank, env.world_size, 0, store.get(), timeout});
-    } catch (const CommError& e) {
-      // A peer that could not be reached (it failed first, say): named for the launcher, which
-      // otherwise blames whichever rank it reaps first.
-      if (e.peer() >= 0 && e.peer() != env.rank) {
-        try {
-          if (store->add(std::string(comm::kFaultKey) + "_reported", 1) == 1) store->set(comm::kFaultKey, std::to_string(e.peer()));
-        } catch (const std::exception&) {
-        }
-      }
-      throw;
-    }
-  }
+  std::unique_ptr<CommBackend> backend;
+  if (env.world_size > 1) backend = join_backend(registry, cfg.get_string("comm.backend"), env, *joined.store, 0, timeout);
   DistributedExecutor executor(graph, job.mesh, env.rank, backend.get(), timeout, spec.plan);
   if (!hooks.empty()) executor.set_hooks(&hooks);
   if (fault.kind == "skip_collective" && fault.rank == env.rank) executor.inject_skip(fault.step, fault.index);
 
-  // This rank's shards of the initial parameters (the same full values on every rank).
-  const auto coord = job.mesh.coordinate(env.rank);
-  TensorMap state;
-  {
-    TensorMap full = init_tensors(job.model, spec.seed);
-    if (lead && cfg.get_bool("debug.dump_initial_weights") && first_step == 1) {
-      const auto dir = std::filesystem::path(cfg.get_string("job.dump_folder")) / "debug";
-      std::filesystem::create_directories(dir);
-      write_safetensors(dir / "initial.safetensors", full, {{"format", "pt"}, {"step", "0"}, {"seed", std::to_string(spec.seed)}});
-    }
-    for (const auto& [name, t] : full) state[name] = shard_tensor(t, plan.placement.at(job.model.graph.find_input(name)), job.mesh, coord);
-    for (const auto& p : job.model.params) {
-      state["exp_avg." + p] = at::zeros_like(state.at(p));
-      state["exp_avg_sq." + p] = at::zeros_like(state.at(p));
-    }
-  }
-  // An imported model's weights, whole, are no longer needed once this rank holds its shards.
-  for (auto& init : job.model.init) init.data.reset();
-  models::release_imports();
+  TensorMap state = initial_state(cfg, spec, job, plan, env.rank, lead && first_step == 1);
   data::TextDataset dataset({cfg.get_list("data.paths"), spec.global_batch_size, spec.seq_len,
                              static_cast<std::uint64_t>(cfg.get_int("data.seed"))},
                             *tokenizer);
@@ -383,28 +497,15 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
                   static_cast<long long>(meta.step));
     }
   }
+  const auto coord = job.mesh.coordinate(env.rank);
   const auto& tokens_pl = plan.placement.at(job.model.graph.find_input("tokens"));
   const auto& labels_pl = plan.placement.at(job.model.graph.find_input("labels"));
   const auto names = train::train_state_names(job.model.params);
 
-  std::ofstream metrics;
+  std::optional<MetricsWriter> metrics;
   const std::filesystem::path dump = cfg.get_string("job.dump_folder");
   if (lead) {
-    std::filesystem::create_directories(dump);
-    if (first_step > 1) {
-      // Resumed: keep the history of the steps up to the checkpoint, drop those past it (a run
-      // that went on after it and failed), and append from here.
-      keep_rows_before(dump / "metrics.jsonl", first_step);
-      metrics.open(dump / "metrics.jsonl", std::ios::app);
-    } else {
-      std::error_code ec;
-      if (std::filesystem::file_size(dump / "metrics.jsonl", ec) > 0 && !ec) {
-        SPMDX_WARN("starting from step 1 in " << dump.string() << ", which holds the metrics of an earlier run: metrics.jsonl is replaced"
-                                              << (checkpointing ? "" : " (with checkpoint.enable true, a run resumes from its newest checkpoint instead)"));
-      }
-      metrics.open(dump / "metrics.jsonl", std::ios::trunc);
-    }
-    if (!metrics) throw std::runtime_error("cannot write " + (dump / "metrics.jsonl").string());
+    metrics.emplace(cfg, first_step, checkpointing);
     double params = 0;
     for (const auto& p : job.model.params) params += static_cast<double>(job.model.graph.find_input(p)->meta().numel());
     std::printf("spmdx: %s (%.2fM parameters), mesh %s (%d rank%s, %s), global batch %lld x %lld, %lld steps, comm %s\n",
@@ -449,27 +550,7 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
       if (step == first_step) first_loss = loss;
       last_loss = loss;
       const RunStats st = executor.stats();
-      if (!hooks.empty()) {  // OnGlobalSyncComplete: the state after the step, and its spans
-        StepInfo info;
-        info.step = step;
-        info.last = step == spec.steps;
-        info.rank = env.rank;
-        info.world_size = env.world_size;
-        info.loss = loss;
-        info.step_seconds = st.total;
-        info.comm_seconds = st.comm;
-        info.exposed_comm_seconds = st.exposed_comm;
-        info.hidden_comm_seconds = st.hidden_comm;
-        std::vector<at::Tensor> alive;
-        auto view = [&](const std::string& name, const at::Tensor& t, const sharding::Placements& pl) {
-          alive.push_back(t.contiguous());
-          info.tensors.push_back({name, t.sizes().vec(), comm_dtype(t.scalar_type()), alive.back().data_ptr(), alive.back().nbytes(), pl});
-        };
-        for (const auto& name : names) view(name, state.at(name), state_placements.at(name));
-        view("loss", out.at("loss"), sharding::Placements(static_cast<std::size_t>(job.mesh.ndim()), Placement::replicate()));
-        info.spans = executor.spans();
-        hooks.step_end(info);
-      }
+      if (!hooks.empty()) tell_hooks(hooks, step, spec, env, loss, st, names, state, out, state_placements, job.mesh, executor);
       // Hot-swap at a step boundary: nothing is in flight between runs; the old backend leaves
       // the job, the other one joins it under the next generation's keys.
       const std::int64_t swap_every = cfg.get_int("comm.swap_at_step");
@@ -480,37 +561,13 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
         const std::string next = generation % 2 == 1 ? cfg.get_string("comm.swap_to") : cfg.get_string("comm.backend");
         backend.reset();
         backend = registry.make_comm_backend_from_spec(next);
-        backend->init({env.rank, env.world_size, generation, store.get(), timeout});
+        backend->init({env.rank, env.world_size, generation, joined.store.get(), timeout});
         executor.set_backend(backend.get());
         if (lead && (step / swap_every) % std::max<std::int64_t>(1, log_freq) == 0) {
           std::printf("step %lld: swapped the comm backend to %s\n", static_cast<long long>(step), backend->describe().c_str());
         }
       }
-      const double tokens_per_s = static_cast<double>(spec.global_batch_size * spec.seq_len) / st.total;
-      if (lead) {
-        nlohmann::json row{{"step", step},
-                           {"loss", loss},
-                           {"grad_norm", out.at("grad_norm").item<double>()},
-                           {"lr", lr},
-                           {"tokens_per_s", tokens_per_s},
-                           {"step_ms", st.total * 1e3},
-                           {"compute_ms", (st.total - st.exposed_comm) * 1e3},
-                         {"comm_ms", st.comm * 1e3},
-                           {"exposed_comm_ms", st.exposed_comm * 1e3},
-                           {"overlap_ratio", st.overlap_ratio()},
-                           {"collectives", st.collectives},
-                           {"comm_bytes", st.comm_bytes},
-                           {"peak_mem_bytes", st.peak_bytes},
-                           {"rss_bytes", rss_bytes()}};
-        metrics << row.dump() << "\n" << std::flush;
-        if (!metrics) throw std::runtime_error("cannot write " + (dump / "metrics.jsonl").string() + ": " + std::strerror(errno));
-        if (step % log_freq == 0 || step == spec.steps) {
-          std::printf("step %4lld | loss %8.4f | grad_norm %7.3f | lr %.2e | %9.0f tok/s | %7.1f ms | exposed comm %4.1f%% | peak %s\n",
-                      static_cast<long long>(step), loss, out.at("grad_norm").item<double>(), lr, tokens_per_s, st.total * 1e3,
-                      100.0 * st.exposed_comm / st.total, human_bytes(static_cast<double>(st.peak_bytes)).c_str());
-          std::fflush(stdout);
-        }
-      }
+      if (metrics) metrics->row(step, spec.steps, loss, out.at("grad_norm").item<double>(), lr, static_cast<double>(spec.global_batch_size * spec.seq_len) / st.total, st);
       if (checkpointing && (step % cfg.get_int("checkpoint.interval") == 0 || step == spec.steps)) {
         const auto where = save_checkpoint(ckpt_dir, {step, dataset.state().samples, tokenizer_id}, job.mesh, env.rank, state, state_metas,
                                            state_placements, backend.get());
@@ -523,7 +580,7 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
     // Collectives still queued or waiting on peers fail now, instead of each waiting out
     // comm.timeout_seconds while the backend is destroyed.
     if (backend) backend->abort();
-    if (server && dynamic_cast<const CommError*>(&e) != nullptr) {
+    if (joined.server && dynamic_cast<const CommError*>(&e) != nullptr) {
       // This rank serves the store (started without spmdx run, as under mpirun or srun): the
       // others learn from it which rank failed, at their next health check (every 5 s of a
       // stuck wait). Leaving at once would take the store down with this rank, and they
