@@ -403,6 +403,93 @@ void tell_hooks(hooks::HookSet& hooks, std::int64_t step, const train::JobSpec& 
   hooks.step_end(info);
 }
 
+// One rank's step loop: the batch, the step through the executor, the fault a test planted,
+// the hooks, a hot-swap of the comm backend, the metrics and checkpoints.
+struct StepLoop {
+  const config::Config& cfg;
+  const launch::RankEnv& env;
+  const train::JobSpec& spec;
+  const train::PlacedJob& job;
+  const sharding::DistributedPlan& plan;
+  DistributedExecutor& executor;
+  TensorMap& state;
+  const std::map<std::string, ir::TensorMeta>& state_metas;
+  const std::map<std::string, sharding::Placements>& state_placements;
+  data::TextDataset& dataset;
+  hooks::HookSet& hooks;
+  PluginRegistry& registry;
+  std::unique_ptr<CommBackend>& backend;
+  Store* store;
+  MetricsWriter* metrics;  // rank 0's
+  const Fault& fault;
+  double timeout;
+  std::filesystem::path ckpt_dir;
+  std::string tokenizer_id;
+  bool lead = env.rank == 0;
+  bool checkpointing = cfg.get_bool("checkpoint.enable");
+  std::int64_t log_freq = cfg.get_int("metrics.log_freq");
+  bool dump_batches = cfg.get_bool("debug.dump_batches");
+  std::filesystem::path batches_dir = std::filesystem::path(cfg.get_string("job.dump_folder")) / "debug" / "batches";
+  std::vector<std::int64_t> coord = job.mesh.coordinate(env.rank);
+  const sharding::Placements& tokens_pl = plan.placement.at(job.model.graph.find_input("tokens"));
+  const sharding::Placements& labels_pl = plan.placement.at(job.model.graph.find_input("labels"));
+  std::vector<std::string> names = train::train_state_names(job.model.params);
+
+  // Runs step `step` (1-based) and returns its loss. Throws std::runtime_error for a loss that
+  // is not finite and what the executor, the backend or the checkpoint writer throw.
+  double step(std::int64_t step) {
+    const data::Batch batch = dataset.next_batch();
+    if (lead && dump_batches) {
+      std::filesystem::create_directories(batches_dir);
+      for (const auto& [what, ids] : {std::pair<const char*, const std::vector<std::int64_t>*>{"tokens", &batch.tokens}, {"labels", &batch.labels}}) {
+        write_file_atomic(batches_dir / ("step-" + std::to_string(step) + "." + what + ".npy"), npy_i64(*ids, spec.global_batch_size, spec.seq_len));
+      }
+    }
+    auto as_tensor = [&](const std::vector<std::int64_t>& ids) {
+      return at::tensor(ids, at::kLong).reshape({spec.global_batch_size, spec.seq_len});
+    };
+    TensorMap feed = state;
+    feed["tokens"] = shard_tensor(as_tensor(batch.tokens), tokens_pl, job.mesh, coord);
+    feed["labels"] = shard_tensor(as_tensor(batch.labels), labels_pl, job.mesh, coord);
+    const double lr = spec.lr * train::lr_factor(step, spec.schedule);
+    feed["lr"] = at::scalar_tensor(lr, at::kFloat);
+    feed["step"] = at::scalar_tensor(static_cast<double>(step), at::kFloat);
+    TensorMap out = executor.run(feed, step);
+    for (const auto& s : names) state[s] = out.at("next." + s);
+    if (fault.kind == "perturb" && fault.rank == env.rank && fault.step == step) {
+      at::Tensor& t = state.at(fault.tensor);  // its name was checked before the first step
+      t = t + fault.delta;
+    }
+    const double loss = out.at("loss").item<double>();
+    if (!std::isfinite(loss)) throw std::runtime_error("step " + std::to_string(step) + ": the loss is " + std::to_string(loss));
+    const RunStats st = executor.stats();
+    if (!hooks.empty()) tell_hooks(hooks, step, spec, env, loss, st, names, state, out, state_placements, job.mesh, executor);
+    // Hot-swap at a step boundary: nothing is in flight between runs; the old backend leaves
+    // the job, the other one joins it under the next generation's keys.
+    const std::int64_t swap_every = cfg.get_int("comm.swap_at_step");
+    if (backend && swap_every > 0 && step % swap_every == 0 && step < spec.steps) {
+      backend->barrier(0)->wait(timeout);
+      backend->finalize();
+      const std::int64_t generation = step / swap_every;
+      const std::string next = generation % 2 == 1 ? cfg.get_string("comm.swap_to") : cfg.get_string("comm.backend");
+      backend.reset();
+      backend = registry.make_comm_backend_from_spec(next);
+      backend->init({env.rank, env.world_size, generation, store, timeout});
+      executor.set_backend(backend.get());
+      if (lead && (step / swap_every) % std::max<std::int64_t>(1, log_freq) == 0) {
+        std::printf("step %lld: swapped the comm backend to %s\n", static_cast<long long>(step), backend->describe().c_str());
+      }
+    }
+    if (metrics) metrics->row(step, spec.steps, loss, out.at("grad_norm").item<double>(), lr, static_cast<double>(spec.global_batch_size * spec.seq_len) / st.total, st);
+    if (checkpointing && (step % cfg.get_int("checkpoint.interval") == 0 || step == spec.steps)) {
+      const auto where = save_checkpoint(ckpt_dir, {step, dataset.state().samples, tokenizer_id}, job.mesh, env.rank, state, state_metas,
+                                         state_placements, backend.get());
+      if (lead) std::printf("saved checkpoint %s\n", where.string().c_str());
+    }
+    return loss;
+  }
+};
+
 }  // namespace
 
 int run_job(const config::Config& cfg, const launch::RankEnv& env) {
@@ -497,10 +584,6 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
                   static_cast<long long>(meta.step));
     }
   }
-  const auto coord = job.mesh.coordinate(env.rank);
-  const auto& tokens_pl = plan.placement.at(job.model.graph.find_input("tokens"));
-  const auto& labels_pl = plan.placement.at(job.model.graph.find_input("labels"));
-  const auto names = train::train_state_names(job.model.params);
 
   std::optional<MetricsWriter> metrics;
   const std::filesystem::path dump = cfg.get_string("job.dump_folder");
@@ -515,64 +598,16 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
                 backend ? backend->describe().c_str() : "none (one rank)");
     std::fflush(stdout);
   }
-  const std::int64_t log_freq = cfg.get_int("metrics.log_freq");
-  const bool dump_batches = cfg.get_bool("debug.dump_batches");
-  const std::filesystem::path batches_dir = dump / "debug" / "batches";
-  if (lead && dump_batches) std::filesystem::create_directories(batches_dir);
+  StepLoop loop{cfg, env, spec, job, plan, executor, state, state_metas, state_placements, dataset, hooks, registry, backend, joined.store.get(),
+                metrics ? &*metrics : nullptr, fault, timeout, ckpt_dir, tokenizer_id};
   double first_loss = 0, last_loss = 0;
   const auto run_start = Clock::now();
   // A failing rank tells the hooks first (the flight recorder dumps), then fails.
   try {
     for (std::int64_t step = first_step; step <= spec.steps; ++step) {
-      const data::Batch batch = dataset.next_batch();
-      if (lead && dump_batches) {
-        for (const auto& [what, ids] : {std::pair<const char*, const std::vector<std::int64_t>*>{"tokens", &batch.tokens}, {"labels", &batch.labels}}) {
-          write_file_atomic(batches_dir / ("step-" + std::to_string(step) + "." + what + ".npy"), npy_i64(*ids, spec.global_batch_size, spec.seq_len));
-        }
-      }
-      auto as_tensor = [&](const std::vector<std::int64_t>& ids) {
-        return at::tensor(ids, at::kLong).reshape({spec.global_batch_size, spec.seq_len});
-      };
-      TensorMap feed = state;
-      feed["tokens"] = shard_tensor(as_tensor(batch.tokens), tokens_pl, job.mesh, coord);
-      feed["labels"] = shard_tensor(as_tensor(batch.labels), labels_pl, job.mesh, coord);
-      const double lr = spec.lr * train::lr_factor(step, spec.schedule);
-      feed["lr"] = at::scalar_tensor(lr, at::kFloat);
-      feed["step"] = at::scalar_tensor(static_cast<double>(step), at::kFloat);
-      TensorMap out = executor.run(feed, step);
-      for (const auto& s : names) state[s] = out.at("next." + s);
-      if (fault.kind == "perturb" && fault.rank == env.rank && fault.step == step) {
-        at::Tensor& t = state.at(fault.tensor);  // its name was checked before the first step
-        t = t + fault.delta;
-      }
-      const double loss = out.at("loss").item<double>();
-      if (!std::isfinite(loss)) throw std::runtime_error("step " + std::to_string(step) + ": the loss is " + std::to_string(loss));
+      const double loss = loop.step(step);
       if (step == first_step) first_loss = loss;
       last_loss = loss;
-      const RunStats st = executor.stats();
-      if (!hooks.empty()) tell_hooks(hooks, step, spec, env, loss, st, names, state, out, state_placements, job.mesh, executor);
-      // Hot-swap at a step boundary: nothing is in flight between runs; the old backend leaves
-      // the job, the other one joins it under the next generation's keys.
-      const std::int64_t swap_every = cfg.get_int("comm.swap_at_step");
-      if (backend && swap_every > 0 && step % swap_every == 0 && step < spec.steps) {
-        backend->barrier(0)->wait(timeout);
-        backend->finalize();
-        const std::int64_t generation = step / swap_every;
-        const std::string next = generation % 2 == 1 ? cfg.get_string("comm.swap_to") : cfg.get_string("comm.backend");
-        backend.reset();
-        backend = registry.make_comm_backend_from_spec(next);
-        backend->init({env.rank, env.world_size, generation, joined.store.get(), timeout});
-        executor.set_backend(backend.get());
-        if (lead && (step / swap_every) % std::max<std::int64_t>(1, log_freq) == 0) {
-          std::printf("step %lld: swapped the comm backend to %s\n", static_cast<long long>(step), backend->describe().c_str());
-        }
-      }
-      if (metrics) metrics->row(step, spec.steps, loss, out.at("grad_norm").item<double>(), lr, static_cast<double>(spec.global_batch_size * spec.seq_len) / st.total, st);
-      if (checkpointing && (step % cfg.get_int("checkpoint.interval") == 0 || step == spec.steps)) {
-        const auto where = save_checkpoint(ckpt_dir, {step, dataset.state().samples, tokenizer_id}, job.mesh, env.rank, state, state_metas,
-                                           state_placements, backend.get());
-        if (lead) std::printf("saved checkpoint %s\n", where.string().c_str());
-      }
     }
     hooks.finish();
   } catch (const std::exception& e) {
