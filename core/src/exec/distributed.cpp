@@ -160,210 +160,240 @@ void DistributedExecutor::set_backend(CommBackend* backend) {
   }
 }
 
-TensorMap DistributedExecutor::run(const TensorMap& inputs, std::int64_t step) {
-  c10::InferenceMode no_autograd;
-  const auto start = Clock::now();
-  stats_ = {};
-  spans_.clear();
-  // Wall-clock intervals: the backend's collective spans, and compute's waits for them.
-  std::vector<std::pair<double, double>> comm_spans, wait_spans;
+// One run's working state: the tensors alive, the collectives in flight, the buckets being
+// filled, and the spans for the stats.
+struct DistributedExecutor::Step {
+  Step(DistributedExecutor& executor, std::int64_t step_number) : ex(executor), step(step_number) {}
+  DistributedExecutor& ex;
+  std::int64_t step = 0;
   std::unordered_map<const ir::Value*, at::Tensor> live;
   std::unordered_map<const ir::Value*, Pending> pending;
   std::int64_t held = 0;  // bytes of the tensors in `live`
-  auto keep = [&](const ir::Value* v, at::Tensor t) {
+  // Wall-clock intervals: the backend's collective spans, and compute's waits for them.
+  std::vector<std::pair<double, double>> comm_spans, wait_spans;
+  std::int64_t collective_index = -1;  // in this step: the ordinal of the collective node in plan order
+  std::vector<at::Tensor> bucket_flat, bucket_out;
+  int skip_bucket = -1;  // the planted fault's bucket: never issued
+
+  void keep(const ir::Value* v, at::Tensor t) {
     held += static_cast<std::int64_t>(t.nbytes());
     at::Tensor& slot = live[v];
     if (slot.defined()) held -= static_cast<std::int64_t>(slot.nbytes());
     slot = std::move(t);
-  };
-  for (const ir::Value* v : graph_.inputs()) {
-    auto it = inputs.find(v->name());
-    if (it == inputs.end()) throw std::invalid_argument("missing input '" + v->name() + "'");
-    if (it->second.sizes().vec() != v->meta().shape) {
-      throw std::invalid_argument("input '" + v->name() + "' is " + ir::shape_str(it->second.sizes().vec()) + ", this rank's graph expects " + v->meta().str());
-    }
-    keep(v, it->second);
   }
+
   // Waits for a pending collective and reports it; the backend fails a stuck collective itself
   // after the timeout, naming the rank, so wait a little longer for its message to be the one.
-  auto complete = [&](const ir::Value* v, Pending& p) {
-    if (!p.issued) throw std::logic_error("RuntimePlan: " + v->ref() + " is read before its bucket was issued");
-    Issued& is = *p.issued;
-    if (is.completed) return;
-    const auto t0 = Clock::now();
-    const double wall0 = wall_seconds();
-    auto fail = [&](const std::string& error) {
-      if (hooks_ == nullptr) return;
-      is.info.state = CollectiveState::failed;
-      is.info.finished_at = wall_seconds();
-      is.info.error = error;
-      hooks_->collective(is.info);
-    };
-    try {
-      if (!is.work->wait(timeout_ + 10)) {
-        const std::string what = "collective producing " + v->ref() + " did not finish within " + std::to_string(timeout_) + " s";
-        fail(what);
-        throw CommError(what, -1);
-      }
-    } catch (const CommError& e) {
-      if (is.info.state != CollectiveState::failed) fail(e.what());
-      throw;
-    }
-    is.completed = true;
-    stats_.exposed_comm += std::chrono::duration<double>(Clock::now() - t0).count();
-    const double waited = wall_seconds();
-    wait_spans.emplace_back(wall0, waited);
-    double started = 0, finished = 0;
-    if (is.work->times(started, finished)) comm_spans.emplace_back(started, finished);
-    if (hooks_ != nullptr) {
-      is.info.state = CollectiveState::completed;
-      is.info.started_at = started;
-      is.info.finished_at = finished > 0 ? finished : waited;
-      hooks_->collective(is.info);
-      if (started > 0) spans_.push_back({is.info.op, "comm", started, finished, is.info.bytes});
-      if (waited - wall0 > 1e-6) spans_.push_back({"wait " + is.info.op, "compute", wall0, waited, 0});
-    }
+  void complete(const ir::Value* v, Pending& p) {
+  if (!p.issued) throw std::logic_error("RuntimePlan: " + v->ref() + " is read before its bucket was issued");
+  Issued& is = *p.issued;
+  if (is.completed) return;
+  const auto t0 = Clock::now();
+  const double wall0 = wall_seconds();
+  auto fail = [&](const std::string& error) {
+    if (ex.hooks_ == nullptr) return;
+    is.info.state = CollectiveState::failed;
+    is.info.finished_at = wall_seconds();
+    is.info.error = error;
+    ex.hooks_->collective(is.info);
   };
-  auto value = [&](const ir::Value* v) -> const at::Tensor& {
+  try {
+    if (!is.work->wait(ex.timeout_ + 10)) {
+      const std::string what = "collective producing " + v->ref() + " did not finish within " + std::to_string(ex.timeout_) + " s";
+      fail(what);
+      throw CommError(what, -1);
+    }
+  } catch (const CommError& e) {
+    if (is.info.state != CollectiveState::failed) fail(e.what());
+    throw;
+  }
+  is.completed = true;
+  ex.stats_.exposed_comm += std::chrono::duration<double>(Clock::now() - t0).count();
+  const double waited = wall_seconds();
+  wait_spans.emplace_back(wall0, waited);
+  double started = 0, finished = 0;
+  if (is.work->times(started, finished)) comm_spans.emplace_back(started, finished);
+  if (ex.hooks_ != nullptr) {
+    is.info.state = CollectiveState::completed;
+    is.info.started_at = started;
+    is.info.finished_at = finished > 0 ? finished : waited;
+    ex.hooks_->collective(is.info);
+    if (started > 0) ex.spans_.push_back({is.info.op, "comm", started, finished, is.info.bytes});
+    if (waited - wall0 > 1e-6) ex.spans_.push_back({"wait " + is.info.op, "compute", wall0, waited, 0});
+  }
+  }
+
+  // The tensor of `v`, waiting for its collective when it is one's output.
+  const at::Tensor& value(const ir::Value* v) {
     if (auto p = pending.find(v); p != pending.end()) {
       complete(v, p->second);
       keep(v, p->second.finish());
       pending.erase(p);
     }
     return live.at(v);
-  };
+  }
+
   // Hands a call to the backend: counts it, tells the hooks.
-  std::int64_t collective_index = -1;  // in this step: the ordinal of the collective node in plan order
-  auto issue = [&](const std::shared_ptr<Issued>& is, const ir::Node& n, const at::Tensor& x, std::size_t mesh_dim, const std::string& what) {
-    if (hooks_ != nullptr) {
-      is->info.index = collective_index;
-      is->info.op = n.op();
-      is->info.mesh_dim = static_cast<int>(mesh_dim);
-      is->info.group_name = mesh_dim_names_.at(mesh_dim);
-      is->info.group_ranks = mesh_dims_.at(mesh_dim);
-      is->info.step = step;
-      is->info.bytes = static_cast<std::int64_t>(x.nbytes());
-      is->info.dtype = comm_dtype(x.scalar_type());
-      is->info.shape = x.sizes().vec();
-      is->info.value = what;
-      is->info.issued_at = wall_seconds();
+  void issue(const std::shared_ptr<Issued>& is, const ir::Node& n, const at::Tensor& x, std::size_t mesh_dim, const std::string& what) {
+  if (ex.hooks_ != nullptr) {
+    is->info.index = collective_index;
+    is->info.op = n.op();
+    is->info.mesh_dim = static_cast<int>(mesh_dim);
+    is->info.group_name = ex.mesh_dim_names_.at(mesh_dim);
+    is->info.group_ranks = ex.mesh_dims_.at(mesh_dim);
+    is->info.step = step;
+    is->info.bytes = static_cast<std::int64_t>(x.nbytes());
+    is->info.dtype = comm_dtype(x.scalar_type());
+    is->info.shape = x.sizes().vec();
+    is->info.value = what;
+    is->info.issued_at = wall_seconds();
+  }
+  is->info.seq = ex.seq_.at(mesh_dim)++;
+  ++ex.stats_.collectives;
+  ex.stats_.comm_bytes += static_cast<double>(x.nbytes());
+  if (ex.hooks_ != nullptr) ex.hooks_->collective(is->info);
+  }
+};
+
+// A bucket member: its input goes into the bucket's flat buffer; the last one issues it.
+void DistributedExecutor::add_to_bucket(Step& s, std::size_t pos, std::size_t index, bool skip) {
+  const ir::Node& n = *nodes_[index];
+  const int b = plan_.bucket_of[index];
+  int& skip_bucket = s.skip_bucket;
+  if (skip) skip_bucket = b;  // the planted fault on a member: the bucket is never issued
+  // A bucket member: its input goes into the bucket's flat buffer; the last one issues it.
+  const auto& bucket = plan_.buckets[static_cast<std::size_t>(b)];
+  const BucketLayout& L = layout_[static_cast<std::size_t>(b)];
+  const MemberLayout& M = member_[index];
+  const at::Tensor& x = s.value(n.input(0));
+  at::Tensor& flat = s.bucket_flat[static_cast<std::size_t>(b)];
+  at::Tensor& out = s.bucket_out[static_cast<std::size_t>(b)];
+  if (!flat.defined()) {
+    flat = at::empty({L.in_numel}, x.options());
+    out = bucket.op == "all_reduce" ? flat : at::empty({L.out_numel}, x.options());
+  }
+  if (bucket.op == "all_reduce") {
+    const std::int64_t offset = M.in_offset[0], numel = x.numel();
+    flat.narrow(0, offset, numel).copy_(x.reshape({-1}));
+    const auto shape = x.sizes().vec();
+    s.pending[n.output()] = {nullptr, [flat, offset, numel, shape] { return flat.narrow(0, offset, numel).view(shape); }};
+  } else {  // chunk j (rows along `dim`) into rank j's block
+    const at::Tensor in = x.movedim(M.dim, 0).contiguous();
+    const auto& sizes = n.attr_ints("sizes");
+    std::int64_t row = 0;
+    for (std::size_t j = 0; j < sizes.size(); ++j) {
+      flat.narrow(0, M.in_offset[j], sizes[j] * M.inner).copy_(in.narrow(0, row, sizes[j]).reshape({-1}));
+      row += sizes[j];
     }
-    is->info.seq = seq_.at(mesh_dim)++;
-    ++stats_.collectives;
-    stats_.comm_bytes += static_cast<double>(x.nbytes());
-    if (hooks_ != nullptr) hooks_->collective(is->info);
-  };
-  std::vector<at::Tensor> bucket_flat(plan_.buckets.size()), bucket_out(plan_.buckets.size());
-  int skip_bucket = -1;  // the planted fault's bucket: never issued
+    auto mine = in.sizes().vec();
+    mine[0] = sizes.at(static_cast<std::size_t>(n.attr_int("index")));
+    const std::int64_t offset = M.out_offset, numel = mine[0] * M.inner, dim = M.dim;
+    s.pending[n.output()] = {nullptr, [out, offset, numel, mine, dim] { return out.narrow(0, offset, numel).view(mine).movedim(0, dim).contiguous(); }};
+  }
+  if (static_cast<int>(pos) == bucket.issue_after && b == skip_bucket) {
+    // The planted fault: every member keeps its own unreduced block (all_reduce) or zeros.
+    if (bucket.op != "all_reduce") out.zero_();
+    for (int m : bucket.members) {
+      const ir::Value* v = nodes_[static_cast<std::size_t>(m)]->output();
+      if (auto it = s.pending.find(v); it != s.pending.end()) {
+        s.keep(v, it->second.finish());
+        s.pending.erase(it);
+      }
+    }
+  } else if (static_cast<int>(pos) == bucket.issue_after) {
+    auto is = std::make_shared<Issued>();
+    const auto mesh_dim = static_cast<std::size_t>(bucket.mesh_dim);
+    s.issue(is, n, flat, mesh_dim, "bucket " + std::to_string(b) + " (" + std::to_string(bucket.members.size()) + " tensors, last " + n.output()->ref() + ")");
+    if (bucket.op == "all_reduce") {
+      is->work = backend_->all_reduce(groups_.at(mesh_dim), buffer(flat), reduce_op(bucket.reduce_op));
+    } else {
+      is->work = backend_->reduce_scatter(groups_.at(mesh_dim), buffer(flat), buffer(out), L.counts, reduce_op(bucket.reduce_op));
+    }
+    is->keep = {flat, out};
+    for (int m : bucket.members) {
+      auto it = s.pending.find(nodes_[static_cast<std::size_t>(m)]->output());
+      if (it != s.pending.end()) it->second.issued = is;
+    }
+    if (!plan_.options.overlap) {
+      for (int m : bucket.members) s.value(nodes_[static_cast<std::size_t>(m)]->output());
+    }
+  }
+}
+
+// A collective node of its own: lowered (comm_lowering.h) and issued; its output is pending.
+void DistributedExecutor::issue_collective(Step& s, std::size_t index) {
+  const ir::Node& n = *nodes_[index];
+  const at::Tensor& x = s.value(n.input(0));
+  const auto mesh_dim = static_cast<std::size_t>(n.attr_int("mesh_dim"));
+  const int group = groups_.at(mesh_dim);
+  auto is = std::make_shared<Issued>();
+  Pending p;
+  p.issued = is;
+  const std::string& op = n.op();
+  s.issue(is, n, x, mesh_dim, n.output()->ref());
+  const Lowering* lower = find_lowering(op);
+  if (lower == nullptr) throw std::invalid_argument("no executor support for communication op '" + op + "'");
+  Lowered l = (*lower)(*backend_, group, n, x);
+  is->work = std::move(l.work);
+  is->keep = std::move(l.keep);
+  p.finish = std::move(l.finish);
+  s.pending.emplace(n.output(), std::move(p));
+  if (!plan_.options.overlap) s.value(n.output());
+}
+
+TensorMap DistributedExecutor::run(const TensorMap& inputs, std::int64_t step) {
+  c10::InferenceMode no_autograd;
+  const auto start = Clock::now();
+  stats_ = {};
+  spans_.clear();
+  Step s(*this, step);
+  s.bucket_flat.resize(plan_.buckets.size());
+  s.bucket_out.resize(plan_.buckets.size());
+  for (const ir::Value* v : graph_.inputs()) {
+    auto it = inputs.find(v->name());
+    if (it == inputs.end()) throw std::invalid_argument("missing input '" + v->name() + "'");
+    if (it->second.sizes().vec() != v->meta().shape) {
+      throw std::invalid_argument("input '" + v->name() + "' is " + ir::shape_str(it->second.sizes().vec()) + ", this rank's graph expects " + v->meta().str());
+    }
+    s.keep(v, it->second);
+  }
   for (std::size_t pos = 0; pos < plan_.order.size(); ++pos) {
     const std::size_t index = static_cast<std::size_t>(plan_.order[pos]);
     const ir::Node& n = *nodes_[index];
     if (kernels_[index] != nullptr) {
       std::vector<at::Tensor> args;
-      for (const ir::Value* v : n.inputs()) args.push_back(value(v));
+      for (const ir::Value* v : n.inputs()) args.push_back(s.value(v));
       const double t0 = hooks_ ? wall_seconds() : 0;
       auto out = (*kernels_[index])(n, args);
       if (hooks_ != nullptr) spans_.push_back({n.op(), "compute", t0, wall_seconds(), 0});
-      for (std::size_t i = 0; i < out.size(); ++i) keep(n.outputs()[i], std::move(out[i]));
-    } else if (const bool skip = ++collective_index == skip_.second && step == skip_.first; skip && plan_.bucket_of[index] < 0) {
+      for (std::size_t i = 0; i < out.size(); ++i) s.keep(n.outputs()[i], std::move(out[i]));
+    } else if (const bool skip = ++s.collective_index == skip_.second && step == skip_.first; skip && plan_.bucket_of[index] < 0) {
       // The planted fault: this rank skips the collective; its output is the input (all_reduce)
       // or zeros of the output's shape, as a rank whose code skipped the call would go on.
-      const at::Tensor& x = value(n.input(0));
-      keep(n.output(), n.op() == "all_reduce" ? x.clone() : at::zeros(n.output()->meta().shape, x.options()));
-    } else if (const int b = plan_.bucket_of[index]; b >= 0) {
-      if (skip) skip_bucket = b;  // the planted fault on a member: the bucket is never issued
-      // A bucket member: its input goes into the bucket's flat buffer; the last one issues it.
-      const auto& bucket = plan_.buckets[static_cast<std::size_t>(b)];
-      const BucketLayout& L = layout_[static_cast<std::size_t>(b)];
-      const MemberLayout& M = member_[index];
-      const at::Tensor& x = value(n.input(0));
-      at::Tensor& flat = bucket_flat[static_cast<std::size_t>(b)];
-      at::Tensor& out = bucket_out[static_cast<std::size_t>(b)];
-      if (!flat.defined()) {
-        flat = at::empty({L.in_numel}, x.options());
-        out = bucket.op == "all_reduce" ? flat : at::empty({L.out_numel}, x.options());
-      }
-      if (bucket.op == "all_reduce") {
-        const std::int64_t offset = M.in_offset[0], numel = x.numel();
-        flat.narrow(0, offset, numel).copy_(x.reshape({-1}));
-        const auto shape = x.sizes().vec();
-        pending[n.output()] = {nullptr, [flat, offset, numel, shape] { return flat.narrow(0, offset, numel).view(shape); }};
-      } else {  // chunk j (rows along `dim`) into rank j's block
-        const at::Tensor in = x.movedim(M.dim, 0).contiguous();
-        const auto& sizes = n.attr_ints("sizes");
-        std::int64_t row = 0;
-        for (std::size_t j = 0; j < sizes.size(); ++j) {
-          flat.narrow(0, M.in_offset[j], sizes[j] * M.inner).copy_(in.narrow(0, row, sizes[j]).reshape({-1}));
-          row += sizes[j];
-        }
-        auto mine = in.sizes().vec();
-        mine[0] = sizes.at(static_cast<std::size_t>(n.attr_int("index")));
-        const std::int64_t offset = M.out_offset, numel = mine[0] * M.inner, dim = M.dim;
-        pending[n.output()] = {nullptr, [out, offset, numel, mine, dim] { return out.narrow(0, offset, numel).view(mine).movedim(0, dim).contiguous(); }};
-      }
-      if (static_cast<int>(pos) == bucket.issue_after && b == skip_bucket) {
-        // The planted fault: every member keeps its own unreduced block (all_reduce) or zeros.
-        if (bucket.op != "all_reduce") out.zero_();
-        for (int m : bucket.members) {
-          const ir::Value* v = nodes_[static_cast<std::size_t>(m)]->output();
-          if (auto it = pending.find(v); it != pending.end()) {
-            keep(v, it->second.finish());
-            pending.erase(it);
-          }
-        }
-      } else if (static_cast<int>(pos) == bucket.issue_after) {
-        auto is = std::make_shared<Issued>();
-        const auto mesh_dim = static_cast<std::size_t>(bucket.mesh_dim);
-        issue(is, n, flat, mesh_dim, "bucket " + std::to_string(b) + " (" + std::to_string(bucket.members.size()) + " tensors, last " + n.output()->ref() + ")");
-        if (bucket.op == "all_reduce") {
-          is->work = backend_->all_reduce(groups_.at(mesh_dim), buffer(flat), reduce_op(bucket.reduce_op));
-        } else {
-          is->work = backend_->reduce_scatter(groups_.at(mesh_dim), buffer(flat), buffer(out), L.counts, reduce_op(bucket.reduce_op));
-        }
-        is->keep = {flat, out};
-        for (int m : bucket.members) {
-          auto it = pending.find(nodes_[static_cast<std::size_t>(m)]->output());
-          if (it != pending.end()) it->second.issued = is;
-        }
-        if (!plan_.options.overlap) {
-          for (int m : bucket.members) value(nodes_[static_cast<std::size_t>(m)]->output());
-        }
-      }
+      const at::Tensor& x = s.value(n.input(0));
+      s.keep(n.output(), n.op() == "all_reduce" ? x.clone() : at::zeros(n.output()->meta().shape, x.options()));
+    } else if (plan_.bucket_of[index] >= 0) {
+      add_to_bucket(s, pos, index, skip);
     } else {
-      const at::Tensor& x = value(n.input(0));
-      const auto mesh_dim = static_cast<std::size_t>(n.attr_int("mesh_dim"));
-      const int group = groups_.at(mesh_dim);
-      auto is = std::make_shared<Issued>();
-      Pending p;
-      p.issued = is;
-      const std::string& op = n.op();
-      issue(is, n, x, mesh_dim, n.output()->ref());
-      const Lowering* lower = find_lowering(op);
-      if (lower == nullptr) throw std::invalid_argument("no executor support for communication op '" + op + "'");
-      Lowered l = (*lower)(*backend_, group, n, x);
-      is->work = std::move(l.work);
-      is->keep = std::move(l.keep);
-      p.finish = std::move(l.finish);
-      pending.emplace(n.output(), std::move(p));
-      if (!plan_.options.overlap) value(n.output());
+      issue_collective(s, index);
     }
     for (const ir::Value* v : dead_[pos]) {
-      if (pending.count(v) > 0) continue;  // a collective's output is dropped once it is consumed
-      if (auto it = live.find(v); it != live.end()) {
-        held -= static_cast<std::int64_t>(it->second.nbytes());
-        live.erase(it);
+      if (s.pending.count(v) > 0) continue;  // a collective's output is dropped once it is consumed
+      if (auto it = s.live.find(v); it != s.live.end()) {
+        s.held -= static_cast<std::int64_t>(it->second.nbytes());
+        s.live.erase(it);
       }
     }
-    stats_.peak_bytes = std::max(stats_.peak_bytes, held);
+    stats_.peak_bytes = std::max(stats_.peak_bytes, s.held);
   }
   TensorMap result;
-  for (const auto& [name, v] : graph_.outputs()) result.emplace(name, value(v));
+  for (const auto& [name, v] : graph_.outputs()) result.emplace(name, s.value(v));
   // A collective whose output nobody read must still finish before its buffers go.
-  for (auto& [v, p] : pending) complete(v, p);
+  for (auto& [v, p] : s.pending) s.complete(v, p);
   stats_.total = std::chrono::duration<double>(Clock::now() - start).count();
-  const auto comm = merged(std::move(comm_spans));
+  const auto comm = merged(std::move(s.comm_spans));
   stats_.comm = length(comm);
-  stats_.hidden_comm = stats_.comm - overlap(comm, merged(std::move(wait_spans)));
+  stats_.hidden_comm = stats_.comm - overlap(comm, merged(std::move(s.wait_spans)));
   return result;
 }
 

@@ -95,6 +95,10 @@ class DistributedExecutor {
   hooks::HookSet* hooks_ = nullptr;
   std::vector<Span> spans_;
   std::pair<std::int64_t, std::int64_t> skip_{-1, -1};
+
+  struct Step;  // one run's tensors and calls in flight (distributed.cpp)
+  void add_to_bucket(Step& s, std::size_t pos, std::size_t index, bool skip);
+  void issue_collective(Step& s, std::size_t index);
 };
 
 /// ATen's tensor dtype as the comm layer's; throws std::invalid_argument for bool.
