@@ -28,6 +28,143 @@ std::string DistributedPlan::version_key(const ir::Value* v, const Placements& p
   return to_string(placements) + (later ? "#after-forward" : "");
 }
 
+namespace {
+
+// propagate()'s state over one graph: the plan being filled, the values already redistributed
+// (reusing one costs nothing), and the placements values are wanted in.
+struct Propagator {
+  Propagator(const ir::Graph& g, const DeviceMesh& m, DistributedPlan& p) : graph(g), mesh(m), plan(p) {}
+  const ir::Graph& graph;
+  const DeviceMesh& mesh;
+  DistributedPlan& plan;
+  int n = mesh.ndim();
+  const ir::Node* reading = nullptr;  // the node whose inputs are being placed
+  std::set<std::pair<const ir::Value*, std::string>> made;  // keyed by DistributedPlan::version_key
+  // Placements to make a value in as soon as it exists: `use` for inputs, and for gradients
+  // their parameter's placement (through the clipping multiply by a scalar).
+  std::map<const ir::Value*, Placements> hint, use_of;
+  // Placements graph outputs must end in: a strategy that produces them otherwise pays for the
+  // redistribution (so the optimizer's new state comes out as its input was).
+  std::map<const ir::Value*, Placements> demand;
+  std::vector<std::int64_t> zero = std::vector<std::int64_t>(static_cast<std::size_t>(n), 0);
+
+  static double bytes_of(const ir::Value* v, const Shape& seen) { return numel(seen) * static_cast<double>(ir::element_size(v->meta().dtype)); }
+
+  // Counts the bytes and time of redistributing v to `want`, once per placement it is made in.
+  void make(const ir::Value* v, const Placements& want) {
+    if (want != plan.placement.at(v) && made.insert({v, plan.version_key(v, want, reading)}).second) {
+      for (const auto& step : redistribute_plan(mesh, v->meta(), plan.placement.at(v), want)) {
+        plan.comm_bytes += step.bytes;
+        plan.comm_seconds += step.seconds;
+      }
+    }
+  }
+
+  void find_hints(const std::map<std::string, Placements>& use) {
+    for (const auto& [name, pl] : use) {
+      const ir::Value* v = graph.find_input(name);
+      if (v == nullptr || static_cast<int>(pl.size()) != n) {
+        throw std::invalid_argument("use placements for '" + name + "': not a graph input, or not one placement per mesh dim");
+      }
+      hint[v] = use_of[v] = pl;
+    }
+    for (auto it = graph.nodes().rbegin(); it != graph.nodes().rend(); ++it) {
+      const ir::Node& node = **it;
+      if (node.op() == "adamw") hint.emplace(node.input(1), plan.placement.at(node.input(0)));
+      if (node.op() == "mul" && hint.count(node.output()) && node.input(1)->meta().shape.empty()) {
+        hint.emplace(node.input(0), hint.at(node.output()));
+      }
+    }
+    for (const ir::Value* v : graph.inputs()) {
+      if (auto h = hint.find(v); h != hint.end()) make(v, h->second);
+    }
+  }
+
+  // The cost of strategy c for mesh dim i of `node`, the dims before i already chosen (in_pl):
+  // the bytes its inputs' redistribution sends, plus the bytes of the outputs the rank computes.
+  double cost(const ir::Node& node, int i, const OpStrategy& c, const std::vector<Placements>& in_pl, const std::vector<Shape>& seen_in,
+              const std::vector<Shape>& seen_out) const {
+    const std::size_t n_in = node.inputs().size(), n_out = node.outputs().size();
+    double total = 0;
+    std::set<std::pair<const ir::Value*, std::string>> counted;
+    for (std::size_t a = 0; a < n_in; ++a) {
+      const ir::Value* v = node.inputs()[a];
+      const Placements& current = plan.placement.at(v);
+      if (!counted.insert({v, c.inputs[a].str()}).second) continue;  // the same operand twice moves once
+      Placements target = current;
+      for (int j = 0; j < i; ++j) target[static_cast<std::size_t>(j)] = in_pl[a][static_cast<std::size_t>(j)];
+      target[static_cast<std::size_t>(i)] = c.inputs[a];
+      // A parameter is read only as stored or as used (FSDP gathers, TP computes on its
+      // shard): the strategy chose how it is computed, the cost model does not overrule it.
+      if (auto u = use_of.find(v); u != use_of.end() && c.inputs[a] != u->second[static_cast<std::size_t>(i)] &&
+                                   c.inputs[a] != current[static_cast<std::size_t>(i)]) {
+        total += 1e30;
+        continue;
+      }
+      if (target == current || made.count({v, plan.version_key(v, target, &node)})) continue;
+      total += redistribute_bytes(current[static_cast<std::size_t>(i)], c.inputs[a], bytes_of(v, seen_in[a]), mesh.size(i));
+      // Splitting a replicated input saves work now, but its result is often wanted whole
+      // later: an all_gather, whose latency (alpha, in bytes at beta) the greedy choice
+      // cannot see. So a split must save more than that message costs (a rope table's
+      // neg, 1,024 elements, was split and gathered back on every layer).
+      if (current[static_cast<std::size_t>(i)].is_replicate() && c.inputs[a].is_shard()) {
+        const CostModel m;
+        total += m.alpha * m.beta;
+      }
+    }
+    // Work: what the rank computes, as the bytes of the local outputs it produces. A
+    // strategy that replicates an output this mesh dim could split makes every rank of the
+    // dim do the same work; comm bytes alone would favour it when the input it gathers is
+    // small.
+    for (std::size_t a = 0; a < n_out; ++a) {
+      const double out_bytes = bytes_of(node.outputs()[a], seen_out[a]);
+      if (auto d = demand.find(node.outputs()[a]); d != demand.end()) {
+        total += redistribute_bytes(c.outputs[a], d->second[static_cast<std::size_t>(i)], out_bytes, mesh.size(i));
+      }
+      total += c.outputs[a].is_shard() ? out_bytes / static_cast<double>(mesh.size(i)) : out_bytes;  // a Partial is full size
+    }
+    return total;
+  }
+
+  // Per mesh dim, the strategy of the node's rule table with the least cost; then its inputs'
+  // redistributions and its outputs' placements.
+  void place(const ir::Node& node) {
+    const std::size_t n_in = node.inputs().size(), n_out = node.outputs().size();
+    std::vector<Placements> in_pl(n_in), out_pl(n_out);
+    for (int i = 0; i < n; ++i) {
+      std::vector<Shape> seen_in, seen_out;
+      for (std::size_t a = 0; a < n_in; ++a) {
+        Placements sofar = in_pl[a];
+        sofar.resize(static_cast<std::size_t>(n), kR);
+        seen_in.push_back(shape_after(mesh, sofar, node.inputs()[a]->meta().shape, zero, i));
+      }
+      for (std::size_t a = 0; a < n_out; ++a) {
+        Placements sofar = out_pl[a];
+        sofar.resize(static_cast<std::size_t>(n), kR);
+        seen_out.push_back(shape_after(mesh, sofar, node.outputs()[a]->meta().shape, zero, i));
+      }
+      const auto candidates = op_strategies(node, seen_in, seen_out, mesh.size(i));
+      double best_cost = -1;
+      const OpStrategy* best = nullptr;
+      for (const auto& c : candidates) {
+        const double cost_c = cost(node, i, c, in_pl, seen_in, seen_out);
+        if (best == nullptr || cost_c < best_cost) best = &c, best_cost = cost_c;
+      }
+      for (std::size_t a = 0; a < n_in; ++a) in_pl[a].push_back(best->inputs[a]);
+      for (std::size_t a = 0; a < n_out; ++a) out_pl[a].push_back(best->outputs[a]);
+    }
+    reading = &node;
+    for (std::size_t a = 0; a < n_in; ++a) make(node.inputs()[a], in_pl[a]);
+    for (std::size_t a = 0; a < n_out; ++a) {
+      plan.placement[node.outputs()[a]] = out_pl[a];
+      if (auto h = hint.find(node.outputs()[a]); h != hint.end()) make(node.outputs()[a], h->second);
+    }
+    plan.inputs[&node] = std::move(in_pl);
+  }
+};
+
+}  // namespace
+
 DistributedPlan propagate(const ir::Graph& graph, const DeviceMesh& mesh, const std::map<std::string, Placements>& inputs,
                           const std::map<std::string, Placements>& outputs, const std::map<std::string, Placements>& use,
                           bool reshard_after_forward) {
@@ -40,7 +177,6 @@ DistributedPlan propagate(const ir::Graph& graph, const DeviceMesh& mesh, const 
       }
     }
   }
-  const ir::Node* reading = nullptr;  // the node whose inputs are being placed
   const int n = mesh.ndim();
   const Placements all_r(static_cast<std::size_t>(n), kR);
   for (const auto& [name, pl] : inputs) {
@@ -54,131 +190,28 @@ DistributedPlan propagate(const ir::Graph& graph, const DeviceMesh& mesh, const 
     auto it = inputs.find(v->name());
     plan.placement[v] = it == inputs.end() ? all_r : it->second;
   }
-  // Values already redistributed, by target placements: reusing one costs nothing.
-  std::set<std::pair<const ir::Value*, std::string>> made;  // keyed by to_string(placements)
-  auto make = [&](const ir::Value* v, const Placements& want) {
-    if (want != plan.placement.at(v) && made.insert({v, plan.version_key(v, want, reading)}).second) {
-      for (const auto& step : redistribute_plan(mesh, v->meta(), plan.placement.at(v), want)) {
-        plan.comm_bytes += step.bytes;
-        plan.comm_seconds += step.seconds;
-      }
-    }
-  };
-  // Placements to make a value in as soon as it exists: `use` for inputs, and for gradients
-  // their parameter's placement (through the clipping multiply by a scalar).
-  std::map<const ir::Value*, Placements> hint, use_of;
-  for (const auto& [name, pl] : use) {
-    const ir::Value* v = graph.find_input(name);
-    if (v == nullptr || static_cast<int>(pl.size()) != n) {
-      throw std::invalid_argument("use placements for '" + name + "': not a graph input, or not one placement per mesh dim");
-    }
-    hint[v] = use_of[v] = pl;
-  }
-  for (auto it = graph.nodes().rbegin(); it != graph.nodes().rend(); ++it) {
-    const ir::Node& node = **it;
-    if (node.op() == "adamw") hint.emplace(node.input(1), plan.placement.at(node.input(0)));
-    if (node.op() == "mul" && hint.count(node.output()) && node.input(1)->meta().shape.empty()) {
-      hint.emplace(node.input(0), hint.at(node.output()));
-    }
-  }
-  for (const ir::Value* v : graph.inputs()) {
-    if (auto h = hint.find(v); h != hint.end()) make(v, h->second);
-  }
-  // Placements graph outputs must end in: a strategy that produces them otherwise pays for
-  // the redistribution (so the optimizer's new state comes out as its input was).
-  std::map<const ir::Value*, Placements> demand;
+  Propagator p(graph, mesh, plan);
+  p.find_hints(use);
   for (const auto& [name, pl] : outputs) {
-    if (const ir::Value* v = graph.find_output(name)) demand.emplace(v, pl);
+    if (const ir::Value* v = graph.find_output(name)) p.demand.emplace(v, pl);
   }
-  auto bytes_of = [](const ir::Value* v, const Shape& seen) { return numel(seen) * static_cast<double>(ir::element_size(v->meta().dtype)); };
-  const std::vector<std::int64_t> zero(static_cast<std::size_t>(n), 0);
-
-  for (const auto& node : graph.nodes()) {
-    const std::size_t n_in = node->inputs().size(), n_out = node->outputs().size();
-    std::vector<Placements> in_pl(n_in), out_pl(n_out);
-    for (int i = 0; i < n; ++i) {
-      std::vector<Shape> seen_in, seen_out;
-      for (std::size_t a = 0; a < n_in; ++a) {
-        Placements sofar = in_pl[a];
-        sofar.resize(static_cast<std::size_t>(n), kR);
-        seen_in.push_back(shape_after(mesh, sofar, node->inputs()[a]->meta().shape, zero, i));
-      }
-      for (std::size_t a = 0; a < n_out; ++a) {
-        Placements sofar = out_pl[a];
-        sofar.resize(static_cast<std::size_t>(n), kR);
-        seen_out.push_back(shape_after(mesh, sofar, node->outputs()[a]->meta().shape, zero, i));
-      }
-      const auto candidates = op_strategies(*node, seen_in, seen_out, mesh.size(i));
-      double best_cost = -1;
-      const OpStrategy* best = nullptr;
-      for (const auto& c : candidates) {
-        double cost = 0;
-        std::set<std::pair<const ir::Value*, std::string>> counted;
-        for (std::size_t a = 0; a < n_in; ++a) {
-          const ir::Value* v = node->inputs()[a];
-          const Placements& current = plan.placement.at(v);
-          if (!counted.insert({v, c.inputs[a].str()}).second) continue;  // the same operand twice moves once
-          Placements target = current;
-          for (int j = 0; j < i; ++j) target[static_cast<std::size_t>(j)] = in_pl[a][static_cast<std::size_t>(j)];
-          target[static_cast<std::size_t>(i)] = c.inputs[a];
-          // A parameter is read only as stored or as used (FSDP gathers, TP computes on its
-          // shard): the strategy chose how it is computed, the cost model does not overrule it.
-          if (auto u = use_of.find(v); u != use_of.end() && c.inputs[a] != u->second[static_cast<std::size_t>(i)] &&
-                                       c.inputs[a] != current[static_cast<std::size_t>(i)]) {
-            cost += 1e30;
-            continue;
-          }
-          if (target == current || made.count({v, plan.version_key(v, target, node.get())})) continue;
-          cost += redistribute_bytes(current[static_cast<std::size_t>(i)], c.inputs[a], bytes_of(v, seen_in[a]), mesh.size(i));
-          // Splitting a replicated input saves work now, but its result is often wanted whole
-          // later: an all_gather, whose latency (alpha, in bytes at beta) the greedy choice
-          // cannot see. So a split must save more than that message costs (a rope table's
-          // neg, 1,024 elements, was split and gathered back on every layer).
-          if (current[static_cast<std::size_t>(i)].is_replicate() && c.inputs[a].is_shard()) {
-            const CostModel m;
-            cost += m.alpha * m.beta;
-          }
-        }
-        // Work: what the rank computes, as the bytes of the local outputs it produces. A
-        // strategy that replicates an output this mesh dim could split makes every rank of the
-        // dim do the same work; comm bytes alone would favour it when the input it gathers is
-        // small.
-        for (std::size_t a = 0; a < n_out; ++a) {
-          const double out_bytes = bytes_of(node->outputs()[a], seen_out[a]);
-          if (auto d = demand.find(node->outputs()[a]); d != demand.end()) {
-            cost += redistribute_bytes(c.outputs[a], d->second[static_cast<std::size_t>(i)], out_bytes, mesh.size(i));
-          }
-          cost += c.outputs[a].is_shard() ? out_bytes / static_cast<double>(mesh.size(i)) : out_bytes;  // a Partial is full size
-        }
-        if (best == nullptr || cost < best_cost) best = &c, best_cost = cost;
-      }
-      for (std::size_t a = 0; a < n_in; ++a) in_pl[a].push_back(best->inputs[a]);
-      for (std::size_t a = 0; a < n_out; ++a) out_pl[a].push_back(best->outputs[a]);
-    }
-    reading = node.get();
-    for (std::size_t a = 0; a < n_in; ++a) make(node->inputs()[a], in_pl[a]);
-    for (std::size_t a = 0; a < n_out; ++a) {
-      plan.placement[node->outputs()[a]] = out_pl[a];
-      if (auto h = hint.find(node->outputs()[a]); h != hint.end()) make(node->outputs()[a], h->second);
-    }
-    plan.inputs[node.get()] = std::move(in_pl);
-  }
+  for (const auto& node : graph.nodes()) p.place(*node);
   for (const auto& [name, pl] : outputs) {
     if (graph.find_output(name) == nullptr) throw std::invalid_argument("placement required for '" + name + "', which is not a graph output");
     if (static_cast<int>(pl.size()) != n) throw std::invalid_argument("output '" + name + "' needs one placement per mesh dim");
   }
-  reading = nullptr;
+  p.reading = nullptr;
   for (const auto& [name, v] : graph.outputs()) {
     auto it = outputs.find(name);
     Placements want = plan.placement.at(v);
     if (it != outputs.end()) {
       want = it->second;
     } else {
-      for (auto& p : want) {
-        if (p.is_partial()) p = kR;
+      for (auto& pl : want) {
+        if (pl.is_partial()) pl = kR;
       }
     }
-    make(v, want);
+    p.make(v, want);
     plan.outputs[name] = want;
   }
   return plan;
