@@ -127,6 +127,11 @@ TEST(Pt2Import, FrozenParameterIsNotTrained) {
   EXPECT_EQ(m.params, (std::vector<std::string>{"head.weight", "head.bias"}));
   ASSERT_NE(m.graph.find_input("emb.weight"), nullptr);
   EXPECT_FALSE(m.graph.find_input("emb.weight")->meta().requires_grad);
+  // spmdx import says the same: the frozen parameter is listed with the buffers.
+  const models::Pt2Summary s = models::summarize_pt2((kDir / "frozen.pt2").string());
+  ASSERT_EQ(s.parameters.size(), 2u);
+  ASSERT_EQ(s.buffers.size(), 1u);
+  EXPECT_EQ(s.buffers[0].name, "emb.weight");
 }
 
 // torchtitan's complex rotary embedding becomes the IR's rotary_embedding; HF's half-split
@@ -178,6 +183,7 @@ TEST(Pt2ImportErrors, UnsupportedOpNamedWithSourceLine) {
 // Two parameters that are different rows of one storage are not tied, whatever their values.
 TEST(Pt2ImportErrors, ParametersSharingStorageAsDifferentViews) {
   EXPECT_THAT(import_error((kDir / "bad" / "views.pt2").string()), HasSubstr("different views"));
+  EXPECT_THROW(models::summarize_pt2((kDir / "bad" / "views.pt2").string()), models::ImportError);
 }
 
 TEST(Pt2ImportErrors, TruncatedWeight) {

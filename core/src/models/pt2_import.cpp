@@ -440,6 +440,66 @@ std::pair<std::string, std::string> op_name(const std::string& target) {
 // "aten.add.Tensor" for messages and the op table.
 std::string short_target(const std::string& target) { return target.rfind("torch.ops.", 0) == 0 ? target.substr(10) : target; }
 
+// The program's inputs by role, with the checks every reader of the file makes: no input
+// twice, each payload the value the graph expects, tied parameters the same view of one storage.
+struct InputRoles {
+  struct Input {
+    std::string arg;  // the graph's name for it
+    std::string fqn;  // the module's
+    at::Tensor value;
+  };
+  std::vector<Input> parameters;                      // trainable, one per storage, under its first name
+  std::vector<std::pair<Input, std::string>> tied;    // an alias, and the parameter it shares storage with
+  std::vector<Input> frozen;                          // buffers, constants, parameters exported with requires_grad=False
+  std::vector<std::string> user;                      // the user inputs' graph names
+};
+
+InputRoles classify_inputs(const Archive& a, const Program& p) {
+  const Fail fail{a.path};
+  InputRoles roles;
+  std::map<std::string, std::string> first_of_storage;  // storage -> the parameter that owns it
+  std::set<std::string> names, args;
+  for (const auto& in : p.inputs) {
+    if (!args.insert(in.arg).second) fail("the program's input '" + in.arg + "' appears twice in its signature: the file is damaged");
+    if (in.kind == "user_input") {
+      roles.user.push_back(in.arg);
+      continue;
+    }
+    if (!names.insert(in.fqn).second) fail("two of the program's inputs are named '" + in.fqn + "': the file is damaged");
+    auto t = a.tensors.find(in.fqn);
+    if (t == a.tensors.end()) {
+      // A non-persistent buffer or a lifted constant lives with the constants; none at all is an error.
+      fail("the program's " + in.kind + " '" + in.fqn + "' has no payload in the archive");
+    }
+    // The payload as the weights config describes it must be the value the graph expects.
+    auto declared = p.values.find(in.arg);
+    if (declared == p.values.end()) fail("the program's " + in.kind + " '" + in.fqn + "' (graph input '" + in.arg + "') has no entry in tensor_values: the file is damaged");
+    if (declared->second.sizes != t->second.sizes().vec() || declared->second.dtype != t->second.scalar_type()) {
+      fail(in.kind + " '" + in.fqn + "' is " + c10::toString(t->second.scalar_type()) + ir::shape_str(t->second.sizes().vec()) + " in the weights but " +
+           c10::toString(declared->second.dtype) + ir::shape_str(declared->second.sizes) + " in the program: the file is damaged");
+    }
+    const InputRoles::Input input{in.arg, in.fqn, t->second};
+    // A parameter exported with requires_grad=False trains no more than a buffer (AdamW skips it in PyTorch too).
+    if (in.kind != "parameter" || !a.meta.at(in.fqn).requires_grad) {
+      roles.frozen.push_back(input);
+      continue;
+    }
+    const std::string& storage = a.storage.at(in.fqn);
+    auto [it, first] = first_of_storage.emplace(storage, in.fqn);
+    if (first) {
+      roles.parameters.push_back(input);
+      continue;
+    }
+    const Meta& m1 = a.meta.at(it->second);
+    const Meta& m2 = a.meta.at(in.fqn);
+    if (m1.sizes != m2.sizes || m1.strides != m2.strides || m1.storage_offset != m2.storage_offset || m1.dtype != m2.dtype) {
+      fail("parameters '" + it->second + "' and '" + in.fqn + "' share storage " + storage + " but are different views of it; spmdx ties whole tensors only");
+    }
+    roles.tied.emplace_back(input, it->second);
+  }
+  return roles;
+}
+
 // ---------------------------------------------------------------------------------------------
 // 2. Binding arguments to the ATen schema
 
@@ -603,6 +663,18 @@ BoundNode bind_node(const Fail& fail, const json& node) {
   return b;
 }
 
+// Whether a node can be computed ahead, once: no assert, and every tensor it reads a constant
+// (`constant`: by value name). A random op that qualifies is refused by the callers.
+bool foldable(const BoundNode& b, const std::function<bool(const std::string&)>& constant) {
+  if (b.target == "aten._assert_tensor_metadata.default" || b.target == "aten._assert_scalar.default") return false;
+  for (const auto& a : b.args) {
+    for (const auto& t : a.tensors) {
+      if (!t.empty() && !constant(t)) return false;
+    }
+  }
+  return true;
+}
+
 // ---------------------------------------------------------------------------------------------
 // 3. Mapping onto the IR
 
@@ -650,65 +722,32 @@ class Mapper {
   }
 
   void bind_inputs() {
-    // Tied parameters: one trainable parameter per storage, under the first name.
-    std::map<std::string, std::string> first_of_storage;
-    std::vector<std::string> user;
-    std::set<std::string> names, args;
+    const InputRoles roles = classify_inputs(a_, p_);
+    const std::vector<std::string>& user = roles.user;
     std::optional<std::pair<std::string, at::ScalarType>> param_dtype;  // the first trainable parameter's
-    for (const auto& in : p_.inputs) {
-      if (!args.insert(in.arg).second) fail_("the program's input '" + in.arg + "' appears twice in its signature: the file is damaged");
-      if (in.kind == "user_input") {
-        user.push_back(in.arg);
-        continue;
+    for (const auto& in : roles.parameters) {
+      const at::Tensor& t = in.value;
+      ir::TensorMeta meta{t.sizes().vec(), ir_dtype(t.scalar_type(), "parameter '" + in.fqn + "'"), "cpu", true};
+      if (!ir::is_floating(meta.dtype)) fail_("parameter '" + in.fqn + "' is " + ir::to_string(meta.dtype) + "; trainable parameters must be floating point");
+      if (!param_dtype) param_dtype.emplace(in.fqn, t.scalar_type());
+      if (param_dtype->second != t.scalar_type()) {
+        fail_("parameters '" + param_dtype->first + "' (" + c10::toString(param_dtype->second) + ") and '" + in.fqn + "' (" + c10::toString(t.scalar_type()) +
+              ") differ in dtype; spmdx trains parameters of one dtype: export after model.to(dtype)");
       }
-      if (!names.insert(in.fqn).second) fail_("two of the program's inputs are named '" + in.fqn + "': the file is damaged");
-      auto t = a_.tensors.find(in.fqn);
-      if (t == a_.tensors.end()) {
-        // A non-persistent buffer or a lifted constant lives with the constants; none at all is an error.
-        fail_("the program's " + in.kind + " '" + in.fqn + "' has no payload in the archive");
-      }
-      // The payload as the weights config describes it must be the value the graph expects.
-      auto declared = p_.values.find(in.arg);
-      if (declared == p_.values.end()) fail_("the program's " + in.kind + " '" + in.fqn + "' (graph input '" + in.arg + "') has no entry in tensor_values: the file is damaged");
-      if (declared->second.sizes != t->second.sizes().vec() || declared->second.dtype != t->second.scalar_type()) {
-        fail_(in.kind + " '" + in.fqn + "' is " + c10::toString(t->second.scalar_type()) + ir::shape_str(t->second.sizes().vec()) + " in the weights but " +
-              c10::toString(declared->second.dtype) + ir::shape_str(declared->second.sizes) + " in the program: the file is damaged");
-      }
-      // A parameter exported with requires_grad=False trains no more than a buffer (AdamW skips it in PyTorch too).
-      const bool trainable = in.kind == "parameter" && a_.meta.at(in.fqn).requires_grad;
-      if (trainable) {
-        const std::string storage = a_.storage.at(in.fqn);
-        auto [it, first] = first_of_storage.emplace(storage, in.fqn);
-        if (!first) {
-          const Meta& m1 = a_.meta.at(it->second);
-          const Meta& m2 = a_.meta.at(in.fqn);
-          if (m1.sizes != m2.sizes || m1.strides != m2.strides || m1.storage_offset != m2.storage_offset || m1.dtype != m2.dtype) {
-            fail_("parameters '" + it->second + "' and '" + in.fqn + "' share storage " + storage + " but are different views of it; spmdx ties whole tensors only");
-          }
-          env_[in.arg] = env_.at(arg_of_param_.at(it->second));
-          tied_.emplace_back(in.fqn, it->second);
-          continue;
-        }
-        arg_of_param_[in.fqn] = in.arg;
-        ir::TensorMeta meta{t->second.sizes().vec(), ir_dtype(t->second.scalar_type(), "parameter '" + in.fqn + "'"), "cpu", true};
-        if (!ir::is_floating(meta.dtype)) fail_("parameter '" + in.fqn + "' is " + ir::to_string(meta.dtype) + "; trainable parameters must be floating point");
-        if (!param_dtype) param_dtype.emplace(in.fqn, t->second.scalar_type());
-        if (param_dtype->second != t->second.scalar_type()) {
-          fail_("parameters '" + param_dtype->first + "' (" + c10::toString(param_dtype->second) + ") and '" + in.fqn + "' (" + c10::toString(t->second.scalar_type()) +
-                ") differ in dtype; spmdx trains parameters of one dtype: export after model.to(dtype)");
-        }
-        Sym s;
-        s.v = m_.graph.add_input(in.fqn, meta);
-        add_init(in.fqn, t->second, true);
-        m_.params.push_back(in.fqn);
-        env_[in.arg] = s;
-      } else {
-        Sym s;
-        s.kind = Sym::Kind::constant;
-        s.c = t->second;
-        constant_names_[in.arg] = in.fqn;
-        env_[in.arg] = s;
-      }
+      Sym s;
+      s.v = m_.graph.add_input(in.fqn, meta);
+      add_init(in.fqn, t, true);
+      m_.params.push_back(in.fqn);
+      env_[in.arg] = s;
+      arg_of_param_[in.fqn] = in.arg;
+    }
+    for (const auto& [alias, param] : roles.tied) env_[alias.arg] = env_.at(arg_of_param_.at(param));
+    for (const auto& in : roles.frozen) {
+      Sym s;
+      s.kind = Sym::Kind::constant;
+      s.c = in.value;
+      constant_names_[in.arg] = in.fqn;
+      env_[in.arg] = s;
     }
     // Tokens and labels, by name or position.
     std::vector<std::string> chosen;
@@ -801,12 +840,7 @@ class Mapper {
 
   // Constant folding: every tensor input frozen (or none), the op run once with ATen.
   bool try_fold(const BoundNode& b) {
-    if (b.target == "aten._assert_tensor_metadata.default" || b.target == "aten._assert_scalar.default") return false;
-    for (const auto& a : b.args) {
-      for (const auto& t : a.tensors) {
-        if (!t.empty() && sym(t).kind != Sym::Kind::constant) return false;
-      }
-    }
+    if (!foldable(b, [&](const std::string& name) { return sym(name).kind == Sym::Kind::constant; })) return false;
     if (b.op->hasTag(at::Tag::nondeterministic_seeded)) {
       fail_at(b, "a random op (dropout, rand); spmdx runs each step's program as exported: export in eval() mode or without random ops");
     }
@@ -859,7 +893,6 @@ class Mapper {
       s.c = results[i].contiguous();
       env_[b.outputs[i]] = s;
     }
-    ++folded_;
     return true;
   }
 
@@ -942,7 +975,6 @@ class Mapper {
 
  private:
   void map_node(const BoundNode& b) {
-    ++ops_[b.target];
     if (try_fold(b)) return;
     const auto& table = mapped_ops();
     const auto it = table.find(b.target);
@@ -1322,12 +1354,9 @@ class Mapper {
   std::map<std::string, Sym> env_;
   std::map<std::string, std::string> constant_names_;  // graph arg -> buffer/constant fqn
   std::map<std::string, std::string> arg_of_param_;    // parameter fqn -> graph arg
-  std::vector<std::pair<std::string, std::string>> tied_;
-  std::map<std::string, int> ops_;
   std::vector<std::tuple<at::Tensor, at::Tensor, ir::Value*, ir::Value*>> rope_tables_;  // cos, sin and their inputs
   bool takes_labels_ = false;
   std::int64_t vocab_ = 0;
-  int folded_ = 0;
 };
 
 std::string dtype_name(at::ScalarType t) {
@@ -1416,40 +1445,25 @@ Pt2Summary summarize(const std::string& path) {
   auto tensor = [](const std::string& name, const at::Tensor& t) {
     return Pt2Summary::Tensor{name, t.sizes().vec(), dtype_name(t.scalar_type()), static_cast<std::int64_t>(t.nbytes())};
   };
-  std::map<std::string, std::string> first_of_storage;
-  for (const auto& in : p.inputs) {
-    if (in.kind == "user_input") {
-      const Meta& m = p.values.at(in.arg);
-      s.inputs.push_back({in.arg, m.sizes, dtype_name(m.dtype), 0});
-      continue;
-    }
-    auto t = a->tensors.find(in.fqn);
-    if (t == a->tensors.end()) fail("the program's " + in.kind + " '" + in.fqn + "' has no payload in the archive");
-    if (in.kind == "parameter") {
-      auto [it, first] = first_of_storage.emplace(a->storage.at(in.fqn), in.fqn);
-      if (first) s.parameters.push_back(tensor(in.fqn, t->second));
-      else s.tied.emplace_back(in.fqn, it->second);
-    } else {
-      s.buffers.push_back(tensor(in.fqn, t->second));
-    }
+  const InputRoles roles = classify_inputs(*a, p);
+  for (const auto& arg : roles.user) {
+    const Meta& m = p.values.at(arg);
+    s.inputs.push_back({arg, m.sizes, dtype_name(m.dtype), 0});
   }
+  for (const auto& in : roles.parameters) s.parameters.push_back(tensor(in.fqn, in.value));
+  for (const auto& [alias, param] : roles.tied) s.tied.emplace_back(alias.fqn, param);
+  for (const auto& in : roles.frozen) s.buffers.push_back(tensor(in.fqn, in.value));
   for (const auto& o : p.outputs) {
     auto m = p.values.find(o);
     if (m != p.values.end()) s.outputs.push_back({o, m->second.sizes, dtype_name(m->second.dtype), 0});
   }
-  // Which nodes could map: ops in the table, and any op whose inputs are all frozen.
+  // Which nodes could map: ops in the table, and any op the importer computes ahead.
   std::set<std::string> frozen;
-  for (const auto& in : p.inputs) {
-    if (in.kind == "buffer" || in.kind == "tensor_constant") frozen.insert(in.arg);
-  }
+  for (const auto& in : roles.frozen) frozen.insert(in.arg);
   for (const auto& node : p.graph->at("nodes")) {
     BoundNode b = bind_node(fail, node);
     ++s.ops[b.target];
-    bool all_frozen = true;
-    for (const auto& arg : b.args) {
-      for (const auto& t : arg.tensors) all_frozen = all_frozen && (t.empty() || frozen.count(t));
-    }
-    if (all_frozen && !b.op->hasTag(at::Tag::nondeterministic_seeded)) {
+    if (foldable(b, [&](const std::string& name) { return frozen.count(name) > 0; }) && !b.op->hasTag(at::Tag::nondeterministic_seeded)) {
       for (const auto& o : b.outputs) frozen.insert(o);
       continue;
     }
