@@ -15,12 +15,6 @@ namespace {
 
 const Placement kR = Placement::replicate();
 
-double numel(const Shape& s) {
-  double n = 1;
-  for (auto d : s) n *= static_cast<double>(d);
-  return n;
-}
-
 }  // namespace
 
 std::string DistributedPlan::version_key(const ir::Value* v, const Placements& placements, const ir::Node* node) const {
@@ -48,7 +42,7 @@ struct Propagator {
   std::map<const ir::Value*, Placements> demand;
   std::vector<std::int64_t> zero = std::vector<std::int64_t>(static_cast<std::size_t>(n), 0);
 
-  static double bytes_of(const ir::Value* v, const Shape& seen) { return numel(seen) * static_cast<double>(ir::element_size(v->meta().dtype)); }
+  static double bytes_of(const ir::Value* v, const Shape& seen) { return shape_bytes(seen, v->meta().dtype); }
 
   // Counts the bytes and time of redistributing v to `want`, once per placement it is made in.
   void make(const ir::Value* v, const Placements& want) {

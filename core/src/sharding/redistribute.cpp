@@ -12,12 +12,6 @@ namespace {
 
 const Placement kR = Placement::replicate();
 
-double numel(const Shape& s) {
-  double n = 1;
-  for (auto d : s) n *= static_cast<double>(d);
-  return n;
-}
-
 bool shards(const Placement& p, int d) { return p.is_shard() && p.dim() == d; }
 
 }  // namespace
@@ -59,7 +53,6 @@ std::vector<RedistributeStep> redistribute_plan(const DeviceMesh& mesh, const ir
   }
   std::vector<RedistributeStep> steps;
   const std::vector<std::int64_t> zero(static_cast<std::size_t>(n), 0);
-  const double elem = static_cast<double>(ir::element_size(meta.dtype));
   auto others_shard = [&](int i, int d) {
     for (int j = 0; j < n; ++j) {
       if (j != i && (shards(state[static_cast<std::size_t>(j)], d) || shards(to[static_cast<std::size_t>(j)], d))) return true;
@@ -85,7 +78,7 @@ std::vector<RedistributeStep> redistribute_plan(const DeviceMesh& mesh, const ir
     Placement& s = state[static_cast<std::size_t>(i)];
     const Placement& t = to[static_cast<std::size_t>(i)];
     if ((s == t && !force[static_cast<std::size_t>(i)]) || s.is_replicate()) continue;
-    const double bytes = numel(shape_after(mesh, state, meta.shape, zero, i)) * elem;
+    const double bytes = shape_bytes(shape_after(mesh, state, meta.shape, zero, i), meta.dtype);
     const std::int64_t k = mesh.size(i);
     RedistributeStep step{i, s, kR, "", 0};
     if (s.is_partial()) {

@@ -29,6 +29,12 @@ std::vector<std::int64_t> shape_after(const DeviceMesh& mesh, const std::vector<
   return shape;
 }
 
+double shape_bytes(const std::vector<std::int64_t>& shape, ir::DType dtype) {
+  double n = 1;
+  for (auto d : shape) n *= static_cast<double>(d);
+  return n * static_cast<double>(ir::element_size(dtype));
+}
+
 std::vector<std::int64_t> ShardingSpec::local_shape(const DeviceMesh& mesh, const std::vector<std::int64_t>& coordinate) const {
   return shape_after(mesh, placements, meta.shape, coordinate, mesh.ndim());
 }

@@ -29,6 +29,10 @@ struct ShardingSpec {
   std::string str() const;
 };
 
+/// Bytes of a tensor of `shape` and `dtype`, as a double (a planned shape may not fit 64 bits
+/// of elements): what the cost model counts.
+double shape_bytes(const std::vector<std::int64_t>& shape, ir::DType dtype);
+
 /// `shape` after the shards of mesh dims [0, upto) at `coordinate` (nested sharding): what mesh
 /// dim `upto` sees. Also gives, in `offset` when not null, where that block starts.
 std::vector<std::int64_t> shape_after(const DeviceMesh& mesh, const std::vector<Placement>& placements,
