@@ -101,7 +101,6 @@ int run_graph(const GraphOptions& o) {
   return 0;
 }
 
-#ifdef SPMDX_HAVE_EXEC
 struct ImportOptions {
   std::string path;
   std::vector<std::string> inputs;
@@ -109,6 +108,8 @@ struct ImportOptions {
   bool graph = false;
   bool json = false;
 };
+
+#ifdef SPMDX_HAVE_EXEC
 
 // Inspects a .pt2 file: what it holds, what spmdx cannot map (with source lines), and whether
 // it imports. Exit 0 when it imports, 1 when it cannot be trained.
@@ -463,11 +464,7 @@ int main(int argc, char** argv) {
   fr_trace->add_option("folder", fr_folder, "<job.dump_folder>/hooks/flight_recorder")->required();
 
   auto* import_cmd = app.add_subcommand("import", "Inspect a torch.export program (.pt2): parameters, bytes, ops, what spmdx cannot map; --graph prints its IR");
-#ifdef SPMDX_HAVE_EXEC
   ImportOptions import_options;
-#else
-  struct { std::string path; std::vector<std::string> inputs; std::string loss; bool graph = false, json = false; } import_options;
-#endif
   import_cmd->add_option("model", import_options.path, "The .pt2 file torch.export.save wrote (torch >= 2.9)")->required();
   import_cmd->add_option("--inputs", import_options.inputs, "The program's inputs that take tokens and labels, in order (as [model] inputs)");
   import_cmd->add_option("--loss", import_options.loss, "auto | cross_entropy | output (as [model] loss)")->check(CLI::IsMember({"auto", "cross_entropy", "output"}));

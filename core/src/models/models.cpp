@@ -94,14 +94,14 @@ Importer& importer() {
   return f;
 }
 
-}  // namespace
-
-void set_importer(Importer f) { importer() = std::move(f); }
-static std::function<void()>& releaser() {
+std::function<void()>& releaser() {
   static std::function<void()> f;
   return f;
 }
 
+}  // namespace
+
+void set_importer(Importer f) { importer() = std::move(f); }
 void set_import_release(std::function<void()> release) { releaser() = std::move(release); }
 void release_imports() {
   if (releaser()) releaser()();

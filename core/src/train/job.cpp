@@ -105,8 +105,9 @@ JobSpec job_spec(const config::Config& cfg, std::int64_t world_size, std::int64_
   s.strategies = cfg.plugin_options("parallelism.strategies");
   for (const auto& [dim, plugin] : s.strategies) {
     if (dim != "dp_replicate" && dim != "dp_shard" && dim != "tp") {
+      const std::string near = nearest_word(dim, {"dp_replicate", "dp_shard", "tp"}, 3);
       fail({"parallelism.strategies"}, "[parallelism.strategies] names mesh dim '" + dim + "'; the mesh dims are dp_replicate, dp_shard and tp" +
-           (nearest_word(dim, {"dp_replicate", "dp_shard", "tp"}, 3).empty() ? std::string() : "; did you mean '" + nearest_word(dim, {"dp_replicate", "dp_shard", "tp"}, 3) + "'?"));
+           (near.empty() ? std::string() : "; did you mean '" + near + "'?"));
     }
     if (plugin.empty()) fail({"parallelism.strategies"}, "[parallelism.strategies] " + dim + " names no plugin: give a strategy plugin's name (e.g. \"" + sharding::strategy_for(dim == "tp" ? "tp" : "dp_shard") + "\")");
   }
