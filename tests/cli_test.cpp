@@ -31,8 +31,8 @@ TEST(Cli, PluginsJsonListsTheBuiltPlugins) {
   }
   ASSERT_NE(dp, nullptr) << r.output;
   EXPECT_EQ(dp->at("kind"), "strategy");
-  EXPECT_EQ(dp->at("abi"), "2.1");
-  EXPECT_EQ(dp->at("version"), "0.1.0");
+  EXPECT_EQ(dp->at("abi"), "3.0");
+  EXPECT_EQ(dp->at("version"), "0.2.0");
   EXPECT_EQ(dp->at("registered"), true);
   EXPECT_EQ(fs::path(dp->at("path").get<std::string>()),
             fs::canonical(BUILTIN_PLUGIN_DIR) / "libspmdx_data_parallel.so");
@@ -48,7 +48,7 @@ TEST(Cli, PluginsTableNamesEachPlugin) {
 TEST(Cli, VersionPrintsTheAbi) {
   auto r = spmdx("--version");
   ASSERT_EQ(r.exit_code, 0);
-  EXPECT_THAT(r.output, HasSubstr("plugin ABI 2.1"));
+  EXPECT_THAT(r.output, HasSubstr("plugin ABI 3.0"));
 }
 
 struct ErrorCase {
@@ -64,7 +64,7 @@ TEST(Cli, EachPluginErrorPrintsItsMessageAndExitsOne) {
       {"missing", "/nonexistent/libspmdx_x.so", "'/nonexistent/libspmdx_x.so' (from the config or --plugin-path) does not exist"},
       {"not ELF", (dir / "libspmdx_text.so").string(), "not a shared object"},
       {"no entry", plugin_dir("test_no_entry").string(), "has no 'spmdx_plugin' entry point"},
-      {"ABI major", plugin_dir("test_abi_major").string(), "was built for ABI 3, this host supports 2"},
+      {"ABI major", plugin_dir("test_abi_major").string(), "was built for ABI 4, this host supports 3"},
       {"throws", plugin_dir("test_throws").string(), "plugin 'test_throws' (" + plugin_dir("test_throws").string() +
                                                         "/libspmdx_test_throws.so) failed to register"},
   };

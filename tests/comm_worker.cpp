@@ -12,7 +12,7 @@
 // (SPMDX_TEST_OPTIONS_RANK1: rank 1's, when they should differ).
 // Prints "checked N" and exits 0, or prints the failure and exits 1 (3: the expected CommError).
 #include <spmdx/comm.h>
-#include <spmdx/comm/p2p_backend.h>
+#include <spmdx/comm/reduce.h>
 #include <spmdx/comm/store.h>
 #include <spmdx/core/registry.h>
 

@@ -16,16 +16,20 @@ std::unique_ptr<Strategy> data_parallel() {
   return registry.make_strategy("data_parallel");
 }
 
-TEST(DataParallel, ReplicatesParametersAndShardsTheBatchOnDataDims) {
+TEST(DataParallel, ReplicatesParametersAndShardsTheBatchOnItsMeshDim) {
   StrategyInput in{{{"dp_replicate", 2}, {"dp_shard", 2}, {"tp", 2}},
                    {{"tok_embeddings.weight", {256, 64}}, {"norm.weight", {64}}},
                    {{"tokens", {8, 32}}, {"labels", {8, 32}}}};
-  PlacementMap placements = data_parallel()->place(in);
-  ASSERT_EQ(placements.size(), 4u);
-  EXPECT_EQ(to_string(placements.at("tok_embeddings.weight")), "RRR");
-  EXPECT_EQ(to_string(placements.at("norm.weight")), "RRR");
-  EXPECT_EQ(to_string(placements.at("tokens")), "S(0)S(0)R");
-  EXPECT_EQ(to_string(placements.at("labels")), "S(0)S(0)R");
+  for (int dim : {0, 1, 2}) {  // by the index the host gives, whatever the dim's name
+    in.mesh_dim = dim;
+    PlacementMap placements = data_parallel()->place(in);
+    ASSERT_EQ(placements.size(), 4u);
+    const std::string batch = dim == 0 ? "S(0)RR" : dim == 1 ? "RS(0)R" : "RRS(0)";
+    EXPECT_EQ(to_string(placements.at("tok_embeddings.weight")), "RRR");
+    EXPECT_EQ(to_string(placements.at("norm.weight")), "RRR");
+    EXPECT_EQ(to_string(placements.at("tokens")), batch);
+    EXPECT_EQ(to_string(placements.at("labels")), batch);
+  }
 }
 
 TEST(DataParallel, BatchNotAMultipleOfTheDegreeIsRejected) {
@@ -38,13 +42,13 @@ TEST(DataParallel, BatchNotAMultipleOfTheDegreeIsRejected) {
   }
 }
 
-TEST(DataParallel, MeshWithoutDataDimIsRejected) {
-  StrategyInput in{{{"tp", 2}}, {}, {{"tokens", {8, 32}}}};
+TEST(DataParallel, MeshDimOutsideTheMeshIsRejected) {
+  StrategyInput in{{{"tp", 2}}, {}, {{"tokens", {8, 32}}}, 1};
   try {
     data_parallel()->place(in);
     FAIL();
   } catch (const std::invalid_argument& e) {
-    EXPECT_THAT(e.what(), HasSubstr("needs a mesh dim named dp, dp_replicate or dp_shard; the mesh has tp(2)"));
+    EXPECT_THAT(e.what(), HasSubstr("data_parallel: mesh_dim 1 is not a dim of the mesh (1 dims)"));
   }
 }
 

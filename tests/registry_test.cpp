@@ -117,8 +117,31 @@ TEST(Registry, AbiMajorMismatchSaysBothVersions) {
   registry.discover(user({plugin_dir("test_abi_major")}));
   PluginError e = only_error(registry);
   EXPECT_EQ(e.code(), Code::abi_mismatch);
-  EXPECT_THAT(e.what(), HasSubstr("was built for ABI 3, this host supports 2"));
+  EXPECT_THAT(e.what(), HasSubstr("was built for ABI " + std::to_string(SPMDX_ABI_MAJOR + 1) + ", this host supports " +
+                                   std::to_string(SPMDX_ABI_MAJOR)));
   EXPECT_THAT(e.what(), HasSubstr(plugin_file("test_abi_major").string()));
+}
+
+TEST(Registry, PluginBuiltAgainstAbi2IsRefusedSayingRebuild) {
+  PluginRegistry registry;
+  registry.discover(user({plugin_dir("test_abi_2")}));
+  PluginError e = only_error(registry);
+  EXPECT_EQ(e.code(), Code::abi_mismatch);
+  EXPECT_EQ(std::string(e.what()), "plugin '" + plugin_file("test_abi_2").string() +
+                                       "' was built for ABI 2, this host supports 3 (ABI 3.0): rebuild the plugin against this spmdx. "
+                                       "(ABI 3 moved the collectives into the host: a comm plugin built on the P2P backend now registers "
+                                       "a Transport, see spmdx/transport.h.)");
+  EXPECT_TRUE(registry.plugins().empty());
+}
+
+TEST(Registry, PluginBuiltWithAnotherStandardLibraryIsRefused) {
+  PluginRegistry registry;
+  registry.discover(user({plugin_dir("test_toolchain")}));
+  PluginError e = only_error(registry);
+  EXPECT_EQ(e.code(), Code::toolchain_mismatch);
+  EXPECT_THAT(e.what(), HasSubstr("was built with toolchain 'libc++ cxx11-abi exceptions', this host with '" SPMDX_TOOLCHAIN "'"));
+  EXPECT_THAT(e.what(), HasSubstr("rebuild the plugin with the toolchain spmdx was built with"));
+  EXPECT_EQ(std::string(SPMDX_TOOLCHAIN), "libstdc++ cxx11-abi exceptions");  // this tree's build
 }
 
 TEST(Registry, AbiMinorNewerThanHostIsRefused) {
@@ -126,7 +149,8 @@ TEST(Registry, AbiMinorNewerThanHostIsRefused) {
   registry.discover(user({plugin_dir("test_abi_minor")}));
   PluginError e = only_error(registry);
   EXPECT_EQ(e.code(), Code::abi_mismatch);
-  EXPECT_THAT(e.what(), HasSubstr("was built for ABI 2.99, this host supports up to 2.1"));
+  EXPECT_THAT(e.what(), HasSubstr("was built for ABI " + std::to_string(SPMDX_ABI_MAJOR) + ".99, this host supports up to " +
+                                   std::to_string(SPMDX_ABI_MAJOR) + "." + std::to_string(SPMDX_ABI_MINOR)));
 }
 
 TEST(Registry, DescriptorWithoutCallbackIsRefused) {

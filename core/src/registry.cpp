@@ -18,6 +18,7 @@
 #include <mutex>
 #include <sstream>
 
+#include "spmdx/comm/p2p.h"
 #include "spmdx/core/log.h"
 
 namespace spmdx {
@@ -223,7 +224,10 @@ const PluginDescriptor* open_descriptor(const fs::path& given) {
                       "plugin '" + file.string() + "' was built for ABI " + std::to_string(d->abi_major) +
                           ", this host supports " + std::to_string(SPMDX_ABI_MAJOR) + " (ABI " +
                           std::to_string(SPMDX_ABI_MAJOR) + "." + std::to_string(SPMDX_ABI_MINOR) +
-                          "): rebuild the plugin against this spmdx.");
+                          "): rebuild the plugin against this spmdx." +
+                          (d->abi_major == 2 ? " (ABI 3 moved the collectives into the host: a comm plugin built on the P2P backend "
+                                               "now registers a Transport, see spmdx/transport.h.)"
+                                             : ""));
   }
   if (d->abi_minor > SPMDX_ABI_MINOR) {
     throw PluginError(Code::abi_mismatch, file,
@@ -231,6 +235,14 @@ const PluginDescriptor* open_descriptor(const fs::path& given) {
                           std::to_string(d->abi_minor) + ", this host supports up to " +
                           std::to_string(SPMDX_ABI_MAJOR) + "." + std::to_string(SPMDX_ABI_MINOR) +
                           ": upgrade spmdx, or rebuild the plugin against this one.");
+  }
+  if (d->toolchain == nullptr || std::string_view(d->toolchain) != SPMDX_TOOLCHAIN) {
+    throw PluginError(Code::toolchain_mismatch, file,
+                      "plugin '" + file.string() + "' was built with toolchain '" +
+                          (d->toolchain && is_printable(d->toolchain) ? std::string(d->toolchain) : std::string("(none)")) +
+                          "', this host with '" SPMDX_TOOLCHAIN
+                          "': standard-library types and exceptions cross the plugin boundary, so both must use the same "
+                          "C++ standard library and ABI; rebuild the plugin with the toolchain spmdx was built with.");
   }
   auto bad = [&](const std::string& what) {
     throw PluginError(Code::bad_descriptor, file, "plugin '" + file.string() + "': " + what + "; fix the plugin.");
@@ -265,6 +277,8 @@ PluginInfo info_from(const PluginDescriptor& d, const fs::path& file) {
   info.description = d.description ? d.description : "";
   info.abi_major = d.abi_major;
   info.abi_minor = d.abi_minor;
+  info.toolchain = d.toolchain;
+  info.flags = d.flags;
   info.path = fs::absolute(file).lexically_normal();
   return info;
 }
@@ -320,6 +334,16 @@ class PluginRegistry::Staging final : public Registrar {
   }
   void add_comm_backend(const std::string& name, CommBackendFactory f) override {
     add(target_.comm_backends, comm_backends_, PluginKind::comm, name, std::move(f));
+  }
+  void add_transport(const std::string& name, TransportInfo info) override {
+    if (!info.factory) throw std::invalid_argument("empty transport factory '" + name + "'");
+    for (const auto& key : info.options) {
+      const auto& engine = comm::p2p_option_keys();
+      if (std::find(engine.begin(), engine.end(), key) != engine.end()) {
+        throw std::invalid_argument("transport '" + name + "' claims option '" + key + "', which is the collective engine's; rename it");
+      }
+    }
+    add(target_.comm_backends, comm_backends_, PluginKind::comm, name, comm::p2p_backend_factory(name, std::move(info)));
   }
   void add_hook(const std::string& name, HookFactory f) override {
     add(target_.hooks, hooks_, PluginKind::hook, name, std::move(f));
@@ -539,6 +563,11 @@ std::unique_ptr<CommBackend> PluginRegistry::make_comm_backend_from_spec(const s
 std::unique_ptr<CommBackend> PluginRegistry::make_comm_backend(std::string_view name, const Options& options) {
   ensure_factory(PluginKind::comm, name);
   return factories_->comm_backends.find(name)->second.factory(options);
+}
+
+const PluginInfo& PluginRegistry::comm_backend_plugin(std::string_view name) {
+  ensure_factory(PluginKind::comm, name);
+  return *find(factories_->comm_backends.find(name)->second.plugin);
 }
 
 std::unique_ptr<Hook> PluginRegistry::make_hook(std::string_view name, const Options& options) {

@@ -3,6 +3,27 @@
 // Every collective is asynchronous and returns a Work handle, as torch.distributed's
 // ProcessGroup does; buffers are described by pointer, element count, dtype and memory kind.
 // Groups are made once per mesh-dim slice with new_group(). Plain C++17: part of the plugin ABI.
+// A plugin implements either a whole CommBackend (nccl) or only a point-to-point Transport
+// (transport.h: ucx, local), under which the host runs its own collective engine.
+//
+// The contract every CommBackend keeps (as MPI's and NCCL's):
+// - Buffers: the memory a call names must stay valid, and unchanged for inputs, until its Work
+//   completes (wait() returned true, or test() true); the backend may read and write it at
+//   any time until then. The CommBuffer structs themselves are copied at the call.
+// - Cross-rank order: every member of a group issues the same collectives on that group in the
+//   same order with matching dtypes, ops and counts (a mismatch is a CommError naming the
+//   ranks, or a hang ended by the timeout); collectives of different groups may interleave
+//   differently on different ranks. new_group is collective over all ranks (see there).
+// - Completion order: Work of one backend completes in the order issued.
+// - Threads: init, finalize, new_group and the calls that issue work come from one thread at a
+//   time (the executor's); Work::wait and Work::test may be called from any thread; abort()
+//   from any thread at any time, including while another thread waits.
+// - Lifetime: init once, then calls, then finalize once (the destructor finalizes if needed);
+//   Work handles may outlive neither finalize nor the backend.
+// - Errors: a peer that dies or stays silent past CommInit::timeout_seconds fails the Work
+//   with CommError naming it; std::invalid_argument for a call that is wrong on this rank
+//   alone (counts that do not match the buffers, an unknown group), thrown from the call or
+//   from Work::wait.
 #pragma once
 
 #include <cstddef>
@@ -108,7 +129,10 @@ class Work {
 };
 
 /// What a backend does well, for choosing between backends per call (as UCC's score maps):
-/// the highest score for the op, memory type and size wins unless the config pins a backend.
+/// the highest score for the op, memory type and size wins unless the config pins a backend
+/// (spmdx/comm/select.h in the core). Sizes are the bytes of the call's buffer (all_gather:
+/// its output). Scores in use: ucx 10 and local 1 on host memory; nccl 100 on CUDA memory, 1
+/// on host memory (staged through the GPU).
 struct CommCapability {
   std::string op;  ///< "all_reduce", ..., or "*"
   MemoryType memory = MemoryType::host;
@@ -121,15 +145,19 @@ class CommBackend {
  public:
   virtual ~CommBackend() = default;
 
-  /// Joins the job (address exchange through the store). Throws CommError naming the rank that
-  /// could not be reached.
+  /// Joins the job (address exchange through the store); collective over every rank. Throws
+  /// CommError naming the rank that could not be reached.
   virtual void init(const CommInit& init) = 0;
-  /// Completes outstanding work and leaves the job; the object may then be destroyed.
+  /// Completes outstanding work and leaves the job; the object may then be destroyed. Not
+  /// collective: a rank that finalizes early only stops answering.
   virtual void finalize() = 0;
-  /// Fails all outstanding and future work at once (a peer died); never blocks.
+  /// Fails all outstanding and future work at once (a peer died); never blocks; any thread.
   virtual void abort() noexcept = 0;
-  /// A short description for logs: backend, transport, rank/world_size.
+  /// A short description for logs: backend, transport, rank/world_size. Any time.
   virtual std::string describe() const = 0;
+  /// What this backend serves and how well (CommCapability). Any time, also before init: the
+  /// host reads it to choose backends (comm.backend = "auto") and for `spmdx plugins --json`.
+  /// The same on every rank.
   virtual std::vector<CommCapability> capabilities() const = 0;
 
   /// A group of global ranks (ascending, containing this rank); every member calls it in the
@@ -149,9 +177,14 @@ class CommBackend {
   /// (recv_counts[i] elements).
   virtual std::unique_ptr<Work> all_to_all(int group, CommBuffer in, CommBuffer out, std::vector<std::size_t> send_counts,
                                            std::vector<std::size_t> recv_counts) = 0;
+  /// buf becomes member root_member's buf on every member (root_member indexes the group).
   virtual std::unique_ptr<Work> broadcast(int group, CommBuffer buf, int root_member) = 0;
+  /// Point to point, outside any group: buf goes to global rank peer_rank, which receives it
+  /// with recv(buf of the same bytes, this rank, the same tag). Tags are 0 to 2^24 - 1; sends
+  /// of one pair under one tag are received in the order sent.
   virtual std::unique_ptr<Work> send(CommBuffer buf, int peer_rank, int tag) = 0;
   virtual std::unique_ptr<Work> recv(CommBuffer buf, int peer_rank, int tag) = 0;
+  /// Completes once every member of the group has issued its barrier.
   virtual std::unique_ptr<Work> barrier(int group) = 0;
 };
 

@@ -1,17 +1,37 @@
 // The spmdx plugin ABI: what a plugin shared object exports and how it registers factories.
+// (LLVM's PassPlugin.h is the model: one entry point, a versioned descriptor, a stated contract.)
 //
-// Every plugin exports exactly one entry point, the alias `spmdx_plugin`, laid out as
+// Entry point. Every plugin exports exactly one, the alias `spmdx_plugin`, laid out as
 // Boost.DLL's BOOST_DLL_ALIAS (an exported `const void*` in section "boostdll" pointing at a
 // function), so the host reads it with boost::dll::shared_library::get_alias while this header
 // needs no Boost. The function returns a PluginDescriptor. The host reads abi_major and
 // abi_minor first and touches nothing else unless
 //     plugin.abi_major == SPMDX_ABI_MAJOR  and  plugin.abi_minor <= SPMDX_ABI_MINOR,
-// then calls register_plugin with its Registrar (as LLVM's PassPluginLibraryInfo).
+// then checks the toolchain tag, then calls register_plugin with its Registrar.
 //
-// Versioning: the minor grows when the host gains something a plugin may use without older
-// plugins noticing (a Registrar method appended, a descriptor field appended); the major grows
-// when a plugin-implemented interface (Strategy, CommBackend, Hook) or a descriptor field
-// before the end changes.
+// What crosses the boundary. C++ standard library types (std::string, std::vector, std::map,
+// std::function, std::unique_ptr) in every interface and struct, and exceptions: plugins throw
+// std::invalid_argument, CommError and ValidationError, and the host catches them by type. Both
+// are sound only when the plugin and the host use the same C++ standard library with the same
+// ABI and exceptions on, which the descriptor's toolchain tag (SPMDX_TOOLCHAIN) records and the
+// loader checks: build plugins with the compiler family and standard library spmdx was built
+// with (GCC or Clang on libstdc++ here). Objects made by a plugin are destroyed by the host
+// through their virtual destructors; the host never unloads a plugin (see registry.h).
+//
+// Versioning. The major grows with any change to something a built plugin has compiled in:
+// a plugin-implemented interface (Strategy, CommBackend, Transport, Hook), a struct either
+// side reads (StrategyInput, TensorInfo, CommInit, CommBuffer, CommCapability, GraphView,
+// HookContext, ...; a field added anywhere is a major change), an enum's values, the
+// descriptor before its end. The minor grows when the host gains something a plugin may use
+// without older plugins noticing: a Registrar method appended, a descriptor field appended.
+// A plugin built for another major is refused with a message saying to rebuild it.
+// 3.0: transports (transport.h) with the collective engine in the host; StrategyInput's
+// mesh_dim; descriptor flags and toolchain tag.
+//
+// Host services. A plugin may call, besides this folder's inline code, only the core
+// library's logging facade (spmdx/core/log.h) and the helpers declared in this folder
+// (options.h: OptionReader; files.h: write_file_atomic; text.h: sizes and rank lists), which
+// are versioned with this ABI.
 //
 // Writing a plugin:
 //     #include <spmdx/plugin.h>
@@ -21,7 +41,7 @@
 //     SPMDX_PLUGIN("my_strategy", strategy, "0.1.0", "Shards every weight on dim 0", register_me)
 //
 // Plain C++17, no LibTorch, no Boost: a third party compiles against this folder alone
-// (plus the core library for logging).
+// (plus the core library for the host services).
 #pragma once
 
 #include <cstdint>
@@ -33,9 +53,32 @@
 #include "spmdx/comm.h"
 #include "spmdx/hook.h"
 #include "spmdx/strategy.h"
+#include "spmdx/transport.h"
 
-#define SPMDX_ABI_MAJOR 2
-#define SPMDX_ABI_MINOR 1
+#define SPMDX_ABI_MAJOR 3
+#define SPMDX_ABI_MINOR 0
+
+// The toolchain tag: the C++ standard library, its string/list ABI and whether exceptions are
+// on. The loader refuses a plugin whose tag differs from the host's.
+#if defined(_LIBCPP_VERSION)
+#define SPMDX_TOOLCHAIN_STDLIB "libc++"
+#elif defined(__GLIBCXX__)
+#define SPMDX_TOOLCHAIN_STDLIB "libstdc++"
+#else
+#define SPMDX_TOOLCHAIN_STDLIB "unknown-stdlib"
+#endif
+#if defined(_GLIBCXX_USE_CXX11_ABI) && _GLIBCXX_USE_CXX11_ABI == 0
+#define SPMDX_TOOLCHAIN_ABI "pre-cxx11-abi"
+#else
+#define SPMDX_TOOLCHAIN_ABI "cxx11-abi"
+#endif
+#if defined(__cpp_exceptions) || defined(__EXCEPTIONS)
+#define SPMDX_TOOLCHAIN_EXCEPTIONS "exceptions"
+#else
+#define SPMDX_TOOLCHAIN_EXCEPTIONS "no-exceptions"
+#endif
+/// e.g. "libstdc++ cxx11-abi exceptions".
+#define SPMDX_TOOLCHAIN SPMDX_TOOLCHAIN_STDLIB " " SPMDX_TOOLCHAIN_ABI " " SPMDX_TOOLCHAIN_EXCEPTIONS
 
 namespace spmdx {
 
@@ -51,8 +94,16 @@ inline const char* to_string(PluginKind kind) noexcept {
   return "unknown";
 }
 
-/// Plugin options: the keys of the plugin's config table, values as written in the config.
+/// Plugin options: the keys of the plugin's config table, values as written in the config
+/// (declared in transport.h too).
 using Options = std::map<std::string, std::string>;
+
+/// PluginDescriptor::flags.
+enum PluginFlag : std::uint32_t {
+  /// Its comm backends serve only ranks that are threads of one process (`local`): `spmdx run`
+  /// and the launchers refuse them for ranks in processes, naming the flag.
+  kPluginInProcessOnly = 1u << 0,
+};
 
 using StrategyFactory = std::function<std::unique_ptr<Strategy>(const Options&)>;
 using CommBackendFactory = std::function<std::unique_ptr<CommBackend>(const Options&)>;
@@ -63,7 +114,11 @@ using HookFactory = std::function<std::unique_ptr<Hook>(const Options&)>;
 class Registrar {
  public:
   virtual void add_strategy(const std::string& name, StrategyFactory factory) = 0;
+  /// A whole backend: the plugin implements every collective (nccl).
   virtual void add_comm_backend(const std::string& name, CommBackendFactory factory) = 0;
+  /// A point-to-point transport: the host offers a comm backend `name` that runs its
+  /// collective engine over it (transport.h).
+  virtual void add_transport(const std::string& name, TransportInfo info) = 0;
   virtual void add_hook(const std::string& name, HookFactory factory) = 0;
 
  protected:
@@ -80,6 +135,8 @@ struct PluginDescriptor {
   const char* version;      ///< the plugin's own version, e.g. "0.1.0"
   const char* description;  ///< one line
   void (*register_plugin)(Registrar& registrar);  ///< may throw; the host reports it
+  const char* toolchain;    ///< SPMDX_TOOLCHAIN where the plugin was built; must equal the host's
+  std::uint32_t flags;      ///< PluginFlag bits
 };
 
 using PluginEntryPoint = const PluginDescriptor* (*)();
@@ -99,11 +156,16 @@ using PluginEntryPoint = const PluginDescriptor* (*)();
   }
 
 /// Declares the plugin: its descriptor at the current ABI version and the entry point.
-#define SPMDX_PLUGIN(NAME, KIND, VERSION, DESCRIPTION, REGISTER_FN)                        \
+#define SPMDX_PLUGIN(NAME, KIND, VERSION, DESCRIPTION, REGISTER_FN) \
+  SPMDX_PLUGIN_WITH_FLAGS(NAME, KIND, VERSION, DESCRIPTION, REGISTER_FN, 0)
+
+/// SPMDX_PLUGIN with PluginFlag bits, e.g. ::spmdx::kPluginInProcessOnly.
+#define SPMDX_PLUGIN_WITH_FLAGS(NAME, KIND, VERSION, DESCRIPTION, REGISTER_FN, FLAGS)       \
   namespace {                                                                             \
   const ::spmdx::PluginDescriptor spmdx_plugin_descriptor_{                               \
-      SPMDX_ABI_MAJOR, SPMDX_ABI_MINOR, NAME, ::spmdx::PluginKind::KIND,                  \
-      VERSION,         DESCRIPTION,     REGISTER_FN};                                     \
+      SPMDX_ABI_MAJOR, SPMDX_ABI_MINOR, NAME,            ::spmdx::PluginKind::KIND,       \
+      VERSION,         DESCRIPTION,     REGISTER_FN,     SPMDX_TOOLCHAIN,                 \
+      FLAGS};                                                                             \
   const ::spmdx::PluginDescriptor* spmdx_plugin_entry_() { return &spmdx_plugin_descriptor_; } \
   }                                                                                       \
   SPMDX_PLUGIN_ENTRY(spmdx_plugin_entry_)

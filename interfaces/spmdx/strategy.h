@@ -33,6 +33,13 @@ struct StrategyInput {
   std::vector<MeshDim> mesh;
   std::vector<TensorInfo> parameters;
   std::vector<TensorInfo> inputs;
+  /// The index in `mesh` of the dim this strategy decides. The host binds one strategy to
+  /// each mesh dim of size > 1 (the config's [parallelism.strategies], e.g. tp =
+  /// "tensor_parallel"; defaults: dp_replicate data_parallel, dp_shard fsdp, tp
+  /// tensor_parallel), calls place() once per such dim, and keeps from each tensor's
+  /// placements only the entry at mesh_dim. A strategy decides by this index, never by a
+  /// dim's name.
+  int mesh_dim = 0;
 };
 
 /// Tensor name -> one Placement per mesh dim, in the order of StrategyInput::mesh.

@@ -20,7 +20,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
-#include "spmdx/comm/p2p_backend.h"
+#include "spmdx/comm/health.h"
 #include "spmdx/comm/store.h"
 #include "spmdx/core/files.h"
 #include "spmdx/core/log.h"

@@ -17,7 +17,8 @@
 #include <random>
 #include <stdexcept>
 
-#include "spmdx/comm/p2p_backend.h"
+#include "spmdx/comm/health.h"
+#include "spmdx/comm/shm.h"
 #include "spmdx/comm/store.h"
 #include "spmdx/core/text.h"
 #include "spmdx/hooks/fr_trace.h"

@@ -62,6 +62,7 @@ std::map<std::string, Placements> parallelize(PluginRegistry& registry, const De
     const auto chosen = strategies.find(dim);
     const std::string name = chosen != strategies.end() ? chosen->second : strategy_for(dim);
     const auto opts = options.find(name);
+    with_mesh.mesh_dim = i;
     const PlacementMap placed = registry.make_strategy(name, opts == options.end() ? Options{} : opts->second)->place(with_mesh);
     for (const auto& [tensor, pl] : placed) {
       auto it = out.find(tensor);

@@ -1,12 +1,13 @@
 // local: N ranks as threads of one process, for tests and debugging (as PyTorch's threaded
-// process group, torch.testing._internal.distributed.multi_threaded_pg). The transport is
-// in-process mailboxes with MPI-style tag matching; the collectives are P2PBackend's (ring,
-// recursive doubling, pairwise, binomial tree), so a test over `local` runs the same
-// algorithms as `ucx` without processes. Never for ranks in separate processes: with a store,
-// init() checks that every rank shares this process and fails naming the rank otherwise.
+// process group, torch.testing._internal.distributed.multi_threaded_pg). A transport: in-process
+// mailboxes with MPI-style tag matching; the collectives are the host's engine (ring, recursive
+// doubling, pairwise, binomial tree, shared memory), so a test over `local` runs the same
+// algorithms as `ucx` without processes. Never for ranks in separate processes: the plugin is
+// flagged in-process only, and with a store connect() checks that every rank shares this
+// process and fails naming the rank otherwise.
 //
-// Options: job, a name that tells apart several jobs in one process (default "default");
-// chunk_bytes and direct_max_bytes, as for ucx (P2PBackend::take_option).
+// Options: job, a name that tells apart several jobs in one process (default "default"); and
+// the engine's (chunk_bytes, direct_max_bytes, shm, shm_chunk_bytes).
 #include <unistd.h>
 
 #include <cstring>
@@ -17,9 +18,8 @@
 #include <tuple>
 #include <unordered_map>
 
-#include "spmdx/comm/p2p_backend.h"
-#include "spmdx/core/log.h"
 #include "spmdx/plugin.h"
+#include "spmdx/transport.h"
 
 namespace {
 
@@ -63,9 +63,32 @@ std::shared_ptr<World> join_world(const std::string& key, int world_size) {
   return world;
 }
 
-class LocalTransport final : public spmdx::comm::Transport {
+class LocalTransport final : public spmdx::Transport {
  public:
-  LocalTransport(std::shared_ptr<World> world, int rank) : world_(std::move(world)), rank_(rank) {}
+  explicit LocalTransport(const spmdx::Options& options) {
+    if (auto it = options.find("job"); it != options.end()) job_ = it->second;
+  }
+
+  void connect(const spmdx::CommInit& init) override {
+    if (init.store != nullptr && init.world_size > 1) {  // every rank must be a thread of this process
+      const std::string key = "spmdx/local/g" + std::to_string(init.generation) + "/pid";
+      if (init.rank == 0) init.store->set(key, std::to_string(::getpid()));
+      const std::string pid = init.store->get(key, init.timeout_seconds);
+      if (pid != std::to_string(::getpid())) {
+        throw CommError("local: rank " + std::to_string(init.rank) + " is process " + std::to_string(::getpid()) + ", rank 0 is process " + pid +
+                            "; the local backend runs ranks as threads of one process (tests, debugging): use ucx for ranks in processes",
+                        0);
+      }
+    }
+    world_ = join_world(job_ + "/g" + std::to_string(init.generation), init.world_size);
+    rank_ = init.rank;
+  }
+
+  std::string describe() const override { return "threads of one process, job " + job_; }
+
+  std::vector<spmdx::CommCapability> capabilities() const override {
+    return {{"*", spmdx::MemoryType::host, 0, static_cast<std::size_t>(-1), 1}};
+  }
 
   std::uint64_t isend(int peer, const void* data, std::size_t bytes, std::uint64_t tag) override {
     std::lock_guard lock(world_->mutex);
@@ -124,69 +147,25 @@ class LocalTransport final : public spmdx::comm::Transport {
   }
 
   ~LocalTransport() override {  // forget receives still posted (an aborted operation)
+    if (!world_) return;
     std::lock_guard lock(world_->mutex);
     auto& posted = world_->posted.at(static_cast<std::size_t>(rank_));
     for (auto it = posted.begin(); it != posted.end();) it = peers_.count(it->id) ? posted.erase(it) : std::next(it);
   }
 
  private:
+  std::string job_ = "default";
   std::shared_ptr<World> world_;
-  int rank_;
+  int rank_ = 0;
   std::uint64_t next_ = 0;
   std::unordered_map<std::uint64_t, int> peers_;
 };
 
-class LocalBackend final : public spmdx::comm::P2PBackend {
- public:
-  explicit LocalBackend(const spmdx::Options& options) {
-    for (const auto& [k, v] : options) {
-      if (k != "job" && !take_option("local", k, v)) throw std::invalid_argument("local: unknown option '" + k + "' (known: job, chunk_bytes, direct_max_bytes, shm, shm_chunk_bytes)");
-    }
-    if (auto it = options.find("job"); it != options.end()) job_ = it->second;
-  }
-  ~LocalBackend() override { finalize(); }
-
-  void init(const spmdx::CommInit& init) override {
-    if (init.store != nullptr && init.world_size > 1) {  // every rank must be a thread of this process
-      const std::string key = "spmdx/local/g" + std::to_string(init.generation) + "/pid";
-      if (init.rank == 0) init.store->set(key, std::to_string(::getpid()));
-      const std::string pid = init.store->get(key, init.timeout_seconds);
-      if (pid != std::to_string(::getpid())) {
-        throw CommError("local: rank " + std::to_string(init.rank) + " is process " + std::to_string(::getpid()) + ", rank 0 is process " + pid +
-                            "; the local backend runs ranks as threads of one process (tests, debugging): use ucx for ranks in processes",
-                        0);
-      }
-    }
-    world_ = join_world(job_ + "/g" + std::to_string(init.generation), init.world_size);
-    transport_ = std::make_unique<LocalTransport>(world_, init.rank);
-    start(transport_.get(), init);
-  }
-
-  void finalize() override {
-    stop();
-    transport_.reset();
-    world_.reset();
-  }
-
-  std::string describe() const override {
-    return "local (threads of one process, job " + job_ + ", " + option_str() + ") rank " + std::to_string(rank()) + "/" + std::to_string(world_size());
-  }
-
-  std::vector<spmdx::CommCapability> capabilities() const override {
-    return {{"*", spmdx::MemoryType::host, 0, static_cast<std::size_t>(-1), 1}};
-  }
-
- private:
-  std::string job_ = "default";
-  std::shared_ptr<World> world_;
-  std::unique_ptr<LocalTransport> transport_;
-};
-
 void register_local(spmdx::Registrar& r) {
-  r.add_comm_backend("local", [](const spmdx::Options& options) { return std::make_unique<LocalBackend>(options); });
+  r.add_transport("local", {{"job"}, [](const spmdx::Options& options) { return std::make_unique<LocalTransport>(options); }});
 }
 
 }  // namespace
 
-SPMDX_PLUGIN("local", comm, "0.1.0", "N ranks as threads of one process (tests, debugging): in-process mailboxes, P2PBackend's collectives",
-             register_local)
+SPMDX_PLUGIN_WITH_FLAGS("local", comm, "0.2.0", "N ranks as threads of one process (tests, debugging): in-process mailboxes under the host's collectives",
+                        register_local, spmdx::kPluginInProcessOnly)

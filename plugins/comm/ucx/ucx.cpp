@@ -1,15 +1,13 @@
-// ucx: collectives over UCX's UCP tag-matching API (Shamis et al. 2015), host memory. Each
-// rank makes one UCP worker, publishes its address in the store, and connects an endpoint to
-// every other rank; spmdx's P2P algorithms (ring all_reduce, ...) run on top. Transports come
-// from UCX_TLS, or the plugin option "tls"; with neither, ranks that all share one host use
-// shared memory ("shm,self": plain posix alone is slow here), others UCX's default (TCP
-// across hosts). Options (P2PBackend::take_option): shm and shm_chunk_bytes (all_reduce,
-// reduce_scatter and all_gather of a group on one host through shared memory, on by default:
-// then only the rest goes over UCX), chunk_bytes (ring pipeline chunk, default 1 MiB) and
-// direct_max_bytes (all-pairs up to this size on up to 8 ranks, default 4 MiB).
-#include <spmdx/comm/p2p_backend.h>
+// ucx: a transport over UCX's UCP tag-matching API (Shamis et al. 2015), host memory; the
+// host's collective engine (ring, all-pairs, tree and shared-memory collectives) runs on top.
+// Each rank makes one UCP worker, publishes its address in the store, and connects an endpoint
+// to every other rank. Transports come from UCX_TLS, or the plugin option "tls"; with neither,
+// ranks that all share one host use shared memory ("shm,self": plain posix alone is slow here),
+// others UCX's default (TCP across hosts). The engine's options (chunk_bytes, direct_max_bytes,
+// shm, shm_chunk_bytes) are given the same way; see `spmdx plugins ucx`.
 #include <spmdx/core/log.h>
 #include <spmdx/plugin.h>
+#include <spmdx/transport.h>
 #include <ucp/api/ucp.h>
 #include <ucs/config/global_opts.h>
 
@@ -97,9 +95,24 @@ void check_tls(const std::string& tls) {
                               " (it has: " + have + ")");
 }
 
-class UcxTransport final : public spmdx::comm::Transport {
+class UcxTransport final : public spmdx::Transport {
  public:
-  UcxTransport(const spmdx::CommInit& init, const std::string& tls) : rank_(init.rank) {
+  explicit UcxTransport(const spmdx::Options& options) {
+    if (auto it = options.find("tls"); it != options.end()) {
+      check_tls(it->second);
+      tls_ = it->second;
+    }
+  }
+
+  void connect(const spmdx::CommInit& init) override {
+    if (init.store == nullptr) throw std::invalid_argument("ucx: init needs a store");
+    rank_ = init.rank;
+    std::string tls = tls_;
+    if (tls.empty() && std::getenv("UCX_TLS") == nullptr) {
+      const std::string local = env_or("LOCAL_WORLD_SIZE", std::to_string(init.world_size));
+      if (local == std::to_string(init.world_size)) tls = "shm,self";  // every rank on this host
+    }
+    tls_used_ = tls.empty() ? env_or("UCX_TLS", "ucx default") : tls;
     ucp_config_t* config = nullptr;
     check(ucp_config_read(nullptr, nullptr, &config), "read config");
     if (!tls.empty()) check(ucp_config_modify(config, "TLS", tls.c_str()), "set TLS=" + tls);
@@ -139,6 +152,16 @@ class UcxTransport final : public spmdx::comm::Transport {
       const ucs_status_t s = ucp_ep_create(worker_, &ep, &eps_[static_cast<std::size_t>(peer)]);
       if (s != UCS_OK) throw CommError("ucx: rank " + std::to_string(rank_) + " cannot reach rank " + std::to_string(peer) + ": " + ucs_status_string(s), peer);
     }
+    SPMDX_DEBUG("ucx: rank " << init.rank << "/" << init.world_size << " up, UCX_TLS=" << tls_used_);
+  }
+
+  std::string describe() const override {
+    if (!tls_used_.empty()) return "UCX_TLS=" + tls_used_;
+    return "UCX_TLS=" + (tls_.empty() ? env_or("UCX_TLS", "chosen at connect") : tls_);
+  }
+
+  std::vector<spmdx::CommCapability> capabilities() const override {
+    return {{"*", spmdx::MemoryType::host, 0, static_cast<std::size_t>(-1), 10}};
   }
 
   ~UcxTransport() override {
@@ -201,7 +224,9 @@ class UcxTransport final : public spmdx::comm::Transport {
     if (s != UCS_OK) throw CommError("ucx (rank " + std::to_string(rank_) + "): cannot " + what + ": " + ucs_status_string(s), -1);
   }
 
-  int rank_;
+  std::string tls_;       // the option, or "" (UCX_TLS or chosen at connect)
+  std::string tls_used_;  // what connect() gave UCX
+  int rank_ = 0;
   ucp_context_h context_ = nullptr;
   ucp_worker_h worker_ = nullptr;
   std::vector<ucp_ep_h> eps_;
@@ -209,56 +234,10 @@ class UcxTransport final : public spmdx::comm::Transport {
   std::uint64_t next_ = 0;
 };
 
-class UcxBackend final : public spmdx::comm::P2PBackend {
- public:
-  explicit UcxBackend(const spmdx::Options& options) {
-    for (const auto& [key, value] : options) {
-      if (key == "tls") {
-        check_tls(value);
-        tls_ = value;
-      } else if (!take_option("ucx", key, value)) {
-        throw std::invalid_argument("ucx: unknown option '" + key + "' (known: tls, chunk_bytes, direct_max_bytes, shm, shm_chunk_bytes)");
-      }
-    }
-  }
-  ~UcxBackend() override { finalize(); }
-
-  void init(const spmdx::CommInit& init) override {
-    if (init.store == nullptr) throw std::invalid_argument("ucx: init needs a store");
-    std::string tls = tls_;
-    if (tls.empty() && std::getenv("UCX_TLS") == nullptr) {
-      const std::string local = env_or("LOCAL_WORLD_SIZE", std::to_string(init.world_size));
-      if (local == std::to_string(init.world_size)) tls = "shm,self";  // every rank on this host
-    }
-    tls_used_ = tls.empty() ? env_or("UCX_TLS", "ucx default") : tls;
-    transport_ = std::make_unique<UcxTransport>(init, tls);
-    start(transport_.get(), init);
-    SPMDX_DEBUG("ucx: rank " << init.rank << "/" << init.world_size << " up, UCX_TLS=" << tls_used_);
-  }
-
-  void finalize() override {
-    stop();
-    transport_.reset();
-  }
-
-  std::string describe() const override {
-    return "ucx (UCX_TLS=" + tls_used_ + ", " + option_str() + ") rank " + std::to_string(rank()) + "/" + std::to_string(world_size());
-  }
-
-  std::vector<spmdx::CommCapability> capabilities() const override {
-    return {{"*", spmdx::MemoryType::host, 0, static_cast<std::size_t>(-1), 10}};
-  }
-
- private:
-  std::string tls_;
-  std::string tls_used_;
-  std::unique_ptr<UcxTransport> transport_;
-};
-
 void register_ucx(spmdx::Registrar& r) {
-  r.add_comm_backend("ucx", [](const spmdx::Options& options) { return std::make_unique<UcxBackend>(options); });
+  r.add_transport("ucx", {{"tls"}, [](const spmdx::Options& options) { return std::make_unique<UcxTransport>(options); }});
 }
 
 }  // namespace
 
-SPMDX_PLUGIN("ucx", comm, "0.1.0", "UCX (UCP tag matching): ring, all-pairs and tree collectives on host memory, shm or TCP", register_ucx)
+SPMDX_PLUGIN("ucx", comm, "0.2.0", "UCX (UCP tag matching) under the host's ring, all-pairs, tree and shared-memory collectives; host memory, shm or TCP", register_ucx)

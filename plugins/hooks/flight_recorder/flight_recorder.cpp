@@ -18,9 +18,9 @@
 #include <random>
 #include <nlohmann/json.hpp>
 
-#include "spmdx/core/files.h"
 #include "spmdx/core/log.h"
-#include "spmdx/core/options.h"
+#include "spmdx/files.h"
+#include "spmdx/options.h"
 #include "spmdx/plugin.h"
 
 namespace {

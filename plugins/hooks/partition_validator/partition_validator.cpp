@@ -24,11 +24,11 @@
 #include <set>
 #include <sstream>
 
-#include "spmdx/core/files.h"
 #include "spmdx/core/log.h"
-#include "spmdx/core/options.h"
-#include "spmdx/core/text.h"
+#include "spmdx/files.h"
+#include "spmdx/options.h"
 #include "spmdx/plugin.h"
+#include "spmdx/text.h"
 
 namespace {
 

@@ -19,9 +19,9 @@
 #include <nlohmann/json.hpp>
 #include <thread>
 
-#include "spmdx/core/files.h"
 #include "spmdx/core/log.h"
-#include "spmdx/core/options.h"
+#include "spmdx/files.h"
+#include "spmdx/options.h"
 #include "spmdx/plugin.h"
 
 namespace {

@@ -1,4 +1,5 @@
-// tensor_parallel: Megatron-LM tensor parallelism (Shoeybi et al. 2019) on the "tp" mesh dim,
+// tensor_parallel: Megatron-LM tensor parallelism (Shoeybi et al. 2019) on the mesh dim the host
+// binds it to (StrategyInput::mesh_dim; "tp" by default),
 // by a plan over parameter names, as DTensor's parallelize_module takes one (ColwiseParallel,
 // RowwiseParallel) and torchtitan's parallelize plans write it.
 //
@@ -62,11 +63,8 @@ class TensorParallel final : public spmdx::Strategy {
   }
 
   spmdx::PlacementMap place(const spmdx::StrategyInput& in) const override {
-    int tp = -1;
-    for (std::size_t i = 0; i < in.mesh.size(); ++i) {
-      if (in.mesh[i].name == "tp") tp = static_cast<int>(i);
-    }
-    if (tp < 0) throw std::invalid_argument("tensor_parallel needs a mesh dim named tp (tensor_parallel_degree)");
+    const int tp = in.mesh_dim;  // "tp" unless the config binds this strategy to another dim
+    if (tp < 0 || tp >= static_cast<int>(in.mesh.size())) throw std::invalid_argument("tensor_parallel: mesh_dim " + std::to_string(tp) + " is not a dim of the mesh");
     const std::int64_t k = in.mesh[static_cast<std::size_t>(tp)].size;
     const bool given = !plan_.empty();
     const Plan& plan = given ? plan_ : builtin_plan();
@@ -90,7 +88,7 @@ class TensorParallel final : public spmdx::Strategy {
           }
           if (p.shape[static_cast<std::size_t>(dim)] % k != 0) {
             throw std::invalid_argument("tensor_parallel: parameter '" + p.name + "' dim " + std::to_string(dim) + " (" + std::to_string(p.shape[static_cast<std::size_t>(dim)]) +
-                                        ") does not split evenly over tp=" + std::to_string(k) + ": pick a tensor_parallel_degree that divides it");
+                                        ") does not split evenly over " + in.mesh[static_cast<std::size_t>(tp)].name + "=" + std::to_string(k) + ": pick a tensor_parallel_degree that divides it");
           }
           pl[static_cast<std::size_t>(tp)] = spmdx::Placement::shard(dim);
           any_sharded = true;
@@ -137,6 +135,6 @@ void register_tp(spmdx::Registrar& r) {
 
 }  // namespace
 
-SPMDX_PLUGIN("tensor_parallel", strategy, "0.2.0",
-             "Megatron tensor parallel on tp by a plan of parameter globs ([parallelism.tp_plan]); built in: torchtitan's and Hugging Face's Llama names",
+SPMDX_PLUGIN("tensor_parallel", strategy, "0.3.0",
+             "Megatron tensor parallel on its mesh dim (tp) by a plan of parameter globs ([parallelism.tp_plan]); built in: torchtitan's and Hugging Face's Llama names",
              register_tp)

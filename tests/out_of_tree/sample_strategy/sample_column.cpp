@@ -1,4 +1,5 @@
-// sample_column: shards every 2-D parameter on dim 1 (column-wise) across mesh dim 0.
+// sample_column: shards every 2-D parameter on dim 1 (column-wise) across the mesh dim the host
+// binds it to (StrategyInput::mesh_dim).
 #include <spmdx/plugin.h>
 
 namespace {
@@ -9,7 +10,7 @@ class SampleColumn final : public spmdx::Strategy {
     spmdx::PlacementMap out;
     for (const auto& p : in.parameters) {
       std::vector<spmdx::Placement> placements(in.mesh.size(), spmdx::Placement::replicate());
-      if (p.shape.size() == 2 && !placements.empty()) placements[0] = spmdx::Placement::shard(1);
+      if (p.shape.size() == 2 && !placements.empty()) placements[static_cast<std::size_t>(in.mesh_dim)] = spmdx::Placement::shard(1);
       out[p.name] = placements;
     }
     return out;

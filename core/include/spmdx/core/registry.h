@@ -53,6 +53,7 @@ class PluginError : public std::runtime_error {
     not_shared_object,  ///< not a regular, complete ELF shared object, or dlopen refused it
     entry_missing,      ///< no `spmdx_plugin` entry point
     abi_mismatch,       ///< major differs, or minor newer than the host's
+    toolchain_mismatch, ///< built with another C++ standard library or ABI (SPMDX_TOOLCHAIN)
     bad_descriptor,     ///< null descriptor, empty name, unknown kind, no callback
     register_failed,    ///< the registration callback threw
     unknown_plugin,     ///< no plugin or factory of that name
@@ -87,6 +88,8 @@ struct PluginInfo {
   std::string description;
   std::uint32_t abi_major = 0;
   std::uint32_t abi_minor = 0;
+  std::string toolchain;             ///< SPMDX_TOOLCHAIN it was built with
+  std::uint32_t flags = 0;           ///< PluginFlag bits (plugin.h)
   std::filesystem::path path;        ///< absolute, as found
   bool registered = false;           ///< its registration callback ran and succeeded
   std::vector<std::string> factories;  ///< names it registered, once registered
@@ -128,6 +131,9 @@ class PluginRegistry {
   /// "ucx:tls=tcp,self", the form of the config's comm.backend). Throws
   /// std::invalid_argument for an item that is not key=value, and what make_comm_backend throws.
   std::unique_ptr<CommBackend> make_comm_backend_from_spec(const std::string& spec);
+  /// The plugin that registered comm backend `name` (loading plugins on demand as
+  /// make_comm_backend does); throws PluginError(unknown_plugin) as make_comm_backend.
+  const PluginInfo& comm_backend_plugin(std::string_view name);
 
  private:
   struct Factories;

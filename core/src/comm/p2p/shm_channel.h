@@ -1,4 +1,4 @@
-// A shared-memory segment that the members of one group on one host map, for P2PBackend's
+// A shared-memory segment that the members of one group on one host map, for the engine's
 // shared-memory collectives (as Open MPI's coll/sm and DeepSpeed's CPU shm all_reduce do: every
 // member copies its data into the segment once, reads its peers' straight from it, and no
 // message passes through a transport or the kernel).

@@ -1,0 +1,284 @@
+// The engine's spine: options, the queue from the issuing threads to the communication
+// thread, the comm thread's loop, and the waits every algorithm shares.
+#include "engine.h"
+
+#include <algorithm>
+#include <chrono>
+#include <stdexcept>
+
+#include "spmdx/core/clock.h"
+#include "spmdx/core/text.h"
+
+namespace spmdx::comm {
+
+class P2PEngine::OpWork final : public Work {
+ public:
+  explicit OpWork(std::shared_ptr<Op> op) : op_(std::move(op)) {}
+  bool wait(double timeout_seconds) override {
+    std::unique_lock lock(op_->mutex);
+    if (!op_->cv.wait_for(lock, std::chrono::duration<double>(timeout_seconds), [&] { return op_->done; })) return false;
+    if (!op_->error.empty()) throw CommError(op_->error, op_->error_peer);
+    return true;
+  }
+  bool test() override {
+    std::lock_guard lock(op_->mutex);
+    return op_->done;
+  }
+  bool times(double& started_at, double& finished_at) const override {
+    std::lock_guard lock(op_->mutex);
+    if (!op_->done) return false;
+    started_at = op_->started_at;
+    finished_at = op_->finished_at;
+    return true;
+  }
+
+ private:
+  std::shared_ptr<Op> op_;
+};
+
+std::string P2POptions::str() const {
+  return "chunk_bytes=" + std::to_string(chunk_bytes) + ", direct_max_bytes=" + std::to_string(direct_max_bytes) +
+         ", shm=" + (shm ? "on" : "off") + ", shm_chunk_bytes=" + std::to_string(shm_chunk_bytes);
+}
+
+const std::vector<std::string>& p2p_option_keys() {
+  static const std::vector<std::string> keys{"chunk_bytes", "direct_max_bytes", "shm", "shm_chunk_bytes"};
+  return keys;
+}
+
+P2POptions take_p2p_options(const std::string& backend, Options& options) {
+  P2POptions out;
+  if (auto it = options.find("shm"); it != options.end()) {
+    if (it->second != "on" && it->second != "off") throw std::invalid_argument(backend + ": option shm='" + it->second + "' must be on or off");
+    out.shm = it->second == "on";
+    options.erase(it);
+  }
+  for (const char* key : {"chunk_bytes", "direct_max_bytes", "shm_chunk_bytes"}) {
+    auto it = options.find(key);
+    if (it == options.end()) continue;
+    const std::string& value = it->second;
+    const std::string k = key;
+    const std::uint64_t least = k == "direct_max_bytes" ? 0 : 64;
+    const bool shm_chunk = k == "shm_chunk_bytes";
+    std::uint64_t bytes = 0;
+    bool ok = !value.empty() && value.find_first_of("-+ ") == std::string::npos;
+    try {
+      if (ok) bytes = spmdx::parse_bytes(value);
+    } catch (const std::exception&) {
+      ok = false;
+    }
+    if (!ok || bytes < least || bytes > (shm_chunk ? std::uint64_t{64} << 20 : std::uint64_t{1} << 40)) {
+      throw std::invalid_argument(backend + ": option " + k + "='" + value + "' must be a size in bytes from " + std::to_string(least) +
+                                  (shm_chunk ? " to 64M" : " to 1024G") + " (examples: 262144, 256K, 4M)");
+    }
+    (k == "chunk_bytes" ? out.chunk_bytes : k == "direct_max_bytes" ? out.direct_max_bytes : out.shm_chunk_bytes) = static_cast<std::size_t>(bytes);
+    options.erase(it);
+  }
+  return out;
+}
+
+std::unique_ptr<CommBackend> make_p2p_backend(std::string name, std::unique_ptr<Transport> transport, P2POptions options) {
+  return std::make_unique<P2PEngine>(std::move(name), std::move(transport), options);
+}
+
+CommBackendFactory p2p_backend_factory(std::string name, TransportInfo info) {
+  return [name = std::move(name), info = std::move(info)](const Options& given) -> std::unique_ptr<CommBackend> {
+    Options options = given;
+    const P2POptions p2p = take_p2p_options(name, options);
+    for (const auto& [key, value] : options) {
+      if (std::find(info.options.begin(), info.options.end(), key) != info.options.end()) continue;
+      std::vector<std::string> known = info.options;
+      known.insert(known.end(), p2p_option_keys().begin(), p2p_option_keys().end());
+      throw std::invalid_argument(name + ": unknown option '" + key + "' (known: " + join(known) + ")");
+    }
+    std::unique_ptr<Transport> transport = info.factory(options);
+    if (!transport) throw std::runtime_error(name + ": the plugin's transport factory returned no transport; fix the plugin");
+    return make_p2p_backend(name, std::move(transport), p2p);
+  };
+}
+
+P2PEngine::P2PEngine(std::string name, std::unique_ptr<Transport> transport, P2POptions options)
+    : name_(std::move(name)), transport_(std::move(transport)), options_(options) {}
+
+P2PEngine::~P2PEngine() { finalize(); }
+
+void P2PEngine::init(const CommInit& init) {
+  if (!transport_) throw std::logic_error(name_ + ": init after finalize; make a new backend");
+  transport_->connect(init);
+  rank_ = init.rank;
+  world_size_ = init.world_size;
+  shm_.start(init, options_);
+  groups_.clear();
+  Group all;
+  for (int r = 0; r < world_size_; ++r) all.ranks.push_back(r);
+  all.me = rank_;
+  groups_.push_back(std::move(all));
+  aborted_ = false;
+  first_failure_.clear();
+  first_failure_peer_ = -1;
+  queue_.reopen();
+  thread_ = std::thread([this] { run(); });
+  health_.start(init);
+  started_ = true;
+}
+
+void P2PEngine::stop() {
+  queue_.close();  // the comm thread drains what is queued, then ends
+  if (thread_.joinable()) thread_.join();
+  health_.stop();
+  std::lock_guard lock(mutex_);
+  for (Group& g : groups_) g.shm.reset(), g.shm_state = 0;  // unmapped now, not when the backend goes
+}
+
+void P2PEngine::finalize() {
+  stop();
+  transport_.reset();  // after the comm thread, the transport's only caller, has ended
+}
+
+void P2PEngine::abort() noexcept {
+  aborted_ = true;  // queued operations fail at once; one in progress fails at its next poll
+}
+
+std::string P2PEngine::describe() const {
+  return name_ + " (" + (transport_ ? transport_->describe() : std::string("finalized")) + ", " + options_.str() + ") rank " +
+         std::to_string(rank_) + "/" + std::to_string(world_size_);
+}
+
+bool P2PEngine::use_direct(std::size_t members, std::size_t bytes) const {
+  return members > 1 && members <= kDirectMaxMembers && bytes <= options_.direct_max_bytes;
+}
+
+int P2PEngine::new_group(const std::vector<int>& ranks) {
+  auto me = std::find(ranks.begin(), ranks.end(), rank_);
+  if (me == ranks.end()) throw std::invalid_argument("new_group: rank " + std::to_string(rank_) + " is not a member");
+  std::lock_guard lock(mutex_);
+  if (groups_.size() >= 255) throw std::invalid_argument("new_group: at most 255 groups");
+  Group g;
+  g.ranks = ranks;
+  g.me = static_cast<int>(me - ranks.begin());
+  groups_.push_back(std::move(g));
+  return static_cast<int>(groups_.size() - 1);
+}
+
+std::unique_ptr<Work> P2PEngine::submit(const char* name, int group, std::function<void(Op&)> body) {
+  auto op = std::make_shared<Op>();
+  op->name = name;
+  op->group = group;
+  op->body = std::move(body);
+  {
+    std::lock_guard lock(mutex_);
+    if (group == kPointToPoint) {
+      op->group = 0xff;  // send/recv: the tag is the caller's, no group sequence
+    } else if (group < 0 || group >= static_cast<int>(groups_.size())) {
+      throw std::invalid_argument(std::string(name) + ": no group " + std::to_string(group));
+    } else {
+      op->g = &groups_[static_cast<std::size_t>(group)];
+      op->seq = op->g->seq++;
+    }
+    queue_.push(op);
+  }
+  return std::make_unique<OpWork>(op);
+}
+
+void P2PEngine::run() {
+  while (true) {
+    std::shared_ptr<Op> op;
+    if (!queue_.pop_wait(op)) return;  // closed and drained
+    std::string error;
+    int peer = -1;
+    const double started_at = wall_seconds();
+    if (aborted_) {
+      error = std::string(op->name) + " aborted: " + (first_failure_.empty() ? "the backend was aborted" : "an earlier collective failed: " + first_failure_);
+      peer = first_failure_peer_;
+    } else {
+      try {
+        op->body(*op);
+      } catch (const CommError& e) {
+        error = e.what();
+        peer = e.peer();
+        // A failed collective leaves its peers mid-operation: the ones queued after it fail at
+        // once rather than each waiting out the timeout (as NCCL's communicator, aborted on
+        // an error). The caller may be unwinding past all of them.
+        first_failure_ = error;
+        first_failure_peer_ = peer;
+        aborted_ = true;
+      } catch (const std::exception& e) {
+        error = std::string(op->name) + ": " + e.what();
+      }
+    }
+    {
+      std::lock_guard lock(op->mutex);
+      op->done = true;
+      op->error = error;
+      op->error_peer = peer;
+      op->started_at = started_at;
+      op->finished_at = wall_seconds();
+    }
+    op->cv.notify_all();
+  }
+}
+
+void P2PEngine::wait_all(Op& op, const std::vector<Request>& requests) {
+  Health::Stall stall = health_.stall();
+  std::vector<bool> done(requests.size(), false);
+  std::size_t left = requests.size();
+  while (left > 0) {
+    bool progressed = false;
+    for (std::size_t i = 0; i < requests.size(); ++i) {
+      if (done[i]) continue;
+      bool ok = false;
+      try {
+        ok = transport_->test(requests[i].first);
+      } catch (const CommError& e) {
+        // A peer that already exited because another rank failed is not the one to blame.
+        const int peer = requests[i].second;
+        int blamed = health_.reported_fault();
+        if (blamed < 0) {
+          health_.report_fault(peer);
+          blamed = peer;
+        }
+        throw CommError(op_name(op) + " failed talking to rank " + std::to_string(peer) + ": " + e.what() +
+                            (blamed != peer ? "; rank " + std::to_string(blamed) + " failed first" : ""),
+                        blamed);
+      }
+      if (ok) done[i] = true, --left, progressed = true;
+    }
+    if (left == 0) break;
+    const auto now = Health::Clock::now();
+    if (progressed) stall.last_progress = now;
+    int silent = -1;
+    for (std::size_t i = 0; i < requests.size(); ++i) {
+      if (!done[i]) silent = requests[i].second;
+    }
+    health_.check_stall(op, stall, silent);
+    // Back off by how long nothing has completed: poll hard while a peer is mid-message (a
+    // ring step's partner is usually microseconds behind), yield the core for a while, then
+    // sleep, since ranks share few cores with their compute threads.
+    const auto idle = now - stall.last_progress;
+    if (idle > std::chrono::microseconds(2000)) {
+      std::this_thread::sleep_for(std::chrono::microseconds(idle > std::chrono::milliseconds(50) ? 200 : 20));
+    } else if (idle > std::chrono::microseconds(20)) {
+      std::this_thread::yield();
+    }
+  }
+}
+
+char* P2PEngine::scratch(std::size_t slot, std::size_t bytes) {
+  auto& s = scratch_[slot];
+  if (s.size < bytes) {  // grown, never shrunk, never zeroed: no page faults or memset per call
+    s.data.reset(new char[bytes]);
+    s.size = bytes;
+  }
+  return s.data.get();
+}
+
+void P2PEngine::sendrecv(Op& op, int to, const void* sbuf, std::size_t sbytes, int from, void* rbuf, std::size_t rbytes,
+                         int explicit_step) {
+  const std::uint16_t step = explicit_step >= 0 ? static_cast<std::uint16_t>(explicit_step) : op.step++;
+  std::vector<Request> reqs;
+  if (from >= 0) reqs.emplace_back(transport_->irecv(from, rbuf, rbytes, make_tag(from, op.group, op.seq, step)), from);
+  if (to >= 0) reqs.emplace_back(transport_->isend(to, sbuf, sbytes, make_tag(rank_, op.group, op.seq, step)), to);
+  wait_all(op, reqs);
+}
+
+}  // namespace spmdx::comm
