@@ -4,6 +4,9 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <map>
+
+#include "spmdx/plugin.h"
 #include "test_util.h"
 
 namespace spmdx {
@@ -34,8 +37,20 @@ TEST(Cli, PluginsJsonListsTheBuiltPlugins) {
   EXPECT_EQ(dp->at("abi"), "3.0");
   EXPECT_EQ(dp->at("version"), "0.2.0");
   EXPECT_EQ(dp->at("registered"), true);
+  EXPECT_EQ(dp->at("toolchain"), SPMDX_TOOLCHAIN);
+  EXPECT_EQ(dp->at("in_process_only"), false);
+  EXPECT_FALSE(dp->contains("capabilities"));
   EXPECT_EQ(fs::path(dp->at("path").get<std::string>()),
             fs::canonical(BUILTIN_PLUGIN_DIR) / "libspmdx_data_parallel.so");
+  // Comm plugins show what comm.backend = "auto" scores.
+  std::map<std::string, const nlohmann::json*> by_name;
+  for (const auto& p : list) by_name[p.at("name").get<std::string>()] = &p;
+  ASSERT_TRUE(by_name.count("ucx") && by_name.count("local")) << r.output;
+  EXPECT_EQ(by_name["ucx"]->at("capabilities"),
+            nlohmann::json::parse(R"({"ucx": [{"op": "*", "memory": "host", "min_bytes": 0, "max_bytes": 18446744073709551615, "score": 10}]})"));
+  EXPECT_EQ(by_name["local"]->at("capabilities").at("local").at(0).at("score"), 1);
+  EXPECT_EQ(by_name["local"]->at("in_process_only"), true);
+  EXPECT_EQ(by_name["ucx"]->at("in_process_only"), false);
 }
 
 TEST(Cli, PluginsTableNamesEachPlugin) {

@@ -122,7 +122,8 @@ TEST(Run, UnderTorchrunTheRanksJoinItsC10dStore) {
 TEST(Run, TheLocalBackendIsRefusedBeforeAnyRankStarts) {
   auto r = spmdx_run("'" SPMDX_SOURCE_DIR "/configs/mlp_dp.toml' --nproc 2 --comm.backend local");
   EXPECT_EQ(r.exit_code, 1);
-  EXPECT_THAT(r.output, HasSubstr("comm.backend = \"local\": the local backend runs ranks as threads of one process"));
+  EXPECT_THAT(r.output, HasSubstr("comm.backend = \"local\": the local plugin runs ranks as threads of one process (its descriptor is flagged "
+                                  "in-process only), and spmdx run starts a process per rank; use ucx, or \"auto\""));
   EXPECT_THAT(r.output, ::testing::Not(HasSubstr("[rank")));
 }
 

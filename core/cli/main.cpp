@@ -9,6 +9,7 @@
 #include <fstream>
 #include <iomanip>
 #include <iostream>
+#include <map>
 #include <optional>
 
 #include "spmdx/core/log.h"
@@ -44,6 +45,31 @@ std::string abi_text(const spmdx::PluginInfo& p) {
   return std::to_string(p.abi_major) + "." + std::to_string(p.abi_minor);
 }
 
+// A comm backend's capability table (comm.h's CommCapability), or why it cannot be made here
+// ({"error": ...}, e.g. nccl without a CUDA device): what comm.backend = "auto" scores.
+nlohmann::json capability_table(spmdx::PluginRegistry& registry, const std::string& backend) {
+  nlohmann::json rows = nlohmann::json::array();
+  try {
+    for (const auto& c : registry.make_comm_backend(backend)->capabilities()) {
+      rows.push_back({{"op", c.op},
+                      {"memory", c.memory == spmdx::MemoryType::cuda ? "cuda" : "host"},
+                      {"min_bytes", c.min_bytes},
+                      {"max_bytes", c.max_bytes},
+                      {"score", c.score}});
+    }
+  } catch (const std::exception& e) {
+    return {{"error", e.what()}};
+  }
+  return rows;
+}
+
+// "all_reduce host 0..4096 B score 50", one capability in the text listing.
+std::string capability_text(const nlohmann::json& c) {
+  const auto max = c.at("max_bytes").get<std::uint64_t>();
+  return c.at("op").get<std::string>() + " " + c.at("memory").get<std::string>() + " " + std::to_string(c.at("min_bytes").get<std::uint64_t>()) + ".." +
+         (max == static_cast<std::uint64_t>(-1) ? std::string("") : std::to_string(max)) + " B score " + std::to_string(c.at("score").get<int>());
+}
+
 // Lists every plugin found on the search path after loading it, so that a plugin that would
 // fail at run time fails here first. Exit 1 when any plugin failed, 0 otherwise.
 int run_plugins(const std::vector<std::string>& paths, bool json) {
@@ -52,17 +78,30 @@ int run_plugins(const std::vector<std::string>& paths, bool json) {
   registry.discover(spmdx::plugin_search_path(user_paths));
   registry.load_all();
 
+  std::map<std::string, nlohmann::json> capabilities;  // comm backend -> its table
+  for (const auto& p : registry.plugins()) {
+    if (p.kind != spmdx::PluginKind::comm || !p.registered) continue;
+    for (const auto& backend : p.factories) capabilities[backend] = capability_table(registry, backend);
+  }
   if (json) {
     nlohmann::json out = nlohmann::json::array();
     for (const auto& p : registry.plugins()) {
-      out.push_back({{"name", p.name},
-                     {"kind", spmdx::to_string(p.kind)},
-                     {"version", p.version},
-                     {"abi", abi_text(p)},
-                     {"path", p.path.string()},
-                     {"description", p.description},
-                     {"registered", p.registered},
-                     {"factories", p.factories}});
+      nlohmann::json entry{{"name", p.name},
+                           {"kind", spmdx::to_string(p.kind)},
+                           {"version", p.version},
+                           {"abi", abi_text(p)},
+                           {"toolchain", p.toolchain},
+                           {"in_process_only", (p.flags & spmdx::kPluginInProcessOnly) != 0},
+                           {"path", p.path.string()},
+                           {"description", p.description},
+                           {"registered", p.registered},
+                           {"factories", p.factories}};
+      if (p.kind == spmdx::PluginKind::comm) {
+        nlohmann::json tables = nlohmann::json::object();
+        for (const auto& backend : p.factories) tables[backend] = capabilities.at(backend);
+        entry["capabilities"] = tables;
+      }
+      out.push_back(entry);
     }
     // Paths need not be UTF-8; replace what is not rather than fail the whole listing.
     std::cout << out.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
@@ -76,6 +115,17 @@ int run_plugins(const std::vector<std::string>& paths, bool json) {
       std::cout << std::setw(20) << p.name << std::setw(10) << spmdx::to_string(p.kind) << std::setw(10)
                 << p.version << std::setw(6) << abi_text(p) << p.path.string() << "\n"
                 << "    " << p.description << "\n";
+      if (p.kind != spmdx::PluginKind::comm || !p.registered) continue;
+      for (const auto& backend : p.factories) {
+        const nlohmann::json& table = capabilities.at(backend);
+        if (table.is_object()) {
+          std::cout << "    capabilities of " << backend << ": cannot make it here: " << table.at("error").get<std::string>() << "\n";
+          continue;
+        }
+        std::vector<std::string> rows;
+        for (const auto& c : table) rows.push_back(capability_text(c));
+        std::cout << "    capabilities of " << backend << ": " << spmdx::join(rows, "; ") << "\n";
+      }
     }
   }
   for (const auto& e : registry.errors()) std::cerr << "error: " << e.what() << "\n";

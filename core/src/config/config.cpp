@@ -184,7 +184,7 @@ const std::vector<KeySpec>& schema() {
       n("parallelism.tensor_parallel_degree", Type::integer, std::int64_t{1}, "Megatron TP degree (mesh dim tp)", 1, 1e6),
       k("parallelism.fsdp_reshard_after_forward", Type::string, std::string("default"), "free gathered parameters after forward", -1e300,
        L{"default", "never", "always"}),
-      k("comm.backend", Type::string, std::string("ucx"), "comm plugin for collectives, \"name\" or \"name:key=value;...\" (ucx:tls=tcp,self)"),
+      k("comm.backend", Type::string, std::string("auto"), "comm backend: \"auto\" (per collective, the best score of every comm plugin found), or pin one: \"name\" or \"name:key=value;...\" (ucx:tls=tcp,self)"),
       n("comm.timeout_seconds", Type::floating, 300.0, "a collective that takes longer fails, naming the peer", 1, 1e6),
       n("comm.swap_at_step", Type::integer, std::int64_t{0}, "hot-swap between backend and swap_to every this many steps (0: never)", 0, 1e9),
       k("comm.swap_to", Type::string, std::string(""), "the backend to swap to"),

@@ -21,6 +21,7 @@
 #include <nlohmann/json.hpp>
 
 #include "spmdx/comm/health.h"
+#include "spmdx/comm/select.h"
 #include "spmdx/comm/store.h"
 #include "spmdx/core/files.h"
 #include "spmdx/core/log.h"
@@ -284,7 +285,8 @@ Joined join_job(const config::Config& cfg, const launch::RankEnv& env, double ti
 // rank it reaps first.
 std::unique_ptr<CommBackend> join_backend(PluginRegistry& registry, const std::string& spec_text, const launch::RankEnv& env, Store& store,
                                           std::int64_t generation, double timeout) {
-  auto backend = registry.make_comm_backend_from_spec(spec_text);
+  // Ranks here are processes; the executor moves host memory (training.device "cpu").
+  auto backend = comm::make_job_backend(registry, spec_text, {MemoryType::host}, true);
   try {
     backend->init({env.rank, env.world_size, generation, &store, timeout});
   } catch (const CommError& e) {
@@ -473,7 +475,7 @@ struct StepLoop {
       const std::int64_t generation = step / swap_every;
       const std::string next = generation % 2 == 1 ? cfg.get_string("comm.swap_to") : cfg.get_string("comm.backend");
       backend.reset();
-      backend = registry.make_comm_backend_from_spec(next);
+      backend = comm::make_job_backend(registry, next, {MemoryType::host}, true);
       backend->init({env.rank, env.world_size, generation, store, timeout});
       executor.set_backend(backend.get());
       if (lead && (step / swap_every) % std::max<std::int64_t>(1, log_freq) == 0) {

@@ -4,6 +4,7 @@
 #include <filesystem>
 #include <functional>
 
+#include "spmdx/comm/select.h"
 #include "spmdx/core/log.h"
 #include "spmdx/core/text.h"
 #include "spmdx/data/text_dataset.h"
@@ -210,6 +211,48 @@ void check_data(const config::Config& cfg, const data::Tokenizer& tokenizer, con
   }
 }
 
+namespace {
+
+// "" when `spec_text` names a comm backend that can serve this job's ranks (processes started
+// by spmdx run or a launcher) on `device`; else what is wrong, to follow `key = "spec"`.
+std::string check_comm_spec(PluginRegistry& registry, const std::string& spec_text, const std::string& device) {
+  const std::vector<MemoryType> memory = comm::job_memory(device);
+  const std::string memory_text = device == "cuda" ? "CUDA" : "host";
+  if (spec_text == "auto") {
+    try {
+      comm::make_job_backend(registry, spec_text, memory, true);
+    } catch (const std::exception& e) {
+      return ": " + std::string(e.what());
+    }
+    return "";
+  }
+  const std::string name = spec_text.substr(0, spec_text.find(':'));
+  const auto* p = registry.find(name);
+  if (p == nullptr || p->kind != PluginKind::comm) {
+    std::vector<std::string> names;
+    for (const auto& q : registry.plugins()) {
+      if (q.kind == PluginKind::comm) names.push_back(q.name);
+    }
+    const std::string known = join(names);
+    return " is not a comm plugin found here; found: " + (known.empty() ? std::string("none") : known) + " (or \"auto\")";
+  }
+  try {  // made, not initialised: the plugin checks its options (and what it needs) here
+    if ((registry.comm_backend_plugin(name).flags & kPluginInProcessOnly) != 0) {
+      return ": the " + name + " plugin runs ranks as threads of one process (its descriptor is flagged in-process only), and spmdx run "
+             "starts a process per rank; use ucx, or \"auto\"";
+    }
+    const auto backend = registry.make_comm_backend_from_spec(spec_text);
+    bool moves = false;
+    for (const auto& c : backend->capabilities()) moves = moves || c.memory == memory.front();
+    if (!moves) return ": the " + name + " plugin does not move " + memory_text + " memory, which training.device = \"" + device + "\" needs";
+  } catch (const std::exception& e) {
+    return ": " + std::string(e.what());
+  }
+  return "";
+}
+
+}  // namespace
+
 std::vector<std::string> preflight(const config::Config& cfg, std::int64_t world_size, PluginRegistry& registry, std::unique_ptr<data::Tokenizer>* tokenizer,
                                    std::optional<JobSpec>* spec, Preflight what) {
   const bool run = what == Preflight::run;
@@ -242,36 +285,11 @@ std::vector<std::string> preflight(const config::Config& cfg, std::int64_t world
   discover_plugins(registry, cfg);
   for (const auto& e : registry.errors()) out.push_back(cfg.where({"plugins.paths"}) + ": plugins: " + e.what());
   if (run && world_size > 1 && !cfg.has_problem("comm.")) {
-    const bool cuda = cfg.get_string("training.device") == "cuda";
     for (const char* key : {"comm.backend", "comm.swap_to"}) {
       const std::string spec_text = cfg.get_string(key);
       if (spec_text.empty() && std::string(key) == "comm.swap_to") continue;
-      const std::string name = spec_text.substr(0, spec_text.find(':'));
-      auto fail = [&](const std::string& why) { out.push_back(cfg.where({key}) + ": " + key + " = \"" + spec_text + "\"" + why); };
-      if (name == "local") {
-        fail(": the local backend runs ranks as threads of one process, and spmdx run starts a process per rank; use ucx");
-        continue;
-      }
-      const auto* p = registry.find(name);
-      if (p == nullptr || p->kind != PluginKind::comm) {
-        std::vector<std::string> names;
-        for (const auto& q : registry.plugins()) {
-          if (q.kind == PluginKind::comm) names.push_back(q.name);
-        }
-        const std::string known = join(names);
-        fail(" is not a comm plugin found here; found: " + (known.empty() ? std::string("none") : known));
-        continue;
-      }
-      try {  // made, not initialised: the plugin checks its options (and what it needs) here
-        const auto backend = registry.make_comm_backend_from_spec(spec_text);
-        bool moves = false;
-        for (const auto& c : backend->capabilities()) moves = moves || c.memory == (cuda ? MemoryType::cuda : MemoryType::host);
-        if (!moves) {
-          fail(": the " + name + " plugin does not move " + (cuda ? "CUDA" : "host") + " memory, which training.device = \"" +
-               cfg.get_string("training.device") + "\" needs");
-        }
-      } catch (const std::exception& e) {
-        fail(": " + std::string(e.what()));
+      if (const std::string why = check_comm_spec(registry, spec_text, cfg.get_string("training.device")); !why.empty()) {
+        out.push_back(cfg.where({key}) + ": " + key + " = \"" + spec_text + "\"" + why);
       }
     }
   }

@@ -1,0 +1,61 @@
+// Choosing comm backends by score (UCC's score map, ucc_team_build_score_map): every backend
+// says in capabilities() which operations, memory types and sizes it serves and how well; the
+// host picks, per call, the covering capability with the highest score. The config's
+// [comm] backend = "auto" (the default) lets the host choose among every comm backend found
+// here; a name ("ucx", "ucx:tls=tcp,self") pins one.
+#pragma once
+
+#include <cstddef>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "spmdx/comm.h"
+
+namespace spmdx {
+class PluginRegistry;
+}
+
+namespace spmdx::comm {
+
+/// The memory types a job on `device` ("cpu" or "cuda", training.device) moves: host for a CPU
+/// job; CUDA first, then host, for a GPU job.
+std::vector<MemoryType> job_memory(const std::string& device);
+
+/// The operations a capability may name (besides "*"), in comm.h's order.
+const std::vector<std::string>& comm_operations();
+
+/// The index of the backend whose capability covers `op` on `memory` for `bytes` with the
+/// highest score (the first listed of equal ones), or -1 when none covers it.
+int choose_backend(const std::vector<std::vector<CommCapability>>& capabilities, const std::string& op, MemoryType memory, std::size_t bytes);
+
+/// One CommBackend over several, each call going to choose_backend's pick. Sizes that
+/// differ across ranks are not used to choose (every rank must pick the same backend):
+/// all_gather picks by its output's bytes, reduce_scatter by its input's, all_to_all and
+/// barrier by operation and memory alone (as if 0 bytes). Each member joins the job with its
+/// own store generation (generation x 16 + its index), so their keys never meet. Throws
+/// std::invalid_argument from a call no member covers, naming the operation, memory and size.
+std::unique_ptr<CommBackend> make_scored_backend(std::vector<std::pair<std::string, std::unique_ptr<CommBackend>>> members);
+
+/// A backend found for "auto", or why it was left out.
+struct Candidate {
+  std::string name;
+  std::unique_ptr<CommBackend> backend;  ///< null when left out
+  std::string why_not;                   ///< "" when kept
+};
+
+/// What "auto" considers: every comm backend of the discovered plugins, made with default
+/// options; left out are those whose factory throws (nccl without a CUDA device), those of
+/// in-process-only plugins when `processes` (ranks are processes), those that move none of
+/// `memory`, and those that win no (operation, memory, size) against the others.
+std::vector<Candidate> auto_candidates(PluginRegistry& registry, const std::vector<MemoryType>& memory, bool processes);
+
+/// The backend of a job's comm.backend (or comm.swap_to) `spec`: "auto" as above (the one kept
+/// itself when only one is, a scored backend over all kept ones otherwise), or the pinned
+/// "name[:key=value;...]". Throws std::invalid_argument when "auto" keeps none, listing each
+/// backend found and why it was left out.
+std::unique_ptr<CommBackend> make_job_backend(PluginRegistry& registry, const std::string& spec, const std::vector<MemoryType>& memory,
+                                              bool processes);
+
+}  // namespace spmdx::comm
