@@ -23,6 +23,7 @@
 #include "spmdx/train/job.h"
 #include "spmdx/launch/launcher.h"
 #include "spmdx/comm/bench.h"
+#include "spmdx/comm/select.h"
 #include "spmdx/comm/store.h"
 #include "spmdx/hooks/fr_trace.h"
 #include "spmdx/hooks/hook_set.h"
@@ -421,7 +422,7 @@ int run_bench_comm(const BenchCommOptions& o, const std::vector<std::string>& ra
     {  // the backend and its options, once, before any rank starts
       spmdx::PluginRegistry registry;
       registry.discover(spmdx::plugin_search_path(paths));
-      registry.make_comm_backend_from_spec(o.backend);
+      spmdx::comm::make_job_backend(registry, o.backend, {spmdx::MemoryType::host}, true);
     }
     std::vector<std::string> argv{self_exe()};
     for (const auto& a : raw_args) argv.push_back(a);
@@ -432,7 +433,7 @@ int run_bench_comm(const BenchCommOptions& o, const std::vector<std::string>& ra
   spmdx::comm::TcpStore store(env.master_addr, env.master_port, env.token, 60, env.rank);
   spmdx::PluginRegistry registry;
   registry.discover(spmdx::plugin_search_path(paths));
-  auto backend = registry.make_comm_backend_from_spec(o.backend);
+  auto backend = spmdx::comm::make_job_backend(registry, o.backend, {spmdx::MemoryType::host}, true);
   backend->init({env.rank, env.world_size, 0, &store, bo.timeout_seconds});
   const std::int64_t wrong = spmdx::comm::run_comm_bench(*backend, env.rank, env.world_size, bo);
   backend->barrier(0)->wait(bo.timeout_seconds);
