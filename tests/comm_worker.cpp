@@ -256,6 +256,112 @@ void run_collectives(CommBackend& b, int group, const std::vector<int>& members,
   if (!b.barrier(group)->wait(timeout)) c.fail("barrier timed out");
 }
 
+// The ucx plugin's options: SPMDX_TEST_TLS and SPMDX_TEST_OPTIONS ("key=value;key=value"), or
+// rank 1's own SPMDX_TEST_OPTIONS_RANK1.
+Options backend_options(int rank) {
+  Options options;
+  if (const char* tls = std::getenv("SPMDX_TEST_TLS")) options["tls"] = tls;
+  const char* rank1 = std::getenv("SPMDX_TEST_OPTIONS_RANK1");  // rank 1's instead, when set
+  if (const char* o = rank == 1 && rank1 ? rank1 : std::getenv("SPMDX_TEST_OPTIONS")) {  // "key=value;key=value"
+    std::string rest = o;
+    while (!rest.empty()) {
+      const std::string kv = rest.substr(0, rest.find(';'));
+      rest = kv.size() < rest.size() ? rest.substr(kv.size() + 1) : "";
+      options[kv.substr(0, kv.find('='))] = kv.substr(kv.find('=') + 1);
+    }
+  }
+  return options;
+}
+
+// Modes die and stop: rank 1 dies or freezes after a warm-up; the others must fail naming it.
+void lose_rank1(CommBackend& b, Checker& c, const std::string& mode, double timeout) {
+  const int rank = c.rank;
+  float x = 1;
+  if (!b.all_reduce(0, {&x, 1, CommDType::f32}, ReduceOp::sum)->wait(60)) c.fail("warm-up timed out");
+  const auto warm = std::chrono::steady_clock::now();
+  if (rank == 1 && mode == "die") std::_Exit(9);  // dies without a word
+  if (rank == 1) {  // hangs, its heartbeat too (as a node that vanished); a child ends it after 25 s
+    if (fork() == 0) {
+      std::this_thread::sleep_for(std::chrono::seconds(25));
+      kill(getppid(), SIGKILL);
+      std::_Exit(0);
+    }
+    raise(SIGSTOP);
+  }
+  std::vector<float> big(1 << 16, 1.0f);
+  try {
+    b.all_reduce(0, {big.data(), big.size(), CommDType::f32}, ReduceOp::sum)->wait(timeout + 30);
+    c.fail("the collective succeeded without rank 1");
+  } catch (const CommError& e) {
+    std::printf("rank %d CommError peer=%d after %.1f s: %s\n", rank, e.peer(),
+                std::chrono::duration<double>(std::chrono::steady_clock::now() - warm).count(), e.what());
+    std::fflush(stdout);
+    std::_Exit(3);
+  }
+}
+
+// Mode mismatch: rank 1 all_reduces twice as many elements as the others: every rank must fail
+// naming the difference, not return sums of the wrong elements.
+void mismatch_counts(CommBackend& b, Checker& c) {
+  const int rank = c.rank;
+  const char* count1 = std::getenv("SPMDX_TEST_RANK1_COUNT");
+  std::vector<float> x(rank == 1 ? (count1 ? std::strtoul(count1, nullptr, 10) : 2000) : 1000, 1.0f);
+  try {
+    b.all_reduce(0, {x.data(), x.size(), CommDType::f32}, ReduceOp::sum)->wait(60);
+    c.fail("mismatched all_reduce succeeded");
+  } catch (const CommError& e) {
+    std::printf("rank %d CommError peer=%d: %s\n", rank, e.peer(), e.what());
+  }
+  // The failure aborted the backend: a later collective fails at once, naming it.
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    b.all_reduce(0, {x.data(), x.size(), CommDType::f32}, ReduceOp::sum)->wait(60);
+    c.fail("a collective after the failure succeeded");
+  } catch (const CommError& e) {
+    std::printf("rank %d then after %.2f s: %s\n", rank, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(),
+                e.what());
+  }
+  std::fflush(stdout);
+  std::_Exit(3);
+}
+
+// Mode abort: rank 0 waits in a collective the others never join, until another thread aborts
+// the backend after 1 s; the others leave after 4 s.
+void abort_a_wait(CommBackend& b, Checker& c) {
+  float x = 1;
+  if (!b.all_reduce(0, {&x, 1, CommDType::f32}, ReduceOp::sum)->wait(60)) c.fail("warm-up timed out");
+  if (c.rank != 0) {
+    std::this_thread::sleep_for(std::chrono::seconds(4));
+    std::_Exit(0);
+  }
+  std::vector<float> big(1 << 18, 1.0f);
+  const auto start = std::chrono::steady_clock::now();
+  std::thread aborter([&] {
+    std::this_thread::sleep_for(std::chrono::seconds(1));
+    b.abort();
+  });
+  try {
+    b.all_reduce(0, {big.data(), big.size(), CommDType::f32}, ReduceOp::sum)->wait(60);
+    c.fail("the collective succeeded without the others");
+  } catch (const CommError& e) {
+    std::printf("rank 0 CommError after %.2f s: %s\n", std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(),
+                e.what());
+  }
+  aborter.join();
+  std::fflush(stdout);
+  std::_Exit(3);
+}
+
+// Whether this process maps a group's shared memory, already unlinked ("(deleted)").
+void print_shared_memory(int rank) {
+  std::ifstream maps("/proc/self/maps");
+  std::string line, shm = "none";
+  while (std::getline(maps, line)) {
+    if (line.find("/dev/shm/spmdx-") != std::string::npos) shm = line.find("(deleted)") != std::string::npos ? "unlinked" : "linked";
+  }
+  std::printf("rank %d shared memory: %s\n", rank, shm.c_str());
+}
+
 }  // namespace
 
 int main() {
@@ -267,18 +373,7 @@ int main() {
                          std::getenv("SPMDX_JOB_TOKEN") ? std::getenv("SPMDX_JOB_TOKEN") : "", 30);
     PluginRegistry registry;
     registry.discover(plugin_search_path({}));
-    Options options;
-    if (const char* tls = std::getenv("SPMDX_TEST_TLS")) options["tls"] = tls;
-    const char* rank1 = std::getenv("SPMDX_TEST_OPTIONS_RANK1");  // rank 1's instead, when set
-    if (const char* o = rank == 1 && rank1 ? rank1 : std::getenv("SPMDX_TEST_OPTIONS")) {  // "key=value;key=value"
-      std::string rest = o;
-      while (!rest.empty()) {
-        const std::string kv = rest.substr(0, rest.find(';'));
-        rest = kv.size() < rest.size() ? rest.substr(kv.size() + 1) : "";
-        options[kv.substr(0, kv.find('='))] = kv.substr(kv.find('=') + 1);
-      }
-    }
-    auto backend = registry.make_comm_backend("ucx", options);
+    auto backend = registry.make_comm_backend("ucx", backend_options(rank));
     backend->init({rank, world, 0, &store, timeout});
     Checker c{rank, world};
     std::vector<int> all;
@@ -294,87 +389,11 @@ int main() {
       run_collectives(*backend, rank % 2 ? g_odd : g_even, rank % 2 ? odd : even, c, false);
       run_collectives(*backend, 0, all, c, false);
     } else if (mode == "die" || mode == "stop") {
-      float x = 1;
-      if (!backend->all_reduce(0, {&x, 1, CommDType::f32}, ReduceOp::sum)->wait(60)) c.fail("warm-up timed out");
-      const auto warm = std::chrono::steady_clock::now();
-      if (rank == 1 && mode == "die") std::_Exit(9);  // dies without a word
-      if (rank == 1) {  // hangs, its heartbeat too (as a node that vanished); a child ends it after 25 s
-        if (fork() == 0) {
-          std::this_thread::sleep_for(std::chrono::seconds(25));
-          kill(getppid(), SIGKILL);
-          std::_Exit(0);
-        }
-        raise(SIGSTOP);
-      }
-      std::vector<float> big(1 << 16, 1.0f);
-      try {
-        backend->all_reduce(0, {big.data(), big.size(), CommDType::f32}, ReduceOp::sum)->wait(timeout + 30);
-        c.fail("the collective succeeded without rank 1");
-      } catch (const CommError& e) {
-        std::printf("rank %d CommError peer=%d after %.1f s: %s\n", rank, e.peer(),
-                    std::chrono::duration<double>(std::chrono::steady_clock::now() - warm).count(), e.what());
-        std::fflush(stdout);
-        std::_Exit(3);
-      }
+      lose_rank1(*backend, c, mode, timeout);
     }
-    if (mode == "mismatch") {
-      // Rank 1 all_reduces twice as many elements as the others: every rank must fail naming
-      // the difference, not return sums of the wrong elements.
-      const char* count1 = std::getenv("SPMDX_TEST_RANK1_COUNT");
-      std::vector<float> x(rank == 1 ? (count1 ? std::strtoul(count1, nullptr, 10) : 2000) : 1000, 1.0f);
-      try {
-        backend->all_reduce(0, {x.data(), x.size(), CommDType::f32}, ReduceOp::sum)->wait(60);
-        c.fail("mismatched all_reduce succeeded");
-      } catch (const CommError& e) {
-        std::printf("rank %d CommError peer=%d: %s\n", rank, e.peer(), e.what());
-      }
-      // The failure aborted the backend: a later collective fails at once, naming it.
-      const auto start = std::chrono::steady_clock::now();
-      try {
-        backend->all_reduce(0, {x.data(), x.size(), CommDType::f32}, ReduceOp::sum)->wait(60);
-        c.fail("a collective after the failure succeeded");
-      } catch (const CommError& e) {
-        std::printf("rank %d then after %.2f s: %s\n", rank, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(),
-                    e.what());
-      }
-      std::fflush(stdout);
-      std::_Exit(3);
-    }
-    if (mode == "abort") {
-      // Rank 0 waits in a collective the others never join, until another thread aborts the
-      // backend after 1 s; the others leave after 4 s.
-      float x = 1;
-      if (!backend->all_reduce(0, {&x, 1, CommDType::f32}, ReduceOp::sum)->wait(60)) c.fail("warm-up timed out");
-      if (rank != 0) {
-        std::this_thread::sleep_for(std::chrono::seconds(4));
-        std::_Exit(0);
-      }
-      std::vector<float> big(1 << 18, 1.0f);
-      const auto start = std::chrono::steady_clock::now();
-      std::thread aborter([&] {
-        std::this_thread::sleep_for(std::chrono::seconds(1));
-        backend->abort();
-      });
-      try {
-        backend->all_reduce(0, {big.data(), big.size(), CommDType::f32}, ReduceOp::sum)->wait(60);
-        c.fail("the collective succeeded without the others");
-      } catch (const CommError& e) {
-        std::printf("rank 0 CommError after %.2f s: %s\n", std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(),
-                    e.what());
-      }
-      aborter.join();
-      std::fflush(stdout);
-      std::_Exit(3);
-    }
-    // Whether this process maps a group's shared memory, already unlinked ("(deleted)").
-    {
-      std::ifstream maps("/proc/self/maps");
-      std::string line, shm = "none";
-      while (std::getline(maps, line)) {
-        if (line.find("/dev/shm/spmdx-") != std::string::npos) shm = line.find("(deleted)") != std::string::npos ? "unlinked" : "linked";
-      }
-      std::printf("rank %d shared memory: %s\n", rank, shm.c_str());
-    }
+    if (mode == "mismatch") mismatch_counts(*backend, c);
+    if (mode == "abort") abort_a_wait(*backend, c);
+    print_shared_memory(rank);
     backend->finalize();
     std::printf("rank %d checked %ld\n", rank, c.checks);
     return 0;

@@ -441,6 +441,107 @@ int run_bench_comm(const BenchCommOptions& o, const std::vector<std::string>& ra
   return wrong == 0 ? 0 : 1;
 }
 
+// Each subcommand's options, bound to the struct (or variables) they fill; each add_* returns
+// the subcommand.
+
+CLI::App* add_plugins(CLI::App& app, std::vector<std::string>& plugin_paths, bool& json) {
+  auto* plugins = app.add_subcommand("plugins", "List the plugins found on the search path, loading each to check it");
+  plugins->fallthrough();  // global options (--log-level) may also follow the subcommand
+  plugins->add_option("--plugin-path", plugin_paths,
+                      "A plugin file or folder searched before SPMDX_PLUGIN_PATH and the built-in folder "
+                      "(repeatable)");
+  plugins->add_flag("--json", json, "Print a JSON array of {name, kind, version, abi, path, ...}");
+  return plugins;
+}
+
+CLI::App* add_graph(CLI::App& app, GraphOptions& graph_options) {
+  auto* graph = app.add_subcommand("graph", "Print a model's train-step graph (forward, backward, clipping, AdamW) as IR");
+  graph->fallthrough();
+  graph->add_option("--model", graph_options.model, "mlp | llama")->capture_default_str();
+  graph->add_option("--flavor", graph_options.flavor, "tiny | debugmodel")->capture_default_str();
+  graph->add_option("--vocab", graph_options.vocab, "vocabulary size")->capture_default_str()->check(CLI::PositiveNumber);
+  graph->add_option("--batch", graph_options.batch, "batch size (rows)")->capture_default_str()->check(CLI::PositiveNumber);
+  graph->add_option("--seq", graph_options.seq, "sequence length (tokens)")->capture_default_str()->check(CLI::PositiveNumber);
+  graph->add_flag("--json", graph_options.json, "Print the versioned JSON form instead of text");
+  graph->add_flag("--forward-only", graph_options.forward_only, "Only the forward graph and loss");
+  return graph;
+}
+
+CLI::App* add_compile(CLI::App& app, CompileOptions& compile_options) {
+  auto* compile = app.add_subcommand("compile", "Plan a job from its config without starting ranks: placements, rank graphs, bytes");
+  compile->allow_extras();  // --section.key value overrides
+  compile->add_option("config", compile_options.config, "The job's TOML config")->required()->check(CLI::ExistingFile);
+  compile->add_option("--world-size", compile_options.world_size, "Ranks to plan for (default: the product of the config's degrees)")
+      ->check(CLI::Range(1, 100000000));
+  compile->add_option("--dump", compile_options.dump, "Write logical.{txt,json}, plan.{txt,json}, rankR.{txt,json} and rankR.plan.txt (RuntimePlan) here");
+  compile->add_flag("--fake", compile_options.fake, "Plan a mesh larger than this machine; dump only rank 0's graph");
+  compile->add_flag("--print-config", compile_options.print_config, "Print the effective config and exit");
+  return compile;
+}
+
+CLI::App* add_run(CLI::App& app, RunOptions& run_options) {
+  auto* run = app.add_subcommand("run", "Train: the job its config describes, on --nproc ranks here or as torchrun/srun/mpirun started it");
+  run->allow_extras();  // --section.key value overrides
+  run->add_option("config", run_options.config, "The job's TOML config")->required()->check(CLI::ExistingFile);
+  run->add_option("--nproc,--nproc-per-node", run_options.nproc, "Start this many ranks on this machine (as torchrun --standalone)")
+      ->check(CLI::Range(1, 4096));
+  run->add_option("--nnodes", run_options.nnodes, "Nodes in the job (torchrun's flag; needs SPMDX_JOB_TOKEN)")->check(CLI::Range(1, 100000));
+  run->add_option("--node-rank", run_options.node_rank, "This node's index, 0 .. nnodes-1 (node 0 serves the store)")->check(CLI::NonNegativeNumber);
+  run->add_option("--master-addr", run_options.master_addr, "Node 0's address, reachable from every node");
+  run->add_option("--master-port", run_options.master_port, "The store's port on node 0")->check(CLI::Range(1, 65535));
+  run->add_flag("--print-config", run_options.print_config, "Print the effective config and exit");
+  return run;
+}
+
+CLI::App* add_bench_comm(CLI::App& bench, BenchCommOptions& bench_options) {
+  auto* bench_comm = bench.add_subcommand("comm", "Time one collective over a backend, size by size, as nccl-tests do (algbw, busbw, checked)");
+  bench_comm->add_option("--backend", bench_options.backend, "comm plugin, \"name\" or \"name:key=value;...\" (ucx:chunk_bytes=1048576)")->capture_default_str();
+  bench_comm->add_option("--nproc", bench_options.nproc, "ranks to start here")->capture_default_str()->check(CLI::Range(1, 256));
+  bench_comm->add_option("--op", bench_options.op, "collective")->capture_default_str()
+      ->check(CLI::IsMember({"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"}));
+  bench_comm->add_option("--min-bytes", bench_options.min_bytes, "smallest size (8, 4K, 64M, ...)")->capture_default_str();
+  bench_comm->add_option("--max-bytes", bench_options.max_bytes, "largest size")->capture_default_str();
+  bench_comm->add_option("--iters", bench_options.iters, "timed operations per size")->capture_default_str()->check(CLI::PositiveNumber);
+  bench_comm->add_option("--warmup", bench_options.warmup, "untimed operations per size")->capture_default_str()->check(CLI::NonNegativeNumber);
+  bench_comm->add_option("--timeout-seconds", bench_options.timeout_seconds, "a collective that takes longer fails, naming the peer")
+      ->capture_default_str()->check(CLI::Range(0.1, 1e6));
+  bench_comm->add_option("--plugin-path", bench_options.plugin_paths, "plugin files or folders searched first");
+  return bench_comm;
+}
+
+CLI::App* add_import(CLI::App& app, ImportOptions& import_options) {
+  auto* import_cmd = app.add_subcommand("import", "Inspect a torch.export program (.pt2): parameters, bytes, ops, what spmdx cannot map; --graph prints its IR");
+  import_cmd->add_option("model", import_options.path, "The .pt2 file torch.export.save wrote (torch >= 2.9)")->required();
+  import_cmd->add_option("--inputs", import_options.inputs, "The program's inputs that take tokens and labels, in order (as [model] inputs)");
+  import_cmd->add_option("--loss", import_options.loss, "auto | cross_entropy | output (as [model] loss)")->check(CLI::IsMember({"auto", "cross_entropy", "output"}));
+  import_cmd->add_flag("--graph", import_options.graph, "Print the imported forward graph (IR) instead of the summary");
+  import_cmd->add_flag("--json", import_options.json, "Print the summary as JSON");
+  return import_cmd;
+}
+
+// `spmdx export` and `spmdx import` need LibTorch; a build without it says so.
+int run_export(const std::string& step_folder, const std::string& out) {
+#ifdef SPMDX_HAVE_EXEC
+  const std::size_t n = spmdx::exec::export_safetensors(step_folder, out);
+  std::cout << "wrote " << n << " tensors to " << out << "\n";
+  return 0;
+#else
+  (void)step_folder, (void)out;
+  std::cerr << "error: this spmdx was built without LibTorch\n";
+  return 1;
+#endif
+}
+
+int run_import_command(const ImportOptions& o) {
+#ifdef SPMDX_HAVE_EXEC
+  return run_import(o);
+#else
+  (void)o;
+  std::cerr << "error: this spmdx was built without LibTorch\n";
+  return 1;
+#endif
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -453,74 +554,25 @@ int main(int argc, char** argv) {
   app.add_option("--log-level", log_level, "trace|debug|info|warn|error|off (default: $SPMDX_LOG_LEVEL or info)")
       ->check(CLI::IsMember({"trace", "debug", "info", "warn", "warning", "error", "off"}));
 
-  auto* plugins = app.add_subcommand("plugins", "List the plugins found on the search path, loading each to check it");
-  plugins->fallthrough();  // global options (--log-level) may also follow the subcommand
   std::vector<std::string> plugin_paths;
   bool json = false;
-  plugins->add_option("--plugin-path", plugin_paths,
-                      "A plugin file or folder searched before SPMDX_PLUGIN_PATH and the built-in folder "
-                      "(repeatable)");
-  plugins->add_flag("--json", json, "Print a JSON array of {name, kind, version, abi, path, ...}");
-
-  auto* graph = app.add_subcommand("graph", "Print a model's train-step graph (forward, backward, clipping, AdamW) as IR");
-  graph->fallthrough();
+  auto* plugins = add_plugins(app, plugin_paths, json);
   GraphOptions graph_options;
-  graph->add_option("--model", graph_options.model, "mlp | llama")->capture_default_str();
-  graph->add_option("--flavor", graph_options.flavor, "tiny | debugmodel")->capture_default_str();
-  graph->add_option("--vocab", graph_options.vocab, "vocabulary size")->capture_default_str()->check(CLI::PositiveNumber);
-  graph->add_option("--batch", graph_options.batch, "batch size (rows)")->capture_default_str()->check(CLI::PositiveNumber);
-  graph->add_option("--seq", graph_options.seq, "sequence length (tokens)")->capture_default_str()->check(CLI::PositiveNumber);
-  graph->add_flag("--json", graph_options.json, "Print the versioned JSON form instead of text");
-  graph->add_flag("--forward-only", graph_options.forward_only, "Only the forward graph and loss");
-
-  auto* compile = app.add_subcommand("compile", "Plan a job from its config without starting ranks: placements, rank graphs, bytes");
-  compile->allow_extras();  // --section.key value overrides
+  auto* graph = add_graph(app, graph_options);
   CompileOptions compile_options;
-  compile->add_option("config", compile_options.config, "The job's TOML config")->required()->check(CLI::ExistingFile);
-  compile->add_option("--world-size", compile_options.world_size, "Ranks to plan for (default: the product of the config's degrees)")
-      ->check(CLI::Range(1, 100000000));
-  compile->add_option("--dump", compile_options.dump, "Write logical.{txt,json}, plan.{txt,json}, rankR.{txt,json} and rankR.plan.txt (RuntimePlan) here");
-  compile->add_flag("--fake", compile_options.fake, "Plan a mesh larger than this machine; dump only rank 0's graph");
-  compile->add_flag("--print-config", compile_options.print_config, "Print the effective config and exit");
-
-  auto* run = app.add_subcommand("run", "Train: the job its config describes, on --nproc ranks here or as torchrun/srun/mpirun started it");
-  run->allow_extras();  // --section.key value overrides
+  auto* compile = add_compile(app, compile_options);
   RunOptions run_options;
-  run->add_option("config", run_options.config, "The job's TOML config")->required()->check(CLI::ExistingFile);
-  run->add_option("--nproc,--nproc-per-node", run_options.nproc, "Start this many ranks on this machine (as torchrun --standalone)")
-      ->check(CLI::Range(1, 4096));
-  run->add_option("--nnodes", run_options.nnodes, "Nodes in the job (torchrun's flag; needs SPMDX_JOB_TOKEN)")->check(CLI::Range(1, 100000));
-  run->add_option("--node-rank", run_options.node_rank, "This node's index, 0 .. nnodes-1 (node 0 serves the store)")->check(CLI::NonNegativeNumber);
-  run->add_option("--master-addr", run_options.master_addr, "Node 0's address, reachable from every node");
-  run->add_option("--master-port", run_options.master_port, "The store's port on node 0")->check(CLI::Range(1, 65535));
-  run->add_flag("--print-config", run_options.print_config, "Print the effective config and exit");
-
+  auto* run = add_run(app, run_options);
   auto* bench = app.add_subcommand("bench", "Benchmarks");
-  auto* bench_comm = bench->add_subcommand("comm", "Time one collective over a backend, size by size, as nccl-tests do (algbw, busbw, checked)");
   BenchCommOptions bench_options;
-  bench_comm->add_option("--backend", bench_options.backend, "comm plugin, \"name\" or \"name:key=value;...\" (ucx:chunk_bytes=1048576)")->capture_default_str();
-  bench_comm->add_option("--nproc", bench_options.nproc, "ranks to start here")->capture_default_str()->check(CLI::Range(1, 256));
-  bench_comm->add_option("--op", bench_options.op, "collective")->capture_default_str()
-      ->check(CLI::IsMember({"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"}));
-  bench_comm->add_option("--min-bytes", bench_options.min_bytes, "smallest size (8, 4K, 64M, ...)")->capture_default_str();
-  bench_comm->add_option("--max-bytes", bench_options.max_bytes, "largest size")->capture_default_str();
-  bench_comm->add_option("--iters", bench_options.iters, "timed operations per size")->capture_default_str()->check(CLI::PositiveNumber);
-  bench_comm->add_option("--warmup", bench_options.warmup, "untimed operations per size")->capture_default_str()->check(CLI::NonNegativeNumber);
-  bench_comm->add_option("--timeout-seconds", bench_options.timeout_seconds, "a collective that takes longer fails, naming the peer")
-      ->capture_default_str()->check(CLI::Range(0.1, 1e6));
-  bench_comm->add_option("--plugin-path", bench_options.plugin_paths, "plugin files or folders searched first");
+  auto* bench_comm = add_bench_comm(*bench, bench_options);
 
   auto* fr_trace = app.add_subcommand("fr-trace", "Merge the flight_recorder hook's dumps; name the rank missing from a collective");
   std::string fr_folder;
   fr_trace->add_option("folder", fr_folder, "<job.dump_folder>/hooks/flight_recorder")->required();
 
-  auto* import_cmd = app.add_subcommand("import", "Inspect a torch.export program (.pt2): parameters, bytes, ops, what spmdx cannot map; --graph prints its IR");
   ImportOptions import_options;
-  import_cmd->add_option("model", import_options.path, "The .pt2 file torch.export.save wrote (torch >= 2.9)")->required();
-  import_cmd->add_option("--inputs", import_options.inputs, "The program's inputs that take tokens and labels, in order (as [model] inputs)");
-  import_cmd->add_option("--loss", import_options.loss, "auto | cross_entropy | output (as [model] loss)")->check(CLI::IsMember({"auto", "cross_entropy", "output"}));
-  import_cmd->add_flag("--graph", import_options.graph, "Print the imported forward graph (IR) instead of the summary");
-  import_cmd->add_flag("--json", import_options.json, "Print the summary as JSON");
+  auto* import_cmd = add_import(app, import_options);
 
   auto* export_cmd = app.add_subcommand("export", "Write a checkpoint's parameters, consolidated, as a safetensors file");
   std::string export_step, export_out;
@@ -546,24 +598,8 @@ int main(int argc, char** argv) {
   try {
     if (plugins->parsed()) return run_plugins(plugin_paths, json);
     if (graph->parsed()) return run_graph(graph_options);
-    if (export_cmd->parsed()) {
-#ifdef SPMDX_HAVE_EXEC
-      const std::size_t n = spmdx::exec::export_safetensors(export_step, export_out);
-      std::cout << "wrote " << n << " tensors to " << export_out << "\n";
-      return 0;
-#else
-      std::cerr << "error: this spmdx was built without LibTorch\n";
-      return 1;
-#endif
-    }
-    if (import_cmd->parsed()) {
-#ifdef SPMDX_HAVE_EXEC
-      return run_import(import_options);
-#else
-      std::cerr << "error: this spmdx was built without LibTorch\n";
-      return 1;
-#endif
-    }
+    if (export_cmd->parsed()) return run_export(export_step, export_out);
+    if (import_cmd->parsed()) return run_import_command(import_options);
     if (fr_trace->parsed()) {
       std::cout << spmdx::hooks::analyze_flight_recorder(fr_folder).text;
       return 0;

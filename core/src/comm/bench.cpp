@@ -20,6 +20,125 @@ double bus_factor(const std::string& op, int n) {
 // Element i of rank r's input, exact in f32 and small enough to sum over many ranks.
 float value(int r, std::size_t i) { return static_cast<float>((r + 1) * 3 + static_cast<int>(i % 7)); }
 
+void print_header(const std::string& op, int n, const CommBackend& b) {
+  std::printf("# spmdx bench comm: %s, %d ranks, %s\n", op.c_str(), n, b.describe().c_str());
+  std::printf("#                                     out-of-place                       in-place\n");
+  std::printf("# %10s %12s %6s %6s %9s %8s %8s %6s %9s %8s %8s %6s\n", "size", "count", "type", "redop", "time(us)", "algbw",
+              "busbw", "#wrong", "time(us)", "algbw", "busbw", "#wrong");
+  std::printf("# %10s %12s %6s %6s %9s %8s %8s %6s %9s %8s %8s %6s\n", "(B)", "(elements)", "", "", "", "(GB/s)", "(GB/s)", "", "",
+              "(GB/s)", "(GB/s)", "");
+}
+
+// One size's line of the table: out-of-place, then in-place.
+void print_row(const std::string& op, int n, std::size_t count, const double us[2], const std::int64_t wrong[2]) {
+  const double bytes = static_cast<double>(count) * 4;
+  auto row = [&](int m) {
+    const double algbw = bytes / (us[m] * 1e-6) / 1e9;
+    std::printf(" %9.1f %8.3f %8.3f %6lld", us[m], algbw, algbw * bus_factor(op, n), static_cast<long long>(wrong[m]));
+  };
+  std::printf("  %10llu %12zu %6s %6s", static_cast<unsigned long long>(count * 4), count, "float",
+              op == "all_reduce" || op == "reduce_scatter" ? "sum" : "none");
+  row(0);
+  row(1);
+  std::printf("\n");
+  std::fflush(stdout);
+}
+
+// One size of the sweep: the op's buffers on this rank, the op on them, and the check of what
+// it gave.
+class SizeRun {
+ public:
+  SizeRun(CommBackend& b, int rank, int n, const BenchOptions& o, std::size_t count)
+      : b_(b), rank_(rank), n_(n), o_(o), op_(o.op), count_(count), block_(count / static_cast<std::size_t>(n)),
+        counts_(static_cast<std::size_t>(n), block_) {}
+
+  // Microseconds per operation, out-of-place or in-place; `wrong` gets the wrong elements of
+  // the first result.
+  double time(bool in_place, std::int64_t& wrong) {
+    prepare();
+    finish(issue(in_place), op_.c_str());
+    wrong = check();
+    for (int i = 0; i < o_.warmup; ++i) finish(issue(in_place), op_.c_str());
+    finish(b_.barrier(0), "barrier");
+    const auto t0 = Clock::now();
+    for (int i = 0; i < o_.iters; ++i) finish(issue(in_place), op_.c_str());
+    return std::chrono::duration<double, std::micro>(Clock::now() - t0).count() / o_.iters;
+  }
+
+ private:
+  void prepare() {
+    if (op_ == "all_reduce" || op_ == "broadcast") {
+      in_.assign(count_, 0);
+      for (std::size_t i = 0; i < count_; ++i) in_[i] = value(rank_, i);
+      out_ = in_;
+    } else if (op_ == "all_gather") {
+      in_.resize(block_);
+      for (std::size_t i = 0; i < block_; ++i) in_[i] = value(rank_, i);
+      out_.assign(count_, 0);
+    } else {  // reduce_scatter, all_to_all: the input is the full size
+      in_.resize(count_);
+      for (std::size_t i = 0; i < count_; ++i) in_[i] = value(rank_, i);
+      out_.assign(op_ == "reduce_scatter" ? block_ : count_, 0);
+    }
+  }
+
+  std::unique_ptr<Work> issue(bool in_place) {
+    const CommDType t = CommDType::f32;
+    if (op_ == "all_reduce") {
+      if (!in_place) std::copy(in_.begin(), in_.end(), out_.begin());  // out-of-place: the result lands in another buffer
+      return b_.all_reduce(0, {out_.data(), count_, t}, ReduceOp::sum);
+    }
+    if (op_ == "broadcast") {
+      if (!in_place) std::copy(in_.begin(), in_.end(), out_.begin());
+      return b_.broadcast(0, {out_.data(), count_, t}, 0);
+    }
+    if (op_ == "all_gather") return b_.all_gather(0, {in_.data(), block_, t}, {out_.data(), count_, t}, counts_);
+    if (op_ == "reduce_scatter") return b_.reduce_scatter(0, {in_.data(), count_, t}, {out_.data(), block_, t}, counts_, ReduceOp::sum);
+    return b_.all_to_all(0, {in_.data(), count_, t}, {out_.data(), count_, t}, counts_, counts_);
+  }
+
+  std::int64_t check() const {
+    std::int64_t wrong = 0;
+    for (std::size_t i = 0; i < out_.size(); ++i) {
+      float want = 0;
+      if (op_ == "all_reduce") {
+        for (int r = 0; r < n_; ++r) want += value(r, i);
+      } else if (op_ == "broadcast") {
+        want = value(0, i);
+      } else if (op_ == "all_gather") {
+        want = value(static_cast<int>(i / block_), i % block_);
+      } else if (op_ == "reduce_scatter") {
+        for (int r = 0; r < n_; ++r) want += value(r, static_cast<std::size_t>(rank_) * block_ + i);
+      } else {  // all_to_all: block j came from rank j, its block `rank`
+        want = value(static_cast<int>(i / block_), static_cast<std::size_t>(rank_) * block_ + i % block_);
+      }
+      wrong += out_[i] != want;
+    }
+    return wrong;
+  }
+
+  // Waits for one operation. Past the timeout it aborts the backend and lets the operation
+  // fail before the buffers it uses go away.
+  void finish(std::unique_ptr<Work> w, const char* what) {
+    if (w->wait(o_.timeout_seconds)) return;
+    b_.abort();
+    try {
+      w->wait(60);
+    } catch (const CommError&) {
+    }
+    throw CommError(std::string(what) + " of " + std::to_string(count_ * 4) + " bytes timed out after " +
+                        std::to_string(o_.timeout_seconds) + " s (--timeout-seconds)", -1);
+  }
+
+  CommBackend& b_;
+  const int rank_, n_;
+  const BenchOptions& o_;
+  const std::string& op_;
+  const std::size_t count_, block_;
+  const std::vector<std::size_t> counts_;
+  std::vector<float> in_, out_;
+};
+
 }  // namespace
 
 std::int64_t run_comm_bench(CommBackend& b, int rank, int n, const BenchOptions& o) {
@@ -27,14 +146,7 @@ std::int64_t run_comm_bench(CommBackend& b, int rank, int n, const BenchOptions&
   if (op != "all_reduce" && op != "all_gather" && op != "reduce_scatter" && op != "all_to_all" && op != "broadcast") {
     throw std::invalid_argument("unknown op '" + op + "' (all_reduce, all_gather, reduce_scatter, all_to_all, broadcast)");
   }
-  if (rank == 0) {
-    std::printf("# spmdx bench comm: %s, %d ranks, %s\n", op.c_str(), n, b.describe().c_str());
-    std::printf("#                                     out-of-place                       in-place\n");
-    std::printf("# %10s %12s %6s %6s %9s %8s %8s %6s %9s %8s %8s %6s\n", "size", "count", "type", "redop", "time(us)", "algbw",
-                "busbw", "#wrong", "time(us)", "algbw", "busbw", "#wrong");
-    std::printf("# %10s %12s %6s %6s %9s %8s %8s %6s %9s %8s %8s %6s\n", "(B)", "(elements)", "", "", "", "(GB/s)", "(GB/s)", "", "",
-                "(GB/s)", "(GB/s)", "");
-  }
+  if (rank == 0) print_header(op, n, b);
   std::int64_t total_wrong = 0;
   std::vector<std::uint64_t> sizes;
   for (std::uint64_t s = std::max<std::uint64_t>(o.min_bytes, 4); s <= o.max_bytes; s *= 2) sizes.push_back(s);
@@ -44,58 +156,7 @@ std::int64_t run_comm_bench(CommBackend& b, int rank, int n, const BenchOptions&
     std::size_t count = size / 4;
     if (op != "all_reduce" && op != "broadcast") count = count / static_cast<std::size_t>(n) * static_cast<std::size_t>(n);
     if (count == 0) continue;
-    const std::size_t block = count / static_cast<std::size_t>(n);
-    std::vector<float> in, out;
-    std::vector<std::size_t> counts(static_cast<std::size_t>(n), block);
-    auto prepare = [&](bool in_place) {
-      if (op == "all_reduce" || op == "broadcast") {
-        in.assign(count, 0);
-        for (std::size_t i = 0; i < count; ++i) in[i] = value(rank, i);
-        out = in;
-      } else if (op == "all_gather") {
-        in.resize(block);
-        for (std::size_t i = 0; i < block; ++i) in[i] = value(rank, i);
-        out.assign(count, 0);
-      } else {  // reduce_scatter, all_to_all: the input is the full size
-        in.resize(count);
-        for (std::size_t i = 0; i < count; ++i) in[i] = value(rank, i);
-        out.assign(op == "reduce_scatter" ? block : count, 0);
-      }
-      (void)in_place;
-    };
-    auto issue = [&](bool in_place) -> std::unique_ptr<Work> {
-      const CommDType t = CommDType::f32;
-      if (op == "all_reduce") {
-        if (!in_place) std::copy(in.begin(), in.end(), out.begin());  // out-of-place: the result lands in another buffer
-        return b.all_reduce(0, {out.data(), count, t}, ReduceOp::sum);
-      }
-      if (op == "broadcast") {
-        if (!in_place) std::copy(in.begin(), in.end(), out.begin());
-        return b.broadcast(0, {out.data(), count, t}, 0);
-      }
-      if (op == "all_gather") return b.all_gather(0, {in.data(), block, t}, {out.data(), count, t}, counts);
-      if (op == "reduce_scatter") return b.reduce_scatter(0, {in.data(), count, t}, {out.data(), block, t}, counts, ReduceOp::sum);
-      return b.all_to_all(0, {in.data(), count, t}, {out.data(), count, t}, counts, counts);
-    };
-    auto check = [&]() {
-      std::int64_t wrong = 0;
-      for (std::size_t i = 0; i < out.size(); ++i) {
-        float want = 0;
-        if (op == "all_reduce") {
-          for (int r = 0; r < n; ++r) want += value(r, i);
-        } else if (op == "broadcast") {
-          want = value(0, i);
-        } else if (op == "all_gather") {
-          want = value(static_cast<int>(i / block), i % block);
-        } else if (op == "reduce_scatter") {
-          for (int r = 0; r < n; ++r) want += value(r, static_cast<std::size_t>(rank) * block + i);
-        } else {  // all_to_all: block j came from rank j, its block `rank`
-          want = value(static_cast<int>(i / block), static_cast<std::size_t>(rank) * block + i % block);
-        }
-        wrong += out[i] != want;
-      }
-      return wrong;
-    };
+    SizeRun run(b, rank, n, o, count);
     double us[2] = {0, 0};
     std::int64_t wrong[2] = {0, 0};
     for (int mode = 0; mode < 2; ++mode) {
@@ -105,41 +166,10 @@ std::int64_t run_comm_bench(CommBackend& b, int rank, int n, const BenchOptions&
         wrong[1] = wrong[0];
         continue;
       }
-      // Waits for one operation. Past the timeout it aborts the backend and lets the operation
-      // fail before the buffers it uses go away.
-      auto finish = [&](std::unique_ptr<Work> w, const char* what) {
-        if (w->wait(o.timeout_seconds)) return;
-        b.abort();
-        try {
-          w->wait(60);
-        } catch (const CommError&) {
-        }
-        throw CommError(std::string(what) + " of " + std::to_string(count * 4) + " bytes timed out after " +
-                            std::to_string(o.timeout_seconds) + " s (--timeout-seconds)", -1);
-      };
-      prepare(in_place);
-      finish(issue(in_place), op.c_str());
-      wrong[mode] = check();
-      for (int i = 0; i < o.warmup; ++i) finish(issue(in_place), op.c_str());
-      finish(b.barrier(0), "barrier");
-      const auto t0 = Clock::now();
-      for (int i = 0; i < o.iters; ++i) finish(issue(in_place), op.c_str());
-      us[mode] = std::chrono::duration<double, std::micro>(Clock::now() - t0).count() / o.iters;
+      us[mode] = run.time(in_place, wrong[mode]);
     }
     total_wrong += wrong[0] + wrong[1];
-    if (rank == 0) {
-      const double bytes = static_cast<double>(count) * 4;
-      auto row = [&](int m) {
-        const double algbw = bytes / (us[m] * 1e-6) / 1e9;
-        std::printf(" %9.1f %8.3f %8.3f %6lld", us[m], algbw, algbw * bus_factor(op, n), static_cast<long long>(wrong[m]));
-      };
-      std::printf("  %10llu %12zu %6s %6s", static_cast<unsigned long long>(count * 4), count, "float",
-                  op == "all_reduce" || op == "reduce_scatter" ? "sum" : "none");
-      row(0);
-      row(1);
-      std::printf("\n");
-      std::fflush(stdout);
-    }
+    if (rank == 0) print_row(op, n, count, us, wrong);
   }
   if (rank == 0) std::printf("# wrong results: %lld\n", static_cast<long long>(total_wrong));
   return total_wrong;

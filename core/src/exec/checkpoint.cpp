@@ -243,104 +243,141 @@ struct Metadata {
   std::vector<std::pair<std::uint64_t, std::uint32_t>> files;  // v2: per rank, bytes and header CRC-32
 };
 
-// metadata.json, checked like data: its own checksum, a version this build reads, and every
-// field's type and range, each error naming the file and the key. `dir` is the step-N folder.
-Metadata read_metadata(const fs::path& dir) {
-  const fs::path mfile = dir / "metadata.json";
-  json m;
-  try {
-    m = json::parse(read_file(mfile));
-  } catch (const json::exception& e) {
-    fail(mfile, std::string("corrupted (not JSON): ") + e.what());
+// Reads metadata.json field by field, each error naming the file and the key.
+class MetadataReader {
+ public:
+  explicit MetadataReader(const fs::path& dir) : dir_(dir), mfile_(dir / "metadata.json") {
+    try {
+      m_ = json::parse(read_file(mfile_));
+    } catch (const json::exception& e) {
+      fail(mfile_, std::string("corrupted (not JSON): ") + e.what());
+    }
+    if (!m_.is_object()) fail(mfile_, "corrupted: not a JSON object");
+    if (m_.value("format", json()) != "spmdx.checkpoint") fail(mfile_, "not a spmdx checkpoint (no \"format\": \"spmdx.checkpoint\")");
   }
-  auto bad = [&](const std::string& key, const std::string& why) { fail(mfile, "key '" + key + "' " + why); };
-  if (!m.is_object()) fail(mfile, "corrupted: not a JSON object");
-  if (m.value("format", json()) != "spmdx.checkpoint") fail(mfile, "not a spmdx checkpoint (no \"format\": \"spmdx.checkpoint\")");
-  auto integer = [&](const json& v, const std::string& key, std::int64_t lo, std::int64_t hi) -> std::int64_t {
+
+  Metadata read() const {
+    Metadata md;
+    md.version = read_version();
+    read_progress(md.meta);
+    const std::int64_t world = read_mesh(md.mesh);
+    check_shard_files(world);
+    if (md.version >= 2) md.files = read_file_list(world);
+    const json& tensors = field(m_, "tensors", "tensors");
+    if (!tensors.is_object()) bad("tensors", "must be an object of name -> {shape, dtype, placements}");
+    for (const auto& [name, t] : tensors.items()) md.tensors[name] = read_tensor("tensors." + name, t, md.mesh.size());
+    return md;
+  }
+
+ private:
+  [[noreturn]] void bad(const std::string& key, const std::string& why) const { fail(mfile_, "key '" + key + "' " + why); }
+
+  std::int64_t integer(const json& v, const std::string& key, std::int64_t lo, std::int64_t hi) const {
     if (!v.is_number_integer()) bad(key, "must be a whole number, is " + std::string(v.type_name()) + " " + v.dump());
     if (v.is_number_unsigned() ? v.get<std::uint64_t>() > static_cast<std::uint64_t>(hi) : (v.get<std::int64_t>() < lo || v.get<std::int64_t>() > hi)) {
       bad(key, "must be between " + std::to_string(lo) + " and " + std::to_string(hi) + ", is " + v.dump());
     }
     return v.get<std::int64_t>();
-  };
-  auto field = [&](const json& obj, const std::string& name, const std::string& key) -> const json& {
+  }
+
+  const json& field(const json& obj, const std::string& name, const std::string& key) const {
     if (!obj.is_object() || !obj.contains(name)) bad(key, "is missing");
     return obj.at(name);
-  };
-  Metadata md;
-  md.version = static_cast<int>(m.contains("version") && m["version"].is_number_integer() ? m["version"].get<std::int64_t>() : -1);
-  if (md.version < 1 || md.version > kMetadataVersion) {
-    bad("version", "is " + (m.contains("version") ? m["version"].dump() : std::string("missing")) + ": this build reads versions " + kReadableVersions +
-                       " (a newer spmdx wrote it? use that one)");
   }
-  if (m.contains("crc32") || md.version >= 2) {
-    const json& c = field(m, "crc32", "crc32");
-    if (!c.is_number_unsigned() || c.get<std::uint64_t>() != metadata_crc(m)) {
-      fail(mfile, "fails its checksum (key 'crc32'): it was edited or corrupted after the checkpoint was written; restore it, or resume from another step");
+
+  // A version this build reads, and (from version 2) the file's own checksum.
+  int read_version() const {
+    const int version = static_cast<int>(m_.contains("version") && m_["version"].is_number_integer() ? m_["version"].get<std::int64_t>() : -1);
+    if (version < 1 || version > kMetadataVersion) {
+      bad("version", "is " + (m_.contains("version") ? m_["version"].dump() : std::string("missing")) + ": this build reads versions " + kReadableVersions +
+                         " (a newer spmdx wrote it? use that one)");
+    }
+    if (m_.contains("crc32") || version >= 2) {
+      const json& c = field(m_, "crc32", "crc32");
+      if (!c.is_number_unsigned() || c.get<std::uint64_t>() != metadata_crc(m_)) {
+        fail(mfile_, "fails its checksum (key 'crc32'): it was edited or corrupted after the checkpoint was written; restore it, or resume from another step");
+      }
+    }
+    return version;
+  }
+
+  // The step, the samples the data had given, and the tokenizer.
+  void read_progress(CheckpointMeta& meta) const {
+    meta.step = integer(field(m_, "step", "step"), "step", 1, 1'000'000'000);
+    const std::string folder = dir_.filename().string();
+    if (folder.rfind("step-", 0) == 0 && folder != "step-" + std::to_string(meta.step)) {
+      bad("step", "is " + std::to_string(meta.step) + " but the checkpoint is in folder " + folder);
+    }
+    const json& samples = field(m_, "data_samples", "data_samples");
+    // Every step takes at least one sample and at most training.global_batch_size's largest (1e7).
+    const std::int64_t most = meta.step * 10'000'000;
+    meta.data_samples = static_cast<std::uint64_t>(integer(samples, "data_samples", meta.step, most));
+    if (m_.contains("tokenizer")) {
+      if (!m_["tokenizer"].is_string()) bad("tokenizer", "must be a string");
+      meta.tokenizer = m_["tokenizer"].get<std::string>();
     }
   }
-  md.meta.step = integer(field(m, "step", "step"), "step", 1, 1'000'000'000);
-  const std::string folder = dir.filename().string();
-  if (folder.rfind("step-", 0) == 0 && folder != "step-" + std::to_string(md.meta.step)) {
-    bad("step", "is " + std::to_string(md.meta.step) + " but the checkpoint is in folder " + folder);
+
+  // The mesh's dims, whose sizes multiply to the world size it returns.
+  std::int64_t read_mesh(std::vector<MeshDim>& dims) const {
+    const std::int64_t world = integer(field(m_, "world_size", "world_size"), "world_size", 1, 100'000'000);
+    const json& mesh = field(m_, "mesh", "mesh");
+    if (!mesh.is_array() || mesh.empty() || mesh.size() > 8) bad("mesh", "must be a list of 1 to 8 {name, size} dims");
+    std::int64_t product = 1;
+    std::set<std::string> names;
+    for (std::size_t i = 0; i < mesh.size(); ++i) {
+      const std::string key = "mesh[" + std::to_string(i) + "]";
+      const json& n = field(mesh[i], "name", key + ".name");
+      if (!n.is_string() || n.get<std::string>().empty() || !names.insert(n.get<std::string>()).second) bad(key + ".name", "must be a name not used by another dim");
+      const std::int64_t size = integer(field(mesh[i], "size", key + ".size"), key + ".size", 1, 100'000'000);
+      product *= size;
+      if (product > 100'000'000) bad("mesh", "has more than 1e8 ranks");
+      dims.push_back({n.get<std::string>(), size});
+    }
+    if (product != world) bad("world_size", "is " + std::to_string(world) + " but the mesh's sizes multiply to " + std::to_string(product));
+    return world;
   }
-  const json& samples = field(m, "data_samples", "data_samples");
-  // Every step takes at least one sample and at most training.global_batch_size's largest (1e7).
-  const std::int64_t most = md.meta.step * 10'000'000;
-  md.meta.data_samples = static_cast<std::uint64_t>(integer(samples, "data_samples", md.meta.step, most));
-  if (m.contains("tokenizer")) {
-    if (!m["tokenizer"].is_string()) bad("tokenizer", "must be a string");
-    md.meta.tokenizer = m["tokenizer"].get<std::string>();
-  }
-  const std::int64_t world = integer(field(m, "world_size", "world_size"), "world_size", 1, 100'000'000);
-  const json& mesh = field(m, "mesh", "mesh");
-  if (!mesh.is_array() || mesh.empty() || mesh.size() > 8) bad("mesh", "must be a list of 1 to 8 {name, size} dims");
-  std::int64_t product = 1;
-  std::set<std::string> names;
-  for (std::size_t i = 0; i < mesh.size(); ++i) {
-    const std::string key = "mesh[" + std::to_string(i) + "]";
-    const json& n = field(mesh[i], "name", key + ".name");
-    if (!n.is_string() || n.get<std::string>().empty() || !names.insert(n.get<std::string>()).second) bad(key + ".name", "must be a name not used by another dim");
-    const std::int64_t size = integer(field(mesh[i], "size", key + ".size"), key + ".size", 1, 100'000'000);
-    product *= size;
-    if (product > 100'000'000) bad("mesh", "has more than 1e8 ranks");
-    md.mesh.push_back({n.get<std::string>(), size});
-  }
-  if (product != world) bad("world_size", "is " + std::to_string(world) + " but the mesh's sizes multiply to " + std::to_string(product));
+
   // The shard files: exactly rank0.bin .. rank<world-1>.bin.
-  std::set<std::int64_t> present;
-  std::error_code ec;
-  for (const auto& e : fs::directory_iterator(dir, ec)) {
-    const std::string n = e.path().filename().string();
-    if (n.size() < 9 || n.rfind("rank", 0) != 0 || n.substr(n.size() - 4) != ".bin") continue;
-    const std::string digits = n.substr(4, n.size() - 8);
-    if (digits.empty() || digits.size() > 9 || digits.find_first_not_of("0123456789") != std::string::npos) continue;
-    present.insert(std::stoll(digits));
+  void check_shard_files(std::int64_t world) const {
+    std::set<std::int64_t> present;
+    std::error_code ec;
+    for (const auto& e : fs::directory_iterator(dir_, ec)) {
+      const std::string n = e.path().filename().string();
+      if (n.size() < 9 || n.rfind("rank", 0) != 0 || n.substr(n.size() - 4) != ".bin") continue;
+      const std::string digits = n.substr(4, n.size() - 8);
+      if (digits.empty() || digits.size() > 9 || digits.find_first_not_of("0123456789") != std::string::npos) continue;
+      present.insert(std::stoll(digits));
+    }
+    for (std::int64_t r = 0; r < world; ++r) {
+      if (!present.count(r)) bad("world_size", "is " + std::to_string(world) + " but rank" + std::to_string(r) + ".bin is missing from " + dir_.string());
+    }
+    if (!present.empty() && *present.rbegin() >= world) {
+      bad("world_size", "is " + std::to_string(world) + " but rank" + std::to_string(*present.rbegin()) + ".bin is there too: files of another save mixed in?");
+    }
   }
-  for (std::int64_t r = 0; r < world; ++r) {
-    if (!present.count(r)) bad("world_size", "is " + std::to_string(world) + " but rank" + std::to_string(r) + ".bin is missing from " + dir.string());
-  }
-  if (!present.empty() && *present.rbegin() >= world) {
-    bad("world_size", "is " + std::to_string(world) + " but rank" + std::to_string(*present.rbegin()) + ".bin is there too: files of another save mixed in?");
-  }
-  if (md.version >= 2) {
-    const json& files = field(m, "files", "files");
+
+  // Version 2: each shard file's size (checked against the file) and header CRC-32, by rank.
+  std::vector<std::pair<std::uint64_t, std::uint32_t>> read_file_list(std::int64_t world) const {
+    std::vector<std::pair<std::uint64_t, std::uint32_t>> out;
+    std::error_code ec;
+    const json& files = field(m_, "files", "files");
     if (!files.is_object() || files.size() != static_cast<std::size_t>(world)) bad("files", "must list the " + std::to_string(world) + " shard files");
     for (std::int64_t r = 0; r < world; ++r) {
       const std::string name = "rank" + std::to_string(r) + ".bin", key = "files." + name;
       const json& f = field(files, name, key);
       const auto bytes = static_cast<std::uint64_t>(integer(field(f, "bytes", key + ".bytes"), key + ".bytes", 16, INT64_MAX));
       const auto crc = static_cast<std::uint32_t>(integer(field(f, "header_crc32", key + ".header_crc32"), key + ".header_crc32", 0, UINT32_MAX));
-      if (!fs::is_regular_file(dir / name, ec)) fail(dir / name, "is not a regular file (a folder, FIFO or device): a checkpoint holds files");
-      const std::uint64_t actual = fs::file_size(dir / name, ec);
-      if (ec || actual != bytes) fail(dir / name, "is " + std::to_string(actual) + " bytes, metadata.json says " + std::to_string(bytes) + ": truncated, or from another save");
-      md.files.emplace_back(bytes, crc);
+      if (!fs::is_regular_file(dir_ / name, ec)) fail(dir_ / name, "is not a regular file (a folder, FIFO or device): a checkpoint holds files");
+      const std::uint64_t actual = fs::file_size(dir_ / name, ec);
+      if (ec || actual != bytes) fail(dir_ / name, "is " + std::to_string(actual) + " bytes, metadata.json says " + std::to_string(bytes) + ": truncated, or from another save");
+      out.emplace_back(bytes, crc);
     }
+    return out;
   }
-  const json& tensors = field(m, "tensors", "tensors");
-  if (!tensors.is_object()) bad("tensors", "must be an object of name -> {shape, dtype, placements}");
-  for (const auto& [name, t] : tensors.items()) {
-    const std::string key = "tensors." + name;
+
+  // tensors.<name>: its shape, dtype and placements on a mesh of `mesh_dims` dims.
+  SavedTensor read_tensor(const std::string& key, const json& t, std::size_t mesh_dims) const {
     SavedTensor st;
     const json& shape = field(t, "shape", key + ".shape");
     if (!shape.is_array() || shape.size() > 16) bad(key + ".shape", "must be a list of at most 16 sizes");
@@ -352,22 +389,29 @@ Metadata read_metadata(const fs::path& dir) {
     const json& pl = field(t, "placements", key + ".placements");
     if (!pl.is_string()) bad(key + ".placements", "must be a string such as \"S(0)R\"");
     try {
-      st.placements = parse_placements(pl.get<std::string>(), mfile);
+      st.placements = parse_placements(pl.get<std::string>(), mfile_);
     } catch (const std::runtime_error&) {
       bad(key + ".placements", "is " + pl.dump() + ": expected one placement per mesh dim, written R, S(<dim>) or P(<op>), e.g. \"S(0)R\"");
     }
-    if (st.placements.size() != md.mesh.size()) {
-      bad(key + ".placements", "'" + pl.get<std::string>() + "' has " + std::to_string(st.placements.size()) + " placements for a mesh of " + std::to_string(md.mesh.size()) + " dims");
+    if (st.placements.size() != mesh_dims) {
+      bad(key + ".placements", "'" + pl.get<std::string>() + "' has " + std::to_string(st.placements.size()) + " placements for a mesh of " + std::to_string(mesh_dims) + " dims");
     }
     for (const auto& p : st.placements) {
       if (p.is_shard() && (p.dim() < 0 || static_cast<std::size_t>(p.dim()) >= st.shape.size())) {
         bad(key + ".placements", "'" + pl.get<std::string>() + "' shards dim " + std::to_string(p.dim()) + " of a tensor with " + std::to_string(st.shape.size()) + " dims");
       }
     }
-    md.tensors[name] = std::move(st);
+    return st;
   }
-  return md;
-}
+
+  const fs::path dir_;  // the step-N folder
+  const fs::path mfile_;
+  json m_;
+};
+
+// metadata.json, checked like data: its own checksum, a version this build reads, and every
+// field's type and range, each error naming the file and the key. `dir` is the step-N folder.
+Metadata read_metadata(const fs::path& dir) { return MetadataReader(dir).read(); }
 
 // Decodes rank `r`'s shard file and checks it against the metadata: the header's CRC-32 (v2),
 // and every tensor's dtype and shape against what the placements say rank r holds.

@@ -490,7 +490,112 @@ struct StepLoop {
     }
     return loss;
   }
+
+  // Runs steps first_step .. spec.steps; returns the first one's loss and the last one's.
+  std::pair<double, double> run(std::int64_t first_step, bool serves_store) {
+    double first_loss = 0, last_loss = 0;
+    // A failing rank tells the hooks first (the flight recorder dumps), then fails.
+    try {
+      for (std::int64_t step = first_step; step <= spec.steps; ++step) {
+        const double loss = this->step(step);
+        if (step == first_step) first_loss = loss;
+        last_loss = loss;
+      }
+      hooks.finish();
+    } catch (const std::exception& e) {
+      hooks.failure(e.what());
+      // Collectives still queued or waiting on peers fail now, instead of each waiting out
+      // comm.timeout_seconds while the backend is destroyed.
+      if (backend) backend->abort();
+      if (serves_store && dynamic_cast<const CommError*>(&e) != nullptr) {
+        // This rank serves the store (started without spmdx run, as under mpirun or srun): the
+        // others learn from it which rank failed, at their next health check (every 5 s of a
+        // stuck wait). Leaving at once would take the store down with this rank, and they
+        // would time out blaming it.
+        const double linger = std::min(12.0, timeout);
+        std::fprintf(stderr, "rank %d serves the store: keeping it up %.0f s so that the other ranks can name the rank that failed\n",
+                     env.rank, linger);
+        std::this_thread::sleep_for(std::chrono::duration<double>(linger));
+      }
+      throw;
+    }
+    return {first_loss, last_loss};
+  }
 };
+
+// Each state tensor's global meta and its placement, by name: what checkpoints hold.
+std::pair<std::map<std::string, ir::TensorMeta>, std::map<std::string, sharding::Placements>> state_layout(const TensorMap& state, const train::PlacedJob& job,
+                                                                                                          const sharding::DistributedPlan& plan) {
+  std::map<std::string, ir::TensorMeta> state_metas;
+  std::map<std::string, sharding::Placements> state_placements;
+  for (const auto& [name, t] : state) {
+    const ir::Value* v = job.model.graph.find_input(name);
+    state_metas[name] = v->meta();
+    state_placements[name] = plan.placement.at(v);
+  }
+  return {std::move(state_metas), std::move(state_placements)};
+}
+
+void say_nothing_to_do(const std::filesystem::path& ckpt_dir, std::int64_t resume_step, std::int64_t steps) {
+  std::printf("nothing to do: the job is finished (checkpoint %s is at step %lld, training.steps is %lld); nothing was changed "
+              "(raise training.steps to train further)\n",
+              (ckpt_dir / ("step-" + std::to_string(resume_step))).string().c_str(), static_cast<long long>(resume_step),
+              static_cast<long long>(steps));
+}
+
+// Debug hooks: made on every rank, each told where it runs.
+hooks::HookSet make_job_hooks(const config::Config& cfg, const launch::RankEnv& env, const train::PlacedJob& job, PluginRegistry& registry,
+                              Store* store, double timeout, std::int64_t first_step) {
+  HookContext hook_base;
+  hook_base.rank = env.rank;
+  hook_base.world_size = env.world_size;
+  hook_base.mesh = job.mesh.dims();
+  hook_base.coordinate = job.mesh.coordinate(env.rank);
+  hook_base.store = store;
+  hook_base.timeout_seconds = timeout;
+  hook_base.first_step = first_step;
+  return hooks::make_hooks(train::hook_spec(cfg), registry, hook_base);
+}
+
+// Loads checkpoint `step` over `state` (the trained tensors; buffers stay as made) and puts the
+// dataset where it was.
+void resume_from(const std::filesystem::path& ckpt_dir, std::int64_t step, const train::PlacedJob& job, const launch::RankEnv& env,
+                 const std::map<std::string, ir::TensorMeta>& state_metas, const std::map<std::string, sharding::Placements>& state_placements,
+                 TensorMap& state, data::TextDataset& dataset) {
+  CheckpointMeta meta;
+  // Buffers (the RoPE tables) are made from the config, not loaded: a resume may change
+  // training.seq_len, as torchtitan's may.
+  std::map<std::string, ir::TensorMeta> trained = state_metas;
+  for (const auto& spec_i : job.model.init) {
+    if (!spec_i.trainable) trained.erase(spec_i.name);
+  }
+  for (auto& [name, t] : load_checkpoint(ckpt_dir, step, job.mesh, env.rank, trained, state_placements, &meta)) state[name] = t;
+  dataset.restore({meta.data_samples});
+  if (env.rank == 0) {
+    std::printf("resumed from %s (step %lld)\n", (ckpt_dir / ("step-" + std::to_string(step))).string().c_str(),
+                static_cast<long long>(meta.step));
+  }
+}
+
+void print_banner(const train::JobSpec& spec, const train::PlacedJob& job, const launch::RankEnv& env, const CommBackend* backend) {
+  double params = 0;
+  for (const auto& p : job.model.params) params += static_cast<double>(job.model.graph.find_input(p)->meta().numel());
+  std::printf("spmdx: %s (%.2fM parameters), mesh %s (%d rank%s, %s), global batch %lld x %lld, %lld steps, comm %s\n",
+              models::model_label(spec.model).c_str(), params / 1e6,
+              job.mesh.str().c_str(), env.world_size, env.world_size == 1 ? "" : "s", env.source.c_str(), static_cast<long long>(spec.global_batch_size),
+              static_cast<long long>(spec.seq_len), static_cast<long long>(spec.steps),
+              backend ? backend->describe().c_str() : "none (one rank)");
+  std::fflush(stdout);
+}
+
+void print_done(const train::JobSpec& spec, std::int64_t first_step, double seconds, double first_loss, double last_loss,
+                const std::filesystem::path& dump) {
+  const long long ran = static_cast<long long>(spec.steps - first_step + 1);
+  const std::string which = first_step > 1 ? " (" + std::to_string(first_step) + "-" + std::to_string(spec.steps) + ", resumed)" : "";
+  std::printf("done: %lld steps%s in %.2f s, loss %.4f -> %.4f (ln(vocab) = %.4f); metrics in %s\n", ran, which.c_str(),
+              seconds, first_loss, last_loss, std::log(static_cast<double>(spec.model.vocab_size)),
+              (dump / "metrics.jsonl").string().c_str());
+}
 
 }  // namespace
 
@@ -516,12 +621,7 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
   const std::optional<std::int64_t> resume_step = find_resume(cfg, ckpt_dir, tokenizer_id);
   const std::int64_t first_step = resume_step ? *resume_step + 1 : 1;
   if (first_step > spec.steps) {
-    if (lead) {
-      std::printf("nothing to do: the job is finished (checkpoint %s is at step %lld, training.steps is %lld); nothing was changed "
-                  "(raise training.steps to train further)\n",
-                  (ckpt_dir / ("step-" + std::to_string(*resume_step))).string().c_str(), static_cast<long long>(*resume_step),
-                  static_cast<long long>(spec.steps));
-    }
+    if (lead) say_nothing_to_do(ckpt_dir, *resume_step, spec.steps);
     return 0;
   }
 
@@ -536,15 +636,7 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
   Joined joined = join_job(cfg, env, timeout);
   // Debug hooks: made on every rank; the compile stages run on rank 0, before any backend
   // joins, so a validator that fails stops the job before its first step.
-  HookContext hook_base;
-  hook_base.rank = env.rank;
-  hook_base.world_size = env.world_size;
-  hook_base.mesh = job.mesh.dims();
-  hook_base.coordinate = job.mesh.coordinate(env.rank);
-  hook_base.store = joined.store.get();
-  hook_base.timeout_seconds = timeout;
-  hook_base.first_step = first_step;
-  hooks::HookSet hooks = hooks::make_hooks(train::hook_spec(cfg), registry, hook_base);
+  hooks::HookSet hooks = make_job_hooks(cfg, env, job, registry, joined.store.get(), timeout, first_step);
   if (signals) signals->start(&hooks);
   if (lead && !hooks.empty()) {
     std::vector<std::int64_t> ranks;
@@ -564,79 +656,20 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
 
   // Resume from the checkpoint found above, resharding when it was saved on another mesh or
   // strategy.
-  std::map<std::string, ir::TensorMeta> state_metas;
-  std::map<std::string, sharding::Placements> state_placements;
-  for (const auto& [name, t] : state) {
-    const ir::Value* v = job.model.graph.find_input(name);
-    state_metas[name] = v->meta();
-    state_placements[name] = plan.placement.at(v);
-  }
-  if (resume_step) {
-    CheckpointMeta meta;
-    // Buffers (the RoPE tables) are made from the config, not loaded: a resume may change
-    // training.seq_len, as torchtitan's may.
-    std::map<std::string, ir::TensorMeta> trained = state_metas;
-    for (const auto& spec_i : job.model.init) {
-      if (!spec_i.trainable) trained.erase(spec_i.name);
-    }
-    for (auto& [name, t] : load_checkpoint(ckpt_dir, *resume_step, job.mesh, env.rank, trained, state_placements, &meta)) state[name] = t;
-    dataset.restore({meta.data_samples});
-    if (lead) {
-      std::printf("resumed from %s (step %lld)\n", (ckpt_dir / ("step-" + std::to_string(*resume_step))).string().c_str(),
-                  static_cast<long long>(meta.step));
-    }
-  }
+  const auto [state_metas, state_placements] = state_layout(state, job, plan);
+  if (resume_step) resume_from(ckpt_dir, *resume_step, job, env, state_metas, state_placements, state, dataset);
 
   std::optional<MetricsWriter> metrics;
   const std::filesystem::path dump = cfg.get_string("job.dump_folder");
   if (lead) {
     metrics.emplace(cfg, first_step, checkpointing);
-    double params = 0;
-    for (const auto& p : job.model.params) params += static_cast<double>(job.model.graph.find_input(p)->meta().numel());
-    std::printf("spmdx: %s (%.2fM parameters), mesh %s (%d rank%s, %s), global batch %lld x %lld, %lld steps, comm %s\n",
-                models::model_label(spec.model).c_str(), params / 1e6,
-                job.mesh.str().c_str(), env.world_size, env.world_size == 1 ? "" : "s", env.source.c_str(), static_cast<long long>(spec.global_batch_size),
-                static_cast<long long>(spec.seq_len), static_cast<long long>(spec.steps),
-                backend ? backend->describe().c_str() : "none (one rank)");
-    std::fflush(stdout);
+    print_banner(spec, job, env, backend.get());
   }
   StepLoop loop{cfg, env, spec, job, plan, executor, state, state_metas, state_placements, dataset, hooks, registry, backend, joined.store.get(),
                 metrics ? &*metrics : nullptr, fault, timeout, ckpt_dir, tokenizer_id};
-  double first_loss = 0, last_loss = 0;
   const auto run_start = Clock::now();
-  // A failing rank tells the hooks first (the flight recorder dumps), then fails.
-  try {
-    for (std::int64_t step = first_step; step <= spec.steps; ++step) {
-      const double loss = loop.step(step);
-      if (step == first_step) first_loss = loss;
-      last_loss = loss;
-    }
-    hooks.finish();
-  } catch (const std::exception& e) {
-    hooks.failure(e.what());
-    // Collectives still queued or waiting on peers fail now, instead of each waiting out
-    // comm.timeout_seconds while the backend is destroyed.
-    if (backend) backend->abort();
-    if (joined.server && dynamic_cast<const CommError*>(&e) != nullptr) {
-      // This rank serves the store (started without spmdx run, as under mpirun or srun): the
-      // others learn from it which rank failed, at their next health check (every 5 s of a
-      // stuck wait). Leaving at once would take the store down with this rank, and they
-      // would time out blaming it.
-      const double linger = std::min(12.0, timeout);
-      std::fprintf(stderr, "rank %d serves the store: keeping it up %.0f s so that the other ranks can name the rank that failed\n",
-                   env.rank, linger);
-      std::this_thread::sleep_for(std::chrono::duration<double>(linger));
-    }
-    throw;
-  }
-  if (lead) {
-    const double seconds = std::chrono::duration<double>(Clock::now() - run_start).count();
-    const long long ran = static_cast<long long>(spec.steps - first_step + 1);
-    const std::string which = first_step > 1 ? " (" + std::to_string(first_step) + "-" + std::to_string(spec.steps) + ", resumed)" : "";
-    std::printf("done: %lld steps%s in %.2f s, loss %.4f -> %.4f (ln(vocab) = %.4f); metrics in %s\n", ran, which.c_str(),
-                seconds, first_loss, last_loss, std::log(static_cast<double>(spec.model.vocab_size)),
-                (dump / "metrics.jsonl").string().c_str());
-  }
+  const auto [first_loss, last_loss] = loop.run(first_step, joined.server != nullptr);
+  if (lead) print_done(spec, first_step, std::chrono::duration<double>(Clock::now() - run_start).count(), first_loss, last_loss, dump);
   if (backend) {
     backend->barrier(0)->wait(timeout);  // rank 0 may serve the store: nobody leaves before everyone is done
     backend->finalize();

@@ -109,30 +109,36 @@ RankEnv rank_env() {
   return e;
 }
 
-int launch(const LaunchOptions& o, const std::vector<std::string>& argv) {
-  const int nproc = o.nproc;
-  if (nproc < 1 || o.nnodes < 1 || o.node_rank < 0 || o.node_rank >= o.nnodes) {
-    throw std::invalid_argument("launch: need --nproc >= 1 and 0 <= --node-rank < --nnodes");
-  }
+namespace {
+
+// The job's store: the one this launcher serves (on one node, or as node 0), or node 0's.
+struct JobStore {
   std::string token, addr = "127.0.0.1";
   int port = 0;
   std::unique_ptr<comm::TcpStoreServer> server;
+};
+
+JobStore serve_store(const LaunchOptions& o) {
+  JobStore s;
   if (o.nnodes == 1) {
-    token = random_token();
-    server = std::make_unique<comm::TcpStoreServer>(addr, 0, token);
-    port = server->port();
+    s.token = random_token();
+    s.server = std::make_unique<comm::TcpStoreServer>(s.addr, 0, s.token);
+    s.port = s.server->port();
   } else {
     const char* t = std::getenv("SPMDX_JOB_TOKEN");
     if (t == nullptr || *t == '\0') {
       throw std::invalid_argument("launch: with --nnodes > 1, set SPMDX_JOB_TOKEN to the same secret on every node");
     }
     if (o.master_addr.empty() || o.master_port <= 0) throw std::invalid_argument("launch: with --nnodes > 1, give --master-addr and --master-port");
-    token = t;
-    addr = o.master_addr;
-    port = o.master_port;
-    if (o.node_rank == 0) server = std::make_unique<comm::TcpStoreServer>(addr, port, token);
+    s.token = t;
+    s.addr = o.master_addr;
+    s.port = o.master_port;
+    if (o.node_rank == 0) s.server = std::make_unique<comm::TcpStoreServer>(s.addr, s.port, s.token);
   }
-  const int world = nproc * o.nnodes;
+  return s;
+}
+
+void catch_signals() {
   struct sigaction sa {};
   sa.sa_handler = on_signal;
   sigaction(SIGINT, &sa, nullptr);
@@ -140,192 +146,265 @@ int launch(const LaunchOptions& o, const std::vector<std::string>& argv) {
   struct sigaction usr1 {};
   usr1.sa_handler = on_usr1;
   sigaction(SIGUSR1, &usr1, nullptr);
+}
 
-  struct Child {
-    pid_t pid = -1;
-    int out = -1;  // read end of its stdout+stderr
-    std::string partial;
-    bool running = true;
-    int status = 0;
-  };
+struct Child {
+  pid_t pid = -1;
+  int out = -1;  // read end of its stdout+stderr
+  std::string partial;
+  bool running = true;
+  int status = 0;
+};
+
+// The launcher's environment with `env` set over it, as "KEY=value" strings.
+std::vector<std::string> environment_with(const std::map<std::string, std::string>& env) {
+  std::vector<std::string> strings;
+  for (char** e = environ; *e; ++e) {
+    const std::string kv = *e;
+    if (!env.count(kv.substr(0, kv.find('=')))) strings.push_back(kv);
+  }
+  for (const auto& [k, v] : env) strings.push_back(k + "=" + v);
+  return strings;
+}
+
+// Starts argv with its stdout and stderr on one pipe; returns posix_spawn's error (0: started).
+int spawn_rank(const std::vector<std::string>& argv, std::vector<std::string> strings, Child& child) {
+  std::vector<char*> envp, args;
+  for (auto& s : strings) envp.push_back(s.data());
+  envp.push_back(nullptr);
+  std::vector<std::string> argv_copy = argv;
+  for (auto& a : argv_copy) args.push_back(a.data());
+  args.push_back(nullptr);
+  int pipefd[2];
+  if (pipe(pipefd) != 0) throw std::runtime_error("launcher: pipe failed");
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_adddup2(&fa, pipefd[1], 1);
+  posix_spawn_file_actions_adddup2(&fa, pipefd[1], 2);
+  posix_spawn_file_actions_addclose(&fa, pipefd[0]);
+  pid_t pid = -1;
+  const int rc = posix_spawn(&pid, argv[0].c_str(), &fa, nullptr, args.data(), envp.data());
+  posix_spawn_file_actions_destroy(&fa);
+  close(pipefd[1]);
+  if (rc == 0) child = {pid, pipefd[0], "", true, 0};
+  return rc;
+}
+
+// This node's ranks, each told who it is and where the store is.
+std::vector<Child> spawn_ranks(const LaunchOptions& o, const std::vector<std::string>& argv, const JobStore& store) {
+  const int nproc = o.nproc;
+  const int world = nproc * o.nnodes;
   std::vector<Child> children(static_cast<std::size_t>(nproc));
   for (int r = 0; r < nproc; ++r) {
     std::map<std::string, std::string> env{{"RANK", std::to_string(o.node_rank * nproc + r)}, {"WORLD_SIZE", std::to_string(world)},
                                            {"LOCAL_RANK", std::to_string(r)},  {"LOCAL_WORLD_SIZE", std::to_string(nproc)},
-                                           {"MASTER_ADDR", addr},               {"MASTER_PORT", std::to_string(port)},
-                                           {"SPMDX_JOB_TOKEN", token},          {"SPMDX_STORE_HOSTED", "1"}};
-    std::vector<std::string> strings;
-    for (char** e = environ; *e; ++e) {
-      const std::string kv = *e;
-      if (!env.count(kv.substr(0, kv.find('=')))) strings.push_back(kv);
-    }
-    for (const auto& [k, v] : env) strings.push_back(k + "=" + v);
-    std::vector<char*> envp, args;
-    for (auto& s : strings) envp.push_back(s.data());
-    envp.push_back(nullptr);
-    std::vector<std::string> argv_copy = argv;
-    for (auto& a : argv_copy) args.push_back(a.data());
-    args.push_back(nullptr);
-    int pipefd[2];
-    if (pipe(pipefd) != 0) throw std::runtime_error("launcher: pipe failed");
-    posix_spawn_file_actions_t fa;
-    posix_spawn_file_actions_init(&fa);
-    posix_spawn_file_actions_adddup2(&fa, pipefd[1], 1);
-    posix_spawn_file_actions_adddup2(&fa, pipefd[1], 2);
-    posix_spawn_file_actions_addclose(&fa, pipefd[0]);
-    pid_t pid = -1;
-    const int rc = posix_spawn(&pid, argv[0].c_str(), &fa, nullptr, args.data(), envp.data());
-    posix_spawn_file_actions_destroy(&fa);
-    close(pipefd[1]);
-    if (rc != 0) {
+                                           {"MASTER_ADDR", store.addr},         {"MASTER_PORT", std::to_string(store.port)},
+                                           {"SPMDX_JOB_TOKEN", store.token},    {"SPMDX_STORE_HOSTED", "1"}};
+    if (const int rc = spawn_rank(argv, environment_with(env), children[static_cast<std::size_t>(r)]); rc != 0) {
       for (auto& c : children) {
         if (c.pid > 0) kill(c.pid, SIGKILL);
       }
       throw std::runtime_error("launcher: cannot start " + argv[0] + ": " + std::strerror(rc));
     }
-    children[static_cast<std::size_t>(r)] = {pid, pipefd[0], "", true, 0};
+  }
+  return children;
+}
+
+// Watches this node's ranks until every one has exited: relays their output, passes signals
+// on, and when one fails chooses the rank to blame and stops the others.
+class Supervisor {
+ public:
+  Supervisor(const LaunchOptions& o, const JobStore& store, std::vector<Child> children)
+      : o_(o), store_(store), children_(std::move(children)), running_(children_.size()) {}
+
+  void supervise() {
+    while (running_ > 0) {
+      std::vector<pollfd> fds;
+      for (auto& c : children_) fds.push_back({c.out, POLLIN, 0});
+      poll(fds.data(), fds.size(), 100);
+      for (std::size_t r = 0; r < children_.size(); ++r) {
+        if (children_[r].out >= 0 && (fds[r].revents & (POLLIN | POLLHUP))) relay_output(r);
+        reap(r);
+      }
+      if (failed_rank_ < 0 && blame_rank_ >= 0 && (std::chrono::steady_clock::now() >= blame_deadline_ || running_ == 0)) settle_blame();
+      if (g_dump_requests != 0) {  // kill -USR1 <launcher>: every rank dumps, the run goes on
+        g_dump_requests = 0;
+        stop_all(SIGUSR1);
+      }
+      if (g_signal != 0 && kill_deadline_ == std::chrono::steady_clock::time_point::max()) {
+        stop_all(g_signal);
+        kill_deadline_ = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+      }
+      if (std::chrono::steady_clock::now() > kill_deadline_) stop_all(SIGKILL);
+    }
   }
 
-  int failed_rank = -1;
-  std::string failure;
-  auto stop_all = [&](int sig) {
-    for (auto& c : children) {
+  // What the ranks wrote last, once they have all exited.
+  void drain_output() {
+    for (auto& c : children_) {
+      if (c.out >= 0) {
+        char buf[4096];
+        ssize_t n;
+        while ((n = read(c.out, buf, sizeof buf)) > 0) c.partial.append(buf, static_cast<std::size_t>(n));
+        close(c.out);
+      }
+      if (!c.partial.empty()) std::cout << "[rank " << o_.node_rank * o_.nproc + (&c - children_.data()) << "] " << c.partial << "\n";
+      comm::remove_shared_memory_of(c.pid);  // a rank killed while its groups set up shared memory
+    }
+  }
+
+  // Says which rank failed and how; the launcher's exit code (0: none failed).
+  int blame() const {
+    if (failed_rank_ < 0) return 0;
+    if (blame_from_flight_recorder()) return 1;
+    if (blame_priority_ == 0 && !named_by_ranks_ && !mismatch_.empty()) {
+      std::cerr << o_.command << ": the ranks called different collectives (" << mismatch_ << "); which rank skipped or added one cannot be told "
+                << "from the collective alone: run with --hooks.enable flight_recorder and the launcher names it (rank " << failed_rank_ << " "
+                << failure_ << " first); the other ranks were stopped\n";
+      return 1;
+    }
+    std::cerr << o_.command << ": rank " << failed_rank_ << " " << failure_ << "; the other ranks were stopped\n";
+    return 1;
+  }
+
+ private:
+  int rank_of(std::size_t r) const { return o_.node_rank * o_.nproc + static_cast<int>(r); }
+
+  void stop_all(int sig) {
+    for (auto& c : children_) {
       if (!c.running) continue;
       kill(c.pid, sig);
       if (sig == SIGTERM || sig == SIGINT) kill(c.pid, SIGCONT);  // a stopped rank (kill -STOP) acts on it only when continued
     }
-  };
-  auto kill_deadline = std::chrono::steady_clock::time_point::max();
+  }
+
+  // Prints rank r's complete lines, each under its rank's prefix.
+  void relay_output(std::size_t r) {
+    auto& c = children_[r];
+    char buf[4096];
+    const ssize_t n = read(c.out, buf, sizeof buf);
+    if (n <= 0) {
+      close(c.out);
+      c.out = -1;
+      return;
+    }
+    c.partial.append(buf, static_cast<std::size_t>(n));
+    std::size_t nl;
+    while ((nl = c.partial.find('\n')) != std::string::npos) {
+      std::cout << "[rank " << rank_of(r) << "] " << c.partial.substr(0, nl) << "\n" << std::flush;
+      c.partial.erase(0, nl + 1);
+    }
+  }
+
+  void reap(std::size_t r) {
+    auto& c = children_[r];
+    if (!c.running || waitpid(c.pid, &c.status, WNOHANG) != c.pid) return;
+    c.running = false;
+    --running_;
+    const bool ok = WIFEXITED(c.status) && WEXITSTATUS(c.status) == 0;
+    if (!ok && failed_rank_ < 0) consider_blaming(rank_of(r), c.status);
+  }
+
+  void consider_blaming(int rank, int status) {
+    const int priority = WIFEXITED(status) ? 0 : WTERMSIG(status) == SIGABRT ? 1 : 2;
+    if (priority > blame_priority_ || (priority == blame_priority_ && rank < blame_rank_)) {  // ties: the lowest rank
+      blame_priority_ = priority;
+      blame_rank_ = rank;
+      blame_ = WIFEXITED(status) ? "exited with code " + std::to_string(WEXITSTATUS(status))
+                                 : std::string("was killed by signal ") + strsignal(WTERMSIG(status));
+    }
+    if (blame_deadline_ == std::chrono::steady_clock::time_point::max()) {
+      blame_deadline_ = std::chrono::steady_clock::now() + std::chrono::milliseconds(500);
+    }
+  }
+
+  // The wait for other failures is over: blame the rank chosen, and stop the others.
+  void settle_blame() {
+    failed_rank_ = blame_rank_;
+    failure_ = blame_;
+    if (blame_priority_ == 0) ask_the_ranks();  // it exited with an error: did the ranks name another one?
+    if (g_signal == 0) {
+      stop_all(SIGTERM);
+      kill_deadline_ = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+    }
+  }
+
+  void ask_the_ranks() {
+    try {
+      comm::TcpStore store(store_.addr, store_.port, store_.token, 1);
+      if (store.add(std::string(comm::kMismatchKey) + "_reported", 0) > 0) mismatch_ = store.get(comm::kMismatchKey, 1);
+      if (store.add(std::string(comm::kFaultKey) + "_reported", 0) > 0) {
+        const int named = std::stoi(store.get(comm::kFaultKey, 1));
+        if (named != failed_rank_ && named >= 0 && named < o_.nproc * o_.nnodes) {
+          failure_ = "was named by the other ranks as the one that failed (rank " + std::to_string(failed_rank_) + " " + blame_ +
+                     " reporting it)";
+          failed_rank_ = named;
+        }
+        named_by_ranks_ = true;
+      }
+    } catch (const std::exception&) {
+      // no store any more, or nothing in it: blame the rank that exited
+    }
+  }
+
+  // Ranks that failed alike (each exited with an error, e.g. members that called different
+  // collectives) blame each other: their flight recorder dumps say which one diverged.
+  // Also when the ranks named one: the dumps say what it skipped. Ranks named for a skip are
+  // trusted over a weaker finding (one that only says a rank never issued a collective).
+  // Returns whether it blamed the ranks the dumps name.
+  bool blame_from_flight_recorder() const {
+    if (blame_priority_ != 0 || o_.flight_recorder_dir.empty()) return false;
+    try {
+      const hooks::FrAnalysis a = hooks::analyze_flight_recorder(o_.flight_recorder_dir);
+      const bool strong = !a.findings.empty() && (a.findings.front().kind == hooks::FrFinding::Kind::skipped ||
+                                                  a.findings.front().ranks == std::vector<int>{failed_rank_} || !named_by_ranks_);
+      if (strong && a.findings.front().kind != hooks::FrFinding::Kind::stalled && !a.findings.front().ranks.empty()) {
+        const auto& f = a.findings.front();
+        std::cerr << o_.command << ": " << rank_list(f.ranks) << " diverged, as the flight recorder's dumps show: " << f.message
+                  << " (spmdx fr-trace " << o_.flight_recorder_dir << " prints every finding); the other ranks were stopped\n";
+        return true;
+      }
+    } catch (const std::exception&) {
+      // no dumps, or not from this run: blame the rank that exited
+    }
+    return false;
+  }
+
+  const LaunchOptions& o_;
+  const JobStore& store_;
+  std::vector<Child> children_;
+  std::size_t running_;
+  int failed_rank_ = -1;
+  std::string failure_;
+  std::chrono::steady_clock::time_point kill_deadline_ = std::chrono::steady_clock::time_point::max();
   // The rank to blame, chosen among those that fail within 500 ms of the first: killed by a
   // signal from outside (kill -9, a crash) before one that aborted (a comm library that found
   // its peer gone aborts: UCX's shared-memory transports do) before one that exited with an
   // error (it reports a peer's failure). A dying process can stay unreaped longer than the
   // peers it takes down.
-  int blame_rank = -1, blame_priority = -1;
-  bool named_by_ranks = false;  // the ranks named the rank that failed (through the store)
-  std::string mismatch;         // ranks found members calling different collectives (kMismatchKey)
-  std::string blame;
-  auto blame_deadline = std::chrono::steady_clock::time_point::max();
-  std::size_t running = children.size();
-  while (running > 0) {
-    std::vector<pollfd> fds;
-    for (auto& c : children) fds.push_back({c.out, POLLIN, 0});
-    poll(fds.data(), fds.size(), 100);
-    for (std::size_t r = 0; r < children.size(); ++r) {
-      auto& c = children[r];
-      if (c.out >= 0 && (fds[r].revents & (POLLIN | POLLHUP))) {
-        char buf[4096];
-        const ssize_t n = read(c.out, buf, sizeof buf);
-        if (n <= 0) {
-          close(c.out);
-          c.out = -1;
-        } else {
-          c.partial.append(buf, static_cast<std::size_t>(n));
-          std::size_t nl;
-          while ((nl = c.partial.find('\n')) != std::string::npos) {
-            std::cout << "[rank " << o.node_rank * nproc + static_cast<int>(r) << "] " << c.partial.substr(0, nl) << "\n" << std::flush;
-            c.partial.erase(0, nl + 1);
-          }
-        }
-      }
-      if (c.running && waitpid(c.pid, &c.status, WNOHANG) == c.pid) {
-        c.running = false;
-        --running;
-        const bool ok = WIFEXITED(c.status) && WEXITSTATUS(c.status) == 0;
-        if (!ok && failed_rank < 0) {
-          const int priority = WIFEXITED(c.status) ? 0 : WTERMSIG(c.status) == SIGABRT ? 1 : 2;
-          const int rank = o.node_rank * nproc + static_cast<int>(r);
-          if (priority > blame_priority || (priority == blame_priority && rank < blame_rank)) {  // ties: the lowest rank
-            blame_priority = priority;
-            blame_rank = rank;
-            blame = WIFEXITED(c.status) ? "exited with code " + std::to_string(WEXITSTATUS(c.status))
-                                        : std::string("was killed by signal ") + strsignal(WTERMSIG(c.status));
-          }
-          if (blame_deadline == std::chrono::steady_clock::time_point::max()) {
-            blame_deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(500);
-          }
-        }
-      }
-    }
-    if (failed_rank < 0 && blame_rank >= 0 && (std::chrono::steady_clock::now() >= blame_deadline || running == 0)) {
-      failed_rank = blame_rank;
-      failure = blame;
-      if (blame_priority == 0) {  // it exited with an error: did the ranks name another one?
-        try {
-          comm::TcpStore store(addr, port, token, 1);
-          if (store.add(std::string(comm::kMismatchKey) + "_reported", 0) > 0) mismatch = store.get(comm::kMismatchKey, 1);
-          if (store.add(std::string(comm::kFaultKey) + "_reported", 0) > 0) {
-            const int named = std::stoi(store.get(comm::kFaultKey, 1));
-            if (named != failed_rank && named >= 0 && named < world) {
-              failure = "was named by the other ranks as the one that failed (rank " + std::to_string(failed_rank) + " " + blame +
-                        " reporting it)";
-              failed_rank = named;
-            }
-            named_by_ranks = true;
-          }
-        } catch (const std::exception&) {
-          // no store any more, or nothing in it: blame the rank that exited
-        }
-      }
-      if (g_signal == 0) {
-        stop_all(SIGTERM);
-        kill_deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
-      }
-    }
-    if (g_dump_requests != 0) {  // kill -USR1 <launcher>: every rank dumps, the run goes on
-      g_dump_requests = 0;
-      stop_all(SIGUSR1);
-    }
-    if (g_signal != 0 && kill_deadline == std::chrono::steady_clock::time_point::max()) {
-      stop_all(g_signal);
-      kill_deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
-    }
-    if (std::chrono::steady_clock::now() > kill_deadline) stop_all(SIGKILL);
+  int blame_rank_ = -1, blame_priority_ = -1;
+  bool named_by_ranks_ = false;  // the ranks named the rank that failed (through the store)
+  std::string mismatch_;         // ranks found members calling different collectives (kMismatchKey)
+  std::string blame_;
+  std::chrono::steady_clock::time_point blame_deadline_ = std::chrono::steady_clock::time_point::max();
+};
+
+}  // namespace
+
+int launch(const LaunchOptions& o, const std::vector<std::string>& argv) {
+  if (o.nproc < 1 || o.nnodes < 1 || o.node_rank < 0 || o.node_rank >= o.nnodes) {
+    throw std::invalid_argument("launch: need --nproc >= 1 and 0 <= --node-rank < --nnodes");
   }
-  for (auto& c : children) {
-    if (c.out >= 0) {
-      char buf[4096];
-      ssize_t n;
-      while ((n = read(c.out, buf, sizeof buf)) > 0) c.partial.append(buf, static_cast<std::size_t>(n));
-      close(c.out);
-    }
-    if (!c.partial.empty()) std::cout << "[rank " << o.node_rank * nproc + (&c - children.data()) << "] " << c.partial << "\n";
-    comm::remove_shared_memory_of(c.pid);  // a rank killed while its groups set up shared memory
-  }
+  const JobStore store = serve_store(o);
+  catch_signals();
+  Supervisor job(o, store, spawn_ranks(o, argv, store));
+  job.supervise();
+  job.drain_output();
   if (g_signal != 0) {
     std::cerr << o.command << ": stopped by " << strsignal(g_signal) << "; every rank was stopped\n";
     return 128 + g_signal;  // as a shell reports a process ended by that signal
   }
-  if (failed_rank >= 0) {
-    // Ranks that failed alike (each exited with an error, e.g. members that called different
-    // collectives) blame each other: their flight recorder dumps say which one diverged.
-    // Also when the ranks named one: the dumps say what it skipped. Ranks named for a skip are
-    // trusted over a weaker finding (one that only says a rank never issued a collective).
-    if (blame_priority == 0 && !o.flight_recorder_dir.empty()) {
-      try {
-        const hooks::FrAnalysis a = hooks::analyze_flight_recorder(o.flight_recorder_dir);
-        const bool strong = !a.findings.empty() && (a.findings.front().kind == hooks::FrFinding::Kind::skipped ||
-                                                    a.findings.front().ranks == std::vector<int>{failed_rank} || !named_by_ranks);
-        if (strong && a.findings.front().kind != hooks::FrFinding::Kind::stalled && !a.findings.front().ranks.empty()) {
-          const auto& f = a.findings.front();
-          std::cerr << o.command << ": " << rank_list(f.ranks) << " diverged, as the flight recorder's dumps show: " << f.message
-                    << " (spmdx fr-trace " << o.flight_recorder_dir << " prints every finding); the other ranks were stopped\n";
-          return 1;
-        }
-      } catch (const std::exception&) {
-        // no dumps, or not from this run: blame the rank that exited
-      }
-    }
-    if (blame_priority == 0 && !named_by_ranks && !mismatch.empty()) {
-      std::cerr << o.command << ": the ranks called different collectives (" << mismatch << "); which rank skipped or added one cannot be told "
-                << "from the collective alone: run with --hooks.enable flight_recorder and the launcher names it (rank " << failed_rank << " "
-                << failure << " first); the other ranks were stopped\n";
-      return 1;
-    }
-    std::cerr << o.command << ": rank " << failed_rank << " " << failure << "; the other ranks were stopped\n";
-    return 1;
-  }
-  return 0;
+  return job.blame();
 }
 
 }  // namespace spmdx::launch

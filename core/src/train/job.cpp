@@ -70,96 +70,123 @@ std::int64_t degree_product(const config::Config& cfg) {
   return cfg.get_int("parallelism.data_parallel_replicate_degree") * cfg.get_int("parallelism.tensor_parallel_degree") * (shard > 0 ? shard : 1);
 }
 
-JobSpec job_spec(const config::Config& cfg, std::int64_t world_size, std::int64_t vocab_size) {
-  Problems problems{cfg, {}};
-  auto fail = [&](const std::vector<std::string>& keys, const std::string& why) { problems.add(keys, why); };
-  JobSpec s;
-  s.world_size = world_size;
-  s.model = models::model_args(cfg.get_string("model.name"), cfg.get_string("model.flavor"), vocab_size);
-  std::vector<std::int64_t> exported;  // pt2: the tokens' [batch, seq] as exported
-  if (s.model.name != "pt2") {
+namespace {
+
+// model.path, model.inputs and model.loss, which only model.name = "pt2" takes: its program
+// fixes the vocabulary, and the tokens' [batch, seq] (returned; empty for other models).
+std::vector<std::int64_t> read_pt2(const config::Config& cfg, std::int64_t vocab_size, models::ModelArgs& model, Problems& problems) {
+  std::vector<std::int64_t> exported;
+  if (model.name != "pt2") {
     for (const char* key : {"model.path", "model.inputs", "model.loss"}) {
-      if (cfg.is_set(key)) fail({key, "model.name"}, std::string(key) + " is set but model.name is \"" + s.model.name + "\": it is for model.name = \"pt2\" (a torch.export file); set that, or remove " + key);
+      if (cfg.is_set(key)) problems.add({key, "model.name"}, std::string(key) + " is set but model.name is \"" + model.name + "\": it is for model.name = \"pt2\" (a torch.export file); set that, or remove " + key);
     }
   }
-  if (s.model.name == "pt2") {
-    s.model.path = cfg.get_string("model.path");
-    s.model.inputs = cfg.get_list("model.inputs");
-    s.model.loss = cfg.get_string("model.loss");
-    if (s.model.path.empty()) {
-      fail({"model.name", "model.path"}, "model.name = \"pt2\" needs model.path: the .pt2 file torch.export.save wrote (see examples/export)");
+  if (model.name == "pt2") {
+    model.path = cfg.get_string("model.path");
+    model.inputs = cfg.get_list("model.inputs");
+    model.loss = cfg.get_string("model.loss");
+    if (model.path.empty()) {
+      problems.add({"model.name", "model.path"}, "model.name = \"pt2\" needs model.path: the .pt2 file torch.export.save wrote (see examples/export)");
     } else {
       try {
-        const models::Model m = models::import_model(s.model);
+        const models::Model m = models::import_model(model);
         exported = m.graph.find_input("tokens")->meta().shape;
-        s.model.vocab_size = m.args.vocab_size;
-        if (vocab_size > s.model.vocab_size) {
-          fail({"model.tokenizer", "model.path"}, "the tokenizer '" + cfg.get_string("model.tokenizer") + "' has " + std::to_string(vocab_size) + " ids but " + s.model.path +
-               "'s logits have " + std::to_string(s.model.vocab_size) + " classes: export the model with a vocabulary of at least " + std::to_string(vocab_size));
+        model.vocab_size = m.args.vocab_size;
+        if (vocab_size > model.vocab_size) {
+          problems.add({"model.tokenizer", "model.path"}, "the tokenizer '" + cfg.get_string("model.tokenizer") + "' has " + std::to_string(vocab_size) + " ids but " + model.path +
+                       "'s logits have " + std::to_string(model.vocab_size) + " classes: export the model with a vocabulary of at least " + std::to_string(vocab_size));
         }
       } catch (const std::exception& e) {
-        fail({"model.path"}, e.what());
+        problems.add({"model.path"}, e.what());
       }
     }
   }
+  return exported;
+}
+
+// [parallelism.tp_plan] and [parallelism.strategies], whose keys must be mesh dims.
+void read_strategies(const config::Config& cfg, JobSpec& s, Problems& problems) {
   s.tp_plan = cfg.plugin_options("parallelism.tp_plan");
   s.strategies = cfg.plugin_options("parallelism.strategies");
   for (const auto& [dim, plugin] : s.strategies) {
     if (dim != "dp_replicate" && dim != "dp_shard" && dim != "tp") {
       const std::string near = nearest_word(dim, {"dp_replicate", "dp_shard", "tp"}, 3);
-      fail({"parallelism.strategies"}, "[parallelism.strategies] names mesh dim '" + dim + "'; the mesh dims are dp_replicate, dp_shard and tp" +
-           (near.empty() ? std::string() : "; did you mean '" + near + "'?"));
+      problems.add({"parallelism.strategies"}, "[parallelism.strategies] names mesh dim '" + dim + "'; the mesh dims are dp_replicate, dp_shard and tp" +
+                   (near.empty() ? std::string() : "; did you mean '" + near + "'?"));
     }
-    if (plugin.empty()) fail({"parallelism.strategies"}, "[parallelism.strategies] " + dim + " names no plugin: give a strategy plugin's name (e.g. \"" + sharding::strategy_for(dim == "tp" ? "tp" : "dp_shard") + "\")");
+    if (plugin.empty()) problems.add({"parallelism.strategies"}, "[parallelism.strategies] " + dim + " names no plugin: give a strategy plugin's name (e.g. \"" + sharding::strategy_for(dim == "tp" ? "tp" : "dp_shard") + "\")");
   }
-  s.dims.dp_replicate = cfg.get_int("parallelism.data_parallel_replicate_degree");
-  s.dims.tp = cfg.get_int("parallelism.tensor_parallel_degree");
-  s.dims.dp_shard = cfg.get_int("parallelism.data_parallel_shard_degree");
-  if (s.dims.dp_shard == -1) {
-    const std::int64_t rest = s.dims.dp_replicate * s.dims.tp;
+}
+
+// The mesh: parallelism's degrees, dp_shard = -1 taking what the others leave of world_size.
+void read_degrees(const config::Config& cfg, std::int64_t world_size, sharding::ParallelDims& dims, Problems& problems) {
+  dims.dp_replicate = cfg.get_int("parallelism.data_parallel_replicate_degree");
+  dims.tp = cfg.get_int("parallelism.tensor_parallel_degree");
+  dims.dp_shard = cfg.get_int("parallelism.data_parallel_shard_degree");
+  if (dims.dp_shard == -1) {
+    const std::int64_t rest = dims.dp_replicate * dims.tp;
     if (world_size % rest != 0) {
-      fail(kDegreeKeys, "parallelism.data_parallel_replicate_degree x tensor_parallel_degree = " + std::to_string(rest) +
-           " does not divide world_size " + std::to_string(world_size));
+      problems.add(kDegreeKeys, "parallelism.data_parallel_replicate_degree x tensor_parallel_degree = " + std::to_string(rest) +
+                   " does not divide world_size " + std::to_string(world_size));
     }
-    s.dims.dp_shard = std::max<std::int64_t>(1, world_size / rest);
-  } else if (s.dims.dp_shard < 1) {
-    fail({"parallelism.data_parallel_shard_degree"}, "parallelism.data_parallel_shard_degree must be >= 1 or -1");
-    s.dims.dp_shard = 1;
+    dims.dp_shard = std::max<std::int64_t>(1, world_size / rest);
+  } else if (dims.dp_shard < 1) {
+    problems.add({"parallelism.data_parallel_shard_degree"}, "parallelism.data_parallel_shard_degree must be >= 1 or -1");
+    dims.dp_shard = 1;
   }
-  const std::int64_t product = s.dims.dp_replicate * s.dims.dp_shard * s.dims.tp;
+  const std::int64_t product = dims.dp_replicate * dims.dp_shard * dims.tp;
   if (product != world_size && problems.lines.empty()) {
-    fail(kDegreeKeys, "parallelism degrees multiply to " + std::to_string(product) + " (" + std::to_string(s.dims.dp_replicate) + " x " +
-         std::to_string(s.dims.dp_shard) + " x " + std::to_string(s.dims.tp) + "), but world_size is " + std::to_string(world_size));
+    problems.add(kDegreeKeys, "parallelism degrees multiply to " + std::to_string(product) + " (" + std::to_string(dims.dp_replicate) + " x " +
+                 std::to_string(dims.dp_shard) + " x " + std::to_string(dims.tp) + "), but world_size is " + std::to_string(world_size));
   }
-  const bool degrees_ok = problems.lines.empty();  // the batch check below needs the data-parallel degree
-  if (s.model.name == "llama" && s.model.n_heads % s.dims.tp != 0) {
-    fail({"parallelism.tensor_parallel_degree", "model.name", "model.flavor"}, "parallelism.tensor_parallel_degree " + std::to_string(s.dims.tp) + " does not divide the " + std::to_string(s.model.n_heads) +
-         " attention heads of " + s.model.name + " " + s.model.flavor);
-  }
+}
+
+// The global batch and the sequence length: from training.*, or fixed by an exported program
+// (`exported`: its tokens' [batch, seq]); the batch must split over the data-parallel ranks.
+void read_batch(const config::Config& cfg, const std::vector<std::int64_t>& exported, bool degrees_ok, JobSpec& s, Problems& problems) {
   const std::int64_t dp = s.dims.dp_replicate * s.dims.dp_shard;
   const std::int64_t global = cfg.get_int("training.global_batch_size");
   s.global_batch_size = global > 0 ? global : cfg.get_int("training.local_batch_size") * dp;
   if (!exported.empty()) {  // a program's batch and sequence are fixed when it is exported
     const bool local_set = global <= 0 && cfg.is_set("training.local_batch_size");
     if ((global > 0 || local_set) && s.global_batch_size != exported[0]) {
-      fail({global > 0 ? "training.global_batch_size" : "training.local_batch_size", "model.path"},
-           (global > 0 ? "training.global_batch_size " + std::to_string(global) : "training.local_batch_size " + std::to_string(cfg.get_int("training.local_batch_size")) + " x " + std::to_string(dp) + " data-parallel ranks = " + std::to_string(s.global_batch_size)) +
-           ", but " + s.model.path + " was exported for a batch of " + std::to_string(exported[0]) + " rows: remove the key or export with that batch");
+      problems.add({global > 0 ? "training.global_batch_size" : "training.local_batch_size", "model.path"},
+                   (global > 0 ? "training.global_batch_size " + std::to_string(global) : "training.local_batch_size " + std::to_string(cfg.get_int("training.local_batch_size")) + " x " + std::to_string(dp) + " data-parallel ranks = " + std::to_string(s.global_batch_size)) +
+                   ", but " + s.model.path + " was exported for a batch of " + std::to_string(exported[0]) + " rows: remove the key or export with that batch");
     }
     if (cfg.is_set("training.seq_len") && cfg.get_int("training.seq_len") != exported[1]) {
-      fail({"training.seq_len", "model.path"}, "training.seq_len " + std::to_string(cfg.get_int("training.seq_len")) + ", but " + s.model.path + " was exported for sequences of " +
-           std::to_string(exported[1]) + " tokens: remove the key or export with that length");
+      problems.add({"training.seq_len", "model.path"}, "training.seq_len " + std::to_string(cfg.get_int("training.seq_len")) + ", but " + s.model.path + " was exported for sequences of " +
+                   std::to_string(exported[1]) + " tokens: remove the key or export with that length");
     }
     s.global_batch_size = exported[0];
   }
   if (degrees_ok && !exported.empty() && exported[0] % dp != 0) {
-    fail({kDegreeKeys[0], kDegreeKeys[1], "model.path"}, s.model.path + " was exported for a batch of " + std::to_string(exported[0]) + " rows, which does not split over the " +
-         std::to_string(dp) + " data-parallel ranks: use a data-parallel degree that divides " + std::to_string(exported[0]) + ", or export with a batch it divides");
+    problems.add({kDegreeKeys[0], kDegreeKeys[1], "model.path"}, s.model.path + " was exported for a batch of " + std::to_string(exported[0]) + " rows, which does not split over the " +
+                 std::to_string(dp) + " data-parallel ranks: use a data-parallel degree that divides " + std::to_string(exported[0]) + ", or export with a batch it divides");
   } else if (degrees_ok && s.global_batch_size % dp != 0) {
-    fail({"training.global_batch_size", "training.local_batch_size", kDegreeKeys[0], kDegreeKeys[1]}, "training.global_batch_size " + std::to_string(s.global_batch_size) + " does not split over the " + std::to_string(dp) +
-         " data-parallel ranks: make it a multiple of " + std::to_string(dp));
+    problems.add({"training.global_batch_size", "training.local_batch_size", kDegreeKeys[0], kDegreeKeys[1]}, "training.global_batch_size " + std::to_string(s.global_batch_size) + " does not split over the " + std::to_string(dp) +
+                 " data-parallel ranks: make it a multiple of " + std::to_string(dp));
   }
   s.seq_len = exported.empty() ? cfg.get_int("training.seq_len") : exported[1];
+}
+
+}  // namespace
+
+JobSpec job_spec(const config::Config& cfg, std::int64_t world_size, std::int64_t vocab_size) {
+  Problems problems{cfg, {}};
+  auto fail = [&](const std::vector<std::string>& keys, const std::string& why) { problems.add(keys, why); };
+  JobSpec s;
+  s.world_size = world_size;
+  s.model = models::model_args(cfg.get_string("model.name"), cfg.get_string("model.flavor"), vocab_size);
+  const std::vector<std::int64_t> exported = read_pt2(cfg, vocab_size, s.model, problems);  // pt2: the tokens' [batch, seq] as exported
+  read_strategies(cfg, s, problems);
+  read_degrees(cfg, world_size, s.dims, problems);
+  const bool degrees_ok = problems.lines.empty();  // the batch check below needs the data-parallel degree
+  if (s.model.name == "llama" && s.model.n_heads % s.dims.tp != 0) {
+    fail({"parallelism.tensor_parallel_degree", "model.name", "model.flavor"}, "parallelism.tensor_parallel_degree " + std::to_string(s.dims.tp) + " does not divide the " + std::to_string(s.model.n_heads) +
+         " attention heads of " + s.model.name + " " + s.model.flavor);
+  }
+  read_batch(cfg, exported, degrees_ok, s, problems);
   s.steps = cfg.get_int("training.steps");
   s.lr = cfg.get_float("optimizer.lr");
   s.schedule = {cfg.get_int("lr_scheduler.warmup_steps"), s.steps, cfg.get_float("lr_scheduler.decay_ratio"), cfg.get_string("lr_scheduler.decay_type"),
@@ -251,6 +278,53 @@ std::string check_comm_spec(PluginRegistry& registry, const std::string& spec_te
   return "";
 }
 
+// comm.backend and comm.swap_to: "auto" finds a backend, or a comm plugin found here, made (not
+// joined) so that each checks its options, that serves ranks in processes and moves the memory
+// training.device holds.
+void check_comm_backends(const config::Config& cfg, PluginRegistry& registry, std::vector<std::string>& out) {
+  for (const char* key : {"comm.backend", "comm.swap_to"}) {
+    const std::string spec_text = cfg.get_string(key);
+    if (spec_text.empty() && std::string(key) == "comm.swap_to") continue;
+    if (const std::string why = check_comm_spec(registry, spec_text, cfg.get_string("training.device")); !why.empty()) {
+      out.push_back(cfg.where({key}) + ": " + key + " = \"" + spec_text + "\"" + why);
+    }
+  }
+}
+
+// The hooks hooks.enable names, made as for a compile; with a plan (and for a run), the
+// validators run on it.
+void check_hooks(const config::Config& cfg, PluginRegistry& registry, std::int64_t world_size, const std::optional<PlacedJob>& job,
+                 const std::optional<sharding::DistributedPlan>& plan, bool run, std::vector<std::string>& out) {
+  HookContext base;
+  base.compile_only = true;
+  base.world_size = static_cast<int>(world_size);
+  if (job) {
+    base.mesh = job->mesh.dims();
+    base.coordinate = job->mesh.coordinate(0);
+  }
+  try {
+    hooks::HookSet hooks = hooks::make_hooks(hook_spec(cfg), registry, base);
+    if (plan && run) {  // the validators' verdicts (partition_validator), as rank 0 would give them after start (compile runs them itself)
+      std::vector<std::int64_t> ranks;
+      for (std::int64_t r = 0; r < std::min<std::int64_t>(world_size, 64); ++r) ranks.push_back(r);
+      hooks.compile(*plan, ranks, plan_options(cfg));
+    }
+  } catch (const ValidationError& e) {
+    out.push_back(cfg.where({"hooks.enable"}) + ": " + e.what());
+  } catch (const std::invalid_argument& e) {
+    // A line per problem; one about an option names where the config set it.
+    for (const auto& line : split_lines(e.what())) {
+      std::string key = "hooks.enable";
+      if (const auto open = line.find("[hooks."); open != std::string::npos) {
+        const auto close = line.find(']', open);
+        const auto end = line.find_first_of(" :=", close + 2);
+        if (close != std::string::npos && close + 2 < line.size()) key = line.substr(open + 1, close - open - 1) + "." + line.substr(close + 2, end - close - 2);
+      }
+      out.push_back(cfg.where({key}) + ": " + line);
+    }
+  }
+}
+
 }  // namespace
 
 std::vector<std::string> preflight(const config::Config& cfg, std::int64_t world_size, PluginRegistry& registry, std::unique_ptr<data::Tokenizer>* tokenizer,
@@ -284,15 +358,7 @@ std::vector<std::string> preflight(const config::Config& cfg, std::int64_t world
   if (run && !cfg.has_problem("training.device") && !cfg.has_problem("data.") && !cfg.has_problem("comm.")) attempt({}, [&] { check_runnable(cfg); });
   discover_plugins(registry, cfg);
   for (const auto& e : registry.errors()) out.push_back(cfg.where({"plugins.paths"}) + ": plugins: " + e.what());
-  if (run && world_size > 1 && !cfg.has_problem("comm.")) {
-    for (const char* key : {"comm.backend", "comm.swap_to"}) {
-      const std::string spec_text = cfg.get_string(key);
-      if (spec_text.empty() && std::string(key) == "comm.swap_to") continue;
-      if (const std::string why = check_comm_spec(registry, spec_text, cfg.get_string("training.device")); !why.empty()) {
-        out.push_back(cfg.where({key}) + ": " + key + " = \"" + spec_text + "\"" + why);
-      }
-    }
-  }
+  if (run && world_size > 1 && !cfg.has_problem("comm.")) check_comm_backends(cfg, registry, out);
   std::optional<PlacedJob> job;
   std::optional<sharding::DistributedPlan> plan;
   if (*spec && registry.errors().empty()) {  // what `spmdx compile` finds: placements and local shapes
@@ -302,36 +368,7 @@ std::vector<std::string> preflight(const config::Config& cfg, std::int64_t world
       sharding::rank_graph(*plan, 0);
     });
   }
-  if (!cfg.get_list("hooks.enable").empty() && !cfg.has_problem("hooks.")) {
-    HookContext base;
-    base.compile_only = true;
-    base.world_size = static_cast<int>(world_size);
-    if (job) {
-      base.mesh = job->mesh.dims();
-      base.coordinate = job->mesh.coordinate(0);
-    }
-    try {
-      hooks::HookSet hooks = hooks::make_hooks(hook_spec(cfg), registry, base);
-      if (plan && run) {  // the validators' verdicts (partition_validator), as rank 0 would give them after start (compile runs them itself)
-        std::vector<std::int64_t> ranks;
-        for (std::int64_t r = 0; r < std::min<std::int64_t>(world_size, 64); ++r) ranks.push_back(r);
-        hooks.compile(*plan, ranks, plan_options(cfg));
-      }
-    } catch (const ValidationError& e) {
-      out.push_back(cfg.where({"hooks.enable"}) + ": " + e.what());
-    } catch (const std::invalid_argument& e) {
-      // A line per problem; one about an option names where the config set it.
-      for (const auto& line : split_lines(e.what())) {
-        std::string key = "hooks.enable";
-        if (const auto open = line.find("[hooks."); open != std::string::npos) {
-          const auto close = line.find(']', open);
-          const auto end = line.find_first_of(" :=", close + 2);
-          if (close != std::string::npos && close + 2 < line.size()) key = line.substr(open + 1, close - open - 1) + "." + line.substr(close + 2, end - close - 2);
-        }
-        out.push_back(cfg.where({key}) + ": " + line);
-      }
-    }
-  }
+  if (!cfg.get_list("hooks.enable").empty() && !cfg.has_problem("hooks.")) check_hooks(cfg, registry, world_size, job, plan, run, out);
   return out;
 }
 
