@@ -12,7 +12,7 @@
 #include <set>
 
 #include "spmdx/config/config.h"
-#include "spmdx/core/options.h"
+#include "spmdx/options.h"
 #include "spmdx/core/registry.h"
 #include "spmdx/hooks/fr_trace.h"
 #include "spmdx/hooks/hook_set.h"

@@ -4,7 +4,7 @@
 #include <set>
 
 #include "spmdx/core/log.h"
-#include "spmdx/core/text.h"
+#include "spmdx/text.h"
 
 namespace spmdx {
 namespace {

@@ -13,7 +13,7 @@
 #include <optional>
 
 #include "spmdx/core/log.h"
-#include "spmdx/core/text.h"
+#include "spmdx/text.h"
 #include "spmdx/core/registry.h"
 #include "spmdx/core/version.h"
 #include "spmdx/config/config.h"

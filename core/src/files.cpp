@@ -1,4 +1,4 @@
-#include "spmdx/core/files.h"
+#include "spmdx/files.h"
 
 #include <fcntl.h>
 #include <unistd.h>

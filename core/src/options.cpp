@@ -1,9 +1,9 @@
-#include "spmdx/core/options.h"
+#include "spmdx/options.h"
 
 #include <cmath>
 #include <stdexcept>
 
-#include "spmdx/core/text.h"
+#include "spmdx/text.h"
 
 namespace spmdx {
 

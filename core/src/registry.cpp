@@ -1,5 +1,5 @@
 #include "spmdx/core/registry.h"
-#include "spmdx/core/text.h"
+#include "spmdx/text.h"
 
 #include <dlfcn.h>
 #include <elf.h>

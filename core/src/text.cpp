@@ -1,4 +1,4 @@
-#include "spmdx/core/text.h"
+#include "spmdx/text.h"
 
 #include <algorithm>
 #include <cmath>

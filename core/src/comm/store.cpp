@@ -16,7 +16,7 @@
 #include <map>
 
 #include "spmdx/core/log.h"
-#include "spmdx/core/text.h"
+#include "spmdx/text.h"
 
 namespace spmdx::comm {
 namespace {

@@ -7,7 +7,7 @@
 #include <tuple>
 #include <cstdio>
 
-#include "spmdx/core/text.h"
+#include "spmdx/text.h"
 #include "torchtitan_keys.h"
 #include <cctype>
 #include <cmath>

@@ -11,7 +11,7 @@
 #include <string_view>
 #include <nlohmann/json.hpp>
 
-#include "spmdx/core/files.h"
+#include "spmdx/files.h"
 #include "spmdx/core/log.h"
 #include "spmdx/exec/kernels.h"
 #include "spmdx/exec/shards.h"

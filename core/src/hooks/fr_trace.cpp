@@ -9,7 +9,7 @@
 #include <sstream>
 #include <tuple>
 
-#include "spmdx/core/text.h"
+#include "spmdx/text.h"
 
 namespace spmdx::hooks {
 namespace {

@@ -7,7 +7,7 @@
 
 #include "spmdx/core/log.h"
 #include "spmdx/core/registry.h"
-#include "spmdx/core/text.h"
+#include "spmdx/text.h"
 
 namespace spmdx::hooks {
 namespace {

@@ -1,5 +1,5 @@
 #include "spmdx/ir/graph.h"
-#include "spmdx/core/text.h"
+#include "spmdx/text.h"
 
 #include <algorithm>
 #include <cstdio>

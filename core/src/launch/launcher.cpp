@@ -20,7 +20,7 @@
 #include "spmdx/comm/health.h"
 #include "spmdx/comm/shm.h"
 #include "spmdx/comm/store.h"
-#include "spmdx/core/text.h"
+#include "spmdx/text.h"
 #include "spmdx/hooks/fr_trace.h"
 
 extern char** environ;

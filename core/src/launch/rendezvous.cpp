@@ -11,7 +11,7 @@
 
 #include "spmdx/comm/store.h"
 #include "spmdx/core/log.h"
-#include "spmdx/core/text.h"
+#include "spmdx/text.h"
 
 namespace spmdx::launch {
 namespace {

@@ -10,7 +10,7 @@
 //      folding); torchtitan's complex rotary pattern becomes rotary_embedding; the rest map
 //      op by op (the table in map_node).
 #include "spmdx/models/pt2.h"
-#include "spmdx/core/text.h"
+#include "spmdx/text.h"
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>

@@ -6,7 +6,7 @@
 #include <tuple>
 #include <unordered_map>
 
-#include "spmdx/core/text.h"
+#include "spmdx/text.h"
 #include "spmdx/models/model.h"
 #include "spmdx/sharding/distribute.h"
 

@@ -2,7 +2,7 @@
 
 #include <algorithm>
 
-#include "spmdx/core/text.h"
+#include "spmdx/text.h"
 #include <stdexcept>
 
 namespace spmdx::sharding {

@@ -6,7 +6,7 @@
 
 #include "spmdx/comm/select.h"
 #include "spmdx/core/log.h"
-#include "spmdx/core/text.h"
+#include "spmdx/text.h"
 #include "spmdx/data/text_dataset.h"
 #include "spmdx/sharding/spec.h"
 #include "spmdx/sharding/parallelize.h"

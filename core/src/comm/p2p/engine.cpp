@@ -7,7 +7,7 @@
 #include <stdexcept>
 
 #include "spmdx/core/clock.h"
-#include "spmdx/core/text.h"
+#include "spmdx/text.h"
 
 namespace spmdx::comm {
 

@@ -3,7 +3,7 @@
 #include <algorithm>
 
 #include "spmdx/comm/health.h"
-#include "spmdx/core/text.h"
+#include "spmdx/text.h"
 
 namespace spmdx::comm {
 

@@ -13,7 +13,7 @@
 #include "spmdx/comm/reduce.h"
 #include "spmdx/comm/shm.h"
 #include "spmdx/core/log.h"
-#include "spmdx/core/text.h"
+#include "spmdx/text.h"
 
 namespace spmdx::comm {
 namespace {

@@ -1,2 +1,0 @@
-#pragma once
-#include "spmdx/options.h"  // moved to interfaces/ (a host service of the plugin ABI)
