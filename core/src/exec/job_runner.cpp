@@ -209,9 +209,10 @@ namespace {
 
 // Resuming: from the newest checkpoint (or checkpoint.load_step), refused here, before anything
 // is made, when it was saved with another tokenizer.
-std::optional<std::int64_t> find_resume(const config::Config& cfg, const std::filesystem::path& ckpt_dir, const std::string& tokenizer_id) {
+std::optional<std::int64_t> find_resume(const config::Config& cfg, const train::CheckpointSpec& ckpt, const std::string& tokenizer_id) {
+  const std::filesystem::path& ckpt_dir = ckpt.folder;
   std::optional<std::int64_t> resume_step;
-  if (cfg.get_bool("checkpoint.enable") || cfg.get_int("checkpoint.load_step") >= 0) resume_step = find_checkpoint(ckpt_dir, cfg.get_int("checkpoint.load_step"));
+  if (ckpt.enable || ckpt.load_step >= 0) resume_step = find_checkpoint(ckpt_dir, ckpt.load_step);
   if (resume_step) {
     const CheckpointMeta saved = read_checkpoint_meta(ckpt_dir, *resume_step);
     if (!saved.tokenizer.empty() && saved.tokenizer != tokenizer_id) {
@@ -280,15 +281,14 @@ Joined join_job(const config::Config& cfg, const launch::RankEnv& env, double ti
   return j;
 }
 
-// The comm backend `spec_text` names, joined to the job. A peer that cannot be reached (it
+// The comm backend `spec.backend` names (comm/select.h), joined to the job. A peer that cannot be reached (it
 // failed first, say) is named in the store for the launcher, which otherwise blames whichever
 // rank it reaps first.
-std::unique_ptr<CommBackend> join_backend(PluginRegistry& registry, const std::string& spec_text, const launch::RankEnv& env, Store& store,
-                                          std::int64_t generation, double timeout) {
-  // Ranks here are processes; the executor moves host memory (training.device "cpu").
-  auto backend = comm::make_job_backend(registry, spec_text, {MemoryType::host}, true);
+std::unique_ptr<CommBackend> join_backend(PluginRegistry& registry, const train::CommSpec& spec, const launch::RankEnv& env, Store& store,
+                                          std::int64_t generation) {
+  auto backend = comm::make_job_backend(registry, spec.backend, spec.memory, true);  // ranks here are processes
   try {
-    backend->init({env.rank, env.world_size, generation, &store, timeout});
+    backend->init({env.rank, env.world_size, generation, &store, spec.timeout_seconds});
   } catch (const CommError& e) {
     if (e.peer() >= 0 && e.peer() != env.rank) {
       try {
@@ -303,13 +303,13 @@ std::unique_ptr<CommBackend> join_backend(PluginRegistry& registry, const std::s
 
 // This rank's shards of the initial parameters (the same full values on every rank) and zero
 // AdamW state; rank 0 writes them whole first when debug.dump_initial_weights asks.
-TensorMap initial_state(const config::Config& cfg, const train::JobSpec& spec, train::PlacedJob& job, const sharding::DistributedPlan& plan,
-                        std::int64_t rank, bool dump_whole) {
+TensorMap initial_state(const train::JobSpec& spec, train::PlacedJob& job, const sharding::DistributedPlan& plan, std::int64_t rank,
+                        bool dump_whole) {
   const auto coord = job.mesh.coordinate(rank);
   TensorMap state;
   TensorMap full = init_tensors(job.model, spec.seed);
-  if (dump_whole && cfg.get_bool("debug.dump_initial_weights")) {
-    const auto dir = std::filesystem::path(cfg.get_string("job.dump_folder")) / "debug";
+  if (dump_whole && spec.output.dump_initial_weights) {
+    const auto dir = spec.output.dump_folder / "debug";
     std::filesystem::create_directories(dir);
     write_safetensors(dir / "initial.safetensors", full, {{"format", "pt"}, {"step", "0"}, {"seed", std::to_string(spec.seed)}});
   }
@@ -328,7 +328,7 @@ TensorMap initial_state(const config::Config& cfg, const train::JobSpec& spec, t
 // and appends), the banner, a JSON row per step and a printed line every metrics.log_freq.
 class MetricsWriter {
  public:
-  MetricsWriter(const config::Config& cfg, std::int64_t first_step, bool checkpointing) : dump_(cfg.get_string("job.dump_folder")), log_freq_(cfg.get_int("metrics.log_freq")) {
+  MetricsWriter(const train::OutputSpec& output, std::int64_t first_step, bool checkpointing) : dump_(output.dump_folder), log_freq_(output.log_freq) {
     std::filesystem::create_directories(dump_);
     if (first_step > 1) {
       // Resumed: keep the history of the steps up to the checkpoint, drop those past it (a run
@@ -408,7 +408,6 @@ void tell_hooks(hooks::HookSet& hooks, std::int64_t step, const train::JobSpec& 
 // One rank's step loop: the batch, the step through the executor, the fault a test planted,
 // the hooks, a hot-swap of the comm backend, the metrics and checkpoints.
 struct StepLoop {
-  const config::Config& cfg;
   const launch::RankEnv& env;
   const train::JobSpec& spec;
   const train::PlacedJob& job;
@@ -428,10 +427,10 @@ struct StepLoop {
   std::filesystem::path ckpt_dir;
   std::string tokenizer_id;
   bool lead = env.rank == 0;
-  bool checkpointing = cfg.get_bool("checkpoint.enable");
-  std::int64_t log_freq = cfg.get_int("metrics.log_freq");
-  bool dump_batches = cfg.get_bool("debug.dump_batches");
-  std::filesystem::path batches_dir = std::filesystem::path(cfg.get_string("job.dump_folder")) / "debug" / "batches";
+  bool checkpointing = spec.checkpoint.enable;
+  std::int64_t log_freq = spec.output.log_freq;
+  bool dump_batches = spec.output.dump_batches;
+  std::filesystem::path batches_dir = spec.output.dump_folder / "debug" / "batches";
   std::vector<std::int64_t> coord = job.mesh.coordinate(env.rank);
   const sharding::Placements& tokens_pl = plan.placement.at(job.model.graph.find_input("tokens"));
   const sharding::Placements& labels_pl = plan.placement.at(job.model.graph.find_input("labels"));
@@ -468,14 +467,14 @@ struct StepLoop {
     if (!hooks.empty()) tell_hooks(hooks, step, spec, env, loss, st, names, state, out, state_placements, job.mesh, executor);
     // Hot-swap at a step boundary: nothing is in flight between runs; the old backend leaves
     // the job, the other one joins it under the next generation's keys.
-    const std::int64_t swap_every = cfg.get_int("comm.swap_at_step");
+    const std::int64_t swap_every = spec.comm.swap_at_step;
     if (backend && swap_every > 0 && step % swap_every == 0 && step < spec.steps) {
       backend->barrier(0)->wait(timeout);
       backend->finalize();
       const std::int64_t generation = step / swap_every;
-      const std::string next = generation % 2 == 1 ? cfg.get_string("comm.swap_to") : cfg.get_string("comm.backend");
+      const std::string& next = generation % 2 == 1 ? spec.comm.swap_to : spec.comm.backend;
       backend.reset();
-      backend = comm::make_job_backend(registry, next, {MemoryType::host}, true);
+      backend = comm::make_job_backend(registry, next, spec.comm.memory, true);
       backend->init({env.rank, env.world_size, generation, store, timeout});
       executor.set_backend(backend.get());
       if (lead && (step / swap_every) % std::max<std::int64_t>(1, log_freq) == 0) {
@@ -483,7 +482,7 @@ struct StepLoop {
       }
     }
     if (metrics) metrics->row(step, spec.steps, loss, out.at("grad_norm").item<double>(), lr, static_cast<double>(spec.global_batch_size * spec.seq_len) / st.total, st);
-    if (checkpointing && (step % cfg.get_int("checkpoint.interval") == 0 || step == spec.steps)) {
+    if (checkpointing && (step % spec.checkpoint.interval == 0 || step == spec.steps)) {
       const auto where = save_checkpoint(ckpt_dir, {step, dataset.state().samples, tokenizer_id}, job.mesh, env.rank, state, state_metas,
                                          state_placements, backend.get());
       if (lead) std::printf("saved checkpoint %s\n", where.string().c_str());
@@ -611,14 +610,14 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
   // Ranks on one host share its cores: each takes its part for intra-op threads.
   at::set_num_threads(std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / std::max(1, env.local_world_size)));
   const auto tokenizer = data::make_tokenizer(cfg.get_string("model.tokenizer"));
-  const train::JobSpec spec = train::job_spec(cfg, env.world_size, tokenizer->vocab_size());
+  const train::JobSpec spec = train::job_spec(cfg, env.world_size, tokenizer->vocab_size());  // the config read once
   train::check_runnable(cfg);
 
   // A job whose checkpoint is already at its last step has nothing to do, and changes nothing.
-  const bool checkpointing = cfg.get_bool("checkpoint.enable");
-  const std::filesystem::path ckpt_dir = std::filesystem::path(cfg.get_string("job.dump_folder")) / cfg.get_string("checkpoint.folder");
-  const std::string tokenizer_id = tokenizer_fingerprint(cfg.get_string("model.tokenizer"), tokenizer->vocab_size());
-  const std::optional<std::int64_t> resume_step = find_resume(cfg, ckpt_dir, tokenizer_id);
+  const bool checkpointing = spec.checkpoint.enable;
+  const std::filesystem::path& ckpt_dir = spec.checkpoint.folder;
+  const std::string tokenizer_id = tokenizer_fingerprint(spec.data.tokenizer, tokenizer->vocab_size());
+  const std::optional<std::int64_t> resume_step = find_resume(cfg, spec.checkpoint, tokenizer_id);
   const std::int64_t first_step = resume_step ? *resume_step + 1 : 1;
   if (first_step > spec.steps) {
     if (lead) say_nothing_to_do(ckpt_dir, *resume_step, spec.steps);
@@ -632,7 +631,7 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
   const auto plan = sharding::propagate(job.model.graph, job.mesh, job.inputs, job.outputs, job.use, job.reshard_after_forward);
   const ir::Graph graph = sharding::rank_graph(plan, env.rank);
 
-  const double timeout = cfg.get_float("comm.timeout_seconds");
+  const double timeout = spec.comm.timeout_seconds;
   Joined joined = join_job(cfg, env, timeout);
   // Debug hooks: made on every rank; the compile stages run on rank 0, before any backend
   // joins, so a validator that fails stops the job before its first step.
@@ -644,15 +643,13 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
     hooks.compile(plan, ranks, spec.plan);
   }
   std::unique_ptr<CommBackend> backend;
-  if (env.world_size > 1) backend = join_backend(registry, cfg.get_string("comm.backend"), env, *joined.store, 0, timeout);
+  if (env.world_size > 1) backend = join_backend(registry, spec.comm, env, *joined.store, 0);
   DistributedExecutor executor(graph, job.mesh, env.rank, backend.get(), timeout, spec.plan);
   if (!hooks.empty()) executor.set_hooks(&hooks);
   if (fault.kind == "skip_collective" && fault.rank == env.rank) executor.inject_skip(fault.step, fault.index);
 
-  TensorMap state = initial_state(cfg, spec, job, plan, env.rank, lead && first_step == 1);
-  data::TextDataset dataset({cfg.get_list("data.paths"), spec.global_batch_size, spec.seq_len,
-                             static_cast<std::uint64_t>(cfg.get_int("data.seed"))},
-                            *tokenizer);
+  TensorMap state = initial_state(spec, job, plan, env.rank, lead && first_step == 1);
+  data::TextDataset dataset({spec.data.paths, spec.global_batch_size, spec.seq_len, spec.data.seed}, *tokenizer);
 
   // Resume from the checkpoint found above, resharding when it was saved on another mesh or
   // strategy.
@@ -660,12 +657,12 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
   if (resume_step) resume_from(ckpt_dir, *resume_step, job, env, state_metas, state_placements, state, dataset);
 
   std::optional<MetricsWriter> metrics;
-  const std::filesystem::path dump = cfg.get_string("job.dump_folder");
+  const std::filesystem::path& dump = spec.output.dump_folder;
   if (lead) {
-    metrics.emplace(cfg, first_step, checkpointing);
+    metrics.emplace(spec.output, first_step, checkpointing);
     print_banner(spec, job, env, backend.get());
   }
-  StepLoop loop{cfg, env, spec, job, plan, executor, state, state_metas, state_placements, dataset, hooks, registry, backend, joined.store.get(),
+  StepLoop loop{env, spec, job, plan, executor, state, state_metas, state_placements, dataset, hooks, registry, backend, joined.store.get(),
                 metrics ? &*metrics : nullptr, fault, timeout, ckpt_dir, tokenizer_id};
   const auto run_start = Clock::now();
   const auto [first_loss, last_loss] = loop.run(first_step, joined.server != nullptr);

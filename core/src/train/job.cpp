@@ -170,6 +170,17 @@ void read_batch(const config::Config& cfg, const std::vector<std::int64_t>& expo
   s.seq_len = exported.empty() ? cfg.get_int("training.seq_len") : exported[1];
 }
 
+// The typed sections a rank's run loop reads: [comm], [checkpoint], [data], outputs.
+void read_sections(const config::Config& cfg, JobSpec& s) {
+  s.comm = {cfg.get_string("comm.backend"), cfg.get_string("comm.swap_to"), cfg.get_int("comm.swap_at_step"), cfg.get_float("comm.timeout_seconds"),
+            comm::job_memory(cfg.get_string("training.device"))};
+  const std::filesystem::path dump = cfg.get_string("job.dump_folder");
+  s.checkpoint = {cfg.get_bool("checkpoint.enable"), dump / cfg.get_string("checkpoint.folder"), cfg.get_int("checkpoint.interval"),
+                  cfg.get_int("checkpoint.load_step")};
+  s.data = {cfg.get_list("data.paths"), static_cast<std::uint64_t>(cfg.get_int("data.seed")), cfg.get_string("model.tokenizer")};
+  s.output = {dump, cfg.get_int("metrics.log_freq"), cfg.get_bool("debug.dump_initial_weights"), cfg.get_bool("debug.dump_batches")};
+}
+
 }  // namespace
 
 JobSpec job_spec(const config::Config& cfg, std::int64_t world_size, std::int64_t vocab_size) {
@@ -201,6 +212,7 @@ JobSpec job_spec(const config::Config& cfg, std::int64_t world_size, std::int64_
   s.plan = plan_options(cfg);
   s.step.adamw = {cfg.get_float("optimizer.beta1"), cfg.get_float("optimizer.beta2"), cfg.get_float("optimizer.eps"),
                   cfg.get_float("optimizer.weight_decay")};
+  read_sections(cfg, s);
   problems.throw_if_any();
   return s;
 }

@@ -4,12 +4,14 @@
 #pragma once
 
 #include <cstdint>
+#include <filesystem>
 #include <map>
 #include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "spmdx/comm.h"
 #include "spmdx/config/config.h"
 #include "spmdx/data/tokenizer.h"
 #include "spmdx/hooks/hook_set.h"
@@ -20,6 +22,38 @@
 #include "spmdx/train/train_step.h"
 
 namespace spmdx::train {
+
+/// [comm] as a rank's run loop uses it (the plan's options are JobSpec::plan).
+struct CommSpec {
+  std::string backend = "auto";   ///< comm.backend: "auto" or "name[:key=value;...]" (comm/select.h)
+  std::string swap_to;            ///< comm.swap_to: the backend hot-swapped to ("": none)
+  std::int64_t swap_at_step = 0;  ///< comm.swap_at_step: swap every this many steps (0: never)
+  double timeout_seconds = 300;   ///< comm.timeout_seconds: a collective or the rendezvous not done by then fails
+  std::vector<MemoryType> memory{MemoryType::host};  ///< what training.device moves (comm::job_memory)
+};
+
+/// [checkpoint]: where and when a rank saves, and what it resumes from.
+struct CheckpointSpec {
+  bool enable = false;           ///< checkpoint.enable
+  std::filesystem::path folder;  ///< <job.dump_folder>/<checkpoint.folder>
+  std::int64_t interval = 0;     ///< checkpoint.interval, in steps (and always at the last step)
+  std::int64_t load_step = -1;   ///< checkpoint.load_step: resume from this step (-1: the latest, if any)
+};
+
+/// [data] and the tokenizer: what every rank reads.
+struct DataSpec {
+  std::vector<std::string> paths;  ///< data.paths: text or JSON Lines files
+  std::uint64_t seed = 0;          ///< data.seed: the order of the samples
+  std::string tokenizer;           ///< model.tokenizer: "bytes" or a tokenizer.json (folder)
+};
+
+/// What a run writes besides checkpoints: job.dump_folder, [metrics], [debug].
+struct OutputSpec {
+  std::filesystem::path dump_folder;  ///< job.dump_folder: metrics.jsonl, debug/, checkpoints
+  std::int64_t log_freq = 1;          ///< metrics.log_freq: a printed line every this many steps
+  bool dump_initial_weights = false;  ///< debug.dump_initial_weights: debug/initial.safetensors
+  bool dump_batches = false;          ///< debug.dump_batches: debug/batches/step-N.{tokens,labels}.npy
+};
 
 struct JobSpec {
   models::ModelArgs model;
@@ -42,6 +76,10 @@ struct JobSpec {
   /// [parallelism.strategies]: mesh dim -> the strategy plugin that decides it, where the
   /// config names one (others: sharding::strategy_for's defaults).
   std::map<std::string, std::string> strategies;
+  CommSpec comm;              ///< [comm] but the plan's options
+  CheckpointSpec checkpoint;  ///< [checkpoint]
+  DataSpec data;              ///< [data] and model.tokenizer
+  OutputSpec output;          ///< job.dump_folder, [metrics], [debug]
 };
 
 /// The RuntimePlan's options from [comm]: bucket_cap_mb and first_bucket_cap_mb (MiB ->
