@@ -50,7 +50,22 @@ TEST(Cli, PluginsJsonListsTheBuiltPlugins) {
             nlohmann::json::parse(R"({"ucx": [{"op": "*", "memory": "host", "min_bytes": 0, "max_bytes": 18446744073709551615, "score": 10}]})"));
   EXPECT_EQ(by_name["local"]->at("capabilities").at("local").at(0).at("score"), 1);
   EXPECT_EQ(by_name["local"]->at("in_process_only"), true);
+  EXPECT_EQ(by_name["ucx"]->at("options").at("ucx"),
+            nlohmann::json::parse(R"(["tls", "chunk_bytes", "direct_max_bytes", "shm", "shm_chunk_bytes"])"));
   EXPECT_EQ(by_name["ucx"]->at("in_process_only"), false);
+}
+
+TEST(Cli, PluginsRefusesACommBackendWithMalformedCapabilities) {
+  auto r = spmdx("plugins --plugin-path '" + plugin_dir("test_comm_typo").string() + "' 2>&1");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("capabilities of test_comm_typo: all_reduse host up to 64 B score 50"));
+  EXPECT_THAT(r.output, HasSubstr("error: comm backend 'test_comm_typo' of plugin 'test_comm_typo' (" +
+                                  (plugin_dir("test_comm_typo") / "libspmdx_test_comm_typo.so").lexically_normal().string() +
+                                  ") has malformed capabilities: capability 0 (all_reduse, host) names operation 'all_reduse', which is neither "
+                                  "\"*\" nor one of all_reduce, all_gather, reduce_scatter, all_to_all, broadcast, send, recv, barrier (did you "
+                                  "mean all_reduce?); fix the plugin"));
+  EXPECT_THAT(r.output, HasSubstr("capabilities of ucx: * host any size score 10"));
+  EXPECT_THAT(r.output, HasSubstr("options of ucx: tls, chunk_bytes, direct_max_bytes, shm, shm_chunk_bytes"));
 }
 
 TEST(Cli, PluginsTableNamesEachPlugin) {

@@ -69,6 +69,17 @@ class Counted final : public CommBackend {
   std::atomic<int>& calls_;
 };
 
+TEST(CapabilityProblem, TyposEmptyRangesNegativeScoresAndEmptyTablesAreNamed) {
+  EXPECT_EQ(capability_problem({{"*", MemoryType::host, 0, kAny, 10}, {"all_reduce", MemoryType::cuda, 0, 4096, 50}}), "");
+  EXPECT_EQ(capability_problem({}), "it declares no capabilities (CommCapability: operation, memory, sizes, score), so it serves nothing");
+  EXPECT_EQ(capability_problem({{"*", MemoryType::host, 0, kAny, 1}, {"all_reduse", MemoryType::host, 0, kAny, 5}}),
+            "capability 1 (all_reduse, host) names operation 'all_reduse', which is neither \"*\" nor one of all_reduce, all_gather, "
+            "reduce_scatter, all_to_all, broadcast, send, recv, barrier (did you mean all_reduce?)");
+  EXPECT_EQ(capability_problem({{"*", MemoryType::host, 4096, 16, 5}}),
+            "capability 0 (*, host) covers no size: min_bytes 4096 is above max_bytes 16");
+  EXPECT_EQ(capability_problem({{"*", MemoryType::host, 0, kAny, -3}}), "capability 0 (*, host) has a negative score -3 (scores are 0 or more; higher wins)");
+}
+
 TEST(ScoredBackend, RoutesEachCallToItsPickAndSumsRight) {
   constexpr int n = 3;
   PluginRegistry registry;
@@ -146,7 +157,7 @@ TEST(AutoBackend, KeepsUcxForHostMemoryAndSaysWhyOthersAreLeftOut) {
   EXPECT_EQ(why.at("ucx"), "kept");
   EXPECT_EQ(why.at("local"), "in-process only (ranks here are processes)");
   if (why.count("nccl")) {  // built here: no CUDA device, or one whose host score loses to ucx's
-    EXPECT_THAT(why.at("nccl"), ::testing::AnyOf(HasSubstr("no CUDA device"), HasSubstr("another backend scores higher everywhere")));
+    EXPECT_THAT(why.at("nccl"), ::testing::AnyOf(HasSubstr("no CUDA device"), HasSubstr("never chosen: for every operation and size another backend scores higher")));
   }
   // With one backend kept, "auto" is that backend itself.
   EXPECT_THAT(make_job_backend(registry, "auto", {MemoryType::host}, true)->describe(), HasSubstr("ucx (UCX_TLS="));
@@ -155,7 +166,7 @@ TEST(AutoBackend, KeepsUcxForHostMemoryAndSaysWhyOthersAreLeftOut) {
   threads.discover({{BUILTIN_PLUGIN_DIR, PluginSource::Origin::builtin}});
   for (const auto& c : auto_candidates(threads, {MemoryType::host}, false)) {
     if (c.name == "local") {
-      EXPECT_EQ(c.why_not, "another backend scores higher everywhere");
+      EXPECT_EQ(c.why_not, "never chosen: for every operation and size another backend scores higher (or as high, with a name first in order)");
     }
   }
 }

@@ -134,6 +134,16 @@ TEST(Registry, PluginBuiltAgainstAbi2IsRefusedSayingRebuild) {
   EXPECT_TRUE(registry.plugins().empty());
 }
 
+TEST(Registry, PluginCallingHostServicesUnderTheOldStringAbiIsRefusedSayingRebuild) {
+  PluginRegistry registry;
+  registry.discover(user({plugin_dir("test_old_string_abi")}));
+  PluginError e = only_error(registry);
+  EXPECT_EQ(e.code(), Code::toolchain_mismatch);
+  EXPECT_THAT(e.what(), HasSubstr("undefined symbol: _ZN5spmdx12OptionReader"));
+  EXPECT_THAT(e.what(), HasSubstr("built against another spmdx, or with another C++ standard library ABI than this host's '" SPMDX_TOOLCHAIN
+                                  "' (e.g. -D_GLIBCXX_USE_CXX11_ABI=0); rebuild it against this spmdx"));
+}
+
 TEST(Registry, PluginBuiltWithAnotherStandardLibraryIsRefused) {
   PluginRegistry registry;
   registry.discover(user({plugin_dir("test_toolchain")}));

@@ -3,6 +3,7 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -46,91 +47,129 @@ std::string abi_text(const spmdx::PluginInfo& p) {
   return std::to_string(p.abi_major) + "." + std::to_string(p.abi_minor);
 }
 
-// A comm backend's capability table (comm.h's CommCapability), or why it cannot be made here
-// ({"error": ...}, e.g. nccl without a CUDA device): what comm.backend = "auto" scores.
-nlohmann::json capability_table(spmdx::PluginRegistry& registry, const std::string& backend) {
-  nlohmann::json rows = nlohmann::json::array();
+// A comm backend as `spmdx plugins` shows it: its capability table (comm.h's CommCapability;
+// what comm.backend = "auto" scores), what is wrong with it, or why it cannot be made here
+// (e.g. nccl without a CUDA device); and the option keys it takes, when it runs over a transport.
+struct CommListing {
+  nlohmann::json capabilities = nlohmann::json::array();
+  std::string cannot_make;  // the factory's error
+  std::string malformed;    // comm::capability_problem
+  std::vector<std::string> options;
+};
+
+CommListing list_comm_backend(spmdx::PluginRegistry& registry, const std::string& backend) {
+  CommListing out;
+  out.options = registry.comm_backend_options(backend);
   try {
-    for (const auto& c : registry.make_comm_backend(backend)->capabilities()) {
-      rows.push_back({{"op", c.op},
-                      {"memory", c.memory == spmdx::MemoryType::cuda ? "cuda" : "host"},
-                      {"min_bytes", c.min_bytes},
-                      {"max_bytes", c.max_bytes},
-                      {"score", c.score}});
+    const auto caps = registry.make_comm_backend(backend)->capabilities();
+    out.malformed = spmdx::comm::capability_problem(caps);
+    for (const auto& c : caps) {
+      out.capabilities.push_back({{"op", c.op},
+                                  {"memory", c.memory == spmdx::MemoryType::cuda ? "cuda" : "host"},
+                                  {"min_bytes", c.min_bytes},
+                                  {"max_bytes", c.max_bytes},
+                                  {"score", c.score}});
     }
   } catch (const std::exception& e) {
-    return {{"error", e.what()}};
+    out.cannot_make = e.what();
   }
-  return rows;
+  return out;
 }
 
-// "all_reduce host 0..4096 B score 50", one capability in the text listing.
+// "all_reduce host up to 4096 B score 50", one capability in the text listing.
 std::string capability_text(const nlohmann::json& c) {
-  const auto max = c.at("max_bytes").get<std::uint64_t>();
-  return c.at("op").get<std::string>() + " " + c.at("memory").get<std::string>() + " " + std::to_string(c.at("min_bytes").get<std::uint64_t>()) + ".." +
-         (max == static_cast<std::uint64_t>(-1) ? std::string("") : std::to_string(max)) + " B score " + std::to_string(c.at("score").get<int>());
+  const auto min = c.at("min_bytes").get<std::uint64_t>(), max = c.at("max_bytes").get<std::uint64_t>();
+  const bool unbounded = max == static_cast<std::uint64_t>(-1);
+  const std::string sizes = min == 0 && unbounded ? "any size"
+                            : unbounded          ? "from " + std::to_string(min) + " B"
+                            : min == 0           ? "up to " + std::to_string(max) + " B"
+                                                 : std::to_string(min) + " to " + std::to_string(max) + " B";
+  return c.at("op").get<std::string>() + " " + c.at("memory").get<std::string>() + " " + sizes + " score " + std::to_string(c.at("score").get<int>());
+}
+
+nlohmann::json plugin_json(const spmdx::PluginInfo& p, const std::map<std::string, CommListing>& comm) {
+  nlohmann::json entry{{"name", p.name},
+                       {"kind", spmdx::to_string(p.kind)},
+                       {"version", p.version},
+                       {"abi", abi_text(p)},
+                       {"toolchain", p.toolchain},
+                       {"in_process_only", (p.flags & spmdx::kPluginInProcessOnly) != 0},
+                       {"path", p.path.string()},
+                       {"description", p.description},
+                       {"registered", p.registered},
+                       {"factories", p.factories}};
+  if (p.kind != spmdx::PluginKind::comm) return entry;
+  nlohmann::json tables = nlohmann::json::object(), options = nlohmann::json::object();
+  for (const auto& backend : p.factories) {
+    const CommListing& c = comm.at(backend);
+    tables[backend] = c.cannot_make.empty() ? c.capabilities : nlohmann::json{{"error", c.cannot_make}};
+    if (!c.options.empty()) options[backend] = c.options;
+  }
+  entry["capabilities"] = tables;
+  entry["options"] = options;
+  return entry;
+}
+
+void print_plugin_table(const spmdx::PluginRegistry& registry, const std::map<std::string, CommListing>& comm) {
+  std::size_t width = 4;
+  for (const auto& p : registry.plugins()) width = std::max(width, p.name.size());
+  width += 2;
+  std::cout << std::left << std::setw(static_cast<int>(width)) << "NAME" << std::setw(10) << "KIND" << std::setw(10) << "VERSION" << std::setw(6) << "ABI"
+            << "PATH\n";
+  for (const auto& p : registry.plugins()) {
+    std::cout << std::setw(static_cast<int>(width)) << p.name << std::setw(10) << spmdx::to_string(p.kind) << std::setw(10) << p.version << std::setw(6)
+              << abi_text(p) << p.path.string() << "\n"
+              << "    " << p.description << "\n";
+    if (p.kind != spmdx::PluginKind::comm || !p.registered) continue;
+    for (const auto& backend : p.factories) {
+      const CommListing& c = comm.at(backend);
+      if (!c.cannot_make.empty()) {
+        std::cout << "    capabilities of " << backend << ": cannot make it here: " << c.cannot_make << "\n";
+        continue;
+      }
+      std::vector<std::string> rows;
+      for (const auto& cap : c.capabilities) rows.push_back(capability_text(cap));
+      std::cout << "    capabilities of " << backend << ": " << spmdx::join(rows, "; ") << "\n";
+      if (!c.options.empty()) std::cout << "    options of " << backend << ": " << spmdx::join(c.options) << "\n";
+    }
+  }
 }
 
 // Lists every plugin found on the search path after loading it, so that a plugin that would
-// fail at run time fails here first. Exit 1 when any plugin failed, 0 otherwise.
+// fail at run time fails here first. Exit 1 when any plugin failed (or a comm backend's
+// capabilities are malformed), 0 otherwise.
 int run_plugins(const std::vector<std::string>& paths, bool json) {
   std::vector<std::filesystem::path> user_paths(paths.begin(), paths.end());
   spmdx::PluginRegistry registry;
   registry.discover(spmdx::plugin_search_path(user_paths));
   registry.load_all();
 
-  std::map<std::string, nlohmann::json> capabilities;  // comm backend -> its table
+  std::map<std::string, CommListing> comm;
+  std::vector<std::string> problems;
   for (const auto& p : registry.plugins()) {
     if (p.kind != spmdx::PluginKind::comm || !p.registered) continue;
-    for (const auto& backend : p.factories) capabilities[backend] = capability_table(registry, backend);
+    for (const auto& backend : p.factories) {
+      comm[backend] = list_comm_backend(registry, backend);
+      if (!comm[backend].malformed.empty()) {
+        problems.push_back("comm backend '" + backend + "' of plugin '" + p.name + "' (" + p.path.string() + ") has malformed capabilities: " +
+                           comm[backend].malformed + "; fix the plugin");
+      }
+    }
   }
   if (json) {
     nlohmann::json out = nlohmann::json::array();
-    for (const auto& p : registry.plugins()) {
-      nlohmann::json entry{{"name", p.name},
-                           {"kind", spmdx::to_string(p.kind)},
-                           {"version", p.version},
-                           {"abi", abi_text(p)},
-                           {"toolchain", p.toolchain},
-                           {"in_process_only", (p.flags & spmdx::kPluginInProcessOnly) != 0},
-                           {"path", p.path.string()},
-                           {"description", p.description},
-                           {"registered", p.registered},
-                           {"factories", p.factories}};
-      if (p.kind == spmdx::PluginKind::comm) {
-        nlohmann::json tables = nlohmann::json::object();
-        for (const auto& backend : p.factories) tables[backend] = capabilities.at(backend);
-        entry["capabilities"] = tables;
-      }
-      out.push_back(entry);
-    }
+    for (const auto& p : registry.plugins()) out.push_back(plugin_json(p, comm));
     // Paths need not be UTF-8; replace what is not rather than fail the whole listing.
     std::cout << out.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
   } else if (registry.plugins().empty()) {
     std::cout << "no plugins found (searched: --plugin-path, SPMDX_PLUGIN_PATH, "
               << spmdx::builtin_plugin_dir().string() << ")\n";
   } else {
-    std::cout << std::left << std::setw(20) << "NAME" << std::setw(10) << "KIND" << std::setw(10) << "VERSION"
-              << std::setw(6) << "ABI" << "PATH\n";
-    for (const auto& p : registry.plugins()) {
-      std::cout << std::setw(20) << p.name << std::setw(10) << spmdx::to_string(p.kind) << std::setw(10)
-                << p.version << std::setw(6) << abi_text(p) << p.path.string() << "\n"
-                << "    " << p.description << "\n";
-      if (p.kind != spmdx::PluginKind::comm || !p.registered) continue;
-      for (const auto& backend : p.factories) {
-        const nlohmann::json& table = capabilities.at(backend);
-        if (table.is_object()) {
-          std::cout << "    capabilities of " << backend << ": cannot make it here: " << table.at("error").get<std::string>() << "\n";
-          continue;
-        }
-        std::vector<std::string> rows;
-        for (const auto& c : table) rows.push_back(capability_text(c));
-        std::cout << "    capabilities of " << backend << ": " << spmdx::join(rows, "; ") << "\n";
-      }
-    }
+    print_plugin_table(registry, comm);
   }
   for (const auto& e : registry.errors()) std::cerr << "error: " << e.what() << "\n";
-  return registry.errors().empty() ? 0 : 1;
+  for (const auto& problem : problems) std::cerr << "error: " << problem << "\n";
+  return registry.errors().empty() && problems.empty() ? 0 : 1;
 }
 
 struct GraphOptions {

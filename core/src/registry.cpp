@@ -198,6 +198,17 @@ const PluginDescriptor* open_descriptor(const fs::path& given) {
       lib.load(canonical, boost::dll::load_mode::rtld_now | boost::dll::load_mode::rtld_local);
     } catch (const std::exception& e) {
       const std::string reason = dlopen_reason(e.what());
+      // A host service (OptionReader, logging, text helpers) the plugin calls under another
+      // name than this spmdx exports: another spmdx, or another C++ library ABI (e.g.
+      // -D_GLIBCXX_USE_CXX11_ABI=0 mangles std::string differently). The toolchain tag would
+      // say so, but the loader never gets that far.
+      if (reason.find("undefined symbol: _ZN5spmdx") != std::string::npos || reason.find("undefined symbol: _ZNK5spmdx") != std::string::npos) {
+        throw PluginError(Code::toolchain_mismatch, file,
+                          "cannot load plugin '" + file.string() + "': " + reason +
+                              ". It calls a function of spmdx's core library that this spmdx does not have under that name: it was "
+                              "built against another spmdx, or with another C++ standard library ABI than this host's '" SPMDX_TOOLCHAIN
+                              "' (e.g. -D_GLIBCXX_USE_CXX11_ABI=0); rebuild it against this spmdx with the toolchain spmdx was built with.");
+      }
       throw PluginError(Code::not_shared_object, file,
                         "cannot load plugin '" + file.string() + "': " + reason +
                             ". A library it needs may be missing (check with ldd), or its static initialisation "
@@ -321,6 +332,7 @@ struct PluginRegistry::Factories {
   std::map<std::string, Entry<CommBackendFactory>, std::less<>> comm_backends;
   std::map<std::string, Entry<HookFactory>, std::less<>> hooks;
   std::map<std::string, const PluginDescriptor*, std::less<>> descriptors;
+  std::map<std::string, std::vector<std::string>, std::less<>> transport_options;  // backend -> the keys it takes
 };
 
 // What one plugin's callback registers, committed only when the callback returns.
@@ -343,7 +355,10 @@ class PluginRegistry::Staging final : public Registrar {
         throw std::invalid_argument("transport '" + name + "' claims option '" + key + "', which is the collective engine's; rename it");
       }
     }
+    std::vector<std::string> keys = info.options;
+    keys.insert(keys.end(), comm::p2p_option_keys().begin(), comm::p2p_option_keys().end());
     add(target_.comm_backends, comm_backends_, PluginKind::comm, name, comm::p2p_backend_factory(name, std::move(info)));
+    transport_options_[name] = std::move(keys);
   }
   void add_hook(const std::string& name, HookFactory f) override {
     add(target_.hooks, hooks_, PluginKind::hook, name, std::move(f));
@@ -360,6 +375,7 @@ class PluginRegistry::Staging final : public Registrar {
     move_all(strategies_, target_.strategies);
     move_all(comm_backends_, target_.comm_backends);
     move_all(hooks_, target_.hooks);
+    for (auto& [name, keys] : transport_options_) target_.transport_options[name] = std::move(keys);
     return names;
   }
 
@@ -399,6 +415,7 @@ class PluginRegistry::Staging final : public Registrar {
   std::map<std::string, Factories::Entry<StrategyFactory>, std::less<>> strategies_;
   std::map<std::string, Factories::Entry<CommBackendFactory>, std::less<>> comm_backends_;
   std::map<std::string, Factories::Entry<HookFactory>, std::less<>> hooks_;
+  std::map<std::string, std::vector<std::string>> transport_options_;
 };
 
 PluginRegistry::PluginRegistry() : factories_(std::make_unique<Factories>()) {}
@@ -563,6 +580,11 @@ std::unique_ptr<CommBackend> PluginRegistry::make_comm_backend_from_spec(const s
 std::unique_ptr<CommBackend> PluginRegistry::make_comm_backend(std::string_view name, const Options& options) {
   ensure_factory(PluginKind::comm, name);
   return factories_->comm_backends.find(name)->second.factory(options);
+}
+
+std::vector<std::string> PluginRegistry::comm_backend_options(std::string_view name) const {
+  const auto it = factories_->transport_options.find(name);
+  return it == factories_->transport_options.end() ? std::vector<std::string>{} : it->second;
 }
 
 const PluginInfo& PluginRegistry::comm_backend_plugin(std::string_view name) {

@@ -11,14 +11,32 @@
 // Registering one:
 //     r.add_transport("my_net", {{"device"}, [](const spmdx::Options& o) { return std::make_unique<MyNet>(o); }});
 // The host then offers a comm backend "my_net" whose options are the engine's (chunk_bytes,
-// direct_max_bytes, shm, shm_chunk_bytes; see `spmdx plugins my_net`) plus the keys named in
-// TransportInfo::options, which alone reach the factory. Any other key is refused by the host.
+// direct_max_bytes, shm, shm_chunk_bytes; README "Comm backends") plus the keys named in
+// TransportInfo::options, which alone reach the factory; any other key is refused by the host,
+// listing both (`spmdx plugins` prints them as "options of my_net").
 //
-// Lifetimes: the factory runs once per backend (at job start and at each hot-swap); connect()
-// once, before any isend/irecv; the destructor after the engine stopped (no request is then
-// in flight that the engine still waits on; a transport forgets requests it never completed).
-// Buffers passed to isend/irecv stay valid until test() returned true for that request (or the
-// transport is destroyed). Plain C++17: part of the plugin ABI (interfaces/spmdx/plugin.h).
+// Lifetimes. The factory runs whenever spmdx needs the backend's description or capabilities,
+// not only to run one: in `spmdx plugins`, in spmdx run's check of the config before any rank
+// starts, for every candidate of comm.backend = "auto", and once per rank at job start and at
+// each hot-swap. So it must be cheap and open nothing (sockets, devices, files): check the
+// options there and throw std::invalid_argument for a bad one (naming the key and what is
+// accepted), and acquire resources in connect(). describe() and capabilities() are called on
+// transports that are never connected. connect() runs once, before any isend/irecv; the
+// destructor after the engine stopped (no request is then in flight that the engine still
+// waits on; a transport forgets requests it never completed). Buffers passed to isend/irecv
+// stay valid until test() returned true for that request (or the transport is destroyed).
+//
+// Progress. The engine posts several requests at once (a ring step's send and receive, a
+// pipeline's chunks to and from several peers) and then calls test() on one at a time, in any
+// order: every call to test() must move all outstanding requests forward, not only the one
+// tested, or two ranks each waiting on a receive whose peer's send is not progressing deadlock.
+// Messages of 0 bytes occur (empty blocks of uneven collectives) and must match like others.
+//
+// Scores. capabilities() is what comm.backend = "auto" scores (CommCapability in comm.h): the
+// highest score covering a call wins; equal scores go to the backend whose name sorts first.
+// Built in: ucx 10 and local 1 on host memory, nccl 100 on CUDA memory. Give a transport that
+// should replace ucx on host memory more than 10, one for some sizes only a capability with
+// min_bytes/max_bytes. Plain C++17: part of the plugin ABI (interfaces/spmdx/plugin.h).
 #pragma once
 
 #include <cstddef>

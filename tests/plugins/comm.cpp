@@ -1,11 +1,16 @@
 // Test comm plugins "test_comm_a" / "test_comm_b" (COMM_NAME): count live backends in a
 // variable of their own library, so a test can tell that a library stays mapped and that its
-// destructors run after the registry is gone.
+// destructors run after the registry is gone. COMM_CAPS replaces their capability table
+// (test_comm_typo: a misspelt operation).
 #include <spmdx/plugin.h>
 
 #include <atomic>
 #include <stdexcept>
 #include <type_traits>
+
+#ifndef COMM_CAPS
+#define COMM_CAPS {"*", spmdx::MemoryType::host, 0, static_cast<std::size_t>(-1), 0}
+#endif
 
 namespace {
 
@@ -28,7 +33,9 @@ class CountingBackend final : public spmdx::CommBackend {
   void init(const spmdx::CommInit& init) override { init_ = init; }
   void finalize() override { finalized_ = true; }
   void abort() noexcept override {}
-  std::vector<spmdx::CommCapability> capabilities() const override { return {}; }
+  // By default host memory at the lowest score: listed and checkable, never chosen by "auto"
+  // over a real backend.
+  std::vector<spmdx::CommCapability> capabilities() const override { return {COMM_CAPS}; }
   int new_group(const std::vector<int>&) override { return none<int>(); }
   std::unique_ptr<spmdx::Work> all_reduce(int, spmdx::CommBuffer, spmdx::ReduceOp) override { return none<Work>(); }
   std::unique_ptr<spmdx::Work> all_gather(int, spmdx::CommBuffer, spmdx::CommBuffer, std::vector<std::size_t>) override {

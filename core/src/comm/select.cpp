@@ -134,6 +134,25 @@ const std::vector<std::string>& comm_operations() {
   return ops;
 }
 
+std::string capability_problem(const std::vector<CommCapability>& capabilities) {
+  if (capabilities.empty()) return "it declares no capabilities (CommCapability: operation, memory, sizes, score), so it serves nothing";
+  const auto& ops = comm_operations();
+  for (std::size_t i = 0; i < capabilities.size(); ++i) {
+    const CommCapability& c = capabilities[i];
+    const std::string which = "capability " + std::to_string(i) + " (" + c.op + ", " + memory_name(c.memory) + ")";
+    if (c.op != "*" && std::find(ops.begin(), ops.end(), c.op) == ops.end()) {
+      const std::string near = nearest_word(c.op, ops, 3);
+      return which + " names operation '" + c.op + "', which is neither \"*\" nor one of " + join(ops) +
+             (near.empty() ? std::string("") : " (did you mean " + near + "?)");
+    }
+    if (c.min_bytes > c.max_bytes) {
+      return which + " covers no size: min_bytes " + std::to_string(c.min_bytes) + " is above max_bytes " + std::to_string(c.max_bytes);
+    }
+    if (c.score < 0) return which + " has a negative score " + std::to_string(c.score) + " (scores are 0 or more; higher wins)";
+  }
+  return "";
+}
+
 int choose_backend(const std::vector<std::vector<CommCapability>>& capabilities, const std::string& op, MemoryType memory, std::size_t bytes) {
   int best = -1;
   int best_score = 0;
@@ -176,6 +195,12 @@ std::vector<Candidate> auto_candidates(PluginRegistry& registry, const std::vect
         }
       }
       if (c.backend) {
+        if (const std::string problem = capability_problem(c.backend->capabilities()); !problem.empty()) {
+          c.backend.reset();
+          c.why_not = "malformed capabilities: " + problem;
+        }
+      }
+      if (c.backend) {
         bool moves = false;
         for (const auto& cap : c.backend->capabilities()) moves = moves || std::find(memory.begin(), memory.end(), cap.memory) != memory.end();
         if (!moves) {
@@ -186,6 +211,8 @@ std::vector<Candidate> auto_candidates(PluginRegistry& registry, const std::vect
       out.push_back(std::move(c));
     }
   }
+  // Equal scores go to the first listed: the first by name, whatever the search order found.
+  std::stable_sort(out.begin(), out.end(), [](const Candidate& a, const Candidate& b) { return a.name < b.name; });
   // Keep those that win somewhere against the others kept.
   std::vector<std::vector<CommCapability>> caps;
   std::vector<std::size_t> index;
@@ -197,7 +224,7 @@ std::vector<Candidate> auto_candidates(PluginRegistry& registry, const std::vect
   for (std::size_t k = 0; k < index.size(); ++k) {
     if (wins_somewhere(caps, k, memory)) continue;
     out[index[k]].backend.reset();
-    out[index[k]].why_not = "another backend scores higher everywhere";
+    out[index[k]].why_not = "never chosen: for every operation and size another backend scores higher (or as high, with a name first in order)";
   }
   return out;
 }

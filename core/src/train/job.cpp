@@ -273,7 +273,8 @@ std::string check_comm_spec(PluginRegistry& registry, const std::string& spec_te
       if (q.kind == PluginKind::comm) names.push_back(q.name);
     }
     const std::string known = join(names);
-    return " is not a comm plugin found here; found: " + (known.empty() ? std::string("none") : known) + " (or \"auto\")";
+    return " is not a comm plugin found here; found: " + (known.empty() ? std::string("none") : known) +
+           " (or \"auto\"). A plugin built elsewhere: add its folder to plugins.paths or SPMDX_PLUGIN_PATH";
   }
   try {  // made, not initialised: the plugin checks its options (and what it needs) here
     if ((registry.comm_backend_plugin(name).flags & kPluginInProcessOnly) != 0) {
@@ -281,6 +282,9 @@ std::string check_comm_spec(PluginRegistry& registry, const std::string& spec_te
              "starts a process per rank; use ucx, or \"auto\"";
     }
     const auto backend = registry.make_comm_backend_from_spec(spec_text);
+    if (const std::string problem = comm::capability_problem(backend->capabilities()); !problem.empty()) {
+      return ": the " + name + " plugin's capabilities are malformed: " + problem + "; fix the plugin";
+    }
     bool moves = false;
     for (const auto& c : backend->capabilities()) moves = moves || c.memory == memory.front();
     if (!moves) return ": the " + name + " plugin does not move " + memory_text + " memory, which training.device = \"" + device + "\" needs";

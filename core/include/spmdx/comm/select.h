@@ -26,6 +26,12 @@ std::vector<MemoryType> job_memory(const std::string& device);
 /// The operations a capability may name (besides "*"), in comm.h's order.
 const std::vector<std::string>& comm_operations();
 
+/// What is wrong with a backend's capability table, or "": none at all; an operation that is
+/// neither "*" nor one of comm_operations() (with the nearest name); min_bytes above
+/// max_bytes; a negative score. The host refuses such a backend (`spmdx plugins` exits 1,
+/// spmdx run and "auto" say why), since a typo would otherwise silently never be chosen.
+std::string capability_problem(const std::vector<CommCapability>& capabilities);
+
 /// The index of the backend whose capability covers `op` on `memory` for `bytes` with the
 /// highest score (the first listed of equal ones), or -1 when none covers it.
 int choose_backend(const std::vector<std::vector<CommCapability>>& capabilities, const std::string& op, MemoryType memory, std::size_t bytes);
@@ -45,8 +51,10 @@ struct Candidate {
   std::string why_not;                   ///< "" when kept
 };
 
-/// What "auto" considers: every comm backend of the discovered plugins, made with default
-/// options; left out are those whose factory throws (nccl without a CUDA device), those of
+/// What "auto" considers, in the order of their names (so equal scores go to the name first in
+/// that order, wherever the plugins were found): every comm backend of the discovered plugins,
+/// made with default options; left out are those whose factory throws (nccl without a CUDA
+/// device), those whose capabilities are malformed (capability_problem), those of
 /// in-process-only plugins when `processes` (ranks are processes), those that move none of
 /// `memory`, and those that win no (operation, memory, size) against the others.
 std::vector<Candidate> auto_candidates(PluginRegistry& registry, const std::vector<MemoryType>& memory, bool processes);

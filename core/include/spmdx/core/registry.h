@@ -134,6 +134,10 @@ class PluginRegistry {
   /// The plugin that registered comm backend `name` (loading plugins on demand as
   /// make_comm_backend does); throws PluginError(unknown_plugin) as make_comm_backend.
   const PluginInfo& comm_backend_plugin(std::string_view name);
+  /// The option keys of a loaded comm backend that runs over a registered transport: the
+  /// transport's, then the collective engine's; empty for a whole backend (nccl), whose
+  /// options only its factory knows, and for a name not loaded.
+  std::vector<std::string> comm_backend_options(std::string_view name) const;
 
  private:
   struct Factories;

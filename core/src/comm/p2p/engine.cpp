@@ -104,7 +104,7 @@ P2PEngine::~P2PEngine() { finalize(); }
 
 void P2PEngine::init(const CommInit& init) {
   if (!transport_) throw std::logic_error(name_ + ": init after finalize; make a new backend");
-  transport_->connect(init);
+  connect_transport(init);
   rank_ = init.rank;
   world_size_ = init.world_size;
   shm_.start(init, options_);
@@ -120,6 +120,25 @@ void P2PEngine::init(const CommInit& init) {
   thread_ = std::thread([this] { run(); });
   health_.start(init);
   started_ = true;
+}
+
+void P2PEngine::connect_transport(const CommInit& init) {
+  // A plugin's own message may not say whose it is or what it was doing: say so, keeping the
+  // type (CommError's peer, invalid_argument's "fix the config") for the callers.
+  const std::string context = name_ + " transport, rank " + std::to_string(init.rank) + " connecting to " + std::to_string(init.world_size) + " ranks: ";
+  auto prefixed = [&](const std::exception& e) {
+    const std::string what = e.what();
+    return what.rfind(name_ + ":", 0) == 0 || what.rfind(name_ + " ", 0) == 0 ? what : context + what;
+  };
+  try {
+    transport_->connect(init);
+  } catch (const CommError& e) {
+    throw CommError(prefixed(e), e.peer());
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument(prefixed(e));
+  } catch (const std::exception& e) {
+    throw std::runtime_error(prefixed(e));
+  }
 }
 
 void P2PEngine::stop() {

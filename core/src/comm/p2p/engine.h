@@ -52,7 +52,8 @@ class P2PEngine final : public CommBackend {
   static constexpr int kPointToPoint = -1;
   static constexpr std::size_t kDirectMaxMembers = 8;
 
-  // engine.cpp: the queue and the communication thread.
+  // engine.cpp: joining, the queue and the communication thread.
+  void connect_transport(const CommInit& init);
   std::unique_ptr<Work> submit(const char* name, int group, std::function<void(Op&)> body);
   void run();
   void stop();
