@@ -91,7 +91,7 @@ TEST(Cli, EachPluginErrorPrintsItsMessageAndExitsOne) {
   test::TempDir dir;
   test::write_file(dir / "libspmdx_text.so", "not ELF");
   const std::vector<ErrorCase> cases = {
-      {"missing", "/nonexistent/libspmdx_x.so", "'/nonexistent/libspmdx_x.so' (from the config or --plugin-path) does not exist"},
+      {"missing", "/nonexistent/libspmdx_x.so", "'/nonexistent/libspmdx_x.so' (from plugins.paths or --plugin-path) does not exist"},
       {"not ELF", (dir / "libspmdx_text.so").string(), "not a shared object"},
       {"no entry", plugin_dir("test_no_entry").string(), "has no 'spmdx_plugin' entry point"},
       {"ABI major", plugin_dir("test_abi_major").string(), "was built for ABI 4, this host supports 3"},
@@ -166,6 +166,9 @@ TEST(Cli, StrategiesTableBindsAMeshDimToAPlugin) {
   auto unknown = spmdx(config + " --parallelism.strategies.dp_shard nonesuch");
   EXPECT_EQ(unknown.exit_code, 1);
   EXPECT_THAT(unknown.output, HasSubstr("no strategy plugin named 'nonesuch'"));
+  auto wrong_kind = spmdx(config + " --parallelism.strategies.tp ucx");  // checked whatever the dim's degree
+  EXPECT_EQ(wrong_kind.exit_code, 1);
+  EXPECT_THAT(wrong_kind.output, HasSubstr("parallelism.strategies.tp = \"ucx\": 'ucx' is a comm plugin, not a strategy plugin; found: "));
 }
 
 TEST(Cli, CompilePlansWithoutStartingRanks) {

@@ -74,7 +74,7 @@ TEST(Registry, MissingFileOrFolderNamesItAndTheSetting) {
   PluginError e = only_error(registry);
   EXPECT_EQ(e.code(), Code::file_missing);
   EXPECT_EQ(e.path(), "/nonexistent/libspmdx_gone.so");
-  EXPECT_THAT(e.what(), HasSubstr("'/nonexistent/libspmdx_gone.so' (from the config or --plugin-path) does not exist"));
+  EXPECT_THAT(e.what(), HasSubstr("'/nonexistent/libspmdx_gone.so' (from plugins.paths or --plugin-path) does not exist"));
 
   try {
     read_plugin("/nonexistent/libspmdx_gone.so");

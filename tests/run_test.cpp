@@ -446,6 +446,15 @@ TEST(BenchComm, EveryOpSweepsSizesAndChecksEveryResult) {
   auto empty = test::run_command("'" SPMDX_EXE "' bench comm --max-bytes 0");  // ran nothing and said nothing
   EXPECT_NE(empty.exit_code, 0);
   EXPECT_THAT(empty.output, HasSubstr("--min-bytes and --max-bytes must be at least 4 (one float32), got 8 and 0"));
+  // The backend is checked as spmdx run checks comm.backend, before any rank starts.
+  auto local = test::run_command("'" SPMDX_EXE "' bench comm --backend local --nproc 2 --max-bytes 64K");
+  EXPECT_EQ(local.exit_code, 1) << local.output;
+  EXPECT_THAT(local.output, HasSubstr("--backend \"local\": the local plugin runs ranks as threads of one process"));
+  EXPECT_THAT(local.output, ::testing::Not(HasSubstr("[rank")));
+  auto auto_options = test::run_command("'" SPMDX_EXE "' bench comm --backend 'auto:shm=off' --nproc 2");
+  EXPECT_EQ(auto_options.exit_code, 1) << auto_options.output;
+  EXPECT_THAT(auto_options.output, HasSubstr("\"auto\" takes no options (it makes each backend with its defaults); to give options, pin a "
+                                             "backend, e.g. \"ucx:shm=off\""));
 }
 
 }  // namespace

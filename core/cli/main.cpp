@@ -461,7 +461,9 @@ int run_bench_comm(const BenchCommOptions& o, const std::vector<std::string>& ra
     {  // the backend and its options, once, before any rank starts
       spmdx::PluginRegistry registry;
       registry.discover(spmdx::plugin_search_path(paths));
-      spmdx::comm::make_job_backend(registry, o.backend, {spmdx::MemoryType::host}, true);
+      if (const std::string why = spmdx::train::comm_backend_problem(registry, o.backend, "cpu"); !why.empty()) {
+        throw std::invalid_argument("--backend \"" + o.backend + "\"" + why);
+      }
     }
     std::vector<std::string> argv{self_exe()};
     for (const auto& a : raw_args) argv.push_back(a);

@@ -273,7 +273,7 @@ bool is_plugin_file_name(const fs::path& p) {
 
 std::string origin_text(PluginSource::Origin origin) {
   switch (origin) {
-    case PluginSource::Origin::user: return "the config or --plugin-path";
+    case PluginSource::Origin::user: return "plugins.paths or --plugin-path";
     case PluginSource::Origin::environment: return "SPMDX_PLUGIN_PATH";
     case PluginSource::Origin::builtin: return "the built-in plugin folder";
   }
@@ -500,7 +500,7 @@ void PluginRegistry::load(std::string_view plugin_name) {
     throw PluginError(Code::unknown_plugin, {},
                       "no plugin named '" + std::string(plugin_name) + "'; found: " +
                           (known.empty() ? "none" : known) +
-                          ". Check the name, or add its folder to SPMDX_PLUGIN_PATH or --plugin-path.");
+                          ". Check the name, or add its folder to plugins.paths (the config), --plugin-path (spmdx plugins, compile) or SPMDX_PLUGIN_PATH.");
   }
   if (info->registered) return;
   const PluginDescriptor* d = factories_->descriptors.at(info->name);
@@ -552,7 +552,7 @@ void PluginRegistry::ensure_factory(PluginKind kind, std::string_view name) {
   throw PluginError(Code::unknown_plugin, {},
                     std::string("no ") + to_string(kind) + " plugin named '" + std::string(name) + "'; found: " +
                         (known.empty() ? "none" : known) +
-                        ". Check the name, or add its folder to SPMDX_PLUGIN_PATH or --plugin-path.");
+                        ". Check the name, or add its folder to plugins.paths (the config), --plugin-path (spmdx plugins, compile) or SPMDX_PLUGIN_PATH.");
 }
 
 std::unique_ptr<Strategy> PluginRegistry::make_strategy(std::string_view name, const Options& options) {

@@ -13,6 +13,12 @@ namespace {
 
 const char* memory_name(MemoryType m) { return m == MemoryType::cuda ? "cuda" : "host"; }
 
+// Member i's store generation: above 2^40, where no plain backend's generation (0, then +1 per
+// hot-swap) reaches, and apart for each member and each generation of the scored backend.
+std::int64_t member_generation(std::int64_t generation, std::size_t i) {
+  return (static_cast<std::int64_t>(i + 1) << 40) + generation;
+}
+
 class ScoredBackend final : public CommBackend {
  public:
   explicit ScoredBackend(std::vector<std::pair<std::string, std::unique_ptr<CommBackend>>> members) : members_(std::move(members)) {
@@ -23,7 +29,7 @@ class ScoredBackend final : public CommBackend {
   void init(const CommInit& init) override {
     for (std::size_t i = 0; i < members_.size(); ++i) {
       CommInit mine = init;
-      mine.generation = init.generation * 16 + static_cast<std::int64_t>(i);
+      mine.generation = member_generation(init.generation, i);
       members_[i].second->init(mine);
     }
     groups_.assign(1, std::vector<int>(members_.size(), 0));  // group 0: every rank, in each member
@@ -230,8 +236,15 @@ std::vector<Candidate> auto_candidates(PluginRegistry& registry, const std::vect
 }
 
 std::unique_ptr<CommBackend> make_job_backend(PluginRegistry& registry, const std::string& spec, const std::vector<MemoryType>& memory,
-                                              bool processes) {
-  if (spec != "auto") return registry.make_comm_backend_from_spec(spec);
+                                              bool processes, std::string* choice) {
+  if (spec.rfind("auto:", 0) == 0) {
+    throw std::invalid_argument("\"auto\" takes no options (it makes each backend with its defaults); to give options, "
+                                "pin a backend, e.g. \"ucx:" + spec.substr(5) + "\"");
+  }
+  if (spec != "auto") {
+    if (choice != nullptr) *choice = spec;
+    return registry.make_comm_backend_from_spec(spec);
+  }
   std::vector<Candidate> candidates = auto_candidates(registry, memory, processes);
   std::vector<std::pair<std::string, std::unique_ptr<CommBackend>>> kept;
   std::vector<std::string> left_out;
@@ -250,6 +263,7 @@ std::unique_ptr<CommBackend> make_job_backend(PluginRegistry& registry, const st
   std::vector<std::string> names;
   for (const auto& k : kept) names.push_back(k.first);
   SPMDX_DEBUG("comm.backend = auto: " << join(names) << (left_out.empty() ? "" : "; left out: " + join(left_out)));
+  if (choice != nullptr) *choice = "auto: " + join(names);
   if (kept.size() == 1) return std::move(kept.front().second);
   return make_scored_backend(std::move(kept));
 }

@@ -281,12 +281,22 @@ Joined join_job(const config::Config& cfg, const launch::RankEnv& env, double ti
   return j;
 }
 
-// The comm backend `spec.backend` names (comm/select.h), joined to the job. A peer that cannot be reached (it
-// failed first, say) is named in the store for the launcher, which otherwise blames whichever
-// rank it reaps first.
-std::unique_ptr<CommBackend> join_backend(PluginRegistry& registry, const train::CommSpec& spec, const launch::RankEnv& env, Store& store,
-                                          std::int64_t generation) {
-  auto backend = comm::make_job_backend(registry, spec.backend, spec.memory, true);  // ranks here are processes
+// The comm backend `backend_spec` names (comm.backend or comm.swap_to; comm/select.h), joined
+// to the job under store generation `generation`. Every rank must have made the same one
+// ("auto" chooses from the plugins each rank finds): one that differs from rank 0 fails here,
+// naming both, instead of waiting out the timeout for a peer that joined another backend. A
+// peer that cannot be reached (it failed first, say) is named in the store for the launcher,
+// which otherwise blames whichever rank it reaps first.
+std::unique_ptr<CommBackend> join_backend(PluginRegistry& registry, const std::string& backend_spec, const train::CommSpec& spec,
+                                          const launch::RankEnv& env, Store& store, std::int64_t generation) {
+  std::string choice;
+  auto backend = comm::make_job_backend(registry, backend_spec, spec.memory, true, &choice);  // ranks here are processes
+  const std::string key = "spmdx/comm_choice/g" + std::to_string(generation);
+  if (env.rank == 0) store.set(key, choice);
+  if (const std::string first = store.get(key, spec.timeout_seconds); first != choice) {
+    throw std::invalid_argument("comm.backend = \"" + backend_spec + "\" made " + choice + " on rank " + std::to_string(env.rank) + " but " + first +
+                                " on rank 0: every rank must find the same comm plugins (the same plugins.paths and SPMDX_PLUGIN_PATH)");
+  }
   try {
     backend->init({env.rank, env.world_size, generation, &store, spec.timeout_seconds});
   } catch (const CommError& e) {
@@ -474,8 +484,7 @@ struct StepLoop {
       const std::int64_t generation = step / swap_every;
       const std::string& next = generation % 2 == 1 ? spec.comm.swap_to : spec.comm.backend;
       backend.reset();
-      backend = comm::make_job_backend(registry, next, spec.comm.memory, true);
-      backend->init({env.rank, env.world_size, generation, store, timeout});
+      backend = join_backend(registry, next, spec.comm, env, *store, generation);
       executor.set_backend(backend.get());
       if (lead && (step / swap_every) % std::max<std::int64_t>(1, log_freq) == 0) {
         std::printf("step %lld: swapped the comm backend to %s\n", static_cast<long long>(step), backend->describe().c_str());
@@ -583,7 +592,7 @@ void print_banner(const train::JobSpec& spec, const train::PlacedJob& job, const
               models::model_label(spec.model).c_str(), params / 1e6,
               job.mesh.str().c_str(), env.world_size, env.world_size == 1 ? "" : "s", env.source.c_str(), static_cast<long long>(spec.global_batch_size),
               static_cast<long long>(spec.seq_len), static_cast<long long>(spec.steps),
-              backend ? backend->describe().c_str() : "none (one rank)");
+              backend ? ((spec.comm.backend == "auto" ? "auto -> " : "") + backend->describe()).c_str() : "none (one rank)");
   std::fflush(stdout);
 }
 
@@ -643,7 +652,7 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
     hooks.compile(plan, ranks, spec.plan);
   }
   std::unique_ptr<CommBackend> backend;
-  if (env.world_size > 1) backend = join_backend(registry, spec.comm, env, *joined.store, 0);
+  if (env.world_size > 1) backend = join_backend(registry, spec.comm.backend, spec.comm, env, *joined.store, 0);
   DistributedExecutor executor(graph, job.mesh, env.rank, backend.get(), timeout, spec.plan);
   if (!hooks.empty()) executor.set_hooks(&hooks);
   if (fault.kind == "skip_collective" && fault.rank == env.rank) executor.inject_skip(fault.step, fault.index);

@@ -252,46 +252,27 @@ void check_data(const config::Config& cfg, const data::Tokenizer& tokenizer, con
 
 namespace {
 
-// "" when `spec_text` names a comm backend that can serve this job's ranks (processes started
-// by spmdx run or a launcher) on `device`; else what is wrong, to follow `key = "spec"`.
-std::string check_comm_spec(PluginRegistry& registry, const std::string& spec_text, const std::string& device) {
-  const std::vector<MemoryType> memory = comm::job_memory(device);
-  const std::string memory_text = device == "cuda" ? "CUDA" : "host";
-  if (spec_text == "auto") {
-    try {
-      comm::make_job_backend(registry, spec_text, memory, true);
-    } catch (const std::exception& e) {
-      return ": " + std::string(e.what());
-    }
-    return "";
+
+// [parallelism.strategies]: every plugin named is a strategy plugin found here, also for a dim
+// of degree 1, which never asks it for placements (a typo there would wait for the day the
+// degree grows).
+void check_strategy_names(const config::Config& cfg, const PluginRegistry& registry, const std::map<std::string, std::string>& strategies,
+                          std::vector<std::string>& out) {
+  std::vector<std::string> known;
+  for (const auto& p : registry.plugins()) {
+    if (p.kind == PluginKind::strategy && p.registered) known.insert(known.end(), p.factories.begin(), p.factories.end());
   }
-  const std::string name = spec_text.substr(0, spec_text.find(':'));
-  const auto* p = registry.find(name);
-  if (p == nullptr || p->kind != PluginKind::comm) {
-    std::vector<std::string> names;
-    for (const auto& q : registry.plugins()) {
-      if (q.kind == PluginKind::comm) names.push_back(q.name);
-    }
-    const std::string known = join(names);
-    return " is not a comm plugin found here; found: " + (known.empty() ? std::string("none") : known) +
-           " (or \"auto\"). A plugin built elsewhere: add its folder to plugins.paths or SPMDX_PLUGIN_PATH";
+  for (const auto& [dim, name] : strategies) {
+    if (std::find(known.begin(), known.end(), name) != known.end()) continue;
+    const std::string key = "parallelism.strategies." + dim;
+    const PluginInfo* other = registry.find(name);
+    std::string why = other != nullptr && other->kind != PluginKind::strategy
+                          ? "'" + name + "' is a " + to_string(other->kind) + " plugin, not a strategy plugin"
+                          : "no strategy plugin named '" + name + "'";
+    const std::string near = nearest_word(name, known, 3);
+    out.push_back(cfg.where({key}) + ": " + key + " = \"" + name + "\": " + why + "; found: " + join(known) +
+                  (near.empty() ? std::string("") : " (did you mean " + near + "?)"));
   }
-  try {  // made, not initialised: the plugin checks its options (and what it needs) here
-    if ((registry.comm_backend_plugin(name).flags & kPluginInProcessOnly) != 0) {
-      return ": the " + name + " plugin runs ranks as threads of one process (its descriptor is flagged in-process only), and spmdx run "
-             "starts a process per rank; use ucx, or \"auto\"";
-    }
-    const auto backend = registry.make_comm_backend_from_spec(spec_text);
-    if (const std::string problem = comm::capability_problem(backend->capabilities()); !problem.empty()) {
-      return ": the " + name + " plugin's capabilities are malformed: " + problem + "; fix the plugin";
-    }
-    bool moves = false;
-    for (const auto& c : backend->capabilities()) moves = moves || c.memory == memory.front();
-    if (!moves) return ": the " + name + " plugin does not move " + memory_text + " memory, which training.device = \"" + device + "\" needs";
-  } catch (const std::exception& e) {
-    return ": " + std::string(e.what());
-  }
-  return "";
 }
 
 // comm.backend and comm.swap_to: "auto" finds a backend, or a comm plugin found here, made (not
@@ -301,7 +282,7 @@ void check_comm_backends(const config::Config& cfg, PluginRegistry& registry, st
   for (const char* key : {"comm.backend", "comm.swap_to"}) {
     const std::string spec_text = cfg.get_string(key);
     if (spec_text.empty() && std::string(key) == "comm.swap_to") continue;
-    if (const std::string why = check_comm_spec(registry, spec_text, cfg.get_string("training.device")); !why.empty()) {
+    if (const std::string why = comm_backend_problem(registry, spec_text, cfg.get_string("training.device")); !why.empty()) {
       out.push_back(cfg.where({key}) + ": " + key + " = \"" + spec_text + "\"" + why);
     }
   }
@@ -373,11 +354,20 @@ std::vector<std::string> preflight(const config::Config& cfg, std::int64_t world
   }
   if (run && !cfg.has_problem("training.device") && !cfg.has_problem("data.") && !cfg.has_problem("comm.")) attempt({}, [&] { check_runnable(cfg); });
   discover_plugins(registry, cfg);
-  for (const auto& e : registry.errors()) out.push_back(cfg.where({"plugins.paths"}) + ": plugins: " + e.what());
+  // Every plugin found registers now, as `spmdx plugins` checks them: one that would fail when a
+  // name is looked up (or that "auto" would silently skip) fails the check instead.
+  registry.load_all();
+  // Blame the config only where it names plugin paths (the error may come from SPMDX_PLUGIN_PATH
+  // or the built-in folder, which the message names).
+  const std::string plugins_where = cfg.is_set("plugins.paths") ? cfg.where({"plugins.paths"}) + ": " : std::string();
+  for (const auto& e : registry.errors()) out.push_back(plugins_where + "plugins: " + e.what());
+  const std::size_t before_strategies = out.size();
+  if (*spec) check_strategy_names(cfg, registry, (*spec)->strategies, out);
+  const bool strategies_found = out.size() == before_strategies;
   if (run && world_size > 1 && !cfg.has_problem("comm.")) check_comm_backends(cfg, registry, out);
   std::optional<PlacedJob> job;
   std::optional<sharding::DistributedPlan> plan;
-  if (*spec && registry.errors().empty()) {  // what `spmdx compile` finds: placements and local shapes
+  if (*spec && registry.errors().empty() && strategies_found) {  // what `spmdx compile` finds: placements and local shapes
     attempt({"model.name", "model.flavor", "model.tokenizer", "model.path", kDegreeKeys[0], kDegreeKeys[1], kDegreeKeys[2], "parallelism.tp_plan", "parallelism.strategies"}, [&] {
       job.emplace(place_job(**spec, registry));
       plan.emplace(sharding::propagate(job->model.graph, job->mesh, job->inputs, job->outputs, job->use, job->reshard_after_forward));
@@ -386,6 +376,49 @@ std::vector<std::string> preflight(const config::Config& cfg, std::int64_t world
   }
   if (!cfg.get_list("hooks.enable").empty() && !cfg.has_problem("hooks.")) check_hooks(cfg, registry, world_size, job, plan, run, out);
   return out;
+}
+
+std::string comm_backend_problem(PluginRegistry& registry, const std::string& spec_text, const std::string& device) {
+  const std::vector<MemoryType> memory = comm::job_memory(device);
+  const std::string memory_text = device == "cuda" ? "CUDA" : "host";
+  if (spec_text == "auto" || spec_text.rfind("auto:", 0) == 0) {
+    for (const auto& c : comm::auto_candidates(registry, memory, true)) {
+      if (c.why_not.rfind("malformed capabilities: ", 0) == 0) return ": comm backend '" + c.name + "' has " + c.why_not + "; fix the plugin or remove it from the plugin path";
+    }
+    try {
+      comm::make_job_backend(registry, spec_text, memory, true);
+    } catch (const std::exception& e) {
+      return ": " + std::string(e.what());
+    }
+    return "";
+  }
+  const std::string name = spec_text.substr(0, spec_text.find(':'));
+  const auto* p = registry.find(name);
+  if (p == nullptr || p->kind != PluginKind::comm) {
+    std::vector<std::string> names;
+    for (const auto& q : registry.plugins()) {
+      if (q.kind == PluginKind::comm) names.push_back(q.name);
+    }
+    const std::string known = join(names);
+    return " is not a comm plugin found here; found: " + (known.empty() ? std::string("none") : known) +
+           " (or \"auto\"). A plugin built elsewhere: add its folder to plugins.paths or SPMDX_PLUGIN_PATH";
+  }
+  try {  // made, not initialised: the plugin checks its options (and what it needs) here
+    if ((registry.comm_backend_plugin(name).flags & kPluginInProcessOnly) != 0) {
+      return ": the " + name + " plugin runs ranks as threads of one process (its descriptor is flagged in-process only), and spmdx run "
+             "starts a process per rank; use ucx, or \"auto\"";
+    }
+    const auto backend = registry.make_comm_backend_from_spec(spec_text);
+    if (const std::string problem = comm::capability_problem(backend->capabilities()); !problem.empty()) {
+      return ": the " + name + " plugin's capabilities are malformed: " + problem + "; fix the plugin";
+    }
+    bool moves = false;
+    for (const auto& c : backend->capabilities()) moves = moves || c.memory == memory.front();
+    if (!moves) return ": the " + name + " plugin does not move " + memory_text + " memory, which training.device = \"" + device + "\" needs";
+  } catch (const std::exception& e) {
+    return ": " + std::string(e.what());
+  }
+  return "";
 }
 
 void discover_plugins(PluginRegistry& registry, const config::Config& cfg) {

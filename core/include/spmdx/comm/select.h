@@ -40,7 +40,8 @@ int choose_backend(const std::vector<std::vector<CommCapability>>& capabilities,
 /// differ across ranks are not used to choose (every rank must pick the same backend):
 /// all_gather picks by its output's bytes, reduce_scatter by its input's, all_to_all and
 /// barrier by operation and memory alone (as if 0 bytes). Each member joins the job with its
-/// own store generation (generation x 16 + its index), so their keys never meet. Throws
+/// own store generation ((index + 1) x 2^40 + generation), so their keys never meet each
+/// other's nor those of a plain backend a hot-swap alternates with (generations 0, 1, 2, ...). Throws
 /// std::invalid_argument from a call no member covers, naming the operation, memory and size.
 std::unique_ptr<CommBackend> make_scored_backend(std::vector<std::pair<std::string, std::unique_ptr<CommBackend>>> members);
 
@@ -62,8 +63,10 @@ std::vector<Candidate> auto_candidates(PluginRegistry& registry, const std::vect
 /// The backend of a job's comm.backend (or comm.swap_to) `spec`: "auto" as above (the one kept
 /// itself when only one is, a scored backend over all kept ones otherwise), or the pinned
 /// "name[:key=value;...]". Throws std::invalid_argument when "auto" keeps none, listing each
-/// backend found and why it was left out.
+/// backend found and why it was left out, or when "auto" is given options ("auto:..."). With
+/// `choice`, says what was made: the pinned spec, or "auto: ucx, nccl" (the backends kept), which
+/// every rank of a job must agree on.
 std::unique_ptr<CommBackend> make_job_backend(PluginRegistry& registry, const std::string& spec, const std::vector<MemoryType>& memory,
-                                              bool processes);
+                                              bool processes, std::string* choice = nullptr);
 
 }  // namespace spmdx::comm

@@ -153,6 +153,13 @@ struct PlacedJob {
 };
 PlacedJob place_job(const JobSpec& spec, PluginRegistry& registry);
 
+/// "" when `spec_text` (comm.backend's form: "auto" or "name[:key=value;...]") names a comm
+/// backend that can serve ranks in processes on `device` ("cpu" or "cuda"); else what is
+/// wrong, worded to follow `key = "spec"`: not found (with the names found and a hint at
+/// plugins.paths), an in-process-only plugin, options it refuses, malformed capabilities, memory
+/// it does not move, or, for "auto", that none is found or that "auto" takes no options.
+std::string comm_backend_problem(PluginRegistry& registry, const std::string& spec_text, const std::string& device);
+
 /// registry.discover() over the config's plugins.paths, then SPMDX_PLUGIN_PATH and the
 /// built-in folder (plugin_search_path).
 void discover_plugins(PluginRegistry& registry, const config::Config& cfg);
