@@ -14,7 +14,9 @@
 //   same order with matching dtypes, ops and counts (a mismatch is a CommError naming the
 //   ranks, or a hang ended by the timeout); collectives of different groups may interleave
 //   differently on different ranks. new_group is collective over all ranks (see there).
-// - Completion order: Work of one backend completes in the order issued.
+// - Completion order: a caller waits on each Work whose result it reads; it never infers one
+//   Work's completion from another's (a scored backend, comm/select.h, runs the calls of one
+//   group on several backends, which complete independently).
 // - Threads: init, finalize, new_group and the calls that issue work come from one thread at a
 //   time (the executor's); Work::wait and Work::test may be called from any thread; abort()
 //   from any thread at any time, including while another thread waits.
