@@ -136,6 +136,9 @@ TEST(Run, ABadCommBackendOptionFailsBeforeAnyRankStarts) {
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_THAT(r.output, HasSubstr("comm.swap_to = \"ucx:chunk=64\": ucx: unknown option 'chunk' (known: tls, chunk_bytes, direct_max_bytes, shm, shm_chunk_bytes)"));
   EXPECT_THAT(r.output, ::testing::Not(HasSubstr("[rank")));
+  r = spmdx_run("'" SPMDX_SOURCE_DIR "/configs/mlp_dp.toml' --nproc 2 --comm.swap_to 'ucx:shm=off'");  // a swap that would never happen
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.output, HasSubstr("comm.swap_to is set but comm.swap_at_step is 0, so nothing would swap"));
   // A transport that exists everywhere but carries nothing between the rank processes.
   r = spmdx_run("'" SPMDX_SOURCE_DIR "/configs/mlp_dp.toml' --nproc 2 --comm.backend 'ucx:tls=self'");
   EXPECT_EQ(r.exit_code, 1);

@@ -235,6 +235,10 @@ void check_runnable(const config::Config& cfg) {
   if (cfg.get_int("comm.swap_at_step") > 0 && cfg.get_string("comm.swap_to").empty()) {
     fail({"comm.swap_at_step", "comm.swap_to"}, "comm.swap_at_step is set but comm.swap_to is empty: name the backend to swap to (e.g. \"ucx:tls=tcp,self\")");
   }
+  if (cfg.get_int("comm.swap_at_step") == 0 && !cfg.get_string("comm.swap_to").empty()) {
+    fail({"comm.swap_to", "comm.swap_at_step"}, "comm.swap_to is set but comm.swap_at_step is 0, so nothing would swap: set comm.swap_at_step (swap every this "
+                                                "many steps), or remove comm.swap_to");
+  }
   problems.throw_if_any();
 }
 
