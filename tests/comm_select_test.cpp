@@ -158,7 +158,7 @@ TEST(AutoBackend, KeepsUcxForHostMemoryAndSaysWhyOthersAreLeftOut) {
   EXPECT_EQ(why.at("ucx"), "kept");
   EXPECT_EQ(why.at("local"), "in-process only (ranks here are processes)");
   if (why.count("nccl")) {  // built here: no CUDA device, or one whose host score loses to ucx's
-    EXPECT_THAT(why.at("nccl"), ::testing::AnyOf(HasSubstr("no CUDA device"), HasSubstr("never chosen: for every operation and size another backend scores higher")));
+    EXPECT_THAT(why.at("nccl"), ::testing::AnyOf(HasSubstr("no usable CUDA device"), HasSubstr("never chosen: for every operation and size another backend scores higher")));
   }
   // With one backend kept, "auto" is that backend itself.
   EXPECT_THAT(make_job_backend(registry, "auto", {MemoryType::host}, true)->describe(), HasSubstr("ucx (UCX_TLS="));

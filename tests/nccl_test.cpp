@@ -69,7 +69,7 @@ TEST(Nccl, WithoutADeviceItRefusesToBeMadeSayingWhy) {
     make_nccl();
     FAIL();
   } catch (const std::invalid_argument& e) {
-    EXPECT_THAT(e.what(), ::testing::HasSubstr("nccl: this machine has no CUDA device"));
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("nccl: no usable CUDA device on this machine"));
     EXPECT_THAT(e.what(), ::testing::HasSubstr("use ucx for host memory"));
   }
 }

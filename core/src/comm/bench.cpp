@@ -30,9 +30,14 @@ void print_header(const std::string& op, int n, const CommBackend& b) {
 }
 
 // One size's line of the table: out-of-place, then in-place.
+// us[1] < 0: the op has no in-place form here, and its columns say n/a.
 void print_row(const std::string& op, int n, std::size_t count, const double us[2], const std::int64_t wrong[2]) {
   const double bytes = static_cast<double>(count) * 4;
   auto row = [&](int m) {
+    if (us[m] < 0) {
+      std::printf(" %9s %8s %8s %6s", "n/a", "n/a", "n/a", "n/a");
+      return;
+    }
     const double algbw = bytes / (us[m] * 1e-6) / 1e9;
     std::printf(" %9.1f %8.3f %8.3f %6lld", us[m], algbw, algbw * bus_factor(op, n), static_cast<long long>(wrong[m]));
   };
@@ -161,9 +166,8 @@ std::int64_t run_comm_bench(CommBackend& b, int rank, int n, const BenchOptions&
     std::int64_t wrong[2] = {0, 0};
     for (int mode = 0; mode < 2; ++mode) {
       const bool in_place = mode == 1;
-      if (in_place && op != "all_reduce" && op != "broadcast") {  // no in-place form: report the same op
-        us[1] = us[0];
-        wrong[1] = wrong[0];
+      if (in_place && op != "all_reduce" && op != "broadcast") {  // no in-place form: nothing measured
+        us[1] = -1;
         continue;
       }
       us[mode] = run.time(in_place, wrong[mode]);

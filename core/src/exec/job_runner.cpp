@@ -487,7 +487,8 @@ struct StepLoop {
       backend = join_backend(registry, next, spec.comm, env, *store, generation);
       executor.set_backend(backend.get());
       if (lead && (step / swap_every) % std::max<std::int64_t>(1, log_freq) == 0) {
-        std::printf("step %lld: swapped the comm backend to %s\n", static_cast<long long>(step), backend->describe().c_str());
+        std::printf("after step %lld: swapped the comm backend to %s%s\n", static_cast<long long>(step), next == "auto" ? "auto -> " : "",
+                    backend->describe().c_str());
       }
     }
     if (metrics) metrics->row(step, spec.steps, loss, out.at("grad_norm").item<double>(), lr, static_cast<double>(spec.global_batch_size * spec.seq_len) / st.total, st);

@@ -409,7 +409,7 @@ std::string comm_backend_problem(PluginRegistry& registry, const std::string& sp
   }
   try {  // made, not initialised: the plugin checks its options (and what it needs) here
     if ((registry.comm_backend_plugin(name).flags & kPluginInProcessOnly) != 0) {
-      return ": the " + name + " plugin runs ranks as threads of one process (its descriptor is flagged in-process only), and spmdx run "
+      return ": the " + name + " plugin runs ranks as threads of one process (its descriptor is flagged in-process only), and spmdx "
              "starts a process per rank; use ucx, or \"auto\"";
     }
     const auto backend = registry.make_comm_backend_from_spec(spec_text);

@@ -102,7 +102,9 @@ class NcclBackend final : public spmdx::CommBackend {
     int devices = 0;
     const cudaError_t e = cudaGetDeviceCount(&devices);
     if (e != cudaSuccess || devices == 0) {
-      throw std::invalid_argument(std::string("nccl: this machine has no CUDA device (") + (e != cudaSuccess ? cudaGetErrorString(e) : "0 devices") +
+      // A driver too old for the runtime, or none at all, reads as an error, not as 0 devices.
+      throw std::invalid_argument(std::string("nccl: no usable CUDA device on this machine (") +
+                                  (e != cudaSuccess ? std::string("CUDA: ") + cudaGetErrorString(e) : std::string("0 devices")) +
                                   "); nccl needs one per rank: use ucx for host memory");
     }
   }
