@@ -163,6 +163,10 @@ TEST(Cli, StrategiesTableBindsAMeshDimToAPlugin) {
   auto typo = spmdx(config + " --parallelism.strategies.dp_shrad data_parallel");
   EXPECT_EQ(typo.exit_code, 1);
   EXPECT_THAT(typo.output, HasSubstr("names mesh dim 'dp_shrad'; the mesh dims are dp_replicate, dp_shard and tp; did you mean 'dp_shard'?"));
+  auto pipeline = spmdx(config + " --parallelism.strategies.pp data_parallel");  // another feature, not a typo of tp
+  EXPECT_EQ(pipeline.exit_code, 1);
+  EXPECT_THAT(pipeline.output, HasSubstr("names mesh dim 'pp'; the mesh dims are dp_replicate, dp_shard and tp; spmdx has no pipeline parallelism yet"));
+  EXPECT_THAT(pipeline.output, ::testing::Not(HasSubstr("did you mean 'tp'")));
   auto unknown = spmdx(config + " --parallelism.strategies.dp_shard nonesuch");
   EXPECT_EQ(unknown.exit_code, 1);
   EXPECT_THAT(unknown.output, HasSubstr("no strategy plugin named 'nonesuch'"));

@@ -110,8 +110,13 @@ void read_strategies(const config::Config& cfg, JobSpec& s, Problems& problems) 
   s.strategies = cfg.plugin_options("parallelism.strategies");
   for (const auto& [dim, plugin] : s.strategies) {
     if (dim != "dp_replicate" && dim != "dp_shard" && dim != "tp") {
-      const std::string near = nearest_word(dim, {"dp_replicate", "dp_shard", "tp"}, 3);
+      // torchtitan's other dims are other features, not typos of tp: no "did you mean" for them.
+      static const std::map<std::string, std::string> elsewhere{
+          {"pp", "pipeline"}, {"cp", "context"}, {"ep", "expert"}, {"sp", "sequence"}, {"etp", "expert tensor"}};
+      const auto other = elsewhere.find(dim);
+      const std::string near = other != elsewhere.end() ? "" : nearest_word(dim, {"dp_replicate", "dp_shard", "tp"}, 3);
       problems.add({"parallelism.strategies"}, "[parallelism.strategies] names mesh dim '" + dim + "'; the mesh dims are dp_replicate, dp_shard and tp" +
+                   (other != elsewhere.end() ? "; spmdx has no " + other->second + " parallelism yet" : std::string()) +
                    (near.empty() ? std::string() : "; did you mean '" + near + "'?"));
     }
     if (plugin.empty()) problems.add({"parallelism.strategies"}, "[parallelism.strategies] " + dim + " names no plugin: give a strategy plugin's name (e.g. \"" + sharding::strategy_for(dim == "tp" ? "tp" : "dp_shard") + "\")");
