@@ -119,6 +119,15 @@ TEST(Run, UnderTorchrunTheRanksJoinItsC10dStore) {
   EXPECT_EQ(losses(dir / "torchrun" / "metrics.jsonl"), losses(dir / "ours" / "metrics.jsonl"));
 }
 
+TEST(Run, AutoRefusesACommPluginWithMalformedCapabilitiesBeforeAnyRankStarts) {
+  auto r = spmdx_run("'" SPMDX_SOURCE_DIR "/configs/mlp_dp.toml' --nproc 2 --plugins.paths '" TEST_PLUGIN_DIR "/test_comm_typo'");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.output, HasSubstr("comm.backend = \"auto\": comm backend 'test_comm_typo' has malformed capabilities: capability 0 (all_reduse, "
+                                  "host) names operation 'all_reduse'"));
+  EXPECT_THAT(r.output, HasSubstr("; fix the plugin or remove it from the plugin path"));
+  EXPECT_THAT(r.output, ::testing::Not(HasSubstr("[rank")));
+}
+
 TEST(Run, TheLocalBackendIsRefusedBeforeAnyRankStarts) {
   auto r = spmdx_run("'" SPMDX_SOURCE_DIR "/configs/mlp_dp.toml' --nproc 2 --comm.backend local");
   EXPECT_EQ(r.exit_code, 1);

@@ -246,6 +246,12 @@ std::unique_ptr<CommBackend> make_job_backend(PluginRegistry& registry, const st
     return registry.make_comm_backend_from_spec(spec);
   }
   std::vector<Candidate> candidates = auto_candidates(registry, memory, processes);
+  // A plugin whose table is broken would never be chosen, silently: it is refused instead.
+  for (const auto& c : candidates) {
+    if (c.why_not.rfind("malformed capabilities: ", 0) == 0) {
+      throw std::invalid_argument("comm backend '" + c.name + "' has " + c.why_not + "; fix the plugin or remove it from the plugin path");
+    }
+  }
   std::vector<std::pair<std::string, std::unique_ptr<CommBackend>>> kept;
   std::vector<std::string> left_out;
   for (auto& c : candidates) {

@@ -391,9 +391,6 @@ std::string comm_backend_problem(PluginRegistry& registry, const std::string& sp
   const std::vector<MemoryType> memory = comm::job_memory(device);
   const std::string memory_text = device == "cuda" ? "CUDA" : "host";
   if (spec_text == "auto" || spec_text.rfind("auto:", 0) == 0) {
-    for (const auto& c : comm::auto_candidates(registry, memory, true)) {
-      if (c.why_not.rfind("malformed capabilities: ", 0) == 0) return ": comm backend '" + c.name + "' has " + c.why_not + "; fix the plugin or remove it from the plugin path";
-    }
     try {
       comm::make_job_backend(registry, spec_text, memory, true);
     } catch (const std::exception& e) {

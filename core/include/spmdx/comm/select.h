@@ -63,7 +63,8 @@ std::vector<Candidate> auto_candidates(PluginRegistry& registry, const std::vect
 /// The backend of a job's comm.backend (or comm.swap_to) `spec`: "auto" as above (the one kept
 /// itself when only one is, a scored backend over all kept ones otherwise), or the pinned
 /// "name[:key=value;...]". Throws std::invalid_argument when "auto" keeps none, listing each
-/// backend found and why it was left out, or when "auto" is given options ("auto:..."). With
+/// backend found and why it was left out, when a candidate's capabilities are malformed
+/// (naming it), or when "auto" is given options ("auto:..."). With
 /// `choice`, says what was made: the pinned spec, or "auto: ucx, nccl" (the backends kept), which
 /// every rank of a job must agree on.
 std::unique_ptr<CommBackend> make_job_backend(PluginRegistry& registry, const std::string& spec, const std::vector<MemoryType>& memory,

@@ -119,7 +119,6 @@ void P2PEngine::init(const CommInit& init) {
   queue_.reopen();
   thread_ = std::thread([this] { run(); });
   health_.start(init);
-  started_ = true;
 }
 
 void P2PEngine::connect_transport(const CommInit& init) {

@@ -109,7 +109,6 @@ class P2PEngine final : public CommBackend {
   std::deque<Group> groups_;  // a deque: operations keep pointers to their group while new_group adds more
   std::mutex mutex_;          // groups_ and their sequence numbers: a group's operations enter the queue in sequence order
   CommQueue<std::shared_ptr<Op>> queue_{1024};  // to the comm thread, which never locks
-  bool started_ = false;
   std::string first_failure_;  // the CommError that aborted the backend (comm thread only)
   int first_failure_peer_ = -1;
   std::thread thread_;

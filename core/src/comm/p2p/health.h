@@ -43,7 +43,6 @@ class Health {
   void start(const CommInit& init);
   void stop();
 
-  double timeout() const noexcept { return timeout_; }
   Stall stall() const { return Stall(timeout_); }
   /// A wait that is not progressing: throws CommError when the backend was aborted, when after
   /// 5 s stuck a peer is blamed by another rank or its heartbeat stopped in two checks in a
