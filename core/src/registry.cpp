@@ -355,8 +355,7 @@ class PluginRegistry::Staging final : public Registrar {
         throw std::invalid_argument("transport '" + name + "' claims option '" + key + "', which is the collective engine's; rename it");
       }
     }
-    std::vector<std::string> keys = info.options;
-    keys.insert(keys.end(), comm::p2p_option_keys().begin(), comm::p2p_option_keys().end());
+    std::vector<std::string> keys = comm::transport_backend_options(info);
     add(target_.comm_backends, comm_backends_, PluginKind::comm, name, comm::p2p_backend_factory(name, std::move(info)));
     transport_options_[name] = std::move(keys);
   }

@@ -61,6 +61,10 @@ struct P2POptions {
 /// The engine's option keys: chunk_bytes, direct_max_bytes, shm, shm_chunk_bytes.
 const std::vector<std::string>& p2p_option_keys();
 
+/// The option keys a backend over a transport registered with `info` takes: the transport's,
+/// then the engine's.
+std::vector<std::string> transport_backend_options(const TransportInfo& info);
+
 /// Removes the engine's keys from `options` (leaving the transport's) and returns their values.
 /// Throws std::invalid_argument naming `backend`, the key and the accepted values for a bad value.
 P2POptions take_p2p_options(const std::string& backend, Options& options);

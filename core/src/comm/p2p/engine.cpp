@@ -46,6 +46,12 @@ const std::vector<std::string>& p2p_option_keys() {
   return keys;
 }
 
+std::vector<std::string> transport_backend_options(const TransportInfo& info) {
+  std::vector<std::string> keys = info.options;
+  keys.insert(keys.end(), p2p_option_keys().begin(), p2p_option_keys().end());
+  return keys;
+}
+
 P2POptions take_p2p_options(const std::string& backend, Options& options) {
   P2POptions out;
   if (auto it = options.find("shm"); it != options.end()) {
@@ -87,9 +93,7 @@ CommBackendFactory p2p_backend_factory(std::string name, TransportInfo info) {
     const P2POptions p2p = take_p2p_options(name, options);
     for (const auto& [key, value] : options) {
       if (std::find(info.options.begin(), info.options.end(), key) != info.options.end()) continue;
-      std::vector<std::string> known = info.options;
-      known.insert(known.end(), p2p_option_keys().begin(), p2p_option_keys().end());
-      throw std::invalid_argument(name + ": unknown option '" + key + "' (known: " + join(known) + ")");
+      throw std::invalid_argument(name + ": unknown option '" + key + "' (known: " + join(transport_backend_options(info)) + ")");
     }
     std::unique_ptr<Transport> transport = info.factory(options);
     if (!transport) throw std::runtime_error(name + ": the plugin's transport factory returned no transport; fix the plugin");
