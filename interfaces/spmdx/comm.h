@@ -190,4 +190,23 @@ class CommBackend {
   virtual std::unique_ptr<Work> barrier(int group) = 0;
 };
 
+/// Optional, for a backend whose calls run on a device stream (nccl): it orders them after the
+/// host's compute stream and makes that stream wait for them, so neither side blocks the host
+/// thread (ProcessGroupNCCL's pattern: the comm stream waits on an event recorded on the
+/// current stream; a collective's reader waits with cudaStreamWaitEvent). The host finds it
+/// with dynamic_cast on the CommBackend (ABI 3.1). Without it, the host synchronises its
+/// compute stream before each call with device buffers and waits for each Work on the host.
+/// Called from the thread that issues calls; `stream` is a cudaStream_t of this rank's GPU.
+class StreamOrdered {
+ public:
+  virtual ~StreamOrdered() = default;
+  /// The calls issued from now on start only after the work queued on `stream` so far.
+  virtual void issue_after(void* stream) = 0;
+  /// The work queued on `stream` from now on starts only after `work` completes; the host does
+  /// not wait. Returns false when `work` did not come from this backend (the host then waits
+  /// for it itself). The host still waits for every Work later, off the critical path, which
+  /// is where a timeout or a failed peer is reported.
+  virtual bool stream_wait(Work& work, void* stream) = 0;
+};
+
 }  // namespace spmdx

@@ -27,6 +27,7 @@
 // A plugin built for another major is refused with a message saying to rebuild it.
 // 3.0: transports (transport.h) with the collective engine in the host; StrategyInput's
 // mesh_dim; descriptor flags and toolchain tag.
+// 3.1: StreamOrdered (comm.h), an interface a comm backend may also implement.
 //
 // Host services. A plugin may call, besides this folder's inline code, only the core
 // library's logging facade (spmdx/core/log.h) and the helpers declared in this folder
@@ -56,7 +57,7 @@
 #include "spmdx/transport.h"
 
 #define SPMDX_ABI_MAJOR 3
-#define SPMDX_ABI_MINOR 0
+#define SPMDX_ABI_MINOR 1
 
 // The toolchain tag: the C++ standard library, its string/list ABI and whether exceptions are
 // on. The loader refuses a plugin whose tag differs from the host's.

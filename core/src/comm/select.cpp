@@ -19,7 +19,10 @@ std::int64_t member_generation(std::int64_t generation, std::size_t i) {
   return (static_cast<std::int64_t>(i + 1) << 40) + generation;
 }
 
-class ScoredBackend final : public CommBackend {
+// Also StreamOrdered for its members that are: a call in device memory goes to a member that
+// orders itself after the compute stream, or fails (the host would otherwise read its output
+// before it is there).
+class ScoredBackend final : public CommBackend, public StreamOrdered {
  public:
   explicit ScoredBackend(std::vector<std::pair<std::string, std::unique_ptr<CommBackend>>> members) : members_(std::move(members)) {
     for (const auto& m : members_) capabilities_.push_back(m.second->capabilities());
@@ -89,12 +92,29 @@ class ScoredBackend final : public CommBackend {
     return members_[i].second->barrier(id(group, i));
   }
 
+  void issue_after(void* stream) override {
+    for (auto& m : members_) {
+      if (auto* ordered = dynamic_cast<StreamOrdered*>(m.second.get())) ordered->issue_after(stream);
+    }
+  }
+  bool stream_wait(Work& work, void* stream) override {
+    for (auto& m : members_) {
+      if (auto* ordered = dynamic_cast<StreamOrdered*>(m.second.get()); ordered != nullptr && ordered->stream_wait(work, stream)) return true;
+    }
+    return false;
+  }
+
  private:
   std::size_t pick(const char* op, MemoryType memory, std::size_t bytes) const {
     const int i = choose_backend(capabilities_, op, memory, bytes);
     if (i < 0) {
       throw std::invalid_argument(std::string("comm: no backend of ") + describe() + " serves " + op + " of " + std::to_string(bytes) + " bytes in " +
                                   memory_name(memory) + " memory (see `spmdx plugins --json` for their capabilities)");
+    }
+    const auto& member = members_[static_cast<std::size_t>(i)];
+    if (memory == MemoryType::cuda && dynamic_cast<StreamOrdered*>(member.second.get()) == nullptr) {
+      throw std::invalid_argument("comm: " + member.first + " would run " + op + " on CUDA memory inside comm.backend = \"auto\", but it does not order its " +
+                                  "calls with the GPU's streams (StreamOrdered, comm.h): pin comm.backend = \"" + member.first + "\" or use nccl");
     }
     return static_cast<std::size_t>(i);
   }

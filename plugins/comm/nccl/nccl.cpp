@@ -3,14 +3,17 @@
 // (ncclCommInitRank), and one per group made with ncclCommSplit (every rank calls new_group at
 // the same point, so the split is collective). Each rank uses GPU LOCAL_RANK % device count.
 // Every operation runs on the backend's CUDA stream; its Work records a CUDA event, and wait()
-// polls it until the timeout, then aborts the communicators (ncclCommAbort), as PyTorch's
-// ProcessGroupNCCL watchdog does. Host buffers are staged through device memory (copy in, run,
-// copy out on the same stream), so a CPU job can use NCCL too, if slowly.
+// polls it and the communicator's asynchronous error until the timeout, then aborts the
+// communicators (ncclCommAbort), as PyTorch's ProcessGroupNCCL watchdog does. StreamOrdered
+// (comm.h) ties the comm stream to the host's compute stream with events, both ways, as
+// ProcessGroupNCCL does with the current stream. Host buffers are staged through device memory
+// (copy in, run, copy out on the same stream), so a CPU job can use NCCL too, if slowly.
 // Uneven all_gather and reduce_scatter are NCCL broadcasts / reduces in one ncclGroupStart/End
 // (the allgatherv/reducescatterv idiom); all_to_all is grouped ncclSend/ncclRecv.
 #include <cuda_runtime.h>
 #include <nccl.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -59,17 +62,28 @@ ncclRedOp_t nccl_op(spmdx::ReduceOp op) {
 
 class NcclWork final : public spmdx::Work {
  public:
-  NcclWork(cudaEvent_t event, std::function<void()> on_timeout, std::function<void()> cleanup, std::string what)
-      : event_(event), on_timeout_(std::move(on_timeout)), cleanup_(std::move(cleanup)), what_(std::move(what)) {}
+  // `failed`: the communicator's asynchronous error ("" while there is none); `abort`: what a
+  // timeout or an error does to every communicator.
+  NcclWork(cudaEvent_t event, std::function<std::string()> failed, std::function<void()> abort, std::string what)
+      : event_(event), failed_(std::move(failed)), abort_(std::move(abort)), what_(std::move(what)) {}
   ~NcclWork() override {
-    if (!done_) wait(1e9);
+    if (!done_) {
+      try {
+        wait(1e9);
+      } catch (...) {  // the error was or will be reported by the wait that saw it
+      }
+    }
     cudaEventDestroy(event_);
   }
   bool wait(double timeout_seconds) override {
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_seconds);
     while (!test()) {
+      if (const std::string error = failed_(); !error.empty()) {
+        abort_();
+        throw CommError("nccl: " + what_ + " failed: " + error + " (communicators aborted)", -1);
+      }
       if (std::chrono::steady_clock::now() > deadline) {
-        on_timeout_();
+        abort_();
         throw CommError("nccl: " + what_ + " did not complete within " + std::to_string(timeout_seconds) + " s (communicators aborted)", -1);
       }
       std::this_thread::sleep_for(std::chrono::microseconds(50));
@@ -82,18 +96,19 @@ class NcclWork final : public spmdx::Work {
     if (e == cudaErrorNotReady) return false;
     cuda_check(e, what_);
     done_ = true;
-    cleanup_();
     return true;
   }
+  cudaEvent_t event() const noexcept { return event_; }
 
  private:
   cudaEvent_t event_;
-  std::function<void()> on_timeout_, cleanup_;
+  std::function<std::string()> failed_;
+  std::function<void()> abort_;
   std::string what_;
   bool done_ = false;
 };
 
-class NcclBackend final : public spmdx::CommBackend {
+class NcclBackend final : public spmdx::CommBackend, public spmdx::StreamOrdered {
  public:
   /// Checks, without joining a job, that this machine has a CUDA device: NCCL moves data
   /// between GPUs (host buffers are staged through one). Throws std::invalid_argument.
@@ -117,7 +132,11 @@ class NcclBackend final : public spmdx::CommBackend {
     }
     if (init.store == nullptr && init.world_size > 1) throw std::invalid_argument("nccl: init needs a store");
     const char* local = std::getenv("LOCAL_RANK");
-    device_ = (local ? std::atoi(local) : init.rank) % devices;
+    device_ = local ? std::atoi(local) : init.rank;
+    if (device_ < 0 || device_ >= devices) {
+      throw CommError("nccl: rank " + std::to_string(init.rank) + " (LOCAL_RANK " + std::to_string(device_) + ") has no GPU of its own: this machine has " +
+                      std::to_string(devices) + " and NCCL takes one per rank", init.rank);
+    }
     cuda_check(cudaSetDevice(device_), "set device " + std::to_string(device_));
     cuda_check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "create stream");
     ncclUniqueId id;
@@ -149,6 +168,7 @@ class NcclBackend final : public spmdx::CommBackend {
   }
 
   void abort() noexcept override {
+    aborted_->store(true);
     for (ncclComm_t c : comms_) ncclCommAbort(c);
     comms_.clear();
   }
@@ -157,6 +177,21 @@ class NcclBackend final : public spmdx::CommBackend {
     int version = 0;
     ncclGetVersion(&version);
     return "nccl " + std::to_string(version) + " (GPU " + std::to_string(device_) + ") rank " + std::to_string(rank_) + "/" + std::to_string(world_size_);
+  }
+
+  void issue_after(void* stream) override {
+    cudaEvent_t ready = nullptr;
+    cuda_check(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming), "create event");
+    cuda_check(cudaEventRecord(ready, static_cast<cudaStream_t>(stream)), "record the compute stream's event");
+    cuda_check(cudaStreamWaitEvent(stream_, ready, 0), "order the comm stream after the compute stream");
+    cudaEventDestroy(ready);  // released once the wait has seen it
+  }
+
+  bool stream_wait(spmdx::Work& work, void* stream) override {
+    auto* mine = dynamic_cast<NcclWork*>(&work);
+    if (mine == nullptr) return false;
+    cuda_check(cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), mine->event(), 0), "order the compute stream after a collective");
+    return true;
   }
 
   std::vector<spmdx::CommCapability> capabilities() const override {
@@ -276,9 +311,24 @@ class NcclBackend final : public spmdx::CommBackend {
     cudaEvent_t event = nullptr;
     cuda_check(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), "create event");
     cuda_check(cudaEventRecord(event, stream_), "record event");
-    return std::make_unique<NcclWork>(event, [this] { abort(); }, [] {}, std::string(name) + " (group " + std::to_string(group) + ")");
+    const ncclComm_t comm = comms_[static_cast<std::size_t>(group)];
+    auto failed = [comm, aborted = aborted_]() -> std::string {
+      if (aborted->load()) return "the backend was aborted";  // comm is gone
+      ncclResult_t async = ncclSuccess;
+      if (ncclCommGetAsyncError(comm, &async) != ncclSuccess || async == ncclSuccess || async == ncclInProgress) return "";
+      return ncclGetErrorString(async);
+    };
+    return std::make_unique<NcclWork>(event, failed, [this] { abort(); },
+                                      std::string(name) + " on rank " + std::to_string(rank_) + " (group " + std::to_string(group) + ": ranks " + ranks_text(group) + ")");
   }
 
+  std::string ranks_text(int group) const {
+    std::string out;
+    for (int r : members_.at(static_cast<std::size_t>(group))) out += (out.empty() ? "" : ",") + std::to_string(r);
+    return out;
+  }
+
+  std::shared_ptr<std::atomic<bool>> aborted_ = std::make_shared<std::atomic<bool>>(false);  // read by Works that outlive a call
   int rank_ = 0, world_size_ = 1, device_ = 0;
   double timeout_ = 300;
   cudaStream_t stream_ = nullptr;
