@@ -11,7 +11,7 @@
 namespace spmdx::exec {
 
 CommBuffer buffer(const at::Tensor& t) {
-  return {t.data_ptr(), static_cast<std::size_t>(t.numel()), comm_dtype(t.scalar_type()), MemoryType::host};
+  return {t.data_ptr(), static_cast<std::size_t>(t.numel()), comm_dtype(t.scalar_type()), t.is_cuda() ? MemoryType::cuda : MemoryType::host};
 }
 
 ReduceOp reduce_op(const std::string& name) {
@@ -23,9 +23,10 @@ ReduceOp reduce_op(const std::string& name) {
 
 namespace {
 
-Lowered all_reduce(CommBackend& backend, int group, const ir::Node& n, const at::Tensor& x) {
+Lowered all_reduce(CommBackend& backend, int group, const ir::Node& n, const at::Tensor& x, const std::function<void()>& before_call) {
   Lowered l;
   at::Tensor buf = x.contiguous().clone();
+  before_call();
   l.work = backend.all_reduce(group, buffer(buf), reduce_op(n.attr_string("op")));
   l.keep = {buf};
   l.finish = [buf] { return buf; };
@@ -33,7 +34,7 @@ Lowered all_reduce(CommBackend& backend, int group, const ir::Node& n, const at:
 }
 
 // all_gather and reduce_scatter concatenate along the outermost dim: move `dim` there and back.
-Lowered gather_or_scatter(CommBackend& backend, int group, const ir::Node& n, const at::Tensor& x) {
+Lowered gather_or_scatter(CommBackend& backend, int group, const ir::Node& n, const at::Tensor& x, const std::function<void()>& before_call) {
   Lowered l;
   const std::string& op = n.op();
   const auto dim = n.attr_int("dim") < 0 ? n.attr_int("dim") + x.dim() : n.attr_int("dim");
@@ -51,6 +52,7 @@ Lowered gather_or_scatter(CommBackend& backend, int group, const ir::Node& n, co
   out_shape[0] = op == "all_gather" ? std::accumulate(n.attr_ints("sizes").begin(), n.attr_ints("sizes").end(), std::int64_t{0})
                                     : n.attr_ints("sizes")[static_cast<std::size_t>(n.attr_int("index"))];
   at::Tensor out = at::empty(out_shape, in.options());
+  before_call();
   l.work = op == "all_gather" ? backend.all_gather(group, buffer(in), buffer(out), counts)
                               : backend.reduce_scatter(group, buffer(in), buffer(out), counts, reduce_op(n.attr_string("op")));
   l.keep = {in, out};
@@ -60,7 +62,7 @@ Lowered gather_or_scatter(CommBackend& backend, int group, const ir::Node& n, co
 
 // Shard(g) -> Shard(c): send block j = my rows of chunk j along c; receive member j's chunk of g
 // (for my part of c) and concatenate along g.
-Lowered all_to_all(CommBackend& backend, int group, const ir::Node& n, const at::Tensor& x) {
+Lowered all_to_all(CommBackend& backend, int group, const ir::Node& n, const at::Tensor& x, const std::function<void()>& before_call) {
   Lowered l;
   const auto g = n.attr_int("gather_dim"), c = n.attr_int("scatter_dim");
   const auto& gs = n.attr_ints("gather_sizes");
@@ -89,6 +91,7 @@ Lowered all_to_all(CommBackend& backend, int group, const ir::Node& n, const at:
   std::int64_t total = 0;
   for (auto r : recv_counts) total += static_cast<std::int64_t>(r);
   at::Tensor out = at::empty({total}, x.options());
+  before_call();
   l.work = backend.all_to_all(group, buffer(in), buffer(out), send_counts, recv_counts);
   l.keep = {in, out};
   l.finish = [out, recv_shapes, recv_counts, g] {

@@ -25,13 +25,15 @@ struct Lowered {
 };
 
 /// Issues node `n` (all_reduce, all_gather, reduce_scatter or all_to_all, with the attributes
-/// ops.h gives it) on `group` with local input `x`.
-using Lowering = std::function<Lowered(CommBackend& backend, int group, const ir::Node& n, const at::Tensor& x)>;
+/// ops.h gives it) on `group` with local input `x`. `before_call` runs once the call's buffers
+/// are made (queued on the compute stream, on a GPU) and right before the backend's call: the
+/// executor orders the backend after the compute stream there.
+using Lowering = std::function<Lowered(CommBackend& backend, int group, const ir::Node& n, const at::Tensor& x, const std::function<void()>& before_call)>;
 
 /// The lowering of a collective op; nullptr for an op without one.
 const Lowering* find_lowering(const std::string& op);
 
-/// A tensor's memory as the backend takes it (host memory, contiguous).
+/// A tensor's memory as the backend takes it (contiguous; host or CUDA memory by its device).
 CommBuffer buffer(const at::Tensor& t);
 /// "sum", "avg", "max", "min", "prod" -> the ReduceOp; throws std::invalid_argument otherwise.
 ReduceOp reduce_op(const std::string& name);

@@ -25,7 +25,9 @@ struct Issued {
   std::unique_ptr<Work> work;
   std::vector<at::Tensor> keep;  // alive until done
   CollectiveInfo info;
-  bool completed = false;
+  std::string what;              // for errors: the value it produces, or its bucket
+  bool completed = false;        // the host saw it done
+  bool stream_waited = false;    // the compute stream waits for it (StreamOrdered)
 };
 
 // A collective's output to come: its call, and how to make the output once the call is done.
@@ -79,8 +81,8 @@ CommDType comm_dtype(at::ScalarType type) {
 }
 
 DistributedExecutor::DistributedExecutor(const ir::Graph& graph, const sharding::DeviceMesh& mesh, std::int64_t rank,
-                                         CommBackend* backend, double timeout_seconds, const plan::PlanOptions& options)
-    : graph_(graph), backend_(backend), timeout_(timeout_seconds) {
+                                         CommBackend* backend, double timeout_seconds, const plan::PlanOptions& options, Device* device)
+    : graph_(graph), backend_(backend), device_(device), timeout_(timeout_seconds) {
   for (const auto& node : graph.nodes()) {
     nodes_.push_back(node.get());
     const Kernel* k = find_kernel(node->op());
@@ -154,6 +156,8 @@ void DistributedExecutor::inject_skip(std::int64_t step, std::int64_t index) {
 
 void DistributedExecutor::set_backend(CommBackend* backend) {
   backend_ = backend;
+  const bool streams = device_ != nullptr && device_->compute_stream() != nullptr;
+  ordered_ = streams ? dynamic_cast<StreamOrdered*>(backend) : nullptr;
   groups_.clear();
   if (backend != nullptr) {
     for (const auto& ranks : mesh_dims_) groups_.push_back(backend->new_group(ranks));
@@ -174,6 +178,7 @@ struct DistributedExecutor::Step {
   std::int64_t collective_index = -1;  // in this step: the ordinal of the collective node in plan order
   std::vector<at::Tensor> bucket_flat, bucket_out;
   int skip_bucket = -1;  // the planted fault's bucket: never issued
+  std::vector<std::shared_ptr<Issued>> issued;  // every call of the step, for the host's last wait
 
   void keep(const ir::Value* v, at::Tensor t) {
     held += static_cast<std::int64_t>(t.nbytes());
@@ -182,11 +187,23 @@ struct DistributedExecutor::Step {
     slot = std::move(t);
   }
 
-  // Waits for a pending collective and reports it; the backend fails a stuck collective itself
-  // after the timeout, naming the rank, so wait a little longer for its message to be the one.
+  // Makes a pending collective's output readable: on a GPU with a StreamOrdered backend the
+  // compute stream waits for it (the host waits later, in host_wait); otherwise the host waits.
   void complete(const ir::Value* v, Pending& p) {
-  if (!p.issued) throw std::logic_error("RuntimePlan: " + v->ref() + " is read before its bucket was issued");
-  Issued& is = *p.issued;
+    if (!p.issued) throw std::logic_error("RuntimePlan: " + v->ref() + " is read before its bucket was issued");
+    Issued& is = *p.issued;
+    if (is.completed || is.stream_waited) return;
+    if (ex.ordered_ != nullptr && ex.ordered_->stream_wait(*is.work, ex.device_->compute_stream())) {
+      is.stream_waited = true;
+      return;
+    }
+    host_wait(is, true);
+  }
+
+  // The host waits for a call and reports it; the backend fails a stuck collective itself after
+  // the timeout, naming the rank, so wait a little longer for its message to be the one.
+  // `exposed`: compute is waiting for it (not so for the step's last waits on a GPU).
+  void host_wait(Issued& is, bool exposed) {
   if (is.completed) return;
   const auto t0 = Clock::now();
   const double wall0 = wall_seconds();
@@ -199,7 +216,7 @@ struct DistributedExecutor::Step {
   };
   try {
     if (!is.work->wait(ex.timeout_ + 10)) {
-      const std::string what = "collective producing " + v->ref() + " did not finish within " + std::to_string(ex.timeout_) + " s";
+      const std::string what = "collective producing " + is.what + " did not finish within " + std::to_string(ex.timeout_) + " s";
       fail(what);
       throw CommError(what, -1);
     }
@@ -208,9 +225,11 @@ struct DistributedExecutor::Step {
     throw;
   }
   is.completed = true;
-  ex.stats_.exposed_comm += std::chrono::duration<double>(Clock::now() - t0).count();
   const double waited = wall_seconds();
-  wait_spans.emplace_back(wall0, waited);
+  if (exposed) {
+    ex.stats_.exposed_comm += std::chrono::duration<double>(Clock::now() - t0).count();
+    wait_spans.emplace_back(wall0, waited);
+  }
   double started = 0, finished = 0;
   if (is.work->times(started, finished)) comm_spans.emplace_back(started, finished);
   if (ex.hooks_ != nullptr) {
@@ -219,7 +238,7 @@ struct DistributedExecutor::Step {
     is.info.finished_at = finished > 0 ? finished : waited;
     ex.hooks_->collective(is.info);
     if (started > 0) ex.spans_.push_back({is.info.op, "comm", started, finished, is.info.bytes});
-    if (waited - wall0 > 1e-6) ex.spans_.push_back({"wait " + is.info.op, "compute", wall0, waited, 0});
+    if (exposed && waited - wall0 > 1e-6) ex.spans_.push_back({"wait " + is.info.op, "compute", wall0, waited, 0});
   }
   }
 
@@ -248,6 +267,8 @@ struct DistributedExecutor::Step {
     is->info.value = what;
     is->info.issued_at = wall_seconds();
   }
+  is->what = what;
+  issued.push_back(is);
   is->info.seq = ex.seq_.at(mesh_dim)++;
   ++ex.stats_.collectives;
   ex.stats_.comm_bytes += static_cast<double>(x.nbytes());
@@ -304,6 +325,7 @@ void DistributedExecutor::add_to_bucket(Step& s, std::size_t pos, std::size_t in
     auto is = std::make_shared<Issued>();
     const auto mesh_dim = static_cast<std::size_t>(bucket.mesh_dim);
     s.issue(is, n, flat, mesh_dim, "bucket " + std::to_string(b) + " (" + std::to_string(bucket.members.size()) + " tensors, last " + n.output()->ref() + ")");
+    order_before_call();
     if (bucket.op == "all_reduce") {
       is->work = backend_->all_reduce(groups_.at(mesh_dim), buffer(flat), reduce_op(bucket.reduce_op));
     } else {
@@ -333,12 +355,23 @@ void DistributedExecutor::issue_collective(Step& s, std::size_t index) {
   s.issue(is, n, x, mesh_dim, n.output()->ref());
   const Lowering* lower = find_lowering(op);
   if (lower == nullptr) throw std::invalid_argument("no executor support for communication op '" + op + "'");
-  Lowered l = (*lower)(*backend_, group, n, x);
+  Lowered l = (*lower)(*backend_, group, n, x, [this] { order_before_call(); });
   is->work = std::move(l.work);
   is->keep = std::move(l.keep);
   p.finish = std::move(l.finish);
   s.pending.emplace(n.output(), std::move(p));
   if (!plan_.options.overlap) s.value(n.output());
+}
+
+// A call is about to read buffers the compute stream is still writing (on a GPU): its backend
+// orders itself after the stream, or the host waits for the stream.
+void DistributedExecutor::order_before_call() {
+  if (device_ == nullptr || device_->compute_stream() == nullptr) return;
+  if (ordered_ != nullptr) {
+    ordered_->issue_after(device_->compute_stream());
+  } else {
+    device_->synchronize();
+  }
 }
 
 TensorMap DistributedExecutor::run(const TensorMap& inputs, std::int64_t step) {
@@ -355,8 +388,12 @@ TensorMap DistributedExecutor::run(const TensorMap& inputs, std::int64_t step) {
     if (it->second.sizes().vec() != v->meta().shape) {
       throw std::invalid_argument("input '" + v->name() + "' is " + ir::shape_str(it->second.sizes().vec()) + ", this rank's graph expects " + v->meta().str());
     }
+    if (device_ != nullptr && it->second.device() != device_->device()) {
+      throw std::invalid_argument("input '" + v->name() + "' is on " + it->second.device().str() + ", this rank runs on " + device_->device().str());
+    }
     s.keep(v, it->second);
   }
+  if (device_ != nullptr && !capturing_) device_->reset_peak_memory();
   for (std::size_t pos = 0; pos < plan_.order.size(); ++pos) {
     const std::size_t index = static_cast<std::size_t>(plan_.order[pos]);
     const ir::Node& n = *nodes_[index];
@@ -388,8 +425,13 @@ TensorMap DistributedExecutor::run(const TensorMap& inputs, std::int64_t step) {
   }
   TensorMap result;
   for (const auto& [name, v] : graph_.outputs()) result.emplace(name, s.value(v));
-  // A collective whose output nobody read must still finish before its buffers go.
-  for (auto& [v, p] : s.pending) s.complete(v, p);
+  // Every call must finish before its buffers go: those whose output nobody read, and, on a
+  // GPU, those the compute stream waited for (the host learns here of a timeout or a failure).
+  for (auto& is : s.issued) s.host_wait(*is, !is->stream_waited);
+  if (device_ != nullptr && !capturing_) {
+    device_->synchronize();  // the step's time is the device's
+    if (const std::int64_t peak = device_->peak_memory_bytes(); peak >= 0) stats_.peak_bytes = peak;
+  }
   stats_.total = std::chrono::duration<double>(Clock::now() - start).count();
   const auto comm = merged(std::move(s.comm_spans));
   stats_.comm = length(comm);

@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 
 #include <cmath>
+#include <limits>
 #include <map>
 #include <stdexcept>
 
@@ -25,6 +26,56 @@ std::pair<std::int64_t, std::int64_t> slice_bounds(const Node& n, std::int64_t s
 
 // rms_norm(x) = x * rsqrt(mean(x^2, -1) + eps) * w  (Zhang & Sennrich 2019).
 at::Tensor rms_inv(const at::Tensor& x, double eps) { return at::rsqrt(x.pow(2).mean(-1, true) + eps); }
+
+// The causal mask of scores [.., s, t]: true above the diagonal (key after query), as
+// PyTorch's is_causal (top-left aligned).
+at::Tensor future(const at::Tensor& scores) {
+  return at::ones({scores.size(-2), scores.size(-1)}, scores.options().dtype(at::kBool)).triu(1);
+}
+
+// Scaled scores q k^T / sqrt(d), masked: [b, h, s, t].
+at::Tensor scores(const at::Tensor& q, const at::Tensor& k, bool causal) {
+  at::Tensor s = at::matmul(q, k.transpose(-2, -1)).mul_(1.0 / std::sqrt(static_cast<double>(q.size(-1))));
+  if (causal) s.masked_fill_(future(s), -std::numeric_limits<double>::infinity());
+  return s;
+}
+
+}  // namespace
+
+std::vector<at::Tensor> attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal) {
+  const at::Tensor s = scores(q, k, causal);
+  at::Tensor lse = at::logsumexp(s, -1);
+  at::Tensor out = at::matmul(at::exp(s - lse.unsqueeze(-1)), v);
+  return {out, lse};
+}
+
+std::vector<at::Tensor> attention_backward(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                           const at::Tensor& out, const at::Tensor& lse, bool causal) {
+  const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
+  const at::Tensor p = at::exp(scores(q, k, causal) - lse.unsqueeze(-1));  // the forward's probabilities, recomputed
+  at::Tensor grad_v = at::matmul(p.transpose(-2, -1), grad_out);
+  const at::Tensor dp = at::matmul(grad_out, v.transpose(-2, -1));
+  const at::Tensor ds = p * (dp - (grad_out * out).sum(-1, true));  // softmax's backward: rowsum(dO * O) = rowsum(P * dP)
+  at::Tensor grad_q = at::matmul(ds, k).mul_(scale);
+  at::Tensor grad_k = at::matmul(ds.transpose(-2, -1), q).mul_(scale);
+  return {grad_q, grad_k, grad_v};
+}
+
+std::vector<at::Tensor> adamw_on_device(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
+                                        const at::Tensor& lr, const at::Tensor& step, const AdamW& h) {
+  const at::Tensor lr64 = lr.to(at::kDouble), step64 = step.to(at::kDouble);
+  const at::Tensor bc1 = 1.0 - at::pow(h.beta1, step64), bc2 = 1.0 - at::pow(h.beta2, step64);
+  at::Tensor next_param = param * (1.0 - lr64 * h.weight_decay).to(param.scalar_type());
+  at::Tensor next_avg = exp_avg * h.beta1;
+  next_avg.add_(grad, 1.0 - h.beta1);
+  at::Tensor next_avg_sq = exp_avg_sq * h.beta2;
+  next_avg_sq.addcmul_(grad, grad, 1.0 - h.beta2);
+  at::Tensor denom = (next_avg_sq.sqrt() / at::sqrt(bc2).to(param.scalar_type())).add_(h.eps);
+  next_param.sub_((next_avg / denom) * (lr64 / bc1).to(param.scalar_type()));
+  return {next_param, next_avg, next_avg_sq};
+}
+
+namespace {
 
 const std::map<std::string, Kernel>& kernels() {
   static const std::map<std::string, Kernel> table = [] {
@@ -90,11 +141,13 @@ const std::map<std::string, Kernel>& kernels() {
       at::Tensor freqs = at::complex(x[1].contiguous(), x[2].contiguous()).view({1, s, 1, d / 2});
       return one(at::view_as_real(pairs * freqs).view({b, s, h, d}));
     };
-    // ATen's fused CPU attention (FlashAttention's tiling, Dao et al. 2022): no [s, t] matrix kept.
+    // ATen's fused CPU attention (FlashAttention's tiling, Dao et al. 2022): no [s, t] matrix
+    // kept. Elsewhere (CUDA) the same outputs from plain ATen ops: attention() below.
     k["sdpa"] = [](const Node& n, const Tensors& x) {
       if (x[0].numel() == 0 || x[1].numel() == 0) {  // an empty shard: ATen's kernel divides by zero
         return Tensors{at::zeros_like(x[0]), at::zeros(n.output(1)->meta().shape, x[0].options().dtype(to_aten(n.output(1)->meta().dtype)))};
       }
+      if (!x[0].is_cpu()) return attention(x[0], x[1], x[2], n.attr_bool("causal"));
       auto [out, lse] = at::_scaled_dot_product_flash_attention_for_cpu(x[0], x[1], x[2], 0.0, n.attr_bool("causal"));
       return Tensors{out, lse};
     };
@@ -151,12 +204,15 @@ const std::map<std::string, Kernel>& kernels() {
     };
     k["sdpa_backward"] = [](const Node& n, const Tensors& x) {
       if (x[1].numel() == 0 || x[2].numel() == 0) return Tensors{at::zeros_like(x[1]), at::zeros_like(x[2]), at::zeros_like(x[3])};
+      if (!x[1].is_cpu()) return attention_backward(x[0], x[1], x[2], x[3], x[4], x[5], n.attr_bool("causal"));
       auto [gq, gk, gv] = at::_scaled_dot_product_flash_attention_for_cpu_backward(x[0], x[1], x[2], x[3], x[4], x[5], 0.0,
                                                                                   n.attr_bool("causal"));
       return Tensors{gq, gk, gv};
     };
     // As torch.optim.AdamW (foreach=False): decoupled decay, bias corrections in double.
     k["adamw"] = [](const Node& n, const Tensors& x) {
+      const AdamW h{n.attr_float("beta1"), n.attr_float("beta2"), n.attr_float("eps"), n.attr_float("weight_decay")};
+      if (!x[4].is_cpu()) return adamw_on_device(x[0], x[1], x[2], x[3], x[4], x[5], h);
       const double lr = x[4].item<double>(), step = x[5].item<double>();
       const double b1 = n.attr_float("beta1"), b2 = n.attr_float("beta2");
       const double bc1 = 1.0 - std::pow(b1, step), bc2 = 1.0 - std::pow(b2, step);

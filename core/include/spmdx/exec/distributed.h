@@ -2,6 +2,10 @@
 // backend for its collectives. A collective is issued as soon as its input is computed and
 // waited for only when a node first needs its output (as torch.distributed._spmd's
 // schedule_comm_wait), so the backend's communication thread works while compute goes on.
+// On a GPU (device.h) the waits are between streams: a backend that is StreamOrdered (comm.h)
+// starts each call after an event of the compute stream, and the compute stream waits on the
+// call's event before its first reader; the host waits for every call once per step, after
+// the step's kernels are queued (where timeouts and failed peers are reported).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -11,6 +15,7 @@
 #include <vector>
 
 #include "spmdx/comm.h"
+#include "spmdx/exec/device.h"
 #include "spmdx/exec/executor.h"
 #include "spmdx/hook.h"
 #include "spmdx/plan/runtime_plan.h"
@@ -33,6 +38,8 @@ struct RunStats {
   double overlap_ratio() const noexcept { return comm > 0 ? std::clamp(hidden_comm / comm, 0.0, 1.0) : 0.0; }
   std::int64_t collectives = 0;
   double comm_bytes = 0;     ///< bytes of the tensors handed to collectives
+  /// Bytes: on the CPU, the most held at once by the step's values (inputs included); on a
+  /// GPU, the caching allocator's peak over the step (Device::peak_memory_bytes).
   std::int64_t peak_bytes = 0;
 };
 
@@ -42,12 +49,15 @@ class DistributedExecutor {
   /// mesh dim (every rank calls this in the same order) and the RuntimePlan it runs by
   /// (`options`: buckets, prefetch, overlap). Throws std::invalid_argument for an op without a
   /// kernel.
+  /// `device`: where the inputs live and kernels run (outlives the executor); null: the CPU.
   DistributedExecutor(const ir::Graph& graph, const sharding::DeviceMesh& mesh, std::int64_t rank, CommBackend* backend,
-                      double timeout_seconds, const plan::PlanOptions& options = {});
+                      double timeout_seconds, const plan::PlanOptions& options = {}, Device* device = nullptr);
   const plan::RuntimePlan& plan() const noexcept { return plan_; }
 
-  /// Runs the graph on this rank's local inputs; returns its local outputs. Throws CommError
-  /// when a collective fails or times out (naming the collective and the peer).
+  /// Runs the graph on this rank's local inputs (on the device's, each of the input's shape);
+  /// returns its local outputs once the device has computed them. Throws std::invalid_argument
+  /// for a missing input or one of another shape or device, and CommError when a collective
+  /// fails or times out (naming the collective and the peer).
   TensorMap run(const TensorMap& inputs, std::int64_t step = 0);
   /// Reports every collective (issued, completed, failed) to `hooks`, and keeps the last run's
   /// compute and comm spans for StepInfo (spans()). Null: off.
@@ -64,6 +74,9 @@ class DistributedExecutor {
   /// nothing is in flight. `backend` is initialised with the same ranks.
   void set_backend(CommBackend* backend);
   const RunStats& stats() const noexcept { return stats_; }
+  /// While a CUDA graph captures run() (Device::capture): the host neither synchronises with
+  /// the device nor reads its statistics, which capture forbids.
+  void set_capturing(bool on) { capturing_ = on; }
 
  private:
   const ir::Graph& graph_;
@@ -90,15 +103,19 @@ class DistributedExecutor {
   std::vector<std::string> mesh_dim_names_;
   std::vector<std::uint64_t> seq_;  // per mesh dim: collectives issued so far over the run
   CommBackend* backend_;
+  Device* device_;                     // null: the CPU
+  StreamOrdered* ordered_ = nullptr;   // backend_'s, when it has it and the device has streams
   double timeout_;
   RunStats stats_;
   hooks::HookSet* hooks_ = nullptr;
+  bool capturing_ = false;
   std::vector<Span> spans_;
   std::pair<std::int64_t, std::int64_t> skip_{-1, -1};
 
   struct Step;  // one run's tensors and calls in flight (distributed.cpp)
   void add_to_bucket(Step& s, std::size_t pos, std::size_t index, bool skip);
   void issue_collective(Step& s, std::size_t index);
+  void order_before_call();
 };
 
 /// ATen's tensor dtype as the comm layer's; throws std::invalid_argument for bool.

@@ -15,6 +15,28 @@ namespace spmdx::exec {
 /// Computes a node's outputs from its input tensors (in the node's input order).
 using Kernel = std::function<std::vector<at::Tensor>(const ir::Node& node, const std::vector<at::Tensor>& inputs)>;
 
+/// Scaled dot-product attention with plain ATen ops, for devices without ATen's fused CPU
+/// kernel (FlashAttention's outputs, Dao et al. 2022, with the [b, h, s, t] scores
+/// materialised): q [b, h, s, d], k and v [b, h, t, d] -> {out [b, h, s, d], the log-sum-exp
+/// of each row of scaled scores [b, h, s]}, in q's dtype. causal: key j masked for query i < j
+/// (PyTorch's is_causal). The sdpa kernel uses it on CUDA.
+std::vector<at::Tensor> attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal);
+/// Its gradients {dq, dk, dv} from the forward's out and lse (FlashAttention's backward:
+/// probabilities recomputed from lse). The sdpa_backward kernel uses it on CUDA.
+std::vector<at::Tensor> attention_backward(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                           const at::Tensor& out, const at::Tensor& lse, bool causal);
+
+/// AdamW's hyperparameters (the adamw node's attributes).
+struct AdamW {
+  double beta1, beta2, eps, weight_decay;
+};
+/// One AdamW update (torch.optim.AdamW, foreach=False) with lr and step as 0-d tensors on the
+/// parameters' device, so that neither is read by the host (no synchronisation, and CUDA graph
+/// replays see each step's values): {param, exp_avg, exp_avg_sq} after the step. Bias
+/// corrections in f64 as the CPU kernel's. The adamw kernel uses it off the CPU.
+std::vector<at::Tensor> adamw_on_device(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
+                                        const at::Tensor& lr, const at::Tensor& step, const AdamW& h);
+
 /// The kernel of an op, or nullptr.
 const Kernel* find_kernel(const std::string& op);
 

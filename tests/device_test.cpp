@@ -1,0 +1,251 @@
+// The device layer on any machine: the CPU device, what make_device says where a GPU cannot be
+// had, the kernels the sdpa and adamw ops use off the CPU (checked on the CPU against ATen's
+// fused attention and the CPU AdamW kernel), and the executor's ordering of collectives with a
+// device's compute stream, with a fake stream device and fake backends that log each call.
+#include <ATen/ATen.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "spmdx/exec/device.h"
+#include "spmdx/exec/distributed.h"
+#include "spmdx/exec/executor.h"
+#include "spmdx/exec/kernels.h"
+#include "spmdx/sharding/mesh.h"
+
+namespace spmdx::exec {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+
+TEST(Device, CpuDeviceHasNoStreamAndNoAllocatorStatistics) {
+  auto cpu = make_device({"cpu", 0, false});
+  EXPECT_EQ(cpu->device(), c10::Device(c10::DeviceType::CPU));
+  EXPECT_EQ(cpu->memory(), MemoryType::host);
+  EXPECT_EQ(cpu->compute_stream(), nullptr);
+  EXPECT_EQ(cpu->peak_memory_bytes(), -1);
+  EXPECT_EQ(cpu->describe(), "cpu");
+  try {
+    cpu->capture([] {});
+    FAIL() << "a CPU device captured a CUDA graph";
+  } catch (const std::runtime_error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("training.device = \"cuda\""));
+  }
+}
+
+TEST(Device, CudaWithoutAGpuSaysWhyAndWhatToDo) {
+  const std::string why = cuda_problem(1);
+  if (why.empty()) GTEST_SKIP() << "this machine has a GPU: make_device(cuda) is checked by cuda_test";
+  EXPECT_THAT(why, testing::AnyOf(HasSubstr("no usable CUDA device"), HasSubstr("no CUDA device"), HasSubstr("built without CUDA")));
+  try {
+    make_device({"cuda", 0, false});
+    FAIL() << "make_device(cuda) succeeded where cuda_problem says: " << why;
+  } catch (const std::runtime_error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("training.device = \"cpu\""));
+  }
+}
+
+TEST(Device, UnknownKindIsRefused) {
+  EXPECT_THROW(make_device({"tpu", 0, false}), std::runtime_error);
+}
+
+// attention() against ATen's fused CPU kernel, forward and backward, causal or not.
+TEST(DeviceKernels, AttentionEqualsTheFusedCpuKernel) {
+  at::manual_seed(3);
+  for (bool causal : {false, true}) {
+    const at::Tensor q = at::randn({2, 3, 7, 8}), k = at::randn({2, 3, 7, 8}), v = at::randn({2, 3, 7, 8});
+    auto [out, lse] = at::_scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal);
+    const auto mine = attention(q, k, v, causal);
+    EXPECT_TRUE(at::allclose(mine[0], out, 1e-5, 1e-6)) << "causal " << causal << ": max diff " << (mine[0] - out).abs().max().item<double>();
+    EXPECT_TRUE(at::allclose(mine[1], lse, 1e-5, 1e-6)) << "causal " << causal;
+    const at::Tensor g = at::randn_like(out);
+    auto [gq, gk, gv] = at::_scaled_dot_product_flash_attention_for_cpu_backward(g, q, k, v, out, lse, 0.0, causal);
+    const auto grads = attention_backward(g, q, k, v, mine[0], mine[1], causal);
+    EXPECT_TRUE(at::allclose(grads[0], gq, 1e-4, 1e-5)) << "dq, causal " << causal << ": max diff " << (grads[0] - gq).abs().max().item<double>();
+    EXPECT_TRUE(at::allclose(grads[1], gk, 1e-4, 1e-5)) << "dk, causal " << causal;
+    EXPECT_TRUE(at::allclose(grads[2], gv, 1e-4, 1e-5)) << "dv, causal " << causal;
+  }
+}
+
+// adamw_on_device (lr and step as tensors) against the adamw kernel the CPU runs (host scalars).
+TEST(DeviceKernels, AdamWWithTensorHyperparametersEqualsTheCpuKernel) {
+  at::manual_seed(5);
+  ir::Graph g;
+  const ir::TensorMeta w{{4, 6}, ir::DType::f32, "cpu", false}, scalar{{}, ir::DType::f32, "cpu", false};
+  std::vector<ir::Value*> in;
+  for (const char* name : {"w", "g", "m", "v"}) in.push_back(g.add_input(name, w));
+  in.push_back(g.add_input("lr", scalar));
+  in.push_back(g.add_input("step", scalar));
+  const AdamW h{0.9, 0.95, 1e-8, 0.1};
+  ir::Node* n = g.add_node("adamw", in, {{"beta1", h.beta1}, {"beta2", h.beta2}, {"eps", h.eps}, {"weight_decay", h.weight_decay}});
+  for (int i = 0; i < 3; ++i) g.add_output("out" + std::to_string(i), n->output(static_cast<std::size_t>(i)));
+  Executor ex(g);
+  const at::Tensor p = at::randn({4, 6}), grad = at::randn({4, 6}), m = at::randn({4, 6}) * 0.1, v = at::rand({4, 6}) * 0.01;
+  for (double step : {1.0, 7.0}) {
+    const at::Tensor lr = at::scalar_tensor(3e-3, at::kFloat), st = at::scalar_tensor(step, at::kFloat);
+    TensorMap out = ex.run({{"w", p}, {"g", grad}, {"m", m}, {"v", v}, {"lr", lr}, {"step", st}});
+    const auto mine = adamw_on_device(p, grad, m, v, lr, st, h);
+    for (int i = 0; i < 3; ++i) {
+      const at::Tensor& want = out.at("out" + std::to_string(i));
+      EXPECT_TRUE(at::allclose(mine[static_cast<std::size_t>(i)], want, 1e-6, 1e-7))
+          << "output " << i << " at step " << step << ": max diff " << (mine[static_cast<std::size_t>(i)] - want).abs().max().item<double>();
+    }
+    EXPECT_FALSE(at::equal(mine[0], p));  // it did step
+  }
+}
+
+// ---- the executor and a device's compute stream ----
+
+// A GPU as the executor sees it, on CPU tensors: a compute stream (a fake handle) and a host
+// synchronisation that is logged. `on` is the device its tensors must be on.
+class FakeStreamDevice final : public Device {
+ public:
+  FakeStreamDevice(std::vector<std::string>& log, c10::Device on) : log_(log), on_(on) {}
+  c10::Device device() const override { return on_; }
+  MemoryType memory() const override { return MemoryType::host; }
+  void* compute_stream() const override { return reinterpret_cast<void*>(0x57); }
+  void synchronize() override { log_.push_back("synchronize"); }
+  std::int64_t peak_memory_bytes() const override { return 1234; }
+  void reset_peak_memory() override {}
+  std::string describe() const override { return "fake"; }
+  std::unique_ptr<CapturedStep> capture(const std::function<void()>&) override { return nullptr; }
+
+ private:
+  std::vector<std::string>& log_;
+  c10::Device on_;
+};
+
+// A 2-rank group whose other rank holds the same values: all_reduce(sum) doubles the buffer.
+// The reduction happens when the data is "there" for the reader: at stream_wait (the stream
+// waits for it) or at the host's wait, whichever comes first.
+class FakeWork final : public Work {
+ public:
+  FakeWork(std::vector<std::string>& log, CommBuffer buf) : log_(log), buf_(buf) {}
+  bool wait(double) override {
+    log_.push_back("host wait");
+    finish();
+    return true;
+  }
+  bool test() override { return done_; }
+  void finish() {
+    if (done_) return;
+    auto* p = static_cast<float*>(buf_.data);
+    for (std::size_t i = 0; i < buf_.count; ++i) p[i] *= 2;
+    done_ = true;
+  }
+
+ private:
+  std::vector<std::string>& log_;
+  CommBuffer buf_;
+  bool done_ = false;
+};
+
+class FakeBackend : public CommBackend {
+ public:
+  explicit FakeBackend(std::vector<std::string>& log) : log_(log) {}
+  void init(const CommInit&) override {}
+  void finalize() override {}
+  void abort() noexcept override {}
+  std::string describe() const override { return "fake"; }
+  std::vector<CommCapability> capabilities() const override { return {}; }
+  int new_group(const std::vector<int>&) override { return 0; }
+  std::unique_ptr<Work> all_reduce(int, CommBuffer buf, ReduceOp) override {
+    log_.push_back("all_reduce");
+    return std::make_unique<FakeWork>(log_, buf);
+  }
+  std::unique_ptr<Work> all_gather(int, CommBuffer, CommBuffer, std::vector<std::size_t>) override { throw std::logic_error("unused"); }
+  std::unique_ptr<Work> reduce_scatter(int, CommBuffer, CommBuffer, std::vector<std::size_t>, ReduceOp) override { throw std::logic_error("unused"); }
+  std::unique_ptr<Work> all_to_all(int, CommBuffer, CommBuffer, std::vector<std::size_t>, std::vector<std::size_t>) override {
+    throw std::logic_error("unused");
+  }
+  std::unique_ptr<Work> broadcast(int, CommBuffer, int) override { throw std::logic_error("unused"); }
+  std::unique_ptr<Work> send(CommBuffer, int, int) override { throw std::logic_error("unused"); }
+  std::unique_ptr<Work> recv(CommBuffer, int, int) override { throw std::logic_error("unused"); }
+  std::unique_ptr<Work> barrier(int) override { throw std::logic_error("unused"); }
+
+ protected:
+  std::vector<std::string>& log_;
+};
+
+class FakeStreamBackend final : public FakeBackend, public StreamOrdered {
+ public:
+  using FakeBackend::FakeBackend;
+  void issue_after(void* stream) override { log_.push_back(stream == reinterpret_cast<void*>(0x57) ? "issue_after compute" : "issue_after ?"); }
+  bool stream_wait(Work& work, void* stream) override {
+    log_.push_back(stream == reinterpret_cast<void*>(0x57) ? "stream_wait compute" : "stream_wait ?");
+    static_cast<FakeWork&>(work).finish();
+    return true;
+  }
+};
+
+// y = 3 * all_reduce(x @ w) on rank 0 of a 2-rank dp mesh, one collective.
+struct OneCollective {
+  ir::Graph g;
+  sharding::DeviceMesh mesh{{{"dp", 2}}};
+  OneCollective() {
+    const ir::TensorMeta m{{4, 4}, ir::DType::f32, "cpu", false};
+    ir::Value* x = g.add_input("x", m);
+    ir::Value* w = g.add_input("w", m);
+    ir::Value* r = g.add("all_reduce", {g.add("matmul", {x, w})}, {{"mesh_dim", std::int64_t{0}}, {"op", std::string("sum")}});
+    g.add_output("y", g.add("mul_scalar", {r}, {{"value", 3.0}}));
+  }
+};
+
+TEST(DeviceOrdering, StreamOrderedBackendWaitsOnStreamsAndTheHostOnlyAtTheEnd) {
+  std::vector<std::string> log;
+  OneCollective job;
+  FakeStreamBackend backend(log);
+  FakeStreamDevice device(log, c10::Device(c10::DeviceType::CPU));
+  DistributedExecutor ex(job.g, job.mesh, 0, &backend, 10, {}, &device);
+  const at::Tensor x = at::randn({4, 4}), w = at::randn({4, 4});
+  const TensorMap out = ex.run({{"x", x}, {"w", w}});
+  EXPECT_TRUE(at::allclose(out.at("y"), at::matmul(x, w) * 6.0));
+  // No host synchronisation before the call; the reader's stream waits; the host waits once the
+  // step is queued, then synchronises for the step's time.
+  EXPECT_THAT(log, ElementsAre("issue_after compute", "all_reduce", "stream_wait compute", "host wait", "synchronize"));
+  EXPECT_EQ(ex.stats().peak_bytes, 1234);  // the device's statistics, not the executor's count
+  EXPECT_EQ(ex.stats().exposed_comm, 0.0);
+}
+
+TEST(DeviceOrdering, BackendWithoutStreamsGetsTheStreamSynchronisedAndHostWaits) {
+  std::vector<std::string> log;
+  OneCollective job;
+  FakeBackend backend(log);
+  FakeStreamDevice device(log, c10::Device(c10::DeviceType::CPU));
+  DistributedExecutor ex(job.g, job.mesh, 0, &backend, 10, {}, &device);
+  const at::Tensor x = at::randn({4, 4}), w = at::randn({4, 4});
+  const TensorMap out = ex.run({{"x", x}, {"w", w}});
+  EXPECT_TRUE(at::allclose(out.at("y"), at::matmul(x, w) * 6.0));
+  EXPECT_THAT(log, ElementsAre("synchronize", "all_reduce", "host wait", "synchronize"));
+}
+
+TEST(DeviceOrdering, OnTheCpuNoStreamCallsAreMade) {
+  std::vector<std::string> log;
+  OneCollective job;
+  FakeStreamBackend backend(log);
+  DistributedExecutor ex(job.g, job.mesh, 0, &backend, 10, {}, nullptr);
+  const at::Tensor x = at::randn({4, 4}), w = at::randn({4, 4});
+  EXPECT_TRUE(at::allclose(ex.run({{"x", x}, {"w", w}}).at("y"), at::matmul(x, w) * 6.0));
+  EXPECT_THAT(log, ElementsAre("all_reduce", "host wait"));
+}
+
+TEST(DeviceOrdering, AnInputOnAnotherDeviceIsRefusedNamingIt) {
+  std::vector<std::string> log;
+  OneCollective job;
+  FakeStreamBackend backend(log);
+  FakeStreamDevice gpu(log, c10::Device(c10::DeviceType::CUDA, 0));
+  DistributedExecutor ex(job.g, job.mesh, 0, &backend, 10, {}, &gpu);
+  try {
+    ex.run({{"x", at::randn({4, 4})}, {"w", at::randn({4, 4})}});
+    FAIL() << "a CPU tensor was fed to a rank on cuda:0";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("input 'x' is on cpu, this rank runs on cuda:0"));
+  }
+  EXPECT_TRUE(log.empty());
+}
+
+}  // namespace
+}  // namespace spmdx::exec
