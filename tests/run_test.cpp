@@ -136,6 +136,27 @@ TEST(Run, TheLocalBackendIsRefusedBeforeAnyRankStarts) {
   EXPECT_THAT(r.output, ::testing::Not(HasSubstr("[rank")));
 }
 
+TEST(Run, CudaWithoutAGpuIsRefusedBeforeAnyRankStartsSayingWhatToDo) {
+  test::TempDir dir;
+  auto r = spmdx_run("'" SPMDX_SOURCE_DIR "/configs/mlp_dp.toml' --nproc 2 --training.device cuda --training.steps 2 --job.dump_folder '" +
+                     dir.path().string() + "'");
+  if (r.exit_code == 0) GTEST_SKIP() << "this machine has GPUs for 2 ranks: the job trained on them";
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.output, HasSubstr("command line --training.device cuda: training.device = \"cuda\": "));
+  EXPECT_THAT(r.output, testing::AnyOf(HasSubstr("use training.device = \"cpu\""), HasSubstr("takes one GPU per rank (--nproc at most")));
+  EXPECT_THAT(r.output, ::testing::Not(HasSubstr("[rank")));
+}
+
+TEST(Run, CudaGraphsAreRefusedOnTheCpuAndOnSeveralRanks) {
+  auto cpu = spmdx_run("'" SPMDX_SOURCE_DIR "/configs/mlp_dp.toml' --nproc 2 --training.cuda_graphs true");
+  EXPECT_EQ(cpu.exit_code, 1);
+  EXPECT_THAT(cpu.output, HasSubstr("training.cuda_graphs = true needs training.device = \"cuda\""));
+  auto ranks = spmdx_run("'" SPMDX_SOURCE_DIR "/configs/mlp_dp.toml' --nproc 2 --training.device cuda --training.cuda_graphs true");
+  EXPECT_EQ(ranks.exit_code, 1);
+  EXPECT_THAT(ranks.output, HasSubstr("training.cuda_graphs = true runs one rank only for now (2 ranks here)"));
+  EXPECT_THAT(ranks.output, ::testing::Not(HasSubstr("[rank")));
+}
+
 TEST(Run, ABadCommBackendOptionFailsBeforeAnyRankStarts) {
   auto r = spmdx_run("'" SPMDX_SOURCE_DIR "/configs/mlp_dp.toml' --nproc 2 --comm.backend 'ucx:chunk_bytes=many'");
   EXPECT_EQ(r.exit_code, 1);

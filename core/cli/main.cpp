@@ -31,6 +31,7 @@
 #include "spmdx/plan/runtime_plan.h"
 #ifdef SPMDX_HAVE_EXEC
 #include "spmdx/exec/checkpoint.h"
+#include "spmdx/exec/device.h"
 #include "spmdx/exec/job_runner.h"
 #include "spmdx/models/pt2.h"
 #endif
@@ -374,6 +375,24 @@ struct RunOptions {
   std::vector<std::string> overrides;
 };
 
+// The preflight's problems, and for training.device = "cuda" whether this host has a GPU for
+// each of its `ranks_per_host` ranks: checked before any rank starts, since each would fail
+// with the same message.
+std::vector<std::string> run_problems(const spmdx::config::Config& cfg, std::int64_t world_size, int ranks_per_host, spmdx::PluginRegistry& registry,
+                                      std::unique_ptr<spmdx::data::Tokenizer>* tokenizer, std::optional<spmdx::train::JobSpec>* spec) {
+  std::vector<std::string> problems = spmdx::train::preflight(cfg, world_size, registry, tokenizer, spec);
+#ifdef SPMDX_HAVE_EXEC
+  if (!cfg.has_problem("training.device") && cfg.get_string("training.device") == "cuda") {
+    if (const std::string why = spmdx::exec::cuda_problem(ranks_per_host); !why.empty()) {
+      problems.push_back(cfg.where({"training.device"}) + ": training.device = \"cuda\": " + why);
+    }
+  }
+#else
+  (void)ranks_per_host;
+#endif
+  return problems;
+}
+
 // `spmdx run`: validates the config, then either starts --nproc ranks here (each one this same
 // command, told its rank by the environment) or runs as the rank its environment names.
 int run_run(const RunOptions& o) {
@@ -390,7 +409,7 @@ int run_run(const RunOptions& o) {
     spmdx::PluginRegistry registry;
     std::unique_ptr<spmdx::data::Tokenizer> tokenizer;
     std::optional<spmdx::train::JobSpec> spec;
-    cfg.check(spmdx::train::preflight(cfg, o.nproc * o.nnodes, registry, &tokenizer, &spec));
+    cfg.check(run_problems(cfg, o.nproc * o.nnodes, o.nproc, registry, &tokenizer, &spec));
     spmdx::train::check_data(cfg, *tokenizer, *spec);  // reads the data: only once the rest is right
     if (!cfg.ignored().empty()) std::cerr << cfg.ignored_text() << "\n";
     std::vector<std::string> argv{self_exe(), "run", o.config};
@@ -414,7 +433,7 @@ int run_run(const RunOptions& o) {
     spmdx::PluginRegistry registry;
     std::unique_ptr<spmdx::data::Tokenizer> tokenizer;
     std::optional<spmdx::train::JobSpec> spec;
-    cfg.check(spmdx::train::preflight(cfg, env.world_size, registry, &tokenizer, &spec));
+    cfg.check(run_problems(cfg, env.world_size, env.local_world_size, registry, &tokenizer, &spec));
     if (env.rank == 0 && !cfg.ignored().empty()) std::cerr << cfg.ignored_text() << "\n";
   }
   if (launched) {

@@ -63,7 +63,7 @@ std::string encode(const TensorMap& tensors, const std::map<std::string, std::ve
   json header{{"tensors", json::array()}};
   std::string data;
   for (const auto& [name, t0] : tensors) {
-    const at::Tensor t = t0.contiguous();
+    const at::Tensor t = t0.to(at::kCPU).contiguous();  // a GPU tensor is copied to the host
     const auto bytes = static_cast<std::size_t>(t.nbytes());
     header["tensors"].push_back({{"name", name},
                                  {"dtype", ir::to_string(from_aten(t.scalar_type()))},
@@ -561,7 +561,7 @@ void write_safetensors(const fs::path& out, const TensorMap& tensors, const std:
   for (const auto& [k, v] : metadata) header["__metadata__"][k] = v;
   std::string data;
   for (const auto& [name, t0] : tensors) {
-    const at::Tensor t = t0.contiguous();
+    const at::Tensor t = t0.to(at::kCPU).contiguous();  // a GPU tensor is copied to the host
     const std::size_t begin = data.size();
     data.append(static_cast<const char*>(t.data_ptr()), static_cast<std::size_t>(t.nbytes()));
     header[name] = {{"dtype", names.at(ir::to_string(from_aten(t.scalar_type())))}, {"shape", t.sizes().vec()}, {"data_offsets", {begin, data.size()}}};

@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 
 #include <ATen/Parallel.h>
+#include <c10/core/InferenceMode.h>
 
 #include <algorithm>
 #include <optional>
@@ -30,6 +31,7 @@
 #include "spmdx/data/text_dataset.h"
 #include "spmdx/comm/c10d_store.h"
 #include "spmdx/exec/checkpoint.h"
+#include "spmdx/exec/device.h"
 #include "spmdx/exec/distributed.h"
 #include "spmdx/exec/shards.h"
 #include "spmdx/exec/trainer.h"
@@ -311,10 +313,11 @@ std::unique_ptr<CommBackend> join_backend(PluginRegistry& registry, const std::s
   return backend;
 }
 
-// This rank's shards of the initial parameters (the same full values on every rank) and zero
-// AdamW state; rank 0 writes them whole first when debug.dump_initial_weights asks.
+// This rank's shards of the initial parameters (the same full values on every rank, drawn on
+// the CPU, so a GPU run starts where a CPU run does) and zero AdamW state, on `device`; rank 0
+// writes them whole first when debug.dump_initial_weights asks.
 TensorMap initial_state(const train::JobSpec& spec, train::PlacedJob& job, const sharding::DistributedPlan& plan, std::int64_t rank,
-                        bool dump_whole) {
+                        bool dump_whole, const c10::Device& device) {
   const auto coord = job.mesh.coordinate(rank);
   TensorMap state;
   TensorMap full = init_tensors(job.model, spec.seed);
@@ -323,7 +326,7 @@ TensorMap initial_state(const train::JobSpec& spec, train::PlacedJob& job, const
     std::filesystem::create_directories(dir);
     write_safetensors(dir / "initial.safetensors", full, {{"format", "pt"}, {"step", "0"}, {"seed", std::to_string(spec.seed)}});
   }
-  for (const auto& [name, t] : full) state[name] = shard_tensor(t, plan.placement.at(job.model.graph.find_input(name)), job.mesh, coord);
+  for (const auto& [name, t] : full) state[name] = shard_tensor(t, plan.placement.at(job.model.graph.find_input(name)), job.mesh, coord).to(device);
   for (const auto& p : job.model.params) {
     state["exp_avg." + p] = at::zeros_like(state.at(p));
     state["exp_avg_sq." + p] = at::zeros_like(state.at(p));
@@ -406,7 +409,7 @@ void tell_hooks(hooks::HookSet& hooks, std::int64_t step, const train::JobSpec& 
   info.hidden_comm_seconds = st.hidden_comm;
   std::vector<at::Tensor> alive;
   auto view = [&](const std::string& name, const at::Tensor& t, const sharding::Placements& pl) {
-    alive.push_back(t.contiguous());
+    alive.push_back(t.to(at::kCPU).contiguous());  // hooks read host memory
     info.tensors.push_back({name, t.sizes().vec(), comm_dtype(t.scalar_type()), alive.back().data_ptr(), alive.back().nbytes(), pl});
   };
   for (const auto& name : names) view(name, state.at(name), state_placements.at(name));
@@ -423,6 +426,7 @@ struct StepLoop {
   const train::PlacedJob& job;
   const sharding::DistributedPlan& plan;
   DistributedExecutor& executor;
+  Device& device;
   TensorMap& state;
   const std::map<std::string, ir::TensorMeta>& state_metas;
   const std::map<std::string, sharding::Placements>& state_placements;
@@ -445,10 +449,47 @@ struct StepLoop {
   const sharding::Placements& tokens_pl = plan.placement.at(job.model.graph.find_input("tokens"));
   const sharding::Placements& labels_pl = plan.placement.at(job.model.graph.find_input("labels"));
   std::vector<std::string> names = train::train_state_names(job.model.params);
+  // training.cuda_graphs: the step captured once (at the second step run: the first warms up
+  // cuBLAS and the caching allocator eagerly, as torch.cuda.graph asks), its fixed input
+  // buffers (the state tensors themselves, the batch, lr and step) and outputs.
+  std::unique_ptr<CapturedStep> graph{};
+  TensorMap graph_feed{}, graph_out{};
+  RunStats graph_stats{};
+  bool warmed_up = false;
+
+  // The step through the executor, or through the captured CUDA graph.
+  TensorMap run_step(TensorMap& feed, std::int64_t step) {
+    if (!spec.device.cuda_graphs || !warmed_up) {
+      warmed_up = true;
+      TensorMap out = executor.run(feed, step);
+      for (const auto& s : names) state[s] = out.at("next." + s);
+      return out;
+    }
+    if (!graph) {
+      graph_feed = feed;  // the state's tensors, updated in place by each replay
+      executor.set_capturing(true);
+      graph = device.capture([&] {
+        graph_out = executor.run(graph_feed, step);
+        for (const auto& s : names) graph_feed.at(s).copy_(graph_out.at("next." + s));
+      });
+      executor.set_capturing(false);
+    } else {
+      for (const char* input : {"tokens", "labels", "lr", "step"}) graph_feed.at(input).copy_(feed.at(input));
+    }
+    const auto t0 = Clock::now();
+    device.reset_peak_memory();
+    graph->replay();
+    device.synchronize();
+    graph_stats = {};
+    graph_stats.total = std::chrono::duration<double>(Clock::now() - t0).count();
+    graph_stats.peak_bytes = device.peak_memory_bytes();
+    return graph_out;
+  }
 
   // Runs step `step` (1-based) and returns its loss. Throws std::runtime_error for a loss that
   // is not finite and what the executor, the backend or the checkpoint writer throw.
   double step(std::int64_t step) {
+    c10::InferenceMode no_autograd;  // the state tensors are inference tensors: updated in place below (a fault, a CUDA graph's copies)
     const data::Batch batch = dataset.next_batch();
     if (lead && dump_batches) {
       std::filesystem::create_directories(batches_dir);
@@ -459,21 +500,20 @@ struct StepLoop {
     auto as_tensor = [&](const std::vector<std::int64_t>& ids) {
       return at::tensor(ids, at::kLong).reshape({spec.global_batch_size, spec.seq_len});
     };
+    const c10::Device on = device.device();
     TensorMap feed = state;
-    feed["tokens"] = shard_tensor(as_tensor(batch.tokens), tokens_pl, job.mesh, coord);
-    feed["labels"] = shard_tensor(as_tensor(batch.labels), labels_pl, job.mesh, coord);
+    feed["tokens"] = shard_tensor(as_tensor(batch.tokens), tokens_pl, job.mesh, coord).to(on);
+    feed["labels"] = shard_tensor(as_tensor(batch.labels), labels_pl, job.mesh, coord).to(on);
     const double lr = spec.lr * train::lr_factor(step, spec.schedule);
-    feed["lr"] = at::scalar_tensor(lr, at::kFloat);
-    feed["step"] = at::scalar_tensor(static_cast<double>(step), at::kFloat);
-    TensorMap out = executor.run(feed, step);
-    for (const auto& s : names) state[s] = out.at("next." + s);
+    feed["lr"] = at::scalar_tensor(lr, at::TensorOptions().dtype(at::kFloat).device(on));
+    feed["step"] = at::scalar_tensor(static_cast<double>(step), at::TensorOptions().dtype(at::kFloat).device(on));
+    const TensorMap out = run_step(feed, step);
     if (fault.kind == "perturb" && fault.rank == env.rank && fault.step == step) {
-      at::Tensor& t = state.at(fault.tensor);  // its name was checked before the first step
-      t = t + fault.delta;
+      state.at(fault.tensor).add_(fault.delta);  // its name was checked before the first step; in place: a CUDA graph reads it
     }
     const double loss = out.at("loss").item<double>();
     if (!std::isfinite(loss)) throw std::runtime_error("step " + std::to_string(step) + ": the loss is " + std::to_string(loss));
-    const RunStats st = executor.stats();
+    const RunStats st = graph ? graph_stats : executor.stats();
     if (!hooks.empty()) tell_hooks(hooks, step, spec, env, loss, st, names, state, out, state_placements, job.mesh, executor);
     // Hot-swap at a step boundary: nothing is in flight between runs; the old backend leaves
     // the job, the other one joins it under the next generation's keys.
@@ -570,7 +610,7 @@ hooks::HookSet make_job_hooks(const config::Config& cfg, const launch::RankEnv& 
 // dataset where it was.
 void resume_from(const std::filesystem::path& ckpt_dir, std::int64_t step, const train::PlacedJob& job, const launch::RankEnv& env,
                  const std::map<std::string, ir::TensorMeta>& state_metas, const std::map<std::string, sharding::Placements>& state_placements,
-                 TensorMap& state, data::TextDataset& dataset) {
+                 TensorMap& state, data::TextDataset& dataset, const c10::Device& device) {
   CheckpointMeta meta;
   // Buffers (the RoPE tables) are made from the config, not loaded: a resume may change
   // training.seq_len, as torchtitan's may.
@@ -578,7 +618,7 @@ void resume_from(const std::filesystem::path& ckpt_dir, std::int64_t step, const
   for (const auto& spec_i : job.model.init) {
     if (!spec_i.trainable) trained.erase(spec_i.name);
   }
-  for (auto& [name, t] : load_checkpoint(ckpt_dir, step, job.mesh, env.rank, trained, state_placements, &meta)) state[name] = t;
+  for (auto& [name, t] : load_checkpoint(ckpt_dir, step, job.mesh, env.rank, trained, state_placements, &meta)) state[name] = t.to(device);
   dataset.restore({meta.data_samples});
   if (env.rank == 0) {
     std::printf("resumed from %s (step %lld)\n", (ckpt_dir / ("step-" + std::to_string(step))).string().c_str(),
@@ -586,7 +626,7 @@ void resume_from(const std::filesystem::path& ckpt_dir, std::int64_t step, const
   }
 }
 
-void print_banner(const train::JobSpec& spec, const train::PlacedJob& job, const launch::RankEnv& env, const CommBackend* backend) {
+void print_banner(const train::JobSpec& spec, const train::PlacedJob& job, const launch::RankEnv& env, const CommBackend* backend, const Device& device) {
   double params = 0;
   for (const auto& p : job.model.params) params += static_cast<double>(job.model.graph.find_input(p)->meta().numel());
   std::printf("spmdx: %s (%.2fM parameters), mesh %s (%d rank%s, %s), global batch %lld x %lld, %lld steps, comm %s\n",
@@ -594,6 +634,9 @@ void print_banner(const train::JobSpec& spec, const train::PlacedJob& job, const
               job.mesh.str().c_str(), env.world_size, env.world_size == 1 ? "" : "s", env.source.c_str(), static_cast<long long>(spec.global_batch_size),
               static_cast<long long>(spec.seq_len), static_cast<long long>(spec.steps),
               backend ? ((spec.comm.backend == "auto" ? "auto -> " : "") + backend->describe()).c_str() : "none (one rank)");
+  if (device.compute_stream() != nullptr) {
+    std::printf("device %s (rank 0's)%s\n", device.describe().c_str(), spec.device.cuda_graphs ? ", CUDA graphs: step 1 eager, then captured once and replayed" : "");
+  }
   std::fflush(stdout);
 }
 
@@ -622,6 +665,7 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
   const auto tokenizer = data::make_tokenizer(cfg.get_string("model.tokenizer"));
   const train::JobSpec spec = train::job_spec(cfg, env.world_size, tokenizer->vocab_size());  // the config read once
   train::check_runnable(cfg);
+  const std::unique_ptr<Device> device = make_device({spec.device.kind, env.local_rank, spec.device.allow_tf32});
 
   // A job whose checkpoint is already at its last step has nothing to do, and changes nothing.
   const bool checkpointing = spec.checkpoint.enable;
@@ -654,25 +698,25 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
   }
   std::unique_ptr<CommBackend> backend;
   if (env.world_size > 1) backend = join_backend(registry, spec.comm.backend, spec.comm, env, *joined.store, 0);
-  DistributedExecutor executor(graph, job.mesh, env.rank, backend.get(), timeout, spec.plan);
+  DistributedExecutor executor(graph, job.mesh, env.rank, backend.get(), timeout, spec.plan, device.get());
   if (!hooks.empty()) executor.set_hooks(&hooks);
   if (fault.kind == "skip_collective" && fault.rank == env.rank) executor.inject_skip(fault.step, fault.index);
 
-  TensorMap state = initial_state(spec, job, plan, env.rank, lead && first_step == 1);
+  TensorMap state = initial_state(spec, job, plan, env.rank, lead && first_step == 1, device->device());
   data::TextDataset dataset({spec.data.paths, spec.global_batch_size, spec.seq_len, spec.data.seed}, *tokenizer);
 
   // Resume from the checkpoint found above, resharding when it was saved on another mesh or
   // strategy.
   const auto [state_metas, state_placements] = state_layout(state, job, plan);
-  if (resume_step) resume_from(ckpt_dir, *resume_step, job, env, state_metas, state_placements, state, dataset);
+  if (resume_step) resume_from(ckpt_dir, *resume_step, job, env, state_metas, state_placements, state, dataset, device->device());
 
   std::optional<MetricsWriter> metrics;
   const std::filesystem::path& dump = spec.output.dump_folder;
   if (lead) {
     metrics.emplace(spec.output, first_step, checkpointing);
-    print_banner(spec, job, env, backend.get());
+    print_banner(spec, job, env, backend.get(), *device);
   }
-  StepLoop loop{env, spec, job, plan, executor, state, state_metas, state_placements, dataset, hooks, registry, backend, joined.store.get(),
+  StepLoop loop{env, spec, job, plan, executor, *device, state, state_metas, state_placements, dataset, hooks, registry, backend, joined.store.get(),
                 metrics ? &*metrics : nullptr, fault, timeout, ckpt_dir, tokenizer_id};
   const auto run_start = Clock::now();
   const auto [first_loss, last_loss] = loop.run(first_step, joined.server != nullptr);

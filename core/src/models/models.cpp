@@ -126,8 +126,10 @@ ModelArgs model_args(const std::string& name, const std::string& flavor, std::in
     a.dim = 64, a.n_layers = 2, a.n_heads = 4, a.ffn_hidden = 192;
   } else if (flavor == "debugmodel") {
     a.dim = 256, a.n_layers = 6, a.n_heads = 16, a.ffn_hidden = 768;
+  } else if (flavor == "large") {
+    a.dim = 2048, a.n_layers = 8, a.n_heads = 16, a.ffn_hidden = 5632;
   } else {
-    throw std::invalid_argument("unknown flavor '" + flavor + "' of model '" + name + "'; known flavors: tiny, debugmodel");
+    throw std::invalid_argument("unknown flavor '" + flavor + "' of model '" + name + "'; known flavors: tiny, debugmodel, large");
   }
   if (vocab_size <= 0) throw std::invalid_argument("vocab_size must be positive, got " + std::to_string(vocab_size));
   return a;

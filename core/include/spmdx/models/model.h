@@ -74,8 +74,10 @@ struct ModelArgs {
 
 /// The flavors: llama `debugmodel` (torchtitan's: dim 256, 6 layers, 16 heads, FFN 768,
 /// rope_theta 500000, Llama 3.1 RoPE scaling 8 / 1 / 4 / 8192, norm eps 1e-5) and `tiny`
-/// (dim 64, 2 layers, 4 heads, FFN 192, the same RoPE and eps); mlp `tiny` (dim 64,
-/// FFN 192) and `debugmodel` (dim 256, FFN 768). Throws std::invalid_argument naming the
+/// (dim 64, 2 layers, 4 heads, FFN 192, the same RoPE and eps), and `large` (dim 2048, 8
+/// layers, 16 heads, FFN 5632 = torchtitan's 8/3 x dim rounded up to 256; 0.41 x 10^9
+/// parameters: a flavor that keeps one GPU busy, for scripts/device_check); mlp `tiny` (dim 64,
+/// FFN 192), `debugmodel` (dim 256, FFN 768) and `large` (dim 2048, FFN 5632). Throws std::invalid_argument naming the
 /// model or flavor and listing the known ones.
 ModelArgs model_args(const std::string& name, const std::string& flavor, std::int64_t vocab_size);
 

@@ -32,6 +32,13 @@ struct CommSpec {
   std::vector<MemoryType> memory{MemoryType::host};  ///< what training.device moves (comm::job_memory)
 };
 
+/// Where a rank's tensors live and run ([training] device keys).
+struct DeviceSpec {
+  std::string kind = "cpu";  ///< training.device: "cpu", or "cuda" (GPU LOCAL_RANK per rank)
+  bool allow_tf32 = false;   ///< training.allow_tf32: TF32 matmuls on CUDA (off: losses compare with the CPU's)
+  bool cuda_graphs = false;  ///< training.cuda_graphs: capture the step once, replay it each step
+};
+
 /// [checkpoint]: where and when a rank saves, and what it resumes from.
 struct CheckpointSpec {
   bool enable = false;           ///< checkpoint.enable
@@ -76,6 +83,7 @@ struct JobSpec {
   /// [parallelism.strategies]: mesh dim -> the strategy plugin that decides it, where the
   /// config names one (others: sharding::strategy_for's defaults).
   std::map<std::string, std::string> strategies;
+  DeviceSpec device;          ///< training.device, allow_tf32, cuda_graphs
   CommSpec comm;              ///< [comm] but the plan's options
   CheckpointSpec checkpoint;  ///< [checkpoint]
   DataSpec data;              ///< [data] and model.tokenizer
