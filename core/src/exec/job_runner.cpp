@@ -9,6 +9,7 @@
 #include <optional>
 #include <cerrno>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <thread>
 #include <cmath>
@@ -653,6 +654,9 @@ void print_done(const train::JobSpec& spec, std::int64_t first_step, double seco
 
 int run_job(const config::Config& cfg, const launch::RankEnv& env) {
   const bool lead = env.rank == 0;
+  // Plugins read torchrun's LOCAL_RANK (nccl takes its GPU by it); under srun or mpirun this
+  // rank's comes from SLURM_LOCALID or OMPI_COMM_WORLD_LOCAL_RANK. Set before any thread starts.
+  ::setenv("LOCAL_RANK", std::to_string(env.local_rank).c_str(), /*overwrite=*/0);
   std::optional<SignalDumper> signals;
   if (!cfg.get_list("hooks.enable").empty()) {
     signals.emplace();  // before any thread starts
