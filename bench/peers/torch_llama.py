@@ -3,10 +3,12 @@ RMSNorm pre-norm blocks, rotary attention with theta 500000, causal scaled_dot_p
 SwiGLU feed-forward, untied output) trained in eager PyTorch with DistributedDataParallel or
 FSDP2 (torch.distributed.fsdp.fully_shard) over Gloo, one process per rank, with the same
 global batch, AdamW (betas 0.9/0.95, weight decay 0.1), gradient clipping at 1.0 and the same
-intra-op threads per rank as spmdx (cores / ranks). Tokens are random: only time is compared.
+intra-op threads per rank as spmdx (cores / ranks); or, mode cuda, in one process on cuda:0
+(float32 with TF32 off, as spmdx's training.allow_tf32 = false; NPROC must be 1), each step's
+time taken after torch.cuda.synchronize(). Tokens are random: only time is compared.
 
 Prints one line on rank 0: "MODE median_step_ms tokens_per_s".
-Usage: python torch_llama.py ddp|fsdp NPROC STEPS [FLAVOR] [LOCAL_BATCH] [SEQ_LEN]
+Usage: python torch_llama.py ddp|fsdp|cuda NPROC STEPS [FLAVOR] [LOCAL_BATCH] [SEQ_LEN]
        (defaults: debugmodel, 4, 128; steps 1-2 are warm-up and not counted, so STEPS >= 3)"""
 import os
 import socket
@@ -23,6 +25,7 @@ import torch.nn.functional as F
 FLAVORS = {  # spmdx's models::model_args
     "tiny": dict(dim=64, n_layers=2, n_heads=4, ffn_hidden=192),
     "debugmodel": dict(dim=256, n_layers=6, n_heads=16, ffn_hidden=768),
+    "large": dict(dim=2048, n_layers=8, n_heads=16, ffn_hidden=5632),
 }
 VOCAB = 256  # spmdx's "byte" tokenizer
 
@@ -83,6 +86,33 @@ class Llama(nn.Module):
         return self.output(self.norm(h))
 
 
+def train(model, steps, local_batch, seq_len, seed, before_step, device="cpu"):
+    """Runs STEPS steps; returns their times in seconds. before_step() runs before each step's clock
+    starts (a barrier, or a CUDA synchronize); the clock stops after the next one."""
+    opt = torch.optim.AdamW(model.parameters(), lr=8e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    g = torch.Generator().manual_seed(seed)
+    times = []
+    for step in range(steps):
+        tokens = torch.randint(0, VOCAB, (local_batch, seq_len + 1), generator=g).to(device)
+        before_step()
+        t0 = time.perf_counter()
+        logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if device != "cpu":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def result(mode, times, tokens_per_step):
+    ms = statistics.median(times[2:]) * 1e3
+    return f"{mode} {ms:.1f} {tokens_per_step / ms * 1e3:.0f}"
+
+
 def worker(rank, mode, n, steps, flavor, local_batch, seq_len, port, queue):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // n))
@@ -96,24 +126,21 @@ def worker(rank, mode, n, steps, flavor, local_batch, seq_len, port, queue):
         for layer in model.layers:
             fully_shard(layer)
         fully_shard(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=8e-4, betas=(0.9, 0.95), weight_decay=0.1)
-    g = torch.Generator().manual_seed(rank)
-    times = []
-    for step in range(steps):
-        tokens = torch.randint(0, VOCAB, (local_batch, seq_len + 1), generator=g)
-        dist.barrier()
-        t0 = time.perf_counter()
-        logits = model(tokens[:, :-1])
-        loss = F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - t0)
+    times = train(model, steps, local_batch, seq_len, rank, dist.barrier)
     if rank == 0:
-        ms = statistics.median(times[2:]) * 1e3
-        queue.put(f"{mode} {ms:.1f} {local_batch * n * seq_len / ms * 1e3:.0f}")
+        queue.put(result(mode, times, local_batch * n * seq_len))
     dist.destroy_process_group()
+
+
+def run_cuda(steps, flavor, local_batch, seq_len):
+    if not torch.cuda.is_available():
+        sys.exit("cuda: torch sees no CUDA device (torch " + torch.__version__ + ")")
+    torch.backends.cuda.matmul.allow_tf32 = False  # float32 as spmdx computes it (allow_tf32 = false)
+    torch.backends.cudnn.allow_tf32 = False
+    torch.manual_seed(42)
+    with torch.device("cuda:0"):
+        model = Llama(seq_len=seq_len, **FLAVORS[flavor])
+    print(result("cuda", train(model, steps, local_batch, seq_len, 0, torch.cuda.synchronize, "cuda:0"), local_batch * seq_len))
 
 
 def main():
@@ -121,8 +148,10 @@ def main():
     flavor = sys.argv[4] if len(sys.argv) > 4 else "debugmodel"
     local_batch = int(sys.argv[5]) if len(sys.argv) > 5 else 4
     seq_len = int(sys.argv[6]) if len(sys.argv) > 6 else 128
-    if mode not in ("ddp", "fsdp") or flavor not in FLAVORS or steps < 3:
+    if mode not in ("ddp", "fsdp", "cuda") or flavor not in FLAVORS or steps < 3 or (mode == "cuda" and n != 1):
         sys.exit(__doc__)
+    if mode == "cuda":
+        return run_cuda(steps, flavor, local_batch, seq_len)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
