@@ -73,6 +73,41 @@ TEST(Run, NRanksGiveTheLossesOfOneRankForEachLayout) {
   }
 }
 
+// Activation checkpointing recomputes forward values in the backward (TP's all_reduce issued
+// again, FSDP's parameters gathered again): the same losses bit for bit, on one rank and on
+// FSDP x TP, with less memory held at the peak.
+TEST(Run, ActivationCheckpointingChangesNoLossAndLowersThePeak) {
+  test::TempDir dir;
+  const std::string common = " --data.paths '" + corpus_file(dir) + "' --training.steps 3 --training.global_batch_size 8 --training.seq_len 64";
+  for (const auto& [layout, nproc] : std::vector<std::pair<std::string, int>>{
+           {"--parallelism.data_parallel_shard_degree 1", 1},
+           {"--parallelism.data_parallel_shard_degree 2 --parallelism.tensor_parallel_degree 2", 4}}) {
+    std::map<std::string, std::vector<double>> loss, peak;
+    for (const std::string mode : {"none", "full", "selective"}) {
+      const fs::path out = dir / (mode + std::to_string(nproc));
+      auto r = spmdx_run("'" SPMDX_SOURCE_DIR "/configs/llama_fsdp.toml' --nproc " + std::to_string(nproc) + " " + layout +
+                         " --activation_checkpoint.mode " + mode + " --job.dump_folder '" + out.string() + "'" + common);
+      ASSERT_EQ(r.exit_code, 0) << mode << "\n" << r.output;
+      if (mode != "none") {
+        EXPECT_THAT(r.output, HasSubstr("activation checkpointing " + mode));
+      }
+      loss[mode] = losses(out / "metrics.jsonl");
+      peak[mode] = test::column(out / "metrics.jsonl", "peak_mem_bytes");
+    }
+    EXPECT_EQ(loss["full"], loss["none"]) << nproc << " ranks";
+    EXPECT_EQ(loss["selective"], loss["none"]) << nproc << " ranks";
+    EXPECT_LT(peak["full"].back(), 0.8 * peak["none"].back()) << nproc << " ranks";
+    EXPECT_LT(peak["selective"].back(), peak["none"].back()) << nproc << " ranks";
+  }
+}
+
+TEST(Run, ABadSelectiveCheckpointOptionFailsBeforeAnyRankStarts) {
+  auto r = spmdx_run("'" SPMDX_SOURCE_DIR "/configs/mlp_dp.toml' --nproc 2 --activation_checkpoint.mode selective --activation_checkpoint.selective_ac_option every2");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.output, HasSubstr("activation_checkpoint.selective_ac_option = \"every2\": use \"op\""));
+  EXPECT_THAT(r.output, ::testing::Not(HasSubstr("[rank")));
+}
+
 // The RuntimePlan changes when collectives run, never what they compute: bucketing (small
 // buckets: many of them), prefetch and overlap on give the losses of all of them off, bit for bit.
 TEST(Run, BucketingPrefetchAndOverlapChangeNoLoss) {

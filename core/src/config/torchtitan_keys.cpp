@@ -83,7 +83,8 @@ const std::vector<TitanKey>& table() {
       {"comm.save_traces_folder", K::ignored, "", {}, "the flight recorder writes <job.dump_folder>/hooks/flight_recorder"},
       {"profiling.*", K::ignored, "", {}, "spmdx has no PyTorch profiler traces yet (the timeline hook records every op: hooks.enable = [\"timeline\"])"},
       {"activation_checkpoint.*", K::ignored, "", {},
-       "spmdx keeps every activation (no activation checkpointing yet): it changes the memory, not the numbers"},
+       "it tunes torchtitan's checkpoint wrapper; spmdx's recomputation is a graph pass set by activation_checkpoint.mode and "
+       "selective_ac_option, and changes the memory, not the numbers"},
       {"compile.*", K::ignored, "", {}, "spmdx always runs the train step as one compiled static graph"},
       {"float8.*", K::ignored, "", {}, "options of torchtitan's float8 converter, used only when model.converters lists it"},
       {"mx.*", K::ignored, "", {}, "options of torchtitan's MX converter, used only when model.converters lists it"},

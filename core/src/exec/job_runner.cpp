@@ -628,6 +628,7 @@ void resume_from(const std::filesystem::path& ckpt_dir, std::int64_t step, const
 }
 
 void print_banner(const train::JobSpec& spec, const train::PlacedJob& job, const launch::RankEnv& env, const CommBackend* backend, const Device& device) {
+  using train::CheckpointReport;
   double params = 0;
   for (const auto& p : job.model.params) params += static_cast<double>(job.model.graph.find_input(p)->meta().numel());
   std::printf("spmdx: %s (%.2fM parameters), mesh %s (%d rank%s, %s), global batch %lld x %lld, %lld steps, comm %s\n",
@@ -635,6 +636,11 @@ void print_banner(const train::JobSpec& spec, const train::PlacedJob& job, const
               job.mesh.str().c_str(), env.world_size, env.world_size == 1 ? "" : "s", env.source.c_str(), static_cast<long long>(spec.global_batch_size),
               static_cast<long long>(spec.seq_len), static_cast<long long>(spec.steps),
               backend ? ((spec.comm.backend == "auto" ? "auto -> " : "") + backend->describe()).c_str() : "none (one rank)");
+  if (const CheckpointReport& ac = job.checkpointed; spec.activation_checkpoint.mode != "none") {
+    std::printf("activation checkpointing %s%s: %lld layers recompute %lld nodes in the backward; %s of forward values (global) not kept\n",
+                spec.activation_checkpoint.mode.c_str(), spec.activation_checkpoint.mode == "selective" ? (" (" + spec.activation_checkpoint.selective_option + ")").c_str() : "",
+                static_cast<long long>(ac.layers), static_cast<long long>(ac.recomputed_nodes), human_bytes(static_cast<double>(ac.freed_bytes)).c_str());
+  }
   if (device.compute_stream() != nullptr) {
     std::printf("device %s (rank 0's)%s\n", device.describe().c_str(), spec.device.cuda_graphs ? ", CUDA graphs: step 1 eager, then captured once and replayed" : "");
   }

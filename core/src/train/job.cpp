@@ -180,6 +180,7 @@ void read_sections(const config::Config& cfg, JobSpec& s) {
   s.comm = {cfg.get_string("comm.backend"), cfg.get_string("comm.swap_to"), cfg.get_int("comm.swap_at_step"), cfg.get_float("comm.timeout_seconds"),
             comm::job_memory(cfg.get_string("training.device"))};
   s.device = {cfg.get_string("training.device"), cfg.get_bool("training.allow_tf32"), cfg.get_bool("training.cuda_graphs")};
+  s.activation_checkpoint = {cfg.get_string("activation_checkpoint.mode"), cfg.get_string("activation_checkpoint.selective_ac_option")};
   const std::filesystem::path dump = cfg.get_string("job.dump_folder");
   s.checkpoint = {cfg.get_bool("checkpoint.enable"), dump / cfg.get_string("checkpoint.folder"), cfg.get_int("checkpoint.interval"),
                   cfg.get_int("checkpoint.load_step")};
@@ -219,6 +220,11 @@ JobSpec job_spec(const config::Config& cfg, std::int64_t world_size, std::int64_
   s.step.adamw = {cfg.get_float("optimizer.beta1"), cfg.get_float("optimizer.beta2"), cfg.get_float("optimizer.eps"),
                   cfg.get_float("optimizer.weight_decay")};
   read_sections(cfg, s);
+  if (const std::string& o = s.activation_checkpoint.selective_option; s.activation_checkpoint.mode == "selective" && o != "op" &&
+      (o.empty() || o.size() > 9 || o.find_first_not_of("0123456789") != std::string::npos || std::stoll(o) <= 0)) {
+    fail({"activation_checkpoint.selective_ac_option"}, "activation_checkpoint.selective_ac_option = \"" + o +
+         "\": use \"op\" (keep matmul and attention outputs) or a positive integer N (every N-th layer in full), as torchtitan");
+  }
   if (s.device.cuda_graphs && s.device.kind != "cuda") {
     fail({"training.cuda_graphs", "training.device"}, "training.cuda_graphs = true needs training.device = \"cuda\" (CUDA graphs are a GPU feature)");
   } else if (s.device.cuda_graphs && world_size > 1) {
@@ -438,7 +444,11 @@ void discover_plugins(PluginRegistry& registry, const config::Config& cfg) {
 
 PlacedJob place_job(const JobSpec& spec, PluginRegistry& registry) {
   PlacedJob job{models::build_model(spec.model, spec.global_batch_size, spec.seq_len), sharding::make_mesh(spec.dims, spec.world_size), {}, {}, {}, spec.reshard_after_forward};
+  const std::size_t forward_nodes = job.model.graph.num_nodes();
   append_train_step(job.model.graph, job.model.params, spec.step);
+  if (spec.activation_checkpoint.mode != "none") {
+    job.model.graph = checkpoint_activations(job.model.graph, forward_nodes, job.model.params, spec.activation_checkpoint, &job.checkpointed);
+  }
   StrategyInput in;
   for (const auto& init : job.model.init) {
     if (init.trainable) in.parameters.push_back({init.name, init.shape});

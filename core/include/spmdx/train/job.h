@@ -19,6 +19,7 @@
 #include "spmdx/sharding/distribute.h"
 #include "spmdx/plan/runtime_plan.h"
 #include "spmdx/sharding/parallelize.h"
+#include "spmdx/train/activation_checkpoint.h"
 #include "spmdx/train/train_step.h"
 
 namespace spmdx::train {
@@ -84,6 +85,7 @@ struct JobSpec {
   /// config names one (others: sharding::strategy_for's defaults).
   std::map<std::string, std::string> strategies;
   DeviceSpec device;          ///< training.device, allow_tf32, cuda_graphs
+  ActivationCheckpoint activation_checkpoint;  ///< [activation_checkpoint]
   CommSpec comm;              ///< [comm] but the plan's options
   CheckpointSpec checkpoint;  ///< [checkpoint]
   DataSpec data;              ///< [data] and model.tokenizer
@@ -158,7 +160,10 @@ struct PlacedJob {
   std::map<std::string, sharding::Placements> outputs;
   std::map<std::string, sharding::Placements> use;  ///< parameters' placements at use (FSDP unshard)
   bool reshard_after_forward = true;
+  CheckpointReport checkpointed{};  ///< what activation checkpointing did to model.graph
 };
+/// The model's train-step graph (with activation checkpointing as the spec asks) and where
+/// its inputs go on the mesh, by the strategy plugins.
 PlacedJob place_job(const JobSpec& spec, PluginRegistry& registry);
 
 /// "" when `spec_text` (comm.backend's form: "auto" or "name[:key=value;...]") names a comm
