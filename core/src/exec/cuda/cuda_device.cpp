@@ -83,8 +83,10 @@ class CudaDevice final : public Device {
 
   std::unique_ptr<CapturedStep> capture(const std::function<void()>& body) override {
     auto step = std::make_unique<CudaGraphStep>();
-    // As torch.cuda.graph: start from an idle device, so that capture sees no work of before.
+    // As torch.cuda.graph: start from an idle device, so that capture sees no work of before,
+    // and hand the eager steps' cached blocks back (the graph's private pool cannot use them).
     stream_->synchronize();
+    c10::cuda::CUDACachingAllocator::emptyCache();
     step->graph_.capture_begin();
     try {
       body();
