@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 torch.set_default_dtype(torch.float64)
+PERTURB_NORM_IN_BF16 = False  # --perturb norm_in_bf16
 
 # torchtitan's llama3 flavors (TransformerModelArgs), and spmdx's own `tiny`.
 FLAVORS = {
@@ -91,13 +92,17 @@ def precompute_freqs_cis(dim, end, theta):
 
 
 def apply_rotary_emb(xq, xk, freqs_cis):
-    xq_ = torch.view_as_complex(xq.reshape(*xq.shape[:-1], -1, 2))
-    xk_ = torch.view_as_complex(xk.reshape(*xk.shape[:-1], -1, 2))
+    # torchtitan's: in float (complex64 at least), the result cast back to xq's dtype.
+    xq_ = torch.view_as_complex(xq.double().reshape(*xq.shape[:-1], -1, 2))
+    xk_ = torch.view_as_complex(xk.double().reshape(*xk.shape[:-1], -1, 2))
     f = freqs_cis[: xq.shape[1]].view(1, xq.shape[1], 1, xq_.shape[-1])
-    return torch.view_as_real(xq_ * f).flatten(3), torch.view_as_real(xk_ * f).flatten(3)
+    return torch.view_as_real(xq_ * f).flatten(3).type_as(xq), torch.view_as_real(xk_ * f).flatten(3).type_as(xk)
 
 
 def rms_norm(x, w, eps):
+    if x.dtype == torch.bfloat16 and not PERTURB_NORM_IN_BF16:  # torchtitan's RMSNorm: normalise x.float(), then type_as(x)
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).type_as(x) * w
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
@@ -148,14 +153,25 @@ def main():
     ap.add_argument("--tolerance", type=float, default=2e-6)
     ap.add_argument("--dump", help="spmdx's dump folder (default: a temporary one)")
     ap.add_argument("--table", help="also write the per-step comparison here, as JSON")
-    ap.add_argument("--perturb", choices=["none", "norm_eps", "rope_scaling", "norm_decay"], default="none",
-                    help="change the reference as a bug in spmdx would (norm eps 1e-6, no RoPE scaling, no weight decay on norms): the comparison must fail")
+    ap.add_argument("--perturb", choices=["none", "norm_eps", "rope_scaling", "norm_decay", "norm_in_bf16"], default="none",
+                    help="change the reference as a bug in spmdx would (norm eps 1e-6, no RoPE scaling, no weight decay on norms, "
+                    "norms computed in bfloat16 under --mixed-precision): the comparison must fail")
+    ap.add_argument("--mixed-precision", choices=["none", "bfloat16"], default="none",
+                    help="bfloat16: as FSDP2's MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32) under torchtitan: float32 "
+                    "master weights and AdamW, the forward and backward on bfloat16 copies of the weights, norms and the loss in float32; "
+                    "spmdx runs with --training.mixed_precision_param bfloat16")
+    ap.add_argument("--first-loss-tolerance", type=float, default=1e-6,
+                    help="under --mixed-precision, the first step's loss (same weights, same batch: only where the casts are can differ) "
+                    "must agree this closely; later steps carry bfloat16's rounding and are held to --tolerance")
     ap.add_argument("run", nargs="*", help="more `spmdx run` options (after --), e.g. --nproc 4 --parallelism.tensor_parallel_degree 2")
     args = ap.parse_args()
 
     dump = args.dump or tempfile.mkdtemp(prefix="spmdx-reference-")
     run = [args.spmdx, "run", args.config, "--training.steps", str(args.steps), "--job.dump_folder", dump, "--debug.dump_batches", "true",
            "--debug.dump_initial_weights", "true", "--checkpoint.enable", "true", "--checkpoint.interval", "1"] + args.run
+    mixed = args.mixed_precision == "bfloat16"
+    if mixed:
+        run += ["--training.mixed_precision_param", "bfloat16"]
     if "--nproc" not in args.run:
         run += ["--nproc", "1"]
     cfg = tomllib.loads(subprocess.run(run + ["--print-config"], check=True, capture_output=True, text=True).stdout)
@@ -167,12 +183,15 @@ def main():
     a = dict(FLAVORS[cfg["model"]["flavor"]])
     if args.perturb == "norm_eps":
         a["norm_eps"] = 1e-6
+    if args.perturb == "norm_in_bf16":
+        global PERTURB_NORM_IN_BF16
+        PERTURB_NORM_IN_BF16 = True
     if args.perturb == "rope_scaling":
         ROPE_SCALING["scaling_factor"] = 1.0
     assert cfg["model"]["name"] == "llama", "the reference is Llama 3"
     init = read_safetensors(os.path.join(dump, "debug", "initial.safetensors"))
     names = [n for n in init if not n.startswith("rope.")]  # the rope tables are spmdx's: the reference makes its own
-    p = {n: torch.tensor(init[n], dtype=torch.float64, requires_grad=True) for n in names}
+    p = {n: torch.tensor(init[n], dtype=torch.float32 if mixed else torch.float64, requires_grad=True) for n in names}
     a["vocab_size"] = p["tok_embeddings.weight"].shape[0]
     assert p["layers.0.feed_forward.w1.weight"].shape[0] == ffn_hidden(a), "spmdx's FFN size is not torchtitan's"
     seq_len = cfg["training"]["seq_len"]
@@ -194,8 +213,8 @@ def main():
         tokens = torch.from_numpy(np.load(os.path.join(dump, "debug", "batches", f"step-{step}.tokens.npy")))
         labels = torch.from_numpy(np.load(os.path.join(dump, "debug", "batches", f"step-{step}.labels.npy")))
         opt.zero_grad()
-        logits = forward(p, a, tokens, freqs_cis)
-        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(0, 1))
+        logits = forward({n: t.to(torch.bfloat16) for n, t in p.items()} if mixed else p, a, tokens, freqs_cis)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(list(p.values()), cfg["training"]["max_norm"], foreach=True)
         opt.step()
@@ -220,6 +239,8 @@ def main():
     if args.table:
         with open(args.table, "w") as f:
             json.dump(rows, f, indent=1)
+    if mixed and rows[0]["loss_rel"] > args.first_loss_tolerance:
+        sys.exit(f"spmdx differs from the bfloat16 reference past {args.first_loss_tolerance:.0e}: step 1: loss is off by {rows[0]['loss_rel']:.2e} relative")
     print(f"largest relative difference {worst[0]:.2e} at {worst[1]} (tolerance {args.tolerance:.0e})")
     if worst[0] > args.tolerance:
         sys.exit(f"spmdx differs from the float64 reference past {args.tolerance:.0e}: {worst[1]} is off by {worst[0]:.2e} relative")

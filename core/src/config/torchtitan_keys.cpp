@@ -25,8 +25,6 @@ const std::vector<TitanKey>& table() {
        "spmdx reads text or JSON Lines files: set data.paths"},
       {"training.dataset_path", K::unsupported, "torchtitan's data set folders", {}, "spmdx reads text or JSON Lines files: set data.paths"},
       {"training.enable_cpu_offload", K::unsupported, "CPU offload of FSDP state", {"false"}, ""},
-      {"training.mixed_precision_param", K::unsupported, "mixed precision", {"\"float32\""}, "spmdx trains in float32: set \"float32\" or remove the key"},
-      {"training.mixed_precision_reduce", K::unsupported, "mixed precision", {"\"float32\""}, ""},
       {"parallelism.pipeline_parallel_degree", K::unsupported, "pipeline parallelism", {"1"}, ""},
       {"parallelism.context_parallel_degree", K::unsupported, "context parallelism", {"1"}, ""},
       {"parallelism.expert_parallel_degree", K::unsupported, "expert parallelism", {"1"}, ""},

@@ -641,6 +641,10 @@ void print_banner(const train::JobSpec& spec, const train::PlacedJob& job, const
                 spec.activation_checkpoint.mode.c_str(), spec.activation_checkpoint.mode == "selective" ? (" (" + spec.activation_checkpoint.selective_option + ")").c_str() : "",
                 static_cast<long long>(ac.layers), static_cast<long long>(ac.recomputed_nodes), human_bytes(static_cast<double>(ac.freed_bytes)).c_str());
   }
+  if (spec.mixed_precision.param != "float32") {
+    std::printf("mixed precision: %s parameters, %s reduce (matmuls and attention in %s; norms, loss and AdamW in float32 on float32 master weights)\n",
+                spec.mixed_precision.param.c_str(), spec.mixed_precision.reduce.c_str(), spec.mixed_precision.param.c_str());
+  }
   if (device.compute_stream() != nullptr) {
     std::printf("device %s (rank 0's)%s\n", device.describe().c_str(), spec.device.cuda_graphs ? ", CUDA graphs: step 1 eager, then captured once and replayed" : "");
   }

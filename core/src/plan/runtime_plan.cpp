@@ -48,17 +48,31 @@ struct PlanBuilder {
     return best;
   }
 
+  // The graph input a chain's root all_gather moves: its input, or the input of the cast
+  // that feeds it (a parameter in mixed precision); nullptr for neither.
+  static const ir::Value* gathered_param(const ir::Node* n) {
+    const ir::Value* in = n->input(0);
+    if (in->producer() == nullptr) return in;
+    const ir::Node* c = in->producer();
+    return c->op() == "cast" && c->input(0)->producer() == nullptr ? c->input(0) : nullptr;
+  }
+
   // Prefetch: the parameters' redistributions (an all_gather of a graph input, and the
-  // communication nodes fed only by it: TP's steps after FSDP's all_gather) form chains.
+  // communication nodes fed only by it: TP's steps after FSDP's all_gather) form chains. In
+  // mixed precision the all_gather reads the parameter's cast: the cast joins the chain of its
+  // first all_gather (FSDP2 casts as it unshards).
   void find_chains() {
     if (options.prefetch) {
       for (int i = 0; i < n_nodes; ++i) {
         const ir::Node* n = nodes[static_cast<std::size_t>(i)];
         if (!sharding::is_communication(n->op())) continue;
         const ir::Value* in = n->input(0);
-        if (in->producer() == nullptr) {
-          if (n->op() == "all_gather") chain_of[static_cast<std::size_t>(i)] = i;
-        } else {
+        if (n->op() == "all_gather" && gathered_param(n) != nullptr) {
+          chain_of[static_cast<std::size_t>(i)] = i;
+          if (in->producer() != nullptr && chain_of[static_cast<std::size_t>(index.at(in->producer()))] < 0) {
+            chain_of[static_cast<std::size_t>(index.at(in->producer()))] = i;
+          }
+        } else if (in->producer() != nullptr && !(in->producer()->op() == "cast" && gathered_param(n) != nullptr)) {
           chain_of[static_cast<std::size_t>(i)] = chain_of[static_cast<std::size_t>(index.at(in->producer()))];
         }
       }
@@ -90,7 +104,7 @@ struct PlanBuilder {
     std::vector<int> group_first;  // per group: its first reader
     std::string layer;
     for (const auto& [first, root] : roots) {
-      const std::string l = models::layer_of(nodes[static_cast<std::size_t>(root)]->input(0)->name());
+      const std::string l = models::layer_of(gathered_param(nodes[static_cast<std::size_t>(root)])->name());
       if (group_first.empty() || l != layer) {
         group_first.push_back(first);
         layer = l;

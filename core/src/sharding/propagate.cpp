@@ -40,6 +40,10 @@ struct Propagator {
   // Placements graph outputs must end in: a strategy that produces them otherwise pays for the
   // redistribution (so the optimizer's new state comes out as its input was).
   std::map<const ir::Value*, Placements> demand;
+  // Casts that must run on their input as placed: a gradient's cast back to its parameter's
+  // dtype (mixed precision), so its reduction happens after it, in the parameter's dtype, as
+  // FSDP2's reduce_dtype = float32 does.
+  std::set<const ir::Node*> in_place;
   std::vector<std::int64_t> zero = std::vector<std::int64_t>(static_cast<std::size_t>(n), 0);
 
   static double bytes_of(const ir::Value* v, const Shape& seen) { return shape_bytes(seen, v->meta().dtype); }
@@ -61,6 +65,21 @@ struct Propagator {
         throw std::invalid_argument("use placements for '" + name + "': not a graph input, or not one placement per mesh dim");
       }
       hint[v] = use_of[v] = pl;
+      // A parameter read in another dtype (mixed precision) is redistributed after its cast, as
+      // FSDP2 all-gathers param_dtype shards (half the bytes in bf16); the optimizer reads it
+      // as stored.
+      bool only_cast = false;
+      for (const auto& u : v->uses()) {
+        if (u.user->op() == "cast") {
+          hint[u.user->output()] = use_of[u.user->output()] = pl;
+          if (plan.resharded.count(v) > 0) plan.resharded.insert(u.user->output());
+          only_cast = true;
+        } else if (u.user->op() != "adamw") {
+          only_cast = false;
+          break;
+        }
+      }
+      if (only_cast) hint.erase(v);
     }
     for (auto it = graph.nodes().rbegin(); it != graph.nodes().rend(); ++it) {
       const ir::Node& node = **it;
@@ -68,6 +87,7 @@ struct Propagator {
       if (node.op() == "mul" && hint.count(node.output()) && node.input(1)->meta().shape.empty()) {
         hint.emplace(node.input(0), hint.at(node.output()));
       }
+      if (node.op() == "cast" && hint.count(node.output()) && node.input(0)->producer() != nullptr) in_place.insert(&node);
     }
     for (const ir::Value* v : graph.inputs()) {
       if (auto h = hint.find(v); h != hint.end()) make(v, h->second);
@@ -96,6 +116,10 @@ struct Propagator {
         continue;
       }
       if (target == current || made.count({v, plan.version_key(v, target, &node)})) continue;
+      if (in_place.count(&node) > 0) {
+        total += 1e30;
+        continue;
+      }
       total += redistribute_bytes(current[static_cast<std::size_t>(i)], c.inputs[a], bytes_of(v, seen_in[a]), mesh.size(i));
       // Splitting a replicated input saves work now, but its result is often wanted whole
       // later: an all_gather, whose latency (alpha, in bytes at beta) the greedy choice

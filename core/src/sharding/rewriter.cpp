@@ -70,6 +70,9 @@ DistributedGraph rank_graph(const DistributedPlan& plan, std::int64_t rank) {
                           to_string(plan.placement.at(o)) + " says " + ir::shape_str(local_out[a]));
       }
       versions[{o, plan.version_key(o, plan.placement.at(o), nullptr)}] = ln->output(static_cast<int>(a));
+      // A resharded node output (a parameter's mixed-precision cast) in its own placement
+      // needs no redistribution after the forward either.
+      versions[{o, to_string(plan.placement.at(o)) + "#after-forward"}] = ln->output(static_cast<int>(a));
     }
   }
   for (const auto& [name, v] : plan.graph->outputs()) g.add_output(name, get(v, plan.outputs.at(name), nullptr));

@@ -181,6 +181,7 @@ void read_sections(const config::Config& cfg, JobSpec& s) {
             comm::job_memory(cfg.get_string("training.device"))};
   s.device = {cfg.get_string("training.device"), cfg.get_bool("training.allow_tf32"), cfg.get_bool("training.cuda_graphs")};
   s.activation_checkpoint = {cfg.get_string("activation_checkpoint.mode"), cfg.get_string("activation_checkpoint.selective_ac_option")};
+  s.mixed_precision = {cfg.get_string("training.mixed_precision_param"), cfg.get_string("training.mixed_precision_reduce")};
   const std::filesystem::path dump = cfg.get_string("job.dump_folder");
   s.checkpoint = {cfg.get_bool("checkpoint.enable"), dump / cfg.get_string("checkpoint.folder"), cfg.get_int("checkpoint.interval"),
                   cfg.get_int("checkpoint.load_step")};
@@ -444,6 +445,7 @@ void discover_plugins(PluginRegistry& registry, const config::Config& cfg) {
 
 PlacedJob place_job(const JobSpec& spec, PluginRegistry& registry) {
   PlacedJob job{models::build_model(spec.model, spec.global_batch_size, spec.seq_len), sharding::make_mesh(spec.dims, spec.world_size), {}, {}, {}, spec.reshard_after_forward};
+  if (spec.mixed_precision.param == "bfloat16") job.model.graph = cast_for_mixed_precision(job.model.graph, ir::DType::bf16);
   const std::size_t forward_nodes = job.model.graph.num_nodes();
   append_train_step(job.model.graph, job.model.params, spec.step);
   if (spec.activation_checkpoint.mode != "none") {

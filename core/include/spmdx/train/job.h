@@ -20,6 +20,7 @@
 #include "spmdx/plan/runtime_plan.h"
 #include "spmdx/sharding/parallelize.h"
 #include "spmdx/train/activation_checkpoint.h"
+#include "spmdx/train/mixed_precision.h"
 #include "spmdx/train/train_step.h"
 
 namespace spmdx::train {
@@ -86,6 +87,7 @@ struct JobSpec {
   std::map<std::string, std::string> strategies;
   DeviceSpec device;          ///< training.device, allow_tf32, cuda_graphs
   ActivationCheckpoint activation_checkpoint;  ///< [activation_checkpoint]
+  MixedPrecision mixed_precision;              ///< training.mixed_precision_param, mixed_precision_reduce
   CommSpec comm;              ///< [comm] but the plan's options
   CheckpointSpec checkpoint;  ///< [checkpoint]
   DataSpec data;              ///< [data] and model.tokenizer
@@ -162,8 +164,8 @@ struct PlacedJob {
   bool reshard_after_forward = true;
   CheckpointReport checkpointed{};  ///< what activation checkpointing did to model.graph
 };
-/// The model's train-step graph (with activation checkpointing as the spec asks) and where
-/// its inputs go on the mesh, by the strategy plugins.
+/// The model's train-step graph (with mixed precision and activation checkpointing as the spec
+/// asks) and where its inputs go on the mesh, by the strategy plugins.
 PlacedJob place_job(const JobSpec& spec, PluginRegistry& registry);
 
 /// "" when `spec_text` (comm.backend's form: "auto" or "name[:key=value;...]") names a comm
