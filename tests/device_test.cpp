@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "spmdx/exec/device.h"
@@ -21,12 +22,11 @@ namespace {
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 
-TEST(Device, CpuDeviceHasNoStreamAndNoAllocatorStatistics) {
+TEST(Device, CpuDeviceHasNoStream) {
   auto cpu = make_device({"cpu", 0, false});
   EXPECT_EQ(cpu->device(), c10::Device(c10::DeviceType::CPU));
   EXPECT_EQ(cpu->memory(), MemoryType::host);
   EXPECT_EQ(cpu->compute_stream(), nullptr);
-  EXPECT_EQ(cpu->peak_memory_bytes(), -1);
   EXPECT_EQ(cpu->describe(), "cpu");
   try {
     cpu->capture([] {});
@@ -34,6 +34,37 @@ TEST(Device, CpuDeviceHasNoStreamAndNoAllocatorStatistics) {
   } catch (const std::runtime_error& e) {
     EXPECT_THAT(e.what(), HasSubstr("training.device = \"cuda\""));
   }
+}
+
+// The CPU device counts every ATen CPU allocation, as the CUDA caching allocator does on a GPU:
+// the peak since the reset, temporaries inside a kernel included, and tensors made before the
+// device (by c10's default allocator) freed safely.
+TEST(Device, CpuDeviceCountsThePeakOfAllocatedBytes) {
+  const at::Tensor before = at::ones({1000}, at::kFloat);  // may come from c10's default allocator
+  auto cpu = make_device({"cpu", 0, false});
+  cpu->reset_peak_memory();
+  const std::int64_t base = cpu->peak_memory_bytes();
+  EXPECT_GE(base, 0);
+  {
+    at::Tensor a = at::empty({1 << 20}, at::kFloat);  // 4 MiB
+    EXPECT_EQ(cpu->peak_memory_bytes(), base + (4 << 20));
+    at::Tensor b = at::empty({1 << 18}, at::kDouble);  // 2 MiB more
+    EXPECT_EQ(cpu->peak_memory_bytes(), base + (6 << 20));
+  }
+  EXPECT_EQ(cpu->peak_memory_bytes(), base + (6 << 20)) << "the peak stays after the tensors go";
+  cpu->reset_peak_memory();
+  EXPECT_EQ(cpu->peak_memory_bytes(), base) << "their bytes were given back";
+  // A temporary: exp(x) + x makes exp(x) (4 MiB) and the sum (4 MiB) before exp(x) goes.
+  const at::Tensor x = at::zeros({1 << 20}, at::kFloat);
+  cpu->reset_peak_memory();
+  const at::Tensor y = at::exp(x) + x;
+  EXPECT_EQ(cpu->peak_memory_bytes(), base + (4 << 20) + (8 << 20));
+  EXPECT_EQ(y[7].item<float>(), 1.0f);
+  EXPECT_EQ(before.sum().item<float>(), 1000.0f);
+  // From another thread (a comm thread, ATen's intra-op pool) too.
+  cpu->reset_peak_memory();
+  std::thread([] { at::Tensor t = at::empty({1 << 20}, at::kFloat); }).join();
+  EXPECT_EQ(cpu->peak_memory_bytes(), base + (12 << 20)) << "x and y held, and the thread's 4 MiB";
 }
 
 TEST(Device, CudaWithoutAGpuSaysWhyAndWhatToDo) {

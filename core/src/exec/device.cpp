@@ -1,9 +1,13 @@
 #include "spmdx/exec/device.h"
 
+#include <c10/core/CPUAllocator.h>
+#include <c10/core/impl/alloc_cpu.h>
 #include <dlfcn.h>
 
 #define BOOST_DLL_USE_STD_FS  // std::filesystem, as registry.cpp: no Boost.Filesystem library
 #include <boost/dll/shared_library.hpp>
+#include <atomic>
+#include <cstring>
 #include <filesystem>
 #include <mutex>
 #include <stdexcept>
@@ -11,14 +15,66 @@
 namespace spmdx::exec {
 namespace {
 
+// The CPU's memory statistics, as the CUDA caching allocator keeps them for a GPU: every CPU
+// tensor's bytes go through this allocator (installed as c10's CPU allocator when the first
+// CpuDevice is made), which counts the bytes allocated now and their peak. Blocks come from
+// c10::alloc_cpu, as c10's DefaultCPUAllocator takes them; each carries its size in a 64-byte
+// header (c10's alignment), so data and context stay one pointer and ATen's raw interface
+// (raw_allocate, raw_deleter) works.
+class CountingCpuAllocator final : public c10::Allocator {
+ public:
+  static constexpr std::size_t kHeader = 64;
+
+  static CountingCpuAllocator& instance() {
+    static CountingCpuAllocator* allocator = [] {
+      auto* a = new CountingCpuAllocator();  // never freed: tensors outlive any owner
+      c10::SetCPUAllocator(a, /*priority=*/1);
+      return a;
+    }();
+    return *allocator;
+  }
+
+  c10::DataPtr allocate(std::size_t n) override {
+    if (n == 0) return {nullptr, nullptr, &release, c10::Device(c10::DeviceType::CPU)};
+    auto* base = static_cast<char*>(c10::alloc_cpu(n + kHeader));
+    std::memcpy(base, &n, sizeof n);
+    add(static_cast<std::int64_t>(n));
+    void* data = base + kHeader;
+    return {data, data, &release, c10::Device(c10::DeviceType::CPU)};
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return &release; }
+  void copy_data(void* dest, const void* src, std::size_t count) const override { default_copy_data(dest, src, count); }
+
+  std::int64_t peak() const { return peak_.load(std::memory_order_relaxed); }
+  void reset_peak() { peak_.store(allocated_.load(std::memory_order_relaxed), std::memory_order_relaxed); }
+
+ private:
+  static void release(void* data) {
+    if (data == nullptr) return;
+    char* base = static_cast<char*>(data) - kHeader;
+    std::size_t n = 0;
+    std::memcpy(&n, base, sizeof n);
+    instance().add(-static_cast<std::int64_t>(n));
+    c10::free_cpu(base);
+  }
+  void add(std::int64_t bytes) {
+    const std::int64_t now = allocated_.fetch_add(bytes, std::memory_order_relaxed) + bytes;
+    std::int64_t peak = peak_.load(std::memory_order_relaxed);
+    while (now > peak && !peak_.compare_exchange_weak(peak, now, std::memory_order_relaxed)) {
+    }
+  }
+  std::atomic<std::int64_t> allocated_{0}, peak_{0};
+};
+
 class CpuDevice final : public Device {
  public:
   c10::Device device() const override { return c10::Device(c10::DeviceType::CPU); }
   MemoryType memory() const override { return MemoryType::host; }
   void* compute_stream() const override { return nullptr; }
   void synchronize() override {}
-  std::int64_t peak_memory_bytes() const override { return -1; }
-  void reset_peak_memory() override {}
+  CpuDevice() { CountingCpuAllocator::instance(); }
+  std::int64_t peak_memory_bytes() const override { return CountingCpuAllocator::instance().peak(); }
+  void reset_peak_memory() override { CountingCpuAllocator::instance().reset_peak(); }
   std::string describe() const override { return "cpu"; }
   std::unique_ptr<CapturedStep> capture(const std::function<void()>&) override {
     throw std::runtime_error("CUDA graphs need training.device = \"cuda\" (training.cuda_graphs is for GPUs)");

@@ -45,9 +45,11 @@ class Device {
   /// the CPU. Throws std::runtime_error for an error a kernel raised asynchronously.
   virtual void synchronize() = 0;
   /// Peak memory, in bytes, of the tensors allocated on the device since the last
-  /// reset_peak_memory() (the CUDA caching allocator's allocated_bytes peak, as
-  /// torch.cuda.max_memory_allocated), or -1 where the device keeps no statistics (the CPU:
-  /// the executor counts its own tensors there).
+  /// reset_peak_memory(): on a GPU the CUDA caching allocator's allocated_bytes peak (as
+  /// torch.cuda.max_memory_allocated); on the CPU the peak of the bytes held by c10's CPU
+  /// allocator, which the first CPU device replaces with one that counts (every ATen CPU
+  /// tensor of the process, kernels' temporaries included, any thread). -1 where the device
+  /// keeps no statistics.
   virtual std::int64_t peak_memory_bytes() const = 0;
   virtual void reset_peak_memory() = 0;
   /// For logs: "cpu", or "cuda:0 (NVIDIA H200, 139.8 GiB, TF32 off)".
