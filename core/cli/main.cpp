@@ -22,6 +22,7 @@
 #include "spmdx/ir/serialize.h"
 #include "spmdx/sharding/distribute.h"
 #include "spmdx/train/job.h"
+#include "spmdx/train/memory_budget.h"
 #include "spmdx/launch/launcher.h"
 #include "spmdx/comm/bench.h"
 #include "spmdx/comm/select.h"
@@ -350,6 +351,7 @@ int run_compile(const CompileOptions& o) {
     std::cout << "hooks (" << spmdx::join(cfg.get_list("hooks.enable")) << ") ran on the compile stages; their files are under "
               << (fs::path(cfg.get_string("job.dump_folder")) / "hooks").string() << "\n";
   }
+  const spmdx::train::PlannedStep planned = spmdx::train::plan_step(job, spec);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   const double param = static_cast<double>(spmdx::train::local_parameter_bytes(job, 0));
   char comm_ms[32];
@@ -359,7 +361,9 @@ int run_compile(const CompileOptions& o) {
             << "per rank (rank 0): parameters " << spmdx::human_bytes(param) << ", gradients " << spmdx::human_bytes(param) << ", AdamW state "
             << spmdx::human_bytes(2 * param) << ", communication " << spmdx::human_bytes(plan.comm_bytes) << " sent per step (about "
             << comm_ms << " ms at 10 GB/s, 10 us per message)\n"
-            << "planned in " << seconds << " s" << (o.fake ? " (--fake: no ranks started" : " (no ranks started")
+            << "planned peak per rank (rank 0): " << planned.memory.str() << "\n"
+            << (spec.memory_fit.empty() ? "" : spec.memory_fit + "\n")
+            << "planned in " << std::fixed << std::setprecision(3) << seconds << " s" << std::defaultfloat << (o.fake ? " (--fake: no ranks started" : " (no ranks started")
             << (dumped_ranks ? "; wrote " + o.dump + " with " + std::to_string(dumped_ranks) + " rank graph(s))" : ")") << "\n";
   return 0;
 }

@@ -92,8 +92,18 @@ DistributedExecutor::DistributedExecutor(const ir::Graph& graph, const sharding:
     kernels_.push_back(k);
   }
   plan_ = plan::make_runtime_plan(graph, mesh, options);
-  // Each value is released after its last reader in the plan's order.
+  // Each value is released after its last reader in the plan's order; the memory plan says
+  // which kernels write into a dying input instead of new storage.
   dead_ = ir::release_after(graph, plan_.order);
+  memory_ = plan::plan_memory(graph, plan_);
+  in_place_.assign(nodes_.size(), nullptr);
+  for (std::size_t i = 0; i < nodes_.size(); ++i) {
+    const auto& into = memory_.in_place[i];
+    if (std::any_of(into.begin(), into.end(), [](int j) { return j >= 0; })) {
+      in_place_[i] = find_in_place_kernel(nodes_[i]->op());
+      if (in_place_[i] == nullptr) throw std::logic_error("the memory plan writes '" + nodes_[i]->op() + "' in place, which has no in-place kernel");
+    }
+  }
   // The bucket layouts (see MemberLayout).
   member_.assign(nodes_.size(), {});
   layout_.assign(plan_.buckets.size(), {});
@@ -172,7 +182,10 @@ struct DistributedExecutor::Step {
   std::int64_t step = 0;
   std::unordered_map<const ir::Value*, at::Tensor> live;
   std::unordered_map<const ir::Value*, Pending> pending;
-  std::int64_t held = 0;  // bytes of the tensors in `live`
+  // Bytes of the storages the tensors in `live` hold, each storage once (a view holds its
+  // base's storage, as the allocator sees it), and how many live tensors hold each.
+  std::int64_t held = 0;
+  std::unordered_map<const void*, int> holders;
   // Wall-clock intervals: the backend's collective spans, and compute's waits for them.
   std::vector<std::pair<double, double>> comm_spans, wait_spans;
   std::int64_t collective_index = -1;  // in this step: the ordinal of the collective node in plan order
@@ -181,10 +194,21 @@ struct DistributedExecutor::Step {
   std::vector<std::shared_ptr<Issued>> issued;  // every call of the step, for the host's last wait
 
   void keep(const ir::Value* v, at::Tensor t) {
-    held += static_cast<std::int64_t>(t.nbytes());
+    hold(t);
     at::Tensor& slot = live[v];
-    if (slot.defined()) held -= static_cast<std::int64_t>(slot.nbytes());
+    if (slot.defined()) drop(slot);
     slot = std::move(t);
+  }
+  void hold(const at::Tensor& t) {
+    if (t.has_storage() && holders[t.storage().unsafeGetStorageImpl()]++ == 0) held += static_cast<std::int64_t>(t.storage().nbytes());
+  }
+  void drop(const at::Tensor& t) {
+    if (!t.has_storage()) return;
+    auto it = holders.find(t.storage().unsafeGetStorageImpl());
+    if (it != holders.end() && --it->second == 0) {
+      held -= static_cast<std::int64_t>(t.storage().nbytes());
+      holders.erase(it);
+    }
   }
 
   // Makes a pending collective's output readable: on a GPU with a StreamOrdered backend the
@@ -225,6 +249,7 @@ struct DistributedExecutor::Step {
     throw;
   }
   is.completed = true;
+  is.keep.clear();  // the call is done with its buffers: they go with their last reader (memory_plan.h)
   const double waited = wall_seconds();
   if (exposed) {
     ex.stats_.exposed_comm += std::chrono::duration<double>(Clock::now() - t0).count();
@@ -332,6 +357,8 @@ void DistributedExecutor::add_to_bucket(Step& s, std::size_t pos, std::size_t in
       is->work = backend_->reduce_scatter(groups_.at(mesh_dim), buffer(flat), buffer(out), L.counts, reduce_op(bucket.reduce_op));
     }
     is->keep = {flat, out};
+    flat = at::Tensor();  // the call holds the buffers now, and the members' outputs to come
+    out = at::Tensor();
     for (int m : bucket.members) {
       auto it = s.pending.find(nodes_[static_cast<std::size_t>(m)]->output());
       if (it != s.pending.end()) it->second.issued = is;
@@ -374,6 +401,28 @@ void DistributedExecutor::order_before_call() {
   }
 }
 
+// The memory plan's in-place writes, checked against the tensors: each written input's storage
+// has this one tensor (no view, bucket or call in flight shares it), covered exactly, and,
+// unless it is a donated graph input, no holder but the step's value and `args`.
+bool DistributedExecutor::writable(const ir::Node& n, const std::vector<at::Tensor>& args, const std::vector<int>& into) const {
+  for (int j : into) {
+    if (j < 0) continue;
+    const at::Tensor& t = args[static_cast<std::size_t>(j)];
+    if (!t.defined() || !t.has_storage() || t.storage().use_count() != 1 || !t.is_non_overlapping_and_dense() ||
+        static_cast<std::size_t>(t.nbytes()) != t.storage().nbytes()) {
+      return false;
+    }
+    const ir::Value* v = n.input(j);
+    if (v->producer() == nullptr) {
+      if (!plan_.options.donate_state) return false;
+      continue;
+    }
+    const auto reads = std::count(n.inputs().begin(), n.inputs().end(), v);
+    if (t.use_count() != static_cast<std::size_t>(1 + reads)) return false;
+  }
+  return true;
+}
+
 TensorMap DistributedExecutor::run(const TensorMap& inputs, std::int64_t step) {
   c10::InferenceMode no_autograd;
   const auto start = Clock::now();
@@ -401,7 +450,13 @@ TensorMap DistributedExecutor::run(const TensorMap& inputs, std::int64_t step) {
       std::vector<at::Tensor> args;
       for (const ir::Value* v : n.inputs()) args.push_back(s.value(v));
       const double t0 = hooks_ ? wall_seconds() : 0;
-      auto out = (*kernels_[index])(n, args);
+      std::vector<at::Tensor> out;
+      if (in_place_[index] != nullptr && writable(n, args, memory_.in_place[index])) {
+        out = (*in_place_[index])(n, args, memory_.in_place[index]);
+      } else {
+        if (in_place_[index] != nullptr) ++stats_.in_place_fallbacks;
+        out = (*kernels_[index])(n, args);
+      }
       if (hooks_ != nullptr) spans_.push_back({n.op(), "compute", t0, wall_seconds(), 0});
       for (std::size_t i = 0; i < out.size(); ++i) s.keep(n.outputs()[i], std::move(out[i]));
     } else if (const bool skip = ++s.collective_index == skip_.second && step == skip_.first; skip && plan_.bucket_of[index] < 0) {
@@ -414,14 +469,15 @@ TensorMap DistributedExecutor::run(const TensorMap& inputs, std::int64_t step) {
     } else {
       issue_collective(s, index);
     }
+    // The high-water mark: the node's outputs are held while its inputs still are.
+    stats_.peak_bytes = std::max(stats_.peak_bytes, s.held);
     for (const ir::Value* v : dead_[pos]) {
       if (s.pending.count(v) > 0) continue;  // a collective's output is dropped once it is consumed
       if (auto it = s.live.find(v); it != s.live.end()) {
-        s.held -= static_cast<std::int64_t>(it->second.nbytes());
+        s.drop(it->second);
         s.live.erase(it);
       }
     }
-    stats_.peak_bytes = std::max(stats_.peak_bytes, s.held);
   }
   TensorMap result;
   for (const auto& [name, v] : graph_.outputs()) result.emplace(name, s.value(v));

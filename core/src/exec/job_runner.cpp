@@ -41,6 +41,8 @@
 #include "spmdx/hooks/hook_set.h"
 #include "spmdx/sharding/spec.h"
 #include "spmdx/train/job.h"
+#include "spmdx/plan/memory_plan.h"
+#include "spmdx/train/memory_budget.h"
 
 namespace spmdx::exec {
 namespace {
@@ -342,7 +344,8 @@ TensorMap initial_state(const train::JobSpec& spec, train::PlacedJob& job, const
 // and appends), the banner, a JSON row per step and a printed line every metrics.log_freq.
 class MetricsWriter {
  public:
-  MetricsWriter(const train::OutputSpec& output, std::int64_t first_step, bool checkpointing) : dump_(output.dump_folder), log_freq_(output.log_freq) {
+  MetricsWriter(const train::OutputSpec& output, std::int64_t first_step, bool checkpointing, std::int64_t planned_peak_bytes)
+      : dump_(output.dump_folder), log_freq_(output.log_freq), planned_peak_(planned_peak_bytes) {
     std::filesystem::create_directories(dump_);
     if (first_step > 1) {
       // Resumed: keep the history of the steps up to the checkpoint, drop those past it (a run
@@ -362,7 +365,9 @@ class MetricsWriter {
 
   std::filesystem::path file() const { return dump_ / "metrics.jsonl"; }
 
-  void row(std::int64_t step, std::int64_t last_step, double loss, double grad_norm, double lr, double tokens_per_s, const RunStats& st) {
+  // scaling: float16's loss scale this step ran with, and whether its update was skipped.
+  void row(std::int64_t step, std::int64_t last_step, double loss, double grad_norm, double lr, double tokens_per_s, const RunStats& st,
+           const std::optional<std::pair<double, bool>>& scaling) {
     nlohmann::json row{{"step", step},
                        {"loss", loss},
                        {"grad_norm", grad_norm},
@@ -376,13 +381,17 @@ class MetricsWriter {
                        {"collectives", st.collectives},
                        {"comm_bytes", st.comm_bytes},
                        {"peak_mem_bytes", st.peak_bytes},
+                       {"planned_peak_mem_bytes", planned_peak_},
                        {"rss_bytes", rss_bytes()}};
+    if (scaling) row["loss_scale"] = scaling->first, row["skipped"] = scaling->second;
     out_ << row.dump() << "\n" << std::flush;
     if (!out_) throw std::runtime_error("cannot write " + file().string() + ": " + std::strerror(errno));
     if (step % log_freq_ == 0 || step == last_step) {
-      std::printf("step %4lld | loss %8.4f | grad_norm %7.3f | lr %.2e | %9.0f tok/s | %7.1f ms | exposed comm %4.1f%% | peak %s\n",
+      char scale[96] = "";
+      if (scaling) std::snprintf(scale, sizeof scale, " | loss scale %g%s", scaling->first, scaling->second ? " (overflow: update skipped)" : "");
+      std::printf("step %4lld | loss %8.4f | grad_norm %7.3f | lr %.2e | %9.0f tok/s | %7.1f ms | exposed comm %4.1f%% | peak %s%s\n",
                   static_cast<long long>(step), loss, grad_norm, lr, tokens_per_s, st.total * 1e3, 100.0 * st.exposed_comm / st.total,
-                  human_bytes(static_cast<double>(st.peak_bytes)).c_str());
+                  human_bytes(static_cast<double>(st.peak_bytes)).c_str(), scale);
       std::fflush(stdout);
     }
   }
@@ -390,6 +399,7 @@ class MetricsWriter {
  private:
   std::filesystem::path dump_;
   std::int64_t log_freq_;
+  std::int64_t planned_peak_;  ///< plan_memory's peak of this rank's step (bytes)
   std::ofstream out_;
 };
 
@@ -457,6 +467,21 @@ struct StepLoop {
   TensorMap graph_feed{}, graph_out{};
   RunStats graph_stats{};
   bool warmed_up = false;
+  // float16: the loss scale (torch.amp.GradScaler's), and the AdamW updates applied so far
+  // (a step whose gradients overflow is skipped: its "step" is given to the next one).
+  bool loss_scaling = spec.step.loss_scaling;
+  train::GradScaler scaler{spec.mixed_precision.init_scale, spec.mixed_precision.growth_interval};
+  std::int64_t optimizer_steps = 0;
+
+  // Where a resumed job's checkpoint left the loss scale and the optimizer's count.
+  void resume(const CheckpointMeta& meta) {
+    optimizer_steps = meta.step;
+    if (meta.loss_scale > 0 && loss_scaling) {
+      scaler.scale = meta.loss_scale;
+      scaler.growth_tracker = meta.growth_tracker;
+      optimizer_steps = meta.optimizer_steps;
+    }
+  }
 
   // The step through the executor, or through the captured CUDA graph.
   TensorMap run_step(TensorMap& feed, std::int64_t step) {
@@ -475,7 +500,9 @@ struct StepLoop {
       });
       executor.set_capturing(false);
     } else {
-      for (const char* input : {"tokens", "labels", "lr", "step"}) graph_feed.at(input).copy_(feed.at(input));
+      for (const char* input : {"tokens", "labels", "lr", "step", "loss_scale"}) {
+        if (feed.count(input) > 0) graph_feed.at(input).copy_(feed.at(input));
+      }
     }
     const auto t0 = Clock::now();
     device.reset_peak_memory();
@@ -507,13 +534,22 @@ struct StepLoop {
     feed["labels"] = shard_tensor(as_tensor(batch.labels), labels_pl, job.mesh, coord).to(on);
     const double lr = spec.lr * train::lr_factor(step, spec.schedule);
     feed["lr"] = at::scalar_tensor(lr, at::TensorOptions().dtype(at::kFloat).device(on));
-    feed["step"] = at::scalar_tensor(static_cast<double>(step), at::TensorOptions().dtype(at::kFloat).device(on));
+    feed["step"] = at::scalar_tensor(static_cast<double>(optimizer_steps + 1), at::TensorOptions().dtype(at::kFloat).device(on));
+    const double loss_scale = scaler.scale;
+    if (loss_scaling) feed["loss_scale"] = at::scalar_tensor(loss_scale, at::TensorOptions().dtype(at::kFloat).device(on));
     const TensorMap out = run_step(feed, step);
+    // Every rank reads the same found_inf (from the all-reduced norm), so all skip together.
+    const bool skipped = loss_scaling && out.at("found_inf").item<float>() != 0;
+    if (!skipped) ++optimizer_steps;
+    if (loss_scaling) scaler.update(skipped);
     if (fault.kind == "perturb" && fault.rank == env.rank && fault.step == step) {
       state.at(fault.tensor).add_(fault.delta);  // its name was checked before the first step; in place: a CUDA graph reads it
     }
     const double loss = out.at("loss").item<double>();
-    if (!std::isfinite(loss)) throw std::runtime_error("step " + std::to_string(step) + ": the loss is " + std::to_string(loss));
+    if (!std::isfinite(loss)) {
+      throw std::runtime_error("step " + std::to_string(step) + ": the loss is " + std::to_string(loss) +
+                               (spec.mixed_precision.param == "float16" ? " (the float16 forward overflowed: loss scaling guards only the backward; use bfloat16)" : ""));
+    }
     const RunStats st = graph ? graph_stats : executor.stats();
     if (!hooks.empty()) tell_hooks(hooks, step, spec, env, loss, st, names, state, out, state_placements, job.mesh, executor);
     // Hot-swap at a step boundary: nothing is in flight between runs; the old backend leaves
@@ -532,10 +568,14 @@ struct StepLoop {
                     backend->describe().c_str());
       }
     }
-    if (metrics) metrics->row(step, spec.steps, loss, out.at("grad_norm").item<double>(), lr, static_cast<double>(spec.global_batch_size * spec.seq_len) / st.total, st);
+    if (metrics) {
+      metrics->row(step, spec.steps, loss, out.at("grad_norm").item<double>(), lr, static_cast<double>(spec.global_batch_size * spec.seq_len) / st.total, st,
+                   loss_scaling ? std::optional<std::pair<double, bool>>{{loss_scale, skipped}} : std::nullopt);
+    }
     if (checkpointing && (step % spec.checkpoint.interval == 0 || step == spec.steps)) {
-      const auto where = save_checkpoint(ckpt_dir, {step, dataset.state().samples, tokenizer_id}, job.mesh, env.rank, state, state_metas,
-                                         state_placements, backend.get());
+      CheckpointMeta meta{step, dataset.state().samples, tokenizer_id};
+      if (loss_scaling) meta.loss_scale = scaler.scale, meta.growth_tracker = scaler.growth_tracker, meta.optimizer_steps = optimizer_steps;
+      const auto where = save_checkpoint(ckpt_dir, meta, job.mesh, env.rank, state, state_metas, state_placements, backend.get());
       if (lead) std::printf("saved checkpoint %s\n", where.string().c_str());
     }
     return loss;
@@ -609,7 +649,7 @@ hooks::HookSet make_job_hooks(const config::Config& cfg, const launch::RankEnv& 
 
 // Loads checkpoint `step` over `state` (the trained tensors; buffers stay as made) and puts the
 // dataset where it was.
-void resume_from(const std::filesystem::path& ckpt_dir, std::int64_t step, const train::PlacedJob& job, const launch::RankEnv& env,
+CheckpointMeta resume_from(const std::filesystem::path& ckpt_dir, std::int64_t step, const train::PlacedJob& job, const launch::RankEnv& env,
                  const std::map<std::string, ir::TensorMeta>& state_metas, const std::map<std::string, sharding::Placements>& state_placements,
                  TensorMap& state, data::TextDataset& dataset, const c10::Device& device) {
   CheckpointMeta meta;
@@ -625,9 +665,11 @@ void resume_from(const std::filesystem::path& ckpt_dir, std::int64_t step, const
     std::printf("resumed from %s (step %lld)\n", (ckpt_dir / ("step-" + std::to_string(step))).string().c_str(),
                 static_cast<long long>(meta.step));
   }
+  return meta;
 }
 
-void print_banner(const train::JobSpec& spec, const train::PlacedJob& job, const launch::RankEnv& env, const CommBackend* backend, const Device& device) {
+void print_banner(const train::JobSpec& spec, const train::PlacedJob& job, const launch::RankEnv& env, const CommBackend* backend, const Device& device,
+                  const plan::MemoryPlan& planned) {
   using train::CheckpointReport;
   double params = 0;
   for (const auto& p : job.model.params) params += static_cast<double>(job.model.graph.find_input(p)->meta().numel());
@@ -641,9 +683,17 @@ void print_banner(const train::JobSpec& spec, const train::PlacedJob& job, const
                 spec.activation_checkpoint.mode.c_str(), spec.activation_checkpoint.mode == "selective" ? (" (" + spec.activation_checkpoint.selective_option + ")").c_str() : "",
                 static_cast<long long>(ac.layers), static_cast<long long>(ac.recomputed_nodes), human_bytes(static_cast<double>(ac.freed_bytes)).c_str());
   }
+  // The budget's report names the planned peak of what it chose; without one, the peak as planned.
+  if (!spec.memory_fit.empty()) std::printf("%s\n", spec.memory_fit.c_str());
+  else std::printf("planned peak memory (rank 0): %s\n", planned.str().c_str());
   if (spec.mixed_precision.param != "float32") {
-    std::printf("mixed precision: %s parameters, %s reduce (matmuls and attention in %s; norms, loss and AdamW in float32 on float32 master weights)\n",
-                spec.mixed_precision.param.c_str(), spec.mixed_precision.reduce.c_str(), spec.mixed_precision.param.c_str());
+    char scaling[160] = "";
+    if (spec.step.loss_scaling) {
+      std::snprintf(scaling, sizeof scaling, "; dynamic loss scale from %g, halved on overflow (the update skipped), doubled after %lld clean steps",
+                    spec.mixed_precision.init_scale, static_cast<long long>(spec.mixed_precision.growth_interval));
+    }
+    std::printf("mixed precision: %s parameters, %s reduce (matmuls and attention in %s; norms, loss and AdamW in float32 on float32 master weights)%s\n",
+                spec.mixed_precision.param.c_str(), spec.mixed_precision.reduce.c_str(), spec.mixed_precision.param.c_str(), scaling);
   }
   if (device.compute_stream() != nullptr) {
     std::printf("device %s (rank 0's)%s\n", device.describe().c_str(), spec.device.cuda_graphs ? ", CUDA graphs: step 1 eager, then captured once and replayed" : "");
@@ -677,7 +727,14 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
   // Ranks on one host share its cores: each takes its part for intra-op threads.
   at::set_num_threads(std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / std::max(1, env.local_world_size)));
   const auto tokenizer = data::make_tokenizer(cfg.get_string("model.tokenizer"));
-  const train::JobSpec spec = train::job_spec(cfg, env.world_size, tokenizer->vocab_size());  // the config read once
+  PluginRegistry registry;
+  train::discover_plugins(registry, cfg);
+  // The config read once; under parallelism.memory_budget, changed as the launcher's check chose.
+  const train::JobSpec spec = [&] {
+    train::JobSpec s = train::job_spec(cfg, env.world_size, tokenizer->vocab_size());
+    s.memory_fit = train::fit_memory_budget(s, registry);
+    return s;
+  }();
   train::check_runnable(cfg);
   const std::unique_ptr<Device> device = make_device({spec.device.kind, env.local_rank, spec.device.allow_tf32});
 
@@ -692,8 +749,6 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
     return 0;
   }
 
-  PluginRegistry registry;
-  train::discover_plugins(registry, cfg);
   train::PlacedJob job = train::place_job(spec, registry);
   check_fault(fault, env, spec, job);
   const auto plan = sharding::propagate(job.model.graph, job.mesh, job.inputs, job.outputs, job.use, job.reshard_after_forward);
@@ -722,16 +777,23 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
   // Resume from the checkpoint found above, resharding when it was saved on another mesh or
   // strategy.
   const auto [state_metas, state_placements] = state_layout(state, job, plan);
-  if (resume_step) resume_from(ckpt_dir, *resume_step, job, env, state_metas, state_placements, state, dataset, device->device());
+  CheckpointMeta resumed;
+  if (resume_step) resumed = resume_from(ckpt_dir, *resume_step, job, env, state_metas, state_placements, state, dataset, device->device());
+  // The step updates the state in place (PlanOptions::donate_state): each tensor must own its
+  // storage, not view a larger one (a checkpoint's read buffer, say).
+  for (auto& [name, t] : state) {
+    if (!t.is_contiguous() || static_cast<std::size_t>(t.nbytes()) != t.storage().nbytes()) t = t.clone(at::MemoryFormat::Contiguous);
+  }
 
   std::optional<MetricsWriter> metrics;
   const std::filesystem::path& dump = spec.output.dump_folder;
   if (lead) {
-    metrics.emplace(spec.output, first_step, checkpointing);
-    print_banner(spec, job, env, backend.get(), *device);
+    metrics.emplace(spec.output, first_step, checkpointing, executor.memory().peak_bytes);
+    print_banner(spec, job, env, backend.get(), *device, executor.memory());
   }
   StepLoop loop{env, spec, job, plan, executor, *device, state, state_metas, state_placements, dataset, hooks, registry, backend, joined.store.get(),
                 metrics ? &*metrics : nullptr, fault, timeout, ckpt_dir, tokenizer_id};
+  if (resume_step) loop.resume(resumed);
   const auto run_start = Clock::now();
   const auto [first_loss, last_loss] = loop.run(first_step, joined.server != nullptr);
   if (lead) print_done(spec, first_step, std::chrono::duration<double>(Clock::now() - run_start).count(), first_loss, last_loss, dump);

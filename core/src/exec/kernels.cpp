@@ -5,6 +5,7 @@
 #include <cmath>
 #include <limits>
 #include <map>
+#include <optional>
 #include <stdexcept>
 
 namespace spmdx::exec {
@@ -62,7 +63,7 @@ std::vector<at::Tensor> attention_backward(const at::Tensor& grad_out, const at:
 }
 
 std::vector<at::Tensor> adamw_on_device(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
-                                        const at::Tensor& lr, const at::Tensor& step, const AdamW& h) {
+                                        const at::Tensor& lr, const at::Tensor& step, const AdamW& h, const at::Tensor& found_inf) {
   const at::Tensor lr64 = lr.to(at::kDouble), step64 = step.to(at::kDouble);
   const at::Tensor bc1 = 1.0 - at::pow(h.beta1, step64), bc2 = 1.0 - at::pow(h.beta2, step64);
   at::Tensor next_param = param * (1.0 - lr64 * h.weight_decay).to(param.scalar_type());
@@ -72,10 +73,47 @@ std::vector<at::Tensor> adamw_on_device(const at::Tensor& param, const at::Tenso
   next_avg_sq.addcmul_(grad, grad, 1.0 - h.beta2);
   at::Tensor denom = (next_avg_sq.sqrt() / at::sqrt(bc2).to(param.scalar_type())).add_(h.eps);
   next_param.sub_((next_avg / denom) * (lr64 / bc1).to(param.scalar_type()));
+  if (found_inf.defined()) {  // skipped on the device, without the host reading found_inf
+    const at::Tensor skip = found_inf.ne(0);
+    return {at::where(skip, param, next_param), at::where(skip, exp_avg, next_avg), at::where(skip, exp_avg_sq, next_avg_sq)};
+  }
   return {next_param, next_avg, next_avg_sq};
 }
 
 namespace {
+
+// ATen's fused CPU AdamW (aten/src/ATen/native/cpu/FusedAdamKernel.cpp, torch.optim.AdamW's
+// fused=True) on one parameter, in place; step is the 1-based step as a float tensor, as
+// torch.optim keeps state["step"].
+// found_inf (defined for float16 loss scaling): the kernel leaves everything as it is when it
+// is nonzero.
+void fused_adamw(at::Tensor& param, const at::Tensor& grad, at::Tensor& exp_avg, at::Tensor& exp_avg_sq, const at::Tensor& lr,
+                 const at::Tensor& step, const AdamW& h, const at::Tensor& found_inf) {
+  std::optional<at::Tensor> inf;
+  if (found_inf.defined()) inf = found_inf;
+  // The fused kernel walks each tensor's memory in order: every one must be contiguous.
+  std::vector<at::Tensor> t{param, grad.contiguous(), exp_avg, exp_avg_sq};
+  for (std::size_t i : {0, 2, 3}) {
+    if (!t[i].is_contiguous()) t[i] = t[i].contiguous();
+  }
+  at::_fused_adamw_({t[0]}, {t[1]}, {t[2]}, {t[3]}, {}, {step}, lr.item<double>(), h.beta1, h.beta2, h.weight_decay, h.eps,
+                    /*amsgrad=*/false, /*maximize=*/false, /*grad_scale=*/std::nullopt, inf);
+  for (auto [i, dst] : {std::pair<std::size_t, at::Tensor*>{0, &param}, {2, &exp_avg}, {3, &exp_avg_sq}}) {
+    if (!t[i].is_same(*dst)) dst->copy_(t[i]);
+  }
+}
+
+at::Tensor found_inf_of(const Tensors& x) { return x.size() > 6 ? x[6] : at::Tensor(); }
+
+// A bfloat16 or float16 matmul on a CPU: ATen's kernel for them runs up to 50 times slower than
+// its float32 GEMM where the CPU lacks bf16/fp16 instructions (AVX2), worst with a transposed
+// operand, as the backward's are (1.2 of 1.4 s of a debugmodel bf16 step here). It accumulates
+// in float32 and rounds once; so does a float32 GEMM of the upcast inputs rounded back, which
+// the matmul kernel runs instead (the same bits but for the order of the sums). linear (the
+// forward's) keeps ATen's kernel, so the forward is PyTorch's bit for bit.
+bool half_on_cpu(const at::Tensor& x) { return x.is_cpu() && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf); }
+
+AdamW hyper(const Node& n) { return {n.attr_float("beta1"), n.attr_float("beta2"), n.attr_float("eps"), n.attr_float("weight_decay")}; }
 
 const std::map<std::string, Kernel>& kernels() {
   static const std::map<std::string, Kernel> table = [] {
@@ -112,7 +150,10 @@ const std::map<std::string, Kernel>& kernels() {
     };
     k["softmax"] = [](const Node& n, const Tensors& x) { return one(at::softmax(x[0], n.attr_int("dim"))); };
     k["log_softmax"] = [](const Node& n, const Tensors& x) { return one(at::log_softmax(x[0], n.attr_int("dim"))); };
-    k["matmul"] = [](const Node&, const Tensors& x) { return one(at::matmul(x[0], x[1])); };
+    k["matmul"] = [](const Node&, const Tensors& x) {
+      if (half_on_cpu(x[0])) return one(at::matmul(x[0].to(at::kFloat), x[1].to(at::kFloat)).to(x[0].scalar_type()));
+      return one(at::matmul(x[0], x[1]));
+    };
     k["linear"] = [](const Node&, const Tensors& x) { return one(at::linear(x[0], x[1])); };
     k["embedding"] = [](const Node&, const Tensors& x) { return one(at::embedding(x[0], x[1])); };
     k["reshape"] = [](const Node& n, const Tensors& x) { return one(x[0].reshape(n.output()->meta().shape)); };
@@ -155,6 +196,7 @@ const std::map<std::string, Kernel>& kernels() {
       const auto reduction = n.attr_string("reduction") == "sum" ? at::Reduction::Sum : at::Reduction::Mean;
       return one(at::cross_entropy_loss(x[0], x[1], {}, reduction, n.attr_int("ignore_index")));
     };
+    k["found_inf"] = [](const Node&, const Tensors& x) { return one(at::isfinite(x[0]).all().logical_not().to(at::kFloat)); };
     k["count_valid"] = [](const Node& n, const Tensors& x) {
       return one(x[0].ne(n.attr_int("ignore_index")).sum().to(to_aten(n.output()->meta().dtype)));
     };
@@ -209,21 +251,14 @@ const std::map<std::string, Kernel>& kernels() {
                                                                                   n.attr_bool("causal"));
       return Tensors{gq, gk, gv};
     };
-    // As torch.optim.AdamW (foreach=False): decoupled decay, bias corrections in double.
+    // As torch.optim.AdamW(fused=True) on the CPU: ATen's fused kernel, one pass over each
+    // element (decoupled decay, bias corrections in double), on copies of the state.
     k["adamw"] = [](const Node& n, const Tensors& x) {
-      const AdamW h{n.attr_float("beta1"), n.attr_float("beta2"), n.attr_float("eps"), n.attr_float("weight_decay")};
-      if (!x[4].is_cpu()) return adamw_on_device(x[0], x[1], x[2], x[3], x[4], x[5], h);
-      const double lr = x[4].item<double>(), step = x[5].item<double>();
-      const double b1 = n.attr_float("beta1"), b2 = n.attr_float("beta2");
-      const double bc1 = 1.0 - std::pow(b1, step), bc2 = 1.0 - std::pow(b2, step);
-      at::Tensor param = x[0] * (1.0 - lr * n.attr_float("weight_decay"));
-      at::Tensor exp_avg = x[2] * b1;
-      exp_avg.add_(x[1], 1.0 - b1);
-      at::Tensor exp_avg_sq = x[3] * b2;
-      exp_avg_sq.addcmul_(x[1], x[1], 1.0 - b2);
-      at::Tensor denom = (exp_avg_sq.sqrt() / std::sqrt(bc2)).add_(n.attr_float("eps"));
-      param.addcdiv_(exp_avg, denom, -lr / bc1);
-      return Tensors{param, exp_avg, exp_avg_sq};
+      const AdamW h = hyper(n);
+      if (!x[4].is_cpu()) return adamw_on_device(x[0], x[1], x[2], x[3], x[4], x[5], h, found_inf_of(x));
+      Tensors state{x[0].clone(at::MemoryFormat::Contiguous), x[2].clone(at::MemoryFormat::Contiguous), x[3].clone(at::MemoryFormat::Contiguous)};
+      fused_adamw(state[0], x[1], state[1], state[2], x[4], x[5], h, found_inf_of(x));
+      return state;
     };
     // Local halves of redistribution (the collectives run in the comm layer, not here).
     k["chunk"] = [](const Node& n, const Tensors& x) {
@@ -250,6 +285,75 @@ const std::map<std::string, Kernel>& kernels() {
 const Kernel* find_kernel(const std::string& op) {
   auto it = kernels().find(op);
   return it == kernels().end() ? nullptr : &it->second;
+}
+
+namespace {
+
+// The in-place twins of the elementwise kernels above: ATen's in-place and out= forms of the
+// same ops, whose loops compute each element as the functional forms do.
+const std::map<std::string, InPlaceKernel>& in_place_kernels() {
+  static const std::map<std::string, InPlaceKernel> table = [] {
+    std::map<std::string, InPlaceKernel> k;
+    using Unary = void (*)(const Node&, at::Tensor&);
+    auto unary = [&](const char* op, Unary f) {
+      k[op] = [f](const Node& n, const Tensors& x, const std::vector<int>&) {
+        at::Tensor t = x[0];
+        f(n, t);
+        return Tensors{t};
+      };
+    };
+    unary("neg", [](const Node&, at::Tensor& t) { t.neg_(); });
+    unary("exp", [](const Node&, at::Tensor& t) { t.exp_(); });
+    unary("log", [](const Node&, at::Tensor& t) { t.log_(); });
+    unary("sqrt", [](const Node&, at::Tensor& t) { t.sqrt_(); });
+    unary("rsqrt", [](const Node&, at::Tensor& t) { t.rsqrt_(); });
+    unary("sigmoid", [](const Node&, at::Tensor& t) { t.sigmoid_(); });
+    unary("silu", [](const Node&, at::Tensor& t) { at::silu_(t); });
+    unary("relu", [](const Node&, at::Tensor& t) { t.relu_(); });
+    unary("gelu", [](const Node& n, at::Tensor& t) { at::gelu_(t, n.attr_string("approximate")); });
+    unary("add_scalar", [](const Node& n, at::Tensor& t) { t.add_(n.attr_float("value")); });
+    unary("mul_scalar", [](const Node& n, at::Tensor& t) { t.mul_(n.attr_float("value")); });
+    unary("pow_scalar", [](const Node& n, at::Tensor& t) { t.pow_(n.attr_float("value")); });
+    unary("rdiv_scalar", [](const Node& n, at::Tensor& t) { t.reciprocal_().mul_(n.attr_float("value")); });
+    unary("clamp_max_scalar", [](const Node& n, at::Tensor& t) { t.clamp_max_(n.attr_float("value")); });
+    using Binary = void (*)(const Node&, at::Tensor&, const at::Tensor&, const at::Tensor&);
+    auto binary = [&](const char* op, Binary f) {
+      k[op] = [f](const Node& n, const Tensors& x, const std::vector<int>& into) {
+        at::Tensor out = x[static_cast<std::size_t>(into.at(0))];
+        f(n, out, x[0], x[1]);
+        return Tensors{out};
+      };
+    };
+    binary("add", [](const Node&, at::Tensor& o, const at::Tensor& a, const at::Tensor& b) { at::add_out(o, a, b); });
+    binary("sub", [](const Node&, at::Tensor& o, const at::Tensor& a, const at::Tensor& b) { at::sub_out(o, a, b); });
+    binary("mul", [](const Node&, at::Tensor& o, const at::Tensor& a, const at::Tensor& b) { at::mul_out(o, a, b); });
+    binary("div", [](const Node&, at::Tensor& o, const at::Tensor& a, const at::Tensor& b) { at::div_out(o, a, b); });
+    binary("silu_backward", [](const Node&, at::Tensor& o, const at::Tensor& g, const at::Tensor& x) { at::silu_backward_out(o, g, x); });
+    binary("relu_backward", [](const Node&, at::Tensor& o, const at::Tensor& g, const at::Tensor& y) { at::threshold_backward_out(o, g, y, 0); });
+    binary("gelu_backward", [](const Node& n, at::Tensor& o, const at::Tensor& g, const at::Tensor& x) {
+      at::gelu_backward_out(o, g, x, n.attr_string("approximate"));
+    });
+    // The parameter and its AdamW state updated where they are (donated by the caller).
+    k["adamw"] = [](const Node& n, const Tensors& x, const std::vector<int>&) {
+      Tensors state{x[0], x[2], x[3]};
+      if (!x[4].is_cpu()) {  // off the CPU: the tensor-hyperparameter form, copied back
+        const Tensors next = adamw_on_device(x[0], x[1], x[2], x[3], x[4], x[5], hyper(n), found_inf_of(x));
+        for (std::size_t i = 0; i < 3; ++i) state[i].copy_(next[i]);
+        return state;
+      }
+      fused_adamw(state[0], x[1], state[1], state[2], x[4], x[5], hyper(n), found_inf_of(x));
+      return state;
+    };
+    return k;
+  }();
+  return table;
+}
+
+}  // namespace
+
+const InPlaceKernel* find_in_place_kernel(const std::string& op) {
+  auto it = in_place_kernels().find(op);
+  return it == in_place_kernels().end() ? nullptr : &it->second;
 }
 
 at::ScalarType to_aten(ir::DType dtype) {

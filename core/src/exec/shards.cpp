@@ -43,7 +43,9 @@ at::Tensor shard_tensor(const at::Tensor& full, const sharding::Placements& plac
       t = at::zeros_like(t);
     }
   }
-  return t.contiguous();
+  t = t.contiguous();
+  if (t.has_storage() && static_cast<std::size_t>(t.nbytes()) != t.storage().nbytes() && !t.is_same(full)) t = t.clone();
+  return t;
 }
 
 at::Tensor assemble_tensor(const std::vector<at::Tensor>& local, const sharding::Placements& placements, const DeviceMesh& mesh) {

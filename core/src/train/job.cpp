@@ -12,6 +12,7 @@
 #include "spmdx/sharding/parallelize.h"
 #include "spmdx/hooks/hook_set.h"
 #include "spmdx/plan/runtime_plan.h"
+#include "spmdx/train/memory_budget.h"
 
 namespace spmdx::train {
 
@@ -39,6 +40,7 @@ plan::PlanOptions plan_options(const config::Config& cfg) {
   o.first_bucket_bytes = cfg.get_float("comm.first_bucket_cap_mb") * 1024 * 1024;
   o.overlap = cfg.get_bool("comm.overlap");
   o.prefetch = cfg.get_bool("comm.prefetch");
+  o.donate_state = true;  // the run loop hands each step its state and takes the updated one back
   return o;
 }
 
@@ -181,7 +183,8 @@ void read_sections(const config::Config& cfg, JobSpec& s) {
             comm::job_memory(cfg.get_string("training.device"))};
   s.device = {cfg.get_string("training.device"), cfg.get_bool("training.allow_tf32"), cfg.get_bool("training.cuda_graphs")};
   s.activation_checkpoint = {cfg.get_string("activation_checkpoint.mode"), cfg.get_string("activation_checkpoint.selective_ac_option")};
-  s.mixed_precision = {cfg.get_string("training.mixed_precision_param"), cfg.get_string("training.mixed_precision_reduce")};
+  s.mixed_precision = {cfg.get_string("training.mixed_precision_param"), cfg.get_string("training.mixed_precision_reduce"),
+                       cfg.get_float("training.grad_scaler_init_scale"), cfg.get_int("training.grad_scaler_growth_interval")};
   const std::filesystem::path dump = cfg.get_string("job.dump_folder");
   s.checkpoint = {cfg.get_bool("checkpoint.enable"), dump / cfg.get_string("checkpoint.folder"), cfg.get_int("checkpoint.interval"),
                   cfg.get_int("checkpoint.load_step")};
@@ -216,11 +219,20 @@ JobSpec job_spec(const config::Config& cfg, std::int64_t world_size, std::int64_
 
   s.seed = static_cast<std::uint64_t>(cfg.get_int("job.seed"));
   s.reshard_after_forward = cfg.get_string("parallelism.fsdp_reshard_after_forward") != "never";
+  if (const std::string budget = cfg.get_string("parallelism.memory_budget"); !budget.empty()) {
+    try {
+      s.memory_budget = static_cast<std::int64_t>(parse_bytes(budget));
+      if (s.memory_budget <= 0) throw std::invalid_argument("a budget must be more than 0 bytes");
+    } catch (const std::exception& e) {
+      fail({"parallelism.memory_budget"}, "parallelism.memory_budget = \"" + budget + "\": " + e.what() + "; use a size such as \"2GiB\" or \"512MiB\"");
+    }
+  }
   s.step.max_norm = cfg.get_float("training.max_norm");
   s.plan = plan_options(cfg);
   s.step.adamw = {cfg.get_float("optimizer.beta1"), cfg.get_float("optimizer.beta2"), cfg.get_float("optimizer.eps"),
                   cfg.get_float("optimizer.weight_decay")};
   read_sections(cfg, s);
+  s.step.loss_scaling = s.mixed_precision.param == "float16";
   if (const std::string& o = s.activation_checkpoint.selective_option; s.activation_checkpoint.mode == "selective" && o != "op" &&
       (o.empty() || o.size() > 9 || o.find_first_not_of("0123456789") != std::string::npos || std::stoll(o) <= 0)) {
     fail({"activation_checkpoint.selective_ac_option"}, "activation_checkpoint.selective_ac_option = \"" + o +
@@ -388,11 +400,19 @@ std::vector<std::string> preflight(const config::Config& cfg, std::int64_t world
   std::optional<PlacedJob> job;
   std::optional<sharding::DistributedPlan> plan;
   if (*spec && registry.errors().empty() && strategies_found) {  // what `spmdx compile` finds: placements and local shapes
-    attempt({"model.name", "model.flavor", "model.tokenizer", "model.path", kDegreeKeys[0], kDegreeKeys[1], kDegreeKeys[2], "parallelism.tp_plan", "parallelism.strategies"}, [&] {
+    auto place = [&] {
       job.emplace(place_job(**spec, registry));
       plan.emplace(sharding::propagate(job->model.graph, job->mesh, job->inputs, job->outputs, job->use, job->reshard_after_forward));
       sharding::rank_graph(*plan, 0);
-    });
+    };
+    const bool placed = attempt({"model.name", "model.flavor", "model.tokenizer", "model.path", kDegreeKeys[0], kDegreeKeys[1], kDegreeKeys[2],
+                                 "parallelism.tp_plan", "parallelism.strategies"}, place);
+    // Over the budget: the job as fit_memory_budget changed it, or a problem naming the largest tensors.
+    if (placed && (*spec)->memory_budget > 0) {
+      job.reset();
+      plan.reset();
+      if (attempt({"parallelism.memory_budget"}, [&] { (*spec)->memory_fit = fit_memory_budget(**spec, registry); })) place();
+    }
   }
   if (!cfg.get_list("hooks.enable").empty() && !cfg.has_problem("hooks.")) check_hooks(cfg, registry, world_size, job, plan, run, out);
   return out;
@@ -445,7 +465,9 @@ void discover_plugins(PluginRegistry& registry, const config::Config& cfg) {
 
 PlacedJob place_job(const JobSpec& spec, PluginRegistry& registry) {
   PlacedJob job{models::build_model(spec.model, spec.global_batch_size, spec.seq_len), sharding::make_mesh(spec.dims, spec.world_size), {}, {}, {}, spec.reshard_after_forward};
-  if (spec.mixed_precision.param == "bfloat16") job.model.graph = cast_for_mixed_precision(job.model.graph, ir::DType::bf16);
+  if (spec.mixed_precision.param != "float32") {
+    job.model.graph = cast_for_mixed_precision(job.model.graph, spec.mixed_precision.param == "float16" ? ir::DType::f16 : ir::DType::bf16);
+  }
   const std::size_t forward_nodes = job.model.graph.num_nodes();
   append_train_step(job.model.graph, job.model.params, spec.step);
   if (spec.activation_checkpoint.mode != "none") {

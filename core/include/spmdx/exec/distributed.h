@@ -18,6 +18,7 @@
 #include "spmdx/exec/device.h"
 #include "spmdx/exec/executor.h"
 #include "spmdx/hook.h"
+#include "spmdx/plan/memory_plan.h"
 #include "spmdx/plan/runtime_plan.h"
 #include "spmdx/sharding/mesh.h"
 
@@ -38,9 +39,13 @@ struct RunStats {
   double overlap_ratio() const noexcept { return comm > 0 ? std::clamp(hidden_comm / comm, 0.0, 1.0) : 0.0; }
   std::int64_t collectives = 0;
   double comm_bytes = 0;     ///< bytes of the tensors handed to collectives
-  /// Bytes: on the CPU, the most held at once by the step's values (inputs included); on a
-  /// GPU, the caching allocator's peak over the step (Device::peak_memory_bytes).
+  /// Bytes: the device's allocator peak over the step (Device::peak_memory_bytes: the CPU
+  /// allocator's count, or the CUDA caching allocator's), which plan::plan_memory predicts;
+  /// without a device, the most the step's values held at once (each storage once).
   std::int64_t peak_bytes = 0;
+  /// Nodes the memory plan writes in place that ran out of place because their input's
+  /// storage was still shared at run time (0 when the plan holds).
+  std::int64_t in_place_fallbacks = 0;
 };
 
 class DistributedExecutor {
@@ -53,6 +58,8 @@ class DistributedExecutor {
   DistributedExecutor(const ir::Graph& graph, const sharding::DeviceMesh& mesh, std::int64_t rank, CommBackend* backend,
                       double timeout_seconds, const plan::PlanOptions& options = {}, Device* device = nullptr);
   const plan::RuntimePlan& plan() const noexcept { return plan_; }
+  /// The memory plan it follows (in-place writes) and its predicted peak.
+  const plan::MemoryPlan& memory() const noexcept { return memory_; }
 
   /// Runs the graph on this rank's local inputs (on the device's, each of the input's shape);
   /// returns its local outputs once the device has computed them. Throws std::invalid_argument
@@ -82,6 +89,8 @@ class DistributedExecutor {
   const ir::Graph& graph_;
   std::vector<const ir::Node*> nodes_;  // graph order
   plan::RuntimePlan plan_;
+  plan::MemoryPlan memory_;
+  std::vector<const InPlaceKernel*> in_place_;  // per node: its in-place kernel when the memory plan writes it in place
   // Where each bucket member's data goes, in elements: all_reduce, one block per member;
   // reduce_scatter, per rank j of the group a block per member (in_offset[j]), and one output
   // block per member.
@@ -116,6 +125,7 @@ class DistributedExecutor {
   void add_to_bucket(Step& s, std::size_t pos, std::size_t index, bool skip);
   void issue_collective(Step& s, std::size_t index);
   void order_before_call();
+  bool writable(const ir::Node& n, const std::vector<at::Tensor>& args, const std::vector<int>& into) const;
 };
 
 /// ATen's tensor dtype as the comm layer's; throws std::invalid_argument for bool.

@@ -30,15 +30,26 @@ std::vector<at::Tensor> attention_backward(const at::Tensor& grad_out, const at:
 struct AdamW {
   double beta1, beta2, eps, weight_decay;
 };
-/// One AdamW update (torch.optim.AdamW, foreach=False) with lr and step as 0-d tensors on the
+/// One AdamW update (torch.optim.AdamW; on the CPU the adamw kernel runs ATen's fused CPU
+/// kernel, _fused_adamw_, as torch.optim.AdamW(fused=True)) with lr and step as 0-d tensors on the
 /// parameters' device, so that neither is read by the host (no synchronisation, and CUDA graph
 /// replays see each step's values): {param, exp_avg, exp_avg_sq} after the step. Bias
-/// corrections in f64 as the CPU kernel's. The adamw kernel uses it off the CPU.
+/// corrections in f64 as the CPU kernel's. `found_inf` (a 0-d float tensor, or undefined):
+/// when nonzero, the inputs come back unchanged (GradScaler's skipped step). The adamw kernel
+/// uses it off the CPU.
 std::vector<at::Tensor> adamw_on_device(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
-                                        const at::Tensor& lr, const at::Tensor& step, const AdamW& h);
+                                        const at::Tensor& lr, const at::Tensor& step, const AdamW& h, const at::Tensor& found_inf = {});
 
 /// The kernel of an op, or nullptr.
 const Kernel* find_kernel(const std::string& op);
+
+/// A kernel that writes output k into the storage of input into[k] (-1: a new tensor) and
+/// returns those inputs as its outputs, computing exactly what the op's Kernel computes (the
+/// same ATen loops, bit for bit). The caller guarantees that nothing else reads those inputs
+/// afterwards (plan::plan_memory's decisions, checked by the executor).
+using InPlaceKernel = std::function<std::vector<at::Tensor>(const ir::Node& node, const std::vector<at::Tensor>& inputs, const std::vector<int>& into)>;
+/// The in-place kernel of an op of plan::in_place_ops(), or nullptr.
+const InPlaceKernel* find_in_place_kernel(const std::string& op);
 
 /// ATen's scalar type for an IR dtype (f32 -> at::kFloat, ...).
 at::ScalarType to_aten(ir::DType dtype);

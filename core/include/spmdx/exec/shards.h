@@ -15,7 +15,8 @@ namespace spmdx::exec {
 
 /// The rank's local piece of `full`: Shard takes torch.chunk pieces (mesh dims applied in
 /// order, nested), Replicate the whole, Partial(sum) the whole on coordinate 0 of that mesh dim
-/// and zeros elsewhere (Partial(avg|max|min): the whole).
+/// and zeros elsewhere (Partial(avg|max|min): the whole). A shard is contiguous and owns its
+/// storage (a copy, not a view that would keep `full`'s bytes alive); Replicate returns `full`.
 at::Tensor shard_tensor(const at::Tensor& full, const sharding::Placements& placements, const sharding::DeviceMesh& mesh,
                         const std::vector<std::int64_t>& coordinate);
 

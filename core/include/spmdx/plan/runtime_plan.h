@@ -28,6 +28,11 @@ struct PlanOptions {
   double first_bucket_bytes = 1.0 * 1024 * 1024;  ///< the cap of each mesh dim's first bucket, bytes
   bool prefetch = true;                           ///< issue the next layer's parameter all_gathers early
   bool overlap = true;                            ///< false: wait for each collective right after issuing it
+  /// The caller hands the step its parameters and AdamW state to update in place (JAX's
+  /// buffer donation; spmdx run does): the inputs adamw reads as param, exp_avg and
+  /// exp_avg_sq are overwritten with their updates (memory_plan.h).
+  bool donate_state = false;
+  bool in_place = true;  ///< elementwise kernels write into an input that dies there (memory_plan.h)
 };
 
 /// Collectives sent as one over a flat buffer. all_reduce: the members' inputs concatenated in

@@ -88,6 +88,8 @@ struct JobSpec {
   DeviceSpec device;          ///< training.device, allow_tf32, cuda_graphs
   ActivationCheckpoint activation_checkpoint;  ///< [activation_checkpoint]
   MixedPrecision mixed_precision;              ///< training.mixed_precision_param, mixed_precision_reduce
+  std::int64_t memory_budget = 0;  ///< parallelism.memory_budget, bytes of a rank's planned peak (0: none)
+  std::string memory_fit;          ///< what fit_memory_budget (memory_budget.h) reported, for the start line
   CommSpec comm;              ///< [comm] but the plan's options
   CheckpointSpec checkpoint;  ///< [checkpoint]
   DataSpec data;              ///< [data] and model.tokenizer

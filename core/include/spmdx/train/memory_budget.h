@@ -1,0 +1,38 @@
+// Planned memory and `[parallelism] memory_budget`: before any rank starts, spmdx knows the peak
+// of a rank's step (plan/memory_plan.h) and, when it is over the budget, changes the job the way
+// an FSDP user would, in order, until it fits.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "spmdx/core/registry.h"
+#include "spmdx/plan/memory_plan.h"
+#include "spmdx/train/job.h"
+
+namespace spmdx::train {
+
+/// What one rank's step is planned to cost.
+struct PlannedStep {
+  plan::MemoryPlan memory;  ///< the rank's predicted peak (bytes) and what is held at it
+  double comm_seconds = 0;  ///< the propagation's alpha-beta estimate of one rank's communication, seconds
+  double flops = 0;         ///< the rank graph's FLOPs (hooks::node_flops: 2MNK per matmul)
+};
+
+/// Propagates `job`, makes `rank`'s graph and its RuntimePlan with spec.plan's options, and
+/// simulates it (plan_memory).
+PlannedStep plan_step(const PlacedJob& job, const JobSpec& spec, std::int64_t rank = 0);
+
+/// parallelism.memory_budget (spec.memory_budget bytes; 0: none). When rank 0's planned peak is
+/// over it, tries in order, each on top of the one before: FSDP resharding after the forward
+/// (when data_parallel_shard_degree > 1 and it is off), selective activation checkpointing
+/// ("op"), full activation checkpointing, then a higher data_parallel_shard_degree taken from
+/// data_parallel_replicate_degree (a prime factor at a time: HSDP towards FSDP, DDP towards
+/// FSDP) - and keeps the first that fits, changing `spec`. Returns the report for the start
+/// line ("" without a budget): the peak as configured, what was chosen, its peak and its
+/// estimated cost (communication seconds and FLOPs before and after). Throws
+/// std::invalid_argument when nothing fits, naming each peak tried and the largest tensors held
+/// at the last one's peak.
+std::string fit_memory_budget(JobSpec& spec, PluginRegistry& registry);
+
+}  // namespace spmdx::train

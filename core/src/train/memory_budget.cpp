@@ -1,0 +1,107 @@
+#include "spmdx/train/memory_budget.h"
+
+#include <cstdio>
+#include <stdexcept>
+#include <vector>
+
+#include "spmdx/hooks/graph_view.h"
+#include "spmdx/sharding/distribute.h"
+#include "spmdx/text.h"
+
+namespace spmdx::train {
+namespace {
+
+std::string bytes(std::int64_t b) { return human_bytes(static_cast<double>(b)); }
+
+std::string ms(double seconds) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%.2f ms", seconds * 1e3);
+  return text;
+}
+
+// A change to try and the spec with it (and every change before it).
+struct Candidate {
+  std::string what;
+  JobSpec spec;
+};
+
+// What `s` changes from `configured`, in config keys.
+std::string changes(const JobSpec& configured, const JobSpec& s) {
+  std::string out;
+  auto add = [&](const std::string& change) { out += (out.empty() ? "" : ", ") + change; };
+  if (s.reshard_after_forward != configured.reshard_after_forward) add("parallelism.fsdp_reshard_after_forward = \"always\"");
+  if (s.activation_checkpoint.mode != configured.activation_checkpoint.mode) {
+    add("activation_checkpoint.mode = \"" + s.activation_checkpoint.mode + "\"" + (s.activation_checkpoint.mode == "selective" ? " (op)" : ""));
+  }
+  if (s.dims.dp_shard != configured.dims.dp_shard) {
+    add("data_parallel_shard_degree " + std::to_string(s.dims.dp_shard) + " (replicate " + std::to_string(s.dims.dp_replicate) + ")");
+  }
+  return out;
+}
+
+std::vector<Candidate> candidates(const JobSpec& configured) {
+  std::vector<Candidate> out;
+  JobSpec s = configured;
+  if (!s.reshard_after_forward && s.dims.dp_shard > 1) {
+    s.reshard_after_forward = true;
+    out.push_back({changes(configured, s), s});
+  }
+  if (s.activation_checkpoint.mode == "none") {
+    s.activation_checkpoint = {"selective", "op"};
+    out.push_back({changes(configured, s), s});
+  }
+  if (s.activation_checkpoint.mode != "full") {
+    s.activation_checkpoint = {"full", "op"};
+    out.push_back({changes(configured, s), s});
+  }
+  while (s.dims.dp_replicate > 1) {  // a prime factor at a time, from replicate to shard
+    std::int64_t p = 2;
+    while (s.dims.dp_replicate % p != 0) ++p;
+    s.dims.dp_replicate /= p;
+    s.dims.dp_shard *= p;
+    s.reshard_after_forward = true;
+    out.push_back({changes(configured, s), s});
+  }
+  return out;
+}
+
+}  // namespace
+
+PlannedStep plan_step(const PlacedJob& job, const JobSpec& spec, std::int64_t rank) {
+  const auto plan = sharding::propagate(job.model.graph, job.mesh, job.inputs, job.outputs, job.use, job.reshard_after_forward);
+  const ir::Graph graph = sharding::rank_graph(plan, rank);
+  PlannedStep step;
+  step.memory = plan::plan_memory(graph, plan::make_runtime_plan(graph, job.mesh, spec.plan));
+  step.comm_seconds = plan.comm_seconds;
+  for (const auto& n : graph.nodes()) step.flops += hooks::node_flops(*n);
+  return step;
+}
+
+std::string fit_memory_budget(JobSpec& spec, PluginRegistry& registry) {
+  if (spec.memory_budget <= 0) return "";
+  const PlannedStep configured = plan_step(place_job(spec, registry), spec);
+  const std::string head = "parallelism.memory_budget = " + bytes(spec.memory_budget) + ": planned peak per rank " + bytes(configured.memory.peak_bytes);
+  if (configured.memory.peak_bytes <= spec.memory_budget) return head + " fits as configured";
+  std::string tried = "as configured " + bytes(configured.memory.peak_bytes);
+  PlannedStep last = configured;
+  for (const Candidate& c : candidates(spec)) {
+    const PlannedStep step = plan_step(place_job(c.spec, registry), c.spec);
+    if (step.memory.peak_bytes <= spec.memory_budget) {
+      char flops[64];
+      std::snprintf(flops, sizeof flops, "%+.0f%% FLOPs", 100.0 * (step.flops / configured.flops - 1));
+      spec = c.spec;
+      return head + " as configured; chose " + c.what + ": planned peak " + step.memory.str() + "; estimated cost: communication " +
+             ms(configured.comm_seconds) + " -> " + ms(step.comm_seconds) + " per step (alpha-beta), compute " + flops;
+    }
+    tried += "; " + c.what + " " + bytes(step.memory.peak_bytes);
+    last = step;
+  }
+  if (spec.dims.dp_replicate == 1) tried += "; no data_parallel_replicate_degree to turn into sharding";
+  std::string largest;
+  for (const auto& h : last.memory.largest) largest += (largest.empty() ? "" : ", ") + h.what + (h.type.empty() ? "" : " " + h.type) + " " + bytes(h.bytes);
+  throw std::invalid_argument("planned peak per rank " + configured.memory.str() + " is over the budget " + bytes(spec.memory_budget) +
+                              ", and nothing spmdx tries fits (" + tried + "). Largest tensors held at the last one's peak: " + largest +
+                              ". Raise the budget, add ranks or lower the batch or sequence length");
+}
+
+}  // namespace spmdx::train
