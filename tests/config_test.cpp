@@ -220,7 +220,7 @@ TEST(Config, TorchtitanKeysAreReadAsTorchtitanMeansThem) {
 
   EXPECT_EQ(error_of("[parallelism]\npipeline_parallel_degree = 2\n"),
             "job.toml:2:28: parallelism.pipeline_parallel_degree = 2 is torchtitan's; spmdx does not support pipeline parallelism yet: set it to 1 or remove it");
-  EXPECT_THAT(error_of("[training]\nmixed_precision_param = \"float16\"\n"), HasSubstr("expected one of float32, bfloat16"));
+  EXPECT_THAT(error_of("[training]\nmixed_precision_param = \"float8\"\n"), HasSubstr("expected one of float32, bfloat16, float16"));
   EXPECT_THAT(error_of("[checkpoint]\nenable = true\nenable_checkpoint = true\n"),
               HasSubstr("checkpoint.enable_checkpoint is torchtitan's name for checkpoint.enable, which is set too: keep one"));
   EXPECT_THAT(error_of("[checkpoint]\nenable_checkpoint = 3\n"), HasSubstr("checkpoint.enable_checkpoint (spmdx's checkpoint.enable) must be true or false"));

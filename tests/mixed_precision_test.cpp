@@ -5,6 +5,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
+
 #include "spmdx/config/config.h"
 #include "spmdx/core/registry.h"
 #include "spmdx/exec/executor.h"
@@ -125,6 +127,64 @@ TEST(MixedPrecision, FsdpGathersBf16ParametersAndReducesF32Gradients) {
   EXPECT_LT(bf16.gather_bytes, 0.55 * f32.gather_bytes);
   EXPECT_GT(bf16.gather_bytes, 0.45 * f32.gather_bytes);
   EXPECT_EQ(bf16.prefetched, f32.prefetched);
+}
+
+
+// float16 with dynamic loss scaling (TrainStepConfig::loss_scaling): at a scale the float16
+// backward can hold, one step lands near float32's; at a scale it cannot, the gradients
+// overflow, found_inf says so and AdamW leaves every state tensor as it was, bit for bit.
+TEST(MixedPrecision, Float16LossScalingStepsNearF32AndSkipsAnOverflowingStep) {
+  models::Model f32 = tiny(4, 64), f16 = tiny(4, 64);
+  f16.graph = cast_for_mixed_precision(f16.graph, DType::f16);
+  append_train_step(f32.graph, f32.params, {});
+  TrainStepConfig scaled;
+  scaled.loss_scaling = true;
+  append_train_step(f16.graph, f16.params, scaled);
+  ASSERT_NE(f16.graph.find_input("loss_scale"), nullptr);
+  ASSERT_NE(f16.graph.find_output("found_inf"), nullptr);
+  exec::TensorMap feed = exec::init_tensors(f32, 7);
+  for (const auto& p : f32.params) feed["exp_avg." + p] = at::zeros_like(feed.at(p)), feed["exp_avg_sq." + p] = at::zeros_like(feed.at(p));
+  at::manual_seed(1);
+  feed["tokens"] = at::randint(0, 256, {4, 64}, at::kLong);
+  feed["labels"] = at::randint(0, 256, {4, 64}, at::kLong);
+  feed["lr"] = at::scalar_tensor(1e-3, at::kFloat);
+  feed["step"] = at::scalar_tensor(1.0, at::kFloat);
+  const exec::TensorMap want = exec::Executor(f32.graph).run(feed);
+  feed["loss_scale"] = at::scalar_tensor(1024.0, at::kFloat);
+  const exec::TensorMap got = exec::Executor(f16.graph).run(feed);
+  EXPECT_EQ(got.at("found_inf").item<float>(), 0.0f);
+  const double loss = want.at("loss").item<double>();
+  EXPECT_NE(got.at("loss").item<double>(), loss) << "the float16 step computed in float32";
+  EXPECT_NEAR(got.at("loss").item<double>(), loss, 2e-3 * loss);
+  EXPECT_NEAR(got.at("grad_norm").item<double>(), want.at("grad_norm").item<double>(), 1e-2 * want.at("grad_norm").item<double>())
+      << "the gradients were not unscaled";
+  for (const auto& p : f32.params) {
+    const at::Tensor& w = want.at("next." + p);
+    EXPECT_EQ(got.at("next." + p).scalar_type(), at::kFloat) << p;
+    const double moved = (w - feed.at(p)).abs().mean().item<double>();
+    EXPECT_LT((got.at("next." + p) - w).abs().mean().item<double>(), 0.1 * moved) << p;
+  }
+  // 2^40: float16's largest value is 65504, so the scaled gradients overflow.
+  feed["loss_scale"] = at::scalar_tensor(std::ldexp(1.0, 40), at::kFloat);
+  const exec::TensorMap skipped = exec::Executor(f16.graph).run(feed);
+  EXPECT_EQ(skipped.at("found_inf").item<float>(), 1.0f);
+  EXPECT_FALSE(std::isfinite(skipped.at("grad_norm").item<double>()));
+  EXPECT_TRUE(std::isfinite(skipped.at("loss").item<double>())) << "the forward does not see the scale";
+  for (const auto& name : train_state_names(f16.params)) EXPECT_TRUE(at::equal(skipped.at("next." + name), feed.at(name))) << name << " changed";
+}
+
+// GradScaler.update as torch.amp's _amp_update_scale_: halve and restart on overflow, double
+// after growth_interval clean steps in a row.
+TEST(MixedPrecision, GradScalerHalvesOnOverflowAndDoublesAfterTheGrowthInterval) {
+  GradScaler s{65536.0, 3};
+  EXPECT_EQ(s.update(true), 32768.0);
+  EXPECT_EQ(s.update(false), 32768.0);
+  EXPECT_EQ(s.update(false), 32768.0);
+  EXPECT_EQ(s.update(true), 16384.0) << "an overflow restarts the count";
+  EXPECT_EQ(s.growth_tracker, 0);
+  for (int i = 0; i < 2; ++i) EXPECT_EQ(s.update(false), 16384.0);
+  EXPECT_EQ(s.update(false), 32768.0);
+  EXPECT_EQ(s.growth_tracker, 0);
 }
 
 }  // namespace

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <boost/crc.hpp>
+#include <cmath>
 #include <cstring>
 #include <fstream>
 #include <set>
@@ -316,6 +317,16 @@ class MetadataReader {
       if (!m_["tokenizer"].is_string()) bad("tokenizer", "must be a string");
       meta.tokenizer = m_["tokenizer"].get<std::string>();
     }
+    if (m_.contains("grad_scaler")) {  // float16's loss scale
+      const json& g = m_["grad_scaler"];
+      const json& scale = field(g, "scale", "grad_scaler.scale");
+      if (!scale.is_number() || !(scale.get<double>() > 0) || !std::isfinite(scale.get<double>())) {
+        bad("grad_scaler.scale", "must be a positive finite number, is " + scale.dump());
+      }
+      meta.loss_scale = scale.get<double>();
+      meta.growth_tracker = integer(field(g, "growth_tracker", "grad_scaler.growth_tracker"), "grad_scaler.growth_tracker", 0, 1'000'000'000);
+      meta.optimizer_steps = integer(field(g, "optimizer_steps", "grad_scaler.optimizer_steps"), "grad_scaler.optimizer_steps", 0, meta.step);
+    }
   }
 
   // The mesh's dims, whose sizes multiply to the world size it returns.
@@ -462,6 +473,9 @@ fs::path save_checkpoint(const fs::path& folder, const CheckpointMeta& meta, con
   if (rank == 0) {
     json m{{"format", "spmdx.checkpoint"}, {"version", kMetadataVersion}, {"step", meta.step}, {"data_samples", meta.data_samples}, {"tokenizer", meta.tokenizer},
            {"world_size", mesh.size()}, {"mesh", json::array()}, {"tensors", json::object()}, {"files", json::object()}};
+    if (meta.loss_scale > 0) {
+      m["grad_scaler"] = {{"scale", meta.loss_scale}, {"growth_tracker", meta.growth_tracker}, {"optimizer_steps", meta.optimizer_steps}};
+    }
     for (const auto& d : mesh.dims()) m["mesh"].push_back({{"name", d.name}, {"size", d.size}});
     for (const auto& [name, g] : global) {
       m["tensors"][name] = {{"shape", g.shape}, {"dtype", ir::to_string(g.dtype)}, {"placements", placements_text(placements.at(name))}};

@@ -389,10 +389,18 @@ std::vector<OpSchema> builtin_ops() {
                    return std::vector{like(*in[1], in[1]->shape, true), like(*in[2], in[2]->shape, true),
                                       like(*in[3], in[3]->shape, true)};
                  }});
+  // found_inf: x (floating) -> 1.0 when any element of x is inf or nan, else 0.0, a float32
+  // scalar (torch.amp.GradScaler's found_inf, from _amp_foreach_non_finite_check_and_unscale_).
+  ops.push_back({"found_inf", 1, 1, {}, [](const Metas& in, const Attributes&) {
+                   floating(*in[0], "found_inf's input");
+                   return std::vector{TensorMeta{{}, DType::f32, in[0]->device, false}};
+                 }});
   // adamw: one AdamW update of one parameter (Loshchilov & Hutter 2019, as torch.optim.AdamW's
-  // single-tensor path): (param, grad, exp_avg, exp_avg_sq, lr [], step []) ->
-  // (param', exp_avg', exp_avg_sq'). step is the 1-based count after this update.
-  ops.push_back({"adamw", 6, 6,
+  // single-tensor path): (param, grad, exp_avg, exp_avg_sq, lr [], step [] [, found_inf []]) ->
+  // (param', exp_avg', exp_avg_sq'). step is the 1-based count after this update. With
+  // found_inf (float16 loss scaling) the update is skipped, state unchanged, when it is nonzero
+  // (the fused kernels' found_inf, as GradScaler.step skips optimizer.step).
+  ops.push_back({"adamw", 6, 7,
                  {{"beta1", AttrType::floating, false, 0.9},
                   {"beta2", AttrType::floating, false, 0.999},
                   {"eps", AttrType::floating, false, 1e-8},
@@ -403,6 +411,7 @@ std::vector<OpSchema> builtin_ops() {
                      if (in[static_cast<std::size_t>(i)]->shape != in[0]->shape) fail("grad and state must have the parameter's shape");
                    }
                    if (!in[4]->shape.empty() || !in[5]->shape.empty()) fail("lr and step must be scalars");
+                   if (in.size() > 6 && (!in[6]->shape.empty() || in[6]->dtype != DType::f32)) fail("found_inf must be a float32 scalar");
                    return std::vector{like(*in[0], in[0]->shape, false), like(*in[2], in[2]->shape, false),
                                       like(*in[3], in[3]->shape, false)};
                  }});

@@ -346,14 +346,18 @@ const std::map<std::string, Rule>& rules() {
       return s;
     };
     r["adamw"] = [](const Node&, const std::vector<Shape>& in, const std::vector<Shape>&, std::int64_t k) {
-      Strategies s{all(R, 6, 3)};
+      Strategies s{all(R, in.size(), 3)};
       for (std::size_t d = 0; d < in[0].size(); ++d) {
         if (in[0][d] < k) continue;
         const Placement sd = S(static_cast<std::int64_t>(d));
-        s.push_back({{sd, sd, sd, sd, R, R}, {sd, sd, sd}});
+        std::vector<Placement> inputs{sd, sd, sd, sd};
+        inputs.resize(in.size(), R);  // lr, step, found_inf: replicated scalars
+        s.push_back({inputs, {sd, sd, sd}});
       }
       return s;
     };
+    // Any non-finite element of a replicated value (the global gradient norm).
+    r["found_inf"] = [](const Node&, const std::vector<Shape>&, const std::vector<Shape>&, std::int64_t) { return Strategies{all(R, 1, 1)}; };
     return r;
   }();
   return table;

@@ -27,7 +27,14 @@ void append_train_step(ir::Graph& g, const std::vector<std::string>& params, con
   }
   const ir::TensorMeta scalar{{}, loss->meta().dtype, loss->meta().device, false};
   auto attr = [](double v) { return ir::Attributes{{"value", v}}; };
-  std::vector<Value*> grads = ir::gradients(g, loss, weights);
+  // float16: the backward runs on the scaled loss, its gradients unscaled (GradScaler.scale,
+  // then unscale_ before clipping, which torch documents for clip_grad_norm_).
+  Value* loss_scale = config.loss_scaling ? g.add_input("loss_scale", scalar) : nullptr;
+  std::vector<Value*> grads = ir::gradients(g, loss_scale ? g.add("mul", {loss, loss_scale}) : loss, weights);
+  if (loss_scale != nullptr) {
+    Value* inv = g.add("rdiv_scalar", {loss_scale}, attr(1.0));
+    for (Value*& gr : grads) gr = g.add("mul", {gr, inv});
+  }
 
   // Global L2 norm of all gradients, then the clip coefficient.
   Value* sq = nullptr;
@@ -37,6 +44,8 @@ void append_train_step(ir::Graph& g, const std::vector<std::string>& params, con
   }
   Value* norm = g.add("sqrt", {sq});
   g.add_output("grad_norm", norm);
+  Value* found_inf = loss_scale ? g.add("found_inf", {norm}) : nullptr;  // an inf or nan in any gradient reaches the norm
+  if (found_inf != nullptr) g.add_output("found_inf", found_inf);
   if (config.max_norm > 0) {
     Value* coef = g.add("clamp_max_scalar", {g.add("rdiv_scalar", {g.add("add_scalar", {norm}, attr(1e-6))}, attr(config.max_norm))},
                         attr(1.0));
@@ -53,7 +62,9 @@ void append_train_step(ir::Graph& g, const std::vector<std::string>& params, con
     const ir::TensorMeta state{weights[i]->meta().shape, weights[i]->meta().dtype, weights[i]->meta().device, false};
     Value* m = g.add_input("exp_avg." + params[i], state);
     Value* v = g.add_input("exp_avg_sq." + params[i], state);
-    ir::Node* update = g.add_node("adamw", {weights[i], grads[i], m, v, lr, step}, hyper);
+    std::vector<Value*> in{weights[i], grads[i], m, v, lr, step};
+    if (found_inf != nullptr) in.push_back(found_inf);
+    ir::Node* update = g.add_node("adamw", in, hyper);
     next.emplace_back(params[i], update->output(0));
     next_m.emplace_back("exp_avg." + params[i], update->output(1));
     next_v.emplace_back("exp_avg_sq." + params[i], update->output(2));

@@ -5,6 +5,7 @@
 // gradients back through the casts to float32, where they are reduced.
 #pragma once
 
+#include <cstdint>
 #include <string>
 
 #include "spmdx/ir/graph.h"
@@ -13,8 +14,33 @@ namespace spmdx::train {
 
 /// [training] mixed_precision_param and mixed_precision_reduce, as torchtitan names them.
 struct MixedPrecision {
-  std::string param = "float32";   ///< "float32" (off) or "bfloat16": the forward's and backward's dtype
+  std::string param = "float32";   ///< "float32" (off), "bfloat16" or "float16": the forward's and backward's dtype
   std::string reduce = "float32";  ///< gradients are reduced in float32 (torchtitan's only choice)
+  double init_scale = 65536.0;          ///< float16: training.grad_scaler_init_scale
+  std::int64_t growth_interval = 2000;  ///< float16: training.grad_scaler_growth_interval
+};
+
+/// float16's dynamic loss scale, updated on the host after each step as
+/// torch.amp.GradScaler.update (_amp_update_scale_): a step whose gradients overflowed (its
+/// update skipped) multiplies the scale by backoff_factor (0.5) and restarts the count;
+/// growth_interval steps in a row without overflow multiply it by growth_factor (2.0).
+struct GradScaler {
+  double scale = 65536.0;
+  std::int64_t growth_interval = 2000;
+  std::int64_t growth_tracker = 0;  ///< steps without overflow since the scale last changed
+  double growth_factor = 2.0, backoff_factor = 0.5;
+
+  /// After a step: found_inf says its gradients overflowed. Returns the new scale.
+  double update(bool found_inf) {
+    if (found_inf) {
+      scale *= backoff_factor;
+      growth_tracker = 0;
+    } else if (++growth_tracker == growth_interval) {
+      scale *= growth_factor;
+      growth_tracker = 0;
+    }
+    return scale;
+  }
 };
 
 /// Rewrites a forward graph (inputs in float32, output "loss") to compute in `compute` (bf16,

@@ -21,6 +21,10 @@ struct AdamWConfig {
 struct TrainStepConfig {
   AdamWConfig adamw;
   double max_norm = 1.0;  ///< clip the global L2 norm of all gradients to this (<= 0: no clipping)
+  /// Dynamic loss scaling for float16 (torch.amp.GradScaler's scale, unscale_, step): the
+  /// backward runs on loss x "loss_scale" (an input), the gradients are unscaled before the
+  /// norm and clipping, and AdamW skips the update when the norm is not finite.
+  bool loss_scaling = false;
 };
 
 /// Appends to `forward` (output "loss", a scalar; trainable parameters named in `params`) the
@@ -29,8 +33,11 @@ struct TrainStepConfig {
 /// dtype: the learning rate of this step and its 1-based count), and per parameter P the
 /// state "exp_avg.P" and "exp_avg_sq.P" (zeros before the first step). Adds outputs
 /// "grad_norm" (before clipping) and "next.S" for every state S (each P, exp_avg.P,
-/// exp_avg_sq.P): feed them back as S for the next step. Throws ir::IrError naming a parameter
-/// that is not a graph input.
+/// exp_avg_sq.P): feed them back as S for the next step. With loss_scaling, adds the input
+/// "loss_scale" (a float32 scalar, GradScaler's scale) and the output "found_inf" (1.0 when a
+/// gradient overflowed: the update was skipped, every next.S equals S); "grad_norm" is then
+/// the unscaled gradients' norm (inf or nan on overflow). Throws ir::IrError naming a
+/// parameter that is not a graph input.
 void append_train_step(ir::Graph& forward, const std::vector<std::string>& params, const TrainStepConfig& config);
 
 /// The state names append_train_step adds for `params`: each P, then exp_avg.P and
