@@ -185,7 +185,7 @@ double compiled_peak(const std::string& args) {
   auto r = spmdx("compile '" SPMDX_SOURCE_DIR "/configs/llama_debug.toml' " + args);
   EXPECT_EQ(r.exit_code, 0) << r.output;
   std::smatch m;
-  if (!std::regex_search(r.output, m, std::regex("planned peak per rank \\(rank 0\\): ([0-9.]+) (B|KiB|MiB|GiB)"))) {
+  if (!std::regex_search(r.output, m, std::regex("planned peak memory \\(rank 0\\): ([0-9.]+) (B|KiB|MiB|GiB)"))) {
     ADD_FAILURE() << "no planned peak in:\n" << r.output;
     return 0;
   }

@@ -26,6 +26,19 @@ models::Model tiny(std::int64_t batch = 2, std::int64_t seq = 32) {
   return models::build_model(models::model_args("llama", "tiny", 256), batch, seq);
 }
 
+// The first train step's inputs for a model of tiny(4, 64): initial weights, zero AdamW state, a
+// random batch, lr 1e-3.
+exec::TensorMap first_step_feed(const models::Model& m) {
+  exec::TensorMap feed = exec::init_tensors(m, 7);
+  for (const auto& p : m.params) feed["exp_avg." + p] = at::zeros_like(feed.at(p)), feed["exp_avg_sq." + p] = at::zeros_like(feed.at(p));
+  at::manual_seed(1);
+  feed["tokens"] = at::randint(0, 256, {4, 64}, at::kLong);
+  feed["labels"] = at::randint(0, 256, {4, 64}, at::kLong);
+  feed["lr"] = at::scalar_tensor(1e-3, at::kFloat);
+  feed["step"] = at::scalar_tensor(1.0, at::kFloat);
+  return feed;
+}
+
 TEST(MixedPrecision, MatmulsAndAttentionReadBf16NormsAndLossReadF32) {
   const models::Model m = tiny();
   const ir::Graph g = cast_for_mixed_precision(m.graph, DType::bf16);
@@ -68,13 +81,7 @@ TEST(MixedPrecision, OneTrainStepKeepsF32StateAndLandsNearTheF32Step) {
   bf16.graph = cast_for_mixed_precision(bf16.graph, DType::bf16);
   append_train_step(f32.graph, f32.params, {});
   append_train_step(bf16.graph, bf16.params, {});
-  exec::TensorMap feed = exec::init_tensors(f32, 7);
-  for (const auto& p : f32.params) feed["exp_avg." + p] = at::zeros_like(feed.at(p)), feed["exp_avg_sq." + p] = at::zeros_like(feed.at(p));
-  at::manual_seed(1);
-  feed["tokens"] = at::randint(0, 256, {4, 64}, at::kLong);
-  feed["labels"] = at::randint(0, 256, {4, 64}, at::kLong);
-  feed["lr"] = at::scalar_tensor(1e-3, at::kFloat);
-  feed["step"] = at::scalar_tensor(1.0, at::kFloat);
+  exec::TensorMap feed = first_step_feed(f32);
   const exec::TensorMap want = exec::Executor(f32.graph).run(feed);
   const exec::TensorMap got = exec::Executor(bf16.graph).run(feed);
   ASSERT_EQ(got.size(), want.size());
@@ -142,13 +149,7 @@ TEST(MixedPrecision, Float16LossScalingStepsNearF32AndSkipsAnOverflowingStep) {
   append_train_step(f16.graph, f16.params, scaled);
   ASSERT_NE(f16.graph.find_input("loss_scale"), nullptr);
   ASSERT_NE(f16.graph.find_output("found_inf"), nullptr);
-  exec::TensorMap feed = exec::init_tensors(f32, 7);
-  for (const auto& p : f32.params) feed["exp_avg." + p] = at::zeros_like(feed.at(p)), feed["exp_avg_sq." + p] = at::zeros_like(feed.at(p));
-  at::manual_seed(1);
-  feed["tokens"] = at::randint(0, 256, {4, 64}, at::kLong);
-  feed["labels"] = at::randint(0, 256, {4, 64}, at::kLong);
-  feed["lr"] = at::scalar_tensor(1e-3, at::kFloat);
-  feed["step"] = at::scalar_tensor(1.0, at::kFloat);
+  exec::TensorMap feed = first_step_feed(f32);
   const exec::TensorMap want = exec::Executor(f32.graph).run(feed);
   feed["loss_scale"] = at::scalar_tensor(1024.0, at::kFloat);
   const exec::TensorMap got = exec::Executor(f16.graph).run(feed);

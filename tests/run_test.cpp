@@ -187,6 +187,16 @@ TEST(Run, Float16LossScalingTracksF32SkipsOverflowsAndResumesWithItsScale) {
     EXPECT_EQ(again[i].at("loss").get<double>(), run[i + 8].at("loss").get<double>()) << "step " << i + 9;
     EXPECT_EQ(again[i].at("loss_scale").get<double>(), run[i + 8].at("loss_scale").get<double>()) << "step " << i + 9;
   }
+  // The updates AdamW applied are kept across precisions: resumed as float32, the checkpoint at
+  // step 16 counts the first run's 8 - skipped and the 8 of the resumed one.
+  fs::create_directories(dir / "as_f32" / "checkpoint");
+  fs::copy(dir / "skips" / "checkpoint" / "step-8", dir / "as_f32" / "checkpoint" / "step-8", fs::copy_options::recursive);
+  auto as_f32 = spmdx_run(common + " --checkpoint.enable true --checkpoint.interval 8 --job.dump_folder '" + (dir / "as_f32").string() + "'");
+  ASSERT_EQ(as_f32.exit_code, 0) << as_f32.output;
+  std::ifstream meta(dir / "as_f32" / "checkpoint" / "step-16" / "metadata.json");
+  const auto saved = nlohmann::json::parse(meta);
+  EXPECT_EQ(saved.at("optimizer_steps").get<std::size_t>(), 16 - skipped);
+  EXPECT_FALSE(saved.contains("grad_scaler")) << "float32 keeps no loss scale";
 }
 
 TEST(Run, ABadSelectiveCheckpointOptionFailsBeforeAnyRankStarts) {

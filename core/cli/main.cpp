@@ -22,6 +22,7 @@
 #include "spmdx/ir/serialize.h"
 #include "spmdx/sharding/distribute.h"
 #include "spmdx/train/job.h"
+#include "spmdx/plan/memory_plan.h"
 #include "spmdx/train/memory_budget.h"
 #include "spmdx/launch/launcher.h"
 #include "spmdx/comm/bench.h"
@@ -332,7 +333,9 @@ int run_compile(const CompileOptions& o) {
     for (std::int64_t r = 0; r < dumped_ranks; ++r) {
       const spmdx::ir::Graph g = spmdx::sharding::rank_graph(plan, r);
       write("rank" + std::to_string(r) + ".txt", g.str());
-      write("rank" + std::to_string(r) + ".plan.txt", spmdx::plan::make_runtime_plan(g, job.mesh, spec.plan).str(g, job.mesh));
+      const spmdx::plan::RuntimePlan runtime = spmdx::plan::make_runtime_plan(g, job.mesh, spec.plan);
+      write("rank" + std::to_string(r) + ".plan.txt", runtime.str(g, job.mesh));
+      write("rank" + std::to_string(r) + ".memory.txt", spmdx::plan::plan_memory(g, runtime).report(g, runtime));
       write("rank" + std::to_string(r) + ".json", spmdx::ir::to_json(g));
     }
   } else {
@@ -361,7 +364,7 @@ int run_compile(const CompileOptions& o) {
             << "per rank (rank 0): parameters " << spmdx::human_bytes(param) << ", gradients " << spmdx::human_bytes(param) << ", AdamW state "
             << spmdx::human_bytes(2 * param) << ", communication " << spmdx::human_bytes(plan.comm_bytes) << " sent per step (about "
             << comm_ms << " ms at 10 GB/s, 10 us per message)\n"
-            << "planned peak per rank (rank 0): " << planned.memory.str() << "\n"
+            << "planned peak memory (rank 0): " << planned.memory.str() << "\n"
             << (spec.memory_fit.empty() ? "" : spec.memory_fit + "\n")
             << "planned in " << std::fixed << std::setprecision(3) << seconds << " s" << std::defaultfloat << (o.fake ? " (--fake: no ranks started" : " (no ranks started")
             << (dumped_ranks ? "; wrote " + o.dump + " with " + std::to_string(dumped_ranks) + " rank graph(s))" : ")") << "\n";
@@ -537,7 +540,7 @@ CLI::App* add_compile(CLI::App& app, CompileOptions& compile_options) {
   compile->add_option("config", compile_options.config, "The job's TOML config")->required()->check(CLI::ExistingFile);
   compile->add_option("--world-size", compile_options.world_size, "Ranks to plan for (default: the product of the config's degrees)")
       ->check(CLI::Range(1, 100000000));
-  compile->add_option("--dump", compile_options.dump, "Write logical.{txt,json}, plan.{txt,json}, rankR.{txt,json} and rankR.plan.txt (RuntimePlan) here");
+  compile->add_option("--dump", compile_options.dump, "Write logical.{txt,json}, plan.{txt,json}, rankR.{txt,json} rankR.plan.txt (RuntimePlan) and rankR.memory.txt (memory plan) here");
   compile->add_flag("--fake", compile_options.fake, "Plan a mesh larger than this machine; dump only rank 0's graph");
   compile->add_flag("--print-config", compile_options.print_config, "Print the effective config and exit");
   return compile;

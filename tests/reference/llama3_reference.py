@@ -156,10 +156,11 @@ def main():
     ap.add_argument("--perturb", choices=["none", "norm_eps", "rope_scaling", "norm_decay", "norm_in_bf16"], default="none",
                     help="change the reference as a bug in spmdx would (norm eps 1e-6, no RoPE scaling, no weight decay on norms, "
                     "norms computed in bfloat16 under --mixed-precision): the comparison must fail")
-    ap.add_argument("--mixed-precision", choices=["none", "bfloat16"], default="none",
+    ap.add_argument("--mixed-precision", choices=["none", "bfloat16", "autocast"], default="none",
                     help="bfloat16: as FSDP2's MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32) under torchtitan: float32 "
                     "master weights and AdamW, the forward and backward on bfloat16 copies of the weights, norms and the loss in float32; "
-                    "spmdx runs with --training.mixed_precision_param bfloat16")
+                    "autocast: the float32 model's forward under torch.autocast('cpu', dtype=torch.bfloat16) instead (PyTorch's own "
+                    "op lists decide what runs in bfloat16). spmdx runs with --training.mixed_precision_param bfloat16 for both")
     ap.add_argument("--first-loss-tolerance", type=float, default=1e-6,
                     help="under --mixed-precision, the first step's loss (same weights, same batch: only where the casts are can differ) "
                     "must agree this closely; later steps carry bfloat16's rounding and are held to --tolerance")
@@ -169,7 +170,8 @@ def main():
     dump = args.dump or tempfile.mkdtemp(prefix="spmdx-reference-")
     run = [args.spmdx, "run", args.config, "--training.steps", str(args.steps), "--job.dump_folder", dump, "--debug.dump_batches", "true",
            "--debug.dump_initial_weights", "true", "--checkpoint.enable", "true", "--checkpoint.interval", "1"] + args.run
-    mixed = args.mixed_precision == "bfloat16"
+    mixed = args.mixed_precision != "none"
+    autocast = args.mixed_precision == "autocast"
     if mixed:
         run += ["--training.mixed_precision_param", "bfloat16"]
     if "--nproc" not in args.run:
@@ -213,7 +215,11 @@ def main():
         tokens = torch.from_numpy(np.load(os.path.join(dump, "debug", "batches", f"step-{step}.tokens.npy")))
         labels = torch.from_numpy(np.load(os.path.join(dump, "debug", "batches", f"step-{step}.labels.npy")))
         opt.zero_grad()
-        logits = forward({n: t.to(torch.bfloat16) for n, t in p.items()} if mixed else p, a, tokens, freqs_cis)
+        if autocast:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                logits = forward(p, a, tokens, freqs_cis)
+        else:
+            logits = forward({n: t.to(torch.bfloat16) for n, t in p.items()} if mixed else p, a, tokens, freqs_cis)
         loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(list(p.values()), cfg["training"]["max_norm"], foreach=True)
@@ -240,7 +246,7 @@ def main():
         with open(args.table, "w") as f:
             json.dump(rows, f, indent=1)
     if mixed and rows[0]["loss_rel"] > args.first_loss_tolerance:
-        sys.exit(f"spmdx differs from the bfloat16 reference past {args.first_loss_tolerance:.0e}: step 1: loss is off by {rows[0]['loss_rel']:.2e} relative")
+        sys.exit(f"spmdx differs from the {args.mixed_precision} reference past {args.first_loss_tolerance:.0e}: step 1: loss is off by {rows[0]['loss_rel']:.2e} relative")
     print(f"largest relative difference {worst[0]:.2e} at {worst[1]} (tolerance {args.tolerance:.0e})")
     if worst[0] > args.tolerance:
         sys.exit(f"spmdx differs from the float64 reference past {args.tolerance:.0e}: {worst[1]} is off by {worst[0]:.2e} relative")

@@ -317,15 +317,17 @@ class MetadataReader {
       if (!m_["tokenizer"].is_string()) bad("tokenizer", "must be a string");
       meta.tokenizer = m_["tokenizer"].get<std::string>();
     }
+    if (m_.contains("optimizer_steps")) meta.optimizer_steps = integer(m_["optimizer_steps"], "optimizer_steps", 0, meta.step);
     if (m_.contains("grad_scaler")) {  // float16's loss scale
       const json& g = m_["grad_scaler"];
+      if (!g.is_object()) bad("grad_scaler", "must be an object {scale, growth_tracker}, is " + g.dump());
       const json& scale = field(g, "scale", "grad_scaler.scale");
-      if (!scale.is_number() || !(scale.get<double>() > 0) || !std::isfinite(scale.get<double>())) {
-        bad("grad_scaler.scale", "must be a positive finite number, is " + scale.dump());
+      // A scale float32 can hold, as a normal number (GradScaler keeps it as a float32 tensor).
+      if (!scale.is_number() || !(scale.get<double>() >= 1.2e-38 && scale.get<double>() <= 3.4e38)) {
+        bad("grad_scaler.scale", "must be a number between 1.2e-38 and 3.4e38 (float32's normal range), is " + scale.dump());
       }
       meta.loss_scale = scale.get<double>();
       meta.growth_tracker = integer(field(g, "growth_tracker", "grad_scaler.growth_tracker"), "grad_scaler.growth_tracker", 0, 1'000'000'000);
-      meta.optimizer_steps = integer(field(g, "optimizer_steps", "grad_scaler.optimizer_steps"), "grad_scaler.optimizer_steps", 0, meta.step);
     }
   }
 
@@ -473,9 +475,8 @@ fs::path save_checkpoint(const fs::path& folder, const CheckpointMeta& meta, con
   if (rank == 0) {
     json m{{"format", "spmdx.checkpoint"}, {"version", kMetadataVersion}, {"step", meta.step}, {"data_samples", meta.data_samples}, {"tokenizer", meta.tokenizer},
            {"world_size", mesh.size()}, {"mesh", json::array()}, {"tensors", json::object()}, {"files", json::object()}};
-    if (meta.loss_scale > 0) {
-      m["grad_scaler"] = {{"scale", meta.loss_scale}, {"growth_tracker", meta.growth_tracker}, {"optimizer_steps", meta.optimizer_steps}};
-    }
+    if (meta.optimizer_steps >= 0) m["optimizer_steps"] = meta.optimizer_steps;
+    if (meta.loss_scale > 0) m["grad_scaler"] = {{"scale", meta.loss_scale}, {"growth_tracker", meta.growth_tracker}};
     for (const auto& d : mesh.dims()) m["mesh"].push_back({{"name", d.name}, {"size", d.size}});
     for (const auto& [name, g] : global) {
       m["tensors"][name] = {{"shape", g.shape}, {"dtype", ir::to_string(g.dtype)}, {"placements", placements_text(placements.at(name))}};

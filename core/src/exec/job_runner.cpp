@@ -389,6 +389,7 @@ class MetricsWriter {
     if (step % log_freq_ == 0 || step == last_step) {
       char scale[96] = "";
       if (scaling) std::snprintf(scale, sizeof scale, " | loss scale %g%s", scaling->first, scaling->second ? " (overflow: update skipped)" : "");
+      if (std::isnan(grad_norm)) grad_norm = std::fabs(grad_norm);  // "nan", not "-nan": a float16 overflow's
       std::printf("step %4lld | loss %8.4f | grad_norm %7.3f | lr %.2e | %9.0f tok/s | %7.1f ms | exposed comm %4.1f%% | peak %s%s\n",
                   static_cast<long long>(step), loss, grad_norm, lr, tokens_per_s, st.total * 1e3, 100.0 * st.exposed_comm / st.total,
                   human_bytes(static_cast<double>(st.peak_bytes)).c_str(), scale);
@@ -472,14 +473,15 @@ struct StepLoop {
   bool loss_scaling = spec.step.loss_scaling;
   train::GradScaler scaler{spec.mixed_precision.init_scale, spec.mixed_precision.growth_interval};
   std::int64_t optimizer_steps = 0;
+  bool over_budget_said = false;  // the warning of a measured peak over parallelism.memory_budget, once
 
-  // Where a resumed job's checkpoint left the loss scale and the optimizer's count.
+  // Where a resumed job's checkpoint left the optimizer's count and, for float16, the loss
+  // scale (a count past this run's growth interval grows it at the next clean step).
   void resume(const CheckpointMeta& meta) {
-    optimizer_steps = meta.step;
+    optimizer_steps = meta.optimizer_steps >= 0 ? meta.optimizer_steps : meta.step;
     if (meta.loss_scale > 0 && loss_scaling) {
       scaler.scale = meta.loss_scale;
-      scaler.growth_tracker = meta.growth_tracker;
-      optimizer_steps = meta.optimizer_steps;
+      scaler.growth_tracker = std::min(meta.growth_tracker, scaler.growth_interval - 1);
     }
   }
 
@@ -548,9 +550,19 @@ struct StepLoop {
     const double loss = out.at("loss").item<double>();
     if (!std::isfinite(loss)) {
       throw std::runtime_error("step " + std::to_string(step) + ": the loss is " + std::to_string(loss) +
-                               (spec.mixed_precision.param == "float16" ? " (the float16 forward overflowed: loss scaling guards only the backward; use bfloat16)" : ""));
+                               (spec.mixed_precision.param == "float16"
+                                    ? " (a float16 forward can overflow, which loss scaling does not guard: if bfloat16 trains, use it; else lower optimizer.lr)"
+                                    : ""));
     }
     const RunStats st = graph ? graph_stats : executor.stats();
+    if (lead && spec.memory_budget > 0 && st.peak_bytes > spec.memory_budget && !over_budget_said) {
+      over_budget_said = true;  // the budget bounds the planned peak; the allocator's may differ by a little (README "Memory")
+      std::printf("warning: step %lld held %lld bytes (%s) at its peak, %lld more than parallelism.memory_budget = %lld bytes; the budget bounds the "
+                  "planned peak (%lld bytes), which the allocator's count can pass by a little: lower the budget by the difference to keep under it\n",
+                  static_cast<long long>(step), static_cast<long long>(st.peak_bytes), human_bytes(static_cast<double>(st.peak_bytes)).c_str(),
+                  static_cast<long long>(st.peak_bytes - spec.memory_budget), static_cast<long long>(spec.memory_budget),
+                  static_cast<long long>(executor.memory().peak_bytes));
+    }
     if (!hooks.empty()) tell_hooks(hooks, step, spec, env, loss, st, names, state, out, state_placements, job.mesh, executor);
     // Hot-swap at a step boundary: nothing is in flight between runs; the old backend leaves
     // the job, the other one joins it under the next generation's keys.
@@ -573,8 +585,8 @@ struct StepLoop {
                    loss_scaling ? std::optional<std::pair<double, bool>>{{loss_scale, skipped}} : std::nullopt);
     }
     if (checkpointing && (step % spec.checkpoint.interval == 0 || step == spec.steps)) {
-      CheckpointMeta meta{step, dataset.state().samples, tokenizer_id};
-      if (loss_scaling) meta.loss_scale = scaler.scale, meta.growth_tracker = scaler.growth_tracker, meta.optimizer_steps = optimizer_steps;
+      CheckpointMeta meta{step, dataset.state().samples, tokenizer_id, optimizer_steps};
+      if (loss_scaling) meta.loss_scale = scaler.scale, meta.growth_tracker = scaler.growth_tracker;
       const auto where = save_checkpoint(ckpt_dir, meta, job.mesh, env.rank, state, state_metas, state_placements, backend.get());
       if (lead) std::printf("saved checkpoint %s\n", where.string().c_str());
     }
@@ -668,8 +680,9 @@ CheckpointMeta resume_from(const std::filesystem::path& ckpt_dir, std::int64_t s
   return meta;
 }
 
+// `resumed`: the checkpoint a resumed job starts from (its loss scale replaces the config's).
 void print_banner(const train::JobSpec& spec, const train::PlacedJob& job, const launch::RankEnv& env, const CommBackend* backend, const Device& device,
-                  const plan::MemoryPlan& planned) {
+                  const plan::MemoryPlan& planned, const CheckpointMeta* resumed) {
   using train::CheckpointReport;
   double params = 0;
   for (const auto& p : job.model.params) params += static_cast<double>(job.model.graph.find_input(p)->meta().numel());
@@ -687,10 +700,12 @@ void print_banner(const train::JobSpec& spec, const train::PlacedJob& job, const
   if (!spec.memory_fit.empty()) std::printf("%s\n", spec.memory_fit.c_str());
   else std::printf("planned peak memory (rank 0): %s\n", planned.str().c_str());
   if (spec.mixed_precision.param != "float32") {
-    char scaling[160] = "";
+    char scaling[224] = "";
     if (spec.step.loss_scaling) {
-      std::snprintf(scaling, sizeof scaling, "; dynamic loss scale from %g, halved on overflow (the update skipped), doubled after %lld clean steps",
-                    spec.mixed_precision.init_scale, static_cast<long long>(spec.mixed_precision.growth_interval));
+      const bool kept = resumed != nullptr && resumed->loss_scale > 0;
+      std::snprintf(scaling, sizeof scaling, "; dynamic loss scale from %g%s, halved on overflow (the update skipped), doubled after %lld clean steps",
+                    kept ? resumed->loss_scale : spec.mixed_precision.init_scale, kept ? " (the checkpoint's)" : "",
+                    static_cast<long long>(spec.mixed_precision.growth_interval));
     }
     std::printf("mixed precision: %s parameters, %s reduce (matmuls and attention in %s; norms, loss and AdamW in float32 on float32 master weights)%s\n",
                 spec.mixed_precision.param.c_str(), spec.mixed_precision.reduce.c_str(), spec.mixed_precision.param.c_str(), scaling);
@@ -789,7 +804,7 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
   const std::filesystem::path& dump = spec.output.dump_folder;
   if (lead) {
     metrics.emplace(spec.output, first_step, checkpointing, executor.memory().peak_bytes);
-    print_banner(spec, job, env, backend.get(), *device, executor.memory());
+    print_banner(spec, job, env, backend.get(), *device, executor.memory(), resume_step ? &resumed : nullptr);
   }
   StepLoop loop{env, spec, job, plan, executor, *device, state, state_metas, state_placements, dataset, hooks, registry, backend, joined.store.get(),
                 metrics ? &*metrics : nullptr, fault, timeout, ckpt_dir, tokenizer_id};

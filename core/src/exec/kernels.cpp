@@ -167,7 +167,8 @@ const std::map<std::string, Kernel>& kernels() {
     k["cat"] = [](const Node& n, const Tensors& x) { return one(at::cat(x, n.attr_int("dim"))); };
     k["expand"] = [](const Node& n, const Tensors& x) { return one(x[0].expand(n.attr_ints("shape"))); };
     k["sum_to"] = [](const Node& n, const Tensors& x) { return one(at::sum_to(x[0], n.attr_ints("shape"))); };
-    k["rms_norm"] = [](const Node& n, const Tensors& x) { return one(x[0] * rms_inv(x[0], n.attr_float("eps")) * x[1]); };
+    // (x * rsqrt(mean(x^2) + eps)) * w, the product by w in place: no temporary beside the output.
+    k["rms_norm"] = [](const Node& n, const Tensors& x) { return one((x[0] * rms_inv(x[0], n.attr_float("eps"))).mul_(x[1])); };
     k["layer_norm"] = [](const Node& n, const Tensors& x) {
       return one(at::layer_norm(x[0], {x[0].size(-1)}, x[1], x[2], n.attr_float("eps")));
     };
@@ -228,12 +229,16 @@ const std::map<std::string, Kernel>& kernels() {
       at::Tensor g = at::nll_loss_backward(x[0], lsm, target, {}, sum ? at::Reduction::Sum : at::Reduction::Mean, ignore, total_weight);
       return one(at::_log_softmax_backward_data(g, lsm, -1, logits.scalar_type()).view(x[1].sizes()));
     };
+    // gx = r * (g w - xhat * mean(g w * xhat)), gw = sum(g * xhat); the subtraction and the
+    // product by r in place in g w (the same elementwise operations): at most two temporaries
+    // of x's size beside the outputs, not five.
     k["rms_norm_backward"] = [](const Node& n, const Tensors& x) {
       const at::Tensor &g = x[0], &in = x[1], &w = x[2];
-      at::Tensor r = rms_inv(in, n.attr_float("eps"));
-      at::Tensor xhat = in * r;
-      at::Tensor gxhat = g * w;
-      at::Tensor gx = r * (gxhat - xhat * (gxhat * xhat).mean(-1, true));
+      const at::Tensor r = rms_inv(in, n.attr_float("eps"));
+      const at::Tensor xhat = in * r;
+      at::Tensor gx = g * w;
+      const at::Tensor dot = (gx * xhat).mean(-1, true);
+      gx.sub_(xhat * dot).mul_(r);
       std::vector<std::int64_t> batch_dims;
       for (std::int64_t i = 0; i + 1 < in.dim(); ++i) batch_dims.push_back(i);
       return Tensors{gx, (g * xhat).sum(batch_dims)};

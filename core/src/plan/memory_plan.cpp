@@ -370,8 +370,8 @@ class Simulation {
     const std::string& op = n.op();
     auto bytes = [&](int i) { return n.input(i)->meta().nbytes(); };
     auto copy_if_strided = [&](int i) { return contiguous_value(n.input(i)) ? 0 : bytes(i); };
-    if (op == "rms_norm") return bytes(0);              // x * rsqrt(mean(x^2)) before * w (x^2 goes first)
-    if (op == "rms_norm_backward") return 4 * bytes(1);  // xhat, g * w, xhat * mean(..), their difference
+    const std::int64_t rows = n.inputs().empty() || n.input(0)->meta().shape.empty() ? 0 : n.input(0)->meta().numel() / n.input(0)->meta().shape.back();
+    if (op == "rms_norm_backward") return 2 * bytes(1) + 2 * rows * elem_bytes(n.input(1));  // xhat, xhat * mean(..) or g * xhat; r and the mean
     if (op == "layer_norm_backward") return bytes(1);   // the forward recomputed
     if (op == "cross_entropy") return bytes(0);         // log_softmax of the logits
     if (op == "cross_entropy_backward") return 2 * bytes(1);  // log_softmax, nll_loss_backward
@@ -563,6 +563,31 @@ MemoryPlan plan_memory(const ir::Graph& graph, const RuntimePlan& plan) {
     at_peak.describe(m);
   }
   return m;
+}
+
+std::string MemoryPlan::report(const ir::Graph& graph, const RuntimePlan& plan) const {
+  std::vector<const ir::Node*> nodes;
+  for (const auto& n : graph.nodes()) nodes.push_back(n.get());
+  std::ostringstream out;
+  out << "planned peak " << str() << ", at [" << peak_position << "]";
+  if (peak_position >= 0 && static_cast<std::size_t>(peak_position) < plan.order.size()) {
+    const ir::Node* n = nodes.at(static_cast<std::size_t>(plan.order[static_cast<std::size_t>(peak_position)]));
+    out << " " << n->op() << " -> " << n->output()->ref();
+  }
+  out << "\n" << human_bytes(static_cast<double>(in_place_bytes)) << " written in place per step instead of allocated\nlargest buffers held at the peak:\n";
+  for (const auto& h : largest) out << "  " << human_bytes(static_cast<double>(h.bytes)) << "  " << h.what << (h.type.empty() ? "" : " " + h.type) << "\n";
+  out << "([n]: position in execution order, as rankR.plan.txt; held: bytes after the node, before its values go; ip: written into input k)\n";
+  for (std::size_t p = 0; p < plan.order.size() && p < held.size(); ++p) {
+    const auto i = static_cast<std::size_t>(plan.order[p]);
+    const ir::Node* n = nodes.at(i);
+    out << "[" << p << "] " << n->op() << " -> " << n->output()->ref() << "  held " << human_bytes(static_cast<double>(held[p]));
+    for (std::size_t k = 0; k < in_place.at(i).size(); ++k) {
+      if (in_place[i][k] >= 0) out << "  ip " << in_place[i][k];
+    }
+    if (static_cast<int>(p) == peak_position) out << "  <- peak";
+    out << "\n";
+  }
+  return out.str();
 }
 
 std::string MemoryPlan::str() const {

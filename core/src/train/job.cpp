@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <functional>
+#include <limits>
 
 #include "spmdx/comm/select.h"
 #include "spmdx/core/log.h"
@@ -221,7 +222,9 @@ JobSpec job_spec(const config::Config& cfg, std::int64_t world_size, std::int64_
   s.reshard_after_forward = cfg.get_string("parallelism.fsdp_reshard_after_forward") != "never";
   if (const std::string budget = cfg.get_string("parallelism.memory_budget"); !budget.empty()) {
     try {
-      s.memory_budget = static_cast<std::int64_t>(parse_bytes(budget));
+      const std::uint64_t bytes = parse_bytes(budget);
+      if (bytes > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max())) throw std::invalid_argument("a budget must be less than 8 EiB");
+      s.memory_budget = static_cast<std::int64_t>(bytes);
       if (s.memory_budget <= 0) throw std::invalid_argument("a budget must be more than 0 bytes");
     } catch (const std::exception& e) {
       fail({"parallelism.memory_budget"}, "parallelism.memory_budget = \"" + budget + "\": " + e.what() + "; use a size such as \"2GiB\" or \"512MiB\"");

@@ -1,10 +1,12 @@
 #include "spmdx/train/memory_budget.h"
 
+#include <cmath>
 #include <cstdio>
 #include <stdexcept>
 #include <vector>
 
 #include "spmdx/hooks/graph_view.h"
+#include "spmdx/models/model.h"
 #include "spmdx/sharding/distribute.h"
 #include "spmdx/text.h"
 
@@ -39,18 +41,28 @@ std::string changes(const JobSpec& configured, const JobSpec& s) {
   return out;
 }
 
-std::vector<Candidate> candidates(const JobSpec& configured) {
+// True when the model has layers that activation checkpointing would recompute (parameters
+// named with a numbered prefix, models::layer_of): an MLP has none.
+bool has_layers(const PlacedJob& job) {
+  for (const auto& p : job.model.params) {
+    if (!models::layer_of(p).empty()) return true;
+  }
+  return false;
+}
+
+// `layers`: the model has layers to checkpoint (else checkpointing changes nothing: not tried).
+std::vector<Candidate> candidates(const JobSpec& configured, bool layers) {
   std::vector<Candidate> out;
   JobSpec s = configured;
   if (!s.reshard_after_forward && s.dims.dp_shard > 1) {
     s.reshard_after_forward = true;
     out.push_back({changes(configured, s), s});
   }
-  if (s.activation_checkpoint.mode == "none") {
+  if (layers && s.activation_checkpoint.mode == "none") {
     s.activation_checkpoint = {"selective", "op"};
     out.push_back({changes(configured, s), s});
   }
-  if (s.activation_checkpoint.mode != "full") {
+  if (layers && s.activation_checkpoint.mode != "full") {
     s.activation_checkpoint = {"full", "op"};
     out.push_back({changes(configured, s), s});
   }
@@ -79,16 +91,18 @@ PlannedStep plan_step(const PlacedJob& job, const JobSpec& spec, std::int64_t ra
 
 std::string fit_memory_budget(JobSpec& spec, PluginRegistry& registry) {
   if (spec.memory_budget <= 0) return "";
-  const PlannedStep configured = plan_step(place_job(spec, registry), spec);
+  const PlacedJob placed = place_job(spec, registry);
+  const PlannedStep configured = plan_step(placed, spec);
   const std::string head = "parallelism.memory_budget = " + bytes(spec.memory_budget) + ": planned peak per rank " + bytes(configured.memory.peak_bytes);
   if (configured.memory.peak_bytes <= spec.memory_budget) return head + " fits as configured";
   std::string tried = "as configured " + bytes(configured.memory.peak_bytes);
   PlannedStep last = configured;
-  for (const Candidate& c : candidates(spec)) {
+  for (const Candidate& c : candidates(spec, has_layers(placed))) {
     const PlannedStep step = plan_step(place_job(c.spec, registry), c.spec);
     if (step.memory.peak_bytes <= spec.memory_budget) {
       char flops[64];
-      std::snprintf(flops, sizeof flops, "%+.0f%% FLOPs", 100.0 * (step.flops / configured.flops - 1));
+      const double more = std::round(100.0 * (step.flops / configured.flops - 1));
+      std::snprintf(flops, sizeof flops, "%+.0f%% FLOPs", more == 0 ? 0.0 : more);
       spec = c.spec;
       return head + " as configured; chose " + c.what + ": planned peak " + step.memory.str() + "; estimated cost: communication " +
              ms(configured.comm_seconds) + " -> " + ms(step.comm_seconds) + " per step (alpha-beta), compute " + flops;

@@ -8,8 +8,8 @@
 //
 // Shard file format: 8 bytes "SPMDXCK1", u64 header length, a JSON header {tensors: [{name,
 // dtype, shape, global_offset, offset, bytes, crc32}]}, then the raw little-endian data.
-// metadata.json (version 2): format, version, step, data_samples, [grad_scaler {scale,
-// growth_tracker, optimizer_steps}], world_size, mesh [{name,
+// metadata.json (version 2): format, version, step, data_samples, [optimizer_steps],
+// [grad_scaler {scale, growth_tracker}], world_size, mesh [{name,
 // size}], tensors {name: {shape, dtype, placements}}, files {rank<R>.bin: {bytes,
 // header_crc32}}, and crc32, the CRC-32 of the compact JSON of everything else. Version 1
 // (no files, no crc32) is still read.
@@ -33,12 +33,13 @@ struct CheckpointMeta {
   /// What the token ids mean: "byte", or the tokenizer file's hash and size ("" when the
   /// checkpoint does not say: version 1, or older version 2).
   std::string tokenizer;
-  /// float16 loss scaling (train::GradScaler): the scale and its growth count after `step`,
-  /// and the updates AdamW has applied (fewer than `step` when some were skipped); loss_scale
-  /// 0: none (written and read as metadata.json's optional "grad_scaler").
+  /// The updates AdamW has applied by `step` (fewer when float16 skipped some; its bias
+  /// correction counts them); -1: as many as steps (metadata.json's optional "optimizer_steps").
+  std::int64_t optimizer_steps = -1;
+  /// float16 loss scaling (train::GradScaler): the scale and its growth count after `step`;
+  /// loss_scale 0: none (metadata.json's optional "grad_scaler" {scale, growth_tracker}).
   double loss_scale = 0;
   std::int64_t growth_tracker = 0;
-  std::int64_t optimizer_steps = 0;
 };
 
 /// Writes this rank's `local` tensors (by name; their global metas and placements in `global`

@@ -61,7 +61,16 @@ struct MemoryPlan {
 
   /// "47.9 MiB (parameters 5.0 MiB, gradients ..., activations ...)".
   std::string str() const;
+  /// For `spmdx compile --dump` (rankR.memory.txt): the peak and where it is, the largest
+  /// buffers held there, then per position of `plan` (made for `graph`) its node and the bytes
+  /// held after it, the in-place writes marked.
+  std::string report(const ir::Graph& graph, const RuntimePlan& plan) const;
 };
+
+/// The categories of the breakdown: a buffer counts as the most important of what it holds,
+/// parameter > optimizer_state > gradient (adamw's gradient input, and what it was made from
+/// on its way from the backward: its reduction, bucket, clipping and casts) > communication
+/// (other collectives' outputs and staging buffers) > activation.
 
 /// Ops whose kernel can write its output into an input's storage (exec::find_in_place_kernel
 /// has each): op -> the inputs that may be written, in preference order. adamw writes its
