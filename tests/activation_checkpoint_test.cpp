@@ -5,9 +5,15 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <map>
+
+#include "spmdx/config/config.h"
+#include "spmdx/core/registry.h"
 #include "spmdx/exec/executor.h"
 #include "spmdx/exec/trainer.h"
+#include "spmdx/sharding/distribute.h"
 #include "spmdx/train/activation_checkpoint.h"
+#include "spmdx/train/job.h"
 #include "spmdx/train/train_step.h"
 
 namespace spmdx::train {
@@ -125,6 +131,45 @@ TEST(ActivationCheckpoint, NoneChangesNothingAndBadOptionsAreRefused) {
     EXPECT_THAT(e.what(), HasSubstr("use \"op\" or a positive integer N"));
   }
   EXPECT_THROW(checkpoint_activations(s.model.graph, s.forward_nodes, s.model.params, {"partial", "op"}), std::invalid_argument);
+}
+
+
+// The main job's rank 0 (FSDP x TP, as spmdx run places it): without checkpointing no two
+// collectives move what the same ops made from the same values (the backward's views of a
+// linear's input are shared, so TP gathers it once for q, k and v); with full checkpointing the
+// recomputation issues each layer's collectives again, and keep_collective_outputs reads the
+// forward's instead: as many collectives as without checkpointing, not one of the parameters'.
+TEST(ActivationCheckpoint, KeepCollectiveOutputsMergesOnlyTheRecomputationsCollectives) {
+  auto rank0 = [](const std::string& mode, bool keep, std::int64_t* kept) {
+    config::Config cfg = config::Config::load(SPMDX_SOURCE_DIR "/configs/llama_debug.toml");
+    cfg.override_value("activation_checkpoint.mode", mode);
+    cfg.override_value("activation_checkpoint.keep_collective_outputs", keep ? "true" : "false");
+    PluginRegistry registry;
+    registry.discover({{BUILTIN_PLUGIN_DIR, PluginSource::Origin::builtin}});
+    const JobSpec spec = job_spec(cfg, 4, 256);
+    const PlacedJob job = place_job(spec, registry);
+    const auto plan = sharding::propagate(job.model.graph, job.mesh, job.inputs, job.outputs, job.use, job.reshard_after_forward);
+    return rank_step_graph(plan, 0, spec, kept);
+  };
+  auto collectives = [](const ir::Graph& g) {
+    std::map<std::string, int> n;
+    for (const auto& node : g.nodes()) {
+      if (sharding::is_collective(node->op())) ++n[node->op() + (node->input(0)->producer() == nullptr ? " of a parameter" : "")];
+    }
+    return n;
+  };
+  std::int64_t kept = -1;
+  ir::Graph none = rank0("none", false, nullptr);
+  const auto plain = collectives(none);
+  EXPECT_EQ(keep_collective_outputs(none), 0) << "the rank graph moves one value twice";
+  const auto full = collectives(rank0("full", false, nullptr));
+  const auto keep = collectives(rank0("full", true, &kept));
+  EXPECT_GT(kept, 0);
+  int recomputed = 0;
+  for (const auto& [what, count] : full) recomputed += count - (plain.count(what) > 0 ? plain.at(what) : 0);
+  EXPECT_EQ(kept, recomputed);
+  EXPECT_EQ(keep, plain) << "keeping the forward's outputs leaves the collectives of no checkpointing";
+  EXPECT_EQ(keep.at("all_gather of a parameter"), full.at("all_gather of a parameter")) << "FSDP's gathers are issued again as before";
 }
 
 }  // namespace

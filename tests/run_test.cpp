@@ -84,21 +84,32 @@ TEST(Run, ActivationCheckpointingChangesNoLossAndLowersThePeak) {
            {"--parallelism.data_parallel_shard_degree 1", 1},
            {"--parallelism.data_parallel_shard_degree 2 --parallelism.tensor_parallel_degree 2", 4}}) {
     std::map<std::string, std::vector<double>> loss, peak;
-    for (const std::string mode : {"none", "full", "selective"}) {
+    std::map<std::string, std::vector<double>> collectives;
+    for (const std::string mode : {"none", "full", "selective", "full_keep"}) {
       const fs::path out = dir / (mode + std::to_string(nproc));
+      const std::string flags = mode == "full_keep" ? "full --activation_checkpoint.keep_collective_outputs true" : mode;
       auto r = spmdx_run("'" SPMDX_SOURCE_DIR "/configs/llama_fsdp.toml' --nproc " + std::to_string(nproc) + " " + layout +
-                         " --activation_checkpoint.mode " + mode + " --job.dump_folder '" + out.string() + "'" + common);
+                         " --activation_checkpoint.mode " + flags + " --job.dump_folder '" + out.string() + "'" + common);
       ASSERT_EQ(r.exit_code, 0) << mode << "\n" << r.output;
       if (mode != "none") {
-        EXPECT_THAT(r.output, HasSubstr("activation checkpointing " + mode));
+        EXPECT_THAT(r.output, HasSubstr("activation checkpointing " + mode.substr(0, mode.find('_'))));
       }
       loss[mode] = losses(out / "metrics.jsonl");
       peak[mode] = test::column(out / "metrics.jsonl", "peak_mem_bytes");
+      collectives[mode] = test::column(out / "metrics.jsonl", "collectives");
     }
     EXPECT_EQ(loss["full"], loss["none"]) << nproc << " ranks";
     EXPECT_EQ(loss["selective"], loss["none"]) << nproc << " ranks";
+    EXPECT_EQ(loss["full_keep"], loss["none"]) << nproc << " ranks";
     EXPECT_LT(peak["full"].back(), 0.8 * peak["none"].back()) << nproc << " ranks";
     EXPECT_LT(peak["selective"].back(), peak["none"].back()) << nproc << " ranks";
+    // Keeping the collectives' outputs: the calls of no checkpointing, for a peak in between.
+    EXPECT_EQ(collectives["full_keep"].back(), collectives["none"].back()) << nproc << " ranks";
+    EXPECT_LT(peak["full_keep"].back(), peak["none"].back()) << nproc << " ranks";
+    EXPECT_GE(peak["full_keep"].back(), peak["full"].back()) << nproc << " ranks";
+    if (nproc > 1) {
+      EXPECT_LT(collectives["full_keep"].back(), collectives["full"].back()) << "TP's collectives were issued again";
+    }
   }
 }
 

@@ -331,7 +331,7 @@ int run_compile(const CompileOptions& o) {
     write("plan.txt", plan.str());
     write("plan.json", plan.to_json());
     for (std::int64_t r = 0; r < dumped_ranks; ++r) {
-      const spmdx::ir::Graph g = spmdx::sharding::rank_graph(plan, r);
+      const spmdx::ir::Graph g = spmdx::train::rank_step_graph(plan, r, spec);
       write("rank" + std::to_string(r) + ".txt", g.str());
       const spmdx::plan::RuntimePlan runtime = spmdx::plan::make_runtime_plan(g, job.mesh, spec.plan);
       write("rank" + std::to_string(r) + ".plan.txt", runtime.str(g, job.mesh));

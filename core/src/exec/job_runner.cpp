@@ -767,7 +767,8 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
   train::PlacedJob job = train::place_job(spec, registry);
   check_fault(fault, env, spec, job);
   const auto plan = sharding::propagate(job.model.graph, job.mesh, job.inputs, job.outputs, job.use, job.reshard_after_forward);
-  const ir::Graph graph = sharding::rank_graph(plan, env.rank);
+  std::int64_t kept_collectives = 0;
+  const ir::Graph graph = train::rank_step_graph(plan, env.rank, spec, &kept_collectives);
 
   const double timeout = spec.comm.timeout_seconds;
   Joined joined = join_job(cfg, env, timeout);
@@ -805,6 +806,11 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
   if (lead) {
     metrics.emplace(spec.output, first_step, checkpointing, executor.memory().peak_bytes);
     print_banner(spec, job, env, backend.get(), *device, executor.memory(), resume_step ? &resumed : nullptr);
+    if (spec.activation_checkpoint.keep_collective_outputs && spec.activation_checkpoint.mode != "none") {
+      std::printf("activation_checkpoint.keep_collective_outputs: %lld collectives of the recomputation read the forward's outputs instead (rank 0)\n",
+                  static_cast<long long>(kept_collectives));
+      std::fflush(stdout);
+    }
   }
   StepLoop loop{env, spec, job, plan, executor, *device, state, state_metas, state_placements, dataset, hooks, registry, backend, joined.store.get(),
                 metrics ? &*metrics : nullptr, fault, timeout, ckpt_dir, tokenizer_id};

@@ -7,6 +7,7 @@
 #include <unordered_map>
 
 #include "spmdx/models/model.h"
+#include "spmdx/sharding/redistribute.h"
 
 namespace spmdx::train {
 namespace {
@@ -169,6 +170,60 @@ ir::Graph checkpoint_activations(const ir::Graph& graph, std::size_t forward_nod
   for (const auto& [name, v] : graph.outputs()) out.add_output(name, map.at(v));
   if (report != nullptr) *report = done;
   return out;
+}
+
+std::int64_t keep_collective_outputs(ir::Graph& g) {
+  // Value numbering: equal numbers for values computed by the same ops from the same values.
+  std::unordered_map<const Value*, std::int64_t> number;
+  std::unordered_map<const Value*, bool> from_batch;
+  std::map<std::string, std::int64_t> table;
+  std::int64_t next = 0;
+  for (const Value* v : g.inputs()) {
+    number[v] = next++;
+    from_batch[v] = v->name() == "tokens" || v->name() == "labels";
+  }
+  std::unordered_map<std::int64_t, Value*> first;  // a collective output's number -> the first collective output with it
+  std::vector<std::pair<Value*, Value*>> merge;    // (a recomputation's collective output, the forward's)
+  for (const auto& n : g.nodes()) {
+    std::string key = n->op() + "(";
+    bool batch = false;
+    for (const Value* in : n->inputs()) {
+      key += std::to_string(number.at(in)) + ",";
+      batch = batch || from_batch.at(in);
+    }
+    key += ")";
+    for (const auto& [name, value] : n->attrs()) key += name + "=" + ir::attribute_str(value) + ";";
+    for (std::size_t k = 0; k < n->outputs().size(); ++k) {
+      const auto it = table.emplace(key + "#" + std::to_string(k), next).first;
+      if (it->second == next) ++next;
+      number[n->outputs()[k]] = it->second;
+      from_batch[n->outputs()[k]] = batch;
+    }
+    if (!sharding::is_collective(n->op()) || !batch) continue;
+    const auto [it, fresh] = first.emplace(number.at(n->output()), n->output());
+    if (!fresh && it->second->producer()->input(0) != n->input(0)) merge.emplace_back(n->output(), it->second);
+  }
+  for (const auto& [later, earlier] : merge) g.replace_all_uses(later, earlier);
+  // What only the merged collectives read goes with them (never another collective: every rank
+  // runs the same ones).
+  std::set<const Node*> merged;
+  for (const auto& [later, earlier] : merge) merged.insert(later->producer());
+  std::set<const Value*> outputs;
+  for (const auto& [name, v] : g.outputs()) outputs.insert(v);
+  for (bool erased = true; erased;) {
+    erased = false;
+    std::vector<Node*> dead;
+    for (const auto& n : g.nodes()) {
+      const bool unused = std::all_of(n->outputs().begin(), n->outputs().end(), [&](const Value* v) { return v->uses().empty() && outputs.count(v) == 0; });
+      if (unused && (merged.count(n.get()) > 0 || !sharding::is_collective(n->op()))) dead.push_back(n.get());
+    }
+    for (Node* n : dead) {
+      merged.erase(n);
+      g.erase(n);
+      erased = true;
+    }
+  }
+  return static_cast<std::int64_t>(merge.size());
 }
 
 }  // namespace spmdx::train

@@ -183,7 +183,8 @@ void read_sections(const config::Config& cfg, JobSpec& s) {
   s.comm = {cfg.get_string("comm.backend"), cfg.get_string("comm.swap_to"), cfg.get_int("comm.swap_at_step"), cfg.get_float("comm.timeout_seconds"),
             comm::job_memory(cfg.get_string("training.device"))};
   s.device = {cfg.get_string("training.device"), cfg.get_bool("training.allow_tf32"), cfg.get_bool("training.cuda_graphs")};
-  s.activation_checkpoint = {cfg.get_string("activation_checkpoint.mode"), cfg.get_string("activation_checkpoint.selective_ac_option")};
+  s.activation_checkpoint = {cfg.get_string("activation_checkpoint.mode"), cfg.get_string("activation_checkpoint.selective_ac_option"),
+                             cfg.get_bool("activation_checkpoint.keep_collective_outputs")};
   s.mixed_precision = {cfg.get_string("training.mixed_precision_param"), cfg.get_string("training.mixed_precision_reduce"),
                        cfg.get_float("training.grad_scaler_init_scale"), cfg.get_int("training.grad_scaler_growth_interval")};
   const std::filesystem::path dump = cfg.get_string("job.dump_folder");
@@ -464,6 +465,14 @@ std::string comm_backend_problem(PluginRegistry& registry, const std::string& sp
 void discover_plugins(PluginRegistry& registry, const config::Config& cfg) {
   const auto& listed = cfg.get_list("plugins.paths");
   registry.discover(plugin_search_path(std::vector<std::filesystem::path>(listed.begin(), listed.end())));
+}
+
+ir::Graph rank_step_graph(const sharding::DistributedPlan& plan, std::int64_t rank, const JobSpec& spec, std::int64_t* kept) {
+  ir::Graph g = sharding::rank_graph(plan, rank);
+  std::int64_t merged = 0;
+  if (spec.activation_checkpoint.mode != "none" && spec.activation_checkpoint.keep_collective_outputs) merged = keep_collective_outputs(g);
+  if (kept != nullptr) *kept = merged;
+  return g;
 }
 
 PlacedJob place_job(const JobSpec& spec, PluginRegistry& registry) {

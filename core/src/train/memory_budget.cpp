@@ -81,7 +81,7 @@ std::vector<Candidate> candidates(const JobSpec& configured, bool layers) {
 
 PlannedStep plan_step(const PlacedJob& job, const JobSpec& spec, std::int64_t rank) {
   const auto plan = sharding::propagate(job.model.graph, job.mesh, job.inputs, job.outputs, job.use, job.reshard_after_forward);
-  const ir::Graph graph = sharding::rank_graph(plan, rank);
+  const ir::Graph graph = rank_step_graph(plan, rank, spec);
   PlannedStep step;
   step.memory = plan::plan_memory(graph, plan::make_runtime_plan(graph, job.mesh, spec.plan));
   step.comm_seconds = plan.comm_seconds;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
 
 #include "spmdx/ir/autodiff.h"
 
@@ -15,6 +16,30 @@ std::vector<std::string> train_state_names(const std::vector<std::string>& param
   for (const auto& p : params) names.push_back("exp_avg_sq." + p);
   return names;
 }
+
+namespace {
+
+// The same view of the same value, made once: each VJP reshapes or transposes what it reads on
+// its own (a linear's input, once per weight reading it: q, k and v), and sharding then moves
+// each copy on its own (three all_gathers of one activation under TP). Views cost nothing to
+// share, so sharing them changes no number and no buffer's life.
+void deduplicate_views(ir::Graph& g) {
+  std::map<std::string, Value*> seen;
+  std::vector<ir::Node*> copies;
+  for (const auto& n : g.nodes()) {
+    const std::string& op = n->op();
+    if (op != "reshape" && op != "transpose" && op != "permute" && op != "expand" && op != "slice") continue;
+    std::string key = op + "(" + std::to_string(n->input(0)->id()) + ")";
+    for (const auto& [name, value] : n->attrs()) key += name + "=" + ir::attribute_str(value) + ";";
+    const auto [it, fresh] = seen.emplace(key, n->output());
+    if (fresh) continue;
+    g.replace_all_uses(n->output(), it->second);
+    copies.push_back(n.get());
+  }
+  for (ir::Node* n : copies) g.erase(n);
+}
+
+}  // namespace
 
 void append_train_step(ir::Graph& g, const std::vector<std::string>& params, const TrainStepConfig& config) {
   Value* loss = g.find_output("loss");
@@ -31,6 +56,7 @@ void append_train_step(ir::Graph& g, const std::vector<std::string>& params, con
   // then unscale_ before clipping, which torch documents for clip_grad_norm_).
   Value* loss_scale = config.loss_scaling ? g.add_input("loss_scale", scalar) : nullptr;
   std::vector<Value*> grads = ir::gradients(g, loss_scale ? g.add("mul", {loss, loss_scale}) : loss, weights);
+  deduplicate_views(g);
   if (loss_scale != nullptr) {
     Value* inv = g.add("rdiv_scalar", {loss_scale}, attr(1.0));
     for (Value*& gr : grads) gr = g.add("mul", {gr, inv});

@@ -21,6 +21,9 @@ struct ActivationCheckpoint {
   /// selective: "op" keeps the outputs of matmuls and attention (torchtitan's op save list:
   /// mm, sdpa) and recomputes the rest; a positive integer N recomputes every N-th layer fully.
   std::string selective_option = "op";
+  /// activation_checkpoint.keep_collective_outputs: a collective that a recomputation would issue
+  /// again reads the forward's output instead (keep_collective_outputs()); off: re-issued.
+  bool keep_collective_outputs = false;
 };
 
 /// What the pass did, for logs and tests.
@@ -44,5 +47,15 @@ bool kept_by_selective(const std::string& op);
 /// unknown mode or selective option.
 ir::Graph checkpoint_activations(const ir::Graph& graph, std::size_t forward_nodes, const std::vector<std::string>& params,
                                  const ActivationCheckpoint& options, CheckpointReport* report = nullptr);
+
+/// On a rank's graph of a checkpointed train step (sharding::rank_graph): where a recomputation
+/// issues a collective again on a value that computes what an earlier collective's input did
+/// (the same ops on the same inputs: value numbering), the later one's readers read the earlier
+/// one's output, kept from the forward to the backward as torchtitan's save_list keeps
+/// reduce_scatter's; the recomputed nodes that fed only it are dropped. Only collectives of
+/// values made from the batch ("tokens", "labels"): those of parameters alone (FSDP's
+/// all_gathers, again in the backward) stay, as keeping them is reshard_after_forward = false.
+/// Deterministic, so every rank merges the same collectives. Returns how many it merged.
+std::int64_t keep_collective_outputs(ir::Graph& rank_graph);
 
 }  // namespace spmdx::train

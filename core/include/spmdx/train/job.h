@@ -170,6 +170,11 @@ struct PlacedJob {
 /// asks) and where its inputs go on the mesh, by the strategy plugins.
 PlacedJob place_job(const JobSpec& spec, PluginRegistry& registry);
 
+/// The graph `rank` runs (sharding::rank_graph of `plan`), with keep_collective_outputs applied
+/// when the spec checkpoints activations and asks for it; `kept` (if given): how many
+/// collectives it merged.
+ir::Graph rank_step_graph(const sharding::DistributedPlan& plan, std::int64_t rank, const JobSpec& spec, std::int64_t* kept = nullptr);
+
 /// "" when `spec_text` (comm.backend's form: "auto" or "name[:key=value;...]") names a comm
 /// backend that can serve ranks in processes on `device` ("cpu" or "cuda"); else what is
 /// wrong, worded to follow `key = "spec"`: not found (with the names found and a hint at
