@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <functional>
+#include <limits>
 #include <set>
 
 #include "spmdx/exec/kernels.h"
@@ -108,6 +109,22 @@ std::vector<Case> cases() {
          positive(x[3]);
          x[4] = at::scalar_tensor(1e-2, at::kDouble);
          x[5] = at::scalar_tensor(3.0, at::kDouble);
+       }},
+      // float16's loss scaling: found_inf of a value with an inf, and adamw told of it (skips) or not.
+      {"found_inf", "found_inf", {{4, 5}}, {}, [](Tensors& x) { x[0][1][2] = std::numeric_limits<double>::infinity(); }},
+      {"adamw_found_inf", "adamw", {{4, 6}, {4, 6}, {4, 6}, {4, 6}, {}, {}, {}}, {{"weight_decay", 0.1}},
+       [](Tensors& x) {
+         positive(x[3]);
+         x[4] = at::scalar_tensor(1e-2, at::kDouble);
+         x[5] = at::scalar_tensor(3.0, at::kDouble);
+         x[6] = at::scalar_tensor(1.0, at::kFloat);
+       }},
+      {"adamw_no_inf", "adamw", {{4, 6}, {4, 6}, {4, 6}, {4, 6}, {}, {}, {}}, {{"weight_decay", 0.1}},
+       [](Tensors& x) {
+         positive(x[3]);
+         x[4] = at::scalar_tensor(1e-2, at::kDouble);
+         x[5] = at::scalar_tensor(3.0, at::kDouble);
+         x[6] = at::scalar_tensor(0.0, at::kFloat);
        }},
   };
 }
