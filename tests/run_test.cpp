@@ -215,6 +215,10 @@ TEST(Run, ABadSelectiveCheckpointOptionFailsBeforeAnyRankStarts) {
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_THAT(r.output, HasSubstr("activation_checkpoint.selective_ac_option = \"every2\": use \"op\""));
   EXPECT_THAT(r.output, ::testing::Not(HasSubstr("[rank")));
+  auto keep = spmdx_run("'" SPMDX_SOURCE_DIR "/configs/mlp_dp.toml' --nproc 2 --activation_checkpoint.keep_collective_outputs true");
+  EXPECT_EQ(keep.exit_code, 1);
+  EXPECT_THAT(keep.output, HasSubstr("activation_checkpoint.mode = \"none\" recomputes nothing"));
+  EXPECT_THAT(keep.output, ::testing::Not(HasSubstr("[rank")));
 }
 
 // The RuntimePlan changes when collectives run, never what they compute: bucketing (small

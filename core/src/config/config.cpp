@@ -181,8 +181,9 @@ const std::vector<KeySpec>& schema() {
         "recompute forward values in the backward instead of keeping them: none, full (every layer) or selective", -1e300,
         L{"none", "full", "selective"}),
       k("activation_checkpoint.keep_collective_outputs", Type::boolean, false,
-        "a collective a recomputation would issue again (TP's all_reduce) reads the forward's output instead, kept until the backward "
-        "(as torchtitan's save_list keeps reduce_scatter's); false: issued again"),
+        "with activation_checkpoint.mode full or selective: a collective the recomputation would issue again (TP's all_reduce or "
+        "reduce_scatter, an all_gather of an activation) reads the forward's output instead, kept until the backward (as torchtitan's "
+        "save_list keeps reduce_scatter's); false: issued again"),
       k("activation_checkpoint.selective_ac_option", Type::string, std::string("op"),
         "selective: op (keep matmul and attention outputs, recompute the rest) or N (every N-th layer in full)"),
       k("optimizer.name", Type::string, std::string("AdamW"), "optimizer", -1e300, L{"AdamW"}),

@@ -388,7 +388,7 @@ class MetricsWriter {
     if (!out_) throw std::runtime_error("cannot write " + file().string() + ": " + std::strerror(errno));
     if (step % log_freq_ == 0 || step == last_step) {
       char scale[96] = "";
-      if (scaling) std::snprintf(scale, sizeof scale, " | loss scale %g%s", scaling->first, scaling->second ? " (overflow: update skipped)" : "");
+      if (scaling) std::snprintf(scale, sizeof scale, " | loss scale %.9g%s", scaling->first, scaling->second ? " (overflow: update skipped)" : "");
       if (std::isnan(grad_norm)) grad_norm = std::fabs(grad_norm);  // "nan", not "-nan": a float16 overflow's
       std::printf("step %4lld | loss %8.4f | grad_norm %7.3f | lr %.2e | %9.0f tok/s | %7.1f ms | exposed comm %4.1f%% | peak %s%s\n",
                   static_cast<long long>(step), loss, grad_norm, lr, tokens_per_s, st.total * 1e3, 100.0 * st.exposed_comm / st.total,

@@ -237,6 +237,10 @@ JobSpec job_spec(const config::Config& cfg, std::int64_t world_size, std::int64_
                   cfg.get_float("optimizer.weight_decay")};
   read_sections(cfg, s);
   s.step.loss_scaling = s.mixed_precision.param == "float16";
+  if (s.activation_checkpoint.keep_collective_outputs && s.activation_checkpoint.mode == "none") {
+    fail({"activation_checkpoint.keep_collective_outputs"}, "activation_checkpoint.keep_collective_outputs = true keeps what a recomputation "
+         "would move again, and activation_checkpoint.mode = \"none\" recomputes nothing: set mode to \"full\" or \"selective\", or remove it");
+  }
   if (const std::string& o = s.activation_checkpoint.selective_option; s.activation_checkpoint.mode == "selective" && o != "op" &&
       (o.empty() || o.size() > 9 || o.find_first_not_of("0123456789") != std::string::npos || std::stoll(o) <= 0)) {
     fail({"activation_checkpoint.selective_ac_option"}, "activation_checkpoint.selective_ac_option = \"" + o +

@@ -102,7 +102,7 @@ std::string fit_memory_budget(JobSpec& spec, PluginRegistry& registry) {
     if (step.memory.peak_bytes <= spec.memory_budget) {
       char flops[64];
       const double more = std::round(100.0 * (step.flops / configured.flops - 1));
-      std::snprintf(flops, sizeof flops, "%+.0f%% FLOPs", more == 0 ? 0.0 : more);
+      std::snprintf(flops, sizeof flops, "%+.0f%% matmul FLOPs", more == 0 ? 0.0 : more);
       spec = c.spec;
       return head + " as configured; chose " + c.what + ": planned peak " + step.memory.str() + "; estimated cost: communication " +
              ms(configured.comm_seconds) + " -> " + ms(step.comm_seconds) + " per step (alpha-beta), compute " + flops;
