@@ -2,7 +2,7 @@
 # N-rank training, spmdx against PyTorch eager on this machine: Llama debugmodel, global batch
 # 16 x 128 on 4 rank processes, spmdx dp 4 vs PyTorch DistributedDataParallel over Gloo, and
 # spmdx fsdp 4 vs PyTorch FSDP2 (fully_shard per layer) over Gloo (bench/peers/torch_llama.py:
-# the same model, optimizer, clipping and threads per rank). Each pair runs in turn ROUNDS
+# the same model, optimizer (AdamW, fused as torchtitan's default), clipping and threads per rank). Each pair runs in turn ROUNDS
 # times (default 3); the medians of the per-run median step times are compared.
 # Prints "speedup" = PyTorch step time / spmdx step time (the promise: > 1).
 # Usage: bench/train_peers.sh [STEPS] [NPROC]   (default 8 steps, 4 ranks; steps 1-2 are warm-up)

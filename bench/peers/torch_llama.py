@@ -89,7 +89,8 @@ class Llama(nn.Module):
 def train(model, steps, local_batch, seq_len, seed, before_step, device="cpu"):
     """Runs STEPS steps; returns their times in seconds. before_step() runs before each step's clock
     starts (a barrier, or a CUDA synchronize); the clock stops after the next one."""
-    opt = torch.optim.AdamW(model.parameters(), lr=8e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    # fused=True: torchtitan's default (optimizer.implementation = "fused"), and the form spmdx runs.
+    opt = torch.optim.AdamW(model.parameters(), lr=8e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
     g = torch.Generator().manual_seed(seed)
     times = []
     for step in range(steps):
