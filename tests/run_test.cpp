@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <sched.h>
 #include <sys/stat.h>
 
 #include <cmath>
@@ -281,6 +282,28 @@ TEST(Run, AutoRefusesACommPluginWithMalformedCapabilitiesBeforeAnyRankStarts) {
                                   "host) names operation 'all_reduse'"));
   EXPECT_THAT(r.output, HasSubstr("; fix the plugin or remove it from the plugin path"));
   EXPECT_THAT(r.output, ::testing::Not(HasSubstr("[rank")));
+}
+
+// Intra-op threads per rank as torchrun users set them: OMP_NUM_THREADS wins; without it, the
+// CPUs this process may run on (its affinity mask) shared among the host's ranks; a value that
+// is not a count is said to be ignored.
+TEST(Run, IntraOpThreadsFollowOmpNumThreadsElseTheCpusShared) {
+  test::TempDir dir;
+  const std::string job = "'" SPMDX_SOURCE_DIR "/configs/mlp_dp.toml' --nproc 2 --training.steps 1 --job.dump_folder '" + dir.path().string() + "'";
+  auto r = test::run_command("OMP_NUM_THREADS=3 '" SPMDX_EXE "' run " + job);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr(", 3 intra-op threads per rank\n"));
+  cpu_set_t set;
+  ASSERT_EQ(sched_getaffinity(0, sizeof set, &set), 0);
+  const int shared = std::max(1, CPU_COUNT(&set) / 2);
+  const std::string expected = ", " + std::to_string(shared) + " intra-op thread" + (shared == 1 ? "" : "s") + " per rank\n";
+  r = test::run_command("env -u OMP_NUM_THREADS '" SPMDX_EXE "' run " + job);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr(expected));
+  r = test::run_command("OMP_NUM_THREADS=four '" SPMDX_EXE "' run " + job);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("OMP_NUM_THREADS='four' is not a whole number from 1 to 4096: ignored"));
+  EXPECT_THAT(r.output, HasSubstr(expected));
 }
 
 TEST(Run, TheLocalBackendIsRefusedBeforeAnyRankStarts) {

@@ -18,6 +18,7 @@
 #include <sstream>
 #include <csignal>
 #include <pthread.h>
+#include <sched.h>
 #include <unistd.h>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -48,6 +49,22 @@ namespace spmdx::exec {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+// Intra-op threads for this rank: OMP_NUM_THREADS when set (torchrun sets it to 1 for several
+// ranks per host, and a user's value wins, as in PyTorch), else this process's CPUs (its
+// affinity mask: taskset, a cgroup cpuset, a SLURM binding) shared among the host's ranks.
+int intra_op_threads(int local_world_size) {
+  if (const char* v = std::getenv("OMP_NUM_THREADS"); v != nullptr && *v != '\0') {
+    char* end = nullptr;
+    const long n = std::strtol(v, &end, 10);
+    if (*end == '\0' && n >= 1 && n <= 4096) return static_cast<int>(n);
+    SPMDX_WARN("OMP_NUM_THREADS='" << v << "' is not a whole number from 1 to 4096: ignored, threads come from the CPUs available");
+  }
+  cpu_set_t set;
+  const int cpus = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set)
+                                                                : static_cast<int>(std::thread::hardware_concurrency());
+  return std::max(1, cpus / std::max(1, local_world_size));
+}
 
 // Resident memory of this process, in bytes (from /proc/self/statm).
 std::int64_t rss_bytes() {
@@ -686,11 +703,12 @@ void print_banner(const train::JobSpec& spec, const train::PlacedJob& job, const
   using train::CheckpointReport;
   double params = 0;
   for (const auto& p : job.model.params) params += static_cast<double>(job.model.graph.find_input(p)->meta().numel());
-  std::printf("spmdx: %s (%.2fM parameters), mesh %s (%d rank%s, %s), global batch %lld x %lld, %lld steps, comm %s\n",
+  std::printf("spmdx: %s (%.2fM parameters), mesh %s (%d rank%s, %s), global batch %lld x %lld, %lld steps, comm %s, %d intra-op thread%s per rank\n",
               models::model_label(spec.model).c_str(), params / 1e6,
               job.mesh.str().c_str(), env.world_size, env.world_size == 1 ? "" : "s", env.source.c_str(), static_cast<long long>(spec.global_batch_size),
               static_cast<long long>(spec.seq_len), static_cast<long long>(spec.steps),
-              backend ? ((spec.comm.backend == "auto" ? "auto -> " : "") + backend->describe()).c_str() : "none (one rank)");
+              backend ? ((spec.comm.backend == "auto" ? "auto -> " : "") + backend->describe()).c_str() : "none (one rank)",
+              at::get_num_threads(), at::get_num_threads() == 1 ? "" : "s");
   if (const CheckpointReport& ac = job.checkpointed; spec.activation_checkpoint.mode != "none") {
     std::printf("activation checkpointing %s%s: %lld layers recompute %lld nodes in the backward; %s of forward values (global) not kept\n",
                 spec.activation_checkpoint.mode.c_str(), spec.activation_checkpoint.mode == "selective" ? (" (" + spec.activation_checkpoint.selective_option + ")").c_str() : "",
@@ -740,7 +758,7 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
   }
   const Fault fault = parse_fault(std::getenv("SPMDX_FAULT"));
   // Ranks on one host share its cores: each takes its part for intra-op threads.
-  at::set_num_threads(std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / std::max(1, env.local_world_size)));
+  at::set_num_threads(intra_op_threads(env.local_world_size));
   const auto tokenizer = data::make_tokenizer(cfg.get_string("model.tokenizer"));
   PluginRegistry registry;
   train::discover_plugins(registry, cfg);
