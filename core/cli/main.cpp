@@ -25,6 +25,7 @@
 #include "spmdx/plan/memory_plan.h"
 #include "spmdx/train/memory_budget.h"
 #include "spmdx/launch/launcher.h"
+#include "spmdx/bench/compare.h"
 #include "spmdx/comm/bench.h"
 #include "spmdx/comm/select.h"
 #include "spmdx/comm/store.h"
@@ -576,6 +577,37 @@ CLI::App* add_bench_comm(CLI::App& bench, BenchCommOptions& bench_options) {
   return bench_comm;
 }
 
+struct BenchCompareOptions {
+  std::string a, b, max_slowdown;
+  int warmup = 2;
+  bool json = false;
+};
+
+CLI::App* add_bench_compare(CLI::App& bench, BenchCompareOptions& o) {
+  auto* cmp = bench.add_subcommand("compare", "Is run B slower than run A beyond the noise? Two metrics.jsonl (or run folders) or two bench comm outputs");
+  cmp->add_option("run_a", o.a, "The baseline: a run's job.dump_folder, its metrics.jsonl, or a saved bench comm output")->required();
+  cmp->add_option("run_b", o.b, "The run to judge, of the same kind")->required();
+  cmp->add_option("--max-slowdown", o.max_slowdown, "Exit 1 when B's step time is slower than this beyond the noise (5%, 0.05)");
+  cmp->add_option("--warmup", o.warmup, "Steps dropped from the front of each metrics.jsonl")->capture_default_str()->check(CLI::Range(0, 1000000));
+  cmp->add_flag("--json", o.json, "Print the comparison as JSON (schema spmdx.bench.compare/1)");
+  return cmp;
+}
+
+// Exit 0: no regression (or none asked about); 1: B slower than allowed; 2: bad input.
+int run_bench_compare(const BenchCompareOptions& o) {
+  try {
+    spmdx::bench::CompareOptions options;
+    options.warmup = o.warmup;
+    if (!o.max_slowdown.empty()) options.max_slowdown = spmdx::bench::parse_fraction(o.max_slowdown);
+    const auto c = spmdx::bench::compare_runs(o.a, o.b, options);
+    std::cout << (o.json ? spmdx::bench::to_json(c) : spmdx::bench::to_text(c));
+    return c.regressed ? 1 : 0;
+  } catch (const spmdx::bench::CompareInputError& e) {
+    std::cerr << "error: " << e.what() << "\n";
+    return 2;
+  }
+}
+
 CLI::App* add_import(CLI::App& app, ImportOptions& import_options) {
   auto* import_cmd = app.add_subcommand("import", "Inspect a torch.export program (.pt2): parameters, bytes, ops, what spmdx cannot map; --graph prints its IR");
   import_cmd->add_option("model", import_options.path, "The .pt2 file torch.export.save wrote (torch >= 2.9)")->required();
@@ -633,6 +665,8 @@ int main(int argc, char** argv) {
   auto* bench = app.add_subcommand("bench", "Benchmarks");
   BenchCommOptions bench_options;
   auto* bench_comm = add_bench_comm(*bench, bench_options);
+  BenchCompareOptions compare_options;
+  auto* bench_compare = add_bench_compare(*bench, compare_options);
 
   auto* fr_trace = app.add_subcommand("fr-trace", "Merge the flight_recorder hook's dumps; name the rank missing from a collective");
   std::string fr_folder;
@@ -671,6 +705,7 @@ int main(int argc, char** argv) {
       std::cout << spmdx::hooks::analyze_flight_recorder(fr_folder).text;
       return 0;
     }
+    if (bench_compare->parsed()) return run_bench_compare(compare_options);
     if (bench_comm->parsed()) return run_bench_comm(bench_options, std::vector<std::string>(argv + 1, argv + argc));
     if (bench->parsed()) {
       std::cout << bench->help();

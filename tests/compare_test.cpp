@@ -1,0 +1,164 @@
+// `spmdx bench compare` as a user runs it, on metrics.jsonl and bench comm outputs written here
+// with known values: a run against itself passes, a slowed one fails under --max-slowdown, the
+// medians and quartiles are numpy's, and bad input exits 2 naming the file and line.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <cmath>
+#include <sstream>
+
+#include "test_util.h"
+
+namespace spmdx {
+namespace {
+
+namespace fs = std::filesystem;
+using ::testing::HasSubstr;
+
+test::CommandResult compare(const std::string& args) { return test::run_command("'" SPMDX_EXE "' bench compare " + args); }
+
+// A metrics.jsonl of `steps` rows: step time base * scale plus a fixed wobble (+-3%), as
+// `spmdx run` writes them (the first two rows slow: warm-up).
+fs::path metrics(const test::TempDir& dir, const std::string& name, int steps, double scale, double base = 100.0) {
+  fs::create_directories(dir / name);
+  std::ostringstream out;
+  for (int s = 1; s <= steps; ++s) {
+    const double wobble = 1.0 + 0.03 * std::sin(1.7 * s);
+    const double ms = (s <= 2 ? 3.0 : 1.0) * base * scale * wobble;
+    nlohmann::json row{{"step", s}, {"step_ms", ms}, {"tokens_per_s", 4096.0 / ms * 1e3}, {"exposed_comm_ms", 10.0 * scale},
+                       {"comm_ms", 20.0}, {"peak_mem_bytes", 1 << 20}, {"loss", 2.0}};
+    out << row.dump() << "\n";
+  }
+  test::write_file(dir / name / "metrics.jsonl", out.str());
+  return dir / name;
+}
+
+std::string q(const fs::path& p) { return "'" + p.string() + "'"; }
+
+TEST(BenchCompare, ARunAgainstItselfPassesAndASlowedOneFails) {
+  test::TempDir dir;
+  const fs::path a = metrics(dir, "a", 20, 1.0), slow = metrics(dir, "slow", 20, 1.3), fast = metrics(dir, "fast", 20, 0.8),
+                 near = metrics(dir, "near", 20, 1.02);
+  auto r = compare(q(a) + " " + q(a) + " --max-slowdown 5%");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("step_ms: no difference beyond the noise: +0.0%"));
+  EXPECT_THAT(r.output, HasSubstr("metrics, 18 vs 18 steps after warm-up"));
+
+  r = compare(q(a) + " " + q(slow) + " --max-slowdown 5%");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("step_ms: B is slower: +30.0%"));
+  EXPECT_THAT(r.output, HasSubstr("allowed slowdown 5.0%: REGRESSION (exit 1)"));
+  r = compare(q(a) + " " + q(slow));  // without a threshold: said, not judged
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("B is slower"));
+  r = compare(q(a) + " " + q(near) + " --max-slowdown 0.05");  // 2% slower, 5% allowed
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  r = compare(q(a) + " " + q(fast) + " --max-slowdown 5");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("step_ms: B is faster: -20.0%"));
+}
+
+// Steps 3..12 of 100, 101, ... 109 ms: numpy's median 104.5 and quartiles 102.25 / 106.75; B
+// twice as slow everywhere: ratio 2, its interval around 2 (the runs are resampled apart, as
+// two unpaired runs are) and above the allowed 1.5.
+TEST(BenchCompare, JsonGivesMediansQuartilesAndTheIntervalOfTheRatio) {
+  test::TempDir dir;
+  std::ostringstream a, b;
+  for (int s = 1; s <= 12; ++s) {
+    const double ms = s <= 2 ? 500.0 : 100.0 + (s - 3);
+    a << nlohmann::json{{"step", s}, {"step_ms", ms}, {"peak_mem_bytes", 1000}}.dump() << "\n";
+    b << nlohmann::json{{"step", s}, {"step_ms", 2 * ms}, {"peak_mem_bytes", 1500}}.dump() << "\n";
+  }
+  test::write_file(dir / "a.jsonl", a.str());
+  test::write_file(dir / "b.jsonl", b.str());
+  auto r = compare(q(dir / "a.jsonl") + " " + q(dir / "b.jsonl") + " --json --max-slowdown 50%");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  const auto j = nlohmann::json::parse(r.output);
+  EXPECT_EQ(j["schema"], "spmdx.bench.compare/1");
+  EXPECT_EQ(j["regressed"], true);
+  const auto& step = j["measures"][0];
+  EXPECT_EQ(step["name"], "step_ms");
+  EXPECT_EQ(step["a"]["n"], 10);
+  EXPECT_DOUBLE_EQ(step["a"]["median"].get<double>(), 104.5);
+  EXPECT_DOUBLE_EQ(step["a"]["q1"].get<double>(), 102.25);
+  EXPECT_DOUBLE_EQ(step["a"]["q3"].get<double>(), 106.75);
+  EXPECT_DOUBLE_EQ(step["ratio"].get<double>(), 2.0);
+  EXPECT_GT(step["interval"][0].get<double>(), 1.85);
+  EXPECT_LT(step["interval"][0].get<double>(), 2.0);
+  EXPECT_GT(step["interval"][1].get<double>(), 2.0);
+  EXPECT_LT(step["interval"][1].get<double>(), 2.15);
+  const auto& peak = j["measures"][4];
+  EXPECT_EQ(peak["name"], "peak_mem_bytes");
+  EXPECT_DOUBLE_EQ(peak["ratio"].get<double>(), 1.5);
+  EXPECT_EQ(peak["judged"], false);
+  // tokens_per_s is in neither file: said, not invented.
+  EXPECT_EQ(j["measures"][1]["available"], false);
+}
+
+// Two saved `spmdx bench comm` outputs (as the launcher prints them, "[rank 0] " first): the
+// judged measure is the median of the per-size time ratios.
+TEST(BenchCompare, BenchCommOutputsAreComparedSizeBySize) {
+  test::TempDir dir;
+  auto comm = [&](const std::string& name, const std::string& op, double slow) {
+    std::ostringstream out;
+    out << "[rank 0] # spmdx bench comm: " << op << ", 4 ranks, ucx (UCX_TLS=shm,self) rank 0/4\n"
+        << "[rank 0] #       size        count   type  redop  time(us)    algbw    busbw #wrong  time(us)    algbw    busbw #wrong\n";
+    for (int k = 0; k < 6; ++k) {
+      const long bytes = 1024L << (2 * k);
+      const double us = (10.0 + bytes / 1000.0) * slow * (1.0 + 0.01 * k);
+      out << "[rank 0] " << bytes << " " << bytes / 4 << " float sum " << us << " " << bytes / us / 1e3 << " " << 1.5 * bytes / us / 1e3
+          << " 0 " << us * 0.9 << " " << bytes / us / 900 << " " << 1.5 * bytes / us / 900 << " 0\n";
+    }
+    out << "[rank 0] # wrong results: 0\n";
+    test::write_file(dir / name, out.str());
+    return dir / name;
+  };
+  const fs::path a = comm("a.txt", "all_reduce", 1.0), slow = comm("slow.txt", "all_reduce", 1.25), other = comm("ag.txt", "all_gather", 1.0);
+  auto r = compare(q(a) + " " + q(a) + " --max-slowdown 5%");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("bench comm, 12 vs 12 size/mode samples"));
+  r = compare(q(a) + " " + q(slow) + " --max-slowdown 5%");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("time, all sizes (median of per-size ratios): B is slower: +25.0%"));
+  EXPECT_THAT(r.output, HasSubstr("1048576 B in-place busbw (GB/s)"));
+  r = compare(q(a) + " " + q(other));
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("bench comm of different collectives"));
+}
+
+TEST(BenchCompare, BadInputExitsTwoNamingTheFileAndLine) {
+  test::TempDir dir;
+  const fs::path a = metrics(dir, "a", 10, 1.0);
+  auto r = compare(q(a) + " " + q(dir / "missing"));
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.output, HasSubstr((dir / "missing").string() + ": no such file"));
+  fs::create_directories(dir / "empty_run");
+  r = compare(q(a) + " " + q(dir / "empty_run"));
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.output, HasSubstr("a folder without metrics.jsonl"));
+  test::write_file(dir / "bad.jsonl", "{\"step\": 1, \"step_ms\": 5}\n{\"step\": 2, \"step_ms\": 5\n");
+  r = compare(q(a) + " " + q(dir / "bad.jsonl"));
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.output, HasSubstr((dir / "bad.jsonl").string() + ":2: not a JSON object"));
+  test::write_file(dir / "nostep.jsonl", "{\"loss\": 1}\n");
+  r = compare(q(a) + " " + q(dir / "nostep.jsonl"));
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.output, HasSubstr("nostep.jsonl:1: a metrics row needs numeric \"step\" and \"step_ms\""));
+  const fs::path short_run = metrics(dir, "short", 3, 1.0);
+  r = compare(q(a) + " " + q(short_run));
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.output, HasSubstr("3 steps, 2 of them warm-up: at least 2 measured steps are needed"));
+  r = compare(q(a) + " " + q(short_run) + " --warmup 0");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  test::write_file(dir / "comm.txt", "# spmdx bench comm: all_reduce, 2 ranks, ucx\n 1024 256 float sum 10 0.1 0.1 0 9 0.1 0.1 0\n");
+  r = compare(q(a) + " " + q(dir / "comm.txt"));
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.output, HasSubstr("one run of each kind"));
+  r = compare(q(a) + " " + q(a) + " --max-slowdown fast");
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.output, HasSubstr("--max-slowdown 'fast': give a fraction or a percentage, e.g. 5% or 0.05"));
+}
+
+}  // namespace
+}  // namespace spmdx
