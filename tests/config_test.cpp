@@ -78,6 +78,10 @@ TEST(Config, EffectiveConfigRoundTrips) {
   Config back = Config::parse(c.to_toml(), "printed");
   EXPECT_EQ(back.to_toml(), c.to_toml());
   EXPECT_EQ(back.get_int("training.steps"), 5);
+  // Defaults commented out, so they stay defaults when the printed file is loaded.
+  EXPECT_THAT(c.to_toml(), HasSubstr("\nsteps = 5  # "));
+  EXPECT_THAT(c.to_toml(), HasSubstr("\n# path = \"\"  # "));
+  EXPECT_FALSE(back.is_set("model.path"));
 }
 
 TEST(Config, ShippedConfigsAreValid) {

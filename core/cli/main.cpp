@@ -32,6 +32,7 @@
 #include "spmdx/hooks/fr_trace.h"
 #include "spmdx/hooks/hook_set.h"
 #include "spmdx/plan/runtime_plan.h"
+#include "spmdx/plan/diff.h"
 #ifdef SPMDX_HAVE_EXEC
 #include "spmdx/exec/checkpoint.h"
 #include "spmdx/exec/device.h"
@@ -297,6 +298,86 @@ struct CompileOptions {
 };
 
 // Plans a job without starting ranks: placements, each rank's graph, bytes per rank.
+// What `spmdx compile --dump` writes, as (file name, text): the logical graph, the sharding
+// plan and, for ranks 0 .. ranks-1, the rank graph and its RuntimePlan; with `everything`,
+// the text forms and memory plans too (`spmdx diff` reads only the JSON ones).
+std::vector<std::pair<std::string, std::string>> dump_documents(const spmdx::train::PlacedJob& job, const spmdx::sharding::DistributedPlan& plan,
+                                                                const spmdx::train::JobSpec& spec, std::int64_t ranks, bool everything) {
+  std::vector<std::pair<std::string, std::string>> docs;
+  if (everything) docs.emplace_back("logical.txt", job.model.graph.str());
+  docs.emplace_back("logical.json", spmdx::ir::to_json(job.model.graph));
+  if (everything) docs.emplace_back("plan.txt", plan.str());
+  docs.emplace_back("plan.json", plan.to_json());
+  for (std::int64_t r = 0; r < ranks; ++r) {
+    const std::string rank = "rank" + std::to_string(r);
+    const spmdx::ir::Graph g = spmdx::train::rank_step_graph(plan, r, spec);
+    const spmdx::plan::RuntimePlan runtime = spmdx::plan::make_runtime_plan(g, job.mesh, spec.plan);
+    if (everything) {
+      docs.emplace_back(rank + ".txt", g.str());
+      docs.emplace_back(rank + ".plan.txt", runtime.str(g, job.mesh));
+      docs.emplace_back(rank + ".memory.txt", spmdx::plan::plan_memory(g, runtime).report(g, runtime));
+    }
+    docs.emplace_back(rank + ".json", spmdx::ir::to_json(g));
+    docs.emplace_back(rank + ".plan.json", runtime.to_json(g, job.mesh));
+  }
+  return docs;
+}
+
+// A config compiled in memory into the documents `spmdx diff` compares, every rank's (a
+// config with problems is refused as spmdx compile refuses it).
+spmdx::plan::JobDump compile_for_diff(const std::string& config) {
+  spmdx::config::Config cfg = spmdx::config::Config::load(config, {}, /*throw_on_problems=*/false);
+  const std::int64_t world = spmdx::train::degree_product(cfg);
+  spmdx::PluginRegistry registry;
+  std::unique_ptr<spmdx::data::Tokenizer> tokenizer;
+  std::optional<spmdx::train::JobSpec> checked_spec;
+  cfg.check(spmdx::train::preflight(cfg, world, registry, &tokenizer, &checked_spec, spmdx::train::Preflight::plan));
+  const spmdx::train::JobSpec& spec = checked_spec.value();
+  spmdx::train::PlacedJob job = spmdx::train::place_job(spec, registry);
+  const auto plan = spmdx::sharding::propagate(job.model.graph, job.mesh, job.inputs, job.outputs, job.use, job.reshard_after_forward);
+  spmdx::plan::JobDump d;
+  d.label = config;
+  for (auto& [name, text] : dump_documents(job, plan, spec, world, /*everything=*/false)) {
+    if (name == "logical.json") d.logical = std::move(text);
+    else if (name == "plan.json") d.plan = std::move(text);
+    else if (name.size() > 10 && name.compare(name.size() - 10, 10, ".plan.json") == 0) d.rank_plans.push_back(std::move(text));
+    else d.ranks.push_back(std::move(text));
+  }
+  return d;
+}
+
+struct DiffOptions {
+  std::string a, b;
+  bool json = false;
+  std::size_t max = 10;
+};
+
+CLI::App* add_diff(CLI::App& app, DiffOptions& o) {
+  auto* diff = app.add_subcommand("diff", "Compare two compiled jobs (compile --dump folders or configs): graphs, placements, collectives, buckets");
+  diff->add_option("a", o.a, "A spmdx compile --dump folder, or a config .toml (compiled in memory)")->required();
+  diff->add_option("b", o.b, "The same for the other job")->required();
+  diff->add_flag("--json", o.json, "Print every difference and the summary as JSON (schema spmdx.diff/1)");
+  diff->add_option("--max", o.max, "Differences printed per level (text)")->capture_default_str()->check(CLI::Range(1, 1000000));
+  return diff;
+}
+
+// Exit 0: equivalent; 1: they differ; 2: bad input (a missing or malformed dump, a bad config).
+int run_diff(const DiffOptions& o) {
+  auto load = [](const std::string& path) {
+    std::error_code ec;
+    if (std::filesystem::is_regular_file(path, ec)) return compile_for_diff(path);
+    return spmdx::plan::read_dump(path);
+  };
+  try {
+    const auto d = spmdx::plan::diff_jobs(load(o.a), load(o.b));
+    std::cout << (o.json ? spmdx::plan::to_json(d) : spmdx::plan::to_text(d, o.max));
+    return d.equivalent() ? 0 : 1;
+  } catch (const std::exception& e) {
+    std::cerr << "error: " << e.what() << "\n";
+    return 2;
+  }
+}
+
 int run_compile(const CompileOptions& o) {
   namespace fs = std::filesystem;
   spmdx::config::Config cfg = spmdx::config::Config::load(o.config, o.overrides, /*throw_on_problems=*/false);
@@ -321,23 +402,11 @@ int run_compile(const CompileOptions& o) {
   const std::int64_t dumped_ranks = o.dump.empty() ? 0 : (o.fake ? 1 : world);
   if (!o.dump.empty()) {
     fs::create_directories(o.dump);
-    auto write = [&](const std::string& name, const std::string& text) {
+    for (const auto& [name, text] : dump_documents(job, plan, spec, dumped_ranks, /*everything=*/true)) {
       std::ofstream out(fs::path(o.dump) / name);
       out << text;
       out.flush();
       if (!out) throw std::runtime_error("cannot write " + (fs::path(o.dump) / name).string() + ": " + std::strerror(errno));
-    };
-    write("logical.txt", job.model.graph.str());
-    write("logical.json", spmdx::ir::to_json(job.model.graph));
-    write("plan.txt", plan.str());
-    write("plan.json", plan.to_json());
-    for (std::int64_t r = 0; r < dumped_ranks; ++r) {
-      const spmdx::ir::Graph g = spmdx::train::rank_step_graph(plan, r, spec);
-      write("rank" + std::to_string(r) + ".txt", g.str());
-      const spmdx::plan::RuntimePlan runtime = spmdx::plan::make_runtime_plan(g, job.mesh, spec.plan);
-      write("rank" + std::to_string(r) + ".plan.txt", runtime.str(g, job.mesh));
-      write("rank" + std::to_string(r) + ".memory.txt", spmdx::plan::plan_memory(g, runtime).report(g, runtime));
-      write("rank" + std::to_string(r) + ".json", spmdx::ir::to_json(g));
     }
   } else {
     spmdx::sharding::rank_graph(plan, 0);  // checks that the local shapes work out
@@ -674,6 +743,8 @@ int main(int argc, char** argv) {
 
   ImportOptions import_options;
   auto* import_cmd = add_import(app, import_options);
+  DiffOptions diff_options;
+  auto* diff = add_diff(app, diff_options);
 
   auto* export_cmd = app.add_subcommand("export", "Write a checkpoint's parameters, consolidated, as a safetensors file");
   std::string export_step, export_out;
@@ -705,6 +776,7 @@ int main(int argc, char** argv) {
       std::cout << spmdx::hooks::analyze_flight_recorder(fr_folder).text;
       return 0;
     }
+    if (diff->parsed()) return run_diff(diff_options);
     if (bench_compare->parsed()) return run_bench_compare(compare_options);
     if (bench_comm->parsed()) return run_bench_comm(bench_options, std::vector<std::string>(argv + 1, argv + argc));
     if (bench->parsed()) {

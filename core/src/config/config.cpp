@@ -714,7 +714,10 @@ std::string Config::to_toml() const {
       out << (section.empty() ? "" : "\n") << "[" << sec << "]\n";
       section = sec;
     }
-    out << s.key.substr(sec.size() + 1) << " = " << value_toml(values_.at(s.key)) << "  # " << s.help << "\n";
+    // A key left at its default is printed commented out: the printed file loads back as the
+    // same job (a key set, e.g. model.path under model.name = "llama", is refused where a
+    // default is not).
+    out << (is_set(s.key) ? "" : "# ") << s.key.substr(sec.size() + 1) << " = " << value_toml(values_.at(s.key)) << "  # " << s.help << "\n";
   }
   for (const auto& [table, options] : plugin_options_) {
     out << "\n[" << table << "]\n";

@@ -6,6 +6,8 @@
 #include <tuple>
 #include <unordered_map>
 
+#include <nlohmann/json.hpp>
+
 #include "spmdx/text.h"
 #include "spmdx/models/model.h"
 #include "spmdx/sharding/distribute.h"
@@ -319,6 +321,37 @@ std::string RuntimePlan::str(const ir::Graph& graph, const sharding::DeviceMesh&
     }
   }
   return out.str();
+}
+
+std::string RuntimePlan::to_json(const ir::Graph& graph, const sharding::DeviceMesh& mesh) const {
+  std::vector<const ir::Node*> nodes;
+  for (const auto& n : graph.nodes()) nodes.push_back(n.get());
+  auto id = [&](int node) { return nodes.at(static_cast<std::size_t>(node))->output()->id(); };
+  nlohmann::json j{{"format", "spmdx.runtime_plan"},
+                   {"version", 1},
+                   {"options",
+                    {{"bucket_bytes", options.bucket_bytes}, {"first_bucket_bytes", options.first_bucket_bytes}, {"prefetch", options.prefetch},
+                     {"overlap", options.overlap}, {"donate_state", options.donate_state}, {"in_place", options.in_place}}},
+                   {"nodes", order.size()},
+                   {"collectives", collectives},
+                   {"issues", issues}};
+  j["prefetched"] = nlohmann::json::array();
+  for (int n : prefetched) j["prefetched"].push_back(id(n));
+  j["buckets"] = nlohmann::json::array();
+  for (const Bucket& b : buckets) {
+    nlohmann::json members = nlohmann::json::array();
+    for (int m : b.members) members.push_back(id(m));
+    j["buckets"].push_back({{"op", b.op},
+                            {"reduce_op", b.reduce_op},
+                            {"mesh_dim", b.mesh_dim},
+                            {"mesh_dim_name", mesh.dims().at(static_cast<std::size_t>(b.mesh_dim)).name},
+                            {"bytes", b.bytes},
+                            {"cap", b.cap},
+                            {"members", members},
+                            {"issue_after", b.issue_after},
+                            {"first_use", b.first_use}});
+  }
+  return j.dump(1) + "\n";
 }
 
 }  // namespace spmdx::plan

@@ -64,6 +64,11 @@ struct RuntimePlan {
   /// One line per collective issue (position, op, mesh dim, bytes, where it is waited for) and
   /// per bucket; the summary first. `graph` is the graph the plan was made for.
   std::string str(const ir::Graph& graph, const sharding::DeviceMesh& mesh) const;
+  /// The same as JSON ("format": "spmdx.runtime_plan", version 1): options, collectives,
+  /// issues, prefetched (the all_gathers' output value ids) and buckets ({op, reduce_op,
+  /// mesh_dim, mesh_dim_name, bytes, cap, members: the member collectives' output value ids
+  /// as in the graph's JSON, issue_after, first_use}). What `spmdx diff` compares.
+  std::string to_json(const ir::Graph& graph, const sharding::DeviceMesh& mesh) const;
 };
 
 /// The plan for `graph` (a rank graph). Throws ir::IrError when the graph is not in
