@@ -7,6 +7,8 @@
 
 #include <cmath>
 #include <sstream>
+#include <tuple>
+#include <vector>
 
 #include "test_util.h"
 
@@ -54,7 +56,7 @@ TEST(BenchCompare, ARunAgainstItselfPassesAndASlowedOneFails) {
   EXPECT_THAT(r.output, HasSubstr("B is slower"));
   r = compare(q(a) + " " + q(near) + " --max-slowdown 0.05");  // 2% slower, 5% allowed
   EXPECT_EQ(r.exit_code, 0) << r.output;
-  r = compare(q(a) + " " + q(fast) + " --max-slowdown 5");
+  r = compare(q(a) + " " + q(fast) + " --max-slowdown 0.05");
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_THAT(r.output, HasSubstr("step_ms: B is faster: -20.0%"));
 }
@@ -100,7 +102,7 @@ TEST(BenchCompare, JsonGivesMediansQuartilesAndTheIntervalOfTheRatio) {
 // judged measure is the median of the per-size time ratios.
 TEST(BenchCompare, BenchCommOutputsAreComparedSizeBySize) {
   test::TempDir dir;
-  auto comm = [&](const std::string& name, const std::string& op, double slow) {
+  auto comm = [&](const std::string& name, const std::string& op, double slow, int wrong = 0) {
     std::ostringstream out;
     out << "[rank 0] # spmdx bench comm: " << op << ", 4 ranks, ucx (UCX_TLS=shm,self) rank 0/4\n"
         << "[rank 0] #       size        count   type  redop  time(us)    algbw    busbw #wrong  time(us)    algbw    busbw #wrong\n";
@@ -108,7 +110,7 @@ TEST(BenchCompare, BenchCommOutputsAreComparedSizeBySize) {
       const long bytes = 1024L << (2 * k);
       const double us = (10.0 + bytes / 1000.0) * slow * (1.0 + 0.01 * k);
       out << "[rank 0] " << bytes << " " << bytes / 4 << " float sum " << us << " " << bytes / us / 1e3 << " " << 1.5 * bytes / us / 1e3
-          << " 0 " << us * 0.9 << " " << bytes / us / 900 << " " << 1.5 * bytes / us / 900 << " 0\n";
+          << " 0 " << us * 0.9 << " " << bytes / us / 900 << " " << 1.5 * bytes / us / 900 << " " << (k == 3 ? wrong : 0) << "\n";
     }
     out << "[rank 0] # wrong results: 0\n";
     test::write_file(dir / name, out.str());
@@ -122,6 +124,12 @@ TEST(BenchCompare, BenchCommOutputsAreComparedSizeBySize) {
   EXPECT_EQ(r.exit_code, 1) << r.output;
   EXPECT_THAT(r.output, HasSubstr("time, all sizes (median of per-size ratios): B is slower: +25.0%"));
   EXPECT_THAT(r.output, HasSubstr("1048576 B in-place busbw (GB/s)"));
+  // Wrong sums in B fail the comparison, however fast.
+  const fs::path wrong = comm("wrong.txt", "all_reduce", 0.5, 3);
+  r = compare(q(a) + " " + q(wrong));
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("note: B has 3 wrong results"));
+  EXPECT_THAT(r.output, HasSubstr("B's bench comm has wrong results: FAIL (exit 1)"));
   r = compare(q(a) + " " + q(other));
   EXPECT_EQ(r.exit_code, 2) << r.output;
   EXPECT_THAT(r.output, HasSubstr("bench comm of different collectives"));
@@ -155,9 +163,25 @@ TEST(BenchCompare, BadInputExitsTwoNamingTheFileAndLine) {
   r = compare(q(a) + " " + q(dir / "comm.txt"));
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_THAT(r.output, HasSubstr("one run of each kind"));
+  for (const auto& [name, text, message] : std::vector<std::tuple<std::string, std::string, std::string>>{
+           {"zero.jsonl", "{\"step\": 1, \"step_ms\": 0}\n", "zero.jsonl:1: step_ms must be a positive time, got 0"},
+           {"negative.jsonl", "{\"step\": 1, \"step_ms\": 5, \"peak_mem_bytes\": -3}\n", "negative.jsonl:1: peak_mem_bytes must not be negative"},
+           {"stepstr.jsonl", "{\"step\": \"three\", \"step_ms\": 5}\n", "stepstr.jsonl:1: a metrics row needs numeric \"step\""},
+           {"twice.jsonl", "{\"step\": 1, \"step_ms\": 5}\n{\"step\": 2, \"step_ms\": 5}\n{\"step\": 1, \"step_ms\": 5}\n",
+            "twice.jsonl:3: step 1.0 again (line 1): two runs in one file?"}}) {
+    test::write_file(dir / name, text);
+    r = compare(q(a) + " " + q(dir / name));
+    EXPECT_EQ(r.exit_code, 2) << name << "\n" << r.output;
+    EXPECT_THAT(r.output, HasSubstr(message)) << name;
+  }
+  for (const std::string bad : {"5", "''", "1.5"}) {
+    r = compare(q(a) + " " + q(a) + " --max-slowdown " + bad);
+    EXPECT_EQ(r.exit_code, 2) << bad << "\n" << r.output;
+  }
+  EXPECT_THAT(compare(q(a) + " " + q(a) + " --max-slowdown 5").output, HasSubstr("a bare number is a fraction (0.05 = 5%); for 5 percent write 5%"));
   r = compare(q(a) + " " + q(a) + " --max-slowdown fast");
   EXPECT_EQ(r.exit_code, 2);
-  EXPECT_THAT(r.output, HasSubstr("--max-slowdown 'fast': give a fraction or a percentage, e.g. 5% or 0.05"));
+  EXPECT_THAT(r.output, HasSubstr("--max-slowdown 'fast': give a percentage or a fraction, e.g. 5% or 0.05"));
 }
 
 }  // namespace

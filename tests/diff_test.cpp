@@ -185,6 +185,17 @@ TEST(Diff, BadInputExitsTwoNamingTheFile) {
   r = spmdx("diff '" + a.string() + "' '" + (dir / "broken").string() + "'");
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_THAT(r.output, HasSubstr("rank1.json: not a graph document"));
+  fs::remove(dir / "broken" / "rank1.json");
+  fs::copy(a / "rank1.json", dir / "broken" / "rank1.json");
+  fs::remove(dir / "broken" / "rank0.plan.json");
+  r = spmdx("diff '" + a.string() + "' '" + (dir / "broken").string() + "'");
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.output, HasSubstr((dir / "broken" / "rank0.plan.json").string() + ": missing beside rank0.json"));
+  fs::copy(a / "rank0.plan.json", dir / "broken" / "rank0.plan.json");
+  test::write_file(dir / "broken" / "plan.json", "{}");
+  r = spmdx("diff '" + a.string() + "' '" + (dir / "broken").string() + "'");
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.output, HasSubstr("plan.json: not a sharding plan"));
   test::write_file(dir / "bad.toml", "[training]\nstepz = 3\n");
   r = spmdx("diff '" + a.string() + "' '" + (dir / "bad.toml").string() + "'");
   EXPECT_EQ(r.exit_code, 2);

@@ -648,6 +648,7 @@ CLI::App* add_bench_comm(CLI::App& bench, BenchCommOptions& bench_options) {
 
 struct BenchCompareOptions {
   std::string a, b, max_slowdown;
+  bool max_slowdown_given = false;
   int warmup = 2;
   bool json = false;
 };
@@ -656,7 +657,8 @@ CLI::App* add_bench_compare(CLI::App& bench, BenchCompareOptions& o) {
   auto* cmp = bench.add_subcommand("compare", "Is run B slower than run A beyond the noise? Two metrics.jsonl (or run folders) or two bench comm outputs");
   cmp->add_option("run_a", o.a, "The baseline: a run's job.dump_folder, its metrics.jsonl, or a saved bench comm output")->required();
   cmp->add_option("run_b", o.b, "The run to judge, of the same kind")->required();
-  cmp->add_option("--max-slowdown", o.max_slowdown, "Exit 1 when B's step time is slower than this beyond the noise (5%, 0.05)");
+  cmp->add_option("--max-slowdown", o.max_slowdown, "Exit 1 when B's step time is slower than this beyond the noise (5%, 0.05)")
+      ->each([&o](const std::string&) { o.max_slowdown_given = true; });
   cmp->add_option("--warmup", o.warmup, "Steps dropped from the front of each metrics.jsonl")->capture_default_str()->check(CLI::Range(0, 1000000));
   cmp->add_flag("--json", o.json, "Print the comparison as JSON (schema spmdx.bench.compare/1)");
   return cmp;
@@ -667,7 +669,7 @@ int run_bench_compare(const BenchCompareOptions& o) {
   try {
     spmdx::bench::CompareOptions options;
     options.warmup = o.warmup;
-    if (!o.max_slowdown.empty()) options.max_slowdown = spmdx::bench::parse_fraction(o.max_slowdown);
+    if (o.max_slowdown_given) options.max_slowdown = spmdx::bench::parse_fraction(o.max_slowdown);
     const auto c = spmdx::bench::compare_runs(o.a, o.b, options);
     std::cout << (o.json ? spmdx::bench::to_json(c) : spmdx::bench::to_text(c));
     return c.regressed ? 1 : 0;

@@ -125,6 +125,7 @@ struct Metrics {
 
 Metrics read_metrics(const fs::path& file, const std::vector<std::string>& lines, int warmup) {
   std::vector<json> rows;
+  std::vector<std::pair<double, std::size_t>> steps_seen;  // (step, line)
   for (std::size_t i = 0; i < lines.size(); ++i) {
     if (trim(lines[i]).empty()) continue;
     json row;
@@ -133,15 +134,28 @@ Metrics read_metrics(const fs::path& file, const std::vector<std::string>& lines
     } catch (const json::exception& e) {
       throw CompareInputError(file.string() + ":" + std::to_string(i + 1) + ": not a JSON object (" + e.what() + ")");
     }
-    if (!row.is_object() || !row.contains("step") || !row.contains("step_ms") || !row["step_ms"].is_number()) {
-      throw CompareInputError(file.string() + ":" + std::to_string(i + 1) + ": a metrics row needs numeric \"step\" and \"step_ms\"");
+    const std::string at = file.string() + ":" + std::to_string(i + 1) + ": ";
+    if (!row.is_object() || !row.contains("step") || !row["step"].is_number() || !row.contains("step_ms") || !row["step_ms"].is_number()) {
+      throw CompareInputError(at + "a metrics row needs numeric \"step\" and \"step_ms\"");
+    }
+    if (!(row["step_ms"].get<double>() > 0)) throw CompareInputError(at + "step_ms must be a positive time, got " + row["step_ms"].dump());
+    for (const auto& [key, v] : row.items()) {
+      if (v.is_number() && v.get<double>() < 0 && key != "loss") throw CompareInputError(at + key + " must not be negative, got " + v.dump());
     }
     rows.push_back(std::move(row));
+    steps_seen.emplace_back(rows.back()["step"].get<double>(), i + 1);
+  }
+  std::sort(steps_seen.begin(), steps_seen.end());
+  for (std::size_t k = 1; k < steps_seen.size(); ++k) {
+    if (steps_seen[k].first == steps_seen[k - 1].first) {
+      throw CompareInputError(file.string() + ":" + std::to_string(steps_seen[k].second) + ": step " + json(steps_seen[k].first).dump() +
+                              " again (line " + std::to_string(steps_seen[k - 1].second) + "): two runs in one file? compare one run's metrics.jsonl");
+    }
   }
   if (rows.empty()) throw CompareInputError(file.string() + ": no steps (neither a metrics.jsonl with rows nor a bench comm output)");
   std::stable_sort(rows.begin(), rows.end(), [](const json& x, const json& y) { return x["step"].get<double>() < y["step"].get<double>(); });
   if (rows.size() <= static_cast<std::size_t>(warmup) + 1) {
-    throw CompareInputError(file.string() + ": " + std::to_string(rows.size()) + " steps, " + std::to_string(warmup) +
+    throw CompareInputError(file.string() + ": " + std::to_string(rows.size()) + (rows.size() == 1 ? " step, " : " steps, ") + std::to_string(warmup) +
                             " of them warm-up: at least 2 measured steps are needed (run more steps, or lower --warmup)");
   }
   Metrics m;
@@ -157,6 +171,7 @@ Metrics read_metrics(const fs::path& file, const std::vector<std::string>& lines
 // A bench comm output: per size (bytes), the out-of-place and in-place time in us and busbw.
 struct CommRow {
   double oop_us = NAN, oop_busbw = NAN, ip_us = NAN, ip_busbw = NAN;
+  double wrong = 0;  // #wrong of both forms
 };
 struct CommRun {
   std::string op, ranks;
@@ -188,11 +203,15 @@ CommRun read_bench_comm(const fs::path& file, const std::vector<std::string>& li
     for (std::string w; in >> w;) f.push_back(w);
     if (f.size() != 12) continue;  // the launcher's own lines, warnings
     try {
-      CommRow r{number_or_nan(f[4]), number_or_nan(f[6]), number_or_nan(f[8]), number_or_nan(f[10])};
+      CommRow r{number_or_nan(f[4]), number_or_nan(f[6]), number_or_nan(f[8]), number_or_nan(f[10]), 0};
+      for (double w : {number_or_nan(f[7]), number_or_nan(f[11])}) r.wrong += std::isnan(w) ? 0 : w;
+      for (double t : {r.oop_us, r.ip_us}) {
+        if (!std::isnan(t) && !(t > 0)) throw std::invalid_argument("time");
+      }
       run.sizes[static_cast<std::uint64_t>(std::stoull(f[0]))] = r;
     } catch (const std::exception&) {
       throw CompareInputError(file.string() + ":" + std::to_string(i + 1) + ": a bench comm row must be 12 columns, size count type redop "
-                              "time algbw busbw #wrong time algbw busbw #wrong; got: " + s);
+                              "time algbw busbw #wrong time algbw busbw #wrong, times positive; got: " + s);
     }
   }
   if (run.sizes.empty()) throw CompareInputError(file.string() + ": a bench comm output without any size row");
@@ -257,6 +276,14 @@ Comparison compare_comm(Comparison c, const fs::path& fa, const fs::path& fb, co
   for (const auto& [bytes, y] : b.sizes) {
     if (!a.sizes.count(bytes)) c.notes.push_back("size " + std::to_string(bytes) + " B: only in B");
   }
+  for (const auto& [run, label] : {std::pair{&a, "A"}, std::pair{&b, "B"}}) {
+    double wrong = 0;
+    for (const auto& [bytes, row] : run->sizes) wrong += row.wrong;
+    if (wrong > 0) {
+      c.notes.push_back(std::string(label) + " has " + std::to_string(static_cast<long long>(wrong)) + " wrong results: its backend computed wrong sums, whatever its speed");
+      if (std::string(label) == "B") c.wrong_results = true;
+    }
+  }
   if (rb.empty()) throw CompareInputError("bench comm outputs " + fa.string() + " and " + fb.string() + " share no size");
   Measure all = measure("time, all sizes (median of per-size ratios)", "x", true, ra, rb, o, 1);
   all.a = summarize(ra);
@@ -288,7 +315,7 @@ std::string percent(double ratio) {
 
 double parse_fraction(const std::string& text) {
   std::string s = trim(text);
-  bool pct = !s.empty() && s.back() == '%';
+  const bool pct = !s.empty() && s.back() == '%';
   if (pct) s.pop_back();
   double v = 0;
   try {
@@ -296,11 +323,14 @@ double parse_fraction(const std::string& text) {
     v = std::stod(s, &used);
     if (used != s.size()) throw std::invalid_argument(s);
   } catch (const std::exception&) {
-    throw CompareInputError("--max-slowdown '" + text + "': give a fraction or a percentage, e.g. 5% or 0.05");
+    throw CompareInputError("--max-slowdown '" + text + "': give a percentage or a fraction, e.g. 5% or 0.05");
   }
-  if (pct || v > 1) v /= 100.0;
+  if (pct) v /= 100.0;
+  else if (v > 1) {
+    throw CompareInputError("--max-slowdown '" + text + "': a bare number is a fraction (0.05 = 5%); for " + s + " percent write " + s + "%");
+  }
   if (!(v >= 0) || v > 10) throw CompareInputError("--max-slowdown '" + text + "': must be from 0% to 1000%");
-  return v;
+  return v == 0 ? 0.0 : v;  // -0 -> 0
 }
 
 Comparison compare_runs(const fs::path& a, const fs::path& b, const CompareOptions& o) {
@@ -317,6 +347,7 @@ Comparison compare_runs(const fs::path& a, const fs::path& b, const CompareOptio
   c.b_label = fb.string();
   c.max_slowdown = o.max_slowdown;
   c = ca ? compare_comm(std::move(c), fa, fb, la, lb, o) : compare_metrics(std::move(c), fa, fb, la, lb, o);
+  if (c.wrong_results) c.regressed = true;  // wrong results fail the comparison, threshold or not
   if (o.max_slowdown) {
     for (const Measure& m : c.measures) {
       if (m.judged && m.available && m.ci_low > 1.0 + *o.max_slowdown) c.regressed = true;
@@ -359,11 +390,12 @@ std::string to_text(const Comparison& c) {
     }
     out << "\n";
   }
+  if (c.wrong_results) out << "B's bench comm has wrong results: FAIL (exit 1)\n";
   return out.str();
 }
 
 std::string to_json(const Comparison& c) {
-  json j{{"schema", "spmdx.bench.compare/1"}, {"kind", c.kind}, {"a", c.a_label}, {"b", c.b_label}, {"regressed", c.regressed}, {"notes", c.notes}};
+  json j{{"schema", "spmdx.bench.compare/1"}, {"kind", c.kind}, {"a", c.a_label}, {"b", c.b_label}, {"regressed", c.regressed}, {"wrong_results", c.wrong_results}, {"notes", c.notes}};
   j["max_slowdown"] = c.max_slowdown ? json(*c.max_slowdown) : json(nullptr);
   j["measures"] = json::array();
   for (const Measure& m : c.measures) {

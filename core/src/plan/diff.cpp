@@ -359,6 +359,23 @@ json parse_doc(const std::string& text, const std::string& what) {
   }
 }
 
+// plan.json as DistributedPlan::to_json writes it: {mesh: [], inputs: {}, nodes: [], redistributions: []}.
+json parse_plan(const std::string& text, const std::string& what) {
+  json p = parse_doc(text, what);
+  const bool ok = p.is_object() && p.contains("mesh") && p["mesh"].is_array() && p.contains("inputs") && p["inputs"].is_object() &&
+                  p.contains("nodes") && p["nodes"].is_array() && (!p.contains("redistributions") || p["redistributions"].is_array());
+  if (!ok) throw DiffInputError(what + ": not a sharding plan (an object with mesh, inputs, nodes and redistributions, as spmdx compile --dump writes)");
+  return p;
+}
+
+json parse_runtime_plan(const std::string& text, const std::string& what) {
+  json p = parse_doc(text, what);
+  if (!p.is_object() || p.value("format", "") != "spmdx.runtime_plan" || !p.contains("buckets") || !p["buckets"].is_array()) {
+    throw DiffInputError(what + ": not a runtime plan (\"format\": \"spmdx.runtime_plan\", as spmdx compile --dump writes)");
+  }
+  return p;
+}
+
 // A redistribution's steps as people read them: "P(sum)->S(0) reduce_scatter over tp (256.0 KiB)".
 std::string steps_str(const json& r, const std::vector<std::string>& dims) {
   std::vector<std::string> parts;
@@ -576,7 +593,10 @@ JobDump read_dump(const fs::path& folder) {
   for (int r = 0; fs::exists(folder / ("rank" + std::to_string(r) + ".json"), ec); ++r) {
     d.ranks.push_back(read_text(folder / ("rank" + std::to_string(r) + ".json")));
     const fs::path plan = folder / ("rank" + std::to_string(r) + ".plan.json");
-    if (fs::exists(plan, ec)) d.rank_plans.push_back(read_text(plan));
+    if (!fs::exists(plan, ec)) {
+      throw DiffInputError(plan.string() + ": missing beside rank" + std::to_string(r) + ".json; write the dump again with this spmdx (spmdx compile --dump)");
+    }
+    d.rank_plans.push_back(read_text(plan));
   }
   return d;
 }
@@ -594,8 +614,12 @@ DiffResult diff_jobs(const JobDump& a, const JobDump& b) {
   d.logical_nodes_b = static_cast<long long>(lb.nodes.size());
   d.unmatched_logical = std::count(m.begin(), m.end(), -1) + std::max<long long>(0, d.logical_nodes_b - d.logical_nodes_a);
   diff_graphs("logical", la, lb, m, d.differences);
-  const json pa = parse_doc(a.plan, a.label + "/plan.json"), pb = parse_doc(b.plan, b.label + "/plan.json");
-  diff_plans(pa, pb, la, lb, m, d.differences);
+  const json pa = parse_plan(a.plan, a.label + "/plan.json"), pb = parse_plan(b.plan, b.label + "/plan.json");
+  try {
+    diff_plans(pa, pb, la, lb, m, d.differences);
+  } catch (const json::exception& e) {
+    throw DiffInputError(a.label + "/plan.json or " + b.label + "/plan.json: malformed (" + e.what() + ")");
+  }
   const auto da = mesh_dims(pa), db = mesh_dims(pb);
   const std::size_t ranks = std::min(a.ranks.size(), b.ranks.size());
   if (a.ranks.size() != b.ranks.size()) {
@@ -636,9 +660,11 @@ DiffResult diff_jobs(const JobDump& a, const JobDump& b) {
       };
       if (r == 0) count(ga, da, true), count(gb, db, false);
       if (r < a.rank_plans.size() && r < b.rank_plans.size()) {
-        diff_runtime(static_cast<int>(r), parse_doc(a.rank_plans[r], a.label + "/rank" + std::to_string(r) + ".plan.json"),
-                     parse_doc(b.rank_plans[r], b.label + "/rank" + std::to_string(r) + ".plan.json"), out.runtime);
+        diff_runtime(static_cast<int>(r), parse_runtime_plan(a.rank_plans[r], a.label + "/rank" + std::to_string(r) + ".plan.json"),
+                     parse_runtime_plan(b.rank_plans[r], b.label + "/rank" + std::to_string(r) + ".plan.json"), out.runtime);
       }
+    } catch (const json::exception& e) {
+      out.error = a.label + " or " + b.label + ", rank " + std::to_string(r) + "'s graph or plan: malformed (" + e.what() + ")";
     } catch (const std::exception& e) {
       out.error = e.what();
     }

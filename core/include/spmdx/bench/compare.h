@@ -59,7 +59,8 @@ struct Comparison {
   std::string a_label, b_label;  ///< the files read
   std::vector<Measure> measures;
   std::optional<double> max_slowdown;
-  bool regressed = false;
+  bool regressed = false;  ///< slower than allowed, or B's bench comm had wrong results
+  bool wrong_results = false;
   std::vector<std::string> notes;  ///< what could not be compared, and why
 };
 
@@ -73,7 +74,8 @@ std::string to_text(const Comparison& c);
 /// The same as a JSON document (schema "spmdx.bench.compare/1").
 std::string to_json(const Comparison& c);
 
-/// "5%", "0.05" or "5" (percent when > 1) as a fraction. Throws CompareInputError.
+/// "5%" or "0.05" as a fraction; a bare number above 1 ("5") is refused as ambiguous.
+/// Throws CompareInputError.
 double parse_fraction(const std::string& text);
 
 }  // namespace spmdx::bench
