@@ -78,10 +78,12 @@ TEST(Config, EffectiveConfigRoundTrips) {
   Config back = Config::parse(c.to_toml(), "printed");
   EXPECT_EQ(back.to_toml(), c.to_toml());
   EXPECT_EQ(back.get_int("training.steps"), 5);
-  // Defaults commented out, so they stay defaults when the printed file is loaded.
+  // model.name = "pt2"'s keys, inapplicable to the default llama, commented out: the printed
+  // file loads back as the same job; every other key printed as is.
   EXPECT_THAT(c.to_toml(), HasSubstr("\nsteps = 5  # "));
   EXPECT_THAT(c.to_toml(), HasSubstr("\n# path = \"\"  # "));
   EXPECT_FALSE(back.is_set("model.path"));
+  EXPECT_THAT(c.to_toml(), HasSubstr("\nseq_len = 256  # "));
 }
 
 TEST(Config, ShippedConfigsAreValid) {

@@ -714,10 +714,12 @@ std::string Config::to_toml() const {
       out << (section.empty() ? "" : "\n") << "[" << sec << "]\n";
       section = sec;
     }
-    // A key left at its default is printed commented out: the printed file loads back as the
-    // same job (a key set, e.g. model.path under model.name = "llama", is refused where a
-    // default is not).
-    out << (is_set(s.key) ? "" : "# ") << s.key.substr(sec.size() + 1) << " = " << value_toml(values_.at(s.key)) << "  # " << s.help << "\n";
+    // model.name = "pt2"'s own keys, left at their defaults under another model, are printed
+    // commented out: set, they are refused there, and the printed file must load back as the
+    // same job.
+    const bool pt2_only = s.key == "model.path" || s.key == "model.inputs" || s.key == "model.loss";
+    const bool inapplicable = pt2_only && !is_set(s.key) && std::get<std::string>(values_.at("model.name")) != "pt2";
+    out << (inapplicable ? "# " : "") << s.key.substr(sec.size() + 1) << " = " << value_toml(values_.at(s.key)) << "  # " << s.help << "\n";
   }
   for (const auto& [table, options] : plugin_options_) {
     out << "\n[" << table << "]\n";
