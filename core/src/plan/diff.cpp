@@ -13,6 +13,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "spmdx/sharding/redistribute.h"
 #include "spmdx/text.h"
 
 namespace spmdx::plan {
@@ -49,8 +50,18 @@ std::string meta_str(const json& meta) {
   return s + "]";
 }
 
-bool is_collective(const std::string& op) {
-  return op == "all_reduce" || op == "all_gather" || op == "reduce_scatter" || op == "all_to_all" || op == "broadcast";
+using sharding::is_collective;
+
+// The name of mesh dim d of `dims` (a plan's mesh), or "dim d" for one it does not have.
+std::string dim_name(const std::vector<std::string>& dims, int d) {
+  return d >= 0 && static_cast<std::size_t>(d) < dims.size() ? dims[static_cast<std::size_t>(d)] : "dim " + std::to_string(d);
+}
+
+// A plan's mesh dim names, in order.
+std::vector<std::string> mesh_dims(const json& plan) {
+  std::vector<std::string> d;
+  for (const auto& x : plan.value("mesh", json::array())) d.push_back(x.value("name", "?") + "");
+  return d;
 }
 
 // A tensor meta's hash from its fields (no text made): dtype, shape, device, requires_grad.
@@ -380,9 +391,7 @@ json parse_runtime_plan(const std::string& text, const std::string& what) {
 std::string steps_str(const json& r, const std::vector<std::string>& dims) {
   std::vector<std::string> parts;
   for (const auto& s : r.at("steps")) {
-    const int d = s.value("mesh_dim", 0);
-    const std::string dim = d >= 0 && static_cast<std::size_t>(d) < dims.size() ? dims[static_cast<std::size_t>(d)] : "dim " + std::to_string(d);
-    parts.push_back(s.value("from", "?") + "->" + s.value("to", "?") + " " + s.value("op", "?") + " over " + dim + " (" +
+    parts.push_back(s.value("from", "?") + "->" + s.value("to", "?") + " " + s.value("op", "?") + " over " + dim_name(dims, s.value("mesh_dim", 0)) + " (" +
                     human_bytes(s.value("bytes", 0.0)) + ")");
   }
   return parts.empty() ? "a local step" : join(parts, ", ");
@@ -425,12 +434,7 @@ const json& array_at(const json& p, const char* key) {
 
 // Level 2: placements and redistributions, through the logical node pairing.
 void diff_plans(const json& pa, const json& pb, const Graph& a, const Graph& b, const std::vector<int>& m, std::vector<Difference>& out) {
-  auto dims_of = [](const json& p) {
-    std::vector<std::string> d;
-    for (const auto& x : p.value("mesh", json::array())) d.push_back(x.value("name", "?") + "");
-    return d;
-  };
-  const auto da = dims_of(pa), db = dims_of(pb);
+  const auto da = mesh_dims(pa), db = mesh_dims(pb);
   auto mesh_str = [](const json& p) {
     std::string s;
     for (const auto& x : p.value("mesh", json::array())) s += (s.empty() ? "" : " x ") + x.value("name", "?") + "=" + std::to_string(x.value("size", 0));
@@ -496,15 +500,8 @@ void diff_plans(const json& pa, const json& pb, const Graph& a, const Graph& b, 
   out.insert(out.end(), placements.begin(), placements.end());
 }
 
-std::vector<std::string> mesh_dims(const json& plan) {
-  std::vector<std::string> d;
-  for (const auto& x : plan.value("mesh", json::array())) d.push_back(x.value("name", "?") + "");
-  return d;
-}
-
 std::string collective_str(const Graph& g, const Graph::Node& n, const std::vector<std::string>& dims) {
-  const int d = n.attrs.contains("mesh_dim") ? n.attrs["mesh_dim"].value("i", 0) : 0;
-  const std::string dim = d >= 0 && static_cast<std::size_t>(d) < dims.size() ? dims[static_cast<std::size_t>(d)] : "dim " + std::to_string(d);
+  const std::string dim = dim_name(dims, n.attrs.contains("mesh_dim") ? n.attrs["mesh_dim"].value("i", 0) : 0);
   const double bytes = n.in.empty() ? 0 : meta_bytes(g.values.at(n.in[0]).meta);
   return n.op + " over " + dim + " (" + human_bytes(bytes) + ")";
 }
@@ -648,8 +645,7 @@ DiffResult diff_jobs(const JobDump& a, const JobDump& b) {
       auto count = [&](const Graph& g, const std::vector<std::string>& dims, bool is_a) {
         for (const auto& n : g.nodes) {
           if (!is_collective(n.op)) continue;
-          const int md = n.attrs.contains("mesh_dim") ? n.attrs["mesh_dim"].value("i", 0) : 0;
-          const std::string dim = md >= 0 && static_cast<std::size_t>(md) < dims.size() ? dims[static_cast<std::size_t>(md)] : "dim " + std::to_string(md);
+          const std::string dim = dim_name(dims, n.attrs.contains("mesh_dim") ? n.attrs["mesh_dim"].value("i", 0) : 0);
           CollectiveCount& c = out.counts[{n.op, dim}];
           c.op = n.op;
           c.mesh_dim = dim;
