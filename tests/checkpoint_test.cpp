@@ -15,6 +15,7 @@
 #include <cstring>
 #include <fstream>
 #include <random>
+#include <set>
 #include <thread>
 
 #include "spmdx/exec/checkpoint.h"
@@ -348,6 +349,35 @@ TEST(Checkpoint, FuzzedMetadataAndShardFilesAreRefusedCleanlyOrLoadExactly) {
   // Not vacuous: most mutations are refused (the rest changed nothing that matters, such as
   // a space in metadata.json, or an unknown field).
   EXPECT_GT(refused, total * 3 / 4);
+}
+
+
+// Hugging Face's rotary layout: within each head, row 2i (interleaved pair member 0) goes to i and
+// row 2i+1 to i + head_dim / 2, as transformers' permute(); and back.
+TEST(Weights, RotaryRowsGoToHuggingFacesHalfSplitLayoutAndBack) {
+  const at::Tensor w = at::arange(8 * 3, at::kFloat).reshape({8, 3});  // 2 heads of head_dim 4
+  const at::Tensor hf = exec::to_hf_rotary_rows(w, 2);
+  const std::vector<std::int64_t> rows{0, 2, 1, 3, 4, 6, 5, 7};
+  for (std::size_t i = 0; i < rows.size(); ++i) EXPECT_TRUE(at::equal(hf[static_cast<std::int64_t>(i)], w[rows[i]])) << "row " << i;
+  EXPECT_TRUE(at::equal(exec::from_hf_rotary_rows(hf, 2), w));
+  EXPECT_THROW(exec::to_hf_rotary_rows(w, 3), std::invalid_argument);
+}
+
+// Every parameter of the built-in llama has a Hugging Face name that maps back to it; the RoPE
+// tables have none; names of other models map to nothing.
+TEST(Weights, EveryLlamaParameterHasAHuggingFaceNameThatMapsBack) {
+  const models::Model m = models::build_model(models::model_args("llama", "tiny", 256), 2, 8);
+  std::set<std::string> seen;
+  for (const auto& p : m.params) {
+    const std::string hf = models::hf_name(p);
+    ASSERT_FALSE(hf.empty()) << p;
+    EXPECT_EQ(models::from_hf_name(hf), p);
+    EXPECT_TRUE(seen.insert(hf).second) << hf;
+  }
+  EXPECT_EQ(models::hf_name("layers.1.feed_forward.w2.weight"), "model.layers.1.mlp.down_proj.weight");
+  EXPECT_EQ(models::hf_name("rope.cos"), "");
+  EXPECT_EQ(models::from_hf_name("model.layers.x.mlp.down_proj.weight"), "");
+  EXPECT_EQ(models::from_hf_name("transformer.h.0.attn.c_attn.weight"), "");
 }
 
 }  // namespace

@@ -690,13 +690,13 @@ CLI::App* add_import(CLI::App& app, ImportOptions& import_options) {
 }
 
 // `spmdx export` and `spmdx import` need LibTorch; a build without it says so.
-int run_export(const std::string& step_folder, const std::string& out) {
+int run_export(const std::string& step_folder, const std::string& out, const std::string& names) {
 #ifdef SPMDX_HAVE_EXEC
-  const std::size_t n = spmdx::exec::export_safetensors(step_folder, out);
-  std::cout << "wrote " << n << " tensors to " << out << "\n";
+  const std::size_t n = spmdx::exec::export_safetensors(step_folder, out, names == "hf");
+  std::cout << "wrote " << n << " tensors to " << out << (names == "hf" ? " (Hugging Face names, rotary rows half-split)" : "") << "\n";
   return 0;
 #else
-  (void)step_folder, (void)out;
+  (void)step_folder, (void)out, (void)names;
   std::cerr << "error: this spmdx was built without LibTorch\n";
   return 1;
 #endif
@@ -749,9 +749,12 @@ int main(int argc, char** argv) {
   auto* diff = add_diff(app, diff_options);
 
   auto* export_cmd = app.add_subcommand("export", "Write a checkpoint's parameters, consolidated, as a safetensors file");
-  std::string export_step, export_out;
+  std::string export_step, export_out, export_names = "spmdx";
   export_cmd->add_option("checkpoint", export_step, "A checkpoint's step-N folder")->required()->check(CLI::ExistingDirectory);
   export_cmd->add_option("out", export_out, "The .safetensors file to write")->required();
+  export_cmd->add_option("--names", export_names,
+                         "spmdx (torchtitan's names) | hf (Hugging Face's Llama names, query and key rows permuted for its rotary layout; llama only)")
+      ->check(CLI::IsMember({"spmdx", "hf"}));
 
   try {
     app.parse(argc, argv);
@@ -772,7 +775,7 @@ int main(int argc, char** argv) {
   try {
     if (plugins->parsed()) return run_plugins(plugin_paths, json);
     if (graph->parsed()) return run_graph(graph_options);
-    if (export_cmd->parsed()) return run_export(export_step, export_out);
+    if (export_cmd->parsed()) return run_export(export_step, export_out, export_names);
     if (import_cmd->parsed()) return run_import_command(import_options);
     if (fr_trace->parsed()) {
       std::cout << spmdx::hooks::analyze_flight_recorder(fr_folder).text;

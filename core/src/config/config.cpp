@@ -220,6 +220,9 @@ const std::vector<KeySpec>& schema() {
       k("checkpoint.folder", Type::string, std::string("checkpoint"), "under job.dump_folder"),
       n("checkpoint.interval", Type::integer, std::int64_t{10}, "steps between checkpoints", 1, 1e9),
       n("checkpoint.load_step", Type::integer, std::int64_t{-1}, "resume from this step (-1: the latest, if any)", -1, 1e9),
+      k("checkpoint.initial_load_path", Type::string, std::string(""),
+        "a job with no checkpoint to resume starts from these weights: a .safetensors file or a folder of them (spmdx export's), under "
+        "spmdx's (torchtitan's) names or, for llama, Hugging Face's; resharded onto this mesh (\"\": the seeded initialisation)"),
       n("metrics.log_freq", Type::integer, std::int64_t{1}, "print a line every this many steps", 1, 1e9),
       k("plugins.paths", Type::string_list, L{}, "plugin files or folders searched first"),
       k("debug.dump_batches", Type::boolean, false,

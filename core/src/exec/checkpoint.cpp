@@ -609,7 +609,42 @@ void write_safetensors(const fs::path& out, const TensorMap& tensors, const std:
   }
 }
 
-std::size_t export_safetensors(const fs::path& step_dir, const fs::path& out) {
+namespace {
+
+// The rows [heads x head_dim, dim] as [heads, 2, head_dim / 2, dim] (half-split) from or to
+// [heads, head_dim / 2, 2, dim] (interleaved).
+at::Tensor permute_rotary_rows(const at::Tensor& w, std::int64_t heads, bool to_hf) {
+  if (w.dim() != 2 || heads <= 0 || w.size(0) % (2 * heads) != 0) {
+    throw std::invalid_argument("a query or key projection of shape " + ir::shape_str(w.sizes().vec()) + " does not split into " +
+                                std::to_string(heads) + " heads of even size");
+  }
+  const std::int64_t half = w.size(0) / heads / 2;
+  const auto from = to_hf ? std::vector<std::int64_t>{heads, half, 2, w.size(1)} : std::vector<std::int64_t>{heads, 2, half, w.size(1)};
+  return w.reshape(from).transpose(1, 2).reshape({w.size(0), w.size(1)});
+}
+
+}  // namespace
+
+at::Tensor to_hf_rotary_rows(const at::Tensor& w, std::int64_t heads) { return permute_rotary_rows(w, heads, true); }
+
+at::Tensor from_hf_rotary_rows(const at::Tensor& w, std::int64_t heads) { return permute_rotary_rows(w, heads, false); }
+
+TensorMap load_initial_weights(const models::WeightLoad& load, at::ScalarType dtype) {
+  static const std::map<std::string, at::ScalarType> types{{"F32", at::kFloat}, {"BF16", at::kBFloat16}, {"F16", at::kHalf}, {"F64", at::kDouble}};
+  TensorMap out;
+  for (const auto& [name, src] : load.params) {
+    std::ifstream in(src.file, std::ios::binary);
+    at::Tensor raw = at::empty(src.tensor.shape, at::TensorOptions().dtype(types.at(src.tensor.dtype)));
+    in.seekg(static_cast<std::streamoff>(src.tensor.offset));
+    in.read(static_cast<char*>(raw.data_ptr()), static_cast<std::streamsize>(src.tensor.nbytes));
+    if (!in) throw std::runtime_error("cannot read tensor '" + src.tensor.name + "' from " + src.file.string() + ": " + std::strerror(errno));
+    at::Tensor t = raw.to(dtype);
+    out[name] = src.unpermute_heads > 0 ? from_hf_rotary_rows(t, src.unpermute_heads).contiguous() : t;
+  }
+  return out;
+}
+
+std::size_t export_safetensors(const fs::path& step_dir, const fs::path& out, bool hf_names) {
   // Never into the checkpoint it reads: that would destroy it (and its checksums say so only later).
   std::error_code ec;
   const fs::path dir = fs::weakly_canonical(step_dir, ec), target = fs::weakly_canonical(out, ec);
@@ -619,6 +654,17 @@ std::size_t export_safetensors(const fs::path& step_dir, const fs::path& out) {
   }
   const Metadata md = read_metadata(step_dir);
   if (md.tensors.empty()) fail(step_dir / "metadata.json", "lists no tensors: nothing to export");
+  if (hf_names) {
+    // Checked before any shard is read: the names, and the heads from the RoPE table.
+    for (const auto& [name, t] : md.tensors) {
+      if (name.rfind("exp_avg", 0) != 0 && name.rfind("rope.", 0) != 0 && models::hf_name(name).empty()) {
+        fail(step_dir / "metadata.json", "holds '" + name + "', which has no Hugging Face Llama name: --names hf exports spmdx's built-in llama only");
+      }
+    }
+    if (md.tensors.count("rope.cos") == 0 || md.tensors.count("layers.0.attention.wq.weight") == 0) {
+      fail(step_dir / "metadata.json", "holds no rope.cos table or layers.0.attention.wq.weight: --names hf exports spmdx's built-in llama only");
+    }
+  }
   const sharding::DeviceMesh saved(md.mesh);
   std::vector<TensorMap> files;
   for (std::int64_t r = 0; r < saved.size(); ++r) files.push_back(load_shard(step_dir, r, md, saved));
@@ -628,6 +674,20 @@ std::size_t export_safetensors(const fs::path& step_dir, const fs::path& out) {
     std::vector<at::Tensor> parts;
     for (auto& f : files) parts.push_back(f.at(name));
     full[name] = assemble_tensor(parts, t.placements, saved);
+  }
+  if (hf_names) {
+    const std::int64_t head_dim = 2 * md.tensors.at("rope.cos").shape.at(1);
+    const std::int64_t heads = md.tensors.at("layers.0.attention.wq.weight").shape.at(0) / head_dim;
+    models::ModelArgs args;
+    args.name = "llama";
+    args.n_heads = heads;
+    TensorMap hf;
+    for (auto& [name, t] : full) {
+      if (name.rfind("rope.", 0) == 0) continue;  // Hugging Face's model makes its rotary tables from its config
+      const std::int64_t rotary = models::rotary_heads(name, args);
+      hf[models::hf_name(name)] = rotary > 0 ? to_hf_rotary_rows(t, rotary).contiguous() : t;
+    }
+    full = std::move(hf);
   }
   write_safetensors(out, full, {{"format", "pt"}, {"step", std::to_string(md.meta.step)}});
   return full.size();

@@ -334,13 +334,22 @@ std::unique_ptr<CommBackend> join_backend(PluginRegistry& registry, const std::s
 }
 
 // This rank's shards of the initial parameters (the same full values on every rank, drawn on
-// the CPU, so a GPU run starts where a CPU run does) and zero AdamW state, on `device`; rank 0
-// writes them whole first when debug.dump_initial_weights asks.
+// the CPU, so a GPU run starts where a CPU run does, or read from checkpoint.initial_load_path
+// when `fresh`: nothing to resume) and zero AdamW state, on `device`; rank 0 writes them whole
+// first when debug.dump_initial_weights asks. `loaded`: what was read, for the log.
 TensorMap initial_state(const train::JobSpec& spec, train::PlacedJob& job, const sharding::DistributedPlan& plan, std::int64_t rank,
-                        bool dump_whole, const c10::Device& device) {
+                        bool fresh, const c10::Device& device, std::string* loaded) {
   const auto coord = job.mesh.coordinate(rank);
+  const bool dump_whole = fresh && rank == 0;
   TensorMap state;
   TensorMap full = init_tensors(job.model, spec.seed);
+  if (const auto& path = spec.checkpoint.initial_load_path; fresh && !path.empty()) {
+    const models::WeightLoad load = models::plan_weight_load(path, job.model);
+    for (auto& [name, t] : load_initial_weights(load, at::kFloat)) full[name] = t.to(full.at(name).scalar_type());
+    *loaded = "initial weights: " + std::to_string(load.params.size()) + " parameters from " + path.string() + " (" + std::to_string(load.files) +
+              (load.files == 1 ? " file, " : " files, ") + (load.hf_names ? "Hugging Face" : "spmdx") + " names), resharded onto mesh " + job.mesh.str() +
+              (load.ignored.empty() ? "" : "; not loaded, made from the config: " + join(load.ignored));
+  }
   if (dump_whole && spec.output.dump_initial_weights) {
     const auto dir = spec.output.dump_folder / "debug";
     std::filesystem::create_directories(dir);
@@ -805,7 +814,8 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
   if (!hooks.empty()) executor.set_hooks(&hooks);
   if (fault.kind == "skip_collective" && fault.rank == env.rank) executor.inject_skip(fault.step, fault.index);
 
-  TensorMap state = initial_state(spec, job, plan, env.rank, lead && first_step == 1, device->device());
+  std::string loaded_weights;
+  TensorMap state = initial_state(spec, job, plan, env.rank, !resume_step, device->device(), &loaded_weights);
   data::TextDataset dataset({spec.data.paths, spec.global_batch_size, spec.seq_len, spec.data.seed}, *tokenizer);
 
   // Resume from the checkpoint found above, resharding when it was saved on another mesh or
@@ -824,6 +834,7 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
   if (lead) {
     metrics.emplace(spec.output, first_step, checkpointing, executor.memory().peak_bytes);
     print_banner(spec, job, env, backend.get(), *device, executor.memory(), resume_step ? &resumed : nullptr);
+    if (!loaded_weights.empty()) std::printf("%s\n", loaded_weights.c_str());
     if (spec.activation_checkpoint.keep_collective_outputs && spec.activation_checkpoint.mode != "none") {
       std::printf("activation_checkpoint.keep_collective_outputs: %lld collectives of the recomputation read the forward's outputs instead (rank 0)\n",
                   static_cast<long long>(kept_collectives));

@@ -12,6 +12,7 @@
 #include "spmdx/sharding/spec.h"
 #include "spmdx/sharding/parallelize.h"
 #include "spmdx/hooks/hook_set.h"
+#include "spmdx/models/weights.h"
 #include "spmdx/plan/runtime_plan.h"
 #include "spmdx/train/memory_budget.h"
 
@@ -189,7 +190,7 @@ void read_sections(const config::Config& cfg, JobSpec& s) {
                        cfg.get_float("training.grad_scaler_init_scale"), cfg.get_int("training.grad_scaler_growth_interval")};
   const std::filesystem::path dump = cfg.get_string("job.dump_folder");
   s.checkpoint = {cfg.get_bool("checkpoint.enable"), dump / cfg.get_string("checkpoint.folder"), cfg.get_int("checkpoint.interval"),
-                  cfg.get_int("checkpoint.load_step")};
+                  cfg.get_int("checkpoint.load_step"), cfg.get_string("checkpoint.initial_load_path")};
   s.data = {cfg.get_list("data.paths"), static_cast<std::uint64_t>(cfg.get_int("data.seed")), cfg.get_string("model.tokenizer")};
   s.output = {dump, cfg.get_int("metrics.log_freq"), cfg.get_bool("debug.dump_initial_weights"), cfg.get_bool("debug.dump_batches")};
 }
@@ -362,6 +363,17 @@ void check_hooks(const config::Config& cfg, PluginRegistry& registry, std::int64
   }
 }
 
+// Whether the job will resume from a checkpoint of its own (a step-N folder under
+// checkpoint.folder, which exec::find_checkpoint checks in full on the ranks).
+bool has_checkpoint(const CheckpointSpec& ckpt) {
+  std::error_code ec;
+  if (!(ckpt.enable || ckpt.load_step >= 0) || !std::filesystem::is_directory(ckpt.folder, ec)) return false;
+  for (const auto& e : std::filesystem::directory_iterator(ckpt.folder, ec)) {
+    if (e.path().filename().string().rfind("step-", 0) == 0) return true;
+  }
+  return false;
+}
+
 }  // namespace
 
 std::vector<std::string> preflight(const config::Config& cfg, std::int64_t world_size, PluginRegistry& registry, std::unique_ptr<data::Tokenizer>* tokenizer,
@@ -420,6 +432,15 @@ std::vector<std::string> preflight(const config::Config& cfg, std::int64_t world
       job.reset();
       plan.reset();
       if (attempt({"parallelism.memory_budget"}, [&] { (*spec)->memory_fit = fit_memory_budget(**spec, registry); })) place();
+    }
+    // The initial weights' names, shapes and dtypes, from the files' headers; a job that will
+    // resume from its own checkpoint never reads them (as torchtitan's initial_load_path).
+    if (const CheckpointSpec& ckpt = (*spec)->checkpoint; run && job && !ckpt.initial_load_path.empty() && !has_checkpoint(ckpt)) {
+      try {
+        models::plan_weight_load(ckpt.initial_load_path, job->model);
+      } catch (const std::exception& e) {  // a line per tensor, each said where the path was set
+        for (const auto& line : split_lines(e.what())) out.push_back(cfg.where({"checkpoint.initial_load_path"}) + ": " + line);
+      }
     }
   }
   if (!cfg.get_list("hooks.enable").empty() && !cfg.has_problem("hooks.")) check_hooks(cfg, registry, world_size, job, plan, run, out);

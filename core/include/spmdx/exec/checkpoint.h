@@ -23,6 +23,7 @@
 
 #include "spmdx/comm.h"
 #include "spmdx/exec/executor.h"
+#include "spmdx/models/weights.h"
 #include "spmdx/sharding/distribute.h"
 
 namespace spmdx::exec {
@@ -80,8 +81,27 @@ void write_safetensors(const std::filesystem::path& out, const TensorMap& tensor
 /// Writes the parameters of checkpoint `step_dir` (a step-N folder), consolidated into whole
 /// tensors, as a safetensors file (Hugging Face's format: u64 header length, JSON header with
 /// dtype, shape and data_offsets per tensor, then the data). Optimizer state is left out, as
-/// torchtitan's last_save_model_only. Returns the number of tensors written. Throws
-/// std::runtime_error naming the file that is missing, corrupted or cannot be written.
-std::size_t export_safetensors(const std::filesystem::path& step_dir, const std::filesystem::path& out);
+/// torchtitan's last_save_model_only. `hf_names`: the built-in llama's parameters under Hugging
+/// Face's names, query and key rows permuted to its half-split rotary layout
+/// (to_hf_rotary_rows), the RoPE tables left out, as torchtitan's Llama3StateDictAdapter.to_hf;
+/// the heads are read off the checkpoint's rope.cos table ([seq, head_dim / 2]). Returns the
+/// number of tensors written. Throws std::runtime_error naming the file that is missing,
+/// corrupted or cannot be written, and, with `hf_names`, a checkpoint that is not of the
+/// built-in llama.
+std::size_t export_safetensors(const std::filesystem::path& step_dir, const std::filesystem::path& out, bool hf_names = false);
+
+/// A query or key projection's rows [heads x head_dim, dim] from the interleaved rotary layout
+/// (torchtitan's and Meta's: pairs (2i, 2i+1) rotate together) to Hugging Face's half-split one
+/// (i and i + head_dim / 2): w.view(heads, head_dim / 2, 2, dim).transpose(1, 2), as
+/// transformers' convert_llama_weights_to_hf.py permute(). from_hf_rotary_rows undoes it.
+/// Throws std::invalid_argument when the rows do not split into `heads` of even size.
+at::Tensor to_hf_rotary_rows(const at::Tensor& w, std::int64_t heads);
+at::Tensor from_hf_rotary_rows(const at::Tensor& w, std::int64_t heads);
+
+/// The parameters `load` (models::plan_weight_load) names, whole, under the model's names, in
+/// `dtype` (converted from the file's F32, BF16, F16 or F64), Hugging Face's query and key rows
+/// put back in the interleaved layout. Throws std::runtime_error naming the file that cannot
+/// be read.
+TensorMap load_initial_weights(const models::WeightLoad& load, at::ScalarType dtype);
 
 }  // namespace spmdx::exec

@@ -47,6 +47,9 @@ struct CheckpointSpec {
   std::filesystem::path folder;  ///< <job.dump_folder>/<checkpoint.folder>
   std::int64_t interval = 0;     ///< checkpoint.interval, in steps (and always at the last step)
   std::int64_t load_step = -1;   ///< checkpoint.load_step: resume from this step (-1: the latest, if any)
+  /// checkpoint.initial_load_path: the weights a job with nothing to resume starts from (a
+  /// .safetensors file or a folder of them; models/weights.h); empty: the seeded initialisation.
+  std::filesystem::path initial_load_path;
 };
 
 /// [data] and the tokenizer: what every rank reads.
