@@ -30,7 +30,7 @@ void P2PEngine::direct_reduce_scatter(Op& op, const char* in, const std::vector<
   auto post = [&](std::size_t c) {
     for (std::size_t d = 1; d < k; ++d) {
       const int from = g.ranks[(me + d) % k];
-      recvs[c * (k - 1) + d - 1] = transport_->irecv(from, slot(c, d), ck.piece(counts[me], c) * es,
+      recvs[c * (k - 1) + d - 1] = post_recv(op, from, slot(c, d), ck.piece(counts[me], c) * es,
                                                      make_tag(from, op.group, op.seq, static_cast<std::uint16_t>(ck.base + c)));
     }
   };
@@ -53,12 +53,12 @@ void P2PEngine::direct_all_gather(Op& op, char* out, const std::vector<std::size
   std::vector<Request> reqs;
   for (std::size_t d = 1; d < k; ++d) {
     const std::size_t j = (me + k - d) % k;
-    reqs.emplace_back(transport_->irecv(g.ranks[j], out + offset_of(counts, j) * es, counts[j] * es, make_tag(g.ranks[j], op.group, op.seq, step)),
+    reqs.emplace_back(post_recv(op, g.ranks[j], out + offset_of(counts, j) * es, counts[j] * es, make_tag(g.ranks[j], op.group, op.seq, step)),
                       g.ranks[j]);
   }
   for (std::size_t d = 1; d < k; ++d) {
     const int to = g.ranks[(me + d) % k];
-    reqs.emplace_back(transport_->isend(to, out + offset_of(counts, me) * es, counts[me] * es, make_tag(rank_, op.group, op.seq, step)), to);
+    reqs.emplace_back(post_send(op, to, out + offset_of(counts, me) * es, counts[me] * es, make_tag(rank_, op.group, op.seq, step)), to);
   }
   wait_all(op, reqs);
 }

@@ -252,16 +252,7 @@ void P2PEngine::wait_all(Op& op, const std::vector<Request>& requests) {
       try {
         ok = transport_->test(requests[i].first);
       } catch (const CommError& e) {
-        // A peer that already exited because another rank failed is not the one to blame.
-        const int peer = requests[i].second;
-        int blamed = health_.reported_fault();
-        if (blamed < 0) {
-          health_.report_fault(peer);
-          blamed = peer;
-        }
-        throw CommError(op_name(op) + " failed talking to rank " + std::to_string(peer) + ": " + e.what() +
-                            (blamed != peer ? "; rank " + std::to_string(blamed) + " failed first" : ""),
-                        blamed);
+        transport_failed(op, requests[i].second, e);
       }
       if (ok) done[i] = true, --left, progressed = true;
     }
@@ -298,9 +289,39 @@ void P2PEngine::sendrecv(Op& op, int to, const void* sbuf, std::size_t sbytes, i
                          int explicit_step) {
   const std::uint16_t step = explicit_step >= 0 ? static_cast<std::uint16_t>(explicit_step) : op.step++;
   std::vector<Request> reqs;
-  if (from >= 0) reqs.emplace_back(transport_->irecv(from, rbuf, rbytes, make_tag(from, op.group, op.seq, step)), from);
-  if (to >= 0) reqs.emplace_back(transport_->isend(to, sbuf, sbytes, make_tag(rank_, op.group, op.seq, step)), to);
+  if (from >= 0) reqs.emplace_back(post_recv(op, from, rbuf, rbytes, make_tag(from, op.group, op.seq, step)), from);
+  if (to >= 0) reqs.emplace_back(post_send(op, to, sbuf, sbytes, make_tag(rank_, op.group, op.seq, step)), to);
   wait_all(op, reqs);
+}
+
+std::uint64_t P2PEngine::post_send(Op& op, int to, const void* data, std::size_t bytes, std::uint64_t tag) {
+  try {
+    return transport_->isend(to, data, bytes, tag);
+  } catch (const CommError& e) {
+    transport_failed(op, to, e);
+  }
+}
+
+std::uint64_t P2PEngine::post_recv(Op& op, int from, void* data, std::size_t bytes, std::uint64_t tag) {
+  try {
+    return transport_->irecv(from, data, bytes, tag);
+  } catch (const CommError& e) {
+    transport_failed(op, from, e);
+  }
+}
+
+void P2PEngine::transport_failed(Op& op, int peer, const CommError& e) {
+  // Said in the store, so that the peers waiting on this rank fail at their next check rather
+  // than at the timeout; a peer that already exited because another rank failed is not the one
+  // to blame.
+  int blamed = health_.reported_fault();
+  if (blamed < 0) {
+    health_.report_fault(peer);
+    blamed = peer;
+  }
+  throw CommError(op_name(op) + " failed talking to rank " + std::to_string(peer) + ": " + e.what() +
+                      (blamed != peer ? "; rank " + std::to_string(blamed) + " failed first" : ""),
+                  blamed);
 }
 
 }  // namespace spmdx::comm

@@ -62,6 +62,12 @@ class P2PEngine final : public CommBackend {
   // Exchanges with two peers at once (a ring step); waits for both. `step` tells messages of
   // one operation apart; both sides of an exchange must use the same (-1: the operation's next
   // step, for algorithms where every rank takes the same steps).
+  // A transport call that threw talking to `peer`: the fault said in the store (Health), and
+  // a CommError naming the operation, the peer and who failed first.
+  [[noreturn]] void transport_failed(Op& op, int peer, const CommError& e);
+  // The transport's isend and irecv, a CommError they throw said as transport_failed does.
+  std::uint64_t post_send(Op& op, int to, const void* data, std::size_t bytes, std::uint64_t tag);
+  std::uint64_t post_recv(Op& op, int from, void* data, std::size_t bytes, std::uint64_t tag);
   void sendrecv(Op& op, int to, const void* sbuf, std::size_t sbytes, int from, void* rbuf, std::size_t rbytes, int step = -1);
   // Scratch memory of the comm thread, reused across operations: slot 0 or 1, at least `bytes`.
   char* scratch(std::size_t slot, std::size_t bytes);

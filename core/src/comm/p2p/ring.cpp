@@ -20,7 +20,7 @@ Chunks P2PEngine::reserve_chunks(Op& op, std::size_t max_count, std::size_t elem
 void P2PEngine::send_chunks(Op& op, const Chunks& ck, int to, const char* block, std::size_t count, std::size_t element_size,
                             std::vector<Request>& sends) {
   for (std::size_t c = 0; c < ck.pieces(count); ++c) {
-    sends.emplace_back(transport_->isend(to, block + c * ck.chunk * element_size, ck.piece(count, c) * element_size,
+    sends.emplace_back(post_send(op, to, block + c * ck.chunk * element_size, ck.piece(count, c) * element_size,
                                          make_tag(rank_, op.group, op.seq, static_cast<std::uint16_t>(ck.base + c))),
                        to);
   }
@@ -43,7 +43,7 @@ void P2PEngine::reduce_step(Op& op, int to, const void* sbuf, std::size_t scount
   auto slot = [&](std::size_t c) { return slots + (c % kDepth) * ck.chunk * es; };
   std::vector<std::uint64_t> recvs(nrecv);
   auto post = [&](std::size_t c) {
-    recvs[c] = transport_->irecv(from, slot(c), ck.piece(rcount, c) * es, make_tag(from, op.group, op.seq, static_cast<std::uint16_t>(ck.base + c)));
+    recvs[c] = post_recv(op, from, slot(c), ck.piece(rcount, c) * es, make_tag(from, op.group, op.seq, static_cast<std::uint16_t>(ck.base + c)));
   };
   for (std::size_t c = 0; c < std::min(kDepth, nrecv); ++c) post(c);
   for (std::size_t c = 0; c < nrecv; ++c) {
