@@ -4,6 +4,7 @@
 #include <c10/core/InferenceMode.h>
 
 #include <algorithm>
+#include <exception>
 #include <chrono>
 #include <functional>
 #include <stdexcept>
@@ -178,6 +179,22 @@ void DistributedExecutor::set_backend(CommBackend* backend) {
 // filled, and the spans for the stats.
 struct DistributedExecutor::Step {
   Step(DistributedExecutor& executor, std::int64_t step_number) : ex(executor), step(step_number) {}
+  // A step that throws may leave calls in flight that write into its buffers: the backend is
+  // aborted (they fail at once, or at their next poll) and each is waited for before the
+  // buffers go, so a run that goes on after the failure (comm.fallback) finds no stray writes.
+  ~Step() {
+    if (std::uncaught_exceptions() == 0 || ex.backend_ == nullptr) return;
+    if (std::all_of(issued.begin(), issued.end(), [](const auto& is) { return is->completed; })) return;
+    ex.backend_->abort();
+    for (auto& is : issued) {
+      try {
+        if (!is->completed) is->work->wait(ex.timeout_ + 10);
+      } catch (const std::exception&) {
+      }
+    }
+  }
+  Step(const Step&) = delete;
+  Step& operator=(const Step&) = delete;
   DistributedExecutor& ex;
   std::int64_t step = 0;
   std::unordered_map<const ir::Value*, at::Tensor> live;
