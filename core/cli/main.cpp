@@ -435,8 +435,12 @@ int run_compile(const CompileOptions& o) {
             << spmdx::human_bytes(2 * param) << ", communication " << spmdx::human_bytes(plan.comm_bytes) << " sent per step (about "
             << comm_ms << " ms at 10 GB/s, 10 us per message)\n"
             << "planned peak memory (rank 0): " << planned.memory.str() << "\n"
-            << (spec.memory_fit.empty() ? "" : spec.memory_fit + "\n")
-            << "planned in " << std::fixed << std::setprecision(3) << seconds << " s" << std::defaultfloat << (o.fake ? " (--fake: no ranks started" : " (no ranks started")
+            << (spec.memory_fit.empty() ? "" : spec.memory_fit + "\n");
+  for (const auto& [layout, why] : spec.strategies_passed_over) {
+    std::cout << "fallback: strategies " << layout << " passed over (" << why << ")\n";
+  }
+  if (!spec.strategies_passed_over.empty()) std::cout << "strategies: " << spmdx::train::layout_text(spec.strategies) << "\n";
+  std::cout << "planned in " << std::fixed << std::setprecision(3) << seconds << " s" << std::defaultfloat << (o.fake ? " (--fake: no ranks started" : " (no ranks started")
             << (dumped_ranks ? "; wrote " + o.dump + " with " + std::to_string(dumped_ranks) + " rank graph(s))" : ")") << "\n";
   return 0;
 }

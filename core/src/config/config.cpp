@@ -202,6 +202,11 @@ const std::vector<KeySpec>& schema() {
       n("parallelism.data_parallel_replicate_degree", Type::integer, std::int64_t{1}, "DDP degree (mesh dim dp_replicate)", 1, 1e6),
       n("parallelism.data_parallel_shard_degree", Type::integer, std::int64_t{-1}, "FSDP degree (mesh dim dp_shard; -1: the ranks left)", -1, 1e6),
       n("parallelism.tensor_parallel_degree", Type::integer, std::int64_t{1}, "Megatron TP degree (mesh dim tp)", 1, 1e6),
+      k("parallelism.fallback_strategies", Type::string_list, L{},
+        "layouts tried in order when [parallelism.strategies]' cannot place the job (a plugin that fails to load or to place, a memory "
+        "budget it cannot meet, a validator hook that refuses it): each \"dim=plugin[ dim=plugin]\" over [parallelism.strategies], e.g. "
+        "\"dp_shard=fsdp\" or \"dp_shard=fsdp tp=tensor_parallel\""),
+      k("parallelism.strict", Type::boolean, false, "stop instead of falling back to parallelism.fallback_strategies"),
       k("parallelism.memory_budget", Type::string, std::string(""),
         "the most bytes a rank's step may hold (e.g. \"2GiB\"; empty: no limit): over it, spmdx turns on FSDP resharding, activation "
         "checkpointing, a higher shard degree, in that order, before any rank starts"),
@@ -211,6 +216,14 @@ const std::vector<KeySpec>& schema() {
       n("comm.timeout_seconds", Type::floating, 300.0, "a collective that takes longer fails, naming the peer", 1, 1e6),
       n("comm.swap_at_step", Type::integer, std::int64_t{0}, "hot-swap between backend and swap_to every this many steps (0: never)", 0, 1e9),
       k("comm.swap_to", Type::string, std::string(""), "the backend to swap to"),
+      k("comm.fallback", Type::string_list, L{},
+        "backends tried in order when comm.backend cannot serve the job (it fails to load, its checks or its start on a rank), and, during "
+        "the run, when one fails comm.max_failures times (the step runs again on the next); with comm.backend unset, the first is tried first"),
+      k("comm.strict", Type::boolean, false, "stop instead of falling back to comm.fallback"),
+      n("comm.max_failures", Type::integer, std::int64_t{1},
+        "with comm.fallback: a backend whose collectives fail this many times within comm.failure_window steps is replaced by the next; "
+        "before that, the failed step runs again on the same backend, rejoined", 1, 1e6),
+      n("comm.failure_window", Type::integer, std::int64_t{100}, "steps over which comm.max_failures counts a backend's failures", 1, 1e9),
       n("comm.bucket_cap_mb", Type::floating, 25.0, "gradient all_reduces fused into buckets of this many MiB (0: off; DDP's bucket_cap_mb)", 0, 1e6),
       n("comm.first_bucket_cap_mb", Type::floating, 1.0, "the first bucket's cap, MiB: small, so communication starts early in the backward", 0, 1e6),
       k("comm.overlap", Type::boolean, true, "issue collectives early and wait late (false: wait right after each)"),

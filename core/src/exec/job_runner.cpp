@@ -33,6 +33,7 @@
 #include "spmdx/data/text_dataset.h"
 #include "spmdx/comm/c10d_store.h"
 #include "spmdx/exec/checkpoint.h"
+#include "spmdx/exec/comm_chain.h"
 #include "spmdx/exec/device.h"
 #include "spmdx/exec/distributed.h"
 #include "spmdx/exec/shards.h"
@@ -303,36 +304,6 @@ Joined join_job(const config::Config& cfg, const launch::RankEnv& env, double ti
   return j;
 }
 
-// The comm backend `backend_spec` names (comm.backend or comm.swap_to; comm/select.h), joined
-// to the job under store generation `generation`. Every rank must have made the same one
-// ("auto" chooses from the plugins each rank finds): one that differs from rank 0 fails here,
-// naming both, instead of waiting out the timeout for a peer that joined another backend. A
-// peer that cannot be reached (it failed first, say) is named in the store for the launcher,
-// which otherwise blames whichever rank it reaps first.
-std::unique_ptr<CommBackend> join_backend(PluginRegistry& registry, const std::string& backend_spec, const train::CommSpec& spec,
-                                          const launch::RankEnv& env, Store& store, std::int64_t generation) {
-  std::string choice;
-  auto backend = comm::make_job_backend(registry, backend_spec, spec.memory, true, &choice);  // ranks here are processes
-  const std::string key = "spmdx/comm_choice/g" + std::to_string(generation);
-  if (env.rank == 0) store.set(key, choice);
-  if (const std::string first = store.get(key, spec.timeout_seconds); first != choice) {
-    throw std::invalid_argument("comm.backend = \"" + backend_spec + "\" made " + choice + " on rank " + std::to_string(env.rank) + " but " + first +
-                                " on rank 0: every rank must find the same comm plugins (the same plugins.paths and SPMDX_PLUGIN_PATH)");
-  }
-  try {
-    backend->init({env.rank, env.world_size, generation, &store, spec.timeout_seconds});
-  } catch (const CommError& e) {
-    if (e.peer() >= 0 && e.peer() != env.rank) {
-      try {
-        if (store.add(std::string(comm::kFaultKey) + "_reported", 1) == 1) store.set(comm::kFaultKey, std::to_string(e.peer()));
-      } catch (const std::exception&) {
-      }
-    }
-    throw;
-  }
-  return backend;
-}
-
 // This rank's shards of the initial parameters (the same full values on every rank, drawn on
 // the CPU, so a GPU run starts where a CPU run does, or read from checkpoint.initial_load_path
 // when `fresh`: nothing to resume) and zero AdamW state, on `device`; rank 0 writes them whole
@@ -390,6 +361,8 @@ class MetricsWriter {
   }
 
   std::filesystem::path file() const { return dump_ / "metrics.jsonl"; }
+  /// `key` = `value` in the next row written (a fallback, the backend after it).
+  void add_to_next_row(const std::string& key, nlohmann::json value) { next_row_[key] = std::move(value); }
 
   // scaling: float16's loss scale this step ran with, and whether its update was skipped.
   void row(std::int64_t step, std::int64_t last_step, double loss, double grad_norm, double lr, double tokens_per_s, const RunStats& st,
@@ -410,6 +383,8 @@ class MetricsWriter {
                        {"planned_peak_mem_bytes", planned_peak_},
                        {"rss_bytes", rss_bytes()}};
     if (scaling) row["loss_scale"] = scaling->first, row["skipped"] = scaling->second;
+    row.update(next_row_);
+    next_row_ = nlohmann::json::object();
     out_ << row.dump() << "\n" << std::flush;
     if (!out_) throw std::runtime_error("cannot write " + file().string() + ": " + std::strerror(errno));
     if (step % log_freq_ == 0 || step == last_step) {
@@ -428,6 +403,14 @@ class MetricsWriter {
   std::int64_t log_freq_;
   std::int64_t planned_peak_;  ///< plan_memory's peak of this rank's step (bytes)
   std::ofstream out_;
+  nlohmann::json next_row_ = nlohmann::json::object();
+};
+
+// A step whose collectives failed on some rank (the ranks' vote said so, or this rank's own
+// call threw): it runs again, after CommChain::replace, from the state before it.
+struct StepFailed : std::runtime_error {
+  StepFailed(const std::string& why, bool voted_on) : std::runtime_error(why), voted(voted_on) {}
+  bool voted;  ///< the ranks voted already: what() is the verdict every rank has
 };
 
 // OnGlobalSyncComplete: the train state after the step (views of this rank's shards), the loss
@@ -472,6 +455,7 @@ struct StepLoop {
   hooks::HookSet& hooks;
   PluginRegistry& registry;
   std::unique_ptr<CommBackend>& backend;
+  CommChain* chain;  // null for one rank
   Store* store;
   MetricsWriter* metrics;  // rank 0's
   const Fault& fault;
@@ -500,6 +484,17 @@ struct StepLoop {
   train::GradScaler scaler{spec.mixed_precision.init_scale, spec.mixed_precision.growth_interval};
   std::int64_t optimizer_steps = 0;
   bool over_budget_said = false;  // the warning of a measured peak over parallelism.memory_budget, once
+  // Run-time failover (comm.fallback): each step starts from a copy of the state, the data
+  // position, the optimizer's count and the loss scale, and ends with a vote of every rank that
+  // its collectives completed; a step that failed anywhere runs again from the copy.
+  bool failover = chain != nullptr && spec.comm.failover();
+  TensorMap before{};
+  data::TextDatasetState data_before{};
+  std::int64_t optimizer_steps_before = 0;
+  train::GradScaler scaler_before{};
+  std::int64_t recoveries = 0;  // every rank's count of steps run again: part of each vote's key
+  std::size_t events_told = 0;  // of chain->events(), said in a metrics row
+  std::vector<FallbackEvent> strategy_events{};  // the layouts passed over at start, for the first row
 
   // Where a resumed job's checkpoint left the optimizer's count and, for float16, the loss
   // scale (a count past this run's growth interval grows it at the next clean step).
@@ -546,6 +541,10 @@ struct StepLoop {
   // is not finite and what the executor, the backend or the checkpoint writer throw.
   double step(std::int64_t step) {
     c10::InferenceMode no_autograd;  // the state tensors are inference tensors: updated in place below (a fault, a CUDA graph's copies)
+    if (failover) {
+      for (const auto& s : names) before[s] = state.at(s).clone();  // the step updates the state in place
+      data_before = dataset.state(), optimizer_steps_before = optimizer_steps, scaler_before = scaler;
+    }
     const data::Batch batch = dataset.next_batch();
     if (lead && dump_batches) {
       std::filesystem::create_directories(batches_dir);
@@ -565,7 +564,16 @@ struct StepLoop {
     feed["step"] = at::scalar_tensor(static_cast<double>(optimizer_steps + 1), at::TensorOptions().dtype(at::kFloat).device(on));
     const double loss_scale = scaler.scale;
     if (loss_scaling) feed["loss_scale"] = at::scalar_tensor(loss_scale, at::TensorOptions().dtype(at::kFloat).device(on));
-    const TensorMap out = run_step(feed, step);
+    TensorMap out;
+    try {
+      out = run_step(feed, step);
+    } catch (const CommError& e) {
+      if (failover) throw StepFailed(e.what(), false);
+      throw;
+    }
+    if (failover) {
+      if (const std::string no = vote(*store, vote_key(step), env.rank, env.world_size, "", timeout + 30); !no.empty()) throw StepFailed(no, true);
+    }
     // Every rank reads the same found_inf (from the all-reduced norm), so all skip together.
     const bool skipped = loss_scaling && out.at("found_inf").item<float>() != 0;
     if (!skipped) ++optimizer_steps;
@@ -606,6 +614,17 @@ struct StepLoop {
                     backend->describe().c_str());
       }
     }
+    if (metrics) {  // what fell back since the last row, and the backend now
+      nlohmann::json told = nlohmann::json::array();
+      auto tell = [&](const FallbackEvent& e) { told.push_back({{"what", e.what}, {"from", e.from}, {"to", e.to}, {"reason", e.reason}, {"step", e.step}}); };
+      std::for_each(strategy_events.begin(), strategy_events.end(), tell);
+      strategy_events.clear();
+      if (chain != nullptr && spec.comm.chain.size() > 1) {
+        metrics->add_to_next_row("comm_backend", chain->current());
+        for (; events_told < chain->events().size(); ++events_told) tell(chain->events()[events_told]);
+      }
+      if (!told.empty()) metrics->add_to_next_row("fallback", std::move(told));
+    }
     if (metrics) {
       metrics->row(step, spec.steps, loss, out.at("grad_norm").item<double>(), lr, static_cast<double>(spec.global_batch_size * spec.seq_len) / st.total, st,
                    loss_scaling ? std::optional<std::pair<double, bool>>{{loss_scale, skipped}} : std::nullopt);
@@ -619,15 +638,44 @@ struct StepLoop {
     return loss;
   }
 
+  std::string vote_key(std::int64_t step) const { return "spmdx/step/s" + std::to_string(step) + "/r" + std::to_string(recoveries); }
+
+  // Step `step` failed (StepFailed): every rank learns why through the step's vote, the backend
+  // is replaced (CommChain::replace: rejoined, or the next of the chain) and the state, the
+  // data position, the optimizer's count and the loss scale are put back as they were before it.
+  void recover(std::int64_t step, const StepFailed& f) {
+    const std::string why = f.voted ? f.what() : vote(*store, vote_key(step), env.rank, env.world_size, f.what(), timeout + 30);
+    ++recoveries;
+    executor.set_backend(nullptr);
+    backend = chain->replace(std::move(backend), step, why.empty() ? f.what() : why);
+    executor.set_backend(backend.get());
+    for (auto& [name, t] : before) state[name] = std::move(t);
+    before.clear();
+    dataset.restore(data_before);
+    optimizer_steps = optimizer_steps_before;
+    scaler = scaler_before;
+    if (lead) {
+      for (std::size_t i = events_told; i < chain->events().size(); ++i) std::printf("fallback: %s\n", chain->events()[i].str().c_str());
+      std::fflush(stdout);
+    }
+  }
+
   // Runs steps first_step .. spec.steps; returns the first one's loss and the last one's.
   std::pair<double, double> run(std::int64_t first_step, bool serves_store) {
     double first_loss = 0, last_loss = 0;
     // A failing rank tells the hooks first (the flight recorder dumps), then fails.
     try {
-      for (std::int64_t step = first_step; step <= spec.steps; ++step) {
-        const double loss = this->step(step);
+      for (std::int64_t step = first_step; step <= spec.steps;) {
+        double loss = 0;
+        try {
+          loss = this->step(step);
+        } catch (const StepFailed& f) {
+          recover(step, f);
+          continue;  // the same step, from the state before it
+        }
         if (step == first_step) first_loss = loss;
         last_loss = loss;
+        ++step;
       }
       hooks.finish();
     } catch (const std::exception& e) {
@@ -662,6 +710,16 @@ std::pair<std::map<std::string, ir::TensorMeta>, std::map<std::string, sharding:
     state_placements[name] = plan.placement.at(v);
   }
   return {std::move(state_metas), std::move(state_placements)};
+}
+
+// The layouts choose_strategies passed over, as events, each followed by the next tried.
+std::vector<FallbackEvent> strategy_events(const train::JobSpec& spec) {
+  std::vector<FallbackEvent> out;
+  const auto& passed = spec.strategies_passed_over;
+  for (std::size_t i = 0; i < passed.size(); ++i) {
+    out.push_back({"strategies", passed[i].first, i + 1 < passed.size() ? passed[i + 1].first : train::layout_text(spec.strategies), passed[i].second, 0});
+  }
+  return out;
 }
 
 void say_nothing_to_do(const std::filesystem::path& ckpt_dir, std::int64_t resume_step, std::int64_t steps) {
@@ -774,7 +832,7 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
   // The config read once; under parallelism.memory_budget, changed as the launcher's check chose.
   const train::JobSpec spec = [&] {
     train::JobSpec s = train::job_spec(cfg, env.world_size, tokenizer->vocab_size());
-    s.memory_fit = train::fit_memory_budget(s, registry);
+    train::choose_strategies(s, registry, train::validator_hooks(cfg, registry, env.world_size));  // as the launcher chose
     return s;
   }();
   train::check_runnable(cfg);
@@ -809,7 +867,11 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
     hooks.compile(plan, ranks, spec.plan);
   }
   std::unique_ptr<CommBackend> backend;
-  if (env.world_size > 1) backend = join_backend(registry, spec.comm.backend, spec.comm, env, *joined.store, 0);
+  std::optional<CommChain> chain;
+  if (env.world_size > 1) {
+    chain.emplace(registry, spec.comm, env, *joined.store);
+    backend = chain->join_at_start();
+  }
   DistributedExecutor executor(graph, job.mesh, env.rank, backend.get(), timeout, spec.plan, device.get());
   if (!hooks.empty()) executor.set_hooks(&hooks);
   if (fault.kind == "skip_collective" && fault.rank == env.rank) executor.inject_skip(fault.step, fault.index);
@@ -835,14 +897,20 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
     metrics.emplace(spec.output, first_step, checkpointing, executor.memory().peak_bytes);
     print_banner(spec, job, env, backend.get(), *device, executor.memory(), resume_step ? &resumed : nullptr);
     if (!loaded_weights.empty()) std::printf("%s\n", loaded_weights.c_str());
+    for (const auto& e : strategy_events(spec)) std::printf("fallback: %s\n", e.str().c_str());
+    if (chain) {
+      for (const auto& e : chain->events()) std::printf("fallback: %s\n", e.str().c_str());
+    }
     if (spec.activation_checkpoint.keep_collective_outputs && spec.activation_checkpoint.mode != "none") {
       std::printf("activation_checkpoint.keep_collective_outputs: %lld collectives of the recomputation read the forward's outputs instead (rank 0)\n",
                   static_cast<long long>(kept_collectives));
       std::fflush(stdout);
     }
   }
-  StepLoop loop{env, spec, job, plan, executor, *device, state, state_metas, state_placements, dataset, hooks, registry, backend, joined.store.get(),
+  StepLoop loop{env, spec, job, plan, executor, *device, state, state_metas, state_placements, dataset, hooks, registry, backend, chain ? &*chain : nullptr,
+                joined.store.get(),
                 metrics ? &*metrics : nullptr, fault, timeout, ckpt_dir, tokenizer_id};
+  loop.strategy_events = strategy_events(spec);
   if (resume_step) loop.resume(resumed);
   const auto run_start = Clock::now();
   const auto [first_loss, last_loss] = loop.run(first_step, joined.server != nullptr);

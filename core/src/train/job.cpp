@@ -125,6 +125,26 @@ void read_strategies(const config::Config& cfg, JobSpec& s, Problems& problems) 
     }
     if (plugin.empty()) problems.add({"parallelism.strategies"}, "[parallelism.strategies] " + dim + " names no plugin: give a strategy plugin's name (e.g. \"" + sharding::strategy_for(dim == "tp" ? "tp" : "dp_shard") + "\")");
   }
+  if (cfg.get_bool("parallelism.strict")) return;
+  for (const auto& entry : cfg.get_list("parallelism.fallback_strategies")) {
+    std::map<std::string, std::string> layout = s.strategies;
+    bool ok = entry.find_first_not_of(' ') != std::string::npos;
+    for (std::size_t start = entry.find_first_not_of(' '); ok && start < entry.size(); start = entry.find_first_not_of(' ', start)) {
+      const std::size_t end = std::min(entry.find(' ', start), entry.size());
+      const std::string binding = entry.substr(start, end - start);
+      const std::size_t eq = binding.find('=');
+      const std::string dim = eq == std::string::npos ? "" : binding.substr(0, eq), plugin = eq == std::string::npos ? "" : binding.substr(eq + 1);
+      ok = (dim == "dp_replicate" || dim == "dp_shard" || dim == "tp") && !plugin.empty() && plugin.find(' ') == std::string::npos;
+      layout[dim] = plugin;
+      start = end;
+    }
+    if (!ok) {
+      problems.add({"parallelism.fallback_strategies"}, "parallelism.fallback_strategies entry \"" + entry +
+                   "\" is not \"dim=plugin[ dim=plugin]\" over the mesh dims dp_replicate, dp_shard and tp (e.g. \"dp_shard=fsdp\" or \"dp_shard=fsdp tp=tensor_parallel\")");
+    } else {
+      s.fallback_strategies.push_back(std::move(layout));
+    }
+  }
 }
 
 // The mesh: parallelism's degrees, dp_shard = -1 taking what the others leave of world_size.
@@ -180,9 +200,14 @@ void read_batch(const config::Config& cfg, const std::vector<std::int64_t>& expo
 }
 
 // The typed sections a rank's run loop reads: [comm], [checkpoint], [data], outputs.
+
 void read_sections(const config::Config& cfg, JobSpec& s) {
   s.comm = {cfg.get_string("comm.backend"), cfg.get_string("comm.swap_to"), cfg.get_int("comm.swap_at_step"), cfg.get_float("comm.timeout_seconds"),
             comm::job_memory(cfg.get_string("training.device"))};
+  s.comm.chain = comm_chain(cfg);
+  s.comm.backend = s.comm.chain.front();
+  s.comm.max_failures = cfg.get_int("comm.max_failures");
+  s.comm.failure_window = cfg.get_int("comm.failure_window");
   s.device = {cfg.get_string("training.device"), cfg.get_bool("training.allow_tf32"), cfg.get_bool("training.cuda_graphs")};
   s.activation_checkpoint = {cfg.get_string("activation_checkpoint.mode"), cfg.get_string("activation_checkpoint.selective_ac_option"),
                              cfg.get_bool("activation_checkpoint.keep_collective_outputs")};
@@ -195,7 +220,85 @@ void read_sections(const config::Config& cfg, JobSpec& s) {
   s.output = {dump, cfg.get_int("metrics.log_freq"), cfg.get_bool("debug.dump_initial_weights"), cfg.get_bool("debug.dump_batches")};
 }
 
+// The context of hooks made to check a plan, not to run: rank 0's place in the job's mesh.
+HookContext hook_context(std::int64_t world_size, const PlacedJob* job) {
+  HookContext base;
+  base.compile_only = true;
+  base.world_size = static_cast<int>(world_size);
+  if (job) {
+    base.mesh = job->mesh.dims();
+    base.coordinate = job->mesh.coordinate(0);
+  }
+  return base;
+}
+
 }  // namespace
+
+PlanValidator validator_hooks(const config::Config& cfg, PluginRegistry& registry, std::int64_t world_size) {
+  return [&cfg, &registry, world_size](const PlacedJob& job, const sharding::DistributedPlan& plan) -> std::string {
+    if (cfg.get_list("hooks.enable").empty()) return "";
+    hooks::HookSet hooks = hooks::make_hooks(hook_spec(cfg), registry, hook_context(world_size, &job));
+    std::vector<std::int64_t> ranks;
+    for (std::int64_t r = 0; r < std::min<std::int64_t>(world_size, 64); ++r) ranks.push_back(r);
+    try {
+      hooks.compile(plan, ranks, plan_options(cfg));
+    } catch (const ValidationError& e) {
+      return e.what();
+    }
+    return "";
+  };
+}
+
+std::string layout_text(const std::map<std::string, std::string>& strategies) {
+  if (strategies.empty()) return "the default strategies";
+  std::string text;
+  for (const auto& [dim, plugin] : strategies) text += (text.empty() ? "" : ", ") + dim + "=" + plugin;
+  return text;
+}
+
+void choose_strategies(JobSpec& spec, PluginRegistry& registry, const PlanValidator& validate) {
+  if (spec.fallback_strategies.empty()) {
+    spec.memory_fit = fit_memory_budget(spec, registry);
+    return;
+  }
+  std::vector<std::map<std::string, std::string>> layouts{spec.strategies};
+  layouts.insert(layouts.end(), spec.fallback_strategies.begin(), spec.fallback_strategies.end());
+  std::vector<std::pair<std::string, std::string>> passed;
+  for (const auto& layout : layouts) {
+    JobSpec s = spec;
+    s.strategies = layout;
+    std::string why;
+    try {  // what a rank does before its first step: the budget's fit, the placements, rank 0's graph, the validators
+      s.memory_fit = fit_memory_budget(s, registry);
+      const PlacedJob job = place_job(s, registry);
+      const auto plan = sharding::propagate(job.model.graph, job.mesh, job.inputs, job.outputs, job.use, job.reshard_after_forward);
+      sharding::rank_graph(plan, 0);
+      why = validate ? validate(job, plan) : "";
+    } catch (const std::exception& e) {
+      why = e.what();
+    }
+    if (why.empty()) {
+      spec = std::move(s);
+      spec.strategies_passed_over = std::move(passed);
+      return;
+    }
+    passed.emplace_back(layout_text(layout), why);
+  }
+  std::string text = "no layout of [parallelism.strategies] and parallelism.fallback_strategies can place the job:";
+  for (const auto& [layout, why] : passed) text += "\n" + layout + ": " + why;
+  throw std::invalid_argument(text);
+}
+
+std::vector<std::string> comm_chain(const config::Config& cfg) {
+  const auto& fallback = cfg.get_list("comm.fallback");
+  std::vector<std::string> chain;
+  if (cfg.is_set("comm.backend") || fallback.empty()) chain.push_back(cfg.get_string("comm.backend"));
+  for (const auto& b : fallback) {
+    if (std::find(chain.begin(), chain.end(), b) == chain.end()) chain.push_back(b);
+  }
+  if (cfg.get_bool("comm.strict")) chain.resize(1);
+  return chain;
+}
 
 JobSpec job_spec(const config::Config& cfg, std::int64_t world_size, std::int64_t vocab_size) {
   Problems problems{cfg, {}};
@@ -272,6 +375,13 @@ void check_runnable(const config::Config& cfg) {
   if (cfg.get_int("comm.swap_at_step") > 0 && cfg.get_string("comm.swap_to").empty()) {
     fail({"comm.swap_at_step", "comm.swap_to"}, "comm.swap_at_step is set but comm.swap_to is empty: name the backend to swap to (e.g. \"ucx:tls=tcp,self\")");
   }
+  if (cfg.get_int("comm.swap_at_step") > 0 && comm_chain(cfg).size() > 1) {
+    fail({"comm.fallback", "comm.swap_at_step"}, "comm.fallback and comm.swap_at_step both change the comm backend during the run: use one (a "
+                                                 "hot-swap between a fixed pair, or a fallback when a backend fails), or set comm.strict = true");
+  }
+  for (const auto& b : cfg.get_list("comm.fallback")) {
+    if (b.empty()) fail({"comm.fallback"}, "comm.fallback lists an empty name: give comm backends (\"ucx\", \"nccl\", \"auto\", \"name:key=value\")");
+  }
   if (cfg.get_int("comm.swap_at_step") == 0 && !cfg.get_string("comm.swap_to").empty()) {
     fail({"comm.swap_to", "comm.swap_at_step"}, "comm.swap_to is set but comm.swap_at_step is 0, so nothing would swap: set comm.swap_at_step (swap every this "
                                                 "many steps), or remove comm.swap_to");
@@ -319,12 +429,27 @@ void check_strategy_names(const config::Config& cfg, const PluginRegistry& regis
 // comm.backend and comm.swap_to: "auto" finds a backend, or a comm plugin found here, made (not
 // joined) so that each checks its options, that serves ranks in processes and moves the memory
 // training.device holds.
+// With comm.fallback, the chain (comm_chain): refused only when no backend of it can serve the
+// job, each named with its reason; the ranks fall back past the others and say why.
 void check_comm_backends(const config::Config& cfg, PluginRegistry& registry, std::vector<std::string>& out) {
-  for (const char* key : {"comm.backend", "comm.swap_to"}) {
-    const std::string spec_text = cfg.get_string(key);
-    if (spec_text.empty() && std::string(key) == "comm.swap_to") continue;
-    if (const std::string why = comm_backend_problem(registry, spec_text, cfg.get_string("training.device")); !why.empty()) {
-      out.push_back(cfg.where({key}) + ": " + key + " = \"" + spec_text + "\"" + why);
+  const std::string device = cfg.get_string("training.device");
+  if (const auto chain = comm_chain(cfg); chain.size() > 1) {
+    std::vector<std::string> why_not;
+    for (const auto& b : chain) {
+      const std::string why = comm_backend_problem(registry, b, device);
+      if (why.empty()) break;
+      why_not.push_back("\"" + b + "\"" + why);
+    }
+    if (why_not.size() == chain.size()) {
+      out.push_back(cfg.where({"comm.backend", "comm.fallback"}) + ": no comm backend of comm.backend and comm.fallback can serve this job: " + join(why_not, "; "));
+    }
+  } else if (const std::string why = comm_backend_problem(registry, chain.front(), device); !why.empty()) {
+    const char* key = cfg.is_set("comm.backend") || cfg.get_list("comm.fallback").empty() ? "comm.backend" : "comm.fallback";
+    out.push_back(cfg.where({key}) + ": " + key + (std::string(key) == "comm.fallback" ? " (comm.strict: its first alone)" : "") + " = \"" + chain.front() + "\"" + why);
+  }
+  if (const std::string swap_to = cfg.get_string("comm.swap_to"); !swap_to.empty()) {
+    if (const std::string why = comm_backend_problem(registry, swap_to, device); !why.empty()) {
+      out.push_back(cfg.where({"comm.swap_to"}) + ": comm.swap_to = \"" + swap_to + "\"" + why);
     }
   }
 }
@@ -333,22 +458,14 @@ void check_comm_backends(const config::Config& cfg, PluginRegistry& registry, st
 // validators run on it.
 void check_hooks(const config::Config& cfg, PluginRegistry& registry, std::int64_t world_size, const std::optional<PlacedJob>& job,
                  const std::optional<sharding::DistributedPlan>& plan, bool run, std::vector<std::string>& out) {
-  HookContext base;
-  base.compile_only = true;
-  base.world_size = static_cast<int>(world_size);
-  if (job) {
-    base.mesh = job->mesh.dims();
-    base.coordinate = job->mesh.coordinate(0);
-  }
   try {
-    hooks::HookSet hooks = hooks::make_hooks(hook_spec(cfg), registry, base);
     if (plan && run) {  // the validators' verdicts (partition_validator), as rank 0 would give them after start (compile runs them itself)
-      std::vector<std::int64_t> ranks;
-      for (std::int64_t r = 0; r < std::min<std::int64_t>(world_size, 64); ++r) ranks.push_back(r);
-      hooks.compile(*plan, ranks, plan_options(cfg));
+      if (const std::string refused = validator_hooks(cfg, registry, world_size)(*job, *plan); !refused.empty()) {
+        out.push_back(cfg.where({"hooks.enable"}) + ": " + refused);
+      }
+    } else {
+      hooks::make_hooks(hook_spec(cfg), registry, hook_context(world_size, job ? &*job : nullptr));
     }
-  } catch (const ValidationError& e) {
-    out.push_back(cfg.where({"hooks.enable"}) + ": " + e.what());
   } catch (const std::invalid_argument& e) {
     // A line per problem; one about an option names where the config set it.
     for (const auto& line : split_lines(e.what())) {
@@ -410,16 +527,31 @@ std::vector<std::string> preflight(const config::Config& cfg, std::int64_t world
   // name is looked up (or that "auto" would silently skip) fails the check instead.
   registry.load_all();
   // Blame the config only where it names plugin paths (the error may come from SPMDX_PLUGIN_PATH
-  // or the built-in folder, which the message names).
+  // or the built-in folder, which the message names). A job with fallbacks goes on past a
+  // plugin that fails to load: the fallbacks pass over it, saying why.
   const std::string plugins_where = cfg.is_set("plugins.paths") ? cfg.where({"plugins.paths"}) + ": " : std::string();
-  for (const auto& e : registry.errors()) out.push_back(plugins_where + "plugins: " + e.what());
+  const bool falls_back = comm_chain(cfg).size() > 1 || (*spec && !(*spec)->fallback_strategies.empty());
+  for (const auto& e : registry.errors()) {
+    if (falls_back) {
+      SPMDX_WARN(plugins_where << "plugins: " << e.what() << " (the job goes on: it has fallbacks)");
+    } else {
+      out.push_back(plugins_where + "plugins: " + e.what());
+    }
+  }
+  const bool plugins_ok = falls_back || registry.errors().empty();
+  // parallelism.fallback_strategies: the layout the ranks will choose, or why none serves.
+  bool strategies_found = true;
+  if (*spec && !(*spec)->fallback_strategies.empty() && plugins_ok) {
+    strategies_found = attempt({"parallelism.strategies", "parallelism.fallback_strategies"},
+                               [&] { choose_strategies(**spec, registry, validator_hooks(cfg, registry, world_size)); });
+  }
   const std::size_t before_strategies = out.size();
-  if (*spec) check_strategy_names(cfg, registry, (*spec)->strategies, out);
-  const bool strategies_found = out.size() == before_strategies;
+  if (*spec && strategies_found) check_strategy_names(cfg, registry, (*spec)->strategies, out);
+  strategies_found = strategies_found && out.size() == before_strategies;
   if (run && world_size > 1 && !cfg.has_problem("comm.")) check_comm_backends(cfg, registry, out);
   std::optional<PlacedJob> job;
   std::optional<sharding::DistributedPlan> plan;
-  if (*spec && registry.errors().empty() && strategies_found) {  // what `spmdx compile` finds: placements and local shapes
+  if (*spec && plugins_ok && strategies_found) {  // what `spmdx compile` finds: placements and local shapes
     auto place = [&] {
       job.emplace(place_job(**spec, registry));
       plan.emplace(sharding::propagate(job->model.graph, job->mesh, job->inputs, job->outputs, job->use, job->reshard_after_forward));
@@ -428,7 +560,7 @@ std::vector<std::string> preflight(const config::Config& cfg, std::int64_t world
     const bool placed = attempt({"model.name", "model.flavor", "model.tokenizer", "model.path", kDegreeKeys[0], kDegreeKeys[1], kDegreeKeys[2],
                                  "parallelism.tp_plan", "parallelism.strategies"}, place);
     // Over the budget: the job as fit_memory_budget changed it, or a problem naming the largest tensors.
-    if (placed && (*spec)->memory_budget > 0) {
+    if (placed && (*spec)->memory_budget > 0 && (*spec)->fallback_strategies.empty()) {  // (choose_strategies fitted it already)
       job.reset();
       plan.reset();
       if (attempt({"parallelism.memory_budget"}, [&] { (*spec)->memory_fit = fit_memory_budget(**spec, registry); })) place();
@@ -460,6 +592,9 @@ std::string comm_backend_problem(PluginRegistry& registry, const std::string& sp
   }
   const std::string name = spec_text.substr(0, spec_text.find(':'));
   const auto* p = registry.find(name);
+  for (const auto& e : registry.errors()) {  // a plugin file of that name that did not load: its own reason
+    if (p == nullptr && e.path().filename() == "libspmdx_" + name + ".so") return ": " + std::string(e.what());
+  }
   if (p == nullptr || p->kind != PluginKind::comm) {
     std::vector<std::string> names;
     for (const auto& q : registry.plugins()) {

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -32,6 +33,14 @@ struct CommSpec {
   std::int64_t swap_at_step = 0;  ///< comm.swap_at_step: swap every this many steps (0: never)
   double timeout_seconds = 300;   ///< comm.timeout_seconds: a collective or the rendezvous not done by then fails
   std::vector<MemoryType> memory{MemoryType::host};  ///< what training.device moves (comm::job_memory)
+  /// The backends a rank may join, in order: comm.backend (when set, or when comm.fallback is
+  /// empty), then comm.fallback without repeats; with comm.strict, comm.backend alone.
+  std::vector<std::string> chain{"auto"};
+  std::int64_t max_failures = 1;     ///< comm.max_failures: failures of one backend before the next replaces it
+  std::int64_t failure_window = 100; ///< comm.failure_window: the steps over which they count
+  /// Run-time failover: a step whose collectives fail runs again (on a rejoined or the next
+  /// backend); on when the chain has a fallback.
+  bool failover() const { return chain.size() > 1; }
 };
 
 /// Where a rank's tensors live and run ([training] device keys).
@@ -88,6 +97,11 @@ struct JobSpec {
   /// [parallelism.strategies]: mesh dim -> the strategy plugin that decides it, where the
   /// config names one (others: sharding::strategy_for's defaults).
   std::map<std::string, std::string> strategies;
+  /// parallelism.fallback_strategies: the layouts tried after `strategies`, in order, each
+  /// `strategies` with the entry's bindings over it (empty with parallelism.strict).
+  std::vector<std::map<std::string, std::string>> fallback_strategies;
+  /// The layouts choose_strategies passed over, in order: {the layout, why}.
+  std::vector<std::pair<std::string, std::string>> strategies_passed_over;
   DeviceSpec device;          ///< training.device, allow_tf32, cuda_graphs
   ActivationCheckpoint activation_checkpoint;  ///< [activation_checkpoint]
   MixedPrecision mixed_precision;              ///< training.mixed_precision_param, mixed_precision_reduce
@@ -139,6 +153,9 @@ void check_runnable(const config::Config& cfg);
 /// std::runtime_error naming the file.
 void check_data(const config::Config& cfg, const data::Tokenizer& tokenizer, const JobSpec& spec);
 
+/// CommSpec::chain from comm.backend, comm.fallback and comm.strict.
+std::vector<std::string> comm_chain(const config::Config& cfg);
+
 /// What a preflight is for: a run checks everything; a plan (`spmdx compile`) what planning
 /// needs (no data files or comm backends; the hooks' options, but not their compile stages,
 /// which compile runs itself).
@@ -172,6 +189,24 @@ struct PlacedJob {
 /// The model's train-step graph (with mixed precision and activation checkpointing as the spec
 /// asks) and where its inputs go on the mesh, by the strategy plugins.
 PlacedJob place_job(const JobSpec& spec, PluginRegistry& registry);
+
+/// What a validator hook (hooks.enable, e.g. partition_validator) says of a placed job, as it
+/// would on rank 0 before the first step: "" when none objects (or none is enabled).
+using PlanValidator = std::function<std::string(const PlacedJob&, const sharding::DistributedPlan&)>;
+PlanValidator validator_hooks(const config::Config& cfg, PluginRegistry& registry, std::int64_t world_size);
+
+/// With parallelism.fallback_strategies: the first layout ([parallelism.strategies], then each
+/// fallback over it) whose plugins are found and place the job, that meets
+/// parallelism.memory_budget (fit_memory_budget, whose report goes to memory_fit) and that
+/// `validate` accepts, made `spec`'s; each one passed over is recorded with its reason
+/// (strategies_passed_over). Every rank chooses alike from the same config and plugins.
+/// Without fallbacks: only the memory budget's fit. Throws std::invalid_argument naming each
+/// layout and why, when none serves.
+void choose_strategies(JobSpec& spec, PluginRegistry& registry, const PlanValidator& validate);
+
+/// "dp_shard=fsdp, tp=tensor_parallel": a layout for messages ("the default strategies" when empty).
+std::string layout_text(const std::map<std::string, std::string>& strategies);
+
 
 /// The graph `rank` runs (sharding::rank_graph of `plan`), with keep_collective_outputs applied
 /// when the spec checkpoints activations and asks for it; `kept` (if given): how many

@@ -1,0 +1,127 @@
+#include "spmdx/exec/comm_chain.h"
+
+#include <chrono>
+#include <stdexcept>
+#include <thread>
+
+#include "spmdx/comm/health.h"
+#include "spmdx/comm/select.h"
+#include "spmdx/text.h"
+
+namespace spmdx::exec {
+
+std::string vote(Store& store, const std::string& key, int rank, int world_size, const std::string& why_not, double timeout_seconds) {
+  // The first "no" leaves its reason before anyone can count every vote.
+  if (!why_not.empty() && store.add(key + "/no", 1) == 1) store.set(key + "/why", "rank " + std::to_string(rank) + ": " + why_not);
+  store.add(key + "/voted", 1);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_seconds);
+  std::int64_t voted = 0;
+  while ((voted = store.add(key + "/voted", 0)) < world_size) {
+    if (std::chrono::steady_clock::now() > deadline) {
+      throw CommError("only " + std::to_string(voted) + " of " + std::to_string(world_size) + " ranks reached the vote '" + key + "' within " +
+                          seconds_text(timeout_seconds) + " (comm.timeout_seconds): a rank is hung or gone",
+                      -1);
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(500));
+  }
+  if (store.add(key + "/no", 0) == 0) return "";
+  return store.get(key + "/why", timeout_seconds);
+}
+
+std::unique_ptr<CommBackend> join_backend(PluginRegistry& registry, const std::string& backend_spec, const train::CommSpec& spec,
+                                          const launch::RankEnv& env, Store& store, std::int64_t generation) {
+  std::string choice;
+  auto backend = comm::make_job_backend(registry, backend_spec, spec.memory, true, &choice);  // ranks here are processes
+  const std::string key = "spmdx/comm_choice/g" + std::to_string(generation);
+  if (env.rank == 0) store.set(key, choice);
+  if (const std::string first = store.get(key, spec.timeout_seconds); first != choice) {
+    throw std::invalid_argument("comm.backend = \"" + backend_spec + "\" made " + choice + " on rank " + std::to_string(env.rank) + " but " + first +
+                                " on rank 0: every rank must find the same comm plugins (the same plugins.paths and SPMDX_PLUGIN_PATH)");
+  }
+  try {
+    backend->init({env.rank, env.world_size, generation, &store, spec.timeout_seconds});
+  } catch (const CommError& e) {
+    if (e.peer() >= 0 && e.peer() != env.rank) {
+      try {
+        if (store.add(std::string(comm::kFaultKey) + "_reported", 1) == 1) store.set(comm::kFaultKey, std::to_string(e.peer()));
+      } catch (const std::exception&) {
+      }
+    }
+    throw;
+  }
+  return backend;
+}
+
+std::string FallbackEvent::str() const {
+  const std::string when = step > 0 ? "at step " + std::to_string(step) : "at start";
+  if (what == "strategies") return "strategies " + from + " passed over " + when + " (" + reason + "); " + (to.empty() ? "none left" : "using " + to);
+  if (from == to) return "comm backend \"" + from + "\" failed " + when + " (" + reason + "); rejoined it and ran the step again";
+  return "comm backend \"" + from + "\" " + (step > 0 ? "failed " : "passed over ") + when + " (" + reason + "); " +
+         (to.empty() ? "no backend left" : "using \"" + to + "\"" + (step > 0 ? " and ran the step again" : ""));
+}
+
+std::unique_ptr<CommBackend> CommChain::join_from(std::size_t from, std::int64_t step) {
+  for (std::size_t i = from; i < spec_.chain.size(); ++i) {
+    const std::int64_t generation = joins_++ == 0 ? 0 : kFirstFallbackGeneration + joins_;
+    std::unique_ptr<CommBackend> backend;
+    std::string why_not;
+    try {
+      // What the launcher checks before start (capabilities, memory, in-process-only plugins),
+      // then the join itself.
+      const bool cuda = !spec_.memory.empty() && spec_.memory.front() == MemoryType::cuda;
+      if (const std::string problem = train::comm_backend_problem(registry_, spec_.chain[i], cuda ? "cuda" : "cpu"); !problem.empty()) {
+        why_not = "\"" + spec_.chain[i] + "\"" + problem;
+      } else {
+        backend = join_backend(registry_, spec_.chain[i], spec_, env_, store_, generation);
+      }
+    } catch (const std::exception& e) {
+      why_not = e.what();
+    }
+    // Every rank must have it: one that started here is given up when another rank could not.
+    const std::string verdict = vote(store_, "spmdx/comm_chain/g" + std::to_string(generation), env_.rank, env_.world_size, why_not,
+                                     spec_.timeout_seconds + 30);
+    if (verdict.empty()) {
+      if (i != current_) failures_.clear();  // a rejoined backend keeps its count
+      current_ = i;
+      return backend;
+    }
+    if (backend) {
+      backend->abort();
+      backend.reset();
+    }
+    events_.push_back({"comm", spec_.chain[i], i + 1 < spec_.chain.size() ? spec_.chain[i + 1] : "", verdict, step});
+  }
+  std::string tried;
+  for (const auto& e : events_) tried += "\n  " + e.str();
+  throw std::runtime_error("no comm backend of comm.backend and comm.fallback could serve the job:" + tried);
+}
+
+std::unique_ptr<CommBackend> CommChain::join_at_start() {
+  if (spec_.chain.size() == 1) {  // no fallback: the backend's own errors, as they are
+    ++joins_;
+    return join_backend(registry_, spec_.chain.front(), spec_, env_, store_, 0);
+  }
+  return join_from(0, 0);
+}
+
+std::unique_ptr<CommBackend> CommChain::replace(std::unique_ptr<CommBackend> failed, std::int64_t step, const std::string& reason) {
+  if (failed) {
+    failed->abort();  // what is still queued fails now; the comm thread ends with the backend
+    failed.reset();
+  }
+  failures_.push_back(step);
+  while (!failures_.empty() && failures_.front() <= step - spec_.failure_window) failures_.pop_front();
+  const bool next = static_cast<std::int64_t>(failures_.size()) >= spec_.max_failures;
+  const std::size_t from = current_;
+  if (next && from + 1 >= spec_.chain.size()) {
+    events_.push_back({"comm", spec_.chain[from], "", reason, step});
+    throw std::runtime_error("step " + std::to_string(step) + ": comm backend \"" + spec_.chain[from] + "\" failed " + std::to_string(failures_.size()) +
+                             " time" + (failures_.size() == 1 ? "" : "s") + " within " + std::to_string(spec_.failure_window) +
+                             " steps (comm.max_failures " + std::to_string(spec_.max_failures) + ") and comm.fallback has no backend after it: " + reason);
+  }
+  const std::size_t to = next ? from + 1 : from;
+  events_.push_back({"comm", spec_.chain[from], spec_.chain[to], reason, step});
+  return join_from(to, step);  // a next one that cannot start either is passed over with an event of its own
+}
+
+}  // namespace spmdx::exec
