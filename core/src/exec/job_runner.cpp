@@ -647,7 +647,7 @@ struct StepLoop {
     const std::string why = f.voted ? f.what() : vote(*store, vote_key(step), env.rank, env.world_size, f.what(), timeout + 30);
     ++recoveries;
     executor.set_backend(nullptr);
-    backend = chain->replace(std::move(backend), step, why.empty() ? f.what() : why);
+    backend = chain->replace(std::move(backend), step, why);
     executor.set_backend(backend.get());
     for (auto& [name, t] : before) state[name] = std::move(t);
     before.clear();

@@ -70,7 +70,11 @@ bool is_hf_rotary_buffer(const std::string& name) {
 std::vector<fs::path> safetensors_files(const fs::path& path) {
   std::error_code ec;
   if (!fs::exists(path, ec)) throw std::invalid_argument(path.string() + " does not exist: name a .safetensors file or a folder of them");
-  if (!fs::is_directory(path, ec)) return {path};
+  if (!fs::is_directory(path, ec)) {
+    // Not a FIFO or device, whose reading would block or never end.
+    if (!fs::is_regular_file(path, ec)) throw std::invalid_argument(path.string() + " is not a regular file: name a .safetensors file or a folder of them");
+    return {path};
+  }
   std::vector<fs::path> files;
   for (const auto& e : fs::directory_iterator(path)) {
     if (e.path().extension() == ".safetensors" && e.is_regular_file()) files.push_back(e.path());

@@ -428,9 +428,8 @@ void check_strategy_names(const config::Config& cfg, const PluginRegistry& regis
 
 // comm.backend and comm.swap_to: "auto" finds a backend, or a comm plugin found here, made (not
 // joined) so that each checks its options, that serves ranks in processes and moves the memory
-// training.device holds.
-// With comm.fallback, the chain (comm_chain): refused only when no backend of it can serve the
-// job, each named with its reason; the ranks fall back past the others and say why.
+// training.device holds. With comm.fallback, the chain (comm_chain) is refused only when no
+// backend of it can serve the job, each named with its reason; the ranks pass over the others.
 void check_comm_backends(const config::Config& cfg, PluginRegistry& registry, std::vector<std::string>& out) {
   const std::string device = cfg.get_string("training.device");
   if (const auto chain = comm_chain(cfg); chain.size() > 1) {
