@@ -113,6 +113,12 @@ TEST(Fallback, AtStartABackendThatCannotStartOrFailsItsChecksIsPassedOverSayingW
   EXPECT_EQ(first["fallback"].at(0)["from"], "test_flaky:shm=off;refuse_rank=1");
   EXPECT_EQ(first["fallback"].at(0)["step"], 0);
 
+  // comm.backend "" on the command line unsets the config's: the fallback list alone is the chain.
+  r = spmdx_run(job + (dir / "unset").string() + "' " + kFlaky + " --comm.backend '' --comm.fallback 'test_flaky:shm=off;refuse_rank=0',ucx");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("fallback: comm backend \"test_flaky:shm=off;refuse_rank=0\" passed over at start (rank 0: ")) << r.output;
+  EXPECT_THAT(r.output, Not(HasSubstr("comm backend \"\""))) << r.output;
+
   r = spmdx_run(job + (dir / "typo").string() + "' --plugins.paths '" TEST_PLUGIN_DIR "/test_comm_typo' --comm.backend test_comm_typo --comm.fallback ucx");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   // Every rank finds it malformed; the first to vote gives the reason.
@@ -150,15 +156,31 @@ TEST(Fallback, BadFallbackSettingsAreRefusedBeforeAnyRankStarts) {
   EXPECT_THAT(r.output, HasSubstr("no comm backend of comm.backend and comm.fallback can serve this job: \"test_comm_typo\": the test_comm_typo "
                                   "plugin's capabilities are malformed"));
   EXPECT_THAT(r.output, HasSubstr("; \"nccl\": nccl: "));
+  // A typo is not a fallback: it could never serve; an entry split off by the command line's
+  // commas is named as such.
+  r = spmdx_run(job + " --comm.backend ucx --comm.fallback ucxx");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("\"ucxx\" is not a comm plugin found here; found: auto, "));
+  EXPECT_THAT(r.output, HasSubstr("(did you mean ucx?)"));
+  r = spmdx_run(job + " --comm.backend auto --comm.fallback 'ucx:tls=tcp,self'");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("\"self\" is not a comm plugin found here"));
+  EXPECT_THAT(r.output, HasSubstr("on the command line, commas separate comm.fallback's entries"));
   r = spmdx_run(job + " --comm.fallback ucx --comm.backend auto --comm.swap_at_step 2 --comm.swap_to ucx");
   EXPECT_EQ(r.exit_code, 1) << r.output;
   EXPECT_THAT(r.output, HasSubstr("comm.fallback and comm.swap_at_step both change the comm backend during the run"));
   r = spmdx_run(job + " --parallelism.fallback_strategies 'dp_replicate fsdp'");
   EXPECT_EQ(r.exit_code, 1) << r.output;
   EXPECT_THAT(r.output, HasSubstr("parallelism.fallback_strategies entry \"dp_replicate fsdp\" is not \"dim=plugin[ dim=plugin]\""));
-  r = spmdx_run(job + " --parallelism.fallback_strategies 'pp=fsdp'");
+  for (const std::string entry : {"pp=fsdp", "dp_shard=fsdp dp_shard=data_parallel", "dp_shard==fsdp"}) {
+    r = spmdx_run(job + " --parallelism.fallback_strategies '" + entry + "'");
+    EXPECT_EQ(r.exit_code, 1) << r.output;
+    EXPECT_THAT(r.output, HasSubstr("parallelism.fallback_strategies entry \"" + entry + "\" is not")) << entry;
+  }
+  // The failure counters count for a fallback: without one they are a mistake.
+  r = spmdx_run(job + " --comm.max_failures 3");
   EXPECT_EQ(r.exit_code, 1) << r.output;
-  EXPECT_THAT(r.output, HasSubstr("parallelism.fallback_strategies entry \"pp=fsdp\" is not"));
+  EXPECT_THAT(r.output, HasSubstr("comm.max_failures is set, but comm.fallback is empty"));
   EXPECT_THAT(r.output, Not(HasSubstr("[rank")));
 }
 
@@ -196,11 +218,18 @@ TEST(Fallback, AStrategyThatCannotPlaceTheJobOrThatAValidatorRefusesFallsBackToT
   EXPECT_THAT(r.output, HasSubstr("memory")) << r.output;
   EXPECT_EQ(test::losses(dir / "validated" / "metrics.jsonl"), test::losses(dir / "ref" / "metrics.jsonl"));
 
-  r = spmdx_run(job + (dir / "none").string() + "' --parallelism.strategies.dp_shard test_typo --parallelism.fallback_strategies dp_shard=nothere");
+  r = spmdx_run(job + (dir / "none").string() + "' --parallelism.strategies.dp_shard test_typo --parallelism.fallback_strategies 'tp=test_typo'");
   EXPECT_EQ(r.exit_code, 1) << r.output;
-  EXPECT_THAT(r.output, HasSubstr("no layout of [parallelism.strategies] and parallelism.fallback_strategies can place the job"));
-  EXPECT_THAT(r.output, HasSubstr("dp_shard=nothere: no strategy plugin named 'nothere'"));
+  EXPECT_THAT(r.output, HasSubstr("no layout of [parallelism.strategies] and parallelism.fallback_strategies can place the job: dp_shard=test_typo: "
+                                  "strategy 'test_typo' places 'w1.weigth'"));
+  EXPECT_THAT(r.output, HasSubstr("; dp_shard=test_typo, tp=test_typo: strategy 'test_typo' places"));
   EXPECT_THAT(r.output, Not(HasSubstr("[rank")));
+
+  // A plugin no file here has is a typo, refused before anything is tried.
+  r = spmdx_run(job + (dir / "typo").string() + "' --parallelism.fallback_strategies dp_shard=fsd");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("parallelism.fallback_strategies names 'fsd' for dp_shard, which is no strategy plugin found here"));
+  EXPECT_THAT(r.output, HasSubstr("(did you mean fsdp?)"));
 }
 
 }  // namespace

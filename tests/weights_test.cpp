@@ -5,7 +5,9 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <cstring>
 #include <fstream>
+#include <limits>
 #include <functional>
 #include <string>
 #include <vector>
@@ -18,6 +20,7 @@ namespace {
 
 namespace fs = std::filesystem;
 using ::testing::HasSubstr;
+using ::testing::AllOf;
 using ::testing::Not;
 
 test::CommandResult spmdx(const std::string& args) { return test::run_command("'" SPMDX_EXE "' " + args); }
@@ -139,7 +142,7 @@ TEST(Weights, ABadInitialLoadPathIsRefusedBeforeAnyRankStartsNamingTheTensor) {
                 e[2].shape = {191, 64};
                 e[2].bytes.resize(191 * 64 * 4);
               }),
-              HasSubstr("tensor 'w1.weight' is [191, 64], but mlp tiny needs [192, 64]"));
+              AllOf(HasSubstr("tensor 'w1.weight' is [191, 64], but mlp tiny needs [192, 64]"), Not(HasSubstr("missing tensor 'w1.weight'"))));
   EXPECT_THAT(refused([](auto& e) { e[1].dtype = "I32"; }), HasSubstr("tensor 'tok_embeddings.weight' is I32: parameters load from floating-point tensors"));
   EXPECT_THAT(refused([](auto& e) { e[1].bytes.resize(4); }), HasSubstr("tensor 'tok_embeddings.weight': 4 bytes of data for F32 [256, 64], which needs 65536"));
 
@@ -174,6 +177,73 @@ TEST(Weights, ABadInitialLoadPathIsRefusedBeforeAnyRankStartsNamingTheTensor) {
   }
 }
 
+// What the format forbids is refused as the safetensors package refuses it: a name twice (the
+// last would win), data_offsets that overlap, leave a gap, end before they begin, or leave bytes
+// after the last tensor.
+TEST(Weights, AHeaderTheFormatForbidsIsRefusedNamingTheTensor) {
+  test::TempDir dir;
+  auto raw = [&](const std::string& header, std::size_t data_bytes) {
+    const fs::path file = dir / "raw.safetensors";
+    const std::uint64_t n = header.size();
+    std::ofstream out(file, std::ios::binary);
+    out.write(reinterpret_cast<const char*>(&n), 8);
+    out << header << std::string(data_bytes, '\0');
+    out.close();
+    try {
+      models::read_safetensors_header(file);
+    } catch (const std::runtime_error& e) {
+      return std::string(e.what());
+    }
+    return std::string("accepted");
+  };
+  EXPECT_THAT(raw(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"a":{"dtype":"F32","shape":[2],"data_offsets":[8,16]}})", 16),
+              HasSubstr("its header names tensor 'a' twice"));
+  EXPECT_THAT(raw(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})", 8),
+              HasSubstr("tensor 'b' starts at data byte 4, where the tensor before it still lies (overlapping data_offsets)"));
+  EXPECT_THAT(raw(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"b":{"dtype":"F32","shape":[1],"data_offsets":[8,12]}})", 12),
+              HasSubstr("tensor 'b' starts at data byte 8, where byte 4 was expected (a gap)"));
+  EXPECT_THAT(raw(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})", 12), HasSubstr("8 bytes follow the last tensor's data"));
+  EXPECT_THAT(raw(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[8,4]}})", 8), HasSubstr("tensor 'a': data_offsets [8, 4) end before they begin"));
+  EXPECT_EQ(raw(R"({"__metadata__":{"format":"pt"},"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"b":{"dtype":"BF16","shape":[2,1],"data_offsets":[4,8]}})", 8),
+            "accepted");
+}
+
+// Weights that are not finite stop the ranks before the first step, naming the tensor and the
+// file; a file mixing spmdx's and Hugging Face's names is said to, once.
+TEST(Weights, NonFiniteWeightsAndMixedNamesAreNamed) {
+  test::TempDir dir;
+  const std::string data = test::corpus_file(dir);
+  const std::string job = "--data.paths '" + data + "' --training.global_batch_size 8 --training.seq_len 32";
+  const fs::path step = train(dir, "mlp", "mlp_dp.toml", job + " --nproc 2", 1);
+  export_to(step, dir / "w.safetensors");
+  std::vector<Entry> e = read_entries(dir / "w.safetensors");
+  ASSERT_EQ(e[2].name, "w1.weight");
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  std::memcpy(e[2].bytes.data() + 40, &nan, sizeof nan);
+  write_entries(dir / "nan.safetensors", e);
+  auto r = spmdx("run '" SPMDX_SOURCE_DIR "/configs/mlp_dp.toml' " + job + " --nproc 2 --job.dump_folder '" + (dir / "nan").string() +
+                 "' --checkpoint.initial_load_path '" + (dir / "nan.safetensors").string() + "'");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("tensor 'w1.weight' in " + (dir / "nan.safetensors").string() + " holds NaN or infinite values")) << r.output;
+  EXPECT_THAT(r.output, Not(HasSubstr("step    1 |")));
+
+  const fs::path llama = train(dir, "llama", "llama_debug.toml", job + " --nproc 4 --model.flavor tiny", 1);
+  export_to(llama, dir / "hf.safetensors", "--names hf");
+  export_to(llama, dir / "ours.safetensors");
+  std::vector<Entry> mixed = read_entries(dir / "ours.safetensors");
+  for (const auto& x : read_entries(dir / "hf.safetensors")) {
+    if (x.name == "lm_head.weight") mixed.push_back(x);
+  }
+  std::erase_if(mixed, [](const Entry& x) { return x.name == "output.weight"; });
+  write_entries(dir / "mixed.safetensors", mixed);
+  r = spmdx("run '" SPMDX_SOURCE_DIR "/configs/llama_debug.toml' " + job + " --nproc 4 --model.flavor tiny --checkpoint.initial_load_path '" +
+            (dir / "mixed.safetensors").string() + "'");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("the files mix spmdx's names (20, e.g. 'layers.0.attention.wk.weight') with Hugging Face's (e.g. 'lm_head.weight')"));
+  EXPECT_THAT(r.output, Not(HasSubstr("extra tensor"))) << r.output;
+  EXPECT_THAT(r.output, Not(HasSubstr("missing tensor"))) << r.output;
+}
+
 // A job that has a checkpoint of its own resumes from it and never reads initial_load_path
 // (as torchtitan's): the file may be gone by then.
 TEST(Weights, AJobWithItsOwnCheckpointResumesAndIgnoresTheInitialWeights) {
@@ -192,6 +262,17 @@ TEST(Weights, AJobWithItsOwnCheckpointResumesAndIgnoresTheInitialWeights) {
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_THAT(r.output, HasSubstr("resumed from"));
   EXPECT_THAT(r.output, Not(HasSubstr("initial weights")));
+  EXPECT_THAT(r.output, HasSubstr("checkpoint.initial_load_path " + (dir / "w.safetensors").string() + " not read: the job resumes from its own checkpoint"));
+}
+
+// The checkpoint folder rather than one of its steps: the newest step is named.
+TEST(Weights, ExportOfACheckpointFolderNamesItsNewestStep) {
+  test::TempDir dir;
+  const fs::path step = train(dir, "mlp", "mlp_dp.toml", "--nproc 2 --data.paths '" + test::corpus_file(dir) +
+                                                             "' --training.global_batch_size 8 --training.seq_len 32", 2);
+  auto r = spmdx("export '" + step.parent_path().string() + "' '" + (dir / "x.safetensors").string() + "'");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_THAT(r.output, HasSubstr(" holds checkpoints, not one: name a step folder, e.g. " + step.string() + " (the newest)"));
 }
 
 // --names hf is for the built-in llama only.

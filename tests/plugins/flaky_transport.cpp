@@ -77,7 +77,7 @@ class FlakyTransport final : public spmdx::Transport {
     if (rank_ == kill_rank_ && sends_ >= kill_after_) {
       throw spmdx::CommError("test_flaky: the transport of rank " + std::to_string(rank_) + " is dead (killed after " + std::to_string(kill_after_) +
                                  " messages: kill_rank, kill_after)",
-                             -1);
+                             rank_);  // this rank's own link is down: blame it
     }
   }
   std::string next_key(int from, int to, std::uint64_t tag, Count& count) const {

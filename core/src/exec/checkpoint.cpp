@@ -599,7 +599,7 @@ void write_safetensors(const fs::path& out, const TensorMap& tensors, const std:
   if (const fs::path parent = out.parent_path(); !parent.empty() && !fs::is_directory(parent, ec)) {
     throw std::runtime_error("cannot write " + out.string() + ": the folder " + parent.string() + " does not exist");
   }
-  const fs::path tmp = out.string() + ".partial";
+  const fs::path tmp = out.string() + ".partial." + std::to_string(::getpid());  // per writer: two exports to one file never share it
   try {
     write_file(tmp, bytes);
     fs::rename(tmp, out);
@@ -639,6 +639,10 @@ TensorMap load_initial_weights(const models::WeightLoad& load, at::ScalarType dt
     in.read(static_cast<char*>(raw.data_ptr()), static_cast<std::streamsize>(src.tensor.nbytes));
     if (!in) throw std::runtime_error("cannot read tensor '" + src.tensor.name + "' from " + src.file.string() + ": " + std::strerror(errno));
     at::Tensor t = raw.to(dtype);
+    if (!at::isfinite(t).all().item<bool>()) {
+      throw std::runtime_error("tensor '" + src.tensor.name + "' in " + src.file.string() + " holds NaN or infinite values: training from it would give a " +
+                               "NaN loss; export the weights again, or from an earlier checkpoint");
+    }
     out[name] = src.unpermute_heads > 0 ? from_hf_rotary_rows(t, src.unpermute_heads).contiguous() : t;
   }
   return out;
@@ -651,6 +655,16 @@ std::size_t export_safetensors(const fs::path& step_dir, const fs::path& out, bo
   const auto rel = target.lexically_relative(dir);
   if (!rel.empty() && *rel.begin() != "..") {
     throw std::runtime_error(out.string() + " is inside the checkpoint " + step_dir.string() + ", which export reads: write it elsewhere");
+  }
+  if (!fs::exists(step_dir / "metadata.json", ec)) {  // the checkpoint folder itself, say: name one of its steps
+    std::vector<std::string> steps;
+    for (const auto& e : fs::directory_iterator(step_dir, ec)) {
+      if (e.path().filename().string().rfind("step-", 0) == 0 && fs::exists(e.path() / "metadata.json", ec)) steps.push_back(e.path().filename().string());
+    }
+    if (!steps.empty()) {
+      std::sort(steps.begin(), steps.end(), [](const std::string& a, const std::string& b) { return std::stoll(a.substr(5)) < std::stoll(b.substr(5)); });
+      throw std::runtime_error(step_dir.string() + " holds checkpoints, not one: name a step folder, e.g. " + (step_dir / steps.back()).string() + " (the newest)");
+    }
   }
   const Metadata md = read_metadata(step_dir);
   if (md.tensors.empty()) fail(step_dir / "metadata.json", "lists no tensors: nothing to export");

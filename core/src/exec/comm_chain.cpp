@@ -1,8 +1,6 @@
 #include "spmdx/exec/comm_chain.h"
 
-#include <chrono>
 #include <stdexcept>
-#include <thread>
 
 #include "spmdx/comm/health.h"
 #include "spmdx/comm/select.h"
@@ -11,18 +9,29 @@
 namespace spmdx::exec {
 
 std::string vote(Store& store, const std::string& key, int rank, int world_size, const std::string& why_not, double timeout_seconds) {
-  // The first "no" leaves its reason before anyone can count every vote.
+  // The first "no" leaves its reason before its vote is counted; the last vote counted opens
+  // the result, which the others wait for in the store (a blocking get: no polling, which on a
+  // host with fewer cores than ranks would take cycles from ranks still computing their step).
   if (!why_not.empty() && store.add(key + "/no", 1) == 1) store.set(key + "/why", "rank " + std::to_string(rank) + ": " + why_not);
-  store.add(key + "/voted", 1);
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_seconds);
-  std::int64_t voted = 0;
-  while ((voted = store.add(key + "/voted", 0)) < world_size) {
-    if (std::chrono::steady_clock::now() > deadline) {
-      throw CommError("only " + std::to_string(voted) + " of " + std::to_string(world_size) + " ranks reached the vote '" + key + "' within " +
-                          seconds_text(timeout_seconds) + " (comm.timeout_seconds): a rank is hung or gone",
-                      -1);
+  store.add(key + "/r" + std::to_string(rank), 1);  // who voted, to name who did not
+  if (store.add(key + "/voted", 1) == world_size) {
+    // A "no" means the ranks go on past a failure (another backend, the step again): the rank
+    // blamed for it is forgotten, so that a later failure is not blamed on it. Nobody runs a
+    // collective while the others wait for this vote.
+    if (store.add(key + "/no", 0) > 0) store.add(std::string(comm::kFaultKey) + "_reported", -store.add(std::string(comm::kFaultKey) + "_reported", 0));
+    store.set(key + "/all", "1");
+  } else {
+    try {
+      store.get(key + "/all", timeout_seconds);
+    } catch (const CommError& e) {
+      std::vector<int> missing;
+      for (int r = 0; r < world_size && missing.size() < 16; ++r) {
+        if (store.add(key + "/r" + std::to_string(r), 0) == 0) missing.push_back(r);
+      }
+      throw CommError((missing.empty() ? std::string("a rank") : rank_list(missing)) + " did not reach the vote '" + key + "' within " +
+                          seconds_text(timeout_seconds) + " s (comm.timeout_seconds + 30): hung, or gone",
+                      missing.empty() ? -1 : missing.front());
     }
-    std::this_thread::sleep_for(std::chrono::microseconds(500));
   }
   if (store.add(key + "/no", 0) == 0) return "";
   return store.get(key + "/why", timeout_seconds);
@@ -120,8 +129,10 @@ std::unique_ptr<CommBackend> CommChain::replace(std::unique_ptr<CommBackend> fai
                              " steps (comm.max_failures " + std::to_string(spec_.max_failures) + ") and comm.fallback has no backend after it: " + reason);
   }
   const std::size_t to = next ? from + 1 : from;
-  events_.push_back({"comm", spec_.chain[from], spec_.chain[to], reason, step});
-  return join_from(to, step);  // a next one that cannot start either is passed over with an event of its own
+  const std::size_t at = events_.size();
+  auto backend = join_from(to, step);  // a next one that cannot start either is passed over with an event of its own
+  events_.insert(events_.begin() + static_cast<std::ptrdiff_t>(at), {"comm", spec_.chain[from], spec_.chain[current_], reason, step});
+  return backend;
 }
 
 }  // namespace spmdx::exec

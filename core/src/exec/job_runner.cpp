@@ -495,6 +495,7 @@ struct StepLoop {
   std::int64_t recoveries = 0;  // every rank's count of steps run again: part of each vote's key
   std::size_t events_told = 0;  // of chain->events(), said in a metrics row
   std::vector<FallbackEvent> strategy_events{};  // the layouts passed over at start, for the first row
+  std::int64_t planned_peak = 0;  // bytes: the memory plan's peak of the step, with the failover's state copy
 
   // Where a resumed job's checkpoint left the optimizer's count and, for float16, the loss
   // scale (a count past this run's growth interval grows it at the next clean step).
@@ -595,7 +596,7 @@ struct StepLoop {
                   "planned peak (%lld bytes), which the allocator's count can pass by a little: lower the budget by the difference to keep under it\n",
                   static_cast<long long>(step), static_cast<long long>(st.peak_bytes), human_bytes(static_cast<double>(st.peak_bytes)).c_str(),
                   static_cast<long long>(st.peak_bytes - spec.memory_budget), static_cast<long long>(spec.memory_budget),
-                  static_cast<long long>(executor.memory().peak_bytes));
+                  static_cast<long long>(planned_peak));
     }
     if (!hooks.empty()) tell_hooks(hooks, step, spec, env, loss, st, names, state, out, state_placements, job.mesh, executor);
     // Hot-swap at a step boundary: nothing is in flight between runs; the old backend leaves
@@ -632,7 +633,14 @@ struct StepLoop {
     if (checkpointing && (step % spec.checkpoint.interval == 0 || step == spec.steps)) {
       CheckpointMeta meta{step, dataset.state().samples, tokenizer_id, optimizer_steps};
       if (loss_scaling) meta.loss_scale = scaler.scale, meta.growth_tracker = scaler.growth_tracker;
-      const auto where = save_checkpoint(ckpt_dir, meta, job.mesh, env.rank, state, state_metas, state_placements, backend.get());
+      std::filesystem::path where;
+      try {
+        where = save_checkpoint(ckpt_dir, meta, job.mesh, env.rank, state, state_metas, state_placements, backend.get());
+      } catch (const CommError& e) {  // the save's barrier: a run-time fallback covers the step's collectives, not this
+        throw CommError("saving the checkpoint of step " + std::to_string(step) + ": " + e.what() +
+                            (failover ? " (comm.fallback covers the steps' collectives, not a checkpoint save's)" : ""),
+                        e.peer());
+      }
       if (lead) std::printf("saved checkpoint %s\n", where.string().c_str());
     }
     return loss;
@@ -776,6 +784,7 @@ void print_banner(const train::JobSpec& spec, const train::PlacedJob& job, const
               static_cast<long long>(spec.seq_len), static_cast<long long>(spec.steps),
               backend ? ((spec.comm.backend == "auto" ? "auto -> " : "") + backend->describe()).c_str() : "none (one rank)",
               at::get_num_threads(), at::get_num_threads() == 1 ? "" : "s");
+  for (const auto& e : strategy_events(spec)) std::printf("fallback: %s\n", e.str().c_str());  // before the memory lines, which are of the layout chosen
   if (const CheckpointReport& ac = job.checkpointed; spec.activation_checkpoint.mode != "none") {
     std::printf("activation checkpointing %s%s: %lld layers recompute %lld nodes in the backward; %s of forward values (global) not kept\n",
                 spec.activation_checkpoint.mode.c_str(), spec.activation_checkpoint.mode == "selective" ? (" (" + spec.activation_checkpoint.selective_option + ")").c_str() : "",
@@ -805,7 +814,7 @@ void print_done(const train::JobSpec& spec, std::int64_t first_step, double seco
                 const std::filesystem::path& dump) {
   const long long ran = static_cast<long long>(spec.steps - first_step + 1);
   const std::string which = first_step > 1 ? " (" + std::to_string(first_step) + "-" + std::to_string(spec.steps) + ", resumed)" : "";
-  std::printf("done: %lld steps%s in %.2f s, loss %.4f -> %.4f (ln(vocab) = %.4f); metrics in %s\n", ran, which.c_str(),
+  std::printf("done: %lld step%s%s in %.2f s, loss %.4f -> %.4f (ln(vocab) = %.4f); metrics in %s\n", ran, ran == 1 ? "" : "s", which.c_str(),
               seconds, first_loss, last_loss, std::log(static_cast<double>(spec.model.vocab_size)),
               (dump / "metrics.jsonl").string().c_str());
 }
@@ -891,13 +900,23 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
     if (!t.is_contiguous() || static_cast<std::size_t>(t.nbytes()) != t.storage().nbytes()) t = t.clone(at::MemoryFormat::Contiguous);
   }
 
+  // The step's planned peak; with run-time failover, each step also holds a copy of the state.
+  plan::MemoryPlan planned = executor.memory();
+  if (chain && spec.comm.failover()) {
+    std::int64_t bytes = 0;
+    for (const auto& name : train::train_state_names(job.model.params)) bytes += static_cast<std::int64_t>(state.at(name).nbytes());
+    planned.add_state_copy(bytes);
+  }
   std::optional<MetricsWriter> metrics;
   const std::filesystem::path& dump = spec.output.dump_folder;
   if (lead) {
-    metrics.emplace(spec.output, first_step, checkpointing, executor.memory().peak_bytes);
-    print_banner(spec, job, env, backend.get(), *device, executor.memory(), resume_step ? &resumed : nullptr);
+    metrics.emplace(spec.output, first_step, checkpointing, planned.peak_bytes);
+    print_banner(spec, job, env, backend.get(), *device, planned, resume_step ? &resumed : nullptr);
     if (!loaded_weights.empty()) std::printf("%s\n", loaded_weights.c_str());
-    for (const auto& e : strategy_events(spec)) std::printf("fallback: %s\n", e.str().c_str());
+    if (resume_step && !spec.checkpoint.initial_load_path.empty()) {
+      std::printf("checkpoint.initial_load_path %s not read: the job resumes from its own checkpoint (as torchtitan's)\n",
+                  spec.checkpoint.initial_load_path.string().c_str());
+    }
     if (chain) {
       for (const auto& e : chain->events()) std::printf("fallback: %s\n", e.str().c_str());
     }
@@ -911,6 +930,7 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
                 joined.store.get(),
                 metrics ? &*metrics : nullptr, fault, timeout, ckpt_dir, tokenizer_id};
   loop.strategy_events = strategy_events(spec);
+  loop.planned_peak = planned.peak_bytes;
   if (resume_step) loop.resume(resumed);
   const auto run_start = Clock::now();
   const auto [first_loss, last_loss] = loop.run(first_step, joined.server != nullptr);

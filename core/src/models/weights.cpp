@@ -3,6 +3,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <cstring>
 #include <fstream>
 #include <limits>
 #include <set>
@@ -76,9 +77,10 @@ std::vector<fs::path> safetensors_files(const fs::path& path) {
     return {path};
   }
   std::vector<fs::path> files;
-  for (const auto& e : fs::directory_iterator(path)) {
-    if (e.path().extension() == ".safetensors" && e.is_regular_file()) files.push_back(e.path());
+  for (fs::directory_iterator it(path, ec), end; !ec && it != end; it.increment(ec)) {
+    if (it->path().extension() == ".safetensors" && it->is_regular_file()) files.push_back(it->path());
   }
+  if (ec) throw std::invalid_argument("cannot read the folder " + path.string() + ": " + ec.message());
   std::sort(files.begin(), files.end());
   if (files.empty() && fs::exists(path / "metadata.json", ec)) {
     throw std::invalid_argument(path.string() + " is a spmdx checkpoint, not safetensors: write one with `spmdx export " + path.string() +
@@ -103,7 +105,7 @@ std::size_t safetensors_dtype_size(const std::string& dtype) {
 
 std::vector<SafetensorsTensor> read_safetensors_header(const fs::path& file) {
   std::ifstream in(file, std::ios::binary);
-  if (!in) throw std::runtime_error("cannot open " + file.string());
+  if (!in) throw std::runtime_error("cannot open " + file.string() + ": " + std::strerror(errno));
   in.seekg(0, std::ios::end);
   const auto size = static_cast<std::uint64_t>(in.tellg());
   in.seekg(0);
@@ -118,12 +120,20 @@ std::vector<SafetensorsTensor> read_safetensors_header(const fs::path& file) {
   }
   std::string text(static_cast<std::size_t>(len), '\0');
   in.read(text.data(), static_cast<std::streamsize>(len));
+  // A name given twice would load the bytes of whichever came last: refused, as the format is.
+  std::set<std::string> names;
+  std::string twice;
+  const json::parser_callback_t unique_names = [&](int depth, json::parse_event_t event, json& parsed) {
+    if (event == json::parse_event_t::key && depth == 1 && !names.insert(parsed.get<std::string>()).second && twice.empty()) twice = parsed.get<std::string>();
+    return true;
+  };
   json header;
   try {
-    header = json::parse(text);
+    header = json::parse(text, unique_names);
   } catch (const std::exception& e) {
     bad_file(file, std::string("its header is not JSON (not a safetensors file?): ") + e.what());
   }
+  if (!twice.empty()) bad_file(file, "its header names tensor '" + twice + "' twice");
   if (!header.is_object()) bad_file(file, "its header is not a JSON object");
   const std::uint64_t data_begin = 8 + len, data_size = size - data_begin;
   std::vector<SafetensorsTensor> out;
@@ -146,7 +156,8 @@ std::vector<SafetensorsTensor> read_safetensors_header(const fs::path& file) {
     const auto& off = t["data_offsets"];
     if (!off.is_array() || off.size() != 2 || !off[0].is_number_unsigned() || !off[1].is_number_unsigned()) bad("data_offsets is not [begin, end]");
     const std::uint64_t begin = off[0].get<std::uint64_t>(), end = off[1].get<std::uint64_t>();
-    if (begin > end || end > data_size) {
+    if (begin > end) bad("data_offsets [" + std::to_string(begin) + ", " + std::to_string(end) + ") end before they begin");
+    if (end > data_size) {
       bad("data_offsets [" + std::to_string(begin) + ", " + std::to_string(end) + ") lie outside the " + std::to_string(data_size) + " bytes of data");
     }
     if (end - begin != bytes) {
@@ -156,6 +167,20 @@ std::vector<SafetensorsTensor> read_safetensors_header(const fs::path& file) {
     s.nbytes = end - begin;
     out.push_back(std::move(s));
   }
+  // The tensors tile the data exactly, as the format requires: no two share bytes (one would
+  // load the other's), none is missing between them, nothing follows the last.
+  std::vector<const SafetensorsTensor*> by_offset;
+  for (const auto& t : out) by_offset.push_back(&t);
+  std::sort(by_offset.begin(), by_offset.end(), [](const auto* a, const auto* b) { return a->offset < b->offset || (a->offset == b->offset && a->nbytes < b->nbytes); });
+  std::uint64_t at = data_begin;
+  for (const auto* t : by_offset) {
+    if (t->offset != at) {
+      bad_file(file, "tensor '" + t->name + "' starts at data byte " + std::to_string(t->offset - data_begin) + ", where " +
+                         (t->offset < at ? "the tensor before it still lies (overlapping data_offsets)" : "byte " + std::to_string(at - data_begin) + " was expected (a gap)"));
+    }
+    at += t->nbytes;
+  }
+  if (at != size) bad_file(file, std::to_string(size - at) + " bytes follow the last tensor's data: truncated header, or something appended");
   return out;
 }
 
@@ -188,6 +213,8 @@ WeightLoad plan_weight_load(const fs::path& path, const Model& model) {
     if (!init.trainable) buffers.insert(init.name);
   }
   std::vector<std::string> problems;
+  std::set<std::string> seen;  // parameters the files hold, loadable or not: not also "missing"
+  std::vector<std::string> spmdx_named;  // spmdx's names among Hugging Face's
   const std::string label = model_label(model.args);
   for (auto& [file, t] : found) {
     const std::string where = files.size() > 1 ? " (in " + file.filename().string() + ")" : "";
@@ -198,6 +225,14 @@ WeightLoad plan_weight_load(const fs::path& path, const Model& model) {
         continue;
       }
       name = from_hf_name(t.name);
+      if (name.empty() && buffers.count(t.name) > 0) {  // made from the config, whatever the names
+        load.ignored.push_back(t.name);
+        continue;
+      }
+      if (name.empty() && params.count(t.name) > 0) {
+        spmdx_named.push_back(t.name);
+        continue;
+      }
       if (name.empty()) {
         problems.push_back("extra tensor '" + t.name + "'" + where + ": not a Hugging Face Llama parameter (the file's names are Hugging Face's)");
         continue;
@@ -211,6 +246,7 @@ WeightLoad plan_weight_load(const fs::path& path, const Model& model) {
       problems.push_back("extra tensor '" + t.name + "'" + where + ": " + label + " has no such parameter");
       continue;
     }
+    seen.insert(name);
     const ir::TensorMeta& meta = model.graph.find_input(name)->meta();
     const std::string shown = load.hf_names ? "'" + t.name + "' (" + name + ")" : "'" + name + "'";
     if (t.shape != meta.shape) {
@@ -227,18 +263,27 @@ WeightLoad plan_weight_load(const fs::path& path, const Model& model) {
     }
     load.params[name] = {file, t, load.hf_names ? rotary_heads(name, model.args) : 0};
   }
+  if (!spmdx_named.empty()) {  // one problem, not a missing and an extra tensor for each
+    const auto hf = std::find_if(found.begin(), found.end(), [](const auto& f) { return f.second.name.rfind("model.", 0) == 0 || f.second.name == "lm_head.weight"; });
+    problems.insert(problems.begin(), "the files mix spmdx's names (" + std::to_string(spmdx_named.size()) + ", e.g. '" + spmdx_named.front() +
+                                          "') with Hugging Face's (e.g. '" + hf->second.name + "'): use one or the other");
+    for (const auto& n : spmdx_named) seen.insert(n);
+  }
   for (const auto& p : model.params) {
-    if (load.params.count(p) > 0) continue;
+    if (seen.count(p) > 0) continue;
     const std::string hf = load.hf_names ? hf_name(p) : "";
     problems.push_back("missing tensor '" + (load.hf_names ? hf + "' (" + p + ")" : p + "'") + ": " + label + " needs it");
   }
   if (!problems.empty()) {
+    // A line per problem (at most 12, the last saying how many more), the first saying what the
+    // files must hold.
     constexpr std::size_t kShown = 12;
+    problems.front() += " (the files must hold every parameter of " + label + " with its shape, and nothing else, under " +
+                        (load.hf_names ? "Hugging Face's names, as spmdx export --names hf writes them)" : "spmdx's names, as spmdx export writes them)");
     std::string text;
     for (std::size_t i = 0; i < std::min(problems.size(), kShown); ++i) text += (i ? "\n" : "") + path.string() + ": " + problems[i];
-    if (problems.size() > kShown) text += "\n" + path.string() + ": and " + std::to_string(problems.size() - kShown) + " more problems like these";
-    throw std::invalid_argument(text + "\nthe file must hold every parameter of " + label + " with its shape, and nothing else (" +
-                                (load.hf_names ? "Hugging Face names, as spmdx export --names hf writes them" : "spmdx's names, as spmdx export writes them") + ")");
+    if (problems.size() > kShown) text += "; and " + std::to_string(problems.size() - kShown) + " more problems like these";
+    throw std::invalid_argument(text);
   }
   return load;
 }

@@ -4,6 +4,7 @@
 #include <filesystem>
 #include <functional>
 #include <limits>
+#include <set>
 
 #include "spmdx/comm/select.h"
 #include "spmdx/core/log.h"
@@ -128,19 +129,22 @@ void read_strategies(const config::Config& cfg, JobSpec& s, Problems& problems) 
   if (cfg.get_bool("parallelism.strict")) return;
   for (const auto& entry : cfg.get_list("parallelism.fallback_strategies")) {
     std::map<std::string, std::string> layout = s.strategies;
+    std::set<std::string> bound;  // each dim once
     bool ok = entry.find_first_not_of(' ') != std::string::npos;
     for (std::size_t start = entry.find_first_not_of(' '); ok && start < entry.size(); start = entry.find_first_not_of(' ', start)) {
       const std::size_t end = std::min(entry.find(' ', start), entry.size());
       const std::string binding = entry.substr(start, end - start);
       const std::size_t eq = binding.find('=');
       const std::string dim = eq == std::string::npos ? "" : binding.substr(0, eq), plugin = eq == std::string::npos ? "" : binding.substr(eq + 1);
-      ok = (dim == "dp_replicate" || dim == "dp_shard" || dim == "tp") && !plugin.empty() && plugin.find(' ') == std::string::npos;
+      ok = (dim == "dp_replicate" || dim == "dp_shard" || dim == "tp") && !plugin.empty() &&
+           plugin.find_first_not_of("abcdefghijklmnopqrstuvwxyz0123456789_") == std::string::npos && bound.insert(dim).second;  // plugin names are [a-z0-9_]+
       layout[dim] = plugin;
       start = end;
     }
     if (!ok) {
       problems.add({"parallelism.fallback_strategies"}, "parallelism.fallback_strategies entry \"" + entry +
-                   "\" is not \"dim=plugin[ dim=plugin]\" over the mesh dims dp_replicate, dp_shard and tp (e.g. \"dp_shard=fsdp\" or \"dp_shard=fsdp tp=tensor_parallel\")");
+                   "\" is not \"dim=plugin[ dim=plugin]\" over the mesh dims dp_replicate, dp_shard and tp, each once, with plugin names of a-z, 0-9 and _ "
+                   "(e.g. \"dp_shard=fsdp\" or \"dp_shard=fsdp tp=tensor_parallel\")");
     } else {
       s.fallback_strategies.push_back(std::move(layout));
     }
@@ -284,15 +288,16 @@ void choose_strategies(JobSpec& spec, PluginRegistry& registry, const PlanValida
     }
     passed.emplace_back(layout_text(layout), why);
   }
-  std::string text = "no layout of [parallelism.strategies] and parallelism.fallback_strategies can place the job:";
-  for (const auto& [layout, why] : passed) text += "\n" + layout + ": " + why;
+  std::string text = "no layout of [parallelism.strategies] and parallelism.fallback_strategies can place the job: ";
+  for (std::size_t i = 0; i < passed.size(); ++i) text += (i ? "; " : "") + passed[i].first + ": " + passed[i].second;
   throw std::invalid_argument(text);
 }
 
 std::vector<std::string> comm_chain(const config::Config& cfg) {
   const auto& fallback = cfg.get_list("comm.fallback");
   std::vector<std::string> chain;
-  if (cfg.is_set("comm.backend") || fallback.empty()) chain.push_back(cfg.get_string("comm.backend"));
+  // comm.backend = "" (on the command line, where a config file's value cannot be removed) is unset.
+  if ((cfg.is_set("comm.backend") && !cfg.get_string("comm.backend").empty()) || fallback.empty()) chain.push_back(cfg.get_string("comm.backend"));
   for (const auto& b : fallback) {
     if (std::find(chain.begin(), chain.end(), b) == chain.end()) chain.push_back(b);
   }
@@ -382,6 +387,13 @@ void check_runnable(const config::Config& cfg) {
   for (const auto& b : cfg.get_list("comm.fallback")) {
     if (b.empty()) fail({"comm.fallback"}, "comm.fallback lists an empty name: give comm backends (\"ucx\", \"nccl\", \"auto\", \"name:key=value\")");
   }
+  for (const char* key : {"comm.max_failures", "comm.failure_window"}) {
+    if (cfg.is_set(key) && comm_chain(cfg).size() == 1) {
+      fail({key, "comm.fallback"}, std::string(key) + " is set, but " + (cfg.get_bool("comm.strict") ? "comm.strict = true" : "comm.fallback is empty") +
+           ": it counts a backend's failures before the next of comm.fallback replaces it, and without one the first failure stops the job; "
+           "set comm.fallback, or remove " + key);
+    }
+  }
   if (cfg.get_int("comm.swap_at_step") == 0 && !cfg.get_string("comm.swap_to").empty()) {
     fail({"comm.swap_to", "comm.swap_at_step"}, "comm.swap_to is set but comm.swap_at_step is 0, so nothing would swap: set comm.swap_at_step (swap every this "
                                                 "many steps), or remove comm.swap_to");
@@ -433,13 +445,34 @@ void check_strategy_names(const config::Config& cfg, const PluginRegistry& regis
 void check_comm_backends(const config::Config& cfg, PluginRegistry& registry, std::vector<std::string>& out) {
   const std::string device = cfg.get_string("training.device");
   if (const auto chain = comm_chain(cfg); chain.size() > 1) {
+    // A name no plugin here has (loaded or not) is a typo, not a fallback: it could never serve.
+    std::vector<std::string> comm_names{"auto"};
+    for (const auto& q : registry.plugins()) {
+      if (q.kind == PluginKind::comm) comm_names.push_back(q.name);
+    }
+    const auto& listed = cfg.get_list("comm.fallback");
+    const bool options_given = std::any_of(listed.begin(), listed.end(), [](const std::string& b) { return b.find(':') != std::string::npos; });
+    for (const auto& b : chain) {
+      const std::string name = b.substr(0, b.find(':'));
+      const bool failed_to_load = std::any_of(registry.errors().begin(), registry.errors().end(),
+                                              [&](const PluginError& e) { return e.path().filename() == "libspmdx_" + name + ".so"; });
+      if (std::find(comm_names.begin(), comm_names.end(), name) != comm_names.end() || failed_to_load) continue;
+      const std::string near = nearest_word(name, comm_names, 3);
+      out.push_back(cfg.where({"comm.backend", "comm.fallback"}) + ": \"" + b + "\" is not a comm plugin found here; found: " + join(comm_names) +
+                    (near.empty() ? std::string() : " (did you mean " + near + "?)") +
+                    (b.find(':') == std::string::npos && options_given
+                         ? "; on the command line, commas separate comm.fallback's entries: a backend whose options hold a comma goes in the config file"
+                         : ""));
+    }
     std::vector<std::string> why_not;
+    bool usable = false;  // one before it serves: a later one that cannot is said now, not when it is needed
     for (const auto& b : chain) {
       const std::string why = comm_backend_problem(registry, b, device);
-      if (why.empty()) break;
-      why_not.push_back("\"" + b + "\"" + why);
+      if (why.empty()) usable = true;
+      else if (!usable) why_not.push_back("\"" + b + "\"" + why);
+      else SPMDX_WARN(cfg.where({"comm.fallback"}) << ": comm.fallback \"" << b << "\" cannot serve this job here" << why << ": a fallback to it would pass it over");
     }
-    if (why_not.size() == chain.size()) {
+    if (!usable) {
       out.push_back(cfg.where({"comm.backend", "comm.fallback"}) + ": no comm backend of comm.backend and comm.fallback can serve this job: " + join(why_not, "; "));
     }
   } else if (const std::string why = comm_backend_problem(registry, chain.front(), device); !why.empty()) {
@@ -538,9 +571,27 @@ std::vector<std::string> preflight(const config::Config& cfg, std::int64_t world
     }
   }
   const bool plugins_ok = falls_back || registry.errors().empty();
-  // parallelism.fallback_strategies: the layout the ranks will choose, or why none serves.
+  // parallelism.fallback_strategies: a plugin no file here has is a typo, not a fallback; then
+  // the layout the ranks will choose, or why none serves.
   bool strategies_found = true;
-  if (*spec && !(*spec)->fallback_strategies.empty() && plugins_ok) {
+  if (*spec && !(*spec)->fallback_strategies.empty()) {
+    std::vector<std::string> known;
+    for (const auto& p : registry.plugins()) {
+      if (p.kind == PluginKind::strategy && p.registered) known.insert(known.end(), p.factories.begin(), p.factories.end());
+    }
+    for (const auto& layout : (*spec)->fallback_strategies) {
+      for (const auto& [dim, plugin] : layout) {
+        const bool failed_to_load = std::any_of(registry.errors().begin(), registry.errors().end(),
+                                                [&](const PluginError& e) { return e.path().filename() == "libspmdx_" + plugin + ".so"; });
+        if (std::find(known.begin(), known.end(), plugin) != known.end() || failed_to_load) continue;
+        const std::string near = nearest_word(plugin, known, 3);
+        out.push_back(cfg.where({"parallelism.fallback_strategies"}) + ": parallelism.fallback_strategies names '" + plugin + "' for " + dim +
+                      ", which is no strategy plugin found here; found: " + join(known) + (near.empty() ? std::string() : " (did you mean " + near + "?)"));
+        strategies_found = false;
+      }
+    }
+  }
+  if (*spec && !(*spec)->fallback_strategies.empty() && plugins_ok && strategies_found) {
     strategies_found = attempt({"parallelism.strategies", "parallelism.fallback_strategies"},
                                [&] { choose_strategies(**spec, registry, validator_hooks(cfg, registry, world_size)); });
   }

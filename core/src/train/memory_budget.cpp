@@ -84,6 +84,11 @@ PlannedStep plan_step(const PlacedJob& job, const JobSpec& spec, std::int64_t ra
   const ir::Graph graph = rank_step_graph(plan, rank, spec);
   PlannedStep step;
   step.memory = plan::plan_memory(graph, plan::make_runtime_plan(graph, job.mesh, spec.plan));
+  if (spec.comm.failover() && spec.world_size > 1) {  // the copy of the state each step starts from (StepLoop)
+    std::int64_t bytes = 0;
+    for (const auto& name : train_state_names(job.model.params)) bytes += graph.find_input(name)->meta().nbytes();
+    step.memory.add_state_copy(bytes);
+  }
   step.comm_seconds = plan.comm_seconds;
   for (const auto& n : graph.nodes()) step.flops += hooks::node_flops(*n);
   return step;

@@ -45,6 +45,10 @@ struct MemoryPlan {
   std::int64_t optimizer_state = 0;  ///< AdamW's exp_avg and exp_avg_sq, bytes
   std::int64_t communication = 0;    ///< collectives' outputs and staging buffers, buckets, bytes
   std::int64_t activations = 0;      ///< the rest: the batch, forward values kept for the backward, temporaries, bytes
+  /// With run-time failover (comm.fallback): the copy of the rank's parameters and AdamW state
+  /// that each step starts from, held through the step (in peak_bytes), bytes.
+  std::int64_t state_copy = 0;
+  void add_state_copy(std::int64_t bytes) { state_copy += bytes, peak_bytes += bytes; }
   /// The largest buffers held at the peak, largest first (at most 8): a graph input's name,
   /// `%id (op)` of the value that made it, or what a staging buffer is ("bucket 2
   /// (reduce_scatter of 16 tensors, last %1424)"); the value's type ("" for those); bytes.

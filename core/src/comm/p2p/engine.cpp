@@ -313,14 +313,16 @@ std::uint64_t P2PEngine::post_recv(Op& op, int from, void* data, std::size_t byt
 void P2PEngine::transport_failed(Op& op, int peer, const CommError& e) {
   // Said in the store, so that the peers waiting on this rank fail at their next check rather
   // than at the timeout; a peer that already exited because another rank failed is not the one
-  // to blame.
+  // to blame. A transport that names the rank at fault (itself, for a link of its own that went
+  // down) is believed over the peer it was talking to.
+  const int at_fault = e.peer() >= 0 ? e.peer() : peer;
   int blamed = health_.reported_fault();
   if (blamed < 0) {
-    health_.report_fault(peer);
-    blamed = peer;
+    health_.report_fault(at_fault);
+    blamed = at_fault;
   }
   throw CommError(op_name(op) + " failed talking to rank " + std::to_string(peer) + ": " + e.what() +
-                      (blamed != peer ? "; rank " + std::to_string(blamed) + " failed first" : ""),
+                      (blamed != at_fault ? "; rank " + std::to_string(blamed) + " failed first" : ""),
                   blamed);
 }
 
