@@ -902,11 +902,7 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
 
   // The step's planned peak; with run-time failover, each step also holds a copy of the state.
   plan::MemoryPlan planned = executor.memory();
-  if (chain && spec.comm.failover()) {
-    std::int64_t bytes = 0;
-    for (const auto& name : train::train_state_names(job.model.params)) bytes += static_cast<std::int64_t>(state.at(name).nbytes());
-    planned.add_state_copy(bytes);
-  }
+  if (chain && spec.comm.failover()) planned.add_state_copy(train::state_copy_bytes(graph, job.model.params));
   std::optional<MetricsWriter> metrics;
   const std::filesystem::path& dump = spec.output.dump_folder;
   if (lead) {

@@ -36,7 +36,7 @@ const std::vector<std::pair<std::string, std::string>>& hf_map() {
   return m;
 }
 
-// `name` against `pattern` ("layers.{}.x"): the layer index "{}" stands for, or nullopt.
+// Whether `name` matches `pattern` ("layers.{}.x"); `index`: the layer index "{}" stood for.
 bool match(const std::string& pattern, const std::string& name, std::string* index) {
   const auto at = pattern.find("{}");
   if (at == std::string::npos) return pattern == name;

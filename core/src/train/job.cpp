@@ -416,15 +416,38 @@ void check_data(const config::Config& cfg, const data::Tokenizer& tokenizer, con
 namespace {
 
 
+// The plugin file of `name` (libspmdx_<name>.so) found here that did not load, or null.
+const PluginError* load_error_of(const PluginRegistry& registry, const std::string& name) {
+  for (const auto& e : registry.errors()) {
+    if (e.path().filename() == "libspmdx_" + name + ".so") return &e;
+  }
+  return nullptr;
+}
+
+// What the strategy plugins registered here offer, by factory name.
+std::vector<std::string> strategy_factories(const PluginRegistry& registry) {
+  std::vector<std::string> known;
+  for (const auto& p : registry.plugins()) {
+    if (p.kind == PluginKind::strategy && p.registered) known.insert(known.end(), p.factories.begin(), p.factories.end());
+  }
+  return known;
+}
+
+// The comm plugins found here, by name.
+std::vector<std::string> comm_plugin_names(const PluginRegistry& registry) {
+  std::vector<std::string> names;
+  for (const auto& q : registry.plugins()) {
+    if (q.kind == PluginKind::comm) names.push_back(q.name);
+  }
+  return names;
+}
+
 // [parallelism.strategies]: every plugin named is a strategy plugin found here, also for a dim
 // of degree 1, which never asks it for placements (a typo there would wait for the day the
 // degree grows).
 void check_strategy_names(const config::Config& cfg, const PluginRegistry& registry, const std::map<std::string, std::string>& strategies,
                           std::vector<std::string>& out) {
-  std::vector<std::string> known;
-  for (const auto& p : registry.plugins()) {
-    if (p.kind == PluginKind::strategy && p.registered) known.insert(known.end(), p.factories.begin(), p.factories.end());
-  }
+  const std::vector<std::string> known = strategy_factories(registry);
   for (const auto& [dim, name] : strategies) {
     if (std::find(known.begin(), known.end(), name) != known.end()) continue;
     const std::string key = "parallelism.strategies." + dim;
@@ -447,16 +470,12 @@ void check_comm_backends(const config::Config& cfg, PluginRegistry& registry, st
   if (const auto chain = comm_chain(cfg); chain.size() > 1) {
     // A name no plugin here has (loaded or not) is a typo, not a fallback: it could never serve.
     std::vector<std::string> comm_names{"auto"};
-    for (const auto& q : registry.plugins()) {
-      if (q.kind == PluginKind::comm) comm_names.push_back(q.name);
-    }
+    for (auto& n : comm_plugin_names(registry)) comm_names.push_back(std::move(n));
     const auto& listed = cfg.get_list("comm.fallback");
     const bool options_given = std::any_of(listed.begin(), listed.end(), [](const std::string& b) { return b.find(':') != std::string::npos; });
     for (const auto& b : chain) {
       const std::string name = b.substr(0, b.find(':'));
-      const bool failed_to_load = std::any_of(registry.errors().begin(), registry.errors().end(),
-                                              [&](const PluginError& e) { return e.path().filename() == "libspmdx_" + name + ".so"; });
-      if (std::find(comm_names.begin(), comm_names.end(), name) != comm_names.end() || failed_to_load) continue;
+      if (std::find(comm_names.begin(), comm_names.end(), name) != comm_names.end() || load_error_of(registry, name) != nullptr) continue;
       const std::string near = nearest_word(name, comm_names, 3);
       out.push_back(cfg.where({"comm.backend", "comm.fallback"}) + ": \"" + b + "\" is not a comm plugin found here; found: " + join(comm_names) +
                     (near.empty() ? std::string() : " (did you mean " + near + "?)") +
@@ -575,15 +594,10 @@ std::vector<std::string> preflight(const config::Config& cfg, std::int64_t world
   // the layout the ranks will choose, or why none serves.
   bool strategies_found = true;
   if (*spec && !(*spec)->fallback_strategies.empty()) {
-    std::vector<std::string> known;
-    for (const auto& p : registry.plugins()) {
-      if (p.kind == PluginKind::strategy && p.registered) known.insert(known.end(), p.factories.begin(), p.factories.end());
-    }
+    const std::vector<std::string> known = strategy_factories(registry);
     for (const auto& layout : (*spec)->fallback_strategies) {
       for (const auto& [dim, plugin] : layout) {
-        const bool failed_to_load = std::any_of(registry.errors().begin(), registry.errors().end(),
-                                                [&](const PluginError& e) { return e.path().filename() == "libspmdx_" + plugin + ".so"; });
-        if (std::find(known.begin(), known.end(), plugin) != known.end() || failed_to_load) continue;
+        if (std::find(known.begin(), known.end(), plugin) != known.end() || load_error_of(registry, plugin) != nullptr) continue;
         const std::string near = nearest_word(plugin, known, 3);
         out.push_back(cfg.where({"parallelism.fallback_strategies"}) + ": parallelism.fallback_strategies names '" + plugin + "' for " + dim +
                       ", which is no strategy plugin found here; found: " + join(known) + (near.empty() ? std::string() : " (did you mean " + near + "?)"));
@@ -642,15 +656,9 @@ std::string comm_backend_problem(PluginRegistry& registry, const std::string& sp
   }
   const std::string name = spec_text.substr(0, spec_text.find(':'));
   const auto* p = registry.find(name);
-  for (const auto& e : registry.errors()) {  // a plugin file of that name that did not load: its own reason
-    if (p == nullptr && e.path().filename() == "libspmdx_" + name + ".so") return ": " + std::string(e.what());
-  }
+  if (const PluginError* e = p == nullptr ? load_error_of(registry, name) : nullptr) return ": " + std::string(e->what());  // its own reason
   if (p == nullptr || p->kind != PluginKind::comm) {
-    std::vector<std::string> names;
-    for (const auto& q : registry.plugins()) {
-      if (q.kind == PluginKind::comm) names.push_back(q.name);
-    }
-    const std::string known = join(names);
+    const std::string known = join(comm_plugin_names(registry));
     return " is not a comm plugin found here; found: " + (known.empty() ? std::string("none") : known) +
            " (or \"auto\"). A plugin built elsewhere: add its folder to plugins.paths or SPMDX_PLUGIN_PATH";
   }

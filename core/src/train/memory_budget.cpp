@@ -79,16 +79,18 @@ std::vector<Candidate> candidates(const JobSpec& configured, bool layers) {
 
 }  // namespace
 
+std::int64_t state_copy_bytes(const ir::Graph& rank_graph, const std::vector<std::string>& params) {
+  std::int64_t bytes = 0;
+  for (const auto& name : train_state_names(params)) bytes += rank_graph.find_input(name)->meta().nbytes();
+  return bytes;
+}
+
 PlannedStep plan_step(const PlacedJob& job, const JobSpec& spec, std::int64_t rank) {
   const auto plan = sharding::propagate(job.model.graph, job.mesh, job.inputs, job.outputs, job.use, job.reshard_after_forward);
   const ir::Graph graph = rank_step_graph(plan, rank, spec);
   PlannedStep step;
   step.memory = plan::plan_memory(graph, plan::make_runtime_plan(graph, job.mesh, spec.plan));
-  if (spec.comm.failover() && spec.world_size > 1) {  // the copy of the state each step starts from (StepLoop)
-    std::int64_t bytes = 0;
-    for (const auto& name : train_state_names(job.model.params)) bytes += graph.find_input(name)->meta().nbytes();
-    step.memory.add_state_copy(bytes);
-  }
+  if (spec.comm.failover() && spec.world_size > 1) step.memory.add_state_copy(state_copy_bytes(graph, job.model.params));
   step.comm_seconds = plan.comm_seconds;
   for (const auto& n : graph.nodes()) step.flops += hooks::node_flops(*n);
   return step;

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "spmdx/core/registry.h"
 #include "spmdx/plan/memory_plan.h"
@@ -18,6 +19,11 @@ struct PlannedStep {
   double comm_seconds = 0;  ///< the propagation's alpha-beta estimate of one rank's communication, seconds
   double flops = 0;         ///< the rank graph's FLOPs (hooks::node_flops: 2MNK per matmul)
 };
+
+/// Bytes of the copy of a rank's train state (parameters and AdamW state, train_state_names of
+/// `params`, at their shapes in `rank_graph`) that each step starts from under run-time failover
+/// (comm.fallback): what MemoryPlan::add_state_copy adds.
+std::int64_t state_copy_bytes(const ir::Graph& rank_graph, const std::vector<std::string>& params);
 
 /// Propagates `job`, makes `rank`'s graph and its RuntimePlan with spec.plan's options, and
 /// simulates it (plan_memory).
