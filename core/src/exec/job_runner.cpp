@@ -341,8 +341,8 @@ TensorMap initial_state(const train::JobSpec& spec, train::PlacedJob& job, const
 // and appends), the banner, a JSON row per step and a printed line every metrics.log_freq.
 class MetricsWriter {
  public:
-  MetricsWriter(const train::OutputSpec& output, std::int64_t first_step, bool checkpointing, std::int64_t planned_peak_bytes)
-      : dump_(output.dump_folder), log_freq_(output.log_freq), planned_peak_(planned_peak_bytes) {
+  MetricsWriter(const train::OutputSpec& output, std::int64_t first_step, bool checkpointing, std::int64_t planned_peak_bytes, std::int64_t microbatches)
+      : dump_(output.dump_folder), log_freq_(output.log_freq), planned_peak_(planned_peak_bytes), microbatches_(microbatches) {
     std::filesystem::create_directories(dump_);
     if (first_step > 1) {
       // Resumed: keep the history of the steps up to the checkpoint, drop those past it (a run
@@ -391,9 +391,11 @@ class MetricsWriter {
       char scale[96] = "";
       if (scaling) std::snprintf(scale, sizeof scale, " | loss scale %.9g%s", scaling->first, scaling->second ? " (overflow: update skipped)" : "");
       if (std::isnan(grad_norm)) grad_norm = std::fabs(grad_norm);  // "nan", not "-nan": a float16 overflow's
-      std::printf("step %4lld | loss %8.4f | grad_norm %7.3f | lr %.2e | %9.0f tok/s | %7.1f ms | exposed comm %4.1f%% | peak %s%s\n",
+      char accum[32] = "";
+      if (microbatches_ > 1) std::snprintf(accum, sizeof accum, " | accum %lld", static_cast<long long>(microbatches_));
+      std::printf("step %4lld | loss %8.4f | grad_norm %7.3f | lr %.2e | %9.0f tok/s | %7.1f ms | exposed comm %4.1f%% | peak %s%s%s\n",
                   static_cast<long long>(step), loss, grad_norm, lr, tokens_per_s, st.total * 1e3, 100.0 * st.exposed_comm / st.total,
-                  human_bytes(static_cast<double>(st.peak_bytes)).c_str(), scale);
+                  human_bytes(static_cast<double>(st.peak_bytes)).c_str(), accum, scale);
       std::fflush(stdout);
     }
   }
@@ -402,6 +404,7 @@ class MetricsWriter {
   std::filesystem::path dump_;
   std::int64_t log_freq_;
   std::int64_t planned_peak_;  ///< plan_memory's peak of this rank's step (bytes)
+  std::int64_t microbatches_;  ///< gradient accumulation's, shown on the step line when > 1
   std::ofstream out_;
   nlohmann::json next_row_ = nlohmann::json::object();
 };
@@ -507,6 +510,24 @@ struct StepLoop {
     }
   }
 
+  // This rank's part of each microbatch of `global` ([global batch, seq] ids) as the graph's
+  // inputs `name`, `name`.1, ...: a data-parallel rank's rows [d B/dp, (d+1) B/dp) split in
+  // order, microbatch k taking rows [k b, (k+1) b) of them (b = B / (dp x microbatches)), so
+  // that the microbatches together are the rows the rank reads without accumulation.
+  void feed_microbatches(TensorMap& feed, const char* name, const at::Tensor& global, const sharding::Placements& pl, const c10::Device& on) const {
+    const std::int64_t m = spec.step.microbatches;
+    if (m == 1) {
+      feed[name] = shard_tensor(global, pl, job.mesh, coord).to(on);
+      return;
+    }
+    const std::int64_t dp = spec.dims.dp_replicate * spec.dims.dp_shard;
+    const at::Tensor split = global.reshape({dp, m, spec.global_batch_size / (dp * m), spec.seq_len});
+    for (std::int64_t k = 0; k < m; ++k) {
+      const at::Tensor rows = split.select(1, k).reshape({spec.global_batch_size / m, spec.seq_len});
+      feed[train::microbatch_input(name, k)] = shard_tensor(rows, pl, job.mesh, coord).to(on);
+    }
+  }
+
   // The step through the executor, or through the captured CUDA graph.
   TensorMap run_step(TensorMap& feed, std::int64_t step) {
     if (!spec.device.cuda_graphs || !warmed_up) {
@@ -524,8 +545,8 @@ struct StepLoop {
       });
       executor.set_capturing(false);
     } else {
-      for (const char* input : {"tokens", "labels", "lr", "step", "loss_scale"}) {
-        if (feed.count(input) > 0) graph_feed.at(input).copy_(feed.at(input));
+      for (const auto& [input, value] : feed) {  // the batch (every microbatch's), lr, step, loss_scale: not the state, updated in place
+        if (state.count(input) == 0) graph_feed.at(input).copy_(value);
       }
     }
     const auto t0 = Clock::now();
@@ -558,8 +579,8 @@ struct StepLoop {
     };
     const c10::Device on = device.device();
     TensorMap feed = state;
-    feed["tokens"] = shard_tensor(as_tensor(batch.tokens), tokens_pl, job.mesh, coord).to(on);
-    feed["labels"] = shard_tensor(as_tensor(batch.labels), labels_pl, job.mesh, coord).to(on);
+    feed_microbatches(feed, "tokens", as_tensor(batch.tokens), tokens_pl, on);
+    feed_microbatches(feed, "labels", as_tensor(batch.labels), labels_pl, on);
     const double lr = spec.lr * train::lr_factor(step, spec.schedule);
     feed["lr"] = at::scalar_tensor(lr, at::TensorOptions().dtype(at::kFloat).device(on));
     feed["step"] = at::scalar_tensor(static_cast<double>(optimizer_steps + 1), at::TensorOptions().dtype(at::kFloat).device(on));
@@ -784,6 +805,10 @@ void print_banner(const train::JobSpec& spec, const train::PlacedJob& job, const
               static_cast<long long>(spec.seq_len), static_cast<long long>(spec.steps),
               backend ? ((spec.comm.backend == "auto" ? "auto -> " : "") + backend->describe()).c_str() : "none (one rank)",
               at::get_num_threads(), at::get_num_threads() == 1 ? "" : "s");
+  if (const std::int64_t m = spec.step.microbatches; m > 1) {
+    std::printf("gradient accumulation: %lld microbatches of %lld rows per data-parallel rank (training.local_batch_size), one optimizer step and one gradient reduction per step\n",
+                static_cast<long long>(m), static_cast<long long>(spec.global_batch_size / (m * spec.dims.dp_replicate * spec.dims.dp_shard)));
+  }
   for (const auto& e : strategy_events(spec)) std::printf("fallback: %s\n", e.str().c_str());  // before the memory lines, which are of the layout chosen
   if (const CheckpointReport& ac = job.checkpointed; spec.activation_checkpoint.mode != "none") {
     std::printf("activation checkpointing %s%s: %lld layers recompute %lld nodes in the backward; %s of forward values (global) not kept\n",
@@ -906,7 +931,7 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
   std::optional<MetricsWriter> metrics;
   const std::filesystem::path& dump = spec.output.dump_folder;
   if (lead) {
-    metrics.emplace(spec.output, first_step, checkpointing, planned.peak_bytes);
+    metrics.emplace(spec.output, first_step, checkpointing, planned.peak_bytes, spec.step.microbatches);
     print_banner(spec, job, env, backend.get(), *device, planned, resume_step ? &resumed : nullptr);
     if (!loaded_weights.empty()) std::printf("%s\n", loaded_weights.c_str());
     if (resume_step && !spec.checkpoint.initial_load_path.empty()) {

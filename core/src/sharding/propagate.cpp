@@ -17,9 +17,48 @@ const Placement kR = Placement::replicate();
 
 }  // namespace
 
+namespace {
+std::string segment_key(const Placements& placements, std::size_t segment) {
+  return to_string(placements) + (segment == 0 ? "" : "#after-" + std::to_string(segment));
+}
+}  // namespace
+
 std::string DistributedPlan::version_key(const ir::Value* v, const Placements& placements, const ir::Node* node) const {
-  const bool later = node != nullptr && reshard_after >= 0 && node->id() > reshard_after && resharded.count(v) > 0;
-  return to_string(placements) + (later ? "#after-forward" : "");
+  std::size_t segment = 0;
+  if (node != nullptr && resharded.count(v) > 0) {
+    segment = static_cast<std::size_t>(std::lower_bound(reshard_after.begin(), reshard_after.end(), node->id()) - reshard_after.begin());
+  }
+  return segment_key(placements, segment);
+}
+
+std::vector<std::string> DistributedPlan::resharded_keys(const Placements& placements) const {
+  std::vector<std::string> keys;
+  for (std::size_t s = 1; s <= reshard_after.size(); ++s) keys.push_back(segment_key(placements, s));
+  return keys;
+}
+
+// The reshard points of a train step: the node before each backward's seed (autodiff's
+// ones_like of a scalar loss, or of the loss times the loss scale), and the node before the first
+// node computing the loss again after a backward (the next microbatch's forward).
+std::vector<std::int64_t> reshard_points(const ir::Graph& graph, const ir::Value* loss) {
+  std::set<const ir::Node*> forward;  // computes the loss
+  std::vector<const ir::Value*> stack{loss};
+  while (!stack.empty()) {
+    const ir::Value* v = stack.back();
+    stack.pop_back();
+    if (v->producer() == nullptr || !forward.insert(v->producer()).second) continue;
+    for (const ir::Value* in : v->producer()->inputs()) stack.push_back(in);
+  }
+  std::vector<std::int64_t> points;
+  bool backward = false;
+  std::int64_t previous = -1;
+  for (const auto& n : graph.nodes()) {
+    const bool seed = n->op() == "ones_like" && forward.count(n.get()) == 0 && n->input(0)->meta().shape.empty();  // d loss / d loss
+    if (seed && !backward) points.push_back(previous), backward = true;
+    else if (backward && !seed && forward.count(n.get()) > 0) points.push_back(previous), backward = false;
+    previous = n->id();
+  }
+  return points;
 }
 
 namespace {
@@ -186,10 +225,10 @@ struct Propagator {
 DistributedPlan propagate(const ir::Graph& graph, const DeviceMesh& mesh, const std::map<std::string, Placements>& inputs,
                           const std::map<std::string, Placements>& outputs, const std::map<std::string, Placements>& use,
                           bool reshard_after_forward) {
-  DistributedPlan plan{mesh, &graph, {}, {}, {}, 0, 0, -1, {}};
+  DistributedPlan plan{mesh, &graph, {}, {}, {}, 0, 0, {}, {}};
   if (reshard_after_forward) {
     if (const ir::Value* loss = graph.find_output("loss"); loss != nullptr && loss->producer() != nullptr) {
-      plan.reshard_after = loss->producer()->id();
+      plan.reshard_after = reshard_points(graph, loss);
       for (const auto& [name, pl] : use) {
         if (const ir::Value* v = graph.find_input(name)) plan.resharded.insert(v);
       }

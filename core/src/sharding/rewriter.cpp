@@ -22,7 +22,7 @@ DistributedGraph rank_graph(const DistributedPlan& plan, std::int64_t rank) {
     const Placements& pl = plan.placement.at(v);
     ir::Value* local = g.add_input(v->name(), local_meta(v->meta(), pl));
     versions[{v, plan.version_key(v, pl, nullptr)}] = local;
-    versions[{v, to_string(pl) + "#after-forward"}] = local;  // its own placement needs no redistribution
+    for (const auto& key : plan.resharded_keys(pl)) versions[{v, key}] = local;  // its own placement needs no redistribution
   }
   // The local value of `v` in placements `want`, adding the redistribution's nodes once.
   auto get = [&](const ir::Value* v, const Placements& want, const ir::Node* reader) -> ir::Value* {
@@ -72,7 +72,7 @@ DistributedGraph rank_graph(const DistributedPlan& plan, std::int64_t rank) {
       versions[{o, plan.version_key(o, plan.placement.at(o), nullptr)}] = ln->output(static_cast<int>(a));
       // A resharded node output (a parameter's mixed-precision cast) in its own placement
       // needs no redistribution after the forward either.
-      versions[{o, to_string(plan.placement.at(o)) + "#after-forward"}] = ln->output(static_cast<int>(a));
+      for (const auto& key : plan.resharded_keys(plan.placement.at(o))) versions[{o, key}] = ln->output(static_cast<int>(a));
     }
   }
   for (const auto& [name, v] : plan.graph->outputs()) g.add_output(name, get(v, plan.outputs.at(name), nullptr));

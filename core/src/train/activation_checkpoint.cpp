@@ -8,6 +8,7 @@
 
 #include "spmdx/models/model.h"
 #include "spmdx/sharding/redistribute.h"
+#include "spmdx/train/train_step.h"
 
 namespace spmdx::train {
 namespace {
@@ -29,11 +30,12 @@ struct Region {
 };
 
 // Per forward node, the layer run it belongs to: -1 outside any numbered layer.
-std::vector<int> layer_runs(const std::vector<const Node*>& nodes, std::size_t forward, const std::set<std::string>& params,
+std::vector<int> layer_runs(const std::vector<const Node*>& nodes, const std::vector<bool>& forward, const std::set<std::string>& params,
                             std::vector<std::string>& run_layer) {
-  std::vector<int> run(forward, -1);
+  std::vector<int> run(nodes.size(), -1);
   std::string layer;
-  for (std::size_t i = 0; i < forward; ++i) {
+  for (std::size_t i = 0; i < nodes.size(); ++i) {
+    if (!forward[i]) continue;
     for (const Value* in : nodes[i]->inputs()) {
       if (in->producer() == nullptr && params.count(in->name()) > 0) {
         const std::string l = models::layer_of(in->name());
@@ -54,6 +56,16 @@ bool kept_by_selective(const std::string& op) { return op == "matmul" || op == "
 
 ir::Graph checkpoint_activations(const ir::Graph& graph, std::size_t forward_nodes, const std::vector<std::string>& params,
                                  const ActivationCheckpoint& options, CheckpointReport* report) {
+  std::vector<bool> forward(graph.num_nodes(), false);
+  std::fill(forward.begin(), forward.begin() + static_cast<std::ptrdiff_t>(std::min(forward_nodes, forward.size())), true);
+  return checkpoint_activations(graph, forward, params, options, report);
+}
+
+ir::Graph checkpoint_activations(const ir::Graph& graph, const std::vector<bool>& forward, const std::vector<std::string>& params,
+                                 const ActivationCheckpoint& options, CheckpointReport* report) {
+  if (forward.size() != graph.num_nodes()) {
+    throw std::invalid_argument("checkpoint_activations: " + std::to_string(forward.size()) + " forward flags for " + std::to_string(graph.num_nodes()) + " nodes");
+  }
   std::int64_t every = 0;  // selective N: every N-th layer in full
   if (options.mode == "selective" && options.selective_option != "op") {
     try {
@@ -73,12 +85,11 @@ ir::Graph checkpoint_activations(const ir::Graph& graph, std::size_t forward_nod
     index[n.get()] = static_cast<int>(nodes.size());
     nodes.push_back(n.get());
   }
-  forward_nodes = std::min(forward_nodes, nodes.size());
 
   // The layers checkpointed, and in each the values the backward reads that are made again.
   std::vector<std::string> run_layer;
-  const std::vector<int> run = options.mode == "none" ? std::vector<int>(forward_nodes, -1)
-                                                      : layer_runs(nodes, forward_nodes, {params.begin(), params.end()}, run_layer);
+  const std::vector<int> run = options.mode == "none" ? std::vector<int>(nodes.size(), -1)
+                                                      : layer_runs(nodes, forward, {params.begin(), params.end()}, run_layer);
   std::vector<Region> regions(run_layer.size());
   for (std::size_t r = 0; r < regions.size(); ++r) {
     regions[r].layer = run_layer[r];
@@ -87,20 +98,21 @@ ir::Graph checkpoint_activations(const ir::Graph& graph, std::size_t forward_nod
     regions[r].keep_matmuls = !full;
     if (!full && every > 0) regions[r].layer.clear();  // not checkpointed
   }
-  for (std::size_t i = 0; i < forward_nodes; ++i) {
-    if (run[i] >= 0 && !regions[static_cast<std::size_t>(run[i])].layer.empty()) regions[static_cast<std::size_t>(run[i])].nodes.insert(static_cast<int>(i));
+  for (std::size_t i = 0; i < nodes.size(); ++i) {
+    if (forward[i] && run[i] >= 0 && !regions[static_cast<std::size_t>(run[i])].layer.empty()) regions[static_cast<std::size_t>(run[i])].nodes.insert(static_cast<int>(i));
   }
   auto region_of = [&](const Value* v) -> Region* {
     if (v->producer() == nullptr) return nullptr;
     const auto i = static_cast<std::size_t>(index.at(v->producer()));
-    if (i >= forward_nodes || run[i] < 0) return nullptr;
+    if (!forward[i] || run[i] < 0) return nullptr;
     Region& r = regions[static_cast<std::size_t>(run[i])];
     if (r.layer.empty() || (r.keep_matmuls && kept_by_selective(v->producer()->op()))) return nullptr;
     return &r;
   };
   std::unordered_map<const Value*, Region*> recompute;  // forward value -> the region that makes it again
   CheckpointReport done;
-  for (std::size_t i = 0; i < forward_nodes; ++i) {
+  for (std::size_t i = 0; i < nodes.size(); ++i) {
+    if (!forward[i]) continue;
     for (const Value* v : nodes[i]->outputs()) {
       Region* r = region_of(v);
       if (r == nullptr) continue;
@@ -108,7 +120,7 @@ ir::Graph checkpoint_activations(const ir::Graph& graph, std::size_t forward_nod
       bool output = false;  // the layer's output: the next layer's input, kept for its recomputation anyway
       for (const auto& use : v->uses()) {
         const int u = index.at(use.user);
-        if (u >= static_cast<int>(forward_nodes)) {
+        if (!forward[static_cast<std::size_t>(u)]) {
           if (first < 0 || u < first) first = u;
         } else if (run[static_cast<std::size_t>(u)] != run[i]) {
           output = true;
@@ -161,7 +173,7 @@ ir::Graph checkpoint_activations(const ir::Graph& graph, std::size_t forward_nod
       for (const Value* v : it->second->recomputed) again[v] = local.at(v);
     }
     const Node& n = *nodes[i];
-    const bool backward = i >= forward_nodes;
+    const bool backward = !forward[i];
     std::vector<Value*> in;
     for (const Value* v : n.inputs()) in.push_back(backward && again.count(v) > 0 ? again.at(v) : map.at(v));
     const Node* copy = out.add_node(n.op(), in, n.attrs());
@@ -180,7 +192,7 @@ std::int64_t keep_collective_outputs(ir::Graph& g) {
   std::int64_t next = 0;
   for (const Value* v : g.inputs()) {
     number[v] = next++;
-    from_batch[v] = v->name() == "tokens" || v->name() == "labels";
+    from_batch[v] = is_batch_input(v->name());
   }
   std::unordered_map<std::int64_t, Value*> first;  // a collective output's number -> the first collective output with it
   std::vector<std::pair<Value*, Value*>> merge;    // (a recomputation's collective output, the forward's)

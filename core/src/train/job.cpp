@@ -201,6 +201,28 @@ void read_batch(const config::Config& cfg, const std::vector<std::int64_t>& expo
                  " data-parallel ranks: make it a multiple of " + std::to_string(dp));
   }
   s.seq_len = exported.empty() ? cfg.get_int("training.seq_len") : exported[1];
+  // Gradient accumulation, as torchtitan: a global batch larger than local_batch_size x the
+  // data-parallel degree runs in microbatches of local_batch_size rows per rank. Unset
+  // local_batch_size with a global batch: one microbatch (torchtitan's default of 8 rows would
+  // split it; the losses are the same either way, only the memory differs).
+  const bool local_set = cfg.is_set("training.local_batch_size");
+  if (global > 0 && local_set && degrees_ok && problems.lines.empty()) {
+    const std::int64_t local = cfg.get_int("training.local_batch_size");
+    const std::int64_t rows = local * dp;
+    if (!exported.empty()) {
+      if (local * dp != exported[0]) {
+        problems.add({"training.local_batch_size", "model.path"}, "training.local_batch_size " + std::to_string(local) + " x " + std::to_string(dp) + " data-parallel ranks = " +
+                     std::to_string(rows) + " rows, but " + s.model.path + " was exported for a batch of " + std::to_string(exported[0]) + " rows: remove the key");
+      }
+    } else if (global % rows != 0) {
+      problems.add({"training.global_batch_size", "training.local_batch_size", kDegreeKeys[0], kDegreeKeys[1]},
+                   "training.global_batch_size " + std::to_string(global) + " is not a multiple of training.local_batch_size " + std::to_string(local) + " x " +
+                   std::to_string(dp) + " data-parallel ranks = " + std::to_string(rows) + " (gradient accumulation runs global / (local x data-parallel degree) "
+                   "microbatches per step): make global_batch_size a multiple of " + std::to_string(rows) + ", or change local_batch_size");
+    } else {
+      s.step.microbatches = global / rows;
+    }
+  }
 }
 
 // The typed sections a rank's run loop reads: [comm], [checkpoint], [data], outputs.
@@ -694,14 +716,16 @@ ir::Graph rank_step_graph(const sharding::DistributedPlan& plan, std::int64_t ra
 }
 
 PlacedJob place_job(const JobSpec& spec, PluginRegistry& registry) {
-  PlacedJob job{models::build_model(spec.model, spec.global_batch_size, spec.seq_len), sharding::make_mesh(spec.dims, spec.world_size), {}, {}, {}, spec.reshard_after_forward};
+  PlacedJob job{models::build_model(spec.model, spec.global_batch_size / spec.step.microbatches, spec.seq_len), sharding::make_mesh(spec.dims, spec.world_size), {}, {}, {}, spec.reshard_after_forward};
   if (spec.mixed_precision.param != "float32") {
     job.model.graph = cast_for_mixed_precision(job.model.graph, spec.mixed_precision.param == "float16" ? ir::DType::f16 : ir::DType::bf16);
   }
   const std::size_t forward_nodes = job.model.graph.num_nodes();
   append_train_step(job.model.graph, job.model.params, spec.step);
   if (spec.activation_checkpoint.mode != "none") {
-    job.model.graph = checkpoint_activations(job.model.graph, forward_nodes, job.model.params, spec.activation_checkpoint, &job.checkpointed);
+    job.model.graph = spec.step.microbatches == 1
+                          ? checkpoint_activations(job.model.graph, forward_nodes, job.model.params, spec.activation_checkpoint, &job.checkpointed)
+                          : checkpoint_activations(job.model.graph, forward_nodes_of(job.model.graph), job.model.params, spec.activation_checkpoint, &job.checkpointed);
   }
   StrategyInput in;
   for (const auto& init : job.model.init) {
@@ -722,6 +746,9 @@ PlacedJob place_job(const JobSpec& spec, PluginRegistry& registry) {
   for (const auto& p : job.model.params) params[p] = job.inputs.at(p);
   job.use = sharding::use_placements(job.mesh, params);
   for (const auto& p : job.model.params) job.inputs["exp_avg." + p] = job.inputs["exp_avg_sq." + p] = job.inputs.at(p);
+  for (std::int64_t k = 1; k < spec.step.microbatches; ++k) {  // every microbatch's rows go where microbatch 0's do
+    for (const char* name : {"tokens", "labels"}) job.inputs[microbatch_input(name, k)] = job.inputs.at(name);
+  }
   for (const auto& s : train_state_names(job.model.params)) job.outputs["next." + s] = job.inputs.at(s);
   return job;
 }

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <set>
+#include <stdexcept>
 
 #include "spmdx/ir/autodiff.h"
 
@@ -39,9 +41,77 @@ void deduplicate_views(ir::Graph& g) {
   for (ir::Node* n : copies) g.erase(n);
 }
 
+// `forward` (one microbatch's) run `microbatches` times in a new graph, each copy's backward
+// right after it: the same inputs, plus "tokens.K" and "labels.K" for K >= 1; outputs as
+// `forward`'s, of microbatch 0, but "loss", the microbatches' mean. `grads`: per parameter of
+// `params`, the mean of the microbatches' gradients of their losses (x loss_scale when given).
+ir::Graph unroll_microbatches(const ir::Graph& forward, const std::vector<std::string>& params, std::int64_t microbatches, bool loss_scaling,
+                              std::vector<Value*>& grads) {
+  ir::Graph g;
+  std::map<const Value*, Value*> shared;  // forward's inputs -> g's, for every microbatch but the batch
+  for (const Value* in : forward.inputs()) shared[in] = g.add_input(in->name(), in->meta());
+  const Value* loss = forward.find_output("loss");
+  const ir::TensorMeta scalar{{}, loss->meta().dtype, loss->meta().device, false};
+  Value* loss_scale = loss_scaling ? g.add_input("loss_scale", scalar) : nullptr;
+  std::vector<Value*> weights;
+  for (const auto& name : params) weights.push_back(g.find_input(name));
+  const ir::Attributes mean{{"value", 1.0 / static_cast<double>(microbatches)}};
+  Value* loss_sum = nullptr;
+  std::map<const Value*, Value*> first;  // microbatch 0's values, for the other outputs
+  for (std::int64_t k = 0; k < microbatches; ++k) {
+    std::map<const Value*, Value*> map = shared;
+    for (const Value* in : forward.inputs()) {
+      if (k > 0 && (in->name() == "tokens" || in->name() == "labels")) map[in] = g.add_input(microbatch_input(in->name(), k), in->meta());
+    }
+    for (const auto& n : forward.nodes()) {
+      std::vector<Value*> in;
+      for (const Value* v : n->inputs()) in.push_back(map.at(v));
+      const ir::Node* copy = g.add_node(n->op(), in, n->attrs());
+      for (std::size_t i = 0; i < n->outputs().size(); ++i) map[n->outputs()[i]] = copy->outputs()[i];
+    }
+    Value* loss_k = map.at(loss);
+    const std::vector<Value*> grads_k = ir::gradients(g, loss_scale ? g.add("mul", {loss_k, loss_scale}) : loss_k, weights);
+    for (std::size_t i = 0; i < grads_k.size(); ++i) grads[i] = k == 0 ? grads_k[i] : g.add("add", {grads[i], grads_k[i]});
+    loss_sum = k == 0 ? loss_k : g.add("add", {loss_sum, loss_k});
+    if (k == 0) first = std::move(map);
+  }
+  for (Value*& gr : grads) gr = g.add("mul_scalar", {gr}, mean);
+  for (const auto& [name, v] : forward.outputs()) g.add_output(name, name == "loss" ? g.add("mul_scalar", {loss_sum}, mean) : first.at(v));
+  return g;
+}
+
 }  // namespace
 
+std::string microbatch_input(const std::string& name, std::int64_t k) { return k == 0 ? name : name + "." + std::to_string(k); }
+
+bool is_batch_input(const std::string& name) {
+  for (const char* base : {"tokens", "labels"}) {
+    const std::string b = base;
+    if (name == b) return true;
+    if (name.size() > b.size() + 1 && name.compare(0, b.size() + 1, b + ".") == 0 &&
+        name.find_first_not_of("0123456789", b.size() + 1) == std::string::npos) {
+      return true;
+    }
+  }
+  return false;
+}
+
+std::vector<bool> forward_nodes_of(const ir::Graph& step) {
+  std::set<const ir::Node*> reach;
+  std::vector<const Value*> stack{step.find_output("loss")};
+  while (!stack.empty()) {
+    const Value* v = stack.back();
+    stack.pop_back();
+    if (v == nullptr || v->producer() == nullptr || !reach.insert(v->producer()).second) continue;
+    for (const Value* in : v->producer()->inputs()) stack.push_back(in);
+  }
+  std::vector<bool> out;
+  for (const auto& n : step.nodes()) out.push_back(reach.count(n.get()) > 0);
+  return out;
+}
+
 void append_train_step(ir::Graph& g, const std::vector<std::string>& params, const TrainStepConfig& config) {
+  if (config.microbatches < 1) throw std::invalid_argument("append_train_step: microbatches must be >= 1, not " + std::to_string(config.microbatches));
   Value* loss = g.find_output("loss");
   if (loss == nullptr) throw ir::IrError("append_train_step: the forward graph has no output named 'loss'");
   std::vector<Value*> weights;
@@ -54,8 +124,16 @@ void append_train_step(ir::Graph& g, const std::vector<std::string>& params, con
   auto attr = [](double v) { return ir::Attributes{{"value", v}}; };
   // float16: the backward runs on the scaled loss, its gradients unscaled (GradScaler.scale,
   // then unscale_ before clipping, which torch documents for clip_grad_norm_).
-  Value* loss_scale = config.loss_scaling ? g.add_input("loss_scale", scalar) : nullptr;
-  std::vector<Value*> grads = ir::gradients(g, loss_scale ? g.add("mul", {loss, loss_scale}) : loss, weights);
+  std::vector<Value*> grads(weights.size());
+  Value* loss_scale = nullptr;
+  if (config.microbatches == 1) {
+    loss_scale = config.loss_scaling ? g.add_input("loss_scale", scalar) : nullptr;
+    grads = ir::gradients(g, loss_scale ? g.add("mul", {loss, loss_scale}) : loss, weights);
+  } else {
+    g = unroll_microbatches(g, params, config.microbatches, config.loss_scaling, grads);
+    for (std::size_t i = 0; i < params.size(); ++i) weights[i] = g.find_input(params[i]);
+    loss_scale = g.find_input("loss_scale");
+  }
   deduplicate_views(g);
   if (loss_scale != nullptr) {
     Value* inv = g.add("rdiv_scalar", {loss_scale}, attr(1.0));

@@ -23,14 +23,19 @@ struct DistributedPlan {
   std::map<std::string, Placements> outputs;                       ///< each graph output, as returned
   double comm_bytes = 0;                                           ///< per rank per run, all steps
   double comm_seconds = 0;                                         ///< their alpha-beta estimate
-  /// FSDP's reshard after forward: nodes after this one (the loss) redistribute the `use`
-  /// inputs again instead of keeping the forward's copies alive (-1: never).
-  std::int64_t reshard_after = -1;
+  /// FSDP's reshard after forward: node ids (ascending) after which the `use` inputs are
+  /// redistributed again instead of keeping the earlier copies alive: the end of the forward
+  /// (the loss); with gradient accumulation, the end of each microbatch's forward and of its
+  /// backward, as FSDP2 gathers again in each microbatch's forward and backward. Empty: never.
+  std::vector<std::int64_t> reshard_after;
   std::set<const ir::Value*> resharded;
 
   /// The key of a value's version in `placements` as read by `node` (a resharded input read
-  /// after the forward is a different version from the forward's).
+  /// after a reshard point is a different version from the one before it).
   std::string version_key(const ir::Value* v, const Placements& placements, const ir::Node* node) const;
+  /// The keys of `placements` after each reshard point: a resharded value in its own
+  /// placement needs no redistribution there either.
+  std::vector<std::string> resharded_keys(const Placements& placements) const;
 
   /// The logical graph annotated: each node with the placements it reads and writes, and each
   /// redistribution with its steps.

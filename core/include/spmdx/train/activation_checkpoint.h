@@ -48,12 +48,20 @@ bool kept_by_selective(const std::string& op);
 ir::Graph checkpoint_activations(const ir::Graph& graph, std::size_t forward_nodes, const std::vector<std::string>& params,
                                  const ActivationCheckpoint& options, CheckpointReport* report = nullptr);
 
+/// The same, for a train step whose forward nodes are those flagged in `forward` (one flag per
+/// node, in graph order): gradient accumulation's step, where each microbatch's forward is
+/// followed by its backward. A layer's run ends at a backward node, so each microbatch's
+/// layers are checkpointed on their own, and recomputed before that microbatch's backward
+/// reads them. Throws std::invalid_argument, also when `forward` has not one flag per node.
+ir::Graph checkpoint_activations(const ir::Graph& graph, const std::vector<bool>& forward, const std::vector<std::string>& params,
+                                 const ActivationCheckpoint& options, CheckpointReport* report = nullptr);
+
 /// On a rank's graph of a checkpointed train step (sharding::rank_graph): where a recomputation
 /// issues a collective again on a value that computes what an earlier collective's input did
 /// (the same ops on the same inputs: value numbering), the later one's readers read the earlier
 /// one's output, kept from the forward to the backward as torchtitan's save_list keeps
 /// reduce_scatter's; the recomputed nodes that fed only it are dropped. Only collectives of
-/// values made from the batch ("tokens", "labels"): those of parameters alone (FSDP's
+/// values made from the batch ("tokens", "labels", and a microbatch's "tokens.K", "labels.K"): those of parameters alone (FSDP's
 /// all_gathers, again in the backward) stay, as keeping them is reshard_after_forward = false.
 /// Deterministic, so every rank merges the same collectives. Returns how many it merged.
 std::int64_t keep_collective_outputs(ir::Graph& rank_graph);

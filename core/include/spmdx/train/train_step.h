@@ -25,6 +25,16 @@ struct TrainStepConfig {
   /// backward runs on loss x "loss_scale" (an input), the gradients are unscaled before the
   /// norm and clipping, and AdamW skips the update when the norm is not finite.
   bool loss_scaling = false;
+  /// Gradient accumulation (torchtitan's global_batch_size > local_batch_size x the
+  /// data-parallel degree): the forward graph is one microbatch's, run this many times on the
+  /// inputs "tokens", "labels" (microbatch 0) and "tokens.K", "labels.K" (K = 1 ..
+  /// microbatches - 1), each microbatch's backward right after its forward (so one
+  /// microbatch's activations live at a time). The loss and gradients are the microbatches'
+  /// mean (torchtitan scales each microbatch's loss by 1 / steps), which is the full batch's
+  /// mean loss; clipping and AdamW run once, on the summed gradients. A gradient is summed while
+  /// it is Partial, so a data-parallel reduction (DDP's all_reduce, FSDP's reduce_scatter) runs
+  /// once per step, as FSDP2's set_requires_gradient_sync(False) on all but the last microbatch.
+  std::int64_t microbatches = 1;
 };
 
 /// Appends to `forward` (output "loss", a scalar; trainable parameters named in `params`) the
@@ -36,9 +46,22 @@ struct TrainStepConfig {
 /// exp_avg_sq.P): feed them back as S for the next step. With loss_scaling, adds the input
 /// "loss_scale" (a float32 scalar, GradScaler's scale) and the output "found_inf" (1.0 when a
 /// gradient overflowed: the update was skipped, every next.S equals S); "grad_norm" is then
-/// the unscaled gradients' norm (inf or nan on overflow). Throws ir::IrError naming a
-/// parameter that is not a graph input.
+/// the unscaled gradients' norm (inf or nan on overflow). With microbatches > 1 the graph is
+/// rebuilt as that field says, with the same input and output names plus the microbatches'
+/// batch inputs. Throws ir::IrError naming a parameter that is not a graph input, and
+/// std::invalid_argument for microbatches < 1.
 void append_train_step(ir::Graph& forward, const std::vector<std::string>& params, const TrainStepConfig& config);
+
+/// The name of microbatch `k`'s input `name` ("tokens", "labels"): the name itself for k = 0,
+/// else "name.k".
+std::string microbatch_input(const std::string& name, std::int64_t k);
+
+/// True for the batch's inputs: "tokens", "labels", and a microbatch's "tokens.K", "labels.K".
+bool is_batch_input(const std::string& name);
+
+/// Per node of a train step (append_train_step's), in graph order: whether it computes the
+/// output "loss" (a forward node, of any microbatch), rather than a gradient or an update.
+std::vector<bool> forward_nodes_of(const ir::Graph& step);
 
 /// The state names append_train_step adds for `params`: each P, then exp_avg.P and
 /// exp_avg_sq.P.

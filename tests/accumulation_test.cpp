@@ -1,0 +1,138 @@
+// Gradient accumulation (issue 24, item 1) as a user runs it: training.global_batch_size larger
+// than training.local_batch_size x the data-parallel degree runs microbatches, through
+// `spmdx run` with real rank processes and `spmdx compile --dump` for the collectives.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <regex>
+#include <string>
+#include <vector>
+
+#include "run_util.h"
+
+namespace spmdx {
+namespace {
+
+namespace fs = std::filesystem;
+using ::testing::HasSubstr;
+
+test::CommandResult spmdx(const std::string& args) { return test::run_command("'" SPMDX_EXE "' " + args); }
+
+const std::string kConfig = "'" SPMDX_SOURCE_DIR "/configs/llama_debug.toml'";
+
+std::string job(const std::string& data) { return "--data.paths '" + data + "' --training.seq_len 32 --model.flavor tiny --training.global_batch_size 16"; }
+
+struct Run {
+  std::vector<double> losses, grad_norms, peaks;
+  std::string output;
+};
+
+Run run(const test::TempDir& dir, const std::string& name, const std::string& args) {
+  const fs::path dump = dir / name;
+  auto r = spmdx("run " + kConfig + " " + args + " --training.steps 4 --job.dump_folder '" + dump.string() + "'");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  return {test::losses(dump / "metrics.jsonl"), test::column(dump / "metrics.jsonl", "grad_norm"), test::column(dump / "metrics.jsonl", "peak_mem_bytes"),
+          r.output};
+}
+
+// The collectives of rank 0's graph by op, and the non-scalar all_reduces (a gradient's, not
+// the loss's or its token count's).
+struct Collectives {
+  int all_gather = 0, reduce_scatter = 0, all_reduce = 0, tensor_all_reduce = 0;
+};
+
+Collectives collectives(const test::TempDir& dir, const std::string& name, const std::string& args, int world) {
+  const fs::path dump = dir / name;
+  auto r = spmdx("compile " + kConfig + " " + args + " --world-size " + std::to_string(world) + " --dump '" + dump.string() + "'");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  std::ifstream in(dump / "rank0.txt");
+  Collectives c;
+  const std::regex line(R"(: \w+\[([^\]]*)\] = (all_gather|reduce_scatter|all_reduce)\()");
+  for (std::string l; std::getline(in, l);) {
+    std::smatch m;
+    if (!std::regex_search(l, m, line)) continue;
+    if (m[2] == "all_gather") ++c.all_gather;
+    if (m[2] == "reduce_scatter") ++c.reduce_scatter;
+    if (m[2] == "all_reduce") ++c.all_reduce, c.tensor_all_reduce += m[1].length() > 0;
+  }
+  return c;
+}
+
+void expect_same_losses(const Run& a, const Run& b, const std::string& what) {
+  ASSERT_EQ(a.losses.size(), 4u) << what;
+  ASSERT_EQ(b.losses.size(), a.losses.size()) << what;
+  for (std::size_t i = 0; i < a.losses.size(); ++i) {
+    EXPECT_NEAR(b.losses[i], a.losses[i], 1e-6 * a.losses[i]) << what << " step " << i + 1;
+    EXPECT_NEAR(b.grad_norms[i], a.grad_norms[i], 1e-5 * a.grad_norms[i]) << what << " step " << i + 1;
+  }
+}
+
+// The issue's test: global 16 with local 4 on dp 2 (2 microbatches) gives the losses of global
+// 16 with local 8 (one), with a lower measured peak; FSDP reduce-scatters each gradient once
+// per step however many microbatches there are, and gathers each parameter again in each
+// microbatch's forward and backward (reshard after forward, as FSDP2).
+TEST(GradientAccumulation, FsdpMicrobatchesGiveTheFullBatchLossesWithALowerPeakAndOneReduceScatter) {
+  test::TempDir dir;
+  const std::string fsdp = job(test::corpus_file(dir)) + " --nproc 2 --parallelism.data_parallel_shard_degree 2 --parallelism.tensor_parallel_degree 1";
+  const Run whole = run(dir, "whole", fsdp + " --training.local_batch_size 8");
+  const Run two = run(dir, "two", fsdp + " --training.local_batch_size 4");
+  const Run four = run(dir, "four", fsdp + " --training.local_batch_size 2");
+  expect_same_losses(whole, two, "2 microbatches");
+  expect_same_losses(whole, four, "4 microbatches");
+  EXPECT_THAT(whole.output, ::testing::Not(HasSubstr("accum")));
+  EXPECT_THAT(two.output, HasSubstr("gradient accumulation: 2 microbatches of 4 rows per data-parallel rank"));
+  EXPECT_THAT(two.output, HasSubstr("| accum 2"));
+  EXPECT_THAT(four.output, HasSubstr("| accum 4"));
+  EXPECT_LT(two.peaks.back(), whole.peaks.back());
+  EXPECT_LT(four.peaks.back(), two.peaks.back());
+
+  const std::string plan = job(test::corpus_file(dir)) + " --parallelism.data_parallel_shard_degree 2 --parallelism.tensor_parallel_degree 1";
+  const Collectives c1 = collectives(dir, "c1", plan + " --training.local_batch_size 8", 2);
+  const Collectives c2 = collectives(dir, "c2", plan + " --training.local_batch_size 4", 2);
+  const Collectives c4 = collectives(dir, "c4", plan + " --training.local_batch_size 2", 2);
+  EXPECT_GT(c1.reduce_scatter, 10);  // one per parameter (21), give or take the planner's choice for one
+  EXPECT_LE(c2.reduce_scatter, c1.reduce_scatter);
+  EXPECT_EQ(c4.reduce_scatter, c2.reduce_scatter);
+  EXPECT_EQ(c4.tensor_all_reduce, 0);
+  // Gathers: forward and backward of every microbatch.
+  EXPECT_NEAR(c2.all_gather, 2 * c1.all_gather, 2);
+  EXPECT_NEAR(c4.all_gather, 4 * c1.all_gather, 4);
+}
+
+// DDP all-reduces each gradient once per step; tensor parallelism and one rank accumulate to the
+// same numbers too.
+TEST(GradientAccumulation, DdpTensorParallelAndOneRankGiveTheFullBatchLosses) {
+  test::TempDir dir;
+  const std::string data = job(test::corpus_file(dir));
+  const std::string ddp = " --parallelism.data_parallel_replicate_degree 2 --parallelism.data_parallel_shard_degree 1 --parallelism.tensor_parallel_degree 1";
+  const Run whole = run(dir, "whole", data + " --nproc 2" + ddp + " --training.local_batch_size 8");
+  const Run two = run(dir, "two", data + " --nproc 2" + ddp + " --training.local_batch_size 4");
+  expect_same_losses(whole, two, "ddp, 2 microbatches");
+  const Collectives c1 = collectives(dir, "c1", data + ddp + " --training.local_batch_size 8", 2);
+  const Collectives c2 = collectives(dir, "c2", data + ddp + " --training.local_batch_size 4", 2);
+  EXPECT_GT(c1.tensor_all_reduce, 10);
+  EXPECT_EQ(c2.tensor_all_reduce, c1.tensor_all_reduce);
+  EXPECT_EQ(c2.all_gather, 0);
+
+  const Run fsdp_tp = run(dir, "fsdp_tp", data + " --nproc 4 --parallelism.data_parallel_shard_degree 2 --parallelism.tensor_parallel_degree 2 --training.local_batch_size 2");
+  EXPECT_THAT(fsdp_tp.output, HasSubstr("| accum 4"));
+  expect_same_losses(whole, fsdp_tp, "fsdp x tp, 4 microbatches");
+  const std::string one = data + " --nproc 1 --parallelism.data_parallel_shard_degree 1 --parallelism.tensor_parallel_degree 1";
+  const Run one_whole = run(dir, "one_whole", one + " --training.local_batch_size 16");
+  const Run one_four = run(dir, "one_four", one + " --training.local_batch_size 4 --activation_checkpoint.mode full");
+  expect_same_losses(one_whole, one_four, "one rank, 4 microbatches, full activation checkpointing");
+  expect_same_losses(one_whole, whole, "one rank against ddp");
+}
+
+TEST(GradientAccumulation, AGlobalBatchThatDoesNotSplitIntoMicrobatchesIsRefusedBeforeStart) {
+  test::TempDir dir;
+  auto r = spmdx("run " + kConfig + " " + job(test::corpus_file(dir)) + " --nproc 2 --parallelism.tensor_parallel_degree 1 --training.local_batch_size 3 --job.dump_folder '" +
+                 (dir / "bad").string() + "'");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_THAT(r.output, HasSubstr("training.global_batch_size 16 is not a multiple of training.local_batch_size 3 x 2 data-parallel ranks = 6"));
+  EXPECT_FALSE(fs::exists(dir / "bad" / "metrics.jsonl"));
+}
+
+}  // namespace
+}  // namespace spmdx
