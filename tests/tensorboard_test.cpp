@@ -174,6 +174,18 @@ TEST(TensorBoardWriter, FlushWritesWhatIsBufferedAndTheDestructorTheRest) {
   EXPECT_EQ(events[2].summary().value(0).simple_value(), 0.5f);
 }
 
+TEST(TensorBoardWriter, AFullBufferIsWrittenWithoutFlush) {
+  test::TempDir dir;
+  EventWriter w(dir.path());
+  const auto version_bytes = fs::file_size(w.file());
+  for (int step = 1; step <= 40000; ++step) w.add_scalar("loss_metrics/global_avg_loss", 1.0 / step, step);  // ~2 MB
+  EXPECT_GT(fs::file_size(w.file()), version_bytes + (std::uintmax_t{1} << 20));
+  w.flush();
+  const auto events = read_events(w.file());
+  ASSERT_EQ(events.size(), 40001u);
+  EXPECT_EQ(events.back().step(), 40000);
+}
+
 TEST(TensorBoardWriter, MovedWriterKeepsItsFile) {
   test::TempDir dir;
   EventWriter a(dir.path());
