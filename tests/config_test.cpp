@@ -75,9 +75,13 @@ TEST(Config, EffectiveConfigRoundTrips) {
   Config c;
   c.override_value("training.steps", "5");
   c.override_value("data.paths", "x.txt");
+  const std::string separator = "%\n\t\r\"\\ \x01\x7F";  // control characters print escaped
+  c.override_value("data.document_separator", separator);
   Config back = Config::parse(c.to_toml(), "printed");
   EXPECT_EQ(back.to_toml(), c.to_toml());
   EXPECT_EQ(back.get_int("training.steps"), 5);
+  EXPECT_EQ(back.get_string("data.document_separator"), separator);
+  EXPECT_THAT(c.to_toml(), HasSubstr("\ndocument_separator = \"%\\n\\t\\r\\\"\\\\ \\u0001\\u007F\"  # "));
   // model.name = "pt2"'s keys, inapplicable to the default llama, commented out: the printed
   // file loads back as the same job; every other key printed as is.
   EXPECT_THAT(c.to_toml(), HasSubstr("\nsteps = 5  # "));

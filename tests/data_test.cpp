@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -219,10 +220,20 @@ TEST(ByteTokenizer, RoundTripsUtf8ByteForByte) {
   EXPECT_EQ(tok.decode(tok.encode(text)), text);
   EXPECT_EQ(tok.encode(""), Ids{});
   EXPECT_EQ(tok.decode(Ids{72, 300, -1, 105}), "Hi");  // unknown ids are skipped
-  EXPECT_EQ(tok.vocab_size(), 256);
-  EXPECT_EQ(tok.bos_id(), std::nullopt);
-  EXPECT_EQ(tok.eos_id(), std::nullopt);
   EXPECT_NE(dynamic_cast<ByteTokenizer*>(make_tokenizer("byte").get()), nullptr);
+}
+
+// The byte tokenizer's BOS and EOS are the two ids after the bytes; encode() never gives them,
+// encode_document() puts them around a document, decode() skips them.
+TEST(ByteTokenizer, DocumentsGetBos256AndEos257) {
+  ByteTokenizer tok;
+  EXPECT_EQ(tok.vocab_size(), 258);
+  EXPECT_EQ(tok.bos_id(), 256);
+  EXPECT_EQ(tok.eos_id(), 257);
+  EXPECT_EQ(tok.encode("hi"), (Ids{'h', 'i'}));
+  EXPECT_EQ(encode_document(tok, "hi"), (Ids{256, 'h', 'i', 257}));
+  EXPECT_EQ(encode_document(tok, ""), (Ids{256, 257}));  // the data set skips empty documents
+  EXPECT_EQ(tok.decode(Ids{256, 'h', 'i', 257, 256}), "hi");
 }
 
 TEST(HuggingFaceTokenizer, TorchtitanTestTokenizerMatchesTokenizersLibrary) {
@@ -361,7 +372,18 @@ TEST(TextDataset, BatchesAreWindowsOfTheStreamWithShiftedLabels) {
   test::write_file(dir / "c.txt", text);
   ByteTokenizer tok;
   TextDataset data(options(dir / "c.txt", 4, 16, 7), tok);
-  EXPECT_EQ(data.stream(), tok.encode(text));  // no EOS in the byte tokenizer
+  // One document: BOS, its bytes, EOS. Below, `stream` is that as text (BOS and EOS as \x01, \x02).
+  Ids expected = {256};
+  for (unsigned char c : text) expected.push_back(c);
+  expected.push_back(257);
+  EXPECT_EQ(data.stream(), expected);
+  std::string stream;
+  for (std::int64_t id : data.stream()) stream += static_cast<char>(id == 256 ? 1 : id == 257 ? 2 : id);
+  const auto as_text = [](Ids::const_iterator begin, Ids::const_iterator end) {
+    std::string out;
+    for (auto it = begin; it != end; ++it) out += static_cast<char>(*it == 256 ? 1 : *it == 257 ? 2 : *it);
+    return out;
+  };
   for (int step = 0; step < 3; ++step) {
     const Batch b = data.next_batch();
     ASSERT_EQ(b.rows, 4);
@@ -371,10 +393,10 @@ TEST(TextDataset, BatchesAreWindowsOfTheStreamWithShiftedLabels) {
     for (std::int64_t r = 0; r < 4; ++r) {
       const std::int64_t start = data.sample_start(static_cast<std::uint64_t>(step * 4 + r));
       ASSERT_GE(start, 0);
-      ASSERT_LE(start + 16, static_cast<std::int64_t>(text.size()) - 1);
-      const auto row = [&](const Ids& v) { return std::string(v.begin() + r * 16, v.begin() + (r + 1) * 16); };
-      EXPECT_EQ(row(b.tokens), text.substr(static_cast<std::size_t>(start), 16));
-      EXPECT_EQ(row(b.labels), text.substr(static_cast<std::size_t>(start) + 1, 16));
+      ASSERT_LE(start + 16, static_cast<std::int64_t>(stream.size()) - 1);
+      const auto row = [&](const Ids& v) { return as_text(v.begin() + r * 16, v.begin() + (r + 1) * 16); };
+      EXPECT_EQ(row(b.tokens), stream.substr(static_cast<std::size_t>(start), 16));
+      EXPECT_EQ(row(b.labels), stream.substr(static_cast<std::size_t>(start) + 1, 16));
     }
   }
   EXPECT_EQ(data.state().samples, 12u);
@@ -392,10 +414,11 @@ TEST(TextDataset, PositionsAreFixedBySeedAndSampleIndex) {
     EXPECT_EQ(x.labels, y.labels);
     EXPECT_NE(x.tokens, z.tokens);
   }
-  // splitmix64 values, computed independently (Python): the same on every platform.
-  EXPECT_EQ(a.stream().size(), 5890u);
+  // splitmix64 values, computed independently (Python): the same on every platform. The
+  // stream is the file's 5890 bytes between BOS and EOS.
+  EXPECT_EQ(a.stream().size(), 5892u);
   EXPECT_EQ((Ids{a.sample_start(0), a.sample_start(1), a.sample_start(2), a.sample_start(1000000)}),
-            (Ids{3617, 5074, 427, 4695}));
+            (Ids{3618, 5076, 427, 4697}));
 }
 
 TEST(TextDataset, RankSlicesConcatenateToTheGlobalBatch) {
@@ -459,6 +482,102 @@ TEST(TextDataset, JsonLinesDocumentsAreJoinedWithEos) {
   EXPECT_EQ(data.stream(), expected);
 }
 
+// data.document_separator cuts a plain text file into documents (as Python's str.split), each
+// between BOS and EOS; empty pieces are skipped; JSON Lines records are not cut.
+TEST(TextDataset, SeparatorSplitsTextFilesIntoDocuments) {
+  test::TempDir dir;
+  test::write_file(dir / "fortunes", "one\n%\ntwo\n%\n%\nthree\n%\n");  // as /usr/share/games/fortunes/*
+  test::write_file(dir / "r.jsonl", "{\"text\": \"a%\\nb\"}\n");
+  ByteTokenizer tok;
+  auto stream_of = [&](const std::string& separator) {
+    TextDatasetOptions o{{(dir / "fortunes").string(), (dir / "r.jsonl").string()}, 1, 2, 0};
+    o.document_separator = separator;
+    return TextDataset(o, tok).stream();
+  };
+  auto doc = [](const std::string& text) {
+    Ids ids = {256};
+    for (unsigned char c : text) ids.push_back(c);
+    ids.push_back(257);
+    return ids;
+  };
+  auto join = [](std::initializer_list<Ids> docs) {
+    Ids all;
+    for (const Ids& d : docs) all.insert(all.end(), d.begin(), d.end());
+    return all;
+  };
+  EXPECT_EQ(stream_of("%\n"), join({doc("one\n"), doc("two\n"), doc("three\n"), doc("a%\nb")}));
+  EXPECT_EQ(stream_of(""), join({doc("one\n%\ntwo\n%\n%\nthree\n%\n"), doc("a%\nb")}));  // a file is one document
+  EXPECT_EQ(stream_of("\n%\n"), join({doc("one"), doc("two"), doc("%\nthree"), doc("a%\nb")}));
+  EXPECT_EQ(stream_of("nothing like it"), stream_of(""));
+}
+
+// A tokenizer.json like Llama 3's: the post-processor's template adds BOS (or BOS and EOS, or
+// nothing), tokenizer_config.json names both. Each document of a two-record JSON Lines file
+// gets exactly the ids of torchtitan's encode(text, add_bos=True, add_eos=True) on the
+// `tokenizers` library, run here: its post-processor's ids, BOS in front and EOS after unless
+// the post-processor adds them already. So EOS stands between the documents.
+TEST(TextDataset, JsonLinesDocumentsGetTheIdsOfTokenizersWithItsPostProcessor) {
+  if (!reference_missing().empty()) GTEST_SKIP() << reference_missing();
+  test::TempDir dir;
+  test::write_file(dir / "docs.jsonl", "{\"text\": \"the weather in the north\"}\n\n{\"text\": \"abc 123 h\\u00e9llo\\n\"}\n");
+  test::write_file(dir / "ref.py",
+                   "import json, sys\n"
+                   "from tokenizers import Tokenizer\n"
+                   "t = Tokenizer.from_file(sys.argv[1])\n"
+                   "cfg = json.load(open(sys.argv[2], encoding='utf-8'))\n"
+                   "name = lambda v: v['content'] if isinstance(v, dict) else v  # as torchtitan's _get_token_from_config\n"
+                   "bos, eos = t.token_to_id(name(cfg['bos_token'])), t.token_to_id(name(cfg['eos_token']))\n"
+                   "own = t.encode('').ids  # what the post-processor adds by itself (torchtitan's hf_adds_bos/eos)\n"
+                   "ids = []\n"
+                   "for line in open(sys.argv[3], encoding='utf-8'):\n"
+                   "    if not line.strip(): continue\n"
+                   "    doc = t.encode(json.loads(line)['text'], add_special_tokens=True).ids\n"
+                   "    ids += ([] if bos in own else [bos]) + doc + ([] if eos in own else [eos])\n"
+                   "json.dump(ids, open(sys.argv[4], 'w'))\n");
+  const json bos_item = {{"SpecialToken", {{"id", "<|begin_of_text|>"}, {"type_id", 0}}}};
+  const json eos_item = {{"SpecialToken", {{"id", "<|end_of_text|>"}, {"type_id", 0}}}};
+  const json text_item = {{"Sequence", {{"id", "A"}, {"type_id", 0}}}};
+  const std::vector<std::pair<std::string, json>> singles = {
+      {"bos", json::array({bos_item, text_item})},  // Llama 3's
+      {"bos_eos", json::array({bos_item, text_item, eos_item})},
+      {"none", json()}};
+  for (const auto& [name, single] : singles) {
+    const fs::path folder = dir / name;
+    fs::create_directories(folder);
+    json t = byte_level_bpe(false);
+    t["added_tokens"] = {added("<|begin_of_text|>", true), added("<|end_of_text|>", true)};  // ids 276, 277
+    t["post_processor"] = single.is_null() ? json()
+                                           : json{{"type", "TemplateProcessing"},
+                                                  {"single", single},
+                                                  {"pair", json::array({text_item})},
+                                                  {"special_tokens",
+                                                   {{"<|begin_of_text|>", {{"id", "<|begin_of_text|>"}, {"ids", {276}}, {"tokens", {"<|begin_of_text|>"}}}},
+                                                    {"<|end_of_text|>", {{"id", "<|end_of_text|>"}, {"ids", {277}}, {"tokens", {"<|end_of_text|>"}}}}}}};
+    test::write_file(folder / "tokenizer.json", t.dump());
+    test::write_file(folder / "tokenizer_config.json", R"({"bos_token": "<|begin_of_text|>", "eos_token": {"content": "<|end_of_text|>"}})");
+    const auto run = test::run_command("'" + kPython.string() + "' " + (dir / "ref.py").string() + " '" + (folder / "tokenizer.json").string() +
+                                       "' '" + (folder / "tokenizer_config.json").string() + "' " + (dir / "docs.jsonl").string() + " " +
+                                       (folder / "ref.json").string());
+    ASSERT_EQ(run.exit_code, 0) << run.output;
+    const Ids expected = json::parse(read(folder / "ref.json")).get<Ids>();
+
+    const auto tok = make_tokenizer(folder.string());
+    ASSERT_EQ(tok->bos_id(), 276);
+    ASSERT_EQ(tok->eos_id(), 277);
+    const TextDataset data({{(dir / "docs.jsonl").string()}, 1, 4, 0}, *tok);
+    EXPECT_EQ(data.stream(), expected) << name;
+    // Whatever the template: BOS doc EOS BOS doc EOS, each once per document.
+    ASSERT_GE(expected.size(), 6u) << name;
+    EXPECT_EQ(expected.front(), 276) << name;
+    EXPECT_EQ(expected.back(), 277) << name;
+    EXPECT_EQ(std::count(expected.begin(), expected.end(), 276), 2) << name;
+    EXPECT_EQ(std::count(expected.begin(), expected.end(), 277), 2) << name;
+    const auto second = std::find(expected.begin() + 1, expected.end(), 276);
+    ASSERT_NE(second, expected.end());
+    EXPECT_EQ(*(second - 1), 277) << name << ": EOS between the documents";
+  }
+}
+
 TEST(TextDataset, ErrorsNameTheFileAndWhatToDo) {
   test::TempDir dir;
   ByteTokenizer tok;
@@ -474,10 +593,10 @@ TEST(TextDataset, ErrorsNameTheFileAndWhatToDo) {
   test::write_file(dir / "broken.jsonl", "{\"text\": \"a\"}\n\n{\"text\": \n");
   EXPECT_THAT(error_of([&] { TextDataset(options(dir / "broken.jsonl", 1, 4, 0), tok); }),
               HasSubstr("broken.jsonl' line 3 is not valid JSON"));
-  test::write_file(dir / "short.txt", "0123456789");
-  EXPECT_THAT(error_of([&] { TextDataset(options(dir / "short.txt", 1, 10, 0), tok); }),
-              HasSubstr("short.txt' hold 10 tokens, but a sample needs seq_len + 1 = 11"));
-  EXPECT_NO_THROW(TextDataset(options(dir / "short.txt", 1, 9, 0), tok));
+  test::write_file(dir / "short.txt", "0123456789");  // BOS, 10 bytes, EOS
+  EXPECT_THAT(error_of([&] { TextDataset(options(dir / "short.txt", 1, 12, 0), tok); }),
+              HasSubstr("short.txt' hold 12 tokens, but a sample needs seq_len + 1 = 13"));
+  EXPECT_NO_THROW(TextDataset(options(dir / "short.txt", 1, 11, 0), tok));
   EXPECT_THAT(error_of([&] { TextDataset(options(dir / "short.txt", 4, 2, 0, 4, 4), tok); }),
               HasSubstr("rank 4 of world size 4"));
   EXPECT_THAT(error_of([&] { TextDataset(options(dir / "short.txt", 2, 2, 0, 0, 4), tok); }),
@@ -488,7 +607,10 @@ TEST(TextDataset, TokenizesTinyShakespeareWithTheHuggingFaceTokenizer) {
   if (!fs::exists(kSharedData / "tokenizer.json")) GTEST_SKIP() << "no " << kSharedData << " (shared data not on this machine)";
   const auto tok = make_tokenizer((kSharedData / "tokenizer.json").string());
   TextDataset data({{(kSharedData / "tinyshakespeare.txt").string()}, 8, 2048, 42, 1, 2}, *tok);
-  EXPECT_EQ(data.stream().back(), 2003);  // the document ends with EOS
+  // Its post-processor (ByteLevel) adds nothing: BOS and EOS come from tokenizer_config.json.
+  EXPECT_EQ(data.stream().front(), 2002);  // the document begins with BOS
+  EXPECT_EQ(data.stream().back(), 2003);   // and ends with EOS
+  EXPECT_EQ(std::count(data.stream().begin(), data.stream().end(), 2002), 1);
   const Batch b = data.next_batch();
   EXPECT_EQ(b.rows, 4);
   EXPECT_EQ(b.tokens.size(), 4u * 2048);

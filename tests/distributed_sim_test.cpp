@@ -23,7 +23,7 @@ namespace {
 using sharding::Placements;
 using ::testing::HasSubstr;
 
-constexpr std::int64_t kVocab = 256, kBatch = 4, kSeq = 8;
+constexpr std::int64_t kVocab = 258, kBatch = 4, kSeq = 8;  // kVocab: the byte tokenizer's (256 bytes, BOS, EOS)
 
 struct Layout {
   std::string name;

@@ -107,9 +107,27 @@ const std::map<std::string, std::map<std::string, std::string>>& value_aliases()
   return aliases;
 }
 
+// A TOML basic string: quotes, backslashes and control characters escaped (a separator such as
+// "%\n" must print back as the value it is).
 std::string quote(const std::string& s) {
   std::string out = "\"";
-  for (char c : s) out += (c == '"' || c == '\\') ? std::string("\\") + c : std::string(1, c);
+  for (char c : s) {
+    switch (c) {
+      case '"': out += "\\\""; break;
+      case '\\': out += "\\\\"; break;
+      case '\n': out += "\\n"; break;
+      case '\t': out += "\\t"; break;
+      case '\r': out += "\\r"; break;
+      default:
+        if (static_cast<unsigned char>(c) < 0x20 || c == 0x7F) {
+          char buf[8];
+          std::snprintf(buf, sizeof buf, "\\u%04X", static_cast<unsigned>(static_cast<unsigned char>(c)));
+          out += buf;
+        } else {
+          out += c;
+        }
+    }
+  }
   return out + "\"";
 }
 
@@ -199,6 +217,9 @@ const std::vector<KeySpec>& schema() {
       n("lr_scheduler.min_lr_factor", Type::floating, 0.0, "the decay ends at lr x this", 0, 1),
       k("data.paths", Type::string_list, L{}, "text or JSON Lines files (\"text\" field)"),
       n("data.seed", Type::integer, std::int64_t{0}, "seed of batch sampling", 0, 9.2e18),
+      k("data.document_separator", Type::string, std::string(""),
+        "split each plain text file into documents at this string (\"\": a file is one document), e.g. \"%\\n\" for fortune files; "
+        "each document gets the tokenizer's BOS and EOS (JSON Lines records are documents already)"),
       n("parallelism.data_parallel_replicate_degree", Type::integer, std::int64_t{1}, "DDP degree (mesh dim dp_replicate)", 1, 1e6),
       n("parallelism.data_parallel_shard_degree", Type::integer, std::int64_t{-1}, "FSDP degree (mesh dim dp_shard; -1: the ranks left)", -1, 1e6),
       n("parallelism.tensor_parallel_degree", Type::integer, std::int64_t{1}, "Megatron TP degree (mesh dim tp)", 1, 1e6),

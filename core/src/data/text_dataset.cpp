@@ -58,11 +58,21 @@ bool is_json_lines(const std::string& path, const std::string& text) {
   return false;
 }
 
-// Calls `document` with each document's text.
+// Calls `document` with each document's text: a JSON Lines record, or a plain text file cut
+// at `separator` (when not empty).
 template <class F>
-void for_each_document(const std::string& path, const std::string& text, F&& document) {
+void for_each_document(const std::string& path, const std::string& text, const std::string& separator, F&& document) {
   if (!is_json_lines(path, text)) {
-    document(std::string_view(text));
+    if (separator.empty()) {
+      document(std::string_view(text));
+      return;
+    }
+    const std::string_view all(text);
+    std::size_t begin = 0;
+    for (std::size_t at; (at = all.find(separator, begin)) != std::string_view::npos; begin = at + separator.size()) {
+      document(all.substr(begin, at - begin));
+    }
+    document(all.substr(begin));
     return;
   }
   std::istringstream lines(text);
@@ -99,13 +109,11 @@ TextDataset::TextDataset(const TextDatasetOptions& options, const Tokenizer& tok
                                 ": need 0 <= rank < world_size <= batch_size");
   }
   if (o.paths.empty()) throw std::invalid_argument("text data set: no files given. Set the data path.");
-  const auto eos = tokenizer.eos_id();
   for (const std::string& path : o.paths) {
-    for_each_document(path, read_file(path), [&](std::string_view text) {
+    for_each_document(path, read_file(path), o.document_separator, [&](std::string_view text) {
       if (text.empty()) return;
-      const std::vector<std::int64_t> ids = tokenizer.encode(text);
+      const std::vector<std::int64_t> ids = encode_document(tokenizer, text);
       stream_.insert(stream_.end(), ids.begin(), ids.end());
-      if (eos) stream_.push_back(*eos);
     });
   }
   std::string files;

@@ -932,6 +932,18 @@ std::string ByteTokenizer::decode(std::span<const std::int64_t> ids) const {
   return text;
 }
 
+std::vector<std::int64_t> encode_document(const Tokenizer& tokenizer, std::string_view text) {
+  std::vector<std::int64_t> ids = tokenizer.encode(text);
+  // What the tokenizer adds by itself shows in the ids of the empty text (torchtitan's test).
+  const auto bos = tokenizer.bos_id(), eos = tokenizer.eos_id();
+  if (!bos && !eos) return ids;
+  const std::vector<std::int64_t> own = tokenizer.encode("");
+  auto adds = [&](std::int64_t id) { return std::find(own.begin(), own.end(), id) != own.end(); };
+  if (bos && !adds(*bos)) ids.insert(ids.begin(), *bos);
+  if (eos && !adds(*eos)) ids.push_back(*eos);
+  return ids;
+}
+
 std::unique_ptr<Tokenizer> make_tokenizer(const std::string& spec) {
   if (spec == "byte") return std::make_unique<ByteTokenizer>();
   std::error_code ec;

@@ -173,10 +173,12 @@ class SignalDumper {
   std::thread thread_;
 };
 
-// What the token ids of a run mean, for checkpoints: "byte", or "tokenizer.json <FNV-1a of its
+// What the token ids of a run mean, for checkpoints: "byte (258 ids, BOS 256, EOS 257)", or "tokenizer.json <FNV-1a of its
 // bytes> (<n> ids)": another file with the same vocabulary size maps ids to other tokens.
 std::string tokenizer_fingerprint(const std::string& spec, std::int64_t vocab) {
-  if (spec == "byte") return "byte";
+  // "byte" alone was the 256-id byte tokenizer without BOS/EOS, before documents kept their
+  // boundaries: its checkpoints have 256 embedding rows and are refused on resume.
+  if (spec == "byte") return "byte (258 ids, BOS 256, EOS 257)";
   std::filesystem::path p = spec;
   std::error_code ec;
   if (std::filesystem::is_directory(p, ec)) p /= "tokenizer.json";
@@ -241,7 +243,10 @@ std::optional<std::int64_t> find_resume(const config::Config& cfg, const train::
     if (!saved.tokenizer.empty() && saved.tokenizer != tokenizer_id) {
       throw config::ConfigError(cfg.where({"model.tokenizer"}) + ": the checkpoint " + (ckpt_dir / ("step-" + std::to_string(*resume_step))).string() +
                                 " was saved with another tokenizer (" + saved.tokenizer + "), this run has " + tokenizer_id +
-                                " (model.tokenizer): its embeddings would mean other tokens; resume with the tokenizer it was trained with");
+                                " (model.tokenizer): its embeddings would mean other tokens; resume with the tokenizer it was trained with" +
+                                (saved.tokenizer == "byte" ? std::string(" (\"byte\" alone is the byte tokenizer of 256 ids and no BOS/EOS, before documents "
+                                                                         "kept their boundaries: that checkpoint cannot resume here; start afresh)")
+                                                           : std::string()));
     }
   }
   return resume_step;
@@ -912,7 +917,9 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
 
   std::string loaded_weights;
   TensorMap state = initial_state(spec, job, plan, env.rank, !resume_step, device->device(), &loaded_weights);
-  data::TextDataset dataset({spec.data.paths, spec.global_batch_size, spec.seq_len, spec.data.seed}, *tokenizer);
+  data::TextDatasetOptions data_options{spec.data.paths, spec.global_batch_size, spec.seq_len, spec.data.seed};
+  data_options.document_separator = spec.data.document_separator;
+  data::TextDataset dataset(data_options, *tokenizer);
 
   // Resume from the checkpoint found above, resharding when it was saved on another mesh or
   // strategy.

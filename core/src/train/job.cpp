@@ -242,7 +242,8 @@ void read_sections(const config::Config& cfg, JobSpec& s) {
   const std::filesystem::path dump = cfg.get_string("job.dump_folder");
   s.checkpoint = {cfg.get_bool("checkpoint.enable"), dump / cfg.get_string("checkpoint.folder"), cfg.get_int("checkpoint.interval"),
                   cfg.get_int("checkpoint.load_step"), cfg.get_string("checkpoint.initial_load_path")};
-  s.data = {cfg.get_list("data.paths"), static_cast<std::uint64_t>(cfg.get_int("data.seed")), cfg.get_string("model.tokenizer")};
+  s.data = {cfg.get_list("data.paths"), static_cast<std::uint64_t>(cfg.get_int("data.seed")), cfg.get_string("model.tokenizer"),
+            cfg.get_string("data.document_separator")};
   s.output = {dump, cfg.get_int("metrics.log_freq"), cfg.get_bool("debug.dump_initial_weights"), cfg.get_bool("debug.dump_batches")};
 }
 
@@ -424,9 +425,10 @@ void check_runnable(const config::Config& cfg) {
 }
 
 void check_data(const config::Config& cfg, const data::Tokenizer& tokenizer, const JobSpec& spec) {
-  data::TextDataset dataset({cfg.get_list("data.paths"), spec.global_batch_size, spec.seq_len,
-                             static_cast<std::uint64_t>(cfg.get_int("data.seed"))},
-                            tokenizer);
+  data::TextDatasetOptions options{cfg.get_list("data.paths"), spec.global_batch_size, spec.seq_len,
+                                   static_cast<std::uint64_t>(cfg.get_int("data.seed"))};
+  options.document_separator = cfg.get_string("data.document_separator");
+  data::TextDataset dataset(options, tokenizer);
   std::error_code ec;
   std::filesystem::create_directories(cfg.get_string("job.dump_folder"), ec);
   if (ec || !std::filesystem::is_directory(cfg.get_string("job.dump_folder"))) {

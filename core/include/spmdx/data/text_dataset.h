@@ -1,5 +1,14 @@
-// A text data set for language-model training: files tokenized into one stream of ids, from
-// which each step takes a batch of windows at seeded random positions. No LibTorch here.
+// A text data set for language-model training: files cut into documents, each tokenized with
+// BOS before and EOS after (encode_document), packed one after another into one stream of ids
+// (BOS doc EOS BOS doc EOS ...), from which each step takes a batch of windows at seeded random
+// positions. No LibTorch here.
+//
+// torchtitan packs the same stream (its HuggingFaceDataset encodes each sample with
+// add_bos=True, add_eos=True and appends it to a buffer), but cuts it into consecutive rows of
+// seq_len + 1 tokens in order. spmdx cuts each row at a seeded random position instead, so that
+// a step's global batch depends on (data.seed, sample index) alone: the same for any world size
+// and after a resume on another mesh. A row may therefore span a document boundary, as a
+// torchtitan row does; attention is not masked at boundaries in either.
 #pragma once
 
 #include <cstdint>
@@ -11,15 +20,21 @@
 namespace spmdx::data {
 
 struct TextDatasetOptions {
-  /// Plain text files (one document each) or JSON Lines files (one document per line, in its
-  /// "text" field; blank lines are skipped). A ".jsonl" or ".ndjson" file is JSON Lines, a ".txt"
-  /// file plain text; any other is JSON Lines when its first non-blank line is a JSON object.
+  /// Plain text files (one document each, unless document_separator splits them) or JSON Lines
+  /// files (one document per line, in its "text" field; blank lines are skipped). A ".jsonl" or
+  /// ".ndjson" file is JSON Lines, a ".txt" file plain text; any other is JSON Lines when its
+  /// first non-blank line is a JSON object.
   std::vector<std::string> paths;
   std::int64_t batch_size = 8;  ///< global rows per step, over all ranks
   std::int64_t seq_len = 2048;  ///< tokens per row
   std::uint64_t seed = 0;
   int rank = 0;  ///< data-parallel rank: gets rows [rank*B/W, (rank+1)*B/W) of each global batch
   int world_size = 1;
+  /// data.document_separator: when not empty, a plain text file is split into documents at each
+  /// occurrence of it (exactly as Python's str.split, the separator dropped), e.g. "%\n" for
+  /// the fortune files (/usr/share/games/fortunes/*, whose fortunes are separated by a line
+  /// holding "%"). JSON Lines records are documents as they are and are not split.
+  std::string document_separator = {};
 };
 
 /// One rank's rows of a step. tokens and labels: int64 ids, row-major [rows, seq_len];
@@ -40,8 +55,11 @@ struct TextDatasetState {
 
 class TextDataset {
  public:
-  /// Reads and tokenizes every file; each non-empty document is followed by the tokenizer's EOS
-  /// (when it has one). Throws std::runtime_error naming the file (and line, for JSON Lines)
+  /// Reads every file and cuts it into documents (each JSON Lines record, each text file or,
+  /// with document_separator, each piece of one); each non-empty document becomes
+  /// encode_document(tokenizer, text) = [BOS] ids [EOS] (see tokenizer.h), appended to the
+  /// stream in file order. Empty documents (an empty file, "text": "", two separators in a row or
+  /// one at the end of a file) are skipped, where torchtitan would pack a lone BOS EOS. Throws std::runtime_error naming the file (and line, for JSON Lines)
   /// when a file is missing or unreadable, a line is not JSON or has no string "text", the
   /// data holds no tokens, or the stream is shorter than seq_len + 1 tokens; and
   /// std::invalid_argument for batch_size or seq_len < 1, world_size < 1 or > batch_size, or
@@ -60,7 +78,7 @@ class TextDataset {
   TextDatasetState state() const { return state_; }
   void restore(const TextDatasetState& state) { state_ = state; }
 
-  /// The whole token stream, int64 ids.
+  /// The whole token stream, int64 ids: BOS doc EOS BOS doc EOS ... (as the tokenizer has them).
   const std::vector<std::int64_t>& stream() const { return stream_; }
   const TextDatasetOptions& options() const { return options_; }
 

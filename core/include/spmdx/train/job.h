@@ -65,7 +65,8 @@ struct CheckpointSpec {
 struct DataSpec {
   std::vector<std::string> paths;  ///< data.paths: text or JSON Lines files
   std::uint64_t seed = 0;          ///< data.seed: the order of the samples
-  std::string tokenizer;           ///< model.tokenizer: "bytes" or a tokenizer.json (folder)
+  std::string tokenizer;           ///< model.tokenizer: "byte" or a tokenizer.json (folder)
+  std::string document_separator;  ///< data.document_separator: splits text files into documents ("" off)
 };
 
 /// What a run writes besides checkpoints: job.dump_folder, [metrics], [debug].
