@@ -123,7 +123,9 @@ struct Propagator {
     for (auto it = graph.nodes().rbegin(); it != graph.nodes().rend(); ++it) {
       const ir::Node& node = **it;
       if (node.op() == "adamw") hint.emplace(node.input(1), plan.placement.at(node.input(0)));
-      if (node.op() == "mul" && hint.count(node.output()) && node.input(1)->meta().shape.empty()) {
+      // Through a multiply by a scalar (clipping's coefficient, gradient accumulation's 1 / microbatches).
+      const bool by_scalar = node.op() == "mul_scalar" || (node.op() == "mul" && node.input(1)->meta().shape.empty());
+      if (by_scalar && hint.count(node.output())) {
         hint.emplace(node.input(0), hint.at(node.output()));
       }
       if (node.op() == "cast" && hint.count(node.output()) && node.input(0)->producer() != nullptr) in_place.insert(&node);
