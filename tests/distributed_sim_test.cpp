@@ -23,7 +23,7 @@ namespace {
 using sharding::Placements;
 using ::testing::HasSubstr;
 
-constexpr std::int64_t kVocab = 258, kBatch = 4, kSeq = 8;  // kVocab: the byte tokenizer's (256 bytes, BOS, EOS)
+constexpr std::int64_t kVocab = 264, kBatch = 4, kSeq = 8;  // kVocab: the byte tokenizer's (256 bytes, BOS, EOS, padding)
 
 struct Layout {
   std::string name;

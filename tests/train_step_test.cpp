@@ -17,7 +17,7 @@ namespace {
 
 using ::testing::HasSubstr;
 
-constexpr std::int64_t kVocab = 258, kBatch = 4, kSeq = 16, kSteps = 20, kWarmup = 2;  // kVocab: the byte tokenizer's (256 bytes, BOS, EOS)
+constexpr std::int64_t kVocab = 264, kBatch = 4, kSeq = 16, kSteps = 20, kWarmup = 2;  // kVocab: the byte tokenizer's (256 bytes, BOS, EOS, padding)
 constexpr double kLr = 8e-4;
 
 // Real English text, written by the test so that it runs anywhere: the start of the README's

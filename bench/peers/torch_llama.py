@@ -27,7 +27,7 @@ FLAVORS = {  # spmdx's models::model_args
     "debugmodel": dict(dim=256, n_layers=6, n_heads=16, ffn_hidden=768),
     "large": dict(dim=2048, n_layers=8, n_heads=16, ffn_hidden=5632),
 }
-VOCAB = 258  # spmdx's "byte" tokenizer: 256 bytes, BOS 256, EOS 257
+VOCAB = 264  # spmdx's "byte" tokenizer: 256 bytes, BOS 256, EOS 257, padded to a multiple of 8
 
 
 class Attention(nn.Module):

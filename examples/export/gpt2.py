@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from common import main
 
 # VOCAB: the ids of spmdx's "byte" tokenizer (256 bytes, BOS 256, EOS 257).
-VOCAB, DIM, LAYERS, HEADS, BLOCK, BATCH, SEQ = 258, 64, 2, 4, 64, 8, 32
+VOCAB, DIM, LAYERS, HEADS, BLOCK, BATCH, SEQ = 264, 64, 2, 4, 64, 8, 32
 
 
 class CausalSelfAttention(nn.Module):

@@ -34,8 +34,9 @@ const std::vector<TitanKey>& table() {
       {"checkpoint.create_seed_checkpoint", K::unsupported, "seed checkpoints", {"false"}, ""},
       {"checkpoint.exclude_from_loading", K::unsupported, "loading part of a checkpoint", {"[]"}, ""},
       {"checkpoint.load_only", K::unsupported, "load-only checkpointing", {"false"}, ""},
-      {"validation.enable", K::unsupported, "validation", {"false"}, ""},
-      {"validation.enabled", K::unsupported, "validation", {"false"}, ""},
+      {"validation.enabled", K::alias, "validation.enable", {}, ""},
+      {"validation.dataset", K::unsupported, "torchtitan's named data sets (c4_validation)", {}, "spmdx reads text or JSON Lines files: set validation.paths"},
+      {"validation.dataset_path", K::unsupported, "torchtitan's data set folders", {}, "spmdx reads text or JSON Lines files: set validation.paths"},
       {"fault_tolerance.enable", K::unsupported, "TorchFT fault tolerance", {"false"}, ""},
       {"experimental.custom_import", K::unsupported, "importing Python modules", {"\"\""}, ""},
       {"experimental.custom_args_module", K::unsupported, "extending the config with Python", {"\"\""}, ""},
@@ -45,8 +46,6 @@ const std::vector<TitanKey>& table() {
       {"job.print_config", K::ignored, "", {}, "spmdx run --print-config prints the effective config"},
       {"job.use_for_integration_test", K::ignored, "", {}, "torchtitan's own test suite"},
       {"job.config_file", K::ignored, "", {}, "spmdx takes the config file as its argument"},
-      {"metrics.enable_tensorboard", K::ignored, "", {}, "spmdx writes metrics.jsonl; no TensorBoard event files yet"},
-      {"metrics.save_tb_folder", K::ignored, "", {}, "no TensorBoard event files yet"},
       {"metrics.disable_color_printing", K::ignored, "", {}, "spmdx prints no colors"},
       {"metrics.enable_wandb", K::ignored, "", {}, "no Weights & Biases logging"},
       {"metrics.save_for_all_ranks", K::ignored, "", {}, "rank 0 writes the metrics"},
@@ -77,7 +76,6 @@ const std::vector<TitanKey>& table() {
       {"comm.train_timeout_seconds", K::ignored, "", {}, "spmdx has one comm.timeout_seconds for start-up and training"},
       {"comm.trace_buf_size", K::ignored, "", {}, "spmdx's flight recorder is a hook: hooks.enable = [\"flight_recorder\"], hooks.flight_recorder.size"},
       {"comm.save_traces_folder", K::ignored, "", {}, "the flight recorder writes <job.dump_folder>/hooks/flight_recorder"},
-      {"profiling.*", K::ignored, "", {}, "spmdx has no PyTorch profiler traces yet (the timeline hook records every op: hooks.enable = [\"timeline\"])"},
       {"activation_checkpoint.*", K::ignored, "", {},
        "it tunes torchtitan's checkpoint wrapper; spmdx's recomputation is a graph pass set by activation_checkpoint.mode and "
        "selective_ac_option, and changes the memory, not the numbers"},
@@ -88,7 +86,7 @@ const std::vector<TitanKey>& table() {
       {"memory_estimation.*", K::ignored, "", {}, "spmdx compile prints the memory of each rank"},
       {"fault_tolerance.*", K::ignored, "", {}, "TorchFT options, used only with fault_tolerance.enable"},
       {"experimental.*", K::ignored, "", {}, "torchtitan's experimental options"},
-      {"validation.*", K::ignored, "", {}, "validation options, used only with validation.enable"},
+      {"profiling.*", K::ignored, "", {}, "other profiler options (spmdx profiles the whole of each chosen step)"},
   };
   return keys;
 }

@@ -274,11 +274,11 @@ struct DistributedExecutor::Step {
   }
   double started = 0, finished = 0;
   if (is.work->times(started, finished)) comm_spans.emplace_back(started, finished);
-  if (ex.hooks_ != nullptr) {
+  if (ex.spans_on()) {
     is.info.state = CollectiveState::completed;
     is.info.started_at = started;
     is.info.finished_at = finished > 0 ? finished : waited;
-    ex.hooks_->collective(is.info);
+    if (ex.hooks_ != nullptr) ex.hooks_->collective(is.info);
     if (started > 0) ex.spans_.push_back({is.info.op, "comm", started, finished, is.info.bytes});
     if (exposed && waited - wall0 > 1e-6) ex.spans_.push_back({"wait " + is.info.op, "compute", wall0, waited, 0});
   }
@@ -296,7 +296,7 @@ struct DistributedExecutor::Step {
 
   // Hands a call to the backend: counts it, tells the hooks.
   void issue(const std::shared_ptr<Issued>& is, const ir::Node& n, const at::Tensor& x, std::size_t mesh_dim, const std::string& what) {
-  if (ex.hooks_ != nullptr) {
+  if (ex.spans_on()) {
     is->info.index = collective_index;
     is->info.op = n.op();
     is->info.mesh_dim = static_cast<int>(mesh_dim);
@@ -466,7 +466,7 @@ TensorMap DistributedExecutor::run(const TensorMap& inputs, std::int64_t step) {
     if (kernels_[index] != nullptr) {
       std::vector<at::Tensor> args;
       for (const ir::Value* v : n.inputs()) args.push_back(s.value(v));
-      const double t0 = hooks_ ? wall_seconds() : 0;
+      const double t0 = spans_on() ? wall_seconds() : 0;
       std::vector<at::Tensor> out;
       if (in_place_[index] != nullptr && writable(n, args, memory_.in_place[index])) {
         out = (*in_place_[index])(n, args, memory_.in_place[index]);
@@ -474,7 +474,7 @@ TensorMap DistributedExecutor::run(const TensorMap& inputs, std::int64_t step) {
         if (in_place_[index] != nullptr) ++stats_.in_place_fallbacks;
         out = (*kernels_[index])(n, args);
       }
-      if (hooks_ != nullptr) spans_.push_back({n.op(), "compute", t0, wall_seconds(), 0});
+      if (spans_on()) spans_.push_back({n.op(), "compute", t0, wall_seconds(), 0});
       for (std::size_t i = 0; i < out.size(); ++i) s.keep(n.outputs()[i], std::move(out[i]));
     } else if (const bool skip = ++s.collective_index == skip_.second && step == skip_.first; skip && plan_.bucket_of[index] < 0) {
       // The planted fault: this rank skips the collective; its output is the input (all_reduce)

@@ -38,6 +38,8 @@
 #include "spmdx/exec/distributed.h"
 #include "spmdx/exec/shards.h"
 #include "spmdx/exec/trainer.h"
+#include "spmdx/exec/profiler.h"
+#include "spmdx/metrics/tensorboard.h"
 #include "spmdx/core/version.h"
 #include "spmdx/launch/rendezvous.h"
 #include "spmdx/hooks/hook_set.h"
@@ -173,12 +175,12 @@ class SignalDumper {
   std::thread thread_;
 };
 
-// What the token ids of a run mean, for checkpoints: "byte (258 ids, BOS 256, EOS 257)", or "tokenizer.json <FNV-1a of its
+// What the token ids of a run mean, for checkpoints: "byte (264 ids, BOS 256, EOS 257)", or "tokenizer.json <FNV-1a of its
 // bytes> (<n> ids)": another file with the same vocabulary size maps ids to other tokens.
 std::string tokenizer_fingerprint(const std::string& spec, std::int64_t vocab) {
   // "byte" alone was the 256-id byte tokenizer without BOS/EOS, before documents kept their
   // boundaries: its checkpoints have 256 embedding rows and are refused on resume.
-  if (spec == "byte") return "byte (258 ids, BOS 256, EOS 257)";
+  if (spec == "byte") return "byte (264 ids, BOS 256, EOS 257)";
   std::filesystem::path p = spec;
   std::error_code ec;
   if (std::filesystem::is_directory(p, ec)) p /= "tokenizer.json";
@@ -342,12 +344,40 @@ TensorMap initial_state(const train::JobSpec& spec, train::PlacedJob& job, const
   return state;
 }
 
+// What metrics.enable_tensorboard writes: TensorBoard tag (torchtitan's names where it has
+// them), the metrics.jsonl key, and the factor from the key's unit to the tag's.
+struct TensorBoardScalar {
+  const char* tag;
+  const char* key;
+  double scale;
+};
+constexpr TensorBoardScalar kTensorBoardScalars[] = {
+    {"loss_metrics/global_avg_loss", "loss", 1.0},
+    {"grad_norm", "grad_norm", 1.0},
+    {"lr", "lr", 1.0},
+    {"throughput(tps)", "tokens_per_s", 1.0},
+    {"time_metrics/end_to_end(s)", "step_ms", 1e-3},
+    {"time_metrics/comm(s)", "comm_ms", 1e-3},
+    {"time_metrics/exposed_comm(s)", "exposed_comm_ms", 1e-3},
+    {"memory/max_active(GiB)", "peak_mem_bytes", 1.0 / (1024.0 * 1024.0 * 1024.0)},
+    {"memory/planned_peak(GiB)", "planned_peak_mem_bytes", 1.0 / (1024.0 * 1024.0 * 1024.0)},
+    {"validation_metrics/loss", "val_loss", 1.0},
+    {"validation_metrics/perplexity", "val_perplexity", 1.0},
+};
+
+std::string format_number(double v, int decimals) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.*f", decimals, v);
+  return buf;
+}
+
 // Rank 0's metrics: <dump>/metrics.jsonl (a resumed run keeps the rows before its first step
 // and appends), the banner, a JSON row per step and a printed line every metrics.log_freq.
 class MetricsWriter {
  public:
   MetricsWriter(const train::OutputSpec& output, std::int64_t first_step, bool checkpointing, std::int64_t planned_peak_bytes, std::int64_t microbatches)
       : dump_(output.dump_folder), log_freq_(output.log_freq), planned_peak_(planned_peak_bytes), microbatches_(microbatches) {
+    if (!output.tensorboard_folder.empty()) tensorboard_.emplace(output.tensorboard_folder);
     std::filesystem::create_directories(dump_);
     if (first_step > 1) {
       // Resumed: keep the history of the steps up to the checkpoint, drop those past it (a run
@@ -392,15 +422,23 @@ class MetricsWriter {
     next_row_ = nlohmann::json::object();
     out_ << row.dump() << "\n" << std::flush;
     if (!out_) throw std::runtime_error("cannot write " + file().string() + ": " + std::strerror(errno));
+    if (tensorboard_) {
+      for (const auto& [tag, key, scale] : kTensorBoardScalars) {
+        if (row.contains(key)) tensorboard_->add_scalar(tag, row.at(key).get<double>() * scale, step);
+      }
+      tensorboard_->flush();
+    }
+    std::string validation;
+    if (row.contains("val_loss")) validation = " | val_loss " + format_number(row.at("val_loss").get<double>(), 4);
     if (step % log_freq_ == 0 || step == last_step) {
       char scale[96] = "";
       if (scaling) std::snprintf(scale, sizeof scale, " | loss scale %.9g%s", scaling->first, scaling->second ? " (overflow: update skipped)" : "");
       if (std::isnan(grad_norm)) grad_norm = std::fabs(grad_norm);  // "nan", not "-nan": a float16 overflow's
       char accum[32] = "";
       if (microbatches_ > 1) std::snprintf(accum, sizeof accum, " | accum %lld", static_cast<long long>(microbatches_));
-      std::printf("step %4lld | loss %8.4f | grad_norm %7.3f | lr %.2e | %9.0f tok/s | %7.1f ms | exposed comm %4.1f%% | peak %s%s%s\n",
+      std::printf("step %4lld | loss %8.4f | grad_norm %7.3f | lr %.2e | %9.0f tok/s | %7.1f ms | exposed comm %4.1f%% | peak %s%s%s%s\n",
                   static_cast<long long>(step), loss, grad_norm, lr, tokens_per_s, st.total * 1e3, 100.0 * st.exposed_comm / st.total,
-                  human_bytes(static_cast<double>(st.peak_bytes)).c_str(), accum, scale);
+                  human_bytes(static_cast<double>(st.peak_bytes)).c_str(), accum, validation.c_str(), scale);
       std::fflush(stdout);
     }
   }
@@ -410,8 +448,66 @@ class MetricsWriter {
   std::int64_t log_freq_;
   std::int64_t planned_peak_;  ///< plan_memory's peak of this rank's step (bytes)
   std::int64_t microbatches_;  ///< gradient accumulation's, shown on the step line when > 1
+  std::optional<metrics::EventWriter> tensorboard_;  ///< metrics.enable_tensorboard's event file
   std::ofstream out_;
   nlohmann::json next_row_ = nlohmann::json::object();
+};
+
+// [validation]: the forward-only graph on the job's mesh with its own executor (which donates
+// nothing: it reads the train state), and the held-out data, read from its start at each
+// validation so that every validation sees the same batches (as torchtitan's validator makes a
+// fresh iterator over its data loader each time).
+struct Validation {
+  Validation(const train::JobSpec& spec, const train::PlacedJob& job, std::int64_t rank, CommBackend* backend, double timeout, Device& device,
+             const data::Tokenizer& tokenizer)
+      : placed(train::place_validation(spec, job)),
+        plan(sharding::propagate(placed.model.graph, job.mesh, placed.inputs, {}, job.use, false)),
+        graph(sharding::rank_graph(plan, rank)),
+        executor(graph, job.mesh, rank, backend, timeout, options(spec.plan), &device),
+        dataset(train::validation_data(spec), tokenizer),
+        steps(spec.validation.steps > 0 ? spec.validation.steps
+                                        : std::max<std::int64_t>(1, static_cast<std::int64_t>(dataset.stream().size()) /
+                                                                        (spec.validation.global_batch_size * spec.seq_len))),
+        mesh(job.mesh),
+        coord(job.mesh.coordinate(rank)),
+        on(device.device()) {}
+
+  static plan::PlanOptions options(plan::PlanOptions o) {
+    o.donate_state = false;  // the inputs are the train state: never a buffer of this graph's
+    return o;
+  }
+
+  // The mean loss of `steps` held-out batches under the state's weights. Throws what the
+  // executor throws (CommError when a collective fails).
+  double run(const TensorMap& state) {
+    c10::InferenceMode no_autograd;
+    dataset.restore({});
+    const sharding::Placements& tokens_pl = plan.placement.at(placed.model.graph.find_input("tokens"));
+    const sharding::Placements& labels_pl = plan.placement.at(placed.model.graph.find_input("labels"));
+    const std::int64_t rows = dataset.options().batch_size, seq = dataset.options().seq_len;
+    double sum = 0;
+    for (std::int64_t i = 0; i < steps; ++i) {
+      const data::Batch batch = dataset.next_batch();
+      TensorMap feed;
+      for (const ir::Value* in : graph.inputs()) {
+        if (const auto it = state.find(in->name()); it != state.end()) feed.emplace(in->name(), it->second);
+      }
+      feed["tokens"] = shard_tensor(at::tensor(batch.tokens, at::kLong).reshape({rows, seq}), tokens_pl, mesh, coord).to(on);
+      feed["labels"] = shard_tensor(at::tensor(batch.labels, at::kLong).reshape({rows, seq}), labels_pl, mesh, coord).to(on);
+      sum += executor.run(feed).at("loss").item<double>();
+    }
+    return sum / static_cast<double>(steps);
+  }
+
+  train::PlacedValidation placed;
+  sharding::DistributedPlan plan;
+  ir::Graph graph;
+  DistributedExecutor executor;
+  data::TextDataset dataset;
+  std::int64_t steps;
+  const sharding::DeviceMesh& mesh;
+  std::vector<std::int64_t> coord;
+  c10::Device on;
 };
 
 // A step whose collectives failed on some rank (the ranks' vote said so, or this rank's own
@@ -504,6 +600,8 @@ struct StepLoop {
   std::size_t events_told = 0;  // of chain->events(), said in a metrics row
   std::vector<FallbackEvent> strategy_events{};  // the layouts passed over at start, for the first row
   std::int64_t planned_peak = 0;  // bytes: the memory plan's peak of the step, with the failover's state copy
+  Validation* validation = nullptr;  // [validation]
+  StepProfiler* profiler = nullptr;  // [profiling]
 
   // Where a resumed job's checkpoint left the optimizer's count and, for float16, the loss
   // scale (a count past this run's growth interval grows it at the next clean step).
@@ -592,11 +690,22 @@ struct StepLoop {
     const double loss_scale = scaler.scale;
     if (loss_scaling) feed["loss_scale"] = at::scalar_tensor(loss_scale, at::TensorOptions().dtype(at::kFloat).device(on));
     TensorMap out;
+    const bool profiling = profiler != nullptr && profiler->chosen(step);
+    if (profiling) {
+      executor.set_record_spans(true);
+      profiler->start();
+    }
     try {
       out = run_step(feed, step);
     } catch (const CommError& e) {
+      if (profiling) profiler->cancel(), executor.set_record_spans(false);
       if (failover) throw StepFailed(e.what(), false);
       throw;
+    }
+    if (profiling) {
+      const std::filesystem::path trace = profiler->stop(step, executor.spans());
+      executor.set_record_spans(hooks.empty() ? false : true);
+      if (lead) std::printf("profiler: step %lld traced in %s (and the other ranks' beside it)\n", static_cast<long long>(step), trace.string().c_str());
     }
     if (failover) {
       if (const std::string no = vote(*store, vote_key(step), env.rank, env.world_size, "", timeout + 30); !no.empty()) throw StepFailed(no, true);
@@ -609,6 +718,10 @@ struct StepLoop {
       state.at(fault.tensor).add_(fault.delta);  // its name was checked before the first step; in place: a CUDA graph reads it
     }
     const double loss = out.at("loss").item<double>();
+    if (validation != nullptr && step % spec.validation.freq == 0) {
+      const double val_loss = validation->run(state);
+      if (metrics) metrics->add_to_next_row("val_loss", val_loss), metrics->add_to_next_row("val_perplexity", std::exp(val_loss));
+    }
     if (!std::isfinite(loss)) {
       throw std::runtime_error("step " + std::to_string(step) + ": the loss is " + std::to_string(loss) +
                                (spec.mixed_precision.param == "float16"
@@ -636,6 +749,7 @@ struct StepLoop {
       backend.reset();
       backend = join_backend(registry, next, spec.comm, env, *store, generation);
       executor.set_backend(backend.get());
+      if (validation != nullptr) validation->executor.set_backend(backend.get());
       if (lead && (step / swap_every) % std::max<std::int64_t>(1, log_freq) == 0) {
         std::printf("after step %lld: swapped the comm backend to %s%s\n", static_cast<long long>(step), next == "auto" ? "auto -> " : "",
                     backend->describe().c_str());
@@ -681,8 +795,10 @@ struct StepLoop {
     const std::string why = f.voted ? f.what() : vote(*store, vote_key(step), env.rank, env.world_size, f.what(), timeout + 30);
     ++recoveries;
     executor.set_backend(nullptr);
+    if (validation != nullptr) validation->executor.set_backend(nullptr);
     backend = chain->replace(std::move(backend), step, why);
     executor.set_backend(backend.get());
+    if (validation != nullptr) validation->executor.set_backend(backend.get());
     for (auto& [name, t] : before) state[name] = std::move(t);
     before.clear();
     dataset.restore(data_before);
@@ -959,6 +1075,24 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
                 metrics ? &*metrics : nullptr, fault, timeout, ckpt_dir, tokenizer_id};
   loop.strategy_events = strategy_events(spec);
   loop.planned_peak = planned.peak_bytes;
+  std::optional<Validation> validation;
+  if (spec.validation.enable) {
+    validation.emplace(spec, job, env.rank, backend.get(), timeout, *device, *tokenizer);
+    loop.validation = &*validation;
+    if (lead) {
+      std::printf("validation: every %lld steps, the mean loss of %lld held-out batches of %lld x %lld tokens (%zu tokens in validation.paths)%s\n",
+                  static_cast<long long>(spec.validation.freq), static_cast<long long>(validation->steps), static_cast<long long>(spec.validation.global_batch_size),
+                  static_cast<long long>(spec.seq_len), validation->dataset.stream().size(),
+                  std::any_of(spec.validation.paths.begin(), spec.validation.paths.end(), [&](const std::string& p) {
+                    return std::find(spec.data.paths.begin(), spec.data.paths.end(), p) != spec.data.paths.end();
+                  }) ? "; warning: a validation file is also in data.paths, so its text is trained on" : "");
+    }
+  }
+  std::optional<StepProfiler> profiler;
+  if (spec.output.profile_freq > 0) {
+    profiler.emplace(spec.output.traces_folder, spec.output.profile_freq, env.rank, device->device().is_cuda());
+    loop.profiler = &*profiler;
+  }
   if (resume_step) loop.resume(resumed);
   const auto run_start = Clock::now();
   const auto [first_loss, last_loss] = loop.run(first_step, joined.server != nullptr);

@@ -1,6 +1,7 @@
 #include "spmdx/train/job.h"
 
 #include <algorithm>
+#include <ctime>
 #include <filesystem>
 #include <functional>
 #include <limits>
@@ -204,9 +205,11 @@ void read_batch(const config::Config& cfg, const std::vector<std::int64_t>& expo
   // Gradient accumulation, as torchtitan: a global batch larger than local_batch_size x the
   // data-parallel degree runs in microbatches of local_batch_size rows per rank. Unset
   // local_batch_size with a global batch: one microbatch (torchtitan's default of 8 rows would
-  // split it; the losses are the same either way, only the memory differs).
+  // split it; the losses are the same either way, only the memory differs); so is a global
+  // batch smaller than one microbatch (torchtitan refuses it; a command line's smaller global
+  // batch over a config's local_batch_size means fewer rows).
   const bool local_set = cfg.is_set("training.local_batch_size");
-  if (global > 0 && local_set && degrees_ok && problems.lines.empty()) {
+  if (global > 0 && local_set && degrees_ok && problems.lines.empty() && global > cfg.get_int("training.local_batch_size") * dp) {
     const std::int64_t local = cfg.get_int("training.local_batch_size");
     const std::int64_t rows = local * dp;
     if (!exported.empty()) {
@@ -244,7 +247,36 @@ void read_sections(const config::Config& cfg, JobSpec& s) {
                   cfg.get_int("checkpoint.load_step"), cfg.get_string("checkpoint.initial_load_path")};
   s.data = {cfg.get_list("data.paths"), static_cast<std::uint64_t>(cfg.get_int("data.seed")), cfg.get_string("model.tokenizer"),
             cfg.get_string("data.document_separator")};
-  s.output = {dump, cfg.get_int("metrics.log_freq"), cfg.get_bool("debug.dump_initial_weights"), cfg.get_bool("debug.dump_batches")};
+  s.output = {dump, cfg.get_int("metrics.log_freq"), cfg.get_bool("debug.dump_initial_weights"), cfg.get_bool("debug.dump_batches"), {}, 0, {}};
+  if (cfg.get_bool("metrics.enable_tensorboard")) {
+    char stamp[32];
+    const std::time_t now = std::time(nullptr);
+    std::strftime(stamp, sizeof stamp, "%Y%m%d-%H%M", std::localtime(&now));  // torchtitan's run folder
+    s.output.tensorboard_folder = dump / cfg.get_string("metrics.save_tb_folder") / stamp;
+  }
+  if (cfg.get_bool("profiling.enable_profiling")) {
+    s.output.profile_freq = cfg.get_int("profiling.profile_freq");
+    s.output.traces_folder = dump / cfg.get_string("profiling.save_traces_folder");
+  }
+  s.validation = {cfg.get_bool("validation.enable"), cfg.get_list("validation.paths"), cfg.get_int("validation.freq"), cfg.get_int("validation.steps"),
+                  cfg.get_int("validation.local_batch_size") * s.dims.dp_replicate * s.dims.dp_shard};
+}
+
+void check_validation(const config::Config& cfg, const JobSpec& s, Problems& problems) {
+  if (!s.validation.enable) return;
+  if (s.validation.paths.empty()) {
+    problems.add({"validation.enable", "validation.paths"}, "validation.enable = true needs held-out text: set validation.paths to text or JSON Lines files");
+  }
+  if (cfg.get_int("validation.steps") == 0) problems.add({"validation.steps"}, "validation.steps must be >= 1, or -1 (as many batches as the held-out tokens fill once)");
+  if (const std::int64_t v = cfg.get_int("validation.seq_len"); v != -1 && v != s.seq_len) {
+    problems.add({"validation.seq_len", "training.seq_len"}, "validation.seq_len " + std::to_string(v) + " differs from training.seq_len " + std::to_string(s.seq_len) +
+                 ": the model's RoPE tables are made for training.seq_len; remove validation.seq_len (or set it to " + std::to_string(s.seq_len) + ")");
+  }
+  if (s.model.name == "pt2" && s.validation.global_batch_size != s.global_batch_size / s.step.microbatches) {
+    problems.add({"validation.local_batch_size", "model.path"}, "validation.local_batch_size x the data-parallel degree = " + std::to_string(s.validation.global_batch_size) +
+                 " rows, but " + s.model.path + " was exported for a batch of " + std::to_string(s.global_batch_size / s.step.microbatches) +
+                 " rows: set validation.local_batch_size to " + std::to_string(s.global_batch_size / s.step.microbatches / (s.dims.dp_replicate * s.dims.dp_shard)));
+  }
 }
 
 // The context of hooks made to check a plan, not to run: rank 0's place in the job's mesh.
@@ -368,6 +400,7 @@ JobSpec job_spec(const config::Config& cfg, std::int64_t world_size, std::int64_
   s.step.adamw = {cfg.get_float("optimizer.beta1"), cfg.get_float("optimizer.beta2"), cfg.get_float("optimizer.eps"),
                   cfg.get_float("optimizer.weight_decay")};
   read_sections(cfg, s);
+  check_validation(cfg, s, problems);
   s.step.loss_scaling = s.mixed_precision.param == "float16";
   if (s.activation_checkpoint.keep_collective_outputs && s.activation_checkpoint.mode == "none") {
     fail({"activation_checkpoint.keep_collective_outputs"}, "activation_checkpoint.keep_collective_outputs = true keeps what a recomputation "
@@ -400,6 +433,15 @@ void check_runnable(const config::Config& cfg) {
       break;  // one missing file says enough
     }
   }
+  if (cfg.get_bool("validation.enable")) {
+    for (const auto& p : cfg.get_list("validation.paths")) {
+      std::error_code ec;
+      if (!std::filesystem::is_regular_file(p, ec)) {
+        fail({"validation.paths"}, "validation.paths: '" + p + "' is not a readable file");
+        break;
+      }
+    }
+  }
   if (cfg.get_int("comm.swap_at_step") > 0 && cfg.get_string("comm.swap_to").empty()) {
     fail({"comm.swap_at_step", "comm.swap_to"}, "comm.swap_at_step is set but comm.swap_to is empty: name the backend to swap to (e.g. \"ucx:tls=tcp,self\")");
   }
@@ -429,6 +471,13 @@ void check_data(const config::Config& cfg, const data::Tokenizer& tokenizer, con
                                    static_cast<std::uint64_t>(cfg.get_int("data.seed"))};
   options.document_separator = cfg.get_string("data.document_separator");
   data::TextDataset dataset(options, tokenizer);
+  if (spec.validation.enable) {
+    try {
+      data::TextDataset held_out(validation_data(spec), tokenizer);
+    } catch (const std::exception& e) {
+      throw config::ConfigError(cfg.where({"validation.paths"}) + ": the held-out text: " + e.what());
+    }
+  }
   std::error_code ec;
   std::filesystem::create_directories(cfg.get_string("job.dump_folder"), ec);
   if (ec || !std::filesystem::is_directory(cfg.get_string("job.dump_folder"))) {
@@ -753,6 +802,23 @@ PlacedJob place_job(const JobSpec& spec, PluginRegistry& registry) {
   }
   for (const auto& s : train_state_names(job.model.params)) job.outputs["next." + s] = job.inputs.at(s);
   return job;
+}
+
+data::TextDatasetOptions validation_data(const JobSpec& spec) {
+  data::TextDatasetOptions options{spec.validation.paths, spec.validation.global_batch_size, spec.seq_len, spec.data.seed};
+  options.document_separator = spec.data.document_separator;
+  return options;
+}
+
+PlacedValidation place_validation(const JobSpec& spec, const PlacedJob& job) {
+  PlacedValidation v{models::build_model(spec.model, spec.validation.global_batch_size, spec.seq_len), {}};
+  if (spec.mixed_precision.param != "float32") {
+    v.model.graph = cast_for_mixed_precision(v.model.graph, spec.mixed_precision.param == "float16" ? ir::DType::f16 : ir::DType::bf16);
+  }
+  for (const ir::Value* in : v.model.graph.inputs()) {  // buffers (RoPE tables) have no placement given: replicated, as the train step's
+    if (const auto it = job.inputs.find(in->name()); it != job.inputs.end()) v.inputs[in->name()] = it->second;
+  }
+  return v;
 }
 
 std::int64_t local_parameter_bytes(const PlacedJob& job, std::int64_t rank) {

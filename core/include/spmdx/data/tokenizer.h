@@ -42,7 +42,10 @@ class Tokenizer {
 std::vector<std::int64_t> encode_document(const Tokenizer& tokenizer, std::string_view text);
 
 /// Id i (0..255) is the byte i of the UTF-8 text; id 256 is BOS and 257 EOS (kBos, kEos), which
-/// encode() never gives (encode_document() adds them); vocab_size 258. Before documents kept
+/// encode() never gives (encode_document() adds them); ids 258..263 are never used: vocab_size
+/// 264 pads the vocabulary to a multiple of 8, so that tensor parallelism of degree 2, 4 or 8
+/// splits the embedding and output rows evenly (Megatron pads its vocabulary likewise,
+/// --make-vocab-size-divisible-by). Before documents kept
 /// their boundaries the byte tokenizer had 256 ids and no BOS/EOS: a checkpoint of that time
 /// (tokenizer "byte" in its metadata) is refused on resume, as its embeddings have 256 rows.
 /// decode() returns the bytes as they are (invalid UTF-8 when ids split a character), and skips
@@ -53,7 +56,7 @@ class ByteTokenizer final : public Tokenizer {
   static constexpr std::int64_t kEos = 257;
   std::vector<std::int64_t> encode(std::string_view text) const override;
   std::string decode(std::span<const std::int64_t> ids) const override;
-  std::int64_t vocab_size() const override { return 258; }
+  std::int64_t vocab_size() const override { return 264; }
   std::optional<std::int64_t> bos_id() const override { return kBos; }
   std::optional<std::int64_t> eos_id() const override { return kEos; }
 };

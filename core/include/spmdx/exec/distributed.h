@@ -69,8 +69,11 @@ class DistributedExecutor {
   /// Reports every collective (issued, completed, failed) to `hooks`, and keeps the last run's
   /// compute and comm spans for StepInfo (spans()). Null: off.
   void set_hooks(hooks::HookSet* hooks) { hooks_ = hooks; }
-  /// The last run's spans (only with hooks set).
+  /// The last run's spans (only with hooks set, or set_record_spans(true)).
   const std::vector<Span>& spans() const noexcept { return spans_; }
+  /// Keeps the compute and comm spans of the runs from now on without hooks (the profiler's
+  /// steps, whose trace gets them).
+  void set_record_spans(bool on) { record_spans_ = on; }
   /// Fault injection for testing the debug hooks: in `step`, this rank does not issue its
   /// collective number `index` (0-based, among the step's collective nodes in plan order, as
   /// CollectiveInfo::index counts them; a bucket member: the whole bucket) and goes on with
@@ -117,6 +120,8 @@ class DistributedExecutor {
   double timeout_;
   RunStats stats_;
   hooks::HookSet* hooks_ = nullptr;
+  bool record_spans_ = false;
+  bool spans_on() const noexcept { return hooks_ != nullptr || record_spans_; }
   bool capturing_ = false;
   std::vector<Span> spans_;
   std::pair<std::int64_t, std::int64_t> skip_{-1, -1};

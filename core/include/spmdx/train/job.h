@@ -14,6 +14,7 @@
 
 #include "spmdx/comm.h"
 #include "spmdx/config/config.h"
+#include "spmdx/data/text_dataset.h"
 #include "spmdx/data/tokenizer.h"
 #include "spmdx/hooks/hook_set.h"
 #include "spmdx/models/model.h"
@@ -75,6 +76,23 @@ struct OutputSpec {
   std::int64_t log_freq = 1;          ///< metrics.log_freq: a printed line every this many steps
   bool dump_initial_weights = false;  ///< debug.dump_initial_weights: debug/initial.safetensors
   bool dump_batches = false;          ///< debug.dump_batches: debug/batches/step-N.{tokens,labels}.npy
+  /// metrics.enable_tensorboard: rank 0's event files in tensorboard_folder (empty: off), the
+  /// folder job.dump_folder / metrics.save_tb_folder / YYYYmmdd-HHMM as torchtitan's.
+  std::filesystem::path tensorboard_folder;
+  /// [profiling]: Kineto traces of every profile_freq-th step in
+  /// job.dump_folder / save_traces_folder / iteration_N / rankR_trace.json (0: off).
+  std::int64_t profile_freq = 0;
+  std::filesystem::path traces_folder;
+};
+
+/// [validation] (torchtitan's): every `freq` steps, the mean loss of `steps` batches of
+/// held-out text, by a forward-only graph of the same model on the same mesh.
+struct ValidationSpec {
+  bool enable = false;
+  std::vector<std::string> paths;  ///< validation.paths: text or JSON Lines files
+  std::int64_t freq = 500;
+  std::int64_t steps = -1;          ///< batches per validation; -1: as many as the held-out tokens fill once (resolved at run time)
+  std::int64_t global_batch_size = 8;  ///< validation.local_batch_size x the data-parallel degree
 };
 
 struct JobSpec {
@@ -111,7 +129,8 @@ struct JobSpec {
   CommSpec comm;              ///< [comm] but the plan's options
   CheckpointSpec checkpoint;  ///< [checkpoint]
   DataSpec data;              ///< [data] and model.tokenizer
-  OutputSpec output;          ///< job.dump_folder, [metrics], [debug]
+  OutputSpec output;          ///< job.dump_folder, [metrics], [debug], [profiling]
+  ValidationSpec validation;  ///< [validation]
 };
 
 /// The RuntimePlan's options from [comm]: bucket_cap_mb and first_bucket_cap_mb (MiB ->
@@ -204,6 +223,19 @@ PlanValidator validator_hooks(const config::Config& cfg, PluginRegistry& registr
 /// Without fallbacks: only the memory budget's fit. Throws std::invalid_argument naming each
 /// layout and why, when none serves.
 void choose_strategies(JobSpec& spec, PluginRegistry& registry, const PlanValidator& validate);
+
+/// The forward-only graph of validation ([validation]): the model's forward and loss (with the
+/// train step's mixed precision) for validation.global_batch_size rows, and where its inputs
+/// go: parameters and buffers as the train step's `job` places them (read at their use
+/// placements, FSDP's unshard), the batch as the strategies place the train step's.
+struct PlacedValidation {
+  models::Model model;
+  std::map<std::string, sharding::Placements> inputs;
+};
+PlacedValidation place_validation(const JobSpec& spec, const PlacedJob& job);
+/// The held-out data set's options: validation.paths, its global batch and training.seq_len,
+/// data.seed and data.document_separator (the same documents and sampling as training's).
+data::TextDatasetOptions validation_data(const JobSpec& spec);
 
 /// "dp_shard=fsdp, tp=tensor_parallel": a layout for messages ("the default strategies" when empty).
 std::string layout_text(const std::map<std::string, std::string>& strategies);
