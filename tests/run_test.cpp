@@ -82,8 +82,8 @@ TEST(Run, ActivationCheckpointingChangesNoLossAndLowersThePeak) {
   test::TempDir dir;
   const std::string common = " --data.paths '" + corpus_file(dir) + "' --training.steps 3 --training.global_batch_size 8 --training.seq_len 64";
   for (const auto& [layout, nproc] : std::vector<std::pair<std::string, int>>{
-           {"--parallelism.data_parallel_shard_degree 1", 1},
-           {"--parallelism.data_parallel_shard_degree 2 --parallelism.tensor_parallel_degree 2", 4}}) {
+           {"--parallelism.data_parallel_shard_degree 1 --training.local_batch_size 8", 1},  // one microbatch: the whole batch's activations
+           {"--parallelism.data_parallel_shard_degree 2 --parallelism.tensor_parallel_degree 2 --training.local_batch_size 4", 4}}) {
     std::map<std::string, std::vector<double>> loss, peak;
     std::map<std::string, std::vector<double>> collectives;
     for (const std::string mode : {"none", "full", "selective", "full_keep"}) {

@@ -430,7 +430,8 @@ int run_compile(const CompileOptions& o) {
   char comm_ms[32];
   std::snprintf(comm_ms, sizeof comm_ms, "%.2f", plan.comm_seconds * 1e3);
   std::cout << "model " << spmdx::models::model_label(spec.model) << " (vocab " << spec.model.vocab_size << "), " << job.model.graph.num_nodes()
-            << " nodes; mesh " << job.mesh.str() << " (" << world << " ranks); global batch " << spec.global_batch_size << " x " << spec.seq_len << "\n"
+            << " nodes; mesh " << job.mesh.str() << " (" << world << " ranks); global batch " << spec.global_batch_size << " x " << spec.seq_len
+            << (spec.step.microbatches > 1 ? " in " + std::to_string(spec.step.microbatches) + " microbatches (gradient accumulation)" : std::string()) << "\n"
             << "per rank (rank 0): parameters " << spmdx::human_bytes(param) << ", gradients " << spmdx::human_bytes(param) << ", AdamW state "
             << spmdx::human_bytes(2 * param) << ", communication " << spmdx::human_bytes(plan.comm_bytes) << " sent per step (about "
             << comm_ms << " ms at 10 GB/s, 10 us per message)\n"
