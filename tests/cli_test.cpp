@@ -156,10 +156,10 @@ TEST(Cli, StrategiesTableBindsAMeshDimToAPlugin) {
   const std::string config = "compile '" SPMDX_SOURCE_DIR "/configs/llama_fsdp.toml' --world-size 4";
   auto fsdp = spmdx(config);
   ASSERT_EQ(fsdp.exit_code, 0) << fsdp.output;
-  EXPECT_THAT(fsdp.output, HasSubstr("parameters 136.3 KiB"));
+  EXPECT_THAT(fsdp.output, HasSubstr("parameters 137.3 KiB"));
   auto ddp = spmdx(config + " --parallelism.strategies.dp_shard data_parallel");
   ASSERT_EQ(ddp.exit_code, 0) << ddp.output;
-  EXPECT_THAT(ddp.output, HasSubstr("parameters 545.2 KiB"));
+  EXPECT_THAT(ddp.output, HasSubstr("parameters 549.2 KiB"));
   auto typo = spmdx(config + " --parallelism.strategies.dp_shrad data_parallel");
   EXPECT_EQ(typo.exit_code, 1);
   EXPECT_THAT(typo.output, HasSubstr("names mesh dim 'dp_shrad'; the mesh dims are dp_replicate, dp_shard and tp; did you mean 'dp_shard'?"));

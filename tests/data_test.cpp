@@ -586,7 +586,7 @@ TEST(TextDataset, ErrorsNameTheFileAndWhatToDo) {
               HasSubstr("'" + missing.string() + "' does not exist"));
   test::write_file(dir / "empty.txt", "");
   EXPECT_THAT(error_of([&] { TextDataset(options(dir / "empty.txt", 1, 4, 0), tok); }),
-              HasSubstr("empty.txt' hold no text (0 tokens)"));
+              HasSubstr("empty.txt' holds no text (0 tokens)"));
   test::write_file(dir / "bad.jsonl", "{\"text\": \"a\"}\n{\"body\": \"b\"}\n");
   EXPECT_THAT(error_of([&] { TextDataset(options(dir / "bad.jsonl", 1, 4, 0), tok); }),
               HasSubstr("bad.jsonl' line 2 has no \"text\" field"));
@@ -595,7 +595,7 @@ TEST(TextDataset, ErrorsNameTheFileAndWhatToDo) {
               HasSubstr("broken.jsonl' line 3 is not valid JSON"));
   test::write_file(dir / "short.txt", "0123456789");  // BOS, 10 bytes, EOS
   EXPECT_THAT(error_of([&] { TextDataset(options(dir / "short.txt", 1, 12, 0), tok); }),
-              HasSubstr("short.txt' hold 12 tokens, but a sample needs seq_len + 1 = 13"));
+              HasSubstr("short.txt' holds 12 tokens, but a sample needs seq_len + 1 = 13"));
   EXPECT_NO_THROW(TextDataset(options(dir / "short.txt", 1, 11, 0), tok));
   EXPECT_THAT(error_of([&] { TextDataset(options(dir / "short.txt", 4, 2, 0, 4, 4), tok); }),
               HasSubstr("rank 4 of world size 4"));

@@ -35,8 +35,6 @@ const std::vector<TitanKey>& table() {
       {"checkpoint.exclude_from_loading", K::unsupported, "loading part of a checkpoint", {"[]"}, ""},
       {"checkpoint.load_only", K::unsupported, "load-only checkpointing", {"false"}, ""},
       {"validation.enabled", K::alias, "validation.enable", {}, ""},
-      {"validation.dataset", K::unsupported, "torchtitan's named data sets (c4_validation)", {}, "spmdx reads text or JSON Lines files: set validation.paths"},
-      {"validation.dataset_path", K::unsupported, "torchtitan's data set folders", {}, "spmdx reads text or JSON Lines files: set validation.paths"},
       {"fault_tolerance.enable", K::unsupported, "TorchFT fault tolerance", {"false"}, ""},
       {"experimental.custom_import", K::unsupported, "importing Python modules", {"\"\""}, ""},
       {"experimental.custom_args_module", K::unsupported, "extending the config with Python", {"\"\""}, ""},
@@ -86,7 +84,13 @@ const std::vector<TitanKey>& table() {
       {"memory_estimation.*", K::ignored, "", {}, "spmdx compile prints the memory of each rank"},
       {"fault_tolerance.*", K::ignored, "", {}, "TorchFT options, used only with fault_tolerance.enable"},
       {"experimental.*", K::ignored, "", {}, "torchtitan's experimental options"},
-      {"profiling.*", K::ignored, "", {}, "other profiler options (spmdx profiles the whole of each chosen step)"},
+      {"validation.dataset", K::ignored, "", {}, "torchtitan's named data sets; spmdx reads the text or JSON Lines files of validation.paths"},
+      {"validation.dataset_path", K::ignored, "", {}, "torchtitan's data set location; spmdx reads the text or JSON Lines files of validation.paths "
+                                                      "(e.g. validation.paths = [\"val.jsonl\"])"},
+      {"profiling.profiler_active", K::ignored, "", {}, "spmdx profiles the whole of each chosen step (profiling.profile_freq)"},
+      {"profiling.profiler_warmup", K::ignored, "", {}, "spmdx profiles the whole of each chosen step (profiling.profile_freq)"},
+      {"profiling.enable_memory_snapshot", K::unsupported, "CUDA memory snapshots", {"false"}, ""},
+      {"profiling.save_memory_snapshot_folder", K::ignored, "", {}, "used only with enable_memory_snapshot"},
   };
   return keys;
 }

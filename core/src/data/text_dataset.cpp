@@ -60,20 +60,22 @@ bool is_json_lines(const std::string& path, const std::string& text) {
 
 // Calls `document` with each document's text: a JSON Lines record, or a plain text file cut
 // at `separator` (when not empty).
+// Returns how many separators a plain text file held (-1 for JSON Lines).
 template <class F>
-void for_each_document(const std::string& path, const std::string& text, const std::string& separator, F&& document) {
+std::int64_t for_each_document(const std::string& path, const std::string& text, const std::string& separator, F&& document) {
   if (!is_json_lines(path, text)) {
     if (separator.empty()) {
       document(std::string_view(text));
-      return;
+      return 0;
     }
     const std::string_view all(text);
     std::size_t begin = 0;
-    for (std::size_t at; (at = all.find(separator, begin)) != std::string_view::npos; begin = at + separator.size()) {
+    std::int64_t found = 0;
+    for (std::size_t at; (at = all.find(separator, begin)) != std::string_view::npos; begin = at + separator.size(), ++found) {
       document(all.substr(begin, at - begin));
     }
     document(all.substr(begin));
-    return;
+    return found;
   }
   std::istringstream lines(text);
   std::size_t number = 0;
@@ -93,6 +95,7 @@ void for_each_document(const std::string& path, const std::string& text, const s
     if (!j["text"].is_string()) throw std::runtime_error(where + ": \"text\" is not a string.");
     document(std::string_view(j["text"].get_ref<const std::string&>()));
   }
+  return -1;
 }
 
 }  // namespace
@@ -109,18 +112,22 @@ TextDataset::TextDataset(const TextDatasetOptions& options, const Tokenizer& tok
                                 ": need 0 <= rank < world_size <= batch_size");
   }
   if (o.paths.empty()) throw std::invalid_argument("text data set: no files given. Set the data path.");
+  std::int64_t text_files = 0, separators = 0;
   for (const std::string& path : o.paths) {
-    for_each_document(path, read_file(path), o.document_separator, [&](std::string_view text) {
+    const std::int64_t found = for_each_document(path, read_file(path), o.document_separator, [&](std::string_view text) {
       if (text.empty()) return;
       const std::vector<std::int64_t> ids = encode_document(tokenizer, text);
       stream_.insert(stream_.end(), ids.begin(), ids.end());
     });
+    if (found >= 0) ++text_files, separators += found;
   }
   std::string files;
   for (const std::string& path : o.paths) files += (files.empty() ? "'" : ", '") + path + "'";
-  if (stream_.empty()) throw std::runtime_error("text data set: " + files + " hold no text (0 tokens). Point the data path at non-empty files.");
+  separators_ = text_files > 0 ? separators : -1;
+  const std::string hold = o.paths.size() == 1 ? " holds " : " hold ";
+  if (stream_.empty()) throw std::runtime_error("text data set: " + files + hold + "no text (0 tokens). Point the data path at non-empty files.");
   if (static_cast<std::int64_t>(stream_.size()) < o.seq_len + 1) {
-    throw std::runtime_error("text data set: " + files + " hold " + std::to_string(stream_.size()) +
+    throw std::runtime_error("text data set: " + files + hold + std::to_string(stream_.size()) +
                              " tokens, but a sample needs seq_len + 1 = " + std::to_string(o.seq_len + 1) +
                              " (its labels reach one token further). Use a shorter seq_len or more data.");
   }

@@ -7,6 +7,8 @@
 #include <limits>
 #include <set>
 
+#include <unistd.h>
+
 #include "spmdx/comm/select.h"
 #include "spmdx/core/log.h"
 #include "spmdx/text.h"
@@ -471,19 +473,56 @@ void check_data(const config::Config& cfg, const data::Tokenizer& tokenizer, con
                                    static_cast<std::uint64_t>(cfg.get_int("data.seed"))};
   options.document_separator = cfg.get_string("data.document_separator");
   data::TextDataset dataset(options, tokenizer);
+  auto separator_unused = [&](const data::TextDataset& d, const std::string& key) {
+    if (options.document_separator.empty() || d.separators() != 0) return;
+    std::string shown;  // as a TOML basic string writes it
+    for (const char c : options.document_separator) shown += c == '\n' ? "\\n" : c == '\t' ? "\\t" : c == '\\' ? "\\\\" : std::string(1, c);
+    SPMDX_WARN(cfg.where({"data.document_separator"}) << ": data.document_separator \"" << shown << "\" occurs nowhere in the text files of " << key
+                                                       << ": each file is one document. A command line takes the value as written (\"\\n\" is a backslash "
+                                                          "and an n there): write a real newline, e.g. $'%\\n' in bash, or set the key in the TOML file");
+  };
+  separator_unused(dataset, "data.paths");
   if (spec.validation.enable) {
+    std::optional<data::TextDataset> held_out;
     try {
-      data::TextDataset held_out(validation_data(spec), tokenizer);
+      held_out.emplace(validation_data(spec), tokenizer);
     } catch (const std::exception& e) {
       throw config::ConfigError(cfg.where({"validation.paths"}) + ": the held-out text: " + e.what());
     }
+    separator_unused(*held_out, "validation.paths");
+    const std::int64_t batch_tokens = spec.validation.global_batch_size * spec.seq_len;
+    const std::int64_t fills = static_cast<std::int64_t>(held_out->stream().size()) / batch_tokens;
+    const std::string what = "validation.paths hold " + std::to_string(held_out->stream().size()) + " tokens, " + std::to_string(fills) +
+                             " batch" + (fills == 1 ? "" : "es") + " of validation.local_batch_size x " + std::to_string(spec.dims.dp_replicate * spec.dims.dp_shard) +
+                             " data-parallel ranks x seq_len " + std::to_string(spec.seq_len) + " = " + std::to_string(batch_tokens) + " tokens";
+    if (fills == 0) {
+      throw config::ConfigError(cfg.where({"validation.paths", "validation.local_batch_size"}) + ": " + what +
+                                ": a validation needs one at least; add held-out text or lower validation.local_batch_size");
+    }
+    if (spec.validation.steps > fills) {
+      throw config::ConfigError(cfg.where({"validation.steps"}) + ": validation.steps " + std::to_string(spec.validation.steps) + " asks for more batches than " +
+                                what + ": the held-out text would be read twice; use at most " + std::to_string(fills) + ", or -1 for all of them");
+    }
+    if (spec.validation.freq > spec.steps) {
+      SPMDX_WARN(cfg.where({"validation.freq"}) << ": validation.freq " << spec.validation.freq << " is more than training.steps " << spec.steps
+                                                << ": validation never runs");
+    }
   }
-  std::error_code ec;
-  std::filesystem::create_directories(cfg.get_string("job.dump_folder"), ec);
-  if (ec || !std::filesystem::is_directory(cfg.get_string("job.dump_folder"))) {
-    throw config::ConfigError(cfg.where({"job.dump_folder"}) + ": job.dump_folder '" +
-                              cfg.get_string("job.dump_folder") + "' cannot be made: " + ec.message());
+  if (spec.output.profile_freq > spec.steps) {
+    SPMDX_WARN(cfg.where({"profiling.profile_freq"}) << ": profiling.profile_freq " << spec.output.profile_freq << " is more than training.steps " << spec.steps
+                                                     << ": no step is profiled");
   }
+  auto make_folder = [&](const std::filesystem::path& folder, const std::string& key) {
+    std::error_code ec;
+    std::filesystem::create_directories(folder, ec);
+    if (ec || !std::filesystem::is_directory(folder) || ::access(folder.c_str(), W_OK) != 0) {
+      throw config::ConfigError(cfg.where({key}) + ": " + key + " '" + cfg.get_string(key) + "': the folder " + folder.string() + " cannot be made or written" +
+                                (ec ? " (" + ec.message() + ")" : std::string()) + ": name a folder this user may write");
+    }
+  };
+  make_folder(cfg.get_string("job.dump_folder"), "job.dump_folder");
+  if (!spec.output.tensorboard_folder.empty()) make_folder(spec.output.tensorboard_folder.parent_path(), "metrics.save_tb_folder");
+  if (spec.output.profile_freq > 0) make_folder(spec.output.traces_folder, "profiling.save_traces_folder");
 }
 
 namespace {

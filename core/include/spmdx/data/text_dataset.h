@@ -75,6 +75,10 @@ class TextDataset {
   /// Where global sample `sample` starts in stream(): its tokens are [start, start + seq_len).
   std::int64_t sample_start(std::uint64_t sample) const;
 
+  /// How many times document_separator occurred in the plain text files (-1: there are none,
+  /// only JSON Lines). 0 with a separator set usually means it was mistyped.
+  std::int64_t separators() const { return separators_; }
+
   TextDatasetState state() const { return state_; }
   void restore(const TextDatasetState& state) { state_ = state; }
 
@@ -86,6 +90,7 @@ class TextDataset {
   TextDatasetOptions options_;
   std::vector<std::int64_t> stream_;
   TextDatasetState state_;
+  std::int64_t separators_ = -1;
 };
 
 }  // namespace spmdx::data
