@@ -59,6 +59,32 @@ TEST_P(Pt2Run, FourRanksGiveTheLossesOfOneRank) {
 // appended, complex rotary, GQA; hf_llama: the built-in plan's Hugging Face names.
 INSTANTIATE_TEST_SUITE_P(Examples, Pt2Run, ::testing::Values("gpt2", "torchtitan_llama", "hf_llama"));
 
+// Gradient accumulation of an exported program: microbatches of its batch (8 rows); a global
+// batch of 16 on 1, 2 and 4 ranks gives the same losses, and one that is no multiple of 8 is
+// refused naming the export's rows.
+TEST(Pt2RunAccumulation, MicrobatchesOfTheExportedBatchGiveTheSameLossesOnAnyMesh) {
+  test::TempDir dir;
+  test::corpus_file(dir);
+  std::vector<std::vector<double>> runs;
+  for (const auto& [nproc, local] : std::vector<std::pair<int, int>>{{1, 8}, {2, 4}, {4, 2}}) {
+    const std::string name = "ranks" + std::to_string(nproc);
+    auto r = run_example("gpt2", dir, name, nproc, "--parallelism.data_parallel_shard_degree " + std::to_string(nproc) +
+                                                       " --parallelism.tensor_parallel_degree 1 --training.global_batch_size 16 --training.local_batch_size " +
+                                                       std::to_string(local));
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_THAT(r.output, HasSubstr("| accum 2"));
+    runs.push_back(test::losses(dir / name / "metrics.jsonl"));
+    ASSERT_EQ(runs.back().size(), 4u);
+  }
+  for (std::size_t k = 1; k < runs.size(); ++k) {
+    for (std::size_t i = 0; i < runs[0].size(); ++i) EXPECT_NEAR(runs[k][i], runs[0][i], 1e-5 * runs[0][i]) << "run " << k << " step " << i + 1;
+  }
+  auto bad = run_example("gpt2", dir, "bad", 2, "--parallelism.data_parallel_shard_degree 2 --parallelism.tensor_parallel_degree 1 --training.global_batch_size 12 "
+                                                "--training.local_batch_size 4");
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_THAT(bad.output, HasSubstr("training.global_batch_size 12 is not a multiple of the 8 rows"));
+}
+
 // Bad files and configs: a clear error, exit 1, and no rank started (nothing in the dump folder).
 TEST(Pt2RunErrors, BadInputFailsBeforeAnyRankStarts) {
   test::TempDir dir;

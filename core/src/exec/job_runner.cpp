@@ -927,9 +927,11 @@ void print_banner(const train::JobSpec& spec, const train::PlacedJob& job, const
               backend ? ((spec.comm.backend == "auto" ? "auto -> " : "") + backend->describe()).c_str() : "none (one rank)",
               at::get_num_threads(), at::get_num_threads() == 1 ? "" : "s");
   if (const std::int64_t m = spec.step.microbatches; m > 1) {
-    std::printf("gradient accumulation: %lld microbatches of %lld rows per data-parallel rank (training.local_batch_size), one optimizer step and one gradient reduction per step\n",
-                static_cast<long long>(m), static_cast<long long>(spec.global_batch_size / (m * spec.dims.dp_replicate * spec.dims.dp_shard)));
+    const std::int64_t rows = spec.global_batch_size / (m * spec.dims.dp_replicate * spec.dims.dp_shard);
+    std::printf("gradient accumulation: %lld microbatches of %lld row%s per data-parallel rank (training.local_batch_size), one optimizer step and one gradient reduction per step\n",
+                static_cast<long long>(m), static_cast<long long>(rows), rows == 1 ? "" : "s");
   }
+  if (!spec.output.tensorboard_folder.empty()) std::printf("TensorBoard: event files in %s\n", spec.output.tensorboard_folder.string().c_str());
   for (const auto& e : strategy_events(spec)) std::printf("fallback: %s\n", e.str().c_str());  // before the memory lines, which are of the layout chosen
   if (const CheckpointReport& ac = job.checkpointed; spec.activation_checkpoint.mode != "none") {
     std::printf("activation checkpointing %s%s: %lld layers recompute %lld nodes in the backward; %s of forward values (global) not kept\n",

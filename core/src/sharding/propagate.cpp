@@ -76,6 +76,9 @@ struct Propagator {
   // Placements to make a value in as soon as it exists: `use` for inputs, and for gradients
   // their parameter's placement (through the clipping multiply by a scalar).
   std::map<const ir::Value*, Placements> hint, use_of;
+  // Addends of a hinted sum (find_hints): their producers choose the strategy that moves the
+  // fewest input bytes first, the cheapest second.
+  std::set<const ir::Value*> accumulating;
   // Placements graph outputs must end in: a strategy that produces them otherwise pays for the
   // redistribution (so the optimizer's new state comes out as its input was).
   std::map<const ir::Value*, Placements> demand;
@@ -129,6 +132,15 @@ struct Propagator {
         hint.emplace(node.input(0), hint.at(node.output()));
       }
       if (node.op() == "cast" && hint.count(node.output()) && node.input(0)->producer() != nullptr) in_place.insert(&node);
+      // A gradient summed over microbatches (gradient accumulation) or over a parameter's uses
+      // is redistributed once, where the sum is wanted: each addend is best made where it
+      // stands, moving nothing (a Partial sum), however cheap moving its inputs looks for one
+      // microbatch, as every microbatch would pay it again.
+      if (node.op() == "add" && (hint.count(node.output()) > 0 || accumulating.count(node.output()) > 0)) {
+        for (const ir::Value* in : node.inputs()) {
+          if (in->meta().shape == node.output()->meta().shape) accumulating.insert(in);
+        }
+      }
     }
     for (const ir::Value* v : graph.inputs()) {
       if (auto h = hint.find(v); h != hint.end()) make(v, h->second);
@@ -137,8 +149,9 @@ struct Propagator {
 
   // The cost of strategy c for mesh dim i of `node`, the dims before i already chosen (in_pl):
   // the bytes its inputs' redistribution sends, plus the bytes of the outputs the rank computes.
+  // With moves_only: the bytes its inputs' redistribution sends alone.
   double cost(const ir::Node& node, int i, const OpStrategy& c, const std::vector<Placements>& in_pl, const std::vector<Shape>& seen_in,
-              const std::vector<Shape>& seen_out) const {
+              const std::vector<Shape>& seen_out, bool moves_only = false) const {
     const std::size_t n_in = node.inputs().size(), n_out = node.outputs().size();
     double total = 0;
     std::set<std::pair<const ir::Value*, std::string>> counted;
@@ -171,6 +184,7 @@ struct Propagator {
         total += m.alpha * m.beta;
       }
     }
+    if (moves_only) return total;
     // Work: what the rank computes, as the bytes of the local outputs it produces. A
     // strategy that replicates an output this mesh dim could split makes every rank of the
     // dim do the same work; comm bytes alone would favour it when the input it gathers is
@@ -203,11 +217,13 @@ struct Propagator {
         seen_out.push_back(shape_after(mesh, sofar, node.outputs()[a]->meta().shape, zero, i));
       }
       const auto candidates = op_strategies(node, seen_in, seen_out, mesh.size(i));
-      double best_cost = -1;
+      const bool addend = std::any_of(node.outputs().begin(), node.outputs().end(), [&](const ir::Value* o) { return accumulating.count(o) > 0; });
+      double best_cost = -1, best_moves = 0;
       const OpStrategy* best = nullptr;
       for (const auto& c : candidates) {
         const double cost_c = cost(node, i, c, in_pl, seen_in, seen_out);
-        if (best == nullptr || cost_c < best_cost) best = &c, best_cost = cost_c;
+        const double moves = addend ? cost(node, i, c, in_pl, seen_in, seen_out, true) : 0;
+        if (best == nullptr || moves < best_moves || (moves == best_moves && cost_c < best_cost)) best = &c, best_cost = cost_c, best_moves = moves;
       }
       for (std::size_t a = 0; a < n_in; ++a) in_pl[a].push_back(best->inputs[a]);
       for (std::size_t a = 0; a < n_out; ++a) out_pl[a].push_back(best->outputs[a]);

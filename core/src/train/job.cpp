@@ -183,18 +183,33 @@ void read_batch(const config::Config& cfg, const std::vector<std::int64_t>& expo
   const std::int64_t dp = s.dims.dp_replicate * s.dims.dp_shard;
   const std::int64_t global = cfg.get_int("training.global_batch_size");
   s.global_batch_size = global > 0 ? global : cfg.get_int("training.local_batch_size") * dp;
-  if (!exported.empty()) {  // a program's batch and sequence are fixed when it is exported
+  // An exported program runs microbatches of its batch: local_batch_size x dp = the export's
+  // rows, and a global batch a multiple of them.
+  const bool pt2_microbatches = !exported.empty() && global > exported[0] && cfg.is_set("training.local_batch_size") &&
+                                cfg.get_int("training.local_batch_size") * dp == exported[0];
+  if (pt2_microbatches && global % exported[0] != 0) {
+    problems.add({"training.global_batch_size", "model.path"}, "training.global_batch_size " + std::to_string(global) + " is not a multiple of the " +
+                 std::to_string(exported[0]) + " rows " + s.model.path + " was exported for (gradient accumulation runs microbatches of them): make it a multiple of " +
+                 std::to_string(exported[0]));
+  } else if (pt2_microbatches) {
+    s.step.microbatches = global / exported[0];
+  } else if (!exported.empty()) {  // a program's batch and sequence are fixed when it is exported
     const bool local_set = global <= 0 && cfg.is_set("training.local_batch_size");
     if ((global > 0 || local_set) && s.global_batch_size != exported[0]) {
       problems.add({global > 0 ? "training.global_batch_size" : "training.local_batch_size", "model.path"},
                    (global > 0 ? "training.global_batch_size " + std::to_string(global) : "training.local_batch_size " + std::to_string(cfg.get_int("training.local_batch_size")) + " x " + std::to_string(dp) + " data-parallel ranks = " + std::to_string(s.global_batch_size)) +
-                   ", but " + s.model.path + " was exported for a batch of " + std::to_string(exported[0]) + " rows: remove the key or export with that batch");
+                   ", but " + s.model.path + " was exported for a batch of " + std::to_string(exported[0]) +
+                   " rows: remove the key or export with that batch (or, for gradient accumulation, set training.local_batch_size to " +
+                   (exported[0] % dp == 0 ? std::to_string(exported[0] / dp) : std::string("its rows / the data-parallel degree")) + " and global_batch_size to a multiple of " +
+                   std::to_string(exported[0]) + ")");
     }
+  }
+  if (!exported.empty()) {
     if (cfg.is_set("training.seq_len") && cfg.get_int("training.seq_len") != exported[1]) {
       problems.add({"training.seq_len", "model.path"}, "training.seq_len " + std::to_string(cfg.get_int("training.seq_len")) + ", but " + s.model.path + " was exported for sequences of " +
                    std::to_string(exported[1]) + " tokens: remove the key or export with that length");
     }
-    s.global_batch_size = exported[0];
+    s.global_batch_size = exported[0] * s.step.microbatches;
   }
   if (degrees_ok && !exported.empty() && exported[0] % dp != 0) {
     problems.add({kDegreeKeys[0], kDegreeKeys[1], "model.path"}, s.model.path + " was exported for a batch of " + std::to_string(exported[0]) + " rows, which does not split over the " +
@@ -211,15 +226,10 @@ void read_batch(const config::Config& cfg, const std::vector<std::int64_t>& expo
   // batch smaller than one microbatch (torchtitan refuses it; a command line's smaller global
   // batch over a config's local_batch_size means fewer rows).
   const bool local_set = cfg.is_set("training.local_batch_size");
-  if (global > 0 && local_set && degrees_ok && problems.lines.empty() && global > cfg.get_int("training.local_batch_size") * dp) {
+  if (global > 0 && local_set && degrees_ok && problems.lines.empty() && global > cfg.get_int("training.local_batch_size") * dp && exported.empty()) {
     const std::int64_t local = cfg.get_int("training.local_batch_size");
     const std::int64_t rows = local * dp;
-    if (!exported.empty()) {
-      if (local * dp != exported[0]) {
-        problems.add({"training.local_batch_size", "model.path"}, "training.local_batch_size " + std::to_string(local) + " x " + std::to_string(dp) + " data-parallel ranks = " +
-                     std::to_string(rows) + " rows, but " + s.model.path + " was exported for a batch of " + std::to_string(exported[0]) + " rows: remove the key");
-      }
-    } else if (global % rows != 0) {
+    if (global % rows != 0) {
       problems.add({"training.global_batch_size", "training.local_batch_size", kDegreeKeys[0], kDegreeKeys[1]},
                    "training.global_batch_size " + std::to_string(global) + " is not a multiple of training.local_batch_size " + std::to_string(local) + " x " +
                    std::to_string(dp) + " data-parallel ranks = " + std::to_string(rows) + " (gradient accumulation runs global / (local x data-parallel degree) "

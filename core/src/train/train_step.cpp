@@ -25,13 +25,18 @@ namespace {
 // its own (a linear's input, once per weight reading it: q, k and v), and sharding then moves
 // each copy on its own (three all_gathers of one activation under TP). Views cost nothing to
 // share, so sharing them changes no number and no buffer's life.
-void deduplicate_views(ir::Graph& g) {
+// `ends`: with gradient accumulation, the node count at the end of each microbatch: views are
+// shared within a microbatch only (sharing one across microbatches would keep what FSDP gathered
+// for the first alive through all of them).
+void deduplicate_views(ir::Graph& g, const std::vector<std::size_t>& ends = {}) {
   std::map<std::string, Value*> seen;
   std::vector<ir::Node*> copies;
+  std::size_t index = 0;
   for (const auto& n : g.nodes()) {
+    const std::size_t segment = static_cast<std::size_t>(std::upper_bound(ends.begin(), ends.end(), index++) - ends.begin());
     const std::string& op = n->op();
     if (op != "reshape" && op != "transpose" && op != "permute" && op != "expand" && op != "slice") continue;
-    std::string key = op + "(" + std::to_string(n->input(0)->id()) + ")";
+    std::string key = std::to_string(segment) + ":" + op + "(" + std::to_string(n->input(0)->id()) + ")";
     for (const auto& [name, value] : n->attrs()) key += name + "=" + ir::attribute_str(value) + ";";
     const auto [it, fresh] = seen.emplace(key, n->output());
     if (fresh) continue;
@@ -46,7 +51,7 @@ void deduplicate_views(ir::Graph& g) {
 // `forward`'s, of microbatch 0, but "loss", the microbatches' mean. `grads`: per parameter of
 // `params`, the mean of the microbatches' gradients of their losses (x loss_scale when given).
 ir::Graph unroll_microbatches(const ir::Graph& forward, const std::vector<std::string>& params, std::int64_t microbatches, bool loss_scaling,
-                              std::vector<Value*>& grads) {
+                              std::vector<Value*>& grads, std::vector<std::size_t>& ends) {
   ir::Graph g;
   std::map<const Value*, Value*> shared;  // forward's inputs -> g's, for every microbatch but the batch
   for (const Value* in : forward.inputs()) shared[in] = g.add_input(in->name(), in->meta());
@@ -74,6 +79,7 @@ ir::Graph unroll_microbatches(const ir::Graph& forward, const std::vector<std::s
     for (std::size_t i = 0; i < grads_k.size(); ++i) grads[i] = k == 0 ? grads_k[i] : g.add("add", {grads[i], grads_k[i]});
     loss_sum = k == 0 ? loss_k : g.add("add", {loss_sum, loss_k});
     if (k == 0) first = std::move(map);
+    ends.push_back(g.num_nodes());
   }
   for (Value*& gr : grads) gr = g.add("mul_scalar", {gr}, mean);
   for (const auto& [name, v] : forward.outputs()) g.add_output(name, name == "loss" ? g.add("mul_scalar", {loss_sum}, mean) : first.at(v));
@@ -125,16 +131,17 @@ void append_train_step(ir::Graph& g, const std::vector<std::string>& params, con
   // float16: the backward runs on the scaled loss, its gradients unscaled (GradScaler.scale,
   // then unscale_ before clipping, which torch documents for clip_grad_norm_).
   std::vector<Value*> grads(weights.size());
+  std::vector<std::size_t> ends;  // each microbatch's last node + 1
   Value* loss_scale = nullptr;
   if (config.microbatches == 1) {
     loss_scale = config.loss_scaling ? g.add_input("loss_scale", scalar) : nullptr;
     grads = ir::gradients(g, loss_scale ? g.add("mul", {loss, loss_scale}) : loss, weights);
   } else {
-    g = unroll_microbatches(g, params, config.microbatches, config.loss_scaling, grads);
+    g = unroll_microbatches(g, params, config.microbatches, config.loss_scaling, grads, ends);
     for (std::size_t i = 0; i < params.size(); ++i) weights[i] = g.find_input(params[i]);
     loss_scale = g.find_input("loss_scale");
   }
-  deduplicate_views(g);
+  deduplicate_views(g, ends);
   if (loss_scale != nullptr) {
     Value* inv = g.add("rdiv_scalar", {loss_scale}, attr(1.0));
     for (Value*& gr : grads) gr = g.add("mul", {gr, inv});
