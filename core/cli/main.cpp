@@ -429,7 +429,10 @@ int run_compile(const CompileOptions& o) {
   const double param = static_cast<double>(spmdx::train::local_parameter_bytes(job, 0));
   char comm_ms[32];
   std::snprintf(comm_ms, sizeof comm_ms, "%.2f", plan.comm_seconds * 1e3);
-  std::cout << "model " << spmdx::models::model_label(spec.model) << " (vocab " << spec.model.vocab_size << "), " << job.model.graph.num_nodes()
+  char params[64];
+  const std::int64_t count = spmdx::models::parameter_count(job.model);
+  std::snprintf(params, sizeof params, "%lld parameters (%.3g x 10^9)", static_cast<long long>(count), static_cast<double>(count) / 1e9);
+  std::cout << "model " << spmdx::models::model_label(spec.model) << " (vocab " << spec.model.vocab_size << ", " << params << "), " << job.model.graph.num_nodes()
             << " nodes; mesh " << job.mesh.str() << " (" << world << " ranks); global batch " << spec.global_batch_size << " x " << spec.seq_len
             << (spec.step.microbatches > 1 ? " in " + std::to_string(spec.step.microbatches) + " microbatches (gradient accumulation)" : std::string()) << "\n"
             << "per rank (rank 0): parameters " << spmdx::human_bytes(param) << ", gradients " << spmdx::human_bytes(param) << ", AdamW state "

@@ -695,6 +695,7 @@ std::size_t export_safetensors(const fs::path& step_dir, const fs::path& out, bo
     models::ModelArgs args;
     args.name = "llama";
     args.n_heads = heads;
+    args.n_kv_heads = md.tensors.at("layers.0.attention.wk.weight").shape.at(0) / head_dim;  // grouped-query attention: fewer
     TensorMap hf;
     for (auto& [name, t] : full) {
       if (name.rfind("rope.", 0) == 0) continue;  // Hugging Face's model makes its rotary tables from its config

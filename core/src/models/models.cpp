@@ -68,13 +68,20 @@ void build_llama(Model& m, Builder& mb, Value* tokens, Value* labels, std::int64
     const std::string p = "layers." + std::to_string(l) + ".";
     const double depth_std = 0.02 / std::sqrt(2.0 * static_cast<double>(l + 1));
     Value* x = b.rms_norm(h, mb.param(p + "attention_norm.weight", {a.dim}, K::ones), a.norm_eps);
-    auto heads = [&](const std::string& w, double std) {
-      return b.reshape(b.linear(x, mb.param(p + "attention." + w + ".weight", {a.dim, a.dim}, K::trunc_normal, std)),
-                       {batch, seq, a.n_heads, hd});
+    auto heads = [&](const std::string& w, std::int64_t n, double std) {
+      return b.reshape(b.linear(x, mb.param(p + "attention." + w + ".weight", {n * hd, a.dim}, K::trunc_normal, std)), {batch, seq, n, hd});
     };
-    Value* q = b.transpose(b.rotary(heads("wq", 0.02), cos, sin), 1, 2);
-    Value* k = b.transpose(b.rotary(heads("wk", 0.02), cos, sin), 1, 2);
-    Value* v = b.transpose(heads("wv", 0.02), 1, 2);
+    // Grouped-query attention: each key/value head serves `rep` query heads in a row, as
+    // torchtitan's repeat_kv (expand, then merge the two head dims).
+    const std::int64_t kv = a.n_kv_heads > 0 ? a.n_kv_heads : a.n_heads, rep = a.n_heads / kv;
+    auto repeat = [&](Value* t) {  // [batch, kv, seq, hd] -> [batch, kv * rep, seq, hd]
+      if (rep == 1) return t;
+      Value* e = m.graph.add("expand", {b.reshape(t, {batch, kv, 1, seq, hd})}, {{"shape", Shape{batch, kv, rep, seq, hd}}});
+      return b.reshape(e, {batch, kv * rep, seq, hd});
+    };
+    Value* q = b.transpose(b.rotary(heads("wq", a.n_heads, 0.02), cos, sin), 1, 2);
+    Value* k = repeat(b.transpose(b.rotary(heads("wk", kv, 0.02), cos, sin), 1, 2));
+    Value* v = repeat(b.transpose(heads("wv", kv, 0.02), 1, 2));
     Value* o = b.reshape(b.transpose(b.causal_attention(q, k, v), 1, 2), {batch, seq, a.dim});
     h = b.add(h, b.linear(o, mb.param(p + "attention.wo.weight", {a.dim, a.dim}, K::trunc_normal, depth_std)));
     Value* y = b.rms_norm(h, mb.param(p + "ffn_norm.weight", {a.dim}, K::ones), a.norm_eps);
@@ -113,6 +120,23 @@ Model import_model(const ModelArgs& args) {
   return importer()(args);
 }
 
+std::int64_t llama3_ffn_hidden(std::int64_t dim, double ffn_dim_multiplier, std::int64_t multiple_of) {
+  std::int64_t hidden = 2 * (4 * dim) / 3;
+  hidden = static_cast<std::int64_t>(ffn_dim_multiplier * static_cast<double>(hidden));
+  return multiple_of * ((hidden + multiple_of - 1) / multiple_of);
+}
+
+std::int64_t parameter_count(const Model& m) {
+  std::int64_t n = 0;
+  for (const auto& init : m.init) {
+    if (!init.trainable) continue;
+    std::int64_t e = 1;
+    for (const std::int64_t d : init.shape) e *= d;
+    n += e;
+  }
+  return n;
+}
+
 ModelArgs model_args(const std::string& name, const std::string& flavor, std::int64_t vocab_size) {
   ModelArgs a;
   a.name = name;
@@ -128,8 +152,17 @@ ModelArgs model_args(const std::string& name, const std::string& flavor, std::in
     a.dim = 256, a.n_layers = 6, a.n_heads = 16, a.ffn_hidden = 768;
   } else if (flavor == "large") {
     a.dim = 2048, a.n_layers = 8, a.n_heads = 16, a.ffn_hidden = 5632;
+  } else if (flavor == "tiny_gqa" && name == "llama") {
+    a.dim = 64, a.n_layers = 2, a.n_heads = 4, a.n_kv_heads = 2, a.ffn_hidden = 192;
+  } else if (flavor == "8B" && name == "llama") {  // torchtitan's llama3 flavors
+    a.dim = 4096, a.n_layers = 32, a.n_heads = 32, a.n_kv_heads = 8, a.ffn_hidden = llama3_ffn_hidden(4096, 1.3, 1024);
+  } else if (flavor == "70B" && name == "llama") {
+    a.dim = 8192, a.n_layers = 80, a.n_heads = 64, a.n_kv_heads = 8, a.ffn_hidden = llama3_ffn_hidden(8192, 1.3, 4096);
+  } else if (flavor == "405B" && name == "llama") {
+    a.dim = 16384, a.n_layers = 126, a.n_heads = 128, a.n_kv_heads = 8, a.ffn_hidden = llama3_ffn_hidden(16384, 1.2, 4096);
   } else {
-    throw std::invalid_argument("unknown flavor '" + flavor + "' of model '" + name + "'; known flavors: tiny, debugmodel, large");
+    throw std::invalid_argument("unknown flavor '" + flavor + "' of model '" + name + "'; known flavors: tiny, debugmodel, large" +
+                                (name == "llama" ? ", tiny_gqa, 8B, 70B, 405B" : ""));
   }
   if (vocab_size <= 0) throw std::invalid_argument("vocab_size must be positive, got " + std::to_string(vocab_size));
   return a;

@@ -191,7 +191,8 @@ std::string from_hf_name(const std::string& hf) { return translate(hf, false); }
 std::int64_t rotary_heads(const std::string& name, const ModelArgs& args) {
   if (args.name != "llama") return 0;
   std::string index;
-  return match("layers.{}.attention.wq.weight", name, &index) || match("layers.{}.attention.wk.weight", name, &index) ? args.n_heads : 0;
+  if (match("layers.{}.attention.wq.weight", name, &index)) return args.n_heads;
+  return match("layers.{}.attention.wk.weight", name, &index) ? (args.n_kv_heads > 0 ? args.n_kv_heads : args.n_heads) : 0;
 }
 
 WeightLoad plan_weight_load(const fs::path& path, const Model& model) {

@@ -377,6 +377,16 @@ JobSpec job_spec(const config::Config& cfg, std::int64_t world_size, std::int64_
   auto fail = [&](const std::vector<std::string>& keys, const std::string& why) { problems.add(keys, why); };
   JobSpec s;
   s.world_size = world_size;
+  if (const std::int64_t v = cfg.get_int("model.vocab_size"); v != -1) {
+    if (v < vocab_size) {
+      problems.add({"model.vocab_size", "model.tokenizer"}, "model.vocab_size " + std::to_string(v) + " is fewer than the " + std::to_string(vocab_size) + " ids of the tokenizer '" +
+                   cfg.get_string("model.tokenizer") + "': its ids would index past the embedding; use at least " + std::to_string(vocab_size) + ", or -1");
+    } else if (v == 0) {
+      problems.add({"model.vocab_size"}, "model.vocab_size must be positive, or -1 (the tokenizer's)");
+    } else {
+      vocab_size = v;
+    }
+  }
   s.model = models::model_args(cfg.get_string("model.name"), cfg.get_string("model.flavor"), vocab_size);
   const std::vector<std::int64_t> exported = read_pt2(cfg, vocab_size, s.model, problems);  // pt2: the tokens' [batch, seq] as exported
   read_strategies(cfg, s, problems);
@@ -385,6 +395,12 @@ JobSpec job_spec(const config::Config& cfg, std::int64_t world_size, std::int64_
   if (s.model.name == "llama" && s.model.n_heads % s.dims.tp != 0) {
     fail({"parallelism.tensor_parallel_degree", "model.name", "model.flavor"}, "parallelism.tensor_parallel_degree " + std::to_string(s.dims.tp) + " does not divide the " + std::to_string(s.model.n_heads) +
          " attention heads of " + s.model.name + " " + s.model.flavor);
+  } else if (s.model.name == "llama" && s.model.n_kv_heads > 0 && s.model.n_kv_heads % s.dims.tp != 0) {
+    // Tensor parallelism shards the key/value heads as the query heads (wk and wv colwise);
+    // torchtitan replicates them instead when it cannot; spmdx refuses.
+    fail({"parallelism.tensor_parallel_degree", "model.flavor"}, "parallelism.tensor_parallel_degree " + std::to_string(s.dims.tp) + " does not divide the " +
+         std::to_string(s.model.n_kv_heads) + " key/value heads of " + s.model.name + " " + s.model.flavor +
+         " (grouped-query attention: tensor parallelism shards them as the query heads): use a degree that divides " + std::to_string(s.model.n_kv_heads));
   }
   read_batch(cfg, exported, degrees_ok, s, problems);
   s.steps = cfg.get_int("training.steps");

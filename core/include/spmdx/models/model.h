@@ -66,6 +66,9 @@ struct ModelArgs {
   std::int64_t dim = 64;
   std::int64_t n_layers = 2;
   std::int64_t n_heads = 4;
+  /// Key/value heads (grouped-query attention, Ainslie et al. 2023; torchtitan's n_kv_heads):
+  /// each serves n_heads / n_kv_heads query heads in a row (torchtitan's repeat_kv). 0: n_heads.
+  std::int64_t n_kv_heads = 0;
   std::int64_t ffn_hidden = 192;
   double rope_theta = 500000.0;
   RopeScaling rope_scaling{8.0, 1.0, 4.0, 8192};  ///< torchtitan's llama3 default (RoPEScalingArgs())
@@ -76,10 +79,17 @@ struct ModelArgs {
 /// rope_theta 500000, Llama 3.1 RoPE scaling 8 / 1 / 4 / 8192, norm eps 1e-5) and `tiny`
 /// (dim 64, 2 layers, 4 heads, FFN 192, the same RoPE and eps), and `large` (dim 2048, 8
 /// layers, 16 heads, FFN 5632 = torchtitan's 8/3 x dim rounded up to 256; 0.41 x 10^9
-/// parameters: a flavor that keeps one GPU busy, for scripts/device_check); mlp `tiny` (dim 64,
+/// parameters: a flavor that keeps one GPU busy, for scripts/device_check); `tiny_gqa` (tiny
+/// with 2 key/value heads for its 4 query heads); torchtitan's llama3 `8B` (dim 4096, 32
+/// layers, 32 heads, 8 KV heads, FFN 14336), `70B` (8192, 80, 64, 8, 28672) and `405B` (16384,
+/// 126, 128, 8, 53248), rope_theta 500000 with Llama 3.1 scaling; mlp `tiny` (dim 64,
 /// FFN 192), `debugmodel` (dim 256, FFN 768) and `large` (dim 2048, FFN 5632). Throws std::invalid_argument naming the
 /// model or flavor and listing the known ones.
 ModelArgs model_args(const std::string& name, const std::string& flavor, std::int64_t vocab_size);
+
+/// torchtitan's FeedForward hidden size: int(2 x 4 dim / 3), times ffn_dim_multiplier (int),
+/// rounded up to a multiple of multiple_of (8B: 14336, 70B: 28672, 405B: 53248).
+std::int64_t llama3_ffn_hidden(std::int64_t dim, double ffn_dim_multiplier, std::int64_t multiple_of);
 
 /// A forward graph: inputs are "tokens" and "labels" (i64[batch, seq_len], labels = tokens
 /// shifted by one) then the parameters and buffers in init order; the output "loss" (f32[],
@@ -110,6 +120,9 @@ void set_import_release(std::function<void()> release);
 /// The model args.path holds, through the importer, with the batch shape it was exported for.
 /// Throws std::invalid_argument without an importer, and what the importer throws.
 Model import_model(const ModelArgs& args);
+
+/// The trainable parameters' elements (buffers such as RoPE tables not counted).
+std::int64_t parameter_count(const Model& m);
 
 /// "llama debugmodel", "mlp tiny", or "pt2 outputs/export/gpt2.pt2": the model for messages.
 std::string model_label(const ModelArgs& args);
