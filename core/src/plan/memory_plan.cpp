@@ -139,13 +139,21 @@ class Simulation {
       for (int i : {2, 3}) kind_[n->input(i)] = Kind::optimizer_state;
       for (int i : {1, 2}) kind_[n->output(i)] = Kind::optimizer_state;
       // The gradient adamw reads, and what it was made from on its way from the backward:
-      // clipping's mul, its reduction (a bucket's output, too) and casts.
-      for (const Value* g = n->input(1); g != nullptr;) {
+      // clipping's mul, its reduction (a bucket's output, too) and casts; with gradient
+      // accumulation, the 1 / microbatches scale and the sum of every microbatch's gradient.
+      for (std::vector<const Value*> todo{n->input(1)}; !todo.empty();) {
+        const Value* g = todo.back();
+        todo.pop_back();
+        if (kind_.count(g) > 0 && kind_.at(g) == Kind::gradient) continue;
         kind_[g] = Kind::gradient;
         const Node* p = g->producer();
-        const bool scaled = p != nullptr && p->op() == "mul" && p->input(1)->meta().shape.empty();  // by the clip coefficient, or 1 / loss scale
-        const bool passes = p != nullptr && (scaled || p->op() == "cast" || sharding::is_communication(p->op()));
-        g = passes ? p->input(0) : nullptr;
+        if (p == nullptr) continue;
+        const bool scaled = (p->op() == "mul" && p->input(1)->meta().shape.empty()) || p->op() == "mul_scalar";  // by the clip coefficient, 1 / loss scale, 1 / microbatches
+        if (scaled || p->op() == "cast" || sharding::is_communication(p->op())) todo.push_back(p->input(0));
+        if (p->op() == "add" && p->input(0)->meta().shape == g->meta().shape && p->input(1)->meta().shape == g->meta().shape) {
+          todo.push_back(p->input(0));  // a sum of gradients: each addend is one
+          todo.push_back(p->input(1));
+        }
       }
     }
     result_.in_place.resize(nodes_.size());
