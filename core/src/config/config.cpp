@@ -22,6 +22,29 @@
 #include <sstream>
 
 namespace spmdx::config {
+
+std::string toml_string(const std::string& s) {
+  std::string out = "\"";
+  for (char c : s) {
+    switch (c) {
+      case '"': out += "\\\""; break;
+      case '\\': out += "\\\\"; break;
+      case '\n': out += "\\n"; break;
+      case '\t': out += "\\t"; break;
+      case '\r': out += "\\r"; break;
+      default:
+        if (static_cast<unsigned char>(c) < 0x20 || c == 0x7F) {
+          char buf[8];
+          std::snprintf(buf, sizeof buf, "\\u%04X", static_cast<unsigned>(static_cast<unsigned char>(c)));
+          out += buf;
+        } else {
+          out += c;
+        }
+    }
+  }
+  return out + "\"";
+}
+
 namespace {
 
 using L = std::vector<std::string>;
@@ -107,29 +130,6 @@ const std::map<std::string, std::map<std::string, std::string>>& value_aliases()
   return aliases;
 }
 
-// A TOML basic string: quotes, backslashes and control characters escaped (a separator such as
-// "%\n" must print back as the value it is).
-std::string quote(const std::string& s) {
-  std::string out = "\"";
-  for (char c : s) {
-    switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      case '\t': out += "\\t"; break;
-      case '\r': out += "\\r"; break;
-      default:
-        if (static_cast<unsigned char>(c) < 0x20 || c == 0x7F) {
-          char buf[8];
-          std::snprintf(buf, sizeof buf, "\\u%04X", static_cast<unsigned>(static_cast<unsigned char>(c)));
-          out += buf;
-        } else {
-          out += c;
-        }
-    }
-  }
-  return out + "\"";
-}
 
 std::string value_toml(const Value& v) {
   struct V {
@@ -142,10 +142,10 @@ std::string value_toml(const Value& v) {
       return t;
     }
     std::string operator()(bool x) const { return x ? "true" : "false"; }
-    std::string operator()(const std::string& x) const { return quote(x); }
+    std::string operator()(const std::string& x) const { return toml_string(x); }
     std::string operator()(const std::vector<std::string>& x) const {
       std::string out = "[";
-      for (std::size_t i = 0; i < x.size(); ++i) out += (i ? ", " : "") + quote(x[i]);
+      for (std::size_t i = 0; i < x.size(); ++i) out += (i ? ", " : "") + toml_string(x[i]);
       return out + "]";
     }
   };
@@ -293,7 +293,7 @@ std::string node_text(const toml::node& n) {
   if (auto x = n.value_exact<std::int64_t>()) return std::to_string(*x);
   if (auto x = n.value_exact<double>()) return value_toml(Value(*x));
   if (auto x = n.value_exact<bool>()) return *x ? "true" : "false";
-  if (auto x = n.value_exact<std::string>()) return quote(*x);
+  if (auto x = n.value_exact<std::string>()) return toml_string(*x);
   if (const toml::array* a = n.as_array()) {
     std::string out = "[";
     for (std::size_t i = 0; i < a->size(); ++i) out += (i ? ", " : "") + node_text(*a->get(i));
@@ -777,7 +777,7 @@ std::string Config::to_toml() const {
     out << "\n[" << table << "]\n";
     for (const auto& [k, v] : options) {
       const bool bare = !k.empty() && std::all_of(k.begin(), k.end(), [](char c) { return std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '-'; });
-      out << (bare ? k : quote(k)) << " = " << quote(v) << "\n";
+      out << (bare ? k : toml_string(k)) << " = " << toml_string(v) << "\n";
     }
   }
   return out.str();
@@ -787,7 +787,7 @@ std::map<std::string, std::string> Config::settings() const {
   std::map<std::string, std::string> out;
   for (const auto& [key, v] : values_) out[key] = value_toml(v);
   for (const auto& [table, options] : plugin_options_) {
-    for (const auto& [k, v] : options) out[table + "." + k] = quote(v);
+    for (const auto& [k, v] : options) out[table + "." + k] = toml_string(v);
   }
   return out;
 }

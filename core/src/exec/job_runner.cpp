@@ -365,12 +365,6 @@ constexpr TensorBoardScalar kTensorBoardScalars[] = {
     {"validation_metrics/perplexity", "val_perplexity", 1.0},
 };
 
-std::string format_number(double v, int decimals) {
-  char buf[64];
-  std::snprintf(buf, sizeof buf, "%.*f", decimals, v);
-  return buf;
-}
-
 // Rank 0's metrics: <dump>/metrics.jsonl (a resumed run keeps the rows before its first step
 // and appends), the banner, a JSON row per step and a printed line every metrics.log_freq.
 class MetricsWriter {
@@ -428,9 +422,9 @@ class MetricsWriter {
       }
       tensorboard_->flush();
     }
-    std::string validation;
-    if (row.contains("val_loss")) validation = " | val_loss " + format_number(row.at("val_loss").get<double>(), 4);
     if (step % log_freq_ == 0 || step == last_step) {
+      char validation[48] = "";
+      if (row.contains("val_loss")) std::snprintf(validation, sizeof validation, " | val_loss %.4f", row.at("val_loss").get<double>());
       char scale[96] = "";
       if (scaling) std::snprintf(scale, sizeof scale, " | loss scale %.9g%s", scaling->first, scaling->second ? " (overflow: update skipped)" : "");
       if (std::isnan(grad_norm)) grad_norm = std::fabs(grad_norm);  // "nan", not "-nan": a float16 overflow's
@@ -438,7 +432,7 @@ class MetricsWriter {
       if (microbatches_ > 1) std::snprintf(accum, sizeof accum, " | accum %lld", static_cast<long long>(microbatches_));
       std::printf("step %4lld | loss %8.4f | grad_norm %7.3f | lr %.2e | %9.0f tok/s | %7.1f ms | exposed comm %4.1f%% | peak %s%s%s%s\n",
                   static_cast<long long>(step), loss, grad_norm, lr, tokens_per_s, st.total * 1e3, 100.0 * st.exposed_comm / st.total,
-                  human_bytes(static_cast<double>(st.peak_bytes)).c_str(), accum, validation.c_str(), scale);
+                  human_bytes(static_cast<double>(st.peak_bytes)).c_str(), accum, validation, scale);
       std::fflush(stdout);
     }
   }

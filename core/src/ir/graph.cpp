@@ -331,4 +331,16 @@ std::vector<std::vector<const Value*>> release_after(const Graph& graph, const s
   return out;
 }
 
+std::set<const Node*> producers_of(const Value* value) {
+  std::set<const Node*> reach;
+  std::vector<const Value*> stack{value};
+  while (!stack.empty()) {
+    const Value* v = stack.back();
+    stack.pop_back();
+    if (v == nullptr || v->producer() == nullptr || !reach.insert(v->producer()).second) continue;
+    for (const Value* in : v->producer()->inputs()) stack.push_back(in);
+  }
+  return reach;
+}
+
 }  // namespace spmdx::ir

@@ -41,14 +41,7 @@ std::vector<std::string> DistributedPlan::resharded_keys(const Placements& place
 // ones_like of a scalar loss, or of the loss times the loss scale), and the node before the first
 // node computing the loss again after a backward (the next microbatch's forward).
 std::vector<std::int64_t> reshard_points(const ir::Graph& graph, const ir::Value* loss) {
-  std::set<const ir::Node*> forward;  // computes the loss
-  std::vector<const ir::Value*> stack{loss};
-  while (!stack.empty()) {
-    const ir::Value* v = stack.back();
-    stack.pop_back();
-    if (v->producer() == nullptr || !forward.insert(v->producer()).second) continue;
-    for (const ir::Value* in : v->producer()->inputs()) stack.push_back(in);
-  }
+  const std::set<const ir::Node*> forward = ir::producers_of(loss);  // computes the loss
   std::vector<std::int64_t> points;
   bool backward = false;
   std::int64_t previous = -1;

@@ -453,23 +453,18 @@ void check_runnable(const config::Config& cfg) {
   Problems problems{cfg, {}};
   auto fail = [&](const std::vector<std::string>& keys, const std::string& why) { problems.add(keys, why); };
   if (cfg.get_list("data.paths").empty()) fail({"data.paths"}, "data.paths is empty: name text or JSON Lines files to train on");
-  for (const auto& p : cfg.get_list("data.paths")) {
-    std::error_code ec;
-    if (!std::filesystem::is_regular_file(p, ec)) {
-      fail({"data.paths"}, "data.paths: '" + p + "' is not a readable file" +
-           (p.rfind("/usr/share/games/fortunes", 0) == 0 ? " (scripts/setup installs Debian's fortunes package)" : ""));
-      break;  // one missing file says enough
-    }
-  }
-  if (cfg.get_bool("validation.enable")) {
-    for (const auto& p : cfg.get_list("validation.paths")) {
+  auto check_files = [&](const std::string& key) {
+    for (const auto& p : cfg.get_list(key)) {
       std::error_code ec;
       if (!std::filesystem::is_regular_file(p, ec)) {
-        fail({"validation.paths"}, "validation.paths: '" + p + "' is not a readable file");
-        break;
+        fail({key}, key + ": '" + p + "' is not a readable file" +
+             (p.rfind("/usr/share/games/fortunes", 0) == 0 ? " (scripts/setup installs Debian's fortunes package)" : ""));
+        break;  // one missing file says enough
       }
     }
-  }
+  };
+  check_files("data.paths");
+  if (cfg.get_bool("validation.enable")) check_files("validation.paths");
   if (cfg.get_int("comm.swap_at_step") > 0 && cfg.get_string("comm.swap_to").empty()) {
     fail({"comm.swap_at_step", "comm.swap_to"}, "comm.swap_at_step is set but comm.swap_to is empty: name the backend to swap to (e.g. \"ucx:tls=tcp,self\")");
   }
@@ -501,9 +496,7 @@ void check_data(const config::Config& cfg, const data::Tokenizer& tokenizer, con
   data::TextDataset dataset(options, tokenizer);
   auto separator_unused = [&](const data::TextDataset& d, const std::string& key) {
     if (options.document_separator.empty() || d.separators() != 0) return;
-    std::string shown;  // as a TOML basic string writes it
-    for (const char c : options.document_separator) shown += c == '\n' ? "\\n" : c == '\t' ? "\\t" : c == '\\' ? "\\\\" : std::string(1, c);
-    SPMDX_WARN(cfg.where({"data.document_separator"}) << ": data.document_separator \"" << shown << "\" occurs nowhere in the text files of " << key
+    SPMDX_WARN(cfg.where({"data.document_separator"}) << ": data.document_separator " << config::toml_string(options.document_separator) << " occurs nowhere in the text files of " << key
                                                        << ": each file is one document. A command line takes the value as written (\"\\n\" is a backslash "
                                                           "and an n there): write a real newline, e.g. $'%\\n' in bash, or set the key in the TOML file");
   };
@@ -831,11 +824,21 @@ ir::Graph rank_step_graph(const sharding::DistributedPlan& plan, std::int64_t ra
   return g;
 }
 
-PlacedJob place_job(const JobSpec& spec, PluginRegistry& registry) {
-  PlacedJob job{models::build_model(spec.model, spec.global_batch_size / spec.step.microbatches, spec.seq_len), sharding::make_mesh(spec.dims, spec.world_size), {}, {}, {}, spec.reshard_after_forward};
+namespace {
+
+// The model's forward for a batch of `rows` rows, with the casts of the spec's mixed precision.
+models::Model forward_model(const JobSpec& spec, std::int64_t rows) {
+  models::Model m = models::build_model(spec.model, rows, spec.seq_len);
   if (spec.mixed_precision.param != "float32") {
-    job.model.graph = cast_for_mixed_precision(job.model.graph, spec.mixed_precision.param == "float16" ? ir::DType::f16 : ir::DType::bf16);
+    m.graph = cast_for_mixed_precision(m.graph, spec.mixed_precision.param == "float16" ? ir::DType::f16 : ir::DType::bf16);
   }
+  return m;
+}
+
+}  // namespace
+
+PlacedJob place_job(const JobSpec& spec, PluginRegistry& registry) {
+  PlacedJob job{forward_model(spec, spec.global_batch_size / spec.step.microbatches), sharding::make_mesh(spec.dims, spec.world_size), {}, {}, {}, spec.reshard_after_forward};
   const std::size_t forward_nodes = job.model.graph.num_nodes();
   append_train_step(job.model.graph, job.model.params, spec.step);
   if (spec.activation_checkpoint.mode != "none") {
@@ -876,10 +879,7 @@ data::TextDatasetOptions validation_data(const JobSpec& spec) {
 }
 
 PlacedValidation place_validation(const JobSpec& spec, const PlacedJob& job) {
-  PlacedValidation v{models::build_model(spec.model, spec.validation.global_batch_size, spec.seq_len), {}};
-  if (spec.mixed_precision.param != "float32") {
-    v.model.graph = cast_for_mixed_precision(v.model.graph, spec.mixed_precision.param == "float16" ? ir::DType::f16 : ir::DType::bf16);
-  }
+  PlacedValidation v{forward_model(spec, spec.validation.global_batch_size), {}};
   for (const ir::Value* in : v.model.graph.inputs()) {  // buffers (RoPE tables) have no placement given: replicated, as the train step's
     if (const auto it = job.inputs.find(in->name()); it != job.inputs.end()) v.inputs[in->name()] = it->second;
   }

@@ -103,14 +103,7 @@ bool is_batch_input(const std::string& name) {
 }
 
 std::vector<bool> forward_nodes_of(const ir::Graph& step) {
-  std::set<const ir::Node*> reach;
-  std::vector<const Value*> stack{step.find_output("loss")};
-  while (!stack.empty()) {
-    const Value* v = stack.back();
-    stack.pop_back();
-    if (v == nullptr || v->producer() == nullptr || !reach.insert(v->producer()).second) continue;
-    for (const Value* in : v->producer()->inputs()) stack.push_back(in);
-  }
+  const std::set<const ir::Node*> reach = ir::producers_of(step.find_output("loss"));
   std::vector<bool> out;
   for (const auto& n : step.nodes()) out.push_back(reach.count(n.get()) > 0);
   return out;

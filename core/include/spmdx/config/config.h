@@ -43,6 +43,10 @@ struct KeySpec {
   std::vector<std::string> choices;     ///< strings: the allowed values, when fixed
 };
 
+/// `s` as a TOML basic string, quoted: quotes, backslashes and control characters escaped (a
+/// separator such as "%\n" prints back as the value it is).
+std::string toml_string(const std::string& s);
+
 /// Every key the config knows, in file order.
 const std::vector<KeySpec>& schema();
 

@@ -11,6 +11,7 @@
 #include <list>
 #include <map>
 #include <memory>
+#include <set>
 #include <stdexcept>
 #include <string>
 #include <variant>
@@ -164,5 +165,9 @@ class Graph {
 /// running the node at p: those whose last reader it is, and its own outputs that nothing
 /// reads. Graph inputs are listed at their last reader; graph outputs never.
 std::vector<std::vector<const Value*>> release_after(const Graph& graph, const std::vector<int>& order);
+
+/// Every node `value` is computed from: its producer, and theirs, transitively (empty for a
+/// graph input or null). A train step's forward is producers_of its "loss".
+std::set<const Node*> producers_of(const Value* value);
 
 }  // namespace spmdx::ir
