@@ -18,7 +18,7 @@ namespace {
 namespace fs = std::filesystem;
 using ::testing::HasSubstr;
 
-test::CommandResult spmdx(const std::string& args) { return test::run_command("'" SPMDX_EXE "' " + args); }
+using test::spmdx;
 
 const std::string kConfig = "'" SPMDX_SOURCE_DIR "/configs/llama_debug.toml'";
 

@@ -21,13 +21,7 @@ using nlohmann::json;
 
 test::CommandResult spmdx_run(const std::string& args) { return test::run_command("'" SPMDX_EXE "' run " + args); }
 
-std::vector<json> rows(const fs::path& metrics) {
-  std::vector<json> out;
-  std::ifstream in(metrics);
-  std::string line;
-  while (std::getline(in, line)) out.push_back(json::parse(line));
-  return out;
-}
+using test::rows;
 
 const std::string kFlaky = "--plugins.paths '" TEST_PLUGIN_DIR "/test_flaky'";
 // Llama tiny as FSDP x TP 2 x 2: ranks stuck on the dead one learn of it from the store.

@@ -136,7 +136,7 @@ TEST(MemoryPlan, ThePeaksBreakdownAddsUpAndNamesTheLargestBuffers) {
   EXPECT_THAT(m.str(), HasSubstr("parameters"));
 }
 
-test::CommandResult spmdx(const std::string& args) { return test::run_command("'" SPMDX_EXE "' " + args); }
+using test::spmdx;
 
 // Every row's planned and measured peak (rank 0's), from a metrics.jsonl.
 std::vector<std::pair<double, double>> peaks(const fs::path& metrics) {

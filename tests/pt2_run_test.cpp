@@ -19,7 +19,7 @@ using ::testing::Not;
 
 const fs::path kFixtures = PT2_FIXTURE_DIR;
 
-test::CommandResult spmdx(const std::string& args) { return test::run_command("'" SPMDX_EXE "' " + args); }
+using test::spmdx;
 
 // `spmdx run` of an example's config on the fixture of that model, with the test's corpus.
 test::CommandResult run_example(const std::string& model, const test::TempDir& dir, const std::string& name, int nproc, const std::string& flags,

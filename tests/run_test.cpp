@@ -24,6 +24,7 @@ using ::testing::Not;
 
 using test::corpus_file;
 using test::losses;
+using test::rows;
 
 test::CommandResult spmdx_run(const std::string& args) {
   return test::run_command("'" SPMDX_EXE "' run " + args);
@@ -147,13 +148,6 @@ TEST(Run, Float16LossScalingTracksF32SkipsOverflowsAndResumesWithItsScale) {
   test::TempDir dir;
   const std::string common = "'" SPMDX_SOURCE_DIR "/configs/llama_fsdp.toml' --nproc 2 --data.paths '" + corpus_file(dir) +
                              "' --training.steps 16 --training.global_batch_size 8 --training.seq_len 32";
-  auto rows = [](const fs::path& metrics) {
-    std::vector<nlohmann::json> out;
-    std::ifstream in(metrics);
-    std::string line;
-    while (std::getline(in, line)) out.push_back(nlohmann::json::parse(line));
-    return out;
-  };
   ASSERT_EQ(spmdx_run(common + " --job.dump_folder '" + (dir / "f32").string() + "'").exit_code, 0);
   auto f16 = spmdx_run(common + " --training.mixed_precision_param float16 --job.dump_folder '" + (dir / "f16").string() + "'");
   ASSERT_EQ(f16.exit_code, 0) << f16.output;

@@ -1,5 +1,5 @@
-// Helpers of the tests that run `spmdx run` for real: a small text corpus and the losses of a
-// run's metrics.jsonl.
+// Helpers of the tests that run `spmdx run` for real: the command, a small text corpus and the
+// rows of a run's metrics.jsonl.
 #pragma once
 
 #include <nlohmann/json.hpp>
@@ -21,22 +21,27 @@ inline std::string corpus_file(const TempDir& dir) {
   return (dir / "corpus.txt").string();
 }
 
+#ifdef SPMDX_EXE
+/// Runs the spmdx command line of the build with `args` (shell words).
+inline CommandResult spmdx(const std::string& args) { return run_command("'" SPMDX_EXE "' " + args); }
+#endif
+
+/// Every row of a metrics.jsonl, in step order.
+inline std::vector<nlohmann::json> rows(const std::filesystem::path& metrics) {
+  std::vector<nlohmann::json> out;
+  std::ifstream in(metrics);
+  for (std::string line; std::getline(in, line);) out.push_back(nlohmann::json::parse(line));
+  return out;
+}
+
 /// The value of `key` in every row of a metrics.jsonl, in step order.
 inline std::vector<double> column(const std::filesystem::path& metrics, const std::string& key) {
   std::vector<double> out;
-  std::ifstream in(metrics);
-  std::string line;
-  while (std::getline(in, line)) out.push_back(nlohmann::json::parse(line).at(key).get<double>());
+  for (const auto& row : rows(metrics)) out.push_back(row.at(key).get<double>());
   return out;
 }
 
 /// The "loss" of every row of a metrics.jsonl, in step order.
-inline std::vector<double> losses(const std::filesystem::path& metrics) {
-  std::vector<double> out;
-  std::ifstream in(metrics);
-  std::string line;
-  while (std::getline(in, line)) out.push_back(nlohmann::json::parse(line).at("loss").get<double>());
-  return out;
-}
+inline std::vector<double> losses(const std::filesystem::path& metrics) { return column(metrics, "loss"); }
 
 }  // namespace spmdx::test

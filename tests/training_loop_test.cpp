@@ -20,7 +20,7 @@ namespace {
 namespace fs = std::filesystem;
 using ::testing::HasSubstr;
 
-test::CommandResult spmdx(const std::string& args) { return test::run_command("'" SPMDX_EXE "' " + args); }
+using test::spmdx;
 
 const std::string kConfig = "'" SPMDX_SOURCE_DIR "/configs/llama_debug.toml'";
 
@@ -28,12 +28,7 @@ std::string job(const std::string& data) { return "--data.paths '" + data + "' -
 const std::string kFsdp = " --nproc 2 --parallelism.data_parallel_shard_degree 2 --parallelism.tensor_parallel_degree 1";
 const std::string kFsdpTp = " --nproc 4 --parallelism.data_parallel_shard_degree 2 --parallelism.tensor_parallel_degree 2";
 
-std::vector<nlohmann::json> rows(const fs::path& metrics) {
-  std::vector<nlohmann::json> out;
-  std::ifstream in(metrics);
-  for (std::string line; std::getline(in, line);) out.push_back(nlohmann::json::parse(line));
-  return out;
-}
+using test::rows;
 
 test::CommandResult run(const fs::path& dump, const std::string& args) {
   auto r = spmdx("run " + kConfig + " " + args + " --job.dump_folder '" + dump.string() + "'");

@@ -23,7 +23,7 @@ using ::testing::HasSubstr;
 using ::testing::AllOf;
 using ::testing::Not;
 
-test::CommandResult spmdx(const std::string& args) { return test::run_command("'" SPMDX_EXE "' " + args); }
+using test::spmdx;
 
 // A tensor of a safetensors file, with its bytes.
 struct Entry {
