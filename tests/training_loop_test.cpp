@@ -97,6 +97,43 @@ TEST(Validation, BadSettingsAreRefusedBeforeAnyRankStarts) {
   test::write_file(dir / "short.txt", "too short");
   EXPECT_THAT(refused("--validation.paths '" + (dir / "short.txt").string() + "'"), HasSubstr("validation.paths"));
   EXPECT_THAT(refused("--validation.paths '" + data + "' --validation.steps 0"), HasSubstr("validation.steps must be >= 1, or -1"));
+  // More batches than the held-out text fills once would read it twice (a huge count ran for ever).
+  EXPECT_THAT(refused("--validation.paths '" + data + "' --validation.steps 100000"),
+              HasSubstr("validation.steps 100000 asks for more batches than validation.paths hold "));
+  test::write_file(dir / "small.txt", std::string(100, 'x'));  // a row's 33 tokens, not a batch's 16 x 32
+  EXPECT_THAT(refused("--validation.paths '" + (dir / "small.txt").string() + "'"),
+              HasSubstr("0 batches of validation.local_batch_size x 2 data-parallel ranks x seq_len 32 = 512 tokens: a validation needs one at least"));
+}
+
+// What can run but does nothing is said at start: validation or profiling less often than the
+// run's steps, and a document separator that occurs nowhere (a command line's "\n" is two
+// characters).
+TEST(TrainingLoop, SettingsThatWouldDoNothingAreWarnedOf) {
+  test::TempDir dir;
+  const std::string data = test::corpus_file(dir);
+  const auto r = run(dir / "w", job(data) + kFsdp + " --training.steps 2 --validation.enable true --validation.paths '" + data +
+                                 "' --validation.freq 5 --profiling.enable_profiling true --profiling.profile_freq 3 --data.document_separator '@@'");
+  EXPECT_THAT(r.output, HasSubstr("validation.freq 5 is more than training.steps 2: validation never runs"));
+  EXPECT_THAT(r.output, HasSubstr("profiling.profile_freq 3 is more than training.steps 2: no step is profiled"));
+  EXPECT_THAT(r.output, HasSubstr("data.document_separator \"@@\" occurs nowhere in the text files of data.paths"));
+  EXPECT_FALSE(fs::exists(dir / "w" / "profile_traces" / "iteration_3"));
+}
+
+// An output folder that cannot be made fails before any rank starts, naming its key.
+TEST(TrainingLoop, OutputFoldersThatCannotBeMadeAreRefusedBeforeAnyRankStarts) {
+  test::TempDir dir;
+  const std::string data = test::corpus_file(dir);
+  test::write_file(dir / "a_file", "");  // a folder cannot be made under a file, not even by root
+  for (const auto& [flags, key] : std::vector<std::pair<std::string, std::string>>{
+           {"--metrics.enable_tensorboard true --metrics.save_tb_folder '" + (dir / "a_file" / "tb").string() + "'", "metrics.save_tb_folder"},
+           {"--profiling.enable_profiling true --profiling.save_traces_folder '" + (dir / "a_file" / "traces").string() + "'", "profiling.save_traces_folder"}}) {
+    auto r = spmdx("run " + kConfig + " " + job(data) + kFsdp + " " + flags + " --job.dump_folder '" + (dir / "out").string() + "'");
+    EXPECT_NE(r.exit_code, 0) << key;
+    EXPECT_THAT(r.output, HasSubstr(key + " '" + (dir / "a_file").string())) << key;
+    EXPECT_THAT(r.output, HasSubstr("cannot be made or written")) << key;
+    EXPECT_THAT(r.output, ::testing::Not(HasSubstr("[rank 0]"))) << key;  // no rank started
+    EXPECT_FALSE(fs::exists(dir / "out" / "metrics.jsonl")) << key;
+  }
 }
 
 // Every scalar of metrics.jsonl, under its TensorBoard tag, read back by TensorBoard's own
