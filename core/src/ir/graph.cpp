@@ -235,6 +235,33 @@ void Graph::erase(Node* node) {
   nodes_.erase(it);
 }
 
+void Graph::erase(const std::vector<Node*>& doomed) {
+  const std::set<const Node*> set(doomed.begin(), doomed.end());
+  std::set<const Value*> computed;
+  for (const auto& [name, v] : outputs_) computed.insert(v);
+  for (const Node* node : doomed) {
+    for (const Value* out : node->outputs()) {
+      for (const Use& use : out->uses()) {
+        if (set.count(use.user) == 0) {
+          throw IrError("cannot erase node %" + std::to_string(node->id()) + " (" + node->op() + "): " + out->ref() + " is still read by node %" +
+                        std::to_string(use.user->id()));
+        }
+      }
+      if (computed.count(out) > 0) throw IrError("cannot erase node %" + std::to_string(node->id()) + ": it computes a graph output");
+    }
+  }
+  std::size_t found = 0;
+  for (const auto& n : nodes_) found += set.count(n.get());
+  if (found != set.size()) throw IrError("erase: " + std::to_string(set.size() - found) + " of the nodes are not in this graph");
+  for (Node* node : doomed) {
+    for (std::size_t i = 0; i < node->inputs_.size(); ++i) {
+      auto& uses = node->inputs_[i]->uses_;
+      uses.erase(std::find(uses.begin(), uses.end(), Use{node, static_cast<int>(i)}));
+    }
+  }
+  nodes_.erase(std::remove_if(nodes_.begin(), nodes_.end(), [&](const auto& n) { return set.count(n.get()) > 0; }), nodes_.end());
+}
+
 void Graph::verify() const {
   std::set<const Value*> defined(inputs_.begin(), inputs_.end());
   std::map<const Value*, std::vector<Use>> expected_uses;

@@ -229,11 +229,9 @@ std::int64_t keep_collective_outputs(ir::Graph& g) {
       const bool unused = std::all_of(n->outputs().begin(), n->outputs().end(), [&](const Value* v) { return v->uses().empty() && outputs.count(v) == 0; });
       if (unused && (merged.count(n.get()) > 0 || !sharding::is_collective(n->op()))) dead.push_back(n.get());
     }
-    for (Node* n : dead) {
-      merged.erase(n);
-      g.erase(n);
-      erased = true;
-    }
+    for (Node* n : dead) merged.erase(n);
+    g.erase(dead);
+    erased = !dead.empty();
   }
   return static_cast<std::int64_t>(merge.size());
 }

@@ -43,7 +43,7 @@ void deduplicate_views(ir::Graph& g, const std::vector<std::size_t>& ends = {}) 
     g.replace_all_uses(n->output(), it->second);
     copies.push_back(n.get());
   }
-  for (ir::Node* n : copies) g.erase(n);
+  g.erase(copies);
 }
 
 // `forward` (one microbatch's) run `microbatches` times in a new graph, each copy's backward

@@ -136,6 +136,11 @@ class Graph {
   void replace_all_uses(Value* from, Value* to);
   /// Removes a node whose outputs have no uses; throws IrError otherwise.
   void erase(Node* node);
+  /// Removes several such nodes in one pass over the graph (erase(Node*) searches the nodes
+  /// each time: erasing k of n nodes one by one costs k x n). A node's outputs may be read
+  /// only by other nodes in `nodes`, erased with it. Throws IrError as erase(Node*) does, or
+  /// for a node not in this graph, before removing any.
+  void erase(const std::vector<Node*>& nodes);
 
   /// Checks: every node's inputs are graph inputs or outputs of earlier nodes (topological
   /// order), use lists match inputs exactly, the op is registered, the input count fits the
