@@ -267,6 +267,12 @@ TEST(Distributed, RedistributePlansArePrintable) {
   EXPECT_EQ(sharding::to_string(sharding::redistribute_plan(mesh, meta, {P, S0}, {S0, S0})),
             "mesh dim 1: S(0) -> R all_gather (64 bytes); mesh dim 0: P(sum) -> R all_reduce (128 bytes); "
             "mesh dim 0: R -> S(0) chunk; mesh dim 1: R -> S(0) chunk");
+  // FSDP x TP's unshard of a colwise weight (dp shards dim 1, tp dim 0): the all_gather over
+  // dim a moves tp's block, [4, 4] floats, half of it sent: 32 bytes, not half the whole
+  // tensor's 128 (the count once took only the outer dims' shards, overstating FSDP's bytes
+  // under TP by the TP degree).
+  EXPECT_EQ(sharding::to_string(sharding::redistribute_plan(mesh, meta, {Placement::shard(1), S0}, {R, S0})),
+            "mesh dim 0: S(1) -> R all_gather (32 bytes)");
 }
 
 }  // namespace

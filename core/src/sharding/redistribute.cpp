@@ -78,7 +78,13 @@ std::vector<RedistributeStep> redistribute_plan(const DeviceMesh& mesh, const ir
     Placement& s = state[static_cast<std::size_t>(i)];
     const Placement& t = to[static_cast<std::size_t>(i)];
     if ((s == t && !force[static_cast<std::size_t>(i)]) || s.is_replicate()) continue;
-    const double bytes = shape_bytes(shape_after(mesh, state, meta.shape, zero, i), meta.dtype);
+    // The block this step moves: the tensor as every other mesh dim holds it now (outer dims
+    // still as they were, inner ones already redistributed), whole along mesh dim i. Counting
+    // only the outer dims' shards overstated, e.g., FSDP's all_gather of a TP-sharded weight
+    // by the TP degree.
+    Placements seen = state;
+    seen[static_cast<std::size_t>(i)] = kR;
+    const double bytes = shape_bytes(shape_after(mesh, seen, meta.shape, zero, n), meta.dtype);
     const std::int64_t k = mesh.size(i);
     RedistributeStep step{i, s, kR, "", 0};
     if (s.is_partial()) {
