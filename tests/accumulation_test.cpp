@@ -72,10 +72,10 @@ void expect_same_losses(const Trained& a, const Trained& b, const std::string& w
 }
 
 // The test: global 16 with local 4 on dp 2 (2 microbatches) gives the losses of global
-// 16 with local 8 (one), with a lower measured peak; FSDP reduce-scatters each gradient once
-// per step however many microbatches there are, and gathers each parameter again in each
-// microbatch's forward and backward (reshard after forward, as FSDP2).
-TEST(GradientAccumulation, FsdpMicrobatchesGiveTheFullBatchLossesWithALowerPeakAndOneReduceScatter) {
+// 16 with local 8 (one), with a lower measured peak; FSDP reduce-scatters each gradient in each
+// microbatch's backward and gathers each parameter again in each microbatch's forward and
+// backward (reshard after forward), as FSDP2 does.
+TEST(GradientAccumulation, FsdpMicrobatchesGiveTheFullBatchLossesWithALowerPeakAndAReduceScatterEach) {
   test::TempDir dir;
   const std::string fsdp = job(test::corpus_file(dir)) + " --nproc 2 --parallelism.data_parallel_shard_degree 2 --parallelism.tensor_parallel_degree 1";
   const Trained whole = run(dir, "whole", fsdp + " --training.local_batch_size 8");
@@ -94,9 +94,15 @@ TEST(GradientAccumulation, FsdpMicrobatchesGiveTheFullBatchLossesWithALowerPeakA
   Collectives c1 = collectives(dir, "c1", plan + " --training.local_batch_size 8", 2);
   Collectives c2 = collectives(dir, "c2", plan + " --training.local_batch_size 4", 2);
   Collectives c4 = collectives(dir, "c4", plan + " --training.local_batch_size 2", 2);
+  // Gradients are made sharded in every microbatch's backward (FSDP2's default), reduce-
+  // scattered there or, where moving the activation's gradient is cheaper (the planner's
+  // choice, with 2 rows a rank), made sharded directly; the shards are summed, so no
+  // gradient is held unsharded through the step: the reduce_scatters grow with the microbatches.
   EXPECT_GT(c1.reduce_scatter, 10);  // one per parameter (21), give or take the planner's choice for one
-  EXPECT_LE(c2.reduce_scatter, c1.reduce_scatter);
-  EXPECT_EQ(c4.reduce_scatter, c2.reduce_scatter);
+  EXPECT_GE(c2.reduce_scatter, 2 * (c1.reduce_scatter - 1));
+  EXPECT_LE(c2.reduce_scatter, 2 * c1.reduce_scatter);
+  EXPECT_GT(c4.reduce_scatter, c2.reduce_scatter);
+  EXPECT_LE(c4.reduce_scatter, 2 * c2.reduce_scatter);
   EXPECT_EQ(c4.tensor_all_reduce, 0);
   // Parameters are gathered again in every microbatch (reshard after forward), not kept whole
   // through the step: at least once per microbatch, at most as often as one microbatch's

@@ -66,12 +66,17 @@ struct Propagator {
   int n = mesh.ndim();
   const ir::Node* reading = nullptr;  // the node whose inputs are being placed
   std::set<std::pair<const ir::Value*, std::string>> made;  // keyed by DistributedPlan::version_key
+  std::map<const ir::Value*, std::vector<Placements>> made_in;  // the same, by placements
   // Placements to make a value in as soon as it exists: `use` for inputs, and for gradients
   // their parameter's placement (through the clipping multiply by a scalar).
   std::map<const ir::Value*, Placements> hint, use_of;
   // Addends of a hinted sum (find_hints): their producers choose the strategy that moves the
   // fewest input bytes first, the cheapest second.
   std::set<const ir::Value*> accumulating;
+  // Sums of gradients wanted sharded, whose addends are reduce-scattered as they are made, the
+  // addends' producers, and the multiplies by a scalar after the sums (1 / microbatches,
+  // clipping): their outputs are made in the hint, and another placement costs the way back.
+  std::set<const ir::Node*> sharded_chain;
   // Placements graph outputs must end in: a strategy that produces them otherwise pays for the
   // redistribution (so the optimizer's new state comes out as its input was).
   std::map<const ir::Value*, Placements> demand;
@@ -86,9 +91,11 @@ struct Propagator {
   // Counts the bytes and time of redistributing v to `want`, once per placement it is made in.
   void make(const ir::Value* v, const Placements& want) {
     if (want != plan.placement.at(v) && made.insert({v, plan.version_key(v, want, reading)}).second) {
+      made_in[v].push_back(want);
       for (const auto& step : redistribute_plan(mesh, v->meta(), plan.placement.at(v), want)) {
         plan.comm_bytes += step.bytes;
         plan.comm_seconds += step.seconds;
+        plan.comm_bytes_by_dim.at(static_cast<std::size_t>(step.mesh_dim)) += step.bytes;
       }
     }
   }
@@ -129,15 +136,67 @@ struct Propagator {
       // is redistributed once, where the sum is wanted: each addend is best made where it
       // stands, moving nothing (a Partial sum), however cheap moving its inputs looks for one
       // microbatch, as every microbatch would pay it again.
+      //
+      // Except where the sum is wanted sharded (FSDP): there each addend is reduce-scattered
+      // as soon as it is made and the shards are summed, as FSDP2 reduce-scatters in every
+      // microbatch's backward. Summing whole Partial gradients would hold the rank's unsharded
+      // gradients through the step (for Llama 3 405B on dp_shard 128 x tp 8, 433 GiB a rank).
       if (node.op() == "add" && (hint.count(node.output()) > 0 || accumulating.count(node.output()) > 0)) {
+        const auto h = hint.find(node.output());
+        const bool sharded = h != hint.end() && std::any_of(h->second.begin(), h->second.end(), [](const Placement& p) { return p.is_shard(); });
+        if (sharded) sharded_chain.insert(&node);
         for (const ir::Value* in : node.inputs()) {
-          if (in->meta().shape == node.output()->meta().shape) accumulating.insert(in);
+          if (in->meta().shape != node.output()->meta().shape) continue;
+          if (sharded) {
+            hint.emplace(in, h->second);
+            if (in->producer() != nullptr) sharded_chain.insert(in->producer());
+          }
+          else accumulating.insert(in);
         }
       }
+    }
+    for (const auto& node : graph.nodes()) {
+      const bool by_scalar = node->op() == "mul_scalar" || (node->op() == "mul" && node->input(1)->meta().shape.empty());
+      const ir::Node* from = node->input(0)->producer();
+      if (by_scalar && hint.count(node->output()) > 0 && from != nullptr && sharded_chain.count(from) > 0) sharded_chain.insert(node.get());
     }
     for (const ir::Value* v : graph.inputs()) {
       if (auto h = hint.find(v); h != hint.end()) make(v, h->second);
     }
+  }
+
+  // The bytes mesh dim i sends to take a value from `current` to `target` there, as
+  // redistribute_plan does it: a shard moved to another tensor dim that another mesh dim
+  // also shards is gathered whole, not sent all_to_all (1/k of the bytes), and a Partial
+  // scattered along a dim another mesh dim shards differently is all_reduced.
+  double step_bytes(const Placements& current, const Placements& target, int i, double bytes) const {
+    const Placement& from = current[static_cast<std::size_t>(i)];
+    const Placement& to = target[static_cast<std::size_t>(i)];
+    const std::int64_t k = mesh.size(i);
+    auto others_shard = [&](std::int64_t d, bool outer_unchanged_ok) {
+      for (int j = 0; j < n; ++j) {
+        const Placement &cj = current[static_cast<std::size_t>(j)], &tj = target[static_cast<std::size_t>(j)];
+        if (j == i || !((cj.is_shard() && cj.dim() == d) || (tj.is_shard() && tj.dim() == d))) continue;
+        if (outer_unchanged_ok && j < i && cj == tj) continue;
+        return true;
+      }
+      return false;
+    };
+    if (from.is_shard() && to.is_shard() && from != to && (others_shard(from.dim(), false) || others_shard(to.dim(), false))) {
+      return redistribute_bytes(from, Placement::replicate(), bytes, k);
+    }
+    if (from.is_partial() && to.is_shard() && others_shard(to.dim(), true)) return redistribute_bytes(from, Placement::replicate(), bytes, k);
+    // Cutting a tensor dim an inner mesh dim already shards: nested shards go outer to inner,
+    // so the inner one is gathered first (HSDP's gradient, stored R x S(0), read S(0) x S(0)).
+    if (from.is_replicate() && to.is_shard()) {
+      double gathered = 0;
+      for (int j = i + 1; j < n; ++j) {
+        const Placement& cj = current[static_cast<std::size_t>(j)];
+        if (cj.is_shard() && cj.dim() == to.dim()) gathered += redistribute_bytes(cj, Placement::replicate(), bytes, mesh.size(j));
+      }
+      if (gathered > 0) return gathered;
+    }
+    return redistribute_bytes(from, to, bytes, k);
   }
 
   // The cost of strategy c for mesh dim i of `node`, the dims before i already chosen (in_pl):
@@ -155,19 +214,36 @@ struct Propagator {
       Placements target = current;
       for (int j = 0; j < i; ++j) target[static_cast<std::size_t>(j)] = in_pl[a][static_cast<std::size_t>(j)];
       target[static_cast<std::size_t>(i)] = c.inputs[a];
-      // A parameter is read only as stored or as used (FSDP gathers, TP computes on its
-      // shard): the strategy chose how it is computed, the cost model does not overrule it.
-      if (auto u = use_of.find(v); u != use_of.end() && c.inputs[a] != u->second[static_cast<std::size_t>(i)] &&
-                                   c.inputs[a] != current[static_cast<std::size_t>(i)]) {
-        total += 1e30;
-        continue;
+      // A parameter is read only as used (FSDP gathers, TP computes on its shard): the
+      // strategy chose how it is computed, the cost model does not overrule it. As stored
+      // too, where that is how it is used (TP), and by the optimizer and the casts of mixed
+      // precision; not by the model where FSDP gathers it: with one row a rank, gathering the
+      // activations instead looked cheaper op by op, and held them gathered from the forward
+      // to the backward (27 GiB a rank for Llama 3 8B at sequence 512 on HSDP 4 x 8).
+      if (auto u = use_of.find(v); u != use_of.end() && c.inputs[a] != u->second[static_cast<std::size_t>(i)]) {
+        const bool stored = c.inputs[a] == current[static_cast<std::size_t>(i)];
+        const bool state_reader = node.op() == "adamw" || node.op() == "cast";
+        if (!stored || !state_reader) {
+          total += 1e30;
+          continue;
+        }
       }
       if (target == current || made.count({v, plan.version_key(v, target, &node)})) continue;
+      // A version already made that agrees on mesh dims 0..i (a gradient made in its
+      // parameter's placement as soon as it was produced) is free to read, as the later dims
+      // can choose it too: without this, dims still as produced (Partial) made the clipping's
+      // reads of an HSDP gradient all_reduce twice instead of reusing its reduce_scatter.
+      if (const auto m = made_in.find(v); m != made_in.end() && i + 1 < n &&
+          std::any_of(m->second.begin(), m->second.end(), [&](const Placements& pl) {
+            return std::equal(pl.begin(), pl.begin() + i + 1, target.begin()) && made.count({v, plan.version_key(v, pl, &node)}) > 0;
+          })) {
+        continue;
+      }
       if (in_place.count(&node) > 0) {
         total += 1e30;
         continue;
       }
-      total += redistribute_bytes(current[static_cast<std::size_t>(i)], c.inputs[a], bytes_of(v, seen_in[a]), mesh.size(i));
+      total += step_bytes(current, target, i, bytes_of(v, seen_in[a]));
       // Splitting a replicated input saves work now, but its result is often wanted whole
       // later: an all_gather, whose latency (alpha, in bytes at beta) the greedy choice
       // cannot see. So a split must save more than that message costs (a rope table's
@@ -186,6 +262,12 @@ struct Propagator {
       const double out_bytes = bytes_of(node.outputs()[a], seen_out[a]);
       if (auto d = demand.find(node.outputs()[a]); d != demand.end()) {
         total += redistribute_bytes(c.outputs[a], d->second[static_cast<std::size_t>(i)], out_bytes, mesh.size(i));
+      }
+      // A sum of sharded gradients (FSDP's accumulation, find_hints) is made in its hint right
+      // away: what that costs from here (made more sharded than its parameter, an HSDP sum was
+      // gathered back over both dims for AdamW).
+      if (auto h = hint.find(node.outputs()[a]); h != hint.end() && sharded_chain.count(&node) > 0) {
+        total += redistribute_bytes(c.outputs[a], h->second[static_cast<std::size_t>(i)], out_bytes, mesh.size(i));
       }
       total += c.outputs[a].is_shard() ? out_bytes / static_cast<double>(mesh.size(i)) : out_bytes;  // a Partial is full size
     }
@@ -236,7 +318,7 @@ struct Propagator {
 DistributedPlan propagate(const ir::Graph& graph, const DeviceMesh& mesh, const std::map<std::string, Placements>& inputs,
                           const std::map<std::string, Placements>& outputs, const std::map<std::string, Placements>& use,
                           bool reshard_after_forward) {
-  DistributedPlan plan{mesh, &graph, {}, {}, {}, 0, 0, {}, {}};
+  DistributedPlan plan{mesh, &graph, {}, {}, {}, 0, 0, std::vector<double>(static_cast<std::size_t>(mesh.ndim()), 0.0), {}, {}};
   if (reshard_after_forward) {
     if (const ir::Value* loss = graph.find_output("loss"); loss != nullptr && loss->producer() != nullptr) {
       plan.reshard_after = reshard_points(graph, loss);
@@ -318,6 +400,8 @@ std::string DistributedPlan::to_json() const {
   for (const auto& d : mesh.dims()) j["mesh"].push_back({{"name", d.name}, {"size", d.size}});
   j["comm_bytes"] = comm_bytes;
   j["comm_seconds"] = comm_seconds;
+  j["comm_bytes_by_dim"] = json::object();
+  for (std::size_t d = 0; d < comm_bytes_by_dim.size(); ++d) j["comm_bytes_by_dim"][mesh.dims().at(d).name] = comm_bytes_by_dim[d];
   j["inputs"] = json::object();
   for (const ir::Value* v : graph->inputs()) j["inputs"][v->name()] = to_string(placement.at(v));
   j["nodes"] = json::array();

@@ -23,6 +23,7 @@ struct DistributedPlan {
   std::map<std::string, Placements> outputs;                       ///< each graph output, as returned
   double comm_bytes = 0;                                           ///< per rank per run, all steps
   double comm_seconds = 0;                                         ///< their alpha-beta estimate
+  std::vector<double> comm_bytes_by_dim;                           ///< comm_bytes per mesh dim (ndim entries)
   /// FSDP's reshard after forward: node ids (ascending) after which the `use` inputs are
   /// redistributed again instead of keeping the earlier copies alive: the end of the forward
   /// (the loss); with gradient accumulation, the end of each microbatch's forward and of its
@@ -40,7 +41,8 @@ struct DistributedPlan {
   /// The logical graph annotated: each node with the placements it reads and writes, and each
   /// redistribution with its steps.
   std::string str() const;
-  /// The same as JSON: {"mesh": [{name, size}], "comm_bytes", "inputs": {name: "S(0)R"},
+  /// The same as JSON: {"mesh": [{name, size}], "comm_bytes", "comm_seconds",
+  /// "comm_bytes_by_dim": {dim name: bytes}, "inputs": {name: "S(0)R"},
   /// "nodes": [{id, op, inputs: [...], outputs: [...]}], "redistributions": [{value, from, to,
   /// steps: [{mesh_dim, op, from, to, bytes}]}], "outputs": {name: placements}}.
   std::string to_json() const;
