@@ -463,6 +463,9 @@ TensorMap DistributedExecutor::run(const TensorMap& inputs, std::int64_t step) {
   for (std::size_t pos = 0; pos < plan_.order.size(); ++pos) {
     const std::size_t index = static_cast<std::size_t>(plan_.order[pos]);
     const ir::Node& n = *nodes_[index];
+    if (pos < plan_.wait_before.size()) {  // collectives bounded in flight (RuntimePlan::wait_before)
+      for (int w : plan_.wait_before[pos]) s.value(nodes_[static_cast<std::size_t>(w)]->output());
+    }
     if (kernels_[index] != nullptr) {
       std::vector<at::Tensor> args;
       for (const ir::Value* v : n.inputs()) args.push_back(s.value(v));

@@ -172,6 +172,9 @@ class Simulation {
       pos_ = static_cast<int>(p);
       const std::size_t i = static_cast<std::size_t>(plan_.order[p]);
       const Node& n = *nodes_[i];
+      if (p < plan_.wait_before.size()) {  // collectives bounded in flight, waited for early
+        for (int w : plan_.wait_before[p]) fetch(nodes_[static_cast<std::size_t>(w)]->output());
+      }
       for (const Value* v : n.inputs()) fetch(v);
       if (!sharding::is_collective(n.op())) {
         kernel(n, i);

@@ -263,6 +263,48 @@ struct PlanBuilder {
       make_buckets();
     }
   }
+
+  // FSDP2's bound on reduce_scatters in flight: a reduce_scatter call (a plain one or a
+  // bucket) read later than the next reduce_scatter call of its mesh dim starts is waited for
+  // just before that call's first member (where a bucket's staging buffer is made), so that its
+  // input, whole gradients, is freed first: one reduce_scatter's buffers at a time.
+  void bound_reduce_scatters() {
+    plan.wait_before.assign(plan.order.size(), {});
+    if (!options.overlap) return;
+    struct Call {
+      int start;               // position of its first member (a bucket's staging buffer is made there)
+      int issue;               // position
+      int first_use;           // position
+      std::vector<int> nodes;  // node indices
+    };
+    std::map<std::int64_t, std::vector<Call>> calls;  // mesh dim -> its reduce_scatter calls in issue order
+    std::vector<bool> seen(plan.buckets.size(), false);
+    for (int p = 0; p < n_nodes; ++p) {
+      const int i = plan.order[static_cast<std::size_t>(p)];
+      const ir::Node* n = nodes[static_cast<std::size_t>(i)];
+      if (n->op() != "reduce_scatter") continue;
+      const int b = plan.bucket_of[static_cast<std::size_t>(i)];
+      if (b < 0) {
+        calls[n->attr_int("mesh_dim")].push_back({p, p, plan.first_use[static_cast<std::size_t>(i)], {i}});
+      } else if (!seen[static_cast<std::size_t>(b)]) {
+        seen[static_cast<std::size_t>(b)] = true;
+        const Bucket& bucket = plan.buckets[static_cast<std::size_t>(b)];
+        calls[n->attr_int("mesh_dim")].push_back({p, bucket.issue_after, bucket.first_use, bucket.members});
+      }
+    }
+    for (auto& [dim, list] : calls) {
+      std::sort(list.begin(), list.end(), [](const Call& a, const Call& b) { return a.issue < b.issue; });
+      for (std::size_t k = 1; k < list.size(); ++k) {
+        const Call& prev = list[k - 1];
+        // Before the next call's first member (its bucket's staging buffer), when the previous
+        // call is issued by then; else before the next call's issue.
+        const int at_pos = prev.issue < list[k].start ? list[k].start : list[k].issue;
+        if (prev.first_use <= at_pos || prev.first_use >= n_nodes) continue;  // read before, or never read
+        auto& at = plan.wait_before[static_cast<std::size_t>(at_pos)];
+        at.insert(at.end(), prev.nodes.begin(), prev.nodes.end());
+      }
+    }
+  }
 };
 
 }  // namespace
@@ -277,10 +319,25 @@ RuntimePlan make_runtime_plan(const ir::Graph& graph, const sharding::DeviceMesh
   b.verify_and_index();
   b.make_buckets();
   b.chain_buckets();
+  b.bound_reduce_scatters();
   RuntimePlan& plan = b.plan;
   plan.issues = plan.collectives;
   for (const auto& bucket : plan.buckets) plan.issues -= static_cast<std::int64_t>(bucket.members.size()) - 1;
   return std::move(plan);
+}
+
+int RuntimePlan::waited_at(int node) const {
+  const std::size_t i = static_cast<std::size_t>(node);
+  const int b = bucket_of.at(i);
+  int at = b >= 0 ? buckets.at(static_cast<std::size_t>(b)).first_use : first_use.at(i);
+  if (!options.overlap) {
+    if (b >= 0) return buckets.at(static_cast<std::size_t>(b)).issue_after;
+    return static_cast<int>(std::find(order.begin(), order.end(), node) - order.begin());
+  }
+  for (std::size_t p = 0; p < wait_before.size() && static_cast<int>(p) < at; ++p) {
+    if (std::find(wait_before[p].begin(), wait_before[p].end(), node) != wait_before[p].end()) return static_cast<int>(p);
+  }
+  return at;
 }
 
 std::string RuntimePlan::str(const ir::Graph& graph, const sharding::DeviceMesh& mesh) const {
@@ -311,13 +368,13 @@ std::string RuntimePlan::str(const ir::Graph& graph, const sharding::DeviceMesh&
       out << "[" << p << "] bucket " << b << ": " << bucket.op << "(" << bucket.reduce_op << ") on " << dim << ", " << human_bytes(static_cast<double>(bucket.bytes))
           << ", " << bucket.members.size() << " gradients (";
       for (std::size_t m = 0; m < bucket.members.size(); ++m) out << (m ? " " : "") << nodes[static_cast<std::size_t>(bucket.members[m])]->output()->ref();
-      out << "); waited at [" << (options.overlap ? bucket.first_use : static_cast<int>(p)) << "]\n";
+      out << "); waited at [" << waited_at(bucket.members.front()) << "]" << (waited_at(bucket.members.front()) < bucket.first_use && options.overlap ? " (bound: one reduce_scatter in flight)" : "") << "\n";
     } else {
       const int w = first_use[static_cast<std::size_t>(order[p])];
       const bool pre = std::find(prefetched.begin(), prefetched.end(), order[p]) != prefetched.end();
       out << "[" << p << "] " << n->op() << " on " << dim << ", " << human_bytes(static_cast<double>(n->input(0)->meta().nbytes())) << " in -> "
-          << n->output()->ref() << (pre ? " (prefetched)" : "") << "; waited at ["
-          << (options.overlap ? w : static_cast<int>(p)) << "]\n";
+          << n->output()->ref() << (pre ? " (prefetched)" : "") << "; waited at [" << (options.overlap ? waited_at(order[p]) : static_cast<int>(p)) << "]"
+          << (options.overlap && waited_at(order[p]) < w ? " (bound: one reduce_scatter in flight)" : "") << "\n";
     }
   }
   return out.str();

@@ -9,7 +9,10 @@
 //    Reducer: bucket_cap_mb = 25, first bucket 1 MiB);
 //  - waits: a collective (or bucket) is issued once its last input exists and waited for just
 //    before its first use (torch.distributed._spmd's schedule_comm_wait), or right away with
-//    overlap off.
+//    overlap off; a gradient reduce_scatter, whose input is the whole gradient, is waited for
+//    at the latest when the next reduce_scatter of its mesh dim starts (FSDP2 keeps one in
+//    flight: the full gradients of a layer go as the next layer's are made, instead of all of
+//    them living until the optimizer reads the shards).
 // Every rank of a group makes the same buckets: the members of a group run the same
 // collectives with the same shapes in the same order. No LibTorch.
 #pragma once
@@ -60,6 +63,14 @@ struct RuntimePlan {
   std::vector<int> prefetched;    ///< node indices of the all_gathers moved ahead of their place
   std::int64_t collectives = 0;   ///< collective nodes in the graph
   std::int64_t issues = 0;        ///< backend calls per run: unbucketed collectives + buckets
+  /// Per position in `order`: node indices of collectives (every member of a bucket) whose
+  /// outputs are waited for before that position runs, ahead of their first use (the
+  /// reduce_scatter bound above). Empty lists mostly; order.size() entries.
+  std::vector<std::vector<int>> wait_before;
+
+  /// Where the host waits for node `node`'s collective (its bucket's): its first use, an
+  /// earlier wait_before position, or its issue with overlap off.
+  int waited_at(int node) const;
 
   /// One line per collective issue (position, op, mesh dim, bytes, where it is waited for) and
   /// per bucket; the summary first. `graph` is the graph the plan was made for.
