@@ -109,6 +109,113 @@ TEST(Flavors, AGqaExportUnderHuggingFaceNamesLoadsBackToTheSameLosses) {
   EXPECT_EQ(losses[1], losses[0]);
 }
 
+// `spmdx compile --fake --json` on `replicate` x `shard` x `tp` ranks, one row per rank.
+nlohmann::json plan_json(const std::string& flavor, int replicate, int shard, int tp, int seq_len, const std::string& extra = "") {
+  auto r = spmdx("compile " + kConfig + " --fake --json --model.flavor " + flavor + " --model.vocab_size 128256 --training.seq_len " + std::to_string(seq_len) +
+                 " --training.global_batch_size " + std::to_string(replicate * shard) + " --training.local_batch_size 1" +
+                 " --parallelism.data_parallel_replicate_degree " + std::to_string(replicate) + " --parallelism.data_parallel_shard_degree " +
+                 std::to_string(shard) + " --parallelism.tensor_parallel_degree " + std::to_string(tp) + extra);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  const auto brace = r.output.find('{');
+  if (r.exit_code != 0 || brace == std::string::npos) return nlohmann::json::object();
+  return nlohmann::json::parse(r.output.substr(brace));
+}
+
+// The numbers a user checks before buying GPUs (issue 23, item 3), for 8B on HSDP 8 x 8:
+// torchtitan's FLOPs per token, the per-rank state and the bytes each mesh dim moves, which are
+// what FSDP2 and HSDP send: per step, an all_gather in the forward and one in the backward
+// (reshard_after_forward) and a reduce_scatter over dp_shard, and an all_reduce of each shard
+// over dp_replicate. Before the planner read a gradient's reduce_scatter as a source, an HSDP
+// plan all-reduced the output layer's gradients over both dims (75 GiB over dp_replicate).
+TEST(Flavors, CompileJsonGivesFlopsPerTokenPerRankBytesAndTheBytesOfEachMeshDim) {
+  const auto j = plan_json("8B", 8, 8, 1, 2048);
+  ASSERT_FALSE(j.empty());
+  EXPECT_EQ(j.at("format"), "spmdx.compile");
+  const double n = 8030261248.0, embedding = 128256.0 * 4096;
+  EXPECT_EQ(j.at("model").at("parameters").get<std::int64_t>(), 8030261248);
+  EXPECT_EQ(j.at("model").at("embedding_parameters").get<double>(), embedding);
+  // torchtitan: 6 x (nparams - nparams_embedding) + 12 x l x h x q x t.
+  const double flops = 6 * (n - embedding) + 12.0 * 32 * 32 * 128 * 2048;
+  EXPECT_NEAR(j.at("flops_per_token").get<double>(), flops, flops * 1e-12);
+  EXPECT_NEAR(j.at("flops_per_step").get<double>(), flops * 64 * 2048, flops * 64 * 2048 * 1e-12);
+  const auto& r0 = j.at("rank0");
+  const double shard = n * 4 / 8;  // every dim of every parameter divides by 8
+  EXPECT_EQ(r0.at("parameter_bytes").get<double>(), shard);
+  EXPECT_EQ(r0.at("optimizer_state_bytes").get<double>(), 2 * shard);
+  const auto& by_dim = r0.at("comm_bytes_per_step_by_dim");
+  ASSERT_EQ(by_dim.size(), 2u);
+  EXPECT_NEAR(by_dim.at("dp_replicate").get<double>() + by_dim.at("dp_shard").get<double>(), r0.at("comm_bytes_per_step").get<double>(), 1.0);
+  // dp_replicate: the ring all_reduce of the rank's gradient shard, 2 x 7/8 of it (and the
+  // loss's scalars and a few small activations: within 1%).
+  EXPECT_NEAR(by_dim.at("dp_replicate").get<double>(), 2 * 7.0 / 8 * shard, 2 * 7.0 / 8 * shard * 1e-2);
+  // dp_shard: two all_gathers (forward, and backward after resharding) and one reduce_scatter
+  // of every parameter, 7/8 of it each; the embedding table is gathered once, its gradient
+  // being made without it (embedding_backward reads the tokens), and moved as a shard.
+  EXPECT_GE(by_dim.at("dp_shard").get<double>(), 7.0 / 8 * 4 * (3 * n - 2 * embedding) * 0.99);
+  EXPECT_LE(by_dim.at("dp_shard").get<double>(), 3 * 7.0 / 8 * n * 4 * 1.01);
+  // The planned peak splits into its parts.
+  const auto& peak = j.at("planned_peak");
+  EXPECT_EQ(peak.at("bytes").get<std::int64_t>(), peak.at("parameters").get<std::int64_t>() + peak.at("gradients").get<std::int64_t>() +
+                                                       peak.at("optimizer_state").get<std::int64_t>() + peak.at("activations").get<std::int64_t>() +
+                                                       peak.at("communication").get<std::int64_t>() + peak.at("state_copy").get<std::int64_t>());
+  EXPECT_GE(peak.at("parameters").get<double>(), shard);
+}
+
+// Gradient accumulation on HSDP: each microbatch's gradients are reduce-scattered over dp_shard
+// as they are made (FSDP2), the shards summed and all-reduced over dp_replicate in every
+// microbatch; never summed whole (the rank's unsharded gradients) and never re-cut more finely
+// than the parameter and gathered back for AdamW (which once sent 48 GiB a step over
+// dp_replicate for 8B on 4 x 128).
+TEST(Flavors, HsdpAccumulationReduceScattersEachMicrobatchAndHoldsNoWholeGradients) {
+  const int microbatches = 2;
+  const auto j = plan_json("8B", 4, 8, 1, 512, " --training.global_batch_size " + std::to_string(4 * 8 * microbatches));
+  ASSERT_FALSE(j.empty());
+  ASSERT_EQ(j.at("microbatches").get<int>(), microbatches);
+  const double n = 8030261248.0, shard = n * 4 / 8;
+  const auto& by_dim = j.at("rank0").at("comm_bytes_per_step_by_dim");
+  // A ring all_reduce of the shard per microbatch (the embedding's gradient shard, 1/16 of
+  // it, is summed first and all-reduced once: within 5%).
+  const double replicate = microbatches * 2 * 3.0 / 4 * shard;
+  EXPECT_NEAR(by_dim.at("dp_replicate").get<double>(), replicate, replicate * 0.05);
+  // At the planned peak: the summed gradient shards and a layer's whole gradients in flight,
+  // not the model's 32 GB of unsharded gradients.
+  EXPECT_LT(j.at("planned_peak").at("gradients").get<double>(), 2 * shard);
+  // The model reads the parameters gathered, as FSDP does: the activations are not gathered
+  // instead and held from the forward to the backward (the peak was 47.6 GiB, now 24.9).
+  EXPECT_LT(j.at("planned_peak").at("bytes").get<double>(), 8 * shard);
+}
+
+// Planning 70B on 16,384 fake ranks (dp_replicate 16 x dp_shard 128 x tp 8) is part of the
+// suite (issue 23: < 30 s; the time is printed, the bench/plan_scale.sh table compares it). Each
+// rank holds a 1024th of the parameters, within the rounding of the uneven splits (the
+// vocabulary, 128256, does not divide by 1024).
+TEST(Flavors, A70BPlanOn16384RanksHoldsA1024thOfTheParametersPerRank) {
+  const auto j = plan_json("70B", 16, 128, 8, 8192);
+  ASSERT_FALSE(j.empty());
+  EXPECT_EQ(j.at("world_size").get<std::int64_t>(), 16384);
+  const double n = j.at("model").at("parameters").get<double>();
+  EXPECT_EQ(n, 70553706496.0);
+  EXPECT_NEAR(j.at("rank0").at("parameter_bytes").get<double>(), n * 4 / 1024, n * 4 / 1024 * 1e-3);
+  std::printf("70B on 16384 fake ranks planned in %.1f s, peak RSS %.0f MiB\n", j.at("planner_seconds").get<double>(),
+              j.at("planner_peak_rss_bytes").get<double>() / 1048576);
+}
+
+// model.n_layers plans a flavor's width at another depth; the label says so.
+TEST(Flavors, NLayersChangesTheDepthAndIsRefusedWhereItCannotApply) {
+  const auto j = plan_json("8B", 1, 8, 1, 512, " --model.n_layers 4");
+  ASSERT_FALSE(j.empty());
+  EXPECT_EQ(j.at("model").at("label"), "llama 8B (4 layers)");
+  const std::int64_t per_layer = (8030261248 - 2 * 128256 * 4096 - 4096) / 32;  // without the embedding, output and final norm
+  EXPECT_EQ(j.at("model").at("parameters").get<std::int64_t>(), 2 * 128256 * 4096 + 4096 + 4 * per_layer);
+  for (const auto& [flags, message] : std::vector<std::pair<std::string, std::string>>{
+           {"--model.n_layers 0", "model.n_layers must be positive, or -1"},
+           {"--model.name mlp --model.flavor tiny --model.n_layers 3", "model.n_layers applies to llama only, not mlp"}}) {
+    auto r = spmdx("compile " + kConfig + " " + flags);
+    EXPECT_NE(r.exit_code, 0) << flags;
+    EXPECT_THAT(r.output, HasSubstr(message)) << r.output;
+  }
+}
+
 TEST(Flavors, AVocabularySmallerThanTheTokenizersIsRefused) {
   auto r = spmdx("compile " + kConfig + " --model.flavor tiny --model.vocab_size 100");
   EXPECT_NE(r.exit_code, 0);

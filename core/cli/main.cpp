@@ -41,6 +41,7 @@
 #endif
 
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <csignal>
 #include <unistd.h>
 #include "spmdx/models/model.h"
@@ -294,6 +295,7 @@ struct CompileOptions {
   std::string dump;
   bool fake = false;
   bool print_config = false;
+  bool json = false;
   std::vector<std::string> overrides;
 };
 
@@ -378,6 +380,13 @@ int run_diff(const DiffOptions& o) {
   }
 }
 
+// This process's peak resident set (getrusage's ru_maxrss, KiB on Linux), bytes.
+std::int64_t peak_rss_bytes() {
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  return static_cast<std::int64_t>(usage.ru_maxrss) * 1024;
+}
+
 int run_compile(const CompileOptions& o) {
   namespace fs = std::filesystem;
   spmdx::config::Config cfg = spmdx::config::Config::load(o.config, o.overrides, /*throw_on_problems=*/false);
@@ -421,22 +430,60 @@ int run_compile(const CompileOptions& o) {
     std::vector<std::int64_t> ranks;
     for (std::int64_t r = 0; r < (o.fake ? 1 : world); ++r) ranks.push_back(r);
     hooks.compile(plan, ranks, spec.plan);
-    std::cout << "hooks (" << spmdx::join(cfg.get_list("hooks.enable")) << ") ran on the compile stages; their files are under "
+    (o.json ? std::cerr : std::cout) << "hooks (" << spmdx::join(cfg.get_list("hooks.enable")) << ") ran on the compile stages; their files are under "
               << (fs::path(cfg.get_string("job.dump_folder")) / "hooks").string() << "\n";
   }
   const spmdx::train::PlannedStep planned = spmdx::train::plan_step(job, spec);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   const double param = static_cast<double>(spmdx::train::local_parameter_bytes(job, 0));
+  const std::int64_t count = spmdx::models::parameter_count(job.model);
+  const std::int64_t embedding = spmdx::models::embedding_parameter_count(job.model);
+  const double flops_token = spmdx::models::flops_per_token(job.model, spec.seq_len);
+  const double tokens = static_cast<double>(spec.global_batch_size) * static_cast<double>(spec.seq_len);
+  const auto& dims = job.mesh.dims();
+  if (o.json) {
+    nlohmann::json by_dim = nlohmann::json::object();
+    for (std::size_t d = 0; d < dims.size(); ++d) by_dim[dims[d].name] = plan.comm_bytes_by_dim.at(d);
+    nlohmann::json mesh = nlohmann::json::array();
+    for (const auto& d : dims) mesh.push_back({{"name", d.name}, {"size", d.size}});
+    const auto& m = planned.memory;
+    nlohmann::json j{{"format", "spmdx.compile"},
+                     {"version", 1},
+                     {"model", {{"label", spmdx::models::model_label(spec.model)}, {"vocab_size", spec.model.vocab_size}, {"parameters", count},
+                                {"embedding_parameters", embedding}, {"graph_nodes", job.model.graph.num_nodes()}}},
+                     {"mesh", mesh},
+                     {"world_size", world},
+                     {"global_batch_size", spec.global_batch_size},
+                     {"seq_len", spec.seq_len},
+                     {"microbatches", spec.step.microbatches},
+                     {"flops_per_token", flops_token},
+                     {"flops_per_step", flops_token * tokens},
+                     {"rank0", {{"parameter_bytes", param}, {"gradient_bytes", param}, {"optimizer_state_bytes", 2 * param},
+                                {"comm_bytes_per_step", plan.comm_bytes}, {"comm_bytes_per_step_by_dim", by_dim}, {"comm_seconds_estimate", plan.comm_seconds},
+                                {"graph_flops_per_step", planned.flops}}},
+                     {"planned_peak", {{"bytes", m.peak_bytes}, {"parameters", m.parameters}, {"gradients", m.gradients}, {"optimizer_state", m.optimizer_state},
+                                       {"activations", m.activations}, {"communication", m.communication}, {"state_copy", m.state_copy}}},
+                     {"planner_seconds", seconds},
+                     {"planner_peak_rss_bytes", peak_rss_bytes()},
+                     {"fake", o.fake}};
+    std::cout << j.dump(1) << "\n";
+    return 0;
+  }
   char comm_ms[32];
   std::snprintf(comm_ms, sizeof comm_ms, "%.2f", plan.comm_seconds * 1e3);
   char params[64];
-  const std::int64_t count = spmdx::models::parameter_count(job.model);
   std::snprintf(params, sizeof params, "%lld parameters (%.3g x 10^9)", static_cast<long long>(count), static_cast<double>(count) / 1e9);
+  char flops[256];
+  std::snprintf(flops, sizeof flops, "%.4g FLOPs per token (torchtitan's 6 x %.4g non-embedding parameters%s), %.4g per step of %.0f tokens", flops_token,
+                static_cast<double>(count - embedding), spec.model.name == "llama" ? " + 12 x layers x heads x head_dim x seq_len" : "", flops_token * tokens, tokens);
+  std::string by_dim;
+  for (std::size_t d = 0; d < dims.size(); ++d) by_dim += (d ? ", " : "") + dims[d].name + " " + spmdx::human_bytes(plan.comm_bytes_by_dim.at(d));
   std::cout << "model " << spmdx::models::model_label(spec.model) << " (vocab " << spec.model.vocab_size << ", " << params << "), " << job.model.graph.num_nodes()
             << " nodes; mesh " << job.mesh.str() << " (" << world << " ranks); global batch " << spec.global_batch_size << " x " << spec.seq_len
             << (spec.step.microbatches > 1 ? " in " + std::to_string(spec.step.microbatches) + " microbatches (gradient accumulation)" : std::string()) << "\n"
+            << flops << "\n"
             << "per rank (rank 0): parameters " << spmdx::human_bytes(param) << ", gradients " << spmdx::human_bytes(param) << ", AdamW state "
-            << spmdx::human_bytes(2 * param) << ", communication " << spmdx::human_bytes(plan.comm_bytes) << " sent per step (about "
+            << spmdx::human_bytes(2 * param) << ", communication " << spmdx::human_bytes(plan.comm_bytes) << " sent per step (" << by_dim << "; about "
             << comm_ms << " ms at 10 GB/s, 10 us per message)\n"
             << "planned peak memory (rank 0): " << planned.memory.str() << "\n"
             << (spec.memory_fit.empty() ? "" : spec.memory_fit + "\n");
@@ -444,7 +491,7 @@ int run_compile(const CompileOptions& o) {
     std::cout << "fallback: strategies " << layout << " passed over (" << why << ")\n";
   }
   if (!spec.strategies_passed_over.empty()) std::cout << "strategies: " << spmdx::train::layout_text(spec.strategies) << "\n";
-  std::cout << "planned in " << std::fixed << std::setprecision(3) << seconds << " s" << std::defaultfloat << (o.fake ? " (--fake: no ranks started" : " (no ranks started")
+  std::cout << "planned in " << std::fixed << std::setprecision(3) << seconds << " s, peak RSS " << spmdx::human_bytes(static_cast<double>(peak_rss_bytes())) << std::defaultfloat << (o.fake ? " (--fake: no ranks started" : " (no ranks started")
             << (dumped_ranks ? "; wrote " + o.dump + " with " + std::to_string(dumped_ranks) + " rank graph(s))" : ")") << "\n";
   return 0;
 }
@@ -621,6 +668,7 @@ CLI::App* add_compile(CLI::App& app, CompileOptions& compile_options) {
   compile->add_option("--dump", compile_options.dump, "Write logical.{txt,json}, plan.{txt,json}, rankR.{txt,json} rankR.plan.txt (RuntimePlan) and rankR.memory.txt (memory plan) here");
   compile->add_flag("--fake", compile_options.fake, "Plan a mesh larger than this machine; dump only rank 0's graph");
   compile->add_flag("--print-config", compile_options.print_config, "Print the effective config and exit");
+  compile->add_flag("--json", compile_options.json, "Print the summary as JSON (schema spmdx.compile/1): parameters, FLOPs per token, per-rank bytes, bytes per mesh dim, planned peak");
   return compile;
 }
 

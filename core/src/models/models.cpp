@@ -1,5 +1,6 @@
 #include <cmath>
 #include <stdexcept>
+#include <set>
 
 #include "spmdx/ir/builder.h"
 #include "spmdx/models/model.h"
@@ -137,6 +138,35 @@ std::int64_t parameter_count(const Model& m) {
   return n;
 }
 
+std::int64_t embedding_parameter_count(const Model& m) {
+  std::set<const ir::Value*> tables;
+  for (const auto& n : m.graph.nodes()) {
+    if (n->op() != "embedding") continue;
+    const ir::Value* w = n->input(0);
+    while (w->producer() != nullptr && w->producer()->op() == "cast") w = w->producer()->input(0);
+    if (w->producer() == nullptr) tables.insert(w);
+  }
+  std::int64_t count = 0;
+  for (const auto& init : m.init) {
+    if (!init.trainable) continue;
+    const ir::Value* v = m.graph.find_input(init.name);
+    if (v == nullptr || tables.count(v) == 0) continue;
+    std::int64_t e = 1;
+    for (const std::int64_t d : init.shape) e *= d;
+    count += e;
+  }
+  return count;
+}
+
+double flops_per_token(const Model& m, std::int64_t seq_len) {
+  double flops = 6.0 * static_cast<double>(parameter_count(m) - embedding_parameter_count(m));
+  if (m.args.name == "llama") {
+    const double head_dim = static_cast<double>(m.args.dim / m.args.n_heads);
+    flops += 12.0 * static_cast<double>(m.args.n_layers) * static_cast<double>(m.args.n_heads) * head_dim * static_cast<double>(seq_len);
+  }
+  return flops;
+}
+
 ModelArgs model_args(const std::string& name, const std::string& flavor, std::int64_t vocab_size) {
   ModelArgs a;
   a.name = name;
@@ -198,7 +228,15 @@ Model build_model(const ModelArgs& args, std::int64_t batch, std::int64_t seq_le
   return m;
 }
 
-std::string model_label(const ModelArgs& args) { return args.name + " " + (args.name == "pt2" ? args.path : args.flavor); }
+std::string model_label(const ModelArgs& args) {
+  if (args.name == "pt2") return args.name + " " + args.path;
+  std::string label = args.name + " " + args.flavor;
+  try {
+    if (model_args(args.name, args.flavor, args.vocab_size).n_layers != args.n_layers) label += " (" + std::to_string(args.n_layers) + " layers)";
+  } catch (const std::invalid_argument&) {
+  }
+  return label;
+}
 
 std::string layer_of(const std::string& tensor_name) {
   std::string name = tensor_name;

@@ -388,6 +388,11 @@ JobSpec job_spec(const config::Config& cfg, std::int64_t world_size, std::int64_
     }
   }
   s.model = models::model_args(cfg.get_string("model.name"), cfg.get_string("model.flavor"), vocab_size);
+  if (const std::int64_t layers = cfg.get_int("model.n_layers"); layers != -1) {
+    if (layers == 0) problems.add({"model.n_layers"}, "model.n_layers must be positive, or -1 (the flavor's)");
+    else if (s.model.name != "llama") problems.add({"model.n_layers", "model.name"}, "model.n_layers applies to llama only, not " + s.model.name);
+    else s.model.n_layers = layers;
+  }
   const std::vector<std::int64_t> exported = read_pt2(cfg, vocab_size, s.model, problems);  // pt2: the tokens' [batch, seq] as exported
   read_strategies(cfg, s, problems);
   read_degrees(cfg, world_size, s.dims, problems);

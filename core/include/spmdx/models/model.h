@@ -124,6 +124,17 @@ Model import_model(const ModelArgs& args);
 /// The trainable parameters' elements (buffers such as RoPE tables not counted).
 std::int64_t parameter_count(const Model& m);
 
+/// The elements of the trainable parameters an `embedding` node looks up (directly or through
+/// a cast): torchtitan's nparams_embedding (tok_embeddings.weight; GPT-2's wte and wpe).
+std::int64_t embedding_parameter_count(const Model& m);
+
+/// Training FLOPs per token, torchtitan's MFU formula (get_dense_model_nparams_and_flops):
+/// 6 x (parameters - embedding parameters) for the matmuls of forward and backward, plus
+/// 12 x layers x heads x head_dim x seq_len for attention's score and value matmuls (causal
+/// sparsity not discounted, recomputation not counted). The attention term only for llama;
+/// mlp has none, and an imported pt2 program's heads are unknown (6N only).
+double flops_per_token(const Model& m, std::int64_t seq_len);
+
 /// "llama debugmodel", "mlp tiny", or "pt2 outputs/export/gpt2.pt2": the model for messages.
 std::string model_label(const ModelArgs& args);
 
