@@ -199,8 +199,11 @@ class Simulation {
   std::int64_t peak_event() const { return peak_event_; }
   MemoryPlan& result() { return result_; }
 
-  // The buffers held now (at the stop): the breakdown and the largest ones.
+  // The buffers held at the stop: the breakdown and the largest ones. From the copy taken at
+  // the stop itself: the node being simulated goes on releasing after it (a pending output
+  // let go of its source), and the parts then summed to less than the peak.
   void describe(MemoryPlan& m) const {
+    const std::vector<Buffer>& buffers_ = at_stop_;
     std::vector<int> live;
     for (std::size_t b = 0; b < buffers_.size(); ++b) {
       if (buffers_[b].holders > 0) live.push_back(static_cast<int>(b));
@@ -291,6 +294,7 @@ class Simulation {
     if (event_ == stop_at_) {
       stopped_ = true;
       scratch_at_stop_ = extra;
+      at_stop_ = buffers_;
       return;
     }
     if (held_ + extra > peak_) {
@@ -542,6 +546,7 @@ class Simulation {
   std::unordered_map<int, std::vector<int>> bucket_in_flight_;
   MemoryPlan result_;
   std::int64_t held_ = 0, peak_ = 0, event_ = 0, peak_event_ = -1, stop_at_ = -1, scratch_at_stop_ = 0;
+  std::vector<Buffer> at_stop_;  // buffers_ as they were at the stop
   int pos_ = -1, peak_pos_ = -1;
   bool stopped_ = false;
 };
