@@ -463,6 +463,8 @@ int run_compile(const CompileOptions& o) {
                                 {"graph_flops_per_step", planned.flops}}},
                      {"planned_peak", {{"bytes", m.peak_bytes}, {"parameters", m.parameters}, {"gradients", m.gradients}, {"optimizer_state", m.optimizer_state},
                                        {"activations", m.activations}, {"communication", m.communication}, {"state_copy", m.state_copy}}},
+                     {"memory_budget_bytes", spec.memory_budget},
+                     {"memory_budget_choice", spec.memory_fit},
                      {"planner_seconds", seconds},
                      {"planner_peak_rss_bytes", peak_rss_bytes()},
                      {"fake", o.fake}};
@@ -667,8 +669,9 @@ CLI::App* add_compile(CLI::App& app, CompileOptions& compile_options) {
       ->check(CLI::Range(1, 100000000));
   compile->add_option("--dump", compile_options.dump, "Write logical.{txt,json}, plan.{txt,json}, rankR.{txt,json} rankR.plan.txt (RuntimePlan) and rankR.memory.txt (memory plan) here");
   compile->add_flag("--fake", compile_options.fake, "Plan a mesh larger than this machine; dump only rank 0's graph");
-  compile->add_flag("--print-config", compile_options.print_config, "Print the effective config and exit");
-  compile->add_flag("--json", compile_options.json, "Print the summary as JSON (schema spmdx.compile/1): parameters, FLOPs per token, per-rank bytes, bytes per mesh dim, planned peak");
+  auto* print_config = compile->add_flag("--print-config", compile_options.print_config, "Print the effective config and exit");
+  compile->add_flag("--json", compile_options.json, "Print the summary as JSON (schema spmdx.compile/1): parameters, FLOPs per token, per-rank bytes, bytes per mesh dim, planned peak")
+      ->excludes(print_config);
   return compile;
 }
 

@@ -174,7 +174,7 @@ const std::vector<KeySpec>& schema() {
       n("model.vocab_size", Type::integer, std::int64_t{-1},
         "rows of the embedding and output (-1: the tokenizer's ids; more than them for a plan of a real vocabulary, e.g. Llama 3's 128256)", -1, 1e9),
       n("model.n_layers", Type::integer, std::int64_t{-1},
-        "llama: transformer blocks (-1: the flavor's; fewer or more to plan a model of the flavor's width at another depth)", -1, 100000),
+        "llama: transformer blocks (-1: the flavor's; 1 to 1024 to plan a model of the flavor's width at another depth)", -1, 1024),
       k("model.tokenizer", Type::string, std::string("byte"), "\"byte\", or a Hugging Face tokenizer.json (or its folder)"),
       k("model.path", Type::string, std::string(""), "model.name = \"pt2\": the .pt2 file torch.export.save wrote (torch >= 2.9)"),
       k("model.inputs", Type::string_list, L{},

@@ -530,7 +530,8 @@ std::optional<std::int64_t> find_checkpoint(const fs::path& folder, std::int64_t
 
 TensorMap load_checkpoint(const fs::path& folder, std::int64_t step, const sharding::DeviceMesh& mesh, std::int64_t rank,
                           const std::map<std::string, ir::TensorMeta>& global,
-                          const std::map<std::string, sharding::Placements>& placements, CheckpointMeta* meta) {
+                          const std::map<std::string, sharding::Placements>& placements, CheckpointMeta* meta,
+                          const std::set<std::string>& not_loaded) {
   const fs::path dir = folder / ("step-" + std::to_string(step));
   const fs::path mfile = dir / "metadata.json";
   const Metadata md = read_metadata(dir);
@@ -548,6 +549,15 @@ TensorMap load_checkpoint(const fs::path& folder, std::int64_t step, const shard
       fail(mfile, "tensor '" + name + "' was saved as " + ir::to_string(t.dtype) + ir::shape_str(t.shape) + ", this run has " + g.str());
     }
     same = same && placements_text(t.placements) == placements_text(placements.at(name));
+  }
+  std::vector<std::string> extra;
+  for (const auto& [name, t] : md.tensors) {
+    if (global.count(name) == 0 && not_loaded.count(name) == 0) extra.push_back(name);
+  }
+  if (!extra.empty()) {
+    fail(mfile, "holds " + std::to_string(extra.size()) + " tensor(s) this run's model has not, e.g. '" + extra.front() +
+                    "' (saved by another model: a different model.flavor or model.n_layers?); resuming would drop them: run with the model "
+                    "that saved it, or start a new job.dump_folder");
   }
   TensorMap out;
   if (same) {  // the same layout: this rank's own file

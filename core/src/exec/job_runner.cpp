@@ -896,10 +896,11 @@ CheckpointMeta resume_from(const std::filesystem::path& ckpt_dir, std::int64_t s
   // Buffers (the RoPE tables) are made from the config, not loaded: a resume may change
   // training.seq_len, as torchtitan's may.
   std::map<std::string, ir::TensorMeta> trained = state_metas;
+  std::set<std::string> buffers;
   for (const auto& spec_i : job.model.init) {
-    if (!spec_i.trainable) trained.erase(spec_i.name);
+    if (!spec_i.trainable) trained.erase(spec_i.name), buffers.insert(spec_i.name);
   }
-  for (auto& [name, t] : load_checkpoint(ckpt_dir, step, job.mesh, env.rank, trained, state_placements, &meta)) state[name] = t.to(device);
+  for (auto& [name, t] : load_checkpoint(ckpt_dir, step, job.mesh, env.rank, trained, state_placements, &meta, buffers)) state[name] = t.to(device);
   dataset.restore({meta.data_samples});
   if (env.rank == 0) {
     std::printf("resumed from %s (step %lld)\n", (ckpt_dir / ("step-" + std::to_string(step))).string().c_str(),

@@ -232,7 +232,7 @@ std::string model_label(const ModelArgs& args) {
   if (args.name == "pt2") return args.name + " " + args.path;
   std::string label = args.name + " " + args.flavor;
   try {
-    if (model_args(args.name, args.flavor, args.vocab_size).n_layers != args.n_layers) label += " (" + std::to_string(args.n_layers) + " layers)";
+    if (model_args(args.name, args.flavor, args.vocab_size).n_layers != args.n_layers) label += " (" + std::to_string(args.n_layers) + (args.n_layers == 1 ? " layer)" : " layers)");
   } catch (const std::invalid_argument&) {
   }
   return label;

@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <map>
+#include <set>
 #include <optional>
 #include <string>
 
@@ -68,10 +69,13 @@ CheckpointMeta read_checkpoint_meta(const std::filesystem::path& folder, std::in
 /// size that is not the mesh's or the number of shard files); a shard file that is truncated,
 /// corrupted (CRC-32 of its header, recorded in metadata.json, and of every tensor), or holds
 /// tensors whose shape, dtype or place in the global tensor disagrees with the placements
-/// metadata.json gives; a missing tensor, or a shape that differs from this run's.
+/// metadata.json gives; a missing tensor, or a shape that differs from this run's; a tensor
+/// the checkpoint holds that is neither in `global` nor in `not_loaded` (the run's buffers,
+/// made from the config): a model with fewer layers would drop it and its AdamW state.
 TensorMap load_checkpoint(const std::filesystem::path& folder, std::int64_t step, const sharding::DeviceMesh& mesh, std::int64_t rank,
                           const std::map<std::string, ir::TensorMeta>& global,
-                          const std::map<std::string, sharding::Placements>& placements, CheckpointMeta* meta);
+                          const std::map<std::string, sharding::Placements>& placements, CheckpointMeta* meta,
+                          const std::set<std::string>& not_loaded = {});
 
 /// Writes `tensors` (whole, contiguous) as a safetensors file (Hugging Face's format: u64 header
 /// length, a JSON header with dtype, shape and data_offsets per tensor and `metadata` as
