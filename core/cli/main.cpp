@@ -410,6 +410,10 @@ int run_compile(const CompileOptions& o) {
   const auto plan = spmdx::sharding::propagate(job.model.graph, job.mesh, job.inputs, job.outputs, job.use, job.reshard_after_forward);
   const std::int64_t dumped_ranks = o.dump.empty() ? 0 : (o.fake ? 1 : world);
   if (!o.dump.empty()) {
+    std::error_code ec;
+    if (fs::exists(o.dump, ec) && !fs::is_directory(o.dump, ec)) {
+      throw std::invalid_argument("--dump " + o.dump + " is a file: give a folder (it is made if missing)");
+    }
     fs::create_directories(o.dump);
     for (const auto& [name, text] : dump_documents(job, plan, spec, dumped_ranks, /*everything=*/true)) {
       std::ofstream out(fs::path(o.dump) / name);

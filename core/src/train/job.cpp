@@ -171,6 +171,11 @@ void read_degrees(const config::Config& cfg, std::int64_t world_size, sharding::
     dims.dp_shard = 1;
   }
   const std::int64_t product = dims.dp_replicate * dims.dp_shard * dims.tp;
+  if (const double ranks = static_cast<double>(dims.dp_replicate) * static_cast<double>(dims.dp_shard) * static_cast<double>(dims.tp); ranks > 1e8) {
+    problems.add(kDegreeKeys, "parallelism degrees multiply to " + std::to_string(dims.dp_replicate) + " x " + std::to_string(dims.dp_shard) + " x " +
+                                  std::to_string(dims.tp) + " ranks, more than the 100,000,000 spmdx plans (as --world-size): use smaller degrees");
+    return;
+  }
   if (product != world_size && problems.lines.empty()) {
     problems.add(kDegreeKeys, "parallelism degrees multiply to " + std::to_string(product) + " (" + std::to_string(dims.dp_replicate) + " x " +
                  std::to_string(dims.dp_shard) + " x " + std::to_string(dims.tp) + "), but world_size is " + std::to_string(world_size));
