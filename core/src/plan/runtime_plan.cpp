@@ -270,6 +270,7 @@ struct PlanBuilder {
   // input, whole gradients, is freed first: one reduce_scatter's buffers at a time.
   void bound_reduce_scatters() {
     plan.wait_before.assign(plan.order.size(), {});
+    plan.bound_wait.assign(static_cast<std::size_t>(n_nodes), -1);
     if (!options.overlap) return;
     struct Call {
       int start;               // position of its first member (a bucket's staging buffer is made there)
@@ -302,6 +303,7 @@ struct PlanBuilder {
         if (prev.first_use <= at_pos || prev.first_use >= n_nodes) continue;  // read before, or never read
         auto& at = plan.wait_before[static_cast<std::size_t>(at_pos)];
         at.insert(at.end(), prev.nodes.begin(), prev.nodes.end());
+        for (int m : prev.nodes) plan.bound_wait[static_cast<std::size_t>(m)] = at_pos;
       }
     }
   }
@@ -334,9 +336,7 @@ int RuntimePlan::waited_at(int node) const {
     if (b >= 0) return buckets.at(static_cast<std::size_t>(b)).issue_after;
     return static_cast<int>(std::find(order.begin(), order.end(), node) - order.begin());
   }
-  for (std::size_t p = 0; p < wait_before.size() && static_cast<int>(p) < at; ++p) {
-    if (std::find(wait_before[p].begin(), wait_before[p].end(), node) != wait_before[p].end()) return static_cast<int>(p);
-  }
+  if (i < bound_wait.size() && bound_wait[i] >= 0 && bound_wait[i] < at) return bound_wait[i];
   return at;
 }
 

@@ -100,6 +100,11 @@ struct Propagator {
     }
   }
 
+  // A multiply by a scalar, which passes a gradient's hint through: mul_scalar, or mul by a 0-d tensor.
+  static bool by_scalar(const ir::Node& node) {
+    return node.op() == "mul_scalar" || (node.op() == "mul" && node.input(1)->meta().shape.empty());
+  }
+
   void find_hints(const std::map<std::string, Placements>& use) {
     for (const auto& [name, pl] : use) {
       const ir::Value* v = graph.find_input(name);
@@ -127,8 +132,7 @@ struct Propagator {
       const ir::Node& node = **it;
       if (node.op() == "adamw") hint.emplace(node.input(1), plan.placement.at(node.input(0)));
       // Through a multiply by a scalar (clipping's coefficient, gradient accumulation's 1 / microbatches).
-      const bool by_scalar = node.op() == "mul_scalar" || (node.op() == "mul" && node.input(1)->meta().shape.empty());
-      if (by_scalar && hint.count(node.output())) {
+      if (by_scalar(node) && hint.count(node.output())) {
         hint.emplace(node.input(0), hint.at(node.output()));
       }
       if (node.op() == "cast" && hint.count(node.output()) && node.input(0)->producer() != nullptr) in_place.insert(&node);
@@ -156,9 +160,8 @@ struct Propagator {
       }
     }
     for (const auto& node : graph.nodes()) {
-      const bool by_scalar = node->op() == "mul_scalar" || (node->op() == "mul" && node->input(1)->meta().shape.empty());
       const ir::Node* from = node->input(0)->producer();
-      if (by_scalar && hint.count(node->output()) > 0 && from != nullptr && sharded_chain.count(from) > 0) sharded_chain.insert(node.get());
+      if (by_scalar(*node) && hint.count(node->output()) > 0 && from != nullptr && sharded_chain.count(from) > 0) sharded_chain.insert(node.get());
     }
     for (const ir::Value* v : graph.inputs()) {
       if (auto h = hint.find(v); h != hint.end()) make(v, h->second);

@@ -67,6 +67,8 @@ struct RuntimePlan {
   /// outputs are waited for before that position runs, ahead of their first use (the
   /// reduce_scatter bound above). Empty lists mostly; order.size() entries.
   std::vector<std::vector<int>> wait_before;
+  /// The same per node index: the position wait_before waits for it at, or -1 (its first use).
+  std::vector<int> bound_wait;
 
   /// Where the host waits for node `node`'s collective (its bucket's): its first use, an
   /// earlier wait_before position, or its issue with overlap off.
