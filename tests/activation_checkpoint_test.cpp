@@ -148,7 +148,7 @@ TEST(ActivationCheckpoint, KeepCollectiveOutputsMergesOnlyTheRecomputationsColle
     registry.discover({{BUILTIN_PLUGIN_DIR, PluginSource::Origin::builtin}});
     const JobSpec spec = job_spec(cfg, 4, 256);
     const PlacedJob job = place_job(spec, registry);
-    const auto plan = sharding::propagate(job.model.graph, job.mesh, job.inputs, job.outputs, job.use, job.reshard_after_forward);
+    const auto plan = train::propagate_job(job);
     return rank_step_graph(plan, 0, spec, kept);
   };
   auto collectives = [](const ir::Graph& g) {

@@ -14,6 +14,7 @@ namespace {
 
 namespace fs = std::filesystem;
 using ::testing::HasSubstr;
+using ::testing::Not;
 using test::run_command;
 
 fs::path plugin_dir(const std::string& target) { return fs::path(TEST_PLUGIN_DIR) / target; }
@@ -194,6 +195,26 @@ TEST(Cli, CompilePlansWithoutStartingRanks) {
   EXPECT_THAT(typo.output, HasSubstr("unknown key 'training.stpes'; did you mean 'training.steps'?"));
   auto printed = spmdx("compile '" SPMDX_SOURCE_DIR "/configs/llama_tp.toml' --print-config");
   EXPECT_THAT(printed.output, HasSubstr("tensor_parallel_degree = 2"));
+}
+
+// parallelism.enable_sequence_parallel says where it acts and, where it cannot, that it is off
+// and why, in `spmdx compile` as in `spmdx run`: tp 1, a model without norms, a sequence
+// shorter than tp.
+TEST(Cli, SequenceParallelSaysWhereItIsOffAndWhy) {
+  const std::string llama = "compile '" SPMDX_SOURCE_DIR "/configs/llama_tp.toml' --parallelism.enable_sequence_parallel true";
+  auto on = spmdx(llama + " --json 2>&1");
+  ASSERT_EQ(on.exit_code, 0) << on.output;
+  EXPECT_TRUE(nlohmann::json::parse(on.output.substr(on.output.find('{'))).at("sequence_parallel").get<bool>()) << on.output;
+  EXPECT_THAT(spmdx(llama).output, HasSubstr("(2 ranks, sequence parallel over tp)"));
+  auto tp1 = spmdx(llama + " --parallelism.tensor_parallel_degree 1");
+  EXPECT_THAT(tp1.output, HasSubstr("sequence parallel: off, parallelism.enable_sequence_parallel acts only with parallelism.tensor_parallel_degree > 1"));
+  auto short_seq = spmdx(llama + " --training.seq_len 1");
+  EXPECT_THAT(short_seq.output, HasSubstr("sequence parallel: off, the model has no rms_norm or layer_norm op over a sequence of at least tensor_parallel_degree (2)"));
+  EXPECT_THAT(short_seq.output, Not(HasSubstr("sequence parallel over tp")));
+  auto mlp = spmdx("compile '" SPMDX_SOURCE_DIR "/configs/mlp_dp.toml' --parallelism.data_parallel_replicate_degree 1 --parallelism.tensor_parallel_degree 2 "
+                   "--parallelism.enable_sequence_parallel true");
+  EXPECT_EQ(mlp.exit_code, 0) << mlp.output;
+  EXPECT_THAT(mlp.output, HasSubstr("sequence parallel: off, the model has no rms_norm or layer_norm op"));
 }
 
 TEST(Cli, EnvironmentPathIsSearched) {

@@ -29,12 +29,17 @@ struct Layout {
   std::string name;
   sharding::ParallelDims dims;
   std::int64_t world;
+  bool sequence_parallel = false;
 };
 
 std::vector<Layout> layouts() {
-  return {{"dp4", {4, 1, 1}, 4},       {"fsdp4", {1, 4, 1}, 4},      {"tp2", {1, 1, 2}, 2},
-          {"fsdp2xtp2", {1, 2, 2}, 4}, {"dp2xtp2", {2, 1, 2}, 4},    {"hsdp2x2", {2, 2, 1}, 4}};
+  return {{"dp4", {4, 1, 1}, 4},         {"fsdp4", {1, 4, 1}, 4},           {"tp2", {1, 1, 2}, 2},
+          {"fsdp2xtp2", {1, 2, 2}, 4},   {"dp2xtp2", {2, 1, 2}, 4},         {"hsdp2x2", {2, 2, 1}, 4},
+          {"tp2+sp", {1, 1, 2}, 2, true}, {"tp4+sp", {1, 1, 4}, 4, true}, {"fsdp2xtp2+sp", {1, 2, 2}, 4, true}};
 }
+
+// The tp mesh dim's index where the layout asks for sequence parallelism, else -1.
+int sp_dim(const Layout& layout, const sharding::DeviceMesh& mesh) { return layout.sequence_parallel ? mesh.dim_index("tp") : -1; }
 
 PluginRegistry& registry() {
   static PluginRegistry* r = [] {
@@ -114,7 +119,7 @@ TEST(Distributed, LlamaTinyGradientsEqualOneRank) {
     for (const auto& p : m.params) out_pl["grad." + p] = placements.at(p);
     std::map<std::string, Placements> params;
     for (const auto& p : m.params) params[p] = placements.at(p);
-    const auto plan = sharding::propagate(m.graph, mesh, placements, out_pl, sharding::use_placements(mesh, params), reshard);
+    const auto plan = sharding::propagate(m.graph, mesh, placements, out_pl, sharding::use_placements(mesh, params), reshard, sp_dim(layout, mesh));
     const exec::TensorMap got = run_distributed(plan, full);
 
     EXPECT_LE(rel(got.at("loss"), want.at("loss")), 3e-7);
@@ -142,7 +147,7 @@ TEST(Distributed, LlamaTinyTrainStepLossesEqualOneRankFor5Steps) {
     for (const auto& s : train::train_state_names(m.params)) out_pl["next." + s] = placements.at(s);
     std::map<std::string, Placements> params;
     for (const auto& p : m.params) params[p] = placements.at(p);
-    const auto plan = sharding::propagate(m.graph, mesh, placements, out_pl, sharding::use_placements(mesh, params));
+    const auto plan = sharding::propagate(m.graph, mesh, placements, out_pl, sharding::use_placements(mesh, params), false, sp_dim(layout, mesh));
 
     exec::TensorMap state = one.state();
     for (std::int64_t step = 1; step <= 5; ++step) {
@@ -223,6 +228,61 @@ TEST(Distributed, ReshardAfterForwardGathersEachParameterAgainForTheBackward) {
   };
   EXPECT_EQ(gathers(false), 3);
   EXPECT_EQ(gathers(true), 5);  // tok_embeddings is not read by the backward (its gradient needs only the tokens)
+}
+
+// Sequence parallelism (Megatron-SP) by placements alone: on tp 4, every forward norm reads
+// and writes its activations Shard(1) (the sequence), each row-parallel matmul's Partial output
+// is reduce-scattered into the residual stream (Shard(1)) and each norm's output all-gathered
+// once for the column-parallel matmuls; the forward all-reduces no activation over tp.
+TEST(Distributed, SequenceParallelShardsTheNormsOnTheSequenceAndReduceScattersIntoThem) {
+  models::Model m = models::build_model(models::model_args("llama", "tiny", kVocab), kBatch, kSeq);
+  train::append_train_step(m.graph, m.params, {});
+  const auto mesh = sharding::make_mesh({1, 1, 4}, 4);
+  auto placements = sharding::parallelize(registry(), mesh, strategy_input(m));
+  std::map<std::string, Placements> params;
+  for (const auto& p : m.params) {
+    placements["exp_avg." + p] = placements["exp_avg_sq." + p] = placements.at(p);
+    params[p] = placements.at(p);
+  }
+  std::map<std::string, Placements> out_pl;
+  for (const auto& s : train::train_state_names(m.params)) out_pl["next." + s] = placements.at(s);
+  const auto plan = sharding::propagate(m.graph, mesh, placements, out_pl, sharding::use_placements(mesh, params), false, 0);
+  const auto plain = sharding::propagate(m.graph, mesh, placements, out_pl, sharding::use_placements(mesh, params), false, -1);
+
+  const auto forward = ir::producers_of(m.graph.find_output("loss"));
+  int norms = 0;
+  std::map<std::string, std::set<const ir::Value*>> moved;  // forward collective -> the values it moved
+  for (const auto& node : m.graph.nodes()) {
+    if (forward.count(node.get()) == 0) continue;
+    const auto& in = plan.inputs.at(node.get());
+    if (node->op() == "rms_norm") {
+      ++norms;
+      EXPECT_EQ(to_string(in[0]), "S(1)") << "%" << node->id();
+      EXPECT_EQ(to_string(plan.placement.at(node->output())), "S(1)") << "%" << node->id();
+    }
+    for (std::size_t a = 0; a < in.size(); ++a) {
+      const ir::Value* v = node->input(static_cast<int>(a));
+      if (in[a] == plan.placement.at(v)) continue;
+      for (const auto& step : sharding::redistribute_plan(mesh, v->meta(), plan.placement.at(v), in[a])) {
+        if (step.op == "all_reduce") {
+          EXPECT_TRUE(v->meta().shape.empty()) << "the forward all-reduces " << v->ref() << " " << v->meta().str();
+        }
+        if (step.op == "reduce_scatter") {
+          EXPECT_EQ(step.to.dim(), 1) << v->ref();
+        }
+        moved[step.op].insert(v);
+      }
+    }
+  }
+  EXPECT_EQ(norms, 5);  // two a layer and the final norm
+  EXPECT_EQ(moved["reduce_scatter"].size(), 4u);  // attention.wo and feed_forward.w2 of each layer
+  std::set<const ir::Value*> gathered_norms;
+  for (const ir::Value* v : moved["all_gather"]) {
+    if (v->producer() != nullptr && v->producer()->op() == "rms_norm") gathered_norms.insert(v);
+  }
+  EXPECT_EQ(gathered_norms.size(), 5u);  // each norm's output once, for wq/wk/wv, w1/w3 and output
+  std::printf("llama tiny tp 4, %lld x %lld tokens: sequence parallel sends %.0f bytes per rank per step, spmdx's plain TP %.0f\n",
+              static_cast<long long>(kBatch), static_cast<long long>(kSeq), plan.comm_bytes, plain.comm_bytes);
 }
 
 TEST(Distributed, DegreesThatDoNotMultiplyToWorldSizeAreRejected) {

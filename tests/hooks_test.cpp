@@ -58,7 +58,7 @@ struct Planned {
     registry.discover({{BUILTIN_PLUGIN_DIR, PluginSource::Origin::builtin}});
     job = std::make_unique<train::PlacedJob>(train::place_job(train::job_spec(cfg, 4, 256), registry));
     plan_ = std::make_unique<sharding::DistributedPlan>(
-        sharding::propagate(job->model.graph, job->mesh, job->inputs, job->outputs, job->use, job->reshard_after_forward));
+        train::propagate_job(*job));
   }
 };
 

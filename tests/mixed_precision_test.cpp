@@ -113,7 +113,7 @@ TEST(MixedPrecision, FsdpGathersBf16ParametersAndReducesF32Gradients) {
     PluginRegistry registry;
     registry.discover({{BUILTIN_PLUGIN_DIR, PluginSource::Origin::builtin}});
     const PlacedJob job = place_job(job_spec(cfg, 4, 256), registry);
-    const auto plan = sharding::propagate(job.model.graph, job.mesh, job.inputs, job.outputs, job.use, job.reshard_after_forward);
+    const auto plan = train::propagate_job(job);
     const ir::Graph rank0 = sharding::rank_graph(plan, 0);
     Counted c;
     for (const auto& n : rank0.nodes()) {

@@ -32,7 +32,7 @@ struct Job {
     registry.discover({{BUILTIN_PLUGIN_DIR, PluginSource::Origin::builtin}});
     job = std::make_unique<train::PlacedJob>(train::place_job(train::job_spec(cfg, replicate * shard * tp, 256), registry));
     plan = std::make_unique<sharding::DistributedPlan>(
-        sharding::propagate(job->model.graph, job->mesh, job->inputs, job->outputs, job->use, job->reshard_after_forward));
+        train::propagate_job(*job));
     graph = std::make_unique<ir::Graph>(sharding::rank_graph(*plan, 0));
   }
 };

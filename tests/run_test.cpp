@@ -50,12 +50,17 @@ TEST(Run, NRanksGiveTheLossesOfOneRankForEachLayout) {
       {"tp4", 4, tp + "4"},
       {"fsdp2xtp2", 4, "--parallelism.data_parallel_shard_degree 2 --parallelism.tensor_parallel_degree 2"},
       {"dp2xtp2", 4, "--parallelism.data_parallel_replicate_degree 2 --parallelism.data_parallel_shard_degree 1 --parallelism.tensor_parallel_degree 2"},
+      {"tp4+sp", 4, tp + "4 --parallelism.enable_sequence_parallel true"},
+      {"fsdp2xtp2+sp", 4, "--parallelism.data_parallel_shard_degree 2 --parallelism.tensor_parallel_degree 2 --parallelism.enable_sequence_parallel true"},
   };
   for (const auto& [name, nproc, flags] : layouts) {
     auto r = spmdx_run("'" SPMDX_SOURCE_DIR "/configs/llama_fsdp.toml' --nproc " + std::to_string(nproc) + " " + flags + " --job.dump_folder '" +
                        (dir / name).string() + "'" + common);
     ASSERT_EQ(r.exit_code, 0) << name << "\n" << r.output;
     EXPECT_THAT(r.output, HasSubstr("[rank 0] step   20 | loss"));
+    if (name.find("+sp") != std::string::npos) {
+      EXPECT_THAT(r.output, HasSubstr("sequence parallel: the norms and the residual stream are sharded on the sequence over tp"));
+    }
     const auto got = losses(dir / name / "metrics.jsonl");
     ASSERT_EQ(got.size(), want.size()) << name;
     // What float32 gives with other reduction orders: at most 1.8e-7 for the loss and 1.4e-7 for

@@ -336,7 +336,7 @@ spmdx::plan::JobDump compile_for_diff(const std::string& config) {
   cfg.check(spmdx::train::preflight(cfg, world, registry, &tokenizer, &checked_spec, spmdx::train::Preflight::plan));
   const spmdx::train::JobSpec& spec = checked_spec.value();
   spmdx::train::PlacedJob job = spmdx::train::place_job(spec, registry);
-  const auto plan = spmdx::sharding::propagate(job.model.graph, job.mesh, job.inputs, job.outputs, job.use, job.reshard_after_forward);
+  const auto plan = spmdx::train::propagate_job(job);
   spmdx::plan::JobDump d;
   d.label = config;
   for (auto& [name, text] : dump_documents(job, plan, spec, world, /*everything=*/false)) {
@@ -407,7 +407,7 @@ int run_compile(const CompileOptions& o) {
   if (!cfg.ignored().empty()) std::cerr << cfg.ignored_text() << "\n";
   const spmdx::train::JobSpec& spec = checked_spec.value();
   spmdx::train::PlacedJob job = spmdx::train::place_job(spec, registry);
-  const auto plan = spmdx::sharding::propagate(job.model.graph, job.mesh, job.inputs, job.outputs, job.use, job.reshard_after_forward);
+  const auto plan = spmdx::train::propagate_job(job);
   const std::int64_t dumped_ranks = o.dump.empty() ? 0 : (o.fake ? 1 : world);
   if (!o.dump.empty()) {
     std::error_code ec;
@@ -460,6 +460,7 @@ int run_compile(const CompileOptions& o) {
                      {"global_batch_size", spec.global_batch_size},
                      {"seq_len", spec.seq_len},
                      {"microbatches", spec.step.microbatches},
+                     {"sequence_parallel", job.sequence_parallel_dim >= 0},
                      {"flops_per_token", flops_token},
                      {"flops_per_step", flops_token * tokens},
                      {"rank0", {{"parameter_bytes", param}, {"gradient_bytes", param}, {"optimizer_state_bytes", 2 * param},
@@ -485,13 +486,14 @@ int run_compile(const CompileOptions& o) {
   std::string by_dim;
   for (std::size_t d = 0; d < dims.size(); ++d) by_dim += (d ? ", " : "") + dims[d].name + " " + spmdx::human_bytes(plan.comm_bytes_by_dim.at(d));
   std::cout << "model " << spmdx::models::model_label(spec.model) << " (vocab " << spec.model.vocab_size << ", " << params << "), " << job.model.graph.num_nodes()
-            << " nodes; mesh " << job.mesh.str() << " (" << world << " ranks); global batch " << spec.global_batch_size << " x " << spec.seq_len
+            << " nodes; mesh " << job.mesh.str() << " (" << world << " ranks" << (job.sequence_parallel_dim >= 0 ? ", sequence parallel over tp" : "") << "); global batch " << spec.global_batch_size << " x " << spec.seq_len
             << (spec.step.microbatches > 1 ? " in " + std::to_string(spec.step.microbatches) + " microbatches (gradient accumulation)" : std::string()) << "\n"
             << flops << "\n"
             << "per rank (rank 0): parameters " << spmdx::human_bytes(param) << ", gradients " << spmdx::human_bytes(param) << ", AdamW state "
             << spmdx::human_bytes(2 * param) << ", communication " << spmdx::human_bytes(plan.comm_bytes) << " sent per step (" << by_dim << "; about "
             << comm_ms << " ms at 10 GB/s, 10 us per message)\n"
             << "planned peak memory (rank 0): " << planned.memory.str() << "\n"
+            << (job.sequence_parallel_off.empty() ? "" : "sequence parallel: off, " + job.sequence_parallel_off + "\n")
             << (spec.memory_fit.empty() ? "" : spec.memory_fit + "\n");
   for (const auto& [layout, why] : spec.strategies_passed_over) {
     std::cout << "fallback: strategies " << layout << " passed over (" << why << ")\n";

@@ -227,6 +227,10 @@ const std::vector<KeySpec>& schema() {
       n("parallelism.data_parallel_replicate_degree", Type::integer, std::int64_t{1}, "DDP degree (mesh dim dp_replicate)", 1, 1e6),
       n("parallelism.data_parallel_shard_degree", Type::integer, std::int64_t{-1}, "FSDP degree (mesh dim dp_shard; -1: the ranks left)", -1, 1e6),
       n("parallelism.tensor_parallel_degree", Type::integer, std::int64_t{1}, "Megatron TP degree (mesh dim tp)", 1, 1e6),
+      k("parallelism.enable_sequence_parallel", Type::boolean, false,
+        "with tensor_parallel_degree > 1, shard the residual stream and the norms on the sequence over tp (Megatron-SP): "
+        "all_gather before the column-parallel matmuls and reduce_scatter after the row-parallel ones instead of all_reduce, "
+        "1/tp of the norms' activations"),
       k("parallelism.fallback_strategies", Type::string_list, L{},
         "layouts tried in order when [parallelism.strategies]' cannot place the job (a plugin that fails to load or to place, a memory "
         "budget it cannot meet, a validator hook that refuses it): each \"dim=plugin[ dim=plugin]\" over [parallelism.strategies], e.g. "

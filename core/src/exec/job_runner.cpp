@@ -926,6 +926,13 @@ void print_banner(const train::JobSpec& spec, const train::PlacedJob& job, const
     std::printf("gradient accumulation: %lld microbatches of %lld row%s per data-parallel rank (training.local_batch_size), one optimizer step and one gradient reduction per step\n",
                 static_cast<long long>(m), static_cast<long long>(rows), rows == 1 ? "" : "s");
   }
+  if (job.sequence_parallel_dim >= 0) {
+    const std::int64_t most = (spec.seq_len + spec.dims.tp - 1) / spec.dims.tp;
+    std::printf("sequence parallel: the norms and the residual stream are sharded on the sequence over tp (up to %lld token%s a rank)\n",
+                static_cast<long long>(most), most == 1 ? "" : "s");
+  } else if (!job.sequence_parallel_off.empty()) {
+    std::printf("sequence parallel: off, %s\n", job.sequence_parallel_off.c_str());
+  }
   if (!spec.output.tensorboard_folder.empty()) std::printf("TensorBoard: event files in %s\n", spec.output.tensorboard_folder.string().c_str());
   for (const auto& e : strategy_events(spec)) std::printf("fallback: %s\n", e.str().c_str());  // before the memory lines, which are of the layout chosen
   if (const CheckpointReport& ac = job.checkpointed; spec.activation_checkpoint.mode != "none") {
@@ -1003,7 +1010,7 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
 
   train::PlacedJob job = train::place_job(spec, registry);
   check_fault(fault, env, spec, job);
-  const auto plan = sharding::propagate(job.model.graph, job.mesh, job.inputs, job.outputs, job.use, job.reshard_after_forward);
+  const auto plan = train::propagate_job(job);
   std::int64_t kept_collectives = 0;
   const ir::Graph graph = train::rank_step_graph(plan, env.rank, spec, &kept_collectives);
 

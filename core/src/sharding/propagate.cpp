@@ -54,6 +54,20 @@ std::vector<std::int64_t> reshard_points(const ir::Graph& graph, const ir::Value
   return points;
 }
 
+std::set<const ir::Value*> sequence_parallel_values(const ir::Graph& graph, std::int64_t k) {
+  std::set<const ir::Value*> out;
+  const ir::Value* loss = graph.find_output("loss");
+  if (loss == nullptr || loss->producer() == nullptr) return out;
+  const std::set<const ir::Node*> forward = ir::producers_of(loss);
+  for (const auto& node : graph.nodes()) {
+    if ((node->op() != "rms_norm" && node->op() != "layer_norm") || forward.count(node.get()) == 0) continue;
+    for (const ir::Value* v : {node->input(0), node->output()}) {
+      if (v->meta().shape.size() >= 3 && v->meta().shape[1] >= k) out.insert(v);
+    }
+  }
+  return out;
+}
+
 namespace {
 
 // propagate()'s state over one graph: the plan being filled, the values already redistributed
@@ -84,6 +98,10 @@ struct Propagator {
   // dtype (mixed precision), so its reduction happens after it, in the parameter's dtype, as
   // FSDP2's reduce_dtype = float32 does.
   std::set<const ir::Node*> in_place;
+  // Sequence parallelism: the forward values normalization ops read and write, made Shard(1)
+  // (the sequence) on mesh dim sp_dim as soon as they are produced (sequence_parallel_values).
+  int sp_dim = -1;
+  std::set<const ir::Value*> sequence_sharded;
   std::vector<std::int64_t> zero = std::vector<std::int64_t>(static_cast<std::size_t>(n), 0);
 
   static double bytes_of(const ir::Value* v, const Shape& seen) { return shape_bytes(seen, v->meta().dtype); }
@@ -272,6 +290,11 @@ struct Propagator {
       if (auto h = hint.find(node.outputs()[a]); h != hint.end() && sharded_chain.count(&node) > 0) {
         total += redistribute_bytes(c.outputs[a], h->second[static_cast<std::size_t>(i)], out_bytes, mesh.size(i));
       }
+      // A value sequence parallelism keeps sharded: what getting it there costs from here (the
+      // row-parallel matmul's Partial output is reduce-scattered into the residual stream).
+      if (i == sp_dim && sequence_sharded.count(node.outputs()[a]) > 0) {
+        total += redistribute_bytes(c.outputs[a], Placement::shard(1), out_bytes, mesh.size(i));
+      }
       total += c.outputs[a].is_shard() ? out_bytes / static_cast<double>(mesh.size(i)) : out_bytes;  // a Partial is full size
     }
     return total;
@@ -311,6 +334,11 @@ struct Propagator {
     for (std::size_t a = 0; a < n_out; ++a) {
       plan.placement[node.outputs()[a]] = out_pl[a];
       if (auto h = hint.find(node.outputs()[a]); h != hint.end()) make(node.outputs()[a], h->second);
+      if (sp_dim >= 0 && sequence_sharded.count(node.outputs()[a]) > 0 && out_pl[a][static_cast<std::size_t>(sp_dim)] != Placement::shard(1)) {
+        Placements want = out_pl[a];
+        want[static_cast<std::size_t>(sp_dim)] = Placement::shard(1);
+        make(node.outputs()[a], want);
+      }
     }
     plan.inputs[&node] = std::move(in_pl);
   }
@@ -320,7 +348,7 @@ struct Propagator {
 
 DistributedPlan propagate(const ir::Graph& graph, const DeviceMesh& mesh, const std::map<std::string, Placements>& inputs,
                           const std::map<std::string, Placements>& outputs, const std::map<std::string, Placements>& use,
-                          bool reshard_after_forward) {
+                          bool reshard_after_forward, int sequence_parallel_dim) {
   DistributedPlan plan{mesh, &graph, {}, {}, {}, 0, 0, std::vector<double>(static_cast<std::size_t>(mesh.ndim()), 0.0), {}, {}};
   if (reshard_after_forward) {
     if (const ir::Value* loss = graph.find_output("loss"); loss != nullptr && loss->producer() != nullptr) {
@@ -343,7 +371,14 @@ DistributedPlan propagate(const ir::Graph& graph, const DeviceMesh& mesh, const 
     auto it = inputs.find(v->name());
     plan.placement[v] = it == inputs.end() ? all_r : it->second;
   }
+  if (sequence_parallel_dim >= mesh.ndim()) {
+    throw std::invalid_argument("sequence parallelism on mesh dim " + std::to_string(sequence_parallel_dim) + ", which the mesh " + mesh.str() + " has not");
+  }
   Propagator p(graph, mesh, plan);
+  if (sequence_parallel_dim >= 0 && mesh.size(sequence_parallel_dim) > 1) {
+    p.sp_dim = sequence_parallel_dim;
+    p.sequence_sharded = sequence_parallel_values(graph, mesh.size(sequence_parallel_dim));
+  }
   p.find_hints(use);
   for (const auto& [name, pl] : outputs) {
     if (const ir::Value* v = graph.find_output(name)) p.demand.emplace(v, pl);

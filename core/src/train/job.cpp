@@ -347,7 +347,7 @@ void choose_strategies(JobSpec& spec, PluginRegistry& registry, const PlanValida
     try {  // what a rank does before its first step: the budget's fit, the placements, rank 0's graph, the validators
       s.memory_fit = fit_memory_budget(s, registry);
       const PlacedJob job = place_job(s, registry);
-      const auto plan = sharding::propagate(job.model.graph, job.mesh, job.inputs, job.outputs, job.use, job.reshard_after_forward);
+      const auto plan = propagate_job(job);
       sharding::rank_graph(plan, 0);
       why = validate ? validate(job, plan) : "";
     } catch (const std::exception& e) {
@@ -423,6 +423,7 @@ JobSpec job_spec(const config::Config& cfg, std::int64_t world_size, std::int64_
 
   s.seed = static_cast<std::uint64_t>(cfg.get_int("job.seed"));
   s.reshard_after_forward = cfg.get_string("parallelism.fsdp_reshard_after_forward") != "never";
+  s.sequence_parallel = cfg.get_bool("parallelism.enable_sequence_parallel");
   if (const std::string budget = cfg.get_string("parallelism.memory_budget"); !budget.empty()) {
     try {
       const std::uint64_t bytes = parse_bytes(budget);
@@ -759,7 +760,7 @@ std::vector<std::string> preflight(const config::Config& cfg, std::int64_t world
   if (*spec && plugins_ok && strategies_found) {  // what `spmdx compile` finds: placements and local shapes
     auto place = [&] {
       job.emplace(place_job(**spec, registry));
-      plan.emplace(sharding::propagate(job->model.graph, job->mesh, job->inputs, job->outputs, job->use, job->reshard_after_forward));
+      plan.emplace(propagate_job(*job));
       sharding::rank_graph(*plan, 0);
     };
     const bool placed = attempt({"model.name", "model.flavor", "model.tokenizer", "model.path", kDegreeKeys[0], kDegreeKeys[1], kDegreeKeys[2],
@@ -879,7 +880,19 @@ PlacedJob place_job(const JobSpec& spec, PluginRegistry& registry) {
     for (const char* name : {"tokens", "labels"}) job.inputs[microbatch_input(name, k)] = job.inputs.at(name);
   }
   for (const auto& s : train_state_names(job.model.params)) job.outputs["next." + s] = job.inputs.at(s);
+  if (spec.sequence_parallel && spec.dims.tp == 1) {
+    job.sequence_parallel_off = "parallelism.enable_sequence_parallel acts only with parallelism.tensor_parallel_degree > 1";
+  } else if (spec.sequence_parallel && sharding::sequence_parallel_values(job.model.graph, spec.dims.tp).empty()) {
+    job.sequence_parallel_off = "the model has no rms_norm or layer_norm op over a sequence of at least tensor_parallel_degree (" + std::to_string(spec.dims.tp) +
+                                ") positions to shard (a norm written as its arithmetic, as Hugging Face exports do, is not one)";
+  } else if (spec.sequence_parallel) {
+    job.sequence_parallel_dim = job.mesh.dim_index("tp");
+  }
   return job;
+}
+
+sharding::DistributedPlan propagate_job(const PlacedJob& job) {
+  return sharding::propagate(job.model.graph, job.mesh, job.inputs, job.outputs, job.use, job.reshard_after_forward, job.sequence_parallel_dim);
 }
 
 data::TextDatasetOptions validation_data(const JobSpec& spec) {

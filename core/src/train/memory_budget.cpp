@@ -86,7 +86,7 @@ std::int64_t state_copy_bytes(const ir::Graph& rank_graph, const std::vector<std
 }
 
 PlannedStep plan_step(const PlacedJob& job, const JobSpec& spec, std::int64_t rank) {
-  const auto plan = sharding::propagate(job.model.graph, job.mesh, job.inputs, job.outputs, job.use, job.reshard_after_forward);
+  const auto plan = propagate_job(job);
   const ir::Graph graph = rank_step_graph(plan, rank, spec);
   PlannedStep step;
   step.memory = plan::plan_memory(graph, plan::make_runtime_plan(graph, job.mesh, spec.plan));

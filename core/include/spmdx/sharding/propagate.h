@@ -58,10 +58,26 @@ struct DistributedPlan {
 /// produced (all_reduce for DDP, reduce_scatter for FSDP), so clipping and AdamW reuse it.
 /// With reshard_after_forward, the backward redistributes the `use` inputs again (FSDP2's
 /// reshard_after_forward=True: less memory, one more all_gather per parameter).
+/// With sequence_parallel_dim >= 0 (the tp mesh dim), Megatron-LM's sequence parallelism
+/// (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models";
+/// torchtitan's SequenceParallel on the norms): the values sequence_parallel_values() names are
+/// made Shard(1) on that mesh dim as soon as they exist, and their producers pay for getting
+/// there. Nothing else is special: propagation then all_gathers them before the column-parallel
+/// matmuls and reduce_scatters the row-parallel matmuls' Partial outputs into them, where
+/// plain TP all_reduces, and the norms and residual adds run on 1/tp of the sequence.
 /// Throws std::invalid_argument naming an input or output that is not in the graph or whose
-/// placement count is not the mesh's ndim, and ir::IrError for an op without sharding rules.
+/// placement count is not the mesh's ndim, or a sequence_parallel_dim the mesh has not, and
+/// ir::IrError for an op without sharding rules.
 DistributedPlan propagate(const ir::Graph& graph, const DeviceMesh& mesh, const std::map<std::string, Placements>& inputs,
                           const std::map<std::string, Placements>& outputs = {},
-                          const std::map<std::string, Placements>& use = {}, bool reshard_after_forward = false);
+                          const std::map<std::string, Placements>& use = {}, bool reshard_after_forward = false,
+                          int sequence_parallel_dim = -1);
+
+/// The values sequence parallelism keeps sharded on the sequence: the input and output of each
+/// normalization (rms_norm, layer_norm) that computes the loss (the forward; a recomputed
+/// norm of activation checkpointing is not one), of 3 or more dims [batch, seq, ...] with at
+/// least `k` (the tp degree) positions. Between two such norms sits the residual add, which
+/// produces the next norm's input: the whole residual stream.
+std::set<const ir::Value*> sequence_parallel_values(const ir::Graph& graph, std::int64_t k);
 
 }  // namespace spmdx::sharding

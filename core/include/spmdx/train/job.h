@@ -112,6 +112,9 @@ struct JobSpec {
   /// [parallelism.tp_plan]: parameter glob -> colwise | rowwise | replicate | shard(d), the
   /// tensor_parallel strategy's options (empty: its built-in plan).
   std::map<std::string, std::string> tp_plan;
+  /// parallelism.enable_sequence_parallel: with tensor parallelism, the residual stream and the
+  /// norms are sharded on the sequence over tp (Megatron-SP; sharding::propagate).
+  bool sequence_parallel = false;
   plan::PlanOptions plan;  ///< [comm] bucket caps, overlap, prefetch (plan_options)
   /// [parallelism.strategies]: mesh dim -> the strategy plugin that decides it, where the
   /// config names one (others: sharding::strategy_for's defaults).
@@ -205,7 +208,17 @@ struct PlacedJob {
   std::map<std::string, sharding::Placements> use;  ///< parameters' placements at use (FSDP unshard)
   bool reshard_after_forward = true;
   CheckpointReport checkpointed{};  ///< what activation checkpointing did to model.graph
+  /// The mesh dim whose ranks shard the residual stream on the sequence (sequence parallelism:
+  /// tp's index with parallelism.enable_sequence_parallel and tp > 1), or -1.
+  int sequence_parallel_dim = -1;
+  /// Why sequence parallelism is off although the config asks for it ("" otherwise): tp is 1,
+  /// or the graph has no norm (rms_norm, layer_norm) with a sequence of at least tp positions.
+  std::string sequence_parallel_off{};
 };
+
+/// sharding::propagate over the job's graph with its inputs, outputs, `use` placements, FSDP
+/// resharding and sequence parallelism: the plan every rank builds before its first step.
+sharding::DistributedPlan propagate_job(const PlacedJob& job);
 /// The model's train-step graph (with mixed precision and activation checkpointing as the spec
 /// asks) and where its inputs go on the mesh, by the strategy plugins.
 PlacedJob place_job(const JobSpec& spec, PluginRegistry& registry);
