@@ -13,6 +13,7 @@
 #include "spmdx/exec/trainer.h"
 #include "spmdx/ir/autodiff.h"
 #include "spmdx/sharding/parallelize.h"
+#include "spmdx/train/loss_parallel.h"
 #include "test_util.h"
 
 #include <set>
@@ -30,12 +31,14 @@ struct Layout {
   sharding::ParallelDims dims;
   std::int64_t world;
   bool sequence_parallel = false;
+  bool loss_parallel = false;  ///< cross entropy as train::vocab_parallel_cross_entropy writes it
 };
 
 std::vector<Layout> layouts() {
   return {{"dp4", {4, 1, 1}, 4},         {"fsdp4", {1, 4, 1}, 4},           {"tp2", {1, 1, 2}, 2},
           {"fsdp2xtp2", {1, 2, 2}, 4},   {"dp2xtp2", {2, 1, 2}, 4},         {"hsdp2x2", {2, 2, 1}, 4},
-          {"tp2+sp", {1, 1, 2}, 2, true}, {"tp4+sp", {1, 1, 4}, 4, true}, {"fsdp2xtp2+sp", {1, 2, 2}, 4, true}};
+          {"tp2+sp", {1, 1, 2}, 2, true}, {"tp4+sp", {1, 1, 4}, 4, true}, {"fsdp2xtp2+sp", {1, 2, 2}, 4, true},
+          {"tp4+sp+lp", {1, 1, 4}, 4, true, true}, {"fsdp2xtp2+sp+lp", {1, 2, 2}, 4, true, true}, {"dp2xtp2+lp", {2, 1, 2}, 4, false, true}};
 }
 
 // The tp mesh dim's index where the layout asks for sequence parallelism, else -1.
@@ -57,6 +60,22 @@ StrategyInput strategy_input(const models::Model& m) {
   }
   for (const char* name : {"tokens", "labels"}) in.inputs.push_back({name, m.graph.find_input(name)->meta().shape});
   return in;
+}
+
+// `m`'s train step placed on `mesh` by the built-in strategies and propagated (optimizer state
+// placed as its parameter, next state returned so), with sequence parallelism on mesh dim
+// `sequence_parallel_dim` (-1: off).
+sharding::DistributedPlan plan_train_step(models::Model& m, const sharding::DeviceMesh& mesh, int sequence_parallel_dim) {
+  train::append_train_step(m.graph, m.params, {});
+  auto placements = sharding::parallelize(registry(), mesh, strategy_input(m));
+  std::map<std::string, Placements> params;
+  for (const auto& p : m.params) {
+    placements["exp_avg." + p] = placements["exp_avg_sq." + p] = placements.at(p);
+    params[p] = placements.at(p);
+  }
+  std::map<std::string, Placements> out_pl;
+  for (const auto& s : train::train_state_names(m.params)) out_pl["next." + s] = placements.at(s);
+  return sharding::propagate(m.graph, mesh, placements, out_pl, sharding::use_placements(mesh, params), false, sequence_parallel_dim);
 }
 
 exec::TensorMap batch(std::uint64_t seed) {
@@ -102,16 +121,22 @@ TEST(Distributed, LlamaTinyGradientsEqualOneRank) {
   for (const auto& layout : layouts()) {
    for (bool reshard : {false, true}) {
     SCOPED_TRACE(layout.name + (reshard ? " reshard_after_forward" : ""));
+    auto with_gradients = [](models::Model& model) {
+      std::vector<ir::Value*> weights;
+      for (const auto& p : model.params) weights.push_back(model.graph.find_input(p));
+      auto grads = ir::gradients(model.graph, model.graph.find_output("loss"), weights);
+      for (std::size_t i = 0; i < grads.size(); ++i) model.graph.add_output("grad." + model.params[i], grads[i]);
+      model.graph.verify();
+    };
     models::Model m = models::build_model(models::model_args("llama", "tiny", kVocab), kBatch, kSeq);
-    std::vector<ir::Value*> weights;
-    for (const auto& p : m.params) weights.push_back(m.graph.find_input(p));
-    auto grads = ir::gradients(m.graph, m.graph.find_output("loss"), weights);
-    for (std::size_t i = 0; i < grads.size(); ++i) m.graph.add_output("grad." + m.params[i], grads[i]);
-    m.graph.verify();
+    if (layout.loss_parallel) m.graph = train::vocab_parallel_cross_entropy(m.graph);
+    with_gradients(m);
+    models::Model one = models::build_model(models::model_args("llama", "tiny", kVocab), kBatch, kSeq);  // ATen's fused cross entropy
+    with_gradients(one);
 
     exec::TensorMap full = exec::init_tensors(m, 42);
     for (auto& [k, v] : batch(3)) full[k] = v;
-    const exec::TensorMap want = exec::Executor(m.graph).run(full);
+    const exec::TensorMap want = exec::Executor(one.graph).run(full);
 
     const auto mesh = sharding::make_mesh(layout.dims, layout.world);
     auto placements = sharding::parallelize(registry(), mesh, strategy_input(m));
@@ -139,6 +164,7 @@ TEST(Distributed, LlamaTinyTrainStepLossesEqualOneRankFor5Steps) {
     exec::TensorMap init = exec::init_tensors(m, 42);
     exec::Trainer one(models::build_model(args, kBatch, kSeq), {}, init);
 
+    if (layout.loss_parallel) m.graph = train::vocab_parallel_cross_entropy(m.graph);
     train::append_train_step(m.graph, m.params, {});
     const auto mesh = sharding::make_mesh(layout.dims, layout.world);
     auto placements = sharding::parallelize(registry(), mesh, strategy_input(m));
@@ -236,18 +262,10 @@ TEST(Distributed, ReshardAfterForwardGathersEachParameterAgainForTheBackward) {
 // once for the column-parallel matmuls; the forward all-reduces no activation over tp.
 TEST(Distributed, SequenceParallelShardsTheNormsOnTheSequenceAndReduceScattersIntoThem) {
   models::Model m = models::build_model(models::model_args("llama", "tiny", kVocab), kBatch, kSeq);
-  train::append_train_step(m.graph, m.params, {});
+  models::Model m_plain = models::build_model(models::model_args("llama", "tiny", kVocab), kBatch, kSeq);
   const auto mesh = sharding::make_mesh({1, 1, 4}, 4);
-  auto placements = sharding::parallelize(registry(), mesh, strategy_input(m));
-  std::map<std::string, Placements> params;
-  for (const auto& p : m.params) {
-    placements["exp_avg." + p] = placements["exp_avg_sq." + p] = placements.at(p);
-    params[p] = placements.at(p);
-  }
-  std::map<std::string, Placements> out_pl;
-  for (const auto& s : train::train_state_names(m.params)) out_pl["next." + s] = placements.at(s);
-  const auto plan = sharding::propagate(m.graph, mesh, placements, out_pl, sharding::use_placements(mesh, params), false, 0);
-  const auto plain = sharding::propagate(m.graph, mesh, placements, out_pl, sharding::use_placements(mesh, params), false, -1);
+  const auto plan = plan_train_step(m, mesh, 0);
+  const auto plain = plan_train_step(m_plain, mesh, -1);
 
   const auto forward = ir::producers_of(m.graph.find_output("loss"));
   int norms = 0;
@@ -283,6 +301,35 @@ TEST(Distributed, SequenceParallelShardsTheNormsOnTheSequenceAndReduceScattersIn
   EXPECT_EQ(gathered_norms.size(), 5u);  // each norm's output once, for wq/wk/wv, w1/w3 and output
   std::printf("llama tiny tp 4, %lld x %lld tokens: sequence parallel sends %.0f bytes per rank per step, spmdx's plain TP %.0f\n",
               static_cast<long long>(kBatch), static_cast<long long>(kSeq), plan.comm_bytes, plain.comm_bytes);
+}
+
+// Loss parallelism: with cross entropy as vocab_parallel_cross_entropy writes it, the tp 4
+// plan moves no value of the logits' width (the vocabulary) at all, forward or backward: only
+// [n, 1] row maxima, sums of exp and picked logits. Fused cross entropy gathers them.
+TEST(Distributed, LossParallelMovesNoLogits) {
+  auto logit_moves = [](bool loss_parallel) {
+    models::Model m = models::build_model(models::model_args("llama", "tiny", kVocab), kBatch, kSeq);
+    if (loss_parallel) m.graph = train::vocab_parallel_cross_entropy(m.graph);
+    const auto plan = plan_train_step(m, sharding::make_mesh({1, 1, 4}, 4), 0);
+    int moves = 0, row_stats = 0;
+    for (const auto& node : m.graph.nodes()) {
+      const auto& in = plan.inputs.at(node.get());
+      for (std::size_t a = 0; a < in.size(); ++a) {
+        const ir::Value* v = node->input(static_cast<int>(a));
+        if (in[a] == plan.placement.at(v) || v->producer() == nullptr) continue;
+        const auto& shape = v->meta().shape;
+        moves += !shape.empty() && shape.back() == kVocab;
+        row_stats += shape == std::vector<std::int64_t>{kBatch * kSeq, 1};
+      }
+    }
+    return std::pair{moves, row_stats};
+  };
+  const auto [fused, fused_rows] = logit_moves(false);
+  const auto [parallel, rows] = logit_moves(true);
+  EXPECT_GT(fused, 0);
+  EXPECT_EQ(parallel, 0);
+  EXPECT_GE(rows, 3);  // the row maxima, the sums of exp, the picked logits
+  (void)fused_rows;
 }
 
 TEST(Distributed, DegreesThatDoNotMultiplyToWorldSizeAreRejected) {

@@ -51,13 +51,17 @@ TEST(Run, NRanksGiveTheLossesOfOneRankForEachLayout) {
       {"fsdp2xtp2", 4, "--parallelism.data_parallel_shard_degree 2 --parallelism.tensor_parallel_degree 2"},
       {"dp2xtp2", 4, "--parallelism.data_parallel_replicate_degree 2 --parallelism.data_parallel_shard_degree 1 --parallelism.tensor_parallel_degree 2"},
       {"tp4+sp", 4, tp + "4 --parallelism.enable_sequence_parallel true"},
+      {"tp4+sp+lp", 4, tp + "4 --parallelism.enable_sequence_parallel true --parallelism.disable_loss_parallel false"},
       {"fsdp2xtp2+sp", 4, "--parallelism.data_parallel_shard_degree 2 --parallelism.tensor_parallel_degree 2 --parallelism.enable_sequence_parallel true"},
+      {"dp2xtp2+lp", 4, "--parallelism.data_parallel_replicate_degree 2 --parallelism.data_parallel_shard_degree 1 --parallelism.tensor_parallel_degree 2 --parallelism.disable_loss_parallel false"},
   };
   for (const auto& [name, nproc, flags] : layouts) {
     auto r = spmdx_run("'" SPMDX_SOURCE_DIR "/configs/llama_fsdp.toml' --nproc " + std::to_string(nproc) + " " + flags + " --job.dump_folder '" +
                        (dir / name).string() + "'" + common);
     ASSERT_EQ(r.exit_code, 0) << name << "\n" << r.output;
     EXPECT_THAT(r.output, HasSubstr("[rank 0] step   20 | loss"));
+    EXPECT_EQ(r.output.find("loss parallel: cross entropy on the logits sharded on the vocabulary over tp") != std::string::npos,
+              name.find("+lp") != std::string::npos) << name;
     if (name.find("+sp") != std::string::npos) {
       EXPECT_THAT(r.output, HasSubstr("sequence parallel: the norms and the residual stream are sharded on the sequence over tp"));
     }

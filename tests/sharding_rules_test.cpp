@@ -100,6 +100,14 @@ std::vector<Case> cases() {
       {"cross_entropy_backward_sum", "cross_entropy_backward", {{}, {6, 5}, {6}}, {{"reduction", std::string("sum")}},
        [](Tensors& x) { indices(x[2], 5); }},
       {"count_valid", "count_valid", {{4, 6}}, {{"ignore_index", std::int64_t{2}}}, [](Tensors& x) { indices(x[0], 5); }},
+      // Vocabulary-parallel cross entropy (train/loss_parallel.h): targets in [0, 6), 2 ignored.
+      {"amax_rows", "amax_rows", {{6, 6}}, {}},
+      {"sum_exp_rows", "sum_exp_rows", {{6, 6}, {6, 1}}, {}},
+      {"sum_exp_rows_backward", "sum_exp_rows_backward", {{6, 1}, {6, 6}, {6, 1}}, {}},
+      {"pick", "pick", {{6, 6}, {6}}, {{"ignore_index", std::int64_t{2}}}, [](Tensors& x) { indices(x[1], 6); }},
+      {"pick_backward", "pick_backward", {{6, 1}, {6}}, {{"num_classes", std::int64_t{6}}, {"ignore_index", std::int64_t{2}}},
+       [](Tensors& x) { indices(x[1], 6); }},
+      {"valid_rows", "valid_rows", {{6}}, {{"ignore_index", std::int64_t{2}}}, [](Tensors& x) { indices(x[0], 6); }},
       {"relu_backward", "relu_backward", {{4, 5}, {4, 5}}, {}, [](Tensors& x) { x[1] = at::relu(x[1]); }},
       {"silu_backward", "silu_backward", {{4, 5}, {4, 5}}, {}},
       {"gelu_backward", "gelu_backward", {{4, 5}, {4, 5}}, {}},
@@ -175,6 +183,7 @@ at::Tensor assemble(const std::vector<at::Tensor>& local, const std::vector<Plac
   if (p.is_partial()) {
     at::Tensor sum = parts[0];
     for (std::size_t j = 1; j < parts.size(); ++j) sum = sum + parts[j];
+    if (p.reduce_op() == ReduceOp::max) return at::stack(parts).amax(0);
     return p.reduce_op() == ReduceOp::avg ? sum / static_cast<double>(parts.size()) : sum;
   }
   for (const auto& part : parts) {
@@ -257,7 +266,8 @@ void check(const Case& c, const DeviceMesh& mesh, Checked& checked) {
       for (std::size_t i = 0; i < want.size(); ++i) {
         local_shapes.push_back(ShardingSpec{placements(false, i), node->outputs()[i]->meta()}.local_shape(mesh, coord));
       }
-      const ir::Node* ln = lg.add_node(c.op, lin, local_attrs(*node, local_shapes));
+      const std::int64_t columns = column_offset_of(*node, mesh, c.op == "pick" ? placements(true, 0) : placements(false, 0), coord);
+      const ir::Node* ln = lg.add_node(c.op, lin, local_attrs(*node, local_shapes, columns));
       for (std::size_t i = 0; i < want.size(); ++i) {
         EXPECT_EQ(ln->outputs()[i]->meta().shape, local_shapes[i]) << label << " rank " << r << " output " << i;
       }

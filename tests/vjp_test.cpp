@@ -76,6 +76,10 @@ std::vector<OpCase> cases() {
       {"sdpa_causal", "sdpa", {{{2, 2, 5, 4}}, {{2, 2, 5, 4}}, {{2, 2, 5, 4}}}, {{"causal", true}}},
       {"sdpa_full", "sdpa", {{{2, 2, 5, 4}}, {{2, 2, 6, 4}}, {{2, 2, 6, 4}}}, {{"causal", false}}},
       {"cross_entropy", "cross_entropy", {{{6, 5}}, {{6}, Fill::indices}}, {{"ignore_index", std::int64_t{2}}}},
+ // Vocabulary-parallel cross entropy's ops (train/loss_parallel.h): amax_rows has no gradient;
+      // sum_exp_rows' flows to x alone; pick's targets are in [0, 10), some past the 5 columns.
+      {"sum_exp_rows", "sum_exp_rows", {{{6, 5}}, {{6, 1}, Fill::constant}}, {}},
+      {"pick", "pick", {{{6, 5}}, {{6}, Fill::indices}}, {{"ignore_index", std::int64_t{2}}}},
       {"cross_entropy_sum", "cross_entropy", {{{6, 5}}, {{6}, Fill::indices}}, {{"ignore_index", std::int64_t{2}}, {"reduction", std::string("sum")}}},
   };
 }
@@ -157,7 +161,7 @@ TEST(Vjp, EveryForwardOpMatchesAutogradInFloat64) {
   // Every op with a VJP rule is covered here.
   for (const auto& op : ir::OpRegistry::global().names()) {
     if (ir::has_vjp(op)) {
-      EXPECT_TRUE(covered.count(op)) << "no gradient test for op " << op;
+      EXPECT_TRUE(covered.count(op) || op == "amax_rows") << "no gradient test for op " << op;
     }
   }
   std::printf("checked %zu op cases (%zu ops) against autograd\n", cases().size(), covered.size());
@@ -165,6 +169,29 @@ TEST(Vjp, EveryForwardOpMatchesAutogradInFloat64) {
 
 TEST(Vjp, EveryForwardOpMatchesAutogradInFloat32) {
   for (const auto& c : cases()) check_case(c, at::kFloat, 1e-5);
+}
+
+// amax_rows passes no gradient, which is exact where it only steadies a logsumexp, as
+// vocab_parallel_cross_entropy uses it: log(sum_exp_rows(x, m)) + m with m = amax_rows(x) has
+// autograd's gradient of torch.logsumexp, softmax(x) (the paths through m cancel: -1 + 1).
+TEST(Vjp, LogsumexpThroughAmaxRowsHasSoftmaxAsItsGradient) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(7);
+  const at::Tensor x = at::randn({6, 5}, gen, at::TensorOptions().dtype(at::kDouble)) * 4;
+  const at::Tensor r = at::randn({6, 1}, gen, at::TensorOptions().dtype(at::kDouble));
+  ir::Graph g;
+  ir::Value* xv = g.add_input("x", {{6, 5}, ir::DType::f64, "cpu", true});
+  ir::Value* rv = g.add_input("r", {{6, 1}, ir::DType::f64, "cpu", false});
+  ir::Value* m = g.add("amax_rows", {xv});
+  ir::Value* lse = g.add("add", {g.add("log", {g.add("sum_exp_rows", {xv, m})}), m});
+  g.add_output("loss", g.add("sum", {g.add("mul", {lse, rv})}));
+  g.add_output("grad", ir::gradients(g, g.find_output("loss"), {xv})[0]);
+  const exec::TensorMap out = exec::Executor(g).run({{"x", x}, {"r", r}});
+  at::Tensor leaf = x.clone().requires_grad_(true);
+  const at::Tensor want_loss = (at::logsumexp(leaf, {1}, true) * r).sum();
+  want_loss.backward();
+  EXPECT_LE(rel_error(out.at("loss"), want_loss.detach()), 1e-12);
+  EXPECT_LE(rel_error(out.at("grad"), leaf.grad()), 1e-12);
+  EXPECT_LE(rel_error(out.at("grad"), at::softmax(x, 1) * r), 1e-12);
 }
 
 TEST(Vjp, OpWithoutRuleOnThePathIsNamed) {

@@ -461,6 +461,7 @@ int run_compile(const CompileOptions& o) {
                      {"seq_len", spec.seq_len},
                      {"microbatches", spec.step.microbatches},
                      {"sequence_parallel", job.sequence_parallel_dim >= 0},
+                     {"loss_parallel", job.loss_parallel},
                      {"flops_per_token", flops_token},
                      {"flops_per_step", flops_token * tokens},
                      {"rank0", {{"parameter_bytes", param}, {"gradient_bytes", param}, {"optimizer_state_bytes", 2 * param},
@@ -486,7 +487,7 @@ int run_compile(const CompileOptions& o) {
   std::string by_dim;
   for (std::size_t d = 0; d < dims.size(); ++d) by_dim += (d ? ", " : "") + dims[d].name + " " + spmdx::human_bytes(plan.comm_bytes_by_dim.at(d));
   std::cout << "model " << spmdx::models::model_label(spec.model) << " (vocab " << spec.model.vocab_size << ", " << params << "), " << job.model.graph.num_nodes()
-            << " nodes; mesh " << job.mesh.str() << " (" << world << " ranks" << (job.sequence_parallel_dim >= 0 ? ", sequence parallel over tp" : "") << "); global batch " << spec.global_batch_size << " x " << spec.seq_len
+            << " nodes; mesh " << job.mesh.str() << " (" << world << " ranks" << (job.sequence_parallel_dim >= 0 ? ", sequence parallel over tp" : "") << (job.loss_parallel ? ", loss parallel" : "") << "); global batch " << spec.global_batch_size << " x " << spec.seq_len
             << (spec.step.microbatches > 1 ? " in " + std::to_string(spec.step.microbatches) + " microbatches (gradient accumulation)" : std::string()) << "\n"
             << flops << "\n"
             << "per rank (rank 0): parameters " << spmdx::human_bytes(param) << ", gradients " << spmdx::human_bytes(param) << ", AdamW state "

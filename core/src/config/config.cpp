@@ -231,6 +231,9 @@ const std::vector<KeySpec>& schema() {
         "with tensor_parallel_degree > 1, shard the residual stream and the norms on the sequence over tp (Megatron-SP): "
         "all_gather before the column-parallel matmuls and reduce_scatter after the row-parallel ones instead of all_reduce, "
         "1/tp of the norms' activations"),
+      k("parallelism.disable_loss_parallel", Type::boolean, true,
+        "with tensor_parallel_degree > 1, false computes cross entropy on the vocabulary-sharded logits (loss parallel: three numbers a "
+        "row all-reduced); true (spmdx's default, torchtitan's is false) gathers the logits first"),
       k("parallelism.fallback_strategies", Type::string_list, L{},
         "layouts tried in order when [parallelism.strategies]' cannot place the job (a plugin that fails to load or to place, a memory "
         "budget it cannot meet, a validator hook that refuses it): each \"dim=plugin[ dim=plugin]\" over [parallelism.strategies], e.g. "

@@ -55,7 +55,6 @@ const std::vector<TitanKey>& table() {
       {"training.gc_debug", K::ignored, "", {}, "Python's garbage collector"},
       {"training.deterministic", K::ignored, "", {}, "spmdx's kernels are deterministic"},
       {"parallelism.enable_compiled_autograd", K::ignored, "", {}, "spmdx differentiates its own graph"},
-      {"parallelism.disable_loss_parallel", K::ignored, "", {}, "it changes how TP computes the loss, not its value"},
       {"parallelism.pipeline_parallel_schedule", K::ignored, "", {}, "pipeline options, used only with pipeline_parallel_degree > 1"},
       {"parallelism.pipeline_parallel_schedule_csv", K::ignored, "", {}, "pipeline options, used only with pipeline_parallel_degree > 1"},
       {"parallelism.pipeline_parallel_split_points", K::ignored, "", {}, "pipeline options, used only with pipeline_parallel_degree > 1"},

@@ -198,6 +198,34 @@ const std::map<std::string, Kernel>& kernels() {
       return one(at::cross_entropy_loss(x[0], x[1], {}, reduction, n.attr_int("ignore_index")));
     };
     k["found_inf"] = [](const Node&, const Tensors& x) { return one(at::isfinite(x[0]).all().logical_not().to(at::kFloat)); };
+    k["amax_rows"] = [](const Node&, const Tensors& x) { return one(at::amax(x[0], {1}, true)); };
+    k["sum_exp_rows"] = [](const Node&, const Tensors& x) {
+      at::Tensor e = x[0] - x[1];  // the one temporary (memory_plan's scratch)
+      return one(e.exp_().sum(1, true));
+    };
+    k["sum_exp_rows_backward"] = [](const Node&, const Tensors& x) {
+      at::Tensor e = x[1] - x[2];  // becomes the output
+      return one(e.exp_().mul_(x[0]));
+    };
+    // The rows whose target is one of this rank's columns (offset .. offset + columns) and not ignored.
+    auto picked = [](const Node& n, const at::Tensor& targets, std::int64_t columns) {
+      const std::int64_t offset = n.attr_int("offset");
+      const at::Tensor valid = targets.ne(n.attr_int("ignore_index")).logical_and(targets.ge(offset)).logical_and(targets.lt(offset + columns));
+      return std::pair{valid.unsqueeze(1), at::where(valid, targets - offset, at::zeros_like(targets)).unsqueeze(1)};
+    };
+    k["pick"] = [picked](const Node& n, const Tensors& x) {
+      const auto [valid, index] = picked(n, x[1], x[0].size(1));
+      return one(at::where(valid, x[0].gather(1, index), at::zeros({}, x[0].options())));
+    };
+    k["pick_backward"] = [picked](const Node& n, const Tensors& x) {
+      const std::int64_t columns = n.attr_int("num_classes");
+      const auto [valid, index] = picked(n, x[1], columns);
+      at::Tensor out = at::zeros({x[0].size(0), columns}, x[0].options());
+      return one(out.scatter_(1, index, at::where(valid, x[0], at::zeros({}, x[0].options()))));
+    };
+    k["valid_rows"] = [](const Node& n, const Tensors& x) {
+      return one(x[0].ne(n.attr_int("ignore_index")).to(to_aten(n.output()->meta().dtype)).unsqueeze(1));
+    };
     k["count_valid"] = [](const Node& n, const Tensors& x) {
       return one(x[0].ne(n.attr_int("ignore_index")).sum().to(to_aten(n.output()->meta().dtype)));
     };

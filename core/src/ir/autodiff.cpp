@@ -179,6 +179,16 @@ const std::map<std::string, Rule>& rules() {
                            {{"causal", n.attr_bool("causal")}});
       return Grads{b->output(0), b->output(1), b->output(2)};
     };
+    // The row maximum only steadies a logsumexp (loss_parallel.h): no gradient flows through it.
+    r["amax_rows"] = [](Graph&, const Node&, const Grads&) { return Grads{nullptr}; };
+    r["sum_exp_rows"] = [](Graph& g, const Node& n, const Grads& go) {
+      return Grads{g.add("sum_exp_rows_backward", {go[0], n.input(0), n.input(1)}), nullptr};
+    };
+    r["pick"] = [](Graph& g, const Node& n, const Grads& go) {
+      return Grads{g.add("pick_backward", {go[0], n.input(1)},
+                         {{"num_classes", n.input(0)->meta().shape[1]}, {"ignore_index", n.attr_int("ignore_index")}, {"offset", n.attr_int("offset")}}),
+                   nullptr};
+    };
     r["cross_entropy"] = [](Graph& g, const Node& n, const Grads& go) {
       return Grads{g.add("cross_entropy_backward", {go[0], n.input(0), n.input(1)},
                          {{"ignore_index", n.attr_int("ignore_index")}, {"reduction", n.attr_string("reduction")}}),

@@ -318,6 +318,55 @@ std::vector<OpSchema> builtin_ops() {
                    if (r != "mean" && r != "sum") fail("reduction must be \"mean\" or \"sum\", got \"" + r + "\"");
                    return std::vector{like(*in[0], Shape{}, in[0]->requires_grad)};
                  }});
+  // Vocabulary-parallel cross entropy (Megatron-LM's, torchtitan's loss_parallel), written
+  // with ops whose shards need no gathered logits (train/loss_parallel.h):
+  // amax_rows: x[n, c] -> its row maxima [n, 1], as torch.amax(x, -1, keepdim=True), with no
+  // gradient: it only steadies a logsumexp, whose value and gradient do not depend on it.
+  ops.push_back({"amax_rows", 1, 1, {}, [](const Metas& in, const Attributes&) {
+                   floating(*in[0], "x");
+                   if (in[0]->rank() != 2) fail("needs x [n, classes]");
+                   return std::vector{like(*in[0], Shape{in[0]->shape[0], 1}, false)};
+                 }});
+  // sum_exp_rows: x[n, c], m[n, 1] -> [n, 1]: sum over each row of exp(x - m), as
+  // torch.exp(x - m).sum(-1, keepdim=True), its gradient to x alone (m is amax_rows').
+  ops.push_back({"sum_exp_rows", 2, 2, {}, [](const Metas& in, const Attributes&) {
+                   floating(*in[0], "x");
+                   if (in[0]->rank() != 2 || in[1]->shape != Shape{in[0]->shape[0], 1}) fail("needs x [n, classes] and m [n, 1]");
+                   return std::vector{like(*in[0], Shape{in[0]->shape[0], 1}, in[0]->requires_grad)};
+                 }});
+  // sum_exp_rows_backward: grad[n, 1], x[n, c], m[n, 1] -> grad x exp(x - m), [n, c].
+  ops.push_back({"sum_exp_rows_backward", 3, 3, {}, [](const Metas& in, const Attributes&) {
+                   return std::vector{like(*in[1], in[1]->shape, any_requires_grad(in))};
+                 }});
+  // pick: logits[n, c], targets (i64)[n] -> [n, 1]: logits[i, targets[i] - offset] where that
+  // is one of the c columns and targets[i] != ignore_index, else 0 (`offset`: the first class
+  // a rank's columns hold, set by the rewriter).
+  ops.push_back({"pick", 2, 2,
+                 {{"ignore_index", AttrType::integer, false, std::int64_t{-100}}, {"offset", AttrType::integer, false, std::int64_t{0}}},
+                 [](const Metas& in, const Attributes&) {
+                   floating(*in[0], "logits");
+                   if (in[0]->rank() != 2 || in[1]->rank() != 1 || in[0]->shape[0] != in[1]->shape[0]) fail("needs logits [n, classes] and targets [n]");
+                   if (in[1]->dtype != DType::i64) fail("targets must be i64");
+                   return std::vector{like(*in[0], Shape{in[0]->shape[0], 1}, in[0]->requires_grad)};
+                 }});
+  // pick_backward: grad[n, 1], targets (i64)[n] -> [n, num_classes]: zero but grad[i] at the
+  // column pick read.
+  ops.push_back({"pick_backward", 2, 2,
+                 {{"num_classes", AttrType::integer, true, {}}, {"ignore_index", AttrType::integer, false, std::int64_t{-100}},
+                  {"offset", AttrType::integer, false, std::int64_t{0}}},
+                 [](const Metas& in, const Attributes& a) {
+                   if (in[0]->rank() != 2 || in[1]->rank() != 1 || in[0]->shape[0] != in[1]->shape[0]) fail("needs grad [n, 1] and targets [n]");
+                   return std::vector{like(*in[0], Shape{in[0]->shape[0], std::get<std::int64_t>(a.at("num_classes"))}, in[0]->requires_grad)};
+                 }});
+  // valid_rows: targets (i64)[n] -> [n, 1] of `dtype`: 1 where targets[i] != ignore_index, else 0.
+  ops.push_back({"valid_rows", 1, 1,
+                 {{"ignore_index", AttrType::integer, false, std::int64_t{-100}}, {"dtype", AttrType::string, false, std::string("f32")}},
+                 [](const Metas& in, const Attributes& a) {
+                   auto dtype = parse_dtype(std::get<std::string>(a.at("dtype")));
+                   if (!dtype || !is_floating(*dtype)) fail("dtype must name a floating type");
+                   if (in[0]->dtype != DType::i64 || in[0]->rank() != 1) fail("targets must be i64 [n]");
+                   return std::vector{TensorMeta{{in[0]->shape[0], 1}, *dtype, in[0]->device, false}};
+                 }});
   // count_valid: targets (i64)[...] -> the number of entries != ignore_index, a scalar of `dtype`
   // (the denominator of a mean loss, kept apart so that it can be summed across ranks).
   ops.push_back({"count_valid", 1, 1,

@@ -389,6 +389,8 @@ class Simulation {
     if (op == "rms_norm_backward") return 2 * bytes(1) + 2 * rows * elem_bytes(n.input(1));  // xhat, xhat * mean(..) or g * xhat; r and the mean
     if (op == "layer_norm_backward") return bytes(1);   // the forward recomputed
     if (op == "cross_entropy") return bytes(0);         // log_softmax of the logits
+    if (op == "sum_exp_rows") return bytes(0);          // exp(x - m) before the row sums
+    if (op == "pick" || op == "pick_backward") return rows * 40;  // the targets' masks and column indices (bool and i64 a row)
     if (op == "cross_entropy_backward") return 2 * bytes(1);  // log_softmax, nll_loss_backward
     if (op == "rdiv_scalar") return bytes(0);           // the reciprocal before the multiply
     if (op == "rotary_embedding") return copy_if_strided(0);

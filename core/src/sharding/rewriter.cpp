@@ -61,7 +61,10 @@ DistributedGraph rank_graph(const DistributedPlan& plan, std::int64_t rank) {
     for (std::size_t a = 0; a < in_pl.size(); ++a) args.push_back(get(node->inputs()[a], in_pl[a], node.get()));
     std::vector<Shape> local_out;
     for (const ir::Value* o : node->outputs()) local_out.push_back(local_meta(o->meta(), plan.placement.at(o)).shape);
-    ir::Node* ln = g.add_node(node->op(), args, local_attrs(*node, local_out));
+    // A rank's classes of vocabulary-parallel cross entropy start where its columns of the logits do.
+    const Placements& logits = node->op() == "pick" ? in_pl.at(0) : plan.placement.at(node->outputs()[0]);
+    const ir::Attributes attrs = local_attrs(*node, local_out, column_offset_of(*node, mesh, logits, coord));
+    ir::Node* ln = g.add_node(node->op(), args, attrs);
     for (std::size_t a = 0; a < local_out.size(); ++a) {
       const ir::Value* o = node->outputs()[a];
       if (ln->output(static_cast<int>(a))->meta().shape != local_out[a]) {

@@ -1,6 +1,7 @@
 // The rule table. Notation: R = Replicate, S(d) = Shard(d), P = Partial(sum). A rule is valid
 // when running the op on each rank's local inputs gives each rank's local output.
 #include "spmdx/sharding/rules.h"
+#include "spmdx/sharding/spec.h"
 
 #include <functional>
 #include <map>
@@ -338,6 +339,46 @@ const std::map<std::string, Rule>& rules() {
       }
       return s;
     };
+    // Vocabulary-parallel cross entropy: the classes split across ranks give partial maxima,
+    // partial sums of exp and partial picks (a rank's pick is 0 where the target is another's).
+    r["amax_rows"] = [](const Node&, const std::vector<Shape>& in, const std::vector<Shape>&, std::int64_t k) {
+      Strategies s{all(R, 1, 1)};
+      if (in[0][0] >= k) s.push_back({{S(0)}, {S(0)}});
+      if (in[0][1] >= k) s.push_back({{S(1)}, {Placement::partial(ReduceOp::max)}});
+      return s;
+    };
+    r["sum_exp_rows"] = [](const Node&, const std::vector<Shape>& in, const std::vector<Shape>&, std::int64_t k) {
+      Strategies s{all(R, 2, 1)};
+      if (in[0][0] >= k) s.push_back({{S(0), S(0)}, {S(0)}});
+      if (in[0][1] >= k) s.push_back({{S(1), R}, {P}});
+      return s;
+    };
+    r["sum_exp_rows_backward"] = [](const Node&, const std::vector<Shape>& in, const std::vector<Shape>&, std::int64_t k) {
+      Strategies s{all(R, 3, 1)};
+      if (in[1][1] >= k) s.push_back({{R, S(1), R}, {S(1)}});  // first: at equal cost, the columns the logits have
+      if (in[1][0] >= k) s.push_back({{S(0), S(0), S(0)}, {S(0)}});
+      s.push_back({{P, R, R}, {P}});
+      return s;
+    };
+    r["pick"] = [](const Node&, const std::vector<Shape>& in, const std::vector<Shape>&, std::int64_t k) {
+      Strategies s{all(R, 2, 1)};
+      if (in[0][0] >= k) s.push_back({{S(0), S(0)}, {S(0)}});
+      if (in[0][1] >= k) s.push_back({{S(1), R}, {P}});
+      s.push_back({{P, R}, {P}});
+      return s;
+    };
+    r["pick_backward"] = [](const Node&, const std::vector<Shape>& in, const std::vector<Shape>& out, std::int64_t k) {
+      Strategies s{all(R, 2, 1)};
+      if (out[0][1] >= k) s.push_back({{R, R}, {S(1)}});  // first: at equal cost, the columns the logits' gradient has
+      if (in[0][0] >= k) s.push_back({{S(0), S(0)}, {S(0)}});
+      s.push_back({{P, R}, {P}});
+      return s;
+    };
+    r["valid_rows"] = [](const Node&, const std::vector<Shape>& in, const std::vector<Shape>&, std::int64_t k) {
+      Strategies s{all(R, 1, 1)};
+      if (in[0][0] >= k) s.push_back({{S(0)}, {S(0)}});
+      return s;
+    };
     r["count_valid"] = [](const Node&, const std::vector<Shape>& in, const std::vector<Shape>&, std::int64_t k) {
       Strategies s{all(R, 1, 1)};
       for (std::size_t d = 0; d < in[0].size(); ++d) {
@@ -376,13 +417,21 @@ std::vector<OpStrategy> op_strategies(const ir::Node& node, const std::vector<Sh
 
 namespace spmdx::sharding {
 
-ir::Attributes local_attrs(const ir::Node& node, const std::vector<Shape>& local_out) {
+ir::Attributes local_attrs(const ir::Node& node, const std::vector<Shape>& local_out, std::int64_t column_offset) {
   ir::Attributes a = node.attrs();
   const std::string& op = node.op();
   if (op == "reshape" || op == "expand" || op == "sum_to") a["shape"] = local_out.at(0);
   if (op == "slice_backward") a["input_shape"] = local_out.at(0);
   if (op == "embedding_backward") a["num_weights"] = local_out.at(0).at(0);
+  if (op == "pick_backward") a["num_classes"] = local_out.at(0).at(1);
+  if (op == "pick" || op == "pick_backward") a["offset"] = node.attr_int("offset") + column_offset;
   return a;
+}
+
+std::int64_t column_offset_of(const ir::Node& node, const DeviceMesh& mesh, const std::vector<Placement>& logits, const std::vector<std::int64_t>& coordinate) {
+  if (node.op() != "pick" && node.op() != "pick_backward") return 0;
+  const ir::Value* v = node.op() == "pick" ? node.input(0) : node.output();
+  return ShardingSpec{logits, v->meta()}.local_offset(mesh, coordinate).at(1);
 }
 
 }  // namespace spmdx::sharding

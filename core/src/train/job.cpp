@@ -1,4 +1,5 @@
 #include "spmdx/train/job.h"
+#include "spmdx/train/loss_parallel.h"
 
 #include <algorithm>
 #include <ctime>
@@ -424,6 +425,7 @@ JobSpec job_spec(const config::Config& cfg, std::int64_t world_size, std::int64_
   s.seed = static_cast<std::uint64_t>(cfg.get_int("job.seed"));
   s.reshard_after_forward = cfg.get_string("parallelism.fsdp_reshard_after_forward") != "never";
   s.sequence_parallel = cfg.get_bool("parallelism.enable_sequence_parallel");
+  s.loss_parallel = !cfg.get_bool("parallelism.disable_loss_parallel");
   if (const std::string budget = cfg.get_string("parallelism.memory_budget"); !budget.empty()) {
     try {
       const std::uint64_t bytes = parse_bytes(budget);
@@ -850,6 +852,10 @@ models::Model forward_model(const JobSpec& spec, std::int64_t rows) {
 
 PlacedJob place_job(const JobSpec& spec, PluginRegistry& registry) {
   PlacedJob job{forward_model(spec, spec.global_batch_size / spec.step.microbatches), sharding::make_mesh(spec.dims, spec.world_size), {}, {}, {}, spec.reshard_after_forward};
+  if (spec.loss_parallel && spec.dims.tp > 1) {
+    job.model.graph = vocab_parallel_cross_entropy(job.model.graph);
+    job.loss_parallel = true;
+  }
   const std::size_t forward_nodes = job.model.graph.num_nodes();
   append_train_step(job.model.graph, job.model.params, spec.step);
   if (spec.activation_checkpoint.mode != "none") {

@@ -8,6 +8,7 @@
 
 #include "spmdx/ir/graph.h"
 #include "spmdx/placement.h"
+#include "spmdx/sharding/spec.h"
 
 namespace spmdx::sharding {
 
@@ -33,7 +34,13 @@ namespace spmdx::sharding {
 
 /// The node's attributes for a rank that computes outputs of `local_out` shapes: attributes
 /// that spell out a shape (reshape, expand and sum_to "shape", slice_backward "input_shape",
-/// embedding_backward "num_weights") follow the local shapes; the others stay.
-ir::Attributes local_attrs(const ir::Node& node, const std::vector<Shape>& local_out);
+/// embedding_backward "num_weights", pick_backward "num_classes") follow the local shapes;
+/// pick's and pick_backward's "offset" grows by `column_offset`, the first class the rank's
+/// columns of the logits hold (column_offset_of); the others stay.
+ir::Attributes local_attrs(const ir::Node& node, const std::vector<Shape>& local_out, std::int64_t column_offset = 0);
+
+/// For pick and pick_backward read or written in `logits` placements, the first column of the
+/// logits [n, classes] the rank at `coordinate` holds; 0 for other ops.
+std::int64_t column_offset_of(const ir::Node& node, const DeviceMesh& mesh, const std::vector<Placement>& logits, const std::vector<std::int64_t>& coordinate);
 
 }  // namespace spmdx::sharding

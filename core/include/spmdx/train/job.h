@@ -115,6 +115,9 @@ struct JobSpec {
   /// parallelism.enable_sequence_parallel: with tensor parallelism, the residual stream and the
   /// norms are sharded on the sequence over tp (Megatron-SP; sharding::propagate).
   bool sequence_parallel = false;
+  /// !parallelism.disable_loss_parallel: with tensor parallelism, cross entropy runs on the
+  /// vocabulary-sharded logits (vocab_parallel_cross_entropy) instead of gathering them.
+  bool loss_parallel = false;
   plan::PlanOptions plan;  ///< [comm] bucket caps, overlap, prefetch (plan_options)
   /// [parallelism.strategies]: mesh dim -> the strategy plugin that decides it, where the
   /// config names one (others: sharding::strategy_for's defaults).
@@ -214,6 +217,8 @@ struct PlacedJob {
   /// Why sequence parallelism is off although the config asks for it ("" otherwise): tp is 1,
   /// or the graph has no norm (rms_norm, layer_norm) with a sequence of at least tp positions.
   std::string sequence_parallel_off{};
+  /// Whether the loss is vocab_parallel_cross_entropy's (loss parallelism with tp > 1).
+  bool loss_parallel = false;
 };
 
 /// sharding::propagate over the job's graph with its inputs, outputs, `use` placements, FSDP
