@@ -62,20 +62,30 @@ StrategyInput strategy_input(const models::Model& m) {
   return in;
 }
 
-// `m`'s train step placed on `mesh` by the built-in strategies and propagated (optimizer state
-// placed as its parameter, next state returned so), with sequence parallelism on mesh dim
-// `sequence_parallel_dim` (-1: off).
-sharding::DistributedPlan plan_train_step(models::Model& m, const sharding::DeviceMesh& mesh, int sequence_parallel_dim) {
+// `m`'s train step (appended here) placed on `mesh` by the built-in strategies: its inputs (the
+// optimizer state as its parameter), the next state returned the same way, and the
+// parameters' placements at use (sharding::use_placements).
+struct PlacedStep {
+  std::map<std::string, Placements> inputs, outputs, use;
+};
+PlacedStep place_train_step(models::Model& m, const sharding::DeviceMesh& mesh) {
   train::append_train_step(m.graph, m.params, {});
-  auto placements = sharding::parallelize(registry(), mesh, strategy_input(m));
+  PlacedStep s{sharding::parallelize(registry(), mesh, strategy_input(m)), {}, {}};
   std::map<std::string, Placements> params;
   for (const auto& p : m.params) {
-    placements["exp_avg." + p] = placements["exp_avg_sq." + p] = placements.at(p);
-    params[p] = placements.at(p);
+    s.inputs["exp_avg." + p] = s.inputs["exp_avg_sq." + p] = s.inputs.at(p);
+    params[p] = s.inputs.at(p);
   }
-  std::map<std::string, Placements> out_pl;
-  for (const auto& s : train::train_state_names(m.params)) out_pl["next." + s] = placements.at(s);
-  return sharding::propagate(m.graph, mesh, placements, out_pl, sharding::use_placements(mesh, params), false, sequence_parallel_dim);
+  for (const auto& name : train::train_state_names(m.params)) s.outputs["next." + name] = s.inputs.at(name);
+  s.use = sharding::use_placements(mesh, params);
+  return s;
+}
+
+// place_train_step, propagated with sequence parallelism on mesh dim `sequence_parallel_dim`
+// (-1: off).
+sharding::DistributedPlan plan_train_step(models::Model& m, const sharding::DeviceMesh& mesh, int sequence_parallel_dim) {
+  const PlacedStep s = place_train_step(m, mesh);
+  return sharding::propagate(m.graph, mesh, s.inputs, s.outputs, s.use, false, sequence_parallel_dim);
 }
 
 exec::TensorMap batch(std::uint64_t seed) {
@@ -165,15 +175,8 @@ TEST(Distributed, LlamaTinyTrainStepLossesEqualOneRankFor5Steps) {
     exec::Trainer one(models::build_model(args, kBatch, kSeq), {}, init);
 
     if (layout.loss_parallel) m.graph = train::vocab_parallel_cross_entropy(m.graph);
-    train::append_train_step(m.graph, m.params, {});
     const auto mesh = sharding::make_mesh(layout.dims, layout.world);
-    auto placements = sharding::parallelize(registry(), mesh, strategy_input(m));
-    for (const auto& p : m.params) placements["exp_avg." + p] = placements["exp_avg_sq." + p] = placements.at(p);
-    std::map<std::string, Placements> out_pl;
-    for (const auto& s : train::train_state_names(m.params)) out_pl["next." + s] = placements.at(s);
-    std::map<std::string, Placements> params;
-    for (const auto& p : m.params) params[p] = placements.at(p);
-    const auto plan = sharding::propagate(m.graph, mesh, placements, out_pl, sharding::use_placements(mesh, params), false, sp_dim(layout, mesh));
+    const auto plan = plan_train_step(m, mesh, sp_dim(layout, mesh));
 
     exec::TensorMap state = one.state();
     for (std::int64_t step = 1; step <= 5; ++step) {
@@ -196,21 +199,14 @@ TEST(Distributed, LlamaTinyTrainStepLossesEqualOneRankFor5Steps) {
 // every parameter (the cost model may find cheaper moves, e.g. gathering few activations).
 TEST(Distributed, FsdpGathersParametersOnceAndUpdatesShards) {
   models::Model m = models::build_model(models::model_args("mlp", "tiny", kVocab), 8, 64);
-  train::append_train_step(m.graph, m.params, {});
   const auto mesh = sharding::make_mesh({1, 4, 1}, 4);
-  auto placements = sharding::parallelize(registry(), mesh, strategy_input(m));
-  EXPECT_EQ(to_string(placements.at("w1.weight")), "S(0)");
-  EXPECT_EQ(to_string(placements.at("tokens")), "S(0)");
-  for (const auto& p : m.params) placements["exp_avg." + p] = placements["exp_avg_sq." + p] = placements.at(p);
-  std::map<std::string, Placements> out_pl;
-  for (const auto& s : train::train_state_names(m.params)) out_pl["next." + s] = placements.at(s);
-  std::map<std::string, Placements> params;
+  const PlacedStep step = place_train_step(m, mesh);
+  EXPECT_EQ(to_string(step.inputs.at("w1.weight")), "S(0)");
+  EXPECT_EQ(to_string(step.inputs.at("tokens")), "S(0)");
+  const auto& params = step.use;  // the parameters, by name
   double param_bytes = 0;
-  for (const auto& p : m.params) {
-    params[p] = placements.at(p);
-    param_bytes += static_cast<double>(m.graph.find_input(p)->meta().nbytes());
-  }
-  const auto plan = sharding::propagate(m.graph, mesh, placements, out_pl, sharding::use_placements(mesh, params));
+  for (const auto& p : m.params) param_bytes += static_cast<double>(m.graph.find_input(p)->meta().nbytes());
+  const auto plan = sharding::propagate(m.graph, mesh, step.inputs, step.outputs, step.use);
   const ir::Graph g = sharding::rank_graph(plan, 1);
   std::set<std::string> gathered;  // parameters all-gathered, each once
   int gathers = 0;
@@ -235,21 +231,13 @@ TEST(Distributed, FsdpGathersParametersOnceAndUpdatesShards) {
 
 TEST(Distributed, ReshardAfterForwardGathersEachParameterAgainForTheBackward) {
   models::Model m = models::build_model(models::model_args("mlp", "tiny", kVocab), 8, 64);
-  train::append_train_step(m.graph, m.params, {});
   const auto mesh = sharding::make_mesh({1, 4, 1}, 4);
-  auto placements = sharding::parallelize(registry(), mesh, strategy_input(m));
-  std::map<std::string, Placements> params;
-  for (const auto& p : m.params) {
-    placements["exp_avg." + p] = placements["exp_avg_sq." + p] = placements.at(p);
-    params[p] = placements.at(p);
-  }
-  std::map<std::string, Placements> out_pl;
-  for (const auto& s : train::train_state_names(m.params)) out_pl["next." + s] = placements.at(s);
+  const PlacedStep step = place_train_step(m, mesh);
   auto gathers = [&](bool reshard) {
-    const auto plan = sharding::propagate(m.graph, mesh, placements, out_pl, sharding::use_placements(mesh, params), reshard);
+    const auto plan = sharding::propagate(m.graph, mesh, step.inputs, step.outputs, step.use, reshard);
     const ir::Graph g = sharding::rank_graph(plan, 0);
     int n = 0;
-    for (const auto& node : g.nodes()) n += node->op() == "all_gather" && params.count(node->input(0)->name()) > 0;
+    for (const auto& node : g.nodes()) n += node->op() == "all_gather" && step.use.count(node->input(0)->name()) > 0;
     return n;
   };
   EXPECT_EQ(gathers(false), 3);
