@@ -253,6 +253,32 @@ TEST(LocalComm, TwoGroupsRunCollectivesAtTheSameTime) {
   });
 }
 
+// Pipeline stages post a receive before the send its peer waits for, both ways at once (1F1B's
+// exchanges), with collectives of their own groups in between: a send or receive in flight
+// holds up nothing behind it, and messages of one pair meet by tag, in any order.
+TEST(LocalComm, SendsAndReceivesInFlightHoldUpNothingBehindThem) {
+  on_ranks(4, "p2p", [&](int rank, CommBackend& b) {
+    const int pair = b.new_group(rank < 2 ? std::vector<int>{0, 1} : std::vector<int>{2, 3});
+    const int peer = (rank + 2) % 4;  // the other stage
+    const std::size_t n = 1 << 20;    // 4 MiB: past any eager threshold
+    std::vector<float> out(n, static_cast<float>(rank + 1)), in(n, 0), out2(n, static_cast<float>(10 * (rank + 1))), in2(n, 0);
+    auto r1 = b.recv({in.data(), n}, peer, 7);  // posted first: the peer's send comes later
+    std::vector<float> sum(1000, static_cast<float>(rank));
+    auto ar = b.all_reduce(pair, {sum.data(), sum.size()}, ReduceOp::sum);
+    auto r2 = b.recv({in2.data(), n}, peer, 3);
+    auto s2 = b.send({out2.data(), n}, peer, 3);  // the tags in the other order than the receives
+    auto s1 = b.send({out.data(), n}, peer, 7);
+    ASSERT_TRUE(ar->wait(30));
+    ASSERT_TRUE(r1->wait(30));
+    ASSERT_TRUE(r2->wait(30));
+    ASSERT_TRUE(s1->wait(30));
+    ASSERT_TRUE(s2->wait(30));
+    EXPECT_EQ(sum[999], rank < 2 ? 1.0f : 5.0f);
+    EXPECT_EQ(in[n - 1], static_cast<float>(peer + 1));
+    EXPECT_EQ(in2[0], static_cast<float>(10 * (peer + 1)));
+  });
+}
+
 TEST(LocalComm, RanksInAnotherProcessAreRefusedByName) {
   comm::TcpStoreServer server("127.0.0.1", 0, "tok");
   comm::TcpStore store("127.0.0.1", server.port(), "tok", 10);

@@ -127,17 +127,17 @@ std::unique_ptr<Work> P2PEngine::barrier(int group) {
 
 std::unique_ptr<Work> P2PEngine::send(CommBuffer buf, int peer_rank, int tag) {
   check_tag("send", tag);
-  return submit("send", kPointToPoint, [this, buf, peer_rank, tag](Op& op) {
+  return submit("send", kPointToPoint, nullptr, [this, buf, peer_rank, tag](Op& op) {
     op.seq = static_cast<std::uint64_t>(tag);
-    sendrecv(op, peer_rank, buf.data, buf.bytes(), -1, nullptr, 0);
+    return Request{post_send(op, peer_rank, buf.data, buf.bytes(), make_tag(rank_, op.group, op.seq, 0)), peer_rank};
   });
 }
 
 std::unique_ptr<Work> P2PEngine::recv(CommBuffer buf, int peer_rank, int tag) {
   check_tag("recv", tag);
-  return submit("recv", kPointToPoint, [this, buf, peer_rank, tag](Op& op) {
+  return submit("recv", kPointToPoint, nullptr, [this, buf, peer_rank, tag](Op& op) {
     op.seq = static_cast<std::uint64_t>(tag);
-    sendrecv(op, -1, nullptr, 0, peer_rank, buf.data, buf.bytes());
+    return Request{post_recv(op, peer_rank, buf.data, buf.bytes(), make_tag(peer_rank, op.group, op.seq, 0)), peer_rank};
   });
 }
 

@@ -182,11 +182,13 @@ int P2PEngine::new_group(const std::vector<int>& ranks) {
   return static_cast<int>(groups_.size() - 1);
 }
 
-std::unique_ptr<Work> P2PEngine::submit(const char* name, int group, std::function<void(Op&)> body) {
+std::unique_ptr<Work> P2PEngine::submit(const char* name, int group, std::function<void(Op&)> body,
+                                        std::function<std::pair<std::uint64_t, int>(Op&)> post) {
   auto op = std::make_shared<Op>();
   op->name = name;
   op->group = group;
   op->body = std::move(body);
+  op->post = std::move(post);
   {
     std::lock_guard lock(mutex_);
     if (group == kPointToPoint) {
@@ -203,9 +205,25 @@ std::unique_ptr<Work> P2PEngine::submit(const char* name, int group, std::functi
 }
 
 void P2PEngine::run() {
+  auto idle_since = Health::Clock::now();
   while (true) {
     std::shared_ptr<Op> op;
-    if (!queue_.pop_wait(op)) return;  // closed and drained
+    if (posted_.empty()) {
+      if (!queue_.pop_wait(op)) return;  // closed and drained
+    } else if (!queue_.try_pop(op)) {
+      // Sends and receives in flight, nothing queued: poll them, backing off as wait_all does
+      // (ranks share few cores with their compute threads).
+      const auto now = Health::Clock::now();
+      if (progress_posted()) {
+        idle_since = now;
+      } else if (now - idle_since > std::chrono::microseconds(2000)) {
+        std::this_thread::sleep_for(std::chrono::microseconds(now - idle_since > std::chrono::milliseconds(50) ? 200 : 20));
+      } else if (now - idle_since > std::chrono::microseconds(20)) {
+        std::this_thread::yield();
+      }
+      continue;
+    }
+    idle_since = Health::Clock::now();
     std::string error;
     int peer = -1;
     const double started_at = wall_seconds();
@@ -214,6 +232,12 @@ void P2PEngine::run() {
       peer = first_failure_peer_;
     } else {
       try {
+        if (op->post) {  // a send or receive: posted now, completed by progress_posted
+          const auto [request, to] = op->post(*op);
+          posted_.push_back({op, request, to, health_.stall(), started_at});
+          progress_posted();
+          continue;
+        }
         op->body(*op);
       } catch (const CommError& e) {
         error = e.what();
@@ -228,16 +252,51 @@ void P2PEngine::run() {
         error = std::string(op->name) + ": " + e.what();
       }
     }
-    {
-      std::lock_guard lock(op->mutex);
-      op->done = true;
-      op->error = error;
-      op->error_peer = peer;
-      op->started_at = started_at;
-      op->finished_at = wall_seconds();
-    }
-    op->cv.notify_all();
+    finish(*op, error, peer, started_at);
+    if (!posted_.empty()) progress_posted();
   }
+}
+
+void P2PEngine::finish(Op& op, const std::string& error, int peer, double started_at) {
+  {
+    std::lock_guard lock(op.mutex);
+    op.done = true;
+    op.error = error;
+    op.error_peer = peer;
+    op.started_at = started_at;
+    op.finished_at = wall_seconds();
+  }
+  op.cv.notify_all();
+}
+
+bool P2PEngine::progress_posted() {
+  bool any = false;
+  for (std::size_t i = 0; i < posted_.size();) {
+    Posted& p = posted_[i];
+    std::string error;
+    int blamed = -1;
+    bool done = false;
+    try {
+      try {
+        done = transport_->test(p.request);
+      } catch (const CommError& e) {
+        transport_failed(*p.op, p.peer, e);
+      }
+      if (!done) health_.check_stall(*p.op, p.stall, p.peer);
+    } catch (const CommError& e) {
+      error = e.what(), blamed = e.peer(), done = true;
+      if (first_failure_.empty()) first_failure_ = error, first_failure_peer_ = blamed;
+      aborted_ = true;
+    }
+    if (!done) {
+      ++i;
+      continue;
+    }
+    finish(*p.op, error, blamed, p.started_at);
+    posted_.erase(posted_.begin() + static_cast<std::ptrdiff_t>(i));
+    any = true;
+  }
+  return any;
 }
 
 void P2PEngine::wait_all(Op& op, const std::vector<Request>& requests) {

@@ -54,9 +54,15 @@ class P2PEngine final : public CommBackend {
 
   // engine.cpp: joining, the queue and the communication thread.
   void connect_transport(const CommInit& init);
-  std::unique_ptr<Work> submit(const char* name, int group, std::function<void(Op&)> body);
+  std::unique_ptr<Work> submit(const char* name, int group, std::function<void(Op&)> body,
+                               std::function<std::pair<std::uint64_t, int>(Op&)> post = {});
   void run();
   void stop();
+  // Marks `op` done (error "" when it succeeded) and wakes its waiters.
+  static void finish(Op& op, const std::string& error, int peer, double started_at);
+  // Completes the posted sends and receives whose requests are done; fails those whose peer
+  // died or that passed the timeout (Health::check_stall). Returns whether any completed.
+  bool progress_posted();
   // Waits for every request (progressing all), naming the peer of one that fails.
   void wait_all(Op& op, const std::vector<Request>& requests);
   // Exchanges with two peers at once (a ring step); waits for both. `step` tells messages of
@@ -118,6 +124,15 @@ class P2PEngine final : public CommBackend {
   std::string first_failure_;  // the CommError that aborted the backend (comm thread only)
   int first_failure_peer_ = -1;
   std::thread thread_;
+  // Sends and receives posted and not yet complete (comm thread only).
+  struct Posted {
+    std::shared_ptr<Op> op;
+    std::uint64_t request = 0;
+    int peer = -1;
+    Health::Stall stall;
+    double started_at = 0;
+  };
+  std::vector<Posted> posted_;
   struct Scratch {
     std::unique_ptr<char[]> data;
     std::size_t size = 0;

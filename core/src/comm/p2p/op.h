@@ -39,6 +39,11 @@ struct Op {
   std::uint64_t seq = 0;
   std::uint16_t step = 0;  // the next tag step of this operation's messages
   std::function<void(Op&)> body;
+  /// send/recv: posts the transport request instead of running `body` to completion; the comm
+  /// thread then completes the operation when the request does (P2PEngine::progress_posted), so
+  /// a send whose receiver is not ready yet holds up neither the collectives queued behind it
+  /// nor the other sends and receives (a pipeline's 1F1B exchanges both ways at once).
+  std::function<std::pair<std::uint64_t, int>(Op&)> post;
   std::mutex mutex;
   std::condition_variable cv;
   bool done = false;
