@@ -12,6 +12,7 @@
 
 #include "comm_lowering.h"
 #include "spmdx/core/clock.h"
+#include "spmdx/exec/kernels.h"
 #include "spmdx/hooks/hook_set.h"
 #include "spmdx/sharding/distribute.h"
 
@@ -83,11 +84,11 @@ CommDType comm_dtype(at::ScalarType type) {
 
 DistributedExecutor::DistributedExecutor(const ir::Graph& graph, const sharding::DeviceMesh& mesh, std::int64_t rank,
                                          CommBackend* backend, double timeout_seconds, const plan::PlanOptions& options, Device* device)
-    : graph_(graph), backend_(backend), device_(device), timeout_(timeout_seconds) {
+    : graph_(graph), backend_(backend), rank_(rank), device_(device), timeout_(timeout_seconds) {
   for (const auto& node : graph.nodes()) {
     nodes_.push_back(node.get());
     const Kernel* k = find_kernel(node->op());
-    const bool collective = sharding::is_communication(node->op()) && k == nullptr;
+    const bool collective = (sharding::is_communication(node->op()) || is_point_to_point(node->op())) && k == nullptr;
     if (k == nullptr && !collective) throw std::invalid_argument("op '" + node->op() + "' has no kernel");
     if (collective && backend == nullptr) throw std::invalid_argument("the graph has collectives but no comm backend was given");
     kernels_.push_back(k);
@@ -157,7 +158,8 @@ DistributedExecutor::DistributedExecutor(const ir::Graph& graph, const sharding:
 }
 
 void DistributedExecutor::inject_skip(std::int64_t step, std::int64_t index) {
-  const auto collectives = static_cast<std::int64_t>(std::count(kernels_.begin(), kernels_.end(), nullptr));
+  std::int64_t collectives = 0;
+  for (std::size_t i = 0; i < nodes_.size(); ++i) collectives += kernels_[i] == nullptr && !is_point_to_point(nodes_[i]->op());
   if (index < 0 || index >= collectives) {
     throw std::invalid_argument("SPMDX_FAULT: index=" + std::to_string(index) + " never happens: a step of this rank's plan has " +
                                 std::to_string(collectives) + " collectives (index 0 to " + std::to_string(collectives - 1) + ")");
@@ -407,6 +409,55 @@ void DistributedExecutor::issue_collective(Step& s, std::size_t index) {
   if (!plan_.options.overlap) s.value(n.output());
 }
 
+// A send or recv node (pipeline stages): posted on the backend now. A recv's output is waited
+// for at its first reader; a send is waited for only at the end of the step, even with overlap
+// off: a stage that blocked on its send until the peer received it could wait on a peer that
+// blocks on its own send (1F1B's both-way exchanges), as batch_isend_irecv avoids in PyTorch.
+void DistributedExecutor::issue_point_to_point(Step& s, std::size_t index) {
+  const ir::Node& n = *nodes_[index];
+  const bool send = n.op() == "send";
+  const int peer = static_cast<int>(n.attr_int("peer"));
+  const int tag = static_cast<int>(n.attr_int("tag"));
+  at::Tensor buf;
+  if (send) {
+    buf = s.value(n.input(0)).contiguous();
+  } else {
+    const ir::TensorMeta& m = n.output()->meta();
+    buf = at::empty(m.shape, at::TensorOptions().dtype(to_aten(m.dtype)).device(device_ != nullptr ? device_->device() : c10::Device(at::kCPU)));
+  }
+  auto is = std::make_shared<Issued>();
+  is->what = std::string(send ? "send of " : "recv of ") + (send ? n.input(0) : n.output())->ref() + (send ? " to rank " : " from rank ") + std::to_string(peer);
+  if (spans_on()) {
+    is->info.index = -1;
+    is->info.op = n.op();
+    is->info.mesh_dim = -1;
+    is->info.group_name = "pp";
+    is->info.group_ranks = {static_cast<int>(rank_), peer};
+    is->info.step = s.step;
+    is->info.bytes = static_cast<std::int64_t>(buf.nbytes());
+    is->info.dtype = comm_dtype(buf.scalar_type());
+    is->info.shape = buf.sizes().vec();
+    is->info.value = is->what;
+    is->info.issued_at = wall_seconds();
+  }
+  s.issued.push_back(is);
+  ++stats_.collectives;
+  stats_.comm_bytes += static_cast<double>(buf.nbytes());
+  if (hooks_ != nullptr) hooks_->collective(is->info);
+  order_before_call();
+  is->work = send ? backend_->send(buffer(buf), peer, tag) : backend_->recv(buffer(buf), peer, tag);
+  is->keep = {buf};
+  Pending p;
+  p.issued = is;
+  if (send) {
+    p.finish = [device = buf.device()] { return at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(device)); };
+  } else {
+    p.finish = [buf] { return buf; };
+  }
+  s.pending.emplace(n.output(), std::move(p));
+  if (!send && !plan_.options.overlap) s.value(n.output());
+}
+
 // A call is about to read buffers the compute stream is still writing (on a GPU): its backend
 // orders itself after the stream, or the host waits for the stream.
 void DistributedExecutor::order_before_call() {
@@ -479,6 +530,8 @@ TensorMap DistributedExecutor::run(const TensorMap& inputs, std::int64_t step) {
       }
       if (spans_on()) spans_.push_back({n.op(), "compute", t0, wall_seconds(), 0});
       for (std::size_t i = 0; i < out.size(); ++i) s.keep(n.outputs()[i], std::move(out[i]));
+    } else if (is_point_to_point(n.op())) {
+      issue_point_to_point(s, index);
     } else if (const bool skip = ++s.collective_index == skip_.second && step == skip_.first; skip && plan_.bucket_of[index] < 0) {
       // The planted fault: this rank skips the collective; its output is the input (all_reduce)
       // or zeros of the output's shape, as a rank whose code skipped the call would go on.

@@ -518,6 +518,24 @@ std::vector<OpSchema> builtin_ops() {
                  scatter_dim});
   // to_partial (local, Replicate -> Partial(sum)): the value on index 0, zeros elsewhere.
   ops.push_back({"to_partial", 1, 1, {index}, [](const Metas& in, const Attributes&) { return std::vector{*in[0]}; }});
+  // Point to point between pipeline stages (torch.distributed's isend / irecv, as
+  // torch.distributed.pipelining's stages exchange activations and their gradients). peer: the
+  // global rank on the other side; tag: what the pair's two nodes share (0 to 2^24 - 1).
+  // send: x -> a f32[] token, complete when x has gone (nothing reads it; the executor waits for
+  // it at the end of the step). recv: () -> a tensor of `shape` and `dtype` ("f32", ...).
+  const AttrSpec peer{"peer", AttrType::integer, true, {}};
+  const AttrSpec tag{"tag", AttrType::integer, true, {}};
+  ops.push_back({"send", 1, 1, {peer, tag}, [](const Metas& in, const Attributes&) {
+                   return std::vector{TensorMeta{{}, DType::f32, in[0]->device, false}};
+                 }});
+  ops.push_back({"recv", 0, 0,
+                 {peer, tag, {"shape", AttrType::ints, true, {}}, {"dtype", AttrType::string, true, {}},
+                  {"device", AttrType::string, false, std::string("cpu")}},
+                 [](const Metas&, const Attributes& a) {
+                   const auto dtype = parse_dtype(std::get<std::string>(a.at("dtype")));
+                   if (!dtype) fail("recv: unknown dtype '" + std::get<std::string>(a.at("dtype")) + "'");
+                   return std::vector{TensorMeta{std::get<Shape>(a.at("shape")), *dtype, std::get<std::string>(a.at("device")), false}};
+                 }});
   // slice_backward: grad of a slice -> zeros of input_shape with grad written into the slice.
   ops.push_back({"slice_backward", 1, 1,
                  {{"input_shape", AttrType::ints, true, {}},

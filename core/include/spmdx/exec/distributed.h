@@ -115,6 +115,7 @@ class DistributedExecutor {
   std::vector<std::string> mesh_dim_names_;
   std::vector<std::uint64_t> seq_;  // per mesh dim: collectives issued so far over the run
   CommBackend* backend_;
+  std::int64_t rank_ = 0;
   Device* device_;                     // null: the CPU
   StreamOrdered* ordered_ = nullptr;   // backend_'s, when it has it and the device has streams
   double timeout_;
@@ -129,10 +130,13 @@ class DistributedExecutor {
   struct Step;  // one run's tensors and calls in flight (distributed.cpp)
   void add_to_bucket(Step& s, std::size_t pos, std::size_t index, bool skip);
   void issue_collective(Step& s, std::size_t index);
+  void issue_point_to_point(Step& s, std::size_t index);
   void order_before_call();
   bool writable(const ir::Node& n, const std::vector<at::Tensor>& args, const std::vector<int>& into) const;
 };
 
+/// True for the point-to-point ops between pipeline stages, "send" and "recv" (ir/ops.cpp).
+inline bool is_point_to_point(const std::string& op) { return op == "send" || op == "recv"; }
 /// ATen's tensor dtype as the comm layer's; throws std::invalid_argument for bool.
 CommDType comm_dtype(at::ScalarType type);
 
