@@ -166,7 +166,7 @@ TEST(Cli, StrategiesTableBindsAMeshDimToAPlugin) {
   EXPECT_THAT(typo.output, HasSubstr("names mesh dim 'dp_shrad'; the mesh dims are dp_replicate, dp_shard and tp; did you mean 'dp_shard'?"));
   auto pipeline = spmdx(config + " --parallelism.strategies.pp data_parallel");  // another feature, not a typo of tp
   EXPECT_EQ(pipeline.exit_code, 1);
-  EXPECT_THAT(pipeline.output, HasSubstr("names mesh dim 'pp'; the mesh dims are dp_replicate, dp_shard and tp; spmdx has no pipeline parallelism yet"));
+  EXPECT_THAT(pipeline.output, HasSubstr("names mesh dim 'pp'; the mesh dims are dp_replicate, dp_shard and tp; pipeline stages are cut by parallelism.pipeline_parallel_degree"));
   EXPECT_THAT(pipeline.output, ::testing::Not(HasSubstr("did you mean 'tp'")));
   auto unknown = spmdx(config + " --parallelism.strategies.dp_shard nonesuch");
   EXPECT_EQ(unknown.exit_code, 1);
@@ -215,6 +215,46 @@ TEST(Cli, SequenceParallelSaysWhereItIsOffAndWhy) {
                    "--parallelism.enable_sequence_parallel true");
   EXPECT_EQ(mlp.exit_code, 0) << mlp.output;
   EXPECT_THAT(mlp.output, HasSubstr("sequence parallel: off, the model has no rms_norm or layer_norm op"));
+}
+
+// Pipeline stages: compile says what each stage holds, sends and receives, --dump writes each
+// rank's schedule; configs the stages cannot serve fail before any rank starts, naming the key.
+TEST(Cli, PipelineStagesArePlannedAndBadOnesRefused) {
+  test::TempDir dir;
+  const std::string llama = "compile '" SPMDX_SOURCE_DIR "/configs/llama_fsdp.toml' --parallelism.pipeline_parallel_degree 2 "
+                            "--parallelism.data_parallel_shard_degree 2 --training.global_batch_size 8 --model.n_layers 4";
+  auto pp = spmdx(llama + " --dump '" + (dir / "dump").string() + "'");
+  ASSERT_EQ(pp.exit_code, 0) << pp.output;
+  EXPECT_THAT(pp.output, HasSubstr("mesh pp=2 x dp_shard=2 (4 ranks)"));
+  EXPECT_THAT(pp.output, HasSubstr("pipeline: 2 stages, schedule 1F1B, 4 microbatches, theoretical bubble 0.200"));
+  EXPECT_THAT(pp.output, HasSubstr("  stage 0 (ranks 0-1): layers 0 to 1, 5 sends (")) << pp.output;
+  EXPECT_THAT(pp.output, HasSubstr("  stage 1 (ranks 2-3): layers 2 on, 7 sends ("));
+  const std::string schedule = test::read_file(dir / "dump" / "rank3.schedule.txt");
+  EXPECT_THAT(schedule, HasSubstr("*stage 1 (idle 0.200) |"));
+  EXPECT_THAT(schedule, HasSubstr("# order of stage 1: F0 B0 F1 B1 F2 B2 F3 B3"));
+  EXPECT_THAT(test::read_file(dir / "dump" / "rank0.txt"), HasSubstr("= send("));
+  auto split = spmdx(llama + " --parallelism.pipeline_parallel_split_points layers.3 --parallelism.pipeline_parallel_schedule GPipe --json 2>&1");
+  ASSERT_EQ(split.exit_code, 0) << split.output;
+  const auto j = nlohmann::json::parse(split.output.substr(split.output.find('{')));
+  EXPECT_EQ(j.at("pipeline").at("per_stage").at(1).at("first_layer").get<int>(), 3);
+  EXPECT_EQ(j.at("pipeline").at("schedule").get<std::string>(), "GPipe");
+
+  auto refused = [&](const std::string& flags, const std::string& why) {
+    auto r = spmdx(llama + " " + flags);
+    EXPECT_EQ(r.exit_code, 1) << flags << "\n" << r.output;
+    EXPECT_THAT(r.output, HasSubstr(why)) << flags;
+  };
+  refused("--parallelism.pipeline_parallel_degree 8 --parallelism.data_parallel_shard_degree 1",
+          "parallelism.pipeline_parallel_degree 8 is more stages than the model's 4 layers: use at most 4 stages");
+  refused("--parallelism.pipeline_parallel_microbatch_size 3",
+          "training.global_batch_size 8 does not split into microbatches of 3 rows on each of the 2 data-parallel ranks");
+  refused("--parallelism.pipeline_parallel_split_points layers.9", "\"layers.9\" names no layer a stage can begin at: use \"layers.N\" with N from 1 to 3");
+  refused("--parallelism.pipeline_parallel_split_points norm", "\"norm\" names no layer a stage can begin at");
+  refused("--parallelism.pipeline_parallel_split_points layers.1,layers.2", "names 2 layers; 2 stages begin at 1 of them");
+  refused("--parallelism.pipeline_parallel_layers_per_stage 1", "parallelism.pipeline_parallel_layers_per_stage 1 makes 4 layers into 4 stages, not pipeline_parallel_degree 2");
+  refused("--parallelism.pipeline_parallel_schedule Interleaved1F1B", "\"Interleaved1F1B\" (virtual stages) is not in spmdx yet");
+  refused("--checkpoint.enable true", "spmdx does not save pipeline stages' checkpoints yet");
+  refused("--world-size 5", "parallelism.pipeline_parallel_degree 2 does not divide world_size 5");
 }
 
 TEST(Cli, EnvironmentPathIsSearched) {

@@ -85,6 +85,45 @@ TEST(Run, NRanksGiveTheLossesOfOneRankForEachLayout) {
   }
 }
 
+// Pipeline stages, each rank a process, activations and gradients between them through the comm
+// backend's send and recv: 5 steps give the losses and gradient norms of one rank (the same
+// global batch; the microbatches' gradients summed in another order: within 1e-5), for each
+// schedule, 2 and 4 stages, 4 and 8 microbatches, and stages composed with FSDP and with TP and
+// sequence parallelism (4-D meshes but for dp_replicate).
+TEST(Run, PipelineStagesGiveTheLossesOfOneRank) {
+  test::TempDir dir;
+  const std::string common = " --data.paths '" + corpus_file(dir) + "' --training.steps 5 --training.global_batch_size 8 --training.seq_len 32 --model.n_layers 4";
+  const std::string config = "'" SPMDX_SOURCE_DIR "/configs/llama_fsdp.toml'";
+  auto one = spmdx_run(config + " --nproc 1 --job.dump_folder '" + (dir / "one").string() + "'" + common);
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  const auto want = losses(dir / "one" / "metrics.jsonl");
+  const auto want_norms = test::column(dir / "one" / "metrics.jsonl", "grad_norm");
+  ASSERT_EQ(want.size(), 5u);
+  const std::string pp = " --parallelism.data_parallel_shard_degree 1 --parallelism.pipeline_parallel_degree ";
+  const std::vector<std::tuple<std::string, int, std::string, std::string>> layouts = {
+      {"pp2 1F1B", 2, pp + "2", "2 stages (mesh dim pp) of 1 rank, schedule 1F1B, 8 microbatches"},
+      {"pp2 GPipe", 2, pp + "2 --parallelism.pipeline_parallel_schedule GPipe --parallelism.pipeline_parallel_microbatch_size 2",
+       "schedule GPipe, 4 microbatches"},
+      {"pp4 1F1B", 4, pp + "4", "4 stages (mesh dim pp) of 1 rank, schedule 1F1B, 8 microbatches"},
+      {"pp4 GPipe", 4, pp + "4 --parallelism.pipeline_parallel_schedule GPipe", "schedule GPipe, 8 microbatches"},
+      {"pp2xfsdp2", 4, " --parallelism.pipeline_parallel_degree 2 --parallelism.data_parallel_shard_degree 2", "2 stages (mesh dim pp) of 2 ranks"},
+      {"pp2xtp2+sp", 4, pp + "2 --parallelism.tensor_parallel_degree 2 --parallelism.enable_sequence_parallel true", "2 stages (mesh dim pp) of 2 ranks"},
+  };
+  for (const auto& [name, nproc, flags, says] : layouts) {
+    const auto folder = dir / name.substr(0, name.find(' ')) / name.substr(name.find(' ') + 1);
+    auto r = spmdx_run(config + " --nproc " + std::to_string(nproc) + flags + " --job.dump_folder '" + folder.string() + "'" + common);
+    ASSERT_EQ(r.exit_code, 0) << name << "\n" << r.output;
+    EXPECT_THAT(r.output, HasSubstr(says)) << name;
+    const auto got = losses(folder / "metrics.jsonl");
+    const auto norms = test::column(folder / "metrics.jsonl", "grad_norm");
+    ASSERT_EQ(got.size(), want.size()) << name;
+    for (std::size_t i = 0; i < want.size(); ++i) {
+      EXPECT_NEAR(got[i], want[i], 1e-5 * std::abs(want[i])) << name << " step " << i + 1;
+      EXPECT_NEAR(norms[i], want_norms[i], 1e-5 * std::abs(want_norms[i])) << name << " step " << i + 1;
+    }
+  }
+}
+
 // Activation checkpointing recomputes forward values in the backward (TP's all_reduce issued
 // again, FSDP's parameters gathered again): the same losses bit for bit, on one rank and on
 // FSDP x TP, with less memory held at the peak.
@@ -414,24 +453,28 @@ TEST(Run, DataTooShortFailsBeforeAnyRankStarts) {
   EXPECT_THAT(r.output, ::testing::Not(HasSubstr("[rank")));
 }
 
+// Also with pipeline stages (rank 1 the middle one of 3), whose neighbours wait on its sends.
 TEST(Run, ARankKilledStopsTheJobNamingIt) {
-  test::TempDir dir;
-  const std::string data = corpus_file(dir);
-  // Start a long run, kill rank 1 (found by its RANK variable) with SIGKILL, and see the launcher stop the rest.
-  const std::string script =
-      "'" SPMDX_EXE "' run '" SPMDX_SOURCE_DIR "/configs/llama_fsdp.toml' --nproc 3 --training.steps 1000000 --data.paths '" + data +
-      "' --training.seq_len 16 --job.dump_folder '" + dir.path().string() + "' > '" + (dir / "log").string() + "' 2>&1 & launcher=$!; "
-      "for i in $(seq 1 100); do for p in $(pgrep -P $launcher); do "
-      "  if tr '\\0' '\\n' < /proc/$p/environ | grep -qx RANK=1; then kill -9 $p; break 2; fi; done; sleep 0.1; done; "
-      "wait $launcher; echo \"launcher exit $?\"; cat '" + (dir / "log").string() + "'";
-  auto r = test::run_command("bash -c \"" + [&] {
-    std::string escaped;
-    for (char c : script) escaped += (c == '"' || c == '$' || c == '`' || c == '\\') ? std::string("\\") + c : std::string(1, c);
-    return escaped;
-  }() + "\"");
-  EXPECT_THAT(r.output, HasSubstr("launcher exit 1"));
-  EXPECT_THAT(r.output, HasSubstr("spmdx run: rank 1 was killed by signal Killed; the other ranks were stopped"));
-  EXPECT_EQ(test::run_command("pgrep -f 'training[.]steps 1000000' | wc -l").output, "0\n") << "rank processes were left behind";
+  for (const std::string flags : {"", " --parallelism.pipeline_parallel_degree 3 --parallelism.data_parallel_shard_degree 1 --model.n_layers 3"}) {
+    SCOPED_TRACE(flags);
+    test::TempDir dir;
+    const std::string data = corpus_file(dir);
+    // Start a long run, kill rank 1 (found by its RANK variable) with SIGKILL, and see the launcher stop the rest.
+    const std::string script =
+        "'" SPMDX_EXE "' run '" SPMDX_SOURCE_DIR "/configs/llama_fsdp.toml' --nproc 3 --training.steps 1000000 --data.paths '" + data +
+        "' --training.seq_len 16" + flags + " --job.dump_folder '" + dir.path().string() + "' > '" + (dir / "log").string() + "' 2>&1 & launcher=$!; "
+        "for i in $(seq 1 100); do for p in $(pgrep -P $launcher); do "
+        "  if tr '\\0' '\\n' < /proc/$p/environ | grep -qx RANK=1; then kill -9 $p; break 2; fi; done; sleep 0.1; done; "
+        "wait $launcher; echo \"launcher exit $?\"; cat '" + (dir / "log").string() + "'";
+    auto r = test::run_command("bash -c \"" + [&] {
+      std::string escaped;
+      for (char c : script) escaped += (c == '"' || c == '$' || c == '`' || c == '\\') ? std::string("\\") + c : std::string(1, c);
+      return escaped;
+    }() + "\"");
+    EXPECT_THAT(r.output, HasSubstr("launcher exit 1"));
+    EXPECT_THAT(r.output, HasSubstr("spmdx run: rank 1 was killed by signal Killed; the other ranks were stopped"));
+    EXPECT_EQ(test::run_command("pgrep -f 'training[.]steps 1000000' | wc -l").output, "0\n") << "rank processes were left behind";
+  }
 }
 
 // Saved on 4 ranks as fsdp x tp 2 x 2 at step 5, resumed on 2 ranks as dp 2: steps 6-10 give

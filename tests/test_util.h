@@ -46,6 +46,12 @@ struct CommandResult {
   std::string output;   ///< stdout and stderr together
 };
 
+/// The whole text of `path` ("" when it cannot be read).
+inline std::string read_file(const std::filesystem::path& path) {
+  std::ifstream in(path);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
 /// Runs `command` through /bin/sh with stderr joined to stdout.
 inline CommandResult run_command(const std::string& command) {
   CommandResult result;

@@ -312,15 +312,17 @@ std::vector<std::pair<std::string, std::string>> dump_documents(const spmdx::tra
   docs.emplace_back("plan.json", plan.to_json());
   for (std::int64_t r = 0; r < ranks; ++r) {
     const std::string rank = "rank" + std::to_string(r);
-    const spmdx::ir::Graph g = spmdx::train::rank_step_graph(plan, r, spec);
-    const spmdx::plan::RuntimePlan runtime = spmdx::plan::make_runtime_plan(g, job.mesh, spec.plan);
+    const spmdx::ir::Graph g = spmdx::train::rank_program(job, plan, r, spec);
+    const spmdx::sharding::DeviceMesh mesh = spmdx::train::run_mesh(job);
+    const spmdx::plan::RuntimePlan runtime = spmdx::plan::make_runtime_plan(g, mesh, spec.plan);
     if (everything) {
       docs.emplace_back(rank + ".txt", g.str());
-      docs.emplace_back(rank + ".plan.txt", runtime.str(g, job.mesh));
+      docs.emplace_back(rank + ".plan.txt", runtime.str(g, mesh));
       docs.emplace_back(rank + ".memory.txt", spmdx::plan::plan_memory(g, runtime).report(g, runtime));
+      if (job.pipeline.stages > 1) docs.emplace_back(rank + ".schedule.txt", spmdx::train::schedule_table(job.pipeline, r / job.mesh.size()));
     }
     docs.emplace_back(rank + ".json", spmdx::ir::to_json(g));
-    docs.emplace_back(rank + ".plan.json", runtime.to_json(g, job.mesh));
+    docs.emplace_back(rank + ".plan.json", runtime.to_json(g, mesh));
   }
   return docs;
 }
@@ -432,7 +434,7 @@ int run_compile(const CompileOptions& o) {
     base.compile_only = true;
     spmdx::hooks::HookSet hooks = spmdx::hooks::make_hooks(spmdx::train::hook_spec(cfg), registry, base);
     std::vector<std::int64_t> ranks;
-    for (std::int64_t r = 0; r < (o.fake ? 1 : world); ++r) ranks.push_back(r);
+    for (std::int64_t r = 0; r < (o.fake ? 1 : job.mesh.size()); ++r) ranks.push_back(r);
     hooks.compile(plan, ranks, spec.plan);
     (o.json ? std::cerr : std::cout) << "hooks (" << spmdx::join(cfg.get_list("hooks.enable")) << ") ran on the compile stages; their files are under "
               << (fs::path(cfg.get_string("job.dump_folder")) / "hooks").string() << "\n";
@@ -445,6 +447,26 @@ int run_compile(const CompileOptions& o) {
   const double flops_token = spmdx::models::flops_per_token(job.model, spec.seq_len);
   const double tokens = static_cast<double>(spec.global_batch_size) * static_cast<double>(spec.seq_len);
   const auto& dims = job.mesh.dims();
+  // With pipeline stages: per stage, what its first rank sends and receives and its planned peak.
+  nlohmann::json stages_json = nlohmann::json::array();
+  std::string stages_text;
+  if (job.pipeline.stages > 1) {
+    const spmdx::sharding::DeviceMesh mesh = spmdx::train::run_mesh(job);
+    for (std::int64_t st = 0; st < job.pipeline.stages; ++st) {
+      spmdx::train::StageGraph staged;
+      const spmdx::ir::Graph g = spmdx::train::rank_program(job, plan, st * job.mesh.size(), spec, nullptr, &staged);
+      const spmdx::plan::RuntimePlan runtime = spmdx::plan::make_runtime_plan(g, mesh, spec.plan);
+      const std::int64_t peak = spmdx::plan::plan_memory(g, runtime).peak_bytes;
+      const std::int64_t first = job.pipeline.first_layer[static_cast<std::size_t>(st)];
+      const std::int64_t end = st + 1 < job.pipeline.stages ? job.pipeline.first_layer[static_cast<std::size_t>(st + 1)] : -1;
+      stages_json.push_back({{"stage", st}, {"first_layer", first}, {"sends", staged.sends}, {"recvs", staged.recvs}, {"bytes_sent", staged.bytes_sent},
+                             {"planned_peak_bytes", peak}, {"nodes", g.num_nodes()}});
+      stages_text += "  stage " + std::to_string(st) + " (ranks " + std::to_string(st * job.mesh.size()) + "-" + std::to_string((st + 1) * job.mesh.size() - 1) +
+                     "): layers " + std::to_string(first) + (end < 0 ? " on" : " to " + std::to_string(end - 1)) + ", " + std::to_string(staged.sends) + " sends (" +
+                     spmdx::human_bytes(static_cast<double>(staged.bytes_sent)) + ") and " + std::to_string(staged.recvs) + " recvs a step, planned peak " +
+                     spmdx::human_bytes(static_cast<double>(peak)) + "\n";
+    }
+  }
   if (o.json) {
     nlohmann::json by_dim = nlohmann::json::object();
     for (std::size_t d = 0; d < dims.size(); ++d) by_dim[dims[d].name] = plan.comm_bytes_by_dim.at(d);
@@ -462,6 +484,8 @@ int run_compile(const CompileOptions& o) {
                      {"microbatches", spec.step.microbatches},
                      {"sequence_parallel", job.sequence_parallel_dim >= 0},
                      {"loss_parallel", job.loss_parallel},
+                     {"pipeline", {{"stages", job.pipeline.stages}, {"schedule", job.pipeline.schedule}, {"microbatches", job.pipeline.microbatches},
+                                   {"bubble_fraction", spmdx::train::bubble_fraction(job.pipeline)}, {"per_stage", stages_json}}},
                      {"flops_per_token", flops_token},
                      {"flops_per_step", flops_token * tokens},
                      {"rank0", {{"parameter_bytes", param}, {"gradient_bytes", param}, {"optimizer_state_bytes", 2 * param},
@@ -487,14 +511,21 @@ int run_compile(const CompileOptions& o) {
   std::string by_dim;
   for (std::size_t d = 0; d < dims.size(); ++d) by_dim += (d ? ", " : "") + dims[d].name + " " + spmdx::human_bytes(plan.comm_bytes_by_dim.at(d));
   std::cout << "model " << spmdx::models::model_label(spec.model) << " (vocab " << spec.model.vocab_size << ", " << params << "), " << job.model.graph.num_nodes()
-            << " nodes; mesh " << job.mesh.str() << " (" << world << " ranks" << (job.sequence_parallel_dim >= 0 ? ", sequence parallel over tp" : "") << (job.loss_parallel ? ", loss parallel" : "") << "); global batch " << spec.global_batch_size << " x " << spec.seq_len
-            << (spec.step.microbatches > 1 ? " in " + std::to_string(spec.step.microbatches) + " microbatches (gradient accumulation)" : std::string()) << "\n"
+            << " nodes; mesh " << spmdx::train::run_mesh(job).str() << " (" << world << " ranks" << (job.sequence_parallel_dim >= 0 ? ", sequence parallel over tp" : "") << (job.loss_parallel ? ", loss parallel" : "") << "); global batch " << spec.global_batch_size << " x " << spec.seq_len
+            << (spec.step.microbatches > 1 ? " in " + std::to_string(spec.step.microbatches) + " microbatches (" +
+                                                 (job.pipeline.stages > 1 ? "pipeline" : "gradient accumulation") + ")"
+                                           : std::string())
+            << "\n"
             << flops << "\n"
             << "per rank (rank 0): parameters " << spmdx::human_bytes(param) << ", gradients " << spmdx::human_bytes(param) << ", AdamW state "
             << spmdx::human_bytes(2 * param) << ", communication " << spmdx::human_bytes(plan.comm_bytes) << " sent per step (" << by_dim << "; about "
             << comm_ms << " ms at 10 GB/s, 10 us per message)\n"
             << "planned peak memory (rank 0): " << planned.memory.str() << "\n"
             << (job.sequence_parallel_off.empty() ? "" : "sequence parallel: off, " + job.sequence_parallel_off + "\n")
+            << (job.pipeline.stages > 1 ? "pipeline: " + std::to_string(job.pipeline.stages) + " stages, schedule " + job.pipeline.schedule + ", " +
+                                              std::to_string(job.pipeline.microbatches) + " microbatches, theoretical bubble " +
+                                              std::to_string(spmdx::train::bubble_fraction(job.pipeline)).substr(0, 5) + " (the figures above are one stage's mesh, whole model)\n" + stages_text
+                                        : std::string())
             << (spec.memory_fit.empty() ? "" : spec.memory_fit + "\n");
   for (const auto& [layout, why] : spec.strategies_passed_over) {
     std::cout << "fallback: strategies " << layout << " passed over (" << why << ")\n";

@@ -227,6 +227,18 @@ const std::vector<KeySpec>& schema() {
       n("parallelism.data_parallel_replicate_degree", Type::integer, std::int64_t{1}, "DDP degree (mesh dim dp_replicate)", 1, 1e6),
       n("parallelism.data_parallel_shard_degree", Type::integer, std::int64_t{-1}, "FSDP degree (mesh dim dp_shard; -1: the ranks left)", -1, 1e6),
       n("parallelism.tensor_parallel_degree", Type::integer, std::int64_t{1}, "Megatron TP degree (mesh dim tp)", 1, 1e6),
+      n("parallelism.pipeline_parallel_degree", Type::integer, std::int64_t{1},
+        "pipeline stages (mesh dim pp, outermost): the train step is cut between layers, activations and their gradients go "
+        "between stages by send/recv", 1, 1e6),
+      k("parallelism.pipeline_parallel_schedule", Type::string, std::string("1F1B"),
+        "the order each stage runs its microbatches' forwards and backwards in (torchtitan's names)", -1e300, L{"GPipe", "1F1B", "Interleaved1F1B"}),
+      n("parallelism.pipeline_parallel_microbatch_size", Type::integer, std::int64_t{1},
+        "rows of a pipeline microbatch per data-parallel rank: the step runs global_batch_size / (data-parallel degree x this) "
+        "microbatches through the stages", 1, 1e9),
+      k("parallelism.pipeline_parallel_split_points", Type::string_list, L{},
+        "the layers that begin stages 1, 2, ... (e.g. [\"layers.4\"]; empty: layers split evenly, earlier stages taking one more)"),
+      n("parallelism.pipeline_parallel_layers_per_stage", Type::integer, std::int64_t{-1},
+        "layers of each stage (-1: unset); n_layers / this must be pipeline_parallel_degree", -1, 1e6),
       k("parallelism.enable_sequence_parallel", Type::boolean, false,
         "with tensor_parallel_degree > 1, shard the residual stream and the norms on the sequence over tp (Megatron-SP): "
         "all_gather before the column-parallel matmuls and reduce_scatter after the row-parallel ones instead of all_reduce, "

@@ -565,10 +565,17 @@ struct StepLoop {
   std::int64_t log_freq = spec.output.log_freq;
   bool dump_batches = spec.output.dump_batches;
   std::filesystem::path batches_dir = spec.output.dump_folder / "debug" / "batches";
-  std::vector<std::int64_t> coord = job.mesh.coordinate(env.rank);
+  std::vector<std::int64_t> coord = job.mesh.coordinate(env.rank % job.mesh.size());
   const sharding::Placements& tokens_pl = plan.placement.at(job.model.graph.find_input("tokens"));
   const sharding::Placements& labels_pl = plan.placement.at(job.model.graph.find_input("labels"));
-  std::vector<std::string> names = train::train_state_names(job.model.params);
+  // The state this rank updates (with pipeline stages, its stage's).
+  std::vector<std::string> names = [this] {
+    std::vector<std::string> out;
+    for (auto& n : train::train_state_names(job.model.params)) {
+      if (state.count(n) > 0) out.push_back(std::move(n));
+    }
+    return out;
+  }();
   // training.cuda_graphs: the step captured once (at the second step run: the first warms up
   // cuBLAS and the caching allocator eagerly, as torch.cuda.graph asks), its fixed input
   // buffers (the state tensors themselves, the batch, lr and step) and outputs.
@@ -880,7 +887,7 @@ hooks::HookSet make_job_hooks(const config::Config& cfg, const launch::RankEnv& 
   hook_base.rank = env.rank;
   hook_base.world_size = env.world_size;
   hook_base.mesh = job.mesh.dims();
-  hook_base.coordinate = job.mesh.coordinate(env.rank);
+  hook_base.coordinate = job.mesh.coordinate(env.rank % job.mesh.size());
   hook_base.store = store;
   hook_base.timeout_seconds = timeout;
   hook_base.first_step = first_step;
@@ -917,11 +924,11 @@ void print_banner(const train::JobSpec& spec, const train::PlacedJob& job, const
   for (const auto& p : job.model.params) params += static_cast<double>(job.model.graph.find_input(p)->meta().numel());
   std::printf("spmdx: %s (%.2fM parameters), mesh %s (%d rank%s, %s), global batch %lld x %lld, %lld steps, comm %s, %d intra-op thread%s per rank\n",
               models::model_label(spec.model).c_str(), params / 1e6,
-              job.mesh.str().c_str(), env.world_size, env.world_size == 1 ? "" : "s", env.source.c_str(), static_cast<long long>(spec.global_batch_size),
+              train::run_mesh(job).str().c_str(), env.world_size, env.world_size == 1 ? "" : "s", env.source.c_str(), static_cast<long long>(spec.global_batch_size),
               static_cast<long long>(spec.seq_len), static_cast<long long>(spec.steps),
               backend ? ((spec.comm.backend == "auto" ? "auto -> " : "") + backend->describe()).c_str() : "none (one rank)",
               at::get_num_threads(), at::get_num_threads() == 1 ? "" : "s");
-  if (const std::int64_t m = spec.step.microbatches; m > 1) {
+  if (const std::int64_t m = spec.step.microbatches; m > 1 && spec.pipeline.stages == 1) {
     const std::int64_t rows = spec.global_batch_size / (m * spec.dims.dp_replicate * spec.dims.dp_shard);
     std::printf("gradient accumulation: %lld microbatches of %lld row%s per data-parallel rank (training.local_batch_size), one optimizer step and one gradient reduction per step\n",
                 static_cast<long long>(m), static_cast<long long>(rows), rows == 1 ? "" : "s");
@@ -1013,7 +1020,10 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
   check_fault(fault, env, spec, job);
   const auto plan = train::propagate_job(job);
   std::int64_t kept_collectives = 0;
-  const ir::Graph graph = train::rank_step_graph(plan, env.rank, spec, &kept_collectives);
+  // With pipeline stages, this rank plans as its place on one stage's mesh and runs its stage.
+  const std::int64_t plan_rank = env.rank % job.mesh.size();
+  train::StageGraph staged;
+  const ir::Graph graph = train::rank_program(job, plan, env.rank, spec, &kept_collectives, &staged);
 
   const double timeout = spec.comm.timeout_seconds;
   Joined joined = join_job(cfg, env, timeout);
@@ -1023,7 +1033,7 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
   if (signals) signals->start(&hooks);
   if (lead && !hooks.empty()) {
     std::vector<std::int64_t> ranks;
-    for (std::int64_t r = 0; r < env.world_size; ++r) ranks.push_back(r);
+    for (std::int64_t r = 0; r < job.mesh.size(); ++r) ranks.push_back(r);
     hooks.compile(plan, ranks, spec.plan);
   }
   std::unique_ptr<CommBackend> backend;
@@ -1032,12 +1042,15 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
     chain.emplace(registry, spec.comm, env, *joined.store);
     backend = chain->join_at_start();
   }
-  DistributedExecutor executor(graph, job.mesh, env.rank, backend.get(), timeout, spec.plan, device.get());
+  DistributedExecutor executor(graph, train::run_mesh(job), env.rank, backend.get(), timeout, spec.plan, device.get());
   if (!hooks.empty()) executor.set_hooks(&hooks);
   if (fault.kind == "skip_collective" && fault.rank == env.rank) executor.inject_skip(fault.step, fault.index);
 
   std::string loaded_weights;
-  TensorMap state = initial_state(spec, job, plan, env.rank, !resume_step, device->device(), &loaded_weights);
+  TensorMap state = initial_state(spec, job, plan, plan_rank, !resume_step, device->device(), &loaded_weights);
+  if (job.pipeline.stages > 1) {  // a stage holds its own parameters, state and buffers
+    for (auto it = state.begin(); it != state.end();) it = graph.find_input(it->first) == nullptr ? state.erase(it) : std::next(it);
+  }
   data::TextDatasetOptions data_options{spec.data.paths, spec.global_batch_size, spec.seq_len, spec.data.seed};
   data_options.document_separator = spec.data.document_separator;
   data::TextDataset dataset(data_options, *tokenizer);
@@ -1061,6 +1074,16 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
   if (lead) {
     metrics.emplace(spec.output, first_step, checkpointing, planned.peak_bytes, spec.step.microbatches);
     print_banner(spec, job, env, backend.get(), *device, planned, resume_step ? &resumed : nullptr);
+    if (job.pipeline.stages > 1) {
+      std::printf("pipeline: %lld stages (mesh dim pp) of %lld rank%s, schedule %s, %lld microbatches, theoretical bubble %.3f; stage 0 (rank 0) sends %lld and receives %lld tensors a step\n",
+                  static_cast<long long>(job.pipeline.stages), static_cast<long long>(job.mesh.size()), job.mesh.size() == 1 ? "" : "s", job.pipeline.schedule.c_str(),
+                  static_cast<long long>(job.pipeline.microbatches), train::bubble_fraction(job.pipeline), static_cast<long long>(staged.sends),
+                  static_cast<long long>(staged.recvs));
+      std::printf("pipeline stages begin at layers");
+      for (const auto l : job.pipeline.first_layer) std::printf(" %lld", static_cast<long long>(l));
+      std::printf("\n");
+      std::fflush(stdout);
+    }
     if (!loaded_weights.empty()) std::printf("%s\n", loaded_weights.c_str());
     if (resume_step && !spec.checkpoint.initial_load_path.empty()) {
       std::printf("checkpoint.initial_load_path %s not read: the job resumes from its own checkpoint (as torchtitan's)\n",

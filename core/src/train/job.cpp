@@ -76,7 +76,8 @@ hooks::HookSpec hook_spec(const config::Config& cfg) {
 
 std::int64_t degree_product(const config::Config& cfg) {
   const std::int64_t shard = cfg.get_int("parallelism.data_parallel_shard_degree");
-  return cfg.get_int("parallelism.data_parallel_replicate_degree") * cfg.get_int("parallelism.tensor_parallel_degree") * (shard > 0 ? shard : 1);
+  return cfg.get_int("parallelism.data_parallel_replicate_degree") * cfg.get_int("parallelism.tensor_parallel_degree") * (shard > 0 ? shard : 1) *
+         cfg.get_int("parallelism.pipeline_parallel_degree");
 }
 
 namespace {
@@ -121,11 +122,15 @@ void read_strategies(const config::Config& cfg, JobSpec& s, Problems& problems) 
     if (dim != "dp_replicate" && dim != "dp_shard" && dim != "tp") {
       // torchtitan's other dims are other features, not typos of tp: no "did you mean" for them.
       static const std::map<std::string, std::string> elsewhere{
-          {"pp", "pipeline"}, {"cp", "context"}, {"ep", "expert"}, {"sp", "sequence"}, {"etp", "expert tensor"}};
+          {"pp", "; pipeline stages are cut by parallelism.pipeline_parallel_degree, not placed by a strategy plugin"},
+          {"cp", "; spmdx has no context parallelism yet"},
+          {"ep", "; spmdx has no expert parallelism yet"},
+          {"sp", "; sequence parallelism is parallelism.enable_sequence_parallel, over tp"},
+          {"etp", "; spmdx has no expert tensor parallelism yet"}};
       const auto other = elsewhere.find(dim);
       const std::string near = other != elsewhere.end() ? "" : nearest_word(dim, {"dp_replicate", "dp_shard", "tp"}, 3);
       problems.add({"parallelism.strategies"}, "[parallelism.strategies] names mesh dim '" + dim + "'; the mesh dims are dp_replicate, dp_shard and tp" +
-                   (other != elsewhere.end() ? "; spmdx has no " + other->second + " parallelism yet" : std::string()) +
+                   (other != elsewhere.end() ? other->second : std::string()) +
                    (near.empty() ? std::string() : "; did you mean '" + near + "'?"));
     }
     if (plugin.empty()) problems.add({"parallelism.strategies"}, "[parallelism.strategies] " + dim + " names no plugin: give a strategy plugin's name (e.g. \"" + sharding::strategy_for(dim == "tp" ? "tp" : "dp_shard") + "\")");
@@ -156,7 +161,18 @@ void read_strategies(const config::Config& cfg, JobSpec& s, Problems& problems) 
 }
 
 // The mesh: parallelism's degrees, dp_shard = -1 taking what the others leave of world_size.
+// With pipeline stages, the degrees divide the ranks of one stage (world_size / stages).
 void read_degrees(const config::Config& cfg, std::int64_t world_size, sharding::ParallelDims& dims, Problems& problems) {
+  const std::int64_t stages = cfg.get_int("parallelism.pipeline_parallel_degree");
+  std::string world_text = "world_size " + std::to_string(world_size);
+  if (stages > 1) {
+    if (world_size % stages != 0) {
+      problems.add({"parallelism.pipeline_parallel_degree"}, "parallelism.pipeline_parallel_degree " + std::to_string(stages) + " does not divide world_size " +
+                   std::to_string(world_size) + ": each stage needs the same number of ranks");
+    }
+    world_text += " / pipeline_parallel_degree " + std::to_string(stages) + " = " + std::to_string(world_size / stages);
+    world_size = std::max<std::int64_t>(1, world_size / stages);
+  }
   dims.dp_replicate = cfg.get_int("parallelism.data_parallel_replicate_degree");
   dims.tp = cfg.get_int("parallelism.tensor_parallel_degree");
   dims.dp_shard = cfg.get_int("parallelism.data_parallel_shard_degree");
@@ -164,7 +180,7 @@ void read_degrees(const config::Config& cfg, std::int64_t world_size, sharding::
     const std::int64_t rest = dims.dp_replicate * dims.tp;
     if (world_size % rest != 0) {
       problems.add(kDegreeKeys, "parallelism.data_parallel_replicate_degree x tensor_parallel_degree = " + std::to_string(rest) +
-                   " does not divide world_size " + std::to_string(world_size));
+                   " does not divide " + world_text);
     }
     dims.dp_shard = std::max<std::int64_t>(1, world_size / rest);
   } else if (dims.dp_shard < 1) {
@@ -179,7 +195,7 @@ void read_degrees(const config::Config& cfg, std::int64_t world_size, sharding::
   }
   if (product != world_size && problems.lines.empty()) {
     problems.add(kDegreeKeys, "parallelism degrees multiply to " + std::to_string(product) + " (" + std::to_string(dims.dp_replicate) + " x " +
-                 std::to_string(dims.dp_shard) + " x " + std::to_string(dims.tp) + "), but world_size is " + std::to_string(world_size));
+                 std::to_string(dims.dp_shard) + " x " + std::to_string(dims.tp) + "), but " + (stages > 1 ? world_text : "world_size is " + std::to_string(world_size)));
   }
 }
 
@@ -244,6 +260,58 @@ void read_batch(const config::Config& cfg, const std::vector<std::int64_t>& expo
       s.step.microbatches = global / rows;
     }
   }
+}
+
+// [parallelism] pipeline_parallel_*: the stages and the schedule; the microbatches are the
+// global batch over the data-parallel ranks in pipeline_parallel_microbatch_size rows (torchtitan's
+// local_batch_size / pipeline_parallel_microbatch_size per data-parallel rank).
+void read_pipeline(const config::Config& cfg, const std::vector<std::int64_t>& exported, bool degrees_ok, JobSpec& s, Problems& problems) {
+  PipelineSpec& p = s.pipeline;
+  p.stages = cfg.get_int("parallelism.pipeline_parallel_degree");
+  p.schedule = cfg.get_string("parallelism.pipeline_parallel_schedule");
+  s.pipeline_split_points = cfg.get_list("parallelism.pipeline_parallel_split_points");
+  s.pipeline_layers_per_stage = cfg.get_int("parallelism.pipeline_parallel_layers_per_stage");
+  if (p.stages == 1) {
+    p.microbatches = s.step.microbatches;
+    return;
+  }
+  if (p.schedule == "Interleaved1F1B") {
+    problems.add({"parallelism.pipeline_parallel_schedule"}, "parallelism.pipeline_parallel_schedule = \"Interleaved1F1B\" (virtual stages) is not in spmdx yet: "
+                 "use \"1F1B\" or \"GPipe\"");
+  }
+  if (s.pipeline_layers_per_stage == 0 || s.pipeline_layers_per_stage < -1) {
+    problems.add({"parallelism.pipeline_parallel_layers_per_stage"}, "parallelism.pipeline_parallel_layers_per_stage must be positive, or -1 (unset)");
+  }
+  if (!s.pipeline_split_points.empty() && s.pipeline_layers_per_stage > 0) {
+    problems.add({"parallelism.pipeline_parallel_split_points", "parallelism.pipeline_parallel_layers_per_stage"},
+                 "parallelism.pipeline_parallel_split_points and pipeline_parallel_layers_per_stage both say where the stages begin: keep one");
+  }
+  // Not carried across stages yet: a checkpoint's shard files and the validation graph are one
+  // stage's plan.
+  if (s.checkpoint.enable) {
+    problems.add({"checkpoint.enable", "parallelism.pipeline_parallel_degree"},
+                 "checkpoint.enable = true with parallelism.pipeline_parallel_degree " + std::to_string(p.stages) +
+                 ": spmdx does not save pipeline stages' checkpoints yet; set checkpoint.enable = false or pipeline_parallel_degree = 1");
+  }
+  if (s.validation.enable) {
+    problems.add({"validation.enable", "parallelism.pipeline_parallel_degree"},
+                 "validation.enable = true with parallelism.pipeline_parallel_degree " + std::to_string(p.stages) +
+                 ": spmdx does not run validation through pipeline stages yet; set validation.enable = false or pipeline_parallel_degree = 1");
+  }
+  const std::int64_t dp = s.dims.dp_replicate * s.dims.dp_shard;
+  const std::int64_t rows = cfg.get_int("parallelism.pipeline_parallel_microbatch_size");
+  if (!exported.empty()) {  // an exported program fixes the microbatch: its batch; gradient accumulation's microbatches are the pipeline's
+    p.microbatches = s.step.microbatches;
+    return;
+  }
+  if (degrees_ok && s.global_batch_size % (dp * rows) != 0) {
+    problems.add({"parallelism.pipeline_parallel_microbatch_size", "training.global_batch_size", kDegreeKeys[0], kDegreeKeys[1]},
+                 "training.global_batch_size " + std::to_string(s.global_batch_size) + " does not split into microbatches of " + std::to_string(rows) +
+                 " rows on each of the " + std::to_string(dp) + " data-parallel ranks (parallelism.pipeline_parallel_microbatch_size): make it a multiple of " +
+                 std::to_string(dp * rows));
+    return;
+  }
+  s.step.microbatches = p.microbatches = std::max<std::int64_t>(1, s.global_batch_size / (dp * rows));
 }
 
 // The typed sections a rank's run loop reads: [comm], [checkpoint], [data], outputs.
@@ -316,7 +384,7 @@ PlanValidator validator_hooks(const config::Config& cfg, PluginRegistry& registr
     if (cfg.get_list("hooks.enable").empty()) return "";
     hooks::HookSet hooks = hooks::make_hooks(hook_spec(cfg), registry, hook_context(world_size, &job));
     std::vector<std::int64_t> ranks;
-    for (std::int64_t r = 0; r < std::min<std::int64_t>(world_size, 64); ++r) ranks.push_back(r);
+    for (std::int64_t r = 0; r < std::min<std::int64_t>(job.mesh.size(), 64); ++r) ranks.push_back(r);  // one stage's mesh with pipeline stages
     try {
       hooks.compile(plan, ranks, plan_options(cfg));
     } catch (const ValidationError& e) {
@@ -452,6 +520,7 @@ JobSpec job_spec(const config::Config& cfg, std::int64_t world_size, std::int64_
     fail({"activation_checkpoint.selective_ac_option"}, "activation_checkpoint.selective_ac_option = \"" + o +
          "\": use \"op\" (keep matmul and attention outputs) or a positive integer N (every N-th layer in full), as torchtitan");
   }
+  read_pipeline(cfg, exported, degrees_ok, s, problems);
   if (s.device.cuda_graphs && s.device.kind != "cuda") {
     fail({"training.cuda_graphs", "training.device"}, "training.cuda_graphs = true needs training.device = \"cuda\" (CUDA graphs are a GPU feature)");
   } else if (s.device.cuda_graphs && world_size > 1) {
@@ -837,6 +906,19 @@ ir::Graph rank_step_graph(const sharding::DistributedPlan& plan, std::int64_t ra
   return g;
 }
 
+ir::Graph rank_program(const PlacedJob& job, const sharding::DistributedPlan& plan, std::int64_t rank, const JobSpec& spec, std::int64_t* kept,
+                       StageGraph* staged) {
+  const std::int64_t per_stage = job.mesh.size();
+  ir::Graph g = rank_step_graph(plan, rank % per_stage, spec, kept);
+  if (job.pipeline.stages <= 1) return g;
+  StageGraph stage = stage_graph(g, job.pipeline, job.model.params, rank, per_stage);
+  ir::Graph out = std::move(stage.graph);
+  if (staged != nullptr) *staged = std::move(stage);
+  return out;
+}
+
+sharding::DeviceMesh run_mesh(const PlacedJob& job) { return job.pipeline.stages > 1 ? pipeline_mesh(job.mesh, job.pipeline.stages) : job.mesh; }
+
 namespace {
 
 // The model's forward for a batch of `rows` rows, with the casts of the spec's mixed precision.
@@ -850,8 +932,59 @@ models::Model forward_model(const JobSpec& spec, std::int64_t rows) {
 
 }  // namespace
 
+namespace {
+
+// Each pipeline stage's first layer: from pipeline_parallel_split_points, or
+// pipeline_parallel_layers_per_stage, or an even split (earlier stages take one more layer).
+// Throws std::invalid_argument naming the key when the stages do not fit the model's layers.
+std::vector<std::int64_t> first_layers(const JobSpec& spec, const std::vector<std::string>& params) {
+  const std::int64_t stages = spec.pipeline.stages;
+  std::int64_t layers = 0;
+  for (const auto& p : params) layers = std::max(layers, layer_of(p) + 1);
+  if (layers < stages) {
+    throw std::invalid_argument("parallelism.pipeline_parallel_degree " + std::to_string(stages) + " is more stages than the model's " + std::to_string(layers) +
+                                " layers: use at most " + std::to_string(layers) + " stages");
+  }
+  std::vector<std::int64_t> first{0};
+  if (!spec.pipeline_split_points.empty()) {
+    if (static_cast<std::int64_t>(spec.pipeline_split_points.size()) != stages - 1) {
+      throw std::invalid_argument("parallelism.pipeline_parallel_split_points names " + std::to_string(spec.pipeline_split_points.size()) +
+                                  " layers; " + std::to_string(stages) + " stages begin at " + std::to_string(stages - 1) + " of them (stage 0 at the first layer)");
+    }
+    for (const auto& name : spec.pipeline_split_points) {
+      const std::int64_t layer = layer_of(name);
+      if (layer <= 0 || layer >= layers || name.substr(name.rfind("layers.")).find('.', 7) != std::string::npos) {
+        throw std::invalid_argument("parallelism.pipeline_parallel_split_points: \"" + name + "\" names no layer a stage can begin at: use \"layers.N\" with N from 1 to " +
+                                    std::to_string(layers - 1));
+      }
+      if (layer <= first.back()) {
+        throw std::invalid_argument("parallelism.pipeline_parallel_split_points must name layers in increasing order (\"" + name + "\" comes after layers." +
+                                    std::to_string(first.back()) + ")");
+      }
+      first.push_back(layer);
+    }
+    return first;
+  }
+  if (spec.pipeline_layers_per_stage > 0) {
+    if (layers % spec.pipeline_layers_per_stage != 0 || layers / spec.pipeline_layers_per_stage != stages) {
+      throw std::invalid_argument("parallelism.pipeline_parallel_layers_per_stage " + std::to_string(spec.pipeline_layers_per_stage) + " makes " +
+                                  std::to_string(layers) + " layers into " + std::to_string((layers + spec.pipeline_layers_per_stage - 1) / spec.pipeline_layers_per_stage) +
+                                  " stages, not pipeline_parallel_degree " + std::to_string(stages) + " (more would be virtual stages, which spmdx does not have yet)");
+    }
+    for (std::int64_t st = 1; st < stages; ++st) first.push_back(st * spec.pipeline_layers_per_stage);
+    return first;
+  }
+  for (std::int64_t st = 1; st < stages; ++st) first.push_back(first.back() + layers / stages + (st - 1 < layers % stages ? 1 : 0));
+  return first;
+}
+
+}  // namespace
+
 PlacedJob place_job(const JobSpec& spec, PluginRegistry& registry) {
-  PlacedJob job{forward_model(spec, spec.global_batch_size / spec.step.microbatches), sharding::make_mesh(spec.dims, spec.world_size), {}, {}, {}, spec.reshard_after_forward};
+  PlacedJob job{forward_model(spec, spec.global_batch_size / spec.step.microbatches), sharding::make_mesh(spec.dims, spec.world_size / spec.pipeline.stages),
+                {}, {}, {}, spec.reshard_after_forward};
+  job.pipeline = spec.pipeline;
+  if (spec.pipeline.stages > 1) job.pipeline.first_layer = first_layers(spec, job.model.params);
   if (spec.loss_parallel && spec.dims.tp > 1) {
     job.model.graph = vocab_parallel_cross_entropy(job.model.graph);
     job.loss_parallel = true;

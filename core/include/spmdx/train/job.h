@@ -23,6 +23,7 @@
 #include "spmdx/sharding/parallelize.h"
 #include "spmdx/train/activation_checkpoint.h"
 #include "spmdx/train/mixed_precision.h"
+#include "spmdx/train/pipeline.h"
 #include "spmdx/train/train_step.h"
 
 namespace spmdx::train {
@@ -118,6 +119,11 @@ struct JobSpec {
   /// !parallelism.disable_loss_parallel: with tensor parallelism, cross entropy runs on the
   /// vocabulary-sharded logits (vocab_parallel_cross_entropy) instead of gathering them.
   bool loss_parallel = false;
+  /// parallelism.pipeline_parallel_degree, _schedule and the microbatches (first_layer is
+  /// resolved by place_job, from pipeline_split_points or pipeline_layers_per_stage).
+  PipelineSpec pipeline;
+  std::vector<std::string> pipeline_split_points;  ///< parallelism.pipeline_parallel_split_points
+  std::int64_t pipeline_layers_per_stage = -1;     ///< parallelism.pipeline_parallel_layers_per_stage (-1: unset)
   plan::PlanOptions plan;  ///< [comm] bucket caps, overlap, prefetch (plan_options)
   /// [parallelism.strategies]: mesh dim -> the strategy plugin that decides it, where the
   /// config names one (others: sharding::strategy_for's defaults).
@@ -219,6 +225,9 @@ struct PlacedJob {
   std::string sequence_parallel_off{};
   /// Whether the loss is vocab_parallel_cross_entropy's (loss parallelism with tp > 1).
   bool loss_parallel = false;
+  /// The pipeline's stages (first_layer resolved); stages 1: none. `mesh` is then one stage's:
+  /// rank R plans as rank R % mesh.size() and runs stage R / mesh.size() (rank_program).
+  PipelineSpec pipeline{};
 };
 
 /// sharding::propagate over the job's graph with its inputs, outputs, `use` placements, FSDP
@@ -263,6 +272,13 @@ std::string layout_text(const std::map<std::string, std::string>& strategies);
 /// when the spec checkpoints activations and asks for it; `kept` (if given): how many
 /// collectives it merged.
 ir::Graph rank_step_graph(const sharding::DistributedPlan& plan, std::int64_t rank, const JobSpec& spec, std::int64_t* kept = nullptr);
+/// The graph global rank `rank` runs: rank_step_graph of its place on job.mesh, and with
+/// pipeline stages its stage's part of it (stage_graph; `staged`, if given, what that made).
+ir::Graph rank_program(const PlacedJob& job, const sharding::DistributedPlan& plan, std::int64_t rank, const JobSpec& spec, std::int64_t* kept = nullptr,
+                       StageGraph* staged = nullptr);
+/// The mesh the ranks run on: job.mesh, with pp outermost when the job has pipeline stages
+/// (pipeline_mesh), which rank_program's collectives count their mesh dims in.
+sharding::DeviceMesh run_mesh(const PlacedJob& job);
 
 /// "" when `spec_text` (comm.backend's form: "auto" or "name[:key=value;...]") names a comm
 /// backend that can serve ranks in processes on `device` ("cpu" or "cuda"); else what is
