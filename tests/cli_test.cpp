@@ -253,7 +253,7 @@ TEST(Cli, PipelineStagesArePlannedAndBadOnesRefused) {
   refused("--parallelism.pipeline_parallel_split_points layers.1,layers.2", "names 2 layers; 2 stages begin at 1 of them");
   refused("--parallelism.pipeline_parallel_layers_per_stage 1", "parallelism.pipeline_parallel_layers_per_stage 1 makes 4 layers into 4 stages, not pipeline_parallel_degree 2");
   refused("--parallelism.pipeline_parallel_schedule Interleaved1F1B", "\"Interleaved1F1B\" (virtual stages) is not in spmdx yet");
-  refused("--checkpoint.enable true", "spmdx does not save pipeline stages' checkpoints yet");
+  refused("--validation.enable true --validation.paths x.txt", "spmdx does not run validation through pipeline stages yet");
   refused("--world-size 5", "parallelism.pipeline_parallel_degree 2 does not divide world_size 5");
 }
 

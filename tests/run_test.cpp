@@ -479,6 +479,55 @@ TEST(Run, ARankKilledStopsTheJobNamingIt) {
 
 // Saved on 4 ranks as fsdp x tp 2 x 2 at step 5, resumed on 2 ranks as dp 2: steps 6-10 give
 // the losses of an uninterrupted one-rank run.
+// Pipeline stages save each rank's stage (metadata.json version 3: every tensor's stage): saved
+// at step 3 as pp 2 x fsdp 2, resumed as pp 2 x fsdp 2 (each rank its own file), as pp 4 (other
+// stages) and as fsdp 2 without stages, and a checkpoint without stages resumed as pp 2: steps
+// 4-6 give the losses of an uninterrupted one-rank run; the export is whole.
+TEST(Checkpoint, PipelineStagesSaveAndResumeOnAnyLayout) {
+  test::TempDir dir;
+  const std::string common = "'" SPMDX_SOURCE_DIR "/configs/llama_fsdp.toml' --data.paths '" + corpus_file(dir) +
+                             "' --training.steps 6 --training.global_batch_size 8 --training.seq_len 32 --model.n_layers 4";
+  ASSERT_EQ(spmdx_run(common + " --nproc 1 --job.dump_folder '" + (dir / "full").string() + "'").exit_code, 0);
+  const auto want = losses(dir / "full" / "metrics.jsonl");
+  const std::string pp2 = " --nproc 4 --parallelism.pipeline_parallel_degree 2 --parallelism.data_parallel_shard_degree 2";
+  const std::string save_flags = " --checkpoint.enable true --checkpoint.interval 3";
+  auto save = spmdx_run(common + pp2 + save_flags + " --job.dump_folder '" + (dir / "pp").string() + "'");
+  ASSERT_EQ(save.exit_code, 0) << save.output;
+  const fs::path step3 = dir / "pp" / "checkpoint" / "step-3";
+  const auto md = nlohmann::json::parse(test::read_file(step3 / "metadata.json"));
+  EXPECT_EQ(md.at("version").get<int>(), 3);
+  EXPECT_EQ(md.at("pipeline").at("stages").get<int>(), 2);
+  EXPECT_EQ(md.at("world_size").get<int>(), 4);
+  EXPECT_EQ(md.at("tensors").at("tok_embeddings.weight").at("stage").get<int>(), 0);
+  EXPECT_EQ(md.at("tensors").at("exp_avg.layers.3.attention.wq.weight").at("stage").get<int>(), 1);
+  auto exported = test::run_command("'" SPMDX_EXE "' export '" + step3.string() + "' '" + (dir / "m.safetensors").string() + "'");
+  ASSERT_EQ(exported.exit_code, 0) << exported.output;
+  EXPECT_THAT(exported.output, HasSubstr("wrote 41 tensors"));  // 39 parameters of 4 layers + the 2 rope tables
+  struct Resume {
+    std::string name, flags;
+  };
+  for (const Resume& r : {Resume{"same", pp2}, Resume{"pp4", " --nproc 4 --parallelism.pipeline_parallel_degree 4 --parallelism.data_parallel_shard_degree 1"},
+                          Resume{"fsdp2", " --nproc 2 --parallelism.data_parallel_shard_degree 2"}}) {
+    const fs::path folder = dir / r.name;
+    fs::create_directories(folder / "checkpoint");
+    fs::copy(step3, folder / "checkpoint" / "step-3", fs::copy_options::recursive);
+    auto resume = spmdx_run(common + r.flags + " --checkpoint.enable true --job.dump_folder '" + folder.string() + "'");
+    ASSERT_EQ(resume.exit_code, 0) << r.name << "\n" << resume.output;
+    EXPECT_THAT(resume.output, HasSubstr("resumed from")) << r.name;
+    const auto got = losses(folder / "metrics.jsonl");
+    ASSERT_EQ(got.size(), 3u) << r.name;
+    for (std::size_t i = 0; i < got.size(); ++i) EXPECT_NEAR(got[i], want[i + 3], 1e-5 * std::abs(want[i + 3])) << r.name << " step " << i + 4;
+  }
+  // Saved without stages (fsdp 2), resumed with them (from step 3: the same 6-step schedule).
+  ASSERT_EQ(spmdx_run(common + " --nproc 2 --parallelism.data_parallel_shard_degree 2" + save_flags + " --job.dump_folder '" + (dir / "flat").string() + "'").exit_code, 0);
+  fs::remove_all(dir / "flat" / "checkpoint" / "step-6");
+  auto resume = spmdx_run(common + pp2 + " --checkpoint.enable true --job.dump_folder '" + (dir / "flat").string() + "'");
+  ASSERT_EQ(resume.exit_code, 0) << resume.output;
+  const auto got = losses(dir / "flat" / "metrics.jsonl");
+  ASSERT_EQ(got.size(), 6u);
+  for (std::size_t i = 3; i < got.size(); ++i) EXPECT_NEAR(got[i], want[i], 1e-5 * std::abs(want[i])) << "step " << i + 1;
+}
+
 TEST(Checkpoint, ResumesOnAnotherMeshAndStrategyWithTheSameLosses) {
   test::TempDir dir;
   const std::string data = corpus_file(dir);

@@ -205,7 +205,8 @@ sharding::Placements parse_placements(const std::string& text, const fs::path& f
 }
 
 constexpr int kMetadataVersion = 2;  // 2: metadata.json has its own crc32 and each shard file's size and header CRC
-const char* const kReadableVersions = "1, 2";
+constexpr int kPipelineVersion = 3;  // 3: pipeline stages (written only with them, so that builds before them refuse it by version)
+const char* const kReadableVersions = "1, 2, 3";
 
 // The checksum of metadata.json: CRC-32 of its compact JSON (keys sorted) without "crc32".
 std::uint32_t metadata_crc(json m) {
@@ -233,13 +234,15 @@ struct SavedTensor {
   std::vector<std::int64_t> shape;
   ir::DType dtype = ir::DType::f32;
   sharding::Placements placements;
+  int stage = 0;  // v3: the pipeline stage whose ranks hold it
   ir::TensorMeta meta() const { return {shape, dtype}; }
 };
 
 struct Metadata {
   int version = 0;
   CheckpointMeta meta;
-  std::vector<MeshDim> mesh;
+  std::vector<MeshDim> mesh;  // one stage's, with pipeline stages
+  std::int64_t stages = 1;     // v3: pipeline.stages
   std::map<std::string, SavedTensor> tensors;
   std::vector<std::pair<std::uint64_t, std::uint32_t>> files;  // v2: per rank, bytes and header CRC-32
 };
@@ -261,12 +264,16 @@ class MetadataReader {
     Metadata md;
     md.version = read_version();
     read_progress(md.meta);
-    const std::int64_t world = read_mesh(md.mesh);
+    if (md.version >= kPipelineVersion) md.stages = integer(field(field(m_, "pipeline", "pipeline"), "stages", "pipeline.stages"), "pipeline.stages", 1, 1'000'000);
+    const std::int64_t world = read_mesh(md.mesh, md.stages);
     check_shard_files(world);
     if (md.version >= 2) md.files = read_file_list(world);
     const json& tensors = field(m_, "tensors", "tensors");
     if (!tensors.is_object()) bad("tensors", "must be an object of name -> {shape, dtype, placements}");
-    for (const auto& [name, t] : tensors.items()) md.tensors[name] = read_tensor("tensors." + name, t, md.mesh.size());
+    for (const auto& [name, t] : tensors.items()) {
+      md.tensors[name] = read_tensor("tensors." + name, t, md.mesh.size());
+      if (md.version >= kPipelineVersion) md.tensors[name].stage = static_cast<int>(integer(field(t, "stage", "tensors." + name + ".stage"), "tensors." + name + ".stage", 0, md.stages - 1));
+    }
     return md;
   }
 
@@ -289,7 +296,7 @@ class MetadataReader {
   // A version this build reads, and (from version 2) the file's own checksum.
   int read_version() const {
     const int version = static_cast<int>(m_.contains("version") && m_["version"].is_number_integer() ? m_["version"].get<std::int64_t>() : -1);
-    if (version < 1 || version > kMetadataVersion) {
+    if (version < 1 || version > kPipelineVersion) {
       bad("version", "is " + (m_.contains("version") ? m_["version"].dump() : std::string("missing")) + ": this build reads versions " + kReadableVersions +
                          " (a newer spmdx wrote it? use that one)");
     }
@@ -331,8 +338,8 @@ class MetadataReader {
     }
   }
 
-  // The mesh's dims, whose sizes multiply to the world size it returns.
-  std::int64_t read_mesh(std::vector<MeshDim>& dims) const {
+  // The mesh's dims, whose sizes (x the pipeline's stages) multiply to the world size it returns.
+  std::int64_t read_mesh(std::vector<MeshDim>& dims, std::int64_t stages) const {
     const std::int64_t world = integer(field(m_, "world_size", "world_size"), "world_size", 1, 100'000'000);
     const json& mesh = field(m_, "mesh", "mesh");
     if (!mesh.is_array() || mesh.empty() || mesh.size() > 8) bad("mesh", "must be a list of 1 to 8 {name, size} dims");
@@ -347,7 +354,10 @@ class MetadataReader {
       if (product > 100'000'000) bad("mesh", "has more than 1e8 ranks");
       dims.push_back({n.get<std::string>(), size});
     }
-    if (product != world) bad("world_size", "is " + std::to_string(world) + " but the mesh's sizes multiply to " + std::to_string(product));
+    if (product * stages != world) {
+      bad("world_size", "is " + std::to_string(world) + " but the mesh's sizes multiply to " + std::to_string(product) +
+                            (stages > 1 ? " x " + std::to_string(stages) + " pipeline stages" : std::string()));
+    }
     return world;
   }
 
@@ -427,7 +437,7 @@ class MetadataReader {
 Metadata read_metadata(const fs::path& dir) { return MetadataReader(dir).read(); }
 
 // Decodes rank `r`'s shard file and checks it against the metadata: the header's CRC-32 (v2),
-// and every tensor's dtype and shape against what the placements say rank r holds.
+// and every tensor of its stage: dtype and shape against what the placements say rank r holds.
 TensorMap load_shard(const fs::path& dir, std::int64_t r, const Metadata& md, const sharding::DeviceMesh& saved) {
   const fs::path file = dir / ("rank" + std::to_string(r) + ".bin");
   const ShardFile f = read_shard(file);
@@ -436,8 +446,9 @@ TensorMap load_shard(const fs::path& dir, std::int64_t r, const Metadata& md, co
   }
   Decoded d = decode(file, f);
   TensorMap& out = d.tensors;
-  const auto coord = saved.coordinate(r);
+  const auto coord = saved.coordinate(r % saved.size());
   for (const auto& [name, t] : md.tensors) {
+    if (t.stage != r / saved.size()) continue;
     auto it = out.find(name);
     if (it == out.end()) fail(file, "has no tensor '" + name + "' (metadata.json lists it)");
     const sharding::ShardingSpec spec{t.placements, t.meta()};
@@ -459,7 +470,7 @@ TensorMap load_shard(const fs::path& dir, std::int64_t r, const Metadata& md, co
 
 fs::path save_checkpoint(const fs::path& folder, const CheckpointMeta& meta, const sharding::DeviceMesh& mesh, std::int64_t rank,
                          const TensorMap& local, const std::map<std::string, ir::TensorMeta>& global,
-                         const std::map<std::string, sharding::Placements>& placements, CommBackend* backend) {
+                         const std::map<std::string, sharding::Placements>& placements, CommBackend* backend, const PipelineStages& pipeline) {
   const fs::path final_dir = folder / ("step-" + std::to_string(meta.step));
   const fs::path tmp = folder / (".step-" + std::to_string(meta.step) + ".partial");
   if (rank == 0) {
@@ -469,19 +480,23 @@ fs::path save_checkpoint(const fs::path& folder, const CheckpointMeta& meta, con
   if (backend) backend->barrier(0)->wait(600);
   fs::create_directories(tmp);
   std::map<std::string, std::vector<std::int64_t>> where;
-  for (const auto& [name, t] : local) where[name] = sharding::ShardingSpec{placements.at(name), global.at(name)}.local_offset(mesh, mesh.coordinate(rank));
+  for (const auto& [name, t] : local) where[name] = sharding::ShardingSpec{placements.at(name), global.at(name)}.local_offset(mesh, mesh.coordinate(rank % mesh.size()));
   write_file(tmp / ("rank" + std::to_string(rank) + ".bin"), encode(local, where));
   if (backend) backend->barrier(0)->wait(600);  // every shard is on disk
   if (rank == 0) {
-    json m{{"format", "spmdx.checkpoint"}, {"version", kMetadataVersion}, {"step", meta.step}, {"data_samples", meta.data_samples}, {"tokenizer", meta.tokenizer},
-           {"world_size", mesh.size()}, {"mesh", json::array()}, {"tensors", json::object()}, {"files", json::object()}};
+    const bool staged = pipeline.stages > 1;
+    json m{{"format", "spmdx.checkpoint"}, {"version", staged ? kPipelineVersion : kMetadataVersion}, {"step", meta.step}, {"data_samples", meta.data_samples},
+           {"tokenizer", meta.tokenizer}, {"world_size", mesh.size() * pipeline.stages}, {"mesh", json::array()}, {"tensors", json::object()},
+           {"files", json::object()}};
+    if (staged) m["pipeline"] = {{"stages", pipeline.stages}};
     if (meta.optimizer_steps >= 0) m["optimizer_steps"] = meta.optimizer_steps;
     if (meta.loss_scale > 0) m["grad_scaler"] = {{"scale", meta.loss_scale}, {"growth_tracker", meta.growth_tracker}};
     for (const auto& d : mesh.dims()) m["mesh"].push_back({{"name", d.name}, {"size", d.size}});
     for (const auto& [name, g] : global) {
       m["tensors"][name] = {{"shape", g.shape}, {"dtype", ir::to_string(g.dtype)}, {"placements", placements_text(placements.at(name))}};
+      if (staged) m["tensors"][name]["stage"] = pipeline.stage.at(name);
     }
-    for (std::int64_t r = 0; r < mesh.size(); ++r) {  // ties the shard files to this save
+    for (std::int64_t r = 0; r < mesh.size() * pipeline.stages; ++r) {  // ties the shard files to this save
       const std::string name = "rank" + std::to_string(r) + ".bin";
       const auto [bytes, crc] = shard_signature(tmp / name);
       m["files"][name] = {{"bytes", bytes}, {"header_crc32", crc}};
@@ -531,13 +546,14 @@ std::optional<std::int64_t> find_checkpoint(const fs::path& folder, std::int64_t
 TensorMap load_checkpoint(const fs::path& folder, std::int64_t step, const sharding::DeviceMesh& mesh, std::int64_t rank,
                           const std::map<std::string, ir::TensorMeta>& global,
                           const std::map<std::string, sharding::Placements>& placements, CheckpointMeta* meta,
-                          const std::set<std::string>& not_loaded) {
+                          const std::set<std::string>& not_loaded, const PipelineStages& pipeline) {
   const fs::path dir = folder / ("step-" + std::to_string(step));
   const fs::path mfile = dir / "metadata.json";
   const Metadata md = read_metadata(dir);
   const sharding::DeviceMesh saved(md.mesh);
   if (meta) *meta = md.meta;
-  bool same = saved.dims().size() == mesh.dims().size();
+  const int stage = static_cast<int>(rank / mesh.size());  // this rank's pipeline stage (0 without)
+  bool same = saved.dims().size() == mesh.dims().size() && md.stages == pipeline.stages;
   for (std::size_t i = 0; same && i < mesh.dims().size(); ++i) {
     same = saved.dims()[i].name == mesh.dims()[i].name && saved.dims()[i].size == mesh.dims()[i].size;
   }
@@ -548,11 +564,11 @@ TensorMap load_checkpoint(const fs::path& folder, std::int64_t step, const shard
     if (t.shape != g.shape || t.dtype != g.dtype) {
       fail(mfile, "tensor '" + name + "' was saved as " + ir::to_string(t.dtype) + ir::shape_str(t.shape) + ", this run has " + g.str());
     }
-    same = same && placements_text(t.placements) == placements_text(placements.at(name));
+    same = same && placements_text(t.placements) == placements_text(placements.at(name)) && t.stage == stage;
   }
   std::vector<std::string> extra;
-  for (const auto& [name, t] : md.tensors) {
-    if (global.count(name) == 0 && not_loaded.count(name) == 0) extra.push_back(name);
+  for (const auto& [name, t] : md.tensors) {  // with pipeline stages in this run, another stage's tensors are not this rank's to load
+    if (global.count(name) == 0 && not_loaded.count(name) == 0 && (pipeline.stages == 1 || pipeline.stage.count(name) == 0)) extra.push_back(name);
   }
   if (!extra.empty()) {
     fail(mfile, "holds " + std::to_string(extra.size()) + " tensor(s) this run's model has not, e.g. '" + extra.front() +
@@ -565,13 +581,17 @@ TensorMap load_checkpoint(const fs::path& folder, std::int64_t step, const shard
     for (const auto& [name, g] : global) out[name] = mine.at(name);
     return out;
   }
-  // Another mesh or strategy: reassemble every tensor from all saved shards, then reshard.
-  std::vector<TensorMap> files;
-  for (std::int64_t r = 0; r < saved.size(); ++r) files.push_back(load_shard(dir, r, md, saved));
-  const auto coord = mesh.coordinate(rank);
+  // Another mesh, strategy or pipeline: reassemble every tensor from the shards of the stage
+  // that saved it, then reshard.
+  std::map<std::int64_t, TensorMap> files;  // read once each, those of the stages holding `global`'s tensors
+  const auto coord = mesh.coordinate(rank % mesh.size());
   for (const auto& [name, g] : global) {
     std::vector<at::Tensor> parts;
-    for (auto& f : files) parts.push_back(f.at(name));
+    const std::int64_t first = md.tensors.at(name).stage * saved.size();
+    for (std::int64_t r = first; r < first + saved.size(); ++r) {
+      if (files.count(r) == 0) files.emplace(r, load_shard(dir, r, md, saved));
+      parts.push_back(files.at(r).at(name));
+    }
     const at::Tensor full = assemble_tensor(parts, md.tensors.at(name).placements, saved);
     out[name] = shard_tensor(full, placements.at(name), mesh, coord);
   }
@@ -691,12 +711,12 @@ std::size_t export_safetensors(const fs::path& step_dir, const fs::path& out, bo
   }
   const sharding::DeviceMesh saved(md.mesh);
   std::vector<TensorMap> files;
-  for (std::int64_t r = 0; r < saved.size(); ++r) files.push_back(load_shard(step_dir, r, md, saved));
+  for (std::int64_t r = 0; r < saved.size() * md.stages; ++r) files.push_back(load_shard(step_dir, r, md, saved));
   TensorMap full;
   for (const auto& [name, t] : md.tensors) {
     if (name.rfind("exp_avg", 0) == 0) continue;  // optimizer state
-    std::vector<at::Tensor> parts;
-    for (auto& f : files) parts.push_back(f.at(name));
+    std::vector<at::Tensor> parts;  // from the files of the stage that holds it
+    for (std::int64_t r = t.stage * saved.size(); r < (t.stage + 1) * saved.size(); ++r) parts.push_back(files[static_cast<std::size_t>(r)].at(name));
     full[name] = assemble_tensor(parts, t.placements, saved);
   }
   if (hf_names) {

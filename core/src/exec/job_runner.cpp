@@ -548,7 +548,7 @@ struct StepLoop {
   Device& device;
   TensorMap& state;
   const std::map<std::string, ir::TensorMeta>& state_metas;
-  const std::map<std::string, sharding::Placements>& state_placements;
+  const std::map<std::string, sharding::Placements>& state_placements;  // every stage's
   data::TextDataset& dataset;
   hooks::HookSet& hooks;
   PluginRegistry& registry;
@@ -603,6 +603,7 @@ struct StepLoop {
   std::int64_t planned_peak = 0;  // bytes: the memory plan's peak of the step, with the failover's state copy
   Validation* validation = nullptr;  // [validation]
   StepProfiler* profiler = nullptr;  // [profiling]
+  const PipelineStages* pipeline_stages = nullptr;  // which stage holds each state tensor
 
   // Where a resumed job's checkpoint left the optimizer's count and, for float16, the loss
   // scale (a count past this run's growth interval grows it at the next clean step).
@@ -776,7 +777,7 @@ struct StepLoop {
       if (loss_scaling) meta.loss_scale = scaler.scale, meta.growth_tracker = scaler.growth_tracker;
       std::filesystem::path where;
       try {
-        where = save_checkpoint(ckpt_dir, meta, job.mesh, env.rank, state, state_metas, state_placements, backend.get());
+        where = save_checkpoint(ckpt_dir, meta, job.mesh, env.rank, state, state_metas, state_placements, backend.get(), *pipeline_stages);
       } catch (const CommError& e) {  // the save's barrier: a run-time fallback covers the step's collectives, not this
         throw CommError("saving the checkpoint of step " + std::to_string(step) + ": " + e.what() +
                             (failover ? " (comm.fallback covers the steps' collectives, not a checkpoint save's)" : ""),
@@ -898,7 +899,7 @@ hooks::HookSet make_job_hooks(const config::Config& cfg, const launch::RankEnv& 
 // dataset where it was.
 CheckpointMeta resume_from(const std::filesystem::path& ckpt_dir, std::int64_t step, const train::PlacedJob& job, const launch::RankEnv& env,
                  const std::map<std::string, ir::TensorMeta>& state_metas, const std::map<std::string, sharding::Placements>& state_placements,
-                 TensorMap& state, data::TextDataset& dataset, const c10::Device& device) {
+                 TensorMap& state, data::TextDataset& dataset, const c10::Device& device, const PipelineStages& pipeline) {
   CheckpointMeta meta;
   // Buffers (the RoPE tables) are made from the config, not loaded: a resume may change
   // training.seq_len, as torchtitan's may.
@@ -907,7 +908,8 @@ CheckpointMeta resume_from(const std::filesystem::path& ckpt_dir, std::int64_t s
   for (const auto& spec_i : job.model.init) {
     if (!spec_i.trainable) trained.erase(spec_i.name), buffers.insert(spec_i.name);
   }
-  for (auto& [name, t] : load_checkpoint(ckpt_dir, step, job.mesh, env.rank, trained, state_placements, &meta, buffers)) state[name] = t.to(device);
+  for (auto it = trained.begin(); it != trained.end();) it = state.count(it->first) == 0 ? trained.erase(it) : std::next(it);  // another stage's
+  for (auto& [name, t] : load_checkpoint(ckpt_dir, step, job.mesh, env.rank, trained, state_placements, &meta, buffers, pipeline)) state[name] = t.to(device);
   dataset.restore({meta.data_samples});
   if (env.rank == 0) {
     std::printf("resumed from %s (step %lld)\n", (ckpt_dir / ("step-" + std::to_string(step))).string().c_str(),
@@ -1048,18 +1050,25 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
 
   std::string loaded_weights;
   TensorMap state = initial_state(spec, job, plan, plan_rank, !resume_step, device->device(), &loaded_weights);
+  // Every stage's state layout (a checkpoint's metadata lists them all), then this rank's part.
+  const auto [state_metas, state_placements] = state_layout(state, job, plan);
+  PipelineStages pipeline_stages;
   if (job.pipeline.stages > 1) {  // a stage holds its own parameters, state and buffers
+    pipeline_stages.stages = job.pipeline.stages;
+    for (const auto& [name, meta] : state_metas) {
+      const auto holder = staged.input_stage.find(name);  // a buffer no stage reads: with stage 0
+      pipeline_stages.stage[name] = holder == staged.input_stage.end() ? 0 : holder->second;
+    }
     for (auto it = state.begin(); it != state.end();) it = graph.find_input(it->first) == nullptr ? state.erase(it) : std::next(it);
   }
   data::TextDatasetOptions data_options{spec.data.paths, spec.global_batch_size, spec.seq_len, spec.data.seed};
   data_options.document_separator = spec.data.document_separator;
   data::TextDataset dataset(data_options, *tokenizer);
 
-  // Resume from the checkpoint found above, resharding when it was saved on another mesh or
-  // strategy.
-  const auto [state_metas, state_placements] = state_layout(state, job, plan);
+  // Resume from the checkpoint found above, resharding when it was saved on another mesh,
+  // strategy or pipeline.
   CheckpointMeta resumed;
-  if (resume_step) resumed = resume_from(ckpt_dir, *resume_step, job, env, state_metas, state_placements, state, dataset, device->device());
+  if (resume_step) resumed = resume_from(ckpt_dir, *resume_step, job, env, state_metas, state_placements, state, dataset, device->device(), pipeline_stages);
   // The step updates the state in place (PlanOptions::donate_state): each tensor must own its
   // storage, not view a larger one (a checkpoint's read buffer, say).
   for (auto& [name, t] : state) {
@@ -1103,6 +1112,7 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
                 metrics ? &*metrics : nullptr, fault, timeout, ckpt_dir, tokenizer_id};
   loop.strategy_events = strategy_events(spec);
   loop.planned_peak = planned.peak_bytes;
+  loop.pipeline_stages = &pipeline_stages;
   std::optional<Validation> validation;
   if (spec.validation.enable) {
     validation.emplace(spec, job, env.rank, backend.get(), timeout, *device, *tokenizer);

@@ -286,13 +286,7 @@ void read_pipeline(const config::Config& cfg, const std::vector<std::int64_t>& e
     problems.add({"parallelism.pipeline_parallel_split_points", "parallelism.pipeline_parallel_layers_per_stage"},
                  "parallelism.pipeline_parallel_split_points and pipeline_parallel_layers_per_stage both say where the stages begin: keep one");
   }
-  // Not carried across stages yet: a checkpoint's shard files and the validation graph are one
-  // stage's plan.
-  if (s.checkpoint.enable) {
-    problems.add({"checkpoint.enable", "parallelism.pipeline_parallel_degree"},
-                 "checkpoint.enable = true with parallelism.pipeline_parallel_degree " + std::to_string(p.stages) +
-                 ": spmdx does not save pipeline stages' checkpoints yet; set checkpoint.enable = false or pipeline_parallel_degree = 1");
-  }
+  // Not carried across stages yet: the validation graph is one stage's plan.
   if (s.validation.enable) {
     problems.add({"validation.enable", "parallelism.pipeline_parallel_degree"},
                  "validation.enable = true with parallelism.pipeline_parallel_degree " + std::to_string(p.stages) +

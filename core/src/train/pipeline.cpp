@@ -186,7 +186,6 @@ std::vector<int> node_stages(const ir::Graph& graph, const PipelineSpec& spec, c
   for (std::size_t i = 0; i < nodes.size(); ++i) index[nodes[i]] = i;
   std::vector<int> out(nodes.size(), -1);
   std::set<const Value*> gradient;  // values that depend on a gradient seed
-  std::set<const Value*> pending;   // values of pending nodes
   for (std::size_t i = 0; i < nodes.size(); ++i) {
     const Node* n = nodes[i];
     const bool is_forward = forward.count(n) > 0;
@@ -206,7 +205,6 @@ std::vector<int> node_stages(const ir::Graph& graph, const PipelineSpec& spec, c
     }
     if (s < 0 && waits) {
       out[i] = kPending;
-      for (const Value* o : n->outputs()) pending.insert(o);
       continue;
     }
     out[i] = s;
@@ -263,34 +261,84 @@ sharding::DeviceMesh pipeline_mesh(const sharding::DeviceMesh& mesh, std::int64_
   return sharding::DeviceMesh(dims, stages * mesh.size());
 }
 
-StageGraph stage_graph(const ir::Graph& graph, const PipelineSpec& spec, const std::vector<std::string>& params, std::int64_t rank,
-                       std::int64_t ranks_per_stage) {
-  const int stage = static_cast<int>(rank / ranks_per_stage);
-  const std::vector<int> stages = node_stages(graph, spec, params);
+namespace {
+
+// The graph cut into stages: each node's stage (node_stages), each value's (graph inputs: their
+// parameter's; -1: free), and the metric outputs every stage returns.
+struct Cut {
   std::vector<const Node*> nodes;
   std::unordered_map<const Node*, std::size_t> index;
-  for (const auto& n : graph.nodes()) index[n.get()] = nodes.size(), nodes.push_back(n.get());
-  // The stage of every value (graph inputs: their parameter's), -1 for free ones.
-  std::unordered_map<const Value*, int> at = input_stages(graph, spec, params);
-  for (std::size_t i = 0; i < nodes.size(); ++i) {
-    if (stages[i] >= 0) {
-      for (const Value* o : nodes[i]->outputs()) at[o] = stages[i];
-    }
-  }
-  auto stage_at = [&](const Value* v) {
+  std::vector<int> stages;
+  std::unordered_map<const Value*, int> at;
+  std::vector<std::pair<std::string, const Value*>> metrics;  // "loss", "grad_norm", "found_inf"
+  int stage_at(const Value* v) const {
     const auto it = at.find(v);
     return it == at.end() ? -1 : it->second;
-  };
+  }
+};
+
+Cut cut(const ir::Graph& graph, const PipelineSpec& spec, const std::vector<std::string>& params) {
+  Cut c;
+  c.stages = node_stages(graph, spec, params);
+  for (const auto& n : graph.nodes()) c.index[n.get()] = c.nodes.size(), c.nodes.push_back(n.get());
+  c.at = input_stages(graph, spec, params);
+  for (std::size_t i = 0; i < c.nodes.size(); ++i) {
+    if (c.stages[i] >= 0) {
+      for (const Value* o : c.nodes[i]->outputs()) c.at[o] = c.stages[i];
+    }
+  }
   for (int s = 0; s < spec.stages; ++s) {
-    if (std::none_of(at.begin(), at.end(), [&](const auto& e) { return e.first->producer() == nullptr && e.second == s; })) {
+    if (std::none_of(c.at.begin(), c.at.end(), [&](const auto& e) { return e.first->producer() == nullptr && e.second == s; })) {
       throw std::invalid_argument("pipeline stage " + std::to_string(s) + " holds no parameter: use fewer stages or other split points");
     }
   }
-  // The metric outputs ("loss", "grad_norm", "found_inf"): every stage has them.
-  std::vector<std::pair<std::string, const Value*>> metrics;
   for (const auto& [name, v] : graph.outputs()) {
-    if (name.compare(0, 5, "next.") != 0) metrics.emplace_back(name, v);
+    if (name.compare(0, 5, "next.") != 0) c.metrics.emplace_back(name, v);
   }
+  return c;
+}
+
+// The nodes stage `stage` runs: its own, and the free ones they (or its metric outputs) read.
+std::vector<bool> nodes_of(const Cut& c, int stage) {
+  std::vector<bool> mine(c.nodes.size(), false);
+  std::set<const Value*> wanted;  // free values the stage computes
+  for (const auto& [name, v] : c.metrics) {
+    if (c.stage_at(v) < 0) wanted.insert(v);
+  }
+  for (std::size_t i = c.nodes.size(); i-- > 0;) {
+    bool take = c.stages[i] == stage;
+    if (c.stages[i] < 0) {
+      for (const Value* o : c.nodes[i]->outputs()) take = take || wanted.count(o) > 0;
+    }
+    if (!take) continue;
+    mine[i] = true;
+    for (const Value* v : c.nodes[i]->inputs()) {
+      if (c.stage_at(v) < 0 && v->producer() != nullptr) wanted.insert(v);
+    }
+  }
+  return mine;
+}
+
+// Whether stage `stage` holds graph input `in` (stage_graph's inputs): its own parameters and
+// state, and the free inputs its nodes or metric outputs read.
+bool holds(const Cut& c, const std::vector<bool>& mine, int stage, const Value* in) {
+  if (c.stage_at(in) >= 0) return c.stage_at(in) == stage;
+  for (const auto& u : in->uses()) {
+    if (mine[c.index.at(u.user)]) return true;
+  }
+  return std::any_of(c.metrics.begin(), c.metrics.end(), [&](const auto& m) { return m.second == in; });
+}
+
+}  // namespace
+
+StageGraph stage_graph(const ir::Graph& graph, const PipelineSpec& spec, const std::vector<std::string>& params, std::int64_t rank,
+                       std::int64_t ranks_per_stage) {
+  const int stage = static_cast<int>(rank / ranks_per_stage);
+  const Cut c = cut(graph, spec, params);
+  const std::vector<const Node*>& nodes = c.nodes;
+  const std::vector<int>& stages = c.stages;
+  const auto& metrics = c.metrics;
+  auto stage_at = [&](const Value* v) { return c.stage_at(v); };
   // Every value that crosses stages, with the stage that reads it, in one walk of the graph that
   // every rank makes alike: its position is the pair's tag.
   std::map<std::pair<const Value*, int>, int> tag;
@@ -306,22 +354,14 @@ StageGraph stage_graph(const ir::Graph& graph, const PipelineSpec& spec, const s
     for (int s = 0; s < spec.stages; ++s) cross(v, s);
   }
   if (tag.size() >= (1u << 24)) throw std::invalid_argument("pipeline stages: more than 2^24 values cross stages");
-  // The nodes this stage runs: its own, and the free ones they (or its metric outputs) read.
-  std::vector<bool> mine(nodes.size(), false);
-  std::set<const Value*> wanted;  // free values the stage computes
-  for (const auto& [name, v] : metrics) {
-    if (stage_at(v) < 0) wanted.insert(v);
-  }
-  for (std::size_t i = nodes.size(); i-- > 0;) {
-    bool take = stages[i] == stage;
-    if (stages[i] < 0) {
-      for (const Value* o : nodes[i]->outputs()) take = take || wanted.count(o) > 0;
+  std::vector<bool> mine;
+  StageGraph out;
+  for (int s = 0; s < spec.stages; ++s) {
+    std::vector<bool> of = nodes_of(c, s);
+    for (const Value* in : graph.inputs()) {
+      if (out.input_stage.count(in->name()) == 0 && holds(c, of, s, in)) out.input_stage[in->name()] = s;
     }
-    if (!take) continue;
-    mine[i] = true;
-    for (const Value* v : nodes[i]->inputs()) {
-      if (stage_at(v) < 0 && v->producer() != nullptr) wanted.insert(v);
-    }
+    if (s == stage) mine = std::move(of);
   }
   // The schedule's key of each node: the position of its microbatch's forward or backward in
   // this stage's actions; nodes of no microbatch (a parameter's all_gather, a free value) take
@@ -350,7 +390,7 @@ StageGraph stage_graph(const ir::Graph& graph, const PipelineSpec& spec, const s
     if (key[i] == kNone) key[i] = first_read[i] == kNone ? 0 : first_read[i];
     for (const Value* v : nodes[i]->inputs()) {
       if (v->producer() != nullptr) {
-        const std::size_t j = index.at(v->producer());
+        const std::size_t j = c.index.at(v->producer());
         first_read[j] = std::min(first_read[j], key[i]);
       }
     }
@@ -368,16 +408,11 @@ StageGraph stage_graph(const ir::Graph& graph, const PipelineSpec& spec, const s
   }
 
   // The stage's graph, built in schedule order (Kahn's algorithm, smallest key first).
-  StageGraph out;
   out.stage = stage;
   ir::Graph& g = out.graph;
   std::unordered_map<const Value*, Value*> map;
   for (const Value* in : graph.inputs()) {
-    if (stage_at(in) >= 0 && stage_at(in) != stage) continue;  // another stage's parameter: received where read
-    bool read = false;
-    for (const auto& u : in->uses()) read = read || mine[index.at(u.user)];
-    for (const auto& [name, v] : metrics) read = read || v == in;
-    if (read) map[in] = g.add_input(in->name(), in->meta());
+    if (holds(c, mine, stage, in)) map[in] = g.add_input(in->name(), in->meta());  // another stage's parameter: received where read
   }
   auto send_from_here = [&](const Value* v) {
     for (int to = 0; to < spec.stages; ++to) {

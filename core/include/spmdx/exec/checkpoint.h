@@ -12,7 +12,8 @@
 // [grad_scaler {scale, growth_tracker}], world_size, mesh [{name,
 // size}], tensors {name: {shape, dtype, placements}}, files {rank<R>.bin: {bytes,
 // header_crc32}}, and crc32, the CRC-32 of the compact JSON of everything else. Version 1
-// (no files, no crc32) is still read.
+// (no files, no crc32) is still read. Version 3 (written only with pipeline stages): also
+// pipeline {stages}, each tensor's stage, mesh one stage's and world_size stages x its size.
 #pragma once
 
 #include <cstdint>
@@ -44,13 +45,21 @@ struct CheckpointMeta {
   std::int64_t growth_tracker = 0;
 };
 
+/// Pipeline stages in a checkpoint (metadata.json version 3): `stages` groups of mesh.size()
+/// ranks, rank R holding stage R / mesh.size()'s tensors at place R % mesh.size() of `mesh`
+/// (train/pipeline.h); `stage` names each tensor's stage (a buffer read by several: the first).
+struct PipelineStages {
+  std::int64_t stages = 1;
+  std::map<std::string, int> stage;
+};
 /// Writes this rank's `local` tensors (by name; their global metas and placements in `global`
-/// and `placements`) for `step`. Every rank calls it; `backend` (null for one rank) makes them
+/// and `placements`, every stage's with pipeline stages) for `step`. Every rank calls it; `backend` (null for one rank) makes them
 /// wait for each other before rank 0 publishes the checkpoint. Returns the folder. Throws
 /// std::runtime_error naming the file that could not be written.
 std::filesystem::path save_checkpoint(const std::filesystem::path& folder, const CheckpointMeta& meta, const sharding::DeviceMesh& mesh,
                                       std::int64_t rank, const TensorMap& local, const std::map<std::string, ir::TensorMeta>& global,
-                                      const std::map<std::string, sharding::Placements>& placements, CommBackend* backend);
+                                      const std::map<std::string, sharding::Placements>& placements, CommBackend* backend,
+                                      const PipelineStages& pipeline = {});
 
 /// The step of the newest whole checkpoint in `folder` (load_step -1), or load_step itself when
 /// it exists; nullopt when there is none. Throws std::runtime_error when load_step >= 0 names a
@@ -62,7 +71,10 @@ std::optional<std::int64_t> find_checkpoint(const std::filesystem::path& folder,
 CheckpointMeta read_checkpoint_meta(const std::filesystem::path& folder, std::int64_t step);
 
 /// This rank's tensors from checkpoint `step`, for a run on `mesh` with `placements` (every
-/// name in `global` must be in the checkpoint with the same global shape and dtype). Throws
+/// name in `global` must be in the checkpoint with the same global shape and dtype). With
+/// pipeline stages (in the run, `pipeline`, or in the checkpoint) `rank` is global, `mesh` one
+/// stage's and `global` this rank's stage's tensors; each is reassembled from the files of the
+/// stage that saved it. Throws
 /// std::runtime_error naming the file (and the key) for: a metadata.json that fails its own
 /// CRC-32, has a version this build does not read (1, 2), or a field of the wrong type or out of
 /// range (a step that is not its folder's, a data position outside [step, step x 1e7], a world
@@ -75,7 +87,7 @@ CheckpointMeta read_checkpoint_meta(const std::filesystem::path& folder, std::in
 TensorMap load_checkpoint(const std::filesystem::path& folder, std::int64_t step, const sharding::DeviceMesh& mesh, std::int64_t rank,
                           const std::map<std::string, ir::TensorMeta>& global,
                           const std::map<std::string, sharding::Placements>& placements, CheckpointMeta* meta,
-                          const std::set<std::string>& not_loaded = {});
+                          const std::set<std::string>& not_loaded = {}, const PipelineStages& pipeline = {});
 
 /// Writes `tensors` (whole, contiguous) as a safetensors file (Hugging Face's format: u64 header
 /// length, a JSON header with dtype, shape and data_offsets per tensor and `metadata` as

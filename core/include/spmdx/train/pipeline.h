@@ -11,6 +11,7 @@
 // stage's, sent to every stage so that each rank reports them.
 #pragma once
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -76,6 +77,10 @@ struct StageGraph {
   std::int64_t stage = 0;
   std::int64_t sends = 0, recvs = 0;       ///< send and recv nodes
   std::int64_t bytes_sent = 0;             ///< bytes the sends move per step
+  /// Every input of the whole graph by name: the stage whose ranks hold it as an input of their
+  /// stage graph (a parameter and its AdamW state: their stage; a RoPE table, the batch: the
+  /// first stage that reads it; none reads it: absent), for checkpoints.
+  std::map<std::string, int> input_stage;
 };
 
 /// The graph global rank `rank` runs: the nodes of its stage (rank / ranks_per_stage) of
