@@ -227,12 +227,18 @@ TEST(Cli, PipelineStagesArePlannedAndBadOnesRefused) {
   ASSERT_EQ(pp.exit_code, 0) << pp.output;
   EXPECT_THAT(pp.output, HasSubstr("mesh pp=2 x dp_shard=2 (4 ranks)"));
   EXPECT_THAT(pp.output, HasSubstr("pipeline: 2 stages, schedule 1F1B, 4 microbatches, theoretical bubble 0.200"));
-  EXPECT_THAT(pp.output, HasSubstr("  stage 0 (ranks 0-1): layers 0 to 1, 5 sends (")) << pp.output;
-  EXPECT_THAT(pp.output, HasSubstr("  stage 1 (ranks 2-3): layers 2 on, 7 sends ("));
+  EXPECT_THAT(pp.output, HasSubstr("  stage 0 (ranks 0-1): the embedding, layers 0 to 1, 5 sends (")) << pp.output;
+  EXPECT_THAT(pp.output, HasSubstr("  stage 1 (ranks 2-3): layers 2 on, the final norm and output, 7 sends ("));
   const std::string schedule = test::read_file(dir / "dump" / "rank3.schedule.txt");
   EXPECT_THAT(schedule, HasSubstr("*stage 1 (idle 0.200) |"));
   EXPECT_THAT(schedule, HasSubstr("# order of stage 1: F0 B0 F1 B1 F2 B2 F3 B3"));
   EXPECT_THAT(test::read_file(dir / "dump" / "rank0.txt"), HasSubstr("= send("));
+  // spmdx diff tells two schedules apart, and names the rank graphs' mesh dims with pp.
+  ASSERT_EQ(spmdx(llama + " --parallelism.pipeline_parallel_schedule GPipe --dump '" + (dir / "gpipe").string() + "'").exit_code, 0);
+  auto diff = spmdx("diff '" + (dir / "dump").string() + "' '" + (dir / "gpipe").string() + "'");
+  EXPECT_EQ(diff.exit_code, 1) << diff.output;
+  EXPECT_THAT(diff.output, HasSubstr("\"schedule\":\"1F1B\""));
+  EXPECT_THAT(diff.output, Not(HasSubstr("over dim 1")));
   auto split = spmdx(llama + " --parallelism.pipeline_parallel_split_points layers.3 --parallelism.pipeline_parallel_schedule GPipe --json 2>&1");
   ASSERT_EQ(split.exit_code, 0) << split.output;
   const auto j = nlohmann::json::parse(split.output.substr(split.output.find('{')));
@@ -252,6 +258,10 @@ TEST(Cli, PipelineStagesArePlannedAndBadOnesRefused) {
   refused("--parallelism.pipeline_parallel_split_points norm", "\"norm\" names no layer a stage can begin at");
   refused("--parallelism.pipeline_parallel_split_points layers.1,layers.2", "names 2 layers; 2 stages begin at 1 of them");
   refused("--parallelism.pipeline_parallel_layers_per_stage 1", "parallelism.pipeline_parallel_layers_per_stage 1 makes 4 layers into 4 stages, not pipeline_parallel_degree 2");
+  auto ceil = spmdx(llama + " --parallelism.pipeline_parallel_layers_per_stage 3 --json 2>&1");  // torchtitan's count: 3 + 1
+  ASSERT_EQ(ceil.exit_code, 0) << ceil.output;
+  EXPECT_EQ(nlohmann::json::parse(ceil.output.substr(ceil.output.find('{'))).at("pipeline").at("per_stage").at(1).at("first_layer").get<int>(), 3);
+  refused("--parallelism.pipeline_parallel_schedule_csv x.csv", "pipeline schedules from a CSV file");
   refused("--parallelism.pipeline_parallel_schedule Interleaved1F1B", "\"Interleaved1F1B\" (virtual stages) is not in spmdx yet");
   refused("--validation.enable true --validation.paths x.txt", "spmdx does not run validation through pipeline stages yet");
   refused("--world-size 5", "parallelism.pipeline_parallel_degree 2 does not divide world_size 5");

@@ -106,7 +106,8 @@ TEST(Run, PipelineStagesGiveTheLossesOfOneRank) {
        "schedule GPipe, 4 microbatches"},
       {"pp4 1F1B", 4, pp + "4", "4 stages (mesh dim pp) of 1 rank, schedule 1F1B, 8 microbatches"},
       {"pp4 GPipe", 4, pp + "4 --parallelism.pipeline_parallel_schedule GPipe", "schedule GPipe, 8 microbatches"},
-      {"pp2xfsdp2", 4, " --parallelism.pipeline_parallel_degree 2 --parallelism.data_parallel_shard_degree 2", "2 stages (mesh dim pp) of 2 ranks"},
+      {"pp2xfsdp2", 4, " --parallelism.pipeline_parallel_degree 2 --parallelism.data_parallel_shard_degree 2 --hooks.enable flight_recorder",
+       "2 stages (mesh dim pp) of 2 ranks"},
       {"pp2xtp2+sp", 4, pp + "2 --parallelism.tensor_parallel_degree 2 --parallelism.enable_sequence_parallel true", "2 stages (mesh dim pp) of 2 ranks"},
   };
   for (const auto& [name, nproc, flags, says] : layouts) {
@@ -120,6 +121,11 @@ TEST(Run, PipelineStagesGiveTheLossesOfOneRank) {
     for (std::size_t i = 0; i < want.size(); ++i) {
       EXPECT_NEAR(got[i], want[i], 1e-5 * std::abs(want[i])) << name << " step " << i + 1;
       EXPECT_NEAR(norms[i], want_norms[i], 1e-5 * std::abs(want_norms[i])) << name << " step " << i + 1;
+    }
+    if (flags.find("flight_recorder") != std::string::npos) {  // the stages' dumps (with their sends and recvs) read back whole
+      auto fr = test::run_command("'" SPMDX_EXE "' fr-trace '" + (folder / "hooks" / "flight_recorder").string() + "'");
+      EXPECT_EQ(fr.exit_code, 0) << fr.output;
+      EXPECT_THAT(fr.output, HasSubstr("no mismatch"));
     }
   }
 }

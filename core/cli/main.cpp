@@ -309,7 +309,17 @@ std::vector<std::pair<std::string, std::string>> dump_documents(const spmdx::tra
   if (everything) docs.emplace_back("logical.txt", job.model.graph.str());
   docs.emplace_back("logical.json", spmdx::ir::to_json(job.model.graph));
   if (everything) docs.emplace_back("plan.txt", plan.str());
-  docs.emplace_back("plan.json", plan.to_json());
+  if (job.pipeline.stages > 1) {  // the stages, and the mesh the rank graphs' collectives count their dims in
+    nlohmann::json p = nlohmann::json::parse(plan.to_json());
+    p["pipeline"] = {{"stages", job.pipeline.stages}, {"schedule", job.pipeline.schedule}, {"microbatches", job.pipeline.microbatches},
+                     {"first_layer", job.pipeline.first_layer}};
+    p["run_mesh"] = nlohmann::json::array();
+    const spmdx::sharding::DeviceMesh mesh = spmdx::train::run_mesh(job);
+    for (const auto& d : mesh.dims()) p["run_mesh"].push_back({{"name", d.name}, {"size", d.size}});
+    docs.emplace_back("plan.json", p.dump(1));
+  } else {
+    docs.emplace_back("plan.json", plan.to_json());
+  }
   for (std::int64_t r = 0; r < ranks; ++r) {
     const std::string rank = "rank" + std::to_string(r);
     const spmdx::ir::Graph g = spmdx::train::rank_program(job, plan, r, spec);
@@ -461,8 +471,12 @@ int run_compile(const CompileOptions& o) {
       const std::int64_t end = st + 1 < job.pipeline.stages ? job.pipeline.first_layer[static_cast<std::size_t>(st + 1)] : -1;
       stages_json.push_back({{"stage", st}, {"first_layer", first}, {"sends", staged.sends}, {"recvs", staged.recvs}, {"bytes_sent", staged.bytes_sent},
                              {"planned_peak_bytes", peak}, {"nodes", g.num_nodes()}});
-      stages_text += "  stage " + std::to_string(st) + " (ranks " + std::to_string(st * job.mesh.size()) + "-" + std::to_string((st + 1) * job.mesh.size() - 1) +
-                     "): layers " + std::to_string(first) + (end < 0 ? " on" : " to " + std::to_string(end - 1)) + ", " + std::to_string(staged.sends) + " sends (" +
+      const std::int64_t r0 = st * job.mesh.size(), r1 = (st + 1) * job.mesh.size() - 1;
+      const std::string layers = end < 0 ? "layers " + std::to_string(first) + " on, the final norm and output"
+                                 : end - 1 == first ? "layer " + std::to_string(first)
+                                                    : "layers " + std::to_string(first) + " to " + std::to_string(end - 1);
+      stages_text += "  stage " + std::to_string(st) + (r0 == r1 ? " (rank " + std::to_string(r0) : " (ranks " + std::to_string(r0) + "-" + std::to_string(r1)) + "): " +
+                     (st == 0 ? "the embedding, " : "") + layers + ", " + std::to_string(staged.sends) + " sends (" +
                      spmdx::human_bytes(static_cast<double>(staged.bytes_sent)) + ") and " + std::to_string(staged.recvs) + " recvs a step, planned peak " +
                      spmdx::human_bytes(static_cast<double>(peak)) + "\n";
     }
@@ -524,7 +538,11 @@ int run_compile(const CompileOptions& o) {
             << (job.sequence_parallel_off.empty() ? "" : "sequence parallel: off, " + job.sequence_parallel_off + "\n")
             << (job.pipeline.stages > 1 ? "pipeline: " + std::to_string(job.pipeline.stages) + " stages, schedule " + job.pipeline.schedule + ", " +
                                               std::to_string(job.pipeline.microbatches) + " microbatches, theoretical bubble " +
-                                              std::to_string(spmdx::train::bubble_fraction(job.pipeline)).substr(0, 5) + " (the figures above are one stage's mesh, whole model)\n" + stages_text
+                                              [&] {
+                                              char b[16];
+                                              std::snprintf(b, sizeof b, "%.3f", spmdx::train::bubble_fraction(job.pipeline));
+                                              return std::string(b);
+                                            }() + " (the figures above are one stage's mesh, whole model)\n" + stages_text
                                         : std::string())
             << (spec.memory_fit.empty() ? "" : spec.memory_fit + "\n");
   for (const auto& [layout, why] : spec.strategies_passed_over) {

@@ -432,7 +432,7 @@ void DistributedExecutor::issue_point_to_point(Step& s, std::size_t index) {
     is->info.op = n.op();
     is->info.mesh_dim = -1;
     is->info.group_name = "pp";
-    is->info.group_ranks = {static_cast<int>(rank_), peer};
+    is->info.group_ranks = {std::min(static_cast<int>(rank_), peer), std::max(static_cast<int>(rank_), peer)};
     is->info.step = s.step;
     is->info.bytes = static_cast<std::int64_t>(buf.nbytes());
     is->info.dtype = comm_dtype(buf.scalar_type());
@@ -440,6 +440,7 @@ void DistributedExecutor::issue_point_to_point(Step& s, std::size_t index) {
     is->info.value = is->what;
     is->info.issued_at = wall_seconds();
   }
+  is->info.seq = p2p_seq_++;  // its own count: the flight recorder tells entries apart by (mesh_dim, seq)
   s.issued.push_back(is);
   ++stats_.collectives;
   stats_.comm_bytes += static_cast<double>(buf.nbytes());

@@ -717,7 +717,12 @@ struct StepLoop {
     if (!skipped) ++optimizer_steps;
     if (loss_scaling) scaler.update(skipped);
     if (fault.kind == "perturb" && fault.rank == env.rank && fault.step == step) {
-      state.at(fault.tensor).add_(fault.delta);  // its name was checked before the first step; in place: a CUDA graph reads it
+      const auto held = state.find(fault.tensor);  // its name was checked before the first step
+      if (held == state.end()) {
+        throw std::invalid_argument("SPMDX_FAULT: rank " + std::to_string(env.rank) + " does not hold '" + fault.tensor +
+                                    "': it is another pipeline stage's; perturb a rank of that stage");
+      }
+      held->second.add_(fault.delta);  // in place: a CUDA graph reads it
     }
     const double loss = out.at("loss").item<double>();
     if (validation != nullptr && step % spec.validation.freq == 0) {

@@ -57,10 +57,11 @@ std::string dim_name(const std::vector<std::string>& dims, int d) {
   return d >= 0 && static_cast<std::size_t>(d) < dims.size() ? dims[static_cast<std::size_t>(d)] : "dim " + std::to_string(d);
 }
 
-// A plan's mesh dim names, in order.
-std::vector<std::string> mesh_dims(const json& plan) {
+// A plan's mesh dim names, in order; `ranks`: the mesh the rank graphs' collectives count in
+// ("run_mesh", with pipeline stages: pp first).
+std::vector<std::string> mesh_dims(const json& plan, bool ranks = false) {
   std::vector<std::string> d;
-  for (const auto& x : plan.value("mesh", json::array())) d.push_back(x.value("name", "?") + "");
+  for (const auto& x : plan.value(ranks && plan.contains("run_mesh") ? "run_mesh" : "mesh", json::array())) d.push_back(x.value("name", "?") + "");
   return d;
 }
 
@@ -441,6 +442,10 @@ void diff_plans(const json& pa, const json& pb, const Graph& a, const Graph& b, 
     return s;
   };
   if (mesh_str(pa) != mesh_str(pb)) out.push_back({"plan", "mesh", mesh_str(pa) + " in A, " + mesh_str(pb) + " in B"});
+  // Pipeline stages: their count, schedule, microbatches and where they begin.
+  const json one_stage{{"stages", 1}};
+  const json qa = pa.value("pipeline", one_stage), qb = pb.value("pipeline", one_stage);
+  if (qa != qb) out.push_back({"plan", "pipeline", qa.dump() + " in A, " + qb.dump() + " in B"});
   const json ia = pa.value("inputs", json::object()), ib = pb.value("inputs", json::object());
   input_differences("plan", a, [&](const std::string& name) -> std::string {
     if (!ia.contains(name) || !ib.contains(name) || ia[name] == ib[name]) return "";
@@ -617,7 +622,7 @@ DiffResult diff_jobs(const JobDump& a, const JobDump& b) {
   } catch (const json::exception& e) {
     throw DiffInputError(a.label + "/plan.json or " + b.label + "/plan.json: malformed (" + e.what() + ")");
   }
-  const auto da = mesh_dims(pa), db = mesh_dims(pb);
+  const auto da = mesh_dims(pa, true), db = mesh_dims(pb, true);
   const std::size_t ranks = std::min(a.ranks.size(), b.ranks.size());
   if (a.ranks.size() != b.ranks.size()) {
     d.differences.push_back({"rank graphs", "ranks", std::to_string(a.ranks.size()) + " rank graphs in A, " + std::to_string(b.ranks.size()) + " in B"});

@@ -76,8 +76,12 @@ hooks::HookSpec hook_spec(const config::Config& cfg) {
 
 std::int64_t degree_product(const config::Config& cfg) {
   const std::int64_t shard = cfg.get_int("parallelism.data_parallel_shard_degree");
-  return cfg.get_int("parallelism.data_parallel_replicate_degree") * cfg.get_int("parallelism.tensor_parallel_degree") * (shard > 0 ? shard : 1) *
-         cfg.get_int("parallelism.pipeline_parallel_degree");
+  // Four degrees of up to 1e6 each pass int64: the product saturates at 1e12 ranks, which
+  // read_degrees refuses (more than 1e8) naming the keys.
+  const double product = static_cast<double>(cfg.get_int("parallelism.data_parallel_replicate_degree")) *
+                         static_cast<double>(cfg.get_int("parallelism.tensor_parallel_degree")) * static_cast<double>(shard > 0 ? shard : 1) *
+                         static_cast<double>(cfg.get_int("parallelism.pipeline_parallel_degree"));
+  return static_cast<std::int64_t>(std::min(product, 1e12));
 }
 
 namespace {
@@ -188,9 +192,13 @@ void read_degrees(const config::Config& cfg, std::int64_t world_size, sharding::
     dims.dp_shard = 1;
   }
   const std::int64_t product = dims.dp_replicate * dims.dp_shard * dims.tp;
-  if (const double ranks = static_cast<double>(dims.dp_replicate) * static_cast<double>(dims.dp_shard) * static_cast<double>(dims.tp); ranks > 1e8) {
-    problems.add(kDegreeKeys, "parallelism degrees multiply to " + std::to_string(dims.dp_replicate) + " x " + std::to_string(dims.dp_shard) + " x " +
-                                  std::to_string(dims.tp) + " ranks, more than the 100,000,000 spmdx plans (as --world-size): use smaller degrees");
+  if (const double ranks = static_cast<double>(dims.dp_replicate) * static_cast<double>(dims.dp_shard) * static_cast<double>(dims.tp) * static_cast<double>(stages);
+      ranks > 1e8) {
+    std::vector<std::string> keys = kDegreeKeys;
+    if (stages > 1) keys.push_back("parallelism.pipeline_parallel_degree");
+    problems.add(keys, "parallelism degrees multiply to " + (stages > 1 ? std::to_string(stages) + " x " : std::string()) + std::to_string(dims.dp_replicate) +
+                           " x " + std::to_string(dims.dp_shard) + " x " + std::to_string(dims.tp) +
+                           " ranks, more than the 100,000,000 spmdx plans (as --world-size): use smaller degrees");
     return;
   }
   if (product != world_size && problems.lines.empty()) {
@@ -765,7 +773,10 @@ std::vector<std::string> preflight(const config::Config& cfg, std::int64_t world
     } catch (const config::ConfigError& e) {
       lines(e.what());
     } catch (const std::exception& e) {
-      lines(cfg.where(keys) + ": " + e.what());
+      // A message that begins with the key it is about (the pipeline's) is placed where that key is set.
+      const std::string what = e.what();
+      const std::string first = what.substr(0, what.find_first_of(" :"));
+      lines(cfg.where(first.rfind("parallelism.pipeline_parallel_", 0) == 0 ? std::vector<std::string>{first} : keys) + ": " + what);
     }
     return false;
   };
@@ -952,18 +963,20 @@ std::vector<std::int64_t> first_layers(const JobSpec& spec, const std::vector<st
                                     std::to_string(layers - 1));
       }
       if (layer <= first.back()) {
-        throw std::invalid_argument("parallelism.pipeline_parallel_split_points must name layers in increasing order (\"" + name + "\" comes after layers." +
-                                    std::to_string(first.back()) + ")");
+        throw std::invalid_argument("parallelism.pipeline_parallel_split_points must name each layer once, in increasing order (\"" + name +
+                                    "\" comes after layers." + std::to_string(first.back()) + ")");
       }
       first.push_back(layer);
     }
     return first;
   }
   if (spec.pipeline_layers_per_stage > 0) {
-    if (layers % spec.pipeline_layers_per_stage != 0 || layers / spec.pipeline_layers_per_stage != stages) {
+    // torchtitan's count: the last stage takes what is left.
+    if (const std::int64_t made = (layers + spec.pipeline_layers_per_stage - 1) / spec.pipeline_layers_per_stage; made != stages) {
       throw std::invalid_argument("parallelism.pipeline_parallel_layers_per_stage " + std::to_string(spec.pipeline_layers_per_stage) + " makes " +
-                                  std::to_string(layers) + " layers into " + std::to_string((layers + spec.pipeline_layers_per_stage - 1) / spec.pipeline_layers_per_stage) +
-                                  " stages, not pipeline_parallel_degree " + std::to_string(stages) + " (more would be virtual stages, which spmdx does not have yet)");
+                                  std::to_string(layers) + " layers into " + std::to_string(made) + " stages, not pipeline_parallel_degree " +
+                                  std::to_string(stages) + (made > stages ? " (more would be virtual stages, which spmdx does not have yet)" : "") +
+                                  ": use " + std::to_string((layers + stages - 1) / stages) + ", or unset it for an even split");
     }
     for (std::int64_t st = 1; st < stages; ++st) first.push_back(st * spec.pipeline_layers_per_stage);
     return first;

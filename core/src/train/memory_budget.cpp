@@ -81,7 +81,9 @@ std::vector<Candidate> candidates(const JobSpec& configured, bool layers) {
 
 std::int64_t state_copy_bytes(const ir::Graph& rank_graph, const std::vector<std::string>& params) {
   std::int64_t bytes = 0;
-  for (const auto& name : train_state_names(params)) bytes += rank_graph.find_input(name)->meta().nbytes();
+  for (const auto& name : train_state_names(params)) {
+    if (const ir::Value* v = rank_graph.find_input(name)) bytes += v->meta().nbytes();  // a pipeline stage holds its own
+  }
   return bytes;
 }
 

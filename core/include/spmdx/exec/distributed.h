@@ -114,6 +114,7 @@ class DistributedExecutor {
   std::vector<std::vector<const ir::Value*>> dead_;  // per plan position: values whose last use it is
   std::vector<std::string> mesh_dim_names_;
   std::vector<std::uint64_t> seq_;  // per mesh dim: collectives issued so far over the run
+  std::uint64_t p2p_seq_ = 0;       // sends and recvs issued so far over the run
   CommBackend* backend_;
   std::int64_t rank_ = 0;
   Device* device_;                     // null: the CPU
