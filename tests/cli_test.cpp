@@ -263,7 +263,6 @@ TEST(Cli, PipelineStagesArePlannedAndBadOnesRefused) {
   EXPECT_EQ(nlohmann::json::parse(ceil.output.substr(ceil.output.find('{'))).at("pipeline").at("per_stage").at(1).at("first_layer").get<int>(), 3);
   refused("--parallelism.pipeline_parallel_schedule_csv x.csv", "pipeline schedules from a CSV file");
   refused("--parallelism.pipeline_parallel_schedule Interleaved1F1B", "\"Interleaved1F1B\" (virtual stages) is not in spmdx yet");
-  refused("--validation.enable true --validation.paths x.txt", "spmdx does not run validation through pipeline stages yet");
   refused("--world-size 5", "parallelism.pipeline_parallel_degree 2 does not divide world_size 5");
 }
 

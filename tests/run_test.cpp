@@ -94,17 +94,27 @@ TEST(Run, PipelineStagesGiveTheLossesOfOneRank) {
   test::TempDir dir;
   const std::string common = " --data.paths '" + corpus_file(dir) + "' --training.steps 5 --training.global_batch_size 8 --training.seq_len 32 --model.n_layers 4";
   const std::string config = "'" SPMDX_SOURCE_DIR "/configs/llama_fsdp.toml'";
-  auto one = spmdx_run(config + " --nproc 1 --job.dump_folder '" + (dir / "one").string() + "'" + common);
+  const std::string validation = " --validation.enable true --validation.paths '" + corpus_file(dir) + "' --validation.freq 5 --validation.steps 2";
+  auto one = spmdx_run(config + " --nproc 1 --job.dump_folder '" + (dir / "one").string() + "'" + common + validation);
   ASSERT_EQ(one.exit_code, 0) << one.output;
   const auto want = losses(dir / "one" / "metrics.jsonl");
   const auto want_norms = test::column(dir / "one" / "metrics.jsonl", "grad_norm");
+  auto val_losses = [](const fs::path& metrics) {  // the rows that validated
+    std::vector<double> out;
+    for (const auto& row : test::rows(metrics)) {
+      if (row.contains("val_loss")) out.push_back(row.at("val_loss").get<double>());
+    }
+    return out;
+  };
+  const auto want_val = val_losses(dir / "one" / "metrics.jsonl");
   ASSERT_EQ(want.size(), 5u);
+  ASSERT_EQ(want_val.size(), 1u);
   const std::string pp = " --parallelism.data_parallel_shard_degree 1 --parallelism.pipeline_parallel_degree ";
   const std::vector<std::tuple<std::string, int, std::string, std::string>> layouts = {
       {"pp2 1F1B", 2, pp + "2", "2 stages (mesh dim pp) of 1 rank, schedule 1F1B, 8 microbatches"},
       {"pp2 GPipe", 2, pp + "2 --parallelism.pipeline_parallel_schedule GPipe --parallelism.pipeline_parallel_microbatch_size 2",
        "schedule GPipe, 4 microbatches"},
-      {"pp4 1F1B", 4, pp + "4", "4 stages (mesh dim pp) of 1 rank, schedule 1F1B, 8 microbatches"},
+      {"pp4 1F1B", 4, pp + "4" + validation, "4 stages (mesh dim pp) of 1 rank, schedule 1F1B, 8 microbatches"},
       {"pp4 GPipe", 4, pp + "4 --parallelism.pipeline_parallel_schedule GPipe", "schedule GPipe, 8 microbatches"},
       {"pp2xfsdp2", 4, " --parallelism.pipeline_parallel_degree 2 --parallelism.data_parallel_shard_degree 2 --hooks.enable flight_recorder",
        "2 stages (mesh dim pp) of 2 ranks"},
@@ -121,6 +131,11 @@ TEST(Run, PipelineStagesGiveTheLossesOfOneRank) {
     for (std::size_t i = 0; i < want.size(); ++i) {
       EXPECT_NEAR(got[i], want[i], 1e-5 * std::abs(want[i])) << name << " step " << i + 1;
       EXPECT_NEAR(norms[i], want_norms[i], 1e-5 * std::abs(want_norms[i])) << name << " step " << i + 1;
+    }
+    if (flags.find("validation") != std::string::npos) {  // the held-out loss through the stages, forward only
+      const auto val = val_losses(folder / "metrics.jsonl");
+      ASSERT_EQ(val.size(), 1u) << name;
+      EXPECT_NEAR(val[0], want_val[0], 1e-5 * std::abs(want_val[0])) << name;
     }
     if (flags.find("flight_recorder") != std::string::npos) {  // the stages' dumps (with their sends and recvs) read back whole
       auto fr = test::run_command("'" SPMDX_EXE "' fr-trace '" + (folder / "hooks" / "flight_recorder").string() + "'");

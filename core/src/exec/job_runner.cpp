@@ -456,15 +456,23 @@ struct Validation {
              const data::Tokenizer& tokenizer)
       : placed(train::place_validation(spec, job)),
         plan(sharding::propagate(placed.model.graph, job.mesh, placed.inputs, {}, job.use, false)),
-        graph(sharding::rank_graph(plan, rank)),
-        executor(graph, job.mesh, rank, backend, timeout, options(spec.plan), &device),
+        graph(stage_of(sharding::rank_graph(plan, rank % job.mesh.size()), job, rank)),
+        executor(graph, train::run_mesh(job), rank, backend, timeout, options(spec.plan), &device),
         dataset(train::validation_data(spec), tokenizer),
         steps(spec.validation.steps > 0 ? spec.validation.steps
                                         : std::max<std::int64_t>(1, static_cast<std::int64_t>(dataset.stream().size()) /
                                                                         (spec.validation.global_batch_size * spec.seq_len))),
         mesh(job.mesh),
-        coord(job.mesh.coordinate(rank)),
+        coord(job.mesh.coordinate(rank % job.mesh.size())),
         on(device.device()) {}
+
+  // With pipeline stages, `rank`'s stage of the forward (one microbatch: the stages in turn).
+  static ir::Graph stage_of(ir::Graph g, const train::PlacedJob& job, std::int64_t rank) {
+    if (job.pipeline.stages == 1) return g;
+    train::PipelineSpec forward_only = job.pipeline;
+    forward_only.microbatches = 1;
+    return std::move(train::stage_graph(g, forward_only, job.model.params, rank, job.mesh.size()).graph);
+  }
 
   static plan::PlanOptions options(plan::PlanOptions o) {
     o.donate_state = false;  // the inputs are the train state: never a buffer of this graph's

@@ -294,12 +294,6 @@ void read_pipeline(const config::Config& cfg, const std::vector<std::int64_t>& e
     problems.add({"parallelism.pipeline_parallel_split_points", "parallelism.pipeline_parallel_layers_per_stage"},
                  "parallelism.pipeline_parallel_split_points and pipeline_parallel_layers_per_stage both say where the stages begin: keep one");
   }
-  // Not carried across stages yet: the validation graph is one stage's plan.
-  if (s.validation.enable) {
-    problems.add({"validation.enable", "parallelism.pipeline_parallel_degree"},
-                 "validation.enable = true with parallelism.pipeline_parallel_degree " + std::to_string(p.stages) +
-                 ": spmdx does not run validation through pipeline stages yet; set validation.enable = false or pipeline_parallel_degree = 1");
-  }
   const std::int64_t dp = s.dims.dp_replicate * s.dims.dp_shard;
   const std::int64_t rows = cfg.get_int("parallelism.pipeline_parallel_microbatch_size");
   if (!exported.empty()) {  // an exported program fixes the microbatch: its batch; gradient accumulation's microbatches are the pipeline's
