@@ -211,6 +211,7 @@ struct DistributedExecutor::Step {
   std::vector<at::Tensor> bucket_flat, bucket_out;
   int skip_bucket = -1;  // the planted fault's bucket: never issued
   std::vector<std::shared_ptr<Issued>> issued;  // every call of the step, for the host's last wait
+  std::vector<std::shared_ptr<Issued>> sends;   // sends in flight: their tensors go once they are done
 
   void keep(const ir::Value* v, at::Tensor t) {
     hold(t);
@@ -456,6 +457,7 @@ void DistributedExecutor::issue_point_to_point(Step& s, std::size_t index) {
     p.finish = [buf] { return buf; };
   }
   s.pending.emplace(n.output(), std::move(p));
+  if (send) s.sends.push_back(is);
   if (!send && !plan_.options.overlap) s.value(n.output());
 }
 
@@ -542,6 +544,16 @@ TensorMap DistributedExecutor::run(const TensorMap& inputs, std::int64_t step) {
       add_to_bucket(s, pos, index, skip);
     } else {
       issue_collective(s, index);
+    }
+    // A send done lets its tensor go now, as the memory plan has it after the send's node, not at
+    // the step's end (test() only looks: nothing waits here).
+    for (auto it = s.sends.begin(); it != s.sends.end();) {
+      if ((*it)->work->test()) {
+        s.host_wait(**it, false);
+        it = s.sends.erase(it);
+      } else {
+        ++it;
+      }
     }
     // The high-water mark: the node's outputs are held while its inputs still are.
     stats_.peak_bytes = std::max(stats_.peak_bytes, s.held);
