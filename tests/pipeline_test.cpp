@@ -35,7 +35,8 @@ TEST(Pipeline, LayerIndexComesFromTheParameterName) {
   EXPECT_EQ(train::layer_of("model.layers.12.mlp.up_proj.weight"), 12);
   EXPECT_EQ(train::layer_of("tok_embeddings.weight"), -1);
   EXPECT_EQ(train::layer_of("output.weight"), -1);
-  EXPECT_EQ(train::layer_of("sublayers.3.w"), -1);  // not a "layers." component
+  EXPECT_EQ(train::layer_of("transformer.h.5.attn.c_attn.weight"), 5);  // GPT-2's numbered blocks too
+  EXPECT_EQ(train::layer_of("exp_avg.layers.2.feed_forward.w1.weight"), 2);
   EXPECT_EQ(train::layer_of("layers.x.w"), -1);
   PipelineSpec spec;
   spec.first_layer = {0, 3, 5};

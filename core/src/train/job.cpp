@@ -952,7 +952,7 @@ std::vector<std::int64_t> first_layers(const JobSpec& spec, const std::vector<st
     }
     for (const auto& name : spec.pipeline_split_points) {
       const std::int64_t layer = layer_of(name);
-      if (layer <= 0 || layer >= layers || name.substr(name.rfind("layers.")).find('.', 7) != std::string::npos) {
+      if (layer <= 0 || layer >= layers || models::layer_of(name) != name) {
         throw std::invalid_argument("parallelism.pipeline_parallel_split_points: \"" + name + "\" names no layer a stage can begin at: use \"layers.N\" with N from 1 to " +
                                     std::to_string(layers - 1));
       }

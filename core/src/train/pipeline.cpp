@@ -10,6 +10,7 @@
 #include <tuple>
 #include <unordered_map>
 
+#include "spmdx/models/model.h"
 #include "spmdx/train/train_step.h"
 
 namespace spmdx::train {
@@ -23,13 +24,10 @@ int PipelineSpec::stage_of_layer(std::int64_t layer) const {
 }
 
 std::int64_t layer_of(const std::string& name) {
-  for (std::size_t at = name.find("layers."); at != std::string::npos; at = name.find("layers.", at + 1)) {
-    if (at > 0 && name[at - 1] != '.') continue;
-    std::size_t i = at + 7, j = i;
-    while (j < name.size() && name[j] >= '0' && name[j] <= '9') ++j;
-    if (j > i && j - i < 10 && (j == name.size() || name[j] == '.')) return std::stoll(name.substr(i, j - i));
-  }
-  return -1;
+  const std::string prefix = models::layer_of(name);  // "layers.3", "model.layers.3", "transformer.h.3"; "tok_embeddings"
+  const std::string last = prefix.substr(prefix.rfind('.') == std::string::npos ? 0 : prefix.rfind('.') + 1);
+  if (last.empty() || last.size() > 9 || last.find_first_not_of("0123456789") != std::string::npos) return -1;
+  return std::stoll(last);
 }
 
 std::vector<std::vector<PipelineAction>> pipeline_schedule(const PipelineSpec& spec) {

@@ -32,8 +32,9 @@ struct PipelineSpec {
   int stage_of_layer(std::int64_t layer) const;
 };
 
-/// The layer index a parameter's name carries ("layers.3.attention.wq.weight" and Hugging
-/// Face's "model.layers.3.mlp.up_proj.weight": 3), or -1 ("tok_embeddings.weight").
+/// The layer index a parameter's name carries: the number ending models::layer_of's prefix
+/// ("layers.3.attention.wq.weight", Hugging Face's "model.layers.3.mlp.up_proj.weight", GPT-2's
+/// "transformer.h.3.attn.c_attn.weight": 3), or -1 ("tok_embeddings.weight").
 std::int64_t layer_of(const std::string& name);
 
 /// One entry of a stage's schedule: the forward or the backward of a microbatch.
