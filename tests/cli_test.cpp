@@ -264,6 +264,11 @@ TEST(Cli, PipelineStagesArePlannedAndBadOnesRefused) {
   refused("--parallelism.pipeline_parallel_schedule_csv x.csv", "pipeline schedules from a CSV file");
   refused("--parallelism.pipeline_parallel_schedule Interleaved1F1B", "\"Interleaved1F1B\" (virtual stages) is not in spmdx yet");
   refused("--world-size 5", "parallelism.pipeline_parallel_degree 2 does not divide world_size 5");
+  // A memory budget holds for every stage: stage 0 plans the most here (embedding, 2 microbatches
+  // of activations in flight), so a budget just under its peak is refused.
+  auto fits = spmdx(llama + " --parallelism.memory_budget 8MiB");
+  EXPECT_THAT(fits.output, HasSubstr("fits as configured")) << fits.output;
+  refused("--parallelism.memory_budget 1MiB", "is over the budget 1.0 MiB, and nothing spmdx tries fits");
 }
 
 TEST(Cli, EnvironmentPathIsSearched) {

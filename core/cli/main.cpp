@@ -542,7 +542,7 @@ int run_compile(const CompileOptions& o) {
                                               char b[16];
                                               std::snprintf(b, sizeof b, "%.3f", spmdx::train::bubble_fraction(job.pipeline));
                                               return std::string(b);
-                                            }() + " (the figures above are one stage's mesh, whole model)\n" + stages_text
+                                            }() + " (parameters, gradients, AdamW state and communication above: the whole model on one stage's mesh; the planned peak: stage 0's)\n" + stages_text
                                         : std::string())
             << (spec.memory_fit.empty() ? "" : spec.memory_fit + "\n");
   for (const auto& [layout, why] : spec.strategies_passed_over) {

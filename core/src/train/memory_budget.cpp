@@ -88,10 +88,18 @@ std::int64_t state_copy_bytes(const ir::Graph& rank_graph, const std::vector<std
 }
 
 PlannedStep plan_step(const PlacedJob& job, const JobSpec& spec, std::int64_t rank) {
+  if (rank < 0) {  // the stage with the highest peak
+    PlannedStep worst;
+    for (std::int64_t s = 0; s < job.pipeline.stages; ++s) {
+      PlannedStep step = plan_step(job, spec, s * job.mesh.size());
+      if (s == 0 || step.memory.peak_bytes > worst.memory.peak_bytes) worst = std::move(step);
+    }
+    return worst;
+  }
   const auto plan = propagate_job(job);
-  const ir::Graph graph = rank_step_graph(plan, rank, spec);
+  const ir::Graph graph = rank_program(job, plan, rank, spec);
   PlannedStep step;
-  step.memory = plan::plan_memory(graph, plan::make_runtime_plan(graph, job.mesh, spec.plan));
+  step.memory = plan::plan_memory(graph, plan::make_runtime_plan(graph, run_mesh(job), spec.plan));
   if (spec.comm.failover() && spec.world_size > 1) step.memory.add_state_copy(state_copy_bytes(graph, job.model.params));
   step.comm_seconds = plan.comm_seconds;
   for (const auto& n : graph.nodes()) step.flops += hooks::node_flops(*n);
@@ -101,13 +109,13 @@ PlannedStep plan_step(const PlacedJob& job, const JobSpec& spec, std::int64_t ra
 std::string fit_memory_budget(JobSpec& spec, PluginRegistry& registry) {
   if (spec.memory_budget <= 0) return "";
   const PlacedJob placed = place_job(spec, registry);
-  const PlannedStep configured = plan_step(placed, spec);
+  const PlannedStep configured = plan_step(placed, spec, -1);
   const std::string head = "parallelism.memory_budget = " + bytes(spec.memory_budget) + ": planned peak per rank " + bytes(configured.memory.peak_bytes);
   if (configured.memory.peak_bytes <= spec.memory_budget) return head + " fits as configured";
   std::string tried = "as configured " + bytes(configured.memory.peak_bytes);
   PlannedStep last = configured;
   for (const Candidate& c : candidates(spec, has_layers(placed))) {
-    const PlannedStep step = plan_step(place_job(c.spec, registry), c.spec);
+    const PlannedStep step = plan_step(place_job(c.spec, registry), c.spec, -1);
     if (step.memory.peak_bytes <= spec.memory_budget) {
       char flops[64];
       const double more = std::round(100.0 * (step.flops / configured.flops - 1));

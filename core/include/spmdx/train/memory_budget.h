@@ -25,12 +25,13 @@ struct PlannedStep {
 /// (comm.fallback): what MemoryPlan::add_state_copy adds.
 std::int64_t state_copy_bytes(const ir::Graph& rank_graph, const std::vector<std::string>& params);
 
-/// Propagates `job`, makes `rank`'s graph and its RuntimePlan with spec.plan's options, and
-/// simulates it (plan_memory).
+/// Propagates `job`, makes `rank`'s graph (with pipeline stages, its stage's: rank_program) and
+/// its RuntimePlan with spec.plan's options, and simulates it (plan_memory). `rank` -1: the
+/// stage with the highest planned peak (each stage's first rank; rank 0 without stages).
 PlannedStep plan_step(const PlacedJob& job, const JobSpec& spec, std::int64_t rank = 0);
 
-/// parallelism.memory_budget (spec.memory_budget bytes; 0: none). When rank 0's planned peak is
-/// over it, tries in order, each on top of the one before: FSDP resharding after the forward
+/// parallelism.memory_budget (spec.memory_budget bytes; 0: none). When rank 0's planned peak
+/// (with pipeline stages, the highest stage's) is over it, tries in order, each on top of the one before: FSDP resharding after the forward
 /// (when data_parallel_shard_degree > 1 and it is off), selective activation checkpointing
 /// ("op"), full activation checkpointing, then a higher data_parallel_shard_degree taken from
 /// data_parallel_replicate_degree (a prime factor at a time: HSDP towards FSDP, DDP towards
