@@ -40,17 +40,20 @@ TEST(Pipeline, LayerIndexComesFromTheParameterName) {
   EXPECT_EQ(train::layer_of("layers.x.w"), -1);
   PipelineSpec spec;
   spec.first_layer = {0, 3, 5};
-  EXPECT_EQ(spec.stage_of_layer(0), 0);
-  EXPECT_EQ(spec.stage_of_layer(2), 0);
-  EXPECT_EQ(spec.stage_of_layer(3), 1);
-  EXPECT_EQ(spec.stage_of_layer(4), 1);
-  EXPECT_EQ(spec.stage_of_layer(9), 2);
+  EXPECT_EQ(spec.chunk_of_layer(0), 0);
+  EXPECT_EQ(spec.chunk_of_layer(2), 0);
+  EXPECT_EQ(spec.chunk_of_layer(3), 1);
+  EXPECT_EQ(spec.chunk_of_layer(4), 1);
+  EXPECT_EQ(spec.chunk_of_layer(9), 2);
+  spec = {2, "Interleaved1F1B", 4, 2, {0, 2, 4, 5}};  // 2 stages of 2 chunks: stage 0 holds chunks 0 and 2
+  EXPECT_EQ(train::stage_layers(spec, 0), "layers 0 to 1, layer 4");
+  EXPECT_EQ(train::stage_layers(spec, 1), "layers 2 to 3, layers 5 on");
 }
 
 // GPipe runs every forward first; 1F1B (PipeDream-Flush) warms up with stages - 1 - s forwards,
 // then alternates, as torch.distributed.pipelining.Schedule1F1B.
 TEST(Pipeline, SchedulesRunEachMicrobatchForwardThenBackwardInTheirOrder) {
-  PipelineSpec spec{2, "GPipe", 4, {0, 1}};
+  PipelineSpec spec{2, "GPipe", 4, 1, {0, 1}};
   auto s = train::pipeline_schedule(spec);
   EXPECT_EQ(order(s[0]), "F0 F1 F2 F3 B0 B1 B2 B3");
   EXPECT_EQ(order(s[1]), "F0 F1 F2 F3 B0 B1 B2 B3");
@@ -58,20 +61,33 @@ TEST(Pipeline, SchedulesRunEachMicrobatchForwardThenBackwardInTheirOrder) {
   s = train::pipeline_schedule(spec);
   EXPECT_EQ(order(s[0]), "F0 F1 B0 F2 B1 F3 B2 B3");
   EXPECT_EQ(order(s[1]), "F0 B0 F1 B1 F2 B2 F3 B3");
-  spec = {4, "1F1B", 8, {0, 1, 2, 3}};
+  spec = {4, "1F1B", 8, 1, {0, 1, 2, 3}};
   s = train::pipeline_schedule(spec);
   EXPECT_EQ(order(s[0]), "F0 F1 F2 F3 B0 F4 B1 F5 B2 F6 B3 F7 B4 B5 B6 B7");
   EXPECT_EQ(order(s[3]), "F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 F7 B7");
   spec.microbatches = 2;  // fewer microbatches than stages: the warm-up is cut short
   EXPECT_EQ(order(train::pipeline_schedule(spec)[0]), "F0 F1 B0 B1");
-  EXPECT_DOUBLE_EQ(train::bubble_fraction({4, "1F1B", 8, {0, 1, 2, 3}}), 3.0 / 11.0);
-  EXPECT_DOUBLE_EQ(train::bubble_fraction({2, "GPipe", 4, {0, 1}}), 1.0 / 5.0);
+  // Interleaved1F1B, 2 stages of 2 chunks, 4 microbatches (chunk after the microbatch): groups
+  // of 2 microbatches through chunk 0 then chunk 1 of the stage; stage 0 warms up with 4
+  // forwards, stage 1 with 2; every chunk's forward and backward of every microbatch once.
+  spec = {2, "Interleaved1F1B", 4, 2, {0, 1, 2, 3}};
+  s = train::pipeline_schedule(spec);
+  auto chunked = [](const std::vector<PipelineAction>& actions) {
+    std::string out;
+    for (const auto& a : actions) out += (out.empty() ? "" : " ") + std::string(a.forward ? "F" : "B") + std::to_string(a.microbatch) + "c" + std::to_string(a.chunk);
+    return out;
+  };
+  EXPECT_EQ(chunked(s[0]), "F0c0 F1c0 F0c2 F1c2 F2c0 B0c2 F3c0 B1c2 F2c2 B0c0 F3c2 B1c0 B2c2 B3c2 B2c0 B3c0");
+  EXPECT_EQ(chunked(s[1]), "F0c1 F1c1 F0c3 B0c3 F1c3 B1c3 F2c1 B0c1 F3c1 B1c1 F2c3 B2c3 F3c3 B3c3 B2c1 B3c1");
+  EXPECT_DOUBLE_EQ(train::bubble_fraction(spec), 1.0 / 9.0);
+  EXPECT_DOUBLE_EQ(train::bubble_fraction({4, "1F1B", 8, 1, {0, 1, 2, 3}}), 3.0 / 11.0);
+  EXPECT_DOUBLE_EQ(train::bubble_fraction({2, "GPipe", 4, 1, {0, 1}}), 1.0 / 5.0);
 }
 
 // The tick table: forwards 1 tick, backwards 2; with 2 stages and 2 microbatches, stage 1 starts
 // a tick late and stage 0 waits for stage 1's backwards: 9 ticks, 3 of them idle on each stage.
 TEST(Pipeline, ScheduleTableShowsEachStagesTicksAndIdleShare) {
-  const std::string table = train::schedule_table({2, "GPipe", 2, {0, 1}}, 1);
+  const std::string table = train::schedule_table({2, "GPipe", 2, 1, {0, 1}}, 1);
   EXPECT_THAT(table, HasSubstr("theoretical bubble (stages - 1) / (microbatches + stages - 1) = 0.333; 9 ticks"));
   EXPECT_THAT(table, HasSubstr(" stage 0 (idle 0.333) | F0  F1  .   .   .   B0  B0  B1  B1\n"));
   EXPECT_THAT(table, HasSubstr("*stage 1 (idle 0.333) | .   F0  F1  B0  B0  B1  B1  .   .\n"));
@@ -98,7 +114,7 @@ TEST(Pipeline, StagesHoldTheirLayersAndExchangeWhatTheyRead) {
   train::TrainStepConfig step;
   step.microbatches = 2;
   train::append_train_step(m.graph, m.params, step);
-  const PipelineSpec spec{2, "1F1B", 2, {0, 2}};
+  const PipelineSpec spec{2, "1F1B", 2, 1, {0, 2}};
   const auto stages = train::node_stages(m.graph, spec, m.params);
   ASSERT_EQ(stages.size(), m.graph.num_nodes());
   std::vector<train::StageGraph> parts;
@@ -140,7 +156,7 @@ TEST(Pipeline, MoreStagesThanParameterHoldersAreRefused) {
   models::Model m = llama(2, 2);
   train::append_train_step(m.graph, m.params, {});
   // Stage 1 of 3 would begin at layer 5 of 2: no parameter there.
-  EXPECT_THROW(train::stage_graph(m.graph, {3, "1F1B", 1, {0, 5, 6}}, m.params, 0, 1), std::invalid_argument);
+  EXPECT_THROW(train::stage_graph(m.graph, {3, "1F1B", 1, 1, {0, 5, 6}}, m.params, 0, 1), std::invalid_argument);
 }
 
 // Runs `graphs` (one per rank) on threads with in-process comm backends; returns each rank's
@@ -191,8 +207,10 @@ TEST(Pipeline, StagesGiveTheUpdatesOfOneRank) {
   struct Case {
     std::int64_t stages, microbatches;
     std::string schedule;
+    std::int64_t virtual_stages = 1;
   };
-  for (const Case& c : {Case{2, 4, "1F1B"}, Case{2, 4, "GPipe"}, Case{4, 8, "1F1B"}, Case{4, 2, "GPipe"}}) {
+  for (const Case& c : {Case{2, 4, "1F1B"}, Case{2, 4, "GPipe"}, Case{4, 8, "1F1B"}, Case{4, 2, "GPipe"}, Case{2, 4, "Interleaved1F1B", 2},
+                        Case{2, 8, "Interleaved1F1B", 2}}) {
     SCOPED_TRACE(std::to_string(c.stages) + " stages, " + std::to_string(c.microbatches) + " microbatches, " + c.schedule);
     const std::int64_t rows = 8 / c.microbatches;
     models::Model m = llama(4, rows);
@@ -222,8 +240,8 @@ TEST(Pipeline, StagesGiveTheUpdatesOfOneRank) {
         }
       }
     }
-    PipelineSpec spec{c.stages, c.schedule, c.microbatches, {}};
-    for (std::int64_t s = 0; s < c.stages; ++s) spec.first_layer.push_back(s * 4 / c.stages);
+    PipelineSpec spec{c.stages, c.schedule, c.microbatches, c.virtual_stages, {}};
+    for (std::int64_t s = 0; s < spec.chunks(); ++s) spec.first_layer.push_back(s * 4 / spec.chunks());
     std::vector<ir::Graph> graphs;
     std::vector<exec::TensorMap> feeds;
     for (std::int64_t r = 0; r < c.stages; ++r) {

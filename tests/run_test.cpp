@@ -116,6 +116,7 @@ TEST(Run, PipelineStagesGiveTheLossesOfOneRank) {
        "schedule GPipe, 4 microbatches"},
       {"pp4 1F1B", 4, pp + "4" + validation, "4 stages (mesh dim pp) of 1 rank, schedule 1F1B, 8 microbatches"},
       {"pp4 GPipe", 4, pp + "4 --parallelism.pipeline_parallel_schedule GPipe", "schedule GPipe, 8 microbatches"},
+      {"pp2 Interleaved1F1B", 2, pp + "2 --parallelism.pipeline_parallel_schedule Interleaved1F1B", "schedule Interleaved1F1B, 8 microbatches"},
       {"pp2xfsdp2", 4, " --parallelism.pipeline_parallel_degree 2 --parallelism.data_parallel_shard_degree 2 --hooks.enable flight_recorder",
        "2 stages (mesh dim pp) of 2 ranks"},
       {"pp2xtp2+sp", 4, pp + "2 --parallelism.tensor_parallel_degree 2 --parallelism.enable_sequence_parallel true", "2 stages (mesh dim pp) of 2 ranks"},

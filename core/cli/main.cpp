@@ -468,13 +468,11 @@ int run_compile(const CompileOptions& o) {
       const spmdx::plan::RuntimePlan runtime = spmdx::plan::make_runtime_plan(g, mesh, spec.plan);
       const std::int64_t peak = spmdx::plan::plan_memory(g, runtime).peak_bytes;
       const std::int64_t first = job.pipeline.first_layer[static_cast<std::size_t>(st)];
-      const std::int64_t end = st + 1 < job.pipeline.stages ? job.pipeline.first_layer[static_cast<std::size_t>(st + 1)] : -1;
-      stages_json.push_back({{"stage", st}, {"first_layer", first}, {"sends", staged.sends}, {"recvs", staged.recvs}, {"bytes_sent", staged.bytes_sent},
+      const bool last = st + 1 == job.pipeline.stages;
+      stages_json.push_back({{"stage", st}, {"first_layer", first}, {"layers", spmdx::train::stage_layers(job.pipeline, st)}, {"sends", staged.sends}, {"recvs", staged.recvs}, {"bytes_sent", staged.bytes_sent},
                              {"planned_peak_bytes", peak}, {"nodes", g.num_nodes()}});
       const std::int64_t r0 = st * job.mesh.size(), r1 = (st + 1) * job.mesh.size() - 1;
-      const std::string layers = end < 0 ? "layers " + std::to_string(first) + " on, the final norm and output"
-                                 : end - 1 == first ? "layer " + std::to_string(first)
-                                                    : "layers " + std::to_string(first) + " to " + std::to_string(end - 1);
+      const std::string layers = spmdx::train::stage_layers(job.pipeline, st) + (last ? ", the final norm and output" : "");
       stages_text += "  stage " + std::to_string(st) + (r0 == r1 ? " (rank " + std::to_string(r0) : " (ranks " + std::to_string(r0) + "-" + std::to_string(r1)) + "): " +
                      (st == 0 ? "the embedding, " : "") + layers + ", " + std::to_string(staged.sends) + " sends (" +
                      spmdx::human_bytes(static_cast<double>(staged.bytes_sent)) + ") and " + std::to_string(staged.recvs) + " recvs a step, planned peak " +
@@ -536,7 +534,9 @@ int run_compile(const CompileOptions& o) {
             << comm_ms << " ms at 10 GB/s, 10 us per message)\n"
             << "planned peak memory (rank 0): " << planned.memory.str() << "\n"
             << (job.sequence_parallel_off.empty() ? "" : "sequence parallel: off, " + job.sequence_parallel_off + "\n")
-            << (job.pipeline.stages > 1 ? "pipeline: " + std::to_string(job.pipeline.stages) + " stages, schedule " + job.pipeline.schedule + ", " +
+            << (job.pipeline.stages > 1 ? "pipeline: " + std::to_string(job.pipeline.stages) + " stages" +
+                                              (job.pipeline.virtual_stages > 1 ? " of " + std::to_string(job.pipeline.virtual_stages) + " chunks" : std::string()) +
+                                              ", schedule " + job.pipeline.schedule + ", " +
                                               std::to_string(job.pipeline.microbatches) + " microbatches, theoretical bubble " +
                                               [&] {
                                               char b[16];

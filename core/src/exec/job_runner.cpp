@@ -1101,8 +1101,8 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
                   static_cast<long long>(job.pipeline.stages), static_cast<long long>(job.mesh.size()), job.mesh.size() == 1 ? "" : "s", job.pipeline.schedule.c_str(),
                   static_cast<long long>(job.pipeline.microbatches), train::bubble_fraction(job.pipeline), static_cast<long long>(staged.sends),
                   static_cast<long long>(staged.recvs));
-      std::printf("pipeline stages begin at layers");
-      for (const auto l : job.pipeline.first_layer) std::printf(" %lld", static_cast<long long>(l));
+      std::printf("pipeline stages hold:");
+      for (std::int64_t st = 0; st < job.pipeline.stages; ++st) std::printf("%s stage %lld %s", st ? ";" : "", static_cast<long long>(st), train::stage_layers(job.pipeline, st).c_str());
       std::printf("\n");
       std::fflush(stdout);
     }

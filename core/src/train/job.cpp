@@ -283,10 +283,6 @@ void read_pipeline(const config::Config& cfg, const std::vector<std::int64_t>& e
     p.microbatches = s.step.microbatches;
     return;
   }
-  if (p.schedule == "Interleaved1F1B") {
-    problems.add({"parallelism.pipeline_parallel_schedule"}, "parallelism.pipeline_parallel_schedule = \"Interleaved1F1B\" (virtual stages) is not in spmdx yet: "
-                 "use \"1F1B\" or \"GPipe\"");
-  }
   if (s.pipeline_layers_per_stage == 0 || s.pipeline_layers_per_stage < -1) {
     problems.add({"parallelism.pipeline_parallel_layers_per_stage"}, "parallelism.pipeline_parallel_layers_per_stage must be positive, or -1 (unset)");
   }
@@ -308,6 +304,12 @@ void read_pipeline(const config::Config& cfg, const std::vector<std::int64_t>& e
     return;
   }
   s.step.microbatches = p.microbatches = std::max<std::int64_t>(1, s.global_batch_size / (dp * rows));
+  if (p.schedule == "Interleaved1F1B" && p.microbatches % p.stages != 0) {
+    problems.add({"parallelism.pipeline_parallel_schedule", "parallelism.pipeline_parallel_microbatch_size", "training.global_batch_size"},
+                 "parallelism.pipeline_parallel_schedule = \"Interleaved1F1B\" runs microbatches in groups of pipeline_parallel_degree " + std::to_string(p.stages) +
+                 ", and training.global_batch_size " + std::to_string(s.global_batch_size) + " makes " + std::to_string(p.microbatches) +
+                 ": make the microbatches (global_batch_size / (data-parallel degree x pipeline_parallel_microbatch_size)) a multiple of " + std::to_string(p.stages));
+  }
 }
 
 // The typed sections a rank's run loop reads: [comm], [checkpoint], [data], outputs.
@@ -938,18 +940,30 @@ namespace {
 // Throws std::invalid_argument naming the key when the stages do not fit the model's layers.
 std::vector<std::int64_t> first_layers(const JobSpec& spec, const std::vector<std::string>& params) {
   const std::int64_t stages = spec.pipeline.stages;
+  const bool interleaved = spec.pipeline.schedule == "Interleaved1F1B";
   std::int64_t layers = 0;
   for (const auto& p : params) layers = std::max(layers, layer_of(p) + 1);
-  if (layers < stages) {
-    throw std::invalid_argument("parallelism.pipeline_parallel_degree " + std::to_string(stages) + " is more stages than the model's " + std::to_string(layers) +
-                                " layers: use at most " + std::to_string(layers) + " stages");
+  // The chunks the layers make (stages; with Interleaved1F1B, several per stage: 2 unless the
+  // split points or layers_per_stage say otherwise).
+  std::int64_t chunks = interleaved ? 2 * stages : stages;
+  if (!spec.pipeline_split_points.empty()) chunks = static_cast<std::int64_t>(spec.pipeline_split_points.size()) + 1;
+  if (spec.pipeline_layers_per_stage > 0) chunks = (layers + spec.pipeline_layers_per_stage - 1) / spec.pipeline_layers_per_stage;  // torchtitan's count
+  if (layers < chunks) {
+    throw std::invalid_argument("parallelism.pipeline_parallel_degree " + std::to_string(stages) + " is more " + (interleaved ? "chunks (" + std::to_string(chunks) + ", Interleaved1F1B)" : std::string("stages")) +
+                                " than the model's " + std::to_string(layers) + " layers: use at most " + std::to_string(interleaved ? layers / 2 : layers) + " stages");
+  }
+  if (interleaved ? chunks % stages != 0 || chunks < 2 * stages : chunks != stages) {
+    const std::string key = spec.pipeline_split_points.empty() ? "parallelism.pipeline_parallel_layers_per_stage " + std::to_string(spec.pipeline_layers_per_stage)
+                                                               : "parallelism.pipeline_parallel_split_points";
+    const std::string want = interleaved ? "a multiple of pipeline_parallel_degree " + std::to_string(stages) + ", at least twice it (Interleaved1F1B)"
+                                         : "pipeline_parallel_degree " + std::to_string(stages);
+    throw std::invalid_argument(key + " makes " + std::to_string(layers) + " layers into " + std::to_string(chunks) + " stages, not " + want +
+                                (interleaved ? "" : (chunks > stages ? " (more are virtual stages: pipeline_parallel_schedule = \"Interleaved1F1B\")" : std::string())) +
+                                (spec.pipeline_split_points.empty() ? ": use " + std::to_string((layers + chunks - 1) / chunks) + ", or unset it for an even split"
+                                                                    : std::string()));
   }
   std::vector<std::int64_t> first{0};
   if (!spec.pipeline_split_points.empty()) {
-    if (static_cast<std::int64_t>(spec.pipeline_split_points.size()) != stages - 1) {
-      throw std::invalid_argument("parallelism.pipeline_parallel_split_points names " + std::to_string(spec.pipeline_split_points.size()) +
-                                  " layers; " + std::to_string(stages) + " stages begin at " + std::to_string(stages - 1) + " of them (stage 0 at the first layer)");
-    }
     for (const auto& name : spec.pipeline_split_points) {
       const std::int64_t layer = layer_of(name);
       if (layer <= 0 || layer >= layers || models::layer_of(name) != name) {
@@ -965,17 +979,10 @@ std::vector<std::int64_t> first_layers(const JobSpec& spec, const std::vector<st
     return first;
   }
   if (spec.pipeline_layers_per_stage > 0) {
-    // torchtitan's count: the last stage takes what is left.
-    if (const std::int64_t made = (layers + spec.pipeline_layers_per_stage - 1) / spec.pipeline_layers_per_stage; made != stages) {
-      throw std::invalid_argument("parallelism.pipeline_parallel_layers_per_stage " + std::to_string(spec.pipeline_layers_per_stage) + " makes " +
-                                  std::to_string(layers) + " layers into " + std::to_string(made) + " stages, not pipeline_parallel_degree " +
-                                  std::to_string(stages) + (made > stages ? " (more would be virtual stages, which spmdx does not have yet)" : "") +
-                                  ": use " + std::to_string((layers + stages - 1) / stages) + ", or unset it for an even split");
-    }
-    for (std::int64_t st = 1; st < stages; ++st) first.push_back(st * spec.pipeline_layers_per_stage);
+    for (std::int64_t c = 1; c < chunks; ++c) first.push_back(c * spec.pipeline_layers_per_stage);
     return first;
   }
-  for (std::int64_t st = 1; st < stages; ++st) first.push_back(first.back() + layers / stages + (st - 1 < layers % stages ? 1 : 0));
+  for (std::int64_t c = 1; c < chunks; ++c) first.push_back(first.back() + layers / chunks + (c - 1 < layers % chunks ? 1 : 0));
   return first;
 }
 
@@ -985,7 +992,10 @@ PlacedJob place_job(const JobSpec& spec, PluginRegistry& registry) {
   PlacedJob job{forward_model(spec, spec.global_batch_size / spec.step.microbatches), sharding::make_mesh(spec.dims, spec.world_size / spec.pipeline.stages),
                 {}, {}, {}, spec.reshard_after_forward};
   job.pipeline = spec.pipeline;
-  if (spec.pipeline.stages > 1) job.pipeline.first_layer = first_layers(spec, job.model.params);
+  if (spec.pipeline.stages > 1) {
+    job.pipeline.first_layer = first_layers(spec, job.model.params);
+    job.pipeline.virtual_stages = static_cast<std::int64_t>(job.pipeline.first_layer.size()) / spec.pipeline.stages;
+  }
   if (spec.loss_parallel && spec.dims.tp > 1) {
     job.model.graph = vocab_parallel_cross_entropy(job.model.graph);
     job.loss_parallel = true;

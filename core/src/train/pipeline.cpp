@@ -18,7 +18,7 @@ namespace spmdx::train {
 using ir::Node;
 using ir::Value;
 
-int PipelineSpec::stage_of_layer(std::int64_t layer) const {
+int PipelineSpec::chunk_of_layer(std::int64_t layer) const {
   const auto it = std::upper_bound(first_layer.begin(), first_layer.end(), layer);
   return static_cast<int>(std::max<std::ptrdiff_t>(0, (it - first_layer.begin()) - 1));
 }
@@ -31,34 +31,60 @@ std::int64_t layer_of(const std::string& name) {
 }
 
 std::vector<std::vector<PipelineAction>> pipeline_schedule(const PipelineSpec& spec) {
-  const std::int64_t p = spec.stages, m = spec.microbatches;
+  const std::int64_t p = spec.stages, m = spec.microbatches, v = spec.virtual_stages;
   std::vector<std::vector<PipelineAction>> out(static_cast<std::size_t>(p));
   for (std::int64_t s = 0; s < p; ++s) {
     auto& a = out[static_cast<std::size_t>(s)];
     if (spec.schedule == "GPipe") {
-      for (std::int64_t k = 0; k < m; ++k) a.push_back({true, k});
-      for (std::int64_t k = 0; k < m; ++k) a.push_back({false, k});
+      for (std::int64_t k = 0; k < m; ++k) a.push_back({true, k, s});
+      for (std::int64_t k = 0; k < m; ++k) a.push_back({false, k, s});
+      continue;
+    }
+    if (v > 1) {  // Interleaved1F1B (Narayanan et al. 2021, Megatron-LM's interleaved schedule)
+      // The k-th forward: microbatches in groups of p, each group through chunk 0, 1, ... of
+      // this rank (chunk s, s + p, ...); backwards the same with the chunks reversed.
+      auto nth = [&](std::int64_t k, bool forward) {
+        const std::int64_t within = k % (p * v), local = within / p;
+        return PipelineAction{forward, (k / (p * v)) * p + within % p, (forward ? local : v - 1 - local) * p + s};
+      };
+      const std::int64_t total = m * v;
+      const std::int64_t warmup = std::min((p - s - 1) * 2 + (v - 1) * p, total);
+      for (std::int64_t k = 0; k < warmup; ++k) a.push_back(nth(k, true));
+      for (std::int64_t k = warmup; k < total; ++k) a.push_back(nth(k, true)), a.push_back(nth(k - warmup, false));
+      for (std::int64_t k = total - warmup; k < total; ++k) a.push_back(nth(k, false));
       continue;
     }
     const std::int64_t warmup = std::min(p - 1 - s, m);
-    for (std::int64_t k = 0; k < warmup; ++k) a.push_back({true, k});
-    for (std::int64_t k = warmup; k < m; ++k) a.push_back({true, k}), a.push_back({false, k - warmup});
-    for (std::int64_t k = m - warmup; k < m; ++k) a.push_back({false, k});
+    for (std::int64_t k = 0; k < warmup; ++k) a.push_back({true, k, s});
+    for (std::int64_t k = warmup; k < m; ++k) a.push_back({true, k, s}), a.push_back({false, k - warmup, s});
+    for (std::int64_t k = m - warmup; k < m; ++k) a.push_back({false, k, s});
   }
   return out;
 }
 
 double bubble_fraction(const PipelineSpec& spec) {
-  return static_cast<double>(spec.stages - 1) / static_cast<double>(spec.microbatches + spec.stages - 1);
+  return static_cast<double>(spec.stages - 1) / static_cast<double>(spec.virtual_stages * spec.microbatches + spec.stages - 1);
+}
+
+std::string stage_layers(const PipelineSpec& spec, std::int64_t stage) {
+  std::string out;
+  for (std::int64_t c = stage; c < spec.chunks(); c += spec.stages) {
+    const std::int64_t first = spec.first_layer.at(static_cast<std::size_t>(c));
+    const std::int64_t end = c + 1 < spec.chunks() ? spec.first_layer.at(static_cast<std::size_t>(c + 1)) : -1;
+    out += (out.empty() ? "" : ", ") + (end < 0 ? "layers " + std::to_string(first) + " on"
+                                        : end - 1 == first ? "layer " + std::to_string(first)
+                                                           : "layers " + std::to_string(first) + " to " + std::to_string(end - 1));
+  }
+  return out;
 }
 
 std::string schedule_table(const PipelineSpec& spec, std::int64_t stage) {
   const auto actions = pipeline_schedule(spec);
   const std::size_t p = actions.size();
-  const auto m = static_cast<std::size_t>(spec.microbatches);
-  // When each action ends: a forward needs the previous stage's forward of its microbatch, a
-  // backward the next stage's backward and its own forward; a stage runs its actions in order.
-  std::vector<std::vector<std::int64_t>> f_end(p, std::vector<std::int64_t>(m, -1)), b_end = f_end;
+  const auto chunks = static_cast<std::size_t>(spec.chunks()), m = static_cast<std::size_t>(spec.microbatches);
+  // When each action ends: a forward needs the previous chunk's forward of its microbatch, a
+  // backward the next chunk's backward and its own forward; a stage runs its actions in order.
+  std::vector<std::vector<std::int64_t>> f_end(chunks, std::vector<std::int64_t>(m, -1)), b_end = f_end;
   std::vector<std::vector<std::pair<std::int64_t, std::int64_t>>> spans(p);  // per stage, per action: [start, end)
   std::vector<std::size_t> next(p, 0);
   std::vector<std::int64_t> clock(p, 0);
@@ -67,18 +93,18 @@ std::string schedule_table(const PipelineSpec& spec, std::int64_t stage) {
     for (std::size_t s = 0; s < p; ++s) {
       while (next[s] < actions[s].size()) {
         const PipelineAction a = actions[s][next[s]];
-        const auto k = static_cast<std::size_t>(a.microbatch);
+        const auto k = static_cast<std::size_t>(a.microbatch), c = static_cast<std::size_t>(a.chunk);
         std::int64_t ready = clock[s];
-        if (a.forward && s > 0) {
-          if (f_end[s - 1][k] < 0) break;
-          ready = std::max(ready, f_end[s - 1][k]);
+        if (a.forward && c > 0) {
+          if (f_end[c - 1][k] < 0) break;
+          ready = std::max(ready, f_end[c - 1][k]);
         }
-        if (!a.forward && s + 1 < p) {
-          if (b_end[s + 1][k] < 0) break;
-          ready = std::max(ready, b_end[s + 1][k]);
+        if (!a.forward && c + 1 < chunks) {
+          if (b_end[c + 1][k] < 0) break;
+          ready = std::max(ready, b_end[c + 1][k]);
         }
         const std::int64_t end = ready + (a.forward ? 1 : 2);
-        (a.forward ? f_end : b_end)[s][k] = end;
+        (a.forward ? f_end : b_end)[c][k] = end;
         spans[s].emplace_back(ready, end);
         clock[s] = end;
         ++next[s];
@@ -87,32 +113,36 @@ std::string schedule_table(const PipelineSpec& spec, std::int64_t stage) {
     }
   }
   const std::int64_t total = *std::max_element(clock.begin(), clock.end());
-  std::string out = "# pipeline schedule " + spec.schedule + ": " + std::to_string(spec.stages) + " stages, " + std::to_string(spec.microbatches) +
-                    " microbatches; a forward (F<microbatch>) takes 1 tick, a backward (B<microbatch>) 2; '.' is idle\n";
-  char buf[160];
-  std::snprintf(buf, sizeof buf, "# theoretical bubble (stages - 1) / (microbatches + stages - 1) = %.3f; %lld ticks\n", bubble_fraction(spec),
-                static_cast<long long>(total));
+  const bool virtual_stages = spec.virtual_stages > 1;
+  auto label = [&](const PipelineAction& a) {  // "F3"; with virtual stages "F3.1": microbatch 3 on the stage's chunk 1
+    return (a.forward ? "F" : "B") + std::to_string(a.microbatch) + (virtual_stages ? "." + std::to_string(a.chunk / spec.stages) : std::string());
+  };
+  std::string out = "# pipeline schedule " + spec.schedule + ": " + std::to_string(spec.stages) + " stages" +
+                    (virtual_stages ? " of " + std::to_string(spec.virtual_stages) + " chunks each" : std::string()) + ", " + std::to_string(spec.microbatches) +
+                    " microbatches; a forward (F<microbatch>" + (virtual_stages ? ".<chunk>" : "") + ") takes 1 tick, a backward (B...) 2; '.' is idle\n";
+  char buf[200];
+  std::snprintf(buf, sizeof buf, "# theoretical bubble (stages - 1) / (%smicrobatches + stages - 1) = %.3f; %lld ticks\n", virtual_stages ? "chunks x " : "",
+                bubble_fraction(spec), static_cast<long long>(total));
   out += buf;
   out += "# this rank runs stage " + std::to_string(stage) + " (marked *)\n";
+  const std::size_t width = virtual_stages ? 6 : 3;
   for (std::size_t s = 0; s < p; ++s) {
     std::vector<std::string> cells(static_cast<std::size_t>(total), ".");
     std::int64_t busy = 0;
     for (std::size_t i = 0; i < spans[s].size(); ++i) {
       const auto [a, b] = spans[s][i];
       busy += b - a;
-      for (std::int64_t t = a; t < b; ++t) {
-        cells[static_cast<std::size_t>(t)] = (actions[s][i].forward ? "F" : "B") + std::to_string(actions[s][i].microbatch);
-      }
+      for (std::int64_t t = a; t < b; ++t) cells[static_cast<std::size_t>(t)] = label(actions[s][i]);
     }
     std::snprintf(buf, sizeof buf, "%sstage %zu (idle %.3f) |", static_cast<std::int64_t>(s) == stage ? "*" : " ", s,
                   total > 0 ? static_cast<double>(total - busy) / static_cast<double>(total) : 0.0);
     out += buf;
-    for (const auto& c : cells) out += " " + c + std::string(c.size() < 3 ? 3 - c.size() : 0, ' ');
+    for (const auto& c : cells) out += " " + c + std::string(c.size() < width ? width - c.size() : 0, ' ');
     while (out.back() == ' ') out.pop_back();
     out += "\n";
   }
   out += "# order of stage " + std::to_string(stage) + ":";
-  for (const auto& a : actions[static_cast<std::size_t>(stage)]) out += std::string(" ") + (a.forward ? "F" : "B") + std::to_string(a.microbatch);
+  for (const auto& a : actions[static_cast<std::size_t>(stage)]) out += " " + label(a);
   return out + "\n";
 }
 
@@ -139,14 +169,14 @@ std::int64_t microbatch_of(const std::string& name) {
 // The stage of each graph input that is a parameter or its AdamW state: its layer's; outside the
 // layers, stage 0 when the forward reads it before any layer's parameter, else the last stage.
 std::unordered_map<const Value*, int> input_stages(const ir::Graph& graph, const PipelineSpec& spec, const std::vector<std::string>& params) {
-  const int last = static_cast<int>(spec.stages) - 1;
+  const int last = static_cast<int>(spec.chunks()) - 1;
   const std::set<std::string> param_set(params.begin(), params.end());
   const Value* loss = graph.find_output("loss");
   if (loss == nullptr) throw std::invalid_argument("pipeline stages: the train step has no output 'loss'");
   const std::set<const Node*> forward = ir::producers_of(loss);
   std::map<std::string, int> stage_of;
   for (const auto& p : params) {
-    if (const auto layer = layer_of(p); layer >= 0) stage_of[p] = spec.stage_of_layer(layer);
+    if (const auto layer = layer_of(p); layer >= 0) stage_of[p] = spec.chunk_of_layer(layer);
   }
   bool layer_read = false;
   for (const auto& n : graph.nodes()) {
@@ -266,26 +296,30 @@ namespace {
 struct Cut {
   std::vector<const Node*> nodes;
   std::unordered_map<const Node*, std::size_t> index;
-  std::vector<int> stages;
-  std::unordered_map<const Value*, int> at;
+  std::int64_t ranks_stages = 1;  // PipelineSpec::stages: chunk c runs on stage c % this
+  std::vector<int> chunks;        // per node: node_stages (-1: free)
+  std::unordered_map<const Value*, int> at;  // per value: its chunk
   std::vector<std::pair<std::string, const Value*>> metrics;  // "loss", "grad_norm", "found_inf"
+  int stage_of(int chunk) const { return chunk < 0 ? -1 : static_cast<int>(chunk % ranks_stages); }
+  // The stage (ranks) that computes or holds `v`, -1 for a free value.
   int stage_at(const Value* v) const {
     const auto it = at.find(v);
-    return it == at.end() ? -1 : it->second;
+    return it == at.end() ? -1 : stage_of(it->second);
   }
 };
 
 Cut cut(const ir::Graph& graph, const PipelineSpec& spec, const std::vector<std::string>& params) {
   Cut c;
-  c.stages = node_stages(graph, spec, params);
+  c.ranks_stages = spec.stages;
+  c.chunks = node_stages(graph, spec, params);
   for (const auto& n : graph.nodes()) c.index[n.get()] = c.nodes.size(), c.nodes.push_back(n.get());
   c.at = input_stages(graph, spec, params);
   for (std::size_t i = 0; i < c.nodes.size(); ++i) {
-    if (c.stages[i] >= 0) {
-      for (const Value* o : c.nodes[i]->outputs()) c.at[o] = c.stages[i];
+    if (c.chunks[i] >= 0) {
+      for (const Value* o : c.nodes[i]->outputs()) c.at[o] = c.chunks[i];
     }
   }
-  for (int s = 0; s < spec.stages; ++s) {
+  for (int s = 0; s < spec.chunks(); ++s) {
     if (std::none_of(c.at.begin(), c.at.end(), [&](const auto& e) { return e.first->producer() == nullptr && e.second == s; })) {
       throw std::invalid_argument("pipeline stage " + std::to_string(s) + " holds no parameter: use fewer stages or other split points");
     }
@@ -304,8 +338,8 @@ std::vector<bool> nodes_of(const Cut& c, int stage) {
     if (c.stage_at(v) < 0) wanted.insert(v);
   }
   for (std::size_t i = c.nodes.size(); i-- > 0;) {
-    bool take = c.stages[i] == stage;
-    if (c.stages[i] < 0) {
+    bool take = c.stage_of(c.chunks[i]) == stage;
+    if (c.chunks[i] < 0) {
       for (const Value* o : c.nodes[i]->outputs()) take = take || wanted.count(o) > 0;
     }
     if (!take) continue;
@@ -334,7 +368,7 @@ StageGraph stage_graph(const ir::Graph& graph, const PipelineSpec& spec, const s
   const int stage = static_cast<int>(rank / ranks_per_stage);
   const Cut c = cut(graph, spec, params);
   const std::vector<const Node*>& nodes = c.nodes;
-  const std::vector<int>& stages = c.stages;
+  const std::vector<int>& chunks = c.chunks;
   const auto& metrics = c.metrics;
   auto stage_at = [&](const Value* v) { return c.stage_at(v); };
   // Every value that crosses stages, with the stage that reads it, in one walk of the graph that
@@ -345,8 +379,8 @@ StageGraph stage_graph(const ir::Graph& graph, const PipelineSpec& spec, const s
     if (from >= 0 && from != to) tag.emplace(std::pair{v, to}, static_cast<int>(tag.size()));
   };
   for (std::size_t i = 0; i < nodes.size(); ++i) {
-    if (stages[i] < 0) continue;
-    for (const Value* v : nodes[i]->inputs()) cross(v, stages[i]);
+    if (chunks[i] < 0) continue;
+    for (const Value* v : nodes[i]->inputs()) cross(v, c.stage_of(chunks[i]));
   }
   for (const auto& [name, v] : metrics) {
     for (int s = 0; s < spec.stages; ++s) cross(v, s);
@@ -361,25 +395,34 @@ StageGraph stage_graph(const ir::Graph& graph, const PipelineSpec& spec, const s
     }
     if (s == stage) mine = std::move(of);
   }
-  // The schedule's key of each node: the position of its microbatch's forward or backward in
-  // this stage's actions; nodes of no microbatch (a parameter's all_gather, a free value) take
-  // their first reader's, so that they run just before it.
+  // The schedule's key of each node: the position of its chunk's forward or backward of its
+  // microbatch in this stage's actions; nodes of no microbatch or chunk (a parameter's
+  // all_gather, a free value) take their first reader's, so that they run just before it.
   const std::vector<PipelineAction> actions = pipeline_schedule(spec)[static_cast<std::size_t>(stage)];
   const std::set<const Node*> forward = ir::producers_of(graph.find_output("loss"));
-  std::unordered_map<const Value*, std::int64_t> microbatch;
+  // The microbatches a value depends on, as [first, last]. A backward node that depends on all
+  // of them (the last gradient accumulation, clipping, AdamW) runs after every action: clipping
+  // sums over every chunk, which with virtual stages are not done in stage order.
+  std::unordered_map<const Value*, std::pair<std::int64_t, std::int64_t>> microbatch;
   for (const Value* in : graph.inputs()) {
-    if (const auto k = microbatch_of(in->name()); k >= 0) microbatch[in] = k;
+    if (const auto k = microbatch_of(in->name()); k >= 0) microbatch[in] = {k, k};
   }
   constexpr std::int64_t kNone = std::numeric_limits<std::int64_t>::max();
   std::vector<std::int64_t> key(nodes.size(), kNone);
   for (std::size_t i = 0; i < nodes.size(); ++i) {
-    std::int64_t k = -1;
+    std::int64_t lo = kNone, hi = -1;
     for (const Value* v : nodes[i]->inputs()) {
-      if (const auto it = microbatch.find(v); it != microbatch.end()) k = std::max(k, it->second);
+      if (const auto it = microbatch.find(v); it != microbatch.end()) lo = std::min(lo, it->second.first), hi = std::max(hi, it->second.second);
     }
-    if (k < 0) continue;
-    for (const Value* o : nodes[i]->outputs()) microbatch[o] = k;
-    const PipelineAction want{forward.count(nodes[i]) > 0, k};
+    if (hi < 0) continue;
+    for (const Value* o : nodes[i]->outputs()) microbatch[o] = {lo, hi};
+    if (!mine[i] || chunks[i] < 0) continue;
+    const bool is_forward = forward.count(nodes[i]) > 0;
+    if (!is_forward && spec.microbatches > 1 && lo == 0 && hi == spec.microbatches - 1) {
+      key[i] = static_cast<std::int64_t>(actions.size());
+      continue;
+    }
+    const PipelineAction want{is_forward, hi, chunks[i]};
     key[i] = std::find(actions.begin(), actions.end(), want) - actions.begin();
   }
   std::vector<std::int64_t> first_read(nodes.size(), kNone);  // per node: the smallest key of its readers here

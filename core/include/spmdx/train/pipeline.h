@@ -22,14 +22,18 @@ namespace spmdx::train {
 
 /// [parallelism] pipeline_parallel_*, resolved (train::job_spec).
 struct PipelineSpec {
-  std::int64_t stages = 1;         ///< pipeline_parallel_degree
-  std::string schedule = "1F1B";   ///< pipeline_parallel_schedule: "GPipe" or "1F1B"
+  std::int64_t stages = 1;         ///< pipeline_parallel_degree: groups of ranks (mesh dim pp)
+  std::string schedule = "1F1B";   ///< pipeline_parallel_schedule: "GPipe", "1F1B" or "Interleaved1F1B"
   std::int64_t microbatches = 1;   ///< per step: the train step's microbatches (TrainStepConfig)
-  /// Per stage, its first layer (first_layer[0] = 0, ascending): stage s holds layers
-  /// [first_layer[s], first_layer[s + 1]), the last stage those after its first.
+  /// Chunks of layers per stage (Interleaved1F1B's virtual stages; 1 otherwise): chunk c runs on
+  /// stage c % stages, so stage s holds chunks s, s + stages, ...
+  std::int64_t virtual_stages = 1;
+  /// Per chunk, its first layer (first_layer[0] = 0, ascending): chunk c holds layers
+  /// [first_layer[c], first_layer[c + 1]), the last chunk those after its first.
   std::vector<std::int64_t> first_layer{0};
-  /// The stage of layer `layer` (>= 0).
-  int stage_of_layer(std::int64_t layer) const;
+  std::int64_t chunks() const { return stages * virtual_stages; }
+  /// The chunk of layer `layer` (>= 0): its stage without virtual stages.
+  int chunk_of_layer(std::int64_t layer) const;
 };
 
 /// The layer index a parameter's name carries: the number ending models::layer_of's prefix
@@ -41,6 +45,7 @@ std::int64_t layer_of(const std::string& name);
 struct PipelineAction {
   bool forward = true;
   std::int64_t microbatch = 0;
+  std::int64_t chunk = 0;  ///< the chunk it runs (the stage itself without virtual stages)
   friend bool operator==(const PipelineAction&, const PipelineAction&) = default;
 };
 
@@ -48,11 +53,20 @@ struct PipelineAction {
 /// (microbatch order). 1F1B (torch.distributed.pipelining.Schedule1F1B): stage s runs
 /// min(stages - 1 - s, microbatches) forwards, then a forward and a backward in turn, then the
 /// backwards left, so that at most stages - s microbatches' activations are alive on it.
+/// Interleaved1F1B (virtual_stages > 1; Megatron-LM's interleaved schedule, torch's
+/// ScheduleInterleaved1F1B): microbatches in groups of `stages` go through each of the stage's
+/// chunks in turn, with (stages - s - 1) x 2 + (virtual_stages - 1) x stages warm-up forwards;
+/// needs microbatches a multiple of stages.
 std::vector<std::vector<PipelineAction>> pipeline_schedule(const PipelineSpec& spec);
 
 /// The schedule's idle share when a forward and a backward each take the same time on every
-/// stage: (stages - 1) / (microbatches + stages - 1), for GPipe and 1F1B alike.
+/// stage: (stages - 1) / (virtual_stages x microbatches + stages - 1), for GPipe and 1F1B alike
+/// (virtual_stages 1) and Interleaved1F1B.
 double bubble_fraction(const PipelineSpec& spec);
+
+/// The layers stage `stage` holds, for messages: "layers 0 to 1", "layer 2", "layers 4 on" (the
+/// last chunk), each of its chunks' joined by ", " with virtual stages.
+std::string stage_layers(const PipelineSpec& spec, std::int64_t stage);
 
 /// The schedule as a table of ticks for every stage (a forward takes 1 tick, a backward 2, as
 /// the backward computes two gradients per matmul), `stage`'s row marked; each cell is the
@@ -62,7 +76,7 @@ std::string schedule_table(const PipelineSpec& spec, std::int64_t stage);
 
 /// Per node of `graph` (a rank graph of the train step: sharding::rank_graph, whose inputs are
 /// the parameters `params`, their AdamW state "exp_avg.P" and "exp_avg_sq.P", the batch, lr and
-/// step), the stage that computes it, or -1 for a node no parameter reaches (a RoPE table's
+/// step), the chunk that computes it (its stage without virtual stages), or -1 for a node no parameter reaches (a RoPE table's
 /// slice: each stage that reads it computes it). A parameter belongs to its layer's stage;
 /// one outside the layers to stage 0 when the forward reads it before any layer's (the
 /// embedding), else to the last stage (the final norm, the output). A forward node goes to
