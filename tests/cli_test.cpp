@@ -258,7 +258,9 @@ TEST(Cli, PipelineStagesArePlannedAndBadOnesRefused) {
   refused("--parallelism.pipeline_parallel_split_points norm", "\"norm\" names no layer a stage can begin at");
   refused("--parallelism.pipeline_parallel_split_points layers.1,layers.2",
           "parallelism.pipeline_parallel_split_points makes 4 layers into 3 stages, not pipeline_parallel_degree 2 (more are virtual stages");
-  refused("--parallelism.pipeline_parallel_layers_per_stage 1", "parallelism.pipeline_parallel_layers_per_stage 1 makes 4 layers into 4 stages, not pipeline_parallel_degree 2");
+  refused("--parallelism.pipeline_parallel_layers_per_stage 1",
+          "parallelism.pipeline_parallel_layers_per_stage 1 makes 4 layers into 4 stages, not pipeline_parallel_degree 2 (more are virtual stages: "
+          "pipeline_parallel_schedule = \"Interleaved1F1B\"): use 2, or unset it");
   auto ceil = spmdx(llama + " --parallelism.pipeline_parallel_layers_per_stage 3 --json 2>&1");  // torchtitan's count: 3 + 1
   ASSERT_EQ(ceil.exit_code, 0) << ceil.output;
   EXPECT_EQ(nlohmann::json::parse(ceil.output.substr(ceil.output.find('{'))).at("pipeline").at("per_stage").at(1).at("first_layer").get<int>(), 3);
@@ -271,7 +273,7 @@ TEST(Cli, PipelineStagesArePlannedAndBadOnesRefused) {
   EXPECT_NEAR(ij.at("pipeline").at("bubble_fraction").get<double>(), 1.0 / 9.0, 1e-12);  // (2 - 1) / (2 x 4 + 2 - 1)
   refused("--parallelism.pipeline_parallel_schedule Interleaved1F1B --training.global_batch_size 6", "runs microbatches in groups of pipeline_parallel_degree 2");
   refused("--parallelism.pipeline_parallel_schedule Interleaved1F1B --parallelism.pipeline_parallel_layers_per_stage 3",
-          "makes 4 layers into 2 stages, not a multiple of pipeline_parallel_degree 2, at least twice it (Interleaved1F1B)");
+          "makes 4 layers into 2 chunks, not a multiple of pipeline_parallel_degree 2, at least twice it (Interleaved1F1B): use 1, or unset it");
   refused("--world-size 5", "parallelism.pipeline_parallel_degree 2 does not divide world_size 5");
   // A memory budget holds for every stage: stage 0 plans the most here (embedding, 2 microbatches
   // of activations in flight), so a budget just under its peak is refused.

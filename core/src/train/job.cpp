@@ -948,19 +948,28 @@ std::vector<std::int64_t> first_layers(const JobSpec& spec, const std::vector<st
   std::int64_t chunks = interleaved ? 2 * stages : stages;
   if (!spec.pipeline_split_points.empty()) chunks = static_cast<std::int64_t>(spec.pipeline_split_points.size()) + 1;
   if (spec.pipeline_layers_per_stage > 0) chunks = (layers + spec.pipeline_layers_per_stage - 1) / spec.pipeline_layers_per_stage;  // torchtitan's count
+  auto fits = [&](std::int64_t n) { return interleaved ? n % stages == 0 && n >= 2 * stages : n == stages; };  // a chunk count these stages run
   if (layers < chunks) {
-    throw std::invalid_argument("parallelism.pipeline_parallel_degree " + std::to_string(stages) + " is more " + (interleaved ? "chunks (" + std::to_string(chunks) + ", Interleaved1F1B)" : std::string("stages")) +
-                                " than the model's " + std::to_string(layers) + " layers: use at most " + std::to_string(interleaved ? layers / 2 : layers) + " stages");
+    const std::int64_t most = interleaved ? layers / 2 : layers;
+    throw std::invalid_argument("parallelism.pipeline_parallel_degree " + std::to_string(stages) + " is more " +
+                                (interleaved ? "chunks (" + std::to_string(chunks) + ", Interleaved1F1B)" : std::string("stages")) + " than the model's " +
+                                std::to_string(layers) + " layers: " +
+                                (most >= 2 ? "use at most " + std::to_string(most) + " stages" : std::string("the model is too shallow to pipeline; use pipeline_parallel_degree 1")));
   }
-  if (interleaved ? chunks % stages != 0 || chunks < 2 * stages : chunks != stages) {
+  if (!fits(chunks)) {
     const std::string key = spec.pipeline_split_points.empty() ? "parallelism.pipeline_parallel_layers_per_stage " + std::to_string(spec.pipeline_layers_per_stage)
                                                                : "parallelism.pipeline_parallel_split_points";
     const std::string want = interleaved ? "a multiple of pipeline_parallel_degree " + std::to_string(stages) + ", at least twice it (Interleaved1F1B)"
                                          : "pipeline_parallel_degree " + std::to_string(stages);
-    throw std::invalid_argument(key + " makes " + std::to_string(layers) + " layers into " + std::to_string(chunks) + " stages, not " + want +
-                                (interleaved ? "" : (chunks > stages ? " (more are virtual stages: pipeline_parallel_schedule = \"Interleaved1F1B\")" : std::string())) +
-                                (spec.pipeline_split_points.empty() ? ": use " + std::to_string((layers + chunks - 1) / chunks) + ", or unset it for an even split"
-                                                                    : std::string()));
+    std::string hint;  // the most even layers_per_stage that fits, if any: ceil(layers / chunks) for P chunks (2P, 3P, ... interleaved)
+    for (std::int64_t c = interleaved ? 2 * stages : stages; c <= layers && spec.pipeline_split_points.empty() && hint.empty(); c += stages) {
+      const std::int64_t lps = (layers + c - 1) / c;
+      if (fits((layers + lps - 1) / lps)) hint = ": use " + std::to_string(lps) + ", or unset it for an even split";
+      if (!interleaved) break;
+    }
+    if (spec.pipeline_split_points.empty() && hint.empty()) hint = ": no count of layers a chunk fits; unset it for an even split";
+    throw std::invalid_argument(key + " makes " + std::to_string(layers) + " layers into " + std::to_string(chunks) + (interleaved ? " chunks" : " stages") + ", not " + want +
+                                (interleaved ? "" : (chunks > stages ? " (more are virtual stages: pipeline_parallel_schedule = \"Interleaved1F1B\")" : std::string())) + hint);
   }
   std::vector<std::int64_t> first{0};
   if (!spec.pipeline_split_points.empty()) {
@@ -968,7 +977,7 @@ std::vector<std::int64_t> first_layers(const JobSpec& spec, const std::vector<st
       const std::int64_t layer = layer_of(name);
       if (layer <= 0 || layer >= layers || models::layer_of(name) != name) {
         throw std::invalid_argument("parallelism.pipeline_parallel_split_points: \"" + name + "\" names no layer a stage can begin at: use \"layers.N\" with N from 1 to " +
-                                    std::to_string(layers - 1));
+                                    std::to_string(layers - 1) + " (on the command line, a list is comma-separated: layers.2,layers.4)");
       }
       if (layer <= first.back()) {
         throw std::invalid_argument("parallelism.pipeline_parallel_split_points must name each layer once, in increasing order (\"" + name +
