@@ -119,7 +119,8 @@ std::string schedule_table(const PipelineSpec& spec, std::int64_t stage) {
   };
   std::string out = "# pipeline schedule " + spec.schedule + ": " + std::to_string(spec.stages) + " stages" +
                     (virtual_stages ? " of " + std::to_string(spec.virtual_stages) + " chunks each" : std::string()) + ", " + std::to_string(spec.microbatches) +
-                    " microbatches; a forward (F<microbatch>" + (virtual_stages ? ".<chunk>" : "") + ") takes 1 tick, a backward (B...) 2; '.' is idle\n";
+                    " microbatches; a forward (F<microbatch>" + (virtual_stages ? ".<chunk>, the stage's chunk 0, 1, ... (stage s's chunk i holds model chunk i x stages + s)" : "") +
+                    ") takes 1 tick, a backward (B...) 2; '.' is idle\n";
   char buf[200];
   std::snprintf(buf, sizeof buf, "# theoretical bubble (stages - 1) / (%smicrobatches + stages - 1) = %.3f; %lld ticks\n", virtual_stages ? "chunks x " : "",
                 bubble_fraction(spec), static_cast<long long>(total));
