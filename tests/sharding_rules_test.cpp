@@ -95,6 +95,18 @@ std::vector<Case> cases() {
          x[4] = out;
          x[5] = lse;
        }},
+      // Context parallelism: query rows split over ranks, k and v whole; a load-balanced sequence.
+      {"sdpa_balanced", "sdpa", {{4, 4, 8, 8}, {4, 4, 8, 8}, {4, 4, 8, 8}}, {{"chunks", std::int64_t{4}}}},
+      {"sdpa_backward_balanced", "sdpa_backward", {{4, 4, 8, 8}, {4, 4, 8, 8}, {4, 4, 8, 8}, {4, 4, 8, 8}, {4, 4, 8, 8}, {4, 4, 8}},
+       {{"chunks", std::int64_t{4}}},
+       [](Tensors& x) {
+         auto [out, lse] = at::_scaled_dot_product_flash_attention_for_cpu(x[1], x[2], x[3], 0.0, true);
+         x[4] = out;
+         x[5] = lse;
+       }},
+      {"linear_weight_grad", "linear_weight_grad", {{4, 6, 5}, {4, 6, 3}}, {}},
+      {"seq_permute", "seq_permute", {{4, 8, 3}}, {{"dim", std::int64_t{1}}, {"chunks", std::int64_t{4}}}},
+      {"seq_permute_inverse", "seq_permute", {{4, 8, 3}}, {{"dim", std::int64_t{1}}, {"chunks", std::int64_t{4}}, {"inverse", true}}},
       {"cross_entropy_sum", "cross_entropy", {{6, 5}, {6}}, {{"reduction", std::string("sum")}}, idx1},
       {"cross_entropy_mean", "cross_entropy", {{6, 5}, {6}}, {}, idx1},
       {"cross_entropy_backward_sum", "cross_entropy_backward", {{}, {6, 5}, {6}}, {{"reduction", std::string("sum")}},

@@ -75,6 +75,9 @@ std::vector<OpCase> cases() {
       {"rotary_embedding", "rotary_embedding", {{{2, 4, 3, 8}}, {{4, 4}, Fill::constant}, {{4, 4}, Fill::constant}}, {}},
       {"sdpa_causal", "sdpa", {{{2, 2, 5, 4}}, {{2, 2, 5, 4}}, {{2, 2, 5, 4}}}, {{"causal", true}}},
       {"sdpa_full", "sdpa", {{{2, 2, 5, 4}}, {{2, 2, 6, 4}}, {{2, 2, 6, 4}}}, {{"causal", false}}},
+      // sdpa with context parallelism's chunks and q_offset: context_parallel_test.cpp (its
+      // kernel merges two flash calls by their logsumexp, which autograd does not differentiate).
+      {"seq_permute", "seq_permute", {{{2, 8, 3}}}, {{"dim", std::int64_t{1}}, {"chunks", std::int64_t{4}}}},
       {"cross_entropy", "cross_entropy", {{{6, 5}}, {{6}, Fill::indices}}, {{"ignore_index", std::int64_t{2}}}},
  // Vocabulary-parallel cross entropy's ops (train/loss_parallel.h): amax_rows has no gradient;
       // sum_exp_rows' flows to x alone; pick's targets are in [0, 10), some past the 5 columns.

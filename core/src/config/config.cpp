@@ -227,6 +227,16 @@ const std::vector<KeySpec>& schema() {
       n("parallelism.data_parallel_replicate_degree", Type::integer, std::int64_t{1}, "DDP degree (mesh dim dp_replicate)", 1, 1e6),
       n("parallelism.data_parallel_shard_degree", Type::integer, std::int64_t{-1}, "FSDP degree (mesh dim dp_shard; -1: the ranks left)", -1, 1e6),
       n("parallelism.tensor_parallel_degree", Type::integer, std::int64_t{1}, "Megatron TP degree (mesh dim tp)", 1, 1e6),
+      n("parallelism.context_parallel_degree", Type::integer, std::int64_t{1},
+        "context parallelism (mesh dim cp, between dp_shard and tp): every activation sharded on the sequence over cp, attention "
+        "all-gathering keys and values (Llama 3's context parallelism)", 1, 1e6),
+      k("parallelism.context_parallel_load_balance", Type::boolean, true,
+        "with context_parallel_degree > 1, cut the sequence into 2 cp pieces, rank r of cp holding pieces r and 2 cp - 1 - r, so "
+        "that causal attention gives every rank the same work (torch's context_parallel load balancer); false: rank r holds piece r of cp"),
+      k("parallelism.context_parallel_rotate_method", Type::string, std::string("allgather"),
+        "with context_parallel_degree > 1, how attention sees the keys of other ranks: \"allgather\" (torchtitan's default, Llama 3's): "
+        "each rank keeps its queries and all-gathers keys and values; \"auto\" (spmdx's): whatever moves the fewest bytes, which may split "
+        "the batch or the heads by all_to_all (DeepSpeed-Ulysses)", -1e300, L{"allgather", "auto"}),
       n("parallelism.pipeline_parallel_degree", Type::integer, std::int64_t{1},
         "pipeline stages (mesh dim pp, outermost): the train step is cut between layers, activations and their gradients go "
         "between stages by send/recv", 1, 1e6),

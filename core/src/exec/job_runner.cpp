@@ -455,7 +455,7 @@ struct Validation {
   Validation(const train::JobSpec& spec, const train::PlacedJob& job, std::int64_t rank, CommBackend* backend, double timeout, Device& device,
              const data::Tokenizer& tokenizer)
       : placed(train::place_validation(spec, job)),
-        plan(sharding::propagate(placed.model.graph, job.mesh, placed.inputs, {}, job.use, false)),
+        plan(sharding::propagate(placed.model.graph, job.mesh, placed.inputs, {}, job.use, false, -1, job.context_parallel_dim, job.context_parallel_allgather)),
         graph(stage_of(sharding::rank_graph(plan, rank % job.mesh.size()), job, rank)),
         executor(graph, train::run_mesh(job), rank, backend, timeout, options(spec.plan), &device),
         dataset(train::validation_data(spec), tokenizer),

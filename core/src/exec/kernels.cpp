@@ -41,6 +41,117 @@ at::Tensor scores(const at::Tensor& q, const at::Tensor& k, bool causal) {
   return s;
 }
 
+
+// seq_permute's order: piece j of the output is piece order[j] of the input (0, n - 1, 1,
+// n - 2, ...), for an even n; 0, 1, ... for n = 1.
+std::vector<std::int64_t> balanced_order(std::int64_t n) {
+  std::vector<std::int64_t> order;
+  for (std::int64_t r = 0; r < (n + 1) / 2; ++r) {
+    order.push_back(r);
+    if (n - 1 - r != r) order.push_back(n - 1 - r);
+  }
+  return order;
+}
+
+// One attention call: ATen's fused CPU kernel, or plain ATen ops elsewhere.
+Tensors attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal) {
+  if (!q.is_cpu()) return attention(q, k, v, causal);
+  auto [out, lse] = at::_scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal);
+  return Tensors{out, lse};
+}
+Tensors attend_backward(const at::Tensor& g, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+                        const at::Tensor& lse, bool causal) {
+  if (!q.is_cpu()) return attention_backward(g, q, k, v, out, lse, causal);
+  auto [gq, gk, gv] = at::_scaled_dot_product_flash_attention_for_cpu_backward(g, q, k, v, out, lse, 0.0, causal);
+  return Tensors{gq, gk, gv};
+}
+
+// Causal attention of a block of query rows at known positions (context parallelism, the sdpa
+// op's chunks and q_offset): the keys before the block's first position are all seen, the
+// block's own positions causally. `rows` are the block's rows of the local q, `prefix` the key
+// rows wholly seen (may be empty), `own` the first key row of the block's positions.
+struct AttentionBlock {
+  std::int64_t row0, rows;
+  at::Tensor prefix;  // i64 key rows, or undefined when none
+  std::int64_t own;
+};
+
+// The blocks of an sdpa node's local q: one block at q_offset in natural order (chunks = 1),
+// else one a piece of the load-balanced order, with the pieces before it in natural order.
+std::vector<AttentionBlock> attention_blocks(const Node& n, std::int64_t q_rows, std::int64_t kv_rows, const at::Device& device) {
+  const std::int64_t chunks = n.attr_int("chunks"), offset = n.attr_int("q_offset");
+  auto rows_of = [&](std::vector<std::int64_t> r) { return at::tensor(r, at::TensorOptions().dtype(at::kLong)).to(device); };
+  std::vector<AttentionBlock> blocks;
+  if (chunks == 1) {
+    std::vector<std::int64_t> prefix(static_cast<std::size_t>(offset));
+    for (std::int64_t i = 0; i < offset; ++i) prefix[static_cast<std::size_t>(i)] = i;
+    blocks.push_back({0, q_rows, offset > 0 ? rows_of(prefix) : at::Tensor(), offset});
+    return blocks;
+  }
+  const std::int64_t piece = kv_rows / chunks;
+  if (offset % piece != 0 || q_rows % piece != 0) {
+    throw std::invalid_argument("sdpa: q's rows from " + std::to_string(offset) + " (" + std::to_string(q_rows) + " of them) are not whole pieces of " +
+                                std::to_string(piece) + " positions of the load-balanced sequence");
+  }
+  const auto order = balanced_order(chunks);
+  for (std::int64_t b = 0; b < q_rows / piece; ++b) {
+    const std::int64_t slot = offset / piece + b, position = order[static_cast<std::size_t>(slot)];
+    std::vector<std::int64_t> prefix;
+    for (std::int64_t j = 0; j < chunks; ++j) {
+      if (order[static_cast<std::size_t>(j)] >= position) continue;
+      for (std::int64_t i = 0; i < piece; ++i) prefix.push_back(j * piece + i);
+    }
+    blocks.push_back({b * piece, piece, prefix.empty() ? at::Tensor() : rows_of(prefix), slot * piece});
+  }
+  return blocks;
+}
+
+bool plain_attention(const Node& n) { return !n.attr_bool("causal") || (n.attr_int("chunks") == 1 && n.attr_int("q_offset") == 0); }
+
+// sdpa with context parallelism's positions: each block's two parts merged by their
+// log-sum-exp, as ring attention and FlashAttention's split-KV do (out = sum of each part's
+// out x exp(lse_part - lse), lse = logaddexp of the parts').
+Tensors blocked_attention(const Node& n, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  Tensors outs, lses;
+  for (const auto& b : attention_blocks(n, q.size(2), k.size(2), q.device())) {
+    const at::Tensor qb = q.narrow(2, b.row0, b.rows).contiguous();
+    Tensors own = attend(qb, k.narrow(2, b.own, b.rows).contiguous(), v.narrow(2, b.own, b.rows).contiguous(), true);
+    if (!b.prefix.defined()) {
+      outs.push_back(own[0]), lses.push_back(own[1]);
+      continue;
+    }
+    Tensors seen = attend(qb, k.index_select(2, b.prefix), v.index_select(2, b.prefix), false);
+    const at::Tensor lse = at::logaddexp(seen[1], own[1]);
+    const at::Tensor out = seen[0].to(lse.scalar_type()) * at::exp(seen[1] - lse).unsqueeze(-1) + own[0].to(lse.scalar_type()) * at::exp(own[1] - lse).unsqueeze(-1);
+    outs.push_back(out.to(q.scalar_type())), lses.push_back(lse);
+  }
+  return Tensors{at::cat(outs, 2), at::cat(lses, 2)};
+}
+
+// Its gradients: each part's backward from the merged out and lse (the probabilities it
+// recomputes are then the merged softmax's), dq summed, dk and dv added at the key rows.
+Tensors blocked_attention_backward(const Node& n, const at::Tensor& g, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                   const at::Tensor& out, const at::Tensor& lse) {
+  at::Tensor gq = at::empty_like(q, at::MemoryFormat::Contiguous), gk = at::zeros_like(k, at::MemoryFormat::Contiguous),
+             gv = at::zeros_like(v, at::MemoryFormat::Contiguous);
+  for (const auto& b : attention_blocks(n, q.size(2), k.size(2), q.device())) {
+    const at::Tensor gb = g.narrow(2, b.row0, b.rows).contiguous(), qb = q.narrow(2, b.row0, b.rows).contiguous();
+    const at::Tensor ob = out.narrow(2, b.row0, b.rows).contiguous(), lb = lse.narrow(2, b.row0, b.rows).contiguous();
+    Tensors own = attend_backward(gb, qb, k.narrow(2, b.own, b.rows).contiguous(), v.narrow(2, b.own, b.rows).contiguous(), ob, lb, true);
+    at::Tensor dq = own[0];
+    gk.narrow(2, b.own, b.rows).add_(own[1]);
+    gv.narrow(2, b.own, b.rows).add_(own[2]);
+    if (b.prefix.defined()) {
+      Tensors seen = attend_backward(gb, qb, k.index_select(2, b.prefix), v.index_select(2, b.prefix), ob, lb, false);
+      dq = dq + seen[0];
+      gk.index_add_(2, b.prefix, seen[1]);
+      gv.index_add_(2, b.prefix, seen[2]);
+    }
+    gq.narrow(2, b.row0, b.rows).copy_(dq);
+  }
+  return Tensors{gq, gk, gv};
+}
+
 }  // namespace
 
 std::vector<at::Tensor> attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal) {
@@ -189,9 +300,27 @@ const std::map<std::string, Kernel>& kernels() {
       if (x[0].numel() == 0 || x[1].numel() == 0) {  // an empty shard: ATen's kernel divides by zero
         return Tensors{at::zeros_like(x[0]), at::zeros(n.output(1)->meta().shape, x[0].options().dtype(to_aten(n.output(1)->meta().dtype)))};
       }
-      if (!x[0].is_cpu()) return attention(x[0], x[1], x[2], n.attr_bool("causal"));
-      auto [out, lse] = at::_scaled_dot_product_flash_attention_for_cpu(x[0], x[1], x[2], 0.0, n.attr_bool("causal"));
-      return Tensors{out, lse};
+      if (!plain_attention(n)) return blocked_attention(n, x[0], x[1], x[2]);
+      return attend(x[0], x[1], x[2], n.attr_bool("causal"));
+    };
+    k["linear_weight_grad"] = [](const Node&, const Tensors& x) {
+      std::int64_t rows = 1;  // explicit: a shard may hold 0 columns, which -1 cannot infer rows from
+      for (std::int64_t d = 0; d + 1 < x[0].dim(); ++d) rows *= x[0].size(d);
+      return one(at::mm(x[0].reshape({rows, x[0].size(-1)}).t(), x[1].reshape({rows, x[1].size(-1)})));
+    };
+    k["seq_permute"] = [](const Node& n, const Tensors& x) {
+      const std::int64_t dim = wrap(n.attr_int("dim"), x[0].dim()), chunks = n.attr_int("chunks");
+      const std::int64_t piece = x[0].size(dim) / chunks;
+      const auto order = balanced_order(chunks);
+      std::vector<std::int64_t> index(static_cast<std::size_t>(x[0].size(dim)));
+      for (std::int64_t j = 0; j < chunks; ++j) {
+        for (std::int64_t i = 0; i < piece; ++i) {
+          const std::int64_t to = j * piece + i, from = order[static_cast<std::size_t>(j)] * piece + i;
+          if (n.attr_bool("inverse")) index[static_cast<std::size_t>(from)] = to;
+          else index[static_cast<std::size_t>(to)] = from;
+        }
+      }
+      return one(x[0].index_select(dim, at::tensor(index, at::TensorOptions().dtype(at::kLong)).to(x[0].device())));
     };
     k["cross_entropy"] = [](const Node& n, const Tensors& x) {
       const auto reduction = n.attr_string("reduction") == "sum" ? at::Reduction::Sum : at::Reduction::Mean;
@@ -279,10 +408,8 @@ const std::map<std::string, Kernel>& kernels() {
     };
     k["sdpa_backward"] = [](const Node& n, const Tensors& x) {
       if (x[1].numel() == 0 || x[2].numel() == 0) return Tensors{at::zeros_like(x[1]), at::zeros_like(x[2]), at::zeros_like(x[3])};
-      if (!x[1].is_cpu()) return attention_backward(x[0], x[1], x[2], x[3], x[4], x[5], n.attr_bool("causal"));
-      auto [gq, gk, gv] = at::_scaled_dot_product_flash_attention_for_cpu_backward(x[0], x[1], x[2], x[3], x[4], x[5], 0.0,
-                                                                                  n.attr_bool("causal"));
-      return Tensors{gq, gk, gv};
+      if (!plain_attention(n)) return blocked_attention_backward(n, x[0], x[1], x[2], x[3], x[4], x[5]);
+      return attend_backward(x[0], x[1], x[2], x[3], x[4], x[5], n.attr_bool("causal"));
     };
     // As torch.optim.AdamW(fused=True) on the CPU: ATen's fused kernel, one pass over each
     // element (decoupled decay, bias corrections in double), on copies of the state.

@@ -130,6 +130,7 @@ double node_flops(const ir::Node& node) {
     return s.empty() ? 1.0 : static_cast<double>(s.back());
   };
   if (op == "matmul" || op == "linear") return 2 * out * last_dim(node.input(0));
+  if (op == "linear_weight_grad") return 2 * out * static_cast<double>(node.input(0)->meta().numel()) / last_dim(node.input(0));
   if (op == "sdpa" || op == "sdpa_backward") {
     const auto& q = node.input(op == "sdpa" ? 0 : 1)->meta().shape;  // [B, H, S, D]
     if (q.size() != 4) return out;

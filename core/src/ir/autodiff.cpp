@@ -175,9 +175,11 @@ const std::map<std::string, Rule>& rules() {
       return Grads{g.add("rotary_embedding", {go[0], n.input(1), g.add("neg", {n.input(2)})}), nullptr, nullptr};
     };
     r["sdpa"] = [](Graph& g, const Node& n, const Grads& go) {
-      Node* b = g.add_node("sdpa_backward", {go[0], n.input(0), n.input(1), n.input(2), n.output(0), n.output(1)},
-                           {{"causal", n.attr_bool("causal")}});
+      Node* b = g.add_node("sdpa_backward", {go[0], n.input(0), n.input(1), n.input(2), n.output(0), n.output(1)}, n.attrs());
       return Grads{b->output(0), b->output(1), b->output(2)};
+    };
+    r["seq_permute"] = [](Graph& g, const Node& n, const Grads& go) {  // the pieces put back
+      return Grads{g.add("seq_permute", {go[0]}, {{"dim", n.attr_int("dim")}, {"chunks", n.attr_int("chunks")}, {"inverse", !n.attr_bool("inverse")}})};
     };
     // The row maximum only steadies a logsumexp (loss_parallel.h): no gradient flows through it.
     r["amax_rows"] = [](Graph&, const Node&, const Grads&) { return Grads{nullptr}; };

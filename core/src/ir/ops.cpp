@@ -291,7 +291,15 @@ std::vector<OpSchema> builtin_ops() {
   // Scaled dot-product attention: q[b, h, s, d], k and v [b, h, t, d] -> out [b, h, s, d] =
   // softmax(q k^T / sqrt(d) [+ causal mask, top-left aligned]) v, and its row logsumexp
   // [b, h, s] for the backward pass (as torch's flash attention; f32 for f16/bf16 inputs).
-  ops.push_back({"sdpa", 3, 3, {{"causal", AttrType::boolean, false, true}}, [](const Metas& in, const Attributes&) {
+  // Context parallelism (train/context_parallel.h) adds two attributes, which matter only when
+  // causal: `chunks` > 1 says the sequence of q, k and v is in load-balanced order (chunks
+  // pieces of t / chunks positions, seq_permute's order), and q_offset that q's rows are the
+  // rows from q_offset on of that sequence (a rank's shard); a key is seen by a query at or
+  // after its position in the sequence as written in natural order.
+  const std::vector<AttrSpec> attention_attrs{{"causal", AttrType::boolean, false, true},
+                                              {"chunks", AttrType::integer, false, std::int64_t{1}},
+                                              {"q_offset", AttrType::integer, false, std::int64_t{0}}};
+  ops.push_back({"sdpa", 3, 3, attention_attrs, [](const Metas& in, const Attributes& a) {
                    same_dtype(in);
                    floating(*in[0], "q");
                    const Shape& q = in[0]->shape;
@@ -299,6 +307,9 @@ std::vector<OpSchema> builtin_ops() {
                    const Shape& v = in[2]->shape;
                    if (q.size() != 4 || k != v || k.size() != 4) fail("q must be [batch, heads, seq, head_dim], k and v the same [batch, heads, kv_seq, head_dim]");
                    if (q[0] != k[0] || q[1] != k[1] || q[3] != k[3]) fail("q and k do not agree on batch, heads or head_dim");
+                   const std::int64_t chunks = std::get<std::int64_t>(a.at("chunks")), offset = std::get<std::int64_t>(a.at("q_offset"));
+                   if (chunks < 1 || k[2] % chunks != 0) fail("chunks must be >= 1 and divide the key sequence " + std::to_string(k[2]));
+                   if (offset < 0 || offset + q[2] > k[2]) fail("q_offset " + std::to_string(offset) + " puts q's rows past the key sequence");
                    TensorMeta lse = like(*in[0], Shape{q[0], q[1], q[2]}, false);
                    if (lse.dtype == DType::f16 || lse.dtype == DType::bf16) lse.dtype = DType::f32;
                    return std::vector{like(*in[0], q, any_requires_grad(in)), lse};
@@ -367,6 +378,36 @@ std::vector<OpSchema> builtin_ops() {
                    if (in[0]->dtype != DType::i64 || in[0]->rank() != 1) fail("targets must be i64 [n]");
                    return std::vector{TensorMeta{{in[0]->shape[0], 1}, *dtype, in[0]->device, false}};
                  }});
+  // linear_weight_grad: g [..., out], x [..., in] -> [out, in] = the sum over every leading
+  // position of g^T x: linear's weight gradient without flattening the leading dims first (a
+  // sequence shard of [batch, seq, ...] is not a shard of the flattened rows; context
+  // parallelism's backward, train/context_parallel.h).
+  ops.push_back({"linear_weight_grad", 2, 2, {}, [](const Metas& in, const Attributes&) {
+                   same_dtype(in);
+                   floating(*in[0], "g");
+                   const Shape &g = in[0]->shape, &x = in[1]->shape;
+                   if (g.size() < 2 || g.size() != x.size() || !std::equal(g.begin(), g.end() - 1, x.begin())) {
+                     fail("g and x must agree on every dim but the last, of at least 2 dims: " + shape_str(g) + " and " + shape_str(x));
+                   }
+                   return std::vector{like(*in[0], Shape{g.back(), x.back()}, any_requires_grad(in))};
+                 }});
+  // seq_permute: x -> x with dim `dim` cut into `chunks` equal pieces put in load-balanced
+  // order for causal attention: piece 0, chunks - 1, 1, chunks - 2, ... (Llama 3's context
+  // parallelism, torch's _HeadTailLoadBalancer: with chunks = 2 cp, rank r of cp holds pieces r
+  // and 2 cp - 1 - r of the sequence, as much work as any other rank). inverse = true puts
+  // them back.
+  ops.push_back({"seq_permute", 1, 1,
+                 {{"dim", AttrType::integer, true, std::int64_t{0}},
+                  {"chunks", AttrType::integer, true, std::int64_t{2}},
+                  {"inverse", AttrType::boolean, false, false}},
+                 [](const Metas& in, const Attributes& a) {
+                   const std::int64_t dim = wrap_dim(std::get<std::int64_t>(a.at("dim")), in[0]->rank());
+                   const std::int64_t chunks = std::get<std::int64_t>(a.at("chunks"));
+                   if (chunks < 1 || in[0]->shape[static_cast<std::size_t>(dim)] % chunks != 0) {
+                     fail("chunks " + std::to_string(chunks) + " does not divide dim " + std::to_string(dim) + " of " + in[0]->str());
+                   }
+                   return std::vector{*in[0]};
+                 }});
   // count_valid: targets (i64)[...] -> the number of entries != ignore_index, a scalar of `dtype`
   // (the denominator of a mean loss, kept apart so that it can be summed across ranks).
   ops.push_back({"count_valid", 1, 1,
@@ -434,7 +475,7 @@ std::vector<OpSchema> builtin_ops() {
                                       like(*in[3], in[3]->shape, true)};
                  }});
   // sdpa_backward: grad, q, k, v, out, logsumexp -> (grad_q, grad_k, grad_v).
-  ops.push_back({"sdpa_backward", 6, 6, {{"causal", AttrType::boolean, false, true}}, [](const Metas& in, const Attributes&) {
+  ops.push_back({"sdpa_backward", 6, 6, attention_attrs, [](const Metas& in, const Attributes&) {
                    return std::vector{like(*in[1], in[1]->shape, true), like(*in[2], in[2]->shape, true),
                                       like(*in[3], in[3]->shape, true)};
                  }});

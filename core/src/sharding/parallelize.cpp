@@ -24,7 +24,7 @@ std::string nearest(const std::string& name, const StrategyInput& in) {
 
 DeviceMesh make_mesh(const ParallelDims& d, std::int64_t world_size) {
   std::vector<MeshDim> dims;
-  for (const auto& [name, size] : {std::pair<std::string, std::int64_t>{"dp_replicate", d.dp_replicate}, {"dp_shard", d.dp_shard}, {"tp", d.tp}}) {
+  for (const auto& [name, size] : {std::pair<std::string, std::int64_t>{"dp_replicate", d.dp_replicate}, {"dp_shard", d.dp_shard}, {"cp", d.cp}, {"tp", d.tp}}) {
     if (size < 1) throw std::invalid_argument("parallelism degree " + name + " is " + std::to_string(size) + ", must be >= 1");
     if (size > 1) dims.push_back({name, size});
   }
@@ -33,7 +33,8 @@ DeviceMesh make_mesh(const ParallelDims& d, std::int64_t world_size) {
   for (const auto& m : dims) product *= m.size;
   if (product != world_size) {
     throw std::invalid_argument("data_parallel_replicate_degree (" + std::to_string(d.dp_replicate) + ") x data_parallel_shard_degree (" +
-                                std::to_string(d.dp_shard) + ") x tensor_parallel_degree (" + std::to_string(d.tp) + ") = " +
+                                std::to_string(d.dp_shard) + ") x " + (d.cp > 1 ? "context_parallel_degree (" + std::to_string(d.cp) + ") x " : std::string()) +
+                                "tensor_parallel_degree (" + std::to_string(d.tp) + ") = " +
                                 std::to_string(product) + ", but world_size is " + std::to_string(world_size) +
                                 ": make their product equal the number of ranks");
   }
@@ -59,6 +60,7 @@ std::map<std::string, Placements> parallelize(PluginRegistry& registry, const De
   for (int i = 0; i < mesh.ndim(); ++i) {
     if (mesh.size(i) == 1) continue;
     const std::string& dim = mesh.dims()[static_cast<std::size_t>(i)].name;
+    if (dim == "cp") continue;  // context parallelism: everything Replicate; propagation shards the sequence (context_parallel_values)
     const auto chosen = strategies.find(dim);
     const std::string name = chosen != strategies.end() ? chosen->second : strategy_for(dim);
     const auto opts = options.find(name);

@@ -68,6 +68,19 @@ std::set<const ir::Value*> sequence_parallel_values(const ir::Graph& graph, std:
   return out;
 }
 
+std::set<const ir::Value*> context_parallel_values(const ir::Graph& graph, std::int64_t k) {
+  std::set<const ir::Value*> out;
+  const ir::Value* loss = graph.find_output("loss");
+  if (loss == nullptr || loss->producer() == nullptr) return out;
+  const std::set<const ir::Node*> forward = ir::producers_of(loss);
+  for (const auto& node : graph.nodes()) {
+    if (node->op() != "embedding" || forward.count(node.get()) == 0) continue;
+    const ir::Value* v = node->output();
+    if (v->meta().shape.size() >= 3 && v->meta().shape[1] >= k) out.insert(v);
+  }
+  return out;
+}
+
 namespace {
 
 // propagate()'s state over one graph: the plan being filled, the values already redistributed
@@ -98,10 +111,20 @@ struct Propagator {
   // dtype (mixed precision), so its reduction happens after it, in the parameter's dtype, as
   // FSDP2's reduce_dtype = float32 does.
   std::set<const ir::Node*> in_place;
-  // Sequence parallelism: the forward values normalization ops read and write, made Shard(1)
-  // (the sequence) on mesh dim sp_dim as soon as they are produced (sequence_parallel_values).
-  int sp_dim = -1;
-  std::set<const ir::Value*> sequence_sharded;
+  // Sequence and context parallelism: forward values made Shard(1) (the sequence) on a mesh
+  // dim as soon as they are produced (sequence_parallel_values on tp, context_parallel_values
+  // on cp).
+  std::vector<std::pair<int, std::map<const ir::Value*, Placement>>> sequence_sharded;
+  // Context parallelism by all-gather: the mesh dim on which attention (sdpa, sdpa_backward)
+  // takes only its query-row strategy (q Shard(2), k and v whole), where it has one.
+  int query_rows_dim = -1;
+  // Context parallelism: its mesh dim and the sequence length. There a value that has a dim
+  // of the sequence's length is best split on it: where splitting another dim costs the same
+  // now (a gradient's reduce_scatter), the sequence split is taken, and the tokens' values
+  // stay split alike through the backward (split on the batch, the next linear's weight
+  // gradient all_to_alls them back).
+  int sequence_dim = -1;
+  std::int64_t sequence_length = 0;
   std::vector<std::int64_t> zero = std::vector<std::int64_t>(static_cast<std::size_t>(n), 0);
 
   static double bytes_of(const ir::Value* v, const Shape& seen) { return shape_bytes(seen, v->meta().dtype); }
@@ -292,10 +315,18 @@ struct Propagator {
       }
       // A value sequence parallelism keeps sharded: what getting it there costs from here (the
       // row-parallel matmul's Partial output is reduce-scattered into the residual stream).
-      if (i == sp_dim && sequence_sharded.count(node.outputs()[a]) > 0) {
-        total += redistribute_bytes(c.outputs[a], Placement::shard(1), out_bytes, mesh.size(i));
+      for (const auto& [dim, values] : sequence_sharded) {
+        const auto it = values.find(node.outputs()[a]);
+        if (i == dim && it != values.end()) total += redistribute_bytes(c.outputs[a], it->second, out_bytes, mesh.size(i));
       }
       total += c.outputs[a].is_shard() ? out_bytes / static_cast<double>(mesh.size(i)) : out_bytes;  // a Partial is full size
+      if (i == sequence_dim && c.outputs[a].is_shard()) {
+        const Shape& full = node.outputs()[a]->meta().shape;
+        if (full.at(static_cast<std::size_t>(c.outputs[a].dim())) != sequence_length &&
+            std::find(full.begin(), full.end(), sequence_length) != full.end()) {
+          total += out_bytes / static_cast<double>(mesh.size(i)) * 0.01;  // a tie-break, less than any message
+        }
+      }
     }
     return total;
   }
@@ -317,7 +348,15 @@ struct Propagator {
         sofar.resize(static_cast<std::size_t>(n), kR);
         seen_out.push_back(shape_after(mesh, sofar, node.outputs()[a]->meta().shape, zero, i));
       }
-      const auto candidates = op_strategies(node, seen_in, seen_out, mesh.size(i));
+      auto candidates = op_strategies(node, seen_in, seen_out, mesh.size(i));
+      if (i == query_rows_dim && (node.op() == "sdpa" || node.op() == "sdpa_backward")) {
+        const std::size_t q = node.op() == "sdpa" ? 0 : 1;
+        std::vector<OpStrategy> rows;
+        for (const auto& c : candidates) {
+          if (c.inputs[q] == Placement::shard(2) && c.inputs[q + 1].is_replicate()) rows.push_back(c);
+        }
+        if (!rows.empty()) candidates = std::move(rows);
+      }
       const bool addend = std::any_of(node.outputs().begin(), node.outputs().end(), [&](const ir::Value* o) { return accumulating.count(o) > 0; });
       double best_cost = -1, best_moves = 0;
       const OpStrategy* best = nullptr;
@@ -334,11 +373,11 @@ struct Propagator {
     for (std::size_t a = 0; a < n_out; ++a) {
       plan.placement[node.outputs()[a]] = out_pl[a];
       if (auto h = hint.find(node.outputs()[a]); h != hint.end()) make(node.outputs()[a], h->second);
-      if (sp_dim >= 0 && sequence_sharded.count(node.outputs()[a]) > 0 && out_pl[a][static_cast<std::size_t>(sp_dim)] != Placement::shard(1)) {
-        Placements want = out_pl[a];
-        want[static_cast<std::size_t>(sp_dim)] = Placement::shard(1);
-        make(node.outputs()[a], want);
+      Placements want = out_pl[a];
+      for (const auto& [dim, values] : sequence_sharded) {
+        if (const auto it = values.find(node.outputs()[a]); it != values.end()) want[static_cast<std::size_t>(dim)] = it->second;
       }
+      if (want != out_pl[a]) make(node.outputs()[a], want);
     }
     plan.inputs[&node] = std::move(in_pl);
   }
@@ -348,7 +387,7 @@ struct Propagator {
 
 DistributedPlan propagate(const ir::Graph& graph, const DeviceMesh& mesh, const std::map<std::string, Placements>& inputs,
                           const std::map<std::string, Placements>& outputs, const std::map<std::string, Placements>& use,
-                          bool reshard_after_forward, int sequence_parallel_dim) {
+                          bool reshard_after_forward, int sequence_parallel_dim, int context_parallel_dim, bool context_parallel_allgather) {
   DistributedPlan plan{mesh, &graph, {}, {}, {}, 0, 0, std::vector<double>(static_cast<std::size_t>(mesh.ndim()), 0.0), {}, {}};
   if (reshard_after_forward) {
     if (const ir::Value* loss = graph.find_output("loss"); loss != nullptr && loss->producer() != nullptr) {
@@ -374,12 +413,44 @@ DistributedPlan propagate(const ir::Graph& graph, const DeviceMesh& mesh, const 
   if (sequence_parallel_dim >= mesh.ndim()) {
     throw std::invalid_argument("sequence parallelism on mesh dim " + std::to_string(sequence_parallel_dim) + ", which the mesh " + mesh.str() + " has not");
   }
+  if (context_parallel_dim >= mesh.ndim()) {
+    throw std::invalid_argument("context parallelism on mesh dim " + std::to_string(context_parallel_dim) + ", which the mesh " + mesh.str() + " has not");
+  }
   Propagator p(graph, mesh, plan);
+  auto on_sequence = [](const std::set<const ir::Value*>& values) {
+    std::map<const ir::Value*, Placement> out;
+    for (const ir::Value* v : values) out.emplace(v, Placement::shard(1));
+    return out;
+  };
   if (sequence_parallel_dim >= 0 && mesh.size(sequence_parallel_dim) > 1) {
-    p.sp_dim = sequence_parallel_dim;
-    p.sequence_sharded = sequence_parallel_values(graph, mesh.size(sequence_parallel_dim));
+    p.sequence_sharded.emplace_back(sequence_parallel_dim, on_sequence(sequence_parallel_values(graph, mesh.size(sequence_parallel_dim))));
+  }
+  if (context_parallel_dim >= 0 && mesh.size(context_parallel_dim) > 1) {
+    // The embeddings on the sequence, and the rotary tables [seq, d] on their rows: split once
+    // as made, they are free to read in every layer (split at each read, a table's split
+    // looked dearer than moving the layer's q and k to a batch split).
+    auto pinned = on_sequence(context_parallel_values(graph, mesh.size(context_parallel_dim)));
+    for (const auto& node : graph.nodes()) {
+      if (node->op() != "rotary_embedding") continue;
+      for (int t : {1, 2}) {
+        if (node->input(t)->meta().shape.at(0) >= mesh.size(context_parallel_dim)) pinned.emplace(node->input(t), Placement::shard(0));
+      }
+    }
+    p.sequence_sharded.emplace_back(context_parallel_dim, std::move(pinned));
+    if (context_parallel_allgather) p.query_rows_dim = context_parallel_dim;
+    for (const auto& [v, pl] : p.sequence_sharded.back().second) {
+      if (pl == Placement::shard(1)) p.sequence_dim = context_parallel_dim, p.sequence_length = v->meta().shape[1];
+    }
   }
   p.find_hints(use);
+  for (const auto& [dim, values] : p.sequence_sharded) {  // pinned graph inputs (a rotary table with no seq_permute) are split at once
+    for (const auto& [v, pl] : values) {
+      if (v->producer() != nullptr) continue;
+      Placements want = plan.placement.at(v);
+      want[static_cast<std::size_t>(dim)] = pl;
+      p.make(v, want);
+    }
+  }
   for (const auto& [name, pl] : outputs) {
     if (const ir::Value* v = graph.find_output(name)) p.demand.emplace(v, pl);
   }

@@ -105,6 +105,16 @@ std::int64_t reshape_dim(const Shape& in, const Shape& out, std::int64_t d, std:
   return -1;
 }
 
+// Whether attention's query rows (`rows` of them as this mesh dim sees q) may be split k ways:
+// evenly, and for a load-balanced sequence (chunks > 1) in whole pieces.
+bool query_rows_split(const Node& n, std::int64_t rows, std::int64_t k) {
+  if (rows < k) return false;
+  const std::int64_t chunks = n.attr_int("chunks");
+  if (chunks == 1) return true;
+  const std::int64_t piece = n.input(n.op() == "sdpa" ? 1 : 2)->meta().shape[2] / chunks;
+  return rows % k == 0 && (rows / k) % piece == 0;
+}
+
 const std::map<std::string, Rule>& rules() {
   static const std::map<std::string, Rule> table = [] {
     std::map<std::string, Rule> r;
@@ -310,19 +320,44 @@ const std::map<std::string, Rule>& rules() {
       s.push_back({{P, R, R}, {P}});
       return s;
     };
-    // Attention: batch or heads sharded alike on q, k, v (and out, logsumexp).
-    r["sdpa"] = [](const Node&, const std::vector<Shape>& in, const std::vector<Shape>&, std::int64_t k) {
+    // Attention: batch or heads sharded alike on q, k, v (and out, logsumexp). Or the query
+    // rows (context parallelism, Llama 3's all-gather attention: Dubey et al. 2024, 3.3.2)
+    // with k and v whole: each rank attends its rows to every key it may see (local_attrs
+    // gives the kernel its rows' q_offset), and in the backward its dk, dv are partial sums.
+    r["sdpa"] = [](const Node& n, const std::vector<Shape>& in, const std::vector<Shape>&, std::int64_t k) {
       Strategies s{all(R, 3, 2)};
       for (std::int64_t d : {0, 1}) {
         if (in[0][static_cast<std::size_t>(d)] >= k) s.push_back(all(S(d), 3, 2));
       }
+      if (query_rows_split(n, in[0][2], k)) s.push_back({{S(2), R, R}, {S(2), S(2)}});
       return s;
     };
-    r["sdpa_backward"] = [](const Node&, const std::vector<Shape>& in, const std::vector<Shape>&, std::int64_t k) {
+    r["sdpa_backward"] = [](const Node& n, const std::vector<Shape>& in, const std::vector<Shape>&, std::int64_t k) {
       Strategies s{all(R, 6, 3)};
       for (std::int64_t d : {0, 1}) {
         if (in[1][static_cast<std::size_t>(d)] >= k) s.push_back(all(S(d), 6, 3));
       }
+      if (query_rows_split(n, in[1][2], k)) s.push_back({{S(2), S(2), R, R, S(2), S(2)}, {S(2), P, P}});
+      return s;
+    };
+    // g^T x summed over the leading dims: a leading dim split alike gives partial sums; g's
+    // last dim split gives rows of the result, x's its columns.
+    r["linear_weight_grad"] = [](const Node&, const std::vector<Shape>& in, const std::vector<Shape>&, std::int64_t k) {
+      const std::size_t last = in[0].size() - 1;
+      Strategies s{all(R, 2, 1)};
+      for (std::size_t d = 0; d < last; ++d) {
+        if (in[0][d] >= k) s.push_back({{S(static_cast<std::int64_t>(d)), S(static_cast<std::int64_t>(d))}, {P}});
+      }
+      if (in[0][last] >= k) s.push_back({{S(static_cast<std::int64_t>(last)), R}, {S(0)}});
+      if (in[1][last] >= k) s.push_back({{R, S(static_cast<std::int64_t>(last))}, {S(1)}});
+      s.push_back({{P, R}, {P}});
+      s.push_back({{R, P}, {P}});
+      return s;
+    };
+    // Load-balanced order: along the permuted dim only whole tensors (pieces move).
+    r["seq_permute"] = [](const Node& n, const std::vector<Shape>& in, const std::vector<Shape>& out, std::int64_t k) {
+      Strategies s = same_dim(in, out, k, {wrap(n.attr_int("dim"), in[0].size())}, in[0].size());
+      s.push_back({{P}, {P}});
       return s;
     };
     // Sums over tokens split across ranks are partial sums; a mean is not (kept replicated).
@@ -425,10 +460,14 @@ ir::Attributes local_attrs(const ir::Node& node, const std::vector<Shape>& local
   if (op == "embedding_backward") a["num_weights"] = local_out.at(0).at(0);
   if (op == "pick_backward") a["num_classes"] = local_out.at(0).at(1);
   if (op == "pick" || op == "pick_backward") a["offset"] = node.attr_int("offset") + column_offset;
+  if (op == "sdpa" || op == "sdpa_backward") a["q_offset"] = node.attr_int("q_offset") + column_offset;
   return a;
 }
 
 std::int64_t column_offset_of(const ir::Node& node, const DeviceMesh& mesh, const std::vector<Placement>& logits, const std::vector<std::int64_t>& coordinate) {
+  if (node.op() == "sdpa" || node.op() == "sdpa_backward") {  // out and dq are placed as q: its first row
+    return ShardingSpec{logits, node.output()->meta()}.local_offset(mesh, coordinate).at(2);
+  }
   if (node.op() != "pick" && node.op() != "pick_backward") return 0;
   const ir::Value* v = node.op() == "pick" ? node.input(0) : node.output();
   return ShardingSpec{logits, v->meta()}.local_offset(mesh, coordinate).at(1);

@@ -1,4 +1,5 @@
 #include "spmdx/train/job.h"
+#include "spmdx/train/context_parallel.h"
 #include "spmdx/train/loss_parallel.h"
 
 #include <algorithm>
@@ -80,7 +81,8 @@ std::int64_t degree_product(const config::Config& cfg) {
   // read_degrees refuses (more than 1e8) naming the keys.
   const double product = static_cast<double>(cfg.get_int("parallelism.data_parallel_replicate_degree")) *
                          static_cast<double>(cfg.get_int("parallelism.tensor_parallel_degree")) * static_cast<double>(shard > 0 ? shard : 1) *
-                         static_cast<double>(cfg.get_int("parallelism.pipeline_parallel_degree"));
+                         static_cast<double>(cfg.get_int("parallelism.pipeline_parallel_degree")) *
+                         static_cast<double>(cfg.get_int("parallelism.context_parallel_degree"));
   return static_cast<std::int64_t>(std::min(product, 1e12));
 }
 
@@ -127,7 +129,7 @@ void read_strategies(const config::Config& cfg, JobSpec& s, Problems& problems) 
       // torchtitan's other dims are other features, not typos of tp: no "did you mean" for them.
       static const std::map<std::string, std::string> elsewhere{
           {"pp", "; pipeline stages are cut by parallelism.pipeline_parallel_degree, not placed by a strategy plugin"},
-          {"cp", "; spmdx has no context parallelism yet"},
+          {"cp", "; context parallelism is parallelism.context_parallel_degree, placed by spmdx itself, not by a strategy plugin"},
           {"ep", "; spmdx has no expert parallelism yet"},
           {"sp", "; sequence parallelism is parallelism.enable_sequence_parallel, over tp"},
           {"etp", "; spmdx has no expert tensor parallelism yet"}};
@@ -179,11 +181,13 @@ void read_degrees(const config::Config& cfg, std::int64_t world_size, sharding::
   }
   dims.dp_replicate = cfg.get_int("parallelism.data_parallel_replicate_degree");
   dims.tp = cfg.get_int("parallelism.tensor_parallel_degree");
+  dims.cp = cfg.get_int("parallelism.context_parallel_degree");
   dims.dp_shard = cfg.get_int("parallelism.data_parallel_shard_degree");
   if (dims.dp_shard == -1) {
-    const std::int64_t rest = dims.dp_replicate * dims.tp;
+    const std::int64_t rest = dims.dp_replicate * dims.cp * dims.tp;
     if (world_size % rest != 0) {
-      problems.add(kDegreeKeys, "parallelism.data_parallel_replicate_degree x tensor_parallel_degree = " + std::to_string(rest) +
+      problems.add(kDegreeKeys, "parallelism.data_parallel_replicate_degree x " + std::string(dims.cp > 1 ? "context_parallel_degree x " : "") +
+                   "tensor_parallel_degree = " + std::to_string(rest) +
                    " does not divide " + world_text);
     }
     dims.dp_shard = std::max<std::int64_t>(1, world_size / rest);
@@ -191,19 +195,21 @@ void read_degrees(const config::Config& cfg, std::int64_t world_size, sharding::
     problems.add({"parallelism.data_parallel_shard_degree"}, "parallelism.data_parallel_shard_degree must be >= 1 or -1");
     dims.dp_shard = 1;
   }
-  const std::int64_t product = dims.dp_replicate * dims.dp_shard * dims.tp;
-  if (const double ranks = static_cast<double>(dims.dp_replicate) * static_cast<double>(dims.dp_shard) * static_cast<double>(dims.tp) * static_cast<double>(stages);
+  const std::string cp_text = dims.cp > 1 ? " x " + std::to_string(dims.cp) : std::string();  // the degrees as multiplied, cp before tp
+  if (const double ranks = static_cast<double>(dims.dp_replicate) * static_cast<double>(dims.dp_shard) * static_cast<double>(dims.cp) *
+                           static_cast<double>(dims.tp) * static_cast<double>(stages);
       ranks > 1e8) {
     std::vector<std::string> keys = kDegreeKeys;
     if (stages > 1) keys.push_back("parallelism.pipeline_parallel_degree");
     problems.add(keys, "parallelism degrees multiply to " + (stages > 1 ? std::to_string(stages) + " x " : std::string()) + std::to_string(dims.dp_replicate) +
-                           " x " + std::to_string(dims.dp_shard) + " x " + std::to_string(dims.tp) +
+                           " x " + std::to_string(dims.dp_shard) + cp_text + " x " + std::to_string(dims.tp) +
                            " ranks, more than the 100,000,000 spmdx plans (as --world-size): use smaller degrees");
     return;
   }
+  const std::int64_t product = dims.dp_replicate * dims.dp_shard * dims.cp * dims.tp;
   if (product != world_size && problems.lines.empty()) {
     problems.add(kDegreeKeys, "parallelism degrees multiply to " + std::to_string(product) + " (" + std::to_string(dims.dp_replicate) + " x " +
-                 std::to_string(dims.dp_shard) + " x " + std::to_string(dims.tp) + "), but " + (stages > 1 ? world_text : "world_size is " + std::to_string(world_size)));
+                 std::to_string(dims.dp_shard) + cp_text + " x " + std::to_string(dims.tp) + "), but " + (stages > 1 ? world_text : "world_size is " + std::to_string(world_size)));
   }
 }
 
@@ -492,6 +498,20 @@ JobSpec job_spec(const config::Config& cfg, std::int64_t world_size, std::int64_
   s.reshard_after_forward = cfg.get_string("parallelism.fsdp_reshard_after_forward") != "never";
   s.sequence_parallel = cfg.get_bool("parallelism.enable_sequence_parallel");
   s.loss_parallel = !cfg.get_bool("parallelism.disable_loss_parallel");
+  s.context_parallel_load_balance = cfg.get_bool("parallelism.context_parallel_load_balance");
+  s.context_parallel_allgather = cfg.get_string("parallelism.context_parallel_rotate_method") == "allgather";
+  if (const std::int64_t cp = s.dims.cp; cp > 1 && degrees_ok) {
+    // Load balancing needs the positions as inputs (the built-in models' RoPE tables); an
+    // imported program that makes them itself (arange) is split in order.
+    const std::int64_t pieces = s.context_parallel_load_balance && s.model.name != "pt2" ? 2 * cp : cp;
+    if (s.seq_len % pieces != 0) {
+      fail({"parallelism.context_parallel_degree", "training.seq_len"},
+           "parallelism.context_parallel_degree " + std::to_string(cp) + " splits the sequence into " + std::to_string(pieces) + " pieces" +
+               (pieces == 2 * cp ? " (2 a rank: load balancing)" : "") + ", but training.seq_len " + std::to_string(s.seq_len) + " is not a multiple of " +
+               std::to_string(pieces) + ": make seq_len a multiple of " + std::to_string(pieces) +
+               (pieces == 2 * cp ? ", or set parallelism.context_parallel_load_balance = false (then of " + std::to_string(cp) + ")" : std::string()));
+    }
+  }
   if (const std::string budget = cfg.get_string("parallelism.memory_budget"); !budget.empty()) {
     try {
       const std::uint64_t bytes = parse_bytes(budget);
@@ -1009,8 +1029,21 @@ PlacedJob place_job(const JobSpec& spec, PluginRegistry& registry) {
     job.model.graph = vocab_parallel_cross_entropy(job.model.graph);
     job.loss_parallel = true;
   }
+  if (spec.dims.cp > 1) {
+    job.context_parallel_dim = job.mesh.dim_index("cp");
+    job.context_parallel_allgather = spec.context_parallel_allgather;
+    if (!spec.context_parallel_load_balance) {
+      job.context_parallel_order = "parallelism.context_parallel_load_balance = false";
+    } else if (spec.model.name == "pt2") {
+      job.context_parallel_order = "an imported program makes its own positions";
+    } else {
+      job.context_parallel_chunks = 2 * spec.dims.cp;
+    }
+    job.model.graph = context_parallel(job.model.graph, spec.seq_len, job.context_parallel_chunks);
+  }
   const std::size_t forward_nodes = job.model.graph.num_nodes();
   append_train_step(job.model.graph, job.model.params, spec.step);
+  if (job.context_parallel_dim >= 0) job.model.graph = context_parallel_weight_grads(job.model.graph);
   if (spec.activation_checkpoint.mode != "none") {
     job.model.graph = spec.step.microbatches == 1
                           ? checkpoint_activations(job.model.graph, forward_nodes, job.model.params, spec.activation_checkpoint, &job.checkpointed)
@@ -1051,7 +1084,8 @@ PlacedJob place_job(const JobSpec& spec, PluginRegistry& registry) {
 }
 
 sharding::DistributedPlan propagate_job(const PlacedJob& job) {
-  return sharding::propagate(job.model.graph, job.mesh, job.inputs, job.outputs, job.use, job.reshard_after_forward, job.sequence_parallel_dim);
+  return sharding::propagate(job.model.graph, job.mesh, job.inputs, job.outputs, job.use, job.reshard_after_forward, job.sequence_parallel_dim,
+                             job.context_parallel_dim, job.context_parallel_allgather);
 }
 
 data::TextDatasetOptions validation_data(const JobSpec& spec) {
@@ -1062,6 +1096,7 @@ data::TextDatasetOptions validation_data(const JobSpec& spec) {
 
 PlacedValidation place_validation(const JobSpec& spec, const PlacedJob& job) {
   PlacedValidation v{forward_model(spec, spec.validation.global_batch_size), {}};
+  if (job.context_parallel_dim >= 0) v.model.graph = context_parallel(v.model.graph, spec.seq_len, job.context_parallel_chunks);
   for (const ir::Value* in : v.model.graph.inputs()) {  // buffers (RoPE tables) have no placement given: replicated, as the train step's
     if (const auto it = job.inputs.find(in->name()); it != job.inputs.end()) v.inputs[in->name()] = it->second;
   }

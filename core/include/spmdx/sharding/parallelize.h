@@ -18,10 +18,11 @@ namespace spmdx::sharding {
 struct ParallelDims {
   std::int64_t dp_replicate = 1;
   std::int64_t dp_shard = 1;
+  std::int64_t cp = 1;  ///< context parallelism (train/context_parallel.h): placed by the core, no plugin
   std::int64_t tp = 1;
 };
 
-/// The mesh [dp_replicate, dp_shard, tp], row-major (tp innermost: neighbouring ranks, the
+/// The mesh [dp_replicate, dp_shard, cp, tp] (torchtitan's order), row-major (tp innermost: neighbouring ranks, the
 /// fast local path), keeping the dims of size > 1 ("dp_replicate" of size 1 when all are 1).
 /// Throws std::invalid_argument when a degree is < 1 or their product is not world_size.
 DeviceMesh make_mesh(const ParallelDims& dims, std::int64_t world_size);

@@ -65,13 +65,24 @@ struct DistributedPlan {
 /// there. Nothing else is special: propagation then all_gathers them before the column-parallel
 /// matmuls and reduce_scatters the row-parallel matmuls' Partial outputs into them, where
 /// plain TP all_reduces, and the norms and residual adds run on 1/tp of the sequence.
+/// With context_parallel_dim >= 0 (the cp mesh dim; train/context_parallel.h), the values
+/// context_parallel_values() names are made Shard(1) on it the same way: the token embeddings,
+/// from which the whole forward follows on its shard of the sequence. With
+/// context_parallel_allgather, attention on that dim splits its query rows and all-gathers k
+/// and v (Llama 3's; torchtitan's context_parallel_rotate_method = "allgather"); without, it
+/// takes whatever moves the fewest bytes, which may split batch or heads by all_to_all
+/// (DeepSpeed-Ulysses).
 /// Throws std::invalid_argument naming an input or output that is not in the graph or whose
-/// placement count is not the mesh's ndim, or a sequence_parallel_dim the mesh has not, and
-/// ir::IrError for an op without sharding rules.
+/// placement count is not the mesh's ndim, or a sequence_parallel_dim or context_parallel_dim
+/// the mesh has not, and ir::IrError for an op without sharding rules.
 DistributedPlan propagate(const ir::Graph& graph, const DeviceMesh& mesh, const std::map<std::string, Placements>& inputs,
                           const std::map<std::string, Placements>& outputs = {},
                           const std::map<std::string, Placements>& use = {}, bool reshard_after_forward = false,
-                          int sequence_parallel_dim = -1);
+                          int sequence_parallel_dim = -1, int context_parallel_dim = -1, bool context_parallel_allgather = true);
+
+/// The values context parallelism keeps sharded on the sequence: the outputs of the forward's
+/// embedding lookups [batch, seq, dim] with at least `k` (the cp degree) positions.
+std::set<const ir::Value*> context_parallel_values(const ir::Graph& graph, std::int64_t k);
 
 /// The values sequence parallelism keeps sharded on the sequence: the input and output of each
 /// normalization (rms_norm, layer_norm) that computes the loss (the forward; a recomputed

@@ -36,11 +36,13 @@ namespace spmdx::sharding {
 /// that spell out a shape (reshape, expand and sum_to "shape", slice_backward "input_shape",
 /// embedding_backward "num_weights", pick_backward "num_classes") follow the local shapes;
 /// pick's and pick_backward's "offset" grows by `column_offset`, the first class the rank's
-/// columns of the logits hold (column_offset_of); the others stay.
+/// columns of the logits hold (column_offset_of), and sdpa's and sdpa_backward's "q_offset" by
+/// the first query row the rank holds; the others stay.
 ir::Attributes local_attrs(const ir::Node& node, const std::vector<Shape>& local_out, std::int64_t column_offset = 0);
 
 /// For pick and pick_backward read or written in `logits` placements, the first column of the
-/// logits [n, classes] the rank at `coordinate` holds; 0 for other ops.
+/// logits [n, classes] the rank at `coordinate` holds; for sdpa and sdpa_backward whose first
+/// output is placed `logits`, the first query row (dim 2) the rank holds; 0 for other ops.
 std::int64_t column_offset_of(const ir::Node& node, const DeviceMesh& mesh, const std::vector<Placement>& logits, const std::vector<std::int64_t>& coordinate);
 
 }  // namespace spmdx::sharding

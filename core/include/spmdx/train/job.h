@@ -116,6 +116,11 @@ struct JobSpec {
   /// parallelism.enable_sequence_parallel: with tensor parallelism, the residual stream and the
   /// norms are sharded on the sequence over tp (Megatron-SP; sharding::propagate).
   bool sequence_parallel = false;
+  /// parallelism.context_parallel_load_balance: with context parallelism, the sequence in
+  /// 2 cp pieces, rank r of cp holding pieces r and 2 cp - 1 - r (train/context_parallel.h).
+  bool context_parallel_load_balance = true;
+  /// parallelism.context_parallel_rotate_method == "allgather" (else "auto"; sharding::propagate).
+  bool context_parallel_allgather = true;
   /// !parallelism.disable_loss_parallel: with tensor parallelism, cross entropy runs on the
   /// vocabulary-sharded logits (vocab_parallel_cross_entropy) instead of gathering them.
   bool loss_parallel = false;
@@ -155,9 +160,9 @@ plan::PlanOptions plan_options(const config::Config& cfg);
 /// a near miss of an enabled hook: then a problem (its options would be lost).
 hooks::HookSpec hook_spec(const config::Config& cfg);
 
-/// The config keys of the mesh's degrees (dp_replicate, dp_shard, tp), for messages about them.
+/// The config keys of the mesh's degrees (dp_replicate, dp_shard, tp, cp), for messages about them.
 inline const std::vector<std::string> kDegreeKeys{"parallelism.data_parallel_replicate_degree", "parallelism.data_parallel_shard_degree",
-                                                  "parallelism.tensor_parallel_degree"};
+                                                  "parallelism.tensor_parallel_degree", "parallelism.context_parallel_degree"};
 
 /// The ranks the config's degrees make when data_parallel_shard_degree is given (-1, "the
 /// ranks left", counts as 1): what `spmdx compile` plans for and a lone `spmdx run` would need.
@@ -223,6 +228,13 @@ struct PlacedJob {
   /// Why sequence parallelism is off although the config asks for it ("" otherwise): tp is 1,
   /// or the graph has no norm (rms_norm, layer_norm) with a sequence of at least tp positions.
   std::string sequence_parallel_off{};
+  /// The cp mesh dim's index (context parallelism, context_parallel_degree > 1), or -1.
+  int context_parallel_dim = -1;
+  /// With context parallelism: the pieces of the load-balanced sequence (2 cp), or 1 when the
+  /// sequence is split in order ("context_parallel_order" says why).
+  std::int64_t context_parallel_chunks = 1;
+  std::string context_parallel_order{};
+  bool context_parallel_allgather = true;  ///< JobSpec's
   /// Whether the loss is vocab_parallel_cross_entropy's (loss parallelism with tp > 1).
   bool loss_parallel = false;
   /// The pipeline's stages (first_layer resolved); stages 1: none. `mesh` is then one stage's:
