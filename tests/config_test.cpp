@@ -273,7 +273,7 @@ TEST(Config, TorchtitansDebugModelTomlGivesOneMessage) {
     const std::string m = e.what();
     EXPECT_THAT(m, HasSubstr("1 problem:"));
     EXPECT_THAT(m, HasSubstr("training.dataset = \"c4_test\" is torchtitan's; spmdx does not support torchtitan's named data sets"));
-    EXPECT_THAT(m, HasSubstr("spmdx ignores 17 keys of torchtitan's"));  // its pipeline_parallel_degree and _schedule are spmdx's keys
+    EXPECT_THAT(m, HasSubstr("spmdx ignores 16 keys of torchtitan's"));  // its pipeline_parallel_degree, _schedule and context_parallel_degree are spmdx's keys
   }
 }
 

@@ -149,6 +149,63 @@ TEST(Run, PipelineStagesGiveTheLossesOfOneRank) {
   }
 }
 
+// Context parallelism, each rank a process: the sequence split over cp (load-balanced or in
+// order), attention all-gathering k and v or (rotate_method auto) splitting batch or heads: 5
+// steps give the losses and gradient norms of one rank, alone and composed with FSDP, DDP, TP
+// with sequence and loss parallelism, and pipeline stages; the held-out loss too.
+TEST(Run, ContextParallelGivesTheLossesOfOneRank) {
+  test::TempDir dir;
+  const std::string common = " --data.paths '" + corpus_file(dir) + "' --training.steps 5 --training.global_batch_size 4 --training.seq_len 32 --model.n_layers 2";
+  const std::string config = "'" SPMDX_SOURCE_DIR "/configs/llama_fsdp.toml'";
+  const std::string validation = " --validation.enable true --validation.paths '" + corpus_file(dir) + "' --validation.freq 5 --validation.steps 2";
+  auto one = spmdx_run(config + " --nproc 1 --job.dump_folder '" + (dir / "one").string() + "'" + common + validation);
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  const auto want = losses(dir / "one" / "metrics.jsonl");
+  const auto want_norms = test::column(dir / "one" / "metrics.jsonl", "grad_norm");
+  auto val_losses = [](const fs::path& metrics) {  // the rows that validated
+    std::vector<double> out;
+    for (const auto& row : test::rows(metrics)) {
+      if (row.contains("val_loss")) out.push_back(row.at("val_loss").get<double>());
+    }
+    return out;
+  };
+  const auto want_val = val_losses(dir / "one" / "metrics.jsonl");
+  ASSERT_EQ(want.size(), 5u);
+  ASSERT_EQ(want_val.size(), 1u);
+  const std::string cp = " --parallelism.data_parallel_shard_degree 1 --parallelism.context_parallel_degree ";
+  const std::vector<std::tuple<std::string, int, std::string, std::string>> layouts = {
+      {"cp2", 2, cp + "2" + validation, "context parallel: cp 2, 16 of 32 tokens a rank, load-balanced (4 pieces: rank r of cp holds pieces r and 3 - r); attention: 2 of 2 split their query rows"},
+      {"cp4", 4, cp + "4", "cp 4, 8 of 32 tokens a rank, load-balanced (8 pieces"},
+      {"cp2-in-order", 2, cp + "2 --parallelism.context_parallel_load_balance false", "in order (parallelism.context_parallel_load_balance = false)"},
+      {"cp4-auto", 4, cp + "4 --parallelism.context_parallel_rotate_method auto", "split batch or heads by all_to_all"},
+      {"fsdp2xcp2", 4, " --parallelism.data_parallel_shard_degree 2 --parallelism.context_parallel_degree 2", "mesh dp_shard=2 x cp=2"},
+      {"dp2xcp2", 4, cp + "2 --parallelism.data_parallel_replicate_degree 2", "mesh dp_replicate=2 x cp=2"},
+      {"cp2xtp2+sp+lp", 4, cp + "2 --parallelism.tensor_parallel_degree 2 --parallelism.enable_sequence_parallel true --parallelism.disable_loss_parallel false",
+       "mesh cp=2 x tp=2"},
+      {"pp2xcp2", 4, cp + "2 --parallelism.pipeline_parallel_degree 2", "mesh pp=2 x cp=2"},
+  };
+  for (const auto& [name, nproc, flags, says] : layouts) {
+    const auto folder = dir / name;
+    auto r = spmdx_run(config + " --nproc " + std::to_string(nproc) + flags + " --job.dump_folder '" + folder.string() + "'" + common);
+    ASSERT_EQ(r.exit_code, 0) << name << "\n" << r.output;
+    EXPECT_THAT(r.output, HasSubstr(says)) << name;
+    const auto got = losses(folder / "metrics.jsonl");
+    const auto norms = test::column(folder / "metrics.jsonl", "grad_norm");
+    ASSERT_EQ(got.size(), want.size()) << name;
+    for (std::size_t i = 0; i < want.size(); ++i) {
+      EXPECT_NEAR(got[i], want[i], 1e-6 * std::abs(want[i])) << name << " step " << i + 1;
+      EXPECT_NEAR(norms[i], want_norms[i], 1e-6 * std::abs(want_norms[i])) << name << " step " << i + 1;
+    }
+    const auto peak = test::column(folder / "metrics.jsonl", "peak_mem_bytes"), planned = test::column(folder / "metrics.jsonl", "planned_peak_mem_bytes");
+    EXPECT_NEAR(peak.back(), planned.back(), 0.05 * planned.back()) << name;
+    if (flags.find("validation") != std::string::npos) {
+      const auto val = val_losses(folder / "metrics.jsonl");
+      ASSERT_EQ(val.size(), 1u) << name;
+      EXPECT_NEAR(val[0], want_val[0], 1e-6 * std::abs(want_val[0])) << name;
+    }
+  }
+}
+
 // Activation checkpointing recomputes forward values in the backward (TP's all_reduce issued
 // again, FSDP's parameters gathered again): the same losses bit for bit, on one rank and on
 // FSDP x TP, with less memory held at the peak.

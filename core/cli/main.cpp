@@ -479,6 +479,7 @@ int run_compile(const CompileOptions& o) {
                      spmdx::human_bytes(static_cast<double>(peak)) + "\n";
     }
   }
+  const spmdx::train::ContextParallelSummary cp = spmdx::train::context_parallel_summary(spec, job, plan);
   if (o.json) {
     nlohmann::json by_dim = nlohmann::json::object();
     for (std::size_t d = 0; d < dims.size(); ++d) by_dim[dims[d].name] = plan.comm_bytes_by_dim.at(d);
@@ -496,6 +497,8 @@ int run_compile(const CompileOptions& o) {
                      {"microbatches", spec.step.microbatches},
                      {"sequence_parallel", job.sequence_parallel_dim >= 0},
                      {"loss_parallel", job.loss_parallel},
+                     {"context_parallel", {{"degree", cp.degree}, {"tokens_per_rank", cp.tokens_per_rank}, {"pieces", cp.pieces}, {"attentions", cp.attentions},
+                                           {"query_rows", cp.query_rows}, {"all_to_all", cp.all_to_all}}},
                      {"pipeline", {{"stages", job.pipeline.stages}, {"schedule", job.pipeline.schedule}, {"microbatches", job.pipeline.microbatches},
                                    {"bubble_fraction", spmdx::train::bubble_fraction(job.pipeline)}, {"per_stage", stages_json}}},
                      {"flops_per_token", flops_token},
@@ -534,6 +537,7 @@ int run_compile(const CompileOptions& o) {
             << comm_ms << " ms at 10 GB/s, 10 us per message)\n"
             << "planned peak memory (rank 0): " << planned.memory.str() << "\n"
             << (job.sequence_parallel_off.empty() ? "" : "sequence parallel: off, " + job.sequence_parallel_off + "\n")
+            << (cp.degree > 1 ? cp.line() + "\n" : std::string())
             << (job.pipeline.stages > 1 ? "pipeline: " + std::to_string(job.pipeline.stages) + " stages" +
                                               (job.pipeline.virtual_stages > 1 ? " of " + std::to_string(job.pipeline.virtual_stages) + " chunks" : std::string()) +
                                               ", schedule " + job.pipeline.schedule + ", " +

@@ -932,8 +932,8 @@ CheckpointMeta resume_from(const std::filesystem::path& ckpt_dir, std::int64_t s
 }
 
 // `resumed`: the checkpoint a resumed job starts from (its loss scale replaces the config's).
-void print_banner(const train::JobSpec& spec, const train::PlacedJob& job, const launch::RankEnv& env, const CommBackend* backend, const Device& device,
-                  const plan::MemoryPlan& planned, const CheckpointMeta* resumed) {
+void print_banner(const train::JobSpec& spec, const train::PlacedJob& job, const sharding::DistributedPlan& plan, const launch::RankEnv& env, const CommBackend* backend,
+                  const Device& device, const plan::MemoryPlan& planned, const CheckpointMeta* resumed) {
   using train::CheckpointReport;
   double params = 0;
   for (const auto& p : job.model.params) params += static_cast<double>(job.model.graph.find_input(p)->meta().numel());
@@ -955,6 +955,7 @@ void print_banner(const train::JobSpec& spec, const train::PlacedJob& job, const
   } else if (!job.sequence_parallel_off.empty()) {
     std::printf("sequence parallel: off, %s\n", job.sequence_parallel_off.c_str());
   }
+  if (const std::string cp = train::context_parallel_summary(spec, job, plan).line(); !cp.empty()) std::printf("%s\n", cp.c_str());
   if (job.loss_parallel) std::printf("loss parallel: cross entropy on the logits sharded on the vocabulary over tp (parallelism.disable_loss_parallel = false)\n");
   if (!spec.output.tensorboard_folder.empty()) std::printf("TensorBoard: event files in %s\n", spec.output.tensorboard_folder.string().c_str());
   for (const auto& e : strategy_events(spec)) std::printf("fallback: %s\n", e.str().c_str());  // before the memory lines, which are of the layout chosen
@@ -1095,7 +1096,7 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
   const std::filesystem::path& dump = spec.output.dump_folder;
   if (lead) {
     metrics.emplace(spec.output, first_step, checkpointing, planned.peak_bytes, spec.step.microbatches);
-    print_banner(spec, job, env, backend.get(), *device, planned, resume_step ? &resumed : nullptr);
+    print_banner(spec, job, plan, env, backend.get(), *device, planned, resume_step ? &resumed : nullptr);
     if (job.pipeline.stages > 1) {
       std::printf("pipeline: %lld stages (mesh dim pp) of %lld rank%s, schedule %s, %lld microbatches, theoretical bubble %.3f; stage 0 (rank 0) sends %lld and receives %lld tensors a step\n",
                   static_cast<long long>(job.pipeline.stages), static_cast<long long>(job.mesh.size()), job.mesh.size() == 1 ? "" : "s", job.pipeline.schedule.c_str(),

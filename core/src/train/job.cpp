@@ -1094,6 +1094,41 @@ data::TextDatasetOptions validation_data(const JobSpec& spec) {
   return options;
 }
 
+ContextParallelSummary context_parallel_summary(const JobSpec& spec, const PlacedJob& job, const sharding::DistributedPlan& plan) {
+  ContextParallelSummary s;
+  if (job.context_parallel_dim < 0) return s;
+  const auto dim = static_cast<std::size_t>(job.context_parallel_dim);
+  s.degree = job.mesh.size(job.context_parallel_dim);
+  s.tokens_per_rank = spec.seq_len / s.degree;
+  s.pieces = job.context_parallel_chunks;
+  s.in_order_why = job.context_parallel_order;
+  const ir::Value* loss = job.model.graph.find_output("loss");
+  const std::set<const ir::Node*> forward = loss != nullptr ? ir::producers_of(loss) : std::set<const ir::Node*>{};
+  for (const auto& node : job.model.graph.nodes()) {
+    if (node->op() != "sdpa" || forward.count(node.get()) == 0) continue;
+    ++s.attentions;
+    const auto& in = plan.inputs.at(node.get());
+    if (in[0][dim] == Placement::shard(2) && in[1][dim].is_replicate()) ++s.query_rows;
+    else if (in[0][dim].is_shard()) ++s.all_to_all;
+  }
+  if (const std::int64_t m = spec.step.microbatches; m > 1 && s.attentions % m == 0 && s.query_rows % m == 0 && s.all_to_all % m == 0) {
+    s.attentions /= m, s.query_rows /= m, s.all_to_all /= m;  // a microbatch's (the same plan each)
+  }
+  return s;
+}
+
+std::string ContextParallelSummary::line() const {
+  if (degree <= 1) return "";
+  std::string out = "context parallel: cp " + std::to_string(degree) + ", " + std::to_string(tokens_per_rank) + " of " + std::to_string(tokens_per_rank * degree) +
+                    " tokens a rank, ";
+  out += pieces > 1 ? "load-balanced (" + std::to_string(pieces) + " pieces: rank r of cp holds pieces r and " + std::to_string(pieces - 1) + " - r)"
+                    : "in order (" + in_order_why + ")";
+  out += "; attention: " + std::to_string(query_rows) + " of " + std::to_string(attentions) + " split their query rows and all-gather k and v";
+  if (all_to_all > 0) out += ", " + std::to_string(all_to_all) + " split batch or heads by all_to_all";
+  if (const std::int64_t whole = attentions - query_rows - all_to_all; whole > 0) out += ", " + std::to_string(whole) + " run whole on every rank";
+  return out;
+}
+
 PlacedValidation place_validation(const JobSpec& spec, const PlacedJob& job) {
   PlacedValidation v{forward_model(spec, spec.validation.global_batch_size), {}};
   if (job.context_parallel_dim >= 0) v.model.graph = context_parallel(v.model.graph, spec.seq_len, job.context_parallel_chunks);

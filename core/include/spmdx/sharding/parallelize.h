@@ -18,8 +18,8 @@ namespace spmdx::sharding {
 struct ParallelDims {
   std::int64_t dp_replicate = 1;
   std::int64_t dp_shard = 1;
-  std::int64_t cp = 1;  ///< context parallelism (train/context_parallel.h): placed by the core, no plugin
   std::int64_t tp = 1;
+  std::int64_t cp = 1;  ///< context parallelism (train/context_parallel.h): placed by the core, no plugin; the mesh puts it before tp
 };
 
 /// The mesh [dp_replicate, dp_shard, cp, tp] (torchtitan's order), row-major (tp innermost: neighbouring ranks, the

@@ -243,8 +243,26 @@ struct PlacedJob {
 };
 
 /// sharding::propagate over the job's graph with its inputs, outputs, `use` placements, FSDP
-/// resharding and sequence parallelism: the plan every rank builds before its first step.
+/// resharding, sequence and context parallelism: the plan every rank builds before its first step.
 sharding::DistributedPlan propagate_job(const PlacedJob& job);
+
+/// What context parallelism does in a propagated job (cp > 1), for spmdx run's banner and
+/// spmdx compile: the tokens a rank holds, the order of the sequence, and how the plan runs
+/// each attention (sdpa) on mesh dim cp.
+struct ContextParallelSummary {
+  std::int64_t degree = 1;           ///< cp
+  std::int64_t tokens_per_rank = 0;  ///< seq_len / cp
+  std::int64_t pieces = 1;           ///< 2 cp when load-balanced, else 1 (in order)
+  std::string in_order_why{};        ///< why the sequence is split in order, when it is
+  std::int64_t attentions = 0;       ///< sdpa nodes of the forward (of one microbatch's)
+  std::int64_t query_rows = 0;       ///< of them, those splitting their query rows with k and v all-gathered
+  std::int64_t all_to_all = 0;       ///< those splitting batch or heads (k, v and q moved by all_to_all)
+  /// "context parallel: cp 2, 64 of 128 tokens a rank, load-balanced (4 pieces: rank r holds r
+  /// and 3 - r); attention: 6 of 6 split their query rows and all-gather k and v".
+  std::string line() const;
+};
+/// Throws nothing; `degree` 1 (and line() "") when the job has no context parallelism.
+ContextParallelSummary context_parallel_summary(const JobSpec& spec, const PlacedJob& job, const sharding::DistributedPlan& plan);
 /// The model's train-step graph (with mixed precision and activation checkpointing as the spec
 /// asks) and where its inputs go on the mesh, by the strategy plugins.
 PlacedJob place_job(const JobSpec& spec, PluginRegistry& registry);
