@@ -45,10 +45,16 @@ TEST_P(Pt2Run, FourRanksGiveTheLossesOfOneRank) {
       {"dp2xtp2", "--parallelism.data_parallel_replicate_degree 2 --parallelism.data_parallel_shard_degree 1 --parallelism.tensor_parallel_degree 2"},
       {"fsdp2xtp2", "--parallelism.data_parallel_shard_degree 2 --parallelism.tensor_parallel_degree 2"},
       {"hsdp2x2", "--parallelism.data_parallel_replicate_degree 2 --parallelism.data_parallel_shard_degree 2 --parallelism.tensor_parallel_degree 1"},
+      // Context parallelism on an exported program: its sequence split in order (it makes its
+      // own positions), attention's query rows split.
+      {"fsdp2xcp2", "--parallelism.data_parallel_shard_degree 2 --parallelism.context_parallel_degree 2 --parallelism.tensor_parallel_degree 1"},
   };
   for (const auto& [name, flags] : layouts) {
     auto r = run_example(model, dir, name, 4, flags);
     ASSERT_EQ(r.exit_code, 0) << name << "\n" << r.output;
+    if (name == "fsdp2xcp2") {
+      EXPECT_THAT(r.output, HasSubstr("in order (an imported program makes its own positions); attention: 2 of 2 split their query rows"));
+    }
     const auto got = test::losses(dir / name / "metrics.jsonl");
     ASSERT_EQ(got.size(), want.size()) << name;
     for (std::size_t i = 0; i < want.size(); ++i) EXPECT_NEAR(got[i], want[i], 1e-5 * std::abs(want[i])) << model << " " << name << " step " << i + 1;

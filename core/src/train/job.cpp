@@ -1123,6 +1123,7 @@ std::string ContextParallelSummary::line() const {
                     " tokens a rank, ";
   out += pieces > 1 ? "load-balanced (" + std::to_string(pieces) + " pieces: rank r of cp holds pieces r and " + std::to_string(pieces - 1) + " - r)"
                     : "in order (" + in_order_why + ")";
+  if (attentions == 0) return out + "; the model has no attention";
   out += "; attention: " + std::to_string(query_rows) + " of " + std::to_string(attentions) + " split their query rows and all-gather k and v";
   if (all_to_all > 0) out += ", " + std::to_string(all_to_all) + " split batch or heads by all_to_all";
   if (const std::int64_t whole = attentions - query_rows - all_to_all; whole > 0) out += ", " + std::to_string(whole) + " run whole on every rank";
