@@ -163,10 +163,10 @@ TEST(Cli, StrategiesTableBindsAMeshDimToAPlugin) {
   EXPECT_THAT(ddp.output, HasSubstr("parameters 549.2 KiB"));
   auto typo = spmdx(config + " --parallelism.strategies.dp_shrad data_parallel");
   EXPECT_EQ(typo.exit_code, 1);
-  EXPECT_THAT(typo.output, HasSubstr("names mesh dim 'dp_shrad'; the mesh dims are dp_replicate, dp_shard and tp; did you mean 'dp_shard'?"));
+  EXPECT_THAT(typo.output, HasSubstr("names mesh dim 'dp_shrad'; strategies decide the mesh dims dp_replicate, dp_shard and tp; did you mean 'dp_shard'?"));
   auto pipeline = spmdx(config + " --parallelism.strategies.pp data_parallel");  // another feature, not a typo of tp
   EXPECT_EQ(pipeline.exit_code, 1);
-  EXPECT_THAT(pipeline.output, HasSubstr("names mesh dim 'pp'; the mesh dims are dp_replicate, dp_shard and tp; pipeline stages are cut by parallelism.pipeline_parallel_degree"));
+  EXPECT_THAT(pipeline.output, HasSubstr("names mesh dim 'pp'; strategies decide the mesh dims dp_replicate, dp_shard and tp; pipeline stages are cut by parallelism.pipeline_parallel_degree"));
   EXPECT_THAT(pipeline.output, ::testing::Not(HasSubstr("did you mean 'tp'")));
   auto unknown = spmdx(config + " --parallelism.strategies.dp_shard nonesuch");
   EXPECT_EQ(unknown.exit_code, 1);

@@ -17,6 +17,7 @@
 #include "spmdx/exec/trainer.h"
 #include "spmdx/models/model.h"
 #include "spmdx/train/context_parallel.h"
+#include "spmdx/train/mixed_precision.h"
 
 namespace spmdx {
 namespace {
@@ -124,6 +125,19 @@ TEST(ContextParallel, ThePassChangesNoLoss) {
   const double got = exec::Executor(cp).run(feed).at("loss").item<double>();
   EXPECT_NEAR(got, want, 1e-6 * std::abs(want));
   EXPECT_THROW(train::context_parallel(m.graph, 16, 3), ir::IrError);
+
+  // Mixed precision casts the flattened logits before cross entropy: both they and the labels
+  // still go sequence-major (the labels alone did, pairing wrong rows: a helper's trial).
+  const ir::Graph bf16 = train::context_parallel(train::cast_for_mixed_precision(m.graph, ir::DType::bf16), 16, 4);
+  int flattened = 0;
+  for (const auto& n : bf16.nodes()) {
+    if (n->op() != "reshape" || n->output()->meta().shape.empty() || n->output()->meta().shape[0] != 3 * 16) continue;
+    ++flattened;
+    EXPECT_EQ(n->input(0)->producer()->op(), "transpose") << n->output()->ref();
+  }
+  EXPECT_EQ(flattened, 2);
+  const double want16 = exec::Executor(train::cast_for_mixed_precision(m.graph, ir::DType::bf16)).run(feed).at("loss").item<double>();
+  EXPECT_NEAR(exec::Executor(bf16).run(feed).at("loss").item<double>(), want16, 1e-3 * std::abs(want16));
 }
 
 int count(const std::string& text, const std::string& word) {
@@ -149,6 +163,11 @@ TEST(ContextParallel, ThePlanMovesKeysAndValuesOnly) {
   EXPECT_EQ(count(graph, "all_to_all("), 1);  // the embedding's gradient, split by columns (the cost model's choice)
   EXPECT_EQ(count(graph, "= all_gather("), 2 * 3 + 1);  // k and v a layer, and that embedding gradient
   EXPECT_EQ(count(graph, "= reduce_scatter("), 2 * 3);  // dk and dv a layer
+  // spmdx diff names the setting that differs (load balancing), beside the graphs it changes.
+  ASSERT_EQ(test::run_command(base + "2 --parallelism.context_parallel_load_balance false --dump '" + (dir / "in-order").string() + "'").exit_code, 0);
+  auto diff = test::run_command("'" SPMDX_EXE "' diff '" + (dir / "cp2").string() + "' '" + (dir / "in-order").string() + "'");
+  EXPECT_THAT(diff.output, HasSubstr("[plan] context_parallel: {\"degree\":2,\"load_balance\":true,\"rotate_method\":\"allgather\"} in A, "
+                                     "{\"degree\":2,\"load_balance\":false,\"rotate_method\":\"allgather\"} in B"));
   auto j = test::run_command(base + "4 --json");
   ASSERT_EQ(j.exit_code, 0) << j.output;
   const auto summary = nlohmann::json::parse(j.output.substr(j.output.find('{')));
@@ -172,10 +191,11 @@ TEST(ContextParallel, BadConfigsAreRefusedNamingTheKey) {
   EXPECT_EQ(test::run_command(base + "4 --training.seq_len 36 --parallelism.context_parallel_load_balance false").exit_code, 0);
   auto w = test::run_command(base + "3 --world-size 4");
   EXPECT_NE(w.exit_code, 0);
-  EXPECT_THAT(w.output, HasSubstr("parallelism degrees multiply to 3 (1 x 1 x 3 x 1), but world_size is 4"));
+  EXPECT_THAT(w.output, HasSubstr("parallelism degrees multiply to 3 (dp_replicate 1 x dp_shard 1 x cp 3 x tp 1), but world_size is 4"));
   auto m = test::run_command(base + "2 --parallelism.context_parallel_rotate_method alltoall");
   EXPECT_NE(m.exit_code, 0);
-  EXPECT_THAT(m.output, HasSubstr("expected one of allgather, auto"));
+  EXPECT_THAT(m.output, HasSubstr("parallelism.context_parallel_rotate_method is \"alltoall\": torchtitan's ring attention"));
+  EXPECT_THAT(test::run_command(base + "2 --parallelism.context_parallel_rotate_method allgathr").output, HasSubstr("expected one of allgather, auto; did you mean 'allgather'?"));
 }
 
 }  // namespace

@@ -183,7 +183,12 @@ TEST(Run, ContextParallelGivesTheLossesOfOneRank) {
       {"cp2xtp2+sp+lp", 4, cp + "2 --parallelism.tensor_parallel_degree 2 --parallelism.enable_sequence_parallel true --parallelism.disable_loss_parallel false",
        "mesh cp=2 x tp=2"},
       {"pp2xcp2", 4, cp + "2 --parallelism.pipeline_parallel_degree 2", "mesh pp=2 x cp=2"},
+      {"cp2-bf16", 2, cp + "2 --training.mixed_precision_param bfloat16", "mesh cp=2"},
   };
+  // bfloat16 against one rank in bfloat16 (the loss's rows paired alike: with the logits cast
+  // before cross entropy, the labels alone once went sequence-major, 2% off at step 1).
+  auto one_bf16 = spmdx_run(config + " --nproc 1 --training.mixed_precision_param bfloat16 --job.dump_folder '" + (dir / "one-bf16").string() + "'" + common);
+  ASSERT_EQ(one_bf16.exit_code, 0) << one_bf16.output;
   for (const auto& [name, nproc, flags, says] : layouts) {
     const auto folder = dir / name;
     auto r = spmdx_run(config + " --nproc " + std::to_string(nproc) + flags + " --job.dump_folder '" + folder.string() + "'" + common);
@@ -191,13 +196,17 @@ TEST(Run, ContextParallelGivesTheLossesOfOneRank) {
     EXPECT_THAT(r.output, HasSubstr(says)) << name;
     const auto got = losses(folder / "metrics.jsonl");
     const auto norms = test::column(folder / "metrics.jsonl", "grad_norm");
-    ASSERT_EQ(got.size(), want.size()) << name;
-    for (std::size_t i = 0; i < want.size(); ++i) {
-      EXPECT_NEAR(got[i], want[i], 1e-6 * std::abs(want[i])) << name << " step " << i + 1;
-      EXPECT_NEAR(norms[i], want_norms[i], 1e-6 * std::abs(want_norms[i])) << name << " step " << i + 1;
+    const bool bf16 = name.find("bf16") != std::string::npos;
+    const auto& ref = bf16 ? losses(dir / "one-bf16" / "metrics.jsonl") : want;
+    const auto& ref_norms = bf16 ? test::column(dir / "one-bf16" / "metrics.jsonl", "grad_norm") : want_norms;
+    const double tolerance = bf16 ? 1e-3 : 1e-6, norm_tolerance = bf16 ? 1e-2 : 1e-6;  // bfloat16's rounding in another order of sums
+    ASSERT_EQ(got.size(), ref.size()) << name;
+    for (std::size_t i = 0; i < ref.size(); ++i) {
+      EXPECT_NEAR(got[i], ref[i], tolerance * std::abs(ref[i])) << name << " step " << i + 1;
+      EXPECT_NEAR(norms[i], ref_norms[i], norm_tolerance * std::abs(ref_norms[i])) << name << " step " << i + 1;
     }
     const auto peak = test::column(folder / "metrics.jsonl", "peak_mem_bytes"), planned = test::column(folder / "metrics.jsonl", "planned_peak_mem_bytes");
-    EXPECT_NEAR(peak.back(), planned.back(), 0.05 * planned.back()) << name;
+    EXPECT_NEAR(peak.back(), planned.back(), 0.02 * planned.back()) << name;
     if (flags.find("validation") != std::string::npos) {
       const auto val = val_losses(folder / "metrics.jsonl");
       ASSERT_EQ(val.size(), 1u) << name;

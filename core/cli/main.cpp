@@ -309,13 +309,19 @@ std::vector<std::pair<std::string, std::string>> dump_documents(const spmdx::tra
   if (everything) docs.emplace_back("logical.txt", job.model.graph.str());
   docs.emplace_back("logical.json", spmdx::ir::to_json(job.model.graph));
   if (everything) docs.emplace_back("plan.txt", plan.str());
-  if (job.pipeline.stages > 1) {  // the stages, and the mesh the rank graphs' collectives count their dims in
+  if (job.pipeline.stages > 1 || job.context_parallel_dim >= 0) {
     nlohmann::json p = nlohmann::json::parse(plan.to_json());
-    p["pipeline"] = {{"stages", job.pipeline.stages}, {"schedule", job.pipeline.schedule}, {"microbatches", job.pipeline.microbatches},
-                     {"first_layer", job.pipeline.first_layer}};
-    p["run_mesh"] = nlohmann::json::array();
-    const spmdx::sharding::DeviceMesh mesh = spmdx::train::run_mesh(job);
-    for (const auto& d : mesh.dims()) p["run_mesh"].push_back({{"name", d.name}, {"size", d.size}});
+    if (job.pipeline.stages > 1) {  // the stages, and the mesh the rank graphs' collectives count their dims in
+      p["pipeline"] = {{"stages", job.pipeline.stages}, {"schedule", job.pipeline.schedule}, {"microbatches", job.pipeline.microbatches},
+                       {"first_layer", job.pipeline.first_layer}};
+      p["run_mesh"] = nlohmann::json::array();
+      const spmdx::sharding::DeviceMesh mesh = spmdx::train::run_mesh(job);
+      for (const auto& d : mesh.dims()) p["run_mesh"].push_back({{"name", d.name}, {"size", d.size}});
+    }
+    if (job.context_parallel_dim >= 0) {  // what spmdx diff names when two jobs' context parallelism differs
+      p["context_parallel"] = {{"degree", job.mesh.size(job.context_parallel_dim)}, {"load_balance", job.context_parallel_chunks > 1},
+                               {"rotate_method", job.context_parallel_allgather ? "allgather" : "auto"}};
+    }
     docs.emplace_back("plan.json", p.dump(1));
   } else {
     docs.emplace_back("plan.json", plan.to_json());
@@ -497,7 +503,8 @@ int run_compile(const CompileOptions& o) {
                      {"microbatches", spec.step.microbatches},
                      {"sequence_parallel", job.sequence_parallel_dim >= 0},
                      {"loss_parallel", job.loss_parallel},
-                     {"context_parallel", {{"degree", cp.degree}, {"tokens_per_rank", cp.tokens_per_rank}, {"pieces", cp.pieces}, {"attentions", cp.attentions},
+                     {"context_parallel", {{"degree", cp.degree}, {"tokens_per_rank", cp.degree > 1 ? cp.tokens_per_rank : spec.seq_len}, {"pieces", cp.pieces},
+                                           {"load_balance", cp.pieces > 1}, {"rotate_method", spec.context_parallel_allgather ? "allgather" : "auto"}, {"attentions", cp.attentions},
                                            {"query_rows", cp.query_rows}, {"all_to_all", cp.all_to_all}}},
                      {"pipeline", {{"stages", job.pipeline.stages}, {"schedule", job.pipeline.schedule}, {"microbatches", job.pipeline.microbatches},
                                    {"bubble_fraction", spmdx::train::bubble_fraction(job.pipeline)}, {"per_stage", stages_json}}},

@@ -119,6 +119,11 @@ std::string value_problem(const KeySpec& spec, const Value& v) {
     // a typo of "AdamW" but another optimizer.
     const std::string near = nearest_word(*s, spec.choices, typo_distance(*s));
     const bool hint = !near.empty() && near.rfind(*s, 0) != 0 && s->rfind(near, 0) != 0;
+    // torchtitan's values of a key spmdx shares, for features spmdx has not: named, as its keys are.
+    if (spec.key == "parallelism.context_parallel_rotate_method" && *s == "alltoall") {
+      return spec.key + " is \"alltoall\": torchtitan's ring attention, passing shards of k and v around by all_to_all; spmdx does not have it: use "
+                        "\"allgather\" (torchtitan's default) or \"auto\" (spmdx's: the fewest bytes, possibly splitting heads by all_to_all)";
+    }
     return spec.key + " is \"" + *s + "\", expected one of " + list + (hint ? "; did you mean '" + near + "'?" : "");
   }
   return "";

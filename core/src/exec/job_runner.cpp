@@ -949,7 +949,7 @@ void print_banner(const train::JobSpec& spec, const train::PlacedJob& job, const
                 static_cast<long long>(m), static_cast<long long>(rows), rows == 1 ? "" : "s");
   }
   if (job.sequence_parallel_dim >= 0) {
-    const std::int64_t most = (spec.seq_len + spec.dims.tp - 1) / spec.dims.tp;
+    const std::int64_t most = (spec.seq_len / spec.dims.cp + spec.dims.tp - 1) / spec.dims.tp;  // of a cp rank's share
     std::printf("sequence parallel: the norms and the residual stream are sharded on the sequence over tp (up to %lld token%s a rank)\n",
                 static_cast<long long>(most), most == 1 ? "" : "s");
   } else if (!job.sequence_parallel_off.empty()) {

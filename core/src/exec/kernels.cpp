@@ -111,29 +111,35 @@ bool plain_attention(const Node& n) { return !n.attr_bool("causal") || (n.attr_i
 // sdpa with context parallelism's positions: each block's two parts merged by their
 // log-sum-exp, as ring attention and FlashAttention's split-KV do (out = sum of each part's
 // out x exp(lse_part - lse), lse = logaddexp of the parts').
+// The outputs are laid out as the fused kernel's: out as q, the log-sum-exp [b, s, h] in memory
+// (the memory plan's layouts; a contiguous out would make the reshape after it copy).
 Tensors blocked_attention(const Node& n, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-  Tensors outs, lses;
+  const auto lse_type = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  at::Tensor out = at::empty_like(q), lse = at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(lse_type)).transpose(1, 2);
   for (const auto& b : attention_blocks(n, q.size(2), k.size(2), q.device())) {
     const at::Tensor qb = q.narrow(2, b.row0, b.rows).contiguous();
     Tensors own = attend(qb, k.narrow(2, b.own, b.rows).contiguous(), v.narrow(2, b.own, b.rows).contiguous(), true);
     if (!b.prefix.defined()) {
-      outs.push_back(own[0]), lses.push_back(own[1]);
+      out.narrow(2, b.row0, b.rows).copy_(own[0]);
+      lse.narrow(2, b.row0, b.rows).copy_(own[1]);
       continue;
     }
     Tensors seen = attend(qb, k.index_select(2, b.prefix), v.index_select(2, b.prefix), false);
-    const at::Tensor lse = at::logaddexp(seen[1], own[1]);
-    const at::Tensor out = seen[0].to(lse.scalar_type()) * at::exp(seen[1] - lse).unsqueeze(-1) + own[0].to(lse.scalar_type()) * at::exp(own[1] - lse).unsqueeze(-1);
-    outs.push_back(out.to(q.scalar_type())), lses.push_back(lse);
+    const at::Tensor merged = at::logaddexp(seen[1], own[1]);
+    out.narrow(2, b.row0, b.rows)
+        .copy_(seen[0].to(merged.scalar_type()) * at::exp(seen[1] - merged).unsqueeze(-1) + own[0].to(merged.scalar_type()) * at::exp(own[1] - merged).unsqueeze(-1));
+    lse.narrow(2, b.row0, b.rows).copy_(merged);
   }
-  return Tensors{at::cat(outs, 2), at::cat(lses, 2)};
+  return Tensors{out, lse};
 }
 
 // Its gradients: each part's backward from the merged out and lse (the probabilities it
 // recomputes are then the merged softmax's), dq summed, dk and dv added at the key rows.
 Tensors blocked_attention_backward(const Node& n, const at::Tensor& g, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                    const at::Tensor& out, const at::Tensor& lse) {
-  at::Tensor gq = at::empty_like(q, at::MemoryFormat::Contiguous), gk = at::zeros_like(k, at::MemoryFormat::Contiguous),
-             gv = at::zeros_like(v, at::MemoryFormat::Contiguous);
+  // [b, s, h, d] in memory, as the fused kernel's gradients (the memory plan's layout).
+  auto bshd = [](const at::Tensor& like) { return at::zeros({like.size(0), like.size(2), like.size(1), like.size(3)}, like.options()).transpose(1, 2); };
+  at::Tensor gq = bshd(q), gk = bshd(k), gv = bshd(v);
   for (const auto& b : attention_blocks(n, q.size(2), k.size(2), q.device())) {
     const at::Tensor gb = g.narrow(2, b.row0, b.rows).contiguous(), qb = q.narrow(2, b.row0, b.rows).contiguous();
     const at::Tensor ob = out.narrow(2, b.row0, b.rows).contiguous(), lb = lse.narrow(2, b.row0, b.rows).contiguous();

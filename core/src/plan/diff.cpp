@@ -446,6 +446,10 @@ void diff_plans(const json& pa, const json& pb, const Graph& a, const Graph& b, 
   const json one_stage{{"stages", 1}};
   const json qa = pa.value("pipeline", one_stage), qb = pb.value("pipeline", one_stage);
   if (qa != qb) out.push_back({"plan", "pipeline", qa.dump() + " in A, " + qb.dump() + " in B"});
+  // Context parallelism: its degree, load balancing and rotate method.
+  const json no_cp{{"degree", 1}};
+  const json ca = pa.value("context_parallel", no_cp), cb = pb.value("context_parallel", no_cp);
+  if (ca != cb) out.push_back({"plan", "context_parallel", ca.dump() + " in A, " + cb.dump() + " in B"});
   const json ia = pa.value("inputs", json::object()), ib = pb.value("inputs", json::object());
   input_differences("plan", a, [&](const std::string& name) -> std::string {
     if (!ia.contains(name) || !ib.contains(name) || ia[name] == ib[name]) return "";

@@ -1,6 +1,8 @@
 #include "spmdx/train/context_parallel.h"
 
 #include <algorithm>
+#include <functional>
+#include <map>
 #include <set>
 #include <unordered_map>
 
@@ -13,15 +15,51 @@ bool reads_rows(const std::string& op) {
   return ops.count(op) > 0;
 }
 
-// A reshape [batch, seq, rest...] -> [batch x seq, rest...] whose value only the loss reads.
-bool loss_flattening(const ir::Node& node, std::int64_t seq_len) {
+// A reshape [batch, seq, rest...] -> [batch x seq, rest...] (batch >= 2).
+bool flattening(const ir::Node& node, std::int64_t seq_len) {
   if (node.op() != "reshape") return false;
   const auto& in = node.input(0)->meta().shape;
   const auto& out = node.output()->meta().shape;
   if (in.size() < 2 || in[1] != seq_len || in[0] < 2 || out.size() + 1 != in.size() || out[0] != in[0] * in[1]) return false;
-  if (!std::equal(in.begin() + 2, in.end(), out.begin() + 1)) return false;
-  const auto& uses = node.output()->uses();
-  return !uses.empty() && std::all_of(uses.begin(), uses.end(), [](const ir::Use& u) { return reads_rows(u.user->op()); });
+  return std::equal(in.begin() + 2, in.end(), out.begin() + 1);
+}
+
+// Whether only the loss's row readers read v, directly or through casts (mixed precision casts
+// the flattened logits to float32 before cross entropy).
+bool read_as_rows(const ir::Value* v) {
+  const auto& uses = v->uses();
+  return !uses.empty() && std::all_of(uses.begin(), uses.end(), [](const ir::Use& u) {
+    return reads_rows(u.user->op()) || (u.user->op() == "cast" && read_as_rows(u.user->output()));
+  });
+}
+
+// The flattenings the loss reads that can all go sequence-major: every one whose value only
+// row readers read, provided every row-indexed input of every row reader comes from them (or is
+// computed from them): else none, as a reader pairing a sequence-major value with a batch-major
+// one (logits flattened another way, an input given flat) would pair the wrong rows.
+std::set<const ir::Node*> loss_flattenings(const ir::Graph& g, std::int64_t seq_len) {
+  std::set<const ir::Node*> out;
+  std::int64_t rows = -1;
+  for (const auto& node : g.nodes()) {
+    if (flattening(*node, seq_len) && read_as_rows(node->output())) {
+      out.insert(node.get());
+      rows = node->output()->meta().shape[0];
+    }
+  }
+  if (out.empty()) return out;
+  std::map<const ir::Value*, bool> memo;
+  std::function<bool(const ir::Value*)> follows = [&](const ir::Value* v) {  // row-indexed and not made from the flattenings
+    const auto& shape = v->meta().shape;
+    if (shape.empty() || shape[0] != rows) return true;
+    if (const auto it = memo.find(v); it != memo.end()) return it->second;
+    const ir::Node* p = v->producer();
+    bool ok = p != nullptr && (out.count(p) > 0 || (p->op() != "reshape" && std::all_of(p->inputs().begin(), p->inputs().end(), follows)));
+    return memo[v] = ok;
+  };
+  for (const auto& node : g.nodes()) {
+    if (reads_rows(node->op()) && !std::all_of(node->inputs().begin(), node->inputs().end(), follows)) return {};
+  }
+  return out;
 }
 
 }  // namespace
@@ -35,6 +73,7 @@ ir::Graph context_parallel(const ir::Graph& forward, std::int64_t seq_len, std::
   for (const auto& node : forward.nodes()) {
     if (node->op() == "rotary_embedding") tables.insert({node->input(1), node->input(2)});
   }
+  const std::set<const ir::Node*> sequence_major = loss_flattenings(forward, seq_len);
   ir::Graph out;
   std::unordered_map<const Value*, Value*> map;  // old value -> new
   for (const Value* v : forward.inputs()) {
@@ -51,7 +90,7 @@ ir::Graph context_parallel(const ir::Graph& forward, std::int64_t seq_len, std::
   for (const auto& node : forward.nodes()) {
     std::vector<Value*> in;
     for (const Value* v : node->inputs()) in.push_back(map.at(v));
-    if (loss_flattening(*node, seq_len)) {
+    if (sequence_major.count(node.get()) > 0) {
       Value* seq_major = out.add("transpose", {in[0]}, {{"dim0", std::int64_t{0}}, {"dim1", std::int64_t{1}}});
       map[node->output()] = out.add("reshape", {seq_major}, {{"shape", node->output()->meta().shape}});
       continue;

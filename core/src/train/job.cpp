@@ -135,7 +135,7 @@ void read_strategies(const config::Config& cfg, JobSpec& s, Problems& problems) 
           {"etp", "; spmdx has no expert tensor parallelism yet"}};
       const auto other = elsewhere.find(dim);
       const std::string near = other != elsewhere.end() ? "" : nearest_word(dim, {"dp_replicate", "dp_shard", "tp"}, 3);
-      problems.add({"parallelism.strategies"}, "[parallelism.strategies] names mesh dim '" + dim + "'; the mesh dims are dp_replicate, dp_shard and tp" +
+      problems.add({"parallelism.strategies"}, "[parallelism.strategies] names mesh dim '" + dim + "'; strategies decide the mesh dims dp_replicate, dp_shard and tp" +
                    (other != elsewhere.end() ? other->second : std::string()) +
                    (near.empty() ? std::string() : "; did you mean '" + near + "'?"));
     }
@@ -208,8 +208,12 @@ void read_degrees(const config::Config& cfg, std::int64_t world_size, sharding::
   }
   const std::int64_t product = dims.dp_replicate * dims.dp_shard * dims.cp * dims.tp;
   if (product != world_size && problems.lines.empty()) {
-    problems.add(kDegreeKeys, "parallelism degrees multiply to " + std::to_string(product) + " (" + std::to_string(dims.dp_replicate) + " x " +
-                 std::to_string(dims.dp_shard) + cp_text + " x " + std::to_string(dims.tp) + "), but " + (stages > 1 ? world_text : "world_size is " + std::to_string(world_size)));
+    // Named when context parallelism adds a fourth factor (dp_replicate x dp_shard x tp otherwise, as before).
+    const std::string factors = dims.cp > 1 ? "dp_replicate " + std::to_string(dims.dp_replicate) + " x dp_shard " + std::to_string(dims.dp_shard) + " x cp " +
+                                                  std::to_string(dims.cp) + " x tp " + std::to_string(dims.tp)
+                                            : std::to_string(dims.dp_replicate) + " x " + std::to_string(dims.dp_shard) + " x " + std::to_string(dims.tp);
+    problems.add(kDegreeKeys, "parallelism degrees multiply to " + std::to_string(product) + " (" + factors + "), but " +
+                                  (stages > 1 ? world_text : "world_size is " + std::to_string(world_size)));
   }
 }
 
@@ -1123,7 +1127,7 @@ std::string ContextParallelSummary::line() const {
                     " tokens a rank, ";
   out += pieces > 1 ? "load-balanced (" + std::to_string(pieces) + " pieces: rank r of cp holds pieces r and " + std::to_string(pieces - 1) + " - r)"
                     : "in order (" + in_order_why + ")";
-  if (attentions == 0) return out + "; the model has no attention";
+  if (attentions == 0) return out + "; the model has no sdpa op (attention written as matmuls and softmax is split like any other op)";
   out += "; attention: " + std::to_string(query_rows) + " of " + std::to_string(attentions) + " split their query rows and all-gather k and v";
   if (all_to_all > 0) out += ", " + std::to_string(all_to_all) + " split batch or heads by all_to_all";
   if (const std::int64_t whole = attentions - query_rows - all_to_all; whole > 0) out += ", " + std::to_string(whole) + " run whole on every rank";

@@ -14,9 +14,11 @@ namespace spmdx::train {
 
 /// The forward graph of a model run with context parallelism over a sequence of `seq_len`:
 ///   - the flattening reshapes that feed the loss ([batch, seq, ...] -> [batch x seq, ...], read
-///     only by cross_entropy, count_valid or loss parallel's ops) flatten sequence-major
-///     (transpose(0, 1) first), so that a sequence shard stays one block of rows and the
-///     logits are never gathered; the loss is the same sum over tokens;
+///     only by cross_entropy, count_valid or loss parallel's ops, directly or through casts)
+///     flatten sequence-major (transpose(0, 1) first), so that a sequence shard stays one
+///     block of rows and the logits are never gathered; the loss is the same sum over tokens.
+///     All of them or none: where a reader of the rows also reads a value flattened otherwise,
+///     they all stay batch-major (correct, but the logits are then gathered);
 ///   - with `chunks` > 1 (causal load balancing, torch's _HeadTailLoadBalancer): the inputs
 ///     "tokens" and "labels" [batch, seq] and the rotary_embedding tables [seq, d] go through
 ///     seq_permute (pieces 0, chunks - 1, 1, chunks - 2, ...), and every sdpa is told
