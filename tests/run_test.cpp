@@ -99,14 +99,7 @@ TEST(Run, PipelineStagesGiveTheLossesOfOneRank) {
   ASSERT_EQ(one.exit_code, 0) << one.output;
   const auto want = losses(dir / "one" / "metrics.jsonl");
   const auto want_norms = test::column(dir / "one" / "metrics.jsonl", "grad_norm");
-  auto val_losses = [](const fs::path& metrics) {  // the rows that validated
-    std::vector<double> out;
-    for (const auto& row : test::rows(metrics)) {
-      if (row.contains("val_loss")) out.push_back(row.at("val_loss").get<double>());
-    }
-    return out;
-  };
-  const auto want_val = val_losses(dir / "one" / "metrics.jsonl");
+  const auto want_val = test::column_where_present(dir / "one" / "metrics.jsonl", "val_loss");
   ASSERT_EQ(want.size(), 5u);
   ASSERT_EQ(want_val.size(), 1u);
   const std::string pp = " --parallelism.data_parallel_shard_degree 1 --parallelism.pipeline_parallel_degree ";
@@ -137,7 +130,7 @@ TEST(Run, PipelineStagesGiveTheLossesOfOneRank) {
     const auto peak = test::column(folder / "metrics.jsonl", "peak_mem_bytes"), planned = test::column(folder / "metrics.jsonl", "planned_peak_mem_bytes");
     EXPECT_NEAR(peak.back(), planned.back(), 0.02 * planned.back()) << name;
     if (flags.find("validation") != std::string::npos) {  // the held-out loss through the stages, forward only
-      const auto val = val_losses(folder / "metrics.jsonl");
+      const auto val = test::column_where_present(folder / "metrics.jsonl", "val_loss");
       ASSERT_EQ(val.size(), 1u) << name;
       EXPECT_NEAR(val[0], want_val[0], 1e-5 * std::abs(want_val[0])) << name;
     }
@@ -162,14 +155,7 @@ TEST(Run, ContextParallelGivesTheLossesOfOneRank) {
   ASSERT_EQ(one.exit_code, 0) << one.output;
   const auto want = losses(dir / "one" / "metrics.jsonl");
   const auto want_norms = test::column(dir / "one" / "metrics.jsonl", "grad_norm");
-  auto val_losses = [](const fs::path& metrics) {  // the rows that validated
-    std::vector<double> out;
-    for (const auto& row : test::rows(metrics)) {
-      if (row.contains("val_loss")) out.push_back(row.at("val_loss").get<double>());
-    }
-    return out;
-  };
-  const auto want_val = val_losses(dir / "one" / "metrics.jsonl");
+  const auto want_val = test::column_where_present(dir / "one" / "metrics.jsonl", "val_loss");
   ASSERT_EQ(want.size(), 5u);
   ASSERT_EQ(want_val.size(), 1u);
   const std::string cp = " --parallelism.data_parallel_shard_degree 1 --parallelism.context_parallel_degree ";
@@ -208,7 +194,7 @@ TEST(Run, ContextParallelGivesTheLossesOfOneRank) {
     const auto peak = test::column(folder / "metrics.jsonl", "peak_mem_bytes"), planned = test::column(folder / "metrics.jsonl", "planned_peak_mem_bytes");
     EXPECT_NEAR(peak.back(), planned.back(), 0.02 * planned.back()) << name;
     if (flags.find("validation") != std::string::npos) {
-      const auto val = val_losses(folder / "metrics.jsonl");
+      const auto val = test::column_where_present(folder / "metrics.jsonl", "val_loss");
       ASSERT_EQ(val.size(), 1u) << name;
       EXPECT_NEAR(val[0], want_val[0], 1e-6 * std::abs(want_val[0])) << name;
     }

@@ -41,6 +41,16 @@ inline std::vector<double> column(const std::filesystem::path& metrics, const st
   return out;
 }
 
+/// The value of `key` in the rows of a metrics.jsonl that have it (val_loss: the steps that
+/// validated), in step order.
+inline std::vector<double> column_where_present(const std::filesystem::path& metrics, const std::string& key) {
+  std::vector<double> out;
+  for (const auto& row : rows(metrics)) {
+    if (row.contains(key)) out.push_back(row.at(key).get<double>());
+  }
+  return out;
+}
+
 /// The "loss" of every row of a metrics.jsonl, in step order.
 inline std::vector<double> losses(const std::filesystem::path& metrics) { return column(metrics, "loss"); }
 

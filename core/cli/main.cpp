@@ -503,7 +503,7 @@ int run_compile(const CompileOptions& o) {
                      {"microbatches", spec.step.microbatches},
                      {"sequence_parallel", job.sequence_parallel_dim >= 0},
                      {"loss_parallel", job.loss_parallel},
-                     {"context_parallel", {{"degree", cp.degree}, {"tokens_per_rank", cp.degree > 1 ? cp.tokens_per_rank : spec.seq_len}, {"pieces", cp.pieces},
+                     {"context_parallel", {{"degree", cp.degree}, {"tokens_per_rank", cp.tokens_per_rank}, {"pieces", cp.pieces},
                                            {"load_balance", cp.pieces > 1}, {"rotate_method", spec.context_parallel_allgather ? "allgather" : "auto"}, {"attentions", cp.attentions},
                                            {"query_rows", cp.query_rows}, {"all_to_all", cp.all_to_all}}},
                      {"pipeline", {{"stages", job.pipeline.stages}, {"schedule", job.pipeline.schedule}, {"microbatches", job.pipeline.microbatches},

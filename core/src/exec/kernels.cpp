@@ -1,4 +1,5 @@
 #include "spmdx/exec/kernels.h"
+#include "spmdx/ir/ops.h"
 
 #include <ATen/ATen.h>
 
@@ -42,17 +43,6 @@ at::Tensor scores(const at::Tensor& q, const at::Tensor& k, bool causal) {
 }
 
 
-// seq_permute's order: piece j of the output is piece order[j] of the input (0, n - 1, 1,
-// n - 2, ...), for an even n; 0, 1, ... for n = 1.
-std::vector<std::int64_t> balanced_order(std::int64_t n) {
-  std::vector<std::int64_t> order;
-  for (std::int64_t r = 0; r < (n + 1) / 2; ++r) {
-    order.push_back(r);
-    if (n - 1 - r != r) order.push_back(n - 1 - r);
-  }
-  return order;
-}
-
 // One attention call: ATen's fused CPU kernel, or plain ATen ops elsewhere.
 Tensors attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal) {
   if (!q.is_cpu()) return attention(q, k, v, causal);
@@ -77,7 +67,8 @@ struct AttentionBlock {
 };
 
 // The blocks of an sdpa node's local q: one block at q_offset in natural order (chunks = 1),
-// else one a piece of the load-balanced order, with the pieces before it in natural order.
+// else one a piece of the load-balanced order (ir::balanced_piece), with the pieces before it
+// in natural order.
 std::vector<AttentionBlock> attention_blocks(const Node& n, std::int64_t q_rows, std::int64_t kv_rows, const at::Device& device) {
   const std::int64_t chunks = n.attr_int("chunks"), offset = n.attr_int("q_offset");
   auto rows_of = [&](std::vector<std::int64_t> r) { return at::tensor(r, at::TensorOptions().dtype(at::kLong)).to(device); };
@@ -93,12 +84,11 @@ std::vector<AttentionBlock> attention_blocks(const Node& n, std::int64_t q_rows,
     throw std::invalid_argument("sdpa: q's rows from " + std::to_string(offset) + " (" + std::to_string(q_rows) + " of them) are not whole pieces of " +
                                 std::to_string(piece) + " positions of the load-balanced sequence");
   }
-  const auto order = balanced_order(chunks);
   for (std::int64_t b = 0; b < q_rows / piece; ++b) {
-    const std::int64_t slot = offset / piece + b, position = order[static_cast<std::size_t>(slot)];
+    const std::int64_t slot = offset / piece + b, position = ir::balanced_piece(slot, chunks);
     std::vector<std::int64_t> prefix;
     for (std::int64_t j = 0; j < chunks; ++j) {
-      if (order[static_cast<std::size_t>(j)] >= position) continue;
+      if (ir::balanced_piece(j, chunks) >= position) continue;
       for (std::int64_t i = 0; i < piece; ++i) prefix.push_back(j * piece + i);
     }
     blocks.push_back({b * piece, piece, prefix.empty() ? at::Tensor() : rows_of(prefix), slot * piece});
@@ -106,15 +96,13 @@ std::vector<AttentionBlock> attention_blocks(const Node& n, std::int64_t q_rows,
   return blocks;
 }
 
-bool plain_attention(const Node& n) { return !n.attr_bool("causal") || (n.attr_int("chunks") == 1 && n.attr_int("q_offset") == 0); }
-
 // sdpa with context parallelism's positions: each block's two parts merged by their
 // log-sum-exp, as ring attention and FlashAttention's split-KV do (out = sum of each part's
 // out x exp(lse_part - lse), lse = logaddexp of the parts').
 // The outputs are laid out as the fused kernel's: out as q, the log-sum-exp [b, s, h] in memory
 // (the memory plan's layouts; a contiguous out would make the reshape after it copy).
 Tensors blocked_attention(const Node& n, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-  const auto lse_type = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const auto lse_type = to_aten(n.output(1)->meta().dtype);
   at::Tensor out = at::empty_like(q), lse = at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(lse_type)).transpose(1, 2);
   for (const auto& b : attention_blocks(n, q.size(2), k.size(2), q.device())) {
     const at::Tensor qb = q.narrow(2, b.row0, b.rows).contiguous();
@@ -306,7 +294,7 @@ const std::map<std::string, Kernel>& kernels() {
       if (x[0].numel() == 0 || x[1].numel() == 0) {  // an empty shard: ATen's kernel divides by zero
         return Tensors{at::zeros_like(x[0]), at::zeros(n.output(1)->meta().shape, x[0].options().dtype(to_aten(n.output(1)->meta().dtype)))};
       }
-      if (!plain_attention(n)) return blocked_attention(n, x[0], x[1], x[2]);
+      if (ir::blocked_attention(n)) return blocked_attention(n, x[0], x[1], x[2]);
       return attend(x[0], x[1], x[2], n.attr_bool("causal"));
     };
     k["linear_weight_grad"] = [](const Node&, const Tensors& x) {
@@ -317,11 +305,10 @@ const std::map<std::string, Kernel>& kernels() {
     k["seq_permute"] = [](const Node& n, const Tensors& x) {
       const std::int64_t dim = wrap(n.attr_int("dim"), x[0].dim()), chunks = n.attr_int("chunks");
       const std::int64_t piece = x[0].size(dim) / chunks;
-      const auto order = balanced_order(chunks);
       std::vector<std::int64_t> index(static_cast<std::size_t>(x[0].size(dim)));
       for (std::int64_t j = 0; j < chunks; ++j) {
         for (std::int64_t i = 0; i < piece; ++i) {
-          const std::int64_t to = j * piece + i, from = order[static_cast<std::size_t>(j)] * piece + i;
+          const std::int64_t to = j * piece + i, from = ir::balanced_piece(j, chunks) * piece + i;
           if (n.attr_bool("inverse")) index[static_cast<std::size_t>(from)] = to;
           else index[static_cast<std::size_t>(to)] = from;
         }
@@ -414,7 +401,7 @@ const std::map<std::string, Kernel>& kernels() {
     };
     k["sdpa_backward"] = [](const Node& n, const Tensors& x) {
       if (x[1].numel() == 0 || x[2].numel() == 0) return Tensors{at::zeros_like(x[1]), at::zeros_like(x[2]), at::zeros_like(x[3])};
-      if (!plain_attention(n)) return blocked_attention_backward(n, x[0], x[1], x[2], x[3], x[4], x[5]);
+      if (ir::blocked_attention(n)) return blocked_attention_backward(n, x[0], x[1], x[2], x[3], x[4], x[5]);
       return attend_backward(x[0], x[1], x[2], x[3], x[4], x[5], n.attr_bool("causal"));
     };
     // As torch.optim.AdamW(fused=True) on the CPU: ATen's fused kernel, one pass over each

@@ -608,6 +608,12 @@ std::vector<std::string> OpRegistry::names() const {
   return out;
 }
 
+std::int64_t balanced_piece(std::int64_t slot, std::int64_t chunks) { return slot % 2 == 0 ? slot / 2 : chunks - 1 - slot / 2; }
+
+bool blocked_attention(const Node& node) {
+  return node.attr_bool("causal") && (node.attr_int("chunks") > 1 || node.attr_int("q_offset") > 0);
+}
+
 const OpRegistry& OpRegistry::global() {
   static const OpRegistry registry = [] {
     OpRegistry r;

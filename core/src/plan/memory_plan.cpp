@@ -8,6 +8,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "spmdx/ir/ops.h"
 #include "spmdx/sharding/redistribute.h"
 #include "spmdx/text.h"
 
@@ -396,9 +397,7 @@ class Simulation {
     } else {
       const std::int64_t piece = kv_rows / chunks;
       for (std::int64_t b = 0; piece > 0 && b < q_rows / piece; ++b) {
-        const std::int64_t slot = offset / piece + b;  // seq_permute's order: slot 2r holds piece r, slot 2r + 1 piece chunks - 1 - r
-        const std::int64_t position = slot % 2 == 0 ? slot / 2 : chunks - 1 - slot / 2;
-        blocks.emplace_back(piece, position * piece);  // the pieces before it in natural order
+        blocks.emplace_back(piece, ir::balanced_piece(offset / piece + b, chunks) * piece);  // the pieces before it in natural order
       }
     }
     std::int64_t most = 0;
@@ -429,7 +428,7 @@ class Simulation {
     if (op == "pick" || op == "pick_backward") return rows * 40;  // the targets' masks and column indices (bool and i64 a row)
     if (op == "cross_entropy_backward") return 2 * bytes(1);  // log_softmax, nll_loss_backward
     if (op == "rdiv_scalar") return bytes(0);           // the reciprocal before the multiply
-    if ((op == "sdpa" || op == "sdpa_backward") && n.attr_bool("causal") && (n.attr_int("chunks") > 1 || n.attr_int("q_offset") > 0)) return blocked_attention(n);
+    if ((op == "sdpa" || op == "sdpa_backward") && ir::blocked_attention(n)) return blocked_attention(n);
     if (op == "rotary_embedding") return copy_if_strided(0);
     if (op == "softmax" || op == "log_softmax") return copy_if_strided(0);
     if (op == "matmul" || op == "linear") {

@@ -3,6 +3,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <functional>
 #include <set>
 #include <sstream>
 #include <stdexcept>
@@ -54,31 +55,33 @@ std::vector<std::int64_t> reshard_points(const ir::Graph& graph, const ir::Value
   return points;
 }
 
-std::set<const ir::Value*> sequence_parallel_values(const ir::Graph& graph, std::int64_t k) {
+namespace {
+
+// The values `of` names for each node of `ops` that computes the loss (the forward), of 3 or
+// more dims [batch, seq, ...] with at least k positions.
+std::set<const ir::Value*> forward_sequence_values(const ir::Graph& graph, std::int64_t k, const std::set<std::string>& ops,
+                                                   const std::function<std::vector<const ir::Value*>(const ir::Node&)>& of) {
   std::set<const ir::Value*> out;
   const ir::Value* loss = graph.find_output("loss");
   if (loss == nullptr || loss->producer() == nullptr) return out;
   const std::set<const ir::Node*> forward = ir::producers_of(loss);
   for (const auto& node : graph.nodes()) {
-    if ((node->op() != "rms_norm" && node->op() != "layer_norm") || forward.count(node.get()) == 0) continue;
-    for (const ir::Value* v : {node->input(0), node->output()}) {
+    if (ops.count(node->op()) == 0 || forward.count(node.get()) == 0) continue;
+    for (const ir::Value* v : of(*node)) {
       if (v->meta().shape.size() >= 3 && v->meta().shape[1] >= k) out.insert(v);
     }
   }
   return out;
 }
 
+}  // namespace
+
+std::set<const ir::Value*> sequence_parallel_values(const ir::Graph& graph, std::int64_t k) {
+  return forward_sequence_values(graph, k, {"rms_norm", "layer_norm"}, [](const ir::Node& n) { return std::vector<const ir::Value*>{n.input(0), n.output()}; });
+}
+
 std::set<const ir::Value*> context_parallel_values(const ir::Graph& graph, std::int64_t k) {
-  std::set<const ir::Value*> out;
-  const ir::Value* loss = graph.find_output("loss");
-  if (loss == nullptr || loss->producer() == nullptr) return out;
-  const std::set<const ir::Node*> forward = ir::producers_of(loss);
-  for (const auto& node : graph.nodes()) {
-    if (node->op() != "embedding" || forward.count(node.get()) == 0) continue;
-    const ir::Value* v = node->output();
-    if (v->meta().shape.size() >= 3 && v->meta().shape[1] >= k) out.insert(v);
-  }
-  return out;
+  return forward_sequence_values(graph, k, {"embedding"}, [](const ir::Node& n) { return std::vector<const ir::Value*>{n.output()}; });
 }
 
 namespace {
@@ -429,7 +432,8 @@ DistributedPlan propagate(const ir::Graph& graph, const DeviceMesh& mesh, const 
     // The embeddings on the sequence, and the rotary tables [seq, d] on their rows: split once
     // as made, they are free to read in every layer (split at each read, a table's split
     // looked dearer than moving the layer's q and k to a batch split).
-    auto pinned = on_sequence(context_parallel_values(graph, mesh.size(context_parallel_dim)));
+    const std::set<const ir::Value*> embeddings = context_parallel_values(graph, mesh.size(context_parallel_dim));
+    auto pinned = on_sequence(embeddings);
     for (const auto& node : graph.nodes()) {
       if (node->op() != "rotary_embedding") continue;
       for (int t : {1, 2}) {
@@ -438,9 +442,7 @@ DistributedPlan propagate(const ir::Graph& graph, const DeviceMesh& mesh, const 
     }
     p.sequence_sharded.emplace_back(context_parallel_dim, std::move(pinned));
     if (context_parallel_allgather) p.query_rows_dim = context_parallel_dim;
-    for (const auto& [v, pl] : p.sequence_sharded.back().second) {
-      if (pl == Placement::shard(1)) p.sequence_dim = context_parallel_dim, p.sequence_length = v->meta().shape[1];
-    }
+    if (!embeddings.empty()) p.sequence_dim = context_parallel_dim, p.sequence_length = (*embeddings.begin())->meta().shape[1];
   }
   p.find_hints(use);
   for (const auto& [dim, values] : p.sequence_sharded) {  // pinned graph inputs (a rotary table with no seq_permute) are split at once

@@ -120,6 +120,15 @@ std::vector<std::int64_t> read_pt2(const config::Config& cfg, std::int64_t vocab
   return exported;
 }
 
+// Why context parallelism splits the sequence in order ("" when it is load-balanced, 2 cp
+// pieces): load balancing permutes the positions, which it needs as inputs (the built-in
+// models' RoPE tables); an imported program makes its own (arange).
+std::string context_parallel_in_order(const JobSpec& s) {
+  if (!s.context_parallel_load_balance) return "parallelism.context_parallel_load_balance = false";
+  if (s.model.name == "pt2") return "an imported program makes its own positions";
+  return "";
+}
+
 // [parallelism.tp_plan] and [parallelism.strategies], whose keys must be mesh dims.
 void read_strategies(const config::Config& cfg, JobSpec& s, Problems& problems) {
   s.tp_plan = cfg.plugin_options("parallelism.tp_plan");
@@ -505,9 +514,7 @@ JobSpec job_spec(const config::Config& cfg, std::int64_t world_size, std::int64_
   s.context_parallel_load_balance = cfg.get_bool("parallelism.context_parallel_load_balance");
   s.context_parallel_allgather = cfg.get_string("parallelism.context_parallel_rotate_method") == "allgather";
   if (const std::int64_t cp = s.dims.cp; cp > 1 && degrees_ok) {
-    // Load balancing needs the positions as inputs (the built-in models' RoPE tables); an
-    // imported program that makes them itself (arange) is split in order.
-    const std::int64_t pieces = s.context_parallel_load_balance && s.model.name != "pt2" ? 2 * cp : cp;
+    const std::int64_t pieces = context_parallel_in_order(s).empty() ? 2 * cp : cp;
     if (s.seq_len % pieces != 0) {
       fail({"parallelism.context_parallel_degree", "training.seq_len"},
            "parallelism.context_parallel_degree " + std::to_string(cp) + " splits the sequence into " + std::to_string(pieces) + " pieces" +
@@ -1036,13 +1043,8 @@ PlacedJob place_job(const JobSpec& spec, PluginRegistry& registry) {
   if (spec.dims.cp > 1) {
     job.context_parallel_dim = job.mesh.dim_index("cp");
     job.context_parallel_allgather = spec.context_parallel_allgather;
-    if (!spec.context_parallel_load_balance) {
-      job.context_parallel_order = "parallelism.context_parallel_load_balance = false";
-    } else if (spec.model.name == "pt2") {
-      job.context_parallel_order = "an imported program makes its own positions";
-    } else {
-      job.context_parallel_chunks = 2 * spec.dims.cp;
-    }
+    job.context_parallel_order = context_parallel_in_order(spec);
+    if (job.context_parallel_order.empty()) job.context_parallel_chunks = 2 * spec.dims.cp;
     job.model.graph = context_parallel(job.model.graph, spec.seq_len, job.context_parallel_chunks);
   }
   const std::size_t forward_nodes = job.model.graph.num_nodes();
@@ -1100,6 +1102,7 @@ data::TextDatasetOptions validation_data(const JobSpec& spec) {
 
 ContextParallelSummary context_parallel_summary(const JobSpec& spec, const PlacedJob& job, const sharding::DistributedPlan& plan) {
   ContextParallelSummary s;
+  s.tokens_per_rank = spec.seq_len;
   if (job.context_parallel_dim < 0) return s;
   const auto dim = static_cast<std::size_t>(job.context_parallel_dim);
   s.degree = job.mesh.size(job.context_parallel_dim);

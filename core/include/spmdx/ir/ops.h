@@ -48,4 +48,14 @@ class OpRegistry {
   std::map<std::string, OpSchema> ops_;
 };
 
+/// Context parallelism's load-balanced order (seq_permute, sdpa's `chunks`): the piece of the
+/// natural order that slot `slot` of `chunks` holds: 0, chunks - 1, 1, chunks - 2, ... (with
+/// chunks = 2 cp, rank r of cp holds pieces r and 2 cp - 1 - r).
+std::int64_t balanced_piece(std::int64_t slot, std::int64_t chunks);
+
+/// Whether an sdpa or sdpa_backward node attends by blocks of query rows at known positions:
+/// causal, with a load-balanced sequence (chunks > 1) or a rank's rows (q_offset > 0). The
+/// kernel (exec/kernels.cpp) and the memory plan both ask.
+bool blocked_attention(const Node& node);
+
 }  // namespace spmdx::ir

@@ -251,7 +251,7 @@ sharding::DistributedPlan propagate_job(const PlacedJob& job);
 /// each attention (sdpa) on mesh dim cp.
 struct ContextParallelSummary {
   std::int64_t degree = 1;           ///< cp
-  std::int64_t tokens_per_rank = 0;  ///< seq_len / cp
+  std::int64_t tokens_per_rank = 0;  ///< seq_len / cp (seq_len without context parallelism)
   std::int64_t pieces = 1;           ///< 2 cp when load-balanced, else 1 (in order)
   std::string in_order_why{};        ///< why the sequence is split in order, when it is
   std::int64_t attentions = 0;       ///< sdpa nodes of the forward (of one microbatch's)
