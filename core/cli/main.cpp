@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 #include <iomanip>
 #include <iostream>
 #include <map>
@@ -24,6 +25,8 @@
 #include "spmdx/train/job.h"
 #include "spmdx/plan/memory_plan.h"
 #include "spmdx/train/memory_budget.h"
+#include "spmdx/train/auto_sharding.h"
+#include "spmdx/plan/estimate.h"
 #include "spmdx/launch/launcher.h"
 #include "spmdx/bench/compare.h"
 #include "spmdx/comm/bench.h"
@@ -34,6 +37,7 @@
 #include "spmdx/plan/runtime_plan.h"
 #include "spmdx/plan/diff.h"
 #ifdef SPMDX_HAVE_EXEC
+#include "spmdx/exec/calibrate.h"
 #include "spmdx/exec/checkpoint.h"
 #include "spmdx/exec/device.h"
 #include "spmdx/exec/job_runner.h"
@@ -293,6 +297,8 @@ struct CompileOptions {
   std::string config;
   std::int64_t world_size = 0;
   std::string dump;
+  std::string strategy;   ///< --strategy: parallelism.strategy ("auto": print the ranking)
+  bool estimate = false;  ///< --estimate: the calibrated step time
   bool fake = false;
   bool print_config = false;
   bool json = false;
@@ -405,9 +411,34 @@ std::int64_t peak_rss_bytes() {
   return static_cast<std::int64_t>(usage.ru_maxrss) * 1024;
 }
 
+// The calibration in job.dump_folder that strategy = "auto" and --estimate price plans with:
+// measured here (once) where this build has LibTorch, else the file's or the defaults.
+spmdx::plan::Calibration job_calibration(const spmdx::config::Config& cfg) {
+  const std::filesystem::path dump = cfg.get_string("job.dump_folder");
+#ifdef SPMDX_HAVE_EXEC
+  return spmdx::exec::ensure_calibration(dump);
+#else
+  return spmdx::plan::load_calibration(spmdx::plan::calibration_path(dump));
+#endif
+}
+
+// The text of a file, or "" when it cannot be read.
+std::string file_text(const std::filesystem::path& file) {
+  std::ifstream in(file);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
 int run_compile(const CompileOptions& o) {
   namespace fs = std::filesystem;
-  spmdx::config::Config cfg = spmdx::config::Config::load(o.config, o.overrides, /*throw_on_problems=*/false);
+  std::vector<std::string> overrides = o.overrides;
+  if (!o.strategy.empty()) overrides.insert(overrides.end(), {"--parallelism.strategy", o.strategy});
+  spmdx::config::Config cfg = spmdx::config::Config::load(o.config, overrides, /*throw_on_problems=*/false);
+  std::optional<spmdx::plan::Calibration> calibration;
+  if (!cfg.has_problem("parallelism.strategy") && !cfg.has_problem("job.dump_folder") && (o.estimate || cfg.get_string("parallelism.strategy") == "auto")) {
+    calibration = job_calibration(cfg);
+  }
   if (o.print_config) {
     cfg.check();
     std::cout << cfg.to_toml();
@@ -520,6 +551,16 @@ int run_compile(const CompileOptions& o) {
                      {"planner_seconds", seconds},
                      {"planner_peak_rss_bytes", peak_rss_bytes()},
                      {"fake", o.fake}};
+    if (spec.auto_strategy) {
+      const std::string report = file_text(fs::path(spec.output.dump_folder) / "auto_report.json");
+      j["auto"] = report.empty() ? nlohmann::json(spec.auto_report) : nlohmann::json::parse(report);
+    }
+    if (o.estimate) {
+      const auto e = spmdx::train::estimate_job(spec, registry, *calibration);
+      j["estimate"] = {{"step_seconds", e.step_seconds}, {"compute_seconds", e.compute_seconds}, {"comm_seconds", e.comm_seconds},
+                       {"comm_seconds_by_dim", e.comm_seconds_by_dim}, {"peak_bytes", e.peak_bytes}, {"threads", e.threads}, {"core_sharing", e.core_sharing},
+                       {"calibration", nlohmann::json::parse(calibration->to_json())}};
+    }
     std::cout << j.dump(1) << "\n";
     return 0;
   }
@@ -560,6 +601,18 @@ int run_compile(const CompileOptions& o) {
     std::cout << "fallback: strategies " << layout << " passed over (" << why << ")\n";
   }
   if (!spec.strategies_passed_over.empty()) std::cout << "strategies: " << spmdx::train::layout_text(spec.strategies) << "\n";
+  if (spec.auto_strategy) {
+    const std::string report = file_text(fs::path(spec.output.dump_folder) / "auto_report.txt");
+    std::cout << (report.empty() ? spec.auto_report + "\n" : report) << "(the ranking: " << (fs::path(spec.output.dump_folder) / "auto_report.{txt,json}").string() << ")\n";
+  }
+  if (o.estimate) {
+    const auto e = spmdx::train::estimate_job(spec, registry, *calibration);
+    char text[256];
+    std::snprintf(text, sizeof text, "estimate (rank 0): %.2f ms a step = compute %.2f ms (%lld thread%s a rank, cores shared %.2fx) + communication %.2f ms; planned peak %s\n",
+                  e.step_seconds * 1e3, e.compute_seconds * 1e3, static_cast<long long>(e.threads), e.threads == 1 ? "" : "s", e.core_sharing, e.comm_seconds * 1e3,
+                  spmdx::human_bytes(static_cast<double>(e.peak_bytes)).c_str());
+    std::cout << text << "calibration: " << calibration->str() << "\n";
+  }
   std::cout << "planned in " << std::fixed << std::setprecision(3) << seconds << " s, peak RSS " << spmdx::human_bytes(static_cast<double>(peak_rss_bytes())) << std::defaultfloat << (o.fake ? " (--fake: no ranks started" : " (no ranks started")
             << (dumped_ranks ? "; wrote " + o.dump + " with " + std::to_string(dumped_ranks) + " rank graph(s))" : ")") << "\n";
   return 0;
@@ -606,6 +659,8 @@ int run_run(const RunOptions& o) {
     return 0;
   }
   if (o.nproc > 0 && !launched) {
+    // strategy = "auto" prices plans with this machine's rates: measured once, before the ranks share its cores.
+    if (!cfg.has_problem("parallelism.strategy") && !cfg.has_problem("job.dump_folder") && cfg.get_string("parallelism.strategy") == "auto") job_calibration(cfg);
     // Check everything that can be checked before starting any rank, and say all of it at once.
     spmdx::PluginRegistry registry;
     std::unique_ptr<spmdx::data::Tokenizer> tokenizer;
@@ -735,6 +790,9 @@ CLI::App* add_compile(CLI::App& app, CompileOptions& compile_options) {
   compile->add_option("--world-size", compile_options.world_size, "Ranks to plan for (default: the product of the config's degrees)")
       ->check(CLI::Range(1, 100000000));
   compile->add_option("--dump", compile_options.dump, "Write logical.{txt,json}, plan.{txt,json}, rankR.{txt,json} rankR.plan.txt (RuntimePlan) and rankR.memory.txt (memory plan) here");
+  compile->add_option("--strategy", compile_options.strategy, "manual | auto: plan every layout, print the ranking and why the first wins (parallelism.strategy)")
+      ->check(CLI::IsMember({"manual", "auto"}));
+  compile->add_flag("--estimate", compile_options.estimate, "Print rank 0's predicted step time (compute, communication) and peak, by the calibration in job.dump_folder (measured once)");
   compile->add_flag("--fake", compile_options.fake, "Plan a mesh larger than this machine; dump only rank 0's graph");
   auto* print_config = compile->add_flag("--print-config", compile_options.print_config, "Print the effective config and exit");
   compile->add_flag("--json", compile_options.json, "Print the summary as JSON (schema spmdx.compile/1): parameters, FLOPs per token, per-rank bytes, bytes per mesh dim, planned peak")

@@ -331,6 +331,7 @@ struct PluginRegistry::Factories {
   std::map<std::string, Entry<StrategyFactory>, std::less<>> strategies;
   std::map<std::string, Entry<CommBackendFactory>, std::less<>> comm_backends;
   std::map<std::string, Entry<HookFactory>, std::less<>> hooks;
+  std::map<std::string, Entry<PlannerFactory>, std::less<>> planners;
   std::map<std::string, const PluginDescriptor*, std::less<>> descriptors;
   std::map<std::string, std::vector<std::string>, std::less<>> transport_options;  // backend -> the keys it takes
 };
@@ -362,6 +363,9 @@ class PluginRegistry::Staging final : public Registrar {
   void add_hook(const std::string& name, HookFactory f) override {
     add(target_.hooks, hooks_, PluginKind::hook, name, std::move(f));
   }
+  void add_planner(const std::string& name, PlannerFactory f) override {
+    add(target_.planners, planners_, PluginKind::strategy, name, std::move(f), "planner");
+  }
 
   std::vector<std::string> commit() {
     std::vector<std::string> names;
@@ -374,6 +378,7 @@ class PluginRegistry::Staging final : public Registrar {
     move_all(strategies_, target_.strategies);
     move_all(comm_backends_, target_.comm_backends);
     move_all(hooks_, target_.hooks);
+    move_all(planners_, target_.planners);
     for (auto& [name, keys] : transport_options_) target_.transport_options[name] = std::move(keys);
     return names;
   }
@@ -382,8 +387,8 @@ class PluginRegistry::Staging final : public Registrar {
   template <class F>
   void add(const std::map<std::string, Factories::Entry<F>, std::less<>>& existing,
            std::map<std::string, Factories::Entry<F>, std::less<>>& staged, PluginKind factory_kind,
-           const std::string& name, F factory) {
-    const std::string kind = factory_kind == PluginKind::comm ? "comm backend" : to_string(factory_kind);
+           const std::string& name, F factory, const char* label = nullptr) {
+    const std::string kind = label != nullptr ? label : factory_kind == PluginKind::comm ? "comm backend" : to_string(factory_kind);
     if (factory_kind != kind_) {
       throw std::invalid_argument("it is a " + std::string(to_string(kind_)) + " plugin and may register only " +
                                   to_string(kind_) + " factories, not " + kind + " '" + name + "'");
@@ -414,6 +419,7 @@ class PluginRegistry::Staging final : public Registrar {
   std::map<std::string, Factories::Entry<StrategyFactory>, std::less<>> strategies_;
   std::map<std::string, Factories::Entry<CommBackendFactory>, std::less<>> comm_backends_;
   std::map<std::string, Factories::Entry<HookFactory>, std::less<>> hooks_;
+  std::map<std::string, Factories::Entry<PlannerFactory>, std::less<>> planners_;
   std::map<std::string, std::vector<std::string>> transport_options_;
 };
 
@@ -594,6 +600,20 @@ const PluginInfo& PluginRegistry::comm_backend_plugin(std::string_view name) {
 std::unique_ptr<Hook> PluginRegistry::make_hook(std::string_view name, const Options& options) {
   ensure_factory(PluginKind::hook, name);
   return factories_->hooks.find(name)->second.factory(options);
+}
+
+std::unique_ptr<Planner> PluginRegistry::make_planner(std::string_view name, const Options& options) {
+  if (factories_->planners.count(name) == 0) {
+    if (const PluginInfo* p = find(name); p != nullptr && p->kind == PluginKind::strategy) load(name);
+  }
+  if (auto it = factories_->planners.find(name); it != factories_->planners.end()) return it->second.factory(options);
+  std::vector<std::string> names;
+  for (const auto& [known, entry] : factories_->planners) names.push_back(known);
+  const std::string known = join(names);
+  throw PluginError(Code::unknown_plugin, {},
+                    "no planner named '" + std::string(name) + "' (parallelism.planner); loaded planners: " + (known.empty() ? "none" : known) +
+                        ". The built-in one is 'auto' (the auto plugin, built where COIN-OR CBC is installed: scripts/setup installs "
+                        "coinor-libcbc-dev); a third party's goes in plugins.paths, --plugin-path or SPMDX_PLUGIN_PATH.");
 }
 
 }  // namespace spmdx

@@ -28,6 +28,8 @@
 // 3.0: transports (transport.h) with the collective engine in the host; StrategyInput's
 // mesh_dim; descriptor flags and toolchain tag.
 // 3.1: StreamOrdered (comm.h), an interface a comm backend may also implement.
+// 3.2: Planner (planner.h) and Registrar::add_planner: a strategy plugin may register a
+// solver for the per-mesh-dim choice problems of `strategy = "auto"`.
 //
 // Host services. A plugin may call, besides this folder's inline code, only the core
 // library's logging facade (spmdx/core/log.h) and the helpers declared in this folder
@@ -53,11 +55,12 @@
 
 #include "spmdx/comm.h"
 #include "spmdx/hook.h"
+#include "spmdx/planner.h"
 #include "spmdx/strategy.h"
 #include "spmdx/transport.h"
 
 #define SPMDX_ABI_MAJOR 3
-#define SPMDX_ABI_MINOR 1
+#define SPMDX_ABI_MINOR 2
 
 // The toolchain tag: the C++ standard library, its string/list ABI and whether exceptions are
 // on. The loader refuses a plugin whose tag differs from the host's.
@@ -109,6 +112,7 @@ enum PluginFlag : std::uint32_t {
 using StrategyFactory = std::function<std::unique_ptr<Strategy>(const Options&)>;
 using CommBackendFactory = std::function<std::unique_ptr<CommBackend>(const Options&)>;
 using HookFactory = std::function<std::unique_ptr<Hook>(const Options&)>;
+using PlannerFactory = std::function<std::unique_ptr<Planner>(const Options&)>;
 
 /// Implemented by the host. A factory name is unique per kind across all loaded plugins;
 /// adding a taken name throws std::invalid_argument naming both plugins.
@@ -121,6 +125,9 @@ class Registrar {
   /// collective engine over it (transport.h).
   virtual void add_transport(const std::string& name, TransportInfo info) = 0;
   virtual void add_hook(const std::string& name, HookFactory factory) = 0;
+  /// A planner (planner.h), registered by a strategy plugin: `[parallelism] strategy = "auto"`
+  /// uses the one named by parallelism.planner ("auto" by default). ABI 3.2.
+  virtual void add_planner(const std::string& name, PlannerFactory factory) = 0;
 
  protected:
   ~Registrar() = default;

@@ -266,6 +266,15 @@ const std::vector<KeySpec>& schema() {
         "budget it cannot meet, a validator hook that refuses it): each \"dim=plugin[ dim=plugin]\" over [parallelism.strategies], e.g. "
         "\"dp_shard=fsdp\" or \"dp_shard=fsdp tp=tensor_parallel\""),
       k("parallelism.strict", Type::boolean, false, "stop instead of falling back to parallelism.fallback_strategies"),
+      k("parallelism.strategy", Type::string, std::string("manual"),
+        "\"manual\": the degrees and [parallelism.strategies] as given; \"auto\": spmdx chooses data_parallel_replicate_degree, "
+        "data_parallel_shard_degree and tensor_parallel_degree (cp and pp as given) and each op's placements by the calibrated cost model, "
+        "an integer linear program per mesh dim (Alpa's intra-op pass, parallelism.planner), within parallelism.memory_budget; spmdx compile "
+        "--strategy auto prints why", -1e300, L{"manual", "auto"}),
+      k("parallelism.planner", Type::string, std::string("auto"),
+        "with strategy = \"auto\": the planner plugin that solves each mesh dim's choice (the built-in \"auto\": COIN-OR CBC), or \"greedy\" "
+        "(propagation's own choice, no solver)"),
+      n("parallelism.planner_time_limit_seconds", Type::floating, 10.0, "with strategy = \"auto\": the planner's time limit per mesh dim and layout", 0.1, 3600),
       k("parallelism.memory_budget", Type::string, std::string(""),
         "the most bytes a rank's step may hold (e.g. \"2GiB\"; empty: no limit): over it, spmdx turns on FSDP resharding, activation "
         "checkpointing, a higher shard degree, in that order, before any rank starts"),

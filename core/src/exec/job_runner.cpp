@@ -958,6 +958,7 @@ void print_banner(const train::JobSpec& spec, const train::PlacedJob& job, const
   if (const std::string cp = train::context_parallel_summary(spec, job, plan).line(); !cp.empty()) std::printf("%s\n", cp.c_str());
   if (job.loss_parallel) std::printf("loss parallel: cross entropy on the logits sharded on the vocabulary over tp (parallelism.disable_loss_parallel = false)\n");
   if (!spec.output.tensorboard_folder.empty()) std::printf("TensorBoard: event files in %s\n", spec.output.tensorboard_folder.string().c_str());
+  if (!spec.auto_report.empty()) std::printf("%s\n", spec.auto_report.c_str());
   for (const auto& e : strategy_events(spec)) std::printf("fallback: %s\n", e.str().c_str());  // before the memory lines, which are of the layout chosen
   if (const CheckpointReport& ac = job.checkpointed; spec.activation_checkpoint.mode != "none") {
     std::printf("activation checkpointing %s%s: %lld layers recompute %lld nodes in the backward; %s of forward values (global) not kept\n",

@@ -8,6 +8,7 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "spmdx/hooks/graph_view.h"
 #include "spmdx/sharding/rules.h"
 #include "spmdx/sharding/spec.h"
 
@@ -129,6 +130,9 @@ struct Propagator {
   int sequence_dim = -1;
   std::int64_t sequence_length = 0;
   std::vector<std::int64_t> zero = std::vector<std::int64_t>(static_cast<std::size_t>(n), 0);
+  // propagate_optimal: per node and mesh dim, the strategy a planner chose (its signature), taken
+  // where the node's candidates have it and the rules above allow it.
+  const ForcedChoices* forced = nullptr;
 
   static double bytes_of(const ir::Value* v, const Shape& seen) { return shape_bytes(seen, v->meta().dtype); }
 
@@ -140,6 +144,7 @@ struct Propagator {
         plan.comm_bytes += step.bytes;
         plan.comm_seconds += step.seconds;
         plan.comm_bytes_by_dim.at(static_cast<std::size_t>(step.mesh_dim)) += step.bytes;
+        plan.comm_messages_by_dim.at(static_cast<std::size_t>(step.mesh_dim)) += step.messages;
       }
     }
   }
@@ -334,36 +339,59 @@ struct Propagator {
     return total;
   }
 
-  // Per mesh dim, the strategy of the node's rule table with the least cost; then its inputs'
-  // redistributions and its outputs' placements.
+  const std::string* forced_choice(const ir::Node& node, int i) const {
+    if (forced == nullptr) return nullptr;
+    const auto f = forced->find(&node);
+    if (f == forced->end()) return nullptr;
+    const auto g = f->second.find(i);
+    return g == f->second.end() ? nullptr : &g->second;
+  }
+
+  // The candidates of `node` on mesh dim i as place() sees them, the node's placements on the
+  // dims before i being `in_pl` and `out_pl` (their first i entries).
+  std::vector<OpStrategy> candidates_of(const ir::Node& node, int i, const std::vector<Placements>& in_pl, const std::vector<Placements>& out_pl,
+                                        std::vector<Shape>& seen_in, std::vector<Shape>& seen_out) const {
+    seen_in.clear(), seen_out.clear();
+    for (std::size_t a = 0; a < node.inputs().size(); ++a) {
+      Placements sofar(in_pl[a].begin(), in_pl[a].begin() + std::min<std::ptrdiff_t>(i, static_cast<std::ptrdiff_t>(in_pl[a].size())));
+      sofar.resize(static_cast<std::size_t>(n), kR);
+      seen_in.push_back(shape_after(mesh, sofar, node.inputs()[a]->meta().shape, zero, i));
+    }
+    for (std::size_t a = 0; a < node.outputs().size(); ++a) {
+      Placements sofar(out_pl[a].begin(), out_pl[a].begin() + std::min<std::ptrdiff_t>(i, static_cast<std::ptrdiff_t>(out_pl[a].size())));
+      sofar.resize(static_cast<std::size_t>(n), kR);
+      seen_out.push_back(shape_after(mesh, sofar, node.outputs()[a]->meta().shape, zero, i));
+    }
+    auto candidates = op_strategies(node, seen_in, seen_out, mesh.size(i));
+    if (i == query_rows_dim && (node.op() == "sdpa" || node.op() == "sdpa_backward")) {
+      const std::size_t q = node.op() == "sdpa" ? 0 : 1;
+      std::vector<OpStrategy> rows;
+      for (const auto& c : candidates) {
+        if (c.inputs[q] == Placement::shard(2) && c.inputs[q + 1].is_replicate()) rows.push_back(c);
+      }
+      if (!rows.empty()) candidates = std::move(rows);
+    }
+    return candidates;
+  }
+
+  // Per mesh dim, the strategy of the node's rule table with the least cost (or the one a
+  // planner chose); then its inputs' redistributions and its outputs' placements.
   void place(const ir::Node& node) {
     const std::size_t n_in = node.inputs().size(), n_out = node.outputs().size();
     std::vector<Placements> in_pl(n_in), out_pl(n_out);
     for (int i = 0; i < n; ++i) {
       std::vector<Shape> seen_in, seen_out;
-      for (std::size_t a = 0; a < n_in; ++a) {
-        Placements sofar = in_pl[a];
-        sofar.resize(static_cast<std::size_t>(n), kR);
-        seen_in.push_back(shape_after(mesh, sofar, node.inputs()[a]->meta().shape, zero, i));
-      }
-      for (std::size_t a = 0; a < n_out; ++a) {
-        Placements sofar = out_pl[a];
-        sofar.resize(static_cast<std::size_t>(n), kR);
-        seen_out.push_back(shape_after(mesh, sofar, node.outputs()[a]->meta().shape, zero, i));
-      }
-      auto candidates = op_strategies(node, seen_in, seen_out, mesh.size(i));
-      if (i == query_rows_dim && (node.op() == "sdpa" || node.op() == "sdpa_backward")) {
-        const std::size_t q = node.op() == "sdpa" ? 0 : 1;
-        std::vector<OpStrategy> rows;
-        for (const auto& c : candidates) {
-          if (c.inputs[q] == Placement::shard(2) && c.inputs[q + 1].is_replicate()) rows.push_back(c);
-        }
-        if (!rows.empty()) candidates = std::move(rows);
-      }
+      const auto candidates = candidates_of(node, i, in_pl, out_pl, seen_in, seen_out);
       const bool addend = std::any_of(node.outputs().begin(), node.outputs().end(), [&](const ir::Value* o) { return accumulating.count(o) > 0; });
       double best_cost = -1, best_moves = 0;
       const OpStrategy* best = nullptr;
+      if (const std::string* want = forced_choice(node, i)) {
+        for (const auto& c : candidates) {
+          if (signature(c) == *want && cost(node, i, c, in_pl, seen_in, seen_out) < 1e29) best = &c;
+        }
+      }
       for (const auto& c : candidates) {
+        if (best != nullptr && best_cost < 0) break;  // the planner's choice
         const double cost_c = cost(node, i, c, in_pl, seen_in, seen_out);
         const double moves = addend ? cost(node, i, c, in_pl, seen_in, seen_out, true) : 0;
         if (best == nullptr || moves < best_moves || (moves == best_moves && cost_c < best_cost)) best = &c, best_cost = cost_c, best_moves = moves;
@@ -384,14 +412,221 @@ struct Propagator {
     }
     plan.inputs[&node] = std::move(in_pl);
   }
+
+  // Seconds to take a value of `bytes` (as mesh dim i sees it) from `current` to `target` on
+  // mesh dim i over `link`: the ring's messages and bytes (redistribute_plan's counts).
+  double move_seconds(const Placements& current, const Placements& target, int i, double bytes, const CostModel& link) const {
+    const double moved = step_bytes(current, target, i, bytes);
+    if (moved <= 0) return 0;
+    const Placement& from = current[static_cast<std::size_t>(i)];
+    const Placement& to = target[static_cast<std::size_t>(i)];
+    const double messages = static_cast<double>(mesh.size(i) - 1) * (from.is_partial() && !to.is_shard() ? 2 : 1);
+    return messages * link.alpha + moved / link.beta;
+  }
+
+  // Mesh dim i's choice problem over the plan as propagated (the other dims as they are):
+  // every node's candidates (place()'s; the graph's nodes first, in order, then one a value read by several), each priced by its share of the node's work and
+  // what its graph-input reads and pinned outputs cost; every edge by the move of the value
+  // between the producer's candidate and the consumer's. `start`: the plan's own choices.
+  spmdx::PlannerProblem problem(int i, const IntraOpCostModel& model, std::vector<std::vector<OpStrategy>>& candidates) const {
+    const CostModel link = static_cast<std::size_t>(i) < model.links.size() ? model.links[static_cast<std::size_t>(i)] : CostModel{};
+    spmdx::PlannerProblem out;
+    out.mesh_dim = mesh.dims().at(static_cast<std::size_t>(i)).name;
+    out.ranks = mesh.size(i);
+    const double forbidden = out.forbidden;
+    std::map<const ir::Node*, std::int32_t> index;
+    for (const auto& node : graph.nodes()) index.emplace(node.get(), static_cast<std::int32_t>(index.size()));
+    candidates.assign(index.size(), {});
+    out.node_cost.assign(index.size(), {});
+    out.start.assign(index.size(), 0);
+    // What a value placed `pl` weighs as mesh dim i sees it (the other dims' shards applied).
+    auto seen_bytes = [&](const ir::Value* v, const Placements& pl) {
+      Placements others = pl;
+      others[static_cast<std::size_t>(i)] = kR;
+      return bytes_of(v, shape_after(mesh, others, v->meta().shape, zero, n));
+    };
+    for (const auto& node_ptr : graph.nodes()) {
+      const ir::Node& node = *node_ptr;
+      const std::int32_t v = index.at(&node);
+      const auto& in_pl = plan.inputs.at(&node);
+      std::vector<Placements> out_pl;
+      for (const ir::Value* o : node.outputs()) out_pl.push_back(plan.placement.at(o));
+      std::vector<Shape> seen_in, seen_out;
+      auto& cands = candidates[static_cast<std::size_t>(v)];
+      cands = candidates_of(node, i, in_pl, out_pl, seen_in, seen_out);
+      // The node's work on this rank before dim i splits it: its FLOPs at the matmul rate, or
+      // the bytes it reads and writes at the memory rate, divided by the other dims it is split on.
+      double work = 0, elements = 0, traffic = 0;
+      for (const ir::Value* o : node.outputs()) elements += static_cast<double>(o->meta().numel()), traffic += shape_bytes(o->meta().shape, o->meta().dtype);
+      for (const ir::Value* in : node.inputs()) traffic += shape_bytes(in->meta().shape, in->meta().dtype);
+      const double flops = hooks::node_flops(node);
+      work = flops > elements ? flops / model.flops_per_second : traffic / model.bytes_per_second;
+      for (int j = 0; j < n; ++j) {
+        if (j == i) continue;
+        const bool split = std::any_of(out_pl.begin(), out_pl.end(), [&](const Placements& pl) { return !pl[static_cast<std::size_t>(j)].is_replicate(); });
+        if (split) work /= static_cast<double>(mesh.size(j));
+      }
+      const bool state_reader = node.op() == "adamw" || node.op() == "cast";
+      for (std::size_t s = 0; s < cands.size(); ++s) {
+        const OpStrategy& c = cands[s];
+        const bool splits = std::any_of(c.outputs.begin(), c.outputs.end(), [](const Placement& p) { return !p.is_replicate(); });
+        double cost_s = splits ? work / static_cast<double>(mesh.size(i)) : work;
+        std::set<std::pair<const ir::Value*, std::string>> counted;
+        for (std::size_t a = 0; a < node.inputs().size(); ++a) {
+          const ir::Value* u = node.inputs()[a];
+          if (!counted.insert({u, c.inputs[a].str()}).second) continue;
+          if (auto w = use_of.find(u); w != use_of.end() && c.inputs[a] != w->second[static_cast<std::size_t>(i)] &&
+                                         !(state_reader && c.inputs[a] == plan.placement.at(u)[static_cast<std::size_t>(i)])) {
+            cost_s += forbidden;
+            continue;
+          }
+          if (u->producer() != nullptr) continue;  // an edge
+          Placements target = in_pl[a];
+          target[static_cast<std::size_t>(i)] = c.inputs[a];
+          const Placements& current = plan.placement.at(u);
+          if (target == current || made.count({u, plan.version_key(u, target, &node)}) > 0) continue;
+          cost_s += move_seconds(current, target, i, seen_bytes(u, current), link);
+        }
+        for (std::size_t a = 0; a < node.outputs().size(); ++a) {
+          const ir::Value* o = node.outputs()[a];
+          Placements made_as = out_pl[a];
+          made_as[static_cast<std::size_t>(i)] = c.outputs[a];
+          const double b = seen_bytes(o, made_as);
+          auto to = [&](const Placement& want) {
+            Placements target = made_as;
+            target[static_cast<std::size_t>(i)] = want;
+            return move_seconds(made_as, target, i, b, link);
+          };
+          if (auto d = demand.find(o); d != demand.end()) cost_s += to(d->second[static_cast<std::size_t>(i)]);
+          for (const auto& [dim, values] : sequence_sharded) {
+            if (const auto it = values.find(o); dim == i && it != values.end()) cost_s += to(it->second);
+          }
+        }
+        out.node_cost[static_cast<std::size_t>(v)].push_back(cost_s);
+        bool as_planned = true;
+        for (std::size_t a = 0; a < node.inputs().size(); ++a) as_planned = as_planned && c.inputs[a] == in_pl[a][static_cast<std::size_t>(i)];
+        for (std::size_t a = 0; a < node.outputs().size(); ++a) as_planned = as_planned && c.outputs[a] == out_pl[a][static_cast<std::size_t>(i)];
+        if (as_planned) out.start[static_cast<std::size_t>(v)] = static_cast<std::int32_t>(s);
+      }
+    }
+    // Edges: each input of a node that another node produced. A value read by several nodes
+    // goes through a node of its own (Alpa's trick for fan-out): its candidates are the
+    // placements its readers may want on this dim, the producer's edge pays for making it there
+    // once, and each reader pays only for moving it on from there (nothing where it reads that
+    // placement), as propagation makes a redistribution once and reuses it.
+    struct Read {
+      const ir::Node* node;
+      std::size_t operand;
+    };
+    std::map<const ir::Value*, std::vector<Read>> readers;
+    for (const auto& node_ptr : graph.nodes()) {
+      for (std::size_t a = 0; a < node_ptr->inputs().size(); ++a) {
+        const ir::Value* u = node_ptr->inputs()[a];
+        if (u->producer() != nullptr) readers[u].push_back({node_ptr.get(), a});
+      }
+    }
+    for (const auto& [u, reads] : readers) {
+      const ir::Node& producer = *u->producer();
+      const std::int32_t from = index.at(&producer);
+      std::size_t j = 0;
+      while (producer.outputs()[j] != u) ++j;
+      const auto& from_cands = candidates[static_cast<std::size_t>(from)];
+      const Placements& stored = plan.placement.at(u);
+      const double b = seen_bytes(u, stored);
+      auto made_as = [&](const Placements& others, const Placement& p) {
+        Placements pl = others;
+        pl[static_cast<std::size_t>(i)] = p;
+        return pl;
+      };
+      // One reader's edge from candidates `from_pl` (a placement per candidate of the node at
+      // `from_index`) to its own candidates.
+      auto edge = [&](std::int32_t from_index, const std::vector<Placement>& from_pl, const Placements& others, const Read& r, bool in_place_ok,
+                      const Placements* made_already = nullptr) {
+        const std::int32_t to = index.at(r.node);
+        const auto& to_cands = candidates[static_cast<std::size_t>(to)];
+        const Placements& want = plan.inputs.at(r.node)[r.operand];
+        std::size_t first = 0;  // the node's first operand that is this value
+        while (r.node->inputs()[first] != u) ++first;
+        spmdx::PlannerProblem::Edge e{from_index, to, std::vector<double>(from_pl.size() * to_cands.size(), 0.0)};
+        bool any = false;
+        for (std::size_t x = 0; x < from_pl.size(); ++x) {
+          const Placements current = made_as(others, from_pl[x]);
+          for (std::size_t y = 0; y < to_cands.size(); ++y) {
+            if (first < r.operand && to_cands[y].inputs[first] == to_cands[y].inputs[r.operand]) continue;  // read twice alike: moved once
+            const Placements target = made_as(want, to_cands[y].inputs[r.operand]);
+            double c = 0;
+            if (made_already != nullptr && target == *made_already) continue;
+            if (current != target) c = !in_place_ok && in_place.count(r.node) > 0 ? forbidden : move_seconds(current, target, i, b, link);
+            e.cost[x * to_cands.size() + y] = c;
+            any = any || c > 0;
+          }
+        }
+        if (any) out.edges.push_back(std::move(e));
+      };
+      std::vector<Placement> produced;
+      for (const auto& c : from_cands) produced.push_back(c.outputs[j]);
+      // A value propagation makes in a placement as soon as it exists (a gradient in its
+      // parameter's: hint) goes through a node of that one candidate: its readers find it made.
+      const auto h = hint.find(u);
+      if (reads.size() < 2 && h == hint.end()) {
+        edge(from, produced, stored, reads.front(), false);
+        continue;
+      }
+      std::vector<Placement> wanted;  // the fan-out node's candidates
+      if (h != hint.end()) {
+        wanted.push_back(h->second[static_cast<std::size_t>(i)]);
+      } else {
+        for (const Read& r : reads) {
+          for (const auto& c : candidates[static_cast<std::size_t>(index.at(r.node))]) {
+            if (std::find(wanted.begin(), wanted.end(), c.inputs[r.operand]) == wanted.end()) wanted.push_back(c.inputs[r.operand]);
+          }
+        }
+      }
+      const auto fan = static_cast<std::int32_t>(out.node_cost.size());
+      out.node_cost.emplace_back(wanted.size(), 0.0);
+      const Placement first = h != hint.end() ? wanted.front() : plan.inputs.at(reads.front().node)[reads.front().operand][static_cast<std::size_t>(i)];
+      out.start.push_back(static_cast<std::int32_t>(std::find(wanted.begin(), wanted.end(), first) - wanted.begin()));
+      const Placements others = h != hint.end() ? h->second : plan.inputs.at(reads.front().node)[reads.front().operand];
+      spmdx::PlannerProblem::Edge make{from, fan, std::vector<double>(produced.size() * wanted.size(), 0.0)};
+      for (std::size_t x = 0; x < produced.size(); ++x) {
+        for (std::size_t t = 0; t < wanted.size(); ++t) {
+          const Placements current = made_as(stored, produced[x]), target = made_as(others, wanted[t]);
+          make.cost[x * wanted.size() + t] = current == target ? 0 : move_seconds(current, target, i, b, link);
+        }
+      }
+      out.edges.push_back(std::move(make));
+      for (const Read& r : reads) {
+        // Made in its hint: free to read so, else moved from where it was produced (the
+        // rewriter redistributes from the producer's placement).
+        if (h != hint.end()) edge(from, produced, stored, r, false, &h->second);
+        else if (in_place.count(r.node) > 0) edge(from, produced, stored, r, false);  // reads it as produced, or not at all
+        else edge(fan, wanted, others, r, true);
+      }
+    }
+    return out;
+  }
 };
 
 }  // namespace
 
-DistributedPlan propagate(const ir::Graph& graph, const DeviceMesh& mesh, const std::map<std::string, Placements>& inputs,
-                          const std::map<std::string, Placements>& outputs, const std::map<std::string, Placements>& use,
-                          bool reshard_after_forward, int sequence_parallel_dim, int context_parallel_dim, bool context_parallel_allgather) {
-  DistributedPlan plan{mesh, &graph, {}, {}, {}, 0, 0, std::vector<double>(static_cast<std::size_t>(mesh.ndim()), 0.0), {}, {}};
+std::string signature(const OpStrategy& strategy) {
+  std::string out;
+  for (const auto& p : strategy.inputs) out += (out.empty() ? "" : ",") + p.str();
+  out += "->";
+  for (std::size_t a = 0; a < strategy.outputs.size(); ++a) out += (a ? "," : "") + strategy.outputs[a].str();
+  return out;
+}
+
+namespace {
+
+// propagate() with the planner's choices `forced` (may be null); `after` sees the propagator
+// once every node is placed (propagate_optimal builds its problems there).
+DistributedPlan run_propagation(const ir::Graph& graph, const DeviceMesh& mesh, const std::map<std::string, Placements>& inputs,
+                                const std::map<std::string, Placements>& outputs, const std::map<std::string, Placements>& use,
+                                bool reshard_after_forward, int sequence_parallel_dim, int context_parallel_dim, bool context_parallel_allgather,
+                                const ForcedChoices* forced, const std::function<void(const Propagator&)>& after) {
+  DistributedPlan plan{mesh, &graph, {}, {}, {}, 0, 0, std::vector<double>(static_cast<std::size_t>(mesh.ndim()), 0.0),
+                       std::vector<double>(static_cast<std::size_t>(mesh.ndim()), 0.0), {}, {}};
   if (reshard_after_forward) {
     if (const ir::Value* loss = graph.find_output("loss"); loss != nullptr && loss->producer() != nullptr) {
       plan.reshard_after = reshard_points(graph, loss);
@@ -420,6 +655,7 @@ DistributedPlan propagate(const ir::Graph& graph, const DeviceMesh& mesh, const 
     throw std::invalid_argument("context parallelism on mesh dim " + std::to_string(context_parallel_dim) + ", which the mesh " + mesh.str() + " has not");
   }
   Propagator p(graph, mesh, plan);
+  p.forced = forced;
   auto on_sequence = [](const std::set<const ir::Value*>& values) {
     std::map<const ir::Value*, Placement> out;
     for (const ir::Value* v : values) out.emplace(v, Placement::shard(1));
@@ -474,6 +710,63 @@ DistributedPlan propagate(const ir::Graph& graph, const DeviceMesh& mesh, const 
     }
     p.make(v, want);
     plan.outputs[name] = want;
+  }
+  if (after) after(p);
+  return plan;
+}
+
+}  // namespace
+
+DistributedPlan propagate(const ir::Graph& graph, const DeviceMesh& mesh, const std::map<std::string, Placements>& inputs,
+                          const std::map<std::string, Placements>& outputs, const std::map<std::string, Placements>& use,
+                          bool reshard_after_forward, int sequence_parallel_dim, int context_parallel_dim, bool context_parallel_allgather,
+                          const ForcedChoices* forced) {
+  return run_propagation(graph, mesh, inputs, outputs, use, reshard_after_forward, sequence_parallel_dim, context_parallel_dim,
+                         context_parallel_allgather, forced, {});
+}
+
+DistributedPlan propagate_optimal(const ir::Graph& graph, const DeviceMesh& mesh, const std::map<std::string, Placements>& inputs,
+                                  const std::map<std::string, Placements>& outputs, const std::map<std::string, Placements>& use,
+                                  bool reshard_after_forward, int sequence_parallel_dim, int context_parallel_dim, bool context_parallel_allgather,
+                                  const spmdx::Planner& planner, const IntraOpCostModel& cost, std::vector<IntraOpDim>* report) {
+  ForcedChoices forced;
+  auto again = [&](const std::function<void(const Propagator&)>& after) {
+    return run_propagation(graph, mesh, inputs, outputs, use, reshard_after_forward, sequence_parallel_dim, context_parallel_dim,
+                           context_parallel_allgather, &forced, after);
+  };
+  DistributedPlan plan = again({});
+  for (int i = 0; i < mesh.ndim(); ++i) {
+    if (mesh.size(i) < 2) continue;
+    std::vector<std::vector<OpStrategy>> candidates;
+    spmdx::PlannerProblem problem;
+    std::vector<const ir::Node*> nodes;
+    again([&](const Propagator& p) {
+      problem = p.problem(i, cost, candidates);
+      for (const auto& node : graph.nodes()) nodes.push_back(node.get());
+    });
+    problem.time_limit_seconds = cost.time_limit_seconds;
+    const spmdx::PlannerSolution solution = planner.solve(problem);
+    if (solution.choice.size() != problem.node_cost.size()) {
+      throw std::invalid_argument("the planner returned " + std::to_string(solution.choice.size()) + " choices for mesh dim " + problem.mesh_dim +
+                                  "'s " + std::to_string(problem.node_cost.size()) + " nodes");
+    }
+    IntraOpDim dim{problem.mesh_dim, spmdx::planner_cost(problem, problem.start), solution.objective, solution.bound, solution.optimal,
+                   solution.seconds, 0, 0, solution.solver};
+    for (std::size_t v = 0; v < nodes.size(); ++v) {
+      const auto c = static_cast<std::size_t>(solution.choice[v]);
+      if (c >= candidates[v].size()) throw std::invalid_argument("the planner chose candidate " + std::to_string(c) + " of " + std::to_string(candidates[v].size()) + " for a node");
+      if (solution.choice[v] != problem.start[v]) ++dim.changed;
+      forced[nodes[v]][i] = signature(candidates[v][c]);
+    }
+    plan = again({});
+    for (std::size_t v = 0; v < nodes.size(); ++v) {  // what the propagation took
+      const auto& in = plan.inputs.at(nodes[v]);
+      OpStrategy took;
+      for (const auto& pl : in) took.inputs.push_back(pl[static_cast<std::size_t>(i)]);
+      for (const ir::Value* o : nodes[v]->outputs()) took.outputs.push_back(plan.placement.at(o)[static_cast<std::size_t>(i)]);
+      if (signature(took) == forced[nodes[v]][i]) ++dim.forced_kept;
+    }
+    if (report != nullptr) report->push_back(std::move(dim));
   }
   return plan;
 }

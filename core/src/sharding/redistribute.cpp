@@ -98,6 +98,7 @@ std::vector<RedistributeStep> redistribute_plan(const DeviceMesh& mesh, const ir
     step.bytes = redistribute_bytes(step.from, step.to, bytes, k);
     const double messages = static_cast<double>(k - 1) * (step.op == "all_reduce" ? 2 : 1);
     step.seconds = messages * cost.alpha + step.bytes / cost.beta;
+    step.messages = messages;
     s = step.to;
     steps.push_back(step);
   }

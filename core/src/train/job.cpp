@@ -20,6 +20,7 @@
 #include "spmdx/hooks/hook_set.h"
 #include "spmdx/models/weights.h"
 #include "spmdx/plan/runtime_plan.h"
+#include "spmdx/train/auto_sharding.h"
 #include "spmdx/train/memory_budget.h"
 
 namespace spmdx::train {
@@ -188,9 +189,16 @@ void read_degrees(const config::Config& cfg, std::int64_t world_size, sharding::
     world_text += " / pipeline_parallel_degree " + std::to_string(stages) + " = " + std::to_string(world_size / stages);
     world_size = std::max<std::int64_t>(1, world_size / stages);
   }
+  dims.cp = cfg.get_int("parallelism.context_parallel_degree");
+  if (cfg.get_string("parallelism.strategy") == "auto") {  // the other degrees are chosen (train/auto_sharding.h): all data parallel until then
+    if (world_size % dims.cp != 0) {
+      problems.add({"parallelism.context_parallel_degree"}, "parallelism.context_parallel_degree " + std::to_string(dims.cp) + " does not divide " + world_text);
+    }
+    dims.dp_replicate = 1, dims.tp = 1, dims.dp_shard = std::max<std::int64_t>(1, world_size / dims.cp);
+    return;
+  }
   dims.dp_replicate = cfg.get_int("parallelism.data_parallel_replicate_degree");
   dims.tp = cfg.get_int("parallelism.tensor_parallel_degree");
-  dims.cp = cfg.get_int("parallelism.context_parallel_degree");
   dims.dp_shard = cfg.get_int("parallelism.data_parallel_shard_degree");
   if (dims.dp_shard == -1) {
     const std::int64_t rest = dims.dp_replicate * dims.cp * dims.tp;
@@ -419,6 +427,10 @@ std::string layout_text(const std::map<std::string, std::string>& strategies) {
 }
 
 void choose_strategies(JobSpec& spec, PluginRegistry& registry, const PlanValidator& validate) {
+  if (spec.auto_strategy) {
+    choose_auto(spec, registry);
+    return;
+  }
   if (spec.fallback_strategies.empty()) {
     spec.memory_fit = fit_memory_budget(spec, registry);
     return;
@@ -533,6 +545,9 @@ JobSpec job_spec(const config::Config& cfg, std::int64_t world_size, std::int64_
       fail({"parallelism.memory_budget"}, "parallelism.memory_budget = \"" + budget + "\": " + e.what() + "; use a size such as \"2GiB\" or \"512MiB\"");
     }
   }
+  s.auto_strategy = cfg.get_string("parallelism.strategy") == "auto";
+  s.planner = cfg.get_string("parallelism.planner");
+  s.planner_time_limit = cfg.get_float("parallelism.planner_time_limit_seconds");
   s.step.max_norm = cfg.get_float("training.max_norm");
   s.plan = plan_options(cfg);
   s.step.adamw = {cfg.get_float("optimizer.beta1"), cfg.get_float("optimizer.beta2"), cfg.get_float("optimizer.eps"),
@@ -550,6 +565,11 @@ JobSpec job_spec(const config::Config& cfg, std::int64_t world_size, std::int64_
          "\": use \"op\" (keep matmul and attention outputs) or a positive integer N (every N-th layer in full), as torchtitan");
   }
   read_pipeline(cfg, exported, degrees_ok, s, problems);
+  if (s.auto_strategy && s.pipeline.stages > 1) {
+    fail({"parallelism.strategy", "parallelism.pipeline_parallel_degree"},
+         "parallelism.strategy = \"auto\" chooses the data and tensor parallel degrees of one pipeline stage's mesh, which spmdx does not do yet "
+         "with pipeline_parallel_degree > 1: set the degrees by hand, or pipeline_parallel_degree = 1");
+  }
   if (s.device.cuda_graphs && s.device.kind != "cuda") {
     fail({"training.cuda_graphs", "training.device"}, "training.cuda_graphs = true needs training.device = \"cuda\" (CUDA graphs are a GPU feature)");
   } else if (s.device.cuda_graphs && world_size > 1) {
@@ -850,7 +870,9 @@ std::vector<std::string> preflight(const config::Config& cfg, std::int64_t world
       }
     }
   }
-  if (*spec && !(*spec)->fallback_strategies.empty() && plugins_ok && strategies_found) {
+  if (*spec && (*spec)->auto_strategy && plugins_ok) {
+    strategies_found = attempt({"parallelism.strategy", "parallelism.planner"}, [&] { choose_auto(**spec, registry); });
+  } else if (*spec && !(*spec)->fallback_strategies.empty() && plugins_ok && strategies_found) {
     strategies_found = attempt({"parallelism.strategies", "parallelism.fallback_strategies"},
                                [&] { choose_strategies(**spec, registry, validator_hooks(cfg, registry, world_size)); });
   }
@@ -869,7 +891,7 @@ std::vector<std::string> preflight(const config::Config& cfg, std::int64_t world
     const bool placed = attempt({"model.name", "model.flavor", "model.tokenizer", "model.path", kDegreeKeys[0], kDegreeKeys[1], kDegreeKeys[2],
                                  "parallelism.tp_plan", "parallelism.strategies"}, place);
     // Over the budget: the job as fit_memory_budget changed it, or a problem naming the largest tensors.
-    if (placed && (*spec)->memory_budget > 0 && (*spec)->fallback_strategies.empty()) {  // (choose_strategies fitted it already)
+    if (placed && (*spec)->memory_budget > 0 && (*spec)->fallback_strategies.empty() && !(*spec)->auto_strategy) {  // (choose_strategies fitted it already)
       job.reset();
       plan.reset();
       if (attempt({"parallelism.memory_budget"}, [&] { (*spec)->memory_fit = fit_memory_budget(**spec, registry); })) place();
@@ -1086,12 +1108,17 @@ PlacedJob place_job(const JobSpec& spec, PluginRegistry& registry) {
   } else if (spec.sequence_parallel) {
     job.sequence_parallel_dim = job.mesh.dim_index("tp");
   }
+  if (!spec.auto_choices.empty()) {
+    for (const auto& node : job.model.graph.nodes()) {
+      if (const auto it = spec.auto_choices.find(node->id()); it != spec.auto_choices.end()) job.forced[node.get()] = it->second;
+    }
+  }
   return job;
 }
 
 sharding::DistributedPlan propagate_job(const PlacedJob& job) {
   return sharding::propagate(job.model.graph, job.mesh, job.inputs, job.outputs, job.use, job.reshard_after_forward, job.sequence_parallel_dim,
-                             job.context_parallel_dim, job.context_parallel_allgather);
+                             job.context_parallel_dim, job.context_parallel_allgather, job.forced.empty() ? nullptr : &job.forced);
 }
 
 data::TextDatasetOptions validation_data(const JobSpec& spec) {

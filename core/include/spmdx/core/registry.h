@@ -127,6 +127,9 @@ class PluginRegistry {
   std::unique_ptr<Strategy> make_strategy(std::string_view name, const Options& options = {});
   std::unique_ptr<CommBackend> make_comm_backend(std::string_view name, const Options& options = {});
   std::unique_ptr<Hook> make_hook(std::string_view name, const Options& options = {});
+  /// A planner (planner.h) registered by a strategy plugin, loading the plugin of the same
+  /// name on demand. Throws PluginError(unknown_plugin) naming the planners loaded.
+  std::unique_ptr<Planner> make_planner(std::string_view name, const Options& options = {});
   /// make_comm_backend from a spec "name" or "name:key=value;key=value" (e.g.
   /// "ucx:tls=tcp,self", the form of the config's comm.backend). Throws
   /// std::invalid_argument for an item that is not key=value, and what make_comm_backend throws.

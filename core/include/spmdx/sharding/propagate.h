@@ -11,9 +11,14 @@
 #include <string>
 #include <vector>
 
+#include "spmdx/planner.h"
 #include "spmdx/sharding/redistribute.h"
+#include "spmdx/sharding/rules.h"
 
 namespace spmdx::sharding {
+
+/// Per node, per mesh dim: the strategy a planner chose, as signature() spells it.
+using ForcedChoices = std::map<const ir::Node*, std::map<int, std::string>>;
 
 struct DistributedPlan {
   DeviceMesh mesh;
@@ -24,6 +29,7 @@ struct DistributedPlan {
   double comm_bytes = 0;                                           ///< per rank per run, all steps
   double comm_seconds = 0;                                         ///< their alpha-beta estimate
   std::vector<double> comm_bytes_by_dim;                           ///< comm_bytes per mesh dim (ndim entries)
+  std::vector<double> comm_messages_by_dim;                        ///< messages per rank per mesh dim (ring counts)
   /// FSDP's reshard after forward: node ids (ascending) after which the `use` inputs are
   /// redistributed again instead of keeping the earlier copies alive: the end of the forward
   /// (the loss); with gradient accumulation, the end of each microbatch's forward and of its
@@ -72,13 +78,53 @@ struct DistributedPlan {
 /// and v (Llama 3's; torchtitan's context_parallel_rotate_method = "allgather"); without, it
 /// takes whatever moves the fewest bytes, which may split batch or heads by all_to_all
 /// (DeepSpeed-Ulysses).
+/// `forced` (propagate_optimal's choices, ForcedChoices): per node and mesh dim, the strategy
+/// to take where the node's candidates have it and the rules above allow it.
 /// Throws std::invalid_argument naming an input or output that is not in the graph or whose
 /// placement count is not the mesh's ndim, or a sequence_parallel_dim or context_parallel_dim
 /// the mesh has not, and ir::IrError for an op without sharding rules.
 DistributedPlan propagate(const ir::Graph& graph, const DeviceMesh& mesh, const std::map<std::string, Placements>& inputs,
                           const std::map<std::string, Placements>& outputs = {},
                           const std::map<std::string, Placements>& use = {}, bool reshard_after_forward = false,
-                          int sequence_parallel_dim = -1, int context_parallel_dim = -1, bool context_parallel_allgather = true);
+                          int sequence_parallel_dim = -1, int context_parallel_dim = -1, bool context_parallel_allgather = true,
+                          const ForcedChoices* forced = nullptr);
+
+/// "S(0),R->S(0)": an OpStrategy's input and output placements on one mesh dim.
+std::string signature(const OpStrategy& strategy);
+
+/// How the intra-op problems (propagate_optimal) price a plan: each mesh dim's link, and the
+/// rates at which a rank computes (plan/estimate.h's Calibration measures them).
+struct IntraOpCostModel {
+  std::vector<CostModel> links;      ///< per mesh dim; a missing one is CostModel{}
+  double flops_per_second = 50e9;    ///< matmuls and attention (hooks::node_flops)
+  double bytes_per_second = 10e9;    ///< other ops: the bytes they read and write
+  double time_limit_seconds = 10;    ///< the planner's, per mesh dim
+};
+
+/// What the planner did on one mesh dim.
+struct IntraOpDim {
+  std::string mesh_dim;
+  double greedy_seconds = 0;  ///< the problem's cost of propagate()'s own choice
+  double chosen_seconds = 0;  ///< the planner's choice's cost
+  double bound_seconds = 0;   ///< the solver's lower bound
+  bool optimal = false;       ///< proven
+  double solve_seconds = 0;
+  std::int64_t changed = 0;   ///< nodes whose strategy differs from propagate()'s
+  std::int64_t forced_kept = 0;  ///< of the planner's choices, those the propagation could take
+  std::string solver;
+};
+
+/// propagate() with each mesh dim's strategies chosen by `planner` (planner.h; Alpa's intra-op
+/// ILP) instead of greedily: dims in order, each problem built on the plan as propagated so far
+/// (the other dims as placed), solved, and propagated again with the choices, so that the plan's
+/// bookkeeping (hints, FSDP's versions, pins) is propagate()'s own. A choice the rules above
+/// refuse for a node (a parameter read other than as its strategy placed it) falls back to the
+/// greedy one. `report` (when not null) gets one entry per mesh dim of size > 1. Throws what
+/// propagate() and the planner throw.
+DistributedPlan propagate_optimal(const ir::Graph& graph, const DeviceMesh& mesh, const std::map<std::string, Placements>& inputs,
+                                  const std::map<std::string, Placements>& outputs, const std::map<std::string, Placements>& use,
+                                  bool reshard_after_forward, int sequence_parallel_dim, int context_parallel_dim, bool context_parallel_allgather,
+                                  const spmdx::Planner& planner, const IntraOpCostModel& cost, std::vector<IntraOpDim>* report = nullptr);
 
 /// The values context parallelism keeps sharded on the sequence: the outputs of the forward's
 /// embedding lookups [batch, seq, dim] with at least `k` (the cp degree) positions.

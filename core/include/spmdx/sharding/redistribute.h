@@ -28,6 +28,8 @@ struct RedistributeStep {
   /// Alpha-beta estimate (Hockney 1994) of the step's time, in seconds: messages x alpha +
   /// bytes / beta, with the ring's k-1 messages per phase. See CostModel.
   double seconds = 0;
+  /// Messages each rank sends for it: the ring's k-1 per phase (all_reduce 2 phases); 0 locally.
+  double messages = 0;
 };
 
 /// The alpha-beta cost model of the mesh's links, per mesh dim: alpha, the latency of one

@@ -141,6 +141,15 @@ struct JobSpec {
   DeviceSpec device;          ///< training.device, allow_tf32, cuda_graphs
   ActivationCheckpoint activation_checkpoint;  ///< [activation_checkpoint]
   MixedPrecision mixed_precision;              ///< training.mixed_precision_param, mixed_precision_reduce
+  /// parallelism.strategy == "auto" (train/auto_sharding.h): choose_strategies picks the degrees
+  /// and each op's placements.
+  bool auto_strategy = false;
+  std::string planner = "auto";          ///< parallelism.planner ("greedy": none)
+  double planner_time_limit = 10;        ///< parallelism.planner_time_limit_seconds
+  /// What the auto strategy chose per node (by id in the model's graph) and mesh dim: the
+  /// strategy signature (sharding::signature) that place_job hands propagation; empty: greedy.
+  std::map<std::int64_t, std::map<int, std::string>> auto_choices;
+  std::string auto_report;               ///< the auto strategy's choice, for the start line
   std::int64_t memory_budget = 0;  ///< parallelism.memory_budget, bytes of a rank's planned peak (0: none)
   std::string memory_fit;          ///< what fit_memory_budget (memory_budget.h) reported, for the start line
   CommSpec comm;              ///< [comm] but the plan's options
@@ -237,6 +246,8 @@ struct PlacedJob {
   bool context_parallel_allgather = true;  ///< JobSpec's
   /// Whether the loss is vocab_parallel_cross_entropy's (loss parallelism with tp > 1).
   bool loss_parallel = false;
+  /// The auto strategy's choices (JobSpec::auto_choices on this graph's nodes); empty: greedy.
+  sharding::ForcedChoices forced{};
   /// The pipeline's stages (first_layer resolved); stages 1: none. `mesh` is then one stage's:
   /// rank R plans as rank R % mesh.size() and runs stage R / mesh.size() (rank_program).
   PipelineSpec pipeline{};

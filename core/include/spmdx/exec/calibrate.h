@@ -1,0 +1,21 @@
+// The compute half of the calibrated cost model (plan/estimate.h): ATen's f32 matmul and
+// elementwise rates on one thread of this machine, measured once and kept in the dump folder.
+#pragma once
+
+#include <filesystem>
+
+#include "spmdx/plan/estimate.h"
+
+namespace spmdx::exec {
+
+/// `base` with its compute rates measured on one intra-op thread: a 384 x 384 x 384 f32 matmul
+/// (FLOPs 2MNK per second) and an out-of-place add of 4 Mi f32 (12 bytes an element per
+/// second), each repeated for about seconds / 2 after a warm-up. The thread count is restored.
+plan::Calibration measure_compute(plan::Calibration base, double seconds = 0.6);
+
+/// <dump_folder>/calibration.json with measured compute rates: read when it has them, else
+/// measured now and written (keeping its links). Throws std::invalid_argument naming the file
+/// when it is malformed, and what writing it throws.
+plan::Calibration ensure_calibration(const std::filesystem::path& dump_folder);
+
+}  // namespace spmdx::exec

@@ -1,0 +1,77 @@
+// The calibrated cost model of `spmdx compile --estimate` and `strategy = "auto"`: how long one
+// rank's step takes, predicted before any rank starts, from rates measured on this machine (as
+// Alpa profiles its mesh: Zheng et al., OSDI 2022, section 6). Compute: each node's FLOPs
+// (hooks::node_flops) at the measured matmul rate, or the bytes it reads and writes at the
+// measured memory rate, whichever the node is bound by. Communication: the plan's messages and
+// bytes per mesh dim by the alpha-beta model (Hockney 1994) with alpha and beta fitted from
+// `spmdx bench comm --calibrate` per link (this host's shared memory; between hosts).
+// No LibTorch: exec/calibrate.h measures the compute rates.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "spmdx/ir/graph.h"
+#include "spmdx/sharding/propagate.h"
+
+namespace spmdx::plan {
+
+/// Measured rates, as `calibration.json` in the job's dump folder keeps them.
+struct Calibration {
+  double matmul_flops_per_second = 50e9;   ///< f32 matmul on one thread
+  double memory_bytes_per_second = 10e9;   ///< an elementwise op's bytes read + written per second, one thread
+  std::string compute_source = "defaults (not measured)";
+  sharding::CostModel intra_host{};        ///< ranks of one host (shared memory)
+  sharding::CostModel inter_host{50e-6, 1.25e9};  ///< ranks on different hosts (TCP: 10 Gb/s)
+  std::string intra_source = "defaults (not measured)", inter_source = "defaults (not measured)";
+
+  /// {"format": "spmdx.calibration/1", "compute": {...}, "links": {"intra_host": {alpha_s,
+  /// beta_bytes_per_s, source}, "inter_host": {...}}}.
+  std::string to_json() const;
+  /// Throws std::invalid_argument naming `where` and the key for malformed JSON or a rate <= 0.
+  static Calibration from_json(const std::string& text, const std::string& where);
+  /// One line: "matmul 61.2 GFLOP/s, memory 9.8 GB/s a thread; shared memory 12 us, 4.1 GB/s; ...".
+  std::string str() const;
+};
+
+/// <dump_folder>/calibration.json.
+std::filesystem::path calibration_path(const std::filesystem::path& dump_folder);
+/// The file's calibration, or the defaults when it does not exist. Throws std::invalid_argument
+/// naming the file when it cannot be read or parsed.
+Calibration load_calibration(const std::filesystem::path& file);
+/// Writes it atomically (files.h), creating the folder.
+void save_calibration(const std::filesystem::path& file, const Calibration& c);
+/// Least-squares alpha and beta of the ring model t = messages * alpha + bytes / beta from a
+/// sweep of (messages, bytes sent per rank, seconds) points (spmdx bench comm's out-of-place
+/// times); alpha >= 0. Throws std::invalid_argument with fewer than 2 distinct sizes.
+sharding::CostModel fit_alpha_beta(const std::vector<double>& messages, const std::vector<double>& bytes, const std::vector<double>& seconds);
+
+/// The links of `mesh`'s dims: a dim whose ranks span hosts of `ranks_per_host` uses
+/// inter_host, the others intra_host (row-major: dim d's ranks are stride apart, stride the
+/// product of the later dims' sizes).
+std::vector<sharding::CostModel> mesh_links(const sharding::DeviceMesh& mesh, std::int64_t ranks_per_host, const Calibration& c);
+
+/// One rank's predicted step.
+struct StepEstimate {
+  double compute_seconds = 0;  ///< its graph's nodes at the calibrated rates (times its threads), times the core sharing
+  double comm_seconds = 0;     ///< its collectives by alpha-beta, per mesh dim's link
+  double step_seconds = 0;     ///< compute + comm: the CPU's comm runs on the same cores, so none is assumed hidden
+  std::int64_t threads = 1;    ///< a rank's intra-op threads: max(1, cores / ranks_per_host), as spmdx run gives them
+  double core_sharing = 1;     ///< ranks_per_host x threads / cores (>= 1): compute slows by it
+  std::vector<double> comm_seconds_by_dim;
+  std::vector<double> comm_bytes_by_dim;
+  std::int64_t peak_bytes = 0;  ///< the memory plan's
+};
+
+/// The compute seconds of `rank_graph`'s nodes (communication ops excluded) at `c`'s rates on
+/// `threads` threads (the rates scaled linearly).
+double compute_seconds(const ir::Graph& rank_graph, const Calibration& c, std::int64_t threads = 1);
+/// `rank_graph` (a rank's program) and its propagation `plan`: compute at the calibrated rates
+/// times core sharing, communication from the
+/// plan's per-dim messages and bytes over mesh_links. `peak_bytes` from the caller's memory plan.
+StepEstimate estimate_step(const ir::Graph& rank_graph, const sharding::DistributedPlan& plan, const Calibration& c, std::int64_t ranks_per_host,
+                           std::int64_t cores, std::int64_t peak_bytes);
+
+}  // namespace spmdx::plan

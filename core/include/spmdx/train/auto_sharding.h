@@ -1,0 +1,86 @@
+// `[parallelism] strategy = "auto"`: spmdx chooses the mesh and every op's placements from the
+// calibrated cost model (plan/estimate.h), as Alpa does (Zheng et al., OSDI 2022): for each
+// factorisation of the ranks into dp_replicate x dp_shard x tp (cp and pp as configured), the
+// default strategies place the parameters and batch, then each mesh dim's op strategies are
+// chosen by an integer linear program over the rule table with resharding costs on edges
+// (sharding::propagate_optimal, solved by a planner plugin: planner.h), and the plan the
+// model predicts fastest within parallelism.memory_budget wins. `spmdx compile --strategy auto`
+// prints the ranking and why; `spmdx run` starts the winner.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "spmdx/core/registry.h"
+#include "spmdx/plan/estimate.h"
+#include "spmdx/sharding/propagate.h"
+#include "spmdx/train/job.h"
+
+namespace spmdx::train {
+
+/// One layout the auto strategy planned.
+struct AutoPlan {
+  sharding::ParallelDims dims;
+  std::string layout;            ///< "dp_shard 2 x tp 2"
+  std::string error;             ///< why it cannot run ("" when it can): a strategy's refusal, an uneven split
+  plan::StepEstimate greedy;     ///< propagation's own plan, predicted
+  plan::StepEstimate chosen;     ///< the plan kept: the planner's where it predicts faster, else greedy's
+  bool planner_kept = false;     ///< the planner's plan is the one kept
+  std::vector<sharding::IntraOpDim> intra;  ///< what the planner did per mesh dim
+  bool fits = true;              ///< chosen.peak_bytes within parallelism.memory_budget (or no budget)
+  std::map<std::string, std::int64_t> collectives;  ///< rank 0's collectives by op, in the plan kept
+  std::map<std::int64_t, std::map<int, std::string>> choices;  ///< the planner's (JobSpec::auto_choices), when kept
+  double plan_seconds = 0;       ///< planning this layout took
+};
+
+/// Every layout, ranked: those that fit by predicted step time, then those over the budget,
+/// then those that cannot run.
+struct AutoReport {
+  std::int64_t world_size = 1;
+  std::int64_t ranks_per_host = 1, cores = 1;
+  std::int64_t memory_budget = 0;
+  std::string planner;           ///< parallelism.planner
+  plan::Calibration calibration;
+  std::vector<AutoPlan> plans;
+  double seconds = 0;            ///< the whole search
+  /// The ranking's top `top` (step ms, compute and comm ms, bytes sent per mesh dim, planned
+  /// peak, the planner's work) and why the first wins over the next: the collectives it avoids.
+  std::string text(std::size_t top = 5) const;
+  /// {"format": "spmdx.auto/1", "chosen", "calibration", "plans": [{layout, dims, error, fits,
+  /// step_seconds, compute_seconds, comm_seconds, comm_bytes_by_dim, peak_bytes, planner_kept,
+  /// planner: [{mesh_dim, greedy_seconds, chosen_seconds, bound_seconds, optimal, changed,
+  /// solve_seconds, solver}], collectives, greedy_step_seconds}]}.
+  std::string json() const;
+  /// "auto: chose dp_shard 4 of 6 layouts: predicted 41.20 ms a step (...); 1.21x faster than the next, ...".
+  std::string line() const;
+  /// line() and, against the next layout, the collectives the winner avoids, the bytes it sends
+  /// and its compute.
+  std::string why() const;
+};
+
+/// The ranks of a host the cost model assumes: LOCAL_WORLD_SIZE when set (torchrun's), else the
+/// world size up to 64 ranks, else 8 (a planned mesh larger than one machine: hosts of 8).
+std::int64_t planning_ranks_per_host(std::int64_t world_size);
+/// This process's CPUs (its affinity mask).
+std::int64_t planning_cores();
+
+/// Plans every layout of spec.world_size / (cp x pp) ranks (spec's other settings as they are)
+/// with the calibration `c`. Throws PluginError when parallelism.planner names no planner.
+AutoReport plan_auto(const JobSpec& spec, PluginRegistry& registry, const plan::Calibration& c);
+
+/// With spec.auto_strategy: plan_auto with <job.dump_folder>/calibration.json (defaults when
+/// absent), and the first plan that fits made spec's (its degrees, its choices); the report's
+/// line goes to spec.auto_report. The search is kept in <job.dump_folder>/auto_plan.json and
+/// reused while the job and the calibration are the same, so that every rank starts the plan
+/// the launcher chose (a solver stopped by its time limit need not find the same plan twice).
+/// Throws std::invalid_argument naming each layout's peak when none fits the budget, or each
+/// layout's error when none can run.
+AutoReport choose_auto(JobSpec& spec, PluginRegistry& registry);
+
+/// One rank's predicted step of `spec` as configured (rank 0; with pipeline stages the first
+/// stage's): `spmdx compile --estimate`.
+plan::StepEstimate estimate_job(const JobSpec& spec, PluginRegistry& registry, const plan::Calibration& c);
+
+}  // namespace spmdx::train

@@ -1,0 +1,161 @@
+#include "spmdx/plan/estimate.h"
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+#include <stdexcept>
+
+#include "spmdx/files.h"
+#include "spmdx/hooks/graph_view.h"
+#include "spmdx/sharding/spec.h"
+
+namespace spmdx::plan {
+
+std::string Calibration::to_json() const {
+  nlohmann::json j{{"format", "spmdx.calibration/1"},
+                   {"compute", {{"matmul_flops_per_second", matmul_flops_per_second}, {"memory_bytes_per_second", memory_bytes_per_second}, {"threads", 1},
+                                {"source", compute_source}}},
+                   {"links", {{"intra_host", {{"alpha_s", intra_host.alpha}, {"beta_bytes_per_s", intra_host.beta}, {"source", intra_source}}},
+                              {"inter_host", {{"alpha_s", inter_host.alpha}, {"beta_bytes_per_s", inter_host.beta}, {"source", inter_source}}}}}};
+  return j.dump(1) + "\n";
+}
+
+Calibration Calibration::from_json(const std::string& text, const std::string& where) {
+  Calibration c;
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(text);
+  } catch (const std::exception& e) {
+    throw std::invalid_argument(where + ": not JSON (" + e.what() + "); delete it and spmdx measures again");
+  }
+  auto rate = [&](const nlohmann::json& obj, const char* key, double& out, const std::string& path) {
+    if (!obj.is_object() || !obj.contains(key)) return;
+    if (!obj[key].is_number() || obj[key].get<double>() <= 0 || !std::isfinite(obj[key].get<double>())) {
+      throw std::invalid_argument(where + ": " + path + "." + key + " must be a positive number; delete the file and spmdx measures again");
+    }
+    out = obj[key].get<double>();
+  };
+  auto text_of = [](const nlohmann::json& obj, std::string& out) {
+    if (obj.is_object() && obj.contains("source") && obj["source"].is_string()) out = obj["source"].get<std::string>();
+  };
+  if (j.contains("format") && j["format"] != "spmdx.calibration/1") {
+    throw std::invalid_argument(where + ": format " + j["format"].dump() + " is not spmdx.calibration/1");
+  }
+  if (j.contains("compute")) {
+    rate(j["compute"], "matmul_flops_per_second", c.matmul_flops_per_second, "compute");
+    rate(j["compute"], "memory_bytes_per_second", c.memory_bytes_per_second, "compute");
+    text_of(j["compute"], c.compute_source);
+  }
+  if (j.contains("links")) {
+    for (auto [key, model, source] : {std::tuple{"intra_host", &c.intra_host, &c.intra_source}, std::tuple{"inter_host", &c.inter_host, &c.inter_source}}) {
+      if (!j["links"].contains(key)) continue;
+      const auto& l = j["links"][key];
+      double beta = model->beta;
+      rate(l, "beta_bytes_per_s", beta, std::string("links.") + key);
+      model->beta = beta;
+      if (l.contains("alpha_s")) {
+        if (!l["alpha_s"].is_number() || l["alpha_s"].get<double>() < 0) throw std::invalid_argument(where + ": links." + key + ".alpha_s must be a number >= 0");
+        model->alpha = l["alpha_s"].get<double>();
+      }
+      text_of(l, *source);
+    }
+  }
+  return c;
+}
+
+std::string Calibration::str() const {
+  char text[512];
+  std::snprintf(text, sizeof text, "matmul %.1f GFLOP/s, memory %.1f GB/s a thread (%s); this host: alpha %.1f us, beta %.2f GB/s (%s); between hosts: alpha %.1f us, beta %.2f GB/s (%s)",
+                matmul_flops_per_second / 1e9, memory_bytes_per_second / 1e9, compute_source.c_str(), intra_host.alpha * 1e6, intra_host.beta / 1e9,
+                intra_source.c_str(), inter_host.alpha * 1e6, inter_host.beta / 1e9, inter_source.c_str());
+  return text;
+}
+
+std::filesystem::path calibration_path(const std::filesystem::path& dump_folder) { return dump_folder / "calibration.json"; }
+
+Calibration load_calibration(const std::filesystem::path& file) {
+  std::error_code ec;
+  if (!std::filesystem::exists(file, ec)) return {};
+  std::ifstream in(file);
+  if (!in) throw std::invalid_argument(file.string() + ": cannot be read");
+  std::stringstream text;
+  text << in.rdbuf();
+  return Calibration::from_json(text.str(), file.string());
+}
+
+void save_calibration(const std::filesystem::path& file, const Calibration& c) {
+  if (file.has_parent_path()) std::filesystem::create_directories(file.parent_path());
+  write_file_atomic(file, c.to_json());
+}
+
+sharding::CostModel fit_alpha_beta(const std::vector<double>& messages, const std::vector<double>& bytes, const std::vector<double>& seconds) {
+  const std::size_t n = std::min({messages.size(), bytes.size(), seconds.size()});
+  std::vector<double> distinct(bytes.begin(), bytes.begin() + static_cast<std::ptrdiff_t>(n));
+  std::sort(distinct.begin(), distinct.end());
+  if (std::unique(distinct.begin(), distinct.end()) - distinct.begin() < 2) throw std::invalid_argument("fitting alpha and beta needs at least 2 sizes");
+  // t = m a + b g (g = 1 / beta): least squares on the normal equations, in relative error
+  // (each point weighted by 1 / t^2) so that small sizes fit alpha and large ones beta.
+  double smm = 0, smb = 0, sbb = 0, smt = 0, sbt = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    const double w = 1.0 / (seconds[i] * seconds[i]);
+    smm += w * messages[i] * messages[i], smb += w * messages[i] * bytes[i], sbb += w * bytes[i] * bytes[i];
+    smt += w * messages[i] * seconds[i], sbt += w * bytes[i] * seconds[i];
+  }
+  const double det = smm * sbb - smb * smb;
+  double a = det != 0 ? (smt * sbb - sbt * smb) / det : 0, g = det != 0 ? (smm * sbt - smb * smt) / det : 0;
+  if (a < 0 || det == 0) a = 0, g = sbt / sbb;  // a fit through the origin
+  if (g <= 0) throw std::invalid_argument("the sweep's times do not grow with size: no bandwidth to fit (run it with larger --max-bytes)");
+  return {a, 1.0 / g};
+}
+
+std::vector<sharding::CostModel> mesh_links(const sharding::DeviceMesh& mesh, std::int64_t ranks_per_host, const Calibration& c) {
+  std::vector<sharding::CostModel> out(static_cast<std::size_t>(mesh.ndim()), c.intra_host);
+  std::int64_t stride = 1;
+  for (int d = mesh.ndim() - 1; d >= 0; --d) {
+    if (stride * mesh.size(d) > std::max<std::int64_t>(1, ranks_per_host)) out[static_cast<std::size_t>(d)] = c.inter_host;
+    stride *= mesh.size(d);
+  }
+  return out;
+}
+
+double compute_seconds(const ir::Graph& rank_graph, const Calibration& c, std::int64_t threads) {
+  const double t = static_cast<double>(std::max<std::int64_t>(1, threads));
+  double total = 0;
+  for (const auto& node : rank_graph.nodes()) {
+    if (sharding::is_communication(node->op())) continue;
+    double elements = 0, traffic = 0;
+    for (const ir::Value* o : node->outputs()) elements += static_cast<double>(o->meta().numel()), traffic += sharding::shape_bytes(o->meta().shape, o->meta().dtype);
+    for (const ir::Value* in : node->inputs()) traffic += sharding::shape_bytes(in->meta().shape, in->meta().dtype);
+    const double flops = hooks::node_flops(*node);
+    total += flops > elements ? flops / (c.matmul_flops_per_second * t) : traffic / (c.memory_bytes_per_second * t);
+  }
+  return total;
+}
+
+StepEstimate estimate_step(const ir::Graph& rank_graph, const sharding::DistributedPlan& plan, const Calibration& c, std::int64_t ranks_per_host,
+                           std::int64_t cores, std::int64_t peak_bytes) {
+  StepEstimate e;
+  ranks_per_host = std::max<std::int64_t>(1, ranks_per_host);
+  cores = std::max<std::int64_t>(1, cores);
+  e.threads = std::max<std::int64_t>(1, cores / ranks_per_host);
+  e.core_sharing = std::max(1.0, static_cast<double>(ranks_per_host * e.threads) / static_cast<double>(cores));
+  e.compute_seconds = compute_seconds(rank_graph, c, e.threads) * e.core_sharing;
+  const auto links = mesh_links(plan.mesh, ranks_per_host, c);
+  for (std::size_t d = 0; d < links.size(); ++d) {
+    const double bytes = d < plan.comm_bytes_by_dim.size() ? plan.comm_bytes_by_dim[d] : 0;
+    const double messages = d < plan.comm_messages_by_dim.size() ? plan.comm_messages_by_dim[d] : 0;
+    const double seconds = messages * links[d].alpha + bytes / links[d].beta;
+    e.comm_seconds_by_dim.push_back(seconds);
+    e.comm_bytes_by_dim.push_back(bytes);
+    e.comm_seconds += seconds;
+  }
+  e.step_seconds = e.compute_seconds + e.comm_seconds;
+  e.peak_bytes = peak_bytes;
+  return e;
+}
+
+}  // namespace spmdx::plan

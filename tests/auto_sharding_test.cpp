@@ -1,0 +1,209 @@
+// strategy = "auto": the planner plugin's ILP (auto, COIN-OR CBC) against hand-checked problems,
+// propagate_optimal against the greedy propagation, the calibration file, and the layout search
+// under a memory budget. The real-process run (losses of one rank) is in run_test.cpp.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "spmdx/config/config.h"
+#include "spmdx/core/registry.h"
+#include "spmdx/plan/estimate.h"
+#include "spmdx/plan/memory_plan.h"
+#include "spmdx/plan/runtime_plan.h"
+#include "spmdx/sharding/distribute.h"
+#include "spmdx/train/auto_sharding.h"
+#include "spmdx/train/job.h"
+#include "test_util.h"
+
+namespace spmdx {
+namespace {
+
+using ::testing::HasSubstr;
+
+PluginRegistry& registry() {
+  static PluginRegistry* r = [] {
+    auto* out = new PluginRegistry;  // never unloaded, as the host keeps plugins
+    out->discover({{BUILTIN_PLUGIN_DIR, PluginSource::Origin::builtin}});
+    return out;
+  }();
+  return *r;
+}
+
+std::unique_ptr<Planner> cbc() { return registry().make_planner("auto"); }
+
+// A chain a -> b -> c of 2 candidates each: running a's cheap candidate forces an expensive
+// move into b; the optimum pays a little more at a to move nothing (cost 1 + 0 + 1 + 0 + 1 = 3
+// against the greedy 0 + 10 + ...).
+TEST(AutoPlanner, SolvesAChainToItsOptimum) {
+  PlannerProblem p;
+  p.mesh_dim = "tp";
+  p.node_cost = {{0, 1}, {1, 5}, {1, 1}};
+  p.edges = {{0, 1, {10, 10, 0, 10}}, {1, 2, {0, 10, 10, 10}}};  // a0->b*: 10; a1->b0: 0; b0->c0: 0
+  p.start = {0, 0, 0};
+  const PlannerSolution s = cbc()->solve(p);
+  EXPECT_EQ(s.choice, (std::vector<std::int32_t>{1, 0, 0}));
+  EXPECT_DOUBLE_EQ(s.objective, 3.0);
+  EXPECT_DOUBLE_EQ(planner_cost(p, s.choice), 3.0);
+  EXPECT_TRUE(s.optimal);
+  EXPECT_THAT(s.solver, HasSubstr("CBC"));
+}
+
+// A choice at or above `forbidden` is never taken while another exists.
+TEST(AutoPlanner, NeverTakesAForbiddenCandidate) {
+  PlannerProblem p;
+  p.node_cost = {{0, 5}, {0, 0}};
+  p.node_cost[0][0] = p.forbidden;
+  p.edges = {{0, 1, {0, 100, 100, 0}}};
+  const PlannerSolution s = cbc()->solve(p);
+  EXPECT_EQ(s.choice, (std::vector<std::int32_t>{1, 1}));
+  EXPECT_DOUBLE_EQ(s.objective, 5.0);
+}
+
+TEST(AutoPlanner, RefusesAMalformedProblemNamingTheEdge) {
+  PlannerProblem p;
+  p.mesh_dim = "dp_shard";
+  p.node_cost = {{0, 1}, {0}};
+  p.edges = {{0, 1, {1, 2, 3}}};
+  try {
+    cbc()->solve(p);
+    FAIL() << "no error";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("edge 0 of mesh dim dp_shard has 3 costs for 2 pairs"));
+  }
+  p.edges = {{0, 5, {1, 2}}};
+  EXPECT_THROW(cbc()->solve(p), std::invalid_argument);
+}
+
+TEST(AutoPlanner, AnUnknownPlannerIsNamed) {
+  try {
+    registry().make_planner("gurobi");
+    FAIL() << "no error";
+  } catch (const PluginError& e) {
+    EXPECT_THAT(e.what(), HasSubstr("no planner named 'gurobi'"));
+    EXPECT_THAT(e.what(), HasSubstr("auto"));
+  }
+}
+
+train::JobSpec spec_of(const std::string& config, std::int64_t replicate, std::int64_t shard, std::int64_t tp) {
+  config::Config cfg = config::Config::load(std::string(SPMDX_SOURCE_DIR "/configs/") + config);
+  cfg.override_value("parallelism.data_parallel_replicate_degree", std::to_string(replicate));
+  cfg.override_value("parallelism.data_parallel_shard_degree", std::to_string(shard));
+  cfg.override_value("parallelism.tensor_parallel_degree", std::to_string(tp));
+  return train::job_spec(cfg, replicate * shard * tp, 256);
+}
+
+// The ILP's plan costs no more than the greedy one in the problem it solves, every choice it
+// made is taken by the propagation, and the plan computes what the greedy plan does: the same
+// graph outputs in the placements they must end in.
+TEST(PropagateOptimal, NeverCostsMoreThanGreedyAndKeepsTheOutputs) {
+  for (const auto& [config, r, s, t] : {std::tuple{"mlp_dp.toml", 4, 1, 1}, std::tuple{"mlp_dp.toml", 1, 2, 2}, std::tuple{"llama_fsdp.toml", 1, 2, 2},
+                                        std::tuple{"llama_fsdp.toml", 2, 2, 1}}) {
+    SCOPED_TRACE(std::string(config) + " " + std::to_string(r) + "x" + std::to_string(s) + "x" + std::to_string(t));
+    const train::JobSpec spec = spec_of(config, r, s, t);
+    const train::PlacedJob job = train::place_job(spec, registry());
+    const auto greedy = train::propagate_job(job);
+    std::vector<sharding::IntraOpDim> report;
+    const auto planner = cbc();
+    const auto optimal = sharding::propagate_optimal(job.model.graph, job.mesh, job.inputs, job.outputs, job.use, job.reshard_after_forward,
+                                                     job.sequence_parallel_dim, job.context_parallel_dim, job.context_parallel_allgather, *planner,
+                                                     sharding::IntraOpCostModel{}, &report);
+    ASSERT_FALSE(report.empty());
+    for (const auto& d : report) {
+      EXPECT_LE(d.chosen_seconds, d.greedy_seconds * (1 + 1e-9)) << d.mesh_dim;
+      EXPECT_GE(d.chosen_seconds, d.bound_seconds * (1 - 1e-6) - 1e-12) << d.mesh_dim;
+      EXPECT_EQ(d.forced_kept, job.model.graph.num_nodes()) << d.mesh_dim << ": choices the propagation refused";
+    }
+    EXPECT_EQ(optimal.outputs, greedy.outputs);
+    // Both plans run: rank 0's program has the same outputs and shapes.
+    const ir::Graph a = train::rank_program(job, greedy, 0, spec), b = train::rank_program(job, optimal, 0, spec);
+    for (const auto& [name, v] : a.outputs()) {
+      ASSERT_NE(b.find_output(name), nullptr) << name;
+      EXPECT_EQ(b.find_output(name)->meta().shape, v->meta().shape) << name;
+    }
+  }
+}
+
+TEST(Calibration, RoundTripsAndRefusesBadFilesNamingThem) {
+  test::TempDir dir;
+  plan::Calibration c;
+  c.matmul_flops_per_second = 12.5e9;
+  c.intra_host = {3e-6, 4e9};
+  c.compute_source = "measured";
+  plan::save_calibration(plan::calibration_path(dir.path()), c);
+  const plan::Calibration back = plan::load_calibration(plan::calibration_path(dir.path()));
+  EXPECT_DOUBLE_EQ(back.matmul_flops_per_second, 12.5e9);
+  EXPECT_DOUBLE_EQ(back.intra_host.alpha, 3e-6);
+  EXPECT_DOUBLE_EQ(back.intra_host.beta, 4e9);
+  EXPECT_EQ(back.compute_source, "measured");
+  std::ofstream(dir / "bad.json") << R"({"compute": {"matmul_flops_per_second": -1}})";
+  try {
+    plan::load_calibration(dir / "bad.json");
+    FAIL() << "no error";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("bad.json: compute.matmul_flops_per_second must be a positive number"));
+  }
+  EXPECT_DOUBLE_EQ(plan::load_calibration(dir / "missing.json").matmul_flops_per_second, plan::Calibration{}.matmul_flops_per_second);
+}
+
+// t = m alpha + b / beta, exactly: the fit gives alpha and beta back.
+TEST(Calibration, FitsAlphaAndBetaOfTheRingModel) {
+  std::vector<double> m, b, t;
+  for (double bytes = 1024; bytes <= 64 << 20; bytes *= 4) m.push_back(6), b.push_back(bytes), t.push_back(6 * 8e-6 + bytes / 5e9);
+  const auto fit = plan::fit_alpha_beta(m, b, t);
+  EXPECT_NEAR(fit.alpha, 8e-6, 1e-9);
+  EXPECT_NEAR(fit.beta, 5e9, 1e3);
+  EXPECT_THROW(plan::fit_alpha_beta({1}, {8}, {1e-6}), std::invalid_argument);
+}
+
+// Mesh dims whose ranks span hosts take the inter-host link.
+TEST(Calibration, LinksFollowTheHosts) {
+  plan::Calibration c;
+  const auto mesh = sharding::make_mesh({2, 4, 2, 1}, 16);  // dp_replicate 2 x dp_shard 4 x tp 2
+  const auto links = plan::mesh_links(mesh, 8, c);
+  ASSERT_EQ(links.size(), 3u);
+  EXPECT_EQ(links[0].beta, c.inter_host.beta);  // stride 8: across the 2 hosts
+  EXPECT_EQ(links[1].beta, c.intra_host.beta);
+  EXPECT_EQ(links[2].beta, c.intra_host.beta);
+}
+
+// A budget under the data-parallel layouts' peak (parameters, gradients and AdamW state whole on
+// every rank) makes auto pick a sharded one; an impossible one names every layout's peak.
+TEST(AutoSharding, ABudgetThatExcludesDataParallelIsNotMetByIt) {
+  test::TempDir dir;
+  config::Config cfg = config::Config::load(SPMDX_SOURCE_DIR "/configs/llama_fsdp.toml");
+  cfg.override_value("parallelism.strategy", "auto");
+  cfg.override_value("job.dump_folder", dir.path().string());
+  train::JobSpec spec = train::job_spec(cfg, 4, 256);
+  const train::AutoReport all = train::plan_auto(spec, registry(), plan::Calibration{});
+  std::int64_t dp_peak = 0, best_other = 0;
+  for (const auto& p : all.plans) {
+    ASSERT_EQ(p.error, "") << p.layout;
+    if (p.layout == "dp_replicate 4") dp_peak = p.chosen.peak_bytes;
+    else if (best_other == 0 || p.chosen.peak_bytes < best_other) best_other = p.chosen.peak_bytes;
+  }
+  ASSERT_GT(dp_peak, best_other);
+  spec.memory_budget = (dp_peak + best_other) / 2;
+  train::JobSpec chosen = spec;
+  const train::AutoReport report = train::choose_auto(chosen, registry());
+  EXPECT_NE(report.plans.front().layout, "dp_replicate 4");
+  EXPECT_LE(report.plans.front().chosen.peak_bytes, spec.memory_budget);
+  EXPECT_EQ(chosen.dims.dp_replicate * chosen.dims.dp_shard * chosen.dims.tp, 4);
+  EXPECT_TRUE(std::filesystem::exists(dir / "auto_plan.json"));
+  EXPECT_THAT(report.text(), HasSubstr("why: against"));
+
+  train::JobSpec tiny = spec;
+  tiny.memory_budget = 1024;
+  std::filesystem::remove(dir / "auto_plan.json");
+  try {
+    train::choose_auto(tiny, registry());
+    FAIL() << "no error";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("no layout of 4 ranks fits parallelism.memory_budget"));
+    EXPECT_THAT(e.what(), HasSubstr("dp_replicate 4: planned peak"));
+  }
+}
+
+}  // namespace
+}  // namespace spmdx
