@@ -146,6 +146,34 @@ TEST(Run, PipelineStagesGiveTheLossesOfOneRank) {
 // order), attention all-gathering k and v or (rotate_method auto) splitting batch or heads: 5
 // steps give the losses and gradient norms of one rank, alone and composed with FSDP, DDP, TP
 // with sequence and loss parallelism, and pipeline stages; the held-out loss too.
+// strategy = "auto": the launcher plans every layout of 4 ranks, keeps the choice in
+// auto_plan.json, and every rank runs it: the losses and gradient norms of one rank.
+TEST(Run, AutoStrategyGivesTheLossesOfOneRank) {
+  if (!std::filesystem::exists(BUILTIN_PLUGIN_DIR "/libspmdx_auto.so")) GTEST_SKIP() << "the auto planner is not built (no COIN-OR CBC: scripts/setup)";
+  test::TempDir dir;
+  const std::string common = " --data.paths '" + corpus_file(dir) + "' --training.steps 4 --training.global_batch_size 8 --training.seq_len 32 --model.n_layers 2";
+  const std::string config = "'" SPMDX_SOURCE_DIR "/configs/llama_fsdp.toml'";
+  auto one = spmdx_run(config + " --nproc 1 --job.dump_folder '" + (dir / "one").string() + "'" + common);
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  const auto want = losses(dir / "one" / "metrics.jsonl");
+  const auto want_norms = test::column(dir / "one" / "metrics.jsonl", "grad_norm");
+  for (const std::string planner : {"auto", "greedy"}) {
+    const auto folder = dir / ("auto-" + planner);
+    auto r = spmdx_run(config + " --nproc 4 --parallelism.strategy auto --parallelism.planner " + planner + " --job.dump_folder '" + folder.string() + "'" + common);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_THAT(r.output, HasSubstr("auto: chose ")) << planner;
+    EXPECT_TRUE(std::filesystem::exists(folder / "auto_plan.json"));
+    EXPECT_TRUE(std::filesystem::exists(folder / "auto_report.txt"));
+    const auto got = losses(folder / "metrics.jsonl");
+    const auto norms = test::column(folder / "metrics.jsonl", "grad_norm");
+    ASSERT_EQ(got.size(), want.size()) << planner;
+    for (std::size_t i = 0; i < want.size(); ++i) {
+      EXPECT_NEAR(got[i], want[i], 1e-5 * std::abs(want[i])) << planner << " step " << i + 1;
+      EXPECT_NEAR(norms[i], want_norms[i], 1e-5 * std::abs(want_norms[i])) << planner << " step " << i + 1;
+    }
+  }
+}
+
 TEST(Run, ContextParallelGivesTheLossesOfOneRank) {
   test::TempDir dir;
   const std::string common = " --data.paths '" + corpus_file(dir) + "' --training.steps 5 --training.global_batch_size 4 --training.seq_len 32 --model.n_layers 2";

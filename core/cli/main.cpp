@@ -715,6 +715,8 @@ struct BenchCommOptions {
   int warmup = 5;
   double timeout_seconds = 300;
   std::vector<std::string> plugin_paths;
+  std::string calibrate;            ///< --calibrate: the calibration.json to write alpha and beta to
+  std::string link = "intra_host";  ///< --link
 };
 
 // `spmdx bench comm`: starts --nproc ranks (or runs as the rank the environment names) and
@@ -731,6 +733,9 @@ int run_bench_comm(const BenchCommOptions& o, const std::vector<std::string>& ra
     throw std::invalid_argument("--min-bytes and --max-bytes must be at least 4 (one float32), got " + o.min_bytes + " and " + o.max_bytes);
   }
   if (bo.min_bytes > bo.max_bytes) throw std::invalid_argument("--min-bytes is larger than --max-bytes");
+  if (!o.calibrate.empty() && o.op != "all_reduce" && o.op != "all_gather" && o.op != "reduce_scatter") {
+    throw std::invalid_argument("--calibrate fits the ring model of all_reduce, all_gather or reduce_scatter, not --op " + o.op);
+  }
   const std::vector<std::filesystem::path> paths(o.plugin_paths.begin(), o.plugin_paths.end());
   if (std::getenv("SPMDX_STORE_HOSTED") == nullptr) {
     {  // the backend and its options, once, before any rank starts
@@ -751,7 +756,25 @@ int run_bench_comm(const BenchCommOptions& o, const std::vector<std::string>& ra
   registry.discover(spmdx::plugin_search_path(paths));
   auto backend = spmdx::comm::make_job_backend(registry, o.backend, {spmdx::MemoryType::host}, true);
   backend->init({env.rank, env.world_size, 0, &store, bo.timeout_seconds});
+  std::vector<std::pair<double, double>> times;
+  if (!o.calibrate.empty()) bo.times = &times;
   const std::int64_t wrong = spmdx::comm::run_comm_bench(*backend, env.rank, env.world_size, bo);
+  if (!o.calibrate.empty() && env.rank == 0 && wrong == 0) {
+    // The ring's counts per rank (redistribute.h): all_reduce 2(k-1) messages and 2(k-1)/k of
+    // the bytes, all_gather and reduce_scatter half that.
+    const double k = static_cast<double>(env.world_size), phases = bo.op == "all_reduce" ? 2 : 1;
+    std::vector<double> messages, bytes, seconds;
+    for (const auto& [size, t] : times) messages.push_back(phases * (k - 1)), bytes.push_back(phases * (k - 1) / k * size), seconds.push_back(t);
+    const auto link = spmdx::plan::fit_alpha_beta(messages, bytes, seconds);
+    spmdx::plan::Calibration c = spmdx::plan::load_calibration(o.calibrate);
+    char source[256];
+    std::snprintf(source, sizeof source, "spmdx bench comm --op %s, %d ranks, %s, %zu sizes", bo.op.c_str(), env.world_size, backend->describe().c_str(), times.size());
+    (o.link == "inter_host" ? c.inter_host : c.intra_host) = link;
+    (o.link == "inter_host" ? c.inter_source : c.intra_source) = source;
+    spmdx::plan::save_calibration(o.calibrate, c);
+    std::printf("# calibration: %s alpha %.2f us, beta %.3f GB/s (fitted to t = messages x alpha + bytes / beta) written to %s\n", o.link.c_str(),
+                link.alpha * 1e6, link.beta / 1e9, o.calibrate.c_str());
+  }
   backend->barrier(0)->wait(bo.timeout_seconds);
   backend->finalize();
   return wrong == 0 ? 0 : 1;
@@ -827,6 +850,10 @@ CLI::App* add_bench_comm(CLI::App& bench, BenchCommOptions& bench_options) {
   bench_comm->add_option("--timeout-seconds", bench_options.timeout_seconds, "a collective that takes longer fails, naming the peer")
       ->capture_default_str()->check(CLI::Range(0.1, 1e6));
   bench_comm->add_option("--plugin-path", bench_options.plugin_paths, "plugin files or folders searched first");
+  bench_comm->add_option("--calibrate", bench_options.calibrate,
+                         "Fit alpha and beta of the ring model to the out-of-place times and write them to this calibration.json (strategy = \"auto\" and compile --estimate read <job.dump_folder>/calibration.json)");
+  bench_comm->add_option("--link", bench_options.link, "the link the ranks share: intra_host (one host) or inter_host (one rank a host)")
+      ->capture_default_str()->check(CLI::IsMember({"intra_host", "inter_host"}));
   return bench_comm;
 }
 

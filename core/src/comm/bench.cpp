@@ -173,6 +173,7 @@ std::int64_t run_comm_bench(CommBackend& b, int rank, int n, const BenchOptions&
       us[mode] = run.time(in_place, wrong[mode]);
     }
     total_wrong += wrong[0] + wrong[1];
+    if (rank == 0 && o.times != nullptr) o.times->emplace_back(static_cast<double>(count) * 4, us[0] * 1e-6);
     if (rank == 0) print_row(op, n, count, us, wrong);
   }
   if (rank == 0) std::printf("# wrong results: %lld\n", static_cast<long long>(total_wrong));

@@ -274,7 +274,8 @@ const std::vector<KeySpec>& schema() {
       k("parallelism.planner", Type::string, std::string("auto"),
         "with strategy = \"auto\": the planner plugin that solves each mesh dim's choice (the built-in \"auto\": COIN-OR CBC), or \"greedy\" "
         "(propagation's own choice, no solver)"),
-      n("parallelism.planner_time_limit_seconds", Type::floating, 10.0, "with strategy = \"auto\": the planner's time limit per mesh dim and layout", 0.1, 3600),
+      n("parallelism.planner_time_limit_seconds", Type::floating, 10.0, "with strategy = \"auto\": the planner's time for the whole search: the layouts best by propagation get their op placements chosen "
+        "by it in order (up to 4) while time is left, each mesh dim's solver stopping when it runs out", 0.1, 3600),
       k("parallelism.memory_budget", Type::string, std::string(""),
         "the most bytes a rank's step may hold (e.g. \"2GiB\"; empty: no limit): over it, spmdx turns on FSDP resharding, activation "
         "checkpointing, a higher shard degree, in that order, before any rank starts"),

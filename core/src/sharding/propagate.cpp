@@ -3,6 +3,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <chrono>
 #include <functional>
 #include <set>
 #include <sstream>
@@ -735,8 +736,11 @@ DistributedPlan propagate_optimal(const ir::Graph& graph, const DeviceMesh& mesh
                            context_parallel_allgather, &forced, after);
   };
   DistributedPlan plan = again({});
+  const auto t0 = std::chrono::steady_clock::now();
   for (int i = 0; i < mesh.ndim(); ++i) {
     if (mesh.size(i) < 2) continue;
+    const double left = cost.time_limit_seconds - std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (left <= 0) break;  // the later dims keep propagation's choices
     std::vector<std::vector<OpStrategy>> candidates;
     spmdx::PlannerProblem problem;
     std::vector<const ir::Node*> nodes;
@@ -744,7 +748,7 @@ DistributedPlan propagate_optimal(const ir::Graph& graph, const DeviceMesh& mesh
       problem = p.problem(i, cost, candidates);
       for (const auto& node : graph.nodes()) nodes.push_back(node.get());
     });
-    problem.time_limit_seconds = cost.time_limit_seconds;
+    problem.time_limit_seconds = left;
     const spmdx::PlannerSolution solution = planner.solve(problem);
     if (solution.choice.size() != problem.node_cost.size()) {
       throw std::invalid_argument("the planner returned " + std::to_string(solution.choice.size()) + " choices for mesh dim " + problem.mesh_dim +

@@ -26,6 +26,9 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+// The layouts, best by propagation's plan, whose op placements the planner then chooses.
+constexpr std::size_t kPlannerLayouts = 4;
+
 double since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
 std::string layout_of(const sharding::ParallelDims& d) {
@@ -90,10 +93,11 @@ std::map<std::int64_t, std::map<int, std::string>> choices_of(const sharding::Di
   return out;
 }
 
+// The layout planned by propagation alone (planner == nullptr), or refined by the planner.
 AutoPlan plan_layout(const JobSpec& spec, const sharding::ParallelDims& dims, PluginRegistry& registry, const spmdx::Planner* planner,
-                     const plan::Calibration& c, std::int64_t ranks_per_host, std::int64_t cores) {
+                     const plan::Calibration& c, std::int64_t ranks_per_host, std::int64_t cores, const AutoPlan* greedy_done = nullptr) {
   const auto t0 = Clock::now();
-  AutoPlan out;
+  AutoPlan out = greedy_done != nullptr ? *greedy_done : AutoPlan{};
   out.dims = dims;
   out.layout = layout_of(dims);
   JobSpec s = spec;
@@ -104,9 +108,11 @@ AutoPlan plan_layout(const JobSpec& spec, const sharding::ParallelDims& dims, Pl
   s.auto_strategy = false;
   try {
     const PlacedJob job = place_job(s, registry);
-    const sharding::DistributedPlan greedy = propagate_job(job);
-    out.greedy = measure(job, s, greedy, c, ranks_per_host, cores, &out.collectives);
-    out.chosen = out.greedy;
+    if (greedy_done == nullptr) {
+      const sharding::DistributedPlan greedy = propagate_job(job);
+      out.greedy = measure(job, s, greedy, c, ranks_per_host, cores, &out.collectives);
+      out.chosen = out.greedy;
+    }
     if (planner != nullptr && job.mesh.size() > 1) {
       const plan::StepEstimate shape = out.greedy;
       sharding::IntraOpCostModel model;
@@ -133,7 +139,7 @@ AutoPlan plan_layout(const JobSpec& spec, const sharding::ParallelDims& dims, Pl
   } catch (const ir::IrError& e) {
     out.error = e.what();
   }
-  out.plan_seconds = since(t0);
+  out.plan_seconds += since(t0);
   return out;
 }
 
@@ -179,14 +185,30 @@ AutoReport plan_auto(const JobSpec& spec, PluginRegistry& registry, const plan::
   std::unique_ptr<spmdx::Planner> planner;
   if (spec.planner != "greedy") planner = registry.make_planner(spec.planner);
   const std::int64_t ranks = spec.world_size / std::max<std::int64_t>(1, spec.pipeline.stages) / spec.dims.cp;
+  auto by_rank = [&] {
+    std::stable_sort(report.plans.begin(), report.plans.end(), [](const AutoPlan& a, const AutoPlan& b) {
+      if (rank_class(a) != rank_class(b)) return rank_class(a) < rank_class(b);
+      return rank_class(a) < 2 && a.chosen.step_seconds < b.chosen.step_seconds;
+    });
+  };
+  // Every layout by propagation, then the planner on the best few of them (Alpa's outer loop
+  // prunes alike): the ILP of a large graph takes seconds a mesh dim.
   for (const auto& dims : layouts(ranks, spec.dims.cp)) {
-    report.plans.push_back(plan_layout(spec, dims, registry, planner.get(), c, report.ranks_per_host, report.cores));
+    report.plans.push_back(plan_layout(spec, dims, registry, nullptr, c, report.ranks_per_host, report.cores));
     SPMDX_DEBUG("auto: " << report.plans.back().layout << " planned in " << report.plans.back().plan_seconds << " s");
   }
-  std::stable_sort(report.plans.begin(), report.plans.end(), [](const AutoPlan& a, const AutoPlan& b) {
-    if (rank_class(a) != rank_class(b)) return rank_class(a) < rank_class(b);
-    return rank_class(a) < 2 && a.chosen.step_seconds < b.chosen.step_seconds;
-  });
+  by_rank();
+  if (planner != nullptr) {  // within parallelism.planner_time_limit_seconds for all of them: each mesh dim's solver gets what is left
+    const auto planning = Clock::now();
+    for (std::size_t r = 0; r < report.plans.size() && r < kPlannerLayouts; ++r) {
+      const double left = spec.planner_time_limit - since(planning);
+      if (!report.plans[r].error.empty() || left <= 0) break;
+      JobSpec s = spec;
+      s.planner_time_limit = left;
+      report.plans[r] = plan_layout(s, report.plans[r].dims, registry, planner.get(), c, report.ranks_per_host, report.cores, &report.plans[r]);
+    }
+    by_rank();
+  }
   report.seconds = since(t0);
   return report;
 }

@@ -7,6 +7,8 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "spmdx/comm.h"
 
@@ -19,6 +21,9 @@ struct BenchOptions {
   int iters = 20;
   int warmup = 5;
   double timeout_seconds = 300;
+  /// When not null, rank 0 appends each size's (bytes of the full result, out-of-place
+  /// seconds per operation): what `spmdx bench comm --calibrate` fits alpha and beta to.
+  std::vector<std::pair<double, double>>* times = nullptr;
 };
 
 /// Runs the sweep on this rank (every rank calls it with the same options); rank 0 prints the

@@ -67,7 +67,9 @@ std::int64_t planning_ranks_per_host(std::int64_t world_size);
 std::int64_t planning_cores();
 
 /// Plans every layout of spec.world_size / (cp x pp) ranks (spec's other settings as they are)
-/// with the calibration `c`. Throws PluginError when parallelism.planner names no planner.
+/// with the calibration `c`: each by propagation, then the best 4 of them again with the
+/// planner's choices (kept where predicted faster), in order while spec.planner_time_limit
+/// seconds last. Throws PluginError when parallelism.planner names no planner.
 AutoReport plan_auto(const JobSpec& spec, PluginRegistry& registry, const plan::Calibration& c);
 
 /// With spec.auto_strategy: plan_auto with <job.dump_folder>/calibration.json (defaults when
