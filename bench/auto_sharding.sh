@@ -5,7 +5,8 @@
 # against its measured median step time (`spmdx run`), the prediction's error, the Spearman
 # rank correlation of the two rankings, and the plan auto chose, measured the same way.
 # The calibration is this machine's: compute rates measured once by compile, alpha and beta of
-# the shared-memory link fitted by `spmdx bench comm --calibrate` (all_reduce, 4 ranks).
+# the shared-memory link fitted by `spmdx bench comm --calibrate` (all_reduce, 4 ranks), and the
+# per-collective cost fitted by `spmdx bench fit` to one profiling run of each model (fsdp 4).
 # Then the planning time of auto for a 32-layer debugmodel on 1024 fake ranks.
 # Each layout runs ROUNDS times (default 2), interleaved; a step time is the median of the
 # rounds' medians (the machine is noisy).
@@ -35,6 +36,11 @@ for model in mlp llama_tiny debugmodel; do
   dump="$out/$model"
   mkdir -p "$dump"
   cp "$out/calibration.json" "$dump/calibration.json"
+  # The per-collective cost, fitted to one profiling run of the model (fsdp 4), as Alpa profiles
+  # on the mesh: the ranks' time slices on shared cores, which no microbenchmark sees.
+  # shellcheck disable=SC2086
+  "$spmdx" run ${models[$model]} ${layouts[fsdp4]} --nproc 4 --training.steps "$steps" --metrics.log_freq 100000 --job.dump_folder "$dump/profile" > "$out/$model.profile.log" 2>&1
+  "$spmdx" bench fit "$dump/profile" --calibrate "$dump/calibration.json" >> "$out/fit.log"
   for name in "${!layouts[@]}"; do
     # shellcheck disable=SC2086
     "$spmdx" compile ${models[$model]} ${layouts[$name]} --world-size 4 --estimate --json --job.dump_folder "$dump" > "$out/$model.$name.estimate.json" 2> "$out/$model.$name.estimate.err" ||
@@ -58,6 +64,7 @@ python3 - "$out" "$rounds" <<'PY'
 import json, os, statistics, sys
 out, rounds = sys.argv[1], int(sys.argv[2])
 print(open(f"{out}/comm.log").read().strip().splitlines()[-1].replace("[rank 0] ", ""))
+print(open(f"{out}/fit.log").read().strip())
 def measured(model, name):
     meds = []
     for r in range(1, rounds + 1):

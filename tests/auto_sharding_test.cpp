@@ -157,6 +157,22 @@ TEST(Calibration, FitsAlphaAndBetaOfTheRingModel) {
   EXPECT_THROW(plan::fit_alpha_beta({1}, {8}, {1e-6}), std::invalid_argument);
 }
 
+// A run's exposed communication, less its bytes at the host link's beta, over its collectives.
+TEST(Calibration, FitsTheCostOfACollectiveToARun) {
+  test::TempDir dir;
+  plan::Calibration c;
+  c.intra_host.beta = 1e9;
+  std::ofstream out(dir / "metrics.jsonl");
+  out << R"({"step": 1, "exposed_comm_ms": 99, "comm_bytes": 0, "collectives": 1})" << "\n";  // warm-up, dropped
+  for (int s = 2; s <= 6; ++s) out << R"({"step": )" << s << R"(, "exposed_comm_ms": 12.0, "comm_bytes": 2000000, "collectives": 10})" << "\n";
+  out.close();
+  const auto fitted = plan::fit_collective_seconds(c, dir / "metrics.jsonl", 1);
+  EXPECT_NEAR(fitted.collective_seconds, (12e-3 - 2e-3) / 10, 1e-12);
+  EXPECT_THAT(fitted.collective_source, HasSubstr("10 collectives a step"));
+  std::ofstream(dir / "one.jsonl") << R"({"step": 1, "loss": 3})" << "\n";
+  EXPECT_THROW(plan::fit_collective_seconds(c, dir / "one.jsonl"), std::invalid_argument);
+}
+
 // Mesh dims whose ranks span hosts take the inter-host link.
 TEST(Calibration, LinksFollowTheHosts) {
   plan::Calibration c;

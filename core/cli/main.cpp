@@ -875,6 +875,31 @@ CLI::App* add_bench_compare(CLI::App& bench, BenchCompareOptions& o) {
   return cmp;
 }
 
+// `spmdx bench fit RUN --calibrate FILE`: a run's measured exposed communication fitted into
+// the calibration's per-collective cost (plan/estimate.h: fit_collective_seconds).
+struct BenchFitOptions {
+  std::string run;
+  std::string calibrate;
+  std::int64_t warmup = 2;
+};
+
+CLI::App* add_bench_fit(CLI::App& bench, BenchFitOptions& o) {
+  auto* fit = bench.add_subcommand("fit", "Fit the cost model's per-collective cost (strategy = \"auto\", compile --estimate) to a run's measured steps");
+  fit->add_option("run", o.run, "A run's job.dump_folder or its metrics.jsonl (several ranks, a few steps)")->required();
+  fit->add_option("--calibrate", o.calibrate, "The calibration.json to update (the job's: <job.dump_folder>/calibration.json)")->required();
+  fit->add_option("--warmup", o.warmup, "Steps dropped from the front")->capture_default_str()->check(CLI::Range(0, 1000000));
+  return fit;
+}
+
+int run_bench_fit(const BenchFitOptions& o) {
+  std::filesystem::path metrics = o.run;
+  if (std::filesystem::is_directory(metrics)) metrics /= "metrics.jsonl";
+  const auto c = spmdx::plan::fit_collective_seconds(spmdx::plan::load_calibration(o.calibrate), metrics, o.warmup);
+  spmdx::plan::save_calibration(o.calibrate, c);
+  std::printf("%.0f us a collective (%s) written to %s\n", c.collective_seconds * 1e6, c.collective_source.c_str(), o.calibrate.c_str());
+  return 0;
+}
+
 // Exit 0: no regression (or none asked about); 1: B slower than allowed; 2: bad input.
 int run_bench_compare(const BenchCompareOptions& o) {
   try {
@@ -949,6 +974,8 @@ int main(int argc, char** argv) {
   auto* bench_comm = add_bench_comm(*bench, bench_options);
   BenchCompareOptions compare_options;
   auto* bench_compare = add_bench_compare(*bench, compare_options);
+  BenchFitOptions fit_options;
+  auto* bench_fit = add_bench_fit(*bench, fit_options);
 
   auto* fr_trace = app.add_subcommand("fr-trace", "Merge the flight_recorder hook's dumps; name the rank missing from a collective");
   std::string fr_folder;
@@ -994,6 +1021,7 @@ int main(int argc, char** argv) {
     }
     if (diff->parsed()) return run_diff(diff_options);
     if (bench_compare->parsed()) return run_bench_compare(compare_options);
+    if (bench_fit->parsed()) return run_bench_fit(fit_options);
     if (bench_comm->parsed()) return run_bench_comm(bench_options, std::vector<std::string>(argv + 1, argv + argc));
     if (bench->parsed()) {
       std::cout << bench->help();

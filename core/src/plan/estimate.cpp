@@ -18,7 +18,8 @@ namespace spmdx::plan {
 std::string Calibration::to_json() const {
   nlohmann::json j{{"format", "spmdx.calibration/1"},
                    {"compute", {{"matmul_flops_per_second", matmul_flops_per_second}, {"memory_bytes_per_second", memory_bytes_per_second}, {"threads", 1},
-                                {"source", compute_source}}},
+                                {"node_seconds", node_seconds}, {"source", compute_source}}},
+                   {"step", {{"collective_seconds", collective_seconds}, {"source", collective_source}}},
                    {"links", {{"intra_host", {{"alpha_s", intra_host.alpha}, {"beta_bytes_per_s", intra_host.beta}, {"source", intra_source}}},
                               {"inter_host", {{"alpha_s", inter_host.alpha}, {"beta_bytes_per_s", inter_host.beta}, {"source", inter_source}}}}}};
   return j.dump(1) + "\n";
@@ -48,7 +49,14 @@ Calibration Calibration::from_json(const std::string& text, const std::string& w
   if (j.contains("compute")) {
     rate(j["compute"], "matmul_flops_per_second", c.matmul_flops_per_second, "compute");
     rate(j["compute"], "memory_bytes_per_second", c.memory_bytes_per_second, "compute");
+    rate(j["compute"], "node_seconds", c.node_seconds, "compute");
     text_of(j["compute"], c.compute_source);
+  }
+  if (j.contains("step") && j["step"].is_object() && j["step"].contains("collective_seconds")) {
+    const auto& v = j["step"]["collective_seconds"];
+    if (!v.is_number() || v.get<double>() < 0) throw std::invalid_argument(where + ": step.collective_seconds must be a number >= 0");
+    c.collective_seconds = v.get<double>();
+    text_of(j["step"], c.collective_source);
   }
   if (j.contains("links")) {
     for (auto [key, model, source] : {std::tuple{"intra_host", &c.intra_host, &c.intra_source}, std::tuple{"inter_host", &c.inter_host, &c.inter_source}}) {
@@ -68,10 +76,13 @@ Calibration Calibration::from_json(const std::string& text, const std::string& w
 }
 
 std::string Calibration::str() const {
-  char text[512];
-  std::snprintf(text, sizeof text, "matmul %.1f GFLOP/s, memory %.1f GB/s a thread (%s); this host: alpha %.1f us, beta %.2f GB/s (%s); between hosts: alpha %.1f us, beta %.2f GB/s (%s)",
-                matmul_flops_per_second / 1e9, memory_bytes_per_second / 1e9, compute_source.c_str(), intra_host.alpha * 1e6, intra_host.beta / 1e9,
-                intra_source.c_str(), inter_host.alpha * 1e6, inter_host.beta / 1e9, inter_source.c_str());
+  char text[1024];
+  std::snprintf(text, sizeof text,
+                "matmul %.1f GFLOP/s, memory %.1f GB/s a thread, %.1f us a kernel (%s); this host: alpha %.1f us, beta %.2f GB/s (%s); between hosts: "
+                "alpha %.1f us, beta %.2f GB/s (%s); %.0f us a collective (%s)",
+                matmul_flops_per_second / 1e9, memory_bytes_per_second / 1e9, node_seconds * 1e6, compute_source.c_str(), intra_host.alpha * 1e6,
+                intra_host.beta / 1e9, intra_source.c_str(), inter_host.alpha * 1e6, inter_host.beta / 1e9, inter_source.c_str(), collective_seconds * 1e6,
+                collective_source.c_str());
   return text;
 }
 
@@ -131,14 +142,16 @@ double compute_seconds(const ir::Graph& rank_graph, const Calibration& c, std::i
     for (const ir::Value* o : node->outputs()) elements += static_cast<double>(o->meta().numel()), traffic += sharding::shape_bytes(o->meta().shape, o->meta().dtype);
     for (const ir::Value* in : node->inputs()) traffic += sharding::shape_bytes(in->meta().shape, in->meta().dtype);
     const double flops = hooks::node_flops(*node);
-    total += flops > elements ? flops / (c.matmul_flops_per_second * t) : traffic / (c.memory_bytes_per_second * t);
+    total += c.node_seconds + (flops > elements ? flops / (c.matmul_flops_per_second * t) : traffic / (c.memory_bytes_per_second * t));
   }
   return total;
 }
 
 StepEstimate estimate_step(const ir::Graph& rank_graph, const sharding::DistributedPlan& plan, const Calibration& c, std::int64_t ranks_per_host,
-                           std::int64_t cores, std::int64_t peak_bytes) {
+                           std::int64_t cores, std::int64_t peak_bytes, std::int64_t issues) {
   StepEstimate e;
+  e.issues = issues;
+  for (const auto& node : rank_graph.nodes()) e.nodes += sharding::is_communication(node->op()) ? 0 : 1;
   ranks_per_host = std::max<std::int64_t>(1, ranks_per_host);
   cores = std::max<std::int64_t>(1, cores);
   e.threads = std::max<std::int64_t>(1, cores / ranks_per_host);
@@ -153,9 +166,46 @@ StepEstimate estimate_step(const ir::Graph& rank_graph, const sharding::Distribu
     e.comm_bytes_by_dim.push_back(bytes);
     e.comm_seconds += seconds;
   }
+  e.comm_seconds += static_cast<double>(issues) * c.collective_seconds;
   e.step_seconds = e.compute_seconds + e.comm_seconds;
   e.peak_bytes = peak_bytes;
   return e;
+}
+
+Calibration fit_collective_seconds(Calibration c, const std::filesystem::path& metrics, std::int64_t warmup) {
+  std::ifstream in(metrics);
+  if (!in) throw std::invalid_argument(metrics.string() + ": cannot be read (give a run's job.dump_folder or its metrics.jsonl)");
+  std::vector<double> exposed, bytes, collectives;
+  std::string line;
+  std::int64_t n = 0;
+  while (std::getline(in, line)) {
+    if (line.empty()) continue;
+    nlohmann::json j;
+    try {
+      j = nlohmann::json::parse(line);
+    } catch (const std::exception&) {
+      continue;
+    }
+    if (!j.contains("exposed_comm_ms") || !j.contains("collectives") || !j.contains("comm_bytes") || ++n <= warmup) continue;
+    exposed.push_back(j["exposed_comm_ms"].get<double>() * 1e-3);
+    bytes.push_back(j["comm_bytes"].get<double>());
+    collectives.push_back(j["collectives"].get<double>());
+  }
+  if (exposed.empty()) {
+    throw std::invalid_argument(metrics.string() + ": no step after the first " + std::to_string(warmup) +
+                                " with exposed_comm_ms, comm_bytes and collectives: run more steps of a job of several ranks");
+  }
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  const double k = median(collectives);
+  if (k <= 0) throw std::invalid_argument(metrics.string() + ": its steps run no collective: fit to a run of several ranks");
+  c.collective_seconds = std::max(0.0, (median(exposed) - median(bytes) / c.intra_host.beta) / k);
+  char source[512];
+  std::snprintf(source, sizeof source, "fitted to %s: %.2f ms exposed, %.0f collectives a step", metrics.string().c_str(), median(exposed) * 1e3, k);
+  c.collective_source = source;
+  return c;
 }
 
 }  // namespace spmdx::plan

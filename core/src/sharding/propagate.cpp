@@ -416,9 +416,10 @@ struct Propagator {
 
   // Seconds to take a value of `bytes` (as mesh dim i sees it) from `current` to `target` on
   // mesh dim i over `link`: the ring's messages and bytes (redistribute_plan's counts).
-  double move_seconds(const Placements& current, const Placements& target, int i, double bytes, const CostModel& link) const {
+  double move_seconds(const Placements& current, const Placements& target, int i, double bytes, const CostModel& link, double fixed = 0) const {
     const double moved = step_bytes(current, target, i, bytes);
     if (moved <= 0) return 0;
+    if (fixed > 0) return fixed + move_seconds(current, target, i, bytes, link);
     const Placement& from = current[static_cast<std::size_t>(i)];
     const Placement& to = target[static_cast<std::size_t>(i)];
     const double messages = static_cast<double>(mesh.size(i) - 1) * (from.is_partial() && !to.is_shard() ? 2 : 1);
@@ -486,7 +487,7 @@ struct Propagator {
           target[static_cast<std::size_t>(i)] = c.inputs[a];
           const Placements& current = plan.placement.at(u);
           if (target == current || made.count({u, plan.version_key(u, target, &node)}) > 0) continue;
-          cost_s += move_seconds(current, target, i, seen_bytes(u, current), link);
+          cost_s += move_seconds(current, target, i, seen_bytes(u, current), link, model.collective_seconds);
         }
         for (std::size_t a = 0; a < node.outputs().size(); ++a) {
           const ir::Value* o = node.outputs()[a];
@@ -496,7 +497,7 @@ struct Propagator {
           auto to = [&](const Placement& want) {
             Placements target = made_as;
             target[static_cast<std::size_t>(i)] = want;
-            return move_seconds(made_as, target, i, b, link);
+            return move_seconds(made_as, target, i, b, link, model.collective_seconds);
           };
           if (auto d = demand.find(o); d != demand.end()) cost_s += to(d->second[static_cast<std::size_t>(i)]);
           for (const auto& [dim, values] : sequence_sharded) {
@@ -557,7 +558,7 @@ struct Propagator {
             const Placements target = made_as(want, to_cands[y].inputs[r.operand]);
             double c = 0;
             if (made_already != nullptr && target == *made_already) continue;
-            if (current != target) c = !in_place_ok && in_place.count(r.node) > 0 ? forbidden : move_seconds(current, target, i, b, link);
+            if (current != target) c = !in_place_ok && in_place.count(r.node) > 0 ? forbidden : move_seconds(current, target, i, b, link, model.collective_seconds);
             e.cost[x * to_cands.size() + y] = c;
             any = any || c > 0;
           }
@@ -592,7 +593,7 @@ struct Propagator {
       for (std::size_t x = 0; x < produced.size(); ++x) {
         for (std::size_t t = 0; t < wanted.size(); ++t) {
           const Placements current = made_as(stored, produced[x]), target = made_as(others, wanted[t]);
-          make.cost[x * wanted.size() + t] = current == target ? 0 : move_seconds(current, target, i, b, link);
+          make.cost[x * wanted.size() + t] = current == target ? 0 : move_seconds(current, target, i, b, link, model.collective_seconds);
         }
       }
       out.edges.push_back(std::move(make));

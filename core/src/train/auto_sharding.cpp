@@ -67,14 +67,15 @@ std::vector<sharding::ParallelDims> layouts(std::int64_t ranks, std::int64_t cp)
 plan::StepEstimate measure(const PlacedJob& job, const JobSpec& spec, const sharding::DistributedPlan& plan, const plan::Calibration& c,
                            std::int64_t ranks_per_host, std::int64_t cores, std::map<std::string, std::int64_t>* collectives) {
   const ir::Graph graph = rank_program(job, plan, 0, spec);
-  const plan::MemoryPlan memory = plan::plan_memory(graph, plan::make_runtime_plan(graph, run_mesh(job), spec.plan));
+  const plan::RuntimePlan runtime = plan::make_runtime_plan(graph, run_mesh(job), spec.plan);
+  const plan::MemoryPlan memory = plan::plan_memory(graph, runtime);
   if (collectives != nullptr) {
     collectives->clear();
     for (const auto& n : graph.nodes()) {
       if (sharding::is_collective(n->op())) ++(*collectives)[n->op()];
     }
   }
-  return plan::estimate_step(graph, plan, c, ranks_per_host, cores, memory.peak_bytes);
+  return plan::estimate_step(graph, plan, c, ranks_per_host, cores, memory.peak_bytes, runtime.issues);
 }
 
 // The strategies the plan took on each mesh dim of size > 1, by node id.
@@ -121,6 +122,7 @@ AutoPlan plan_layout(const JobSpec& spec, const sharding::ParallelDims& dims, Pl
       model.flops_per_second = c.matmul_flops_per_second * speed;
       model.bytes_per_second = c.memory_bytes_per_second * speed;
       model.time_limit_seconds = spec.planner_time_limit;
+      model.collective_seconds = c.collective_seconds;
       const sharding::DistributedPlan optimal =
           sharding::propagate_optimal(job.model.graph, job.mesh, job.inputs, job.outputs, job.use, job.reshard_after_forward, job.sequence_parallel_dim,
                                       job.context_parallel_dim, job.context_parallel_allgather, *planner, model, &out.intra);

@@ -22,7 +22,13 @@ namespace spmdx::plan {
 struct Calibration {
   double matmul_flops_per_second = 50e9;   ///< f32 matmul on one thread
   double memory_bytes_per_second = 10e9;   ///< an elementwise op's bytes read + written per second, one thread
+  double node_seconds = 5e-6;             ///< a kernel's fixed cost (ATen's dispatch, allocation): a 1-element add, one thread
   std::string compute_source = "defaults (not measured)";
+  /// What a collective costs beyond its messages and bytes inside a step: ranks reaching it at
+  /// different times (ranks sharing cores wait on each other's time slices). Fitted to a real
+  /// run's exposed communication by `spmdx bench fit`; 0 until then.
+  double collective_seconds = 0;
+  std::string collective_source = "not fitted (spmdx bench fit)";
   sharding::CostModel intra_host{};        ///< ranks of one host (shared memory)
   sharding::CostModel inter_host{50e-6, 1.25e9};  ///< ranks on different hosts (TCP: 10 Gb/s)
   std::string intra_source = "defaults (not measured)", inter_source = "defaults (not measured)";
@@ -56,22 +62,31 @@ std::vector<sharding::CostModel> mesh_links(const sharding::DeviceMesh& mesh, st
 /// One rank's predicted step.
 struct StepEstimate {
   double compute_seconds = 0;  ///< its graph's nodes at the calibrated rates (times its threads), times the core sharing
-  double comm_seconds = 0;     ///< its collectives by alpha-beta, per mesh dim's link
+  double comm_seconds = 0;     ///< its collectives by alpha-beta, per mesh dim's link, plus issues x collective_seconds
   double step_seconds = 0;     ///< compute + comm: the CPU's comm runs on the same cores, so none is assumed hidden
   std::int64_t threads = 1;    ///< a rank's intra-op threads: max(1, cores / ranks_per_host), as spmdx run gives them
   double core_sharing = 1;     ///< ranks_per_host x threads / cores (>= 1): compute slows by it
   std::vector<double> comm_seconds_by_dim;
   std::vector<double> comm_bytes_by_dim;
   std::int64_t peak_bytes = 0;  ///< the memory plan's
+  std::int64_t issues = 0;      ///< collective calls a step (RuntimePlan::issues: buckets count once)
+  std::int64_t nodes = 0;       ///< kernels a step (communication ops excluded)
 };
 
 /// The compute seconds of `rank_graph`'s nodes (communication ops excluded) at `c`'s rates on
-/// `threads` threads (the rates scaled linearly).
+/// `threads` threads (the rates scaled linearly), each plus c.node_seconds.
 double compute_seconds(const ir::Graph& rank_graph, const Calibration& c, std::int64_t threads = 1);
 /// `rank_graph` (a rank's program) and its propagation `plan`: compute at the calibrated rates
 /// times core sharing, communication from the
-/// plan's per-dim messages and bytes over mesh_links. `peak_bytes` from the caller's memory plan.
+/// plan's per-dim messages and bytes over mesh_links plus `issues` (RuntimePlan::issues) x
+/// c.collective_seconds. `peak_bytes` from the caller's memory plan.
 StepEstimate estimate_step(const ir::Graph& rank_graph, const sharding::DistributedPlan& plan, const Calibration& c, std::int64_t ranks_per_host,
-                           std::int64_t cores, std::int64_t peak_bytes);
+                           std::int64_t cores, std::int64_t peak_bytes, std::int64_t issues = 0);
+
+/// A run's measured step (its metrics.jsonl: the median after `warmup` steps of exposed_comm_ms,
+/// comm_bytes and collectives) fitted into c.collective_seconds: (exposed communication - the
+/// bytes at the host link's beta) / collectives, at least 0. Throws std::invalid_argument
+/// naming the file when it has no such steps.
+Calibration fit_collective_seconds(Calibration c, const std::filesystem::path& metrics, std::int64_t warmup = 2);
 
 }  // namespace spmdx::plan
