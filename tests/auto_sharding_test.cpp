@@ -61,6 +61,16 @@ TEST(AutoPlanner, NeverTakesAForbiddenCandidate) {
   EXPECT_DOUBLE_EQ(s.objective, 5.0);
 }
 
+// Costs far beyond CBC's limits (its simplex aborts at 1e25) are clamped, not passed on.
+TEST(AutoPlanner, SurvivesAbsurdCosts) {
+  PlannerProblem p;
+  p.forbidden = 1e305;
+  p.node_cost = {{1e300, 0}, {0, 1e299}};
+  p.edges = {{0, 1, {0, 1e300, 1e300, 0}}};
+  const PlannerSolution s = cbc()->solve(p);
+  EXPECT_EQ(s.choice, (std::vector<std::int32_t>{1, 1}));
+}
+
 TEST(AutoPlanner, RefusesAMalformedProblemNamingTheEdge) {
   PlannerProblem p;
   p.mesh_dim = "dp_shard";
@@ -142,8 +152,14 @@ TEST(Calibration, RoundTripsAndRefusesBadFilesNamingThem) {
     plan::load_calibration(dir / "bad.json");
     FAIL() << "no error";
   } catch (const std::invalid_argument& e) {
-    EXPECT_THAT(e.what(), HasSubstr("bad.json: compute.matmul_flops_per_second must be a positive number"));
+    EXPECT_THAT(e.what(), HasSubstr("bad.json: compute.matmul_flops_per_second must be a number from 1000 to 1e+16; delete the file"));
   }
+  std::ofstream(dir / "huge.json") << R"({"step": {"collective_seconds": 1e300}})";
+  EXPECT_THROW(plan::load_calibration(dir / "huge.json"), std::invalid_argument);
+  std::ofstream(dir / "array.json") << "[1, 2]";
+  EXPECT_THROW(plan::load_calibration(dir / "array.json"), std::invalid_argument);
+  std::filesystem::create_directory(dir / "folder.json");
+  EXPECT_THROW(plan::load_calibration(dir / "folder.json"), std::invalid_argument);
   EXPECT_DOUBLE_EQ(plan::load_calibration(dir / "missing.json").matmul_flops_per_second, plan::Calibration{}.matmul_flops_per_second);
 }
 
@@ -208,6 +224,24 @@ TEST(AutoSharding, ABudgetThatExcludesDataParallelIsNotMetByIt) {
   EXPECT_EQ(chosen.dims.dp_replicate * chosen.dims.dp_shard * chosen.dims.tp, 4);
   EXPECT_TRUE(std::filesystem::exists(dir / "auto_plan.json"));
   EXPECT_THAT(report.text(), HasSubstr("why: against"));
+  // Kept and reused as written; edited by hand, planned again.
+  train::JobSpec again = spec;
+  train::choose_auto(again, registry());
+  EXPECT_EQ(again.dims.tp, chosen.dims.tp);
+  EXPECT_EQ(again.dims.dp_shard, chosen.dims.dp_shard);
+  EXPECT_EQ(again.auto_choices, chosen.auto_choices);
+  {
+    std::ifstream in(dir / "auto_plan.json");
+    std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    const auto at = text.find("\"dims\":[");
+    ASSERT_NE(at, std::string::npos);
+    text.replace(at, std::string("\"dims\":[").size(), "\"dims\":[4,1,1,1],\"old\":[");
+    test::write_file(dir / "auto_plan.json", text);
+  }
+  train::JobSpec edited = spec;
+  train::choose_auto(edited, registry());
+  EXPECT_EQ(edited.dims.dp_replicate, chosen.dims.dp_replicate);
+  EXPECT_EQ(edited.dims.dp_shard, chosen.dims.dp_shard);
 
   train::JobSpec tiny = spec;
   tiny.memory_budget = 1024;

@@ -415,11 +415,19 @@ std::int64_t peak_rss_bytes() {
 // measured here (once) where this build has LibTorch, else the file's or the defaults.
 spmdx::plan::Calibration job_calibration(const spmdx::config::Config& cfg) {
   const std::filesystem::path dump = cfg.get_string("job.dump_folder");
+  try {
 #ifdef SPMDX_HAVE_EXEC
-  return spmdx::exec::ensure_calibration(dump);
+    return spmdx::exec::ensure_calibration(dump);
 #else
-  return spmdx::plan::load_calibration(spmdx::plan::calibration_path(dump));
+    return spmdx::plan::load_calibration(spmdx::plan::calibration_path(dump));
 #endif
+  } catch (const std::filesystem::filesystem_error& e) {
+    throw std::invalid_argument(cfg.where({"job.dump_folder"}) + ": job.dump_folder = \"" + dump.string() +
+                                "\": the cost model's calibration.json cannot be kept there (" + e.what() + "): name a folder this user may write");
+  } catch (const std::runtime_error& e) {
+    throw std::invalid_argument(cfg.where({"job.dump_folder"}) + ": job.dump_folder = \"" + dump.string() +
+                                "\": the cost model's calibration.json cannot be kept there (" + e.what() + "): name a folder this user may write");
+  }
 }
 
 // The text of a file, or "" when it cannot be read.
@@ -733,6 +741,10 @@ int run_bench_comm(const BenchCommOptions& o, const std::vector<std::string>& ra
     throw std::invalid_argument("--min-bytes and --max-bytes must be at least 4 (one float32), got " + o.min_bytes + " and " + o.max_bytes);
   }
   if (bo.min_bytes > bo.max_bytes) throw std::invalid_argument("--min-bytes is larger than --max-bytes");
+  if (!o.calibrate.empty() && o.nproc < 2 && std::getenv("SPMDX_STORE_HOSTED") == nullptr) {
+    throw std::invalid_argument("--calibrate fits the link between ranks: give --nproc 2 or more");
+  }
+  if (!o.calibrate.empty()) spmdx::plan::load_calibration(o.calibrate);  // a bad file is named before the sweep, not after
   if (!o.calibrate.empty() && o.op != "all_reduce" && o.op != "all_gather" && o.op != "reduce_scatter") {
     throw std::invalid_argument("--calibrate fits the ring model of all_reduce, all_gather or reduce_scatter, not --op " + o.op);
   }

@@ -33,29 +33,34 @@ Calibration Calibration::from_json(const std::string& text, const std::string& w
   } catch (const std::exception& e) {
     throw std::invalid_argument(where + ": not JSON (" + e.what() + "); delete it and spmdx measures again");
   }
-  auto rate = [&](const nlohmann::json& obj, const char* key, double& out, const std::string& path) {
+  const std::string again = "; delete the file and spmdx measures again";
+  // A number within [lo, hi]: rates a machine can have (a value far outside is a typo or a
+  // corrupt file, and would make every plan's cost meaningless).
+  auto number = [&](const nlohmann::json& obj, const char* key, double& out, const std::string& path, double lo, double hi) {
     if (!obj.is_object() || !obj.contains(key)) return;
-    if (!obj[key].is_number() || obj[key].get<double>() <= 0 || !std::isfinite(obj[key].get<double>())) {
-      throw std::invalid_argument(where + ": " + path + "." + key + " must be a positive number; delete the file and spmdx measures again");
+    if (!obj[key].is_number() || !std::isfinite(obj[key].get<double>()) || obj[key].get<double>() < lo || obj[key].get<double>() > hi) {
+      char range[96];
+      std::snprintf(range, sizeof range, " must be a number from %g to %g", lo, hi);
+      throw std::invalid_argument(where + ": " + path + "." + key + range + again);
     }
     out = obj[key].get<double>();
   };
+  auto rate = [&](const nlohmann::json& obj, const char* key, double& out, const std::string& path) { number(obj, key, out, path, 1e3, 1e16); };
   auto text_of = [](const nlohmann::json& obj, std::string& out) {
     if (obj.is_object() && obj.contains("source") && obj["source"].is_string()) out = obj["source"].get<std::string>();
   };
+  if (!j.is_object()) throw std::invalid_argument(where + ": not a calibration (a JSON object)" + again);
   if (j.contains("format") && j["format"] != "spmdx.calibration/1") {
-    throw std::invalid_argument(where + ": format " + j["format"].dump() + " is not spmdx.calibration/1");
+    throw std::invalid_argument(where + ": format " + j["format"].dump() + " is not spmdx.calibration/1 (another spmdx's?)" + again);
   }
   if (j.contains("compute")) {
     rate(j["compute"], "matmul_flops_per_second", c.matmul_flops_per_second, "compute");
     rate(j["compute"], "memory_bytes_per_second", c.memory_bytes_per_second, "compute");
-    rate(j["compute"], "node_seconds", c.node_seconds, "compute");
+    number(j["compute"], "node_seconds", c.node_seconds, "compute", 0, 1);
     text_of(j["compute"], c.compute_source);
   }
   if (j.contains("step") && j["step"].is_object() && j["step"].contains("collective_seconds")) {
-    const auto& v = j["step"]["collective_seconds"];
-    if (!v.is_number() || v.get<double>() < 0) throw std::invalid_argument(where + ": step.collective_seconds must be a number >= 0");
-    c.collective_seconds = v.get<double>();
+    number(j["step"], "collective_seconds", c.collective_seconds, "step", 0, 10);
     text_of(j["step"], c.collective_source);
   }
   if (j.contains("links")) {
@@ -65,10 +70,7 @@ Calibration Calibration::from_json(const std::string& text, const std::string& w
       double beta = model->beta;
       rate(l, "beta_bytes_per_s", beta, std::string("links.") + key);
       model->beta = beta;
-      if (l.contains("alpha_s")) {
-        if (!l["alpha_s"].is_number() || l["alpha_s"].get<double>() < 0) throw std::invalid_argument(where + ": links." + key + ".alpha_s must be a number >= 0");
-        model->alpha = l["alpha_s"].get<double>();
-      }
+      number(l, "alpha_s", model->alpha, std::string("links.") + key, 0, 1);
       text_of(l, *source);
     }
   }
@@ -91,6 +93,9 @@ std::filesystem::path calibration_path(const std::filesystem::path& dump_folder)
 Calibration load_calibration(const std::filesystem::path& file) {
   std::error_code ec;
   if (!std::filesystem::exists(file, ec)) return {};
+  if (!std::filesystem::is_regular_file(file, ec)) {
+    throw std::invalid_argument(file.string() + ": not a regular file (a folder, a pipe?): remove it, and spmdx measures again");
+  }
   std::ifstream in(file);
   if (!in) throw std::invalid_argument(file.string() + ": cannot be read");
   std::stringstream text;

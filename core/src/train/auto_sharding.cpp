@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <functional>
 #include <set>
 #include <sstream>
 #include <stdexcept>
@@ -145,17 +146,27 @@ AutoPlan plan_layout(const JobSpec& spec, const sharding::ParallelDims& dims, Pl
   return out;
 }
 
+// A check of auto_plan.json's content (every field but itself), so that a file edited by hand
+// is planned again rather than trusted: the same binary reads what it wrote.
+std::string plan_check(nlohmann::json j) {
+  j.erase("check");
+  return std::to_string(std::hash<std::string>{}(j.dump()));
+}
+
 int rank_class(const AutoPlan& p) { return !p.error.empty() ? 2 : p.fits ? 0 : 1; }
 
 // The job's identity for auto_plan.json: what the search depends on besides the layouts.
 std::string search_key(const JobSpec& spec, const plan::Calibration& c) {
   std::ostringstream key;
-  key << spec.model.name << "/" << spec.model.flavor << "/" << spec.model.path << "/" << spec.model.vocab_size << " world " << spec.world_size
+  const auto& m = spec.model;
+  key << m.name << "/" << m.flavor << "/" << m.path << "/" << m.vocab_size << " dim " << m.dim << " layers " << m.n_layers << " heads " << m.n_heads << "/"
+      << m.n_kv_heads << " ffn " << m.ffn_hidden << " loss " << m.loss << " inputs " << m.inputs.size() << " world " << spec.world_size
       << " batch " << spec.global_batch_size << " seq " << spec.seq_len << " micro " << spec.step.microbatches << " cp " << spec.dims.cp << " budget "
       << spec.memory_budget << " planner " << spec.planner << " " << spec.planner_time_limit << " sp " << spec.sequence_parallel << " lp "
       << spec.loss_parallel << " ac " << spec.activation_checkpoint.mode << " mp " << spec.mixed_precision.param << " rsf " << spec.reshard_after_forward
       << " overlap " << spec.plan.overlap << " bucket " << spec.plan.bucket_bytes << " ranks/host " << planning_ranks_per_host(spec.world_size)
-      << " cores " << planning_cores() << " " << c.to_json();
+      << " cores " << planning_cores() << " stages " << spec.pipeline.stages << " tp_plan " << spec.tp_plan.size() << " " << c.to_json();
+  for (const auto& [glob, how] : spec.tp_plan) key << " " << glob << "=" << how;
   return key.str();
 }
 
@@ -221,17 +232,31 @@ AutoReport choose_auto(JobSpec& spec, PluginRegistry& registry) {
   const std::filesystem::path kept = spec.output.dump_folder / "auto_plan.json";
   AutoReport report;
   bool reused = false;
+  std::error_code ec;
+  if (std::filesystem::exists(kept, ec) && !std::filesystem::is_regular_file(kept, ec)) {
+    throw std::invalid_argument(kept.string() + ": not a regular file (a folder, a pipe?): remove it; the auto strategy keeps its plan there");
+  }
   if (std::ifstream in(kept); in) {
     try {
       const auto j = nlohmann::json::parse(in);
+      if (j.at("format") != "spmdx.auto_plan/1") throw std::invalid_argument("format " + j.at("format").dump() + " is not spmdx.auto_plan/1");
+      if (j.at("key") == key && j.at("check") != plan_check(j)) throw std::invalid_argument("it was changed after spmdx wrote it (its check does not match)");
       if (j.at("key") == key) {
         report.world_size = spec.world_size;
         report.planner = spec.planner;
         report.calibration = c;
         AutoPlan p;
         p.dims = {j.at("dims").at(0), j.at("dims").at(1), j.at("dims").at(2), j.at("dims").at(3)};
+        if (p.dims.dp_replicate < 1 || p.dims.dp_shard < 1 || p.dims.tp < 1 || p.dims.cp != spec.dims.cp ||
+            p.dims.dp_replicate * p.dims.dp_shard * p.dims.tp * p.dims.cp * std::max<std::int64_t>(1, spec.pipeline.stages) != spec.world_size) {
+          throw std::invalid_argument("its degrees do not make " + std::to_string(spec.world_size) + " ranks");
+        }
         p.layout = layout_of(p.dims);
         p.planner_kept = j.at("planner_kept");
+        p.activation_checkpoint = j.at("activation_checkpoint").get<std::string>();
+        if (!p.activation_checkpoint.empty() && p.activation_checkpoint != "selective" && p.activation_checkpoint != "full") {
+          throw std::invalid_argument("activation_checkpoint \"" + p.activation_checkpoint + "\" is not selective or full");
+        }
         for (const auto& [id, dims] : j.at("choices").items()) {
           for (const auto& [dim, sig] : dims.items()) p.choices[std::stoll(id)][std::stoi(dim)] = sig.get<std::string>();
         }
@@ -245,7 +270,23 @@ AutoReport choose_auto(JobSpec& spec, PluginRegistry& registry) {
       SPMDX_WARN(kept.string() << ": not the auto strategy's plan (" << e.what() << "): planning again");
     }
   }
-  if (!reused) report = plan_auto(spec, registry, c);
+  if (!reused) {
+    report = plan_auto(spec, registry, c);
+    // Over the budget everywhere: activation checkpointing, as the budget does for a manual layout.
+    for (const char* mode : {"selective", "full"}) {
+      const AutoPlan& first = report.plans.front();
+      if (spec.memory_budget <= 0 || (first.error.empty() && first.fits) || spec.activation_checkpoint.mode == "full" ||
+          (spec.activation_checkpoint.mode == "selective" && std::string(mode) == "selective")) {
+        continue;
+      }
+      JobSpec s = spec;
+      s.activation_checkpoint = {mode, "op", spec.activation_checkpoint.keep_collective_outputs};
+      AutoReport again = plan_auto(s, registry, c);
+      for (auto& p : again.plans) p.activation_checkpoint = mode;
+      if (again.plans.front().error.empty() && again.plans.front().fits) report = std::move(again);
+      else if (std::string(mode) == "full") report.tried_checkpointing = true;
+    }
+  }
   const AutoPlan& best = report.plans.front();
   if (!best.error.empty() || !best.fits) {
     std::string each;
@@ -255,10 +296,12 @@ AutoReport choose_auto(JobSpec& spec, PluginRegistry& registry) {
     throw std::invalid_argument(std::string("parallelism.strategy = \"auto\": ") +
                                 (best.error.empty() ? "no layout of " + std::to_string(spec.world_size) + " ranks fits parallelism.memory_budget = " +
                                                           human_bytes(static_cast<double>(spec.memory_budget)) + " (" + each +
+                                                          (report.tried_checkpointing ? "; with selective or full activation checkpointing none fits either" : "") +
                                                           "). Raise the budget, add ranks, or lower the batch or sequence length"
                                                     : "no layout of " + std::to_string(spec.world_size) + " ranks can run the job (" + each + ")"));
   }
   spec.dims = best.dims;
+  if (!best.activation_checkpoint.empty()) spec.activation_checkpoint = {best.activation_checkpoint, "op", spec.activation_checkpoint.keep_collective_outputs};
   spec.strategies.clear();
   spec.auto_choices = best.choices;
   if (!reused) spec.auto_report = report.line();
@@ -268,6 +311,7 @@ AutoReport choose_auto(JobSpec& spec, PluginRegistry& registry) {
                      {"layout", best.layout},
                      {"dims", {best.dims.dp_replicate, best.dims.dp_shard, best.dims.tp, best.dims.cp}},
                      {"planner_kept", best.planner_kept},
+                     {"activation_checkpoint", best.activation_checkpoint},
                      {"step_seconds", best.chosen.step_seconds},
                      {"peak_bytes", best.chosen.peak_bytes},
                      {"line", spec.auto_report},
@@ -275,6 +319,7 @@ AutoReport choose_auto(JobSpec& spec, PluginRegistry& registry) {
     for (const auto& [id, dims] : best.choices) {
       for (const auto& [dim, sig] : dims) j["choices"][std::to_string(id)][std::to_string(dim)] = sig;
     }
+    j["check"] = plan_check(j);
     try {
       std::filesystem::create_directories(spec.output.dump_folder);
       write_file_atomic(kept, j.dump() + "\n");
@@ -293,12 +338,15 @@ std::string AutoReport::line() const {
   std::string out = "auto: chose " + best.layout + " of " + std::to_string(plans.size()) + " layouts: predicted " + ms(best.chosen.step_seconds) +
                     " ms a step (compute " + ms(best.chosen.compute_seconds) + ", comm " + ms(best.chosen.comm_seconds) + "), planned peak " +
                     human_bytes(static_cast<double>(best.chosen.peak_bytes));
-  if (plans.size() > 1 && plans[1].error.empty()) {
+  if (plans.size() > 1 && plans[1].error.empty() && plans[1].fits) {
     char ratio[32];
     std::snprintf(ratio, sizeof ratio, "%.2fx", plans[1].chosen.step_seconds / std::max(1e-12, best.chosen.step_seconds));
     out += "; " + std::string(ratio) + " faster than the next, " + plans[1].layout;
+  } else if (plans.size() > 1 && plans[1].error.empty()) {
+    out += "; the only layout within parallelism.memory_budget";
   }
   out += best.planner_kept ? "; placements by the " + planner + " planner" : "; placements by propagation (the planner found none faster)";
+  if (!best.activation_checkpoint.empty()) out += "; activation_checkpoint.mode = \"" + best.activation_checkpoint + "\" (no layout fits parallelism.memory_budget without it)";
   return out;
 }
 
@@ -322,7 +370,7 @@ std::string AutoReport::text(std::size_t top) const {
     for (std::size_t d = 0; d < p.chosen.comm_bytes_by_dim.size() && d < static_cast<std::size_t>(mesh.ndim()); ++d) {
       sent += (sent.empty() ? "" : ", ") + mesh.dims()[d].name + " " + human_bytes(p.chosen.comm_bytes_by_dim[d]);
     }
-    std::string how = p.planner_kept ? "ILP kept" : "greedy kept";
+    std::string how = p.planner_kept ? "the ILP's plan" : p.intra.empty() ? "propagation's plan" : "propagation's plan (the ILP's predicted no faster for the whole step)";
     for (const auto& d : p.intra) {
       char t[160];
       std::snprintf(t, sizeof t, "; %s: %lld nodes changed, %s in %.2f s", d.mesh_dim.c_str(), static_cast<long long>(d.changed),
@@ -341,7 +389,7 @@ std::string AutoReport::text(std::size_t top) const {
 std::string AutoReport::why() const {
   const AutoPlan& best = plans.front();
   std::string out = line();
-  if (plans.size() < 2 || !plans[1].error.empty()) return out;
+  if (plans.size() < 2 || !plans[1].error.empty() || !plans[1].fits) return out;
   const AutoPlan& next = plans[1];
   std::string fewer, more;
   std::set<std::string> ops;
@@ -357,9 +405,9 @@ std::string AutoReport::why() const {
   for (double b : best.chosen.comm_bytes_by_dim) sent_best += b;
   for (double b : next.chosen.comm_bytes_by_dim) sent_next += b;
   out += ".\nwhy: against " + next.layout + " it ";
-  out += fewer.empty() ? "runs no fewer collectives" : "avoids " + fewer;
-  if (!more.empty()) out += " (and runs " + more + " more)";
-  out += " a step, sends " + human_bytes(sent_best) + " a rank instead of " + human_bytes(sent_next) + " (comm " + ms(best.chosen.comm_seconds) + " against " +
+  if (!fewer.empty()) out += "avoids " + fewer + (more.empty() ? "" : " (and runs " + more + " more)");
+  else out += more.empty() ? "runs the same collectives" : "runs more collectives (" + more + ")";
+  out += " a step, " + std::to_string(best.chosen.issues) + " collective calls after bucketing against " + std::to_string(next.chosen.issues) + ", sends " + human_bytes(sent_best) + " a rank instead of " + human_bytes(sent_next) + " (comm " + ms(best.chosen.comm_seconds) + " against " +
          ms(next.chosen.comm_seconds) + " ms) and computes " + ms(best.chosen.compute_seconds) + " against " + ms(next.chosen.compute_seconds) + " ms";
   return out;
 }
@@ -380,7 +428,15 @@ std::string AutoReport::json() const {
       e["comm_seconds"] = p.chosen.comm_seconds;
       e["greedy_step_seconds"] = p.greedy.step_seconds;
       e["peak_bytes"] = p.chosen.peak_bytes;
-      e["comm_bytes_by_dim"] = p.chosen.comm_bytes_by_dim;
+      e["comm_bytes_by_dim"] = json::object();
+      e["comm_seconds_by_dim"] = json::object();
+      const auto mesh = sharding::make_mesh(p.dims, p.dims.dp_replicate * p.dims.dp_shard * p.dims.tp * p.dims.cp);
+      for (std::size_t d = 0; d < p.chosen.comm_bytes_by_dim.size() && d < static_cast<std::size_t>(mesh.ndim()); ++d) {
+        e["comm_bytes_by_dim"][mesh.dims()[d].name] = p.chosen.comm_bytes_by_dim[d];
+        e["comm_seconds_by_dim"][mesh.dims()[d].name] = p.chosen.comm_seconds_by_dim[d];
+      }
+      e["collective_calls"] = p.chosen.issues;
+      e["activation_checkpoint"] = p.activation_checkpoint;
       e["planner_kept"] = p.planner_kept;
       e["collectives"] = p.collectives;
       e["plan_seconds"] = p.plan_seconds;

@@ -27,6 +27,11 @@
 namespace {
 
 constexpr double kScale = 1e6;  // seconds -> microseconds
+// The largest cost handed to CBC, in microseconds: its simplex refuses |c| >= 1e25, and costs
+// this large mean "never" anyway (a forbidden choice, or a calibration of absurd rates).
+constexpr double kMaxCost = 1e15;
+
+double scaled(double seconds) { return std::min(seconds * kScale, kMaxCost); }
 
 void check(const spmdx::PlannerProblem& p) {
   const std::size_t n = p.node_cost.size();
@@ -88,7 +93,7 @@ class AutoPlanner final : public spmdx::Planner {
       const double cheapest = *std::min_element(lin[v].begin(), lin[v].end());
       for (double c : lin[v]) {
         const bool forbidden = c >= p.forbidden && cheapest < p.forbidden;
-        obj.push_back(forbidden ? 0.0 : c * kScale);
+        obj.push_back(forbidden ? 0.0 : scaled(c));
         lb.push_back(0);
         ub.push_back(forbidden ? 0 : 1);
         col_rows.push_back({{rows, 1.0}});
@@ -105,7 +110,7 @@ class AutoPlanner final : public spmdx::Planner {
       for (std::size_t b = 0; b < nt; ++b) col_rows[static_cast<std::size_t>(first_x[t]) + b].push_back({row_t + static_cast<int>(b), -1.0});
       for (std::size_t a = 0; a < nf; ++a) {
         for (std::size_t b = 0; b < nt; ++b) {
-          obj.push_back(std::min(m[a * nt + b], p.forbidden) * kScale);
+          obj.push_back(scaled(std::min(m[a * nt + b], p.forbidden)));
           lb.push_back(0);
           ub.push_back(1);
           col_rows.push_back({{row_f + static_cast<int>(a), 1.0}, {row_t + static_cast<int>(b), 1.0}});

@@ -33,6 +33,8 @@ struct AutoPlan {
   std::map<std::string, std::int64_t> collectives;  ///< rank 0's collectives by op, in the plan kept
   std::map<std::int64_t, std::map<int, std::string>> choices;  ///< the planner's (JobSpec::auto_choices), when kept
   double plan_seconds = 0;       ///< planning this layout took
+  /// activation_checkpoint.mode the search turned on to meet the budget ("" : as configured).
+  std::string activation_checkpoint;
 };
 
 /// Every layout, ranked: those that fit by predicted step time, then those over the budget,
@@ -45,6 +47,7 @@ struct AutoReport {
   plan::Calibration calibration;
   std::vector<AutoPlan> plans;
   double seconds = 0;            ///< the whole search
+  bool tried_checkpointing = false;  ///< choose_auto tried activation checkpointing, and nothing fit
   /// The ranking's top `top` (step ms, compute and comm ms, bytes sent per mesh dim, planned
   /// peak, the planner's work) and why the first wins over the next: the collectives it avoids.
   std::string text(std::size_t top = 5) const;
@@ -73,7 +76,9 @@ std::int64_t planning_cores();
 AutoReport plan_auto(const JobSpec& spec, PluginRegistry& registry, const plan::Calibration& c);
 
 /// With spec.auto_strategy: plan_auto with <job.dump_folder>/calibration.json (defaults when
-/// absent), and the first plan that fits made spec's (its degrees, its choices); the report's
+/// absent), and the first plan that fits made spec's (its degrees, its choices); when none fits
+/// parallelism.memory_budget, the search again with selective, then full activation
+/// checkpointing (as fit_memory_budget tries them); the report's
 /// line goes to spec.auto_report. The search is kept in <job.dump_folder>/auto_plan.json and
 /// reused while the job and the calibration are the same, so that every rank starts the plan
 /// the launcher chose (a solver stopped by its time limit need not find the same plan twice).
