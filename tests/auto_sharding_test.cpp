@@ -243,6 +243,23 @@ TEST(AutoSharding, ABudgetThatExcludesDataParallelIsNotMetByIt) {
   EXPECT_EQ(edited.dims.dp_replicate, chosen.dims.dp_replicate);
   EXPECT_EQ(edited.dims.dp_shard, chosen.dims.dp_shard);
 
+  // Under every layout's peak but over one with full activation checkpointing: auto turns it on.
+  train::JobSpec full = spec;
+  full.activation_checkpoint = {"full", "op", false};
+  std::int64_t least = 0, least_full = 0;
+  for (const auto& p : all.plans) least = least == 0 ? p.chosen.peak_bytes : std::min(least, p.chosen.peak_bytes);
+  for (const auto& p : train::plan_auto(full, registry(), plan::Calibration{}).plans) {
+    least_full = least_full == 0 ? p.chosen.peak_bytes : std::min(least_full, p.chosen.peak_bytes);
+  }
+  ASSERT_LT(least_full, least);
+  train::JobSpec checkpointed = spec;
+  checkpointed.memory_budget = least - 1;
+  std::filesystem::remove(dir / "auto_plan.json");
+  const train::AutoReport with_ac = train::choose_auto(checkpointed, registry());
+  EXPECT_NE(checkpointed.activation_checkpoint.mode, "none");
+  EXPECT_LE(with_ac.plans.front().chosen.peak_bytes, checkpointed.memory_budget);
+  EXPECT_THAT(checkpointed.auto_report, HasSubstr("activation_checkpoint.mode"));
+
   train::JobSpec tiny = spec;
   tiny.memory_budget = 1024;
   std::filesystem::remove(dir / "auto_plan.json");
