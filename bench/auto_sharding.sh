@@ -7,7 +7,8 @@
 # The calibration is this machine's: compute rates measured once by compile, alpha and beta of
 # the shared-memory link fitted by `spmdx bench comm --calibrate` (all_reduce, 4 ranks), and the
 # per-collective cost fitted by `spmdx bench fit` to one profiling run of each model (fsdp 4).
-# Then the planning time of auto for a 32-layer debugmodel on 1024 fake ranks.
+# Then the solver's time against model size, and the planning time of auto for a 32-layer
+# debugmodel on 1024 fake ranks.
 # Each layout runs ROUNDS times (default 2), interleaved; a step time is the median of the
 # rounds' medians (the machine is noisy).
 # Usage: [ROUNDS=2] bench/auto_sharding.sh [STEPS]   (default 8)
@@ -107,6 +108,23 @@ for model in ("mlp", "llama_tiny", "debugmodel"):
           (f"{a / best:.2f}" if a and best else "-"))
 if os.path.exists(f"{out}/failed.txt"): print("\nfailed:\n" + open(f"{out}/failed.txt").read())
 PY
+# Solver time against model size: the planner's seconds per mesh dim (CBC) and the problem's
+# columns, for debugmodel with 2 to 16 layers on 4 ranks (no time limit reached: 600 s).
+echo
+echo "solver time vs model size (debugmodel, 4 ranks; the best layout's mesh dims):"
+for layers in 2 4 8 16; do
+  "$spmdx" compile "$repo/configs/llama_debug.toml" --world-size 4 --model.n_layers "$layers" --strategy auto --parallelism.planner_time_limit_seconds 600 \
+    --json --job.dump_folder "$out/size$layers" > "$out/size$layers.json" 2> /dev/null || { echo "layers $layers: failed"; continue; }
+  python3 - "$out/size$layers.json" "$layers" <<'PY'
+import json, sys
+j = json.load(open(sys.argv[1]))["auto"]
+for p in j["plans"]:
+    if p.get("planner"):
+        dims = "; ".join(f"{d['mesh_dim']} {d['solve_seconds']:.2f} s ({d['solver'].split('), ')[-1]}, {'optimal' if d['optimal'] else 'time limit'})" for d in p["planner"])
+        print(f"  {sys.argv[2]:>2} layers, {p['layout']}: {dims}")
+        break
+PY
+done
 # Planning time at scale: 1024 fake ranks, debugmodel widths with 32 layers, one row a rank.
 start=$(date +%s.%N)
 "$spmdx" compile "$repo/configs/llama_debug.toml" --world-size 1024 --fake --model.n_layers 32 --training.local_batch_size 1 --strategy auto \

@@ -29,6 +29,10 @@ using Clock = std::chrono::steady_clock;
 
 // The layouts, best by propagation's plan, whose op placements the planner then chooses.
 constexpr std::size_t kPlannerLayouts = 4;
+// The planner's plan replaces propagation's only when predicted this much faster: below it the
+// cost model cannot tell (bench/auto_sharding.sh: on mlp dp 4 a plan predicted 0.6% faster
+// measured 20% slower), and propagation's plan is the one every other test runs.
+constexpr double kPlannerGain = 0.02;
 
 double since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
@@ -129,7 +133,7 @@ AutoPlan plan_layout(const JobSpec& spec, const sharding::ParallelDims& dims, Pl
                                       job.context_parallel_dim, job.context_parallel_allgather, *planner, model, &out.intra);
       std::map<std::string, std::int64_t> collectives;
       const plan::StepEstimate e = measure(job, s, optimal, c, ranks_per_host, cores, &collectives);
-      if (e.step_seconds < out.greedy.step_seconds) {
+      if (e.step_seconds < out.greedy.step_seconds * (1 - kPlannerGain)) {
         out.chosen = e;
         out.planner_kept = true;
         out.collectives = std::move(collectives);
@@ -345,7 +349,7 @@ std::string AutoReport::line() const {
   } else if (plans.size() > 1 && plans[1].error.empty()) {
     out += "; the only layout within parallelism.memory_budget";
   }
-  out += best.planner_kept ? "; placements by the " + planner + " planner" : "; placements by propagation (the planner found none faster)";
+  out += best.planner_kept ? "; placements by the " + planner + " planner" : "; placements by propagation (the planner's were not predicted 2% faster)";
   if (!best.activation_checkpoint.empty()) out += "; activation_checkpoint.mode = \"" + best.activation_checkpoint + "\" (no layout fits parallelism.memory_budget without it)";
   return out;
 }
@@ -370,7 +374,7 @@ std::string AutoReport::text(std::size_t top) const {
     for (std::size_t d = 0; d < p.chosen.comm_bytes_by_dim.size() && d < static_cast<std::size_t>(mesh.ndim()); ++d) {
       sent += (sent.empty() ? "" : ", ") + mesh.dims()[d].name + " " + human_bytes(p.chosen.comm_bytes_by_dim[d]);
     }
-    std::string how = p.planner_kept ? "the ILP's plan" : p.intra.empty() ? "propagation's plan" : "propagation's plan (the ILP's predicted no faster for the whole step)";
+    std::string how = p.planner_kept ? "the ILP's plan" : p.intra.empty() ? "propagation's plan" : "propagation's plan (the ILP's not predicted 2% faster for the whole step)";
     for (const auto& d : p.intra) {
       char t[160];
       std::snprintf(t, sizeof t, "; %s: %lld nodes changed, %s in %.2f s", d.mesh_dim.c_str(), static_cast<long long>(d.changed),

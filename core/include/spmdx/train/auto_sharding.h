@@ -26,7 +26,7 @@ struct AutoPlan {
   std::string layout;            ///< "dp_shard 2 x tp 2"
   std::string error;             ///< why it cannot run ("" when it can): a strategy's refusal, an uneven split
   plan::StepEstimate greedy;     ///< propagation's own plan, predicted
-  plan::StepEstimate chosen;     ///< the plan kept: the planner's where it predicts faster, else greedy's
+  plan::StepEstimate chosen;     ///< the plan kept: the planner's where predicted 2% faster, else greedy's
   bool planner_kept = false;     ///< the planner's plan is the one kept
   std::vector<sharding::IntraOpDim> intra;  ///< what the planner did per mesh dim
   bool fits = true;              ///< chosen.peak_bytes within parallelism.memory_budget (or no budget)
@@ -71,7 +71,7 @@ std::int64_t planning_cores();
 
 /// Plans every layout of spec.world_size / (cp x pp) ranks (spec's other settings as they are)
 /// with the calibration `c`: each by propagation, then the best 4 of them again with the
-/// planner's choices (kept where predicted faster), in order while spec.planner_time_limit
+/// planner's choices (kept where predicted at least 2% faster), in order while spec.planner_time_limit
 /// seconds last. Throws PluginError when parallelism.planner names no planner.
 AutoReport plan_auto(const JobSpec& spec, PluginRegistry& registry, const plan::Calibration& c);
 
