@@ -116,9 +116,7 @@ TEST(PropagateOptimal, NeverCostsMoreThanGreedyAndKeepsTheOutputs) {
     const auto greedy = train::propagate_job(job);
     std::vector<sharding::IntraOpDim> report;
     const auto planner = cbc();
-    const auto optimal = sharding::propagate_optimal(job.model.graph, job.mesh, job.inputs, job.outputs, job.use, job.reshard_after_forward,
-                                                     job.sequence_parallel_dim, job.context_parallel_dim, job.context_parallel_allgather, *planner,
-                                                     sharding::IntraOpCostModel{}, &report);
+    const auto optimal = train::propagate_job(job, *planner, sharding::IntraOpCostModel{}, &report);
     ASSERT_FALSE(report.empty());
     for (const auto& d : report) {
       EXPECT_LE(d.chosen_seconds, d.greedy_seconds * (1 + 1e-9)) << d.mesh_dim;

@@ -421,10 +421,7 @@ spmdx::plan::Calibration job_calibration(const spmdx::config::Config& cfg) {
 #else
     return spmdx::plan::load_calibration(spmdx::plan::calibration_path(dump));
 #endif
-  } catch (const std::filesystem::filesystem_error& e) {
-    throw std::invalid_argument(cfg.where({"job.dump_folder"}) + ": job.dump_folder = \"" + dump.string() +
-                                "\": the cost model's calibration.json cannot be kept there (" + e.what() + "): name a folder this user may write");
-  } catch (const std::runtime_error& e) {
+  } catch (const std::runtime_error& e) {  // filesystem_error, or write_file_atomic's
     throw std::invalid_argument(cfg.where({"job.dump_folder"}) + ": job.dump_folder = \"" + dump.string() +
                                 "\": the cost model's calibration.json cannot be kept there (" + e.what() + "): name a folder this user may write");
   }

@@ -18,7 +18,6 @@
 #include <sstream>
 #include <csignal>
 #include <pthread.h>
-#include <sched.h>
 #include <unistd.h>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -41,6 +40,7 @@
 #include "spmdx/exec/profiler.h"
 #include "spmdx/metrics/tensorboard.h"
 #include "spmdx/core/version.h"
+#include "spmdx/launch/launcher.h"
 #include "spmdx/launch/rendezvous.h"
 #include "spmdx/hooks/hook_set.h"
 #include "spmdx/sharding/spec.h"
@@ -63,10 +63,7 @@ int intra_op_threads(int local_world_size) {
     if (*end == '\0' && n >= 1 && n <= 4096) return static_cast<int>(n);
     SPMDX_WARN("OMP_NUM_THREADS='" << v << "' is not a whole number from 1 to 4096: ignored, threads come from the CPUs available");
   }
-  cpu_set_t set;
-  const int cpus = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set)
-                                                                : static_cast<int>(std::thread::hardware_concurrency());
-  return std::max(1, cpus / std::max(1, local_world_size));
+  return std::max(1, static_cast<int>(launch::usable_cpus()) / std::max(1, local_world_size));
 }
 
 // Resident memory of this process, in bytes (from /proc/self/statm).

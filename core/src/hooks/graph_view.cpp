@@ -140,6 +140,14 @@ double node_flops(const ir::Node& node) {
   return out;
 }
 
+double node_seconds(const ir::Node& node, double flops_per_second, double bytes_per_second) {
+  double elements = 0, traffic = 0;
+  for (const ir::Value* o : node.outputs()) elements += static_cast<double>(o->meta().numel()), traffic += sharding::shape_bytes(o->meta().shape, o->meta().dtype);
+  for (const ir::Value* in : node.inputs()) traffic += sharding::shape_bytes(in->meta().shape, in->meta().dtype);
+  const double flops = node_flops(node);
+  return flops > elements ? flops / flops_per_second : traffic / bytes_per_second;
+}
+
 GraphView captured_view(const ir::Graph& graph, const sharding::DeviceMesh& mesh) {
   GraphView view;
   view.stage = CompileStage::captured;

@@ -1,6 +1,7 @@
 #include "spmdx/launch/launcher.h"
 
 #include <fcntl.h>
+#include <sched.h>
 #include <poll.h>
 #include <signal.h>
 #include <spawn.h>
@@ -16,6 +17,7 @@
 #include <memory>
 #include <random>
 #include <stdexcept>
+#include <thread>
 
 #include "spmdx/comm/health.h"
 #include "spmdx/comm/shm.h"
@@ -405,6 +407,11 @@ int launch(const LaunchOptions& o, const std::vector<std::string>& argv) {
     return 128 + g_signal;  // as a shell reports a process ended by that signal
   }
   return job.blame();
+}
+
+std::int64_t usable_cpus() {
+  cpu_set_t set;
+  return sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : static_cast<std::int64_t>(std::thread::hardware_concurrency());
 }
 
 }  // namespace spmdx::launch

@@ -143,11 +143,7 @@ double compute_seconds(const ir::Graph& rank_graph, const Calibration& c, std::i
   double total = 0;
   for (const auto& node : rank_graph.nodes()) {
     if (sharding::is_communication(node->op())) continue;
-    double elements = 0, traffic = 0;
-    for (const ir::Value* o : node->outputs()) elements += static_cast<double>(o->meta().numel()), traffic += sharding::shape_bytes(o->meta().shape, o->meta().dtype);
-    for (const ir::Value* in : node->inputs()) traffic += sharding::shape_bytes(in->meta().shape, in->meta().dtype);
-    const double flops = hooks::node_flops(*node);
-    total += c.node_seconds + (flops > elements ? flops / (c.matmul_flops_per_second * t) : traffic / (c.memory_bytes_per_second * t));
+    total += c.node_seconds + hooks::node_seconds(*node, c.matmul_flops_per_second * t, c.memory_bytes_per_second * t);
   }
   return total;
 }

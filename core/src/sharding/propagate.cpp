@@ -391,11 +391,12 @@ struct Propagator {
           if (signature(c) == *want && cost(node, i, c, in_pl, seen_in, seen_out) < 1e29) best = &c;
         }
       }
-      for (const auto& c : candidates) {
-        if (best != nullptr && best_cost < 0) break;  // the planner's choice
-        const double cost_c = cost(node, i, c, in_pl, seen_in, seen_out);
-        const double moves = addend ? cost(node, i, c, in_pl, seen_in, seen_out, true) : 0;
-        if (best == nullptr || moves < best_moves || (moves == best_moves && cost_c < best_cost)) best = &c, best_cost = cost_c, best_moves = moves;
+      if (best == nullptr) {  // no choice of the planner's to take: greedy
+        for (const auto& c : candidates) {
+          const double cost_c = cost(node, i, c, in_pl, seen_in, seen_out);
+          const double moves = addend ? cost(node, i, c, in_pl, seen_in, seen_out, true) : 0;
+          if (best == nullptr || moves < best_moves || (moves == best_moves && cost_c < best_cost)) best = &c, best_cost = cost_c, best_moves = moves;
+        }
       }
       for (std::size_t a = 0; a < n_in; ++a) in_pl[a].push_back(best->inputs[a]);
       for (std::size_t a = 0; a < n_out; ++a) out_pl[a].push_back(best->outputs[a]);
@@ -415,15 +416,15 @@ struct Propagator {
   }
 
   // Seconds to take a value of `bytes` (as mesh dim i sees it) from `current` to `target` on
-  // mesh dim i over `link`: the ring's messages and bytes (redistribute_plan's counts).
-  double move_seconds(const Placements& current, const Placements& target, int i, double bytes, const CostModel& link, double fixed = 0) const {
+  // mesh dim i over `link`: the ring's messages and bytes (redistribute_plan's counts), plus
+  // `fixed` (a collective's cost beyond them) when anything moves.
+  double move_seconds(const Placements& current, const Placements& target, int i, double bytes, const CostModel& link, double fixed) const {
     const double moved = step_bytes(current, target, i, bytes);
     if (moved <= 0) return 0;
-    if (fixed > 0) return fixed + move_seconds(current, target, i, bytes, link);
     const Placement& from = current[static_cast<std::size_t>(i)];
     const Placement& to = target[static_cast<std::size_t>(i)];
     const double messages = static_cast<double>(mesh.size(i) - 1) * (from.is_partial() && !to.is_shard() ? 2 : 1);
-    return messages * link.alpha + moved / link.beta;
+    return fixed + messages * link.alpha + moved / link.beta;
   }
 
   // Mesh dim i's choice problem over the plan as propagated (the other dims as they are):
@@ -456,13 +457,8 @@ struct Propagator {
       std::vector<Shape> seen_in, seen_out;
       auto& cands = candidates[static_cast<std::size_t>(v)];
       cands = candidates_of(node, i, in_pl, out_pl, seen_in, seen_out);
-      // The node's work on this rank before dim i splits it: its FLOPs at the matmul rate, or
-      // the bytes it reads and writes at the memory rate, divided by the other dims it is split on.
-      double work = 0, elements = 0, traffic = 0;
-      for (const ir::Value* o : node.outputs()) elements += static_cast<double>(o->meta().numel()), traffic += shape_bytes(o->meta().shape, o->meta().dtype);
-      for (const ir::Value* in : node.inputs()) traffic += shape_bytes(in->meta().shape, in->meta().dtype);
-      const double flops = hooks::node_flops(node);
-      work = flops > elements ? flops / model.flops_per_second : traffic / model.bytes_per_second;
+      // The node's work on this rank before dim i splits it, divided by the other dims it is split on.
+      double work = hooks::node_seconds(node, model.flops_per_second, model.bytes_per_second);
       for (int j = 0; j < n; ++j) {
         if (j == i) continue;
         const bool split = std::any_of(out_pl.begin(), out_pl.end(), [&](const Placements& pl) { return !pl[static_cast<std::size_t>(j)].is_replicate(); });
@@ -619,6 +615,13 @@ std::string signature(const OpStrategy& strategy) {
   return out;
 }
 
+std::string taken_signature(const DistributedPlan& plan, const ir::Node& node, int mesh_dim) {
+  OpStrategy took;
+  for (const auto& pl : plan.inputs.at(&node)) took.inputs.push_back(pl[static_cast<std::size_t>(mesh_dim)]);
+  for (const ir::Value* o : node.outputs()) took.outputs.push_back(plan.placement.at(o)[static_cast<std::size_t>(mesh_dim)]);
+  return signature(took);
+}
+
 namespace {
 
 // propagate() with the planner's choices `forced` (may be null); `after` sees the propagator
@@ -764,12 +767,8 @@ DistributedPlan propagate_optimal(const ir::Graph& graph, const DeviceMesh& mesh
       forced[nodes[v]][i] = signature(candidates[v][c]);
     }
     plan = again({});
-    for (std::size_t v = 0; v < nodes.size(); ++v) {  // what the propagation took
-      const auto& in = plan.inputs.at(nodes[v]);
-      OpStrategy took;
-      for (const auto& pl : in) took.inputs.push_back(pl[static_cast<std::size_t>(i)]);
-      for (const ir::Value* o : nodes[v]->outputs()) took.outputs.push_back(plan.placement.at(o)[static_cast<std::size_t>(i)]);
-      if (signature(took) == forced[nodes[v]][i]) ++dim.forced_kept;
+    for (const ir::Node* node : nodes) {  // what the propagation took
+      if (taken_signature(plan, *node, i) == forced[node][i]) ++dim.forced_kept;
     }
     if (report != nullptr) report->push_back(std::move(dim));
   }

@@ -2,8 +2,6 @@
 
 #include <nlohmann/json.hpp>
 
-#include <sched.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -13,10 +11,10 @@
 #include <set>
 #include <sstream>
 #include <stdexcept>
-#include <thread>
 
 #include "spmdx/core/log.h"
 #include "spmdx/files.h"
+#include "spmdx/launch/launcher.h"
 #include "spmdx/plan/memory_plan.h"
 #include "spmdx/plan/runtime_plan.h"
 #include "spmdx/sharding/redistribute.h"
@@ -87,13 +85,8 @@ plan::StepEstimate measure(const PlacedJob& job, const JobSpec& spec, const shar
 std::map<std::int64_t, std::map<int, std::string>> choices_of(const sharding::DistributedPlan& plan) {
   std::map<std::int64_t, std::map<int, std::string>> out;
   for (const auto& node : plan.graph->nodes()) {
-    const auto& in = plan.inputs.at(node.get());
     for (int i = 0; i < plan.mesh.ndim(); ++i) {
-      if (plan.mesh.size(i) < 2) continue;
-      sharding::OpStrategy took;
-      for (const auto& pl : in) took.inputs.push_back(pl[static_cast<std::size_t>(i)]);
-      for (const ir::Value* o : node->outputs()) took.outputs.push_back(plan.placement.at(o)[static_cast<std::size_t>(i)]);
-      out[node->id()][i] = sharding::signature(took);
+      if (plan.mesh.size(i) > 1) out[node->id()][i] = sharding::taken_signature(plan, *node, i);
     }
   }
   return out;
@@ -128,9 +121,7 @@ AutoPlan plan_layout(const JobSpec& spec, const sharding::ParallelDims& dims, Pl
       model.bytes_per_second = c.memory_bytes_per_second * speed;
       model.time_limit_seconds = spec.planner_time_limit;
       model.collective_seconds = c.collective_seconds;
-      const sharding::DistributedPlan optimal =
-          sharding::propagate_optimal(job.model.graph, job.mesh, job.inputs, job.outputs, job.use, job.reshard_after_forward, job.sequence_parallel_dim,
-                                      job.context_parallel_dim, job.context_parallel_allgather, *planner, model, &out.intra);
+      const sharding::DistributedPlan optimal = propagate_job(job, *planner, model, &out.intra);
       std::map<std::string, std::int64_t> collectives;
       const plan::StepEstimate e = measure(job, s, optimal, c, ranks_per_host, cores, &collectives);
       if (e.step_seconds < out.greedy.step_seconds * (1 - kPlannerGain)) {
@@ -169,7 +160,7 @@ std::string search_key(const JobSpec& spec, const plan::Calibration& c) {
       << spec.memory_budget << " planner " << spec.planner << " " << spec.planner_time_limit << " sp " << spec.sequence_parallel << " lp "
       << spec.loss_parallel << " ac " << spec.activation_checkpoint.mode << " mp " << spec.mixed_precision.param << " rsf " << spec.reshard_after_forward
       << " overlap " << spec.plan.overlap << " bucket " << spec.plan.bucket_bytes << " ranks/host " << planning_ranks_per_host(spec.world_size)
-      << " cores " << planning_cores() << " stages " << spec.pipeline.stages << " tp_plan " << spec.tp_plan.size() << " " << c.to_json();
+      << " cores " << launch::usable_cpus() << " stages " << spec.pipeline.stages << " tp_plan " << spec.tp_plan.size() << " " << c.to_json();
   for (const auto& [glob, how] : spec.tp_plan) key << " " << glob << "=" << how;
   return key.str();
 }
@@ -185,17 +176,12 @@ std::int64_t planning_ranks_per_host(std::int64_t world_size) {
   return world_size <= 64 ? world_size : 8;
 }
 
-std::int64_t planning_cores() {
-  cpu_set_t set;
-  return sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : static_cast<std::int64_t>(std::thread::hardware_concurrency());
-}
-
 AutoReport plan_auto(const JobSpec& spec, PluginRegistry& registry, const plan::Calibration& c) {
   const auto t0 = Clock::now();
   AutoReport report;
   report.world_size = spec.world_size;
   report.ranks_per_host = planning_ranks_per_host(spec.world_size);
-  report.cores = planning_cores();
+  report.cores = launch::usable_cpus();
   report.memory_budget = spec.memory_budget;
   report.planner = spec.planner;
   report.calibration = c;
@@ -276,19 +262,17 @@ AutoReport choose_auto(JobSpec& spec, PluginRegistry& registry) {
   }
   if (!reused) {
     report = plan_auto(spec, registry, c);
-    // Over the budget everywhere: activation checkpointing, as the budget does for a manual layout.
-    for (const char* mode : {"selective", "full"}) {
-      const AutoPlan& first = report.plans.front();
-      if (spec.memory_budget <= 0 || (first.error.empty() && first.fits) || spec.activation_checkpoint.mode == "full" ||
-          (spec.activation_checkpoint.mode == "selective" && std::string(mode) == "selective")) {
-        continue;
-      }
+    // Over the budget everywhere: activation checkpointing, as the budget does for a manual
+    // layout, each mode recomputing more than the configured one.
+    const std::vector<std::string> modes{"none", "selective", "full"};
+    auto mode = std::find(modes.begin(), modes.end(), spec.activation_checkpoint.mode);
+    while (spec.memory_budget > 0 && rank_class(report.plans.front()) != 0 && mode != modes.end() && ++mode != modes.end()) {
       JobSpec s = spec;
-      s.activation_checkpoint = {mode, "op", spec.activation_checkpoint.keep_collective_outputs};
+      s.activation_checkpoint = {*mode, "op", spec.activation_checkpoint.keep_collective_outputs};
       AutoReport again = plan_auto(s, registry, c);
-      for (auto& p : again.plans) p.activation_checkpoint = mode;
-      if (again.plans.front().error.empty() && again.plans.front().fits) report = std::move(again);
-      else if (std::string(mode) == "full") report.tried_checkpointing = true;
+      for (auto& p : again.plans) p.activation_checkpoint = *mode;
+      if (rank_class(again.plans.front()) == 0) report = std::move(again);
+      else report.tried_checkpointing = true;
     }
   }
   const AutoPlan& best = report.plans.front();
@@ -308,8 +292,8 @@ AutoReport choose_auto(JobSpec& spec, PluginRegistry& registry) {
   if (!best.activation_checkpoint.empty()) spec.activation_checkpoint = {best.activation_checkpoint, "op", spec.activation_checkpoint.keep_collective_outputs};
   spec.strategies.clear();
   spec.auto_choices = best.choices;
-  if (!reused) spec.auto_report = report.line();
   if (!reused) {
+    spec.auto_report = report.line();
     nlohmann::json j{{"format", "spmdx.auto_plan/1"},
                      {"key", key},
                      {"layout", best.layout},
@@ -458,7 +442,7 @@ std::string AutoReport::json() const {
 
 plan::StepEstimate estimate_job(const JobSpec& spec, PluginRegistry& registry, const plan::Calibration& c) {
   const PlacedJob job = place_job(spec, registry);
-  return measure(job, spec, propagate_job(job), c, planning_ranks_per_host(spec.world_size), planning_cores(), nullptr);
+  return measure(job, spec, propagate_job(job), c, planning_ranks_per_host(spec.world_size), launch::usable_cpus(), nullptr);
 }
 
 }  // namespace spmdx::train

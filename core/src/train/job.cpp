@@ -1121,6 +1121,12 @@ sharding::DistributedPlan propagate_job(const PlacedJob& job) {
                              job.context_parallel_dim, job.context_parallel_allgather, job.forced.empty() ? nullptr : &job.forced);
 }
 
+sharding::DistributedPlan propagate_job(const PlacedJob& job, const spmdx::Planner& planner, const sharding::IntraOpCostModel& cost,
+                                        std::vector<sharding::IntraOpDim>* report) {
+  return sharding::propagate_optimal(job.model.graph, job.mesh, job.inputs, job.outputs, job.use, job.reshard_after_forward, job.sequence_parallel_dim,
+                                     job.context_parallel_dim, job.context_parallel_allgather, planner, cost, report);
+}
+
 data::TextDatasetOptions validation_data(const JobSpec& spec) {
   data::TextDatasetOptions options{spec.validation.paths, spec.validation.global_batch_size, spec.seq_len, spec.data.seed};
   options.document_separator = spec.data.document_separator;

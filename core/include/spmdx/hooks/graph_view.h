@@ -27,4 +27,10 @@ std::vector<GraphEdge> edges_of(const GraphView& view);
 /// backward, as matmuls), 4·B·H·S²·D for sdpa (8· for its backward), else one per output element.
 double node_flops(const ir::Node& node);
 
+/// Estimated seconds of a node's kernel on one rank: its node_flops at `flops_per_second` where
+/// it does more than one per output element (matmuls, attention), else the bytes it reads and
+/// writes at `bytes_per_second` (memory bound). The cost model's (plan/estimate.h) and the
+/// intra-op problems' (sharding::propagate_optimal) per-node work.
+double node_seconds(const ir::Node& node, double flops_per_second, double bytes_per_second);
+
 }  // namespace spmdx::hooks

@@ -34,6 +34,11 @@ struct RankEnv {
 /// std::invalid_argument naming a variable that is set but not a valid number.
 RankEnv rank_env();
 
+/// This process's CPUs: its affinity mask (taskset, a cgroup cpuset, a SLURM binding), else the
+/// machine's. What a host's ranks share for intra-op threads, and what the cost model
+/// (plan/estimate.h) divides among them.
+std::int64_t usable_cpus();
+
 /// torchrun's launch flags.
 struct LaunchOptions {
   int nproc = 1;               ///< --nproc (--nproc-per-node): ranks on this node

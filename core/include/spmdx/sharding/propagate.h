@@ -91,6 +91,8 @@ DistributedPlan propagate(const ir::Graph& graph, const DeviceMesh& mesh, const 
 
 /// "S(0),R->S(0)": an OpStrategy's input and output placements on one mesh dim.
 std::string signature(const OpStrategy& strategy);
+/// The signature of the strategy `plan` runs `node` with on `mesh_dim`: what it reads and writes there.
+std::string taken_signature(const DistributedPlan& plan, const ir::Node& node, int mesh_dim);
 
 /// How the intra-op problems (propagate_optimal) price a plan: each mesh dim's link, and the
 /// rates at which a rank computes (plan/estimate.h's Calibration measures them).

@@ -66,8 +66,6 @@ struct AutoReport {
 /// The ranks of a host the cost model assumes: LOCAL_WORLD_SIZE when set (torchrun's), else the
 /// world size up to 64 ranks, else 8 (a planned mesh larger than one machine: hosts of 8).
 std::int64_t planning_ranks_per_host(std::int64_t world_size);
-/// This process's CPUs (its affinity mask).
-std::int64_t planning_cores();
 
 /// Plans every layout of spec.world_size / (cp x pp) ranks (spec's other settings as they are)
 /// with the calibration `c`: each by propagation, then the best 4 of them again with the

@@ -256,6 +256,9 @@ struct PlacedJob {
 /// sharding::propagate over the job's graph with its inputs, outputs, `use` placements, FSDP
 /// resharding, sequence and context parallelism: the plan every rank builds before its first step.
 sharding::DistributedPlan propagate_job(const PlacedJob& job);
+/// The same with each mesh dim's strategies chosen by `planner` (sharding::propagate_optimal).
+sharding::DistributedPlan propagate_job(const PlacedJob& job, const spmdx::Planner& planner, const sharding::IntraOpCostModel& cost,
+                                        std::vector<sharding::IntraOpDim>* report = nullptr);
 
 /// What context parallelism does in a propagated job (cp > 1), for spmdx run's banner and
 /// spmdx compile: the tokens a rank holds, the order of the sequence, and how the plan runs
