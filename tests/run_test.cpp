@@ -172,6 +172,32 @@ TEST(Run, AutoStrategyGivesTheLossesOfOneRank) {
       EXPECT_NEAR(norms[i], want_norms[i], 1e-5 * std::abs(want_norms[i])) << planner << " step " << i + 1;
     }
   }
+  // A budget only pipelined layouts meet (compile's ranking: the least peak without stages, less
+  // a byte): auto chooses pipeline stages, and they train the losses of one rank.
+  const auto folder = dir / "auto-pp";
+  const std::string greedy = " --parallelism.strategy auto --parallelism.planner greedy --job.dump_folder '" + folder.string() + "'" + common;
+  const auto ranking = test::run_command("'" SPMDX_EXE "' compile " + config + " --world-size 4 --json" + greedy);
+  ASSERT_EQ(ranking.exit_code, 0) << ranking.output;
+  std::int64_t flat = 0, piped = 0;
+  const auto report = nlohmann::json::parse(ranking.output.substr(ranking.output.find('{')));
+  for (const auto& p : report.at("auto").at("plans")) {
+    ASSERT_EQ(p.at("error"), "") << p.dump();
+    std::int64_t& least = p.at("stages") == 1 ? flat : piped;
+    least = least == 0 ? p.at("peak_bytes").get<std::int64_t>() : std::min(least, p.at("peak_bytes").get<std::int64_t>());
+  }
+  ASSERT_LT(piped, flat) << ranking.output;
+  std::filesystem::remove(folder / "auto_plan.json");
+  auto r = spmdx_run(config + " --nproc 4 --parallelism.memory_budget " + std::to_string(flat - 1) + greedy);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("auto: chose pp 2 x "));
+  EXPECT_THAT(r.output, HasSubstr("pipeline: 2 stages"));
+  const auto got = losses(folder / "metrics.jsonl");
+  const auto norms = test::column(folder / "metrics.jsonl", "grad_norm");
+  ASSERT_EQ(got.size(), want.size());
+  for (std::size_t i = 0; i < want.size(); ++i) {
+    EXPECT_NEAR(got[i], want[i], 1e-5 * std::abs(want[i])) << "pp step " << i + 1;
+    EXPECT_NEAR(norms[i], want_norms[i], 1e-5 * std::abs(want_norms[i])) << "pp step " << i + 1;
+  }
 }
 
 TEST(Run, ContextParallelGivesTheLossesOfOneRank) {

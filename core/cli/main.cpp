@@ -564,6 +564,7 @@ int run_compile(const CompileOptions& o) {
       const auto e = spmdx::train::estimate_job(spec, registry, *calibration);
       j["estimate"] = {{"step_seconds", e.step_seconds}, {"compute_seconds", e.compute_seconds}, {"comm_seconds", e.comm_seconds},
                        {"comm_seconds_by_dim", e.comm_seconds_by_dim}, {"peak_bytes", e.peak_bytes}, {"threads", e.threads}, {"core_sharing", e.core_sharing},
+                       {"stages", e.stages}, {"bubble_seconds", e.bubble_seconds}, {"bubble_fraction", e.bubble_fraction}, {"stage_seconds", e.stage_seconds},
                        {"calibration", nlohmann::json::parse(calibration->to_json())}};
     }
     std::cout << j.dump(1) << "\n";
@@ -612,10 +613,15 @@ int run_compile(const CompileOptions& o) {
   }
   if (o.estimate) {
     const auto e = spmdx::train::estimate_job(spec, registry, *calibration);
-    char text[256];
-    std::snprintf(text, sizeof text, "estimate (rank 0): %.2f ms a step = compute %.2f ms (%lld thread%s a rank, cores shared %.2fx) + communication %.2f ms; planned peak %s\n",
+    char text[512];
+    char bubble[160] = "";
+    if (e.stages > 1) {
+      std::snprintf(bubble, sizeof bubble, " + pipeline bubble %.2f ms (%.2f of the step; the slowest of %lld stages above)", e.bubble_seconds * 1e3,
+                    e.bubble_fraction, static_cast<long long>(e.stages));
+    }
+    std::snprintf(text, sizeof text, "estimate (rank 0): %.2f ms a step = compute %.2f ms (%lld thread%s a rank, cores shared %.2fx) + communication %.2f ms%s; planned peak %s\n",
                   e.step_seconds * 1e3, e.compute_seconds * 1e3, static_cast<long long>(e.threads), e.threads == 1 ? "" : "s", e.core_sharing, e.comm_seconds * 1e3,
-                  spmdx::human_bytes(static_cast<double>(e.peak_bytes)).c_str());
+                  bubble, spmdx::human_bytes(static_cast<double>(e.peak_bytes)).c_str());
     std::cout << text << "calibration: " << calibration->str() << "\n";
   }
   std::cout << "planned in " << std::fixed << std::setprecision(3) << seconds << " s, peak RSS " << spmdx::human_bytes(static_cast<double>(peak_rss_bytes())) << std::defaultfloat << (o.fake ? " (--fake: no ranks started" : " (no ranks started")

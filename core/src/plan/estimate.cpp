@@ -11,6 +11,7 @@
 
 #include "spmdx/files.h"
 #include "spmdx/hooks/graph_view.h"
+#include "spmdx/sharding/redistribute.h"
 #include "spmdx/sharding/spec.h"
 
 namespace spmdx::plan {
@@ -142,26 +143,55 @@ double compute_seconds(const ir::Graph& rank_graph, const Calibration& c, std::i
   const double t = static_cast<double>(std::max<std::int64_t>(1, threads));
   double total = 0;
   for (const auto& node : rank_graph.nodes()) {
-    if (sharding::is_communication(node->op())) continue;
+    if (sharding::is_communication(node->op()) || node->op() == "send" || node->op() == "recv") continue;  // priced as traffic
     total += c.node_seconds + hooks::node_seconds(*node, c.matmul_flops_per_second * t, c.memory_bytes_per_second * t);
   }
   return total;
 }
 
-StepEstimate estimate_step(const ir::Graph& rank_graph, const sharding::DistributedPlan& plan, const Calibration& c, std::int64_t ranks_per_host,
-                           std::int64_t cores, std::int64_t peak_bytes, std::int64_t issues) {
+Traffic rank_traffic(const ir::Graph& rank_graph, const sharding::DeviceMesh& mesh) {
+  Traffic t;
+  t.bytes_by_dim.assign(static_cast<std::size_t>(mesh.ndim()), 0);
+  t.messages_by_dim.assign(static_cast<std::size_t>(mesh.ndim()), 0);
+  int pp = -1;
+  for (int d = 0; d < mesh.ndim(); ++d) {
+    if (mesh.dims()[static_cast<std::size_t>(d)].name == "pp") pp = d;
+  }
+  for (const auto& node : rank_graph.nodes()) {
+    const std::string& op = node->op();
+    if (op == "send" && pp >= 0) {
+      t.bytes_by_dim[static_cast<std::size_t>(pp)] += static_cast<double>(node->input(0)->meta().nbytes());
+      t.messages_by_dim[static_cast<std::size_t>(pp)] += 1;
+      continue;
+    }
+    if (!sharding::is_collective(op)) continue;
+    const auto d = static_cast<std::size_t>(node->attr_int("mesh_dim"));
+    if (d >= t.bytes_by_dim.size()) continue;
+    const std::int64_t k = mesh.size(static_cast<int>(d));
+    if (k <= 1) continue;
+    const double f = static_cast<double>(k - 1) / static_cast<double>(k);
+    const double in = static_cast<double>(node->input(0)->meta().nbytes());
+    const double out = static_cast<double>(node->output(0)->meta().nbytes());
+    t.bytes_by_dim[d] += op == "all_reduce" ? 2 * f * in : op == "all_gather" ? f * out : f * in;
+    t.messages_by_dim[d] += static_cast<double>(k - 1) * (op == "all_reduce" ? 2 : 1);
+  }
+  return t;
+}
+
+StepEstimate estimate_step(const ir::Graph& rank_graph, const sharding::DeviceMesh& mesh, const Traffic& traffic, const Calibration& c,
+                           std::int64_t ranks_per_host, std::int64_t cores, std::int64_t peak_bytes, std::int64_t issues) {
   StepEstimate e;
   e.issues = issues;
-  for (const auto& node : rank_graph.nodes()) e.nodes += sharding::is_communication(node->op()) ? 0 : 1;
+  for (const auto& node : rank_graph.nodes()) e.nodes += sharding::is_communication(node->op()) || node->op() == "send" || node->op() == "recv" ? 0 : 1;
   ranks_per_host = std::max<std::int64_t>(1, ranks_per_host);
   cores = std::max<std::int64_t>(1, cores);
   e.threads = std::max<std::int64_t>(1, cores / ranks_per_host);
   e.core_sharing = std::max(1.0, static_cast<double>(ranks_per_host * e.threads) / static_cast<double>(cores));
   e.compute_seconds = compute_seconds(rank_graph, c, e.threads) * e.core_sharing;
-  const auto links = mesh_links(plan.mesh, ranks_per_host, c);
+  const auto links = mesh_links(mesh, ranks_per_host, c);
   for (std::size_t d = 0; d < links.size(); ++d) {
-    const double bytes = d < plan.comm_bytes_by_dim.size() ? plan.comm_bytes_by_dim[d] : 0;
-    const double messages = d < plan.comm_messages_by_dim.size() ? plan.comm_messages_by_dim[d] : 0;
+    const double bytes = d < traffic.bytes_by_dim.size() ? traffic.bytes_by_dim[d] : 0;
+    const double messages = d < traffic.messages_by_dim.size() ? traffic.messages_by_dim[d] : 0;
     const double seconds = messages * links[d].alpha + bytes / links[d].beta;
     e.comm_seconds_by_dim.push_back(seconds);
     e.comm_bytes_by_dim.push_back(bytes);
@@ -170,6 +200,27 @@ StepEstimate estimate_step(const ir::Graph& rank_graph, const sharding::Distribu
   e.comm_seconds += static_cast<double>(issues) * c.collective_seconds;
   e.step_seconds = e.compute_seconds + e.comm_seconds;
   e.peak_bytes = peak_bytes;
+  return e;
+}
+
+StepEstimate pipeline_step(const std::vector<StepEstimate>& stages, double bubble_fraction) {
+  if (stages.empty()) throw std::invalid_argument("pipeline_step: no stages");
+  if (!(bubble_fraction >= 0 && bubble_fraction < 1)) throw std::invalid_argument("pipeline_step: a bubble fraction must lie in [0, 1)");
+  std::size_t slowest = 0;
+  for (std::size_t s = 1; s < stages.size(); ++s) {
+    if (stages[s].step_seconds > stages[slowest].step_seconds) slowest = s;
+  }
+  StepEstimate e = stages[slowest];
+  e.stages = static_cast<std::int64_t>(stages.size());
+  e.bubble_fraction = bubble_fraction;
+  e.stage_seconds.clear();
+  for (const auto& s : stages) {
+    e.stage_seconds.push_back(s.step_seconds);
+    e.peak_bytes = std::max(e.peak_bytes, s.peak_bytes);
+  }
+  const double busy = stages[slowest].step_seconds;
+  e.bubble_seconds = busy * bubble_fraction / (1 - bubble_fraction);
+  e.step_seconds = busy + e.bubble_seconds;
   return e;
 }
 

@@ -4,11 +4,14 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <functional>
+#include <limits>
 #include <set>
+#include <tuple>
 #include <sstream>
 #include <stdexcept>
 
@@ -19,6 +22,7 @@
 #include "spmdx/plan/runtime_plan.h"
 #include "spmdx/sharding/redistribute.h"
 #include "spmdx/text.h"
+#include "spmdx/train/pipeline.h"
 
 namespace spmdx::train {
 namespace {
@@ -31,19 +35,32 @@ constexpr std::size_t kPlannerLayouts = 4;
 // cost model cannot tell (bench/auto_sharding.sh: on mlp dp 4 a plan predicted 0.6% faster
 // measured 20% slower), and propagation's plan is the one every other test runs.
 constexpr double kPlannerGain = 0.02;
+// A pipelined layout of more microbatches than this is priced at 2 and 3 and extrapolated (its
+// step graph unrolls every microbatch: 1,024 ranks make hundreds), and keeps propagation's plan.
+constexpr std::int64_t kPricedMicrobatches = 4;
+// Pipelined layouts priced when some layout fits the budget (each takes a second at 1,024 ranks
+// of a 32-layer model, against 0.1 s for one without stages).
+constexpr std::size_t kPipelineLayouts = 8;
 
 double since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
-std::string layout_of(const sharding::ParallelDims& d) {
+std::string layout_of(const sharding::ParallelDims& d, std::int64_t stages) {
   std::string out;
   auto add = [&](const char* name, std::int64_t k) {
     if (k > 1) out += (out.empty() ? "" : " x ") + std::string(name) + " " + std::to_string(k);
   };
+  add("pp", stages);
   add("dp_replicate", d.dp_replicate);
   add("dp_shard", d.dp_shard);
   add("cp", d.cp);
   add("tp", d.tp);
   return out.empty() ? "one rank" : out;
+}
+
+// The mesh a layout's ranks run on (pp outermost with stages), for its dims' names.
+sharding::DeviceMesh layout_mesh(const AutoPlan& p) {
+  const auto mesh = sharding::make_mesh(p.dims, p.dims.dp_replicate * p.dims.dp_shard * p.dims.tp * p.dims.cp);
+  return p.stages > 1 ? pipeline_mesh(mesh, p.stages) : mesh;
 }
 
 std::string ms(double seconds) {
@@ -66,19 +83,99 @@ std::vector<sharding::ParallelDims> layouts(std::int64_t ranks, std::int64_t cp)
   return out;
 }
 
-// What a plan of `job` costs on rank 0: its rank graph, memory plan and estimate; the collectives it runs.
+// What a plan of `job` costs: rank 0's program, its memory plan and estimate, and the collectives
+// it runs; with pipeline stages, a rank's of each stage (of the first, the second and the last
+// when more than 3 stages split the layers evenly: the middle stages hold no more layers and no
+// more microbatches in flight than the second), by stage.
+std::map<std::int64_t, plan::StepEstimate> measure_stages(const PlacedJob& job, const JobSpec& spec, const sharding::DistributedPlan& plan,
+                                                          const plan::Calibration& c, std::int64_t ranks_per_host, std::int64_t cores,
+                                                          std::map<std::string, std::int64_t>* collectives) {
+  const sharding::DeviceMesh mesh = run_mesh(job);
+  const std::int64_t last = job.pipeline.stages - 1;
+  std::set<std::int64_t> priced;
+  for (std::int64_t stage = 0; stage <= last; ++stage) {
+    if (last < 3 || !spec.pipeline_split_points.empty() || stage <= 1 || stage == last) priced.insert(stage);
+  }
+  std::map<std::int64_t, plan::StepEstimate> out;
+  if (collectives != nullptr) collectives->clear();
+  auto price = [&](const ir::Graph& graph, std::int64_t stage) {
+    const plan::RuntimePlan runtime = plan::make_runtime_plan(graph, mesh, spec.plan);
+    const plan::MemoryPlan memory = plan::plan_memory(graph, runtime);
+    if (collectives != nullptr && stage == 0) {
+      for (const auto& n : graph.nodes()) {
+        if (sharding::is_collective(n->op())) ++(*collectives)[n->op()];
+      }
+    }
+    out[stage] = plan::estimate_step(graph, mesh, plan::rank_traffic(graph, mesh), c, ranks_per_host, cores, memory.peak_bytes, runtime.issues);
+  };
+  // Each stage's first rank holds position 0 of its stage's mesh: one rank graph, cut per stage (rank_program).
+  const ir::Graph whole = rank_step_graph(plan, 0, spec);
+  for (const std::int64_t stage : priced) {
+    if (job.pipeline.stages == 1) price(whole, stage);
+    else price(stage_graph(whole, job.pipeline, job.model.params, stage * job.mesh.size(), job.mesh.size()).graph, stage);
+  }
+  return out;
+}
+
+plan::StepEstimate combine(const PipelineSpec& pipeline, const std::map<std::int64_t, plan::StepEstimate>& stages) {
+  if (pipeline.stages <= 1) return stages.begin()->second;
+  std::vector<plan::StepEstimate> each;
+  for (const auto& [stage, e] : stages) each.push_back(e);
+  return plan::pipeline_step(each, bubble_fraction(pipeline));
+}
+
 plan::StepEstimate measure(const PlacedJob& job, const JobSpec& spec, const sharding::DistributedPlan& plan, const plan::Calibration& c,
                            std::int64_t ranks_per_host, std::int64_t cores, std::map<std::string, std::int64_t>* collectives) {
-  const ir::Graph graph = rank_program(job, plan, 0, spec);
-  const plan::RuntimePlan runtime = plan::make_runtime_plan(graph, run_mesh(job), spec.plan);
-  const plan::MemoryPlan memory = plan::plan_memory(graph, runtime);
-  if (collectives != nullptr) {
-    collectives->clear();
-    for (const auto& n : graph.nodes()) {
-      if (sharding::is_collective(n->op())) ++(*collectives)[n->op()];
-    }
+  return combine(job.pipeline, measure_stages(job, spec, plan, c, ranks_per_host, cores, collectives));
+}
+
+// The most microbatches `stage` holds activations of at once under `pipeline`'s schedule.
+std::int64_t in_flight(const PipelineSpec& pipeline, std::int64_t stage) {
+  std::int64_t alive = 0, most = 0;
+  const auto schedule = pipeline_schedule(pipeline);
+  for (const auto& a : schedule.at(static_cast<std::size_t>(stage))) {
+    alive += a.forward ? 1 : -1;
+    most = std::max(most, alive);
   }
-  return plan::estimate_step(graph, plan, c, ranks_per_host, cores, memory.peak_bytes, runtime.issues);
+  return most;
+}
+
+// The two microbatch counts a pipelined layout of many is priced at: 2 and 3, or for
+// Interleaved1F1B (microbatches in groups of the stages) the stages and twice them.
+std::pair<std::int64_t, std::int64_t> priced_microbatches(const PipelineSpec& pipeline) {
+  return pipeline.schedule == "Interleaved1F1B" ? std::pair{pipeline.stages, 2 * pipeline.stages} : std::pair<std::int64_t, std::int64_t>{2, 3};
+}
+
+// A pipelined layout of `pipeline.microbatches` microbatches priced from the same layout at the
+// two counts of priced_microbatches (`at_a`, `at_b`, of the same rows each, planned alike): every
+// microbatch adds the same nodes and collectives, so time, bytes and calls grow linearly in the
+// microbatches, and the peak in the microbatches a stage holds in flight (in_flight).
+std::map<std::int64_t, plan::StepEstimate> extrapolate(const PipelineSpec& pipeline, const std::map<std::int64_t, plan::StepEstimate>& at_a,
+                                                       const std::map<std::int64_t, plan::StepEstimate>& at_b) {
+  PipelineSpec pa = pipeline, pb = pipeline;
+  std::tie(pa.microbatches, pb.microbatches) = priced_microbatches(pipeline);
+  const double m = static_cast<double>(pipeline.microbatches - pa.microbatches) / static_cast<double>(pb.microbatches - pa.microbatches);
+  auto line = [&](double a, double b, double k) { return a + k * (b - a); };
+  std::map<std::int64_t, plan::StepEstimate> out;
+  for (const auto& [stage, a] : at_a) {
+    const plan::StepEstimate& b = at_b.at(stage);
+    plan::StepEstimate e = b;
+    e.compute_seconds = line(a.compute_seconds, b.compute_seconds, m);
+    e.comm_seconds = line(a.comm_seconds, b.comm_seconds, m);
+    e.step_seconds = e.compute_seconds + e.comm_seconds;
+    for (std::size_t d = 0; d < e.comm_seconds_by_dim.size(); ++d) {
+      e.comm_seconds_by_dim[d] = line(a.comm_seconds_by_dim[d], b.comm_seconds_by_dim[d], m);
+      e.comm_bytes_by_dim[d] = line(a.comm_bytes_by_dim[d], b.comm_bytes_by_dim[d], m);
+    }
+    e.issues = static_cast<std::int64_t>(std::llround(line(static_cast<double>(a.issues), static_cast<double>(b.issues), m)));
+    e.nodes = static_cast<std::int64_t>(std::llround(line(static_cast<double>(a.nodes), static_cast<double>(b.nodes), m)));
+    const std::int64_t k2 = in_flight(pa, stage), k3 = in_flight(pb, stage), k = in_flight(pipeline, stage);
+    e.peak_bytes = k3 > k2 ? static_cast<std::int64_t>(std::llround(line(static_cast<double>(a.peak_bytes), static_cast<double>(b.peak_bytes),
+                                                                         static_cast<double>(k - k2) / static_cast<double>(k3 - k2))))
+                           : b.peak_bytes;
+    out[stage] = e;
+  }
+  return out;
 }
 
 // The strategies the plan took on each mesh dim of size > 1, by node id.
@@ -92,13 +189,41 @@ std::map<std::int64_t, std::map<int, std::string>> choices_of(const sharding::Di
   return out;
 }
 
+// `s` with `stages` pipeline stages over its data-parallel degree (s.dims): the microbatches are
+// the global batch over the data-parallel ranks in pipeline_microbatch_size rows, as read_pipeline
+// makes them (an exported program's are fixed); stages the search chose split the layers evenly.
+// Throws std::invalid_argument when the batch does not split so.
+void pipeline_layout(JobSpec& s, std::int64_t stages) {
+  if (stages == s.pipeline.stages && stages == 1) return;
+  if (stages != s.pipeline.stages) {  // chosen, not configured: an even split
+    s.pipeline_split_points.clear();
+    s.pipeline_layers_per_stage = -1;
+  }
+  s.pipeline.stages = stages;
+  if (stages == 1 || s.model.name == "pt2") {
+    s.pipeline.microbatches = s.step.microbatches;
+    return;
+  }
+  const std::int64_t dp = s.dims.dp_replicate * s.dims.dp_shard, rows = std::max<std::int64_t>(1, s.pipeline_microbatch_size);
+  if (s.global_batch_size % (dp * rows) != 0) {
+    throw std::invalid_argument("training.global_batch_size " + std::to_string(s.global_batch_size) + " does not split into microbatches of " +
+                                std::to_string(rows) + " rows (parallelism.pipeline_parallel_microbatch_size) on " + std::to_string(dp) + " data-parallel ranks");
+  }
+  s.step.microbatches = s.pipeline.microbatches = std::max<std::int64_t>(1, s.global_batch_size / (dp * rows));
+  if (s.pipeline.schedule == "Interleaved1F1B" && s.pipeline.microbatches % stages != 0) {
+    throw std::invalid_argument("Interleaved1F1B runs microbatches in groups of the " + std::to_string(stages) + " stages, and the global batch makes " +
+                                std::to_string(s.pipeline.microbatches));
+  }
+}
+
 // The layout planned by propagation alone (planner == nullptr), or refined by the planner.
-AutoPlan plan_layout(const JobSpec& spec, const sharding::ParallelDims& dims, PluginRegistry& registry, const spmdx::Planner* planner,
+AutoPlan plan_layout(const JobSpec& spec, const sharding::ParallelDims& dims, std::int64_t stages, PluginRegistry& registry, const spmdx::Planner* planner,
                      const plan::Calibration& c, std::int64_t ranks_per_host, std::int64_t cores, const AutoPlan* greedy_done = nullptr) {
   const auto t0 = Clock::now();
   AutoPlan out = greedy_done != nullptr ? *greedy_done : AutoPlan{};
   out.dims = dims;
-  out.layout = layout_of(dims);
+  out.stages = stages;
+  out.layout = layout_of(dims, stages);
   JobSpec s = spec;
   s.dims = dims;
   s.strategies.clear();
@@ -106,7 +231,35 @@ AutoPlan plan_layout(const JobSpec& spec, const sharding::ParallelDims& dims, Pl
   s.auto_choices.clear();
   s.auto_strategy = false;
   try {
+    pipeline_layout(s, stages);
+    out.microbatches = s.step.microbatches;
+    const auto [ma, mb] = priced_microbatches(s.pipeline);
+    out.extrapolated = stages > 1 && out.microbatches > std::max(kPricedMicrobatches, mb);
+    if (out.extrapolated && greedy_done == nullptr) {  // priced at ma and mb microbatches of the same rows
+      std::map<std::int64_t, plan::StepEstimate> at[2];
+      std::map<std::string, std::int64_t> collectives[2];
+      PipelineSpec pipeline;
+      for (int i = 0; i < 2; ++i) {
+        JobSpec few = s;
+        few.step.microbatches = few.pipeline.microbatches = i == 0 ? ma : mb;
+        few.global_batch_size = s.global_batch_size / s.step.microbatches * few.step.microbatches;
+        const PlacedJob job = place_job(few, registry);
+        for (const auto& p : job.model.params) out.layers = std::max(out.layers, layer_of(p) + 1);
+        at[i] = measure_stages(job, few, propagate_job(job), c, ranks_per_host, cores, &collectives[i]);
+        pipeline = job.pipeline;
+      }
+      pipeline.microbatches = out.microbatches;
+      out.greedy = out.chosen = combine(pipeline, extrapolate(pipeline, at[0], at[1]));
+      for (const auto& [op, kb] : collectives[1]) {
+        out.collectives[op] = collectives[0][op] + (out.microbatches - ma) * (kb - collectives[0][op]) / (mb - ma);
+      }
+      out.fits = spec.memory_budget <= 0 || out.chosen.peak_bytes <= spec.memory_budget;
+      out.plan_seconds += since(t0);
+      return out;
+    }
+    if (out.extrapolated) return out;  // the planner's node choices would not name the nodes of the step the ranks build
     const PlacedJob job = place_job(s, registry);
+    for (const auto& p : job.model.params) out.layers = std::max(out.layers, layer_of(p) + 1);
     if (greedy_done == nullptr) {
       const sharding::DistributedPlan greedy = propagate_job(job);
       out.greedy = measure(job, s, greedy, c, ranks_per_host, cores, &out.collectives);
@@ -187,7 +340,7 @@ AutoReport plan_auto(const JobSpec& spec, PluginRegistry& registry, const plan::
   report.calibration = c;
   std::unique_ptr<spmdx::Planner> planner;
   if (spec.planner != "greedy") planner = registry.make_planner(spec.planner);
-  const std::int64_t ranks = spec.world_size / std::max<std::int64_t>(1, spec.pipeline.stages) / spec.dims.cp;
+  const std::int64_t ranks = spec.world_size / spec.dims.cp;
   auto by_rank = [&] {
     std::stable_sort(report.plans.begin(), report.plans.end(), [](const AutoPlan& a, const AutoPlan& b) {
       if (rank_class(a) != rank_class(b)) return rank_class(a) < rank_class(b);
@@ -196,9 +349,46 @@ AutoReport plan_auto(const JobSpec& spec, PluginRegistry& registry, const plan::
   };
   // Every layout by propagation, then the planner on the best few of them (Alpa's outer loop
   // prunes alike): the ILP of a large graph takes seconds a mesh dim.
-  for (const auto& dims : layouts(ranks, spec.dims.cp)) {
-    report.plans.push_back(plan_layout(spec, dims, registry, nullptr, c, report.ranks_per_host, report.cores));
+  // Without pipeline stages (or with the configured ones), every layout.
+  const bool configured_stages = spec.pipeline.stages > 1;
+  std::int64_t layers = 0;
+  for (const auto& dims : layouts(ranks / spec.pipeline.stages, spec.dims.cp)) {
+    report.plans.push_back(plan_layout(spec, dims, spec.pipeline.stages, registry, nullptr, c, report.ranks_per_host, report.cores));
+    layers = std::max(layers, report.plans.back().layers);
     SPMDX_DEBUG("auto: " << report.plans.back().layout << " planned in " << report.plans.back().plan_seconds << " s");
+  }
+  // Then pipelined layouts: every stage count the model's layers allow (a stage holds at least
+  // one layer, two with Interleaved1F1B), tensor parallel within a host (as Megatron-LM places
+  // it), in the order of the layout whose data-parallel replicas the stages replace (pp x
+  // dp_replicate x dp_shard x tp against pp.dp_replicate x dp_shard x tp), the first
+  // kPipelineLayouts of them; the rest only when none of those fits the budget.
+  if (!configured_stages) {
+    std::map<std::string, double> flat;
+    for (const auto& p : report.plans) {
+      if (p.error.empty()) flat[layout_of(p.dims, 1)] = p.chosen.step_seconds;
+    }
+    const std::int64_t per_chunk = spec.pipeline.schedule == "Interleaved1F1B" ? 2 : 1;
+    std::vector<std::tuple<double, std::int64_t, sharding::ParallelDims>> piped;
+    for (std::int64_t stages = 2; stages <= ranks && stages * per_chunk <= layers; ++stages) {
+      if (ranks % stages != 0) continue;
+      for (const auto& dims : layouts(ranks / stages, spec.dims.cp)) {
+        if (dims.tp > report.ranks_per_host) continue;
+        sharding::ParallelDims replicas = dims;
+        replicas.dp_replicate *= stages;
+        const auto it = flat.find(layout_of(replicas, 1));
+        piped.emplace_back(it == flat.end() ? std::numeric_limits<double>::infinity() : it->second, stages, dims);
+      }
+    }
+    std::stable_sort(piped.begin(), piped.end(), [](const auto& a, const auto& b) { return std::get<0>(a) < std::get<0>(b); });
+    for (std::size_t i = 0; i < piped.size(); ++i) {
+      if (i == kPipelineLayouts && std::any_of(report.plans.begin(), report.plans.end(), [](const AutoPlan& p) { return rank_class(p) == 0; })) {
+        report.pipeline_layouts_skipped = piped.size() - i;
+        break;
+      }
+      const auto& [proxy, stages, dims] = piped[i];
+      report.plans.push_back(plan_layout(spec, dims, stages, registry, nullptr, c, report.ranks_per_host, report.cores));
+      SPMDX_DEBUG("auto: " << report.plans.back().layout << " planned in " << report.plans.back().plan_seconds << " s");
+    }
   }
   by_rank();
   if (planner != nullptr) {  // within parallelism.planner_time_limit_seconds for all of them: each mesh dim's solver gets what is left
@@ -208,7 +398,8 @@ AutoReport plan_auto(const JobSpec& spec, PluginRegistry& registry, const plan::
       if (!report.plans[r].error.empty() || left <= 0) break;
       JobSpec s = spec;
       s.planner_time_limit = left;
-      report.plans[r] = plan_layout(s, report.plans[r].dims, registry, planner.get(), c, report.ranks_per_host, report.cores, &report.plans[r]);
+      report.plans[r] = plan_layout(s, report.plans[r].dims, report.plans[r].stages, registry, planner.get(), c, report.ranks_per_host, report.cores,
+                                    &report.plans[r]);
     }
     by_rank();
   }
@@ -229,7 +420,7 @@ AutoReport choose_auto(JobSpec& spec, PluginRegistry& registry) {
   if (std::ifstream in(kept); in) {
     try {
       const auto j = nlohmann::json::parse(in);
-      if (j.at("format") != "spmdx.auto_plan/1") throw std::invalid_argument("format " + j.at("format").dump() + " is not spmdx.auto_plan/1");
+      if (j.at("format") != "spmdx.auto_plan/2") throw std::invalid_argument("format " + j.at("format").dump() + " is not spmdx.auto_plan/2");
       if (j.at("key") == key && j.at("check") != plan_check(j)) throw std::invalid_argument("it was changed after spmdx wrote it (its check does not match)");
       if (j.at("key") == key) {
         report.world_size = spec.world_size;
@@ -237,11 +428,18 @@ AutoReport choose_auto(JobSpec& spec, PluginRegistry& registry) {
         report.calibration = c;
         AutoPlan p;
         p.dims = {j.at("dims").at(0), j.at("dims").at(1), j.at("dims").at(2), j.at("dims").at(3)};
-        if (p.dims.dp_replicate < 1 || p.dims.dp_shard < 1 || p.dims.tp < 1 || p.dims.cp != spec.dims.cp ||
-            p.dims.dp_replicate * p.dims.dp_shard * p.dims.tp * p.dims.cp * std::max<std::int64_t>(1, spec.pipeline.stages) != spec.world_size) {
+        p.stages = j.at("stages");
+        p.microbatches = j.at("microbatches");
+        if (p.dims.dp_replicate < 1 || p.dims.dp_shard < 1 || p.dims.tp < 1 || p.dims.cp != spec.dims.cp || p.stages < 1 ||
+            (spec.pipeline.stages > 1 && p.stages != spec.pipeline.stages) || p.microbatches < 1 ||
+            p.dims.dp_replicate * p.dims.dp_shard * p.dims.tp * p.dims.cp * p.stages != spec.world_size) {
           throw std::invalid_argument("its degrees do not make " + std::to_string(spec.world_size) + " ranks");
         }
-        p.layout = layout_of(p.dims);
+        JobSpec s = spec;  // the microbatches its layout makes
+        s.dims = p.dims;
+        pipeline_layout(s, p.stages);
+        if (s.step.microbatches != p.microbatches) throw std::invalid_argument("its microbatches are not those of its layout");
+        p.layout = layout_of(p.dims, p.stages);
         p.planner_kept = j.at("planner_kept");
         p.activation_checkpoint = j.at("activation_checkpoint").get<std::string>();
         if (!p.activation_checkpoint.empty() && p.activation_checkpoint != "selective" && p.activation_checkpoint != "full") {
@@ -289,15 +487,18 @@ AutoReport choose_auto(JobSpec& spec, PluginRegistry& registry) {
                                                     : "no layout of " + std::to_string(spec.world_size) + " ranks can run the job (" + each + ")"));
   }
   spec.dims = best.dims;
+  pipeline_layout(spec, best.stages);
   if (!best.activation_checkpoint.empty()) spec.activation_checkpoint = {best.activation_checkpoint, "op", spec.activation_checkpoint.keep_collective_outputs};
   spec.strategies.clear();
   spec.auto_choices = best.choices;
   if (!reused) {
     spec.auto_report = report.line();
-    nlohmann::json j{{"format", "spmdx.auto_plan/1"},
+    nlohmann::json j{{"format", "spmdx.auto_plan/2"},
                      {"key", key},
                      {"layout", best.layout},
                      {"dims", {best.dims.dp_replicate, best.dims.dp_shard, best.dims.tp, best.dims.cp}},
+                     {"stages", best.stages},
+                     {"microbatches", best.microbatches},
                      {"planner_kept", best.planner_kept},
                      {"activation_checkpoint", best.activation_checkpoint},
                      {"step_seconds", best.chosen.step_seconds},
@@ -324,7 +525,8 @@ std::string AutoReport::line() const {
   if (plans.empty()) return "auto: nothing planned";
   const AutoPlan& best = plans.front();
   std::string out = "auto: chose " + best.layout + " of " + std::to_string(plans.size()) + " layouts: predicted " + ms(best.chosen.step_seconds) +
-                    " ms a step (compute " + ms(best.chosen.compute_seconds) + ", comm " + ms(best.chosen.comm_seconds) + "), planned peak " +
+                    " ms a step (compute " + ms(best.chosen.compute_seconds) + ", comm " + ms(best.chosen.comm_seconds) +
+                    (best.stages > 1 ? ", pipeline bubble " + ms(best.chosen.bubble_seconds) : std::string()) + "), planned peak " +
                     human_bytes(static_cast<double>(best.chosen.peak_bytes));
   if (plans.size() > 1 && plans[1].error.empty() && plans[1].fits) {
     char ratio[32];
@@ -345,7 +547,11 @@ std::string AutoReport::text(std::size_t top) const {
       << planner << "; " << ranks_per_host << " ranks a host, " << cores << " cores)\n";
   out << "calibration: " << calibration.str() << "\n";
   if (memory_budget > 0) out << "memory budget: " << human_bytes(static_cast<double>(memory_budget)) << " a rank\n";
-  std::snprintf(line, sizeof line, "%4s  %-34s %9s %9s %9s %11s  %-12s  %s\n", "#", "layout", "step ms", "compute", "comm", "peak", "greedy ms", "sent a rank by mesh dim; planner");
+  if (pipeline_layouts_skipped > 0) {
+    out << pipeline_layouts_skipped << " more pipelined layouts not priced (the first " << kPipelineLayouts
+        << " were, by the layout whose data-parallel replicas their stages replace, and a layout fits)\n";
+  }
+  std::snprintf(line, sizeof line, "%4s  %-44s %9s %9s %9s %11s  %-12s  %s\n", "#", "layout", "step ms", "compute", "comm", "peak", "greedy ms", "sent a rank by mesh dim; planner");
   out << line;
   for (std::size_t r = 0; r < plans.size() && r < top; ++r) {
     const AutoPlan& p = plans[r];
@@ -354,18 +560,25 @@ std::string AutoReport::text(std::size_t top) const {
       continue;
     }
     std::string sent;
-    const auto mesh = sharding::make_mesh(p.dims, p.dims.dp_replicate * p.dims.dp_shard * p.dims.tp * p.dims.cp);
+    const auto mesh = layout_mesh(p);
     for (std::size_t d = 0; d < p.chosen.comm_bytes_by_dim.size() && d < static_cast<std::size_t>(mesh.ndim()); ++d) {
       sent += (sent.empty() ? "" : ", ") + mesh.dims()[d].name + " " + human_bytes(p.chosen.comm_bytes_by_dim[d]);
     }
     std::string how = p.planner_kept ? "the ILP's plan" : p.intra.empty() ? "propagation's plan" : "propagation's plan (the ILP's not predicted 2% faster for the whole step)";
+    if (p.stages > 1) {
+      char t[160];
+      std::snprintf(t, sizeof t, "; %lld microbatches, bubble %.2f (%s ms) after the slowest stage's %s ms", static_cast<long long>(p.microbatches),
+                    p.chosen.bubble_fraction, ms(p.chosen.bubble_seconds).c_str(), ms(p.chosen.step_seconds - p.chosen.bubble_seconds).c_str());
+      how += t;
+      if (p.extrapolated) how += " (priced at fewer microbatches of the same rows and extrapolated; the planner is not run on it)";
+    }
     for (const auto& d : p.intra) {
       char t[160];
       std::snprintf(t, sizeof t, "; %s: %lld nodes changed, %s in %.2f s", d.mesh_dim.c_str(), static_cast<long long>(d.changed),
                     d.optimal ? "optimal" : "time limit", d.solve_seconds);
       how += t;
     }
-    std::snprintf(line, sizeof line, "%4zu  %-34s %9s %9s %9s %11s  %-12s  %s; %s%s\n", r + 1, p.layout.c_str(), ms(p.chosen.step_seconds).c_str(),
+    std::snprintf(line, sizeof line, "%4zu  %-44s %9s %9s %9s %11s  %-12s  %s; %s%s\n", r + 1, p.layout.c_str(), ms(p.chosen.step_seconds).c_str(),
                   ms(p.chosen.compute_seconds).c_str(), ms(p.chosen.comm_seconds).c_str(), human_bytes(static_cast<double>(p.chosen.peak_bytes)).c_str(),
                   ms(p.greedy.step_seconds).c_str(), sent.empty() ? "nothing sent" : sent.c_str(), how.c_str(), p.fits ? "" : "; OVER THE BUDGET");
     out << line;
@@ -403,11 +616,11 @@ std::string AutoReport::why() const {
 std::string AutoReport::json() const {
   using nlohmann::json;
   json j{{"format", "spmdx.auto/1"}, {"world_size", world_size}, {"ranks_per_host", ranks_per_host}, {"cores", cores}, {"memory_budget", memory_budget},
-         {"planner", planner}, {"seconds", seconds}, {"calibration", json::parse(calibration.to_json())}, {"plans", json::array()}};
+         {"planner", planner}, {"seconds", seconds}, {"pipeline_layouts_skipped", pipeline_layouts_skipped}, {"calibration", json::parse(calibration.to_json())}, {"plans", json::array()}};
   if (!plans.empty() && plans.front().error.empty() && plans.front().fits) j["chosen"] = plans.front().layout;
   for (const auto& p : plans) {
     json e{{"layout", p.layout},
-           {"dims", {{"dp_replicate", p.dims.dp_replicate}, {"dp_shard", p.dims.dp_shard}, {"cp", p.dims.cp}, {"tp", p.dims.tp}}},
+           {"dims", {{"pp", p.stages}, {"dp_replicate", p.dims.dp_replicate}, {"dp_shard", p.dims.dp_shard}, {"cp", p.dims.cp}, {"tp", p.dims.tp}}},
            {"error", p.error}};
     if (p.error.empty()) {
       e["fits"] = p.fits;
@@ -418,11 +631,17 @@ std::string AutoReport::json() const {
       e["peak_bytes"] = p.chosen.peak_bytes;
       e["comm_bytes_by_dim"] = json::object();
       e["comm_seconds_by_dim"] = json::object();
-      const auto mesh = sharding::make_mesh(p.dims, p.dims.dp_replicate * p.dims.dp_shard * p.dims.tp * p.dims.cp);
+      const auto mesh = layout_mesh(p);
       for (std::size_t d = 0; d < p.chosen.comm_bytes_by_dim.size() && d < static_cast<std::size_t>(mesh.ndim()); ++d) {
         e["comm_bytes_by_dim"][mesh.dims()[d].name] = p.chosen.comm_bytes_by_dim[d];
         e["comm_seconds_by_dim"][mesh.dims()[d].name] = p.chosen.comm_seconds_by_dim[d];
       }
+      e["stages"] = p.stages;
+      e["extrapolated"] = p.extrapolated;
+      e["microbatches"] = p.microbatches;
+      e["bubble_fraction"] = p.chosen.bubble_fraction;
+      e["bubble_seconds"] = p.chosen.bubble_seconds;
+      e["stage_seconds"] = p.chosen.stage_seconds;
       e["collective_calls"] = p.chosen.issues;
       e["activation_checkpoint"] = p.activation_checkpoint;
       e["planner_kept"] = p.planner_kept;

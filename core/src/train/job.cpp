@@ -306,6 +306,7 @@ void read_pipeline(const config::Config& cfg, const std::vector<std::int64_t>& e
   p.schedule = cfg.get_string("parallelism.pipeline_parallel_schedule");
   s.pipeline_split_points = cfg.get_list("parallelism.pipeline_parallel_split_points");
   s.pipeline_layers_per_stage = cfg.get_int("parallelism.pipeline_parallel_layers_per_stage");
+  s.pipeline_microbatch_size = cfg.get_int("parallelism.pipeline_parallel_microbatch_size");
   if (p.stages == 1) {
     p.microbatches = s.step.microbatches;
     return;
@@ -320,6 +321,10 @@ void read_pipeline(const config::Config& cfg, const std::vector<std::int64_t>& e
   const std::int64_t dp = s.dims.dp_replicate * s.dims.dp_shard;
   const std::int64_t rows = cfg.get_int("parallelism.pipeline_parallel_microbatch_size");
   if (!exported.empty()) {  // an exported program fixes the microbatch: its batch; gradient accumulation's microbatches are the pipeline's
+    p.microbatches = s.step.microbatches;
+    return;
+  }
+  if (s.auto_strategy) {  // the data-parallel degree is chosen later: each layout's microbatches are checked as it is planned (auto_sharding.h)
     p.microbatches = s.step.microbatches;
     return;
   }
@@ -565,11 +570,6 @@ JobSpec job_spec(const config::Config& cfg, std::int64_t world_size, std::int64_
          "\": use \"op\" (keep matmul and attention outputs) or a positive integer N (every N-th layer in full), as torchtitan");
   }
   read_pipeline(cfg, exported, degrees_ok, s, problems);
-  if (s.auto_strategy && s.pipeline.stages > 1) {
-    fail({"parallelism.strategy", "parallelism.pipeline_parallel_degree"},
-         "parallelism.strategy = \"auto\" chooses the data and tensor parallel degrees of one pipeline stage's mesh, which spmdx does not do yet "
-         "with pipeline_parallel_degree > 1: set the degrees by hand, or pipeline_parallel_degree = 1");
-  }
   if (s.device.cuda_graphs && s.device.kind != "cuda") {
     fail({"training.cuda_graphs", "training.device"}, "training.cuda_graphs = true needs training.device = \"cuda\" (CUDA graphs are a GPU feature)");
   } else if (s.device.cuda_graphs && world_size > 1) {

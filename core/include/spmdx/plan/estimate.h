@@ -62,26 +62,50 @@ std::vector<sharding::CostModel> mesh_links(const sharding::DeviceMesh& mesh, st
 /// One rank's predicted step.
 struct StepEstimate {
   double compute_seconds = 0;  ///< its graph's nodes at the calibrated rates (times its threads), times the core sharing
-  double comm_seconds = 0;     ///< its collectives by alpha-beta, per mesh dim's link, plus issues x collective_seconds
-  double step_seconds = 0;     ///< compute + comm: the CPU's comm runs on the same cores, so none is assumed hidden
+  double comm_seconds = 0;     ///< its collectives and pipeline sends by alpha-beta, per mesh dim's link, plus issues x collective_seconds
+  double bubble_seconds = 0;   ///< with pipeline stages: the schedule's idle time (pipeline_step); 0 otherwise
+  double step_seconds = 0;     ///< compute + comm + bubble: the CPU's comm runs on the same cores, so none is assumed hidden
   std::int64_t threads = 1;    ///< a rank's intra-op threads: max(1, cores / ranks_per_host), as spmdx run gives them
   double core_sharing = 1;     ///< ranks_per_host x threads / cores (>= 1): compute slows by it
-  std::vector<double> comm_seconds_by_dim;
+  std::vector<double> comm_seconds_by_dim;  ///< per dim of the mesh the rank runs on (pp first with pipeline stages)
   std::vector<double> comm_bytes_by_dim;
-  std::int64_t peak_bytes = 0;  ///< the memory plan's
+  std::int64_t peak_bytes = 0;  ///< the memory plan's (with pipeline stages: the largest stage's)
   std::int64_t issues = 0;      ///< collective calls a step (RuntimePlan::issues: buckets count once)
   std::int64_t nodes = 0;       ///< kernels a step (communication ops excluded)
+  std::int64_t stages = 1;      ///< pipeline stages (pipeline_step: the slowest stage's numbers above)
+  double bubble_fraction = 0;   ///< the schedule's idle share (train::bubble_fraction)
+  std::vector<double> stage_seconds;  ///< per stage, its busy time (compute + comm), with pipeline stages
 };
 
-/// The compute seconds of `rank_graph`'s nodes (communication ops excluded) at `c`'s rates on
+/// What one rank's program sends a step, per dim of the mesh it runs on.
+struct Traffic {
+  std::vector<double> bytes_by_dim;     ///< bytes the rank sends
+  std::vector<double> messages_by_dim;  ///< messages it sends
+};
+
+/// The traffic of `rank_graph` (a rank's program, as rank_program makes it) on `mesh` (the mesh
+/// it runs on: train::run_mesh): each collective node on its mesh_dim attribute by the ring
+/// algorithms' counts, as sharding::redistribute_plan prices the step that made it (all_reduce
+/// 2(k-1)/k of its input in 2(k-1) messages; reduce_scatter and all_to_all (k-1)/k of the input,
+/// all_gather of the output, in k-1 messages), and each pipeline send (a value to the next or
+/// previous stage: its bytes in one message) on the mesh dim named "pp".
+Traffic rank_traffic(const ir::Graph& rank_graph, const sharding::DeviceMesh& mesh);
+
+/// The compute seconds of `rank_graph`'s nodes (communication ops, sends and recvs excluded) at `c`'s rates on
 /// `threads` threads (the rates scaled linearly), each plus c.node_seconds.
 double compute_seconds(const ir::Graph& rank_graph, const Calibration& c, std::int64_t threads = 1);
-/// `rank_graph` (a rank's program) and its propagation `plan`: compute at the calibrated rates
-/// times core sharing, communication from the
-/// plan's per-dim messages and bytes over mesh_links plus `issues` (RuntimePlan::issues) x
-/// c.collective_seconds. `peak_bytes` from the caller's memory plan.
-StepEstimate estimate_step(const ir::Graph& rank_graph, const sharding::DistributedPlan& plan, const Calibration& c, std::int64_t ranks_per_host,
-                           std::int64_t cores, std::int64_t peak_bytes, std::int64_t issues = 0);
+/// `rank_graph` (a rank's program) on `mesh` (the mesh it runs on) and its `traffic`: compute
+/// at the calibrated rates times core sharing, communication per mesh dim over mesh_links plus
+/// `issues` (RuntimePlan::issues) x c.collective_seconds. `peak_bytes` from the caller's memory plan.
+StepEstimate estimate_step(const ir::Graph& rank_graph, const sharding::DeviceMesh& mesh, const Traffic& traffic, const Calibration& c,
+                           std::int64_t ranks_per_host, std::int64_t cores, std::int64_t peak_bytes, std::int64_t issues = 0);
+
+/// A pipelined step from each stage's estimate (estimate_step of the program of a rank of that
+/// stage): the slowest stage's busy time B, which the schedule stretches to B / (1 - bubble)
+/// (GPipe and 1F1B: bubble = (stages - 1) / (microbatches + stages - 1), Huang et al. 2019,
+/// Narayanan et al. 2021; train::bubble_fraction). Compute and comm are the slowest stage's, the
+/// peak the largest stage's. Throws std::invalid_argument for no stages or a bubble outside [0, 1).
+StepEstimate pipeline_step(const std::vector<StepEstimate>& stages, double bubble_fraction);
 
 /// A run's measured step (its metrics.jsonl: the median after `warmup` steps of exposed_comm_ms,
 /// comm_bytes and collectives) fitted into c.collective_seconds: (exposed communication - the

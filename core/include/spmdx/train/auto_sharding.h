@@ -1,7 +1,8 @@
 // `[parallelism] strategy = "auto"`: spmdx chooses the mesh and every op's placements from the
 // calibrated cost model (plan/estimate.h), as Alpa does (Zheng et al., OSDI 2022): for each
-// factorisation of the ranks into dp_replicate x dp_shard x tp (cp and pp as configured), the
-// default strategies place the parameters and batch, then each mesh dim's op strategies are
+// factorisation of the ranks into pp x dp_replicate x dp_shard x tp (cp as configured; pp as
+// configured when pipeline_parallel_degree > 1, else every degree up to the model's layers, the
+// layers split evenly), the default strategies place the parameters and batch, then each mesh dim's op strategies are
 // chosen by an integer linear program over the rule table with resharding costs on edges
 // (sharding::propagate_optimal, solved by a planner plugin: planner.h), and the plan the
 // model predicts fastest within parallelism.memory_budget wins. `spmdx compile --strategy auto`
@@ -22,8 +23,10 @@ namespace spmdx::train {
 
 /// One layout the auto strategy planned.
 struct AutoPlan {
-  sharding::ParallelDims dims;
-  std::string layout;            ///< "dp_shard 2 x tp 2"
+  sharding::ParallelDims dims;   ///< the degrees of one pipeline stage's mesh
+  std::int64_t stages = 1;       ///< pipeline stages (mesh dim pp, outermost)
+  std::int64_t microbatches = 1; ///< the step's microbatches (the pipeline's, with stages)
+  std::string layout;            ///< "pp 2 x dp_shard 2 x tp 2"
   std::string error;             ///< why it cannot run ("" when it can): a strategy's refusal, an uneven split
   plan::StepEstimate greedy;     ///< propagation's own plan, predicted
   plan::StepEstimate chosen;     ///< the plan kept: the planner's where predicted 2% faster, else greedy's
@@ -34,7 +37,11 @@ struct AutoPlan {
   std::map<std::int64_t, std::map<int, std::string>> choices;  ///< the planner's (JobSpec::auto_choices), when kept
   double plan_seconds = 0;       ///< planning this layout took
   /// activation_checkpoint.mode the search turned on to meet the budget ("" : as configured).
-  std::string activation_checkpoint;
+  std::string activation_checkpoint;  std::int64_t layers = 0;       ///< the model's layers (pipeline stages cut between them; 0: none found)
+  /// Pipelined with more than 4 microbatches: priced at 2 and 3 microbatches of the same rows and
+  /// extrapolated (time, bytes and calls per microbatch; the peak per microbatch in flight), and
+  /// propagation's plan kept (the planner is not run).
+  bool extrapolated = false;
 };
 
 /// Every layout, ranked: those that fit by predicted step time, then those over the budget,
@@ -48,6 +55,9 @@ struct AutoReport {
   std::vector<AutoPlan> plans;
   double seconds = 0;            ///< the whole search
   bool tried_checkpointing = false;  ///< choose_auto tried activation checkpointing, and nothing fit
+  /// Pipelined layouts not priced: beyond the first 8 (by the layout whose replicas their stages
+  /// replace), while some layout priced fits the budget.
+  std::size_t pipeline_layouts_skipped = 0;
   /// The ranking's top `top` (step ms, compute and comm ms, bytes sent per mesh dim, planned
   /// peak, the planner's work) and why the first wins over the next: the collectives it avoids.
   std::string text(std::size_t top = 5) const;
@@ -67,7 +77,10 @@ struct AutoReport {
 /// world size up to 64 ranks, else 8 (a planned mesh larger than one machine: hosts of 8).
 std::int64_t planning_ranks_per_host(std::int64_t world_size);
 
-/// Plans every layout of spec.world_size / (cp x pp) ranks (spec's other settings as they are)
+/// Plans every layout of spec.world_size / cp ranks (spec's other settings as they are; with
+/// spec.pipeline.stages > 1 only those of that many stages, else every stage count from 1 up to
+/// the model's layers, Interleaved1F1B's half; a layout's microbatches are the global batch over
+/// its data-parallel ranks in pipeline_microbatch_size rows)
 /// with the calibration `c`: each by propagation, then the best 4 of them again with the
 /// planner's choices (kept where predicted at least 2% faster), in order while spec.planner_time_limit
 /// seconds last. Throws PluginError when parallelism.planner names no planner.
@@ -84,8 +97,8 @@ AutoReport plan_auto(const JobSpec& spec, PluginRegistry& registry, const plan::
 /// layout's error when none can run.
 AutoReport choose_auto(JobSpec& spec, PluginRegistry& registry);
 
-/// One rank's predicted step of `spec` as configured (rank 0; with pipeline stages the first
-/// stage's): `spmdx compile --estimate`.
+/// One rank's predicted step of `spec` as configured (rank 0; with pipeline stages every stage's
+/// rank at position 0, combined by plan::pipeline_step): `spmdx compile --estimate`.
 plan::StepEstimate estimate_job(const JobSpec& spec, PluginRegistry& registry, const plan::Calibration& c);
 
 }  // namespace spmdx::train

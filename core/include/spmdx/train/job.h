@@ -129,6 +129,7 @@ struct JobSpec {
   PipelineSpec pipeline;
   std::vector<std::string> pipeline_split_points;  ///< parallelism.pipeline_parallel_split_points
   std::int64_t pipeline_layers_per_stage = -1;     ///< parallelism.pipeline_parallel_layers_per_stage (-1: unset)
+  std::int64_t pipeline_microbatch_size = 1;      ///< parallelism.pipeline_parallel_microbatch_size: rows a data-parallel rank's microbatch has
   plan::PlanOptions plan;  ///< [comm] bucket caps, overlap, prefetch (plan_options)
   /// [parallelism.strategies]: mesh dim -> the strategy plugin that decides it, where the
   /// config names one (others: sharding::strategy_for's defaults).
