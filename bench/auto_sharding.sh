@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # strategy = "auto" against the hand strategies, on 4 ranks of this machine: for each model
 # (mlp tiny, llama tiny, llama debugmodel with 2 layers), the cost model's predicted step time of
-# each hand layout (dp 4, fsdp 4, tp 4, fsdp 2 x tp 2, hsdp 2 x 2: `spmdx compile --estimate`)
+# each hand layout (dp 4, fsdp 4, tp 4, fsdp 2 x tp 2, hsdp 2 x 2, and for the llamas pp 2 x dp 2,
+# pp 2 x fsdp 2, pp 2 x tp 2: `spmdx compile --estimate`)
 # against its measured median step time (`spmdx run`), the prediction's error, the Spearman
 # rank correlation of the two rankings, and the plan auto chose, measured the same way.
 # The calibration is this machine's: compute rates measured once by compile, alpha and beta of
@@ -27,7 +28,12 @@ declare -A layouts=(
   [tp4]="--parallelism.data_parallel_replicate_degree 1 --parallelism.data_parallel_shard_degree 1 --parallelism.tensor_parallel_degree 4"
   [fsdp2xtp2]="--parallelism.data_parallel_replicate_degree 1 --parallelism.data_parallel_shard_degree 2 --parallelism.tensor_parallel_degree 2"
   [hsdp2x2]="--parallelism.data_parallel_replicate_degree 2 --parallelism.data_parallel_shard_degree 2 --parallelism.tensor_parallel_degree 1"
+  [pp2xdp2]="--parallelism.pipeline_parallel_degree 2 --parallelism.data_parallel_replicate_degree 2 --parallelism.data_parallel_shard_degree 1 --parallelism.tensor_parallel_degree 1"
+  [pp2xfsdp2]="--parallelism.pipeline_parallel_degree 2 --parallelism.data_parallel_replicate_degree 1 --parallelism.data_parallel_shard_degree 2 --parallelism.tensor_parallel_degree 1"
+  [pp2xtp2]="--parallelism.pipeline_parallel_degree 2 --parallelism.data_parallel_replicate_degree 1 --parallelism.data_parallel_shard_degree 1 --parallelism.tensor_parallel_degree 2"
 )
+# The layouts a model runs: pipeline stages need layers (mlp has none).
+names_of() { if [ "$1" = mlp ]; then echo dp4 fsdp4 tp4 fsdp2xtp2 hsdp2x2; else echo dp4 fsdp4 tp4 fsdp2xtp2 hsdp2x2 pp2xdp2 pp2xfsdp2 pp2xtp2; fi; }
 declare -A models=(
   [mlp]="$repo/configs/mlp_dp.toml --training.global_batch_size 32 --training.seq_len 64"
   [llama_tiny]="$repo/configs/llama_fsdp.toml --training.global_batch_size 8 --training.seq_len 64"
@@ -42,7 +48,7 @@ for model in mlp llama_tiny debugmodel; do
   # shellcheck disable=SC2086
   "$spmdx" run ${models[$model]} ${layouts[fsdp4]} --nproc 4 --training.steps "$steps" --metrics.log_freq 100000 --job.dump_folder "$dump/profile" > "$out/$model.profile.log" 2>&1
   "$spmdx" bench fit "$dump/profile" --calibrate "$dump/calibration.json" >> "$out/fit.log"
-  for name in "${!layouts[@]}"; do
+  for name in $(names_of "$model"); do
     # shellcheck disable=SC2086
     "$spmdx" compile ${models[$model]} ${layouts[$name]} --world-size 4 --estimate --json --job.dump_folder "$dump" > "$out/$model.$name.estimate.json" 2> "$out/$model.$name.estimate.err" ||
       echo "{}" > "$out/$model.$name.estimate.json"
@@ -50,7 +56,7 @@ for model in mlp llama_tiny debugmodel; do
   # shellcheck disable=SC2086
   "$spmdx" compile ${models[$model]} --world-size 4 --strategy auto --json --job.dump_folder "$dump" > "$out/$model.auto.json" 2> "$out/$model.auto.err" || cat "$out/$model.auto.err"
   for round in $(seq 1 "$rounds"); do
-    for name in "${!layouts[@]}" auto; do
+    for name in $(names_of "$model") auto; do
       flags="${layouts[$name]:-}"
       [ "$name" = auto ] && flags="--parallelism.strategy auto"
       # shellcheck disable=SC2086
@@ -89,7 +95,8 @@ for model in ("mlp", "llama_tiny", "debugmodel"):
     print(f"\n{model}: auto chose {chosen} (planned {auto.get('auto', {}).get('seconds', 0):.1f} s)")
     print(f"{'layout':>12} {'predicted ms':>13} {'measured ms':>12} {'error':>8}")
     pred, meas = [], []
-    for name in ("dp4", "fsdp4", "tp4", "fsdp2xtp2", "hsdp2x2", "auto"):
+    names = ["dp4", "fsdp4", "tp4", "fsdp2xtp2", "hsdp2x2"] + ([] if model == "mlp" else ["pp2xdp2", "pp2xfsdp2", "pp2xtp2"])
+    for name in names + ["auto"]:
         if name == "auto":
             plans = auto.get("auto", {}).get("plans", [])
             p = plans[0]["step_seconds"] * 1e3 if plans else None

@@ -40,7 +40,7 @@ constexpr double kPlannerGain = 0.02;
 constexpr std::int64_t kPricedMicrobatches = 4;
 // Pipelined layouts priced when some layout fits the budget (each takes a second at 1,024 ranks
 // of a 32-layer model, against 0.1 s for one without stages).
-constexpr std::size_t kPipelineLayouts = 8;
+constexpr std::size_t kPipelineLayouts = 4;
 
 double since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
@@ -313,7 +313,9 @@ std::string search_key(const JobSpec& spec, const plan::Calibration& c) {
       << spec.memory_budget << " planner " << spec.planner << " " << spec.planner_time_limit << " sp " << spec.sequence_parallel << " lp "
       << spec.loss_parallel << " ac " << spec.activation_checkpoint.mode << " mp " << spec.mixed_precision.param << " rsf " << spec.reshard_after_forward
       << " overlap " << spec.plan.overlap << " bucket " << spec.plan.bucket_bytes << " ranks/host " << planning_ranks_per_host(spec.world_size)
-      << " cores " << launch::usable_cpus() << " stages " << spec.pipeline.stages << " tp_plan " << spec.tp_plan.size() << " " << c.to_json();
+      << " cores " << launch::usable_cpus() << " stages " << spec.pipeline.stages << " schedule " << spec.pipeline.schedule << " rows "
+      << spec.pipeline_microbatch_size << " layers/stage " << spec.pipeline_layers_per_stage << " tp_plan " << spec.tp_plan.size() << " " << c.to_json();
+  for (const auto& split : spec.pipeline_split_points) key << " split " << split;
   for (const auto& [glob, how] : spec.tp_plan) key << " " << glob << "=" << how;
   return key.str();
 }

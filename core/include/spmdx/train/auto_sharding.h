@@ -55,7 +55,7 @@ struct AutoReport {
   std::vector<AutoPlan> plans;
   double seconds = 0;            ///< the whole search
   bool tried_checkpointing = false;  ///< choose_auto tried activation checkpointing, and nothing fit
-  /// Pipelined layouts not priced: beyond the first 8 (by the layout whose replicas their stages
+  /// Pipelined layouts not priced: beyond the first 4 (by the layout whose replicas their stages
   /// replace), while some layout priced fits the budget.
   std::size_t pipeline_layouts_skipped = 0;
   /// The ranking's top `top` (step ms, compute and comm ms, bytes sent per mesh dim, planned
