@@ -313,6 +313,14 @@ TEST(AutoSharding, EnumeratesPipelineStagesUpToTheLayers) {
   budgeted.memory_budget = flat - 1;
   const train::AutoReport report = train::choose_auto(budgeted, registry());
   EXPECT_EQ(report.plans.front().stages, 2);
+  EXPECT_FALSE(report.plans.front().extrapolated) << "the first is priced with every microbatch";
+  {
+    train::JobSpec exact = budgeted;
+    exact.auto_strategy = false;
+    exact.auto_choices.clear();
+    EXPECT_EQ(report.plans.front().chosen.peak_bytes, train::estimate_job(exact, registry(), plan::Calibration{}).peak_bytes);
+  }
+  for (const auto& p : report.plans) EXPECT_TRUE(p.intra.empty() || p.fits) << p.layout << ": the planner ran on a layout over the budget";
   EXPECT_EQ(budgeted.pipeline.stages, 2);
   EXPECT_EQ(budgeted.step.microbatches, report.plans.front().microbatches);
   EXPECT_EQ(budgeted.pipeline.microbatches, report.plans.front().microbatches);

@@ -616,11 +616,12 @@ int run_compile(const CompileOptions& o) {
     char text[512];
     char bubble[160] = "";
     if (e.stages > 1) {
-      std::snprintf(bubble, sizeof bubble, " + pipeline bubble %.2f ms (%.2f of the step; the slowest of %lld stages above)", e.bubble_seconds * 1e3,
-                    e.bubble_fraction, static_cast<long long>(e.stages));
+      std::snprintf(bubble, sizeof bubble, " + pipeline bubble %.2f ms (%.2f of the step)", e.bubble_seconds * 1e3, e.bubble_fraction);
     }
-    std::snprintf(text, sizeof text, "estimate (rank 0): %.2f ms a step = compute %.2f ms (%lld thread%s a rank, cores shared %.2fx) + communication %.2f ms%s; planned peak %s\n",
-                  e.step_seconds * 1e3, e.compute_seconds * 1e3, static_cast<long long>(e.threads), e.threads == 1 ? "" : "s", e.core_sharing, e.comm_seconds * 1e3,
+    char who[128] = "rank 0";
+    if (e.stages > 1) std::snprintf(who, sizeof who, "the slowest of %lld stages; the largest stage's peak", static_cast<long long>(e.stages));
+    std::snprintf(text, sizeof text, "estimate (%s): %.2f ms a step = compute %.2f ms (%lld thread%s a rank, cores shared %.2fx) + communication %.2f ms%s; planned peak %s\n",
+                  who, e.step_seconds * 1e3, e.compute_seconds * 1e3, static_cast<long long>(e.threads), e.threads == 1 ? "" : "s", e.core_sharing, e.comm_seconds * 1e3,
                   bubble, spmdx::human_bytes(static_cast<double>(e.peak_bytes)).c_str());
     std::cout << text << "calibration: " << calibration->str() << "\n";
   }

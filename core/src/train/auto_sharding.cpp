@@ -89,12 +89,12 @@ std::vector<sharding::ParallelDims> layouts(std::int64_t ranks, std::int64_t cp)
 // more microbatches in flight than the second), by stage.
 std::map<std::int64_t, plan::StepEstimate> measure_stages(const PlacedJob& job, const JobSpec& spec, const sharding::DistributedPlan& plan,
                                                           const plan::Calibration& c, std::int64_t ranks_per_host, std::int64_t cores,
-                                                          std::map<std::string, std::int64_t>* collectives) {
+                                                          std::map<std::string, std::int64_t>* collectives, bool every_stage = false) {
   const sharding::DeviceMesh mesh = run_mesh(job);
   const std::int64_t last = job.pipeline.stages - 1;
   std::set<std::int64_t> priced;
   for (std::int64_t stage = 0; stage <= last; ++stage) {
-    if (last < 3 || !spec.pipeline_split_points.empty() || stage <= 1 || stage == last) priced.insert(stage);
+    if (every_stage || last < 3 || !spec.pipeline_split_points.empty() || stage <= 1 || stage == last) priced.insert(stage);
   }
   std::map<std::int64_t, plan::StepEstimate> out;
   if (collectives != nullptr) collectives->clear();
@@ -121,12 +121,15 @@ plan::StepEstimate combine(const PipelineSpec& pipeline, const std::map<std::int
   if (pipeline.stages <= 1) return stages.begin()->second;
   std::vector<plan::StepEstimate> each;
   for (const auto& [stage, e] : stages) each.push_back(e);
-  return plan::pipeline_step(each, bubble_fraction(pipeline));
+  plan::StepEstimate e = plan::pipeline_step(each, bubble_fraction(pipeline));
+  e.stages = pipeline.stages;
+  for (const auto& [stage, one] : stages) e.priced_stages.push_back(stage);
+  return e;
 }
 
 plan::StepEstimate measure(const PlacedJob& job, const JobSpec& spec, const sharding::DistributedPlan& plan, const plan::Calibration& c,
-                           std::int64_t ranks_per_host, std::int64_t cores, std::map<std::string, std::int64_t>* collectives) {
-  return combine(job.pipeline, measure_stages(job, spec, plan, c, ranks_per_host, cores, collectives));
+                           std::int64_t ranks_per_host, std::int64_t cores, std::map<std::string, std::int64_t>* collectives, bool every_stage = false) {
+  return combine(job.pipeline, measure_stages(job, spec, plan, c, ranks_per_host, cores, collectives, every_stage));
 }
 
 // The most microbatches `stage` holds activations of at once under `pipeline`'s schedule.
@@ -218,7 +221,8 @@ void pipeline_layout(JobSpec& s, std::int64_t stages) {
 
 // The layout planned by propagation alone (planner == nullptr), or refined by the planner.
 AutoPlan plan_layout(const JobSpec& spec, const sharding::ParallelDims& dims, std::int64_t stages, PluginRegistry& registry, const spmdx::Planner* planner,
-                     const plan::Calibration& c, std::int64_t ranks_per_host, std::int64_t cores, const AutoPlan* greedy_done = nullptr) {
+                     const plan::Calibration& c, std::int64_t ranks_per_host, std::int64_t cores, const AutoPlan* greedy_done = nullptr,
+                     bool may_extrapolate = true) {
   const auto t0 = Clock::now();
   AutoPlan out = greedy_done != nullptr ? *greedy_done : AutoPlan{};
   out.dims = dims;
@@ -233,8 +237,9 @@ AutoPlan plan_layout(const JobSpec& spec, const sharding::ParallelDims& dims, st
   try {
     pipeline_layout(s, stages);
     out.microbatches = s.step.microbatches;
+    out.schedule = s.pipeline.schedule;
     const auto [ma, mb] = priced_microbatches(s.pipeline);
-    out.extrapolated = stages > 1 && out.microbatches > std::max(kPricedMicrobatches, mb);
+    out.extrapolated = may_extrapolate && stages > 1 && out.microbatches > std::max(kPricedMicrobatches, mb);
     if (out.extrapolated && greedy_done == nullptr) {  // priced at ma and mb microbatches of the same rows
       std::map<std::int64_t, plan::StepEstimate> at[2];
       std::map<std::string, std::int64_t> collectives[2];
@@ -392,18 +397,33 @@ AutoReport plan_auto(const JobSpec& spec, PluginRegistry& registry, const plan::
       SPMDX_DEBUG("auto: " << report.plans.back().layout << " planned in " << report.plans.back().plan_seconds << " s");
     }
   }
-  by_rank();
-  if (planner != nullptr) {  // within parallelism.planner_time_limit_seconds for all of them: each mesh dim's solver gets what is left
+  // A pipelined layout priced by extrapolation that ranks first is priced again with every
+  // microbatch (its extrapolated peak can be 10% low: llama tiny pp 4), until the first is exact.
+  auto exact_first = [&] {
+    for (by_rank(); report.plans.front().extrapolated && report.plans.front().error.empty(); by_rank()) {
+      AutoPlan& p = report.plans.front();
+      const AutoPlan again = plan_layout(spec, p.dims, p.stages, registry, nullptr, c, report.ranks_per_host, report.cores, nullptr, false);
+      p = again;
+    }
+  };
+  exact_first();
+  // The planner on the best layouts within the budget (it has no memory term: it cannot make
+  // one fit), within parallelism.planner_time_limit_seconds for all of them: each mesh dim's
+  // solver gets what is left.
+  if (planner != nullptr) {
     const auto planning = Clock::now();
-    for (std::size_t r = 0; r < report.plans.size() && r < kPlannerLayouts; ++r) {
+    std::size_t planned = 0;
+    for (std::size_t r = 0; r < report.plans.size() && planned < kPlannerLayouts; ++r) {
       const double left = spec.planner_time_limit - since(planning);
-      if (!report.plans[r].error.empty() || left <= 0) break;
+      if (rank_class(report.plans[r]) != 0 || left <= 0) break;
+      if (report.plans[r].extrapolated) continue;
       JobSpec s = spec;
       s.planner_time_limit = left;
       report.plans[r] = plan_layout(s, report.plans[r].dims, report.plans[r].stages, registry, planner.get(), c, report.ranks_per_host, report.cores,
                                     &report.plans[r]);
+      ++planned;
     }
-    by_rank();
+    exact_first();
   }
   report.seconds = since(t0);
   return report;
@@ -526,7 +546,7 @@ AutoReport choose_auto(JobSpec& spec, PluginRegistry& registry) {
 std::string AutoReport::line() const {
   if (plans.empty()) return "auto: nothing planned";
   const AutoPlan& best = plans.front();
-  std::string out = "auto: chose " + best.layout + " of " + std::to_string(plans.size()) + " layouts: predicted " + ms(best.chosen.step_seconds) +
+  std::string out = "auto: chose " + best.layout + " of " + std::to_string(plans.size()) + (plans.size() == 1 ? " layout" : " layouts") + ": predicted " + ms(best.chosen.step_seconds) +
                     " ms a step (compute " + ms(best.chosen.compute_seconds) + ", comm " + ms(best.chosen.comm_seconds) +
                     (best.stages > 1 ? ", pipeline bubble " + ms(best.chosen.bubble_seconds) : std::string()) + "), planned peak " +
                     human_bytes(static_cast<double>(best.chosen.peak_bytes));
@@ -537,7 +557,10 @@ std::string AutoReport::line() const {
   } else if (plans.size() > 1 && plans[1].error.empty()) {
     out += "; the only layout within parallelism.memory_budget";
   }
-  out += best.planner_kept ? "; placements by the " + planner + " planner" : "; placements by propagation (the planner's were not predicted 2% faster)";
+  if (best.planner_kept) out += "; placements by the " + planner + " planner";
+  else if (!best.intra.empty()) out += "; placements by propagation (the planner's were not predicted 2% faster)";
+  else if (planner == "greedy") out += "; placements by propagation (parallelism.planner = \"greedy\")";
+  else out += "; placements by propagation (the planner did not run on it: its time limit was spent, or a single rank)";
   if (!best.activation_checkpoint.empty()) out += "; activation_checkpoint.mode = \"" + best.activation_checkpoint + "\" (no layout fits parallelism.memory_budget without it)";
   return out;
 }
@@ -545,7 +568,7 @@ std::string AutoReport::line() const {
 std::string AutoReport::text(std::size_t top) const {
   std::ostringstream out;
   char line[512];
-  out << "auto-sharding: " << plans.size() << " layouts of " << world_size << " ranks planned in " << ms(seconds / 1e3) << " s (planner "
+  out << "auto-sharding: " << plans.size() << (plans.size() == 1 ? " layout of " : " layouts of ") << world_size << " ranks planned in " << ms(seconds / 1e3) << " s (planner "
       << planner << "; " << ranks_per_host << " ranks a host, " << cores << " cores)\n";
   out << "calibration: " << calibration.str() << "\n";
   if (memory_budget > 0) out << "memory budget: " << human_bytes(static_cast<double>(memory_budget)) << " a rank\n";
@@ -569,7 +592,7 @@ std::string AutoReport::text(std::size_t top) const {
     std::string how = p.planner_kept ? "the ILP's plan" : p.intra.empty() ? "propagation's plan" : "propagation's plan (the ILP's not predicted 2% faster for the whole step)";
     if (p.stages > 1) {
       char t[160];
-      std::snprintf(t, sizeof t, "; %lld microbatches, bubble %.2f (%s ms) after the slowest stage's %s ms", static_cast<long long>(p.microbatches),
+      std::snprintf(t, sizeof t, "; %s, %lld microbatches, bubble %.2f (%s ms) after the slowest stage's %s ms", p.schedule.c_str(), static_cast<long long>(p.microbatches),
                     p.chosen.bubble_fraction, ms(p.chosen.bubble_seconds).c_str(), ms(p.chosen.step_seconds - p.chosen.bubble_seconds).c_str());
       how += t;
       if (p.extrapolated) how += " (priced at fewer microbatches of the same rows and extrapolated; the planner is not run on it)";
@@ -643,7 +666,10 @@ std::string AutoReport::json() const {
       e["microbatches"] = p.microbatches;
       e["bubble_fraction"] = p.chosen.bubble_fraction;
       e["bubble_seconds"] = p.chosen.bubble_seconds;
-      e["stage_seconds"] = p.chosen.stage_seconds;
+      e["stage_seconds"] = json::object();  // by stage: the stages priced
+      for (std::size_t i = 0; i < p.chosen.stage_seconds.size() && i < p.chosen.priced_stages.size(); ++i) {
+        e["stage_seconds"][std::to_string(p.chosen.priced_stages[i])] = p.chosen.stage_seconds[i];
+      }
       e["collective_calls"] = p.chosen.issues;
       e["activation_checkpoint"] = p.activation_checkpoint;
       e["planner_kept"] = p.planner_kept;
@@ -663,7 +689,7 @@ std::string AutoReport::json() const {
 
 plan::StepEstimate estimate_job(const JobSpec& spec, PluginRegistry& registry, const plan::Calibration& c) {
   const PlacedJob job = place_job(spec, registry);
-  return measure(job, spec, propagate_job(job), c, planning_ranks_per_host(spec.world_size), launch::usable_cpus(), nullptr);
+  return measure(job, spec, propagate_job(job), c, planning_ranks_per_host(spec.world_size), launch::usable_cpus(), nullptr, true);
 }
 
 }  // namespace spmdx::train

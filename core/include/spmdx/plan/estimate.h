@@ -72,9 +72,10 @@ struct StepEstimate {
   std::int64_t peak_bytes = 0;  ///< the memory plan's (with pipeline stages: the largest stage's)
   std::int64_t issues = 0;      ///< collective calls a step (RuntimePlan::issues: buckets count once)
   std::int64_t nodes = 0;       ///< kernels a step (communication ops excluded)
-  std::int64_t stages = 1;      ///< pipeline stages (pipeline_step: the slowest stage's numbers above)
+  std::int64_t stages = 1;      ///< pipeline stages (pipeline_step: the stages given; the caller sets the pipeline's count)
   double bubble_fraction = 0;   ///< the schedule's idle share (train::bubble_fraction)
-  std::vector<double> stage_seconds;  ///< per stage, its busy time (compute + comm), with pipeline stages
+  std::vector<double> stage_seconds;  ///< per stage priced, its busy time (compute + comm), with pipeline stages
+  std::vector<std::int64_t> priced_stages;  ///< the stages stage_seconds are of (the caller's: pipeline_step leaves it empty)
 };
 
 /// What one rank's program sends a step, per dim of the mesh it runs on.

@@ -26,6 +26,7 @@ struct AutoPlan {
   sharding::ParallelDims dims;   ///< the degrees of one pipeline stage's mesh
   std::int64_t stages = 1;       ///< pipeline stages (mesh dim pp, outermost)
   std::int64_t microbatches = 1; ///< the step's microbatches (the pipeline's, with stages)
+  std::string schedule;          ///< parallelism.pipeline_parallel_schedule, with stages
   std::string layout;            ///< "pp 2 x dp_shard 2 x tp 2"
   std::string error;             ///< why it cannot run ("" when it can): a strategy's refusal, an uneven split
   plan::StepEstimate greedy;     ///< propagation's own plan, predicted
