@@ -338,6 +338,18 @@ TEST(AutoSharding, EnumeratesPipelineStagesUpToTheLayers) {
   cfg.override_value("parallelism.pipeline_parallel_degree", "2");
   for (const auto& p : train::plan_auto(train::job_spec(cfg, 4, 256), registry(), plan::Calibration{}).plans) EXPECT_EQ(p.stages, 2) << p.layout;
 
+  // Split points without a stage count: auto would split evenly over the stages it chooses, so
+  // the key is refused rather than dropped.
+  config::Config split = config::Config::load(SPMDX_SOURCE_DIR "/configs/llama_fsdp.toml");
+  split.override_value("parallelism.strategy", "auto");
+  split.override_value("parallelism.pipeline_parallel_split_points", "layers.1");
+  try {
+    train::job_spec(split, 4, 256);
+    ADD_FAILURE() << "no error";
+  } catch (const std::exception& e) {
+    EXPECT_THAT(e.what(), HasSubstr("parallelism.pipeline_parallel_split_points is set, but parallelism.strategy = \"auto\" chooses the pipeline stages"));
+  }
+
   config::Config mlp = config::Config::load(SPMDX_SOURCE_DIR "/configs/mlp_dp.toml");
   mlp.override_value("parallelism.strategy", "auto");
   mlp.override_value("parallelism.planner", "greedy");

@@ -38,6 +38,9 @@ constexpr double kPlannerGain = 0.02;
 // A pipelined layout of more microbatches than this is priced at 2 and 3 and extrapolated (its
 // step graph unrolls every microbatch: 1,024 ranks make hundreds), and keeps propagation's plan.
 constexpr std::int64_t kPricedMicrobatches = 4;
+// The most microbatches of a pipelined layout auto considers: its step graph unrolls each, and
+// 1,024 ranks of a 32-layer model at 256 ran out of memory (24 GB) when priced exactly.
+constexpr std::int64_t kMostPipelineMicrobatches = 32;
 // Pipelined layouts priced when some layout fits the budget (each takes a second at 1,024 ranks
 // of a 32-layer model, against 0.1 s for one without stages).
 constexpr std::size_t kPipelineLayouts = 4;
@@ -213,6 +216,11 @@ void pipeline_layout(JobSpec& s, std::int64_t stages) {
                                 std::to_string(rows) + " rows (parallelism.pipeline_parallel_microbatch_size) on " + std::to_string(dp) + " data-parallel ranks");
   }
   s.step.microbatches = s.pipeline.microbatches = std::max<std::int64_t>(1, s.global_batch_size / (dp * rows));
+  if (s.pipeline.microbatches > kMostPipelineMicrobatches) {
+    throw std::invalid_argument(std::to_string(s.pipeline.microbatches) + " microbatches of " + std::to_string(rows) +
+                                " rows (parallelism.pipeline_parallel_microbatch_size), more than the " + std::to_string(kMostPipelineMicrobatches) +
+                                " the auto strategy plans (the step graph unrolls each): raise pipeline_parallel_microbatch_size");
+  }
   if (s.pipeline.schedule == "Interleaved1F1B" && s.pipeline.microbatches % stages != 0) {
     throw std::invalid_argument("Interleaved1F1B runs microbatches in groups of the " + std::to_string(stages) + " stages, and the global batch makes " +
                                 std::to_string(s.pipeline.microbatches));
@@ -490,6 +498,7 @@ AutoReport choose_auto(JobSpec& spec, PluginRegistry& registry) {
       JobSpec s = spec;
       s.activation_checkpoint = {*mode, "op", spec.activation_checkpoint.keep_collective_outputs};
       AutoReport again = plan_auto(s, registry, c);
+      again.seconds += report.seconds;  // the whole search
       for (auto& p : again.plans) p.activation_checkpoint = *mode;
       if (rank_class(again.plans.front()) == 0) report = std::move(again);
       else report.tried_checkpointing = true;

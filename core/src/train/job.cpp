@@ -307,6 +307,12 @@ void read_pipeline(const config::Config& cfg, const std::vector<std::int64_t>& e
   s.pipeline_split_points = cfg.get_list("parallelism.pipeline_parallel_split_points");
   s.pipeline_layers_per_stage = cfg.get_int("parallelism.pipeline_parallel_layers_per_stage");
   s.pipeline_microbatch_size = cfg.get_int("parallelism.pipeline_parallel_microbatch_size");
+  if (p.stages == 1 && s.auto_strategy && (!s.pipeline_split_points.empty() || s.pipeline_layers_per_stage > 0)) {
+    const char* key = s.pipeline_split_points.empty() ? "parallelism.pipeline_parallel_layers_per_stage" : "parallelism.pipeline_parallel_split_points";
+    problems.add({key, "parallelism.strategy", "parallelism.pipeline_parallel_degree"},
+                 std::string(key) + " is set, but parallelism.strategy = \"auto\" chooses the pipeline stages and splits the layers evenly over them: "
+                 "set parallelism.pipeline_parallel_degree to keep that many stages split so, or remove " + key);
+  }
   if (p.stages == 1) {
     p.microbatches = s.step.microbatches;
     return;
