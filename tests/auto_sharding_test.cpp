@@ -338,6 +338,20 @@ TEST(AutoSharding, EnumeratesPipelineStagesUpToTheLayers) {
   cfg.override_value("parallelism.pipeline_parallel_degree", "2");
   for (const auto& p : train::plan_auto(train::job_spec(cfg, 4, 256), registry(), plan::Calibration{}).plans) EXPECT_EQ(p.stages, 2) << p.layout;
 
+  // More than 32 microbatches (global batch 128 over 2 data-parallel ranks in rows of 1): the
+  // pipelined layout cannot run, naming the key that raises the rows.
+  config::Config big = cfg;
+  big.override_value("parallelism.pipeline_parallel_degree", "1");
+  big.override_value("training.global_batch_size", "128");
+  bool named = false;
+  for (const auto& p : train::plan_auto(train::job_spec(big, 4, 256), registry(), plan::Calibration{}).plans) {
+    if (p.layout == "pp 2 x dp_replicate 2") {
+      EXPECT_THAT(p.error, HasSubstr("64 microbatches of 1 rows (parallelism.pipeline_parallel_microbatch_size), more than the 32"));
+      named = true;
+    }
+  }
+  EXPECT_TRUE(named) << "pp 2 x dp_replicate 2 was not listed";
+
   // Split points without a stage count: auto would split evenly over the stages it chooses, so
   // the key is refused rather than dropped.
   config::Config split = config::Config::load(SPMDX_SOURCE_DIR "/configs/llama_fsdp.toml");
