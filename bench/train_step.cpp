@@ -4,6 +4,7 @@
 // eager/static (> 1: static is faster).
 //
 //   build/bin/bench_train_step [--steps N] [--models llama:tiny:8:64,llama:debugmodel:2:256]
+//                              [--cpu-matmul auto|onednn|aten]   (the static side's training.cpu_matmul)
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
@@ -17,6 +18,7 @@
 #include <vector>
 
 #include "eager_trainer.h"
+#include "spmdx/exec/kernels.h"
 #include "spmdx/exec/trainer.h"
 
 namespace {
@@ -79,8 +81,9 @@ void run(const Case& c, int steps) {
 int main(int argc, char** argv) {
   int steps = 10;
   std::string spec = "mlp:tiny:8:64,llama:tiny:8:64,llama:debugmodel:2:256";
+  std::string library = "auto";
   auto usage = [&](const std::string& why) {
-    std::fprintf(stderr, "error: %s\nusage: %s [--steps N>=1] [--models name:flavor:batch:seq,...]\n", why.c_str(), argv[0]);
+    std::fprintf(stderr, "error: %s\nusage: %s [--steps N>=1] [--models name:flavor:batch:seq,...] [--cpu-matmul auto|onednn|aten]\n", why.c_str(), argv[0]);
     return 2;
   };
   try {
@@ -90,6 +93,8 @@ int main(int argc, char** argv) {
         steps = std::stoi(argv[++i]);
       } else if (a == "--models" && i + 1 < argc) {
         spec = argv[++i];
+      } else if (a == "--cpu-matmul" && i + 1 < argc) {
+        library = argv[++i];
       } else {
         return usage("unexpected argument '" + a + "'");
       }
@@ -98,6 +103,14 @@ int main(int argc, char** argv) {
     return usage("--steps needs a number");
   }
   if (steps < 1) return usage("--steps must be at least 1");
+  if (library == "onednn" || (library == "auto" && spmdx::exec::onednn_linear_available())) {
+    if (!spmdx::exec::onednn_linear_available()) return usage("--cpu-matmul onednn: this LibTorch has no oneDNN linear");
+    spmdx::exec::set_cpu_matmul(spmdx::exec::CpuMatmul::onednn);
+  } else if (library == "aten" || library == "auto") {
+    spmdx::exec::set_cpu_matmul(spmdx::exec::CpuMatmul::aten);
+  } else {
+    return usage("--cpu-matmul takes auto, onednn or aten, not '" + library + "'");
+  }
   std::vector<Case> cases;
   std::stringstream list(spec);
   std::string item;
@@ -119,8 +132,8 @@ int main(int argc, char** argv) {
     if (c.batch < 1 || c.seq < 1) return usage("--models entry '" + item + "': batch and seq must be >= 1");
     cases.push_back(c);
   }
-  std::printf("static train-step graph vs eager LibTorch (autograd + torch::optim::AdamW), %d timed steps, %d threads\n",
-              steps, at::get_num_threads());
+  std::printf("static train-step graph vs eager LibTorch (autograd + torch::optim::AdamW), %d timed steps, %d threads, static float32 linears on %s\n",
+              steps, at::get_num_threads(), spmdx::exec::cpu_matmul() == spmdx::exec::CpuMatmul::onednn ? "oneDNN" : "ATen's BLAS");
   std::printf("%-6s %-11s %13s %10s %10s %9s %12s %12s %10s\n", "model", "flavor", "batch x seq", "static ms", "eager ms",
               "speedup", "loss static", "loss eager", "peak MiB");
   for (const auto& c : cases) run(c, steps);

@@ -101,6 +101,45 @@ TEST(DeviceKernels, AttentionEqualsTheFusedCpuKernel) {
   }
 }
 
+// The linear and matmul kernels on each CPU matmul library (training.cpu_matmul): the same
+// values as float64 ATen within float32 rounding, the same bits on every call, and the
+// library make_device was given in use. x W^T, and x W by a whole weight (the linear's input
+// gradient, which the oneDNN path runs as x (W^T)^T); a strided input takes ATen's path.
+TEST(DeviceKernels, Float32LinearsOnEachCpuMatmulLibraryGiveATensValues) {
+  at::manual_seed(11);
+  ir::Graph g;
+  ir::Value* x = g.add_input("x", ir::TensorMeta{{3, 5, 16}, ir::DType::f32, "cpu", false});
+  ir::Value* w = g.add_input("w", ir::TensorMeta{{24, 16}, ir::DType::f32, "cpu", false});
+  ir::Value* go = g.add_input("go", ir::TensorMeta{{3, 5, 24}, ir::DType::f32, "cpu", false});
+  g.add_output("y", g.add("linear", {x, w}));
+  g.add_output("gx", g.add("matmul", {go, w}));
+  ir::Value* xt = g.add("transpose", {x}, {{"dim0", std::int64_t{0}}, {"dim1", std::int64_t{1}}});  // [5, 3, 16], strided
+  g.add_output("yt", g.add("linear", {xt, w}));
+  const at::Tensor xs = at::randn({3, 5, 16}), ws = at::randn({24, 16}), gos = at::randn({3, 5, 24});
+  const TensorMap want{{"y", at::linear(xs.to(at::kDouble), ws.to(at::kDouble))},
+                       {"gx", at::matmul(gos.to(at::kDouble), ws.to(at::kDouble))},
+                       {"yt", at::linear(xs.to(at::kDouble).transpose(0, 1), ws.to(at::kDouble))}};
+  std::vector<std::string> libraries{"aten", "auto"};
+  if (onednn_linear_available()) libraries.push_back("onednn");
+  for (const std::string& library : libraries) {
+    (void)make_device({"cpu", 0, false, library});
+    EXPECT_EQ(cpu_matmul(), library == "aten" || !onednn_linear_available() ? CpuMatmul::aten : CpuMatmul::onednn) << library;
+    Executor ex(g);
+    const TensorMap first = ex.run({{"x", xs}, {"w", ws}, {"go", gos}});
+    const TensorMap again = ex.run({{"x", xs}, {"w", ws}, {"go", gos}});
+    for (const auto& [name, expected] : want) {
+      const at::Tensor& got = first.at(name);
+      EXPECT_EQ(got.sizes(), expected.sizes()) << library << " " << name;
+      EXPECT_EQ(got.scalar_type(), at::kFloat) << library << " " << name;
+      EXPECT_TRUE(at::allclose(got.to(at::kDouble), expected, 1e-5, 1e-5))
+          << library << " " << name << ": max diff " << (got.to(at::kDouble) - expected).abs().max().item<double>();
+      EXPECT_TRUE(at::equal(got, again.at(name))) << library << " " << name << " changed between two runs";
+    }
+  }
+  EXPECT_THROW(make_device({"cpu", 0, false, "blas"}), std::runtime_error);
+  (void)make_device({"cpu", 0, false, "auto"});
+}
+
 // adamw_on_device (lr and step as tensors) against the adamw kernel the CPU runs (host scalars).
 TEST(DeviceKernels, AdamWWithTensorHyperparametersEqualsTheCpuKernel) {
   at::manual_seed(5);

@@ -1,4 +1,5 @@
 #include "spmdx/exec/device.h"
+#include "spmdx/exec/kernels.h"
 
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/impl/alloc_cpu.h>
@@ -114,6 +115,13 @@ boost::dll::shared_library& cuda_library() {
 }  // namespace
 
 std::unique_ptr<Device> make_device(const DeviceOptions& options) {
+  if (options.cpu_matmul == "onednn" || options.cpu_matmul == "aten") {
+    set_cpu_matmul(options.cpu_matmul == "onednn" ? CpuMatmul::onednn : CpuMatmul::aten);
+  } else if (options.cpu_matmul == "auto") {
+    set_cpu_matmul(onednn_linear_available() ? CpuMatmul::onednn : CpuMatmul::aten);
+  } else {
+    throw std::runtime_error("training.cpu_matmul = \"" + options.cpu_matmul + "\": use \"auto\", \"onednn\" or \"aten\"");
+  }
   if (options.kind == "cpu") return std::make_unique<CpuDevice>();
   if (options.kind != "cuda") throw std::runtime_error("training.device = \"" + options.kind + "\": use \"cpu\" or \"cuda\"");
   auto make = cuda_library().get<Device*(const DeviceOptions&)>("spmdx_cuda_make_device");

@@ -1017,7 +1017,7 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
     return s;
   }();
   train::check_runnable(cfg);
-  const std::unique_ptr<Device> device = make_device({spec.device.kind, env.local_rank, spec.device.allow_tf32});
+  const std::unique_ptr<Device> device = make_device({spec.device.kind, env.local_rank, spec.device.allow_tf32, spec.device.cpu_matmul});
 
   // A job whose checkpoint is already at its last step has nothing to do, and changes nothing.
   const bool checkpointing = spec.checkpoint.enable;

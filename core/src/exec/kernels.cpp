@@ -2,7 +2,9 @@
 #include "spmdx/ir/ops.h"
 
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <map>
@@ -216,6 +218,36 @@ at::Tensor found_inf_of(const Tensors& x) { return x.size() > 6 ? x[6] : at::Ten
 // in float32 and rounds once; so does a float32 GEMM of the upcast inputs rounded back, which
 // the matmul kernel runs instead (the same bits but for the order of the sums). linear (the
 // forward's) keeps ATen's kernel, so the forward is PyTorch's bit for bit.
+// oneDNN's linear, looked up in the dispatcher once (nullopt: this LibTorch lacks it).
+using OneDnnLinear = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, c10::string_view,
+                                c10::List<std::optional<at::Scalar>>, std::optional<c10::string_view>);
+const std::optional<c10::TypedOperatorHandle<OneDnnLinear>>& onednn_linear_op() {
+  static const std::optional<c10::TypedOperatorHandle<OneDnnLinear>> op = []() -> std::optional<c10::TypedOperatorHandle<OneDnnLinear>> {
+    if (!at::hasMKLDNN()) return std::nullopt;
+    const auto handle = c10::Dispatcher::singleton().findSchema({"mkldnn::_linear_pointwise", ""});
+    if (!handle || !handle->hasKernelForDispatchKey(c10::DispatchKey::CPU)) return std::nullopt;
+    return handle->typed<OneDnnLinear>();
+  }();
+  return op;
+}
+
+std::atomic<CpuMatmul>& cpu_matmul_setting() {
+  static std::atomic<CpuMatmul> library{onednn_linear_op() ? CpuMatmul::onednn : CpuMatmul::aten};
+  return library;
+}
+
+// x [..., in] times w^T, w [out, in] (its strides as they come), on oneDNN when that is the
+// library and the operands are float32 CPU tensors with x contiguous; else at::linear, which
+// also serves callers that differentiate through the kernels (oneDNN's op has no autograd).
+at::Tensor cpu_linear(const at::Tensor& x, const at::Tensor& w) {
+  if (cpu_matmul_setting().load(std::memory_order_relaxed) == CpuMatmul::onednn && x.is_cpu() && x.scalar_type() == at::kFloat &&
+      w.scalar_type() == at::kFloat && w.dim() == 2 && x.dim() >= 2 && x.is_contiguous() && x.numel() > 0 && w.numel() > 0 &&
+      !(x.requires_grad() || w.requires_grad())) {
+    return onednn_linear_op()->call(x, w, std::nullopt, "none", c10::List<std::optional<at::Scalar>>(), c10::string_view(""));
+  }
+  return at::linear(x, w);
+}
+
 bool half_on_cpu(const at::Tensor& x) { return x.is_cpu() && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf); }
 
 AdamW hyper(const Node& n) { return {n.attr_float("beta1"), n.attr_float("beta2"), n.attr_float("eps"), n.attr_float("weight_decay")}; }
@@ -257,9 +289,11 @@ const std::map<std::string, Kernel>& kernels() {
     k["log_softmax"] = [](const Node& n, const Tensors& x) { return one(at::log_softmax(x[0], n.attr_int("dim"))); };
     k["matmul"] = [](const Node&, const Tensors& x) {
       if (half_on_cpu(x[0])) return one(at::matmul(x[0].to(at::kFloat), x[1].to(at::kFloat)).to(x[0].scalar_type()));
+      // x [..., k] times a whole weight w [k, n] (the linear's input gradient) is x (w^T)^T.
+      if (x[1].dim() == 2 && x[1].is_contiguous() && x[0].dim() >= 2) return one(cpu_linear(x[0], x[1].t()));
       return one(at::matmul(x[0], x[1]));
     };
-    k["linear"] = [](const Node&, const Tensors& x) { return one(at::linear(x[0], x[1])); };
+    k["linear"] = [](const Node&, const Tensors& x) { return one(cpu_linear(x[0], x[1])); };
     k["embedding"] = [](const Node&, const Tensors& x) { return one(at::embedding(x[0], x[1])); };
     k["reshape"] = [](const Node& n, const Tensors& x) { return one(x[0].reshape(n.output()->meta().shape)); };
     k["transpose"] = [](const Node& n, const Tensors& x) { return one(x[0].transpose(n.attr_int("dim0"), n.attr_int("dim1"))); };
@@ -434,6 +468,14 @@ const std::map<std::string, Kernel>& kernels() {
 }
 
 }  // namespace
+
+void set_cpu_matmul(CpuMatmul library) {
+  if (library == CpuMatmul::onednn && !onednn_linear_op())
+    throw std::runtime_error("training.cpu_matmul = \"onednn\": this LibTorch has no oneDNN linear (mkldnn::_linear_pointwise); use \"aten\"");
+  cpu_matmul_setting().store(library);
+}
+CpuMatmul cpu_matmul() { return cpu_matmul_setting().load(); }
+bool onednn_linear_available() { return onednn_linear_op().has_value(); }
 
 const Kernel* find_kernel(const std::string& op) {
   auto it = kernels().find(op);

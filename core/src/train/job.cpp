@@ -359,7 +359,8 @@ void read_sections(const config::Config& cfg, JobSpec& s) {
   s.comm.backend = s.comm.chain.front();
   s.comm.max_failures = cfg.get_int("comm.max_failures");
   s.comm.failure_window = cfg.get_int("comm.failure_window");
-  s.device = {cfg.get_string("training.device"), cfg.get_bool("training.allow_tf32"), cfg.get_bool("training.cuda_graphs")};
+  s.device = {cfg.get_string("training.device"), cfg.get_bool("training.allow_tf32"), cfg.get_bool("training.cuda_graphs"),
+              cfg.get_string("training.cpu_matmul")};
   s.activation_checkpoint = {cfg.get_string("activation_checkpoint.mode"), cfg.get_string("activation_checkpoint.selective_ac_option"),
                              cfg.get_bool("activation_checkpoint.keep_collective_outputs")};
   s.mixed_precision = {cfg.get_string("training.mixed_precision_param"), cfg.get_string("training.mixed_precision_reduce"),

@@ -21,6 +21,9 @@ struct DeviceOptions {
   /// CUDA: TF32 in matmuls and cuDNN (torch.backends.cuda.matmul.allow_tf32 and
   /// torch.backends.cudnn.allow_tf32). Off by default so CUDA losses compare with the CPU's.
   bool allow_tf32 = false;
+  /// CPU: the library float32 linears run on (exec::CpuMatmul, kernels.h): "onednn", "aten",
+  /// or "auto" (onednn where this LibTorch has it). Set for the whole process by make_device.
+  std::string cpu_matmul = "auto";
 };
 
 /// A whole step captured as one CUDA graph (torch.cuda.CUDAGraph): replay() launches it on the

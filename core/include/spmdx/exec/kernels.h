@@ -40,6 +40,26 @@ struct AdamW {
 std::vector<at::Tensor> adamw_on_device(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
                                         const at::Tensor& lr, const at::Tensor& step, const AdamW& h, const at::Tensor& found_inf = {});
 
+/// The library that float32 matmuls on the CPU run on (training.cpu_matmul): the linear op
+/// (x W^T) and matmul by a whole 2-D right operand (x W, the linear's input gradient). Other
+/// matmuls (batched, strided operands, a weight's gradient, other dtypes) always take ATen's.
+/// Measured on this project's AMD EPYC (Zen 4) runners, one intra-op thread: the forward
+/// linears of Llama debugmodel 1.1 to 1.4x faster with oneDNN than with the wheel's MKL (which
+/// takes a generic path on non-Intel CPUs), the x W products 1.03 to 1.25x; the weight
+/// gradients (transposed operands) slower, hence ATen's. Results differ from ATen's in the
+/// last bits (another summation order), never between two calls of the same shapes.
+enum class CpuMatmul {
+  onednn,  ///< oneDNN's inner product (ATen's mkldnn::_linear_pointwise, torch.ops.mkldnn._linear_pointwise)
+  aten,    ///< at::linear / at::matmul: ATen's BLAS (MKL in the x86 PyTorch wheels)
+};
+/// Sets it for this process (default: onednn where this LibTorch has it, else aten). Throws
+/// std::runtime_error for onednn in a LibTorch built without oneDNN.
+void set_cpu_matmul(CpuMatmul library);
+/// The library in use.
+CpuMatmul cpu_matmul();
+/// Whether this LibTorch has oneDNN's linear (at::hasMKLDNN() and its op registered).
+bool onednn_linear_available();
+
 /// The kernel of an op, or nullptr.
 const Kernel* find_kernel(const std::string& op);
 

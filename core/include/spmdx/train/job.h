@@ -50,6 +50,7 @@ struct DeviceSpec {
   std::string kind = "cpu";  ///< training.device: "cpu", or "cuda" (GPU LOCAL_RANK per rank)
   bool allow_tf32 = false;   ///< training.allow_tf32: TF32 matmuls on CUDA (off: losses compare with the CPU's)
   bool cuda_graphs = false;  ///< training.cuda_graphs: capture the step once, replay it each step
+  std::string cpu_matmul = "auto";  ///< training.cpu_matmul: "auto", "onednn" or "aten" (exec::CpuMatmul)
 };
 
 /// [checkpoint]: where and when a rank saves, and what it resumes from.
