@@ -1,14 +1,16 @@
 """The PyTorch peer of spmdx's N-rank training: the same Llama 3 (torchtitan's llama3 layout:
 RMSNorm pre-norm blocks, rotary attention with theta 500000, causal scaled_dot_product_attention,
 SwiGLU feed-forward, untied output) trained in eager PyTorch with DistributedDataParallel or
-FSDP2 (torch.distributed.fsdp.fully_shard) over Gloo, one process per rank, with the same
+FSDP2 (torch.distributed.fsdp.fully_shard) over Gloo, one process per rank, or (mode local)
+NPROC processes each training its own copy with no collective but a barrier before each step
+(DDP's work without its communication: the floor under the same sharing of the cores), with the same
 global batch, AdamW (betas 0.9/0.95, weight decay 0.1), gradient clipping at 1.0 and the same
 intra-op threads per rank as spmdx (cores / ranks); or, mode cuda, in one process on cuda:0
 (float32 with TF32 off, as spmdx's training.allow_tf32 = false; NPROC must be 1), each step's
 time taken after torch.cuda.synchronize(). Tokens are random: only time is compared.
 
 Prints one line on rank 0: "MODE median_step_ms tokens_per_s".
-Usage: python torch_llama.py ddp|fsdp|cuda NPROC STEPS [FLAVOR] [LOCAL_BATCH] [SEQ_LEN]
+Usage: python torch_llama.py ddp|fsdp|local|cuda NPROC STEPS [FLAVOR] [LOCAL_BATCH] [SEQ_LEN]
        (defaults: debugmodel, 4, 128; steps 1-2 are warm-up and not counted, so STEPS >= 3)"""
 import os
 import socket
@@ -122,7 +124,7 @@ def worker(rank, mode, n, steps, flavor, local_batch, seq_len, port, queue):
     model = Llama(seq_len=seq_len, **FLAVORS[flavor])
     if mode == "ddp":
         model = nn.parallel.DistributedDataParallel(model)
-    else:
+    elif mode == "fsdp":
         from torch.distributed.fsdp import fully_shard
         for layer in model.layers:
             fully_shard(layer)
@@ -149,7 +151,7 @@ def main():
     flavor = sys.argv[4] if len(sys.argv) > 4 else "debugmodel"
     local_batch = int(sys.argv[5]) if len(sys.argv) > 5 else 4
     seq_len = int(sys.argv[6]) if len(sys.argv) > 6 else 128
-    if mode not in ("ddp", "fsdp", "cuda") or flavor not in FLAVORS or steps < 3 or (mode == "cuda" and n != 1):
+    if mode not in ("ddp", "fsdp", "local", "cuda") or flavor not in FLAVORS or steps < 3 or (mode == "cuda" and n != 1):
         sys.exit(__doc__)
     if mode == "cuda":
         return run_cuda(steps, flavor, local_batch, seq_len)
