@@ -467,11 +467,11 @@ TEST(Run, IntraOpThreadsFollowOmpNumThreadsElseTheCpusShared) {
   const std::string job = "'" SPMDX_SOURCE_DIR "/configs/mlp_dp.toml' --nproc 2 --training.steps 1 --job.dump_folder '" + dir.path().string() + "'";
   auto r = test::run_command("OMP_NUM_THREADS=3 '" SPMDX_EXE "' run " + job);
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_THAT(r.output, HasSubstr(", 3 intra-op threads per rank\n"));
+  EXPECT_THAT(r.output, HasSubstr(", 3 intra-op threads per rank, float32 linears on "));
   cpu_set_t set;
   ASSERT_EQ(sched_getaffinity(0, sizeof set, &set), 0);
   const int shared = std::max(1, CPU_COUNT(&set) / 2);
-  const std::string expected = ", " + std::to_string(shared) + " intra-op thread" + (shared == 1 ? "" : "s") + " per rank\n";
+  const std::string expected = ", " + std::to_string(shared) + " intra-op thread" + (shared == 1 ? "" : "s") + " per rank, float32 linears on ";
   r = test::run_command("env -u OMP_NUM_THREADS '" SPMDX_EXE "' run " + job);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_THAT(r.output, HasSubstr(expected));
@@ -479,6 +479,10 @@ TEST(Run, IntraOpThreadsFollowOmpNumThreadsElseTheCpusShared) {
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_THAT(r.output, HasSubstr("OMP_NUM_THREADS='four' is not a whole number from 1 to 4096: ignored"));
   EXPECT_THAT(r.output, HasSubstr(expected));
+  // The linears' library (training.cpu_matmul) is named on the same line.
+  r = test::run_command("OMP_NUM_THREADS=1 '" SPMDX_EXE "' run " + job + " --training.cpu_matmul aten");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr(", 1 intra-op thread per rank, float32 linears on ATen's BLAS\n"));
 }
 
 TEST(Run, TheLocalBackendIsRefusedBeforeAnyRankStarts) {
