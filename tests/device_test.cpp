@@ -10,11 +10,13 @@
 #include <thread>
 #include <vector>
 
+#include "spmdx/exec/calibrate.h"
 #include "spmdx/exec/device.h"
 #include "spmdx/exec/distributed.h"
 #include "spmdx/exec/executor.h"
 #include "spmdx/exec/kernels.h"
 #include "spmdx/sharding/mesh.h"
+#include "test_util.h"
 
 namespace spmdx::exec {
 namespace {
@@ -137,6 +139,30 @@ TEST(DeviceKernels, Float32LinearsOnEachCpuMatmulLibraryGiveATensValues) {
     }
   }
   EXPECT_THROW(make_device({"cpu", 0, false, "blas"}), std::runtime_error);
+  (void)make_device({"cpu", 0, false, "auto"});
+}
+
+// The cost model's matmul rate is the kernels' own: a calibration names the linears' library,
+// is kept while that library is in use, and is measured again under the other one.
+TEST(DeviceKernels, CalibrationIsMeasuredAgainForTheOtherCpuMatmulLibrary) {
+  if (!onednn_linear_available()) GTEST_SKIP() << "this LibTorch has no oneDNN linear";
+  test::TempDir dir;
+  const auto file = plan::calibration_path(dir.path());
+  set_cpu_matmul(CpuMatmul::aten);
+  const plan::Calibration aten = ensure_calibration(dir.path());
+  EXPECT_THAT(aten.compute_source, HasSubstr("float32 linears on ATen's BLAS"));
+  plan::Calibration pinned = aten;
+  pinned.matmul_flops_per_second = 1234e3;  // a rate no measurement gives: kept or replaced
+  plan::save_calibration(file, pinned);
+  EXPECT_DOUBLE_EQ(ensure_calibration(dir.path()).matmul_flops_per_second, 1234e3) << "the same library: kept";
+  set_cpu_matmul(CpuMatmul::onednn);
+  const plan::Calibration onednn = ensure_calibration(dir.path());
+  EXPECT_THAT(onednn.compute_source, HasSubstr("float32 linears on oneDNN"));
+  EXPECT_GT(onednn.matmul_flops_per_second, 1e8) << "measured again";
+  EXPECT_DOUBLE_EQ(plan::load_calibration(file).matmul_flops_per_second, onednn.matmul_flops_per_second) << "and written";
+  pinned.compute_source = "measured 2026-11-30 12:00 (ATen mm 384^3, add 4Mi f32 and 1 f32, 1 thread)";  // before the library was named
+  plan::save_calibration(file, pinned);
+  EXPECT_NE(ensure_calibration(dir.path()).matmul_flops_per_second, 1234e3) << "an MKL rate under oneDNN";
   (void)make_device({"cpu", 0, false, "auto"});
 }
 

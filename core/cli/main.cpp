@@ -41,6 +41,7 @@
 #include "spmdx/exec/checkpoint.h"
 #include "spmdx/exec/device.h"
 #include "spmdx/exec/job_runner.h"
+#include "spmdx/exec/kernels.h"
 #include "spmdx/models/pt2.h"
 #endif
 
@@ -417,6 +418,11 @@ spmdx::plan::Calibration job_calibration(const spmdx::config::Config& cfg) {
   const std::filesystem::path dump = cfg.get_string("job.dump_folder");
   try {
 #ifdef SPMDX_HAVE_EXEC
+    const std::string library = cfg.get_string("training.cpu_matmul");  // the linears' library, as the ranks will set it
+    if (library == "onednn" && !spmdx::exec::onednn_linear_available())
+      throw std::invalid_argument(cfg.where({"training.cpu_matmul"}) + ": training.cpu_matmul = \"onednn\": this LibTorch has no oneDNN linear; use \"aten\"");
+    spmdx::exec::set_cpu_matmul(library == "aten" || !spmdx::exec::onednn_linear_available() ? spmdx::exec::CpuMatmul::aten
+                                                                                            : spmdx::exec::CpuMatmul::onednn);
     return spmdx::exec::ensure_calibration(dump);
 #else
     return spmdx::plan::load_calibration(spmdx::plan::calibration_path(dump));

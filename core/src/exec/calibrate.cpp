@@ -1,4 +1,5 @@
 #include "spmdx/exec/calibrate.h"
+#include "spmdx/exec/kernels.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -24,17 +25,37 @@ double per_call(F&& f, double budget) {
   return elapsed / calls;
 }
 
+// How the calibration names the float32 linears' library.
+std::string linears_on() { return std::string("float32 linears on ") + (cpu_matmul() == CpuMatmul::onednn ? "oneDNN" : "ATen's BLAS"); }
+
+// A measured calibration of another library than the one in use: one that names it, or one from
+// before the library was named (an ATen mm, MKL's rate) while oneDNN is in use.
+bool other_library(const std::string& source) {
+  if (source.find("float32 linears on ") != std::string::npos) return source.find(linears_on()) == std::string::npos;
+  return source.find("ATen mm") != std::string::npos && cpu_matmul() == CpuMatmul::onednn;
+}
+
 }  // namespace
 
 plan::Calibration measure_compute(plan::Calibration base, double seconds) {
   const int threads = at::get_num_threads();
   at::set_num_threads(1);
+  // A linear's three products as the train step runs them (kernels.h): its forward x W^T and
+  // input gradient g W on the library training.cpu_matmul chose, its weight gradient g^T x on
+  // ATen's.
   const std::int64_t n = 384;
-  const at::Tensor a = at::randn({n, n}), b = at::randn({n, n});
-  const double matmul = per_call([&] { (void)at::mm(a, b); }, seconds / 2);
+  const at::Tensor x = at::randn({n, n}), w = at::randn({n, n}), g = at::randn({n, n});
+  const double matmul = per_call(
+                            [&] {
+                              (void)cpu_linear(x, w);
+                              (void)cpu_linear(g, w.t());
+                              (void)at::mm(g.t(), x);
+                            },
+                            seconds / 2) /
+                        3;
   const std::int64_t m = 4 << 20;
-  const at::Tensor x = at::randn({m}), y = at::randn({m});
-  const double add = per_call([&] { (void)at::add(x, y); }, seconds / 2);
+  const at::Tensor u = at::randn({m}), v = at::randn({m});
+  const double add = per_call([&] { (void)at::add(u, v); }, seconds / 2);
   const at::Tensor one = at::randn({1});
   const double tiny = per_call([&] { (void)at::add(one, one); }, 0.05);
   at::set_num_threads(threads);
@@ -44,14 +65,14 @@ plan::Calibration measure_compute(plan::Calibration base, double seconds) {
   char when[32];
   const std::time_t now = std::time(nullptr);
   std::strftime(when, sizeof when, "%Y-%m-%d %H:%M", std::localtime(&now));
-  base.compute_source = std::string("measured ") + when + " (ATen mm 384^3, add 4Mi f32 and 1 f32, 1 thread)";
+  base.compute_source = std::string("measured ") + when + " (a linear's three 384^3 products, " + linears_on() + "; add 4Mi f32 and 1 f32; 1 thread)";
   return base;
 }
 
 plan::Calibration ensure_calibration(const std::filesystem::path& dump_folder) {
   const auto file = plan::calibration_path(dump_folder);
   plan::Calibration c = plan::load_calibration(file);
-  if (c.compute_source.rfind("measured", 0) == 0) return c;
+  if (c.compute_source.rfind("measured", 0) == 0 && !other_library(c.compute_source)) return c;
   c = measure_compute(c);
   plan::save_calibration(file, c);
   return c;

@@ -236,17 +236,6 @@ std::atomic<CpuMatmul>& cpu_matmul_setting() {
   return library;
 }
 
-// x [..., in] times w^T, w [out, in] (its strides as they come), on oneDNN when that is the
-// library and the operands are float32 CPU tensors with x contiguous; else at::linear, which
-// also serves callers that differentiate through the kernels (oneDNN's op has no autograd).
-at::Tensor cpu_linear(const at::Tensor& x, const at::Tensor& w) {
-  if (cpu_matmul_setting().load(std::memory_order_relaxed) == CpuMatmul::onednn && x.is_cpu() && x.scalar_type() == at::kFloat &&
-      w.scalar_type() == at::kFloat && w.dim() == 2 && x.dim() >= 2 && x.is_contiguous() && x.numel() > 0 && w.numel() > 0 &&
-      !(x.requires_grad() || w.requires_grad())) {
-    return onednn_linear_op()->call(x, w, std::nullopt, "none", c10::List<std::optional<at::Scalar>>(), c10::string_view(""));
-  }
-  return at::linear(x, w);
-}
 
 bool half_on_cpu(const at::Tensor& x) { return x.is_cpu() && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf); }
 
@@ -476,6 +465,16 @@ void set_cpu_matmul(CpuMatmul library) {
 }
 CpuMatmul cpu_matmul() { return cpu_matmul_setting().load(); }
 bool onednn_linear_available() { return onednn_linear_op().has_value(); }
+
+at::Tensor cpu_linear(const at::Tensor& x, const at::Tensor& w) {
+  if (cpu_matmul_setting().load(std::memory_order_relaxed) == CpuMatmul::onednn && x.is_cpu() && x.scalar_type() == at::kFloat &&
+      w.scalar_type() == at::kFloat && w.dim() == 2 && x.dim() >= 2 && x.is_contiguous() && x.numel() > 0 && w.numel() > 0 &&
+      !(x.requires_grad() || w.requires_grad())) {
+    return onednn_linear_op()->call(x, w, std::nullopt, "none", c10::List<std::optional<at::Scalar>>(), c10::string_view(""));
+  }
+  return at::linear(x, w);
+}
+
 
 const Kernel* find_kernel(const std::string& op) {
   auto it = kernels().find(op);

@@ -59,6 +59,10 @@ void set_cpu_matmul(CpuMatmul library);
 CpuMatmul cpu_matmul();
 /// Whether this LibTorch has oneDNN's linear (at::hasMKLDNN() and its op registered).
 bool onednn_linear_available();
+/// The linear op's kernel: x [..., in] times w^T for w [out, in] -> [..., out], on the library
+/// cpu_matmul() names when x and w are float32 CPU tensors, x contiguous and neither requiring
+/// grad (oneDNN's op has no autograd); at::linear otherwise.
+at::Tensor cpu_linear(const at::Tensor& x, const at::Tensor& w);
 
 /// The kernel of an op, or nullptr.
 const Kernel* find_kernel(const std::string& op);
