@@ -103,13 +103,10 @@ int main(int argc, char** argv) {
     return usage("--steps needs a number");
   }
   if (steps < 1) return usage("--steps must be at least 1");
-  if (library == "onednn" || (library == "auto" && spmdx::exec::onednn_linear_available())) {
-    if (!spmdx::exec::onednn_linear_available()) return usage("--cpu-matmul onednn: this LibTorch has no oneDNN linear");
-    spmdx::exec::set_cpu_matmul(spmdx::exec::CpuMatmul::onednn);
-  } else if (library == "aten" || library == "auto") {
-    spmdx::exec::set_cpu_matmul(spmdx::exec::CpuMatmul::aten);
-  } else {
-    return usage("--cpu-matmul takes auto, onednn or aten, not '" + library + "'");
+  try {
+    spmdx::exec::set_cpu_matmul(spmdx::exec::cpu_matmul_named(library));
+  } catch (const std::runtime_error& e) {
+    return usage(std::string("--cpu-matmul: ") + e.what());
   }
   std::vector<Case> cases;
   std::stringstream list(spec);
@@ -133,7 +130,7 @@ int main(int argc, char** argv) {
     cases.push_back(c);
   }
   std::printf("static train-step graph vs eager LibTorch (autograd + torch::optim::AdamW), %d timed steps, %d threads, static float32 linears on %s\n",
-              steps, at::get_num_threads(), spmdx::exec::cpu_matmul() == spmdx::exec::CpuMatmul::onednn ? "oneDNN" : "ATen's BLAS");
+              steps, at::get_num_threads(), spmdx::exec::library_name(spmdx::exec::cpu_matmul()));
   std::printf("%-6s %-11s %13s %10s %10s %9s %12s %12s %10s\n", "model", "flavor", "batch x seq", "static ms", "eager ms",
               "speedup", "loss static", "loss eager", "peak MiB");
   for (const auto& c : cases) run(c, steps);

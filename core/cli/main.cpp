@@ -416,13 +416,15 @@ std::int64_t peak_rss_bytes() {
 // measured here (once) where this build has LibTorch, else the file's or the defaults.
 spmdx::plan::Calibration job_calibration(const spmdx::config::Config& cfg) {
   const std::filesystem::path dump = cfg.get_string("job.dump_folder");
+#ifdef SPMDX_HAVE_EXEC
+  try {  // the linears' library, as the ranks will set it, is the one measured
+    spmdx::exec::set_cpu_matmul(spmdx::exec::cpu_matmul_named(cfg.get_string("training.cpu_matmul")));
+  } catch (const std::runtime_error& e) {
+    throw std::invalid_argument(cfg.where({"training.cpu_matmul"}) + ": " + e.what());
+  }
+#endif
   try {
 #ifdef SPMDX_HAVE_EXEC
-    const std::string library = cfg.get_string("training.cpu_matmul");  // the linears' library, as the ranks will set it
-    if (library == "onednn" && !spmdx::exec::onednn_linear_available())
-      throw std::invalid_argument(cfg.where({"training.cpu_matmul"}) + ": training.cpu_matmul = \"onednn\": this LibTorch has no oneDNN linear; use \"aten\"");
-    spmdx::exec::set_cpu_matmul(library == "aten" || !spmdx::exec::onednn_linear_available() ? spmdx::exec::CpuMatmul::aten
-                                                                                            : spmdx::exec::CpuMatmul::onednn);
     return spmdx::exec::ensure_calibration(dump);
 #else
     return spmdx::plan::load_calibration(spmdx::plan::calibration_path(dump));

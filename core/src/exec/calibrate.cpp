@@ -26,7 +26,7 @@ double per_call(F&& f, double budget) {
 }
 
 // How the calibration names the float32 linears' library.
-std::string linears_on() { return std::string("float32 linears on ") + (cpu_matmul() == CpuMatmul::onednn ? "oneDNN" : "ATen's BLAS"); }
+std::string linears_on() { return std::string("float32 linears on ") + library_name(cpu_matmul()); }
 
 // A measured calibration of another library than the one in use: one that names it, or one from
 // before the library was named (an ATen mm, MKL's rate) while oneDNN is in use.

@@ -115,13 +115,7 @@ boost::dll::shared_library& cuda_library() {
 }  // namespace
 
 std::unique_ptr<Device> make_device(const DeviceOptions& options) {
-  if (options.cpu_matmul == "onednn" || options.cpu_matmul == "aten") {
-    set_cpu_matmul(options.cpu_matmul == "onednn" ? CpuMatmul::onednn : CpuMatmul::aten);
-  } else if (options.cpu_matmul == "auto") {
-    set_cpu_matmul(onednn_linear_available() ? CpuMatmul::onednn : CpuMatmul::aten);
-  } else {
-    throw std::runtime_error("training.cpu_matmul = \"" + options.cpu_matmul + "\": use \"auto\", \"onednn\" or \"aten\"");
-  }
+  set_cpu_matmul(cpu_matmul_named(options.cpu_matmul));
   if (options.kind == "cpu") return std::make_unique<CpuDevice>();
   if (options.kind != "cuda") throw std::runtime_error("training.device = \"" + options.kind + "\": use \"cpu\" or \"cuda\"");
   auto make = cuda_library().get<Device*(const DeviceOptions&)>("spmdx_cuda_make_device");

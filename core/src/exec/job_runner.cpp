@@ -935,15 +935,14 @@ void print_banner(const train::JobSpec& spec, const train::PlacedJob& job, const
   using train::CheckpointReport;
   double params = 0;
   for (const auto& p : job.model.params) params += static_cast<double>(job.model.graph.find_input(p)->meta().numel());
+  const std::string linears = device.compute_stream() == nullptr ? std::string(", float32 linears on ") + library_name(cpu_matmul()) : "";
   std::printf("spmdx: %s (%.2fM parameters), mesh %s (%d rank%s, %s), global batch %lld x %lld, %lld steps, comm %s, %d intra-op thread%s per rank%s\n",
               models::model_label(spec.model).c_str(), params / 1e6,
               train::run_mesh(job).str().c_str(), env.world_size, env.world_size == 1 ? "" : "s", env.source.c_str(), static_cast<long long>(spec.global_batch_size),
               static_cast<long long>(spec.seq_len), static_cast<long long>(spec.steps),
               backend ? ((spec.comm.backend == "auto" ? "auto -> " : "") + backend->describe()).c_str() : "none (one rank)",
               at::get_num_threads(), at::get_num_threads() == 1 ? "" : "s",
-              device.compute_stream() != nullptr      ? ""
-              : cpu_matmul() == CpuMatmul::onednn ? ", float32 linears on oneDNN"
-                                                  : ", float32 linears on ATen's BLAS");
+              linears.c_str());
   if (const std::int64_t m = spec.step.microbatches; m > 1 && spec.pipeline.stages == 1) {
     const std::int64_t rows = spec.global_batch_size / (m * spec.dims.dp_replicate * spec.dims.dp_shard);
     std::printf("gradient accumulation: %lld microbatches of %lld row%s per data-parallel rank (training.local_batch_size), one optimizer step and one gradient reduction per step\n",

@@ -212,12 +212,6 @@ void fused_adamw(at::Tensor& param, const at::Tensor& grad, at::Tensor& exp_avg,
 
 at::Tensor found_inf_of(const Tensors& x) { return x.size() > 6 ? x[6] : at::Tensor(); }
 
-// A bfloat16 or float16 matmul on a CPU: ATen's kernel for them runs up to 50 times slower than
-// its float32 GEMM where the CPU lacks bf16/fp16 instructions (AVX2), worst with a transposed
-// operand, as the backward's are (1.2 of 1.4 s of a debugmodel bf16 step here). It accumulates
-// in float32 and rounds once; so does a float32 GEMM of the upcast inputs rounded back, which
-// the matmul kernel runs instead (the same bits but for the order of the sums). linear (the
-// forward's) keeps ATen's kernel, so the forward is PyTorch's bit for bit.
 // oneDNN's linear, looked up in the dispatcher once (nullopt: this LibTorch lacks it).
 using OneDnnLinear = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, c10::string_view,
                                 c10::List<std::optional<at::Scalar>>, std::optional<c10::string_view>);
@@ -236,7 +230,12 @@ std::atomic<CpuMatmul>& cpu_matmul_setting() {
   return library;
 }
 
-
+// A bfloat16 or float16 matmul on a CPU: ATen's kernel for them runs up to 50 times slower than
+// its float32 GEMM where the CPU lacks bf16/fp16 instructions (AVX2), worst with a transposed
+// operand, as the backward's are (1.2 of 1.4 s of a debugmodel bf16 step here). It accumulates
+// in float32 and rounds once; so does a float32 GEMM of the upcast inputs rounded back, which
+// the matmul kernel runs instead (the same bits but for the order of the sums). linear (the
+// forward's) keeps ATen's kernel, so the forward is PyTorch's bit for bit.
 bool half_on_cpu(const at::Tensor& x) { return x.is_cpu() && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf); }
 
 AdamW hyper(const Node& n) { return {n.attr_float("beta1"), n.attr_float("beta2"), n.attr_float("eps"), n.attr_float("weight_decay")}; }
@@ -465,6 +464,13 @@ void set_cpu_matmul(CpuMatmul library) {
 }
 CpuMatmul cpu_matmul() { return cpu_matmul_setting().load(); }
 bool onednn_linear_available() { return onednn_linear_op().has_value(); }
+CpuMatmul cpu_matmul_named(const std::string& name) {
+  if (name == "onednn") return CpuMatmul::onednn;
+  if (name == "aten") return CpuMatmul::aten;
+  if (name == "auto") return onednn_linear_available() ? CpuMatmul::onednn : CpuMatmul::aten;
+  throw std::runtime_error("training.cpu_matmul = \"" + name + "\": use \"auto\", \"onednn\" or \"aten\"");
+}
+const char* library_name(CpuMatmul library) { return library == CpuMatmul::onednn ? "oneDNN" : "ATen's BLAS"; }
 
 at::Tensor cpu_linear(const at::Tensor& x, const at::Tensor& w) {
   if (cpu_matmul_setting().load(std::memory_order_relaxed) == CpuMatmul::onednn && x.is_cpu() && x.scalar_type() == at::kFloat &&
@@ -474,7 +480,6 @@ at::Tensor cpu_linear(const at::Tensor& x, const at::Tensor& w) {
   }
   return at::linear(x, w);
 }
-
 
 const Kernel* find_kernel(const std::string& op) {
   auto it = kernels().find(op);

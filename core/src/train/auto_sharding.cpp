@@ -410,8 +410,7 @@ AutoReport plan_auto(const JobSpec& spec, PluginRegistry& registry, const plan::
   auto exact_first = [&] {
     for (by_rank(); report.plans.front().extrapolated && report.plans.front().error.empty(); by_rank()) {
       AutoPlan& p = report.plans.front();
-      const AutoPlan again = plan_layout(spec, p.dims, p.stages, registry, nullptr, c, report.ranks_per_host, report.cores, nullptr, false);
-      p = again;
+      p = plan_layout(spec, p.dims, p.stages, registry, nullptr, c, report.ranks_per_host, report.cores, nullptr, false);
     }
   };
   exact_first();

@@ -57,6 +57,11 @@ enum class CpuMatmul {
 void set_cpu_matmul(CpuMatmul library);
 /// The library in use.
 CpuMatmul cpu_matmul();
+/// The library training.cpu_matmul names: "onednn", "aten", or "auto" (onednn where this
+/// LibTorch has it, else aten). Throws std::runtime_error naming the key for any other name.
+CpuMatmul cpu_matmul_named(const std::string& name);
+/// For logs: "oneDNN" or "ATen's BLAS".
+const char* library_name(CpuMatmul library);
 /// Whether this LibTorch has oneDNN's linear (at::hasMKLDNN() and its op registered).
 bool onednn_linear_available();
 /// The linear op's kernel: x [..., in] times w^T for w [out, in] -> [..., out], on the library
