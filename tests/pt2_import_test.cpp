@@ -206,6 +206,13 @@ TEST(Pt2ImportErrors, UnknownFieldInModelJson) {
   EXPECT_THAT(e, HasSubstr("unknown field 'shiny_new_field'"));
 }
 
+// Copying or printing a value that deep would overflow the stack: refused before it is parsed.
+TEST(Pt2ImportErrors, ModelJsonNestedTooDeep) {
+  const std::string e = import_error((kDir / "bad" / "deep.pt2").string());
+  EXPECT_THAT(e, HasSubstr("deep.pt2"));
+  EXPECT_THAT(e, HasSubstr("models/model.json is not valid JSON: JSON nested more than 256 arrays or objects deep (at byte 264)"));
+}
+
 TEST(Pt2ImportErrors, AotInductorPackage) {
   EXPECT_THAT(import_error((kDir / "bad" / "aoti.pt2").string()), HasSubstr("AOTInductor"));
 }

@@ -100,4 +100,26 @@ std::string fnv1a_hex(std::string_view bytes) {
   return buf;
 }
 
+void check_json_nesting(std::string_view json_text) {
+  std::size_t depth = 0;
+  bool in_string = false, escaped = false;
+  for (std::size_t i = 0; i < json_text.size(); ++i) {
+    const char c = json_text[i];
+    if (in_string) {
+      if (escaped) escaped = false;
+      else if (c == '\\') escaped = true;
+      else if (c == '"') in_string = false;
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{') {
+      if (++depth > kMaxJsonNesting) {
+        throw std::invalid_argument("JSON nested more than " + std::to_string(kMaxJsonNesting) + " arrays or objects deep (at byte " + std::to_string(i) +
+                                    "); no file spmdx reads nests so deep: is it the file meant, as written?");
+      }
+    } else if ((c == ']' || c == '}') && depth > 0) {
+      --depth;
+    }
+  }
+}
+
 }  // namespace spmdx

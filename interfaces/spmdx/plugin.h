@@ -30,10 +30,11 @@
 // 3.1: StreamOrdered (comm.h), an interface a comm backend may also implement.
 // 3.2: Planner (planner.h) and Registrar::add_planner: a strategy plugin may register a
 // solver for the per-mesh-dim choice problems of `strategy = "auto"`.
+// 3.3: check_json_nesting (text.h), a host service: JSON too deep to copy or print safely.
 //
 // Host services. A plugin may call, besides this folder's inline code, only the core
 // library's logging facade (spmdx/core/log.h) and the helpers declared in this folder
-// (options.h: OptionReader; files.h: write_file_atomic; text.h: sizes and rank lists), which
+// (options.h: OptionReader; files.h: write_file_atomic; text.h: sizes, rank lists, JSON nesting), which
 // are versioned with this ABI.
 //
 // Writing a plugin:
@@ -60,7 +61,7 @@
 #include "spmdx/transport.h"
 
 #define SPMDX_ABI_MAJOR 3
-#define SPMDX_ABI_MINOR 2
+#define SPMDX_ABI_MINOR 3
 
 // The toolchain tag: the C++ standard library, its string/list ABI and whether exceptions are
 // on. The loader refuses a plugin whose tag differs from the host's.

@@ -53,6 +53,18 @@ std::string join(const Range& items, std::string_view separator = ", ") {
 /// rounded down to whole bytes. Throws std::invalid_argument naming the text and giving examples.
 std::uint64_t parse_bytes(std::string_view text);
 
+/// The most arrays and objects a JSON document spmdx reads may nest (toml++'s limit for TOML,
+/// TOML_MAX_NESTED_VALUES, is the same). The deepest spmdx or torch.export writes is about 10.
+inline constexpr std::size_t kMaxJsonNesting = 256;
+
+/// Refuses JSON text nesting arrays and objects more than kMaxJsonNesting deep, before it is
+/// parsed: nlohmann::json parses any depth, but copying, comparing or dumping a value recurses
+/// once a level, and a file nesting 100,000 deep overflows the stack (a crash, not an error).
+/// A scan of `json_text` (bytes; strings and their escapes skipped), not a validation: text
+/// that is not JSON passes, for the parser to refuse. Throws std::invalid_argument saying how
+/// deep and at which byte; the caller names the file.
+void check_json_nesting(std::string_view json_text);
+
 /// FNV-1a, 64 bits (Fowler, Noll, Vo), of `bytes` as 16 lowercase hex digits: the same on
 /// every machine and build, unlike std::hash. A fingerprint, not a cryptographic hash.
 std::string fnv1a_hex(std::string_view bytes);

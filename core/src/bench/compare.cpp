@@ -130,8 +130,9 @@ Metrics read_metrics(const fs::path& file, const std::vector<std::string>& lines
     if (trim(lines[i]).empty()) continue;
     json row;
     try {
+      check_json_nesting(lines[i]);
       row = json::parse(lines[i]);
-    } catch (const json::exception& e) {
+    } catch (const std::exception& e) {
       throw CompareInputError(file.string() + ":" + std::to_string(i + 1) + ": not a JSON object (" + e.what() + ")");
     }
     const std::string at = file.string() + ":" + std::to_string(i + 1) + ": ";

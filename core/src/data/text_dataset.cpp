@@ -9,6 +9,8 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "spmdx/text.h"
+
 namespace spmdx::data {
 namespace fs = std::filesystem;
 using nlohmann::json;
@@ -52,6 +54,11 @@ bool is_json_lines(const std::string& path, const std::string& text) {
     const std::string_view t = trim(line);
     if (t.empty()) continue;
     if (t.front() != '{') return false;
+    try {
+      check_json_nesting(t);
+    } catch (const std::invalid_argument&) {
+      return true;  // a JSON object, to be refused as a line of JSON Lines
+    }
     const json j = json::parse(t, nullptr, /*allow_exceptions=*/false);
     return j.is_object();
   }
@@ -85,8 +92,9 @@ std::int64_t for_each_document(const std::string& path, const std::string& text,
     const std::string where = "text data set: '" + path + "' line " + std::to_string(number);
     json j;
     try {
+      check_json_nesting(line);
       j = json::parse(line);
-    } catch (const json::parse_error& e) {
+    } catch (const std::exception& e) {
       throw std::runtime_error(where + " is not valid JSON (" + e.what() + "). Each line of a JSON Lines file must be one JSON object.");
     }
     if (!j.is_object() || !j.contains("text")) {

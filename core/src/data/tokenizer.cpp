@@ -15,6 +15,8 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "spmdx/text.h"
+
 namespace spmdx::data {
 namespace fs = std::filesystem;
 using nlohmann::json;
@@ -515,8 +517,9 @@ std::string read_file(const fs::path& path, const std::string& shown) {
 
 json parse_json(const std::string& text, const std::string& shown) {
   try {
+    check_json_nesting(text);
     return json::parse(text);
-  } catch (const json::parse_error& e) {
+  } catch (const std::exception& e) {
     fail(shown, std::string("not valid JSON (") + e.what() + ")",
          "The file may be truncated: download it again (Hugging Face tokenizer.json format).");
   }

@@ -17,6 +17,7 @@
 #include "spmdx/exec/kernels.h"
 #include "spmdx/exec/shards.h"
 #include "spmdx/sharding/spec.h"
+#include "spmdx/text.h"
 
 namespace spmdx::exec {
 namespace {
@@ -118,8 +119,10 @@ struct Decoded {
 Decoded decode(const fs::path& file, const ShardFile& f) {
   json header;
   try {
-    header = json::parse(f.bytes.substr(f.header_begin, f.header_end - f.header_begin));
-  } catch (const json::exception& e) {
+    const std::string text = f.bytes.substr(f.header_begin, f.header_end - f.header_begin);
+    check_json_nesting(text);
+    header = json::parse(text);
+  } catch (const std::exception& e) {
     fail(file, std::string("corrupted header: ") + e.what());
   }
   if (!header.is_object() || !header.contains("tensors") || !header["tensors"].is_array()) fail(file, "corrupted header: no \"tensors\" list");
@@ -251,9 +254,11 @@ struct Metadata {
 class MetadataReader {
  public:
   explicit MetadataReader(const fs::path& dir) : dir_(dir), mfile_(dir / "metadata.json") {
+    const std::string text = read_file(mfile_);
     try {
-      m_ = json::parse(read_file(mfile_));
-    } catch (const json::exception& e) {
+      check_json_nesting(text);
+      m_ = json::parse(text);
+    } catch (const std::exception& e) {
       fail(mfile_, std::string("corrupted (not JSON): ") + e.what());
     }
     if (!m_.is_object()) fail(mfile_, "corrupted: not a JSON object");

@@ -210,6 +210,7 @@ void keep_rows_before(const std::filesystem::path& file, std::int64_t first_step
   int dropped = 0;
   while (std::getline(in, line)) {
     try {
+      check_json_nesting(line);
       const auto row = nlohmann::json::parse(line);
       const std::int64_t step = row.at("step").get<std::int64_t>();
       if (step >= 1 && step < first_step) {

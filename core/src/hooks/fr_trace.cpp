@@ -106,7 +106,10 @@ std::pair<GroupKey, Entry> read_entry(const json& e, const std::string& where, i
 // Merges the dump rank<r>.json (named `name`) into `dumps`.
 void read_dump(const std::filesystem::path& path, const std::string& name, Dumps& dumps) {
   std::ifstream in(path);
-  json doc = json::parse(in);
+  std::ostringstream text;
+  text << in.rdbuf();
+  check_json_nesting(text.str());
+  json doc = json::parse(text.str());
   if (!doc.is_object() || doc.value("format", "") != "spmdx-flight-recorder-1") throw std::runtime_error("no format \"spmdx-flight-recorder-1\"");
   const int ws = static_cast<int>(integer_field(doc, "world_size", 1, 100'000'000, ""));
   const int rank = static_cast<int>(integer_field(doc, "rank", 0, ws - 1, ""));

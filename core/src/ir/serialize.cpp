@@ -5,6 +5,7 @@
 #include <map>
 
 #include "spmdx/ir/ops.h"
+#include "spmdx/text.h"
 
 namespace spmdx::ir {
 namespace {
@@ -66,8 +67,9 @@ Graph from_json(const std::string& text, const std::string& source) {
   auto fail = [&](const std::string& why) -> IrError { return IrError(source + ": " + why); };
   json j;
   try {
+    check_json_nesting(text);
     j = json::parse(text);
-  } catch (const json::parse_error& e) {
+  } catch (const std::exception& e) {
     throw fail(std::string("not valid JSON: ") + e.what());
   }
   if (!j.is_object() || j.value("format", "") != "spmdx.graph") {

@@ -155,9 +155,11 @@ void read_payloads(const Fail& fail, caffe2::serialize::PyTorchStreamReader& rea
     fail("it has no " + config_name + "; is it a torch.export archive?");
   }
   json config;
+  const std::string config_text = record_text(reader, config_name);
   try {
-    config = json::parse(record_text(reader, config_name));
-  } catch (const json::exception& e) {
+    check_json_nesting(config_text);
+    config = json::parse(config_text);
+  } catch (const std::exception& e) {
     fail(config_name + " is not valid JSON: " + e.what());
   }
   only_fields(fail, config, {"config"}, config_name);
@@ -248,9 +250,11 @@ std::shared_ptr<const Archive> read_archive(const std::string& path) {
     if (programs.empty()) fail("it holds no program (models/*.json)");
     if (programs.size() > 1) fail("it holds " + std::to_string(programs.size()) + " programs (" + programs[0] + ", " + programs[1] + ", ...); spmdx trains one: save one ExportedProgram per file");
     a->model = programs[0].substr(7, programs[0].size() - 12);
+    const std::string program_text = record_text(*reader, programs[0]);
     try {
-      a->program = json::parse(record_text(*reader, programs[0]));
-    } catch (const json::exception& e) {
+      check_json_nesting(program_text);
+      a->program = json::parse(program_text);
+    } catch (const std::exception& e) {
       fail(programs[0] + " is not valid JSON: " + e.what());
     }
     read_payloads(fail, *reader, *a, "weights");

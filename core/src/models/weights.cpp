@@ -129,6 +129,7 @@ std::vector<SafetensorsTensor> read_safetensors_header(const fs::path& file) {
   };
   json header;
   try {
+    check_json_nesting(text);
     header = json::parse(text, unique_names);
   } catch (const std::exception& e) {
     bad_file(file, std::string("its header is not JSON (not a safetensors file?): ") + e.what());

@@ -107,8 +107,9 @@ struct Graph {
 Graph parse_graph(const std::string& text, const std::string& what) {
   json j;
   try {
+    check_json_nesting(text);
     j = json::parse(text);
-  } catch (const json::exception& e) {
+  } catch (const std::exception& e) {
     throw DiffInputError(what + ": not JSON (" + e.what() + ")");
   }
   if (!j.is_object() || j.value("format", "") != "spmdx.graph") throw DiffInputError(what + ": not a graph document (\"format\": \"spmdx.graph\", as spmdx compile --dump writes)");
@@ -365,8 +366,9 @@ void diff_graphs(const std::string& level, const Graph& a, const Graph& b, const
 
 json parse_doc(const std::string& text, const std::string& what) {
   try {
+    check_json_nesting(text);
     return json::parse(text);
-  } catch (const json::exception& e) {
+  } catch (const std::exception& e) {
     throw DiffInputError(what + ": not JSON (" + e.what() + ")");
   }
 }

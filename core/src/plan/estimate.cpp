@@ -13,6 +13,7 @@
 #include "spmdx/hooks/graph_view.h"
 #include "spmdx/sharding/redistribute.h"
 #include "spmdx/sharding/spec.h"
+#include "spmdx/text.h"
 
 namespace spmdx::plan {
 
@@ -30,6 +31,7 @@ Calibration Calibration::from_json(const std::string& text, const std::string& w
   Calibration c;
   nlohmann::json j;
   try {
+    check_json_nesting(text);
     j = nlohmann::json::parse(text);
   } catch (const std::exception& e) {
     throw std::invalid_argument(where + ": not JSON (" + e.what() + "); delete it and spmdx measures again");
@@ -234,6 +236,7 @@ Calibration fit_collective_seconds(Calibration c, const std::filesystem::path& m
     if (line.empty()) continue;
     nlohmann::json j;
     try {
+      check_json_nesting(line);
       j = nlohmann::json::parse(line);
     } catch (const std::exception&) {
       continue;

@@ -139,7 +139,10 @@ class Consistency final : public spmdx::Hook {
     std::ifstream in(std::filesystem::path(context_.output_dir) / "report.json");
     if (!in) return;
     try {
-      const json old = json::parse(in);
+      std::ostringstream text;
+      text << in.rdbuf();
+      spmdx::check_json_nesting(text.str());
+      const json old = json::parse(text.str());
       for (const auto& c : old.at("checks")) {
         if (c.at("step").get<std::int64_t>() < context_.first_step) report_["checks"].push_back(c);
       }

@@ -16,6 +16,7 @@
 #include <fstream>
 #include <mutex>
 #include <set>
+#include <sstream>
 #include <nlohmann/json.hpp>
 #include <thread>
 
@@ -23,6 +24,7 @@
 #include "spmdx/files.h"
 #include "spmdx/options.h"
 #include "spmdx/plugin.h"
+#include "spmdx/text.h"
 
 namespace {
 
@@ -104,7 +106,10 @@ class Timeline final : public spmdx::Hook {
       std::ifstream in(fs::path(context_.output_dir) / ("rank" + std::to_string(r) + ".json"));
       json doc;
       try {
-        doc = json::parse(in);
+        std::ostringstream text;
+        text << in.rdbuf();
+        spmdx::check_json_nesting(text.str());
+        doc = json::parse(text.str());
       } catch (const std::exception&) {
         missing.push_back(r);  // absent, unreadable, or half-written by a failing rank
         continue;
@@ -144,7 +149,10 @@ class Timeline final : public spmdx::Hook {
     std::ifstream in(own);
     if (!in) return;
     try {
-      const json old = json::parse(in);
+      std::ostringstream text;
+      text << in.rdbuf();
+      spmdx::check_json_nesting(text.str());
+      const json old = json::parse(text.str());
       std::set<double> step_starts;
       json kept = json::array();
       for (const auto& e : old.at("traceEvents")) {

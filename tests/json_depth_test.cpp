@@ -1,0 +1,113 @@
+// JSON files nested too deep, through every reader of a file a user gives or may edit. nlohmann
+// parses any depth, but copying, comparing or printing a value recurses once a level: a file
+// nesting 100,000 lists deep crashed `spmdx fr-trace` (SIGSEGV). Each reader refuses it
+// before parsing (check_json_nesting), with its own error naming the file.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <functional>
+#include <string>
+
+#include "spmdx/bench/compare.h"
+#include "spmdx/data/text_dataset.h"
+#include "spmdx/data/tokenizer.h"
+#include "spmdx/exec/checkpoint.h"
+#include "spmdx/hooks/fr_trace.h"
+#include "spmdx/ir/serialize.h"
+#include "spmdx/models/weights.h"
+#include "spmdx/plan/diff.h"
+#include "spmdx/plan/estimate.h"
+#include "spmdx/text.h"
+#include "test_util.h"
+
+namespace spmdx {
+namespace {
+
+using ::testing::HasSubstr;
+namespace fs = std::filesystem;
+
+std::string nested(std::size_t depth) { return std::string(depth, '[') + std::string(depth, ']'); }
+const std::string kDeep = nested(100'000);
+const std::string kTooDeep = "JSON nested more than 256 arrays or objects deep";
+
+std::string error_of(const std::function<void()>& read) {
+  try {
+    read();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "(read)";
+}
+
+TEST(JsonNesting, TheLimitIsTwoHundredFiftySixLevels) {
+  EXPECT_NO_THROW(check_json_nesting(nested(kMaxJsonNesting)));
+  EXPECT_NO_THROW(check_json_nesting("{\"a\": " + nested(kMaxJsonNesting - 1) + "}"));
+  try {
+    check_json_nesting("{\"a\": " + nested(kMaxJsonNesting) + "}");
+    FAIL() << "257 levels passed";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_THAT(e.what(), HasSubstr(kTooDeep + " (at byte 261)"));  // the 257th opening bracket
+  }
+  // Brackets in strings, escaped quotes among them, are text; closing brackets restore depth.
+  EXPECT_NO_THROW(check_json_nesting("[\"" + std::string(1000, '[') + "\\\"" + std::string(1000, '{') + "\"]"));
+  EXPECT_NO_THROW(check_json_nesting(nested(200) + nested(200)));
+  // Not JSON is the parser's to refuse.
+  EXPECT_NO_THROW(check_json_nesting("not json ]]]"));
+}
+
+TEST(JsonNesting, EveryReaderOfAFileRefusesADeepOneNamingTheFile) {
+  test::TempDir dir;
+  // A graph (spmdx compile --dump, spmdx diff).
+  EXPECT_THAT(error_of([&] { ir::from_json("{\"format\": \"spmdx.graph\", \"deep\": " + kDeep + "}", "logical.json"); }),
+              HasSubstr("logical.json: not valid JSON: " + kTooDeep));
+  // The calibration.
+  EXPECT_THAT(error_of([&] { plan::Calibration::from_json("{\"deep\": " + kDeep + "}", "calibration.json"); }),
+              HasSubstr("calibration.json: not JSON (" + kTooDeep));
+  // A flight recorder dump (spmdx fr-trace).
+  const fs::path fr = dir / "fr";
+  fs::create_directories(fr);
+  test::write_file(fr / "rank0.json",
+                   "{\"format\": \"spmdx-flight-recorder-1\", \"rank\": 0, \"world_size\": 1, \"entries\": [{\"op\": \"all_reduce\", \"dtype\": \"f32\", "
+                   "\"value\": \"%1\", \"state\": \"issued\", \"shape\": [1], \"bytes\": 4, \"step\": 1, \"seq\": 0, \"group_name\": \"dp\", "
+                   "\"group_ranks\": [0, " + kDeep + "]}]}");  // the refusal of group_ranks printed it: SIGSEGV
+  EXPECT_THAT(error_of([&] { hooks::analyze_flight_recorder(fr); }), HasSubstr((fr / "rank0.json").string() + ": not a valid flight recorder dump (" + kTooDeep));
+  // A safetensors header (model.initial_load_path, spmdx export's output read back).
+  std::string header = "{\"deep\": " + kDeep + "}";
+  std::string bytes(8, '\0');
+  for (int i = 0; i < 8; ++i) bytes[static_cast<std::size_t>(i)] = static_cast<char>((header.size() >> (8 * i)) & 0xff);
+  test::write_file(dir / "deep.safetensors", bytes + header);
+  EXPECT_THAT(error_of([&] { models::read_safetensors_header(dir / "deep.safetensors"); }),
+              AllOf(HasSubstr("deep.safetensors"), HasSubstr("its header is not JSON (not a safetensors file?): " + kTooDeep)));
+  // A tokenizer.json.
+  test::write_file(dir / "tokenizer.json", "{\"model\": " + kDeep + "}");
+  EXPECT_THAT(error_of([&] { data::make_tokenizer((dir / "tokenizer.json").string()); }), AllOf(HasSubstr("tokenizer.json"), HasSubstr(kTooDeep)));
+  // A JSON Lines data set: its line named.
+  test::write_file(dir / "data.jsonl", "{\"text\": \"hello world, a document\"}\n{\"text\": " + kDeep + "}\n");
+  data::TextDatasetOptions options;
+  options.paths = {(dir / "data.jsonl").string()};
+  options.batch_size = 1;
+  options.seq_len = 4;
+  data::ByteTokenizer bytes_tokenizer;
+  EXPECT_THAT(error_of([&] { data::TextDataset(options, bytes_tokenizer); }), AllOf(HasSubstr("data.jsonl' line 2 is not valid JSON"), HasSubstr(kTooDeep)));
+  // A run's metrics (spmdx bench compare).
+  test::write_file(dir / "a.jsonl", "{\"step\": 1, \"deep\": " + kDeep + "}\n");
+  EXPECT_THAT(error_of([&] { bench::compare_runs(dir / "a.jsonl", dir / "a.jsonl", {}); }), HasSubstr((dir / "a.jsonl").string() + ":1: not a JSON object (" + kTooDeep));
+  // A compile dump (spmdx diff).
+  const fs::path job = dir / "job";
+  fs::create_directories(job);
+  test::write_file(job / "logical.json", "{\"deep\": " + kDeep + "}");
+  test::write_file(job / "plan.json", "{\"deep\": " + kDeep + "}");
+  EXPECT_THAT(error_of([&] {
+                const plan::JobDump d = plan::read_dump(job);
+                plan::diff_jobs(d, d);
+              }),
+              HasSubstr(kTooDeep));
+  // A checkpoint's metadata.json.
+  fs::create_directories(dir / "ckpt" / "step-3");
+  test::write_file(dir / "ckpt" / "step-3" / "metadata.json", "{\"step\": 3, \"deep\": " + kDeep + "}");
+  EXPECT_THAT(error_of([&] { exec::read_checkpoint_meta(dir / "ckpt", 3); }),
+              HasSubstr((dir / "ckpt" / "step-3" / "metadata.json").string() + ": corrupted (not JSON): " + kTooDeep));
+}
+
+}  // namespace
+}  // namespace spmdx
