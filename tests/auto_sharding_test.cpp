@@ -6,7 +6,10 @@
 
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <set>
+
+#include <nlohmann/json.hpp>
 
 #include "spmdx/config/config.h"
 #include "spmdx/core/registry.h"
@@ -412,6 +415,29 @@ TEST(AutoSharding, ABudgetThatExcludesDataParallelIsNotMetByIt) {
   train::choose_auto(edited, registry());
   EXPECT_EQ(edited.dims.dp_replicate, chosen.dims.dp_replicate);
   EXPECT_EQ(edited.dims.dp_shard, chosen.dims.dp_shard);
+  // Forged, the check recomputed as spmdx computes it: degrees whose product makes 4 ranks only
+  // by overflowing (7 x 0x6DB6DB6DB6DB6DB7 is 1 modulo 2^64), then a value nested 100,000 deep
+  // (the check's copy of it overflowed the stack). Each is refused and the job planned again.
+  auto forged = [&](const std::function<std::string(nlohmann::json)>& forge, const std::string& why) {
+    std::ifstream in(dir / "auto_plan.json");
+    test::write_file(dir / "auto_plan.json", forge(nlohmann::json::parse(in)));
+    train::JobSpec s = spec;
+    testing::internal::CaptureStderr();
+    train::choose_auto(s, registry());
+    EXPECT_THAT(testing::internal::GetCapturedStderr(), HasSubstr("auto_plan.json: not the auto strategy's plan (" + why));
+    EXPECT_EQ(s.dims.dp_replicate, chosen.dims.dp_replicate);
+    EXPECT_EQ(s.dims.dp_shard, chosen.dims.dp_shard);
+    EXPECT_EQ(s.dims.tp, chosen.dims.tp);
+  };
+  forged([](nlohmann::json j) {
+    j["dims"] = {4, 1, 7, 1};
+    j["stages"] = 0x6DB6DB6DB6DB6DB7LL;
+    j.erase("check");
+    j["check"] = std::to_string(std::hash<std::string>{}(j.dump()));
+    return j.dump();
+  }, "its degrees do not make 4 ranks");
+  forged([](nlohmann::json j) { return "{\"deep\": " + std::string(100'000, '[') + std::string(100'000, ']') + ", " + j.dump().substr(1); },
+         "JSON nested more than 256 arrays or objects deep");
 
   // Under every layout's peak but over one with full activation checkpointing: auto turns it on.
   train::JobSpec full = spec;
@@ -438,7 +464,15 @@ TEST(AutoSharding, ABudgetThatExcludesDataParallelIsNotMetByIt) {
     FAIL() << "no error";
   } catch (const std::invalid_argument& e) {
     EXPECT_THAT(e.what(), HasSubstr("no layout of 4 ranks fits parallelism.memory_budget"));
-    EXPECT_THAT(e.what(), HasSubstr("dp_replicate 4: planned peak"));
+    // The nearest layout first, six named, the rest counted (the search choose_auto made).
+    const train::AutoReport searched = train::plan_auto(tiny, registry(), plan::Calibration{});
+    ASSERT_GT(searched.plans.size(), 6u);
+    const train::AutoPlan* least_peak = &searched.plans.front();
+    for (const auto& p : searched.plans) {
+      if (p.error.empty() && p.chosen.peak_bytes < least_peak->chosen.peak_bytes) least_peak = &p;
+    }
+    EXPECT_THAT(e.what(), HasSubstr("fits parallelism.memory_budget = 1.0 KiB (" + least_peak->layout + ": planned peak "));
+    EXPECT_THAT(e.what(), HasSubstr("; and " + std::to_string(searched.plans.size() - 6) + " more layouts"));
   }
 }
 

@@ -448,7 +448,10 @@ AutoReport choose_auto(JobSpec& spec, PluginRegistry& registry) {
   }
   if (std::ifstream in(kept); in) {
     try {
-      const auto j = nlohmann::json::parse(in);
+      std::ostringstream text;
+      text << in.rdbuf();
+      check_json_nesting(text.str());
+      const auto j = nlohmann::json::parse(text.str());
       if (j.at("format") != "spmdx.auto_plan/2") throw std::invalid_argument("format " + j.at("format").dump() + " is not spmdx.auto_plan/2");
       if (j.at("key") == key && j.at("check") != plan_check(j)) throw std::invalid_argument("it was changed after spmdx wrote it (its check does not match)");
       if (j.at("key") == key) {
@@ -459,7 +462,9 @@ AutoReport choose_auto(JobSpec& spec, PluginRegistry& registry) {
         p.dims = {j.at("dims").at(0), j.at("dims").at(1), j.at("dims").at(2), j.at("dims").at(3)};
         p.stages = j.at("stages");
         p.microbatches = j.at("microbatches");
-        if (p.dims.dp_replicate < 1 || p.dims.dp_shard < 1 || p.dims.tp < 1 || p.dims.cp != spec.dims.cp || p.stages < 1 ||
+        // Each degree within the world first: their product must not overflow (a forged file).
+        const auto degree = [&](std::int64_t d) { return d >= 1 && d <= spec.world_size; };
+        if (!degree(p.dims.dp_replicate) || !degree(p.dims.dp_shard) || !degree(p.dims.tp) || p.dims.cp != spec.dims.cp || !degree(p.stages) ||
             (spec.pipeline.stages > 1 && p.stages != spec.pipeline.stages) || p.microbatches < 1 ||
             p.dims.dp_replicate * p.dims.dp_shard * p.dims.tp * p.dims.cp * p.stages != spec.world_size) {
           throw std::invalid_argument("its degrees do not make " + std::to_string(spec.world_size) + " ranks");
@@ -505,10 +510,21 @@ AutoReport choose_auto(JobSpec& spec, PluginRegistry& registry) {
   }
   const AutoPlan& best = report.plans.front();
   if (!best.error.empty() || !best.fits) {
+    // The nearest layouts, the smallest peaks first, then those that cannot run: a few, not the
+    // hundreds of a large world (1,024 ranks made a 15 KB line).
+    std::vector<const AutoPlan*> nearest;
+    for (const auto& p : report.plans) nearest.push_back(&p);
+    std::stable_sort(nearest.begin(), nearest.end(), [](const AutoPlan* a, const AutoPlan* b) {
+      if (a->error.empty() != b->error.empty()) return a->error.empty();
+      return a->error.empty() && a->chosen.peak_bytes < b->chosen.peak_bytes;
+    });
+    constexpr std::size_t kNamed = 6;
     std::string each;
-    for (const auto& p : report.plans) {
+    for (std::size_t i = 0; i < std::min(kNamed, nearest.size()); ++i) {
+      const AutoPlan& p = *nearest[i];
       each += (each.empty() ? "" : "; ") + p.layout + ": " + (p.error.empty() ? "planned peak " + human_bytes(static_cast<double>(p.chosen.peak_bytes)) : p.error);
     }
+    if (nearest.size() > kNamed) each += "; and " + std::to_string(nearest.size() - kNamed) + " more layouts";
     throw std::invalid_argument(std::string("parallelism.strategy = \"auto\": ") +
                                 (best.error.empty() ? "no layout of " + std::to_string(spec.world_size) + " ranks fits parallelism.memory_budget = " +
                                                           human_bytes(static_cast<double>(spec.memory_budget)) + " (" + each +

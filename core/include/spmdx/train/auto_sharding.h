@@ -38,7 +38,8 @@ struct AutoPlan {
   std::map<std::int64_t, std::map<int, std::string>> choices;  ///< the planner's (JobSpec::auto_choices), when kept
   double plan_seconds = 0;       ///< planning this layout took
   /// activation_checkpoint.mode the search turned on to meet the budget ("" : as configured).
-  std::string activation_checkpoint;  std::int64_t layers = 0;       ///< the model's layers (pipeline stages cut between them; 0: none found)
+  std::string activation_checkpoint;
+  std::int64_t layers = 0;       ///< the model's layers (pipeline stages cut between them; 0: none found)
   /// Pipelined with more than 4 microbatches: priced at 2 and 3 microbatches of the same rows and
   /// extrapolated (time, bytes and calls per microbatch; the peak per microbatch in flight), and
   /// propagation's plan kept (the planner is not run).
