@@ -81,6 +81,8 @@ TEST(Text, NearestWordIsTheFirstOfTheNearestWithinTheDistance) {
   EXPECT_EQ(nearest_word("grapvhiz", known, 1), "");
   EXPECT_EQ(nearest_word("consistency", known, 3), "");
   EXPECT_EQ(nearest_word("ab", {"ax", "ay"}, 1), "ax");
+  EXPECT_EQ(nearest_word("TIMELINE", known, 1), "timeline");  // case is not an edit
+  EXPECT_EQ(nearest_word("Grapviz", known, 1), "graphviz");
 }
 
 }  // namespace

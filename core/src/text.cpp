@@ -1,6 +1,7 @@
 #include "spmdx/text.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -26,10 +27,15 @@ std::size_t edit_distance(const std::string& a, const std::string& b) {
 }
 
 std::string nearest_word(const std::string& word, const std::vector<std::string>& known, std::size_t max_distance) {
+  auto lower = [](std::string s) {
+    std::transform(s.begin(), s.end(), s.begin(), [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+    return s;
+  };
+  const std::string w = lower(word);
   std::string best;
   std::size_t best_d = max_distance + 1;
   for (const auto& k : known) {
-    const std::size_t d = edit_distance(word, k);
+    const std::size_t d = edit_distance(w, lower(k));
     if (d < best_d) best_d = d, best = k;
   }
   return best;

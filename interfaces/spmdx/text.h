@@ -17,7 +17,8 @@ namespace spmdx {
 std::size_t edit_distance(const std::string& a, const std::string& b);
 
 /// The word of `known` nearest to `word` by edit_distance (the first of equally near ones),
-/// when at most `max_distance` edits away; "" otherwise. For "did you mean" hints.
+/// when at most `max_distance` edits away; "" otherwise. Letter case is not an edit: "ONEDNN"
+/// is 0 edits from "onednn". For "did you mean" hints.
 std::string nearest_word(const std::string& word, const std::vector<std::string>& known, std::size_t max_distance);
 
 /// "1.5 MiB": bytes in binary units (B, KiB, MiB, GiB, TiB), one decimal.
