@@ -10,6 +10,7 @@
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
+#include <CLI/CLI.hpp>
 
 #include <algorithm>
 #include <chrono>
@@ -33,27 +34,31 @@ double median(std::vector<double> v) {
 
 int main(int argc, char** argv) {
   using namespace spmdx;
-  if (argc < 2) {
-    std::fprintf(stderr, "usage: %s FILE.pt2 [--flavor debugmodel] [--steps N]\n", argv[0]);
-    return 2;
-  }
-  std::string path = argv[1], flavor = "debugmodel";
+  std::string path, flavor = "debugmodel";
   int steps = 10;
-  for (int i = 2; i + 1 < argc; i += 2) {
-    const std::string a = argv[i];
-    if (a == "--flavor") flavor = argv[i + 1];
-    else if (a == "--steps") steps = std::max(1, std::atoi(argv[i + 1]));
-    else {
-      std::fprintf(stderr, "error: unexpected argument '%s'\n", a.c_str());
-      return 2;
-    }
+  CLI::App app{"One-rank step time of an imported program against the built-in model of the same shape"};
+  app.add_option("file", path, "the .pt2 program (bench/import.sh writes it)")->required();
+  app.add_option("--flavor", flavor, "the built-in llama flavor of the same shape");
+  app.add_option("--steps", steps, "timed steps")->check(CLI::Range(1, 1000000));
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    const int rc = app.exit(e);  // prints help, or the usage error
+    return rc == 0 ? 0 : 2;      // usage errors exit 2, as spmdx's
   }
-  models::ModelArgs pargs = models::model_args("pt2", "", 0);
-  pargs.path = path;
-  models::Model imported = models::import_pt2(pargs);
+  models::Model imported, builtin;
+  try {
+    models::ModelArgs pargs = models::model_args("pt2", "", 0);
+    pargs.path = path;
+    imported = models::import_pt2(pargs);
+    const auto& shape = imported.graph.find_input("tokens")->meta().shape;
+    builtin = models::build_model(models::model_args("llama", flavor, imported.args.vocab_size), shape[0], shape[1]);
+  } catch (const std::exception& e) {  // an unreadable program, an unknown flavor
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  }
   const auto shape = imported.graph.find_input("tokens")->meta().shape;
   const std::int64_t batch = shape[0], seq = shape[1], vocab = imported.args.vocab_size;
-  models::Model builtin = models::build_model(models::model_args("llama", flavor, vocab), batch, seq);
   std::int64_t n_imported = 0, n_builtin = 0;
   for (const auto& p : imported.params) n_imported += imported.graph.find_input(p)->meta().numel();
   for (const auto& p : builtin.params) n_builtin += builtin.graph.find_input(p)->meta().numel();

@@ -8,6 +8,7 @@
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
+#include <CLI/CLI.hpp>
 
 #include <chrono>
 #include <cstdio>
@@ -82,27 +83,20 @@ int main(int argc, char** argv) {
   int steps = 10;
   std::string spec = "mlp:tiny:8:64,llama:tiny:8:64,llama:debugmodel:2:256";
   std::string library = "auto";
+  CLI::App app{"One-rank step time: the static train-step graph vs eager LibTorch, interleaved; prints eager / static"};
+  app.add_option("--steps", steps, "timed steps")->check(CLI::Range(1, 1000000));
+  app.add_option("--models", spec, "name:flavor:batch:seq, comma separated");
+  app.add_option("--cpu-matmul", library, "the static side's training.cpu_matmul: auto | onednn | aten");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    const int rc = app.exit(e);  // prints help, or the usage error
+    return rc == 0 ? 0 : 2;      // usage errors exit 2, as spmdx's
+  }
   auto usage = [&](const std::string& why) {
-    std::fprintf(stderr, "error: %s\nusage: %s [--steps N>=1] [--models name:flavor:batch:seq,...] [--cpu-matmul auto|onednn|aten]\n", why.c_str(), argv[0]);
+    std::fprintf(stderr, "error: %s\n%s", why.c_str(), app.help().c_str());
     return 2;
   };
-  try {
-    for (int i = 1; i < argc; ++i) {
-      const std::string a = argv[i];
-      if (a == "--steps" && i + 1 < argc) {
-        steps = std::stoi(argv[++i]);
-      } else if (a == "--models" && i + 1 < argc) {
-        spec = argv[++i];
-      } else if (a == "--cpu-matmul" && i + 1 < argc) {
-        library = argv[++i];
-      } else {
-        return usage("unexpected argument '" + a + "'");
-      }
-    }
-  } catch (const std::exception&) {
-    return usage("--steps needs a number");
-  }
-  if (steps < 1) return usage("--steps must be at least 1");
   try {
     spmdx::exec::set_cpu_matmul(spmdx::exec::cpu_matmul_named(library));
   } catch (const std::runtime_error& e) {
