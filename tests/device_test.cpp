@@ -6,6 +6,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <atomic>
 #include <string>
 #include <thread>
 #include <vector>
@@ -169,6 +171,31 @@ TEST(DeviceKernels, CalibrationIsMeasuredAgainForTheOtherCpuMatmulLibrary) {
   plan::save_calibration(file, pinned);
   EXPECT_NE(ensure_calibration(dir.path()).matmul_flops_per_second, 1234e3) << "an MKL rate under oneDNN";
   (void)make_device({"cpu", 0, false, "auto"});
+}
+
+// A calibration measured while other threads have every core is low (CI's tests beside it made
+// the matmul rate 22 GFLOP/s, idle 75): its source and a warning say so.
+TEST(DeviceKernels, ACalibrationMeasuredOnABusyMachineSaysSo) {
+  test::TempDir dir;
+  std::atomic<bool> stop{false};
+  std::vector<std::thread> spinners;
+  for (unsigned i = 0; i < 3 * std::max(1u, std::thread::hardware_concurrency()); ++i) {
+    spinners.emplace_back([&] {
+      while (!stop.load(std::memory_order_relaxed)) {
+      }
+    });
+  }
+  double share = 1;
+  (void)measure_compute(plan::Calibration{}, 0.3, &share);
+  testing::internal::CaptureStderr();
+  const plan::Calibration busy = ensure_calibration(dir.path());
+  const std::string warned = testing::internal::GetCapturedStderr();
+  stop = true;
+  for (auto& t : spinners) t.join();
+  EXPECT_LT(share, 0.8);
+  EXPECT_THAT(busy.compute_source, HasSubstr("; busy: the measuring thread ran "));
+  EXPECT_THAT(warned, HasSubstr(plan::calibration_path(dir.path()).string() + ": the machine was busy while spmdx measured its compute rates"));
+  EXPECT_EQ(plan::load_calibration(plan::calibration_path(dir.path())).compute_source, busy.compute_source) << "written, as before";
 }
 
 // adamw_on_device (lr and step as tensors) against the adamw kernel the CPU runs (host scalars).
