@@ -185,8 +185,17 @@ TEST(Diff, BadInputExitsTwoNamingTheFile) {
   r = spmdx("diff '" + a.string() + "' '" + (dir / "broken").string() + "'");
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_THAT(r.output, HasSubstr("rank1.json: not a graph document"));
+  test::write_file(dir / "broken" / "rank1.json", "{\"format\": null}");  // was nlohmann's type error, naming no file
+  r = spmdx("diff '" + a.string() + "' '" + (dir / "broken").string() + "'");
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.output, HasSubstr("rank1.json: not a graph document"));
   fs::remove(dir / "broken" / "rank1.json");
   fs::copy(a / "rank1.json", dir / "broken" / "rank1.json");
+  fs::remove(dir / "broken" / "rank0.json");
+  r = spmdx("diff '" + a.string() + "' '" + (dir / "broken").string() + "'");  // was "0 rank graphs in B", a difference
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.output, HasSubstr((dir / "broken" / "rank0.json").string() + ": missing, but rank1.json is there"));
+  fs::copy(a / "rank0.json", dir / "broken" / "rank0.json");
   fs::remove(dir / "broken" / "rank0.plan.json");
   r = spmdx("diff '" + a.string() + "' '" + (dir / "broken").string() + "'");
   EXPECT_EQ(r.exit_code, 2);

@@ -18,6 +18,15 @@ void fsync_path(const std::filesystem::path& path) {
   }
 }
 
+std::string unreadable_file(const std::filesystem::path& path) {
+  std::error_code ec;
+  const auto st = std::filesystem::status(path, ec);
+  if (!std::filesystem::exists(st)) return ec && ec != std::errc::no_such_file_or_directory ? ec.message() : "no such file";
+  if (!std::filesystem::is_regular_file(st)) return "not a regular file (a folder, FIFO or device)";
+  if (::access(path.c_str(), R_OK) != 0) return std::strerror(errno);
+  return "";
+}
+
 void write_file_atomic(const std::filesystem::path& path, const std::string& bytes) {
   std::filesystem::path tmp = path;
   tmp += ".tmp." + std::to_string(::getpid());

@@ -1,4 +1,5 @@
-// Writing files so that a crash never leaves a half-written one under the final name.
+// Writing files so that a crash never leaves a half-written one under the final name, and
+// asking whether a path can be read as one.
 // A host service of the plugin ABI (plugin.h): declared here, defined in libspmdx_core,
 // versioned with SPMDX_ABI_MAJOR.
 #pragma once
@@ -10,6 +11,12 @@ namespace spmdx {
 
 /// fsync(2) of a file or folder; errors are ignored (best effort, as after a rename).
 void fsync_path(const std::filesystem::path& path);
+
+/// Why `path` cannot be read as a file, "" when it can: "no such file", "not a regular file (a
+/// folder, FIFO or device)", or the system's reason (e.g. "Permission denied"); the caller names
+/// the file. Ask before opening: an std::ifstream on a FIFO blocks until a writer comes, maybe
+/// forever (a FIFO named rank0.json hung spmdx fr-trace).
+std::string unreadable_file(const std::filesystem::path& path);
 
 /// Writes `bytes` to `path` atomically: a temporary file next to it, fsync, rename over
 /// `path`, fsync of the folder. Throws std::runtime_error naming the file and errno's text.

@@ -10,6 +10,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "spmdx/files.h"
 #include "spmdx/text.h"
 
 namespace spmdx::bench {
@@ -87,6 +88,7 @@ fs::path resolve(const fs::path& p) {
 }
 
 std::vector<std::string> read_lines(const fs::path& p) {
+  if (const std::string why = unreadable_file(p); !why.empty()) throw CompareInputError(p.string() + ": " + why);  // a FIFO would block
   std::ifstream in(p);
   if (!in) throw CompareInputError(p.string() + ": cannot be read");
   std::vector<std::string> lines;

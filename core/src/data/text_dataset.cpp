@@ -9,6 +9,7 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "spmdx/files.h"
 #include "spmdx/text.h"
 
 namespace spmdx::data {
@@ -31,6 +32,9 @@ std::string read_file(const std::string& path) {
   std::error_code ec;
   if (!fs::exists(path, ec)) {
     throw std::runtime_error("text data set: '" + path + "' does not exist. Check the data path (plain text or .jsonl).");
+  }
+  if (const std::string why = unreadable_file(path); !why.empty()) {  // a FIFO would block
+    throw std::runtime_error("text data set: cannot read '" + path + "': " + why + ". Name a text or JSON Lines file.");
   }
   std::ifstream in(path, std::ios::binary);
   if (!in) throw std::runtime_error("text data set: cannot read '" + path + "': " + std::strerror(errno) + ". Check its permissions.");

@@ -15,6 +15,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "spmdx/files.h"
 #include "spmdx/text.h"
 
 namespace spmdx::data {
@@ -508,6 +509,7 @@ struct Template {
 }
 
 std::string read_file(const fs::path& path, const std::string& shown) {
+  if (const std::string why = unreadable_file(path); !why.empty()) fail(shown, why, "Check the path and its permissions.");  // a FIFO would block
   std::ifstream in(path, std::ios::binary);
   if (!in) fail(shown, std::strerror(errno), "Check the path and its permissions.");
   std::ostringstream s;

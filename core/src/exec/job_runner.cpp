@@ -204,6 +204,7 @@ std::string npy_i64(const std::vector<std::int64_t>& data, std::int64_t rows, st
 // Rewrites a JSON Lines file of per-step rows (metrics.jsonl) keeping only the rows of steps
 // before `first_step`, atomically; a line that does not parse (torn by a crash) is dropped.
 void keep_rows_before(const std::filesystem::path& file, std::int64_t first_step) {
+  if (!unreadable_file(file).empty()) return;  // none (or a FIFO, which would block)
   std::ifstream in(file);
   if (!in) return;
   std::string kept, line;

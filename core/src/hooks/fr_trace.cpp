@@ -9,6 +9,7 @@
 #include <sstream>
 #include <tuple>
 
+#include "spmdx/files.h"
 #include "spmdx/text.h"
 
 namespace spmdx::hooks {
@@ -105,6 +106,7 @@ std::pair<GroupKey, Entry> read_entry(const json& e, const std::string& where, i
 
 // Merges the dump rank<r>.json (named `name`) into `dumps`.
 void read_dump(const std::filesystem::path& path, const std::string& name, Dumps& dumps) {
+  if (const std::string why = unreadable_file(path); !why.empty()) throw std::runtime_error(why);  // a FIFO would block
   std::ifstream in(path);
   std::ostringstream text;
   text << in.rdbuf();

@@ -9,6 +9,7 @@
 #include <set>
 #include <stdexcept>
 
+#include "spmdx/files.h"
 #include "spmdx/text.h"
 
 namespace spmdx::models {
@@ -104,6 +105,7 @@ std::size_t safetensors_dtype_size(const std::string& dtype) {
 }
 
 std::vector<SafetensorsTensor> read_safetensors_header(const fs::path& file) {
+  if (const std::string why = unreadable_file(file); !why.empty()) throw std::runtime_error("cannot open " + file.string() + ": " + why);  // a FIFO would block
   std::ifstream in(file, std::ios::binary);
   if (!in) throw std::runtime_error("cannot open " + file.string() + ": " + std::strerror(errno));
   in.seekg(0, std::ios::end);

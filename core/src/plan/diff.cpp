@@ -13,6 +13,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "spmdx/files.h"
 #include "spmdx/sharding/redistribute.h"
 #include "spmdx/text.h"
 
@@ -112,7 +113,7 @@ Graph parse_graph(const std::string& text, const std::string& what) {
   } catch (const std::exception& e) {
     throw DiffInputError(what + ": not JSON (" + e.what() + ")");
   }
-  if (!j.is_object() || j.value("format", "") != "spmdx.graph") throw DiffInputError(what + ": not a graph document (\"format\": \"spmdx.graph\", as spmdx compile --dump writes)");
+  if (!j.is_object() || !j.contains("format") || j["format"] != "spmdx.graph") throw DiffInputError(what + ": not a graph document (\"format\": \"spmdx.graph\", as spmdx compile --dump writes)");
   Graph g;
   try {
     for (const auto& in : j.at("inputs")) {
@@ -577,6 +578,7 @@ void diff_runtime(int r, const json& a, const json& b, std::vector<Difference>& 
 }
 
 std::string read_text(const fs::path& p) {
+  if (const std::string why = unreadable_file(p); !why.empty()) throw DiffInputError(p.string() + ": " + why);  // a FIFO would block
   std::ifstream in(p, std::ios::binary);
   if (!in) throw DiffInputError(p.string() + ": cannot be read");
   std::ostringstream s;
@@ -605,6 +607,17 @@ JobDump read_dump(const fs::path& folder) {
       throw DiffInputError(plan.string() + ": missing beside rank" + std::to_string(r) + ".json; write the dump again with this spmdx (spmdx compile --dump)");
     }
     d.rank_plans.push_back(read_text(plan));
+  }
+  // Rank graphs past a missing one would go uncompared, the gap read as a job of fewer ranks.
+  for (const auto& e : fs::directory_iterator(folder, ec)) {
+    const std::string n = e.path().filename().string();
+    if (n.size() < 10 || n.rfind("rank", 0) != 0 || n.compare(n.size() - 5, 5, ".json") != 0) continue;
+    const std::string digits = n.substr(4, n.size() - 9);
+    if (digits.empty() || digits.size() > 9 || digits.find_first_not_of("0123456789") != std::string::npos) continue;  // rankR.plan.json
+    if (std::stoll(digits) >= static_cast<long long>(d.ranks.size())) {
+      const std::string missing = "rank" + std::to_string(d.ranks.size()) + ".json";
+      throw DiffInputError((folder / missing).string() + ": missing, but " + n + " is there; write the dump again (spmdx compile --dump)");
+    }
   }
   return d;
 }

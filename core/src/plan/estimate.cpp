@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <cstdio>
 #include <fstream>
 #include <sstream>
@@ -227,8 +228,13 @@ StepEstimate pipeline_step(const std::vector<StepEstimate>& stages, double bubbl
 }
 
 Calibration fit_collective_seconds(Calibration c, const std::filesystem::path& metrics, std::int64_t warmup) {
-  std::ifstream in(metrics);
-  if (!in) throw std::invalid_argument(metrics.string() + ": cannot be read (give a run's job.dump_folder or its metrics.jsonl)");
+  const std::string why = unreadable_file(metrics);  // a FIFO would block
+  std::ifstream in;
+  if (why.empty()) in.open(metrics);
+  if (!why.empty() || !in) {
+    throw std::invalid_argument(metrics.string() + ": cannot be read (" + (why.empty() ? std::strerror(errno) : why) +
+                                "; give a run's job.dump_folder or its metrics.jsonl)");
+  }
   std::vector<double> exposed, bytes, collectives;
   std::string line;
   std::int64_t n = 0;

@@ -136,7 +136,9 @@ class Consistency final : public spmdx::Hook {
   // Resumed in the same folder: the report keeps the checks (and a divergence) of the steps
   // before this run's first step.
   void keep_earlier_report() {
-    std::ifstream in(std::filesystem::path(context_.output_dir) / "report.json");
+    const std::filesystem::path file = std::filesystem::path(context_.output_dir) / "report.json";
+    if (!spmdx::unreadable_file(file).empty()) return;  // none (or a FIFO, which would block)
+    std::ifstream in(file);
     if (!in) return;
     try {
       std::ostringstream text;

@@ -103,9 +103,11 @@ class Timeline final : public spmdx::Hook {
     json merged = json::array(), summary = json::array();
     std::vector<int> missing;
     for (int r = 0; r < context_.world_size; ++r) {
-      std::ifstream in(fs::path(context_.output_dir) / ("rank" + std::to_string(r) + ".json"));
+      const fs::path file = fs::path(context_.output_dir) / ("rank" + std::to_string(r) + ".json");
       json doc;
       try {
+        if (!spmdx::unreadable_file(file).empty()) throw std::runtime_error("unreadable");  // a FIFO would block
+        std::ifstream in(file);
         std::ostringstream text;
         text << in.rdbuf();
         spmdx::check_json_nesting(text.str());
@@ -146,6 +148,7 @@ class Timeline final : public spmdx::Hook {
   // shares the start of its "step N" span).
   void keep_earlier_steps() {
     const fs::path own = fs::path(context_.output_dir) / ("rank" + std::to_string(context_.rank) + ".json");
+    if (!spmdx::unreadable_file(own).empty()) return;  // none (or a FIFO, which would block)
     std::ifstream in(own);
     if (!in) return;
     try {

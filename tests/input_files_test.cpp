@@ -1,17 +1,26 @@
-// JSON files nested too deep, through every reader of a file a user gives or may edit. nlohmann
-// parses any depth, but copying, comparing or printing a value recurses once a level: a file
-// nesting 100,000 lists deep crashed `spmdx fr-trace` (SIGSEGV). Each reader refuses it
-// before parsing (check_json_nesting), with its own error naming the file.
+// Files that are not what their reader expects, through every reader of a file a user gives or
+// may edit. JSON nested too deep: nlohmann parses any depth, but copying, comparing or printing
+// a value recurses once a level, and a file nesting 100,000 lists deep crashed `spmdx fr-trace`
+// (SIGSEGV); each reader refuses it before parsing (check_json_nesting). A FIFO where a file
+// should be: an std::ifstream on it blocks until a writer comes, and `spmdx fr-trace`, `diff`,
+// `bench compare` and a run's tokenizer hung; each reader asks unreadable_file first.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <chrono>
 #include <functional>
+#include <future>
 #include <string>
 
 #include "spmdx/bench/compare.h"
 #include "spmdx/data/text_dataset.h"
 #include "spmdx/data/tokenizer.h"
 #include "spmdx/exec/checkpoint.h"
+#include "spmdx/files.h"
 #include "spmdx/hooks/fr_trace.h"
 #include "spmdx/ir/serialize.h"
 #include "spmdx/models/weights.h"
@@ -107,6 +116,55 @@ TEST(JsonNesting, EveryReaderOfAFileRefusesADeepOneNamingTheFile) {
   test::write_file(dir / "ckpt" / "step-3" / "metadata.json", "{\"step\": 3, \"deep\": " + kDeep + "}");
   EXPECT_THAT(error_of([&] { exec::read_checkpoint_meta(dir / "ckpt", 3); }),
               HasSubstr((dir / "ckpt" / "step-3" / "metadata.json").string() + ": corrupted (not JSON): " + kTooDeep));
+}
+
+// `read` against a FIFO at `fifo`. A reader that opens it blocks until a writer comes: after
+// 10 s the test opens it for writing and closes it (the reader then sees an empty file), and fails.
+std::string error_on_fifo(const fs::path& fifo, const std::function<void()>& read) {
+  EXPECT_EQ(::mkfifo(fifo.c_str(), 0600), 0) << fifo;
+  auto reading = std::async(std::launch::async, [&] { return error_of(read); });
+  if (reading.wait_for(std::chrono::seconds(10)) != std::future_status::ready) {
+    ADD_FAILURE() << fifo << ": the reader blocked on the FIFO";
+    const int fd = ::open(fifo.c_str(), O_WRONLY);
+    if (fd >= 0) ::close(fd);
+  }
+  return reading.get();
+}
+
+TEST(Fifo, UnreadableFileNamesWhatIsThere) {
+  test::TempDir dir;
+  EXPECT_EQ(unreadable_file(dir / "none"), "no such file");
+  EXPECT_EQ(unreadable_file(dir.path()), "not a regular file (a folder, FIFO or device)");
+  ASSERT_EQ(::mkfifo((dir / "fifo").c_str(), 0600), 0);
+  EXPECT_EQ(unreadable_file(dir / "fifo"), "not a regular file (a folder, FIFO or device)");
+  test::write_file(dir / "file", "x");
+  EXPECT_EQ(unreadable_file(dir / "file"), "");
+}
+
+TEST(Fifo, EveryReaderOfAFileRefusesOneWithoutBlocking) {
+  test::TempDir dir;
+  const std::string fifo = "not a regular file (a folder, FIFO or device)";
+  const fs::path fr = dir / "fr";
+  fs::create_directories(fr);
+  EXPECT_THAT(error_on_fifo(fr / "rank0.json", [&] { hooks::analyze_flight_recorder(fr); }),
+              HasSubstr((fr / "rank0.json").string() + ": not a valid flight recorder dump (" + fifo));
+  EXPECT_THAT(error_on_fifo(dir / "tokenizer.json", [&] { data::make_tokenizer((dir / "tokenizer.json").string()); }),
+              AllOf(HasSubstr("tokenizer.json"), HasSubstr(fifo)));
+  data::TextDatasetOptions options;
+  options.paths = {(dir / "data.txt").string()};
+  data::ByteTokenizer bytes_tokenizer;
+  EXPECT_THAT(error_on_fifo(dir / "data.txt", [&] { data::TextDataset(options, bytes_tokenizer); }),
+              HasSubstr("text data set: cannot read '" + (dir / "data.txt").string() + "': " + fifo));
+  EXPECT_THAT(error_on_fifo(dir / "metrics.jsonl", [&] { bench::compare_runs(dir / "metrics.jsonl", dir / "metrics.jsonl", {}); }),
+              HasSubstr((dir / "metrics.jsonl").string() + ": " + fifo));
+  EXPECT_THAT(error_on_fifo(dir / "fit.jsonl", [&] { plan::fit_collective_seconds(plan::Calibration{}, dir / "fit.jsonl"); }),
+              HasSubstr((dir / "fit.jsonl").string() + ": cannot be read"));
+  EXPECT_THAT(error_on_fifo(dir / "w.safetensors", [&] { models::read_safetensors_header(dir / "w.safetensors"); }),
+              HasSubstr("cannot open " + (dir / "w.safetensors").string() + ": " + fifo));
+  const fs::path job = dir / "job";
+  fs::create_directories(job);
+  test::write_file(job / "plan.json", "{}");
+  EXPECT_THAT(error_on_fifo(job / "logical.json", [&] { plan::read_dump(job); }), HasSubstr((job / "logical.json").string() + ": " + fifo));
 }
 
 }  // namespace
