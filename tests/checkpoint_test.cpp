@@ -196,6 +196,8 @@ TEST(Checkpoint, EditedMetadataIsRefusedNamingTheFileAndKey) {
       {"placements for another layout", [](json& m) { m["tensors"]["e"]["placements"] = "S(0)S(1)"; }, "holds the block at"},
       {"placements that do not fit", [](json& m) { m["tensors"]["a"]["placements"] = "S(0)RR"; }, "has 3 placements for a mesh of 2 dims"},
       {"placements written otherwise", [](json& m) { m["tensors"]["a"]["placements"] = "Shard(0)"; }, "key 'tensors.a.placements' is \"Shard(0)\""},
+      {"a shard dim past int", [](json& m) { m["tensors"]["a"]["placements"] = "S(99999999999999999999)R"; },
+       "key 'tensors.a.placements' is \"S(99999999999999999999)R\""},  // was "stoi", the message of std::stoi's throw
   };
   for (const auto& [name, edit, expected] : cases) {
     SCOPED_TRACE(name);

@@ -193,7 +193,7 @@ sharding::Placements parse_placements(const std::string& text, const fs::path& f
     if ((text[i] != 'S' && text[i] != 'P') || i + 1 >= text.size() || text[i + 1] != '(' || close == std::string::npos) bad();
     const std::string arg = text.substr(i + 2, close - i - 2);
     if (text[i] == 'S') {
-      if (arg.empty() || arg.find_first_not_of("0123456789") != std::string::npos) bad();
+      if (arg.empty() || arg.size() > 6 || arg.find_first_not_of("0123456789") != std::string::npos) bad();  // std::stoi would throw "stoi"
       out.push_back(Placement::shard(std::stoi(arg)));
     } else {
       bool found = false;
@@ -697,7 +697,12 @@ std::size_t export_safetensors(const fs::path& step_dir, const fs::path& out, bo
       if (e.path().filename().string().rfind("step-", 0) == 0 && fs::exists(e.path() / "metadata.json", ec)) steps.push_back(e.path().filename().string());
     }
     if (!steps.empty()) {
-      std::sort(steps.begin(), steps.end(), [](const std::string& a, const std::string& b) { return std::stoll(a.substr(5)) < std::stoll(b.substr(5)); });
+      // By step number; a folder "step-<not a number>" first (std::stoll would throw "stoll").
+      auto step_of = [](const std::string& name) {
+        const std::string digits = name.substr(5);
+        return digits.empty() || digits.size() > 18 || digits.find_first_not_of("0123456789") != std::string::npos ? -1LL : std::stoll(digits);
+      };
+      std::sort(steps.begin(), steps.end(), [&](const std::string& a, const std::string& b) { return step_of(a) < step_of(b); });
       throw std::runtime_error(step_dir.string() + " holds checkpoints, not one: name a step folder, e.g. " + (step_dir / steps.back()).string() + " (the newest)");
     }
   }
