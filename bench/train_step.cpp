@@ -107,26 +107,40 @@ int main(int argc, char** argv) {
   std::string item;
   while (std::getline(list, item, ',')) {
     Case c;
+    std::vector<std::string> f;
     std::stringstream fields(item);
-    std::string b, s;
-    std::getline(fields, c.model, ':');
-    std::getline(fields, c.flavor, ':');
-    std::getline(fields, b, ':');
-    std::getline(fields, s, ':');
+    for (std::string x; std::getline(fields, x, ':');) f.push_back(x);
+    if (f.size() != 4) return usage("--models entry '" + item + "': give name:flavor:batch:seq, e.g. llama:debugmodel:2:256");
+    c.model = f[0], c.flavor = f[1];
+    auto whole = [](const std::string& x) { return !x.empty() && x.size() <= 9 && x.find_first_not_of("0123456789") == std::string::npos; };
+    if (!whole(f[2]) || !whole(f[3])) return usage("--models entry '" + item + "': batch and seq must be whole numbers below 10^9");
+    c.batch = std::stoll(f[2]), c.seq = std::stoll(f[3]);
+    if (c.batch < 1 || c.seq < 1) return usage("--models entry '" + item + "': batch and seq must be >= 1");
     try {
-      c.batch = std::stoll(b);
-      c.seq = std::stoll(s);
       spmdx::models::model_args(c.model, c.flavor, 256);
     } catch (const std::invalid_argument& e) {
-      return usage("--models entry '" + item + "': " + (std::string(e.what()) == "stoll" ? "batch and seq must be numbers" : e.what()));
+      return usage("--models entry '" + item + "': " + e.what());
     }
-    if (c.batch < 1 || c.seq < 1) return usage("--models entry '" + item + "': batch and seq must be >= 1");
     cases.push_back(c);
   }
+  if (cases.empty()) return usage("--models names no model");
   std::printf("static train-step graph vs eager LibTorch (autograd + torch::optim::AdamW), %d timed steps, %d threads, static float32 linears on %s\n",
               steps, at::get_num_threads(), spmdx::exec::library_name(spmdx::exec::cpu_matmul()));
   std::printf("%-6s %-11s %13s %10s %10s %9s %12s %12s %10s\n", "model", "flavor", "batch x seq", "static ms", "eager ms",
               "speedup", "loss static", "loss eager", "peak MiB");
-  for (const auto& c : cases) run(c, steps);
+  for (const auto& c : cases) {
+    auto fail = [&](const char* why) {
+      std::fprintf(stderr, "error: --models entry %s:%s:%lld:%lld: %s\n", c.model.c_str(), c.flavor.c_str(), static_cast<long long>(c.batch),
+                   static_cast<long long>(c.seq), why);
+      return 1;
+    };
+    try {
+      run(c, steps);
+    } catch (const c10::Error& e) {  // e.g. a batch too large for memory (LibTorch's allocator)
+      return fail(e.what_without_backtrace());
+    } catch (const std::exception& e) {
+      return fail(e.what());
+    }
+  }
   return 0;
 }

@@ -62,6 +62,8 @@ TensorMap Executor::run(const TensorMap& inputs) {
     const auto start = profiling_ ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};
     try {
       out = (*kernels_[index])(*node, args);
+    } catch (const c10::Error& e) {  // LibTorch's message, without its 20-frame backtrace (an allocation that fails)
+      throw std::runtime_error("node %" + std::to_string(node->id()) + " (" + node->op() + ") failed: " + e.what_without_backtrace());
     } catch (const std::exception& e) {
       throw std::runtime_error("node %" + std::to_string(node->id()) + " (" + node->op() + ") failed: " + e.what());
     }
