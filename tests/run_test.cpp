@@ -588,6 +588,18 @@ TEST(Run, DataTooShortFailsBeforeAnyRankStarts) {
   EXPECT_THAT(r.output, ::testing::Not(HasSubstr("[rank")));
 }
 
+// A planned peak over the host's memory and swap: refused before the first step, where the
+// kernel's out-of-memory killer would have stopped a rank mid-step ("killed by signal Killed").
+TEST(Run, APlannedPeakOverTheHostsMemoryIsRefusedBeforeTheFirstStep) {
+  test::TempDir dir;
+  auto r = spmdx_run("'" SPMDX_SOURCE_DIR "/configs/llama_debug.toml' --nproc 2 --parallelism.data_parallel_shard_degree 2 --parallelism.tensor_parallel_degree 1 "
+                     "--training.steps 1 --training.local_batch_size 1000000 --job.dump_folder '" + dir.path().string() + "'");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.output, HasSubstr("error: the planned peak memory, 15.1 TiB a rank x 2 ranks on this host, is over its "));
+  EXPECT_THAT(r.output, HasSubstr("lower training.local_batch_size or training.seq_len"));
+  EXPECT_FALSE(std::filesystem::exists(dir / "metrics.jsonl")) << "no step ran";
+}
+
 // Also with pipeline stages (rank 1 the middle one of 3), whose neighbours wait on its sends.
 TEST(Run, ARankKilledStopsTheJobNamingIt) {
   for (const std::string flags : {"", " --parallelism.pipeline_parallel_degree 3 --parallelism.data_parallel_shard_degree 1 --model.n_layers 3"}) {

@@ -18,6 +18,7 @@
 #include <sstream>
 #include <csignal>
 #include <pthread.h>
+#include <sys/sysinfo.h>
 #include <unistd.h>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -931,6 +932,25 @@ CheckpointMeta resume_from(const std::filesystem::path& ckpt_dir, std::int64_t s
   return meta;
 }
 
+// A planned peak over this host's memory (rank 0's peak times the ranks on the host): refused
+// when over its RAM and swap, as the kernel's out-of-memory killer would stop a rank mid-step
+// with SIGKILL ("rank 0 was killed by signal Killed": a batch of 100,000 rows here); warned when
+// over its RAM alone. Throws std::runtime_error.
+void check_host_memory(const plan::MemoryPlan& planned, const launch::RankEnv& env, const Device& device) {
+  struct sysinfo si {};
+  if (!device.device().is_cpu() || ::sysinfo(&si) != 0) return;
+  const double ram = static_cast<double>(si.totalram) * si.mem_unit, swap = static_cast<double>(si.totalswap) * si.mem_unit;
+  const int ranks = std::max(1, env.local_world_size);
+  const double needed = static_cast<double>(planned.peak_bytes) * ranks;
+  if (needed <= ram) return;
+  const std::string what = "the planned peak memory, " + human_bytes(static_cast<double>(planned.peak_bytes)) + " a rank x " + std::to_string(ranks) +
+                           (ranks == 1 ? " rank" : " ranks") + " on this host, is over its " + human_bytes(ram) + " of memory" +
+                           (swap > 0 ? " and " + human_bytes(swap) + " of swap" : "");
+  const std::string todo = "lower training.local_batch_size or training.seq_len, add hosts, or set parallelism.memory_budget for spmdx to fit the job";
+  if (needed > ram + swap) throw std::runtime_error(what + ": the kernel would kill a rank when memory runs out; " + todo);
+  SPMDX_WARN(what.substr(0, what.find(" and ")) << ": the steps will swap, if no rank is killed; " << todo);
+}
+
 // `resumed`: the checkpoint a resumed job starts from (its loss scale replaces the config's).
 void print_banner(const train::JobSpec& spec, const train::PlacedJob& job, const sharding::DistributedPlan& plan, const launch::RankEnv& env, const CommBackend* backend,
                   const Device& device, const plan::MemoryPlan& planned, const CheckpointMeta* resumed) {
@@ -1098,6 +1118,7 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
   std::optional<MetricsWriter> metrics;
   const std::filesystem::path& dump = spec.output.dump_folder;
   if (lead) {
+    check_host_memory(planned, env, *device);
     metrics.emplace(spec.output, first_step, checkpointing, planned.peak_bytes, spec.step.microbatches);
     print_banner(spec, job, plan, env, backend.get(), *device, planned, resume_step ? &resumed : nullptr);
     if (job.pipeline.stages > 1) {
