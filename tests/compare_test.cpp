@@ -152,7 +152,7 @@ TEST(BenchCompare, BadInputExitsTwoNamingTheFileAndLine) {
   test::write_file(dir / "nostep.jsonl", "{\"loss\": 1}\n");
   r = compare(q(a) + " " + q(dir / "nostep.jsonl"));
   EXPECT_EQ(r.exit_code, 2);
-  EXPECT_THAT(r.output, HasSubstr("nostep.jsonl:1: a metrics row needs numeric \"step\" and \"step_ms\""));
+  EXPECT_THAT(r.output, HasSubstr("nostep.jsonl:1: a metrics row needs a whole-number \"step\" and a numeric \"step_ms\""));
   const fs::path short_run = metrics(dir, "short", 3, 1.0);
   r = compare(q(a) + " " + q(short_run));
   EXPECT_EQ(r.exit_code, 2);
@@ -166,9 +166,11 @@ TEST(BenchCompare, BadInputExitsTwoNamingTheFileAndLine) {
   for (const auto& [name, text, message] : std::vector<std::tuple<std::string, std::string, std::string>>{
            {"zero.jsonl", "{\"step\": 1, \"step_ms\": 0}\n", "zero.jsonl:1: step_ms must be a positive time, got 0"},
            {"negative.jsonl", "{\"step\": 1, \"step_ms\": 5, \"peak_mem_bytes\": -3}\n", "negative.jsonl:1: peak_mem_bytes must not be negative"},
-           {"stepstr.jsonl", "{\"step\": \"three\", \"step_ms\": 5}\n", "stepstr.jsonl:1: a metrics row needs numeric \"step\""},
+           {"stepstr.jsonl", "{\"step\": \"three\", \"step_ms\": 5}\n", "stepstr.jsonl:1: a metrics row needs a whole-number \"step\""},
+           {"stephalf.jsonl", "{\"step\": 4.5, \"step_ms\": 5}\n", "stephalf.jsonl:1: a metrics row needs a whole-number \"step\""},
+           {"huge.jsonl", "{\"step\": 1, \"step_ms\": 1e300}\n", "huge.jsonl:1: step_ms is 1e+300: not a measurement (over 1e18)"},
            {"twice.jsonl", "{\"step\": 1, \"step_ms\": 5}\n{\"step\": 2, \"step_ms\": 5}\n{\"step\": 1, \"step_ms\": 5}\n",
-            "twice.jsonl:3: step 1.0 again (line 1): two runs in one file?"}}) {
+            "twice.jsonl:3: step 1 again (line 1): two runs in one file?"}}) {
     test::write_file(dir / name, text);
     r = compare(q(a) + " " + q(dir / name));
     EXPECT_EQ(r.exit_code, 2) << name << "\n" << r.output;

@@ -138,12 +138,14 @@ Metrics read_metrics(const fs::path& file, const std::vector<std::string>& lines
       throw CompareInputError(file.string() + ":" + std::to_string(i + 1) + ": not a JSON object (" + e.what() + ")");
     }
     const std::string at = file.string() + ":" + std::to_string(i + 1) + ": ";
-    if (!row.is_object() || !row.contains("step") || !row["step"].is_number() || !row.contains("step_ms") || !row["step_ms"].is_number()) {
-      throw CompareInputError(at + "a metrics row needs numeric \"step\" and \"step_ms\"");
+    if (!row.is_object() || !row.contains("step") || !row["step"].is_number_integer() || !row.contains("step_ms") || !row["step_ms"].is_number()) {
+      throw CompareInputError(at + "a metrics row needs a whole-number \"step\" and a numeric \"step_ms\"");
     }
     if (!(row["step_ms"].get<double>() > 0)) throw CompareInputError(at + "step_ms must be a positive time, got " + row["step_ms"].dump());
     for (const auto& [key, v] : row.items()) {
       if (v.is_number() && v.get<double>() < 0 && key != "loss") throw CompareInputError(at + key + " must not be negative, got " + v.dump());
+      // 1e300 ms made a ratio of 300 digits; no step, time, byte count or loss comes near 1e18.
+      if (v.is_number() && !(std::abs(v.get<double>()) <= 1e18)) throw CompareInputError(at + key + " is " + v.dump() + ": not a measurement (over 1e18)");
     }
     rows.push_back(std::move(row));
     steps_seen.emplace_back(rows.back()["step"].get<double>(), i + 1);
@@ -151,7 +153,7 @@ Metrics read_metrics(const fs::path& file, const std::vector<std::string>& lines
   std::sort(steps_seen.begin(), steps_seen.end());
   for (std::size_t k = 1; k < steps_seen.size(); ++k) {
     if (steps_seen[k].first == steps_seen[k - 1].first) {
-      throw CompareInputError(file.string() + ":" + std::to_string(steps_seen[k].second) + ": step " + json(steps_seen[k].first).dump() +
+      throw CompareInputError(file.string() + ":" + std::to_string(steps_seen[k].second) + ": step " + std::to_string(static_cast<long long>(steps_seen[k].first)) +
                               " again (line " + std::to_string(steps_seen[k - 1].second) + "): two runs in one file? compare one run's metrics.jsonl");
     }
   }
