@@ -368,6 +368,13 @@ TEST(FrTrace, EditedOrMixedDumpsAreRefusedNamingTheEntryAndKey) {
   EXPECT_THAT(error_with([](json& d) { d["entries"][0].erase("step"); }), HasSubstr("entry #0: 'step' is missing"));
   EXPECT_THAT(error_with([](json& d) { d["entries"][0]["group_ranks"] = {1, 7}; }), HasSubstr("'group_ranks' must hold ascending ranks below world_size 3"));
   EXPECT_THAT(error_with([](json& d) { d["entries"][0]["group_ranks"] = {0, 2}; }), HasSubstr("does not hold the rank that dumped it (1)"));
+  const std::string many = error_with([](json& d) {
+    d["entries"][0]["group_ranks"] = json::array();
+    for (int r = 100'000; r > 0; --r) d["entries"][0]["group_ranks"].push_back(r);
+  });
+  EXPECT_THAT(many, HasSubstr("'group_ranks' must hold ascending ranks below world_size 3, is [100000,99999,"));
+  EXPECT_THAT(many, HasSubstr("... (588896 characters)"));  // not the 100,000 ranks
+  EXPECT_LT(many.size(), 1000u);
   EXPECT_THAT(error_with([](json&) {}, "rank9.json"), HasSubstr("rank9.json: not a valid flight recorder dump (it holds rank 1's dump under another rank's name"));
   EXPECT_THAT(error_with([](json& d) { d["run"] = "another"; }), HasSubstr("the dumps come from different runs"));
   EXPECT_EQ(error_with([](json&) {}), "(analysed)");

@@ -53,6 +53,12 @@ struct Dumps {
   std::map<int, std::size_t> full_ring;  // ranks whose dump holds as many entries as their ring: older ones were lost
 };
 
+// A value as the dump holds it, cut after 200 characters (a group of 100,000 ranks printed whole).
+std::string shown(const json& v) {
+  const std::string text = v.dump();
+  return text.size() <= 200 ? text : text.substr(0, 200) + "... (" + std::to_string(text.size()) + " characters)";
+}
+
 // Every field typed and in range, each error naming the entry and the key: a dump edited
 // by hand, or of another build, must not make the analysis blame the wrong rank.
 std::int64_t integer_field(const json& obj, const std::string& key, std::int64_t lo, std::int64_t hi, const std::string& where) {
@@ -60,7 +66,7 @@ std::int64_t integer_field(const json& obj, const std::string& key, std::int64_t
   const json& v = obj.at(key);
   if (!v.is_number_integer() || (v.is_number_unsigned() ? v.get<std::uint64_t>() > static_cast<std::uint64_t>(hi)
                                                         : (v.get<std::int64_t>() < lo || v.get<std::int64_t>() > hi))) {
-    throw std::runtime_error(where + "'" + key + "' must be a whole number from " + std::to_string(lo) + " to " + std::to_string(hi) + ", is " + v.dump());
+    throw std::runtime_error(where + "'" + key + "' must be a whole number from " + std::to_string(lo) + " to " + std::to_string(hi) + ", is " + shown(v));
   }
   return v.get<std::int64_t>();
 }
@@ -94,12 +100,12 @@ std::pair<GroupKey, Entry> read_entry(const json& e, const std::string& where, i
   std::vector<int> members;
   for (const auto& g : e["group_ranks"]) {
     if (!g.is_number_integer() || g.get<std::int64_t>() < 0 || g.get<std::int64_t>() >= ws || (!members.empty() && g.get<int>() <= members.back())) {
-      throw std::runtime_error(where + "'group_ranks' must hold ascending ranks below world_size " + std::to_string(ws) + ", is " + e["group_ranks"].dump());
+      throw std::runtime_error(where + "'group_ranks' must hold ascending ranks below world_size " + std::to_string(ws) + ", is " + shown(e["group_ranks"]));
     }
     members.push_back(g.get<int>());
   }
   if (!std::binary_search(members.begin(), members.end(), rank)) {
-    throw std::runtime_error(where + "'group_ranks' " + e["group_ranks"].dump() + " does not hold the rank that dumped it (" + std::to_string(rank) + ")");
+    throw std::runtime_error(where + "'group_ranks' " + shown(e["group_ranks"]) + " does not hold the rank that dumped it (" + std::to_string(rank) + ")");
   }
   return {{group, members}, x};
 }
