@@ -185,6 +185,10 @@ TEST(Diff, BadInputExitsTwoNamingTheFile) {
   r = spmdx("diff '" + a.string() + "' '" + (dir / "broken").string() + "'");
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_THAT(r.output, HasSubstr("rank1.json: not a graph document"));
+  test::write_file(dir / "broken" / "rank1.json", "{\"format\": \"spmdx.graph\", \"inputs\": [{\"name\": \"x\", \"meta\": {}, \"id\": 1e30}]}");
+  r = spmdx("diff '" + a.string() + "' '" + (dir / "broken").string() + "'");  // a float id: get<int> made it -2147483648
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.output, HasSubstr("rank1.json: malformed graph document (the id 1e+30 is not a whole number that spmdx writes)"));
   test::write_file(dir / "broken" / "rank1.json", "{\"format\": null}");  // was nlohmann's type error, naming no file
   r = spmdx("diff '" + a.string() + "' '" + (dir / "broken").string() + "'");
   EXPECT_EQ(r.exit_code, 2);

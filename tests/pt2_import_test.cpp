@@ -213,6 +213,11 @@ TEST(Pt2ImportErrors, ModelJsonNestedTooDeep) {
   EXPECT_THAT(e, HasSubstr("models/model.json is not valid JSON: JSON nested more than 256 arrays or objects deep (at byte 264)"));
 }
 
+TEST(Pt2ImportErrors, AFloatWhereAWholeNumberBelongsIsShownAsWritten) {
+  EXPECT_THAT(import_error((kDir / "bad" / "huge_major.pt2").string()),
+              HasSubstr("models/model.json schema_version major is 1e+30, not a whole number: the file is damaged"));
+}
+
 TEST(Pt2ImportErrors, AotInductorPackage) {
   EXPECT_THAT(import_error((kDir / "bad" / "aoti.pt2").string()), HasSubstr("AOTInductor"));
 }

@@ -97,19 +97,28 @@ struct Meta {
   bool requires_grad = false;
 };
 
+// A whole number in int64's range: nlohmann's get<int64_t> of 1e30 is undefined (it read as a
+// negative size), of 2.5 truncates.
+std::int64_t whole(const Fail& fail, const json& v, const std::string& what) {
+  if (!v.is_number_integer() || (v.is_number_unsigned() && v.get<std::uint64_t>() > static_cast<std::uint64_t>(INT64_MAX))) {
+    fail(what + " is " + v.dump() + ", not a whole number: the file is damaged");
+  }
+  return v.get<std::int64_t>();
+}
+
 std::int64_t sym_int(const Fail& fail, const json& j, const std::string& what) {
   const std::string kind = union_kind(fail, j, {"as_int", "as_expr"}, what);
   if (kind == "as_expr") {
     fail(what + " is symbolic (" + j["as_expr"].value("expr_str", std::string("?")) +
          "): the program was exported with dynamic shapes; spmdx trains static ones: export without dynamic_shapes");
   }
-  return j["as_int"].get<std::int64_t>();
+  return whole(fail, j["as_int"], what);
 }
 
 Meta tensor_meta(const Fail& fail, const json& j, const std::string& what) {
   only_fields(fail, j, {"dtype", "sizes", "requires_grad", "device", "strides", "storage_offset", "layout"}, what);
   Meta m;
-  const auto code = field(fail, j, "dtype", what).get<std::int64_t>();
+  const auto code = whole(fail, field(fail, j, "dtype", what), what + " dtype");
   auto t = scalar_type(code);
   if (!t) fail(what + " has dtype code " + std::to_string(code) + ", which spmdx does not read");
   m.dtype = *t;
@@ -305,8 +314,8 @@ Program read_program(const Archive& a) {
   Program p;
   const json& sv = field(fail, ep, "schema_version", file);
   only_fields(fail, sv, {"major", "minor"}, file + " schema_version");
-  const auto major = sv.value("major", 0);
-  p.schema_version = std::to_string(major) + "." + std::to_string(sv.value("minor", 0));
+  const auto major = whole(fail, sv.value("major", json(0)), file + " schema_version major");
+  p.schema_version = std::to_string(major) + "." + std::to_string(whole(fail, sv.value("minor", json(0)), file + " schema_version minor"));
   p.torch_version = ep.value("torch_version", std::string("?"));
   if (major != 8) {
     fail("serialization schema " + p.schema_version + " (torch " + p.torch_version + "); spmdx reads schema 8 (torch 2.9 and later): save it again with torch >= 2.9");

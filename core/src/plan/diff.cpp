@@ -1,6 +1,7 @@
 #include "spmdx/plan/diff.h"
 
 #include <algorithm>
+#include <climits>
 #include <chrono>
 #include <deque>
 #include <fstream>
@@ -115,26 +116,33 @@ Graph parse_graph(const std::string& text, const std::string& what) {
   }
   if (!j.is_object() || !j.contains("format") || j["format"] != "spmdx.graph") throw DiffInputError(what + ": not a graph document (\"format\": \"spmdx.graph\", as spmdx compile --dump writes)");
   Graph g;
+  // A value id: a whole number in int's range (nlohmann's get<int> of 1e23 gave -2147483648).
+  auto id_of = [&](const json& v) {
+    if (!v.is_number_integer() || (v.is_number_unsigned() ? v.get<std::uint64_t>() > INT_MAX : (v.get<std::int64_t>() < INT_MIN || v.get<std::int64_t>() > INT_MAX))) {
+      throw DiffInputError(what + ": malformed graph document (the id " + v.dump() + " is not a whole number that spmdx writes)");
+    }
+    return v.get<int>();
+  };
   try {
     for (const auto& in : j.at("inputs")) {
       Graph::Value v;
       v.name = in.at("name").get<std::string>();
       v.meta = in.at("meta");
       v.sig = mix(hash_text("input " + v.name), hash_meta(v.meta));
-      const int id = in.at("id").get<int>();
+      const int id = id_of(in.at("id"));
       g.inputs[v.name] = id;
       g.input_order.push_back(v.name);
       g.values[id] = std::move(v);
     }
     for (const auto& n : j.at("nodes")) {
       Graph::Node node;
-      node.id = n.at("id").get<int>();
+      node.id = id_of(n.at("id"));
       node.op = n.at("op").get<std::string>();
       node.attrs = n.value("attrs", json::object());
       std::uint64_t h = mix(hash_text(node.op), hash_text(node.attrs.dump()));
       const int index = static_cast<int>(g.nodes.size());
       for (const auto& i : n.at("inputs")) {
-        const int id = i.get<int>();
+        const int id = id_of(i);
         auto it = g.values.find(id);
         if (it == g.values.end()) throw DiffInputError(what + ": node %" + std::to_string(node.id) + " reads %" + std::to_string(id) + " before it is made");
         h = mix(h, it->second.sig);
@@ -149,14 +157,14 @@ Graph parse_graph(const std::string& text, const std::string& what) {
         v.meta = o.at("meta");
         v.sig = mix(h, static_cast<std::uint64_t>(++k));
         v.producer = index;
-        const int id = o.at("id").get<int>();
+        const int id = id_of(o.at("id"));
         node.out.push_back(id);
         g.values[id] = std::move(v);
       }
       g.node_of_id[node.id] = index;
       g.nodes.push_back(std::move(node));
     }
-    for (const auto& o : j.at("outputs")) g.outputs.emplace_back(o.at("name").get<std::string>(), o.at("value").get<int>());
+    for (const auto& o : j.at("outputs")) g.outputs.emplace_back(o.at("name").get<std::string>(), id_of(o.at("value")));
   } catch (const json::exception& e) {
     throw DiffInputError(what + ": malformed graph document (" + e.what() + ")");
   }
