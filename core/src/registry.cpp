@@ -1,5 +1,4 @@
 #include "spmdx/core/registry.h"
-#include "spmdx/files.h"
 #include "spmdx/text.h"
 
 #include <dlfcn.h>
@@ -95,12 +94,11 @@ void check_elf(const fs::path& file, const fs::path& target) {
                       "cannot load plugin '" + file.string() + "': not a shared object (" + why +
                           "). Rebuild it with spmdx_add_plugin(), or remove it from the plugin path.");
   };
-  std::string why = unreadable_file(target);  // a FIFO would block the read below
   std::ifstream in(target, std::ios::binary);
-  if (why.empty() && !in) why = std::strerror(errno);
-  if (!why.empty()) {
+  if (!in) {
     throw PluginError(Code::unreadable, file,
-                      "cannot read plugin '" + file.string() + "': " + why + ". Make it a readable file, or remove it from the plugin path.");
+                      "cannot read plugin '" + file.string() + "': " + std::strerror(errno) +
+                          ". Make it readable by this user, or remove it from the plugin path.");
   }
   std::error_code ec;
   const std::uint64_t size = fs::file_size(target, ec);
