@@ -943,12 +943,13 @@ void check_host_memory(const plan::MemoryPlan& planned, const launch::RankEnv& e
   const int ranks = std::max(1, env.local_world_size);
   const double needed = static_cast<double>(planned.peak_bytes) * ranks;
   if (needed <= ram) return;
-  const std::string what = "the planned peak memory, " + human_bytes(static_cast<double>(planned.peak_bytes)) + " a rank x " + std::to_string(ranks) +
-                           (ranks == 1 ? " rank" : " ranks") + " on this host, is over its " + human_bytes(ram) + " of memory" +
-                           (swap > 0 ? " and " + human_bytes(swap) + " of swap" : "");
+  const std::string over = "the planned peak memory, " + human_bytes(static_cast<double>(planned.peak_bytes)) + " a rank x " + std::to_string(ranks) +
+                           (ranks == 1 ? " rank" : " ranks") + " on this host, is over its " + human_bytes(ram) + " of memory";
   const std::string todo = "lower training.local_batch_size or training.seq_len, add hosts, or set parallelism.memory_budget for spmdx to fit the job";
-  if (needed > ram + swap) throw std::runtime_error(what + ": the kernel would kill a rank when memory runs out; " + todo);
-  SPMDX_WARN(what.substr(0, what.find(" and ")) << ": the steps will swap, if no rank is killed; " << todo);
+  if (needed > ram + swap) {
+    throw std::runtime_error(over + (swap > 0 ? " and " + human_bytes(swap) + " of swap" : "") + ": the kernel would kill a rank when memory runs out; " + todo);
+  }
+  SPMDX_WARN(over << ": the steps will swap, if no rank is killed; " << todo);
 }
 
 // `resumed`: the checkpoint a resumed job starts from (its loss scale replaces the config's).
