@@ -47,18 +47,19 @@ int main(int argc, char** argv) {
     return rc == 0 ? 0 : 2;      // usage errors exit 2, as spmdx's
   }
   models::Model imported, builtin;
+  std::int64_t batch = 0, seq = 0;
   try {
     models::ModelArgs pargs = models::model_args("pt2", "", 0);
     pargs.path = path;
     imported = models::import_pt2(pargs);
     const auto& shape = imported.graph.find_input("tokens")->meta().shape;
-    builtin = models::build_model(models::model_args("llama", flavor, imported.args.vocab_size), shape[0], shape[1]);
+    batch = shape[0], seq = shape[1];
+    builtin = models::build_model(models::model_args("llama", flavor, imported.args.vocab_size), batch, seq);
   } catch (const std::exception& e) {  // an unreadable program, an unknown flavor
     std::fprintf(stderr, "error: %s\n", e.what());
     return 1;
   }
-  const auto shape = imported.graph.find_input("tokens")->meta().shape;
-  const std::int64_t batch = shape[0], seq = shape[1], vocab = imported.args.vocab_size;
+  const std::int64_t vocab = imported.args.vocab_size;
   std::int64_t n_imported = 0, n_builtin = 0;
   for (const auto& p : imported.params) n_imported += imported.graph.find_input(p)->meta().numel();
   for (const auto& p : builtin.params) n_builtin += builtin.graph.find_input(p)->meta().numel();
