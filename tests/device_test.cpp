@@ -311,14 +311,27 @@ class FakeStreamBackend final : public FakeBackend, public StreamOrdered {
 
 // y = 3 * all_reduce(x @ w) on rank 0 of a 2-rank dp mesh, one collective.
 struct OneCollective {
+  at::Tensor x, w;  // seeded, so that a failure can be run again
+
+  // y is 6 x @ w when the reduction was waited for before the multiply (3 x @ w when it was
+  // not). The executor's matmul may run on oneDNN and this reference on MKL: they round apart,
+  // by 1.6e-7 on an entry of 3e-4 that cancelled (float32's epsilon is 1.2e-7), so the
+  // tolerance is absolute as well as relative; a missed wait is off by 50%.
+  testing::AssertionResult is_reduced(const at::Tensor& y) const {
+    const at::Tensor want = at::matmul(x, w) * 6.0;
+    if (at::allclose(y, want, 1e-5, 1e-5)) return testing::AssertionSuccess();
+    return testing::AssertionFailure() << "y differs from 6 x @ w by up to " << (y - want).abs().max().item<double>() << ":\n" << y << "\nwant\n" << want;
+  }
+
   ir::Graph g;
   sharding::DeviceMesh mesh{{{"dp", 2}}};
   OneCollective() {
     const ir::TensorMeta m{{4, 4}, ir::DType::f32, "cpu", false};
-    ir::Value* x = g.add_input("x", m);
-    ir::Value* w = g.add_input("w", m);
-    ir::Value* r = g.add("all_reduce", {g.add("matmul", {x, w})}, {{"mesh_dim", std::int64_t{0}}, {"op", std::string("sum")}});
+    ir::Value* r = g.add("all_reduce", {g.add("matmul", {g.add_input("x", m), g.add_input("w", m)})}, {{"mesh_dim", std::int64_t{0}}, {"op", std::string("sum")}});
     g.add_output("y", g.add("mul_scalar", {r}, {{"value", 3.0}}));
+    at::manual_seed(17);
+    x = at::randn({4, 4});
+    w = at::randn({4, 4});
   }
 };
 
@@ -328,9 +341,7 @@ TEST(DeviceOrdering, StreamOrderedBackendWaitsOnStreamsAndTheHostOnlyAtTheEnd) {
   FakeStreamBackend backend(log);
   FakeStreamDevice device(log, c10::Device(c10::DeviceType::CPU));
   DistributedExecutor ex(job.g, job.mesh, 0, &backend, 10, {}, &device);
-  const at::Tensor x = at::randn({4, 4}), w = at::randn({4, 4});
-  const TensorMap out = ex.run({{"x", x}, {"w", w}});
-  EXPECT_TRUE(at::allclose(out.at("y"), at::matmul(x, w) * 6.0));
+  EXPECT_TRUE(job.is_reduced(ex.run({{"x", job.x}, {"w", job.w}}).at("y")));
   // No host synchronisation before the call; the reader's stream waits; the host waits once the
   // step is queued, then synchronises for the step's time.
   EXPECT_THAT(log, ElementsAre("issue_after compute", "all_reduce", "stream_wait compute", "host wait", "synchronize"));
@@ -344,9 +355,7 @@ TEST(DeviceOrdering, BackendWithoutStreamsGetsTheStreamSynchronisedAndHostWaits)
   FakeBackend backend(log);
   FakeStreamDevice device(log, c10::Device(c10::DeviceType::CPU));
   DistributedExecutor ex(job.g, job.mesh, 0, &backend, 10, {}, &device);
-  const at::Tensor x = at::randn({4, 4}), w = at::randn({4, 4});
-  const TensorMap out = ex.run({{"x", x}, {"w", w}});
-  EXPECT_TRUE(at::allclose(out.at("y"), at::matmul(x, w) * 6.0));
+  EXPECT_TRUE(job.is_reduced(ex.run({{"x", job.x}, {"w", job.w}}).at("y")));
   EXPECT_THAT(log, ElementsAre("synchronize", "all_reduce", "host wait", "synchronize"));
 }
 
@@ -355,8 +364,7 @@ TEST(DeviceOrdering, OnTheCpuNoStreamCallsAreMade) {
   OneCollective job;
   FakeStreamBackend backend(log);
   DistributedExecutor ex(job.g, job.mesh, 0, &backend, 10, {}, nullptr);
-  const at::Tensor x = at::randn({4, 4}), w = at::randn({4, 4});
-  EXPECT_TRUE(at::allclose(ex.run({{"x", x}, {"w", w}}).at("y"), at::matmul(x, w) * 6.0));
+  EXPECT_TRUE(job.is_reduced(ex.run({{"x", job.x}, {"w", job.w}}).at("y")));
   EXPECT_THAT(log, ElementsAre("all_reduce", "host wait"));
 }
 
