@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include <sched.h>
+#include <signal.h>
 #include <sys/stat.h>
 
 #include <cmath>
@@ -14,6 +15,7 @@
 #include <tuple>
 
 #include "run_util.h"
+#include "spmdx/launch/launcher.h"
 
 namespace spmdx {
 namespace {
@@ -619,9 +621,46 @@ TEST(Run, ARankKilledStopsTheJobNamingIt) {
       return escaped;
     }() + "\"");
     EXPECT_THAT(r.output, HasSubstr("launcher exit 1"));
-    EXPECT_THAT(r.output, HasSubstr("spmdx run: rank 1 was killed by signal Killed; the other ranks were stopped"));
+    // (the rest of the line names the out-of-memory killer only if the machine's count rose meanwhile)
+    EXPECT_THAT(r.output, HasSubstr("spmdx run: rank 1 was killed by signal Killed"));
+    EXPECT_THAT(r.output, HasSubstr("; the other ranks were stopped"));
     EXPECT_EQ(test::run_command("pgrep -f 'training[.]steps 1000000' | wc -l").output, "0\n") << "rank processes were left behind";
   }
+}
+
+// A rank killed with SIGKILL: the launcher reads the kernel's count of out-of-memory kills at
+// launch and when the rank is reaped. It rose: the out-of-memory killer is named with what to
+// lower; unchanged: a person or a scheduler did it, nothing more is said; unreadable: it may
+// have been either. Other signals are named alone.
+TEST(Launcher, ARankSigkilledByTheOutOfMemoryKillerIsSaidToBe) {
+  using launch::OomKillCount;
+  const OomKillCount three{3, "/proc/vmstat"}, four{4, "/proc/vmstat"};
+  const std::string oom = launch::killed_by(SIGKILL, three, four);
+  EXPECT_THAT(oom, HasSubstr("was killed by signal Killed, most likely by the kernel's out-of-memory killer (oom_kill in /proc/vmstat rose from 3 to 4 while the job ran)"));
+  EXPECT_THAT(oom, HasSubstr("lower training.local_batch_size or training.seq_len"));
+  EXPECT_EQ(launch::killed_by(SIGKILL, three, three), "was killed by signal Killed");
+  for (const auto& [before, after] : {std::pair<std::optional<OomKillCount>, std::optional<OomKillCount>>{std::nullopt, four}, {three, std::nullopt},
+                                      {three, OomKillCount{4, "/sys/fs/cgroup/memory.events"}}}) {
+    EXPECT_THAT(launch::killed_by(SIGKILL, before, after), HasSubstr("was killed by signal Killed (SIGKILL: sent by a person, a scheduler, or the kernel's out-of-memory killer"));
+  }
+  EXPECT_EQ(launch::killed_by(SIGSEGV, three, four), "was killed by signal Segmentation fault");
+}
+
+// The count's files: cgroup v2's memory.events and /proc/vmstat, one "key value" a line.
+TEST(Launcher, TheOutOfMemoryKillCountIsReadFromMemoryEventsOrVmstat) {
+  test::TempDir dir;
+  std::ofstream(dir / "memory.events") << "low 0\nhigh 0\nmax 12\noom 2\noom_kill 2\noom_group_kill 0\n";
+  std::ofstream(dir / "vmstat") << "nr_free_pages 2711\npgfault 99\noom_kill 7\nunevictable_pgs_culled 0\n";
+  std::ofstream(dir / "none") << "low 0\nhigh 0\n";
+  EXPECT_EQ(launch::read_oom_kill((dir / "memory.events").string()), 2);
+  EXPECT_EQ(launch::read_oom_kill((dir / "vmstat").string()), 7);
+  EXPECT_EQ(launch::read_oom_kill((dir / "none").string()), std::nullopt);
+  EXPECT_EQ(launch::read_oom_kill((dir / "missing").string()), std::nullopt);
+  // This machine (Linux 4.13 or later) has one or the other.
+  const auto now = launch::oom_kill_count();
+  ASSERT_TRUE(now.has_value());
+  EXPECT_TRUE(now->file == "/proc/vmstat" || now->file.ends_with("/memory.events")) << now->file;
+  EXPECT_GE(now->kills, 0);
 }
 
 // Saved on 4 ranks as fsdp x tp 2 x 2 at step 5, resumed on 2 ranks as dp 2: steps 6-10 give

@@ -12,6 +12,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <iostream>
 #include <map>
 #include <memory>
@@ -312,8 +313,7 @@ class Supervisor {
     if (priority > blame_priority_ || (priority == blame_priority_ && rank < blame_rank_)) {  // ties: the lowest rank
       blame_priority_ = priority;
       blame_rank_ = rank;
-      blame_ = WIFEXITED(status) ? "exited with code " + std::to_string(WEXITSTATUS(status))
-                                 : std::string("was killed by signal ") + strsignal(WTERMSIG(status));
+      blame_ = WIFEXITED(status) ? "exited with code " + std::to_string(WEXITSTATUS(status)) : killed_by(WTERMSIG(status), oom_kills_at_start_, oom_kill_count());
     }
     if (blame_deadline_ == std::chrono::steady_clock::time_point::max()) {
       blame_deadline_ = std::chrono::steady_clock::now() + std::chrono::milliseconds(500);
@@ -385,6 +385,7 @@ class Supervisor {
   // error (it reports a peer's failure). A dying process can stay unreaped longer than the
   // peers it takes down.
   int blame_rank_ = -1, blame_priority_ = -1;
+  std::optional<OomKillCount> oom_kills_at_start_ = oom_kill_count();  // a rank SIGKILLed: was it the out-of-memory killer?
   bool named_by_ranks_ = false;  // the ranks named the rank that failed (through the store)
   std::string mismatch_;         // ranks found members calling different collectives (kMismatchKey)
   std::string blame_;
@@ -407,6 +408,44 @@ int launch(const LaunchOptions& o, const std::vector<std::string>& argv) {
     return 128 + g_signal;  // as a shell reports a process ended by that signal
   }
   return job.blame();
+}
+
+std::optional<std::int64_t> read_oom_kill(const std::string& file) {
+  std::ifstream in(file);
+  std::string key;
+  std::int64_t value = 0;
+  while (in >> key >> value) {
+    if (key == "oom_kill") return value;
+  }
+  return std::nullopt;
+}
+
+std::optional<OomKillCount> oom_kill_count() {
+  // "0::/path" in /proc/self/cgroup: this process's cgroup v2 (a hybrid or v1 host has no
+  // memory.events there, and the machine's count is the one left).
+  std::ifstream cgroups("/proc/self/cgroup");
+  for (std::string line; std::getline(cgroups, line);) {
+    if (line.rfind("0::", 0) != 0) continue;
+    const std::string file = "/sys/fs/cgroup" + (line.size() > 4 ? line.substr(3) : "") + "/memory.events";
+    if (auto kills = read_oom_kill(file)) return OomKillCount{*kills, file};
+  }
+  if (auto kills = read_oom_kill("/proc/vmstat")) return OomKillCount{*kills, "/proc/vmstat"};
+  return std::nullopt;
+}
+
+std::string killed_by(int signal, const std::optional<OomKillCount>& before, const std::optional<OomKillCount>& after) {
+  std::string said = std::string("was killed by signal ") + strsignal(signal);
+  if (signal != SIGKILL) return said;
+  const std::string todo = "spmdx compile prints the planned peak memory of a rank; lower training.local_batch_size or training.seq_len, or set "
+                           "parallelism.memory_budget for spmdx to fit the job";
+  if (!before || !after || before->file != after->file) {
+    return said + " (SIGKILL: sent by a person, a scheduler, or the kernel's out-of-memory killer, as dmesg would show; for memory, " + todo + ")";
+  }
+  if (after->kills > before->kills) {
+    return said + ", most likely by the kernel's out-of-memory killer (oom_kill in " + after->file + " rose from " + std::to_string(before->kills) +
+           " to " + std::to_string(after->kills) + " while the job ran): " + todo;
+  }
+  return said;
 }
 
 std::int64_t usable_cpus() {

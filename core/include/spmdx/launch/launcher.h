@@ -39,6 +39,27 @@ RankEnv rank_env();
 /// (plan/estimate.h) divides among them.
 std::int64_t usable_cpus();
 
+/// The kernel's count of the processes its out-of-memory killer has killed, and the file it
+/// was read from: this process's cgroup v2 `memory.events` (the kills in this container or job),
+/// else /proc/vmstat (the machine's, since boot; Linux >= 4.13).
+struct OomKillCount {
+  std::int64_t kills = 0;
+  std::string file;
+};
+
+/// The count now; nullopt when neither file has an `oom_kill` line (another OS, an old kernel).
+std::optional<OomKillCount> oom_kill_count();
+
+/// The value of the `oom_kill N` line of a file in memory.events' or /proc/vmstat's format;
+/// nullopt when the file cannot be read or has no such line.
+std::optional<std::int64_t> read_oom_kill(const std::string& file);
+
+/// How the launcher says a rank died of `signal`: "was killed by signal Killed". For SIGKILL it
+/// names the out-of-memory killer when the count rose from `before` (at launch) to `after` (when
+/// the rank was reaped), and says it may have been when the count cannot be read; a count read
+/// and unchanged says nothing more (a person or a scheduler killed the rank).
+std::string killed_by(int signal, const std::optional<OomKillCount>& before, const std::optional<OomKillCount>& after);
+
 /// torchrun's launch flags.
 struct LaunchOptions {
   int nproc = 1;               ///< --nproc (--nproc-per-node): ranks on this node
