@@ -336,6 +336,13 @@ TEST(HuggingFaceTokenizer, BadFilesNameTheFileAndTheReason) {
   EXPECT_THAT(variant("id.json", [](json& j) { j["model"]["vocab"]["a"] = "one"; }),
               HasSubstr("id.json': model.vocab maps \"a\" to \"one\", not an id in [0, 16777216)"));
   EXPECT_THAT(variant("neg.json", [](json& j) { j["model"]["vocab"]["a"] = -7; }), HasSubstr("maps \"a\" to -7"));
+  // Two tokens with one id would train as one; an id missing from the vocab makes the next added
+  // token ("<|eot|>", numbered from the vocab's 276 entries) take the id of a vocab token.
+  EXPECT_THAT(variant("twice.json", [](json& j) { j["model"]["vocab"]["zz"] = j["model"]["vocab"]["a"]; }),
+              HasSubstr("twice.json': model.vocab maps both \"a\" and \"zz\" to 97: the two would train as one token"));
+  EXPECT_THAT(variant("gap.json", [](json& j) { j["model"]["vocab"]["ab"] = 276; }),
+              HasSubstr("gap.json': added token \"<|eot|>\" gets id 276 (Hugging Face tokenizers numbers new added tokens from model.vocab's count of "
+                        "entries, 276), which model.vocab gives \"ab\": the vocab's ids have gaps"));
 
   test::write_file(dir / "tokenizer.json", byte_level_bpe(false).dump());
   test::write_file(dir / "tokenizer_config.json", R"({"bos_token": "<|eot|>", "eos_token": {"content": "<nope>"}})");

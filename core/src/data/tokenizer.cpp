@@ -606,8 +606,12 @@ void HuggingFaceTokenizer::Impl::load_model(const json& model) {
       fail(path, "model.vocab maps \"" + token + "\" to " + id.dump() + ", not an id in [0, 16777216)",
            "Fix the vocab; ids are small non-negative integers.");
     }
+    if (auto [other, fresh] = bpe.vocab_r.emplace(id.get<std::int64_t>(), token); !fresh) {
+      const auto& [first, second] = std::minmax(other->second, token);  // in text order, whatever the JSON library's
+      fail(path, "model.vocab maps both \"" + first + "\" and \"" + second + "\" to " + id.dump() + ": the two would train as one token",
+           "Fix the vocab; each id belongs to one token.");
+    }
     bpe.vocab[token] = id.get<std::int64_t>();
-    bpe.vocab_r[id.get<std::int64_t>()] = token;
   }
   auto optional_string = [&](const char* key) {
     const json& v = model.value(key, json());
@@ -672,6 +676,12 @@ void HuggingFaceTokenizer::Impl::load_added(const json& tokens) {
       std::int64_t max = 0;
       for (const auto& [content, added] : added_ids) max = std::max(max, added);
       id = max >= model_size || model_size == 0 ? max + 1 : model_size;
+    }
+    if (auto taken = bpe.vocab_r.find(id); taken != bpe.vocab_r.end() && taken->second != token.content) {
+      fail(path, "added token \"" + token.content + "\" gets id " + std::to_string(id) + " (Hugging Face tokenizers numbers new added tokens from model.vocab's count of entries, " +
+                     std::to_string(model_size) + "), which model.vocab gives \"" +
+                     taken->second + "\": the vocab's ids have gaps",
+           "Number model.vocab's ids 0 .. N-1, or put the token in model.vocab with the id it should have.");
     }
     added_ids[token.content] = id;
     added_by_id[id] = token;
