@@ -141,6 +141,22 @@ TEST(Fifo, UnreadableFileNamesWhatIsThere) {
   EXPECT_EQ(unreadable_file(dir / "file"), "");
 }
 
+// read_file_bytes: the whole file, NUL bytes and all; what cannot be read is refused with
+// unreadable_file's reason alone (the caller names the file), a FIFO without blocking.
+TEST(Fifo, ReadFileBytesReadsAWholeFileAndRefusesTheRest) {
+  test::TempDir dir;
+  std::string bytes(70000, 'x');
+  bytes[3] = '\0';
+  bytes.back() = '\n';
+  test::write_file(dir / "file", bytes);
+  EXPECT_EQ(read_file_bytes(dir / "file"), bytes);
+  test::write_file(dir / "empty", "");
+  EXPECT_EQ(read_file_bytes(dir / "empty"), "");
+  EXPECT_EQ(error_of([&] { read_file_bytes(dir / "none"); }), "no such file");
+  EXPECT_EQ(error_of([&] { read_file_bytes(dir.path()); }), "not a regular file (a folder, FIFO or device)");
+  EXPECT_EQ(error_on_fifo(dir / "fifo", [&] { read_file_bytes(dir / "fifo"); }), "not a regular file (a folder, FIFO or device)");
+}
+
 TEST(Fifo, EveryReaderOfAFileRefusesOneWithoutBlocking) {
   test::TempDir dir;
   const std::string fifo = "not a regular file (a folder, FIFO or device)";

@@ -15,6 +15,7 @@
 #include <optional>
 
 #include "spmdx/core/log.h"
+#include "spmdx/files.h"
 #include "spmdx/text.h"
 #include "spmdx/core/registry.h"
 #include "spmdx/core/version.h"
@@ -437,10 +438,11 @@ spmdx::plan::Calibration job_calibration(const spmdx::config::Config& cfg) {
 
 // The text of a file, or "" when it cannot be read.
 std::string file_text(const std::filesystem::path& file) {
-  std::ifstream in(file);
-  std::stringstream text;
-  text << in.rdbuf();
-  return text.str();
+  try {
+    return spmdx::read_file_bytes(file);
+  } catch (const std::runtime_error&) {
+    return "";
+  }
 }
 
 int run_compile(const CompileOptions& o) {

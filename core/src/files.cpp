@@ -6,6 +6,7 @@
 #include <cerrno>
 #include <cstring>
 #include <fstream>
+#include <iterator>
 #include <stdexcept>
 
 namespace spmdx {
@@ -25,6 +26,15 @@ std::string unreadable_file(const std::filesystem::path& path) {
   if (!std::filesystem::is_regular_file(st)) return "not a regular file (a folder, FIFO or device)";
   if (::access(path.c_str(), R_OK) != 0) return std::strerror(errno);
   return "";
+}
+
+std::string read_file_bytes(const std::filesystem::path& path) {
+  if (std::string why = unreadable_file(path); !why.empty()) throw std::runtime_error(why);
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw std::runtime_error(std::strerror(errno));
+  std::string bytes{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+  if (in.bad()) throw std::runtime_error(std::string("reading failed: ") + std::strerror(errno));
+  return bytes;
 }
 
 void write_file_atomic(const std::filesystem::path& path, const std::string& bytes) {

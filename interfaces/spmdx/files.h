@@ -18,6 +18,11 @@ void fsync_path(const std::filesystem::path& path);
 /// forever (a FIFO named rank0.json hung spmdx fr-trace).
 std::string unreadable_file(const std::filesystem::path& path);
 
+/// The whole content of the file at `path`, as bytes. Throws std::runtime_error whose what() is
+/// the reason alone, unreadable_file's or the system's, for the caller to name the file and say
+/// what to do; a FIFO, folder or device is refused before it is opened.
+std::string read_file_bytes(const std::filesystem::path& path);
+
 /// Writes `bytes` to `path` atomically: a temporary file next to it, fsync, rename over
 /// `path`, fsync of the folder. Throws std::runtime_error naming the file and errno's text.
 void write_file_atomic(const std::filesystem::path& path, const std::string& bytes);

@@ -30,12 +30,12 @@
 // 3.1: StreamOrdered (comm.h), an interface a comm backend may also implement.
 // 3.2: Planner (planner.h) and Registrar::add_planner: a strategy plugin may register a
 // solver for the per-mesh-dim choice problems of `strategy = "auto"`.
-// 3.3: host services check_json_nesting (text.h: JSON too deep to copy or print safely) and
-// unreadable_file (files.h: a FIFO or folder where a file should be).
+// 3.3: host services check_json_nesting (text.h: JSON too deep to copy or print safely),
+// unreadable_file and read_file_bytes (files.h: a FIFO or folder where a file should be).
 //
 // Host services. A plugin may call, besides this folder's inline code, only the core
 // library's logging facade (spmdx/core/log.h) and the helpers declared in this folder
-// (options.h: OptionReader; files.h: write_file_atomic, unreadable_file; text.h: sizes, rank lists, JSON nesting), which
+// (options.h: OptionReader; files.h: write_file_atomic, unreadable_file, read_file_bytes; text.h: sizes, rank lists, JSON nesting), which
 // are versioned with this ABI.
 //
 // Writing a plugin:

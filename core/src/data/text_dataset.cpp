@@ -33,14 +33,11 @@ std::string read_file(const std::string& path) {
   if (!fs::exists(path, ec)) {
     throw std::runtime_error("text data set: '" + path + "' does not exist. Check the data path (plain text or .jsonl).");
   }
-  if (const std::string why = unreadable_file(path); !why.empty()) {  // a FIFO would block
-    throw std::runtime_error("text data set: cannot read '" + path + "': " + why + ". Name a text or JSON Lines file.");
+  try {
+    return read_file_bytes(path);
+  } catch (const std::runtime_error& e) {
+    throw std::runtime_error("text data set: cannot read '" + path + "': " + e.what() + ". Name a text or JSON Lines file this user may read.");
   }
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw std::runtime_error("text data set: cannot read '" + path + "': " + std::strerror(errno) + ". Check its permissions.");
-  std::ostringstream s;
-  s << in.rdbuf();
-  return s.str();
 }
 
 std::string_view trim(std::string_view line) {

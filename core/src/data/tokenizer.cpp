@@ -509,12 +509,11 @@ struct Template {
 }
 
 std::string read_file(const fs::path& path, const std::string& shown) {
-  if (const std::string why = unreadable_file(path); !why.empty()) fail(shown, why, "Check the path and its permissions.");  // a FIFO would block
-  std::ifstream in(path, std::ios::binary);
-  if (!in) fail(shown, std::strerror(errno), "Check the path and its permissions.");
-  std::ostringstream s;
-  s << in.rdbuf();
-  return s.str();
+  try {
+    return read_file_bytes(path);
+  } catch (const std::runtime_error& e) {
+    fail(shown, e.what(), "Check the path and its permissions.");
+  }
 }
 
 json parse_json(const std::string& text, const std::string& shown) {

@@ -48,15 +48,11 @@ void write_file(const fs::path& file, const std::string& bytes) {
 }
 
 std::string read_file(const fs::path& file) {
-  // A folder, FIFO, device or link loop where a file should be: said, not read (a FIFO would
-  // block, a folder gives a bare stream error).
-  std::error_code ec;
-  const auto st = fs::status(file, ec);
-  if (ec && ec != std::errc::no_such_file_or_directory) fail(file, "cannot read: " + ec.message());
-  if (fs::exists(st) && !fs::is_regular_file(st)) fail(file, "is not a regular file (a folder, FIFO or device): a checkpoint holds files");
-  std::ifstream in(file, std::ios::binary);
-  if (!in) fail(file, std::string("cannot read: ") + std::strerror(errno));
-  return std::string(std::istreambuf_iterator<char>(in), {});
+  try {
+    return read_file_bytes(file);  // a folder, FIFO or device is said, not read (a FIFO would block)
+  } catch (const std::runtime_error& e) {
+    fail(file, std::string("cannot read: ") + e.what());
+  }
 }
 
 // `where`: each tensor's offset in its global tensor, per dim (as torch.distributed.checkpoint's

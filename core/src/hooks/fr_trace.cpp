@@ -112,12 +112,9 @@ std::pair<GroupKey, Entry> read_entry(const json& e, const std::string& where, i
 
 // Merges the dump rank<r>.json (named `name`) into `dumps`.
 void read_dump(const std::filesystem::path& path, const std::string& name, Dumps& dumps) {
-  if (const std::string why = unreadable_file(path); !why.empty()) throw std::runtime_error(why);  // a FIFO would block
-  std::ifstream in(path);
-  std::ostringstream text;
-  text << in.rdbuf();
-  check_json_nesting(text.str());
-  json doc = json::parse(text.str());
+  const std::string text = read_file_bytes(path);
+  check_json_nesting(text);
+  json doc = json::parse(text);
   if (!doc.is_object() || doc.value("format", "") != "spmdx-flight-recorder-1") throw std::runtime_error("no format \"spmdx-flight-recorder-1\"");
   const int ws = static_cast<int>(integer_field(doc, "world_size", 1, 100'000'000, ""));
   const int rank = static_cast<int>(integer_field(doc, "rank", 0, ws - 1, ""));

@@ -586,12 +586,11 @@ void diff_runtime(int r, const json& a, const json& b, std::vector<Difference>& 
 }
 
 std::string read_text(const fs::path& p) {
-  if (const std::string why = unreadable_file(p); !why.empty()) throw DiffInputError(p.string() + ": " + why);  // a FIFO would block
-  std::ifstream in(p, std::ios::binary);
-  if (!in) throw DiffInputError(p.string() + ": cannot be read");
-  std::ostringstream s;
-  s << in.rdbuf();
-  return s.str();
+  try {
+    return read_file_bytes(p);
+  } catch (const std::runtime_error& e) {
+    throw DiffInputError(p.string() + ": " + e.what());
+  }
 }
 
 }  // namespace

@@ -97,14 +97,11 @@ std::filesystem::path calibration_path(const std::filesystem::path& dump_folder)
 Calibration load_calibration(const std::filesystem::path& file) {
   std::error_code ec;
   if (!std::filesystem::exists(file, ec)) return {};
-  if (!std::filesystem::is_regular_file(file, ec)) {
-    throw std::invalid_argument(file.string() + ": not a regular file (a folder, a pipe?): remove it, and spmdx measures again");
+  try {
+    return Calibration::from_json(read_file_bytes(file), file.string());
+  } catch (const std::runtime_error& e) {  // from_json throws std::invalid_argument
+    throw std::invalid_argument(file.string() + ": cannot be read (" + e.what() + "): remove it, and spmdx measures again");
   }
-  std::ifstream in(file);
-  if (!in) throw std::invalid_argument(file.string() + ": cannot be read");
-  std::stringstream text;
-  text << in.rdbuf();
-  return Calibration::from_json(text.str(), file.string());
 }
 
 void save_calibration(const std::filesystem::path& file, const Calibration& c) {

@@ -446,12 +446,11 @@ AutoReport choose_auto(JobSpec& spec, PluginRegistry& registry) {
   if (std::filesystem::exists(kept, ec) && !std::filesystem::is_regular_file(kept, ec)) {
     throw std::invalid_argument(kept.string() + ": not a regular file (a folder, a pipe?): remove it; the auto strategy keeps its plan there");
   }
-  if (std::ifstream in(kept); in) {
+  if (std::filesystem::exists(kept, ec)) {
     try {
-      std::ostringstream text;
-      text << in.rdbuf();
-      check_json_nesting(text.str());
-      const auto j = nlohmann::json::parse(text.str());
+      const std::string text = read_file_bytes(kept);
+      check_json_nesting(text);
+      const auto j = nlohmann::json::parse(text);
       if (j.at("format") != "spmdx.auto_plan/2") throw std::invalid_argument("format " + j.at("format").dump() + " is not spmdx.auto_plan/2");
       if (j.at("key") == key && j.at("check") != plan_check(j)) throw std::invalid_argument("it was changed after spmdx wrote it (its check does not match)");
       if (j.at("key") == key) {

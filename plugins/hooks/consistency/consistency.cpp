@@ -138,13 +138,10 @@ class Consistency final : public spmdx::Hook {
   void keep_earlier_report() {
     const std::filesystem::path file = std::filesystem::path(context_.output_dir) / "report.json";
     if (!spmdx::unreadable_file(file).empty()) return;  // none (or a FIFO, which would block)
-    std::ifstream in(file);
-    if (!in) return;
     try {
-      std::ostringstream text;
-      text << in.rdbuf();
-      spmdx::check_json_nesting(text.str());
-      const json old = json::parse(text.str());
+      const std::string text = spmdx::read_file_bytes(file);
+      spmdx::check_json_nesting(text);
+      const json old = json::parse(text);
       for (const auto& c : old.at("checks")) {
         if (c.at("step").get<std::int64_t>() < context_.first_step) report_["checks"].push_back(c);
       }

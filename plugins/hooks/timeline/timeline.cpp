@@ -106,12 +106,9 @@ class Timeline final : public spmdx::Hook {
       const fs::path file = fs::path(context_.output_dir) / ("rank" + std::to_string(r) + ".json");
       json doc;
       try {
-        if (!spmdx::unreadable_file(file).empty()) throw std::runtime_error("unreadable");  // a FIFO would block
-        std::ifstream in(file);
-        std::ostringstream text;
-        text << in.rdbuf();
-        spmdx::check_json_nesting(text.str());
-        doc = json::parse(text.str());
+        const std::string text = spmdx::read_file_bytes(file);
+        spmdx::check_json_nesting(text);
+        doc = json::parse(text);
       } catch (const std::exception&) {
         missing.push_back(r);  // absent, unreadable, or half-written by a failing rank
         continue;
@@ -149,13 +146,10 @@ class Timeline final : public spmdx::Hook {
   void keep_earlier_steps() {
     const fs::path own = fs::path(context_.output_dir) / ("rank" + std::to_string(context_.rank) + ".json");
     if (!spmdx::unreadable_file(own).empty()) return;  // none (or a FIFO, which would block)
-    std::ifstream in(own);
-    if (!in) return;
     try {
-      std::ostringstream text;
-      text << in.rdbuf();
-      spmdx::check_json_nesting(text.str());
-      const json old = json::parse(text.str());
+      const std::string text = spmdx::read_file_bytes(own);
+      spmdx::check_json_nesting(text);
+      const json old = json::parse(text);
       std::set<double> step_starts;
       json kept = json::array();
       for (const auto& e : old.at("traceEvents")) {
