@@ -185,7 +185,8 @@ TEST(Diff, BadInputExitsTwoNamingTheFile) {
   r = spmdx("diff '" + a.string() + "' '" + (dir / "broken").string() + "'");
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_THAT(r.output, HasSubstr("rank1.json: not a graph document"));
-  test::write_file(dir / "broken" / "rank1.json", "{\"format\": \"spmdx.graph\", \"inputs\": [{\"name\": \"x\", \"meta\": {}, \"id\": 1e30}]}");
+  test::write_file(dir / "broken" / "rank1.json",
+                   "{\"format\": \"spmdx.graph\", \"inputs\": [{\"name\": \"x\", \"meta\": {\"dtype\": \"f32\", \"shape\": [2]}, \"id\": 1e30}]}");
   r = spmdx("diff '" + a.string() + "' '" + (dir / "broken").string() + "'");  // a float id: get<int> made it -2147483648
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_THAT(r.output, HasSubstr("rank1.json: malformed graph document (the id 1e+30 is not a whole number that spmdx writes)"));
@@ -209,6 +210,26 @@ TEST(Diff, BadInputExitsTwoNamingTheFile) {
   r = spmdx("diff '" + a.string() + "' '" + (dir / "broken").string() + "'");
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_THAT(r.output, HasSubstr("plan.json: not a sharding plan"));
+  // A field of the wrong type names the file (A's here: which of the two) and the field, before
+  // any comparison reads it (it was "A/plan.json or B/plan.json: malformed", the library's words).
+  auto edited = [&](const std::string& file, auto&& edit) {
+    json j = read_json(a / file);
+    edit(j);
+    write_json(dir / "broken" / file, j);
+    const auto out = spmdx("diff '" + (dir / "broken").string() + "' '" + a.string() + "'");
+    EXPECT_EQ(out.exit_code, 2) << out.output;
+    fs::copy(a / file, dir / "broken" / file, fs::copy_options::overwrite_existing);
+    return out.output;
+  };
+  EXPECT_THAT(edited("plan.json", [](json& j) { j["nodes"][1]["outputs"][0] = 5; }),
+              HasSubstr((dir / "broken" / "plan.json").string() + ": /nodes/1/outputs/0 is 5, not a string; write it again with spmdx compile --dump"));
+  EXPECT_THAT(edited("plan.json", [](json& j) { j["inputs"]["tokens"] = json::array(); }), HasSubstr("plan.json: /inputs/tokens is [], not a string"));
+  EXPECT_THAT(edited("rank0.plan.json", [](json& j) { j["issues"] = "many"; }), HasSubstr("rank0.plan.json: /issues is \"many\", not an integer"));
+  EXPECT_THAT(edited("rank0.plan.json", [](json& j) { j["format"] = nullptr; }), HasSubstr("rank0.plan.json: not a runtime plan"));
+  EXPECT_THAT(edited("rank1.json", [](json& j) { j["nodes"][0]["outputs"][0]["meta"]["shape"] = "big"; }),
+              HasSubstr("rank1.json: /nodes/0/outputs/0/meta/shape is \"big\", not an array"));
+  EXPECT_THAT(edited("rank1.json", [](json& j) { j["inputs"][0]["meta"]["requires_grad"] = 1; }),
+              HasSubstr("rank1.json: /inputs/0/meta/requires_grad is 1, not a boolean"));
   test::write_file(dir / "bad.toml", "[training]\nstepz = 3\n");
   r = spmdx("diff '" + a.string() + "' '" + (dir / "bad.toml").string() + "'");
   EXPECT_EQ(r.exit_code, 2);

@@ -81,6 +81,61 @@ std::uint64_t hash_meta(const json& meta) {
   return h;
 }
 
+// The fields `spmdx diff` reads from a document, checked when it is parsed: one of the wrong
+// type is refused naming the file and the field as a JSON pointer ("plan.json: /nodes/3/outputs/0
+// is 5, not a string"), not met mid-comparison as the JSON library's error, which names neither.
+// Absent optional fields are read with their defaults.
+class Fields {
+ public:
+  explicit Fields(const std::string& what) : what_(what) {}
+
+  [[noreturn]] void wrong(const std::string& at, const json& v, const char* want) const {
+    std::string shown = v.dump();
+    if (shown.size() > 60) shown = shown.substr(0, 57) + "...";
+    throw DiffInputError(what_ + ": " + at + " is " + shown + ", not " + want + "; write it again with spmdx compile --dump");
+  }
+  const json& object(const json& v, const std::string& at) const {
+    if (!v.is_object()) wrong(at, v, "an object");
+    return v;
+  }
+  const json& array(const json& v, const std::string& at) const {
+    if (!v.is_array()) wrong(at, v, "an array");
+    return v;
+  }
+  enum class Kind { string, integer, number, boolean, object, array };
+  // x[key], when x has it, is of the kind.
+  void optional(const json& x, const std::string& at, const char* key, Kind kind) const {
+    if (!x.contains(key)) return;
+    const json& v = x[key];
+    switch (kind) {
+      case Kind::string: if (!v.is_string()) wrong(at + "/" + key, v, "a string"); break;
+      case Kind::integer: if (!v.is_number_integer()) wrong(at + "/" + key, v, "an integer"); break;
+      case Kind::number: if (!v.is_number()) wrong(at + "/" + key, v, "a number"); break;
+      case Kind::boolean: if (!v.is_boolean()) wrong(at + "/" + key, v, "a boolean"); break;
+      case Kind::object: if (!v.is_object()) wrong(at + "/" + key, v, "an object"); break;
+      case Kind::array: if (!v.is_array()) wrong(at + "/" + key, v, "an array"); break;
+    }
+  }
+  // A tensor meta (ir::to_json's): an object whose shape, and any other array, holds integers.
+  void meta(const json& m, const std::string& at) const {
+    object(m, at);
+    if (!m.contains("shape")) wrong(at, m, "a tensor meta with a shape");
+    optional(m, at, "dtype", Kind::string);
+    optional(m, at, "requires_grad", Kind::boolean);
+    for (const auto& [k, v] : m.items()) {
+      if (!v.is_array()) continue;
+      for (std::size_t i = 0; i < v.size(); ++i) {
+        if (!v[i].is_number_integer()) wrong(at + "/" + k + "/" + std::to_string(i), v[i], "an integer");
+      }
+    }
+    array(m["shape"], at + "/shape");
+  }
+
+ private:
+  const std::string& what_;
+};
+using Kind = Fields::Kind;
+
 // One parsed graph document (ir::to_json's "spmdx.graph"): values by id, nodes in order.
 struct Graph {
   struct Value {
@@ -123,8 +178,11 @@ Graph parse_graph(const std::string& text, const std::string& what) {
     }
     return v.get<int>();
   };
+  const Fields check(what);
   try {
-    for (const auto& in : j.at("inputs")) {
+    for (std::size_t i = 0; i < j.at("inputs").size(); ++i) {
+      const json& in = j["inputs"][i];
+      check.meta(in.at("meta"), "/inputs/" + std::to_string(i) + "/meta");
       Graph::Value v;
       v.name = in.at("name").get<std::string>();
       v.meta = in.at("meta");
@@ -134,7 +192,13 @@ Graph parse_graph(const std::string& text, const std::string& what) {
       g.input_order.push_back(v.name);
       g.values[id] = std::move(v);
     }
-    for (const auto& n : j.at("nodes")) {
+    for (std::size_t position = 0; position < j.at("nodes").size(); ++position) {
+      const json& n = j["nodes"][position];
+      const std::string at = "/nodes/" + std::to_string(position);
+      check.optional(n, at, "attrs", Kind::object);
+      if (n.contains("attrs")) check.optional(n["attrs"], at + "/attrs", "mesh_dim", Kind::object);
+      if (n.contains("attrs") && n["attrs"].contains("mesh_dim")) check.optional(n["attrs"]["mesh_dim"], at + "/attrs/mesh_dim", "i", Kind::integer);
+      for (std::size_t o = 0; o < n.at("outputs").size(); ++o) check.meta(n["outputs"][o].at("meta"), at + "/outputs/" + std::to_string(o) + "/meta");
       Graph::Node node;
       node.id = id_of(n.at("id"));
       node.op = n.at("op").get<std::string>();
@@ -388,14 +452,57 @@ json parse_plan(const std::string& text, const std::string& what) {
   const bool ok = p.is_object() && p.contains("mesh") && p["mesh"].is_array() && p.contains("inputs") && p["inputs"].is_object() &&
                   p.contains("nodes") && p["nodes"].is_array() && (!p.contains("redistributions") || p["redistributions"].is_array());
   if (!ok) throw DiffInputError(what + ": not a sharding plan (an object with mesh, inputs, nodes and redistributions, as spmdx compile --dump writes)");
+  const Fields check(what);
+  for (const char* mesh : {"mesh", "run_mesh"}) {
+    if (!p.contains(mesh)) continue;
+    const std::string at = std::string("/") + mesh;
+    for (std::size_t i = 0; i < check.array(p[mesh], at).size(); ++i) {
+      const json& d = check.object(p[mesh][i], at + "/" + std::to_string(i));
+      check.optional(d, at + "/" + std::to_string(i), "name", Kind::string);
+      check.optional(d, at + "/" + std::to_string(i), "size", Kind::integer);
+    }
+  }
+  for (const auto& [name, placement] : p["inputs"].items()) check.optional(p["inputs"], "/inputs", name.c_str(), Kind::string);
+  for (std::size_t i = 0; i < p["nodes"].size(); ++i) {
+    const std::string at = "/nodes/" + std::to_string(i);
+    const json& n = check.object(p["nodes"][i], at);
+    check.optional(n, at, "id", Kind::integer);
+    check.optional(n, at, "outputs", Kind::array);
+    for (std::size_t k = 0; n.contains("outputs") && k < n["outputs"].size(); ++k) {
+      if (!n["outputs"][k].is_string()) check.wrong(at + "/outputs/" + std::to_string(k), n["outputs"][k], "a string");
+    }
+  }
+  for (std::size_t i = 0; p.contains("redistributions") && i < p["redistributions"].size(); ++i) {
+    const std::string at = "/redistributions/" + std::to_string(i);
+    const json& r = check.object(p["redistributions"][i], at);
+    check.optional(r, at, "node", Kind::integer);
+    check.optional(r, at, "value", Kind::string);
+    if (!r.contains("steps")) check.wrong(at, r, "a redistribution with steps");
+    for (std::size_t k = 0; k < check.array(r["steps"], at + "/steps").size(); ++k) {
+      const std::string step = at + "/steps/" + std::to_string(k);
+      const json& x = check.object(r["steps"][k], step);
+      for (const char* key : {"from", "to", "op"}) check.optional(x, step, key, Kind::string);
+      check.optional(x, step, "mesh_dim", Kind::integer);
+      check.optional(x, step, "bytes", Kind::number);
+    }
+  }
   return p;
 }
 
 json parse_runtime_plan(const std::string& text, const std::string& what) {
   json p = parse_doc(text, what);
-  if (!p.is_object() || p.value("format", "") != "spmdx.runtime_plan" || !p.contains("buckets") || !p["buckets"].is_array()) {
+  if (!p.is_object() || !p.contains("format") || p["format"] != "spmdx.runtime_plan" || !p.contains("buckets") || !p["buckets"].is_array()) {
     throw DiffInputError(what + ": not a runtime plan (\"format\": \"spmdx.runtime_plan\", as spmdx compile --dump writes)");
   }
+  const Fields check(what);
+  for (std::size_t i = 0; i < p["buckets"].size(); ++i) {
+    const std::string at = "/buckets/" + std::to_string(i);
+    const json& b = check.object(p["buckets"][i], at);
+    for (const char* key : {"op", "reduce_op", "mesh_dim_name"}) check.optional(b, at, key, Kind::string);
+    check.optional(b, at, "bytes", Kind::number);
+    check.optional(b, at, "members", Kind::array);
+  }
+  for (const char* key : {"issues", "collectives"}) check.optional(p, "", key, Kind::integer);
   return p;
 }
 
