@@ -14,6 +14,7 @@
 #include "spmdx/exec/executor.h"
 #include "spmdx/exec/trainer.h"
 #include "spmdx/models/model.h"
+#include "spmdx/train/mixed_precision.h"
 #include "spmdx/train/pipeline.h"
 #include "spmdx/train/train_step.h"
 
@@ -150,6 +151,26 @@ TEST(Pipeline, StagesHoldTheirLayersAndExchangeWhatTheyRead) {
     for (const auto& [name, v] : p.graph.outputs()) next += name.rfind("next.", 0) == 0;
   }
   EXPECT_EQ(next, 3 * m.params.size());
+}
+
+// Under bf16 mixed precision the residual stream is bf16 and each layer's norm reads its float32
+// cast. The cast runs on the stage that reads it: only the bf16 residual crosses forward, not
+// the float32 copy beside it (it had: 3 bytes an element where 2 do, the same numbers either way).
+TEST(Pipeline, UnderBf16OnlyTheBf16ResidualCrossesStages) {
+  models::Model m = llama(4, 2);
+  m.graph = train::cast_for_mixed_precision(m.graph, ir::DType::bf16);
+  train::TrainStepConfig step;
+  step.microbatches = 2;
+  train::append_train_step(m.graph, m.params, step);
+  const PipelineSpec spec{2, "1F1B", 2, 1, {0, 2}};
+  const train::StageGraph first = train::stage_graph(m.graph, spec, m.params, 0, 1);
+  std::vector<std::string> forward;
+  for (const auto& n : first.graph.nodes()) {
+    if (n->op() == "send" && n->input(0)->meta().numel() > 1) forward.push_back(n->input(0)->meta().str());
+  }
+  EXPECT_THAT(forward, ::testing::ElementsAre("bf16[2, 8, 64]", "bf16[2, 8, 64]"));  // one a microbatch
+  EXPECT_EQ(first.bytes_sent, 2 * 2 * 8 * 64 * 2 + 4);  // and the partial sum of squares
+  EXPECT_NO_THROW(first.graph.verify());
 }
 
 TEST(Pipeline, MoreStagesThanParameterHoldersAreRefused) {

@@ -142,6 +142,16 @@ TEST(Run, PipelineStagesGiveTheLossesOfOneRank) {
       EXPECT_THAT(fr.output, HasSubstr("no mismatch"));
     }
   }
+  // bfloat16 against one rank in bfloat16: the stages exchange the bf16 residual alone, each
+  // layer's float32 cast of it made on the stage that reads it (rounding: sums in another order).
+  const std::string bf16 = " --training.mixed_precision_param bfloat16";
+  auto one_bf16 = spmdx_run(config + " --nproc 1" + bf16 + " --job.dump_folder '" + (dir / "one-bf16").string() + "'" + common);
+  ASSERT_EQ(one_bf16.exit_code, 0) << one_bf16.output;
+  auto pp_bf16 = spmdx_run(config + " --nproc 2" + pp + "2" + bf16 + " --job.dump_folder '" + (dir / "pp2-bf16").string() + "'" + common);
+  ASSERT_EQ(pp_bf16.exit_code, 0) << pp_bf16.output;
+  const auto want_bf16 = losses(dir / "one-bf16" / "metrics.jsonl"), got_bf16 = losses(dir / "pp2-bf16" / "metrics.jsonl");
+  ASSERT_EQ(got_bf16.size(), want_bf16.size());
+  for (std::size_t i = 0; i < want_bf16.size(); ++i) EXPECT_NEAR(got_bf16[i], want_bf16[i], 1e-3 * std::abs(want_bf16[i])) << "pp2 bf16 step " << i + 1;
 }
 
 // Context parallelism, each rank a process: the sequence split over cp (load-balanced or in

@@ -244,16 +244,24 @@ std::vector<int> node_stages(const ir::Graph& graph, const PipelineSpec& spec, c
   // Pass 2, in reverse: a gradient-only node with one input (a view, a scale) goes where its
   // readers are, the earliest of them: gradients flow back through the stages, and the one
   // value it reads has crossed there anyway. Others wait for pass 3, as do nodes whose readers
-  // are not placed yet.
+  // are not placed yet. A forward cast that widens (mixed precision's bf16 residual to float32
+  // for the next layer's norm) whose readers are all on later stages goes there too: its
+  // narrower input crosses instead of its output (the bf16 residual crossed anyway, so the
+  // float32 copy was a third of the bytes again for nothing).
   auto scalar = [](const Node* n) { return n->output()->meta().numel() <= 1; };
   auto one_input = [](const Node* n) {
     std::set<const Value*> distinct(n->inputs().begin(), n->inputs().end());
     return distinct.size() == 1;
   };
+  auto widening_cast = [&](const Node* n) {
+    return n->op() == "cast" && forward.count(n) > 0 && n->input(0)->producer() != nullptr &&
+           n->output()->meta().nbytes() >= n->input(0)->meta().nbytes();
+  };
   std::vector<int> readers_at(nodes.size(), std::numeric_limits<int>::max());
   for (std::size_t i = nodes.size(); i-- > 0;) {
     const Node* n = nodes[i];
     if (out[i] == kPending && one_input(n) && !scalar(n) && readers_at[i] != std::numeric_limits<int>::max()) out[i] = readers_at[i];
+    if (out[i] >= 0 && widening_cast(n) && readers_at[i] != std::numeric_limits<int>::max() && readers_at[i] > out[i]) out[i] = readers_at[i];
     if (out[i] < 0) continue;
     for (const Value* v : n->inputs()) {
       if (v->producer() != nullptr) readers_at[index.at(v->producer())] = std::min(readers_at[index.at(v->producer())], out[i]);
