@@ -166,6 +166,26 @@ TEST(Diff, DpAgainstFsdpDiffersInExactlyTheExpectedCollectives) {
   EXPECT_TRUE(collapsed) << "rank 1's differences are rank 0's, said in one line";
 }
 
+// The step's output placements and the gradients each bucket carries are compared too (a
+// changed one was reported as equivalent).
+TEST(Diff, OutputPlacementsAndBucketMembersAreCompared) {
+  test::TempDir dir;
+  const fs::path a = dump(dir, "a", kDp);
+  fs::copy(a, dir / "b", fs::copy_options::recursive);
+  json plan = read_json(a / "plan.json");
+  ASSERT_EQ(plan["outputs"]["loss"], "R");
+  plan["outputs"]["loss"] = "S(0)";
+  write_json(dir / "b" / "plan.json", plan);
+  json runtime = read_json(a / "rank0.plan.json");
+  ASSERT_GE(runtime["buckets"][0]["members"].size(), 2u);
+  std::swap(runtime["buckets"][0]["members"][0], runtime["buckets"][0]["members"][1]);
+  write_json(dir / "b" / "rank0.plan.json", runtime);
+  auto r = spmdx("diff '" + a.string() + "' '" + (dir / "b").string() + "'");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("[plan] output loss: placement R in A, S(0) in B"));
+  EXPECT_THAT(r.output, ::testing::ContainsRegex("\\[runtime plan 0\\] bucket 0: member 0 is [^ ]+ \\(gradient\\) in A, [^ ]+ \\(gradient\\) in B"));
+}
+
 TEST(Diff, BadInputExitsTwoNamingTheFile) {
   test::TempDir dir;
   const fs::path a = dump(dir, "a", kDp);
@@ -221,15 +241,36 @@ TEST(Diff, BadInputExitsTwoNamingTheFile) {
     fs::copy(a / file, dir / "broken" / file, fs::copy_options::overwrite_existing);
     return out.output;
   };
+  const std::string placements = "not placements (as \"S(0)R\" or \"P(sum)\"); write it again with spmdx compile --dump";
   EXPECT_THAT(edited("plan.json", [](json& j) { j["nodes"][1]["outputs"][0] = 5; }),
-              HasSubstr((dir / "broken" / "plan.json").string() + ": /nodes/1/outputs/0 is 5, not a string; write it again with spmdx compile --dump"));
-  EXPECT_THAT(edited("plan.json", [](json& j) { j["inputs"]["tokens"] = json::array(); }), HasSubstr("plan.json: /inputs/tokens is [], not a string"));
-  EXPECT_THAT(edited("rank0.plan.json", [](json& j) { j["issues"] = "many"; }), HasSubstr("rank0.plan.json: /issues is \"many\", not an integer"));
+              HasSubstr((dir / "broken" / "plan.json").string() + ": /nodes/1/outputs/0 is 5, " + placements));
+  EXPECT_THAT(edited("plan.json", [](json& j) { j["inputs"]["tokens"] = "Q(1)"; }), HasSubstr("plan.json: /inputs/tokens is \"Q(1)\", " + placements));
+  EXPECT_THAT(edited("plan.json", [](json& j) { j["outputs"]["loss"] = "S(99999999)"; }), HasSubstr("plan.json: /outputs/loss is \"S(99999999)\", not placements"));
+  EXPECT_THAT(edited("plan.json", [](json& j) { j["mesh"][0]["size"] = -1; }), HasSubstr("plan.json: /mesh/0/size is -1, not a whole number from 0 to 2^63 - 1"));
+  EXPECT_THAT(edited("plan.json", [](json& j) { j["mesh"][0]["size"] = 9223372036854775808ull; }),  // read as 0, once
+              HasSubstr("plan.json: /mesh/0/size is 9223372036854775808, not a whole number"));
+  EXPECT_THAT(edited("plan.json", [](json& j) { j["redistributions"][0]["steps"][0]["bytes"] = 1e30; }),
+              HasSubstr("plan.json: /redistributions/0/steps/0/bytes is 1e+30, not a byte count from 0 to 1e18"));
+  EXPECT_THAT(edited("rank0.plan.json", [](json& j) { j["issues"] = "many"; }), HasSubstr("rank0.plan.json: /issues is \"many\", not a whole number"));
   EXPECT_THAT(edited("rank0.plan.json", [](json& j) { j["format"] = nullptr; }), HasSubstr("rank0.plan.json: not a runtime plan"));
+  EXPECT_THAT(edited("rank0.plan.json", [](json& j) { j["buckets"][0]["members"][0] = 999999; }),
+              HasSubstr("rank0.plan.json: /buckets/0/members/0 is 999999, not a node of its rank graph"));
   EXPECT_THAT(edited("rank1.json", [](json& j) { j["nodes"][0]["outputs"][0]["meta"]["shape"] = "big"; }),
               HasSubstr("rank1.json: /nodes/0/outputs/0/meta/shape is \"big\", not an array"));
+  EXPECT_THAT(edited("rank1.json", [](json& j) { j["inputs"][0]["meta"]["shape"][0] = 9223372036854775808ull; }),  // wrapped to a negative size, once
+              HasSubstr("rank1.json: /inputs/0/meta/shape/0 is 9223372036854775808, not a whole number"));
+  EXPECT_THAT(edited("rank1.json", [](json& j) { j["inputs"][0]["meta"]["dtype"] = "a/b"; }), HasSubstr("rank1.json: /inputs/0/meta/dtype is \"a/b\", not a dtype"));
   EXPECT_THAT(edited("rank1.json", [](json& j) { j["inputs"][0]["meta"]["requires_grad"] = 1; }),
               HasSubstr("rank1.json: /inputs/0/meta/requires_grad is 1, not a boolean"));
+  // A structure the checks do not cover: the JSON library's error, with the value's place.
+  EXPECT_THAT(edited("logical.json", [](json& j) { j["inputs"][0]["name"] = 5; }),
+              HasSubstr("logical.json: malformed graph document ([json.exception.type_error.302] (/inputs/0/name) type must be string, but is number)"));
+  // A rank's runtime plan without its graph.
+  fs::remove(dir / "broken" / "rank1.json");
+  r = spmdx("diff '" + a.string() + "' '" + (dir / "broken").string() + "'");
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.output, HasSubstr((dir / "broken" / "rank1.json").string() + ": missing, but rank1.plan.json is there"));
+  fs::copy(a / "rank1.json", dir / "broken" / "rank1.json");
   test::write_file(dir / "bad.toml", "[training]\nstepz = 3\n");
   r = spmdx("diff '" + a.string() + "' '" + (dir / "bad.toml").string() + "'");
   EXPECT_EQ(r.exit_code, 2);

@@ -1,6 +1,7 @@
 #include <gtest/gtest.h>
 
 #include <spmdx/placement.h>
+#include <spmdx/sharding/spec.h>
 
 #include <unordered_set>
 
@@ -15,6 +16,15 @@ TEST(Placement, PrintsShortAndLongFormsAsDTensor) {
   EXPECT_EQ(Placement::partial().str(), "P(sum)");
   EXPECT_EQ(Placement::partial(ReduceOp::avg).repr(), "Partial(avg)");
   EXPECT_EQ(to_string({Placement::shard(0), Placement::replicate()}), "S(0)R");
+}
+
+// The printed form read back (checkpoint metadata, spmdx diff's dumps): to_string's inverse;
+// anything else is refused, a shard dim too large for an int included.
+TEST(Placement, ParsePlacementsReadsWhatToStringWrites) {
+  const std::vector<Placement> all{Placement::shard(0), Placement::replicate(), Placement::partial(ReduceOp::avg), Placement::shard(12)};
+  EXPECT_EQ(sharding::parse_placements(to_string(all)), all);
+  EXPECT_EQ(sharding::parse_placements(""), std::vector<Placement>{});
+  for (const char* bad : {"Q(1)", "S()", "S(-1)", "S(1", "S(9999999)", "P(mean)", "RR ", "a/b", "S(0)x"}) EXPECT_EQ(sharding::parse_placements(bad), std::nullopt) << bad;
 }
 
 TEST(Placement, EqualityAndHashFollowKindDimAndOp) {

@@ -176,31 +176,9 @@ std::string placements_text(const sharding::Placements& p) { return to_string(p)
 
 // "S(0)RP(sum)" -> {Shard(0), Replicate, Partial(sum)}.
 sharding::Placements parse_placements(const std::string& text, const fs::path& file) {
-  sharding::Placements out;
-  std::size_t i = 0;
-  auto bad = [&] { fail(file, "bad placements '" + text + "'"); };
-  while (i < text.size()) {
-    if (text[i] == 'R') {
-      out.push_back(Placement::replicate());
-      ++i;
-      continue;
-    }
-    const auto close = text.find(')', i);
-    if ((text[i] != 'S' && text[i] != 'P') || i + 1 >= text.size() || text[i + 1] != '(' || close == std::string::npos) bad();
-    const std::string arg = text.substr(i + 2, close - i - 2);
-    if (text[i] == 'S') {
-      if (arg.empty() || arg.size() > 6 || arg.find_first_not_of("0123456789") != std::string::npos) bad();  // std::stoi would throw "stoi"
-      out.push_back(Placement::shard(std::stoi(arg)));
-    } else {
-      bool found = false;
-      for (ReduceOp op : {ReduceOp::sum, ReduceOp::avg, ReduceOp::max, ReduceOp::min, ReduceOp::prod}) {
-        if (arg == to_string(op)) out.push_back(Placement::partial(op)), found = true;
-      }
-      if (!found) bad();
-    }
-    i = close + 1;
-  }
-  return out;
+  auto placements = sharding::parse_placements(text);
+  if (!placements) fail(file, "bad placements '" + text + "'");
+  return *placements;
 }
 
 constexpr int kMetadataVersion = 2;  // 2: metadata.json has its own crc32 and each shard file's size and header CRC

@@ -4,6 +4,33 @@
 
 namespace spmdx::sharding {
 
+std::optional<std::vector<Placement>> parse_placements(std::string_view text) {
+  std::vector<Placement> out;
+  std::size_t i = 0;
+  while (i < text.size()) {
+    if (text[i] == 'R') {
+      out.push_back(Placement::replicate());
+      ++i;
+      continue;
+    }
+    const auto close = text.find(')', i);
+    if ((text[i] != 'S' && text[i] != 'P') || i + 1 >= text.size() || text[i + 1] != '(' || close == std::string_view::npos) return std::nullopt;
+    const std::string_view arg = text.substr(i + 2, close - i - 2);
+    if (text[i] == 'S') {
+      if (arg.empty() || arg.size() > 6 || arg.find_first_not_of("0123456789") != std::string_view::npos) return std::nullopt;
+      out.push_back(Placement::shard(std::stoi(std::string(arg))));
+    } else {
+      bool found = false;
+      for (ReduceOp op : {ReduceOp::sum, ReduceOp::avg, ReduceOp::max, ReduceOp::min, ReduceOp::prod}) {
+        if (arg == to_string(op)) out.push_back(Placement::partial(op)), found = true;
+      }
+      if (!found) return std::nullopt;
+    }
+    i = close + 1;
+  }
+  return out;
+}
+
 std::vector<std::int64_t> chunk_sizes(std::int64_t n, std::int64_t k) {
   const std::int64_t c = (n + k - 1) / k;
   std::vector<std::int64_t> out;

@@ -5,7 +5,9 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "spmdx/ir/tensor_meta.h"
@@ -13,6 +15,10 @@
 #include "spmdx/sharding/mesh.h"
 
 namespace spmdx::sharding {
+
+/// The placements of their printed form ("S(0)R", "P(sum)", "" for none; to_string's inverse);
+/// nullopt when `text` is not one (a shard dim past 999999, an unknown reduction, stray text).
+std::optional<std::vector<Placement>> parse_placements(std::string_view text);
 
 /// Sizes of the k chunks of n elements (torch.chunk, padded with empty chunks to k).
 std::vector<std::int64_t> chunk_sizes(std::int64_t n, std::int64_t k);
