@@ -253,6 +253,34 @@ TEST(FrTrace, NamesTheRankThatIssuedADifferentCollectiveAndAStall) {
   EXPECT_EQ(a.findings[0].kind, hooks::FrFinding::Kind::different);
   EXPECT_THAT(a.text, HasSubstr("the ranks disagree on what it is: ranks 0, 2 issued all_reduce f32[16] (64.0 B) producing %10 in step 4; rank 1 issued"));
 
+  // One place in the plan, two ops: nobody skipped it, the ranks disagree on it (rank 1's op
+  // sorted first by name once made ranks 0 and 2 the ones said to skip it).
+  for (const std::string op : {"all_gather", "reduce_scatter"}) {
+    test::TempDir other;
+    for (int r = 0; r < 3; ++r) dump(other.path(), r, {{3, "%10", 64, "issued"}}, {7});
+    json one = json::parse(test::read_file(other.path() / "rank1.json"));
+    one["entries"][0]["op"] = op;
+    test::write_file(other.path() / "rank1.json", one.dump());
+    a = hooks::analyze_flight_recorder(other.path());
+    ASSERT_EQ(a.findings.size(), 1u) << a.text;
+    EXPECT_EQ(a.findings[0].kind, hooks::FrFinding::Kind::different) << op;
+    EXPECT_EQ(a.findings[0].ranks, std::vector<int>{1}) << op;
+    EXPECT_THAT(a.text, HasSubstr("the ranks disagree on what it is: ranks 0, 2 issued all_reduce f32[16] (64.0 B) producing %10 in step 4, plan index 7; rank 1 issued " + op));
+  }
+
+  // Each rank its own op: no majority, every rank is named.
+  test::TempDir three;
+  for (int r = 0; r < 3; ++r) dump(three.path(), r, {{3, "%10", 64, "issued"}}, {7});
+  for (const auto& [r, op] : std::map<int, std::string>{{1, "all_gather"}, {2, "reduce_scatter"}}) {
+    json d = json::parse(test::read_file(three.path() / ("rank" + std::to_string(r) + ".json")));
+    d["entries"][0]["op"] = op;
+    test::write_file(three.path() / ("rank" + std::to_string(r) + ".json"), d.dump());
+  }
+  a = hooks::analyze_flight_recorder(three.path());
+  ASSERT_EQ(a.findings.size(), 1u) << a.text;
+  EXPECT_EQ(a.findings[0].ranks, (std::vector<int>{0, 1, 2}));
+  EXPECT_THAT(a.text, HasSubstr("the ranks disagree on what it is (no majority tells which is wrong)"));
+
   test::TempDir stall;
   for (int r = 0; r < 3; ++r) dump(stall.path(), r, {{5, "%10", 64, r == 2 ? "issued" : "completed"}});
   a = hooks::analyze_flight_recorder(stall.path());

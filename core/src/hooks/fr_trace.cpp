@@ -314,15 +314,20 @@ class GroupMatch {
 
   // The ranks issued different collectives as #s. The one that comes first in the plan is
   // the one the others skipped: by plan index, or else the only one that no other rank
-  // issues later (the others' turn up later in its holders' timelines). "" when neither tells.
+  // issues later (the others' turn up later in its holders' timelines). "" when neither tells,
+  // as when two ops stand at one place in the plan: nobody skipped, the ranks disagree on it.
   std::string first_in_plan(std::uint64_t s, const Holders& holders) const {
     std::string first;
     if (by_index_) {
       std::tuple<std::int64_t, std::int64_t> best{INT64_MAX, INT64_MAX};
+      bool tied = false;
       for (const auto& [id, ranks] : holders) {
         const Entry& e = *entry(ranks.front(), s);
-        if (std::make_tuple(e.step, e.index) < best) best = {e.step, e.index}, first = id;
+        const auto place = std::make_tuple(e.step, e.index);
+        tied = place == best || (place > best && tied);
+        if (place < best) best = place, first = id, tied = false;
       }
+      if (tied) first.clear();
     } else {
       std::vector<std::string> earliest;
       for (const auto& [id, ranks] : holders) {
@@ -368,13 +373,16 @@ class GroupMatch {
     return finding(FrFinding::Kind::skipped, s, skipped, ref, m.str());
   }
 
-  // No order to go by: name the minority.
+  // No order to go by: name the minority; with no majority (two ranks, one each), every side.
   FrFinding different_finding(std::uint64_t s, const Holders& holders) const {
     auto majority = std::max_element(holders.begin(), holders.end(), [](const auto& a, const auto& b) { return a.second.size() < b.second.size(); });
+    const bool no_majority = std::count_if(holders.begin(), holders.end(), [&](const auto& h) { return h.second.size() == majority->second.size(); }) > 1;
     const Entry& ref = *entry(majority->second.front(), s);
     std::vector<int> odd;
+    if (no_majority) odd = majority->second;
     std::ostringstream m;
-    m << "group " << group_ << ", collective #" << s << ": the ranks disagree on what it is: " << rank_list(majority->second) << " issued " << ref.describe();
+    m << "group " << group_ << ", collective #" << s << ": the ranks disagree on what it is" << (no_majority ? " (no majority tells which is wrong)" : "") << ": "
+      << rank_list(majority->second) << " issued " << ref.describe();
     for (const auto& [id, ranks] : holders) {
       if (id == majority->first) continue;
       odd.insert(odd.end(), ranks.begin(), ranks.end());
@@ -439,7 +447,10 @@ FrAnalysis analyze_flight_recorder(const std::filesystem::path& given) {
   std::error_code ec;
   // The job's dump folder names the flight recorder's folder inside it.
   const fs::path folder = fs::is_directory(given / "hooks" / "flight_recorder", ec) ? given / "hooks" / "flight_recorder" : given;
-  if (!fs::is_directory(folder, ec)) throw std::runtime_error(folder.string() + ": no such folder (the flight_recorder hook writes <job.dump_folder>/hooks/flight_recorder)");
+  if (!fs::is_directory(folder, ec)) {
+    throw std::runtime_error(folder.string() + (fs::exists(folder, ec) ? ": not a folder" : ": no such folder") +
+                             " (the flight_recorder hook writes its dumps in <job.dump_folder>/hooks/flight_recorder)");
+  }
   const Dumps dumps = read_dumps(folder);
   FrAnalysis out;
   out.dumped = dumps.dumped;
