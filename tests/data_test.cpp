@@ -307,6 +307,27 @@ TEST(HuggingFaceTokenizer, AddedTokensGetTheIdsTokenizersGives) {
   }
 }
 
+// The file's ids of added tokens are not the ids they get (tokenizers numbers them after the
+// vocabulary): said once, as tokenizers warns, since a checkpoint trained with the file's ids
+// would read other embedding rows.
+TEST(HuggingFaceTokenizer, AddedTokensWhoseFileIdsDifferAreWarnedOf) {
+  test::TempDir dir;
+  json j = byte_level_bpe(false);
+  j["added_tokens"][0]["id"] = 5000;  // "<|eot|>"
+  for (std::size_t i = 1; i < j["added_tokens"].size(); ++i) j["added_tokens"][i]["id"] = std::vector<int>{277, 278, 279, 266}.at(i - 1);
+  test::write_file(dir / "tokenizer.json", j.dump());
+  testing::internal::CaptureStderr();
+  const HuggingFaceTokenizer tok((dir / "tokenizer.json").string());
+  const std::string warned = testing::internal::GetCapturedStderr();
+  EXPECT_EQ(tok.token_to_id("<|eot|>"), 276);
+  EXPECT_THAT(warned, HasSubstr("1 added token gets another id than the file's (\"<|eot|>\" gets 276, the file says 5000)"));
+  j["added_tokens"][0]["id"] = 276;  // the ids it gets: nothing to say
+  test::write_file(dir / "tokenizer.json", j.dump());
+  testing::internal::CaptureStderr();
+  const HuggingFaceTokenizer same((dir / "tokenizer.json").string());
+  EXPECT_EQ(testing::internal::GetCapturedStderr(), "");
+}
+
 TEST(HuggingFaceTokenizer, BadFilesNameTheFileAndTheReason) {
   test::TempDir dir;
   const std::string missing = (dir / "nope" / "tokenizer.json").string();
@@ -338,6 +359,11 @@ TEST(HuggingFaceTokenizer, BadFilesNameTheFileAndTheReason) {
   EXPECT_THAT(variant("neg.json", [](json& j) { j["model"]["vocab"]["a"] = -7; }), HasSubstr("maps \"a\" to -7"));
   // Two tokens with one id would train as one; an id missing from the vocab makes the next added
   // token ("<|eot|>", numbered from the vocab's 276 entries) take the id of a vocab token.
+  // An added token's id in the file must be an id (Hugging Face tokenizers refuses others too).
+  EXPECT_THAT(variant("minus.json", [](json& j) { j["added_tokens"][0]["id"] = -1; }),
+              HasSubstr("minus.json': added_tokens[0] has the id -1, not an id from 0 to 2^32 - 1"));
+  EXPECT_THAT(variant("text_id.json", [](json& j) { j["added_tokens"][1]["id"] = "7"; }), HasSubstr("added_tokens[1] has the id \"7\", not an id"));
+  EXPECT_THAT(variant("big_id.json", [](json& j) { j["added_tokens"][1]["id"] = 4294967296ll; }), HasSubstr("added_tokens[1] has the id 4294967296, not an id"));
   EXPECT_THAT(variant("twice.json", [](json& j) { j["model"]["vocab"]["zz"] = j["model"]["vocab"]["a"]; }),
               HasSubstr("twice.json': model.vocab maps both \"a\" and \"zz\" to 97: the two would train as one token"));
   EXPECT_THAT(variant("gap.json", [](json& j) { j["model"]["vocab"]["ab"] = 276; }),

@@ -15,6 +15,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "spmdx/core/log.h"
 #include "spmdx/files.h"
 #include "spmdx/text.h"
 
@@ -516,13 +517,17 @@ std::string read_file(const fs::path& path, const std::string& shown) {
   }
 }
 
-json parse_json(const std::string& text, const std::string& shown) {
+// `format`: "tokenizer.json" or "tokenizer_config.json", for the advice.
+json parse_json(const std::string& text, const std::string& shown, const std::string& format) {
   try {
     check_json_nesting(text);
+  } catch (const std::exception& e) {
+    fail(shown, e.what(), "It is not a Hugging Face " + format + ": pass the one the model came with.");
+  }
+  try {
     return json::parse(text);
   } catch (const std::exception& e) {
-    fail(shown, std::string("not valid JSON (") + e.what() + ")",
-         "The file may be truncated: download it again (Hugging Face tokenizer.json format).");
+    fail(shown, std::string("not valid JSON (") + e.what() + ")", "The file may be truncated: download it again (Hugging Face " + format + " format).");
   }
 }
 
@@ -657,10 +662,24 @@ void HuggingFaceTokenizer::Impl::load_model(const json& model) {
 
 // Ids as `tokenizers` gives them when it reads the file (it ignores the ids written there): a
 // token already known keeps its id, a new one gets the next id after the model's vocabulary.
+// The file's ids must be ids (tokenizers' loader refuses others: its ids are u32); one that
+// differs from the id given is warned of, as tokenizers does: a checkpoint trained with the
+// file's ids would read other rows of the embedding.
 void HuggingFaceTokenizer::Impl::load_added(const json& tokens) {
   std::vector<AddedToken> special_list, plain_list;
   const auto model_size = static_cast<std::int64_t>(bpe.vocab.size());
-  for (const json& t : tokens) {
+  std::int64_t moved = 0;
+  std::string first_moved;
+  for (std::size_t i = 0; i < tokens.size(); ++i) {
+    const json& t = tokens[i];
+    const json written = t.is_object() ? t.value("id", json()) : json();
+    if (t.is_object() && t.contains("id") &&
+        !(written.is_number_integer() && (written.is_number_unsigned() ? written.get<std::uint64_t>() <= 0xFFFFFFFFull : written.get<std::int64_t>() >= 0))) {
+      std::string shown = written.dump();
+      if (shown.size() > 40) shown = shown.substr(0, 37) + "...";
+      fail(path, "added_tokens[" + std::to_string(i) + "] has the id " + shown + ", not an id from 0 to 2^32 - 1",
+           "Fix the file's added_tokens (Hugging Face tokenizers refuses it too).");
+    }
     AddedToken token{t.at("content").get<std::string>(), t.value("single_word", false), t.value("lstrip", false),
                      t.value("rstrip", false), t.value("normalized", true), t.value("special", false)};
     if (token.special && !token.content.empty() && special.insert(token.content).second) special_list.push_back(token);
@@ -682,6 +701,9 @@ void HuggingFaceTokenizer::Impl::load_added(const json& tokens) {
                      taken->second + "\": the vocab's ids have gaps",
            "Number model.vocab's ids 0 .. N-1, or put the token in model.vocab with the id it should have.");
     }
+    if (written.is_number_integer() && written.get<std::int64_t>() != id && ++moved == 1) {
+      first_moved = "\"" + token.content + "\" gets " + std::to_string(id) + ", the file says " + written.dump();
+    }
     added_ids[token.content] = id;
     added_by_id[id] = token;
     if (!special.contains(token.content)) plain_list.push_back(token);
@@ -693,6 +715,11 @@ void HuggingFaceTokenizer::Impl::load_added(const json& tokens) {
   }
   raw_patterns.finish();
   normalized_patterns.finish();
+  if (moved > 0) {
+    SPMDX_WARN("tokenizer '" << path << "': " << moved << " added token" << (moved == 1 ? "" : "s") << " get" << (moved == 1 ? "s" : "")
+                             << " another id than the file's (" << first_moved << "), numbered as Hugging Face tokenizers numbers them; "
+                             << "a checkpoint trained with the file's ids reads other embedding rows for them");
+  }
 }
 
 void HuggingFaceTokenizer::Impl::load_pre_tokenizer(const json& pre) {
@@ -749,7 +776,7 @@ void HuggingFaceTokenizer::Impl::load_config(const fs::path& config) {
   std::error_code ec;
   if (!fs::exists(config, ec)) return;
   const std::string shown = config.string();
-  const json root = parse_json(read_file(config, shown), shown);
+  const json root = parse_json(read_file(config, shown), shown, "tokenizer_config.json");
   auto special_id = [&](const char* key) -> std::optional<std::int64_t> {
     if (!root.is_object()) return std::nullopt;
     json value = root.value(key, json());
@@ -842,7 +869,7 @@ HuggingFaceTokenizer::HuggingFaceTokenizer(const std::string& tokenizer_json) {
     fail(tokenizer_json, "the file does not exist",
          "Pass \"byte\", or the path of a Hugging Face tokenizer.json (or of a folder holding one).");
   }
-  const json root = parse_json(read_file(tokenizer_json, tokenizer_json), tokenizer_json);
+  const json root = parse_json(read_file(tokenizer_json, tokenizer_json), tokenizer_json, "tokenizer.json");
   try {
     impl->load(root);
   } catch (const json::exception& e) {
