@@ -166,6 +166,7 @@ TEST(BenchCompare, BadInputExitsTwoNamingTheFileAndLine) {
   for (const auto& [name, text, message] : std::vector<std::tuple<std::string, std::string, std::string>>{
            {"zero.jsonl", "{\"step\": 1, \"step_ms\": 0}\n", "zero.jsonl:1: step_ms must be a positive time, got 0"},
            {"negative.jsonl", "{\"step\": 1, \"step_ms\": 5, \"peak_mem_bytes\": -3}\n", "negative.jsonl:1: peak_mem_bytes must not be negative"},
+           {"text.jsonl", "{\"step\": 1, \"step_ms\": 5, \"comm_ms\": \"a/b\"}\n", "text.jsonl:1: comm_ms must be a number, got \"a/b\""},
            {"stepstr.jsonl", "{\"step\": \"three\", \"step_ms\": 5}\n", "stepstr.jsonl:1: a metrics row needs a whole-number \"step\""},
            {"stephalf.jsonl", "{\"step\": 4.5, \"step_ms\": 5}\n", "stephalf.jsonl:1: a metrics row needs a whole-number \"step\""},
            {"huge.jsonl", "{\"step\": 1, \"step_ms\": 1e300}\n", "huge.jsonl:1: step_ms is 1e+300: not a measurement (over 1e18)"},

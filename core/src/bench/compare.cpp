@@ -119,6 +119,18 @@ bool is_bench_comm(const std::vector<std::string>& lines) {
   return false;
 }
 
+// The metrics compared, step_ms the one judged.
+struct MetricKey {
+  const char* key;
+  const char* unit;
+  bool lower_is_better, judged;
+};
+constexpr MetricKey kMetricKeys[] = {{"step_ms", "ms", true, true},
+                                     {"tokens_per_s", "tokens/s", false, false},
+                                     {"exposed_comm_ms", "ms", true, false},
+                                     {"comm_ms", "ms", true, false},
+                                     {"peak_mem_bytes", "B", true, false}};
+
 // metrics.jsonl: per key, the values of the steps after warm-up, in step order.
 struct Metrics {
   std::map<std::string, std::vector<double>> values;
@@ -142,6 +154,9 @@ Metrics read_metrics(const fs::path& file, const std::vector<std::string>& lines
       throw CompareInputError(at + "a metrics row needs a whole-number \"step\" and a numeric \"step_ms\"");
     }
     if (!(row["step_ms"].get<double>() > 0)) throw CompareInputError(at + "step_ms must be a positive time, got " + row["step_ms"].dump());
+    for (const MetricKey& k : kMetricKeys) {  // a compared value that is not a number would drop the row out of its measure
+      if (row.contains(k.key) && !row[k.key].is_number()) throw CompareInputError(at + k.key + " must be a number, got " + row[k.key].dump().substr(0, 60));
+    }
     for (const auto& [key, v] : row.items()) {
       if (v.is_number() && v.get<double>() < 0 && key != "loss") throw CompareInputError(at + key + " must not be negative, got " + v.dump());
       // 1e300 ms made a ratio of 300 digits; no step, time, byte count or loss comes near 1e18.
@@ -227,18 +242,8 @@ Comparison compare_metrics(Comparison c, const fs::path& fa, const fs::path& fb,
                            const std::vector<std::string>& lb, const CompareOptions& o) {
   const Metrics a = read_metrics(fa, la, o.warmup), b = read_metrics(fb, lb, o.warmup);
   c.kind = "metrics";
-  struct Key {
-    const char* key;
-    const char* unit;
-    bool lower_is_better, judged;
-  };
-  const Key keys[] = {{"step_ms", "ms", true, true},
-                      {"tokens_per_s", "tokens/s", false, false},
-                      {"exposed_comm_ms", "ms", true, false},
-                      {"comm_ms", "ms", true, false},
-                      {"peak_mem_bytes", "B", true, false}};
   std::uint64_t stream = 0;
-  for (const Key& k : keys) {
+  for (const MetricKey& k : kMetricKeys) {
     auto get = [&](const Metrics& m) {
       auto it = m.values.find(k.key);
       return it == m.values.end() ? std::vector<double>{} : it->second;
