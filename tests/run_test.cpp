@@ -656,6 +656,21 @@ TEST(Launcher, ARankSigkilledByTheOutOfMemoryKillerIsSaidToBe) {
   EXPECT_EQ(launch::killed_by(SIGSEGV, three, four), "was killed by signal Segmentation fault");
 }
 
+// A failing rank is named, and the rest of the job said to be stopped only when there is one.
+TEST(Launcher, AFailingRankIsNamedAndTheOthersStoppedWhenThereAreOthers) {
+  for (const int nproc : {1, 2}) {
+    launch::LaunchOptions o;
+    o.nproc = nproc;
+    testing::internal::CaptureStderr();
+    testing::internal::CaptureStdout();
+    const int rc = launch::launch(o, {"/bin/sh", "-c", "[ \"$RANK\" = 0 ] && exit 3; exec sleep 30"});
+    const std::string err = testing::internal::GetCapturedStderr();
+    testing::internal::GetCapturedStdout();
+    EXPECT_EQ(rc, 1);
+    EXPECT_EQ(err, nproc == 1 ? "spmdx run: rank 0 exited with code 3\n" : "spmdx run: rank 0 exited with code 3; the other ranks were stopped\n");
+  }
+}
+
 // The count's files: cgroup v2's memory.events and /proc/vmstat, one "key value" a line.
 TEST(Launcher, TheOutOfMemoryKillCountIsReadFromMemoryEventsOrVmstat) {
   test::TempDir dir;

@@ -263,15 +263,17 @@ class Supervisor {
     if (blame_priority_ == 0 && !named_by_ranks_ && !mismatch_.empty()) {
       std::cerr << o_.command << ": the ranks called different collectives (" << mismatch_ << "); which rank skipped or added one cannot be told "
                 << "from the collective alone: run with --hooks.enable flight_recorder and the launcher names it (rank " << failed_rank_ << " "
-                << failure_ << " first); the other ranks were stopped\n";
+                << failure_ << " first)" << others_stopped() << "\n";
       return 1;
     }
-    std::cerr << o_.command << ": rank " << failed_rank_ << " " << failure_ << "; the other ranks were stopped\n";
+    std::cerr << o_.command << ": rank " << failed_rank_ << " " << failure_ << others_stopped() << "\n";
     return 1;
   }
 
  private:
   int rank_of(std::size_t r) const { return o_.node_rank * o_.nproc + static_cast<int>(r); }
+  // The end of a failure's line: what happened to the rest of the job (nothing, with one rank).
+  const char* others_stopped() const { return o_.nproc * o_.nnodes > 1 ? "; the other ranks were stopped" : ""; }
 
   void stop_all(int sig) {
     for (auto& c : children_) {
@@ -363,7 +365,7 @@ class Supervisor {
       if (strong && a.findings.front().kind != hooks::FrFinding::Kind::stalled && !a.findings.front().ranks.empty()) {
         const auto& f = a.findings.front();
         std::cerr << o_.command << ": " << rank_list(f.ranks) << " diverged, as the flight recorder's dumps show: " << f.message
-                  << " (spmdx fr-trace " << o_.flight_recorder_dir << " prints every finding); the other ranks were stopped\n";
+                  << " (spmdx fr-trace " << o_.flight_recorder_dir << " prints every finding)" << others_stopped() << "\n";
         return true;
       }
     } catch (const std::exception&) {
