@@ -92,7 +92,7 @@ TEST(Validation, BadSettingsAreRefusedBeforeAnyRankStarts) {
     return r.output;
   };
   EXPECT_THAT(refused(""), HasSubstr("validation.enable = true needs held-out text: set validation.paths"));
-  EXPECT_THAT(refused("--validation.paths '" + (dir / "missing.txt").string() + "'"), HasSubstr("validation.paths: '" + (dir / "missing.txt").string() + "' is not a readable file"));
+  EXPECT_THAT(refused("--validation.paths '" + (dir / "missing.txt").string() + "'"), HasSubstr("validation.paths: '" + (dir / "missing.txt").string() + "': no such file"));
   EXPECT_THAT(refused("--validation.paths '" + data + "' --validation.seq_len 64"), HasSubstr("validation.seq_len 64 differs from training.seq_len 32"));
   test::write_file(dir / "short.txt", "too short");
   EXPECT_THAT(refused("--validation.paths '" + (dir / "short.txt").string() + "'"), HasSubstr("validation.paths"));

@@ -13,6 +13,7 @@
 
 #include "spmdx/comm/select.h"
 #include "spmdx/core/log.h"
+#include "spmdx/files.h"
 #include "spmdx/text.h"
 #include "spmdx/data/text_dataset.h"
 #include "spmdx/sharding/spec.h"
@@ -593,9 +594,8 @@ void check_runnable(const config::Config& cfg) {
   if (cfg.get_list("data.paths").empty()) fail({"data.paths"}, "data.paths is empty: name text or JSON Lines files to train on");
   auto check_files = [&](const std::string& key) {
     for (const auto& p : cfg.get_list(key)) {
-      std::error_code ec;
-      if (!std::filesystem::is_regular_file(p, ec)) {
-        fail({key}, key + ": '" + p + "' is not a readable file" +
+      if (const std::string why = unreadable_file(p); !why.empty()) {
+        fail({key}, key + ": '" + p + "': " + why +
              (p.rfind("/usr/share/games/fortunes", 0) == 0 ? " (scripts/setup installs Debian's fortunes package)" : ""));
         break;  // one missing file says enough
       }
