@@ -159,6 +159,13 @@ TEST(Calibration, RoundTripsAndRefusesBadFilesNamingThem) {
   }
   std::ofstream(dir / "huge.json") << R"({"step": {"collective_seconds": 1e300}})";
   EXPECT_THROW(plan::load_calibration(dir / "huge.json"), std::invalid_argument);
+  std::ofstream(dir / "null_links.json") << R"({"links": {"intra_host": null}})";  // was read as "not measured"
+  try {
+    plan::load_calibration(dir / "null_links.json");
+    FAIL() << "no error";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("null_links.json: links.intra_host is null, not an object; delete the file"));
+  }
   std::ofstream(dir / "array.json") << "[1, 2]";
   EXPECT_THROW(plan::load_calibration(dir / "array.json"), std::invalid_argument);
   std::filesystem::create_directory(dir / "folder.json");

@@ -57,19 +57,24 @@ Calibration Calibration::from_json(const std::string& text, const std::string& w
   if (j.contains("format") && j["format"] != "spmdx.calibration/1") {
     throw std::invalid_argument(where + ": format " + j["format"].dump() + " is not spmdx.calibration/1 (another spmdx's?)" + again);
   }
-  if (j.contains("compute")) {
+  // A section present must be an object (a null or a list was read as "no measurements").
+  auto section = [&](const nlohmann::json& obj, const char* key, const std::string& path) {
+    if (obj.contains(key) && !obj[key].is_object()) throw std::invalid_argument(where + ": " + path + " is " + obj[key].dump().substr(0, 40) + ", not an object" + again);
+    return obj.contains(key);
+  };
+  if (section(j, "compute", "compute")) {
     rate(j["compute"], "matmul_flops_per_second", c.matmul_flops_per_second, "compute");
     rate(j["compute"], "memory_bytes_per_second", c.memory_bytes_per_second, "compute");
     number(j["compute"], "node_seconds", c.node_seconds, "compute", 0, 1);
     text_of(j["compute"], c.compute_source);
   }
-  if (j.contains("step") && j["step"].is_object() && j["step"].contains("collective_seconds")) {
+  if (section(j, "step", "step") && j["step"].contains("collective_seconds")) {
     number(j["step"], "collective_seconds", c.collective_seconds, "step", 0, 10);
     text_of(j["step"], c.collective_source);
   }
-  if (j.contains("links")) {
+  if (section(j, "links", "links")) {
     for (auto [key, model, source] : {std::tuple{"intra_host", &c.intra_host, &c.intra_source}, std::tuple{"inter_host", &c.inter_host, &c.inter_source}}) {
-      if (!j["links"].contains(key)) continue;
+      if (!section(j["links"], key, std::string("links.") + key)) continue;
       const auto& l = j["links"][key];
       double beta = model->beta;
       rate(l, "beta_bytes_per_s", beta, std::string("links.") + key);
