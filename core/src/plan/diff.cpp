@@ -103,11 +103,11 @@ class Fields {
     throw DiffInputError(what_ + ": " + at + " is " + shown + ", not " + want + "; write it again with spmdx compile --dump");
   }
   const json& object(const json& v, const std::string& at) const {
-    if (!v.is_object()) wrong(at, v, "an object");
+    is(v, at, Kind::object);
     return v;
   }
   const json& array(const json& v, const std::string& at) const {
-    if (!v.is_array()) wrong(at, v, "an array");
+    is(v, at, Kind::array);
     return v;
   }
   // count: a whole number in [0, 2^63); bytes: a number in [0, 1e18]; placements: their
@@ -221,9 +221,10 @@ Graph parse_graph(const std::string& text, const std::string& what) {
       const json& n = j["nodes"][position];
       const std::string at = "/nodes/" + std::to_string(position);
       check.optional(n, at, "attrs", Kind::object);
-      if (n.contains("attrs")) check.optional(n["attrs"], at + "/attrs", "mesh_dim", Kind::object);
-      if (n.contains("attrs") && n["attrs"].contains("mesh_dim")) check.optional(n["attrs"]["mesh_dim"], at + "/attrs/mesh_dim", "i", Kind::count);
-      for (std::size_t o = 0; o < n.at("outputs").size(); ++o) check.meta(n["outputs"][o].at("meta"), at + "/outputs/" + std::to_string(o) + "/meta");
+      if (n.contains("attrs")) {
+        check.optional(n["attrs"], at + "/attrs", "mesh_dim", Kind::object);
+        if (n["attrs"].contains("mesh_dim")) check.optional(n["attrs"]["mesh_dim"], at + "/attrs/mesh_dim", "i", Kind::count);
+      }
       Graph::Node node;
       node.id = id_of(n.at("id"));
       node.op = n.at("op").get<std::string>();
@@ -238,7 +239,11 @@ Graph parse_graph(const std::string& text, const std::string& what) {
         it->second.users.emplace_back(index, static_cast<int>(node.in.size()));
         node.in.push_back(id);
       }
-      for (const auto& o : n.at("outputs")) h = mix(h, hash_meta(o.at("meta")));
+      for (std::size_t o = 0; o < n.at("outputs").size(); ++o) {
+        const json& meta = n["outputs"][o].at("meta");
+        check.meta(meta, at + "/outputs/" + std::to_string(o) + "/meta");
+        h = mix(h, hash_meta(meta));
+      }
       node.sig = h;
       int k = 0;
       for (const auto& o : n.at("outputs")) {
