@@ -7,10 +7,11 @@ NPROC processes each training its own copy with no collective but a barrier befo
 global batch, AdamW (betas 0.9/0.95, weight decay 0.1), gradient clipping at 1.0 and the same
 intra-op threads per rank as spmdx (cores / ranks); or, mode cuda, in one process on cuda:0
 (float32 with TF32 off, as spmdx's training.allow_tf32 = false; NPROC must be 1), each step's
-time taken after torch.cuda.synchronize(). Tokens are random: only time is compared.
+time taken after torch.cuda.synchronize(); mode cuda_bf16 is the same under torch.autocast to
+bfloat16 (float32 parameters and AdamW), as torchtitan's mixed precision on one device. Tokens are random: only time is compared.
 
 Prints one line on rank 0: "MODE median_step_ms tokens_per_s".
-Usage: python torch_llama.py ddp|fsdp|local|cuda NPROC STEPS [FLAVOR] [LOCAL_BATCH] [SEQ_LEN]
+Usage: python torch_llama.py ddp|fsdp|local|cuda|cuda_bf16 NPROC STEPS [FLAVOR] [LOCAL_BATCH] [SEQ_LEN]
        (defaults: debugmodel, 4, 128; steps 1-2 are warm-up and not counted, so STEPS >= 3)"""
 import os
 import socket
@@ -135,7 +136,7 @@ def worker(rank, mode, n, steps, flavor, local_batch, seq_len, port, queue):
     dist.destroy_process_group()
 
 
-def run_cuda(steps, flavor, local_batch, seq_len):
+def run_cuda(mode, steps, flavor, local_batch, seq_len):
     if not torch.cuda.is_available():
         sys.exit("cuda: torch sees no CUDA device (torch " + torch.__version__ + ")")
     torch.backends.cuda.matmul.allow_tf32 = False  # float32 as spmdx computes it (allow_tf32 = false)
@@ -143,7 +144,10 @@ def run_cuda(steps, flavor, local_batch, seq_len):
     torch.manual_seed(42)
     with torch.device("cuda:0"):
         model = Llama(seq_len=seq_len, **FLAVORS[flavor])
-    print(result("cuda", train(model, steps, local_batch, seq_len, 0, torch.cuda.synchronize, "cuda:0"), local_batch * seq_len))
+    autocast = mode == "cuda_bf16"  # torchtitan's single-device mixed precision: torch.autocast, float32 parameters and AdamW
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        times = train(model, steps, local_batch, seq_len, 0, torch.cuda.synchronize, "cuda:0")
+    print(result(mode, times, local_batch * seq_len))
 
 
 def main():
@@ -151,10 +155,10 @@ def main():
     flavor = sys.argv[4] if len(sys.argv) > 4 else "debugmodel"
     local_batch = int(sys.argv[5]) if len(sys.argv) > 5 else 4
     seq_len = int(sys.argv[6]) if len(sys.argv) > 6 else 128
-    if mode not in ("ddp", "fsdp", "local", "cuda") or flavor not in FLAVORS or steps < 3 or (mode == "cuda" and n != 1):
+    if mode not in ("ddp", "fsdp", "local", "cuda", "cuda_bf16") or flavor not in FLAVORS or steps < 3 or (mode.startswith("cuda") and n != 1):
         sys.exit(__doc__)
-    if mode == "cuda":
-        return run_cuda(steps, flavor, local_batch, seq_len)
+    if mode.startswith("cuda"):
+        return run_cuda(mode, steps, flavor, local_batch, seq_len)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
