@@ -1,5 +1,6 @@
 #include "spmdx/exec/kernels.h"
 #include "spmdx/ir/ops.h"
+#include "spmdx/core/log.h"
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -8,7 +9,10 @@
 #include <cmath>
 #include <limits>
 #include <map>
+#include <mutex>
 #include <optional>
+#include <set>
+#include <tuple>
 #include <stdexcept>
 
 namespace spmdx::exec {
@@ -45,18 +49,41 @@ at::Tensor scores(const at::Tensor& q, const at::Tensor& k, bool causal) {
 }
 
 
-// One attention call: ATen's fused CPU kernel, or plain ATen ops elsewhere.
-Tensors attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal) {
-  if (!q.is_cpu()) return attention(q, k, v, causal);
-  auto [out, lse] = at::_scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal);
-  return Tensors{out, lse};
-}
+// One attention call: ATen's fused kernel of the device (sdpa(), kernels.h).
+Tensors attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal) { return sdpa(q, k, v, causal); }
 Tensors attend_backward(const at::Tensor& g, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
                         const at::Tensor& lse, bool causal) {
-  if (!q.is_cpu()) return attention_backward(g, q, k, v, out, lse, causal);
-  auto [gq, gk, gv] = at::_scaled_dot_product_flash_attention_for_cpu_backward(g, q, k, v, out, lse, 0.0, causal);
-  return Tensors{gq, gk, gv};
+  return sdpa_backward(g, q, k, v, out, lse, causal);
 }
+
+bool half(const at::Tensor& x) { return x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf; }
+
+// A fused CUDA kernel that refused its inputs (for attention: head_dim, alignment, an older
+// GPU): said once per kernel, and the plain ATen ops run instead.
+void fused_refused(const char* kernel, const c10::Error& e) {
+  static std::mutex m;
+  static std::set<std::string> said;
+  const std::lock_guard<std::mutex> lock(m);
+  if (!said.insert(kernel).second) return;
+  SPMDX_WARN("ATen's " << kernel << " refused its inputs (" << e.what_without_backtrace() << "); plain ATen ops run instead");
+}
+
+// rms_norm with ATen's fused CUDA kernel (at::_fused_rms_norm, torch.nn.functional.rms_norm's
+// on CUDA since PyTorch 2.8): {y, rstd [..., 1]}; nullopt where it refuses the inputs.
+std::optional<std::tuple<at::Tensor, at::Tensor>> fused_rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  try {
+    return at::_fused_rms_norm(x, {x.size(-1)}, w, eps);
+  } catch (const c10::Error& e) {
+    fused_refused("fused RMSNorm", e);
+    return std::nullopt;
+  }
+}
+
+// The memory-efficient kernel pads its log-sum-exp's rows to a multiple of 32 (kAlignLSE, the
+// backward's block of queries; PyTorch's mem_eff_attention kernel_forward.h); the sdpa op's
+// is [b, h, s]. The backward reads rows < s only, at the strides it is given.
+constexpr std::int64_t kEfficientLseAlign = 32;
+
 
 // Causal attention of a block of query rows at known positions (context parallelism, the sdpa
 // op's chunks and q_offset): the keys before the block's first position are all seen, the
@@ -150,6 +177,53 @@ Tensors blocked_attention_backward(const Node& n, const at::Tensor& g, const at:
 
 }  // namespace
 
+std::vector<at::Tensor> sdpa(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal) {
+  if (q.is_cpu()) {
+    auto [out, lse] = at::_scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal);
+    return {out, lse};
+  }
+  if (q.is_cuda()) {
+    try {
+      if (half(q)) {
+        auto r = at::_scaled_dot_product_flash_attention(q, k, v, 0.0, causal, /*return_debug_mask=*/false);
+        return {std::get<0>(r), std::get<1>(r)};
+      }
+      auto [out, lse, seed, offset] = at::_scaled_dot_product_efficient_attention(q, k, v, std::nullopt, /*compute_log_sumexp=*/true, 0.0, causal);
+      return {out, lse.narrow(2, 0, q.size(2))};
+    } catch (const c10::Error& e) {
+      fused_refused(half(q) ? "FlashAttention-2 kernel" : "memory-efficient attention kernel", e);
+    }
+  }
+  return attention(q, k, v, causal);
+}
+
+std::vector<at::Tensor> sdpa_backward(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+                                      const at::Tensor& lse, bool causal) {
+  if (q.is_cpu()) {
+    auto [gq, gk, gv] = at::_scaled_dot_product_flash_attention_for_cpu_backward(grad_out, q, k, v, out, lse, 0.0, causal);
+    return {gq, gk, gv};
+  }
+  if (q.is_cuda()) {
+    // Dropout 0: the kernels read no philox seed or offset (undefined tensors here).
+    try {
+      if (half(q)) {
+        auto [gq, gk, gv] = at::_scaled_dot_product_flash_attention_backward(grad_out, q, k, v, out, lse.contiguous(), at::Tensor(), at::Tensor(), q.size(2),
+                                                                             k.size(2), 0.0, causal, at::Tensor(), at::Tensor());
+        return {gq, gk, gv};
+      }
+      const std::int64_t rows = (q.size(2) + kEfficientLseAlign - 1) / kEfficientLseAlign * kEfficientLseAlign;
+      at::Tensor padded = at::empty({lse.size(0), lse.size(1), rows}, lse.options().dtype(at::kFloat));
+      padded.narrow(2, 0, q.size(2)).copy_(lse);
+      auto [gq, gk, gv, gb] = at::_scaled_dot_product_efficient_attention_backward(grad_out, q, k, v, at::Tensor(), out, padded, at::Tensor(), at::Tensor(), 0.0,
+                                                                                  {true, true, true, false}, causal);
+      return {gq, gk, gv};
+    } catch (const c10::Error& e) {
+      fused_refused(half(q) ? "FlashAttention-2 backward" : "memory-efficient attention backward", e);
+    }
+  }
+  return attention_backward(grad_out, q, k, v, out, lse, causal);
+}
+
 std::vector<at::Tensor> attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal) {
   const at::Tensor s = scores(q, k, causal);
   at::Tensor lse = at::logsumexp(s, -1);
@@ -189,9 +263,12 @@ std::vector<at::Tensor> adamw_on_device(const at::Tensor& param, const at::Tenso
 
 namespace {
 
-// ATen's fused CPU AdamW (aten/src/ATen/native/cpu/FusedAdamKernel.cpp, torch.optim.AdamW's
-// fused=True) on one parameter, in place; step is the 1-based step as a float tensor, as
-// torch.optim keeps state["step"].
+// ATen's fused AdamW (torch.optim.AdamW's fused=True: aten/src/ATen/native/cpu/FusedAdamKernel.cpp
+// on the CPU, native/cuda/FusedAdamWKernel.cu on CUDA) on one parameter, in place; step is the
+// 1-based step as a float tensor, as torch.optim keeps state["step"]. On CUDA the tensor-lr form
+// (torch.optim.AdamW(fused=True, capturable=True) with a tensor lr): lr and step are read on the
+// device, so the host never waits and a CUDA graph replays each step's values; one kernel in
+// place of adamw_on_device()'s twenty.
 // found_inf (defined for float16 loss scaling): the kernel leaves everything as it is when it
 // is nonzero.
 void fused_adamw(at::Tensor& param, const at::Tensor& grad, at::Tensor& exp_avg, at::Tensor& exp_avg_sq, const at::Tensor& lr,
@@ -203,8 +280,13 @@ void fused_adamw(at::Tensor& param, const at::Tensor& grad, at::Tensor& exp_avg,
   for (std::size_t i : {0, 2, 3}) {
     if (!t[i].is_contiguous()) t[i] = t[i].contiguous();
   }
-  at::_fused_adamw_({t[0]}, {t[1]}, {t[2]}, {t[3]}, {}, {step}, lr.item<double>(), h.beta1, h.beta2, h.weight_decay, h.eps,
-                    /*amsgrad=*/false, /*maximize=*/false, /*grad_scale=*/std::nullopt, inf);
+  if (t[0].is_cuda()) {
+    at::_fused_adamw_({t[0]}, {t[1]}, {t[2]}, {t[3]}, {}, {step}, lr, h.beta1, h.beta2, h.weight_decay, h.eps,
+                      /*amsgrad=*/false, /*maximize=*/false, /*grad_scale=*/std::nullopt, inf);
+  } else {
+    at::_fused_adamw_({t[0]}, {t[1]}, {t[2]}, {t[3]}, {}, {step}, lr.item<double>(), h.beta1, h.beta2, h.weight_decay, h.eps,
+                      /*amsgrad=*/false, /*maximize=*/false, /*grad_scale=*/std::nullopt, inf);
+  }
   for (auto [i, dst] : {std::pair<std::size_t, at::Tensor*>{0, &param}, {2, &exp_avg}, {3, &exp_avg_sq}}) {
     if (!t[i].is_same(*dst)) dst->copy_(t[i]);
   }
@@ -295,7 +377,12 @@ const std::map<std::string, Kernel>& kernels() {
     k["expand"] = [](const Node& n, const Tensors& x) { return one(x[0].expand(n.attr_ints("shape"))); };
     k["sum_to"] = [](const Node& n, const Tensors& x) { return one(at::sum_to(x[0], n.attr_ints("shape"))); };
     // (x * rsqrt(mean(x^2) + eps)) * w, the product by w in place: no temporary beside the output.
-    k["rms_norm"] = [](const Node& n, const Tensors& x) { return one((x[0] * rms_inv(x[0], n.attr_float("eps"))).mul_(x[1])); };
+    k["rms_norm"] = [](const Node& n, const Tensors& x) {
+      if (x[0].is_cuda()) {
+        if (auto r = fused_rms_norm(x[0], x[1], n.attr_float("eps"))) return one(std::get<0>(*r));
+      }
+      return one((x[0] * rms_inv(x[0], n.attr_float("eps"))).mul_(x[1]));
+    };
     k["layer_norm"] = [](const Node& n, const Tensors& x) {
       return one(at::layer_norm(x[0], {x[0].size(-1)}, x[1], x[2], n.attr_float("eps")));
     };
@@ -310,8 +397,7 @@ const std::map<std::string, Kernel>& kernels() {
       at::Tensor freqs = at::complex(x[1].contiguous(), x[2].contiguous()).view({1, s, 1, d / 2});
       return one(at::view_as_real(pairs * freqs).view({b, s, h, d}));
     };
-    // ATen's fused CPU attention (FlashAttention's tiling, Dao et al. 2022): no [s, t] matrix
-    // kept. Elsewhere (CUDA) the same outputs from plain ATen ops: attention() below.
+    // ATen's fused attention of the device (sdpa(), kernels.h): no [s, t] matrix kept.
     k["sdpa"] = [](const Node& n, const Tensors& x) {
       if (x[0].numel() == 0 || x[1].numel() == 0) {  // an empty shard: ATen's kernel divides by zero
         return Tensors{at::zeros_like(x[0]), at::zeros(n.output(1)->meta().shape, x[0].options().dtype(to_aten(n.output(1)->meta().dtype)))};
@@ -406,6 +492,17 @@ const std::map<std::string, Kernel>& kernels() {
     // of x's size beside the outputs, not five.
     k["rms_norm_backward"] = [](const Node& n, const Tensors& x) {
       const at::Tensor &g = x[0], &in = x[1], &w = x[2];
+      if (in.is_cuda()) {
+        // The forward's rstd again (one fused pass), then ATen's fused backward.
+        if (auto r = fused_rms_norm(in, w, n.attr_float("eps"))) {
+          try {
+            auto [gx, gw] = at::_fused_rms_norm_backward(g, in, {in.size(-1)}, std::get<1>(*r), w, {true, true});
+            return Tensors{gx, gw};
+          } catch (const c10::Error& e) {
+            fused_refused("fused RMSNorm backward", e);
+          }
+        }
+      }
       const at::Tensor r = rms_inv(in, n.attr_float("eps"));
       const at::Tensor xhat = in * r;
       at::Tensor gx = g * w;
@@ -430,7 +527,7 @@ const std::map<std::string, Kernel>& kernels() {
     // element (decoupled decay, bias corrections in double), on copies of the state.
     k["adamw"] = [](const Node& n, const Tensors& x) {
       const AdamW h = hyper(n);
-      if (!x[4].is_cpu()) return adamw_on_device(x[0], x[1], x[2], x[3], x[4], x[5], h, found_inf_of(x));
+      if (!x[4].is_cpu() && !x[4].is_cuda()) return adamw_on_device(x[0], x[1], x[2], x[3], x[4], x[5], h, found_inf_of(x));
       Tensors state{x[0].clone(at::MemoryFormat::Contiguous), x[2].clone(at::MemoryFormat::Contiguous), x[3].clone(at::MemoryFormat::Contiguous)};
       fused_adamw(state[0], x[1], state[1], state[2], x[4], x[5], h, found_inf_of(x));
       return state;
@@ -535,7 +632,7 @@ const std::map<std::string, InPlaceKernel>& in_place_kernels() {
     // The parameter and its AdamW state updated where they are (donated by the caller).
     k["adamw"] = [](const Node& n, const Tensors& x, const std::vector<int>&) {
       Tensors state{x[0], x[2], x[3]};
-      if (!x[4].is_cpu()) {  // off the CPU: the tensor-hyperparameter form, copied back
+      if (!x[4].is_cpu() && !x[4].is_cuda()) {  // neither fused kernel: the tensor-hyperparameter form, copied back
         const Tensors next = adamw_on_device(x[0], x[1], x[2], x[3], x[4], x[5], hyper(n), found_inf_of(x));
         for (std::size_t i = 0; i < 3; ++i) state[i].copy_(next[i]);
         return state;

@@ -15,14 +15,29 @@ namespace spmdx::exec {
 /// Computes a node's outputs from its input tensors (in the node's input order).
 using Kernel = std::function<std::vector<at::Tensor>(const ir::Node& node, const std::vector<at::Tensor>& inputs)>;
 
-/// Scaled dot-product attention with plain ATen ops, for devices without ATen's fused CPU
-/// kernel (FlashAttention's outputs, Dao et al. 2022, with the [b, h, s, t] scores
-/// materialised): q [b, h, s, d], k and v [b, h, t, d] -> {out [b, h, s, d], the log-sum-exp
-/// of each row of scaled scores [b, h, s]}, in q's dtype. causal: key j masked for query i < j
-/// (PyTorch's is_causal). The sdpa kernel uses it on CUDA.
+/// Scaled dot-product attention, scale 1/sqrt(d), no dropout, with ATen's fused kernel for the
+/// tensors' device, as torch.nn.functional.scaled_dot_product_attention picks (PyTorch 2.11's
+/// sdp_utils): on the CPU _scaled_dot_product_flash_attention_for_cpu; on CUDA FlashAttention-2
+/// (Dao 2023; _scaled_dot_product_flash_attention) for bfloat16 and float16, the memory-efficient
+/// kernel (xFormers', Rabe & Staats 2021; _scaled_dot_product_efficient_attention) for float32;
+/// where a CUDA kernel refuses the inputs (head_dim, alignment, GPU generation), attention()
+/// below, said once on stderr. q [b, h, s, d], k and v [b, h, t, d] -> {out [b, h, s, d] in q's
+/// dtype, the log-sum-exp of each row of scaled scores [b, h, s] (natural log; float32 for
+/// half inputs on CUDA)}; every kernel's lse means the same, so a backward may use another.
+/// causal (s == t): key j masked for query i < j (PyTorch's is_causal). The sdpa kernel.
+std::vector<at::Tensor> sdpa(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal);
+/// Its gradients {dq, dk, dv} from the forward's out and lse, by the same choice of kernel
+/// (their backward; FlashAttention-2's and the memory-efficient one accumulate dq with atomics,
+/// so two runs may differ in the last bits, as PyTorch's without torch.use_deterministic_algorithms).
+std::vector<at::Tensor> sdpa_backward(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+                                      const at::Tensor& lse, bool causal);
+
+/// Scaled dot-product attention with plain ATen ops, for devices without a fused kernel
+/// (FlashAttention's outputs, Dao et al. 2022, with the [b, h, s, t] scores materialised): the
+/// shapes and outputs of sdpa(), in q's dtype.
 std::vector<at::Tensor> attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal);
 /// Its gradients {dq, dk, dv} from the forward's out and lse (FlashAttention's backward:
-/// probabilities recomputed from lse). The sdpa_backward kernel uses it on CUDA.
+/// probabilities recomputed from lse).
 std::vector<at::Tensor> attention_backward(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                            const at::Tensor& out, const at::Tensor& lse, bool causal);
 

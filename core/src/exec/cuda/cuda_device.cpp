@@ -52,6 +52,10 @@ class CudaDevice final : public Device {
       throw std::runtime_error("LOCAL_RANK " + std::to_string(options.local_rank) + " has no GPU: this machine has " + std::to_string(count) +
                                " (one rank per GPU: start at most " + std::to_string(count) + " ranks per host)");
     }
+    // As PyTorch's first CUDA call: the CUDA hooks' init (the caching allocator for every GPU),
+    // without which the allocator's statistics throw "Invalid device argument" until something
+    // is allocated.
+    at::globalContext().lazyInitDevice(c10::DeviceType::CUDA);
     c10::cuda::set_device(index_);
     // The kernels run on a stream of their own (not the legacy default stream, which would
     // serialise with every other stream, and which CUDA graphs cannot capture).
