@@ -7,6 +7,10 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <nlohmann/json.hpp>
+
+#include <filesystem>
+
 #include "eager_trainer.h"
 #include "spmdx/data/text_dataset.h"
 #include "spmdx/exec/trainer.h"
@@ -71,26 +75,50 @@ void expect_same_losses(const std::string& name, const std::string& flavor) {
 TEST(TrainStep, MlpTinyMatchesEagerLibTorchFor20Steps) { expect_same_losses("mlp", "tiny"); }
 TEST(TrainStep, LlamaTinyMatchesEagerLibTorchFor20Steps) { expect_same_losses("llama", "tiny"); }
 
-// torchtitan's linear_warmup_stable_decay (torchtitan/components/lr_scheduler.py since mid-2025):
-// warm-up (c+1)/warmup, then stable, then decay over round(steps x decay_ratio) steps.
-TEST(TrainStep, LrScheduleIsTorchtitansWarmupStableDecay) {
-  using train::lr_factor;
-  const train::LrSchedule plain{2, 10};  // decay_ratio unset: every step after warm-up decays
-  EXPECT_DOUBLE_EQ(lr_factor(1, plain), 0.5);
-  EXPECT_DOUBLE_EQ(lr_factor(2, plain), 1.0);
-  EXPECT_DOUBLE_EQ(lr_factor(3, plain), 1.0 - 1.0 / 8.0);
-  EXPECT_DOUBLE_EQ(lr_factor(10, plain), 0.0);
-  const train::LrSchedule wsd{2, 10, 0.5};  // 2 warm-up, 3 stable, 5 decay
-  for (int step : {3, 4, 5}) EXPECT_DOUBLE_EQ(lr_factor(step, wsd), 1.0) << step;
-  EXPECT_DOUBLE_EQ(lr_factor(6, wsd), 0.8);
-  EXPECT_DOUBLE_EQ(lr_factor(10, wsd), 0.0);
-  EXPECT_DOUBLE_EQ(lr_factor(8, {2, 10, 0.5, "cosine"}), 0.5 * (1.0 + std::cos(M_PI * 0.6)));
-  EXPECT_DOUBLE_EQ(lr_factor(8, {2, 10, 0.5, "sqrt"}), 1.0 - std::sqrt(0.6));
-  EXPECT_DOUBLE_EQ(lr_factor(10, {2, 10, -1, "linear", 0.1}), 0.1);
-  EXPECT_DOUBLE_EQ(lr_factor(3, {2, 10, 0.25}), 1.0);        // round(2.5) is 2 (ties to even): 6 stable steps
-  EXPECT_DOUBLE_EQ(lr_factor(9, {2, 10, 0.25}), 0.5);
-  EXPECT_DOUBLE_EQ(lr_factor(5, {2, 10, 0.95}), 1.0 - 3.0 / 8.0);  // 10 decay steps cut to the 8 after warm-up
-  EXPECT_DOUBLE_EQ(lr_factor(1, {0, 4}), 0.75);              // no warm-up
+// torchtitan v0.2.2's linear_warmup_stable_decay (and HEAD's: PR #1284's virtual last stable
+// step, PR #2340's total_steps), computed by tests/reference/torchtitan_lr.py, a transcription of
+// torchtitan's code driven by a real torch LambdaLR: spmdx's lr factor of every step of each case
+// equals it. The cases cover each phase and decay type, rounding ties, cut phases and total_steps.
+TEST(TrainStep, LrScheduleIsTorchtitanV022sForEveryStep) {
+  const std::string python = SPMDX_PYTHON;
+  if (!std::filesystem::exists(python)) GTEST_SKIP() << "no " << python << " (run scripts/setup)";
+  struct Case {
+    std::int64_t steps, warmup;
+    double decay_ratio;  // -1: None
+    std::string decay_type;
+    double min_lr_factor;
+    std::int64_t total_steps;  // -1: None
+  };
+  const std::vector<Case> cases{
+      {10, 5, -1, "linear", 0.0, -1},   // the outside trial's: 8e-4 at step 6, 1.6e-4 at step 10
+      {10, 2, -1, "linear", 0.0, -1},   {10, 2, 0.5, "linear", 0.0, -1},   {10, 2, 0.5, "cosine", 0.0, -1},
+      {10, 2, 0.5, "sqrt", 0.0, -1},    {10, 2, -1, "linear", 0.1, -1},    {10, 2, 0.25, "linear", 0.0, -1},  // round(2.5): 2
+      {10, 2, 0.35, "linear", 0.0, -1}, {10, 2, 0.95, "cosine", 0.2, -1},  // decay cut to the 8 steps after warm-up
+      {4, 0, -1, "linear", 0.0, -1},    {7, 0, 0.0, "linear", 0.0, -1},    {6, 9, -1, "linear", 0.0, -1},      // no warm-up; no decay; warm-up cut
+      {10, 3, -1, "cosine", 0.05, 40},  {10, 3, 0.5, "linear", 0.0, 20},   {60, 5, 0.2, "sqrt", 0.1, 60},     // total_steps
+      {1, 1, -1, "linear", 0.0, -1},    {1, 0, -1, "linear", 0.0, -1},
+  };
+  nlohmann::json in = nlohmann::json::array();
+  for (const Case& c : cases) {
+    in.push_back({{"steps", c.steps}, {"warmup_steps", c.warmup}, {"decay_type", c.decay_type}, {"min_lr_factor", c.min_lr_factor},
+                  {"decay_ratio", c.decay_ratio < 0 ? nlohmann::json() : nlohmann::json(c.decay_ratio)},
+                  {"total_steps", c.total_steps < 0 ? nlohmann::json() : nlohmann::json(c.total_steps)}});
+  }
+  const auto ref = test::run_command("'" + python + "' '" SPMDX_SOURCE_DIR "/tests/reference/torchtitan_lr.py' '" + in.dump() + "'");
+  ASSERT_EQ(ref.exit_code, 0) << ref.output;
+  const auto want = nlohmann::json::parse(ref.output);
+  ASSERT_EQ(want.size(), cases.size());
+  for (std::size_t i = 0; i < cases.size(); ++i) {
+    const Case& c = cases[i];
+    const train::LrSchedule schedule{c.warmup, c.total_steps > 0 ? c.total_steps : c.steps, c.decay_ratio, c.decay_type, c.min_lr_factor};
+    ASSERT_EQ(want[i].size(), static_cast<std::size_t>(c.steps)) << "case " << i;
+    for (std::int64_t step = 1; step <= c.steps; ++step) {
+      EXPECT_NEAR(train::lr_factor(step, schedule), want[i][static_cast<std::size_t>(step - 1)].get<double>(), 1e-15) << "case " << i << ", step " << step;
+    }
+  }
+  // The trial's numbers (optimizer.lr 8e-4, warm-up 5 of 10): the last step's lr is not 0.
+  EXPECT_NEAR(8e-4 * train::lr_factor(6, {5, 10}), 8.0e-4, 1e-18);
+  EXPECT_NEAR(8e-4 * train::lr_factor(10, {5, 10}), 1.6e-4, 1e-18);
 }
 
 TEST(TrainStep, UnknownModelOrFlavorIsNamed) {

@@ -1,12 +1,14 @@
 #!/usr/bin/env python3
 """An independent float64 Llama 3 in plain PyTorch, written from torchtitan's llama3 model and
-training loop (torchtitan/models/llama3/model/model.py, components/lr_scheduler.py, train.py),
+training loop (torchtitan/models/llama3/model/model.py, train.py; the learning-rate schedule is
+torchtitan v0.2.2's components/lr_scheduler.py, transcribed in torchtitan_lr.py beside this file),
 checked against spmdx step by step.
 
 It runs `spmdx run` with --debug.dump_initial_weights, --debug.dump_batches and a checkpoint
 every step, then trains the same model from spmdx's initial weights on spmdx's batches in
 float64, and compares per step, relative to the reference: the loss and the gradient norm
-(spmdx's metrics.jsonl), |spmdx - reference| / |reference|, and every parameter (spmdx's
+(spmdx's metrics.jsonl), |spmdx - reference| / |reference|, the learning rate each step ran
+with (metrics.jsonl's lr against LambdaLR's get_last_lr()), and every parameter (spmdx's
 checkpoint, exported with `spmdx export`), ||spmdx - reference|| / ||reference|| per tensor.
 Tensors compare by norm because, per element, AdamW's first steps divide gradients of about
 1e-10 by eps = 1e-8, so a few elements carry float32's rounding of such gradients (1e-3 of
@@ -34,6 +36,9 @@ import tomllib
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from torchtitan_lr import build_lr_lambda  # noqa: E402  torchtitan v0.2.2's schedule
 
 torch.set_default_dtype(torch.float64)
 PERTURB_NORM_IN_BF16 = False  # --perturb norm_in_bf16
@@ -125,21 +130,6 @@ def forward(p, a, tokens, freqs_cis):
     return h @ p["output.weight"].T
 
 
-def lr_lambda(current_step, warmup_steps, training_steps, decay_ratio, decay_type, min_lr_factor):
-    # torchtitan's linear_warmup_stable_decay (components/lr_scheduler.py, mid-2025 on).
-    decay_steps = round(training_steps * decay_ratio) if decay_ratio is not None else training_steps - warmup_steps
-    if warmup_steps + decay_steps > training_steps:
-        decay_steps = training_steps - warmup_steps
-    stable_steps = training_steps - warmup_steps - decay_steps
-    if current_step < warmup_steps:
-        return (current_step + 1) / warmup_steps
-    if current_step < warmup_steps + stable_steps:
-        return 1.0
-    progress = (current_step + 1 - warmup_steps - stable_steps) / decay_steps
-    f = {"linear": 1 - progress, "sqrt": 1 - math.sqrt(progress), "cosine": 0.5 * (1.0 + math.cos(math.pi * progress))}[decay_type]
-    return min_lr_factor + (1 - min_lr_factor) * f
-
-
 def rel(a, b):
     a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
@@ -153,7 +143,7 @@ def main():
     ap.add_argument("--tolerance", type=float, default=2e-6)
     ap.add_argument("--dump", help="spmdx's dump folder (default: a temporary one)")
     ap.add_argument("--table", help="also write the per-step comparison here, as JSON")
-    ap.add_argument("--perturb", choices=["none", "norm_eps", "rope_scaling", "norm_decay", "norm_in_bf16"], default="none",
+    ap.add_argument("--perturb", choices=["none", "norm_eps", "rope_scaling", "norm_decay", "norm_in_bf16", "lr_before_1284"], default="none",
                     help="change the reference as a bug in spmdx would (norm eps 1e-6, no RoPE scaling, no weight decay on norms, "
                     "norms computed in bfloat16 under --mixed-precision): the comparison must fail")
     ap.add_argument("--mixed-precision", choices=["none", "bfloat16", "autocast"], default="none",
@@ -206,15 +196,20 @@ def main():
         groups.append({"params": [t for n, t in p.items() if n.endswith("norm.weight")], "weight_decay": 0.0})
     opt = torch.optim.AdamW(groups, lr=o["lr"], betas=(o["beta1"], o["beta2"]), eps=o["eps"], weight_decay=o["weight_decay"])
     s = cfg["lr_scheduler"]
+    lr_of = None
+    if args.perturb == "lr_before_1284":  # torchtitan's schedule before its PR #1284 (no virtual stable step: the last step's lr is 0)
+        assert s["decay_ratio"] == -1 and s["decay_type"] == "linear" and s["min_lr_factor"] == 0, "lr_before_1284 plants the plain linear decay"
+        w, d = s["warmup_steps"], args.steps - s["warmup_steps"]
+        lr_of = lambda c: (c + 1) / w if c < w else 1 - (c + 1 - w) / d  # noqa: E731
     schedule = torch.optim.lr_scheduler.LambdaLR(
-        opt,
-        lambda c: lr_lambda(c, s["warmup_steps"], args.steps, None if s["decay_ratio"] == -1 else s["decay_ratio"], s["decay_type"], s["min_lr_factor"]),
-    )
+        opt, lr_of or build_lr_lambda(args.steps, s["warmup_steps"], None if s["decay_ratio"] == -1 else s["decay_ratio"], s["decay_type"], s["min_lr_factor"],
+                             None if s.get("total_steps", -1) == -1 else s["total_steps"]))
     rows, worst = [], (0.0, "")
     for step in range(1, args.steps + 1):
         tokens = torch.from_numpy(np.load(os.path.join(dump, "debug", "batches", f"step-{step}.tokens.npy")))
         labels = torch.from_numpy(np.load(os.path.join(dump, "debug", "batches", f"step-{step}.labels.npy")))
         opt.zero_grad()
+        lr = schedule.get_last_lr()[0]
         if autocast:
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 logits = forward(p, a, tokens, freqs_cis)
@@ -230,14 +225,15 @@ def main():
         got = read_safetensors(exported)
         m = metrics[step - 1]
         row = {"step": step, "loss": m["loss"], "reference_loss": loss.item(), "loss_rel": abs(m["loss"] - loss.item()) / abs(loss.item()),
-               "grad_norm_rel": abs(m["grad_norm"] - grad_norm.item()) / abs(grad_norm.item())}
+               "grad_norm_rel": abs(m["grad_norm"] - grad_norm.item()) / abs(grad_norm.item()),
+               "lr_rel": abs(m["lr"] - lr) / max(abs(lr), 1e-300)}
         param_rel = {n: rel(got[n], p[n].detach().numpy()) for n in names}
         row["param_rel_max"] = max(param_rel.values())
         row["param_rel_max_of"] = max(param_rel, key=param_rel.get)
         rows.append(row)
         print(f"step {step:3d}  loss {m['loss']:.6f} ref {loss.item():.6f}  rel: loss {row['loss_rel']:.1e}  grad_norm {row['grad_norm_rel']:.1e}  "
               f"params {row['param_rel_max']:.1e} ({row['param_rel_max_of']})")
-        for what, v in (("loss", row["loss_rel"]), ("grad_norm", row["grad_norm_rel"]), (row["param_rel_max_of"], row["param_rel_max"])):
+        for what, v in (("loss", row["loss_rel"]), ("grad_norm", row["grad_norm_rel"]), ("lr", row["lr_rel"]), (row["param_rel_max_of"], row["param_rel_max"])):
             if v > worst[0]:
                 worst = (v, f"step {step}: {what}")
     if not args.dump:

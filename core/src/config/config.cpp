@@ -223,8 +223,11 @@ const std::vector<KeySpec>& schema() {
       n("optimizer.eps", Type::floating, 1e-8, "AdamW eps", 0, 1),
       n("optimizer.weight_decay", Type::floating, 0.1, "AdamW decoupled weight decay", 0, 1e3),
       n("lr_scheduler.warmup_steps", Type::integer, std::int64_t{2}, "linear warm-up steps: (c+1)/warmup_steps at 0-based step c", 0, 1e9),
+      n("lr_scheduler.total_steps", Type::integer, std::int64_t{-1},
+        "the steps the schedule spans (-1: training.steps); more than training.steps runs the start of a longer schedule, as "
+        "torchtitan's total_steps (its PR #2340)", -1, 1e9),
       n("lr_scheduler.decay_ratio", Type::floating, -1.0,
-        "the share of training.steps that decay, after a stable phase (-1: unset, every step after warm-up decays)", -1, 1),
+        "the share of the schedule's steps that decay, after a stable phase (-1: unset, every step after warm-up decays)", -1, 1),
       k("lr_scheduler.decay_type", Type::string, std::string("linear"), "decay curve", -1e300, L{"linear", "sqrt", "cosine"}),
       n("lr_scheduler.min_lr_factor", Type::floating, 0.0, "the decay ends at lr x this", 0, 1),
       k("data.paths", Type::string_list, L{}, "text or JSON Lines files (\"text\" field)"),

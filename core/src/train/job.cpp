@@ -3,6 +3,7 @@
 #include "spmdx/train/loss_parallel.h"
 
 #include <algorithm>
+#include <cmath>
 #include <ctime>
 #include <filesystem>
 #include <functional>
@@ -526,10 +527,31 @@ JobSpec job_spec(const config::Config& cfg, std::int64_t world_size, std::int64_
   read_batch(cfg, exported, degrees_ok, s, problems);
   s.steps = cfg.get_int("training.steps");
   s.lr = cfg.get_float("optimizer.lr");
-  s.schedule = {cfg.get_int("lr_scheduler.warmup_steps"), s.steps, cfg.get_float("lr_scheduler.decay_ratio"), cfg.get_string("lr_scheduler.decay_type"),
-                cfg.get_float("lr_scheduler.min_lr_factor")};
+  const std::int64_t total_steps = cfg.get_int("lr_scheduler.total_steps");
+  s.schedule = {cfg.get_int("lr_scheduler.warmup_steps"), total_steps > 0 ? total_steps : s.steps, cfg.get_float("lr_scheduler.decay_ratio"),
+                cfg.get_string("lr_scheduler.decay_type"), cfg.get_float("lr_scheduler.min_lr_factor")};
   if (s.schedule.decay_ratio != -1 && s.schedule.decay_ratio < 0) {
     fail({"lr_scheduler.decay_ratio"}, "lr_scheduler.decay_ratio must be between 0 and 1, or -1 (unset: decay over every step after warm-up)");
+  }
+  if (total_steps == 0) {
+    fail({"lr_scheduler.total_steps"}, "lr_scheduler.total_steps 0 is not a schedule: give the steps it spans, or -1 for training.steps");
+  } else if (total_steps > 0 && total_steps < s.steps) {
+    fail({"lr_scheduler.total_steps", "training.steps"}, "lr_scheduler.total_steps " + std::to_string(total_steps) + " is less than training.steps " +
+         std::to_string(s.steps) + ": the schedule would end before the run does (its lr past step " + std::to_string(total_steps) +
+         " is undefined); raise total_steps to at least " + std::to_string(s.steps) + ", or set -1 to span training.steps");
+  } else {
+    // torchtitan's build_lr_schedulers (v0.2.2) warns of these two and cuts the phase to fit.
+    const train::LrPhases phases = train::lr_phases(s.schedule);
+    const char* total_key = total_steps > 0 ? "lr_scheduler.total_steps" : "training.steps";
+    if (s.schedule.warmup_steps > s.schedule.steps) {
+      SPMDX_WARN(cfg.where({"lr_scheduler.warmup_steps"}) << ": lr_scheduler.warmup_steps " << s.schedule.warmup_steps << " is more than the " << s.schedule.steps
+                                                         << " steps of the schedule (" << total_key << "): the warm-up is cut to " << phases.warmup
+                                                         << " steps and the lr never reaches optimizer.lr's plateau");
+    } else if (s.schedule.decay_ratio >= 0 && phases.decay < static_cast<std::int64_t>(std::nearbyint(static_cast<double>(s.schedule.steps) * s.schedule.decay_ratio))) {
+      SPMDX_WARN(cfg.where({"lr_scheduler.decay_ratio", "lr_scheduler.warmup_steps"})
+                 << ": warm-up (" << phases.warmup << ") and decay (lr_scheduler.decay_ratio " << s.schedule.decay_ratio << " of " << s.schedule.steps
+                 << " steps) are more steps than the schedule has: the decay is cut to the " << phases.decay << " after warm-up, as torchtitan does");
+    }
   }
 
   s.seed = static_cast<std::uint64_t>(cfg.get_int("job.seed"));

@@ -181,19 +181,25 @@ void append_train_step(ir::Graph& g, const std::vector<std::string>& params, con
 #endif
 }
 
+LrPhases lr_phases(const LrSchedule& s) {
+  LrPhases p;
+  p.warmup = std::min(s.warmup_steps, s.steps);
+  p.decay = s.decay_ratio >= 0 ? static_cast<std::int64_t>(std::nearbyint(static_cast<double>(s.steps) * s.decay_ratio))  // ties to even, as Python's round
+                               : s.steps - p.warmup;
+  if (p.warmup + p.decay > s.steps) p.decay = s.steps - p.warmup;
+  p.stable = s.steps + 1 - p.warmup - p.decay;  // + 1: a virtual last step, so that the lr of the last step is not 0
+  return p;
+}
+
 double lr_factor(std::int64_t step, const LrSchedule& s) {
-  const std::int64_t warmup = s.warmup_steps;
-  std::int64_t decay = s.decay_ratio >= 0 ? static_cast<std::int64_t>(std::nearbyint(static_cast<double>(s.steps) * s.decay_ratio))  // Python's round: ties to even
-                                          : s.steps - warmup;
-  if (warmup + decay > s.steps) decay = s.steps - warmup;
-  const std::int64_t stable = s.steps - warmup - decay;
+  const LrPhases p = lr_phases(s);
   const std::int64_t c = step - 1;  // LambdaLR counts from 0
-  if (c < warmup) return static_cast<double>(c + 1) / static_cast<double>(warmup);
-  if (c < warmup + stable || decay <= 0) return 1.0;
-  const double p = static_cast<double>(c + 1 - warmup - stable) / static_cast<double>(decay);
-  double f = 1.0 - p;
-  if (s.decay_type == "sqrt") f = 1.0 - std::sqrt(p);
-  else if (s.decay_type == "cosine") f = 0.5 * (1.0 + std::cos(M_PI * p));
+  if (c < p.warmup) return static_cast<double>(c + 1) / static_cast<double>(p.warmup);
+  if (c < p.warmup + p.stable || p.decay <= 0) return 1.0;
+  const double progress = static_cast<double>(c + 1 - p.warmup - p.stable) / static_cast<double>(p.decay);
+  double f = 1.0 - progress;
+  if (s.decay_type == "sqrt") f = 1.0 - std::sqrt(progress);
+  else if (s.decay_type == "cosine") f = 0.5 * (1.0 + std::cos(M_PI * progress));
   return s.min_lr_factor + (1.0 - s.min_lr_factor) * f;
 }
 

@@ -71,18 +71,30 @@ std::vector<std::string> train_state_names(const std::vector<std::string>& param
 /// a decay to min_lr_factor (warmup-stable-decay, Hu et al. 2024, MiniCPM).
 struct LrSchedule {
   std::int64_t warmup_steps = 2;
-  std::int64_t steps = 10;        ///< training.steps
+  std::int64_t steps = 10;        ///< the steps the schedule spans: lr_scheduler.total_steps, or training.steps when unset
   double decay_ratio = -1;        ///< the share of steps that decay (-1: unset, every step after warm-up)
   std::string decay_type = "linear";  ///< "linear", "sqrt" or "cosine"
   double min_lr_factor = 0.0;     ///< the decay ends at lr x this
 };
 
-/// The learning-rate factor of 1-based `step`, as torchtitan's linear_warmup_stable_decay
-/// (torchtitan/components/lr_scheduler.py, mid-2025 on) with LambdaLR's 0-based c = step - 1:
-/// decay = round(steps x decay_ratio) (every step after warm-up when unset; cut to fit), stable
-/// = steps - warmup - decay; warm-up (c < warmup): (c + 1) / warmup; stable: 1; decay, with
-/// p = (c + 1 - warmup - stable) / decay: linear 1 - p, sqrt 1 - sqrt(p), cosine (1 + cos(pi p)) / 2,
-/// then min_lr_factor + (1 - min_lr_factor) x that. The learning rate of step s is lr x lr_factor(s, ...).
+/// The phases of `schedule` as torchtitan's build_lr_schedulers sizes them: warm-up cut to the
+/// steps there are; decay = round(steps x decay_ratio) (Python's round: ties to even), cut to
+/// the steps after warm-up, or every step after warm-up when decay_ratio is unset; stable =
+/// steps + 1 - warmup - decay (one virtual step more, so that the last step's lr is not 0).
+struct LrPhases {
+  std::int64_t warmup = 0, stable = 0, decay = 0;
+};
+LrPhases lr_phases(const LrSchedule& schedule);
+
+/// The learning-rate factor of 1-based `step`, as torchtitan's linear_warmup_stable_decay in
+/// v0.2.2 (torchtitan/components/lr_scheduler.py at 73a0e69, the behaviour of its PR #1284 of
+/// 2025-06-11, unchanged at HEAD) under LambdaLR, whose 0-based c = step - 1: warm-up (c <
+/// warmup): (c + 1) / warmup; stable (c < warmup + stable): 1; decay, with p = (c + 1 - warmup -
+/// stable) / decay: linear 1 - p, sqrt 1 - sqrt(p), cosine (1 + cos(pi p)) / 2, then
+/// min_lr_factor + (1 - min_lr_factor) x that. Before #1284 stable had no virtual step and the
+/// decay ended at 0 on the last step. The learning rate of step s is lr x lr_factor(s, ...);
+/// `step` should be at most schedule.steps (past it, the decay goes on below min_lr_factor, as
+/// torchtitan's would).
 double lr_factor(std::int64_t step, const LrSchedule& schedule);
 
 }  // namespace spmdx::train
