@@ -195,15 +195,20 @@ TEST(CommUcx, ARankThatDiesIsNamedByTheOthersWithinTheTimeout) {
     EXPECT_THAT(results[static_cast<std::size_t>(r)].output, HasSubstr("all_reduce"));
     EXPECT_THAT(results[static_cast<std::size_t>(r)].output, HasSubstr("rank 1"));
   }
-  EXPECT_LT(seconds, 20) << "the others did not fail fast";
+  // Within about the 3 s timeout, not the default 120 s (run_ranks kills them all at 60 s):
+  // 45 s leaves room for starting 4 ranks on a loaded machine.
+  EXPECT_LT(seconds, 45) << "the others did not fail fast";
 }
 
 // A rank that stops answering, heartbeat included (SIGSTOP: as a node that vanished, which no
 // local launcher notices), fails the others after two heartbeat checks, long before the
-// collective's timeout (100 s here), naming it.
+// collective's timeout (100 s here), naming it. The checks take about 12 s (a stall of 5 s,
+// then two checks 5 s apart; a third when this machine is too busy for a rank's own heartbeat
+// to advance in one); rank 1 stays stopped for 60 s, so that failing by 45 s can only be the
+// heartbeat's doing, not rank 1's death, however loaded the machine.
 TEST(CommUcx, ARankWhoseHeartbeatStopsIsNamedBeforeTheTimeout) {
-  auto results = run_ranks(4, {{"SPMDX_TEST_MODE", "stop"}, {"SPMDX_TEST_TIMEOUT", "100"}}, 60);
-  EXPECT_EQ(results[1].exit_code, -SIGKILL) << "rank 1 is ended by its own child after 25 s";
+  auto results = run_ranks(4, {{"SPMDX_TEST_MODE", "stop"}, {"SPMDX_TEST_TIMEOUT", "100"}}, 100);
+  EXPECT_EQ(results[1].exit_code, -SIGKILL) << "rank 1 is ended by its own child after 60 s";
   for (int r : {0, 2, 3}) {
     const std::string& out = results[static_cast<std::size_t>(r)].output;
     EXPECT_EQ(results[static_cast<std::size_t>(r)].exit_code, 3) << out;
@@ -211,7 +216,7 @@ TEST(CommUcx, ARankWhoseHeartbeatStopsIsNamedBeforeTheTimeout) {
     EXPECT_THAT(out, ::testing::ContainsRegex("rank 1 (stopped \\(no heartbeat|failed \\(reported by a peer)"));
     const auto at = out.find(" after ");
     ASSERT_NE(at, std::string::npos) << out;
-    EXPECT_LT(std::stod(out.substr(at + 7)), 20.0) << "rank " << r << " failed late: " << out;
+    EXPECT_LT(std::stod(out.substr(at + 7)), 45.0) << "rank " << r << " failed late: " << out;
   }
   std::printf("%s", results[0].output.c_str());
 }

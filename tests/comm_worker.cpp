@@ -280,9 +280,9 @@ void lose_rank1(CommBackend& b, Checker& c, const std::string& mode, double time
   if (!b.all_reduce(0, {&x, 1, CommDType::f32}, ReduceOp::sum)->wait(60)) c.fail("warm-up timed out");
   const auto warm = std::chrono::steady_clock::now();
   if (rank == 1 && mode == "die") std::_Exit(9);  // dies without a word
-  if (rank == 1) {  // hangs, its heartbeat too (as a node that vanished); a child ends it after 25 s
+  if (rank == 1) {  // hangs, its heartbeat too (as a node that vanished); a child ends it after 60 s
     if (fork() == 0) {
-      std::this_thread::sleep_for(std::chrono::seconds(25));
+      std::this_thread::sleep_for(std::chrono::seconds(60));
       kill(getppid(), SIGKILL);
       std::_Exit(0);
     }

@@ -1,6 +1,9 @@
 // `spmdx bench compare` as a user runs it, on metrics.jsonl and bench comm outputs written here
-// with known values: a run against itself passes, a slowed one fails under --max-slowdown, the
-// medians and quartiles are numpy's, and bad input exits 2 naming the file and line.
+// with known values: a run against itself passes, a slowed one fails under --max-slowdown, a
+// difference inside the noise is none, the medians and quartiles are numpy's and the bootstrap
+// interval is the one computed by hand, and bad input exits 2 naming the file and line. (What a
+// real slowdown of the main job measures is a benchmark, bench/overlap_compare.sh, not a test:
+// no test here depends on how fast anything runs.)
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -59,6 +62,93 @@ TEST(BenchCompare, ARunAgainstItselfPassesAndASlowedOneFails) {
   r = compare(q(a) + " " + q(fast) + " --max-slowdown 0.05");
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_THAT(r.output, HasSubstr("step_ms: B is faster: -20.0%"));
+}
+
+// Series whose bootstrap interval is known without running the bootstrap: ten measured steps,
+// five at 90 ms and five at 110 (median 100), B each of them times `scale`. A resample's
+// median (of ten draws) is then 90, 100 or 110 times its scale; the lowest ratio, B's 90 over
+// A's 110, comes with probability 0.377^2 = 14% (at least six of ten draws at 90 in B, at least
+// six at 110 in A), far above the 2.5% tail, and so does the highest: the 95% interval is
+// exactly [90 s / 110, 110 s / 90], whatever the seed. Steps 1-2 (warm-up, 10x slower) must be
+// dropped, or they would be in every median.
+fs::path two_level(const test::TempDir& dir, const std::string& name, double scale) {
+  std::ostringstream out;
+  for (int s = 1; s <= 12; ++s) {
+    const double ms = s <= 2 ? 1000.0 : (s % 2 ? 90.0 : 110.0);
+    out << nlohmann::json{{"step", s}, {"step_ms", ms * scale}}.dump() << "\n";
+  }
+  test::write_file(dir / (name + ".jsonl"), out.str());
+  return dir / (name + ".jsonl");
+}
+
+// The judged measure of `compare --json`.
+nlohmann::json step_measure(const std::string& args) {
+  const auto r = compare(args + " --json");
+  const auto j = nlohmann::json::parse(r.output);
+  return j["measures"][0];
+}
+
+// A known 50% slowdown with +-10% noise: ratio 1.5, interval [135/110, 165/90] = +22.7% ..
+// +83.3%, all above 1: slower. --max-slowdown judges the interval's low end, not the ratio:
+// 20% allowed is exceeded (exit 1), 25% is not (1.227 < 1.25), though the ratio is 1.5.
+TEST(BenchCompare, AKnownSlowdownIsReportedWithItsIntervalAndFailsPastTheAllowedOne) {
+  test::TempDir dir;
+  const fs::path a = two_level(dir, "a", 1.0), b = two_level(dir, "b", 1.5);
+  auto r = compare(q(a) + " " + q(b) + " --max-slowdown 20%");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("metrics, 10 vs 10 steps after warm-up"));
+  EXPECT_THAT(r.output, HasSubstr("100.0 [90.0, 110.0]"));
+  EXPECT_THAT(r.output, HasSubstr("150.0 [135.0, 165.0]"));
+  EXPECT_THAT(r.output, HasSubstr("1.500    [1.227, 1.833]"));
+  EXPECT_THAT(r.output, HasSubstr("step_ms: B is slower: +50.0% (interval +22.7% .. +83.3%); allowed slowdown 20.0%: REGRESSION (exit 1)"));
+  r = compare(q(a) + " " + q(b) + " --max-slowdown 25%");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("step_ms: B is slower: +50.0% (interval +22.7% .. +83.3%); allowed slowdown 25.0%: ok"));
+  const auto m = step_measure(q(a) + " " + q(b));
+  EXPECT_DOUBLE_EQ(m["a"]["median"].get<double>(), 100.0);
+  EXPECT_DOUBLE_EQ(m["b"]["median"].get<double>(), 150.0);
+  EXPECT_DOUBLE_EQ(m["ratio"].get<double>(), 1.5);
+  EXPECT_DOUBLE_EQ(m["interval"][0].get<double>(), 90.0 * 1.5 / 110.0);
+  EXPECT_DOUBLE_EQ(m["interval"][1].get<double>(), 110.0 * 1.5 / 90.0);
+  // The same slowdown the other way round is a speedup, and never a regression.
+  r = compare(q(b) + " " + q(a) + " --max-slowdown 0%");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("step_ms: B is faster: -33.3% (interval -45.5% .. -18.5%); allowed slowdown 0.0%: ok"));
+}
+
+// A run against an identical one: ratio 1 and the interval of the noise alone, [90/110,
+// 110/90]; with no noise at all the interval closes on 1. Neither is a difference, even with
+// no slowdown allowed.
+TEST(BenchCompare, IdenticalSeriesAreNoDifference) {
+  test::TempDir dir;
+  const fs::path a = two_level(dir, "a", 1.0), same = two_level(dir, "same", 1.0);
+  auto r = compare(q(a) + " " + q(same) + " --max-slowdown 0%");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("step_ms: no difference beyond the noise: +0.0% (interval -18.2% .. +22.2%); allowed slowdown 0.0%: ok"));
+  const auto m = step_measure(q(a) + " " + q(same));
+  EXPECT_DOUBLE_EQ(m["ratio"].get<double>(), 1.0);
+  EXPECT_DOUBLE_EQ(m["interval"][0].get<double>(), 90.0 / 110.0);
+  EXPECT_DOUBLE_EQ(m["interval"][1].get<double>(), 110.0 / 90.0);
+  std::ostringstream flat;
+  for (int s = 1; s <= 6; ++s) flat << nlohmann::json{{"step", s}, {"step_ms", 250.0}}.dump() << "\n";
+  test::write_file(dir / "flat.jsonl", flat.str());
+  r = compare(q(dir / "flat.jsonl") + " " + q(dir / "flat.jsonl") + " --max-slowdown 0%");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("step_ms: no difference beyond the noise: +0.0% (interval +0.0% .. +0.0%); allowed slowdown 0.0%: ok"));
+}
+
+// B 5% slower in its median, but the steps vary by +-10%: the interval [94.5/110, 115.5/90] =
+// -14.1% .. +28.3% holds 1, so it is noise, not a slowdown: exit 0 even with none allowed.
+TEST(BenchCompare, ADifferenceInsideTheNoiseIsNoDifference) {
+  test::TempDir dir;
+  const fs::path a = two_level(dir, "a", 1.0), b = two_level(dir, "b", 1.05);
+  auto r = compare(q(a) + " " + q(b) + " --max-slowdown 0%");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("step_ms: no difference beyond the noise: +5.0% (interval -14.1% .. +28.3%); allowed slowdown 0.0%: ok"));
+  const auto m = step_measure(q(a) + " " + q(b));
+  EXPECT_DOUBLE_EQ(m["ratio"].get<double>(), 105.0 / 100.0);
+  EXPECT_DOUBLE_EQ(m["interval"][0].get<double>(), 90.0 * 1.05 / 110.0);
+  EXPECT_DOUBLE_EQ(m["interval"][1].get<double>(), 110.0 * 1.05 / 90.0);
 }
 
 // Steps 3..12 of 100, 101, ... 109 ms: numpy's median 104.5 and quartiles 102.25 / 106.75; B

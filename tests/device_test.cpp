@@ -165,7 +165,8 @@ TEST(DeviceKernels, CalibrationIsMeasuredAgainForTheOtherCpuMatmulLibrary) {
   set_cpu_matmul(CpuMatmul::onednn);
   const plan::Calibration onednn = ensure_calibration(dir.path());
   EXPECT_THAT(onednn.compute_source, HasSubstr("float32 linears on oneDNN"));
-  EXPECT_GT(onednn.matmul_flops_per_second, 1e8) << "measured again";
+  EXPECT_NE(onednn.matmul_flops_per_second, 1234e3) << "measured again, not the ATen rate kept";  // (how fast: the machine's business)
+  EXPECT_GT(onednn.matmul_flops_per_second, 0);
   EXPECT_DOUBLE_EQ(plan::load_calibration(file).matmul_flops_per_second, onednn.matmul_flops_per_second) << "and written";
   pinned.compute_source = "measured 2026-11-30 12:00 (ATen mm 384^3, add 4Mi f32 and 1 f32, 1 thread)";  // before the library was named
   plan::save_calibration(file, pinned);

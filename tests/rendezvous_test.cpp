@@ -62,6 +62,16 @@ class Listener {
   std::thread thread_;
 };
 
+// Reads and drops what the client sends until it closes the connection: a listener that has
+// said its piece keeps the connection open as long as the client does, however slowly the
+// client gets to read it (a sleep before closing could be outlasted by a client on a busy
+// machine, which would then read a reset instead of the answer).
+void drain(int fd) {
+  char buf[256];
+  while (::recv(fd, buf, sizeof buf, 0) > 0) {
+  }
+}
+
 void send_frame(int fd, const std::string& s) {
   const std::uint32_t n = static_cast<std::uint32_t>(s.size());
   ::send(fd, &n, 4, MSG_NOSIGNAL);
@@ -82,7 +92,7 @@ TEST(Store, AListenerThatNeverAnswersFailsAtTheDeadlineNamingTheAddress) {
   const auto t0 = Clock::now();
   const std::string e = connect_error(silent.port(), 1.5);
   EXPECT_GE(since(t0), 1.4);
-  EXPECT_LT(since(t0), 6.0);
+  EXPECT_LT(since(t0), 30.0);  // at the deadline, not never
   EXPECT_THAT(e, HasSubstr("store 127.0.0.1:" + std::to_string(silent.port()) + ": accepted the connection but did not answer the spmdx store handshake within 1.5 s"));
   EXPECT_THAT(e, HasSubstr("pick another MASTER_PORT"));
 }
@@ -94,20 +104,20 @@ TEST(Store, AnotherServiceOrAnOlderStoreFailsAtOnceSayingWhatAnswered) {
     std::string expected;
   };
   const std::vector<Case> cases = {
-      {"http", [](int c) { ::send(c, "HTTP/1.1 400 Bad Request\r\n\r\n", 28, MSG_NOSIGNAL); std::this_thread::sleep_for(std::chrono::milliseconds(300)); },
+      {"http", [](int c) { ::send(c, "HTTP/1.1 400 Bad Request\r\n\r\n", 28, MSG_NOSIGNAL); drain(c); },
        "answered the spmdx store handshake with 'HTTP'..., not as a spmdx store does"},
       {"closes", [](int) {}, "closed the connection at the spmdx store handshake: not a spmdx store"},
-      {"protocol 1", [](int c) { send_frame(c, "ERR not authenticated"); std::this_thread::sleep_for(std::chrono::milliseconds(300)); },
+      {"protocol 1", [](int c) { send_frame(c, "ERR not authenticated"); drain(c); },
        "an older spmdx store (protocol 1, without a handshake) answers there"},
-      {"other frame", [](int c) { send_frame(c, "hello there"); std::this_thread::sleep_for(std::chrono::milliseconds(300)); },
+      {"other frame", [](int c) { send_frame(c, "hello there"); drain(c); },
        "answered the spmdx store handshake with 'hello there': not a spmdx store"},
   };
   for (const auto& c : cases) {
     SCOPED_TRACE(c.name);
     Listener l(c.serve);
     const auto t0 = Clock::now();
-    EXPECT_THAT(connect_error(l.port(), 20), HasSubstr(c.expected));
-    EXPECT_LT(since(t0), 3.0);  // at once, not at the 20 s deadline
+    EXPECT_THAT(connect_error(l.port(), 90), HasSubstr(c.expected));
+    EXPECT_LT(since(t0), 45.0);  // at once, not at the 90 s deadline
   }
 }
 
@@ -122,7 +132,7 @@ TEST(Store, RequestsToAStoreThatStopsAnsweringFailAtTheirDeadline) {
       if (frame == 0) send_frame(c, "SPMDX-STORE 2");
       if (frame == 3) send_frame(c, "OK");
     }
-    std::this_thread::sleep_for(std::chrono::seconds(2));
+    drain(c);  // and never answers
   });
   comm::TcpStore store("127.0.0.1", l.port(), "tok", 1.0, 0);
   const auto t0 = Clock::now();
@@ -132,7 +142,7 @@ TEST(Store, RequestsToAStoreThatStopsAnsweringFailAtTheirDeadline) {
   } catch (const CommError& e) {
     EXPECT_THAT(e.what(), HasSubstr("did not answer set 'spmdx/x' within 1 s"));
   }
-  EXPECT_LT(since(t0), 3.0);
+  EXPECT_LT(since(t0), 30.0);  // at the deadline, not never
 }
 
 // A listener that passes the handshake and then answers nonsense is named, not "stoll".
@@ -147,7 +157,7 @@ TEST(Store, AnAnswerThatIsNotAStoresIsNamed) {
       if (frame == 3) send_frame(c, "OK");
       if (frame == 6) send_frame(c, "HELLO");
     }
-    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    drain(c);
   });
   comm::TcpStore store("127.0.0.1", l.port(), "tok", 5.0, 1);
   try {
@@ -168,7 +178,7 @@ TEST(Store, AWrongTokenIsRefusedAndRecordedForTheRanksThatWait) {
   EXPECT_EQ(store.add("n", 2), 2);
   const auto t0 = Clock::now();
   EXPECT_THROW(store.get("never", 0.3), CommError);
-  EXPECT_LT(since(t0), 2.0);
+  EXPECT_LT(since(t0), 30.0);  // at the deadline, not never
 }
 
 // Ranks as threads, each with its own connection to one store.
@@ -239,8 +249,8 @@ TEST(Rendezvous, AWorldSizeThatDiffersIsNamedWithItsVariable) {
   // Rank 0 with the larger world size learns it as soon as rank 1 arrives, not at its timeout.
   Job bigger;
   const auto t0 = Clock::now();
-  const auto out3 = bigger.run({bigger.rank(0, 3), bigger.rank(1, 2)}, 20);
-  EXPECT_LT(since(t0), 5.0);
+  const auto out3 = bigger.run({bigger.rank(0, 3), bigger.rank(1, 2)}, 90);
+  EXPECT_LT(since(t0), 45.0);  // not at the 90 s timeout
   for (const auto& e : out3) EXPECT_THAT(e, HasSubstr("the world size differs: rank 1 has WORLD_SIZE=2, rank 0 has WORLD_SIZE=3"));
   // A rank beyond rank 0's world learns it from the verdict.
   Job other;
@@ -253,7 +263,7 @@ TEST(Rendezvous, ARankThatNeverComesIsNamedAtTheTimeoutOnEveryRank) {
   Job job;
   const auto t0 = Clock::now();
   const auto out = job.run({job.rank(0, 3), job.rank(1, 3)}, 1.5);
-  EXPECT_LT(since(t0), 6.0);
+  EXPECT_LT(since(t0), 30.0);  // at the timeout, not never
   for (const auto& e : out) EXPECT_THAT(e, HasSubstr("rank 0 waited 1.5 s (comm.timeout_seconds) for rank 2 of 3 to join"));
 }
 
@@ -262,8 +272,8 @@ TEST(Rendezvous, ARankRefusedForItsTokenIsNamedByTheRanksWaitingForIt) {
   auto wrong = job.rank(1, 2);
   wrong.token = "secret";
   const auto t0 = Clock::now();
-  const auto out = job.run({job.rank(0, 2), wrong}, 20);
-  EXPECT_LT(since(t0), 5.0);  // not at the timeout
+  const auto out = job.run({job.rank(0, 2), wrong}, 90);
+  EXPECT_LT(since(t0), 45.0);  // not at the 90 s timeout
   EXPECT_THAT(out[0], HasSubstr("rank 1 from 127.0.0.1 could not join: the store refused its job token"));
   EXPECT_THAT(out[1], HasSubstr("wrong job token"));
 }
@@ -292,8 +302,8 @@ TEST(Rendezvous, LocalRanksThatDoNotDescribeTheHostsAreRefused) {
 TEST(Rendezvous, TwoProcessesWithTheSameRankAreRefusedOnEveryRank) {
   Job job;
   const auto t0 = Clock::now();
-  const auto out = job.run({job.rank(0, 3), job.rank(1, 3), job.rank(1, 3)}, 20);
-  EXPECT_LT(since(t0), 5.0);
+  const auto out = job.run({job.rank(0, 3), job.rank(1, 3), job.rank(1, 3)}, 90);
+  EXPECT_LT(since(t0), 45.0);  // not at the 90 s timeout
   for (const auto& e : out) EXPECT_THAT(e, HasSubstr("two processes joined this job as rank 1"));
 }
 
@@ -317,12 +327,12 @@ TEST(Rendezvous, RanksStartedByHandWithAnotherLearningRateFailAtOnceNamingIt) {
   const std::string env = "WORLD_SIZE=2 LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(29000 + ::getpid() % 900) +
                           " SPMDX_JOB_TOKEN=t";
   const std::string run = "'" SPMDX_EXE "' run '" SPMDX_SOURCE_DIR "/configs/mlp_dp.toml' --parallelism.data_parallel_replicate_degree 2 "
-                          "--training.steps 3 --comm.timeout_seconds 20 --data.paths '" + test::corpus_file(dir) + "' --job.dump_folder '" +
+                          "--training.steps 3 --comm.timeout_seconds 100 --data.paths '" + test::corpus_file(dir) + "' --job.dump_folder '" +
                           (dir / "out").string() + "'";
   const auto t0 = Clock::now();
   auto r = test::run_command("{ (env RANK=0 LOCAL_RANK=0 " + env + " " + run + " > '" + (dir / "r0.log").string() + "' 2>&1; echo rank0=$?) & env RANK=1 LOCAL_RANK=1 " +
                              env + " " + run + " --optimizer.lr 3e-3; echo rank1=$?; wait; }");
-  EXPECT_LT(since(t0), 15.0) << r.output;  // not the 20 s timeout
+  EXPECT_LT(since(t0), 60.0) << r.output;  // not the 100 s timeout
   std::ifstream in(dir / "r0.log");
   const std::string r0((std::istreambuf_iterator<char>(in)), {});
   for (const std::string& out : {r.output, r0}) {

@@ -215,14 +215,19 @@ TEST(Profiler, TracesOnlyTheChosenStepsWithKernelsAndCollectives) {
   }
   ASSERT_GT(compute, 100);
   EXPECT_GT(comm, 20);  // FSDP's all_gathers and reduce_scatters of one step
+  // No other step's kernels: counted, not timed (a loaded machine stretches the gaps between a
+  // step's kernels and its spans, not their number). The ATen ops outside the step's spans are
+  // run_step's own few before the executor starts (50 of 2478 here); another step traced
+  // along would put a whole step's worth there.
+  int outside = 0;
   for (const auto& e : trace.at("traceEvents")) {
     if (e.value("cat", "") != "cpu_op") continue;
     ++kernels;
     const double ts = e.at("ts").get<double>();
-    EXPECT_GT(ts, first - 50e3) << e.dump();  // within the step's spans, give or take 50 ms: no other step's kernels
-    EXPECT_LT(ts, last + 50e3) << e.dump();
+    outside += ts < first || ts > last;
   }
   EXPECT_GT(kernels, compute / 2);  // ATen ops, e.g. aten::mm
+  EXPECT_LT(outside * 4, kernels) << outside << " of " << kernels << " ATen ops before the step's first span or after its last";
 }
 
 }  // namespace

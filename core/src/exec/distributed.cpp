@@ -190,7 +190,7 @@ struct DistributedExecutor::Step {
     ex.backend_->abort();
     for (auto& is : issued) {
       try {
-        if (!is->completed) is->work->wait(ex.timeout_ + 10);
+        if (!is->completed && is->work) is->work->wait(ex.timeout_ + 10);  // no Work: the backend threw making the call
       } catch (const std::exception&) {
       }
     }
