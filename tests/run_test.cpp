@@ -11,7 +11,9 @@
 
 #include <cmath>
 #include <fstream>
+#include <functional>
 #include <map>
+#include <set>
 #include <tuple>
 
 #include "run_util.h"
@@ -878,6 +880,7 @@ TEST(Checkpoint, ResumingInTheSameFolderKeepsTheHistoryOfEveryFile) {
   ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
   EXPECT_THAT(resumed.output, HasSubstr("done: 2 steps (7-8, resumed)"));
   EXPECT_EQ(steps(out / "metrics.jsonl"), (std::vector<std::int64_t>{1, 2, 3, 4, 5, 6, 7, 8}));
+  EXPECT_EQ(steps(out / "metrics.1.jsonl"), (std::vector<std::int64_t>{1, 2, 3, 4, 5, 6, 7, 8}));  // the first run's, whole
   const auto after = losses(out / "metrics.jsonl");
   for (std::size_t i = 0; i < after.size(); ++i) EXPECT_NEAR(after[i], uninterrupted[i], 1e-6) << "step " << i + 1;
   // The hooks' files: steps 1-6 of the first run and 7-8 of the second, once each.
@@ -912,6 +915,68 @@ TEST(Checkpoint, ResumingInTheSameFolderKeepsTheHistoryOfEveryFile) {
   EXPECT_EQ(fs::last_write_time(out / "metrics.jsonl"), before);
   EXPECT_EQ(fs::last_write_time(out / "hooks" / "timeline" / "rank0.json"), timeline_before);
   EXPECT_EQ(steps(out / "metrics.jsonl").size(), 8u);
+}
+
+// A tiny job of one rank in `out` (issue 43, "Nothing lost on resume"): seconds a run.
+std::string tiny_job(const test::TempDir& dir, const fs::path& out) {
+  return "'" SPMDX_SOURCE_DIR "/configs/llama_fsdp.toml' --nproc 1 --data.paths '" + corpus_file(dir) +
+         "' --training.global_batch_size 4 --training.seq_len 32 --job.dump_folder '" + out.string() + "'";
+}
+
+std::vector<std::int64_t> metric_steps(const fs::path& metrics) {
+  std::vector<std::int64_t> s;
+  for (const auto& row : rows(metrics)) s.push_back(row.at("step").get<std::int64_t>());
+  return s;
+}
+
+// A rerun beside checkpoints without checkpoint.enable is refused before any rank starts, saying
+// how to resume or start anew; a rerun beside metrics alone, and a resume that leaves rows out
+// (past its checkpoint, torn), keep the earlier file whole as metrics.<N>.jsonl. No row is lost.
+TEST(Checkpoint, ARerunNeverLosesARowOfMetrics) {
+  test::TempDir dir;
+  const fs::path out = dir / "job";
+  const std::string job = tiny_job(dir, out);
+  auto first = spmdx_run(job + " --training.steps 4 --checkpoint.enable true --checkpoint.interval 2");
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  const std::string history = test::read_file(out / "metrics.jsonl");
+  auto rerun = spmdx_run(job + " --training.steps 3");
+  EXPECT_EQ(rerun.exit_code, 1) << rerun.output;
+  EXPECT_THAT(rerun.output, HasSubstr("job.dump_folder '" + out.string() + "' holds the checkpoints of an earlier run (the newest: " +
+                                      (out / "checkpoint" / "step-4").string() + ") and checkpoint.enable is false, so this run would start again at step 1"));
+  EXPECT_THAT(rerun.output, HasSubstr("To resume that run, add --checkpoint.enable true; to start a new one, choose another --job.dump_folder (or move the old run away)"));
+  EXPECT_THAT(rerun.output, Not(HasSubstr("[rank 0]")));  // no rank started
+  EXPECT_EQ(test::read_file(out / "metrics.jsonl"), history);
+
+  // A resume that would leave out rows past its checkpoint and a torn line keeps the file whole aside.
+  fs::remove_all(out / "checkpoint" / "step-4");
+  { std::ofstream(out / "metrics.jsonl", std::ios::app) << "{\"step\": 5, \"lo"; }  // a crash mid-row
+  auto resumed = spmdx_run(job + " --training.steps 4 --checkpoint.enable true --checkpoint.interval 2");
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_THAT(resumed.output, HasSubstr((out / "metrics.jsonl").string() + ": resuming at step 3, it keeps the rows of steps 1-2 and leaves out 2 rows of steps "
+                                        "past the checkpoint's (a run that went on after it: step 3 on is trained again) and 1 line that is not a step's "
+                                        "metrics (not JSON, or no step >= 1: torn by a crash, or edited); the file as it was is kept whole as " +
+                                        (out / "metrics.1.jsonl").string()));
+  EXPECT_EQ(test::read_file(out / "metrics.1.jsonl"), history + "{\"step\": 5, \"lo");
+  EXPECT_EQ(metric_steps(out / "metrics.jsonl"), (std::vector<std::int64_t>{1, 2, 3, 4}));
+  // A resume with nothing to leave out appends, and keeps nothing aside.
+  auto longer = spmdx_run(job + " --training.steps 5 --checkpoint.enable true --checkpoint.interval 2");
+  ASSERT_EQ(longer.exit_code, 0) << longer.output;
+  EXPECT_THAT(longer.output, Not(HasSubstr("kept whole")));
+  EXPECT_EQ(metric_steps(out / "metrics.jsonl"), (std::vector<std::int64_t>{1, 2, 3, 4, 5}));
+  EXPECT_FALSE(fs::exists(out / "metrics.2.jsonl"));
+
+  // Beside metrics alone (no checkpoint): the earlier run's are kept under the next free name.
+  const fs::path plain = dir / "plain";
+  ASSERT_EQ(spmdx_run(tiny_job(dir, plain) + " --training.steps 2").exit_code, 0);
+  const std::string two = test::read_file(plain / "metrics.jsonl");
+  test::write_file(plain / "metrics.1.jsonl", "someone else's\n");  // never written over
+  auto again = spmdx_run(tiny_job(dir, plain) + " --training.steps 3");
+  ASSERT_EQ(again.exit_code, 0) << again.output;
+  EXPECT_THAT(again.output, HasSubstr("starting from step 1 in " + plain.string() + ", which holds the metrics of an earlier run: they are kept whole as " +
+                                      (plain / "metrics.2.jsonl").string() + ", and metrics.jsonl holds this run's"));
+  EXPECT_EQ(test::read_file(plain / "metrics.1.jsonl"), "someone else's\n");
+  EXPECT_EQ(test::read_file(plain / "metrics.2.jsonl"), two);
+  EXPECT_EQ(metric_steps(plain / "metrics.jsonl"), (std::vector<std::int64_t>{1, 2, 3}));
 }
 
 // Hot-swap: every step the ranks leave one backend and join the other (UCX over shared memory,

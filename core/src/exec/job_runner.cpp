@@ -20,6 +20,7 @@
 #include <pthread.h>
 #include <sys/sysinfo.h>
 #include <unistd.h>
+#include <fcntl.h>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
@@ -202,14 +203,35 @@ std::string npy_i64(const std::vector<std::int64_t>& data, std::int64_t rows, st
   return out;
 }
 
-// Rewrites a JSON Lines file of per-step rows (metrics.jsonl) keeping only the rows of steps
-// before `first_step`, atomically; a line that does not parse (torn by a crash) is dropped.
+// Moves `file` to the first free <stem>.<N><ext> beside it (metrics.1.jsonl, metrics.2.jsonl, ...),
+// never over another file, and returns where. Throws std::runtime_error naming both, the file
+// left where it was.
+std::filesystem::path move_aside(const std::filesystem::path& file) {
+  for (int n = 1;; ++n) {
+    const std::filesystem::path to = file.parent_path() / (file.stem().string() + "." + std::to_string(n) + file.extension().string());
+    if (::renameat2(AT_FDCWD, file.c_str(), AT_FDCWD, to.c_str(), RENAME_NOREPLACE) == 0) return to;
+    if (errno == EEXIST) continue;
+    if (errno == EINVAL || errno == ENOSYS) {  // a file system without RENAME_NOREPLACE: a hard link never replaces either
+      if (::link(file.c_str(), to.c_str()) == 0) {
+        ::unlink(file.c_str());
+        return to;
+      }
+      if (errno == EEXIST) continue;
+    }
+    throw std::runtime_error("cannot keep " + file.string() + " as " + to.string() + ": " + std::strerror(errno) + "; nothing was changed");
+  }
+}
+
+// Resuming at `first_step`: metrics.jsonl keeps the rows of the steps before it and the resumed
+// run appends. When the file holds more (rows of steps past the checkpoint, from a run that went
+// on after it; lines that are not a step's row, torn by a crash), it is kept whole as
+// metrics.<N>.jsonl first, said, and rewritten with those rows alone: no row is ever lost.
 void keep_rows_before(const std::filesystem::path& file, std::int64_t first_step) {
   if (!unreadable_file(file).empty()) return;  // none (or a FIFO, which would block)
-  std::ifstream in(file);
-  if (!in) return;
+  const std::string text = read_file_bytes(file);
   std::string kept, line;
-  int dropped = 0;
+  std::int64_t past = 0, torn = 0;
+  std::istringstream in(text);
   while (std::getline(in, line)) {
     try {
       check_json_nesting(line);
@@ -219,16 +241,29 @@ void keep_rows_before(const std::filesystem::path& file, std::int64_t first_step
         kept += line + "\n";
         continue;
       }
-      if (step >= 1) continue;  // past the checkpoint: the resumed run writes it again
+      if (step >= 1) {  // past the checkpoint: the resumed run writes it again
+        ++past;
+        continue;
+      }
     } catch (const std::exception&) {
     }
-    if (!line.empty()) ++dropped;
+    if (!line.empty()) ++torn;
   }
-  if (dropped > 0) {
-    SPMDX_WARN(file.string() << ": dropped " << dropped << " line" << (dropped == 1 ? "" : "s")
-                             << " that are not a step's metrics (not JSON, or no step >= 1: torn by a crash, or edited)");
+  if (kept == text) return;  // nothing to leave out: appended to as it is
+  if (past == 0 && torn == 0) {  // every row kept, the last one without its newline (cut just before it): added
+    write_file_atomic(file, kept);
+    return;
   }
+  const std::filesystem::path aside = move_aside(file);
   write_file_atomic(file, kept);
+  std::ostringstream what;
+  if (past > 0) what << past << " row" << (past == 1 ? "" : "s") << " of steps past the checkpoint's (a run that went on after it: step " << first_step << " on is trained again)";
+  if (torn > 0) {
+    what << (past > 0 ? " and " : "") << torn << " line" << (torn == 1 ? "" : "s") << " that " << (torn == 1 ? "is" : "are")
+         << " not a step's metrics (not JSON, or no step >= 1: torn by a crash, or edited)";
+  }
+  SPMDX_WARN(file.string() << ": resuming at step " << first_step << ", it keeps the rows of steps 1-" << first_step - 1 << " and leaves out " << what.str()
+                           << "; the file as it was is kept whole as " << aside.string());
 }
 
 }  // namespace
@@ -380,10 +415,13 @@ class MetricsWriter {
       keep_rows_before(file(), first_step);
       out_.open(file(), std::ios::app);
     } else {
+      // Starting at step 1 beside an earlier run's metrics: they are kept whole, aside.
       std::error_code ec;
       if (std::filesystem::file_size(file(), ec) > 0 && !ec) {
-        SPMDX_WARN("starting from step 1 in " << dump_.string() << ", which holds the metrics of an earlier run: metrics.jsonl is replaced"
-                                               << (checkpointing ? "" : " (with checkpoint.enable true, a run resumes from its newest checkpoint instead)"));
+        const std::filesystem::path aside = move_aside(file());
+        SPMDX_WARN("starting from step 1 in " << dump_.string() << ", which holds the metrics of an earlier run: they are kept whole as " << aside.string()
+                                               << ", and metrics.jsonl holds this run's"
+                                               << (checkpointing ? "" : " (with checkpoint.enable true, a run saves checkpoints and resumes from the newest)"));
       }
       out_.open(file(), std::ios::trunc);
     }
