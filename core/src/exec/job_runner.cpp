@@ -47,6 +47,7 @@
 #include "spmdx/launch/rendezvous.h"
 #include "spmdx/hooks/hook_set.h"
 #include "spmdx/sharding/spec.h"
+#include "spmdx/train/checkpoint_folder.h"
 #include "spmdx/train/job.h"
 #include "spmdx/plan/memory_plan.h"
 #include "spmdx/train/memory_budget.h"
@@ -272,12 +273,52 @@ namespace {
 
 // Resuming: from the newest checkpoint (or checkpoint.load_step), refused here, before anything
 // is made, when it was saved with another tokenizer.
-std::optional<std::int64_t> find_resume(const config::Config& cfg, const train::CheckpointSpec& ckpt, const std::string& tokenizer_id) {
+// A resume under another learning-rate schedule than the one the checkpoint's steps followed:
+// each changed value, the lr of the first step resumed under both, and the flags that keep the
+// checkpoint's. "" when the schedules agree.
+std::string schedule_change(const train::LrSchedule& saved, const train::LrSchedule& now, std::int64_t first_step, double lr) {
+  std::vector<std::string> changed, keep;
+  auto number = [](double x) {
+    std::ostringstream o;
+    o << x;
+    return o.str();
+  };
+  auto compare = [&](const std::string& what, const std::string& key, const std::string& was, const std::string& is) {
+    if (was == is) return;
+    changed.push_back(what + " " + was + " -> " + is);
+    keep.push_back("--" + key + " " + was);
+  };
+  compare("the span (lr_scheduler.total_steps, else training.steps)", "lr_scheduler.total_steps", std::to_string(saved.steps), std::to_string(now.steps));
+  compare("lr_scheduler.warmup_steps", "lr_scheduler.warmup_steps", std::to_string(saved.warmup_steps), std::to_string(now.warmup_steps));
+  compare("lr_scheduler.decay_ratio", "lr_scheduler.decay_ratio", number(saved.decay_ratio), number(now.decay_ratio));
+  compare("lr_scheduler.decay_type", "lr_scheduler.decay_type", saved.decay_type, now.decay_type);
+  compare("lr_scheduler.min_lr_factor", "lr_scheduler.min_lr_factor", number(saved.min_lr_factor), number(now.min_lr_factor));
+  if (changed.empty()) return "";
+  char lrs[160];
+  if (first_step <= saved.steps) {
+    std::snprintf(lrs, sizeof lrs, "step %lld's lr is %.3e, where the checkpoint's schedule gives %.3e", static_cast<long long>(first_step),
+                  lr * train::lr_factor(first_step, now), lr * train::lr_factor(first_step, saved));
+  } else {
+    std::snprintf(lrs, sizeof lrs, "step %lld's lr is %.3e, past the end of the checkpoint's schedule (%lld steps)", static_cast<long long>(first_step),
+                  lr * train::lr_factor(first_step, now), static_cast<long long>(saved.steps));
+  }
+  std::string out = "the checkpoint was saved under another learning-rate schedule: " + join(changed) +
+                    ". The resumed steps follow this run's schedule, not the one the first steps followed (" + lrs + "). To keep the checkpoint's, set";
+  for (const auto& k : keep) out += " " + k;
+  return out;
+}
+
+std::optional<std::int64_t> find_resume(const config::Config& cfg, const train::JobSpec& spec, const std::string& tokenizer_id, bool lead) {
+  const train::CheckpointSpec& ckpt = spec.checkpoint;
   const std::filesystem::path& ckpt_dir = ckpt.folder;
   std::optional<std::int64_t> resume_step;
-  if (ckpt.enable || ckpt.load_step >= 0) resume_step = find_checkpoint(ckpt_dir, ckpt.load_step);
+  if (ckpt.enable || ckpt.load_step >= 0) resume_step = find_checkpoint(ckpt_dir, ckpt.load_step, lead);
   if (resume_step) {
     const CheckpointMeta saved = read_checkpoint_meta(ckpt_dir, *resume_step);
+    if (const std::string change = saved.lr_schedule && *resume_step < spec.steps ? schedule_change(*saved.lr_schedule, spec.schedule, *resume_step + 1, spec.lr) : "";
+        lead && !change.empty()) {
+      SPMDX_WARN((ckpt_dir / train::checkpoint_name(*resume_step)).string() << ": " << change);
+    }
     if (!saved.tokenizer.empty() && saved.tokenizer != tokenizer_id) {
       throw config::ConfigError(cfg.where({"model.tokenizer"}) + ": the checkpoint " + (ckpt_dir / ("step-" + std::to_string(*resume_step))).string() +
                                 " was saved with another tokenizer (" + saved.tokenizer + "), this run has " + tokenizer_id +
@@ -827,6 +868,7 @@ struct StepLoop {
     if (checkpointing && (step % spec.checkpoint.interval == 0 || step == spec.steps)) {
       CheckpointMeta meta{step, dataset.state().samples, tokenizer_id, optimizer_steps};
       if (loss_scaling) meta.loss_scale = scaler.scale, meta.growth_tracker = scaler.growth_tracker;
+      meta.lr_schedule = spec.schedule;
       std::filesystem::path where;
       try {
         where = save_checkpoint(ckpt_dir, meta, job.mesh, env.rank, state, state_metas, state_placements, backend.get(), *pipeline_stages);
@@ -836,6 +878,14 @@ struct StepLoop {
                         e.peer());
       }
       if (lead) std::printf("saved checkpoint %s\n", where.string().c_str());
+      // checkpoint.keep_latest_k: the oldest go only now, with this one complete (every rank's
+      // shard written, renamed into place); rank 0 deletes, as torchtitan's.
+      if (lead && spec.checkpoint.keep_latest_k > 0) {
+        for (const auto& gone : purge_checkpoints(ckpt_dir, spec.checkpoint.keep_latest_k, step)) {
+          std::printf("deleted checkpoint %s (checkpoint.keep_latest_k = %lld)\n", gone.string().c_str(), static_cast<long long>(spec.checkpoint.keep_latest_k));
+        }
+        std::fflush(stdout);
+      }
     }
     return loss;
   }
@@ -1087,7 +1137,7 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
   const bool checkpointing = spec.checkpoint.enable;
   const std::filesystem::path& ckpt_dir = spec.checkpoint.folder;
   const std::string tokenizer_id = tokenizer_fingerprint(spec.data.tokenizer, tokenizer->vocab_size());
-  const std::optional<std::int64_t> resume_step = find_resume(cfg, spec.checkpoint, tokenizer_id);
+  const std::optional<std::int64_t> resume_step = find_resume(cfg, spec, tokenizer_id, lead);
   const std::int64_t first_step = resume_step ? *resume_step + 1 : 1;
   if (first_step > spec.steps) {
     if (lead) say_nothing_to_do(ckpt_dir, *resume_step, spec.steps);

@@ -9,7 +9,8 @@
 // Shard file format: 8 bytes "SPMDXCK1", u64 header length, a JSON header {tensors: [{name,
 // dtype, shape, global_offset, offset, bytes, crc32}]}, then the raw little-endian data.
 // metadata.json (version 2): format, version, step, data_samples, [optimizer_steps],
-// [grad_scaler {scale, growth_tracker}], world_size, mesh [{name,
+// [grad_scaler {scale, growth_tracker}], [lr_schedule {steps, warmup_steps, decay_ratio,
+// decay_type, min_lr_factor}], world_size, mesh [{name,
 // size}], tensors {name: {shape, dtype, placements}}, files {rank<R>.bin: {bytes,
 // header_crc32}}, and crc32, the CRC-32 of the compact JSON of everything else. Version 1
 // (no files, no crc32) is still read. Version 3 (written only with pipeline stages): also
@@ -22,11 +23,13 @@
 #include <set>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "spmdx/comm.h"
 #include "spmdx/exec/executor.h"
 #include "spmdx/models/weights.h"
 #include "spmdx/sharding/distribute.h"
+#include "spmdx/train/train_step.h"
 
 namespace spmdx::exec {
 
@@ -43,6 +46,10 @@ struct CheckpointMeta {
   /// loss_scale 0: none (metadata.json's optional "grad_scaler" {scale, growth_tracker}).
   double loss_scale = 0;
   std::int64_t growth_tracker = 0;
+  /// The learning-rate schedule the steps up to `step` followed (metadata.json's optional
+  /// "lr_schedule" {steps, warmup_steps, decay_ratio, decay_type, min_lr_factor}); nullopt in
+  /// checkpoints written before it was recorded.
+  std::optional<train::LrSchedule> lr_schedule{};
 };
 
 /// Pipeline stages in a checkpoint (metadata.json version 3): `stages` groups of mesh.size()
@@ -61,10 +68,22 @@ std::filesystem::path save_checkpoint(const std::filesystem::path& folder, const
                                       const std::map<std::string, sharding::Placements>& placements, CommBackend* backend,
                                       const PipelineStages& pipeline = {});
 
-/// The step of the newest whole checkpoint in `folder` (load_step -1), or load_step itself when
-/// it exists; nullopt when there is none. Throws std::runtime_error when load_step >= 0 names a
-/// step that is not there.
-std::optional<std::int64_t> find_checkpoint(const std::filesystem::path& folder, std::int64_t load_step);
+/// The step of the newest complete checkpoint in `folder` (load_step -1), or load_step itself
+/// when it is complete; nullopt when the folder holds no step folder. Only the names spmdx
+/// writes count (train::checkpoint_step); with `warn`, others are said to be ignored, and
+/// incomplete step folders newer than the one chosen are named. Throws std::runtime_error
+/// (train::resume_problem's text) when load_step >= 0 names no complete checkpoint, or when step
+/// folders are there but none is complete.
+std::optional<std::int64_t> find_checkpoint(const std::filesystem::path& folder, std::int64_t load_step, bool warn = true);
+
+/// checkpoint.keep_latest_k, after checkpoint `saved` is complete (call it on rank 0 only): deletes
+/// the oldest complete checkpoints of `folder` beyond the newest `keep` (by step, as torchtitan's
+/// _purge_stale_checkpoints), never `saved` itself, nor a folder spmdx did not write (a name
+/// it does not write, a link, or a metadata.json that does not read as a spmdx checkpoint of
+/// its step). Each is renamed to .step-<N>.deleting first, so a crash mid-delete leaves no
+/// step folder that looks like a damaged checkpoint. keep 0: nothing. Returns what was deleted.
+/// Throws std::runtime_error naming a folder that cannot be deleted.
+std::vector<std::filesystem::path> purge_checkpoints(const std::filesystem::path& folder, std::int64_t keep, std::int64_t saved);
 
 /// The step and data position of checkpoint `step`, its metadata.json checked (see
 /// load_checkpoint). Throws std::runtime_error naming the file and the key.
