@@ -372,6 +372,79 @@ void save_one_rank(const fs::path& folder, std::int64_t step, const exec::Tensor
   exec::save_checkpoint(folder, meta, one, 0, tensors, global, placements, nullptr);
 }
 
+// Writes `value` over every element of tensor `name` in `shard` (a float32 tensor), its CRC-32,
+// the shard's header CRC and size in metadata.json and metadata.json's own CRC recomputed, as a
+// writer would: a checkpoint consistent in every checksum.
+void overwrite_tensor(const fs::path& shard, const std::string& name, float value) {
+  std::string b = slurp(shard);
+  std::uint64_t n = 0;
+  std::memcpy(&n, b.data() + 8, 8);
+  json h = json::parse(b.substr(16, n));
+  std::string data = b.substr(16 + n);
+  for (auto& t : h["tensors"]) {
+    if (t["name"] != name) continue;
+    const std::size_t at = t["offset"].get<std::size_t>(), bytes = t["bytes"].get<std::size_t>();
+    for (std::size_t i = 0; i < bytes; i += 4) std::memcpy(data.data() + at + i, &value, 4);
+    t["crc32"] = crc32(data.substr(at, bytes));
+  }
+  const std::string text = h.dump();
+  const std::uint64_t len = text.size();
+  std::string out = b.substr(0, 8);
+  out.append(reinterpret_cast<const char*>(&len), 8);
+  out += text + data;
+  spill(shard, out);
+  const fs::path mfile = shard.parent_path() / "metadata.json";
+  json m = json::parse(slurp(mfile));
+  m["files"][shard.filename().string()] = {{"bytes", out.size()}, {"header_crc32", crc32(text)}};
+  sign(m);
+  spill(mfile, m.dump(1));
+}
+
+// A diverged state is never saved (the save throws naming the tensor before writing anything),
+// and a checkpoint whose tensors hold NaN or infinities, consistent in every checksum, is refused
+// at load naming the tensor, its file and the checkpoint, on the same mesh and resharded.
+TEST(Checkpoint, NonFiniteTensorsAreNeverSavedNorLoaded) {
+  test::TempDir dir;
+  const fs::path folder = dir / "ckpt";
+  exec::TensorMap good{{"a", at::randn({4, 6})}, {"b", at::randn({6})}};
+  save_one_rank(folder, 2, good);
+  save_one_rank(folder, 3, good);
+  exec::TensorMap diverged = good;
+  diverged["b"] = good.at("b").clone();
+  diverged["b"][1] = std::numeric_limits<float>::infinity();
+  diverged["b"][4] = std::numeric_limits<float>::quiet_NaN();
+  try {
+    save_one_rank(folder, 5, diverged);
+    ADD_FAILURE() << "saved";
+  } catch (const std::runtime_error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("not saving checkpoint " + (folder / "step-5").string() + ": rank 0's tensor 'b' holds 2 NaN or infinite values (of 6): "
+                                    "training diverged at or before step 5"));
+    EXPECT_THAT(e.what(), HasSubstr("The earlier checkpoints in " + folder.string() + " are kept"));
+  }
+  EXPECT_FALSE(fs::exists(folder / "step-5"));
+  EXPECT_FALSE(fs::exists(folder / ".step-5.partial"));
+
+  overwrite_tensor(folder / "step-3" / "rank0.bin", "a", std::numeric_limits<float>::quiet_NaN());
+  const std::map<std::string, ir::TensorMeta> global{{"a", {{4, 6}, ir::DType::f32}}, {"b", {{6}, ir::DType::f32}}};
+  const std::string says = "checkpoint file " + (folder / "step-3" / "rank0.bin").string() + ": tensor 'a' holds 24 NaN or infinite values (of 24): the run that "
+                           "saved checkpoint " + (folder / "step-3").string() + " had diverged, and resuming it would train on NaN. Resume from an earlier step "
+                           "(checkpoint.load_step 2, the newest before it), or move " + (folder / "step-3").string() + " away";
+  const sharding::DeviceMesh one({{"dp_shard", 1}}), two({{"dp_shard", 2}});
+  for (const auto& [what, mesh, placement] : std::vector<std::tuple<std::string, sharding::DeviceMesh, Placement>>{
+           {"same mesh", one, Placement::replicate()}, {"resharded", two, Placement::shard(0)}}) {
+    SCOPED_TRACE(what);
+    try {
+      exec::load_checkpoint(folder, 3, mesh, 0, global, {{"a", {placement}}, {"b", {placement}}}, nullptr);
+      ADD_FAILURE() << "loaded";
+    } catch (const std::runtime_error& e) {
+      EXPECT_EQ(std::string(e.what()), says);
+    }
+  }
+  // The one before it loads, exactly.
+  const exec::TensorMap back = exec::load_checkpoint(folder, 2, one, 0, global, {{"a", {Placement::replicate()}}, {"b", {Placement::replicate()}}}, nullptr);
+  EXPECT_TRUE(at::equal(back.at("a"), good.at("a")));
+}
+
 // metadata.json records the learning-rate schedule under its CRC-32; checkpoints without it
 // (written before it was) still read; a wrong value, re-signed, is refused naming the key.
 TEST(Checkpoint, TheLrScheduleIsRecordedUnderTheChecksum) {

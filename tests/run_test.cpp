@@ -1085,6 +1085,21 @@ TEST(Checkpoint, AResumeUnderAnotherLrScheduleIsSaid) {
   EXPECT_THAT(longer.output, HasSubstr("To keep the checkpoint's, set --lr_scheduler.total_steps 4 --lr_scheduler.warmup_steps 2"));
 }
 
+// A diverged state is never saved: the save fails naming the tensor, the earlier checkpoints stay.
+TEST(Checkpoint, ANonFiniteStateIsNeverSaved) {
+  test::TempDir dir;
+  const fs::path out = dir / "job", ckpt = out / "checkpoint";
+  auto r = test::run_command("SPMDX_FAULT=perturb:rank=0,step=4,tensor=norm.weight,delta=nan '" SPMDX_EXE "' run " + tiny_job(dir, out) +
+                             " --checkpoint.enable true --checkpoint.interval 2 --training.steps 4");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("not saving checkpoint " + (ckpt / "step-4").string() + ": rank 0's tensor 'norm.weight' holds 64 NaN or infinite values (of 64): "
+                                  "training diverged at or before step 4"));
+  EXPECT_THAT(r.output, HasSubstr("The earlier checkpoints in " + ckpt.string() + " are kept"));
+  EXPECT_TRUE(fs::exists(ckpt / "step-2" / "metadata.json"));
+  EXPECT_FALSE(fs::exists(ckpt / "step-4"));
+  EXPECT_FALSE(fs::exists(ckpt / ".step-4.partial"));
+}
+
 // Hot-swap: every step the ranks leave one backend and join the other (UCX over shared memory,
 // UCX over TCP); the losses are those of a run without swaps, and 100 swaps leak nothing.
 TEST(HotSwap, SwappingBackendsEveryStepChangesNoResultAndLeaksNothing) {

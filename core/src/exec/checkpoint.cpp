@@ -467,6 +467,45 @@ TensorMap load_shard(const fs::path& dir, std::int64_t r, const Metadata& md, co
   return out;
 }
 
+// The first floating tensor of `tensors` holding NaN or an infinity, "" when none: one
+// isfinite().all() reduction each, read back once for all (one sync on a GPU).
+std::string first_non_finite(const TensorMap& tensors) {
+  std::vector<std::string> names;
+  std::vector<at::Tensor> finite;
+  for (const auto& [name, t] : tensors) {
+    if (!t.is_floating_point() || t.numel() == 0) continue;
+    names.push_back(name);
+    finite.push_back(at::isfinite(t).all());
+  }
+  if (finite.empty() || at::stack(finite).all().item<bool>()) return "";
+  for (std::size_t i = 0; i < finite.size(); ++i) {
+    if (!finite[i].item<bool>()) return names[i];
+  }
+  return "";
+}
+
+// "3 NaN or infinite values (of 4096)": only when one is known to be there.
+std::string non_finite_count(const at::Tensor& t) {
+  const auto bad = (~at::isfinite(t)).sum().item<std::int64_t>();
+  return std::to_string(bad) + (bad == 1 ? " NaN or infinite value" : " NaN or infinite values") + " (of " + std::to_string(t.numel()) + ")";
+}
+
+// A loaded tensor that holds NaN or an infinity: refused, naming it, its file and the
+// checkpoint, and the complete checkpoints before it to resume from instead.
+void check_finite(const fs::path& file, const std::string& name, const at::Tensor& t) {
+  if (!t.is_floating_point() || t.numel() == 0 || at::isfinite(t).all().item<bool>()) return;
+  const fs::path dir = file.parent_path();
+  const std::int64_t step = train::checkpoint_step(dir.filename().string()).value_or(0);
+  std::string earlier;
+  for (const auto& [s, path] : train::scan_checkpoints(dir.parent_path()).complete) {
+    if (s < step) earlier = std::to_string(s);
+  }
+  fail(file, "tensor '" + name + "' holds " + non_finite_count(t) + ": the run that saved checkpoint " + dir.string() +
+                 " had diverged, and resuming it would train on NaN. Resume from an earlier step (" +
+                 (earlier.empty() ? std::string("none is complete in ") + dir.parent_path().string() : "checkpoint.load_step " + earlier + ", the newest before it") +
+                 "), or move " + dir.string() + " away");
+}
+
 }  // namespace
 
 fs::path save_checkpoint(const fs::path& folder, const CheckpointMeta& meta, const sharding::DeviceMesh& mesh, std::int64_t rank,
@@ -474,6 +513,13 @@ fs::path save_checkpoint(const fs::path& folder, const CheckpointMeta& meta, con
                          const std::map<std::string, sharding::Placements>& placements, CommBackend* backend, const PipelineStages& pipeline) {
   const fs::path final_dir = folder / train::checkpoint_name(meta.step);
   const fs::path tmp = folder / ("." + train::checkpoint_name(meta.step) + ".partial");
+  if (const std::string bad = first_non_finite(local); !bad.empty()) {  // before anything is written: the earlier checkpoints stay as they are
+    const at::Tensor& t = local.at(bad);
+    throw std::runtime_error("not saving checkpoint " + final_dir.string() + ": rank " + std::to_string(rank) + "'s tensor '" + bad + "' holds " +
+                             non_finite_count(t) + ": training diverged at or before step " + std::to_string(meta.step) +
+                             ", and a checkpoint of it could only resume the divergence. The earlier checkpoints in " + folder.string() +
+                             " are kept: resume from the newest with checkpoint.enable true (with a lower optimizer.lr, or more lr_scheduler.warmup_steps)");
+  }
   if (rank == 0) {
     fs::remove_all(tmp);
     fs::create_directories(tmp);
@@ -603,9 +649,10 @@ TensorMap load_checkpoint(const fs::path& folder, std::int64_t step, const shard
                     "that saved it, or start a new job.dump_folder");
   }
   TensorMap out;
+  const fs::path own = dir / ("rank" + std::to_string(rank) + ".bin");
   if (same) {  // the same layout: this rank's own file
     const TensorMap mine = load_shard(dir, rank, md, saved);
-    for (const auto& [name, g] : global) out[name] = mine.at(name);
+    for (const auto& [name, g] : global) check_finite(own, name, mine.at(name)), out[name] = mine.at(name);
     return out;
   }
   // Another mesh, strategy or pipeline: reassemble every tensor from the shards of the stage
@@ -617,6 +664,7 @@ TensorMap load_checkpoint(const fs::path& folder, std::int64_t step, const shard
     const std::int64_t first = md.tensors.at(name).stage * saved.size();
     for (std::int64_t r = first; r < first + saved.size(); ++r) {
       if (files.count(r) == 0) files.emplace(r, load_shard(dir, r, md, saved));
+      check_finite(dir / ("rank" + std::to_string(r) + ".bin"), name, files.at(r).at(name));
       parts.push_back(files.at(r).at(name));
     }
     const at::Tensor full = assemble_tensor(parts, md.tensors.at(name).placements, saved);

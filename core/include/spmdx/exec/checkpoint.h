@@ -62,7 +62,9 @@ struct PipelineStages {
 /// Writes this rank's `local` tensors (by name; their global metas and placements in `global`
 /// and `placements`, every stage's with pipeline stages) for `step`. Every rank calls it; `backend` (null for one rank) makes them
 /// wait for each other before rank 0 publishes the checkpoint. Returns the folder. Throws
-/// std::runtime_error naming the file that could not be written.
+/// std::runtime_error naming the file that could not be written, or, before anything is
+/// written, the tensor of `local` that holds NaN or infinite values (one isfinite().all() per
+/// floating tensor): a diverged state is never saved, and the earlier checkpoints stay.
 std::filesystem::path save_checkpoint(const std::filesystem::path& folder, const CheckpointMeta& meta, const sharding::DeviceMesh& mesh,
                                       std::int64_t rank, const TensorMap& local, const std::map<std::string, ir::TensorMeta>& global,
                                       const std::map<std::string, sharding::Placements>& placements, CommBackend* backend,
@@ -94,7 +96,8 @@ CheckpointMeta read_checkpoint_meta(const std::filesystem::path& folder, std::in
 /// pipeline stages (in the run, `pipeline`, or in the checkpoint) `rank` is global, `mesh` one
 /// stage's and `global` this rank's stage's tensors; each is reassembled from the files of the
 /// stage that saved it. Throws
-/// std::runtime_error naming the file (and the key) for: a metadata.json that fails its own
+/// std::runtime_error naming the file (and the key) for: a tensor this rank loads that holds NaN
+/// or infinite values (its name, file and checkpoint, and what to do); a metadata.json that fails its own
 /// CRC-32, has a version this build does not read (1, 2), or a field of the wrong type or out of
 /// range (a step that is not its folder's, a data position outside [step, step x 1e7], a world
 /// size that is not the mesh's or the number of shard files); a shard file that is truncated,
