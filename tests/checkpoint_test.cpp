@@ -11,6 +11,9 @@
 #include <nlohmann/json.hpp>
 
 #include <barrier>
+#include <limits>
+#include <optional>
+#include <sys/stat.h>
 #include <boost/crc.hpp>
 #include <cstring>
 #include <fstream>
@@ -20,6 +23,7 @@
 
 #include "spmdx/exec/checkpoint.h"
 #include "spmdx/exec/simulated.h"
+#include "spmdx/train/checkpoint_folder.h"
 #include "test_util.h"
 
 namespace spmdx {
@@ -351,6 +355,197 @@ TEST(Checkpoint, FuzzedMetadataAndShardFilesAreRefusedCleanlyOrLoadExactly) {
   // Not vacuous: most mutations are refused (the rest changed nothing that matters, such as
   // a space in metadata.json, or an unknown field).
   EXPECT_GT(refused, total * 3 / 4);
+}
+
+
+// One rank, everything replicated: `tensors` saved as checkpoint `step` of `folder`.
+void save_one_rank(const fs::path& folder, std::int64_t step, const exec::TensorMap& tensors, std::optional<train::LrSchedule> schedule = std::nullopt) {
+  const sharding::DeviceMesh one({{"dp_shard", 1}});
+  std::map<std::string, ir::TensorMeta> global;
+  std::map<std::string, Placements> placements;
+  for (const auto& [name, t] : tensors) {
+    global[name] = {t.sizes().vec(), ir::DType::f32};
+    placements[name] = {Placement::replicate()};
+  }
+  exec::CheckpointMeta meta{step, static_cast<std::uint64_t>(step) * 4, "byte"};
+  meta.lr_schedule = std::move(schedule);
+  exec::save_checkpoint(folder, meta, one, 0, tensors, global, placements, nullptr);
+}
+
+// Writes `value` over every element of tensor `name` in `shard` (a float32 tensor), its CRC-32,
+// the shard's header CRC and size in metadata.json and metadata.json's own CRC recomputed, as a
+// writer would: a checkpoint consistent in every checksum.
+void overwrite_tensor(const fs::path& shard, const std::string& name, float value) {
+  std::string b = slurp(shard);
+  std::uint64_t n = 0;
+  std::memcpy(&n, b.data() + 8, 8);
+  json h = json::parse(b.substr(16, n));
+  std::string data = b.substr(16 + n);
+  for (auto& t : h["tensors"]) {
+    if (t["name"] != name) continue;
+    const std::size_t at = t["offset"].get<std::size_t>(), bytes = t["bytes"].get<std::size_t>();
+    for (std::size_t i = 0; i < bytes; i += 4) std::memcpy(data.data() + at + i, &value, 4);
+    t["crc32"] = crc32(data.substr(at, bytes));
+  }
+  const std::string text = h.dump();
+  const std::uint64_t len = text.size();
+  std::string out = b.substr(0, 8);
+  out.append(reinterpret_cast<const char*>(&len), 8);
+  out += text + data;
+  spill(shard, out);
+  const fs::path mfile = shard.parent_path() / "metadata.json";
+  json m = json::parse(slurp(mfile));
+  m["files"][shard.filename().string()] = {{"bytes", out.size()}, {"header_crc32", crc32(text)}};
+  sign(m);
+  spill(mfile, m.dump(1));
+}
+
+// A diverged state is never saved (the save throws naming the tensor before writing anything),
+// and a checkpoint whose tensors hold NaN or infinities, consistent in every checksum, is refused
+// at load naming the tensor, its file and the checkpoint, on the same mesh and resharded.
+TEST(Checkpoint, NonFiniteTensorsAreNeverSavedNorLoaded) {
+  test::TempDir dir;
+  const fs::path folder = dir / "ckpt";
+  exec::TensorMap good{{"a", at::randn({4, 6})}, {"b", at::randn({6})}};
+  save_one_rank(folder, 2, good);
+  save_one_rank(folder, 3, good);
+  exec::TensorMap diverged = good;
+  diverged["b"] = good.at("b").clone();
+  diverged["b"][1] = std::numeric_limits<float>::infinity();
+  diverged["b"][4] = std::numeric_limits<float>::quiet_NaN();
+  try {
+    save_one_rank(folder, 5, diverged);
+    ADD_FAILURE() << "saved";
+  } catch (const std::runtime_error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("not saving checkpoint " + (folder / "step-5").string() + ": rank 0's tensor 'b' holds 2 NaN or infinite values (of 6): "
+                                    "training diverged at or before step 5"));
+    EXPECT_THAT(e.what(), HasSubstr("The earlier checkpoints in " + folder.string() + " are kept"));
+  }
+  EXPECT_FALSE(fs::exists(folder / "step-5"));
+  EXPECT_FALSE(fs::exists(folder / ".step-5.partial"));
+
+  overwrite_tensor(folder / "step-3" / "rank0.bin", "a", std::numeric_limits<float>::quiet_NaN());
+  const std::map<std::string, ir::TensorMeta> global{{"a", {{4, 6}, ir::DType::f32}}, {"b", {{6}, ir::DType::f32}}};
+  const std::string says = "checkpoint file " + (folder / "step-3" / "rank0.bin").string() + ": tensor 'a' holds 24 NaN or infinite values (of 24): the run that "
+                           "saved checkpoint " + (folder / "step-3").string() + " had diverged, and resuming it would train on NaN. Resume from an earlier step "
+                           "(checkpoint.load_step 2, the newest before it), or move " + (folder / "step-3").string() + " away";
+  const sharding::DeviceMesh one({{"dp_shard", 1}}), two({{"dp_shard", 2}});
+  for (const auto& [what, mesh, placement] : std::vector<std::tuple<std::string, sharding::DeviceMesh, Placement>>{
+           {"same mesh", one, Placement::replicate()}, {"resharded", two, Placement::shard(0)}}) {
+    SCOPED_TRACE(what);
+    try {
+      exec::load_checkpoint(folder, 3, mesh, 0, global, {{"a", {placement}}, {"b", {placement}}}, nullptr);
+      ADD_FAILURE() << "loaded";
+    } catch (const std::runtime_error& e) {
+      EXPECT_EQ(std::string(e.what()), says);
+    }
+  }
+  // The one before it loads, exactly.
+  const exec::TensorMap back = exec::load_checkpoint(folder, 2, one, 0, global, {{"a", {Placement::replicate()}}, {"b", {Placement::replicate()}}}, nullptr);
+  EXPECT_TRUE(at::equal(back.at("a"), good.at("a")));
+}
+
+// metadata.json records the learning-rate schedule under its CRC-32; checkpoints without it
+// (written before it was) still read; a wrong value, re-signed, is refused naming the key.
+TEST(Checkpoint, TheLrScheduleIsRecordedUnderTheChecksum) {
+  test::TempDir dir;
+  const fs::path folder = dir / "ckpt", mfile = folder / "step-2" / "metadata.json";
+  save_one_rank(folder, 2, {{"a", at::randn({3})}}, train::LrSchedule{5, 40, 0.25, "cosine", 0.1});
+  const json m = json::parse(slurp(mfile));
+  EXPECT_EQ(m.at("lr_schedule"), (json{{"steps", 40}, {"warmup_steps", 5}, {"decay_ratio", 0.25}, {"decay_type", "cosine"}, {"min_lr_factor", 0.1}}));
+  const auto read = exec::read_checkpoint_meta(folder, 2).lr_schedule;
+  ASSERT_TRUE(read.has_value());
+  EXPECT_EQ(read->steps, 40);
+  EXPECT_EQ(read->warmup_steps, 5);
+  EXPECT_EQ(read->decay_ratio, 0.25);
+  EXPECT_EQ(read->decay_type, "cosine");
+  EXPECT_EQ(read->min_lr_factor, 0.1);
+  auto refused = [&](const json& edited) {
+    spill(mfile, edited.dump(1));
+    try {
+      exec::read_checkpoint_meta(folder, 2);
+    } catch (const std::runtime_error& e) {
+      return std::string(e.what());
+    }
+    return std::string("read");
+  };
+  json edited = m;
+  edited["lr_schedule"]["steps"] = 80;  // not re-signed
+  EXPECT_THAT(refused(edited), HasSubstr("fails its checksum (key 'crc32')"));
+  sign(edited);
+  EXPECT_EQ(refused(edited), "read");
+  EXPECT_EQ(exec::read_checkpoint_meta(folder, 2).lr_schedule->steps, 80);
+  edited["lr_schedule"]["decay_type"] = "exponential";
+  sign(edited);
+  EXPECT_THAT(refused(edited), HasSubstr("key 'lr_schedule.decay_type' must be \"linear\", \"sqrt\" or \"cosine\", is \"exponential\""));
+  edited = m;
+  edited.erase("lr_schedule");  // as written before it was recorded
+  sign(edited);
+  EXPECT_EQ(refused(edited), "read");
+  EXPECT_FALSE(exec::read_checkpoint_meta(folder, 2).lr_schedule.has_value());
+}
+
+// Only the folder names spmdx writes are checkpoints; a step folder is complete when its
+// metadata.json is a readable regular file; a resume names what it skips or why it cannot.
+TEST(CheckpointFolder, OnlyTheNamesSpmdxWritesCountAndOnlyCompleteOnesResume) {
+  for (const auto& [name, step] : std::vector<std::pair<std::string, std::int64_t>>{{"step-1", 1}, {"step-10", 10}, {"step-1000000000", 1000000000}}) {
+    EXPECT_EQ(train::checkpoint_step(name), step) << name;
+  }
+  for (const char* name : {"step-7junk", "step- 9", "step-02", "step-0", "step-", "step-+3", "step--3", "step-3 ", "Step-3", "step-12345678901", "xstep-3"}) {
+    EXPECT_FALSE(train::checkpoint_step(name).has_value()) << name;
+  }
+  test::TempDir dir;
+  const fs::path f = dir / "ckpt";
+  for (const char* s : {"step-2", "step-4", "step-5", "step-6", "step-7junk", "step- 9", "step-02"}) {
+    fs::create_directories(f / s);
+    test::write_file(f / s / "metadata.json", "{}");
+  }
+  fs::remove(f / "step-4" / "metadata.json");
+  fs::remove(f / "step-5" / "metadata.json");
+  fs::create_symlink(dir / "nowhere.json", f / "step-5" / "metadata.json");
+  fs::remove(f / "step-6" / "metadata.json");
+  fs::create_symlink("/dev/null", f / "step-6" / "metadata.json");
+  test::write_file(f / "step-8", "a file");
+  fs::create_symlink(dir / "gone", f / "step-9");
+  const train::CheckpointFolder found = train::scan_checkpoints(f);
+  EXPECT_EQ(found.complete.size(), 1u);
+  EXPECT_EQ(found.complete.count(2), 1u);
+  std::map<std::int64_t, std::string> why;
+  for (const auto& [s, b] : found.broken) why[s] = b.second;
+  EXPECT_EQ(why, (std::map<std::int64_t, std::string>{{4, "has no metadata.json: damaged after it was saved?"},
+                                                      {5, "has a metadata.json that is a link to " + (dir / "nowhere.json").string() + ", which does not exist"},
+                                                      {6, "has a metadata.json that cannot be read: not a regular file (a folder, FIFO or device)"},
+                                                      {8, "is not a folder"},
+                                                      {9, "is a link to " + (dir / "gone").string() + ", which does not exist"}}));
+  EXPECT_EQ(found.ignored.size(), 3u);
+  EXPECT_EQ(exec::find_checkpoint(f, -1), 2);
+  EXPECT_EQ(exec::find_checkpoint(f, 2), 2);
+  try {
+    exec::find_checkpoint(f, 4);
+    ADD_FAILURE() << "found";
+  } catch (const std::runtime_error& e) {
+    EXPECT_EQ(std::string(e.what()), "checkpoint.load_step 4: no complete checkpoint " + (f / "step-4").string() +
+                                         " (has no metadata.json: damaged after it was saved?); the complete ones there: steps 2 (checkpoint.load_step -1 resumes from the newest)");
+  }
+  fs::remove_all(f / "step-2");
+  try {
+    exec::find_checkpoint(f, -1);
+    ADD_FAILURE() << "found";
+  } catch (const std::runtime_error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("no checkpoint in " + f.string() + " is complete, so there is nothing to resume: " + (f / "step-4").string() +
+                                    " (has no metadata.json: damaged after it was saved?); " + (f / "step-5").string()));
+    EXPECT_THAT(e.what(), HasSubstr("To start over at step 1, move them away; to resume from a good checkpoint, put it in " + f.string() +
+                                    " as step-<N> and set checkpoint.load_step <N>"));
+  }
+  EXPECT_EQ(exec::find_checkpoint(dir / "none", -1), std::nullopt);
+  // Where checkpoints cannot be written.
+  test::write_file(dir / "file", "");
+  ASSERT_EQ(::mkfifo((dir / "fifo").c_str(), 0600), 0);
+  EXPECT_EQ(train::unusable_checkpoint_folder(dir / "file"), "is a file, not a folder");
+  EXPECT_EQ(train::unusable_checkpoint_folder(dir / "fifo"), "is a FIFO, not a folder");
+  EXPECT_EQ(train::unusable_checkpoint_folder(dir / "file" / "ckpt"), "cannot be made: " + (dir / "file").string() + " is not a folder");
+  EXPECT_EQ(train::unusable_checkpoint_folder(dir / "new" / "ckpt"), "");
+  EXPECT_EQ(train::unusable_checkpoint_folder(f), "");
 }
 
 

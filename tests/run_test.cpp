@@ -11,7 +11,9 @@
 
 #include <cmath>
 #include <fstream>
+#include <functional>
 #include <map>
+#include <set>
 #include <tuple>
 
 #include "run_util.h"
@@ -878,6 +880,7 @@ TEST(Checkpoint, ResumingInTheSameFolderKeepsTheHistoryOfEveryFile) {
   ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
   EXPECT_THAT(resumed.output, HasSubstr("done: 2 steps (7-8, resumed)"));
   EXPECT_EQ(steps(out / "metrics.jsonl"), (std::vector<std::int64_t>{1, 2, 3, 4, 5, 6, 7, 8}));
+  EXPECT_EQ(steps(out / "metrics.1.jsonl"), (std::vector<std::int64_t>{1, 2, 3, 4, 5, 6, 7, 8}));  // the first run's, whole
   const auto after = losses(out / "metrics.jsonl");
   for (std::size_t i = 0; i < after.size(); ++i) EXPECT_NEAR(after[i], uninterrupted[i], 1e-6) << "step " << i + 1;
   // The hooks' files: steps 1-6 of the first run and 7-8 of the second, once each.
@@ -912,6 +915,189 @@ TEST(Checkpoint, ResumingInTheSameFolderKeepsTheHistoryOfEveryFile) {
   EXPECT_EQ(fs::last_write_time(out / "metrics.jsonl"), before);
   EXPECT_EQ(fs::last_write_time(out / "hooks" / "timeline" / "rank0.json"), timeline_before);
   EXPECT_EQ(steps(out / "metrics.jsonl").size(), 8u);
+}
+
+// A tiny job of one rank in `out` (issue 43, "Nothing lost on resume"): seconds a run.
+std::string tiny_job(const test::TempDir& dir, const fs::path& out) {
+  return "'" SPMDX_SOURCE_DIR "/configs/llama_fsdp.toml' --nproc 1 --data.paths '" + corpus_file(dir) +
+         "' --training.global_batch_size 4 --training.seq_len 32 --job.dump_folder '" + out.string() + "'";
+}
+
+std::vector<std::int64_t> metric_steps(const fs::path& metrics) {
+  std::vector<std::int64_t> s;
+  for (const auto& row : rows(metrics)) s.push_back(row.at("step").get<std::int64_t>());
+  return s;
+}
+
+// A rerun beside checkpoints without checkpoint.enable is refused before any rank starts, saying
+// how to resume or start anew; a rerun beside metrics alone, and a resume that leaves rows out
+// (past its checkpoint, torn), keep the earlier file whole as metrics.<N>.jsonl. No row is lost.
+TEST(Checkpoint, ARerunNeverLosesARowOfMetrics) {
+  test::TempDir dir;
+  const fs::path out = dir / "job";
+  const std::string job = tiny_job(dir, out);
+  auto first = spmdx_run(job + " --training.steps 4 --checkpoint.enable true --checkpoint.interval 2");
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  const std::string history = test::read_file(out / "metrics.jsonl");
+  auto rerun = spmdx_run(job + " --training.steps 3");
+  EXPECT_EQ(rerun.exit_code, 1) << rerun.output;
+  EXPECT_THAT(rerun.output, HasSubstr("job.dump_folder '" + out.string() + "' holds the checkpoints of an earlier run (the newest: " +
+                                      (out / "checkpoint" / "step-4").string() + ") and checkpoint.enable is false, so this run would start again at step 1"));
+  EXPECT_THAT(rerun.output, HasSubstr("To resume that run, add --checkpoint.enable true; to start a new one, choose another --job.dump_folder (or move the old run away)"));
+  EXPECT_THAT(rerun.output, Not(HasSubstr("[rank 0]")));  // no rank started
+  EXPECT_EQ(test::read_file(out / "metrics.jsonl"), history);
+
+  // A resume that would leave out rows past its checkpoint and a torn line keeps the file whole aside.
+  fs::remove_all(out / "checkpoint" / "step-4");
+  { std::ofstream(out / "metrics.jsonl", std::ios::app) << "{\"step\": 5, \"lo"; }  // a crash mid-row
+  auto resumed = spmdx_run(job + " --training.steps 4 --checkpoint.enable true --checkpoint.interval 2");
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_THAT(resumed.output, HasSubstr((out / "metrics.jsonl").string() + ": resuming at step 3, it keeps the rows of steps 1-2 and leaves out 2 rows of steps "
+                                        "past the checkpoint's (a run that went on after it: step 3 on is trained again) and 1 line that is not a step's "
+                                        "metrics (not JSON, or no step >= 1: torn by a crash, or edited); the file as it was is kept whole as " +
+                                        (out / "metrics.1.jsonl").string()));
+  EXPECT_EQ(test::read_file(out / "metrics.1.jsonl"), history + "{\"step\": 5, \"lo");
+  EXPECT_EQ(metric_steps(out / "metrics.jsonl"), (std::vector<std::int64_t>{1, 2, 3, 4}));
+  // A resume with nothing to leave out appends, and keeps nothing aside.
+  auto longer = spmdx_run(job + " --training.steps 5 --checkpoint.enable true --checkpoint.interval 2");
+  ASSERT_EQ(longer.exit_code, 0) << longer.output;
+  EXPECT_THAT(longer.output, Not(HasSubstr("kept whole")));
+  EXPECT_EQ(metric_steps(out / "metrics.jsonl"), (std::vector<std::int64_t>{1, 2, 3, 4, 5}));
+  EXPECT_FALSE(fs::exists(out / "metrics.2.jsonl"));
+
+  // Beside metrics alone (no checkpoint): the earlier run's are kept under the next free name.
+  const fs::path plain = dir / "plain";
+  ASSERT_EQ(spmdx_run(tiny_job(dir, plain) + " --training.steps 2").exit_code, 0);
+  const std::string two = test::read_file(plain / "metrics.jsonl");
+  test::write_file(plain / "metrics.1.jsonl", "someone else's\n");  // never written over
+  auto again = spmdx_run(tiny_job(dir, plain) + " --training.steps 3");
+  ASSERT_EQ(again.exit_code, 0) << again.output;
+  EXPECT_THAT(again.output, HasSubstr("starting from step 1 in " + plain.string() + ", which holds the metrics of an earlier run: they are kept whole as " +
+                                      (plain / "metrics.2.jsonl").string() + ", and metrics.jsonl holds this run's"));
+  EXPECT_EQ(test::read_file(plain / "metrics.1.jsonl"), "someone else's\n");
+  EXPECT_EQ(test::read_file(plain / "metrics.2.jsonl"), two);
+  EXPECT_EQ(metric_steps(plain / "metrics.jsonl"), (std::vector<std::int64_t>{1, 2, 3}));
+}
+
+// Only complete checkpoints under the names spmdx writes are resumed from: a newer broken one is
+// skipped and named; with none complete, a resume is refused naming each; step-7junk, "step- 9"
+// and step-02 are not checkpoints, and checkpoint.load_step 2 looks up step-2 alone.
+TEST(Checkpoint, OnlyCompleteCheckpointsUnderSpmdxsNamesAreResumedFrom) {
+  test::TempDir dir;
+  const fs::path out = dir / "job", ckpt = out / "checkpoint";
+  const std::string job = tiny_job(dir, out) + " --checkpoint.enable true --checkpoint.interval 2";
+  ASSERT_EQ(spmdx_run(job + " --training.steps 4").exit_code, 0);
+  for (const char* name : {"step-7junk", "step- 9", "step-02"}) fs::copy(ckpt / "step-4", ckpt / name, fs::copy_options::recursive);
+  fs::remove(ckpt / "step-4" / "metadata.json");
+  auto resumed = spmdx_run(job + " --training.steps 4");
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_THAT(resumed.output, HasSubstr("checkpoint " + (ckpt / "step-4").string() + " has no metadata.json: damaged after it was saved?: skipped; resuming from " +
+                                        (ckpt / "step-2").string() + ", the newest complete one"));
+  EXPECT_THAT(resumed.output, HasSubstr("resumed from " + (ckpt / "step-2").string()));
+  for (const char* name : {"step-7junk", "step- 9", "step-02"}) {
+    EXPECT_THAT(resumed.output, HasSubstr((ckpt / name).string() + " is not a checkpoint: spmdx writes step-<N> (N without sign, leading zero or suffix) and reads only those; ignored"));
+  }
+  // checkpoint.load_step 2 is step-2, never step-02.
+  fs::rename(ckpt / "step-2", dir / "step-2");
+  auto load2 = spmdx_run(job + " --training.steps 6 --checkpoint.load_step 2");
+  EXPECT_EQ(load2.exit_code, 1) << load2.output;
+  EXPECT_THAT(load2.output, HasSubstr("checkpoint.load_step 2: no complete checkpoint " + (ckpt / "step-2").string() + " (no such folder); the complete ones there: steps 4"));
+
+  // None complete: refused, naming each and what to do; nothing written.
+  for (const auto& [name, damage, says] : std::vector<std::tuple<std::string, std::function<void(const fs::path&)>, std::string>>{
+           {"missing", [](const fs::path& m) { fs::remove(m); }, "has no metadata.json: damaged after it was saved?"},
+           {"dangling", [](const fs::path& m) { fs::remove(m), fs::create_symlink("/nowhere/metadata.json", m); },
+            "has a metadata.json that is a link to /nowhere/metadata.json, which does not exist"},
+           {"device", [](const fs::path& m) { fs::remove(m), fs::create_symlink("/dev/null", m); },
+            "has a metadata.json that cannot be read: not a regular file (a folder, FIFO or device)"}}) {
+    SCOPED_TRACE(name);
+    const fs::path broken = dir / name;
+    fs::create_directories(broken / "checkpoint");
+    fs::copy(dir / "step-2", broken / "checkpoint" / "step-2", fs::copy_options::recursive);  // the first run's
+    fs::copy_file(out / "metrics.jsonl", broken / "metrics.jsonl");
+    damage(broken / "checkpoint" / "step-2" / "metadata.json");
+    const std::string history = test::read_file(broken / "metrics.jsonl");
+    auto refused = spmdx_run(tiny_job(dir, broken) + " --checkpoint.enable true --checkpoint.interval 2 --training.steps 4");
+    EXPECT_EQ(refused.exit_code, 1) << refused.output;
+    EXPECT_THAT(refused.output, HasSubstr("no checkpoint in " + (broken / "checkpoint").string() + " is complete, so there is nothing to resume: " +
+                                          (broken / "checkpoint" / "step-2").string() + " (" + says + "). To start over at step 1, move it away; "
+                                          "to resume from a good checkpoint, put it in " + (broken / "checkpoint").string() + " as step-<N> and set checkpoint.load_step <N>"));
+    EXPECT_THAT(refused.output, Not(HasSubstr("[rank 0]")));
+    EXPECT_EQ(test::read_file(broken / "metrics.jsonl"), history);
+  }
+}
+
+// checkpoint.keep_latest_k (torchtitan's): after each save the oldest complete checkpoints beyond
+// k go, the one resumed from only once a newer one is complete, and never a folder spmdx did not
+// write (one whose metadata is not spmdx's, a name it does not write).
+TEST(Checkpoint, KeepLatestKDeletesTheOldestAfterANewerOneIsComplete) {
+  test::TempDir dir;
+  const fs::path out = dir / "job", ckpt = out / "checkpoint";
+  const std::string job = tiny_job(dir, out) + " --checkpoint.enable true --checkpoint.interval 2";
+  auto first = spmdx_run(job + " --training.steps 4 --checkpoint.keep_latest_k 2");
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  EXPECT_THAT(first.output, Not(HasSubstr("deleted checkpoint")));
+  fs::create_directories(ckpt / "step-1");
+  test::write_file(ckpt / "step-1" / "metadata.json", "{\"someone\": \"else\"}");
+  fs::copy(ckpt / "step-2", ckpt / "step-02", fs::copy_options::recursive);
+  auto resumed = spmdx_run(job + " --training.steps 8 --checkpoint.keep_latest_k 1");
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_THAT(resumed.output, HasSubstr("resumed from " + (ckpt / "step-4").string()));
+  const std::string& o = resumed.output;
+  const auto saved6 = o.find("saved checkpoint " + (ckpt / "step-6").string()), gone4 = o.find("deleted checkpoint " + (ckpt / "step-4").string() + " (checkpoint.keep_latest_k = 1)");
+  ASSERT_NE(saved6, std::string::npos) << o;
+  ASSERT_NE(gone4, std::string::npos) << o;
+  EXPECT_LT(saved6, gone4);  // the checkpoint resumed from goes only once a newer one is complete
+  EXPECT_THAT(o, HasSubstr("deleted checkpoint " + (ckpt / "step-2").string()));
+  EXPECT_THAT(o, HasSubstr("deleted checkpoint " + (ckpt / "step-6").string()));
+  std::set<std::string> left;
+  for (const auto& e : fs::directory_iterator(ckpt)) left.insert(e.path().filename().string());
+  EXPECT_EQ(left, (std::set<std::string>{"step-02", "step-1", "step-8"}));
+  EXPECT_EQ(test::read_file(ckpt / "step-1" / "metadata.json"), "{\"someone\": \"else\"}");
+  // 0 (the default) keeps all.
+  auto all = spmdx_run(tiny_job(dir, dir / "all") + " --checkpoint.enable true --checkpoint.interval 2 --training.steps 6");
+  ASSERT_EQ(all.exit_code, 0) << all.output;
+  for (const char* s : {"step-2", "step-4", "step-6"}) EXPECT_TRUE(fs::exists(dir / "all" / "checkpoint" / s / "metadata.json")) << s;
+}
+
+// A resume under another learning-rate schedule than its checkpoint's (recorded in metadata.json)
+// is warned of, value by value, with the lr it gives and the flags that keep the old one.
+TEST(Checkpoint, AResumeUnderAnotherLrScheduleIsSaid) {
+  test::TempDir dir;
+  const fs::path out = dir / "job";
+  const std::string job = tiny_job(dir, out) + " --checkpoint.enable true --checkpoint.interval 2";
+  ASSERT_EQ(spmdx_run(job + " --training.steps 4").exit_code, 0);
+  const auto md = nlohmann::json::parse(test::read_file(out / "checkpoint" / "step-2" / "metadata.json"));
+  EXPECT_EQ(md.at("lr_schedule"), (nlohmann::json{{"steps", 4}, {"warmup_steps", 2}, {"decay_ratio", -1.0}, {"decay_type", "linear"}, {"min_lr_factor", 0.0}}));
+  fs::remove_all(out / "checkpoint" / "step-4");
+  auto same = spmdx_run(job + " --training.steps 4");
+  ASSERT_EQ(same.exit_code, 0) << same.output;
+  EXPECT_THAT(same.output, Not(HasSubstr("learning-rate schedule")));
+  fs::remove_all(out / "checkpoint" / "step-4");
+  auto longer = spmdx_run(job + " --training.steps 8 --lr_scheduler.warmup_steps 3");
+  ASSERT_EQ(longer.exit_code, 0) << longer.output;
+  char lr3[32];
+  std::snprintf(lr3, sizeof lr3, "%.3e", rows(out / "metrics.jsonl").at(2).at("lr").get<double>());
+  EXPECT_THAT(longer.output, HasSubstr((out / "checkpoint" / "step-2").string() + ": the checkpoint was saved under another learning-rate schedule: "
+                                       "the span (lr_scheduler.total_steps, else training.steps) 4 -> 8, lr_scheduler.warmup_steps 2 -> 3. The resumed steps "
+                                       "follow this run's schedule, not the one the first steps followed (step 3's lr is " + std::string(lr3) +
+                                       ", where the checkpoint's schedule gives "));
+  EXPECT_THAT(longer.output, HasSubstr("To keep the checkpoint's, set --lr_scheduler.total_steps 4 --lr_scheduler.warmup_steps 2"));
+}
+
+// A diverged state is never saved: the save fails naming the tensor, the earlier checkpoints stay.
+TEST(Checkpoint, ANonFiniteStateIsNeverSaved) {
+  test::TempDir dir;
+  const fs::path out = dir / "job", ckpt = out / "checkpoint";
+  auto r = test::run_command("SPMDX_FAULT=perturb:rank=0,step=4,tensor=norm.weight,delta=nan '" SPMDX_EXE "' run " + tiny_job(dir, out) +
+                             " --checkpoint.enable true --checkpoint.interval 2 --training.steps 4");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("not saving checkpoint " + (ckpt / "step-4").string() + ": rank 0's tensor 'norm.weight' holds 64 NaN or infinite values (of 64): "
+                                  "training diverged at or before step 4"));
+  EXPECT_THAT(r.output, HasSubstr("The earlier checkpoints in " + ckpt.string() + " are kept"));
+  EXPECT_TRUE(fs::exists(ckpt / "step-2" / "metadata.json"));
+  EXPECT_FALSE(fs::exists(ckpt / "step-4"));
+  EXPECT_FALSE(fs::exists(ckpt / ".step-4.partial"));
 }
 
 // Hot-swap: every step the ranks leave one backend and join the other (UCX over shared memory,

@@ -5,6 +5,8 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <sys/stat.h>
+
 #include <algorithm>
 #include <cmath>
 #include <fstream>
@@ -134,6 +136,28 @@ TEST(TrainingLoop, OutputFoldersThatCannotBeMadeAreRefusedBeforeAnyRankStarts) {
     EXPECT_THAT(r.output, ::testing::Not(HasSubstr("[rank 0]"))) << key;  // no rank started
     EXPECT_FALSE(fs::exists(dir / "out" / "metrics.jsonl")) << key;
   }
+}
+
+// A checkpoint.folder that is a file, a FIFO or under a file fails before any rank starts (not at
+// the first save, after training), naming the key and the path.
+TEST(TrainingLoop, ACheckpointFolderThatIsNoFolderIsRefusedBeforeAnyRankStarts) {
+  test::TempDir dir;
+  const std::string data = test::corpus_file(dir);
+  test::write_file(dir / "a_file", "");
+  ASSERT_EQ(::mkfifo((dir / "a_fifo").c_str(), 0600), 0);
+  for (const auto& [path, why] : std::vector<std::pair<fs::path, std::string>>{{dir / "a_file", "is a file, not a folder"},
+                                                                              {dir / "a_fifo", "is a FIFO, not a folder"},
+                                                                              {dir / "a_file" / "ckpt", "cannot be made: " + (dir / "a_file").string() + " is not a folder"}}) {
+    auto r = spmdx("run " + kConfig + " " + job(data) + kFsdp + " --training.steps 2 --checkpoint.enable true --checkpoint.folder '" + path.string() +
+                   "' --job.dump_folder '" + (dir / "out").string() + "'");
+    EXPECT_NE(r.exit_code, 0) << path;
+    EXPECT_THAT(r.output, HasSubstr("checkpoint.folder '" + path.string() + "': " + path.string() + " " + why +
+                                    ": checkpoints are saved there; name a folder this user may write, or a new one")) << r.output;
+    EXPECT_THAT(r.output, ::testing::Not(HasSubstr("[rank 0]"))) << path;  // no rank started
+    EXPECT_FALSE(fs::exists(dir / "out" / "metrics.jsonl")) << path;
+  }
+  EXPECT_TRUE(fs::is_fifo(dir / "a_fifo"));
+  EXPECT_EQ(fs::file_size(dir / "a_file"), 0u);
 }
 
 // Every scalar of metrics.jsonl, under its TensorBoard tag, read back by TensorBoard's own

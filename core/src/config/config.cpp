@@ -308,6 +308,9 @@ const std::vector<KeySpec>& schema() {
       k("checkpoint.folder", Type::string, std::string("checkpoint"), "under job.dump_folder"),
       n("checkpoint.interval", Type::integer, std::int64_t{10}, "steps between checkpoints", 1, 1e9),
       n("checkpoint.load_step", Type::integer, std::int64_t{-1}, "resume from this step (-1: the latest, if any)", -1, 1e9),
+      n("checkpoint.keep_latest_k", Type::integer, std::int64_t{0},
+        "after each save, rank 0 deletes the oldest complete checkpoints beyond this many (0: keep all); never one before a newer one is complete, "
+        "nor a folder spmdx did not write (torchtitan's key)", 0, 1e9),
       k("checkpoint.initial_load_path", Type::string, std::string(""),
         "a job with no checkpoint to resume starts from these weights: a .safetensors file or a folder of them (spmdx export's), under "
         "spmdx's (torchtitan's) names or, for llama, Hugging Face's; resharded onto this mesh (\"\": the seeded initialisation)"),

@@ -59,7 +59,6 @@ const std::vector<TitanKey>& table() {
       {"checkpoint.last_save_model_only", K::ignored, "", {}, "spmdx's last checkpoint keeps the optimizer state; spmdx export writes the weights alone"},
       {"checkpoint.last_save_in_hf", K::ignored, "", {}, "spmdx export writes the weights as safetensors"},
       {"checkpoint.async_mode", K::ignored, "", {}, "spmdx saves synchronously"},
-      {"checkpoint.keep_latest_k", K::ignored, "", {}, "spmdx keeps every checkpoint"},
       {"checkpoint.enable_first_step_checkpoint", K::ignored, "", {}, "spmdx saves every checkpoint.interval steps and at the end"},
       {"checkpoint.model_weights_only", K::ignored, "", {}, "spmdx export writes the weights alone"},
       {"comm.init_timeout_seconds", K::ignored, "", {}, "spmdx has one comm.timeout_seconds for start-up and training"},

@@ -17,6 +17,7 @@
 #include "spmdx/exec/kernels.h"
 #include "spmdx/exec/shards.h"
 #include "spmdx/sharding/spec.h"
+#include "spmdx/train/checkpoint_folder.h"
 #include "spmdx/text.h"
 
 namespace spmdx::exec {
@@ -315,6 +316,27 @@ class MetadataReader {
       meta.loss_scale = scale.get<double>();
       meta.growth_tracker = integer(field(g, "growth_tracker", "grad_scaler.growth_tracker"), "grad_scaler.growth_tracker", 0, 1'000'000'000);
     }
+    if (m_.contains("lr_schedule")) meta.lr_schedule = read_schedule(m_["lr_schedule"]);
+  }
+
+  // lr_schedule {steps, warmup_steps, decay_ratio, decay_type, min_lr_factor}: train::LrSchedule.
+  train::LrSchedule read_schedule(const json& s) const {
+    if (!s.is_object()) bad("lr_schedule", "must be an object {steps, warmup_steps, decay_ratio, decay_type, min_lr_factor}, is " + s.dump());
+    train::LrSchedule out;
+    out.steps = integer(field(s, "steps", "lr_schedule.steps"), "lr_schedule.steps", 1, 1'000'000'000);
+    out.warmup_steps = integer(field(s, "warmup_steps", "lr_schedule.warmup_steps"), "lr_schedule.warmup_steps", 0, 1'000'000'000);
+    const json& ratio = field(s, "decay_ratio", "lr_schedule.decay_ratio");
+    if (!ratio.is_number() || !(ratio.get<double>() == -1 || (ratio.get<double>() >= 0 && ratio.get<double>() <= 1))) {
+      bad("lr_schedule.decay_ratio", "must be a number between 0 and 1, or -1, is " + ratio.dump());
+    }
+    out.decay_ratio = ratio.get<double>();
+    const json& type = field(s, "decay_type", "lr_schedule.decay_type");
+    if (!type.is_string() || (type != "linear" && type != "sqrt" && type != "cosine")) bad("lr_schedule.decay_type", "must be \"linear\", \"sqrt\" or \"cosine\", is " + type.dump());
+    out.decay_type = type.get<std::string>();
+    const json& floor = field(s, "min_lr_factor", "lr_schedule.min_lr_factor");
+    if (!floor.is_number() || !(floor.get<double>() >= 0 && floor.get<double>() <= 1)) bad("lr_schedule.min_lr_factor", "must be a number between 0 and 1, is " + floor.dump());
+    out.min_lr_factor = floor.get<double>();
+    return out;
   }
 
   // The mesh's dims, whose sizes (x the pipeline's stages) multiply to the world size it returns.
@@ -445,13 +467,59 @@ TensorMap load_shard(const fs::path& dir, std::int64_t r, const Metadata& md, co
   return out;
 }
 
+// The first floating tensor of `tensors` holding NaN or an infinity, "" when none: one
+// isfinite().all() reduction each, read back once for all (one sync on a GPU).
+std::string first_non_finite(const TensorMap& tensors) {
+  std::vector<std::string> names;
+  std::vector<at::Tensor> finite;
+  for (const auto& [name, t] : tensors) {
+    if (!t.is_floating_point() || t.numel() == 0) continue;
+    names.push_back(name);
+    finite.push_back(at::isfinite(t).all());
+  }
+  if (finite.empty() || at::stack(finite).all().item<bool>()) return "";
+  for (std::size_t i = 0; i < finite.size(); ++i) {
+    if (!finite[i].item<bool>()) return names[i];
+  }
+  return "";
+}
+
+// "3 NaN or infinite values (of 4096)": only when one is known to be there.
+std::string non_finite_count(const at::Tensor& t) {
+  const auto bad = (~at::isfinite(t)).sum().item<std::int64_t>();
+  return std::to_string(bad) + (bad == 1 ? " NaN or infinite value" : " NaN or infinite values") + " (of " + std::to_string(t.numel()) + ")";
+}
+
+// A loaded tensor that holds NaN or an infinity: refused, naming it, its file and the
+// checkpoint, and the complete checkpoints before it to resume from instead.
+void check_finite(const fs::path& file, const std::string& name, const at::Tensor& t) {
+  if (!t.is_floating_point() || t.numel() == 0 || at::isfinite(t).all().item<bool>()) return;
+  const fs::path dir = file.parent_path();
+  const std::int64_t step = train::checkpoint_step(dir.filename().string()).value_or(0);
+  std::string earlier;
+  for (const auto& [s, path] : train::scan_checkpoints(dir.parent_path()).complete) {
+    if (s < step) earlier = std::to_string(s);
+  }
+  fail(file, "tensor '" + name + "' holds " + non_finite_count(t) + ": the run that saved checkpoint " + dir.string() +
+                 " had diverged, and resuming it would train on NaN. Resume from an earlier step (" +
+                 (earlier.empty() ? std::string("none is complete in ") + dir.parent_path().string() : "checkpoint.load_step " + earlier + ", the newest before it") +
+                 "), or move " + dir.string() + " away");
+}
+
 }  // namespace
 
 fs::path save_checkpoint(const fs::path& folder, const CheckpointMeta& meta, const sharding::DeviceMesh& mesh, std::int64_t rank,
                          const TensorMap& local, const std::map<std::string, ir::TensorMeta>& global,
                          const std::map<std::string, sharding::Placements>& placements, CommBackend* backend, const PipelineStages& pipeline) {
-  const fs::path final_dir = folder / ("step-" + std::to_string(meta.step));
-  const fs::path tmp = folder / (".step-" + std::to_string(meta.step) + ".partial");
+  const fs::path final_dir = folder / train::checkpoint_name(meta.step);
+  const fs::path tmp = folder / ("." + train::checkpoint_name(meta.step) + ".partial");
+  if (const std::string bad = first_non_finite(local); !bad.empty()) {  // before anything is written: the earlier checkpoints stay as they are
+    const at::Tensor& t = local.at(bad);
+    throw std::runtime_error("not saving checkpoint " + final_dir.string() + ": rank " + std::to_string(rank) + "'s tensor '" + bad + "' holds " +
+                             non_finite_count(t) + ": training diverged at or before step " + std::to_string(meta.step) +
+                             ", and a checkpoint of it could only resume the divergence. The earlier checkpoints in " + folder.string() +
+                             " are kept: resume from the newest with checkpoint.enable true (with a lower optimizer.lr, or more lr_scheduler.warmup_steps)");
+  }
   if (rank == 0) {
     fs::remove_all(tmp);
     fs::create_directories(tmp);
@@ -470,6 +538,10 @@ fs::path save_checkpoint(const fs::path& folder, const CheckpointMeta& meta, con
     if (staged) m["pipeline"] = {{"stages", pipeline.stages}};
     if (meta.optimizer_steps >= 0) m["optimizer_steps"] = meta.optimizer_steps;
     if (meta.loss_scale > 0) m["grad_scaler"] = {{"scale", meta.loss_scale}, {"growth_tracker", meta.growth_tracker}};
+    if (const auto& lr = meta.lr_schedule) {
+      m["lr_schedule"] = {{"steps", lr->steps}, {"warmup_steps", lr->warmup_steps}, {"decay_ratio", lr->decay_ratio}, {"decay_type", lr->decay_type},
+                          {"min_lr_factor", lr->min_lr_factor}};
+    }
     for (const auto& d : mesh.dims()) m["mesh"].push_back({{"name", d.name}, {"size", d.size}});
     for (const auto& [name, g] : global) {
       m["tensors"][name] = {{"shape", g.shape}, {"dtype", ir::to_string(g.dtype)}, {"placements", placements_text(placements.at(name))}};
@@ -491,35 +563,57 @@ fs::path save_checkpoint(const fs::path& folder, const CheckpointMeta& meta, con
   return final_dir;
 }
 
-CheckpointMeta read_checkpoint_meta(const fs::path& folder, std::int64_t step) { return read_metadata(folder / ("step-" + std::to_string(step))).meta; }
+CheckpointMeta read_checkpoint_meta(const fs::path& folder, std::int64_t step) { return read_metadata(folder / train::checkpoint_name(step)).meta; }
 
-std::optional<std::int64_t> find_checkpoint(const fs::path& folder, std::int64_t load_step) {
-  if (load_step >= 0) {
-    if (!fs::exists(folder / ("step-" + std::to_string(load_step)) / "metadata.json")) {
-      throw std::runtime_error("checkpoint.load_step " + std::to_string(load_step) + ": no whole checkpoint " +
-                               (folder / ("step-" + std::to_string(load_step))).string());
+std::optional<std::int64_t> find_checkpoint(const fs::path& folder, std::int64_t load_step, bool warn) {
+  const train::CheckpointFolder found = train::scan_checkpoints(folder);
+  if (warn) {
+    for (const auto& p : found.ignored) {
+      SPMDX_WARN(p.string() << " is not a checkpoint: spmdx writes step-<N> (N without sign, leading zero or suffix) and reads only those; ignored");
     }
-    return load_step;
   }
-  std::optional<std::int64_t> best;
-  std::error_code ec;
-  for (const auto& e : fs::directory_iterator(folder, ec)) {
-    const std::string n = e.path().filename().string();
-    if (n.rfind("step-", 0) != 0) continue;
-    if (!fs::exists(e.path() / "metadata.json")) {
-      // Saves appear whole (renamed into place once complete): a step folder without its
-      // metadata was damaged afterwards. Skipped, but said.
-      SPMDX_WARN("checkpoint folder " << e.path().string() << " has no metadata.json (damaged after it was saved?): skipped; "
-                                      << "resuming from an earlier step, if any");
-      continue;
+  if (const std::string why = train::resume_problem(folder, found, load_step); !why.empty()) throw std::runtime_error(why);
+  if (load_step >= 0) return load_step;
+  if (found.complete.empty()) return std::nullopt;
+  const auto& [newest, dir] = *found.complete.rbegin();
+  if (warn) {
+    for (const auto& [step, broken] : found.broken) {
+      // Saves appear whole (renamed into place once complete): a newer step folder that is not
+      // was damaged afterwards. Skipped, but said.
+      if (step > newest) SPMDX_WARN("checkpoint " << broken.first.string() << " " << broken.second << ": skipped; resuming from " << dir.string() << ", the newest complete one");
     }
+  }
+  return newest;
+}
+
+std::vector<fs::path> purge_checkpoints(const fs::path& folder, std::int64_t keep, std::int64_t saved) {
+  std::vector<fs::path> deleted;
+  if (keep <= 0) return deleted;
+  std::vector<std::int64_t> ours;  // complete checkpoints spmdx wrote, oldest first
+  for (const auto& [step, dir] : train::scan_checkpoints(folder).complete) {
+    std::error_code ec;
+    if (fs::is_symlink(fs::symlink_status(dir, ec))) continue;  // a link to a checkpoint elsewhere: not this run's to delete
     try {
-      const std::int64_t s = std::stoll(n.substr(5));
-      if (!best || s > *best) best = s;
+      read_metadata(dir);  // its step is its folder's, its shard files are there
     } catch (const std::exception&) {
+      continue;  // not a checkpoint as spmdx writes them: never deleted
     }
+    ours.push_back(step);
   }
-  return best;
+  for (std::size_t i = 0; i + static_cast<std::size_t>(keep) < ours.size(); ++i) {
+    if (ours[i] == saved) continue;
+    const fs::path dir = folder / train::checkpoint_name(ours[i]), doomed = folder / ("." + train::checkpoint_name(ours[i]) + ".deleting");
+    try {
+      fs::remove_all(doomed);
+      fs::rename(dir, doomed);
+      fs::remove_all(doomed);
+    } catch (const fs::filesystem_error& e) {
+      throw std::runtime_error("checkpoint.keep_latest_k " + std::to_string(keep) + ": cannot delete " + dir.string() + ": " + e.code().message());
+    }
+    deleted.push_back(dir);
+  }
+  if (!deleted.empty()) fsync_path(folder);
+  return deleted;
 }
 
 TensorMap load_checkpoint(const fs::path& folder, std::int64_t step, const sharding::DeviceMesh& mesh, std::int64_t rank,
@@ -555,9 +649,10 @@ TensorMap load_checkpoint(const fs::path& folder, std::int64_t step, const shard
                     "that saved it, or start a new job.dump_folder");
   }
   TensorMap out;
+  const fs::path own = dir / ("rank" + std::to_string(rank) + ".bin");
   if (same) {  // the same layout: this rank's own file
     const TensorMap mine = load_shard(dir, rank, md, saved);
-    for (const auto& [name, g] : global) out[name] = mine.at(name);
+    for (const auto& [name, g] : global) check_finite(own, name, mine.at(name)), out[name] = mine.at(name);
     return out;
   }
   // Another mesh, strategy or pipeline: reassemble every tensor from the shards of the stage
@@ -569,6 +664,7 @@ TensorMap load_checkpoint(const fs::path& folder, std::int64_t step, const shard
     const std::int64_t first = md.tensors.at(name).stage * saved.size();
     for (std::int64_t r = first; r < first + saved.size(); ++r) {
       if (files.count(r) == 0) files.emplace(r, load_shard(dir, r, md, saved));
+      check_finite(dir / ("rank" + std::to_string(r) + ".bin"), name, files.at(r).at(name));
       parts.push_back(files.at(r).at(name));
     }
     const at::Tensor full = assemble_tensor(parts, md.tensors.at(name).placements, saved);
@@ -666,18 +762,9 @@ std::size_t export_safetensors(const fs::path& step_dir, const fs::path& out, bo
     throw std::runtime_error(out.string() + " is inside the checkpoint " + step_dir.string() + ", which export reads: write it elsewhere");
   }
   if (!fs::exists(step_dir / "metadata.json", ec)) {  // the checkpoint folder itself, say: name one of its steps
-    std::vector<std::string> steps;
-    for (const auto& e : fs::directory_iterator(step_dir, ec)) {
-      if (e.path().filename().string().rfind("step-", 0) == 0 && fs::exists(e.path() / "metadata.json", ec)) steps.push_back(e.path().filename().string());
-    }
-    if (!steps.empty()) {
-      // By step number; a folder "step-<not a number>" first (std::stoll would throw "stoll").
-      auto step_of = [](const std::string& name) {
-        const std::string digits = name.substr(5);
-        return digits.empty() || digits.size() > 18 || digits.find_first_not_of("0123456789") != std::string::npos ? -1LL : std::stoll(digits);
-      };
-      std::sort(steps.begin(), steps.end(), [&](const std::string& a, const std::string& b) { return step_of(a) < step_of(b); });
-      throw std::runtime_error(step_dir.string() + " holds checkpoints, not one: name a step folder, e.g. " + (step_dir / steps.back()).string() + " (the newest)");
+    const auto found = train::scan_checkpoints(step_dir);
+    if (!found.complete.empty()) {
+      throw std::runtime_error(step_dir.string() + " holds checkpoints, not one: name a step folder, e.g. " + found.complete.rbegin()->second.string() + " (the newest)");
     }
   }
   const Metadata md = read_metadata(step_dir);

@@ -20,6 +20,7 @@
 #include <pthread.h>
 #include <sys/sysinfo.h>
 #include <unistd.h>
+#include <fcntl.h>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
@@ -46,6 +47,7 @@
 #include "spmdx/launch/rendezvous.h"
 #include "spmdx/hooks/hook_set.h"
 #include "spmdx/sharding/spec.h"
+#include "spmdx/train/checkpoint_folder.h"
 #include "spmdx/train/job.h"
 #include "spmdx/plan/memory_plan.h"
 #include "spmdx/train/memory_budget.h"
@@ -202,14 +204,35 @@ std::string npy_i64(const std::vector<std::int64_t>& data, std::int64_t rows, st
   return out;
 }
 
-// Rewrites a JSON Lines file of per-step rows (metrics.jsonl) keeping only the rows of steps
-// before `first_step`, atomically; a line that does not parse (torn by a crash) is dropped.
+// Moves `file` to the first free <stem>.<N><ext> beside it (metrics.1.jsonl, metrics.2.jsonl, ...),
+// never over another file, and returns where. Throws std::runtime_error naming both, the file
+// left where it was.
+std::filesystem::path move_aside(const std::filesystem::path& file) {
+  for (int n = 1;; ++n) {
+    const std::filesystem::path to = file.parent_path() / (file.stem().string() + "." + std::to_string(n) + file.extension().string());
+    if (::renameat2(AT_FDCWD, file.c_str(), AT_FDCWD, to.c_str(), RENAME_NOREPLACE) == 0) return to;
+    if (errno == EEXIST) continue;
+    if (errno == EINVAL || errno == ENOSYS) {  // a file system without RENAME_NOREPLACE: a hard link never replaces either
+      if (::link(file.c_str(), to.c_str()) == 0) {
+        ::unlink(file.c_str());
+        return to;
+      }
+      if (errno == EEXIST) continue;
+    }
+    throw std::runtime_error("cannot keep " + file.string() + " as " + to.string() + ": " + std::strerror(errno) + "; nothing was changed");
+  }
+}
+
+// Resuming at `first_step`: metrics.jsonl keeps the rows of the steps before it and the resumed
+// run appends. When the file holds more (rows of steps past the checkpoint, from a run that went
+// on after it; lines that are not a step's row, torn by a crash), it is kept whole as
+// metrics.<N>.jsonl first, said, and rewritten with those rows alone: no row is ever lost.
 void keep_rows_before(const std::filesystem::path& file, std::int64_t first_step) {
   if (!unreadable_file(file).empty()) return;  // none (or a FIFO, which would block)
-  std::ifstream in(file);
-  if (!in) return;
+  const std::string text = read_file_bytes(file);
   std::string kept, line;
-  int dropped = 0;
+  std::int64_t past = 0, torn = 0;
+  std::istringstream in(text);
   while (std::getline(in, line)) {
     try {
       check_json_nesting(line);
@@ -219,16 +242,29 @@ void keep_rows_before(const std::filesystem::path& file, std::int64_t first_step
         kept += line + "\n";
         continue;
       }
-      if (step >= 1) continue;  // past the checkpoint: the resumed run writes it again
+      if (step >= 1) {  // past the checkpoint: the resumed run writes it again
+        ++past;
+        continue;
+      }
     } catch (const std::exception&) {
     }
-    if (!line.empty()) ++dropped;
+    if (!line.empty()) ++torn;
   }
-  if (dropped > 0) {
-    SPMDX_WARN(file.string() << ": dropped " << dropped << " line" << (dropped == 1 ? "" : "s")
-                             << " that are not a step's metrics (not JSON, or no step >= 1: torn by a crash, or edited)");
+  if (kept == text) return;  // nothing to leave out: appended to as it is
+  if (past == 0 && torn == 0) {  // every row kept, the last one without its newline (cut just before it): added
+    write_file_atomic(file, kept);
+    return;
   }
+  const std::filesystem::path aside = move_aside(file);
   write_file_atomic(file, kept);
+  std::ostringstream what;
+  if (past > 0) what << past << " row" << (past == 1 ? "" : "s") << " of steps past the checkpoint's (a run that went on after it: step " << first_step << " on is trained again)";
+  if (torn > 0) {
+    what << (past > 0 ? " and " : "") << torn << " line" << (torn == 1 ? "" : "s") << " that " << (torn == 1 ? "is" : "are")
+         << " not a step's metrics (not JSON, or no step >= 1: torn by a crash, or edited)";
+  }
+  SPMDX_WARN(file.string() << ": resuming at step " << first_step << ", it keeps the rows of steps 1-" << first_step - 1 << " and leaves out " << what.str()
+                           << "; the file as it was is kept whole as " << aside.string());
 }
 
 }  // namespace
@@ -237,12 +273,52 @@ namespace {
 
 // Resuming: from the newest checkpoint (or checkpoint.load_step), refused here, before anything
 // is made, when it was saved with another tokenizer.
-std::optional<std::int64_t> find_resume(const config::Config& cfg, const train::CheckpointSpec& ckpt, const std::string& tokenizer_id) {
+// A resume under another learning-rate schedule than the one the checkpoint's steps followed:
+// each changed value, the lr of the first step resumed under both, and the flags that keep the
+// checkpoint's. "" when the schedules agree.
+std::string schedule_change(const train::LrSchedule& saved, const train::LrSchedule& now, std::int64_t first_step, double lr) {
+  std::vector<std::string> changed, keep;
+  auto number = [](double x) {
+    std::ostringstream o;
+    o << x;
+    return o.str();
+  };
+  auto compare = [&](const std::string& what, const std::string& key, const std::string& was, const std::string& is) {
+    if (was == is) return;
+    changed.push_back(what + " " + was + " -> " + is);
+    keep.push_back("--" + key + " " + was);
+  };
+  compare("the span (lr_scheduler.total_steps, else training.steps)", "lr_scheduler.total_steps", std::to_string(saved.steps), std::to_string(now.steps));
+  compare("lr_scheduler.warmup_steps", "lr_scheduler.warmup_steps", std::to_string(saved.warmup_steps), std::to_string(now.warmup_steps));
+  compare("lr_scheduler.decay_ratio", "lr_scheduler.decay_ratio", number(saved.decay_ratio), number(now.decay_ratio));
+  compare("lr_scheduler.decay_type", "lr_scheduler.decay_type", saved.decay_type, now.decay_type);
+  compare("lr_scheduler.min_lr_factor", "lr_scheduler.min_lr_factor", number(saved.min_lr_factor), number(now.min_lr_factor));
+  if (changed.empty()) return "";
+  char lrs[160];
+  if (first_step <= saved.steps) {
+    std::snprintf(lrs, sizeof lrs, "step %lld's lr is %.3e, where the checkpoint's schedule gives %.3e", static_cast<long long>(first_step),
+                  lr * train::lr_factor(first_step, now), lr * train::lr_factor(first_step, saved));
+  } else {
+    std::snprintf(lrs, sizeof lrs, "step %lld's lr is %.3e, past the end of the checkpoint's schedule (%lld steps)", static_cast<long long>(first_step),
+                  lr * train::lr_factor(first_step, now), static_cast<long long>(saved.steps));
+  }
+  std::string out = "the checkpoint was saved under another learning-rate schedule: " + join(changed) +
+                    ". The resumed steps follow this run's schedule, not the one the first steps followed (" + lrs + "). To keep the checkpoint's, set";
+  for (const auto& k : keep) out += " " + k;
+  return out;
+}
+
+std::optional<std::int64_t> find_resume(const config::Config& cfg, const train::JobSpec& spec, const std::string& tokenizer_id, bool lead) {
+  const train::CheckpointSpec& ckpt = spec.checkpoint;
   const std::filesystem::path& ckpt_dir = ckpt.folder;
   std::optional<std::int64_t> resume_step;
-  if (ckpt.enable || ckpt.load_step >= 0) resume_step = find_checkpoint(ckpt_dir, ckpt.load_step);
+  if (ckpt.enable || ckpt.load_step >= 0) resume_step = find_checkpoint(ckpt_dir, ckpt.load_step, lead);
   if (resume_step) {
     const CheckpointMeta saved = read_checkpoint_meta(ckpt_dir, *resume_step);
+    if (const std::string change = saved.lr_schedule && *resume_step < spec.steps ? schedule_change(*saved.lr_schedule, spec.schedule, *resume_step + 1, spec.lr) : "";
+        lead && !change.empty()) {
+      SPMDX_WARN((ckpt_dir / train::checkpoint_name(*resume_step)).string() << ": " << change);
+    }
     if (!saved.tokenizer.empty() && saved.tokenizer != tokenizer_id) {
       throw config::ConfigError(cfg.where({"model.tokenizer"}) + ": the checkpoint " + (ckpt_dir / ("step-" + std::to_string(*resume_step))).string() +
                                 " was saved with another tokenizer (" + saved.tokenizer + "), this run has " + tokenizer_id +
@@ -380,10 +456,13 @@ class MetricsWriter {
       keep_rows_before(file(), first_step);
       out_.open(file(), std::ios::app);
     } else {
+      // Starting at step 1 beside an earlier run's metrics: they are kept whole, aside.
       std::error_code ec;
       if (std::filesystem::file_size(file(), ec) > 0 && !ec) {
-        SPMDX_WARN("starting from step 1 in " << dump_.string() << ", which holds the metrics of an earlier run: metrics.jsonl is replaced"
-                                               << (checkpointing ? "" : " (with checkpoint.enable true, a run resumes from its newest checkpoint instead)"));
+        const std::filesystem::path aside = move_aside(file());
+        SPMDX_WARN("starting from step 1 in " << dump_.string() << ", which holds the metrics of an earlier run: they are kept whole as " << aside.string()
+                                               << ", and metrics.jsonl holds this run's"
+                                               << (checkpointing ? "" : " (with checkpoint.enable true, a run saves checkpoints and resumes from the newest)"));
       }
       out_.open(file(), std::ios::trunc);
     }
@@ -789,6 +868,7 @@ struct StepLoop {
     if (checkpointing && (step % spec.checkpoint.interval == 0 || step == spec.steps)) {
       CheckpointMeta meta{step, dataset.state().samples, tokenizer_id, optimizer_steps};
       if (loss_scaling) meta.loss_scale = scaler.scale, meta.growth_tracker = scaler.growth_tracker;
+      meta.lr_schedule = spec.schedule;
       std::filesystem::path where;
       try {
         where = save_checkpoint(ckpt_dir, meta, job.mesh, env.rank, state, state_metas, state_placements, backend.get(), *pipeline_stages);
@@ -798,6 +878,14 @@ struct StepLoop {
                         e.peer());
       }
       if (lead) std::printf("saved checkpoint %s\n", where.string().c_str());
+      // checkpoint.keep_latest_k: the oldest go only now, with this one complete (every rank's
+      // shard written, renamed into place); rank 0 deletes, as torchtitan's.
+      if (lead && spec.checkpoint.keep_latest_k > 0) {
+        for (const auto& gone : purge_checkpoints(ckpt_dir, spec.checkpoint.keep_latest_k, step)) {
+          std::printf("deleted checkpoint %s (checkpoint.keep_latest_k = %lld)\n", gone.string().c_str(), static_cast<long long>(spec.checkpoint.keep_latest_k));
+        }
+        std::fflush(stdout);
+      }
     }
     return loss;
   }
@@ -1049,7 +1137,7 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
   const bool checkpointing = spec.checkpoint.enable;
   const std::filesystem::path& ckpt_dir = spec.checkpoint.folder;
   const std::string tokenizer_id = tokenizer_fingerprint(spec.data.tokenizer, tokenizer->vocab_size());
-  const std::optional<std::int64_t> resume_step = find_resume(cfg, spec.checkpoint, tokenizer_id);
+  const std::optional<std::int64_t> resume_step = find_resume(cfg, spec, tokenizer_id, lead);
   const std::int64_t first_step = resume_step ? *resume_step + 1 : 1;
   if (first_step > spec.steps) {
     if (lead) say_nothing_to_do(ckpt_dir, *resume_step, spec.steps);

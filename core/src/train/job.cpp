@@ -23,6 +23,7 @@
 #include "spmdx/models/weights.h"
 #include "spmdx/plan/runtime_plan.h"
 #include "spmdx/train/auto_sharding.h"
+#include "spmdx/train/checkpoint_folder.h"
 #include "spmdx/train/memory_budget.h"
 
 namespace spmdx::train {
@@ -369,7 +370,7 @@ void read_sections(const config::Config& cfg, JobSpec& s) {
                        cfg.get_float("training.grad_scaler_init_scale"), cfg.get_int("training.grad_scaler_growth_interval")};
   const std::filesystem::path dump = cfg.get_string("job.dump_folder");
   s.checkpoint = {cfg.get_bool("checkpoint.enable"), dump / cfg.get_string("checkpoint.folder"), cfg.get_int("checkpoint.interval"),
-                  cfg.get_int("checkpoint.load_step"), cfg.get_string("checkpoint.initial_load_path")};
+                  cfg.get_int("checkpoint.load_step"), cfg.get_string("checkpoint.initial_load_path"), cfg.get_int("checkpoint.keep_latest_k")};
   s.data = {cfg.get_list("data.paths"), static_cast<std::uint64_t>(cfg.get_int("data.seed")), cfg.get_string("model.tokenizer"),
             cfg.get_string("data.document_separator")};
   s.output = {dump, cfg.get_int("metrics.log_freq"), cfg.get_bool("debug.dump_initial_weights"), cfg.get_bool("debug.dump_batches"), {}, 0, {}};
@@ -610,8 +611,42 @@ JobSpec job_spec(const config::Config& cfg, std::int64_t world_size, std::int64_
   return s;
 }
 
+namespace {
+
+// [checkpoint] against what checkpoint.folder holds, before any rank starts (and again on each
+// rank, before it trains): a folder checkpoints cannot be written to; a rerun that would start
+// at step 1 beside an earlier run's checkpoints; a resume with nothing whole to resume from.
+void check_checkpoint_folder(const config::Config& cfg, Problems& problems) {
+  const std::filesystem::path dump = cfg.get_string("job.dump_folder");
+  const std::filesystem::path folder = dump / cfg.get_string("checkpoint.folder");
+  const bool enable = cfg.get_bool("checkpoint.enable");
+  const std::int64_t load_step = cfg.get_int("checkpoint.load_step");
+  if (enable) {
+    if (const std::string why = unusable_checkpoint_folder(folder); !why.empty()) {
+      problems.add({"checkpoint.folder", "job.dump_folder"}, "checkpoint.folder '" + cfg.get_string("checkpoint.folder") + "': " + folder.string() + " " + why +
+                                                                 ": checkpoints are saved there; name a folder this user may write, or a new one");
+      return;
+    }
+  }
+  const CheckpointFolder found = scan_checkpoints(folder);
+  if (!enable && load_step < 0) {
+    if (found.empty()) return;
+    const std::filesystem::path newest = found.complete.empty() ? found.broken.rbegin()->second.first : found.complete.rbegin()->second;
+    problems.add({"checkpoint.enable", "job.dump_folder"},
+                 "job.dump_folder '" + dump.string() + "' holds the checkpoints of an earlier run (the newest: " + newest.string() +
+                     (found.complete.empty() ? ", not complete" : "") +
+                     ") and checkpoint.enable is false, so this run would start again at step 1 beside them. To resume that run, add "
+                     "--checkpoint.enable true; to start a new one, choose another --job.dump_folder (or move the old run away)");
+    return;
+  }
+  if (const std::string why = resume_problem(folder, found, load_step); !why.empty()) problems.add({"checkpoint.enable", "checkpoint.load_step"}, why);
+}
+
+}  // namespace
+
 void check_runnable(const config::Config& cfg) {
   Problems problems{cfg, {}};
+  if (!cfg.has_problem("checkpoint.") && !cfg.has_problem("job.dump_folder")) check_checkpoint_folder(cfg, problems);
   auto fail = [&](const std::vector<std::string>& keys, const std::string& why) { problems.add(keys, why); };
   if (cfg.get_list("data.paths").empty()) fail({"data.paths"}, "data.paths is empty: name text or JSON Lines files to train on");
   auto check_files = [&](const std::string& key) {
@@ -824,14 +859,7 @@ void check_hooks(const config::Config& cfg, PluginRegistry& registry, std::int64
 
 // Whether the job will resume from a checkpoint of its own (a step-N folder under
 // checkpoint.folder, which exec::find_checkpoint checks in full on the ranks).
-bool has_checkpoint(const CheckpointSpec& ckpt) {
-  std::error_code ec;
-  if (!(ckpt.enable || ckpt.load_step >= 0) || !std::filesystem::is_directory(ckpt.folder, ec)) return false;
-  for (const auto& e : std::filesystem::directory_iterator(ckpt.folder, ec)) {
-    if (e.path().filename().string().rfind("step-", 0) == 0) return true;
-  }
-  return false;
-}
+bool has_checkpoint(const CheckpointSpec& ckpt) { return (ckpt.enable || ckpt.load_step >= 0) && !scan_checkpoints(ckpt.folder).complete.empty(); }
 
 }  // namespace
 

@@ -9,7 +9,8 @@
 // Shard file format: 8 bytes "SPMDXCK1", u64 header length, a JSON header {tensors: [{name,
 // dtype, shape, global_offset, offset, bytes, crc32}]}, then the raw little-endian data.
 // metadata.json (version 2): format, version, step, data_samples, [optimizer_steps],
-// [grad_scaler {scale, growth_tracker}], world_size, mesh [{name,
+// [grad_scaler {scale, growth_tracker}], [lr_schedule {steps, warmup_steps, decay_ratio,
+// decay_type, min_lr_factor}], world_size, mesh [{name,
 // size}], tensors {name: {shape, dtype, placements}}, files {rank<R>.bin: {bytes,
 // header_crc32}}, and crc32, the CRC-32 of the compact JSON of everything else. Version 1
 // (no files, no crc32) is still read. Version 3 (written only with pipeline stages): also
@@ -22,11 +23,13 @@
 #include <set>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "spmdx/comm.h"
 #include "spmdx/exec/executor.h"
 #include "spmdx/models/weights.h"
 #include "spmdx/sharding/distribute.h"
+#include "spmdx/train/train_step.h"
 
 namespace spmdx::exec {
 
@@ -43,6 +46,10 @@ struct CheckpointMeta {
   /// loss_scale 0: none (metadata.json's optional "grad_scaler" {scale, growth_tracker}).
   double loss_scale = 0;
   std::int64_t growth_tracker = 0;
+  /// The learning-rate schedule the steps up to `step` followed (metadata.json's optional
+  /// "lr_schedule" {steps, warmup_steps, decay_ratio, decay_type, min_lr_factor}); nullopt in
+  /// checkpoints written before it was recorded.
+  std::optional<train::LrSchedule> lr_schedule{};
 };
 
 /// Pipeline stages in a checkpoint (metadata.json version 3): `stages` groups of mesh.size()
@@ -55,16 +62,30 @@ struct PipelineStages {
 /// Writes this rank's `local` tensors (by name; their global metas and placements in `global`
 /// and `placements`, every stage's with pipeline stages) for `step`. Every rank calls it; `backend` (null for one rank) makes them
 /// wait for each other before rank 0 publishes the checkpoint. Returns the folder. Throws
-/// std::runtime_error naming the file that could not be written.
+/// std::runtime_error naming the file that could not be written, or, before anything is
+/// written, the tensor of `local` that holds NaN or infinite values (one isfinite().all() per
+/// floating tensor): a diverged state is never saved, and the earlier checkpoints stay.
 std::filesystem::path save_checkpoint(const std::filesystem::path& folder, const CheckpointMeta& meta, const sharding::DeviceMesh& mesh,
                                       std::int64_t rank, const TensorMap& local, const std::map<std::string, ir::TensorMeta>& global,
                                       const std::map<std::string, sharding::Placements>& placements, CommBackend* backend,
                                       const PipelineStages& pipeline = {});
 
-/// The step of the newest whole checkpoint in `folder` (load_step -1), or load_step itself when
-/// it exists; nullopt when there is none. Throws std::runtime_error when load_step >= 0 names a
-/// step that is not there.
-std::optional<std::int64_t> find_checkpoint(const std::filesystem::path& folder, std::int64_t load_step);
+/// The step of the newest complete checkpoint in `folder` (load_step -1), or load_step itself
+/// when it is complete; nullopt when the folder holds no step folder. Only the names spmdx
+/// writes count (train::checkpoint_step); with `warn`, others are said to be ignored, and
+/// incomplete step folders newer than the one chosen are named. Throws std::runtime_error
+/// (train::resume_problem's text) when load_step >= 0 names no complete checkpoint, or when step
+/// folders are there but none is complete.
+std::optional<std::int64_t> find_checkpoint(const std::filesystem::path& folder, std::int64_t load_step, bool warn = true);
+
+/// checkpoint.keep_latest_k, after checkpoint `saved` is complete (call it on rank 0 only): deletes
+/// the oldest complete checkpoints of `folder` beyond the newest `keep` (by step, as torchtitan's
+/// _purge_stale_checkpoints), never `saved` itself, nor a folder spmdx did not write (a name
+/// it does not write, a link, or a metadata.json that does not read as a spmdx checkpoint of
+/// its step). Each is renamed to .step-<N>.deleting first, so a crash mid-delete leaves no
+/// step folder that looks like a damaged checkpoint. keep 0: nothing. Returns what was deleted.
+/// Throws std::runtime_error naming a folder that cannot be deleted.
+std::vector<std::filesystem::path> purge_checkpoints(const std::filesystem::path& folder, std::int64_t keep, std::int64_t saved);
 
 /// The step and data position of checkpoint `step`, its metadata.json checked (see
 /// load_checkpoint). Throws std::runtime_error naming the file and the key.
@@ -75,7 +96,8 @@ CheckpointMeta read_checkpoint_meta(const std::filesystem::path& folder, std::in
 /// pipeline stages (in the run, `pipeline`, or in the checkpoint) `rank` is global, `mesh` one
 /// stage's and `global` this rank's stage's tensors; each is reassembled from the files of the
 /// stage that saved it. Throws
-/// std::runtime_error naming the file (and the key) for: a metadata.json that fails its own
+/// std::runtime_error naming the file (and the key) for: a tensor this rank loads that holds NaN
+/// or infinite values (its name, file and checkpoint, and what to do); a metadata.json that fails its own
 /// CRC-32, has a version this build does not read (1, 2), or a field of the wrong type or out of
 /// range (a step that is not its folder's, a data position outside [step, step x 1e7], a world
 /// size that is not the mesh's or the number of shard files); a shard file that is truncated,

@@ -62,6 +62,9 @@ struct CheckpointSpec {
   /// checkpoint.initial_load_path: the weights a job with nothing to resume starts from (a
   /// .safetensors file or a folder of them; models/weights.h); empty: the seeded initialisation.
   std::filesystem::path initial_load_path;
+  /// checkpoint.keep_latest_k: after a save, the complete checkpoints kept, the oldest deleted
+  /// (torchtitan's _purge_stale_checkpoints); 0 keeps all.
+  std::int64_t keep_latest_k = 0;
 };
 
 /// [data] and the tokenizer: what every rank reads.
