@@ -5,8 +5,11 @@
 #include <nlohmann/json.hpp>
 
 #include <map>
+#include <regex>
+#include <sstream>
 
 #include "spmdx/plugin.h"
+#include "run_util.h"
 #include "test_util.h"
 
 namespace spmdx {
@@ -280,6 +283,28 @@ TEST(Cli, PipelineStagesArePlannedAndBadOnesRefused) {
   auto fits = spmdx(llama + " --parallelism.memory_budget 8MiB");
   EXPECT_THAT(fits.output, HasSubstr("fits as configured")) << fits.output;
   refused("--parallelism.memory_budget 1MiB", "is over the budget 1.0 MiB, and nothing spmdx tries fits");
+}
+
+// A typo on the command line gets the hint a typo in the file gets: the same words.
+TEST(Cli, ATypoOnTheCommandLineGetsTheHintOfTheSameTypoInAFile) {
+  test::TempDir dir;
+  const std::string config = SPMDX_SOURCE_DIR "/configs/llama_debug.toml";
+  auto section = spmdx("run '" + config + "' --nproc 4 --optimzer.lr 1e-3 --optimizer.lrr 1");
+  EXPECT_EQ(section.exit_code, 1) << section.output;
+  EXPECT_THAT(section.output, HasSubstr("  command line: --optimzer.lr: unknown section 'optimzer'; did you mean 'optimizer'?\n"));
+  EXPECT_THAT(section.output, HasSubstr("  command line: --optimizer.lrr: unknown key 'optimizer.lrr'; did you mean 'optimizer.lr'?"));
+  test::write_file(dir / "job.toml", "[optimzer]\nlr = 1e-3\n[optimizer]\nlrr = 1\n");
+  auto file = spmdx("compile '" + (dir / "job.toml").string() + "'");
+  EXPECT_EQ(file.exit_code, 1) << file.output;
+  EXPECT_THAT(file.output, HasSubstr((dir / "job.toml").string() + ":1:1: unknown section 'optimzer'; did you mean 'optimizer'?"));
+  EXPECT_THAT(file.output, HasSubstr((dir / "job.toml").string() + ":4:7: unknown key 'optimizer.lrr'; did you mean 'optimizer.lr'?"));
+  // Without --nproc, the typo is named with the ranks the job needs, not hidden behind them.
+  auto alone = spmdx("run '" + config + "' --optimzer.lr 1e-3");
+  EXPECT_EQ(alone.exit_code, 1);
+  EXPECT_THAT(alone.output, HasSubstr("unknown section 'optimzer'; did you mean 'optimizer'?"));
+  EXPECT_THAT(alone.output, HasSubstr("its parallelism degrees make 4 ranks: start them with --nproc 4"));
+  // A torchtitan section spmdx reads as torchtitan's is not a typo.
+  EXPECT_THAT(spmdx("compile '" + config + "' --float8.enable_fsdp_float8_all_gather false").output, Not(HasSubstr("unknown section")));
 }
 
 TEST(Cli, EnvironmentPathIsSearched) {

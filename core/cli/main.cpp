@@ -702,9 +702,9 @@ int run_run(const RunOptions& o) {
   const spmdx::launch::RankEnv env = spmdx::launch::rank_env();
   if (env.source == "single" && !cfg.has_problem("parallelism.")) {  // a job of several ranks started as one: say how to start it
     const std::int64_t want = spmdx::train::degree_product(cfg);
-    if (want > 1) {
-      throw spmdx::config::ConfigError(cfg.where(spmdx::train::kDegreeKeys) + ": its parallelism degrees make " + std::to_string(want) +
-                                       " ranks: start them with --nproc " + std::to_string(want) + " (or under torchrun, srun, mpirun)");
+    if (want > 1) {  // with the config's other problems, if any: each is to fix before starting them
+      cfg.check({cfg.where(spmdx::train::kDegreeKeys) + ": its parallelism degrees make " + std::to_string(want) + " ranks: start them with --nproc " +
+                 std::to_string(want) + " (or under torchrun, srun, mpirun)"});
     }
   }
   if (!launched) {  // one rank, or started by hand, torchrun, srun or mpirun: this rank checks its own job
