@@ -285,6 +285,27 @@ TEST(Cli, PipelineStagesArePlannedAndBadOnesRefused) {
   refused("--parallelism.memory_budget 1MiB", "is over the budget 1.0 MiB, and nothing spmdx tries fits");
 }
 
+// Degrees that do not multiply to the ranks started: the message says what to change, as the
+// flags to give, and each flag it names fixes the job.
+TEST(Cli, DegreesThatDoNotFitTheRanksSayWhichFlagsFixThem) {
+  const std::string config = SPMDX_SOURCE_DIR "/configs/llama_debug.toml";
+  auto run = spmdx("run '" + config + "' --nproc 2");
+  EXPECT_EQ(run.exit_code, 1) << run.output;
+  EXPECT_EQ(run.output, "error: " + config + ": parallelism degrees multiply to 4 (1 x 2 x 2), but world_size is 2: start 4 ranks (--nproc 4), or make the degrees "
+                        "fit 2 ranks: --parallelism.data_parallel_shard_degree -1 (the ranks the other degrees leave) or --parallelism.tensor_parallel_degree 1\n");
+  EXPECT_THAT(run.output, Not(HasSubstr("[rank")));  // refused before any rank started
+  // spmdx compile counts the ranks with --world-size, and says so.
+  auto compile = spmdx("compile '" + config + "' --world-size 2");
+  EXPECT_EQ(compile.exit_code, 1) << compile.output;
+  EXPECT_THAT(compile.output, HasSubstr("but world_size is 2: start 4 ranks (--world-size 4), or make the degrees fit 2 ranks: "));
+  for (const std::string fix : {"--parallelism.data_parallel_shard_degree -1", "--parallelism.tensor_parallel_degree 1", ""}) {
+    auto fixed = spmdx("compile '" + config + "' --world-size " + (fix.empty() ? "4" : "2 " + fix));
+    EXPECT_EQ(fixed.exit_code, 0) << fix << "\n" << fixed.output;
+  }
+  auto three = spmdx("compile '" + config + "' --world-size 3");  // no one degree fits 3 ranks
+  EXPECT_THAT(three.output, HasSubstr("but world_size is 3: start 4 ranks (--world-size 4), or set degrees that multiply to 3\n"));
+}
+
 // A typo on the command line gets the hint a typo in the file gets: the same words.
 TEST(Cli, ATypoOnTheCommandLineGetsTheHintOfTheSameTypoInAFile) {
   test::TempDir dir;

@@ -467,7 +467,7 @@ int run_compile(const CompileOptions& o) {
   spmdx::PluginRegistry registry;
   std::unique_ptr<spmdx::data::Tokenizer> tokenizer;
   std::optional<spmdx::train::JobSpec> checked_spec;
-  cfg.check(spmdx::train::preflight(cfg, world, registry, &tokenizer, &checked_spec, spmdx::train::Preflight::plan));
+  cfg.check(spmdx::train::preflight(cfg, world, registry, &tokenizer, &checked_spec, spmdx::train::Preflight::plan, "--world-size"));
   if (!cfg.ignored().empty()) std::cerr << cfg.ignored_text() << "\n";
   const spmdx::train::JobSpec& spec = checked_spec.value();
   spmdx::train::PlacedJob job = spmdx::train::place_job(spec, registry);
@@ -655,8 +655,9 @@ struct RunOptions {
 // each of its `ranks_per_host` ranks: checked before any rank starts, since each would fail
 // with the same message.
 std::vector<std::string> run_problems(const spmdx::config::Config& cfg, std::int64_t world_size, int ranks_per_host, spmdx::PluginRegistry& registry,
-                                      std::unique_ptr<spmdx::data::Tokenizer>* tokenizer, std::optional<spmdx::train::JobSpec>* spec) {
-  std::vector<std::string> problems = spmdx::train::preflight(cfg, world_size, registry, tokenizer, spec);
+                                      std::unique_ptr<spmdx::data::Tokenizer>* tokenizer, std::optional<spmdx::train::JobSpec>* spec,
+                                      const std::string& start_flag = "") {
+  std::vector<std::string> problems = spmdx::train::preflight(cfg, world_size, registry, tokenizer, spec, spmdx::train::Preflight::run, start_flag);
 #ifdef SPMDX_HAVE_EXEC
   if (!cfg.has_problem("training.device") && cfg.get_string("training.device") == "cuda") {
     if (const std::string why = spmdx::exec::cuda_problem(ranks_per_host); !why.empty()) {
@@ -687,7 +688,7 @@ int run_run(const RunOptions& o) {
     spmdx::PluginRegistry registry;
     std::unique_ptr<spmdx::data::Tokenizer> tokenizer;
     std::optional<spmdx::train::JobSpec> spec;
-    cfg.check(run_problems(cfg, o.nproc * o.nnodes, o.nproc, registry, &tokenizer, &spec));
+    cfg.check(run_problems(cfg, o.nproc * o.nnodes, o.nproc, registry, &tokenizer, &spec, o.nnodes == 1 ? "--nproc" : ""));
     spmdx::train::check_data(cfg, *tokenizer, *spec);  // reads the data: only once the rest is right
     if (!cfg.ignored().empty()) std::cerr << cfg.ignored_text() << "\n";
     std::vector<std::string> argv{self_exe(), "run", o.config};
