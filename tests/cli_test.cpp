@@ -306,6 +306,20 @@ TEST(Cli, DegreesThatDoNotFitTheRanksSayWhichFlagsFixThem) {
   EXPECT_THAT(three.output, HasSubstr("but world_size is 3: start 4 ranks (--world-size 4), or set degrees that multiply to 3\n"));
 }
 
+// One form for errors: spmdx's "error: ...", CLI11's parse errors included (no "Error:", no
+// "Run with --help").
+TEST(Cli, EveryErrorSaysErrorTheSameWay) {
+  auto range = spmdx("run '" SPMDX_SOURCE_DIR "/configs/llama_debug.toml' --nproc 0");
+  EXPECT_EQ(range.exit_code, 2);
+  EXPECT_EQ(range.output, "error: --nproc: Value 0 not in range 1 to 4096\nspmdx run --help describes its options\n");
+  auto flag = spmdx("plugins --no-such-flag");
+  EXPECT_EQ(flag.exit_code, 2);
+  EXPECT_EQ(flag.output, "error: The following argument was not expected: --no-such-flag\nspmdx plugins --help describes its options\n");
+  auto top = spmdx("--log-level loud");
+  EXPECT_EQ(top.exit_code, 2);
+  EXPECT_THAT(top.output, ::testing::StartsWith("error: --log-level: loud not in {trace,debug,info,warn,warning,error,off}\nspmdx --help describes"));
+}
+
 // A typo on the command line gets the hint a typo in the file gets: the same words.
 TEST(Cli, ATypoOnTheCommandLineGetsTheHintOfTheSameTypoInAFile) {
   test::TempDir dir;
@@ -326,6 +340,46 @@ TEST(Cli, ATypoOnTheCommandLineGetsTheHintOfTheSameTypoInAFile) {
   EXPECT_THAT(alone.output, HasSubstr("its parallelism degrees make 4 ranks: start them with --nproc 4"));
   // A torchtitan section spmdx reads as torchtitan's is not a typo.
   EXPECT_THAT(spmdx("compile '" + config + "' --float8.enable_fsdp_float8_all_gather false").output, Not(HasSubstr("unknown section")));
+}
+
+// Commands: an unknown one gets a hint and the list; a missing one the usage; exit 2 as CLI11's
+// usage errors, git and torchrun (argparse).
+TEST(Cli, UnknownAndMissingCommandsListTheCommands) {
+  auto typo = spmdx("runn x.toml");
+  EXPECT_EQ(typo.exit_code, 2);
+  EXPECT_THAT(typo.output, ::testing::StartsWith("error: unknown command 'runn'; did you mean 'run'?\nCommands of spmdx:\n  plugins   List the plugins"));
+  EXPECT_THAT(typo.output, HasSubstr("\n  run       Train: the job its config describes"));
+  EXPECT_THAT(typo.output, Not(HasSubstr("not expected")));
+  auto none = spmdx("");
+  EXPECT_EQ(none.exit_code, 2);
+  EXPECT_THAT(none.output, ::testing::StartsWith("spmdx: SPMD distributed training"));
+  EXPECT_THAT(none.output, HasSubstr("Usage: spmdx [OPTIONS] [SUBCOMMAND]"));
+  EXPECT_THAT(none.output, HasSubstr("error: spmdx needs a command (spmdx COMMAND --help describes one)\n"));
+  auto bench = spmdx("bench");
+  EXPECT_EQ(bench.exit_code, 2);
+  EXPECT_THAT(bench.output, ::testing::StartsWith("Usage: spmdx bench COMMAND [OPTIONS]\n"));
+  EXPECT_THAT(bench.output, HasSubstr("Commands:\n  comm     Time one collective over a backend"));
+  EXPECT_THAT(bench.output, HasSubstr("\n  compare  Is run B slower than run A"));
+  EXPECT_THAT(bench.output, HasSubstr("\n  fit      Fit the cost model's per-collective cost"));
+  EXPECT_THAT(bench.output, HasSubstr("error: spmdx bench needs a command"));
+  auto sub = spmdx("bench compar a b");
+  EXPECT_EQ(sub.exit_code, 2);
+  EXPECT_THAT(sub.output, ::testing::StartsWith("error: unknown command 'compar'; did you mean 'compare'?\nCommands of spmdx bench:\n  comm "));
+  auto far = spmdx("frobnicate");
+  EXPECT_EQ(far.exit_code, 2);
+  EXPECT_THAT(far.output, ::testing::StartsWith("error: unknown command 'frobnicate'\n"));  // no hint when none is likely
+  // A command's own words are its arguments, not commands: a config named like one is a config.
+  auto word = spmdx("--log-level info run plugins");
+  EXPECT_EQ(word.exit_code, 2);
+  EXPECT_THAT(word.output, ::testing::StartsWith("error: config: "));  // CLI11's check of the config file
+  EXPECT_THAT(word.output, Not(HasSubstr("unknown command")));
+  auto help = spmdx("run --help");
+  EXPECT_EQ(help.exit_code, 0);
+  EXPECT_THAT(help.output, HasSubstr("Usage: spmdx run [OPTIONS] config"));
+  EXPECT_THAT(help.output, HasSubstr("Any config key can be given after the config as --section.key value"));
+  EXPECT_THAT(help.output, HasSubstr("e.g. --training.steps 3 --optimizer.lr 1e-3"));
+  EXPECT_THAT(help.output, HasSubstr("Every key, with its default and meaning: spmdx run CONFIG --print-config"));
+  EXPECT_THAT(spmdx("compile --help").output, HasSubstr("--section.key value"));
 }
 
 TEST(Cli, EnvironmentPathIsSearched) {

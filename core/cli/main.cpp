@@ -975,12 +975,85 @@ int run_import_command(const ImportOptions& o) {
 #endif
 }
 
+// "spmdx bench": a command as the user types it, from the program down to `cmd`.
+std::string command_path(const CLI::App* cmd) {
+  std::string path;
+  for (; cmd != nullptr; cmd = cmd->get_parent()) path = cmd->get_name() + (path.empty() ? "" : " " + path);
+  return path;
+}
+
+// The commands of `cmd`, one a line: "  run       Train: ...".
+std::string command_lines(const CLI::App& cmd) {
+  const auto subs = cmd.get_subcommands([](const CLI::App*) { return true; });
+  std::size_t width = 0;
+  for (const auto* sub : subs) width = std::max(width, sub->get_name().size());
+  std::string out;
+  for (const auto* sub : subs) out += "  " + sub->get_name() + std::string(width + 2 - sub->get_name().size(), ' ') + sub->get_description() + "\n";
+  return out;
+}
+
+// CLI11's parse errors in spmdx's form: "error: <what>" and where the options are described.
+std::string usage_error(const CLI::App* app, const CLI::Error& e) {
+  const CLI::App* cmd = app;
+  while (!cmd->get_subcommands().empty()) cmd = cmd->get_subcommands().front();  // the command being parsed
+  return "error: " + std::string(e.what()) + "\n" + command_path(cmd) + " --help describes " + (cmd == app ? "the commands and options" : "its options") + "\n";
+}
+
+// A word where a command of `app` (or of a verb group such as bench) is expected that names
+// none, as "error: unknown command 'runn'; did you mean 'run'?" and the commands: CLI11 would
+// only say "The following arguments were not expected". Returns the exit code (2) when it
+// found one. Only the top level's --log-level takes a value; the words after a command that
+// has no commands of its own are its arguments.
+std::optional<int> unknown_command(const CLI::App& app, int argc, char** argv) {
+  const CLI::App* level = &app;
+  for (int i = 1; i < argc; ++i) {
+    const std::string word = argv[i];
+    if (word == "--") return std::nullopt;
+    if (word.rfind('-', 0) == 0) {
+      if (level == &app && word == "--log-level") ++i;
+      continue;
+    }
+    const auto subs = level->get_subcommands([](const CLI::App*) { return true; });
+    std::vector<std::string> names;
+    const CLI::App* found = nullptr;
+    for (const auto* sub : subs) {
+      names.push_back(sub->get_name());
+      if (sub->check_name(word)) found = sub;
+    }
+    if (found == nullptr) {
+      std::cerr << "error: unknown command '" << word << "'" << spmdx::config::did_you_mean(word, names) << "\n"
+                << "Commands of " << command_path(level) << ":\n"
+                << command_lines(*level);
+      return 2;
+    }
+    if (found->get_subcommands([](const CLI::App*) { return true; }).empty()) return std::nullopt;
+    level = found;
+  }
+  return std::nullopt;
+}
+
+// A verb (spmdx, spmdx bench) given without one of its commands: its usage, exit 2, as git,
+// torchrun (argparse) and CLI11 (require_subcommand) refuse a missing command.
+int missing_command(const CLI::App& cmd) {
+  std::cerr << (cmd.get_parent() == nullptr ? cmd.help()
+                                            : "Usage: " + command_path(&cmd) + " COMMAND [OPTIONS]\n" + cmd.get_description() + "\n\nCommands:\n" + command_lines(cmd) + "\n")
+            << "error: " << command_path(&cmd) << " needs a command (" << command_path(&cmd) << " COMMAND --help describes one)\n";
+  return 2;
+}
+
+// The footer of run's and compile's --help: how to set any config key there.
+const char* const kOverridesHelp =
+    "Any config key can be given after the config as --section.key value (or --section.key=value; lists as a,b),\n"
+    "replacing the file's: e.g. --training.steps 3 --optimizer.lr 1e-3 --parallelism.tensor_parallel_degree 1.\n"
+    "Every key, with its default and meaning: spmdx run CONFIG --print-config (README, \"Configs\").";
+
 }  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"spmdx: SPMD distributed training from one config file, with sharding strategies, "
-               "communication backends and debug hooks as plugins."};
+               "communication backends and debug hooks as plugins.", "spmdx"};
   app.require_subcommand(0, 1);
+  app.failure_message(usage_error);
   bool show_version = false;
   std::string log_level;
   app.add_flag("--version", show_version, "Print the version and the plugin ABI, then exit");
@@ -996,7 +1069,7 @@ int main(int argc, char** argv) {
   auto* compile = add_compile(app, compile_options);
   RunOptions run_options;
   auto* run = add_run(app, run_options);
-  auto* bench = app.add_subcommand("bench", "Benchmarks");
+  auto* bench = app.add_subcommand("bench", "Benchmarks: time a collective, compare two runs, fit the cost model to a run");
   BenchCommOptions bench_options;
   auto* bench_comm = add_bench_comm(*bench, bench_options);
   BenchCompareOptions compare_options;
@@ -1021,6 +1094,9 @@ int main(int argc, char** argv) {
                          "spmdx (torchtitan's names) | hf (Hugging Face's Llama names, query and key rows permuted for its rotary layout; llama only)")
       ->check(CLI::IsMember({"spmdx", "hf"}));
 
+  run->footer(kOverridesHelp);
+  compile->footer(kOverridesHelp);
+  if (const auto rc = unknown_command(app, argc, argv)) return *rc;
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -1050,10 +1126,7 @@ int main(int argc, char** argv) {
     if (bench_compare->parsed()) return run_bench_compare(compare_options);
     if (bench_fit->parsed()) return run_bench_fit(fit_options);
     if (bench_comm->parsed()) return run_bench_comm(bench_options, std::vector<std::string>(argv + 1, argv + argc));
-    if (bench->parsed()) {
-      std::cout << bench->help();
-      return 2;
-    }
+    if (bench->parsed()) return missing_command(*bench);
     if (run->parsed()) {
       run_options.overrides = run->remaining();
       return run_run(run_options);
@@ -1066,6 +1139,5 @@ int main(int argc, char** argv) {
     std::cerr << "error: " << e.what() << "\n";
     return 1;
   }
-  std::cout << app.help();
-  return 0;
+  return missing_command(app);
 }
