@@ -382,6 +382,27 @@ TEST(Cli, UnknownAndMissingCommandsListTheCommands) {
   EXPECT_THAT(spmdx("compile --help").output, HasSubstr("--section.key value"));
 }
 
+// spmdx graph draws the model a run trains: the tokenizer's vocabulary (the byte tokenizer's 264
+// ids without a config), and with a config its model, global batch and seq_len.
+TEST(Cli, GraphUsesTheVocabularyARunUses) {
+  auto plain = spmdx("graph --forward-only");
+  ASSERT_EQ(plain.exit_code, 0) << plain.output;
+  EXPECT_THAT(plain.output, HasSubstr("%tok_embeddings.weight: f32[264, 64]"));
+  const std::string config = "'" SPMDX_SOURCE_DIR "/configs/llama_debug.toml'";
+  auto graph = spmdx("graph " + config + " --forward-only");
+  ASSERT_EQ(graph.exit_code, 0) << graph.output;
+  EXPECT_THAT(graph.output, ::testing::StartsWith("graph(%tokens: i64[8, 128], %labels: i64[8, 128], %tok_embeddings.weight: f32[264, 256]"));
+  auto compile = spmdx("compile " + config + " --json 2>/dev/null");
+  ASSERT_EQ(compile.exit_code, 0) << compile.output;
+  const auto j = nlohmann::json::parse(compile.output);
+  EXPECT_EQ(j.at("model").at("vocab_size"), 264);
+  EXPECT_EQ(j.at("global_batch_size"), 8);
+  EXPECT_EQ(j.at("seq_len"), 128);
+  auto flags = spmdx("graph " + config + " --forward-only --vocab 300 --batch 2 --flavor tiny");  // flags replace the config's values
+  ASSERT_EQ(flags.exit_code, 0) << flags.output;
+  EXPECT_THAT(flags.output, ::testing::StartsWith("graph(%tokens: i64[2, 128], %labels: i64[2, 128], %tok_embeddings.weight: f32[300, 64]"));
+}
+
 TEST(Cli, EnvironmentPathIsSearched) {
   auto r = run_command("SPMDX_PLUGIN_PATH='" + plugin_dir("test_comm_a").string() + "' '" SPMDX_EXE "' plugins --json");
   ASSERT_EQ(r.exit_code, 0) << r.output;

@@ -13,6 +13,7 @@
 #include <iostream>
 #include <map>
 #include <optional>
+#include <set>
 
 #include "spmdx/core/log.h"
 #include "spmdx/files.h"
@@ -185,18 +186,42 @@ int run_plugins(const std::vector<std::string>& paths, bool json) {
 }
 
 struct GraphOptions {
+  std::string config;  ///< a job's TOML: its model, vocabulary, global batch and seq_len
   std::string model = "llama";
   std::string flavor = "tiny";
-  std::int64_t vocab = 256;
+  std::int64_t vocab = 0;  ///< 0: the tokenizer's (the config's, or the default one's)
   std::int64_t batch = 8;
   std::int64_t seq = 64;
   bool json = false;
   bool forward_only = false;
+  std::set<std::string> given;  ///< the flags given (--model, ...): they replace the config's values
 };
 
-// Prints a model's train-step graph (forward, loss, backward, clipping, AdamW), verified.
+// The ids of the tokenizer a config that names none uses (the byte tokenizer's 264).
+std::int64_t default_vocab() { return spmdx::data::make_tokenizer(spmdx::config::Config().get_string("model.tokenizer"))->vocab_size(); }
+
+// Prints a model's train-step graph (forward, loss, backward, clipping, AdamW), verified: the
+// model a run of the config would train (as job_spec makes it: the tokenizer's vocabulary or
+// model.vocab_size, model.n_layers), for its global batch and seq_len; each flag given replaces
+// the config's value. Without a config, the flags' defaults and the default tokenizer's ids.
 int run_graph(const GraphOptions& o) {
-  spmdx::models::Model m = spmdx::models::build_model(spmdx::models::model_args(o.model, o.flavor, o.vocab), o.batch, o.seq);
+  spmdx::models::ModelArgs args;
+  std::int64_t batch = o.batch, seq = o.seq;
+  if (!o.config.empty()) {
+    const spmdx::config::Config cfg = spmdx::config::Config::load(o.config);
+    const auto tokenizer = spmdx::data::make_tokenizer(cfg.get_string("model.tokenizer"));
+    const spmdx::train::JobSpec spec = spmdx::train::job_spec(cfg, spmdx::train::degree_product(cfg), tokenizer->vocab_size());
+    args = spec.model;
+    if (!o.given.count("--batch")) batch = spec.global_batch_size;
+    if (!o.given.count("--seq")) seq = spec.seq_len;
+    if (o.given.count("--model") || o.given.count("--flavor")) {
+      args = spmdx::models::model_args(o.given.count("--model") ? o.model : args.name, o.given.count("--flavor") ? o.flavor : args.flavor, args.vocab_size);
+    }
+  } else {
+    args = spmdx::models::model_args(o.model, o.flavor, default_vocab());
+  }
+  if (o.given.count("--vocab")) args.vocab_size = o.vocab;
+  spmdx::models::Model m = spmdx::models::build_model(args, batch, seq);
   if (!o.forward_only) spmdx::train::append_train_step(m.graph, m.params, {});
   m.graph.verify();
   std::cout << (o.json ? spmdx::ir::to_json(m.graph) + "\n" : m.graph.str());
@@ -823,11 +848,16 @@ CLI::App* add_plugins(CLI::App& app, std::vector<std::string>& plugin_paths, boo
 CLI::App* add_graph(CLI::App& app, GraphOptions& graph_options) {
   auto* graph = app.add_subcommand("graph", "Print a model's train-step graph (forward, backward, clipping, AdamW) as IR");
   graph->fallthrough();
-  graph->add_option("--model", graph_options.model, "mlp | llama")->capture_default_str();
-  graph->add_option("--flavor", graph_options.flavor, "tiny | debugmodel")->capture_default_str();
-  graph->add_option("--vocab", graph_options.vocab, "vocabulary size")->capture_default_str()->check(CLI::PositiveNumber);
-  graph->add_option("--batch", graph_options.batch, "batch size (rows)")->capture_default_str()->check(CLI::PositiveNumber);
-  graph->add_option("--seq", graph_options.seq, "sequence length (tokens)")->capture_default_str()->check(CLI::PositiveNumber);
+  graph->add_option("config", graph_options.config, "A job's TOML config: the model a run of it trains, for its global batch and seq_len (flags replace its values)")
+      ->check(CLI::ExistingFile);
+  graph->add_option("--model", graph_options.model, "mlp | llama (default: the config's, else llama)");
+  graph->add_option("--flavor", graph_options.flavor, "tiny | debugmodel | ... (default: the config's, else tiny)");
+  graph->add_option("--vocab", graph_options.vocab,
+                    "vocabulary size (default: what a run uses: model.vocab_size or the config's tokenizer's ids; without a config the default tokenizer's, " +
+                        std::to_string(default_vocab()) + ")")
+      ->check(CLI::PositiveNumber);
+  graph->add_option("--batch", graph_options.batch, "batch size, rows (default: the config's global batch, else 8)")->check(CLI::PositiveNumber);
+  graph->add_option("--seq", graph_options.seq, "sequence length, tokens (default: the config's training.seq_len, else 64)")->check(CLI::PositiveNumber);
   graph->add_flag("--json", graph_options.json, "Print the versioned JSON form instead of text");
   graph->add_flag("--forward-only", graph_options.forward_only, "Only the forward graph and loss");
   return graph;
@@ -1115,7 +1145,12 @@ int main(int argc, char** argv) {
   }
   try {
     if (plugins->parsed()) return run_plugins(plugin_paths, json);
-    if (graph->parsed()) return run_graph(graph_options);
+    if (graph->parsed()) {
+      for (const char* flag : {"--model", "--flavor", "--vocab", "--batch", "--seq"}) {
+        if (graph->count(flag) > 0) graph_options.given.insert(flag);
+      }
+      return run_graph(graph_options);
+    }
     if (export_cmd->parsed()) return run_export(export_step, export_out, export_names);
     if (import_cmd->parsed()) return run_import_command(import_options);
     if (fr_trace->parsed()) {
