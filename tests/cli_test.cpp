@@ -403,6 +403,29 @@ TEST(Cli, GraphUsesTheVocabularyARunUses) {
   EXPECT_THAT(flags.output, ::testing::StartsWith("graph(%tokens: i64[2, 128], %labels: i64[2, 128], %tok_embeddings.weight: f32[300, 64]"));
 }
 
+// A run's output: each line carries one "[rank R]" (the launcher's), a hook's line is said
+// once (by rank 0, not also by the launcher's preflight), and no line has a timestamp; a
+// warning says "warning:" as the program's other warnings do.
+TEST(Cli, EachLineOfARunHasOneRankPrefixAndHookLinesComeOnce) {
+  test::TempDir dir;
+  auto r = spmdx("run '" SPMDX_SOURCE_DIR "/configs/mlp_dp.toml' --nproc 2 --training.steps 2 --data.paths '" + test::corpus_file(dir) + "' --job.dump_folder '" +
+                 (dir / "out").string() + "' --hooks.enable partition_validator,timeline --hooks.timeline.start_step 100");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  std::istringstream lines(r.output);
+  int validator = 0, warnings = 0;
+  for (std::string line; std::getline(lines, line);) {
+    EXPECT_THAT(line, ::testing::MatchesRegex("\\[rank [01]\\] .*")) << r.output;
+    EXPECT_THAT(line.substr(1), Not(HasSubstr("[rank "))) << line;
+    EXPECT_FALSE(std::regex_search(line, std::regex("[0-9][0-9]:[0-9][0-9]:[0-9][0-9]"))) << line;
+    EXPECT_THAT(line, Not(HasSubstr("[info]"))) << line;
+    validator += line.find("partition_validator: passed (2 ranks") != std::string::npos;
+    warnings += line.find("] warning: timeline: no step recorded (start_step 100") != std::string::npos;
+  }
+  EXPECT_EQ(validator, 1) << r.output;
+  EXPECT_EQ(warnings, 2) << r.output;  // each rank's, each under its own prefix
+  EXPECT_THAT(r.output, HasSubstr("[rank 0] partition_validator: passed (2 ranks"));
+}
+
 TEST(Cli, EnvironmentPathIsSearched) {
   auto r = run_command("SPMDX_PLUGIN_PATH='" + plugin_dir("test_comm_a").string() + "' '" SPMDX_EXE "' plugins --json");
   ASSERT_EQ(r.exit_code, 0) << r.output;

@@ -744,7 +744,9 @@ int run_run(const RunOptions& o) {
     prctl(PR_SET_PDEATHSIG, SIGTERM);  // never outlive the launcher
     if (getppid() == 1) return 1;
   }
-  if (env.world_size > 1) spmdx::log::set_rank(env.rank);
+  // One "[rank R]" a line: the launcher puts it on each line of the ranks it started; a rank
+  // started otherwise (torchrun, srun, mpirun) puts it on its log lines itself.
+  if (env.world_size > 1 && !launched) spmdx::log::set_rank(env.rank);
 #ifdef SPMDX_HAVE_EXEC
   return spmdx::exec::run_job(cfg, env);
 #else
