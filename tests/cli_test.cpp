@@ -5,8 +5,11 @@
 #include <nlohmann/json.hpp>
 
 #include <map>
+#include <regex>
+#include <sstream>
 
 #include "spmdx/plugin.h"
+#include "run_util.h"
 #include "test_util.h"
 
 namespace spmdx {
@@ -280,6 +283,147 @@ TEST(Cli, PipelineStagesArePlannedAndBadOnesRefused) {
   auto fits = spmdx(llama + " --parallelism.memory_budget 8MiB");
   EXPECT_THAT(fits.output, HasSubstr("fits as configured")) << fits.output;
   refused("--parallelism.memory_budget 1MiB", "is over the budget 1.0 MiB, and nothing spmdx tries fits");
+}
+
+// Degrees that do not multiply to the ranks started: the message says what to change, as the
+// flags to give, and each flag it names fixes the job.
+TEST(Cli, DegreesThatDoNotFitTheRanksSayWhichFlagsFixThem) {
+  const std::string config = SPMDX_SOURCE_DIR "/configs/llama_debug.toml";
+  auto run = spmdx("run '" + config + "' --nproc 2");
+  EXPECT_EQ(run.exit_code, 1) << run.output;
+  EXPECT_EQ(run.output, "error: " + config + ": parallelism degrees multiply to 4 (1 x 2 x 2), but world_size is 2: start 4 ranks (--nproc 4), or make the degrees "
+                        "fit 2 ranks: --parallelism.data_parallel_shard_degree -1 (the ranks the other degrees leave) or --parallelism.tensor_parallel_degree 1\n");
+  EXPECT_THAT(run.output, Not(HasSubstr("[rank")));  // refused before any rank started
+  // spmdx compile counts the ranks with --world-size, and says so.
+  auto compile = spmdx("compile '" + config + "' --world-size 2");
+  EXPECT_EQ(compile.exit_code, 1) << compile.output;
+  EXPECT_THAT(compile.output, HasSubstr("but world_size is 2: start 4 ranks (--world-size 4), or make the degrees fit 2 ranks: "));
+  for (const std::string fix : {"--parallelism.data_parallel_shard_degree -1", "--parallelism.tensor_parallel_degree 1", ""}) {
+    auto fixed = spmdx("compile '" + config + "' --world-size " + (fix.empty() ? "4" : "2 " + fix));
+    EXPECT_EQ(fixed.exit_code, 0) << fix << "\n" << fixed.output;
+  }
+  auto three = spmdx("compile '" + config + "' --world-size 3");  // no one degree fits 3 ranks
+  EXPECT_THAT(three.output, HasSubstr("but world_size is 3: start 4 ranks (--world-size 4), or set degrees that multiply to 3\n"));
+}
+
+// One form for errors: spmdx's "error: ...", CLI11's parse errors included (no "Error:", no
+// "Run with --help").
+TEST(Cli, EveryErrorSaysErrorTheSameWay) {
+  auto range = spmdx("run '" SPMDX_SOURCE_DIR "/configs/llama_debug.toml' --nproc 0");
+  EXPECT_EQ(range.exit_code, 2);
+  EXPECT_EQ(range.output, "error: --nproc: Value 0 not in range 1 to 4096\nspmdx run --help describes its options\n");
+  auto flag = spmdx("plugins --no-such-flag");
+  EXPECT_EQ(flag.exit_code, 2);
+  EXPECT_EQ(flag.output, "error: The following argument was not expected: --no-such-flag\nspmdx plugins --help describes its options\n");
+  auto top = spmdx("--log-level loud");
+  EXPECT_EQ(top.exit_code, 2);
+  EXPECT_THAT(top.output, ::testing::StartsWith("error: --log-level: loud not in {trace,debug,info,warn,warning,error,off}\nspmdx --help describes"));
+}
+
+// A typo on the command line gets the hint a typo in the file gets: the same words.
+TEST(Cli, ATypoOnTheCommandLineGetsTheHintOfTheSameTypoInAFile) {
+  test::TempDir dir;
+  const std::string config = SPMDX_SOURCE_DIR "/configs/llama_debug.toml";
+  auto section = spmdx("run '" + config + "' --nproc 4 --optimzer.lr 1e-3 --optimizer.lrr 1");
+  EXPECT_EQ(section.exit_code, 1) << section.output;
+  EXPECT_THAT(section.output, HasSubstr("  command line: --optimzer.lr: unknown section 'optimzer'; did you mean 'optimizer'?\n"));
+  EXPECT_THAT(section.output, HasSubstr("  command line: --optimizer.lrr: unknown key 'optimizer.lrr'; did you mean 'optimizer.lr'?"));
+  test::write_file(dir / "job.toml", "[optimzer]\nlr = 1e-3\n[optimizer]\nlrr = 1\n");
+  auto file = spmdx("compile '" + (dir / "job.toml").string() + "'");
+  EXPECT_EQ(file.exit_code, 1) << file.output;
+  EXPECT_THAT(file.output, HasSubstr((dir / "job.toml").string() + ":1:1: unknown section 'optimzer'; did you mean 'optimizer'?"));
+  EXPECT_THAT(file.output, HasSubstr((dir / "job.toml").string() + ":4:7: unknown key 'optimizer.lrr'; did you mean 'optimizer.lr'?"));
+  // Without --nproc, the typo is named with the ranks the job needs, not hidden behind them.
+  auto alone = spmdx("run '" + config + "' --optimzer.lr 1e-3");
+  EXPECT_EQ(alone.exit_code, 1);
+  EXPECT_THAT(alone.output, HasSubstr("unknown section 'optimzer'; did you mean 'optimizer'?"));
+  EXPECT_THAT(alone.output, HasSubstr("its parallelism degrees make 4 ranks: start them with --nproc 4"));
+  // A torchtitan section spmdx reads as torchtitan's is not a typo.
+  EXPECT_THAT(spmdx("compile '" + config + "' --float8.enable_fsdp_float8_all_gather false").output, Not(HasSubstr("unknown section")));
+}
+
+// Commands: an unknown one gets a hint and the list; a missing one the usage; exit 2 as CLI11's
+// usage errors, git and torchrun (argparse).
+TEST(Cli, UnknownAndMissingCommandsListTheCommands) {
+  auto typo = spmdx("runn x.toml");
+  EXPECT_EQ(typo.exit_code, 2);
+  EXPECT_THAT(typo.output, ::testing::StartsWith("error: unknown command 'runn'; did you mean 'run'?\nCommands of spmdx:\n  plugins   List the plugins"));
+  EXPECT_THAT(typo.output, HasSubstr("\n  run       Train: the job its config describes"));
+  EXPECT_THAT(typo.output, Not(HasSubstr("not expected")));
+  auto none = spmdx("");
+  EXPECT_EQ(none.exit_code, 2);
+  EXPECT_THAT(none.output, ::testing::StartsWith("spmdx: SPMD distributed training"));
+  EXPECT_THAT(none.output, HasSubstr("Usage: spmdx [OPTIONS] [SUBCOMMAND]"));
+  EXPECT_THAT(none.output, HasSubstr("error: spmdx needs a command (spmdx COMMAND --help describes one)\n"));
+  auto bench = spmdx("bench");
+  EXPECT_EQ(bench.exit_code, 2);
+  EXPECT_THAT(bench.output, ::testing::StartsWith("Usage: spmdx bench COMMAND [OPTIONS]\n"));
+  EXPECT_THAT(bench.output, HasSubstr("Commands:\n  comm     Time one collective over a backend"));
+  EXPECT_THAT(bench.output, HasSubstr("\n  compare  Is run B slower than run A"));
+  EXPECT_THAT(bench.output, HasSubstr("\n  fit      Fit the cost model's per-collective cost"));
+  EXPECT_THAT(bench.output, HasSubstr("error: spmdx bench needs a command"));
+  auto sub = spmdx("bench compar a b");
+  EXPECT_EQ(sub.exit_code, 2);
+  EXPECT_THAT(sub.output, ::testing::StartsWith("error: unknown command 'compar'; did you mean 'compare'?\nCommands of spmdx bench:\n  comm "));
+  auto far = spmdx("frobnicate");
+  EXPECT_EQ(far.exit_code, 2);
+  EXPECT_THAT(far.output, ::testing::StartsWith("error: unknown command 'frobnicate'\n"));  // no hint when none is likely
+  // A command's own words are its arguments, not commands: a config named like one is a config.
+  auto word = spmdx("--log-level info run plugins");
+  EXPECT_EQ(word.exit_code, 2);
+  EXPECT_THAT(word.output, ::testing::StartsWith("error: config: "));  // CLI11's check of the config file
+  EXPECT_THAT(word.output, Not(HasSubstr("unknown command")));
+  auto help = spmdx("run --help");
+  EXPECT_EQ(help.exit_code, 0);
+  EXPECT_THAT(help.output, HasSubstr("Usage: spmdx run [OPTIONS] config"));
+  EXPECT_THAT(help.output, HasSubstr("Any config key can be given after the config as --section.key value"));
+  EXPECT_THAT(help.output, HasSubstr("e.g. --training.steps 3 --optimizer.lr 1e-3"));
+  EXPECT_THAT(help.output, HasSubstr("Every key, with its default and meaning: spmdx run CONFIG --print-config"));
+  EXPECT_THAT(spmdx("compile --help").output, HasSubstr("--section.key value"));
+}
+
+// spmdx graph draws the model a run trains: the tokenizer's vocabulary (the byte tokenizer's 264
+// ids without a config), and with a config its model, global batch and seq_len.
+TEST(Cli, GraphUsesTheVocabularyARunUses) {
+  auto plain = spmdx("graph --forward-only");
+  ASSERT_EQ(plain.exit_code, 0) << plain.output;
+  EXPECT_THAT(plain.output, HasSubstr("%tok_embeddings.weight: f32[264, 64]"));
+  const std::string config = "'" SPMDX_SOURCE_DIR "/configs/llama_debug.toml'";
+  auto graph = spmdx("graph " + config + " --forward-only");
+  ASSERT_EQ(graph.exit_code, 0) << graph.output;
+  EXPECT_THAT(graph.output, ::testing::StartsWith("graph(%tokens: i64[8, 128], %labels: i64[8, 128], %tok_embeddings.weight: f32[264, 256]"));
+  auto compile = spmdx("compile " + config + " --json 2>/dev/null");
+  ASSERT_EQ(compile.exit_code, 0) << compile.output;
+  const auto j = nlohmann::json::parse(compile.output);
+  EXPECT_EQ(j.at("model").at("vocab_size"), 264);
+  EXPECT_EQ(j.at("global_batch_size"), 8);
+  EXPECT_EQ(j.at("seq_len"), 128);
+  auto flags = spmdx("graph " + config + " --forward-only --vocab 300 --batch 2 --flavor tiny");  // flags replace the config's values
+  ASSERT_EQ(flags.exit_code, 0) << flags.output;
+  EXPECT_THAT(flags.output, ::testing::StartsWith("graph(%tokens: i64[2, 128], %labels: i64[2, 128], %tok_embeddings.weight: f32[300, 64]"));
+}
+
+// A run's output: each line carries one "[rank R]" (the launcher's), a hook's line is said
+// once (by rank 0, not also by the launcher's preflight), and no line has a timestamp; a
+// warning says "warning:" as the program's other warnings do.
+TEST(Cli, EachLineOfARunHasOneRankPrefixAndHookLinesComeOnce) {
+  test::TempDir dir;
+  auto r = spmdx("run '" SPMDX_SOURCE_DIR "/configs/mlp_dp.toml' --nproc 2 --training.steps 2 --data.paths '" + test::corpus_file(dir) + "' --job.dump_folder '" +
+                 (dir / "out").string() + "' --hooks.enable partition_validator,timeline --hooks.timeline.start_step 100");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  std::istringstream lines(r.output);
+  int validator = 0, warnings = 0;
+  for (std::string line; std::getline(lines, line);) {
+    EXPECT_THAT(line, ::testing::MatchesRegex("\\[rank [01]\\] .*")) << r.output;
+    EXPECT_THAT(line.substr(1), Not(HasSubstr("[rank "))) << line;
+    EXPECT_FALSE(std::regex_search(line, std::regex("[0-9][0-9]:[0-9][0-9]:[0-9][0-9]"))) << line;
+    EXPECT_THAT(line, Not(HasSubstr("[info]"))) << line;
+    validator += line.find("partition_validator: passed (2 ranks") != std::string::npos;
+    warnings += line.find("] warning: timeline: no step recorded (start_step 100") != std::string::npos;
+  }
+  EXPECT_EQ(validator, 1) << r.output;
+  EXPECT_EQ(warnings, 2) << r.output;  // each rank's, each under its own prefix
+  EXPECT_THAT(r.output, HasSubstr("[rank 0] partition_validator: passed (2 ranks"));
 }
 
 TEST(Cli, EnvironmentPathIsSearched) {

@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include <set>
+#include <thread>
 
 #include "spmdx/core/log.h"
 #include "spmdx/text.h"
@@ -22,10 +23,40 @@ TEST(Log, LevelFiltersAndRankPrefixes) {
   SPMDX_ERROR("no prefix");
   const std::string err = testing::internal::GetCapturedStderr();
   EXPECT_THAT(err, Not(HasSubstr("hidden")));
-  EXPECT_THAT(err, HasSubstr("[warning] [rank 3] peer 2 is slow"));
-  EXPECT_THAT(err, HasSubstr("[error] no prefix"));
+  // One form for every line: the rank once, the level as compilers say it, no timestamp.
+  EXPECT_EQ(err, "[rank 3] warning: peer 2 is slow\nerror: no prefix\n");
   EXPECT_FALSE(log::enabled(log::Level::debug));
   EXPECT_TRUE(log::enabled(log::Level::warn));
+}
+
+TEST(Log, FormatSaysTheLevelAsCompilersDo) {
+  EXPECT_EQ(log::format(log::Level::info, 0, "step 1"), "[rank 0] step 1");
+  EXPECT_EQ(log::format(log::Level::info, -1, "step 1"), "step 1");
+  EXPECT_EQ(log::format(log::Level::warn, -1, "slow"), "warning: slow");
+  EXPECT_EQ(log::format(log::Level::error, 2, "gone"), "[rank 2] error: gone");
+  EXPECT_EQ(log::format(log::Level::debug, -1, "x"), "debug: x");
+  EXPECT_EQ(log::format(log::Level::trace, -1, "x"), "trace: x");
+}
+
+// A ThreadLevel silences its own thread below its level, for its lifetime only, and never
+// lowers the level set: other threads log as before.
+TEST(Log, ThreadLevelSilencesOnlyItsThreadWhileItLives) {
+  log::set_level(log::Level::info);
+  {
+    const log::ThreadLevel quiet(log::Level::error);
+    EXPECT_FALSE(log::enabled(log::Level::warn));
+    EXPECT_TRUE(log::enabled(log::Level::error));
+    bool other = false;
+    std::thread([&] { other = log::enabled(log::Level::info); }).join();
+    EXPECT_TRUE(other);
+    {
+      const log::ThreadLevel looser(log::Level::debug);  // nested: never louder than the outer one
+      EXPECT_FALSE(log::enabled(log::Level::warn));
+    }
+    EXPECT_FALSE(log::enabled(log::Level::info));
+  }
+  EXPECT_TRUE(log::enabled(log::Level::info));
+  EXPECT_FALSE(log::enabled(log::Level::debug));
 }
 
 TEST(Log, ParsesLevelNames) {

@@ -13,6 +13,7 @@
 #include <iostream>
 #include <map>
 #include <optional>
+#include <set>
 
 #include "spmdx/core/log.h"
 #include "spmdx/files.h"
@@ -185,18 +186,42 @@ int run_plugins(const std::vector<std::string>& paths, bool json) {
 }
 
 struct GraphOptions {
+  std::string config;  ///< a job's TOML: its model, vocabulary, global batch and seq_len
   std::string model = "llama";
   std::string flavor = "tiny";
-  std::int64_t vocab = 256;
+  std::int64_t vocab = 0;  ///< 0: the tokenizer's (the config's, or the default one's)
   std::int64_t batch = 8;
   std::int64_t seq = 64;
   bool json = false;
   bool forward_only = false;
+  std::set<std::string> given;  ///< the flags given (--model, ...): they replace the config's values
 };
 
-// Prints a model's train-step graph (forward, loss, backward, clipping, AdamW), verified.
+// The ids of the tokenizer a config that names none uses (the byte tokenizer's 264).
+std::int64_t default_vocab() { return spmdx::data::make_tokenizer(spmdx::config::Config().get_string("model.tokenizer"))->vocab_size(); }
+
+// Prints a model's train-step graph (forward, loss, backward, clipping, AdamW), verified: the
+// model a run of the config would train (as job_spec makes it: the tokenizer's vocabulary or
+// model.vocab_size, model.n_layers), for its global batch and seq_len; each flag given replaces
+// the config's value. Without a config, the flags' defaults and the default tokenizer's ids.
 int run_graph(const GraphOptions& o) {
-  spmdx::models::Model m = spmdx::models::build_model(spmdx::models::model_args(o.model, o.flavor, o.vocab), o.batch, o.seq);
+  spmdx::models::ModelArgs args;
+  std::int64_t batch = o.batch, seq = o.seq;
+  if (!o.config.empty()) {
+    const spmdx::config::Config cfg = spmdx::config::Config::load(o.config);
+    const auto tokenizer = spmdx::data::make_tokenizer(cfg.get_string("model.tokenizer"));
+    const spmdx::train::JobSpec spec = spmdx::train::job_spec(cfg, spmdx::train::degree_product(cfg), tokenizer->vocab_size());
+    args = spec.model;
+    if (!o.given.count("--batch")) batch = spec.global_batch_size;
+    if (!o.given.count("--seq")) seq = spec.seq_len;
+    if (o.given.count("--model") || o.given.count("--flavor")) {
+      args = spmdx::models::model_args(o.given.count("--model") ? o.model : args.name, o.given.count("--flavor") ? o.flavor : args.flavor, args.vocab_size);
+    }
+  } else {
+    args = spmdx::models::model_args(o.model, o.flavor, default_vocab());
+  }
+  if (o.given.count("--vocab")) args.vocab_size = o.vocab;
+  spmdx::models::Model m = spmdx::models::build_model(args, batch, seq);
   if (!o.forward_only) spmdx::train::append_train_step(m.graph, m.params, {});
   m.graph.verify();
   std::cout << (o.json ? spmdx::ir::to_json(m.graph) + "\n" : m.graph.str());
@@ -467,7 +492,7 @@ int run_compile(const CompileOptions& o) {
   spmdx::PluginRegistry registry;
   std::unique_ptr<spmdx::data::Tokenizer> tokenizer;
   std::optional<spmdx::train::JobSpec> checked_spec;
-  cfg.check(spmdx::train::preflight(cfg, world, registry, &tokenizer, &checked_spec, spmdx::train::Preflight::plan));
+  cfg.check(spmdx::train::preflight(cfg, world, registry, &tokenizer, &checked_spec, spmdx::train::Preflight::plan, "--world-size"));
   if (!cfg.ignored().empty()) std::cerr << cfg.ignored_text() << "\n";
   const spmdx::train::JobSpec& spec = checked_spec.value();
   spmdx::train::PlacedJob job = spmdx::train::place_job(spec, registry);
@@ -655,8 +680,9 @@ struct RunOptions {
 // each of its `ranks_per_host` ranks: checked before any rank starts, since each would fail
 // with the same message.
 std::vector<std::string> run_problems(const spmdx::config::Config& cfg, std::int64_t world_size, int ranks_per_host, spmdx::PluginRegistry& registry,
-                                      std::unique_ptr<spmdx::data::Tokenizer>* tokenizer, std::optional<spmdx::train::JobSpec>* spec) {
-  std::vector<std::string> problems = spmdx::train::preflight(cfg, world_size, registry, tokenizer, spec);
+                                      std::unique_ptr<spmdx::data::Tokenizer>* tokenizer, std::optional<spmdx::train::JobSpec>* spec,
+                                      const std::string& start_flag = "") {
+  std::vector<std::string> problems = spmdx::train::preflight(cfg, world_size, registry, tokenizer, spec, spmdx::train::Preflight::run, start_flag);
 #ifdef SPMDX_HAVE_EXEC
   if (!cfg.has_problem("training.device") && cfg.get_string("training.device") == "cuda") {
     if (const std::string why = spmdx::exec::cuda_problem(ranks_per_host); !why.empty()) {
@@ -687,7 +713,7 @@ int run_run(const RunOptions& o) {
     spmdx::PluginRegistry registry;
     std::unique_ptr<spmdx::data::Tokenizer> tokenizer;
     std::optional<spmdx::train::JobSpec> spec;
-    cfg.check(run_problems(cfg, o.nproc * o.nnodes, o.nproc, registry, &tokenizer, &spec));
+    cfg.check(run_problems(cfg, o.nproc * o.nnodes, o.nproc, registry, &tokenizer, &spec, o.nnodes == 1 ? "--nproc" : ""));
     spmdx::train::check_data(cfg, *tokenizer, *spec);  // reads the data: only once the rest is right
     if (!cfg.ignored().empty()) std::cerr << cfg.ignored_text() << "\n";
     std::vector<std::string> argv{self_exe(), "run", o.config};
@@ -702,9 +728,9 @@ int run_run(const RunOptions& o) {
   const spmdx::launch::RankEnv env = spmdx::launch::rank_env();
   if (env.source == "single" && !cfg.has_problem("parallelism.")) {  // a job of several ranks started as one: say how to start it
     const std::int64_t want = spmdx::train::degree_product(cfg);
-    if (want > 1) {
-      throw spmdx::config::ConfigError(cfg.where(spmdx::train::kDegreeKeys) + ": its parallelism degrees make " + std::to_string(want) +
-                                       " ranks: start them with --nproc " + std::to_string(want) + " (or under torchrun, srun, mpirun)");
+    if (want > 1) {  // with the config's other problems, if any: each is to fix before starting them
+      cfg.check({cfg.where(spmdx::train::kDegreeKeys) + ": its parallelism degrees make " + std::to_string(want) + " ranks: start them with --nproc " +
+                 std::to_string(want) + " (or under torchrun, srun, mpirun)"});
     }
   }
   if (!launched) {  // one rank, or started by hand, torchrun, srun or mpirun: this rank checks its own job
@@ -718,7 +744,9 @@ int run_run(const RunOptions& o) {
     prctl(PR_SET_PDEATHSIG, SIGTERM);  // never outlive the launcher
     if (getppid() == 1) return 1;
   }
-  if (env.world_size > 1) spmdx::log::set_rank(env.rank);
+  // One "[rank R]" a line: the launcher puts it on each line of the ranks it started; a rank
+  // started otherwise (torchrun, srun, mpirun) puts it on its log lines itself.
+  if (env.world_size > 1 && !launched) spmdx::log::set_rank(env.rank);
 #ifdef SPMDX_HAVE_EXEC
   return spmdx::exec::run_job(cfg, env);
 #else
@@ -822,11 +850,16 @@ CLI::App* add_plugins(CLI::App& app, std::vector<std::string>& plugin_paths, boo
 CLI::App* add_graph(CLI::App& app, GraphOptions& graph_options) {
   auto* graph = app.add_subcommand("graph", "Print a model's train-step graph (forward, backward, clipping, AdamW) as IR");
   graph->fallthrough();
-  graph->add_option("--model", graph_options.model, "mlp | llama")->capture_default_str();
-  graph->add_option("--flavor", graph_options.flavor, "tiny | debugmodel")->capture_default_str();
-  graph->add_option("--vocab", graph_options.vocab, "vocabulary size")->capture_default_str()->check(CLI::PositiveNumber);
-  graph->add_option("--batch", graph_options.batch, "batch size (rows)")->capture_default_str()->check(CLI::PositiveNumber);
-  graph->add_option("--seq", graph_options.seq, "sequence length (tokens)")->capture_default_str()->check(CLI::PositiveNumber);
+  graph->add_option("config", graph_options.config, "A job's TOML config: the model a run of it trains, for its global batch and seq_len (flags replace its values)")
+      ->check(CLI::ExistingFile);
+  graph->add_option("--model", graph_options.model, "mlp | llama (default: the config's, else llama)");
+  graph->add_option("--flavor", graph_options.flavor, "tiny | debugmodel | ... (default: the config's, else tiny)");
+  graph->add_option("--vocab", graph_options.vocab,
+                    "vocabulary size (default: what a run uses: model.vocab_size or the config's tokenizer's ids; without a config the default tokenizer's, " +
+                        std::to_string(default_vocab()) + ")")
+      ->check(CLI::PositiveNumber);
+  graph->add_option("--batch", graph_options.batch, "batch size, rows (default: the config's global batch, else 8)")->check(CLI::PositiveNumber);
+  graph->add_option("--seq", graph_options.seq, "sequence length, tokens (default: the config's training.seq_len, else 64)")->check(CLI::PositiveNumber);
   graph->add_flag("--json", graph_options.json, "Print the versioned JSON form instead of text");
   graph->add_flag("--forward-only", graph_options.forward_only, "Only the forward graph and loss");
   return graph;
@@ -974,12 +1007,85 @@ int run_import_command(const ImportOptions& o) {
 #endif
 }
 
+// "spmdx bench": a command as the user types it, from the program down to `cmd`.
+std::string command_path(const CLI::App* cmd) {
+  std::string path;
+  for (; cmd != nullptr; cmd = cmd->get_parent()) path = cmd->get_name() + (path.empty() ? "" : " " + path);
+  return path;
+}
+
+// The commands of `cmd`, one a line: "  run       Train: ...".
+std::string command_lines(const CLI::App& cmd) {
+  const auto subs = cmd.get_subcommands([](const CLI::App*) { return true; });
+  std::size_t width = 0;
+  for (const auto* sub : subs) width = std::max(width, sub->get_name().size());
+  std::string out;
+  for (const auto* sub : subs) out += "  " + sub->get_name() + std::string(width + 2 - sub->get_name().size(), ' ') + sub->get_description() + "\n";
+  return out;
+}
+
+// CLI11's parse errors in spmdx's form: "error: <what>" and where the options are described.
+std::string usage_error(const CLI::App* app, const CLI::Error& e) {
+  const CLI::App* cmd = app;
+  while (!cmd->get_subcommands().empty()) cmd = cmd->get_subcommands().front();  // the command being parsed
+  return "error: " + std::string(e.what()) + "\n" + command_path(cmd) + " --help describes " + (cmd == app ? "the commands and options" : "its options") + "\n";
+}
+
+// A word where a command of `app` (or of a verb group such as bench) is expected that names
+// none, as "error: unknown command 'runn'; did you mean 'run'?" and the commands: CLI11 would
+// only say "The following arguments were not expected". Returns the exit code (2) when it
+// found one. Only the top level's --log-level takes a value; the words after a command that
+// has no commands of its own are its arguments.
+std::optional<int> unknown_command(const CLI::App& app, int argc, char** argv) {
+  const CLI::App* level = &app;
+  for (int i = 1; i < argc; ++i) {
+    const std::string word = argv[i];
+    if (word == "--") return std::nullopt;
+    if (word.rfind('-', 0) == 0) {
+      if (level == &app && word == "--log-level") ++i;
+      continue;
+    }
+    const auto subs = level->get_subcommands([](const CLI::App*) { return true; });
+    std::vector<std::string> names;
+    const CLI::App* found = nullptr;
+    for (const auto* sub : subs) {
+      names.push_back(sub->get_name());
+      if (sub->check_name(word)) found = sub;
+    }
+    if (found == nullptr) {
+      std::cerr << "error: unknown command '" << word << "'" << spmdx::config::did_you_mean(word, names) << "\n"
+                << "Commands of " << command_path(level) << ":\n"
+                << command_lines(*level);
+      return 2;
+    }
+    if (found->get_subcommands([](const CLI::App*) { return true; }).empty()) return std::nullopt;
+    level = found;
+  }
+  return std::nullopt;
+}
+
+// A verb (spmdx, spmdx bench) given without one of its commands: its usage, exit 2, as git,
+// torchrun (argparse) and CLI11 (require_subcommand) refuse a missing command.
+int missing_command(const CLI::App& cmd) {
+  std::cerr << (cmd.get_parent() == nullptr ? cmd.help()
+                                            : "Usage: " + command_path(&cmd) + " COMMAND [OPTIONS]\n" + cmd.get_description() + "\n\nCommands:\n" + command_lines(cmd) + "\n")
+            << "error: " << command_path(&cmd) << " needs a command (" << command_path(&cmd) << " COMMAND --help describes one)\n";
+  return 2;
+}
+
+// The footer of run's and compile's --help: how to set any config key there.
+const char* const kOverridesHelp =
+    "Any config key can be given after the config as --section.key value (or --section.key=value; lists as a,b),\n"
+    "replacing the file's: e.g. --training.steps 3 --optimizer.lr 1e-3 --parallelism.tensor_parallel_degree 1.\n"
+    "Every key, with its default and meaning: spmdx run CONFIG --print-config (README, \"Configs\").";
+
 }  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"spmdx: SPMD distributed training from one config file, with sharding strategies, "
-               "communication backends and debug hooks as plugins."};
+               "communication backends and debug hooks as plugins.", "spmdx"};
   app.require_subcommand(0, 1);
+  app.failure_message(usage_error);
   bool show_version = false;
   std::string log_level;
   app.add_flag("--version", show_version, "Print the version and the plugin ABI, then exit");
@@ -995,7 +1101,7 @@ int main(int argc, char** argv) {
   auto* compile = add_compile(app, compile_options);
   RunOptions run_options;
   auto* run = add_run(app, run_options);
-  auto* bench = app.add_subcommand("bench", "Benchmarks");
+  auto* bench = app.add_subcommand("bench", "Benchmarks: time a collective, compare two runs, fit the cost model to a run");
   BenchCommOptions bench_options;
   auto* bench_comm = add_bench_comm(*bench, bench_options);
   BenchCompareOptions compare_options;
@@ -1020,6 +1126,9 @@ int main(int argc, char** argv) {
                          "spmdx (torchtitan's names) | hf (Hugging Face's Llama names, query and key rows permuted for its rotary layout; llama only)")
       ->check(CLI::IsMember({"spmdx", "hf"}));
 
+  run->footer(kOverridesHelp);
+  compile->footer(kOverridesHelp);
+  if (const auto rc = unknown_command(app, argc, argv)) return *rc;
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -1038,7 +1147,12 @@ int main(int argc, char** argv) {
   }
   try {
     if (plugins->parsed()) return run_plugins(plugin_paths, json);
-    if (graph->parsed()) return run_graph(graph_options);
+    if (graph->parsed()) {
+      for (const char* flag : {"--model", "--flavor", "--vocab", "--batch", "--seq"}) {
+        if (graph->count(flag) > 0) graph_options.given.insert(flag);
+      }
+      return run_graph(graph_options);
+    }
     if (export_cmd->parsed()) return run_export(export_step, export_out, export_names);
     if (import_cmd->parsed()) return run_import_command(import_options);
     if (fr_trace->parsed()) {
@@ -1049,10 +1163,7 @@ int main(int argc, char** argv) {
     if (bench_compare->parsed()) return run_bench_compare(compare_options);
     if (bench_fit->parsed()) return run_bench_fit(fit_options);
     if (bench_comm->parsed()) return run_bench_comm(bench_options, std::vector<std::string>(argv + 1, argv + argc));
-    if (bench->parsed()) {
-      std::cout << bench->help();
-      return 2;
-    }
+    if (bench->parsed()) return missing_command(*bench);
     if (run->parsed()) {
       run_options.overrides = run->remaining();
       return run_run(run_options);
@@ -1065,6 +1176,5 @@ int main(int argc, char** argv) {
     std::cerr << "error: " << e.what() << "\n";
     return 1;
   }
-  std::cout << app.help();
-  return 0;
+  return missing_command(app);
 }

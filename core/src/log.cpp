@@ -3,6 +3,7 @@
 #include <spdlog/sinks/stdout_sinks.h>
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <mutex>
@@ -12,6 +13,7 @@ namespace {
 
 std::atomic<int> g_level{-1};  // -1: not yet read from the environment
 std::atomic<int> g_rank{-1};
+thread_local int t_floor = 0;  // this thread's lowest level written (ThreadLevel)
 
 spdlog::level::level_enum to_spdlog(Level level) {
   switch (level) {
@@ -31,7 +33,7 @@ spdlog::logger& logger() {
   static auto instance = [] {
     auto sink = std::make_shared<spdlog::sinks::stderr_sink_mt>();
     auto l = std::make_shared<spdlog::logger>("spmdx", sink);
-    l->set_pattern("[%H:%M:%S.%e] [%l] %v");
+    l->set_pattern("%v");  // format() writes the line
     l->set_level(spdlog::level::trace);  // filtering happens in enabled()
     return l;
   }();
@@ -68,17 +70,28 @@ Level level() noexcept {
   return static_cast<Level>(current);
 }
 
-bool enabled(Level l) noexcept { return l != Level::off && static_cast<int>(l) >= static_cast<int>(level()); }
+bool enabled(Level l) noexcept {
+  return l != Level::off && static_cast<int>(l) >= static_cast<int>(level()) && static_cast<int>(l) >= t_floor;
+}
 
 void set_rank(int rank) { g_rank.store(rank); }
 
-void write(Level l, const std::string& message) {
-  const int rank = g_rank.load(std::memory_order_relaxed);
-  if (rank >= 0) {
-    logger().log(to_spdlog(l), "[rank {}] {}", rank, message);
-  } else {
-    logger().log(to_spdlog(l), "{}", message);
+std::string format(Level l, int rank, const std::string& message) {
+  std::string line = rank >= 0 ? "[rank " + std::to_string(rank) + "] " : std::string();
+  switch (l) {
+    case Level::trace: line += "trace: "; break;
+    case Level::debug: line += "debug: "; break;
+    case Level::warn: line += "warning: "; break;
+    case Level::error: line += "error: "; break;
+    case Level::info:
+    case Level::off: break;
   }
+  return line + message;
 }
+
+void write(Level l, const std::string& message) { logger().log(to_spdlog(l), "{}", format(l, g_rank.load(std::memory_order_relaxed), message)); }
+
+ThreadLevel::ThreadLevel(Level level) : previous_(t_floor) { t_floor = std::max(t_floor, static_cast<int>(level)); }
+ThreadLevel::~ThreadLevel() { t_floor = previous_; }
 
 }  // namespace spmdx::log

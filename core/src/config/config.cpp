@@ -54,11 +54,14 @@ using L = std::vector<std::string>;
 // characters, 2 up to 8, 3 beyond (so that 'dataset' is not taken for 'device').
 std::size_t typo_distance(const std::string& word) { return word.size() <= 3 ? 1 : word.size() <= 8 ? 2 : 3; }
 
-// " (did you mean 'x'?)" for the nearest of `known`, only when it is a plausible typo.
+}  // namespace
+
 std::string did_you_mean(const std::string& word, const std::vector<std::string>& known) {
   const std::string near = nearest_word(word, known, typo_distance(word));
   return near.empty() ? "" : "; did you mean '" + near + "'?";
 }
+
+namespace {
 
 const char* type_name(Type t) {
   switch (t) {
@@ -83,6 +86,17 @@ std::vector<std::string> all_keys() {
   for (const auto& s : schema()) out.push_back(s.key);
   return out;
 }
+
+// The sections of spmdx's keys ("job", "model", ...), sorted.
+std::vector<std::string> sections() {
+  std::set<std::string> out;
+  for (const auto& s : schema()) out.insert(s.key.substr(0, s.key.find('.')));
+  return {out.begin(), out.end()};
+}
+
+// "unknown section 'optimzer'; did you mean 'optimizer'?": a section that is neither spmdx's
+// nor torchtitan's, in a file ([optimzer]) or on the command line (--optimzer.lr).
+std::string unknown_section(const std::string& section) { return "unknown section '" + section + "'" + did_you_mean(section, sections()); }
 
 std::string at_line(const std::string& source, const toml::source_region& region) {
   return source + ":" + std::to_string(region.begin.line) + ":" + std::to_string(region.begin.column);
@@ -428,7 +442,10 @@ struct Config::Checker {
   void foreign(const std::string& key, const std::string& text, const std::string& at, const std::function<void(const KeySpec&)>& apply) {
     const TitanKey* t = find_titan_key(key);
     if (t == nullptr) {
-      problem(at, key, "unknown key '" + key + "'" + key_hint(key));
+      const std::string section = key.substr(0, key.find('.'));
+      const auto known = sections();
+      const bool section_known = std::find(known.begin(), known.end(), section) != known.end() || is_titan_section(section);
+      problem(at, key, section_known ? "unknown key '" + key + "'" + key_hint(key) : unknown_section(section));
       return;
     }
     switch (t->kind) {
@@ -517,8 +534,7 @@ struct Config::Checker {
   }
 
   void file(const toml::table& root, const std::string& source) {
-    std::set<std::string> sections;
-    for (const auto& s : schema()) sections.insert(s.key.substr(0, s.key.find('.')));
+    const std::vector<std::string> known = sections();
     for (const auto& [section_key, section_node] : root) {
       const std::string section(section_key.str());
       const std::string at = at_line(source, section_node.source());
@@ -537,11 +553,11 @@ struct Config::Checker {
         problem(at, section, "key '" + section + "' is outside any [section]" + (home.empty() ? std::string() : "; put it under [" + home + "]"));
         continue;
       }
-      if (!sections.count(section)) {
+      if (std::find(known.begin(), known.end(), section) == known.end()) {
         if (is_titan_section(section)) {
           foreign_table(section, *table, source);
         } else {
-          problem(at, section, "unknown section '" + section + "'" + did_you_mean(section, std::vector<std::string>(sections.begin(), sections.end())));
+          problem(at, section, unknown_section(section));
         }
         continue;
       }

@@ -179,9 +179,30 @@ void read_strategies(const config::Config& cfg, JobSpec& s, Problems& problems) 
   }
 }
 
+// What to change when the degrees multiply to `product` but a stage has `ranks` ranks (of
+// `stages`): start the ranks the degrees make (with `start_flag`, "--nproc", when one starts
+// them), or change one degree so that they fit, as flags: dp_shard -1 (the ranks the others
+// leave) where that fits, then a degree above 1 set to the value that fits (never a new kind of
+// parallelism: tp 2 where the job has none is another job, not a fix).
+std::string degrees_fix(const sharding::ParallelDims& dims, std::int64_t product, std::int64_t ranks, std::int64_t stages, const std::string& start_flag) {
+  const std::string need = std::to_string(product * stages);
+  std::string text = "start " + need + " ranks" + (start_flag.empty() ? std::string() : " (" + start_flag + " " + need + ")");
+  std::vector<std::string> fixes;
+  if (ranks % (dims.dp_replicate * dims.cp * dims.tp) == 0) fixes.push_back("--parallelism.data_parallel_shard_degree -1 (the ranks the other degrees leave)");
+  const std::vector<std::pair<std::string, std::int64_t>> degrees{{kDegreeKeys[2], dims.tp}, {kDegreeKeys[3], dims.cp}, {kDegreeKeys[0], dims.dp_replicate}, {kDegreeKeys[1], dims.dp_shard}};
+  for (const auto& [key, degree] : degrees) {
+    const std::int64_t others = product / degree;
+    const bool shard_covered = key == kDegreeKeys[1] && !fixes.empty();  // -1 says it already
+    if (degree > 1 && !shard_covered && ranks % others == 0 && ranks / others != degree) fixes.push_back("--" + key + " " + std::to_string(ranks / others));
+  }
+  const std::string a_stage = stages > 1 ? " (the ranks of a stage)" : "";
+  if (fixes.empty()) return text + ", or set degrees that multiply to " + std::to_string(ranks) + a_stage;
+  return text + ", or make the degrees fit " + std::to_string(ranks) + (ranks == 1 ? " rank" : " ranks") + a_stage + ": " + join(fixes, " or ");
+}
+
 // The mesh: parallelism's degrees, dp_shard = -1 taking what the others leave of world_size.
 // With pipeline stages, the degrees divide the ranks of one stage (world_size / stages).
-void read_degrees(const config::Config& cfg, std::int64_t world_size, sharding::ParallelDims& dims, Problems& problems) {
+void read_degrees(const config::Config& cfg, std::int64_t world_size, const std::string& start_flag, sharding::ParallelDims& dims, Problems& problems) {
   const std::int64_t stages = cfg.get_int("parallelism.pipeline_parallel_degree");
   std::string world_text = "world_size " + std::to_string(world_size);
   if (stages > 1) {
@@ -233,7 +254,8 @@ void read_degrees(const config::Config& cfg, std::int64_t world_size, sharding::
                                                   std::to_string(dims.cp) + " x tp " + std::to_string(dims.tp)
                                             : std::to_string(dims.dp_replicate) + " x " + std::to_string(dims.dp_shard) + " x " + std::to_string(dims.tp);
     problems.add(kDegreeKeys, "parallelism degrees multiply to " + std::to_string(product) + " (" + factors + "), but " +
-                                  (stages > 1 ? world_text : "world_size is " + std::to_string(world_size)));
+                                  (stages > 1 ? world_text : "world_size is " + std::to_string(world_size)) + ": " +
+                                  degrees_fix(dims, product, world_size, std::max<std::int64_t>(1, stages), start_flag));
   }
 }
 
@@ -425,6 +447,9 @@ PlanValidator validator_hooks(const config::Config& cfg, PluginRegistry& registr
     hooks::HookSet hooks = hooks::make_hooks(hook_spec(cfg), registry, hook_context(world_size, &job));
     std::vector<std::int64_t> ranks;
     for (std::int64_t r = 0; r < std::min<std::int64_t>(job.mesh.size(), 64); ++r) ranks.push_back(r);  // one stage's mesh with pipeline stages
+    // Only the verdict counts here: the hooks' lines ("partition_validator: passed") are said
+    // once, by rank 0 (or spmdx compile) running the compile stages of the job chosen.
+    const log::ThreadLevel quiet(log::Level::error);
     try {
       hooks.compile(plan, ranks, plan_options(cfg));
     } catch (const ValidationError& e) {
@@ -490,7 +515,7 @@ std::vector<std::string> comm_chain(const config::Config& cfg) {
   return chain;
 }
 
-JobSpec job_spec(const config::Config& cfg, std::int64_t world_size, std::int64_t vocab_size) {
+JobSpec job_spec(const config::Config& cfg, std::int64_t world_size, std::int64_t vocab_size, const std::string& start_flag) {
   Problems problems{cfg, {}};
   auto fail = [&](const std::vector<std::string>& keys, const std::string& why) { problems.add(keys, why); };
   JobSpec s;
@@ -513,7 +538,7 @@ JobSpec job_spec(const config::Config& cfg, std::int64_t world_size, std::int64_
   }
   const std::vector<std::int64_t> exported = read_pt2(cfg, vocab_size, s.model, problems);  // pt2: the tokens' [batch, seq] as exported
   read_strategies(cfg, s, problems);
-  read_degrees(cfg, world_size, s.dims, problems);
+  read_degrees(cfg, world_size, start_flag, s.dims, problems);
   const bool degrees_ok = problems.lines.empty();  // the batch check below needs the data-parallel degree
   if (s.model.name == "llama" && s.model.n_heads % s.dims.tp != 0) {
     fail({"parallelism.tensor_parallel_degree", "model.name", "model.flavor"}, "parallelism.tensor_parallel_degree " + std::to_string(s.dims.tp) + " does not divide the " + std::to_string(s.model.n_heads) +
@@ -864,7 +889,7 @@ bool has_checkpoint(const CheckpointSpec& ckpt) { return (ckpt.enable || ckpt.lo
 }  // namespace
 
 std::vector<std::string> preflight(const config::Config& cfg, std::int64_t world_size, PluginRegistry& registry, std::unique_ptr<data::Tokenizer>* tokenizer,
-                                   std::optional<JobSpec>* spec, Preflight what) {
+                                   std::optional<JobSpec>* spec, Preflight what, const std::string& start_flag) {
   const bool run = what == Preflight::run;
   std::vector<std::string> out;
   auto lines = [&](const std::string& text) {
@@ -892,7 +917,7 @@ std::vector<std::string> preflight(const config::Config& cfg, std::int64_t world
     }
   }
   if (*tokenizer && !cfg.has_problem("model.") && !cfg.has_problem("parallelism.") && !cfg.has_problem("training.")) {
-    attempt({}, [&] { *spec = job_spec(cfg, world_size, (*tokenizer)->vocab_size()); });
+    attempt({}, [&] { *spec = job_spec(cfg, world_size, (*tokenizer)->vocab_size(), start_flag); });
   }
   if (run && !cfg.has_problem("training.device") && !cfg.has_problem("data.") && !cfg.has_problem("comm.")) attempt({}, [&] { check_runnable(cfg); });
   discover_plugins(registry, cfg);

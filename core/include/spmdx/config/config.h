@@ -50,6 +50,11 @@ std::string toml_string(const std::string& s);
 /// Every key the config knows, in file order.
 const std::vector<KeySpec>& schema();
 
+/// "; did you mean 'x'?" for the word of `known` nearest to `word`, only when it is a plausible
+/// typo (1 edit for words of up to 3 characters, 2 up to 8, 3 beyond); "" otherwise. The hint of
+/// every config message, and of the command line's (an unknown command).
+std::string did_you_mean(const std::string& word, const std::vector<std::string>& known);
+
 /// A bad config: `what()` is "FILE:LINE:COLUMN: message".
 class ConfigError : public std::runtime_error {
  public:

@@ -190,8 +190,11 @@ std::int64_t degree_product(const config::Config& cfg);
 /// (a tokenizer with more ids is refused). Throws
 /// config::ConfigError naming the key when the degrees do not multiply to world_size, the
 /// global batch does not split evenly over the data-parallel ranks, or tensor_parallel_degree
-/// does not divide the model's head count.
-JobSpec job_spec(const config::Config& cfg, std::int64_t world_size, std::int64_t vocab_size);
+/// does not divide the model's head count. When the degrees do not multiply to world_size the
+/// message says what to change: the ranks to start (with `start_flag`, e.g. "--nproc" or
+/// "--world-size", when the caller's command line starts or counts them by a flag) or a
+/// degree, as the flag that fits ("--parallelism.data_parallel_shard_degree -1").
+JobSpec job_spec(const config::Config& cfg, std::int64_t world_size, std::int64_t vocab_size, const std::string& start_flag = "");
 
 /// Checks what this build can run before any rank starts: training.device "cpu", data.paths
 /// non-empty and every file present, and a swap schedule names what to swap to. Throws config::ConfigError naming the
@@ -221,9 +224,10 @@ enum class Preflight { run, plan };
 /// hook, then their compile stages, so that a validator's verdict comes before any rank
 /// starts). Returns the messages, a line each, for Config::check; a hook option's names where
 /// the config set it. `spec` and `tokenizer` are set when they could be made. Keys that already
-/// have a problem in the config (Config::has_problem) are not checked again.
+/// have a problem in the config (Config::has_problem) are not checked again. `start_flag`: as
+/// job_spec's.
 std::vector<std::string> preflight(const config::Config& cfg, std::int64_t world_size, PluginRegistry& registry, std::unique_ptr<data::Tokenizer>* tokenizer,
-                                   std::optional<JobSpec>* spec, Preflight what = Preflight::run);
+                                   std::optional<JobSpec>* spec, Preflight what = Preflight::run, const std::string& start_flag = "");
 
 /// The train step of a job, placed: the model's graph with backward, clipping and AdamW, and
 /// the placements of every input (strategies for parameters and the batch, parameters' for
