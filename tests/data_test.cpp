@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <sstream>
 
 #include "spmdx/data/text_dataset.h"
@@ -19,6 +20,7 @@ namespace {
 namespace fs = std::filesystem;
 using nlohmann::json;
 using ::testing::HasSubstr;
+using ::testing::Not;
 using Ids = std::vector<std::int64_t>;
 
 // __FILE__ may be relative to the top build folder (ccache's base_dir makes it so), which is
@@ -370,7 +372,32 @@ TEST(HuggingFaceTokenizer, BadFilesNameTheFileAndTheReason) {
               HasSubstr("gap.json': added token \"<|eot|>\" gets id 276 (Hugging Face tokenizers numbers new added tokens from model.vocab's count of "
                         "entries, 276), which model.vocab gives \"ab\": the vocab's ids have gaps"));
 
+  // A value of the wrong JSON type is named by its path in the file, not by the JSON library's
+  // "type must be string, but is number".
+  const std::string todo = ". The file does not follow the Hugging Face tokenizer.json format: fix that value";
+  const std::vector<std::pair<std::function<void(json&)>, std::string>> wrong_types = {
+      {[](json& j) { j["added_tokens"][0]["content"] = 5; }, "/added_tokens/0/content is 5, not a string"},
+      {[](json& j) { j["added_tokens"][1] = "<|eot|>"; }, "/added_tokens/1 is \"<|eot|>\", not an object"},
+      {[](json& j) { j["model"]["merges"][2] = 7; }, "/model/merges/2 is 7, not a merge (\"a b\" or [\"a\", \"b\"])"},
+      {[](json& j) { j["model"]["merges"][0] = {"a", 5}; }, "/model/merges/0/1 is 5, not a string"},
+      {[](json& j) { j["model"]["continuing_subword_prefix"] = 3; }, "/model/continuing_subword_prefix is 3, not a string"},
+      {[](json& j) { j["model"]["dropout"] = "0.1"; }, "/model/dropout is \"0.1\", not a number"},
+      {[](json& j) { j["pre_tokenizer"]["add_prefix_space"] = "yes"; }, "/pre_tokenizer/add_prefix_space is \"yes\", not true or false"},
+      {[](json& j) { j["post_processor"] = {{"type", "TemplateProcessing"}, {"single", {{{"SpecialToken", {{"id", 1}}}}}}}; },
+       "/post_processor/single/0/SpecialToken/id is 1, not a string"},
+      {[](json& j) { j["post_processor"] = {{"type", "BertProcessing"}, {"cls", {"[CLS]", "1"}}, {"sep", {"[SEP]", 2}}}; },
+       "/post_processor/cls/1 is \"1\", not a whole number"},
+  };
+  for (std::size_t i = 0; i < wrong_types.size(); ++i) {
+    const std::string name = "type" + std::to_string(i) + ".json";
+    const std::string e = variant(name, wrong_types[i].first);
+    EXPECT_THAT(e, HasSubstr("cannot load tokenizer '" + (dir / name).string() + "': " + wrong_types[i].second + todo)) << i;
+    EXPECT_THAT(e, Not(HasSubstr("type must be"))) << i;
+  }
+
   test::write_file(dir / "tokenizer.json", byte_level_bpe(false).dump());
+  test::write_file(dir / "tokenizer_config.json", R"({"bos_token": 5})");
+  EXPECT_THAT(error_of([&] { make_tokenizer(dir.path().string()); }), HasSubstr("tokenizer_config.json': /bos_token is 5, not a string. Fix the file."));
   test::write_file(dir / "tokenizer_config.json", R"({"bos_token": "<|eot|>", "eos_token": {"content": "<nope>"}})");
   EXPECT_THAT(error_of([&] { make_tokenizer(dir.path().string()); }),
               HasSubstr("tokenizer_config.json': its eos_token \"<nope>\" is not a token of"));
