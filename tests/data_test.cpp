@@ -330,6 +330,29 @@ TEST(HuggingFaceTokenizer, AddedTokensWhoseFileIdsDifferAreWarnedOf) {
   EXPECT_EQ(testing::internal::GetCapturedStderr(), "");
 }
 
+// One id far past the others makes a vocabulary of millions of rows no token uses: said, with
+// the id, its token and the count, since the model's vocabulary is the largest id + 1. A
+// tokenizer whose ids are dense says nothing of it.
+TEST(HuggingFaceTokenizer, AnIdFarPastTheOthersIsWarnedOf) {
+  test::TempDir dir;
+  json j = byte_level_bpe(false);
+  j["model"]["vocab"]["ab"] = (1 << 24) - 1;
+  j["model"]["merges"] = json::array();
+  test::write_file(dir / "gap.json", j.dump());
+  testing::internal::CaptureStderr();
+  const HuggingFaceTokenizer gap((dir / "gap.json").string());
+  const std::string warned = testing::internal::GetCapturedStderr();
+  EXPECT_EQ(gap.vocab_size(), 1 << 24);
+  const auto defined = static_cast<std::int64_t>(j["model"]["vocab"].size()) + 4;  // and the 4 added tokens not in the vocab
+  EXPECT_THAT(warned, HasSubstr("tokenizer '" + (dir / "gap.json").string() + "': its largest id, 16777215 (\"ab\"), makes a vocabulary of 16777216 ids for the " +
+                                std::to_string(defined) + " tokens it defines: the " + std::to_string((1 << 24) - defined) +
+                                " ids no token has still get a row each in the embedding and the output"));
+  test::write_file(dir / "dense.json", byte_level_bpe(false).dump());
+  testing::internal::CaptureStderr();
+  const HuggingFaceTokenizer dense((dir / "dense.json").string());
+  EXPECT_THAT(testing::internal::GetCapturedStderr(), Not(HasSubstr("largest id")));
+}
+
 TEST(HuggingFaceTokenizer, BadFilesNameTheFileAndTheReason) {
   test::TempDir dir;
   const std::string missing = (dir / "nope" / "tokenizer.json").string();

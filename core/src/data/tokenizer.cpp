@@ -598,6 +598,21 @@ void HuggingFaceTokenizer::Impl::load(const JsonAt& root) {
   for (const auto& [token, id] : added_ids) vocab_size = std::max(vocab_size, id + 1);
   if (vocab_size <= 0) fail(path, "its vocabulary is empty", "Pass a tokenizer.json with a model.vocab.");
   if (vocab_size > (std::int64_t{1} << 24)) fail(path, "an added token has an id of " + std::to_string(vocab_size - 1), "Fix its added_tokens ids.");
+  // The vocabulary is the largest id + 1 (the embedding and the output need a row for every id
+  // the tokenizer can give), so one id far past the others (16777215 typed for 167) makes
+  // millions of rows no token uses: 16 GiB a matrix for Llama's dim. Warned, not refused: a
+  // tokenizer may reserve a range of ids on purpose, and the job's memory check refuses a
+  // model that cannot fit (naming this vocabulary); the warning says where the size comes from.
+  std::int64_t defined = static_cast<std::int64_t>(bpe.vocab_r.size());
+  for (const auto& [id, token] : added_by_id) defined += bpe.vocab_r.count(id) ? 0 : 1;
+  if (const std::int64_t unused = vocab_size - defined; unused > defined && unused > 4096) {
+    const std::int64_t largest = vocab_size - 1;
+    auto it = added_by_id.find(largest);
+    const std::string token = it != added_by_id.end() ? it->second.content : bpe.vocab_r.count(largest) ? bpe.vocab_r.at(largest) : "?";
+    SPMDX_WARN("tokenizer '" << path << "': its largest id, " << largest << " (\"" << token << "\"), makes a vocabulary of " << vocab_size << " ids for the "
+                             << defined << " tokens it defines: the " << unused << " ids no token has still get a row each in the embedding and the output; "
+                             << "if that id is a mistake, renumber the file's ids from 0 without gaps");
+  }
 }
 
 void HuggingFaceTokenizer::Impl::load_model(const JsonAt& model) {
