@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <sstream>
 
 #include "spmdx/data/text_dataset.h"
@@ -19,6 +20,7 @@ namespace {
 namespace fs = std::filesystem;
 using nlohmann::json;
 using ::testing::HasSubstr;
+using ::testing::Not;
 using Ids = std::vector<std::int64_t>;
 
 // __FILE__ may be relative to the top build folder (ccache's base_dir makes it so), which is
@@ -328,6 +330,29 @@ TEST(HuggingFaceTokenizer, AddedTokensWhoseFileIdsDifferAreWarnedOf) {
   EXPECT_EQ(testing::internal::GetCapturedStderr(), "");
 }
 
+// One id far past the others makes a vocabulary of millions of rows no token uses: said, with
+// the id, its token and the count, since the model's vocabulary is the largest id + 1. A
+// tokenizer whose ids are dense says nothing of it.
+TEST(HuggingFaceTokenizer, AnIdFarPastTheOthersIsWarnedOf) {
+  test::TempDir dir;
+  json j = byte_level_bpe(false);
+  j["model"]["vocab"]["ab"] = (1 << 24) - 1;
+  j["model"]["merges"] = json::array();
+  test::write_file(dir / "gap.json", j.dump());
+  testing::internal::CaptureStderr();
+  const HuggingFaceTokenizer gap((dir / "gap.json").string());
+  const std::string warned = testing::internal::GetCapturedStderr();
+  EXPECT_EQ(gap.vocab_size(), 1 << 24);
+  const auto defined = static_cast<std::int64_t>(j["model"]["vocab"].size()) + 4;  // and the 4 added tokens not in the vocab
+  EXPECT_THAT(warned, HasSubstr("tokenizer '" + (dir / "gap.json").string() + "': its largest id, 16777215 (\"ab\"), makes a vocabulary of 16777216 ids for the " +
+                                std::to_string(defined) + " tokens it defines: the " + std::to_string((1 << 24) - defined) +
+                                " ids no token has still get a row each in the embedding and the output"));
+  test::write_file(dir / "dense.json", byte_level_bpe(false).dump());
+  testing::internal::CaptureStderr();
+  const HuggingFaceTokenizer dense((dir / "dense.json").string());
+  EXPECT_THAT(testing::internal::GetCapturedStderr(), Not(HasSubstr("largest id")));
+}
+
 TEST(HuggingFaceTokenizer, BadFilesNameTheFileAndTheReason) {
   test::TempDir dir;
   const std::string missing = (dir / "nope" / "tokenizer.json").string();
@@ -370,7 +395,32 @@ TEST(HuggingFaceTokenizer, BadFilesNameTheFileAndTheReason) {
               HasSubstr("gap.json': added token \"<|eot|>\" gets id 276 (Hugging Face tokenizers numbers new added tokens from model.vocab's count of "
                         "entries, 276), which model.vocab gives \"ab\": the vocab's ids have gaps"));
 
+  // A value of the wrong JSON type is named by its path in the file, not by the JSON library's
+  // "type must be string, but is number".
+  const std::string todo = ". The file does not follow the Hugging Face tokenizer.json format: fix that value";
+  const std::vector<std::pair<std::function<void(json&)>, std::string>> wrong_types = {
+      {[](json& j) { j["added_tokens"][0]["content"] = 5; }, "/added_tokens/0/content is 5, not a string"},
+      {[](json& j) { j["added_tokens"][1] = "<|eot|>"; }, "/added_tokens/1 is \"<|eot|>\", not an object"},
+      {[](json& j) { j["model"]["merges"][2] = 7; }, "/model/merges/2 is 7, not a merge (\"a b\" or [\"a\", \"b\"])"},
+      {[](json& j) { j["model"]["merges"][0] = {"a", 5}; }, "/model/merges/0/1 is 5, not a string"},
+      {[](json& j) { j["model"]["continuing_subword_prefix"] = 3; }, "/model/continuing_subword_prefix is 3, not a string"},
+      {[](json& j) { j["model"]["dropout"] = "0.1"; }, "/model/dropout is \"0.1\", not a number"},
+      {[](json& j) { j["pre_tokenizer"]["add_prefix_space"] = "yes"; }, "/pre_tokenizer/add_prefix_space is \"yes\", not true or false"},
+      {[](json& j) { j["post_processor"] = {{"type", "TemplateProcessing"}, {"single", {{{"SpecialToken", {{"id", 1}}}}}}}; },
+       "/post_processor/single/0/SpecialToken/id is 1, not a string"},
+      {[](json& j) { j["post_processor"] = {{"type", "BertProcessing"}, {"cls", {"[CLS]", "1"}}, {"sep", {"[SEP]", 2}}}; },
+       "/post_processor/cls/1 is \"1\", not a whole number"},
+  };
+  for (std::size_t i = 0; i < wrong_types.size(); ++i) {
+    const std::string name = "type" + std::to_string(i) + ".json";
+    const std::string e = variant(name, wrong_types[i].first);
+    EXPECT_THAT(e, HasSubstr("cannot load tokenizer '" + (dir / name).string() + "': " + wrong_types[i].second + todo)) << i;
+    EXPECT_THAT(e, Not(HasSubstr("type must be"))) << i;
+  }
+
   test::write_file(dir / "tokenizer.json", byte_level_bpe(false).dump());
+  test::write_file(dir / "tokenizer_config.json", R"({"bos_token": 5})");
+  EXPECT_THAT(error_of([&] { make_tokenizer(dir.path().string()); }), HasSubstr("tokenizer_config.json': /bos_token is 5, not a string. Fix the file."));
   test::write_file(dir / "tokenizer_config.json", R"({"bos_token": "<|eot|>", "eos_token": {"content": "<nope>"}})");
   EXPECT_THAT(error_of([&] { make_tokenizer(dir.path().string()); }),
               HasSubstr("tokenizer_config.json': its eos_token \"<nope>\" is not a token of"));

@@ -246,6 +246,42 @@ TEST(Flavors, NLayersChangesTheDepthAndIsRefusedWhereItCannotApply) {
   }
 }
 
+// fsdp keeps whole a parameter with fewer rows than ranks (FSDP2 pads it instead): on 1000
+// ranks none of debugmodel's (at most 768 rows) is sharded, so every rank holds the whole model;
+// on 512 the 12 feed-forward w1/w3 [768, 256] are and the other 45 not; on 2 all are. `compile`
+// says which, why and the cost (4 x their bytes, less 1/degree of it), in text and in --json.
+TEST(Flavors, ParametersShorterThanTheFsdpDegreeAreSaidToBeKeptWhole) {
+  auto plan_on = [](int degree, const std::string& extra = "") {
+    const std::string d = std::to_string(degree);
+    return spmdx("compile " + kConfig + " --parallelism.data_parallel_shard_degree " + d + " --parallelism.tensor_parallel_degree 1 --training.local_batch_size 1 --world-size " +
+                 d + " --fake" + extra);
+  };
+  auto r = plan_on(1000);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("per rank (rank 0): parameters 20.0 MiB,"));  // the whole model
+  EXPECT_THAT(r.output, HasSubstr("warning: fsdp on dp_shard (1000 ranks) keeps every parameter (57 parameters, the whole model, 20.0 MiB) whole on every rank, "
+                                  "not sharded: their dim 0 is shorter than 1000 (tok_embeddings.weight [264, 256], layers.0.attention_norm.weight [256], "
+                                  "layers.0.attention.wq.weight [256, 256], layers.0.attention.wk.weight [256, 256], and 53 more); that costs each rank 80.0 MiB "
+                                  "more than an even share of them (parameters, gradients and AdamW state: 4 x 20.0 MiB, less 1/1000 of it; FSDP2 would pad them and "
+                                  "leave some ranks an empty shard); a degree of at most 256 shards them all"));
+  r = plan_on(512);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("warning: fsdp on dp_shard (512 ranks) keeps 45 parameters (11.0 MiB) whole on every rank, not sharded: their dim 0 is shorter than 512"));
+  r = plan_on(512, " --json");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto kept = nlohmann::json::parse(r.output.substr(r.output.find('{'))).at("parameters_kept_whole");
+  ASSERT_EQ(kept.size(), 1u);
+  EXPECT_EQ(kept[0].at("mesh_dim"), "dp_shard");
+  EXPECT_EQ(kept[0].at("strategy"), "fsdp");
+  EXPECT_EQ(kept[0].at("parameters").size(), 45u);
+  for (const auto& p : kept[0].at("parameters")) EXPECT_EQ(p.get<std::string>().find("w1"), std::string::npos) << p;
+  const std::int64_t bytes = (5250304 - 12 * 768 * 256) * 4;  // all but the 12 w1/w3 [768, 256], f32
+  EXPECT_EQ(kept[0].at("extra_bytes").get<std::int64_t>(), 4 * (bytes - bytes / 512));
+  r = plan_on(2);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_THAT(r.output, ::testing::Not(HasSubstr("keeps")));
+}
+
 TEST(Flavors, AVocabularySmallerThanTheTokenizersIsRefused) {
   auto r = spmdx("compile " + kConfig + " --model.flavor tiny --model.vocab_size 100");
   EXPECT_NE(r.exit_code, 0);

@@ -9,6 +9,7 @@
 #include <fstream>
 #include <functional>
 #include <map>
+#include <regex>
 #include <set>
 
 #include "spmdx/config/config.h"
@@ -491,6 +492,43 @@ TEST(Hooks, EveryHookOnAFourRankRunWritesItsOutputAndChangesNoLoss) {
   EXPECT_EQ(json::parse(read(h / "flight_recorder" / "rank3.json")).at("reason"), "end of run");
   auto trace = spmdx("fr-trace '" + (h / "flight_recorder").string() + "'");
   EXPECT_THAT(trace.output, HasSubstr("no mismatch"));
+}
+
+// The by-layer pictures (collapse_layers) of the logical graph and of rank 0's: one box per
+// layer, in the order a step runs them (the embedding, the blocks by number: layers.2 before
+// layers.10, the final norm, the output with the loss, the optimizer), none "(no layer)", and
+// the same boxes in both. Read from the DOT text: the boxes in the order written, the invisible
+// chain that stacks them, and every edge going back up (the backward's) left out of the ranking.
+TEST(Hooks, GraphvizByLayerPicturesStackTheLayersInOrderWithTheSameBoxes) {
+  test::TempDir dir;
+  auto r = spmdx("compile '" SPMDX_SOURCE_DIR "/configs/llama_debug.toml' --model.n_layers 12 --hooks.enable graphviz --hooks.graphviz.collapse_layers true "
+                 "--hooks.graphviz.format dot --job.dump_folder '" + dir.path().string() + "'");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  std::vector<std::string> want = {"tok_embeddings"};
+  for (int l = 0; l < 12; ++l) want.push_back("layers." + std::to_string(l));
+  for (const char* b : {"norm", "output + loss", "optimizer"}) want.push_back(b);
+  for (const char* stem : {"logical", "rank0"}) {
+    SCOPED_TRACE(stem);
+    const std::string dot = read(dir / "hooks" / "graphviz" / (std::string(stem) + ".layers.dot"));
+    std::vector<std::string> boxes;
+    const std::regex box_re("\n  g([0-9]+) \\[[^\n]*label=\"([^\"\\\\]*)\\\\n");
+    for (auto it = std::sregex_iterator(dot.begin(), dot.end(), box_re); it != std::sregex_iterator(); ++it) {
+      EXPECT_EQ(std::stoul((*it)[1]), boxes.size());
+      boxes.push_back((*it)[2]);
+    }
+    EXPECT_EQ(boxes, want);
+    for (std::size_t i = 0; i + 1 < boxes.size(); ++i) {
+      EXPECT_THAT(dot, HasSubstr("  g" + std::to_string(i) + " -> g" + std::to_string(i + 1) + " [style=invis, weight=100];"));
+    }
+    const std::regex edge_re("\n  g([0-9]+) -> g([0-9]+) \\[label=[^\n]*");
+    int up = 0;
+    for (auto it = std::sregex_iterator(dot.begin(), dot.end(), edge_re); it != std::sregex_iterator(); ++it) {
+      const bool goes_up = std::stoi((*it)[1]) > std::stoi((*it)[2]);
+      up += goes_up;
+      EXPECT_EQ(it->str().find("constraint=false") != std::string::npos, goes_up) << it->str();
+    }
+    EXPECT_GE(up, 12) << "the backward goes from each block to the one before";
+  }
 }
 
 TEST(Hooks, FlightRecorderNamesTheRankThatSkippedACollective) {

@@ -23,6 +23,7 @@ namespace spmdx {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 namespace fs = std::filesystem;
 
 const fs::path kDir = PT2_FIXTURE_DIR;
@@ -216,6 +217,43 @@ TEST(Pt2ImportErrors, ModelJsonNestedTooDeep) {
 TEST(Pt2ImportErrors, AFloatWhereAWholeNumberBelongsIsShownAsWritten) {
   EXPECT_THAT(import_error((kDir / "bad" / "huge_major.pt2").string()),
               HasSubstr("models/model.json schema_version major is 1e+30, not a whole number: the file is damaged"));
+}
+
+// A value the program never defines is named with the node that reads it (it said "map::at").
+TEST(Pt2ImportErrors, AnUndefinedValueIsNamedWithTheNodeThatReadsIt) {
+  const std::string node = import_error((kDir / "bad" / "undefined_value.pt2").string());
+  EXPECT_THAT(node, HasSubstr("undefined_value.pt2: node 'view_3' (aten.view.default, "));
+  EXPECT_THAT(node, HasSubstr("): reads value 'no_such_value', which no input of the program and no earlier node defines: the file is damaged"));
+  const std::string output = import_error((kDir / "bad" / "undefined_output.pt2").string());
+  EXPECT_THAT(output, HasSubstr("undefined_output.pt2: the program returns value 'no_such_output', which no input of the program and no earlier node defines"));
+  for (const auto& e : {node, output}) EXPECT_THAT(e, Not(HasSubstr("map::at")));
+}
+
+// A value of the wrong JSON type is named by its file in the archive and its JSON pointer (it
+// said "type must be string, but is number"), in the program and in the weights' config.
+TEST(Pt2ImportErrors, AValueOfTheWrongJsonTypeIsNamedByItsPath) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"number_target", "number_target.pt2: models/model.json /graph_module/graph/nodes/[0-9]+/target is 5, not a string: the file is damaged"},
+      {"number_name", "number_name.pt2: models/model.json /graph_module/graph/nodes/[0-9]+/inputs/0/arg/as_tensor/name is 7, not a string: the file is damaged"},
+      {"number_path_name", "number_path_name.pt2: data/weights/model_weights_config.json /config/[a-z_.]+/path_name is 3, not a string: the file is damaged"},
+  };
+  for (const auto& [name, want] : cases) {
+    const std::string e = import_error((kDir / "bad" / (name + ".pt2")).string());
+    EXPECT_THAT(e, ::testing::ContainsRegex(want)) << name;
+    EXPECT_THAT(e, Not(HasSubstr("type must be"))) << name;
+    EXPECT_THROW(models::summarize_pt2((kDir / "bad" / (name + ".pt2")).string()), models::ImportError) << name;
+  }
+}
+
+// A view or split whose sizes were edited disagrees with the shapes tensor_values records (from
+// which the mapping takes its output shapes): refused naming the node and both shapes.
+TEST(Pt2ImportErrors, ViewAndSplitSizesThatDisagreeWithTheRecordedShapesAreRefused) {
+  EXPECT_THAT(import_error((kDir / "bad" / "view_sizes.pt2").string()),
+              ::testing::ContainsRegex("view_sizes.pt2: node 'view' \\(aten.view.default, .*\\): its arguments give its output 'view' the shape \\[8, 32, 16, 4\\], "
+                                       "but tensor_values records \\[8, 32, 4, 16\\]: the file is damaged"));
+  EXPECT_THAT(import_error((kDir / "bad" / "split_sizes.pt2").string()),
+              ::testing::ContainsRegex("split_sizes.pt2: node 'split' \\(aten.split.Tensor, .*\\): its arguments give its output 'getitem' the shape \\[8, 32, 65\\], "
+                                       "but tensor_values records \\[8, 32, 64\\]"));
 }
 
 TEST(Pt2ImportErrors, AotInductorPackage) {

@@ -123,6 +123,24 @@ TEST(Pt2RunErrors, BadInputFailsBeforeAnyRankStarts) {
   }
 }
 
+// A parameter of one row (gated.pt2's gate [1]) cannot be cut over fsdp 2: the run says so on the
+// line after its first, naming it, why and what it costs, and trains.
+TEST(Pt2RunFsdp, AParameterShorterThanTheDegreeIsSaidToBeKeptWholeAfterTheFirstLine) {
+  test::TempDir dir;
+  auto r = spmdx("run '" SPMDX_SOURCE_DIR "/configs/llama_debug.toml' --nproc 2 --model.name pt2 --model.path '" + (kFixtures / "gated.pt2").string() +
+                 "' --training.global_batch_size 2 --training.seq_len 8 --parallelism.data_parallel_shard_degree 2 --parallelism.tensor_parallel_degree 1 "
+                 "--training.steps 2 --data.paths '" + test::corpus_file(dir) + "' --job.dump_folder '" + (dir / "out").string() + "'");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto first = r.output.find("[rank 0] spmdx: pt2 ");
+  ASSERT_NE(first, std::string::npos) << r.output;
+  const auto next = r.output.find('\n', first) + 1;
+  EXPECT_EQ(r.output.substr(next, r.output.find('\n', next) - next),
+            "[rank 0] warning: fsdp on dp_shard (2 ranks) keeps 1 parameter (4.0 B) whole on every rank, not sharded: its dim 0 is shorter than 2 (gate [1]); "
+            "that costs each rank 8.0 B more than an even share of them (parameters, gradients and AdamW state: 4 x 4.0 B, less 1/2 of it; FSDP2 would pad them "
+            "and leave some ranks an empty shard)");
+  EXPECT_EQ(test::losses(dir / "out" / "metrics.jsonl").size(), 2u);
+}
+
 TEST(Pt2Import, SummaryNamesParametersOpsAndUnsupportedNodes) {
   auto ok = spmdx("import '" + (kFixtures / "gpt2.pt2").string() + "'");
   EXPECT_EQ(ok.exit_code, 0) << ok.output;

@@ -614,6 +614,31 @@ TEST(Run, APlannedPeakOverTheHostsMemoryIsRefusedBeforeTheFirstStep) {
   EXPECT_FALSE(std::filesystem::exists(dir / "metrics.jsonl")) << "no step ran";
 }
 
+// A tokenizer with an id near 2^24 makes a vocabulary of 16,777,216 ids: the planned peak is
+// refused before any of the state is allocated (the banner, printed after it, never comes),
+// naming the peak, the host's memory and the vocabulary that makes it large; the tokenizer's
+// reader warns of the gap. (The large flavor's dim 2048: over 1 TiB, more than a test machine has.)
+TEST(Run, AVocabularyMadeHugeByATokenizerIdIsRefusedBeforeTheStateIsAllocated) {
+  test::TempDir dir;
+  nlohmann::json vocab = nlohmann::json::object();
+  for (int c = 0x20; c < 0x7f; ++c) vocab[std::string(1, static_cast<char>(c))] = c - 0x20;
+  vocab["\n"] = 0x7f - 0x20;
+  vocab["zz"] = (1 << 24) - 1;
+  const nlohmann::json tokenizer = {{"model", {{"type", "BPE"}, {"vocab", vocab}, {"merges", nlohmann::json::array()}}}};
+  test::write_file(dir / "tokenizer.json", tokenizer.dump());
+  auto r = spmdx_run("'" SPMDX_SOURCE_DIR "/configs/llama_debug.toml' --nproc 1 --parallelism.data_parallel_shard_degree 1 --parallelism.tensor_parallel_degree 1 "
+                     "--training.steps 1 --model.flavor large --model.n_layers 1 --model.tokenizer '" + (dir / "tokenizer.json").string() + "' --data.paths '" + corpus_file(dir) +
+                     "' --job.dump_folder '" + (dir / "out").string() + "'");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("its largest id, 16777215 (\"zz\"), makes a vocabulary of 16777216 ids for the 97 tokens it defines"));
+  EXPECT_THAT(r.output, ::testing::ContainsRegex("error: the planned peak memory, [0-9.]+ (GiB|TiB) a rank x 1 rank on this host, is over its [0-9.]+ (GiB|TiB) of memory"));
+  EXPECT_THAT(r.output, HasSubstr("the largest buffers at the peak: "));
+  EXPECT_THAT(r.output, ::testing::ContainsRegex("the vocabulary of 16777216 ids makes the embedding and output rows [0-9]+% of the model's parameters \\(model.tokenizer '" +
+                                                 (dir / "tokenizer.json").string() + "': its largest id \\+ 1"));
+  EXPECT_THAT(r.output, Not(HasSubstr("spmdx: llama")));  // the banner, after the state is made
+  EXPECT_FALSE(std::filesystem::exists(dir / "out" / "metrics.jsonl")) << "no step ran";
+}
+
 // Also with pipeline stages (rank 1 the middle one of 3), whose neighbours wait on its sends.
 TEST(Run, ARankKilledStopsTheJobNamingIt) {
   for (const std::string flags : {"", " --parallelism.pipeline_parallel_degree 3 --parallelism.data_parallel_shard_degree 1 --model.n_layers 3"}) {

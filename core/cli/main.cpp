@@ -591,6 +591,13 @@ int run_compile(const CompileOptions& o) {
                      {"planner_seconds", seconds},
                      {"planner_peak_rss_bytes", peak_rss_bytes()},
                      {"fake", o.fake}};
+    j["parameters_kept_whole"] = nlohmann::json::array();  // train::short_parameters: their dim 0 shorter than a sharding dim's degree
+    for (const auto& short_ones : spmdx::train::short_parameters(spec, job)) {
+      nlohmann::json names = nlohmann::json::array();
+      for (const auto& p : short_ones.parameters) names.push_back(p.name);
+      j["parameters_kept_whole"].push_back({{"mesh_dim", short_ones.mesh_dim}, {"degree", short_ones.degree}, {"strategy", short_ones.strategy},
+                                            {"parameters", names}, {"extra_bytes", short_ones.extra_bytes}, {"message", short_ones.line()}});
+    }
     if (spec.auto_strategy) {
       const std::string report = file_text(fs::path(spec.output.dump_folder) / "auto_report.json");
       j["auto"] = report.empty() ? nlohmann::json(spec.auto_report) : nlohmann::json::parse(report);
@@ -638,6 +645,7 @@ int run_compile(const CompileOptions& o) {
                                             }() + " (parameters, gradients, AdamW state and communication above: the whole model on one stage's mesh; the planned peak: stage 0's)\n" + stages_text
                                         : std::string())
             << (spec.memory_fit.empty() ? "" : spec.memory_fit + "\n");
+  for (const auto& short_ones : spmdx::train::short_parameters(spec, job)) std::cout << "warning: " << short_ones.line() << "\n";
   for (const auto& [layout, why] : spec.strategies_passed_over) {
     std::cout << "fallback: strategies " << layout << " passed over (" << why << ")\n";
   }

@@ -68,7 +68,9 @@ struct GraphNode {
   /// `propagated`: the placements the node reads each input in (a difference from the value's
   /// own placements is a redistribution); empty at other stages.
   std::vector<std::vector<Placement>> reads;
-  std::string layer;                   ///< "layers.3", "tok_embeddings", ... ("" when none)
+  /// "layers.3", "tok_embeddings", "norm", ...: the layer of the parameter the node reads (a
+  /// collective of one too), else that of its input made last; "" when none.
+  std::string layer;
   double flops = 0;                    ///< estimate: 2·M·N·K for matmuls, 4·B·H·S²·D for attention, else elements written
   bool collective = false;             ///< all_reduce, all_gather, reduce_scatter or all_to_all
   int mesh_dim = -1;                   ///< a collective's mesh dim (its group)

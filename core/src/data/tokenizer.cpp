@@ -18,6 +18,7 @@
 #include "spmdx/core/log.h"
 #include "spmdx/files.h"
 #include "spmdx/text.h"
+#include "../json_at.h"
 
 namespace spmdx::data {
 namespace fs = std::filesystem;
@@ -531,7 +532,14 @@ json parse_json(const std::string& text, const std::string& shown, const std::st
   }
 }
 
-std::string type_of(const json& j) { return j.is_object() ? j.value("type", std::string("(no type)")) : "(not an object)"; }
+// A component's "type" ("BPE", "ByteLevel"); a type that is there must be a string.
+std::string type_of(const JsonAt& j) { return j.is_object() ? j.str_or("type", "(no type)") : "(not an object)"; }
+
+// An optional member: absent and null are the same (Hugging Face writes null for "none").
+JsonAt member_or_null(const JsonAt& j, const std::string& key) {
+  const auto v = j.find(key);
+  return v ? *v : JsonAt();
+}
 
 }  // namespace
 
@@ -555,11 +563,12 @@ struct HuggingFaceTokenizer::Impl {
     return std::nullopt;
   }
 
-  void load(const json& root);
-  void load_model(const json& model);
-  void load_added(const json& tokens);
-  void load_pre_tokenizer(const json& pre);
-  void load_post_processor(const json& post);
+  // Every value read through JsonAt: one of the wrong type is refused naming its JSON pointer.
+  void load(const JsonAt& root);
+  void load_model(const JsonAt& model);
+  void load_added(const JsonAt& tokens);
+  void load_pre_tokenizer(const JsonAt& pre);
+  void load_post_processor(const JsonAt& post);
   void load_config(const fs::path& config);
 
   void split_added(std::string_view text, const Patterns& patterns, std::vector<Segment>& out) const;
@@ -567,19 +576,19 @@ struct HuggingFaceTokenizer::Impl {
                    std::unordered_map<std::string, std::vector<std::int64_t>>& cache) const;
 };
 
-void HuggingFaceTokenizer::Impl::load(const json& root) {
+void HuggingFaceTokenizer::Impl::load(const JsonAt& root) {
   if (!root.is_object()) fail(path, "the top level is not a JSON object", "Pass a Hugging Face tokenizer.json.");
-  if (!root.contains("model")) fail(path, "it has no \"model\"", "Pass a Hugging Face tokenizer.json.");
+  if (!root.has("model")) fail(path, "it has no \"model\"", "Pass a Hugging Face tokenizer.json.");
   load_model(root["model"]);
-  const json& normalizer = root.value("normalizer", json());
-  if (!normalizer.is_null() && !(type_of(normalizer) == "Sequence" && normalizer.value("normalizers", json::array()).empty())) {
+  const JsonAt normalizer = member_or_null(root, "normalizer");
+  if (!normalizer.is_null() && !(type_of(normalizer) == "Sequence" && member_or_null(normalizer, "normalizers").size() == 0)) {
     fail(path, "normalizer type \"" + type_of(normalizer) + "\" is not supported (spmdx supports none)",
          "Use a byte-level BPE tokenizer without a normalizer (GPT-2 style), or the \"byte\" tokenizer.");
   }
-  load_pre_tokenizer(root.value("pre_tokenizer", json()));
-  load_added(root.value("added_tokens", json::array()));
-  load_post_processor(root.value("post_processor", json()));
-  const json& decoder = root.value("decoder", json());
+  load_pre_tokenizer(member_or_null(root, "pre_tokenizer"));
+  load_added(member_or_null(root, "added_tokens"));
+  load_post_processor(member_or_null(root, "post_processor"));
+  const JsonAt decoder = member_or_null(root, "decoder");
   if (!decoder.is_null() && type_of(decoder) != "ByteLevel") {
     fail(path, "decoder type \"" + type_of(decoder) + "\" is not supported (spmdx supports ByteLevel or none)",
          "Use a byte-level BPE tokenizer, or the \"byte\" tokenizer.");
@@ -589,23 +598,37 @@ void HuggingFaceTokenizer::Impl::load(const json& root) {
   for (const auto& [token, id] : added_ids) vocab_size = std::max(vocab_size, id + 1);
   if (vocab_size <= 0) fail(path, "its vocabulary is empty", "Pass a tokenizer.json with a model.vocab.");
   if (vocab_size > (std::int64_t{1} << 24)) fail(path, "an added token has an id of " + std::to_string(vocab_size - 1), "Fix its added_tokens ids.");
+  // The vocabulary is the largest id + 1 (the embedding and the output need a row for every id
+  // the tokenizer can give), so one id far past the others (16777215 typed for 167) makes
+  // millions of rows no token uses: 16 GiB a matrix for Llama's dim. Warned, not refused: a
+  // tokenizer may reserve a range of ids on purpose, and the job's memory check refuses a
+  // model that cannot fit (naming this vocabulary); the warning says where the size comes from.
+  std::int64_t defined = static_cast<std::int64_t>(bpe.vocab_r.size());
+  for (const auto& [id, token] : added_by_id) defined += bpe.vocab_r.count(id) ? 0 : 1;
+  if (const std::int64_t unused = vocab_size - defined; unused > defined && unused > 4096) {
+    const std::int64_t largest = vocab_size - 1;
+    auto it = added_by_id.find(largest);
+    const std::string token = it != added_by_id.end() ? it->second.content : bpe.vocab_r.count(largest) ? bpe.vocab_r.at(largest) : "?";
+    SPMDX_WARN("tokenizer '" << path << "': its largest id, " << largest << " (\"" << token << "\"), makes a vocabulary of " << vocab_size << " ids for the "
+                             << defined << " tokens it defines: the " << unused << " ids no token has still get a row each in the embedding and the output; "
+                             << "if that id is a mistake, renumber the file's ids from 0 without gaps");
+  }
 }
 
-void HuggingFaceTokenizer::Impl::load_model(const json& model) {
-  const std::string type = model.is_object() && !model.contains("type") && model.contains("merges") ? "BPE" : type_of(model);
+void HuggingFaceTokenizer::Impl::load_model(const JsonAt& model) {
+  const std::string type = model.is_object() && !model.has("type") && model.has("merges") ? "BPE" : type_of(model);
   if (type != "BPE") {
     fail(path, "model type \"" + type + "\" is not supported (spmdx supports BPE)",
          "Use a BPE tokenizer.json (GPT-2, Llama 3 and torchtitan's test tokenizer are BPE), or the \"byte\" tokenizer.");
   }
-  const json& dropout = model.value("dropout", json());
-  if (!dropout.is_null() && dropout.get<double>() > 0.0) {
+  if (model.number_or("dropout", 0.0) > 0.0) {
     fail(path, "BPE dropout is set, which samples a different tokenization on every call",
          "Set \"dropout\" to null in the file for deterministic training data.");
   }
-  if (!model.contains("vocab") || !model["vocab"].is_object()) {
+  if (!model.has("vocab") || !model["vocab"].is_object()) {
     fail(path, "its model.vocab is not a JSON object", "Pass a Hugging Face tokenizer.json.");
   }
-  for (const auto& [token, id] : model["vocab"].items()) {
+  for (const auto& [token, id] : model["vocab"].raw().items()) {
     if (!id.is_number_integer() || id.get<std::int64_t>() < 0 || id.get<std::int64_t>() >= (std::int64_t{1} << 24)) {
       fail(path, "model.vocab maps \"" + token + "\" to " + id.dump() + ", not an id in [0, 16777216)",
            "Fix the vocab; ids are small non-negative integers.");
@@ -617,26 +640,23 @@ void HuggingFaceTokenizer::Impl::load_model(const json& model) {
     }
     bpe.vocab[token] = id.get<std::int64_t>();
   }
-  auto optional_string = [&](const char* key) {
-    const json& v = model.value(key, json());
-    return v.is_null() ? std::string() : v.get<std::string>();
-  };
-  bpe.prefix = optional_string("continuing_subword_prefix");
-  bpe.suffix = optional_string("end_of_word_suffix");
-  bpe.fuse_unk = model.value("fuse_unk", false);
-  bpe.byte_fallback = model.value("byte_fallback", false);
-  bpe.ignore_merges = model.value("ignore_merges", false);
-  if (const std::string unk = optional_string("unk_token"); !unk.empty()) {
+  bpe.prefix = model.str_or("continuing_subword_prefix", "");
+  bpe.suffix = model.str_or("end_of_word_suffix", "");
+  bpe.fuse_unk = model.bool_or("fuse_unk", false);
+  bpe.byte_fallback = model.bool_or("byte_fallback", false);
+  bpe.ignore_merges = model.bool_or("ignore_merges", false);
+  if (const std::string unk = model.str_or("unk_token", ""); !unk.empty()) {
     auto it = bpe.vocab.find(unk);
     if (it == bpe.vocab.end()) fail(path, "its unk_token \"" + unk + "\" is not in the vocabulary", "Fix the file's model.unk_token.");
     bpe.unk = it->second;
   }
-  const json& merges = model.value("merges", json::array());
+  const JsonAt merges = member_or_null(model, "merges");
+  if (!merges.is_null()) merges.array();
   for (std::size_t rank = 0; rank < merges.size(); ++rank) {
-    const json& m = merges[rank];
+    const JsonAt m = merges.at(rank);
     std::string a, b;
     if (m.is_string()) {  // "a b", the older form
-      const std::string line = m.get<std::string>();
+      const std::string& line = m.str();
       const std::size_t space = line.find(' ');
       if (space == std::string::npos || line.find(' ', space + 1) != std::string::npos) {
         fail(path, "merge " + std::to_string(rank + 1) + " \"" + line + "\" is not two tokens separated by one space",
@@ -644,7 +664,8 @@ void HuggingFaceTokenizer::Impl::load_model(const json& model) {
       }
       a = line.substr(0, space), b = line.substr(space + 1);
     } else {
-      a = m.at(0).get<std::string>(), b = m.at(1).get<std::string>();
+      if (!m.is_array() || m.size() != 2) m.wrong("a merge (\"a b\" or [\"a\", \"b\"])");
+      a = m.at(0).str(), b = m.at(1).str();
     }
     auto id = [&](const std::string& token) {
       auto it = bpe.vocab.find(token);
@@ -665,23 +686,24 @@ void HuggingFaceTokenizer::Impl::load_model(const json& model) {
 // The file's ids must be ids (tokenizers' loader refuses others: its ids are u32); one that
 // differs from the id given is warned of, as tokenizers does: a checkpoint trained with the
 // file's ids would read other rows of the embedding.
-void HuggingFaceTokenizer::Impl::load_added(const json& tokens) {
+void HuggingFaceTokenizer::Impl::load_added(const JsonAt& tokens) {
   std::vector<AddedToken> special_list, plain_list;
   const auto model_size = static_cast<std::int64_t>(bpe.vocab.size());
   std::int64_t moved = 0;
   std::string first_moved;
+  if (!tokens.is_null()) tokens.array();
   for (std::size_t i = 0; i < tokens.size(); ++i) {
-    const json& t = tokens[i];
-    const json written = t.is_object() ? t.value("id", json()) : json();
-    if (t.is_object() && t.contains("id") &&
+    const JsonAt t = tokens.at(i).object();
+    const json written = t.has("id") ? t["id"].raw() : json();
+    if (t.has("id") &&
         !(written.is_number_integer() && (written.is_number_unsigned() ? written.get<std::uint64_t>() <= 0xFFFFFFFFull : written.get<std::int64_t>() >= 0))) {
       std::string shown = written.dump();
       if (shown.size() > 40) shown = shown.substr(0, 37) + "...";
       fail(path, "added_tokens[" + std::to_string(i) + "] has the id " + shown + ", not an id from 0 to 2^32 - 1",
            "Fix the file's added_tokens (Hugging Face tokenizers refuses it too).");
     }
-    AddedToken token{t.at("content").get<std::string>(), t.value("single_word", false), t.value("lstrip", false),
-                     t.value("rstrip", false), t.value("normalized", true), t.value("special", false)};
+    AddedToken token{t["content"].str(), t.bool_or("single_word", false), t.bool_or("lstrip", false),
+                     t.bool_or("rstrip", false), t.bool_or("normalized", true), t.bool_or("special", false)};
     if (token.special && !token.content.empty() && special.insert(token.content).second) special_list.push_back(token);
     if (token.content.empty() ||
         std::any_of(added_by_id.begin(), added_by_id.end(), [&](const auto& entry) { return entry.second == token; })) {
@@ -722,50 +744,55 @@ void HuggingFaceTokenizer::Impl::load_added(const json& tokens) {
   }
 }
 
-void HuggingFaceTokenizer::Impl::load_pre_tokenizer(const json& pre) {
+void HuggingFaceTokenizer::Impl::load_pre_tokenizer(const JsonAt& pre) {
   const std::string todo =
       "Use a tokenizer.json whose pre_tokenizer is ByteLevel (GPT-2 style), or the \"byte\" tokenizer.";
   if (pre.is_null()) return;
-  const json* level = &pre;
+  JsonAt level = pre;
   if (type_of(pre) == "Sequence") {
-    const json& list = pre.value("pretokenizers", json::array());
-    if (list.empty()) return;
+    const JsonAt list = member_or_null(pre, "pretokenizers");
+    if (!list.is_null()) list.array();
+    if (list.size() == 0) return;
     if (list.size() != 1) fail(path, "a Sequence of " + std::to_string(list.size()) + " pre-tokenizers is not supported (spmdx supports one ByteLevel)", todo);
-    level = &list[0];
+    level = list.at(0);
   }
-  if (type_of(*level) != "ByteLevel") {
-    fail(path, "pre-tokenizer type \"" + type_of(*level) + "\" is not supported (spmdx supports ByteLevel)", todo);
+  if (type_of(level) != "ByteLevel") {
+    fail(path, "pre-tokenizer type \"" + type_of(level) + "\" is not supported (spmdx supports ByteLevel)", todo);
   }
   byte_level = true;
-  add_prefix_space = level->value("add_prefix_space", true);
-  use_regex = level->value("use_regex", true);
+  add_prefix_space = level.bool_or("add_prefix_space", true);
+  use_regex = level.bool_or("use_regex", true);
 }
 
-void HuggingFaceTokenizer::Impl::load_post_processor(const json& pp) {
+void HuggingFaceTokenizer::Impl::load_post_processor(const JsonAt& pp) {
   if (pp.is_null()) return;
   const std::string type = type_of(pp);
   const std::string todo = "Set \"post_processor\" to null in a copy of the file and add BOS/EOS yourself.";
   if (type == "ByteLevel") return;  // offsets only
   if (type == "Sequence") {
-    for (const json& p : pp.value("processors", json::array())) load_post_processor(p);
+    const JsonAt processors = member_or_null(pp, "processors");
+    if (!processors.is_null()) processors.array();
+    for (std::size_t i = 0; i < processors.size(); ++i) load_post_processor(processors.at(i));
   } else if (type == "TemplateProcessing") {
     Template t;
-    for (const json& item : pp.at("single")) {
-      if (item.contains("Sequence")) {
-        if (item["Sequence"].value("id", std::string("A")) != "A") fail(path, "its single template uses sequence B", todo);
+    for (const JsonAt& item : pp["single"].elements()) {
+      if (item.object().has("Sequence")) {
+        if (item["Sequence"].str_or("id", "A") != "A") fail(path, "its single template uses sequence B", todo);
         t.items.push_back({true, {}});
       } else {
-        const std::string name = item.at("SpecialToken").at("id").get<std::string>();
-        const json& specials = pp.value("special_tokens", json::object());
-        if (!specials.contains(name)) fail(path, "its template names special token \"" + name + "\", which it does not define", todo);
-        t.items.push_back({false, specials[name].at("ids").get<std::vector<std::int64_t>>()});
+        const std::string& name = item["SpecialToken"]["id"].str();
+        const auto specials = pp.find("special_tokens");
+        if (!specials || !specials->object().has(name)) fail(path, "its template names special token \"" + name + "\", which it does not define", todo);
+        std::vector<std::int64_t> ids;
+        for (const JsonAt& id : (*specials)[name]["ids"].elements()) ids.push_back(id.whole());
+        t.items.push_back({false, std::move(ids)});
       }
     }
     post.push_back(std::move(t));
   } else if (type == "BertProcessing" || type == "RobertaProcessing") {
-    post.push_back(Template{{{false, {pp.at("cls").at(1).get<std::int64_t>()}},
+    post.push_back(Template{{{false, {pp["cls"].at(1).whole()}},
                              {true, {}},
-                             {false, {pp.at("sep").at(1).get<std::int64_t>()}}}});
+                             {false, {pp["sep"].at(1).whole()}}}});
   } else {
     fail(path, "post-processor type \"" + type + "\" is not supported (spmdx supports TemplateProcessing, ByteLevel, "
                "BertProcessing, RobertaProcessing)", todo);
@@ -776,14 +803,15 @@ void HuggingFaceTokenizer::Impl::load_config(const fs::path& config) {
   std::error_code ec;
   if (!fs::exists(config, ec)) return;
   const std::string shown = config.string();
-  const json root = parse_json(read_file(config, shown), shown, "tokenizer_config.json");
+  const json parsed = parse_json(read_file(config, shown), shown, "tokenizer_config.json");
+  const JsonAt root(parsed);
   auto special_id = [&](const char* key) -> std::optional<std::int64_t> {
     if (!root.is_object()) return std::nullopt;
-    json value = root.value(key, json());
-    if (value.is_object()) value = value.value("content", json());
+    JsonAt value = member_or_null(root, key);
+    if (value.is_object()) value = member_or_null(value, "content");  // an AddedToken: {"content": "<s>", ...}
     if (value.is_null()) return std::nullopt;
-    if (!value.is_string()) fail(shown, std::string("\"") + key + "\" is not a string", "Fix the file.");
-    const std::string token = value.get<std::string>();
+    if (!value.is_string()) fail(shown, value.where() + " is " + value.shown() + ", not a string", "Fix the file.");
+    const std::string token = value.str();
     auto id = token_to_id(token);
     if (!id) {
       fail(shown, std::string("its ") + key + " \"" + token + "\" is not a token of '" + path + "'",
@@ -871,10 +899,9 @@ HuggingFaceTokenizer::HuggingFaceTokenizer(const std::string& tokenizer_json) {
   }
   const json root = parse_json(read_file(tokenizer_json, tokenizer_json), tokenizer_json, "tokenizer.json");
   try {
-    impl->load(root);
-  } catch (const json::exception& e) {
-    fail(tokenizer_json, std::string("unexpected content (") + e.what() + ")",
-         "The file does not follow the Hugging Face tokenizer.json format: regenerate it with `tokenizers`.");
+    impl->load(JsonAt(root));
+  } catch (const JsonError& e) {
+    fail(tokenizer_json, e.what(), "The file does not follow the Hugging Face tokenizer.json format: fix that value, or regenerate the file with `tokenizers`.");
   }
   impl->load_config(fs::path(tokenizer_json).parent_path() / "tokenizer_config.json");
   impl_ = std::move(impl);

@@ -1020,24 +1020,59 @@ CheckpointMeta resume_from(const std::filesystem::path& ckpt_dir, std::int64_t s
   return meta;
 }
 
-// A planned peak over this host's memory (rank 0's peak times the ranks on the host): refused
-// when over its RAM and swap, as the kernel's out-of-memory killer would stop a rank mid-step
-// with SIGKILL ("rank 0 was killed by signal Killed": a batch of 100,000 rows here); warned when
-// over its RAM alone. Throws std::runtime_error.
-void check_host_memory(const plan::MemoryPlan& planned, const launch::RankEnv& env, const Device& device) {
+// What makes a planned peak large, for check_host_memory's message: the largest buffers held at
+// it, and the vocabulary when its rows are most of the model (a tokenizer id far past the
+// others makes millions of rows: 16777216 ids make Llama debugmodel's 5M parameters 8.6G).
+std::string what_makes_it_large(const plan::MemoryPlan& planned, const train::JobSpec& spec, const models::Model& model, std::int64_t tokenizer_vocab) {
+  std::vector<std::string> held;
+  for (std::size_t i = 0; i < planned.largest.size() && i < 3; ++i) {
+    const auto& h = planned.largest[i];
+    held.push_back(h.what + (h.type.empty() ? "" : " " + h.type) + " (" + human_bytes(static_cast<double>(h.bytes)) + ")");
+  }
+  std::string out = held.empty() ? "" : "; the largest buffers at the peak: " + join(held);
+  const std::int64_t vocab = spec.model.vocab_size;
+  double rows = 0, all = 0;
+  for (const auto& p : model.params) {
+    const ir::TensorMeta& m = model.graph.find_input(p)->meta();
+    all += static_cast<double>(m.nbytes());
+    if (std::find(m.shape.begin(), m.shape.end(), vocab) != m.shape.end()) rows += static_cast<double>(m.nbytes());
+  }
+  if (vocab > 0 && all > 0 && rows > all / 2) {
+    char share[16];
+    std::snprintf(share, sizeof share, "%.0f%%", 100 * rows / all);
+    out += "; the vocabulary of " + std::to_string(vocab) + " ids makes the embedding and output rows " + share + " of the model's parameters" +
+           (vocab == tokenizer_vocab && spec.data.tokenizer != "byte"
+                ? " (model.tokenizer '" + spec.data.tokenizer + "': its largest id + 1; a tokenizer whose ids have a gap gets a row for each missing id: "
+                  "renumber them if that is a mistake)"
+                : " (model.vocab_size: lower it if that is a mistake)");
+  }
+  return out;
+}
+
+// A planned peak over this host's memory (this rank's peak times the ranks on the host):
+// refused when over its RAM and swap, as the kernel's out-of-memory killer would stop a rank
+// with SIGKILL (a batch of 100,000 rows here; a vocabulary of 16.7M ids made by a tokenizer id
+// near 2^24); warned when over its RAM alone. Called on every rank before its state is
+// allocated, since every rank allocates; the host's first rank says why and the others say
+// only that they stopped. Throws std::runtime_error.
+void check_host_memory(const plan::MemoryPlan& planned, const launch::RankEnv& env, const Device& device, const train::JobSpec& spec,
+                       const models::Model& model, std::int64_t tokenizer_vocab) {
   struct sysinfo si {};
   if (!device.device().is_cpu() || ::sysinfo(&si) != 0) return;
   const double ram = static_cast<double>(si.totalram) * si.mem_unit, swap = static_cast<double>(si.totalswap) * si.mem_unit;
   const int ranks = std::max(1, env.local_world_size);
   const double needed = static_cast<double>(planned.peak_bytes) * ranks;
   if (needed <= ram) return;
+  const bool says = env.local_rank == 0;
   const std::string over = "the planned peak memory, " + human_bytes(static_cast<double>(planned.peak_bytes)) + " a rank x " + std::to_string(ranks) +
                            (ranks == 1 ? " rank" : " ranks") + " on this host, is over its " + human_bytes(ram) + " of memory";
   const std::string todo = "lower training.local_batch_size or training.seq_len, add hosts, or set parallelism.memory_budget for spmdx to fit the job";
   if (needed > ram + swap) {
-    throw std::runtime_error(over + (swap > 0 ? " and " + human_bytes(swap) + " of swap" : "") + ": the kernel would kill a rank when memory runs out; " + todo);
+    if (!says) throw std::runtime_error("stopped before allocating anything: this host's memory cannot hold the planned peak (local rank 0 says why)");
+    throw std::runtime_error(over + (swap > 0 ? " and " + human_bytes(swap) + " of swap" : "") + ": the kernel would kill a rank when memory runs out (planned peak " +
+                             planned.str() + what_makes_it_large(planned, spec, model, tokenizer_vocab) + "); " + todo);
   }
-  SPMDX_WARN(over << ": the steps will swap, if no rank is killed; " << todo);
+  if (says) SPMDX_WARN(over << ": the steps will swap, if no rank is killed" << what_makes_it_large(planned, spec, model, tokenizer_vocab) << "; " << todo);
 }
 
 // `resumed`: the checkpoint a resumed job starts from (its loss scale replaces the config's).
@@ -1054,6 +1089,7 @@ void print_banner(const train::JobSpec& spec, const train::PlacedJob& job, const
               backend ? ((spec.comm.backend == "auto" ? "auto -> " : "") + backend->describe()).c_str() : "none (one rank)",
               at::get_num_threads(), at::get_num_threads() == 1 ? "" : "s",
               linears.c_str());
+  for (const auto& s : train::short_parameters(spec, job)) std::printf("warning: %s\n", s.line().c_str());
   if (const std::int64_t m = spec.step.microbatches; m > 1 && spec.pipeline.stages == 1) {
     const std::int64_t rows = spec.global_batch_size / (m * spec.dims.dp_replicate * spec.dims.dp_shard);
     std::printf("gradient accumulation: %lld microbatches of %lld row%s per data-parallel rank (training.local_batch_size), one optimizer step and one gradient reduction per step\n",
@@ -1174,6 +1210,12 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
   if (!hooks.empty()) executor.set_hooks(&hooks);
   if (fault.kind == "skip_collective" && fault.rank == env.rank) executor.inject_skip(fault.step, fault.index);
 
+  // The step's planned peak; with run-time failover, each step also holds a copy of the state.
+  // Checked against this host's memory before the first tensor of the state is made.
+  plan::MemoryPlan planned = executor.memory();
+  if (chain && spec.comm.failover()) planned.add_state_copy(train::state_copy_bytes(graph, job.model.params));
+  check_host_memory(planned, env, *device, spec, job.model, tokenizer->vocab_size());
+
   std::string loaded_weights;
   TensorMap state = initial_state(spec, job, plan, plan_rank, !resume_step, device->device(), &loaded_weights);
   // Every stage's state layout (a checkpoint's metadata lists them all), then this rank's part.
@@ -1201,13 +1243,9 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
     if (!t.is_contiguous() || static_cast<std::size_t>(t.nbytes()) != t.storage().nbytes()) t = t.clone(at::MemoryFormat::Contiguous);
   }
 
-  // The step's planned peak; with run-time failover, each step also holds a copy of the state.
-  plan::MemoryPlan planned = executor.memory();
-  if (chain && spec.comm.failover()) planned.add_state_copy(train::state_copy_bytes(graph, job.model.params));
   std::optional<MetricsWriter> metrics;
   const std::filesystem::path& dump = spec.output.dump_folder;
   if (lead) {
-    check_host_memory(planned, env, *device);
     metrics.emplace(spec.output, first_step, checkpointing, planned.peak_bytes, spec.step.microbatches);
     print_banner(spec, job, plan, env, backend.get(), *device, planned, resume_step ? &resumed : nullptr);
     if (job.pipeline.stages > 1) {

@@ -41,7 +41,6 @@ void fill(GraphView& view, const ir::Graph& graph, const std::vector<const ir::N
     add_value(v, -1);
     view.inputs.push_back(index.at(v));
   }
-  std::vector<bool> weak_layer;  // per node: its layer came from a shared parameter only
   for (const ir::Node* node : order) {
     GraphNode gn;
     gn.op = node->op();
@@ -63,37 +62,24 @@ void fill(GraphView& view, const ir::Graph& graph, const std::vector<const ir::N
       if (gn.op == "all_gather") sent = (k - 1) * in;                  // every other block passes through
       gn.comm_bytes = static_cast<std::int64_t>(sent);
     }
-    // The layer: a block's parameter it reads directly ("layers.3"), else the one the nodes
-    // it reads from agree on, else another parameter it reads (norm, output, rope: "weak",
-    // since rope tables and their redistributions feed every block).
-    std::string direct;
+    // The layer: that of a parameter it reads directly ("layers.3", "norm", "output": a
+    // collective on a parameter too), else that of its input made last (a residual add that
+    // reads the block before and this block's attention belongs to this block; a gradient
+    // add in the backward, to the block whose backward made it), else none.
     for (const ir::Value* v : node->inputs()) {
-      const std::string l = v->producer() == nullptr ? models::layer_of(v->name()) : "";
-      if (l.rfind("layers.", 0) == 0) gn.layer = l;
-      if (direct.empty()) direct = l;
-      if (!gn.layer.empty()) break;
+      if (v->producer() == nullptr && v->meta().requires_grad) {
+        gn.layer = models::layer_of(v->name());
+        break;
+      }
     }
-    bool is_weak = false;
     if (gn.layer.empty()) {
-      std::string strong, weak;
-      bool strong_same = true, weak_same = true;
+      int latest = -1;
       for (int vi : gn.inputs) {
         const int p = view.values[static_cast<std::size_t>(vi)].producer;
-        if (p < 0 || view.nodes[static_cast<std::size_t>(p)].layer.empty()) continue;
-        const std::string& l = view.nodes[static_cast<std::size_t>(p)].layer;
-        std::string& agreed = weak_layer[static_cast<std::size_t>(p)] ? weak : strong;
-        bool& same = weak_layer[static_cast<std::size_t>(p)] ? weak_same : strong_same;
-        if (agreed.empty()) agreed = l;
-        else if (agreed != l) same = false;
+        if (p > latest && !view.nodes[static_cast<std::size_t>(p)].layer.empty()) latest = p;
       }
-      if (!strong.empty()) {
-        gn.layer = strong_same ? strong : "";
-      } else {
-        gn.layer = !weak.empty() && weak_same ? weak : direct;
-        is_weak = true;
-      }
+      if (latest >= 0) gn.layer = view.nodes[static_cast<std::size_t>(latest)].layer;
     }
-    weak_layer.push_back(is_weak);
     view.nodes.push_back(std::move(gn));
   }
   for (const auto& [name, v] : graph.outputs()) view.outputs.emplace_back(name, index.at(v));

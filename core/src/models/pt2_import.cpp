@@ -1,7 +1,8 @@
 // The .pt2 importer (spmdx/models/pt2.h). Three parts:
 //   1. Archive: the zip (LibTorch's PyTorchStreamReader, which strips the archive's top
 //      folder), its JSON read strictly (every object's fields and every union's kind checked
-//      against torch/_export/serde/schema.py, major 8), and the weights rebuilt from raw
+//      against torch/_export/serde/schema.py, major 8; every value read through JsonAt, which
+//      names the JSON pointer of one of the wrong type), and the weights rebuilt from raw
 //      bytes with their sizes, strides and storage offset. Cached per file for the process.
 //   2. Binding: each node's arguments bound by name to the op's ATen schema from
 //      c10::Dispatcher, which also gives the defaults the file leaves out.
@@ -21,6 +22,7 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <limits>
 #include <mutex>
 #include <optional>
@@ -28,6 +30,7 @@
 #include <tuple>
 
 #include "spmdx/exec/kernels.h"
+#include "../json_at.h"
 
 namespace spmdx::models {
 namespace {
@@ -45,25 +48,30 @@ struct Fail {
 
 // The object's fields must be among `known` (schema.py's dataclass fields): a newer writer's
 // field is an error, not a silent default.
-void only_fields(const Fail& fail, const json& j, std::initializer_list<const char*> known, const std::string& what) {
-  if (!j.is_object()) fail(what + " is not a JSON object");
-  for (const auto& [key, value] : j.items()) {
+void only_fields(const Fail& fail, const JsonAt& j, std::initializer_list<const char*> known, const std::string& what) {
+  if (!j.is_object()) fail(what + " (" + j.where() + ") is not a JSON object");
+  for (const auto& [key, value] : j.raw().items()) {
     bool ok = false;
     for (const char* k : known) ok = ok || key == k;
     if (!ok) fail("unknown field '" + key + "' in " + what + " (written by a newer torch than spmdx reads?)");
   }
 }
 
-const json& field(const Fail& fail, const json& j, const char* key, const std::string& what) {
-  auto it = j.find(key);
-  if (it == j.end()) fail(what + " has no field '" + key + "'");
-  return *it;
+JsonAt field(const Fail& fail, const JsonAt& j, const char* key, const std::string& what) {
+  if (!j.has(key)) fail(what + " (" + j.where() + ") has no field '" + key + "'");
+  return j[key];
+}
+
+// The elements of optional array member `key`; none when it is absent or null.
+std::vector<JsonAt> optional_list(const JsonAt& j, const char* key) {
+  const auto v = j.find(key);
+  return v ? v->elements() : std::vector<JsonAt>{};
 }
 
 // A one-key union object: its kind, checked against `kinds`.
-std::string union_kind(const Fail& fail, const json& j, std::initializer_list<const char*> kinds, const std::string& what) {
-  if (!j.is_object() || j.size() != 1) fail(what + " must be an object with exactly one key");
-  const std::string kind = j.begin().key();
+std::string union_kind(const Fail& fail, const JsonAt& j, std::initializer_list<const char*> kinds, const std::string& what) {
+  if (!j.is_object() || j.size() != 1) fail(what + " (" + j.where() + ") must be an object with exactly one key, not " + j.shown());
+  const std::string kind = j.raw().begin().key();
   for (const char* k : kinds) {
     if (kind == k) return kind;
   }
@@ -99,31 +107,29 @@ struct Meta {
 
 // A whole number in int64's range: nlohmann's get<int64_t> of 1e30 is undefined (it read as a
 // negative size), of 2.5 truncates.
-std::int64_t whole(const Fail& fail, const json& v, const std::string& what) {
-  if (!v.is_number_integer() || (v.is_number_unsigned() && v.get<std::uint64_t>() > static_cast<std::uint64_t>(INT64_MAX))) {
-    fail(what + " is " + v.dump() + ", not a whole number: the file is damaged");
-  }
-  return v.get<std::int64_t>();
+std::int64_t whole(const Fail& fail, const JsonAt& v, const std::string& what) {
+  if (!v.is_whole()) fail(what + " is " + v.shown() + ", not a whole number: the file is damaged");
+  return v.whole();
 }
 
-std::int64_t sym_int(const Fail& fail, const json& j, const std::string& what) {
+std::int64_t sym_int(const Fail& fail, const JsonAt& j, const std::string& what) {
   const std::string kind = union_kind(fail, j, {"as_int", "as_expr"}, what);
   if (kind == "as_expr") {
-    fail(what + " is symbolic (" + j["as_expr"].value("expr_str", std::string("?")) +
+    fail(what + " is symbolic (" + j["as_expr"].str_or("expr_str", "?") +
          "): the program was exported with dynamic shapes; spmdx trains static ones: export without dynamic_shapes");
   }
   return whole(fail, j["as_int"], what);
 }
 
-Meta tensor_meta(const Fail& fail, const json& j, const std::string& what) {
+Meta tensor_meta(const Fail& fail, const JsonAt& j, const std::string& what) {
   only_fields(fail, j, {"dtype", "sizes", "requires_grad", "device", "strides", "storage_offset", "layout"}, what);
   Meta m;
   const auto code = whole(fail, field(fail, j, "dtype", what), what + " dtype");
   auto t = scalar_type(code);
   if (!t) fail(what + " has dtype code " + std::to_string(code) + ", which spmdx does not read");
   m.dtype = *t;
-  for (const auto& s : field(fail, j, "sizes", what)) m.sizes.push_back(sym_int(fail, s, what + " sizes"));
-  for (const auto& s : field(fail, j, "strides", what)) m.strides.push_back(sym_int(fail, s, what + " strides"));
+  for (const auto& s : field(fail, j, "sizes", what).elements()) m.sizes.push_back(sym_int(fail, s, what + " sizes"));
+  for (const auto& s : field(fail, j, "strides", what).elements()) m.strides.push_back(sym_int(fail, s, what + " strides"));
   m.storage_offset = sym_int(fail, field(fail, j, "storage_offset", what), what + " storage_offset");
   if (m.sizes.size() != m.strides.size()) fail(what + " has " + std::to_string(m.sizes.size()) + " sizes but " + std::to_string(m.strides.size()) + " strides: the file is damaged");
   double numel = 1;
@@ -132,8 +138,8 @@ Meta tensor_meta(const Fail& fail, const json& j, const std::string& what) {
     numel *= static_cast<double>(d);
   }
   if (numel > 9e15 || m.storage_offset < 0) fail(what + " has sizes " + ir::shape_str(m.sizes) + " and offset " + std::to_string(m.storage_offset) + " no tensor can have: the file is damaged");
-  m.requires_grad = j.value("requires_grad", false);
-  if (j.value("layout", 7) != 7) fail(what + " is not a strided (dense) tensor; spmdx reads dense tensors only");
+  m.requires_grad = j.bool_or("requires_grad", false);
+  if (j.whole_or("layout", 7) != 7) fail(what + " is not a strided (dense) tensor; spmdx reads dense tensors only");
   return m;
 }
 
@@ -171,16 +177,17 @@ void read_payloads(const Fail& fail, caffe2::serialize::PyTorchStreamReader& rea
   } catch (const std::exception& e) {
     fail(config_name + " is not valid JSON: " + e.what());
   }
-  only_fields(fail, config, {"config"}, config_name);
+  const JsonAt root(config, config_name);
+  only_fields(fail, root, {"config"}, config_name);
   std::map<std::string, at::Tensor> storages;
-  for (const auto& [fqn, payload] : field(fail, config, "config", config_name).items()) {
+  for (const auto& [fqn, payload] : field(fail, root, "config", config_name).members()) {
     const std::string what = config_name + " entry '" + fqn + "'";
     only_fields(fail, payload, {"path_name", "is_param", "use_pickle", "tensor_meta"}, what);
-    if (payload.value("use_pickle", false)) {
+    if (payload.bool_or("use_pickle", false)) {
       fail("'" + fqn + "' is stored pickled (a tensor subclass or a custom object, e.g. a DTensor); spmdx reads plain tensors: export the model with plain parameters");
     }
-    const std::string path_name = field(fail, payload, "path_name", what).get<std::string>();
-    const auto& tm = field(fail, payload, "tensor_meta", what);
+    const std::string path_name = field(fail, payload, "path_name", what).str();
+    const JsonAt tm = field(fail, payload, "tensor_meta", what);
     if (tm.is_null()) fail(what + " has no tensor_meta");
     const Meta m = tensor_meta(fail, tm, what + " tensor_meta");
     const std::string record = "data/" + folder + "/" + path_name;
@@ -215,7 +222,7 @@ void read_payloads(const Fail& fail, caffe2::serialize::PyTorchStreamReader& rea
     a.tensors[fqn] = view.is_contiguous() && m.storage_offset == 0 && view.numel() == storage.numel() ? view : view.clone(at::MemoryFormat::Contiguous);
     a.storage[fqn] = folder + "/" + path_name;
     a.meta[fqn] = m;
-    a.is_param[fqn] = payload.value("is_param", false);
+    a.is_param[fqn] = payload.bool_or("is_param", false);
   }
 }
 
@@ -292,7 +299,7 @@ std::shared_ptr<const Archive> archive(const std::string& path) {
 // The program's JSON, checked
 
 struct Program {
-  const json* graph = nullptr;
+  JsonAt graph;
   std::map<std::string, Meta> values;  // tensor_values
   struct Input {
     std::string kind;  // parameter, buffer, tensor_constant, user_input
@@ -304,100 +311,102 @@ struct Program {
   std::string torch_version, schema_version, verifier;
 };
 
-void check_argument(const Fail& fail, const json& arg, const std::string& what);
+void check_argument(const Fail& fail, const JsonAt& arg, const std::string& what);
 
 Program read_program(const Archive& a) {
   const Fail fail{a.path};
-  const json& ep = a.program;
   const std::string file = "models/" + a.model + ".json";
+  const JsonAt ep(a.program, file);
   only_fields(fail, ep, {"graph_module", "opset_version", "range_constraints", "schema_version", "verifiers", "torch_version", "guards_code"}, file);
   Program p;
-  const json& sv = field(fail, ep, "schema_version", file);
+  const JsonAt sv = field(fail, ep, "schema_version", file);
   only_fields(fail, sv, {"major", "minor"}, file + " schema_version");
-  const auto major = whole(fail, sv.value("major", json(0)), file + " schema_version major");
-  p.schema_version = std::to_string(major) + "." + std::to_string(whole(fail, sv.value("minor", json(0)), file + " schema_version minor"));
-  p.torch_version = ep.value("torch_version", std::string("?"));
+  const auto major = sv.has("major") ? whole(fail, sv["major"], file + " schema_version major") : 0;
+  p.schema_version = std::to_string(major) + "." + std::to_string(sv.has("minor") ? whole(fail, sv["minor"], file + " schema_version minor") : 0);
+  p.torch_version = ep.str_or("torch_version", "?");
   if (major != 8) {
     fail("serialization schema " + p.schema_version + " (torch " + p.torch_version + "); spmdx reads schema 8 (torch 2.9 and later): save it again with torch >= 2.9");
   }
-  for (const auto& v : ep.value("verifiers", json::array())) {
-    const auto name = v.get<std::string>();
+  for (const auto& v : optional_list(ep, "verifiers")) {
+    const std::string& name = v.str();
     if (name != "ATEN" && name != "TRAINING") fail("verifier \"" + name + "\": spmdx reads ATen programs (torch.export.export, optionally .run_decompositions())");
     p.verifier = name;
   }
   // range_constraints alone do not make a program dynamic (an example input that is a view
   // leaves some behind); a symbolic size or value does, and is refused where it is read.
-  const json& gm = field(fail, ep, "graph_module", file);
+  const JsonAt gm = field(fail, ep, "graph_module", file);
   only_fields(fail, gm, {"graph", "signature", "module_call_graph", "metadata", "treespec_namedtuple_fields"}, file + " graph_module");
-  const json& g = field(fail, gm, "graph", file + " graph_module");
+  const JsonAt g = field(fail, gm, "graph", file + " graph_module");
   only_fields(fail, g, {"inputs", "outputs", "nodes", "tensor_values", "sym_int_values", "sym_bool_values", "is_single_tensor_return", "custom_obj_values", "sym_float_values"},
               file + " graph");
   for (const char* k : {"sym_int_values", "sym_bool_values", "sym_float_values"}) {
-    if (!g.value(k, json::object()).empty()) fail("the program has symbolic values (" + std::string(k) + "): it was exported with dynamic shapes; export without dynamic_shapes");
+    if (const auto v = g.find(k); v && v->object().size() > 0) fail("the program has symbolic values (" + std::string(k) + "): it was exported with dynamic shapes; export without dynamic_shapes");
   }
-  if (!g.value("custom_obj_values", json::object()).empty()) fail("the program holds custom objects (torchbind); spmdx trains programs of ATen ops on tensors");
-  p.graph = &g;
-  for (const auto& [name, meta] : field(fail, g, "tensor_values", file + " graph").items()) p.values[name] = tensor_meta(fail, meta, "tensor_values['" + name + "']");
-  const json& sig = field(fail, gm, "signature", file + " graph_module");
+  if (const auto v = g.find("custom_obj_values"); v && v->object().size() > 0) fail("the program holds custom objects (torchbind); spmdx trains programs of ATen ops on tensors");
+  p.graph = g;
+  for (const auto& [name, meta] : field(fail, g, "tensor_values", file + " graph").members()) p.values[name] = tensor_meta(fail, meta, "tensor_values['" + name + "']");
+  const JsonAt sig = field(fail, gm, "signature", file + " graph_module");
   only_fields(fail, sig, {"input_specs", "output_specs"}, file + " signature");
-  for (const auto& spec : field(fail, sig, "input_specs", file + " signature")) {
+  for (const auto& spec : field(fail, sig, "input_specs", file + " signature").elements()) {
     const std::string kind = union_kind(fail, spec, {"user_input", "parameter", "buffer", "tensor_constant", "custom_obj", "token", "constant_input"}, "input spec");
-    const json& s = spec[kind];
+    const JsonAt s = spec[kind];
     Program::Input in{kind, "", ""};
     if (kind == "user_input") {
       only_fields(fail, s, {"arg"}, "user_input spec");
-      const json& arg = field(fail, s, "arg", "user_input spec");
+      const JsonAt arg = field(fail, s, "arg", "user_input spec");
       if (union_kind(fail, arg, {"as_tensor", "as_none", "as_int", "as_float", "as_bool", "as_string", "as_sym_int", "as_ints"}, "user input") != "as_tensor") {
-        fail("user input " + arg.dump() + " is not a tensor; spmdx feeds tokens and labels: export a forward(tokens[, labels]) of tensors only");
+        fail("user input " + arg.shown() + " is not a tensor; spmdx feeds tokens and labels: export a forward(tokens[, labels]) of tensors only");
       }
-      in.arg = arg["as_tensor"].value("name", std::string());
+      in.arg = arg["as_tensor"]["name"].str();
     } else if (kind == "parameter") {
       only_fields(fail, s, {"arg", "parameter_name"}, "parameter spec");
-      in.arg = field(fail, s, "arg", "parameter spec").value("name", std::string());
-      in.fqn = field(fail, s, "parameter_name", "parameter spec").get<std::string>();
+      in.arg = field(fail, s, "arg", "parameter spec")["name"].str();
+      in.fqn = field(fail, s, "parameter_name", "parameter spec").str();
     } else if (kind == "buffer") {
       only_fields(fail, s, {"arg", "buffer_name", "persistent"}, "buffer spec");
-      in.arg = field(fail, s, "arg", "buffer spec").value("name", std::string());
-      in.fqn = field(fail, s, "buffer_name", "buffer spec").get<std::string>();
+      in.arg = field(fail, s, "arg", "buffer spec")["name"].str();
+      in.fqn = field(fail, s, "buffer_name", "buffer spec").str();
     } else if (kind == "tensor_constant") {
       only_fields(fail, s, {"arg", "tensor_constant_name"}, "tensor_constant spec");
-      in.arg = field(fail, s, "arg", "tensor_constant spec").value("name", std::string());
-      in.fqn = field(fail, s, "tensor_constant_name", "tensor_constant spec").get<std::string>();
+      in.arg = field(fail, s, "arg", "tensor_constant spec")["name"].str();
+      in.fqn = field(fail, s, "tensor_constant_name", "tensor_constant spec").str();
     } else if (kind == "constant_input") {
-      fail("the program takes a non-tensor input ('" + s.value("name", std::string("?")) + "'); export a forward(tokens[, labels]) of tensors only");
+      fail("the program takes a non-tensor input ('" + s.str_or("name", "?") + "'); export a forward(tokens[, labels]) of tensors only");
     } else {
       fail("the program takes a " + kind + " input; spmdx trains programs of ATen ops on tensors (export without custom objects or effect tokens)");
     }
     p.inputs.push_back(in);
   }
-  for (const auto& spec : field(fail, sig, "output_specs", file + " signature")) {
+  for (const auto& spec : field(fail, sig, "output_specs", file + " signature").elements()) {
     const std::string kind = union_kind(fail, spec, {"user_output", "loss_output", "buffer_mutation", "gradient_to_parameter", "gradient_to_user_input",
                                                      "user_input_mutation", "token", "parameter_mutation"},
                                         "output spec");
     if (kind != "user_output" && kind != "loss_output") {
       fail("the program has a " + kind + " output (it changes a buffer, parameter or input in place, as BatchNorm's running stats do); spmdx trains programs without mutation");
     }
-    const json& arg = field(fail, spec[kind], "arg", kind + " spec");
+    const JsonAt arg = field(fail, spec[kind], "arg", kind + " spec");
     if (kind == "loss_output") {
-      p.outputs.push_back(arg.value("name", std::string()));
+      p.outputs.push_back(arg["name"].str());
     } else if (union_kind(fail, arg, {"as_tensor", "as_none", "as_int", "as_float", "as_bool", "as_string", "as_sym_int", "as_ints", "as_tensors"}, "user output") == "as_tensor") {
-      p.outputs.push_back(arg["as_tensor"].value("name", std::string()));
+      p.outputs.push_back(arg["as_tensor"]["name"].str());
     } else {
-      fail("the program returns " + arg.dump() + "; return the loss or the logits, one tensor");
+      fail("the program returns " + arg.shown() + "; return the loss or the logits, one tensor");
     }
   }
-  for (const auto& node : field(fail, g, "nodes", file + " graph")) {
-    const std::string what = "node '" + node.value("name", std::string("?")) + "'";
+  for (const auto& node : field(fail, g, "nodes", file + " graph").elements()) {
+    const std::string what = "node '" + node.str_or("name", "?") + "'";
     only_fields(fail, node, {"target", "inputs", "outputs", "metadata", "is_hop_single_tensor_return", "name"}, what);
-    for (const auto& in : field(fail, node, "inputs", what)) {
+    field(fail, node, "target", what).str();
+    for (const auto& in : field(fail, node, "inputs", what).elements()) {
       only_fields(fail, in, {"name", "arg", "kind"}, what + " input");
-      if (in.contains("kind") && !in["kind"].is_null()) {
-        const auto k = in["kind"].get<std::int64_t>();
-        if (k != 1 && k != 2) fail(what + " input '" + in.value("name", std::string()) + "' has argument kind " + std::to_string(k) + " (1 positional, 2 keyword)");
+      const std::string name = field(fail, in, "name", what + " input").str();
+      if (const auto kind = in.find("kind")) {
+        const auto k = kind->whole();
+        if (k != 1 && k != 2) fail(what + " input '" + name + "' has argument kind " + std::to_string(k) + " (1 positional, 2 keyword)");
       }
-      check_argument(fail, field(fail, in, "arg", what + " input"), what + " input '" + in.value("name", std::string()) + "'");
+      check_argument(fail, field(fail, in, "arg", what + " input"), what + " input '" + name + "'");
     }
-    for (const auto& out : field(fail, node, "outputs", what)) check_argument(fail, out, what + " output");
+    for (const auto& out : field(fail, node, "outputs", what).elements()) check_argument(fail, out, what + " output");
   }
   return p;
 }
@@ -408,13 +417,13 @@ const std::initializer_list<const char*> kArgumentKinds = {
     "as_optional_tensors", "as_custom_obj", "as_operator", "as_sym_float", "as_sym_floats", "as_optional_tensor", "as_complex",
     "as_nested_tensors", "as_int_lists", "as_string_to_argument", "as_float_lists"};
 
-void check_argument(const Fail& fail, const json& arg, const std::string& what) { union_kind(fail, arg, kArgumentKinds, what); }
+void check_argument(const Fail& fail, const JsonAt& arg, const std::string& what) { union_kind(fail, arg, kArgumentKinds, what); }
 
 // "model.py:42: y = x.cumsum(-1)" from a node's stack trace: its last frame.
-std::string source_line(const json& node) {
-  const auto md = node.find("metadata");
-  if (md == node.end() || !md->is_object() || !md->contains("stack_trace")) return "";
-  const std::string trace = (*md)["stack_trace"].get<std::string>();
+std::string source_line(const JsonAt& node) {
+  const auto md = node.is_object() ? node.find("metadata") : std::nullopt;
+  if (!md || !md->is_object() || !md->has("stack_trace") || !(*md)["stack_trace"].is_string()) return "";  // for messages: a damaged trace is not one
+  const std::string& trace = (*md)["stack_trace"].str();
   // The innermost frame of the user's code: frames in torch itself (nn.Dropout's forward) say less.
   auto at = trace.rfind("File \"");
   for (auto f = at; f != std::string::npos && f > 0; f = trace.rfind("File \"", f - 1)) {
@@ -475,6 +484,7 @@ InputRoles classify_inputs(const Archive& a, const Program& p) {
   for (const auto& in : p.inputs) {
     if (!args.insert(in.arg).second) fail("the program's input '" + in.arg + "' appears twice in its signature: the file is damaged");
     if (in.kind == "user_input") {
+      if (!p.values.count(in.arg)) fail("the program's user input '" + in.arg + "' has no entry in tensor_values: the file is damaged");
       roles.user.push_back(in.arg);
       continue;
     }
@@ -524,86 +534,94 @@ struct Bound {
   bool is_tensor = false, is_list = false;
 };
 
-c10::IValue to_ivalue(const Fail& fail, const json& arg, const std::string& what, Bound& b) {
-  const std::string kind = arg.begin().key();
-  const json& v = arg.begin().value();
-  auto real = [&](const json& x) -> double {
+c10::IValue to_ivalue(const Fail& fail, const JsonAt& arg, const std::string& what, Bound& b) {
+  const std::string kind = arg.raw().begin().key();  // check_argument made it a one-key union
+  const JsonAt v = arg[kind];
+  auto real = [&](const JsonAt& x) -> double {
     if (x.is_string()) {
-      const auto s = x.get<std::string>();
+      const std::string& s = x.str();
       if (s == "Infinity") return std::numeric_limits<double>::infinity();
       if (s == "-Infinity") return -std::numeric_limits<double>::infinity();
       if (s == "NaN") return std::numeric_limits<double>::quiet_NaN();
       fail(what + ": float " + s);
     }
-    return x.get<double>();
+    return x.number();
   };
-  auto sym = [&](const json& x) -> std::int64_t {
-    if (x.contains("as_name")) fail(what + " is symbolic ('" + x["as_name"].get<std::string>() + "'): the program was exported with dynamic shapes; export without dynamic_shapes");
-    return x.at("as_int").get<std::int64_t>();
+  auto sym = [&](const JsonAt& x) -> std::int64_t {
+    if (x.has("as_name")) fail(what + " is symbolic ('" + x["as_name"].str() + "'): the program was exported with dynamic shapes; export without dynamic_shapes");
+    return x["as_int"].whole();
   };
   if (kind == "as_none") return c10::IValue();
-  if (kind == "as_int") return c10::IValue(v.get<std::int64_t>());
-  if (kind == "as_ints") return c10::IValue(v.get<std::vector<std::int64_t>>());
+  if (kind == "as_int") return c10::IValue(v.whole());
+  if (kind == "as_ints") {
+    std::vector<std::int64_t> out;
+    for (const auto& x : v.elements()) out.push_back(x.whole());
+    return c10::IValue(out);
+  }
   if (kind == "as_float") return c10::IValue(real(v));
   if (kind == "as_floats") {
     std::vector<double> out;
-    for (const auto& x : v) out.push_back(real(x));
+    for (const auto& x : v.elements()) out.push_back(real(x));
     return c10::IValue(out);
   }
-  if (kind == "as_bool") return c10::IValue(v.get<bool>());
+  if (kind == "as_bool") return c10::IValue(v.boolean());
   if (kind == "as_bools") {
     c10::List<bool> out;
-    for (const auto& x : v) out.push_back(x.get<bool>());
+    for (const auto& x : v.elements()) out.push_back(x.boolean());
     return c10::IValue(out);
   }
-  if (kind == "as_string") return c10::IValue(v.get<std::string>());
-  if (kind == "as_strings") return c10::IValue(v.get<std::vector<std::string>>());
+  if (kind == "as_string") return c10::IValue(v.str());
+  if (kind == "as_strings") {
+    std::vector<std::string> out;
+    for (const auto& x : v.elements()) out.push_back(x.str());
+    return c10::IValue(out);
+  }
   if (kind == "as_sym_int") return c10::IValue(sym(v));
   if (kind == "as_sym_ints") {
     std::vector<std::int64_t> out;
-    for (const auto& x : v) out.push_back(sym(x));
+    for (const auto& x : v.elements()) out.push_back(sym(x));
     return c10::IValue(out);
   }
   if (kind == "as_scalar_type") {
-    auto t = scalar_type(v.get<std::int64_t>());
-    if (!t) fail(what + ": dtype code " + v.dump() + " is not one spmdx reads");
+    auto t = scalar_type(v.whole());
+    if (!t) fail(what + ": dtype code " + v.shown() + " is not one spmdx reads");
     return c10::IValue(*t);
   }
   if (kind == "as_memory_format") {
-    switch (v.get<int>()) {
+    switch (v.whole()) {
       case 1: return c10::IValue(at::MemoryFormat::Contiguous);
       case 2: return c10::IValue(at::MemoryFormat::ChannelsLast);
       case 3: return c10::IValue(at::MemoryFormat::ChannelsLast3d);
       case 4: return c10::IValue(at::MemoryFormat::Preserve);
-      default: fail(what + ": memory format " + v.dump());
+      default: fail(what + ": memory format " + v.shown());
     }
   }
   if (kind == "as_layout") {
-    if (v.get<int>() != 7) fail(what + ": layout " + v.dump() + " is not strided (dense)");
+    if (v.whole() != 7) fail(what + ": layout " + v.shown() + " is not strided (dense)");
     return c10::IValue(at::kStrided);
   }
   if (kind == "as_device") {
     // Where tensors live is spmdx's choice (training.device), not the file's: fold on the CPU.
     return c10::IValue(c10::Device(c10::DeviceType::CPU));
   }
-  if (kind == "as_complex") return c10::IValue(c10::complex<double>(real(v.at("real")), real(v.at("imag"))));
+  if (kind == "as_complex") return c10::IValue(c10::complex<double>(real(v["real"]), real(v["imag"])));
   if (kind == "as_tensor") {
     b.is_tensor = true;
-    b.tensors = {v.at("name").get<std::string>()};
+    b.tensors = {v["name"].str()};
     return c10::IValue();
   }
   if (kind == "as_tensors" || kind == "as_optional_tensors") {
     b.is_tensor = b.is_list = true;
-    for (const auto& x : v) {
-      if (kind == "as_tensors") b.tensors.push_back(x.at("name").get<std::string>());
-      else b.tensors.push_back(x.contains("as_tensor") ? x["as_tensor"].at("name").get<std::string>() : "");
+    for (const auto& x : v.elements()) {
+      if (kind == "as_tensors") b.tensors.push_back(x["name"].str());
+      else b.tensors.push_back(x.has("as_tensor") ? x["as_tensor"]["name"].str() : "");
     }
     return c10::IValue();
   }
   if (kind == "as_optional_tensor") {
-    if (v.contains("as_none")) return c10::IValue();
+    if (v.has("as_none")) return c10::IValue();
     b.is_tensor = true;
-    b.tensors = {v.at("as_tensor").at("name").get<std::string>()};
+    b.tensors = {v["as_tensor"]["name"].str()};
     return c10::IValue();
   }
   fail(what + " is an argument of kind " + kind + ", which spmdx does not read (" +
@@ -611,7 +629,7 @@ c10::IValue to_ivalue(const Fail& fail, const json& arg, const std::string& what
 }
 
 struct BoundNode {
-  const json* node = nullptr;
+  JsonAt node;
   std::string target;  // "aten.add.Tensor"
   std::string name;    // the node's name ("add_3")
   const c10::FunctionSchema* schema = nullptr;
@@ -632,28 +650,28 @@ std::optional<c10::OperatorHandle> find_op(const std::string& target) {
   return c10::Dispatcher::singleton().findOp({name, overload});
 }
 
-BoundNode bind_node(const Fail& fail, const json& node) {
+BoundNode bind_node(const Fail& fail, const JsonAt& node) {
   BoundNode b;
-  b.node = &node;
-  b.target = short_target(node.at("target").get<std::string>());
-  b.name = node.value("name", std::string("?"));
-  auto op = find_op(node["target"].get<std::string>());
+  b.node = node;
+  b.target = short_target(node["target"].str());
+  b.name = node.str_or("name", "?");
+  auto op = find_op(node["target"].str());
   if (!op) fail("node '" + b.name + "' calls " + b.target + ", which this LibTorch does not know");
   b.op = *op;
   b.schema = &b.op->schema();
-  std::map<std::string, const json*> given;
-  for (const auto& in : node.at("inputs")) {
-    const std::string n = in.at("name").get<std::string>();
+  std::map<std::string, JsonAt> given;
+  for (const auto& in : node["inputs"].elements()) {
+    const std::string n = in["name"].str();
     bool known = false;
     for (const auto& a : b.schema->arguments()) known = known || a.name() == n;
     if (!known) fail("node '" + b.name + "' (" + b.target + ") passes argument '" + n + "', which its ATen schema " + c10::toString(*b.schema) + " lacks");
-    given[n] = &in.at("arg");
+    given[n] = in["arg"];
   }
   for (const auto& a : b.schema->arguments()) {
     Bound x;
     x.name = a.name();
     if (auto it = given.find(a.name()); it != given.end()) {
-      x.value = to_ivalue(fail, *it->second, "node '" + b.name + "' argument '" + a.name() + "'", x);
+      x.value = to_ivalue(fail, it->second, "node '" + b.name + "' argument '" + a.name() + "'", x);
     } else if (a.default_value()) {
       x.value = *a.default_value();
     } else {
@@ -661,12 +679,12 @@ BoundNode bind_node(const Fail& fail, const json& node) {
     }
     b.args.push_back(std::move(x));
   }
-  for (const auto& out : node.at("outputs")) {
-    const std::string kind = out.begin().key();
+  for (const auto& out : node["outputs"].elements()) {
+    const std::string kind = out.raw().begin().key();  // check_argument made it a one-key union
     if (kind == "as_tensor") {
-      b.outputs.push_back(out["as_tensor"].at("name").get<std::string>());
+      b.outputs.push_back(out["as_tensor"]["name"].str());
     } else if (kind == "as_tensors") {
-      for (const auto& t : out["as_tensors"]) b.outputs.push_back(t.at("name").get<std::string>());
+      for (const auto& t : out["as_tensors"].elements()) b.outputs.push_back(t["name"].str());
     } else if (kind == "as_none") {
       b.outputs.push_back("");
     } else {
@@ -704,24 +722,28 @@ class Mapper {
 
   void run() {
     bind_inputs();
-    for (const auto& node : p_.graph->at("nodes")) {
+    for (const auto& node : p_.graph["nodes"].elements()) {
       BoundNode b = bind_node(fail_, node);
+      current_ = &b;
       try {
         map_node(b);
       } catch (const ImportError&) {
         throw;
+      } catch (const JsonError&) {
+        throw;  // names where in the file: guarded() adds the file
       } catch (const c10::Error& e) {
         fail_(at_node(b) + ": " + e.what_without_backtrace());
       } catch (const std::exception& e) {
         fail_(at_node(b) + ": " + e.what());
       }
+      current_ = nullptr;
     }
     finish();
   }
 
  private:
   std::string at_node(const BoundNode& b) const {
-    const std::string src = source_line(*b.node);
+    const std::string src = source_line(b.node);
     return "node '" + b.name + "' (" + b.target + (src.empty() ? "" : ", " + src) + ")";
   }
   [[noreturn]] void fail_at(const BoundNode& b, const std::string& why) const { fail_(at_node(b) + ": " + why); }
@@ -810,7 +832,7 @@ class Mapper {
 
   // The IR value of a tensor argument: a frozen constant becomes a graph input (once).
   ir::Value* value(const std::string& name) {
-    Sym& s = env_.at(name);
+    Sym& s = sym(name);
     if (s.kind == Sym::Kind::value) return s.v;
     if (s.kind != Sym::Kind::constant) fail_("value '" + name + "' is complex; spmdx maps complex numbers only in torchtitan's rotary embedding (view_as_complex(x) * freqs_cis, view_as_real)");
     auto it = constant_names_.find(name);
@@ -822,10 +844,14 @@ class Mapper {
     return s.v;
   }
 
+  // Every read of a value by name goes through here: one the program never defines (no input,
+  // no earlier node's output) is refused naming it and the node that reads it.
   Sym& sym(const std::string& name) {
     auto it = env_.find(name);
-    if (it == env_.end()) fail_("value '" + name + "' is used before it is computed");
-    return it->second;
+    if (it != env_.end()) return it->second;
+    const std::string why = "value '" + name + "', which no input of the program and no earlier node defines: the file is damaged; save it again with torch.export.save";
+    if (current_ != nullptr) fail_at(*current_, "reads " + why);
+    fail_("the program returns " + why);
   }
 
   const Meta& meta(const BoundNode& b, std::size_t i = 0) const {
@@ -851,19 +877,8 @@ class Mapper {
     env_[b.outputs.at(i)] = s;
   }
 
-  // Constant folding: every tensor input frozen (or none), the op run once with ATen.
-  bool try_fold(const BoundNode& b) {
-    if (!foldable(b, [&](const std::string& name) { return sym(name).kind == Sym::Kind::constant; })) return false;
-    if (b.op->hasTag(at::Tag::nondeterministic_seeded)) {
-      fail_at(b, "a random op (dropout, rand); spmdx runs each step's program as exported: export in eval() mode or without random ops");
-    }
-    for (std::size_t i = 0; i < b.outputs.size(); ++i) {  // the sizes the file declares, before ATen allocates them
-      if (b.outputs[i].empty()) continue;
-      const Meta& m = meta(b, i);
-      double bytes = static_cast<double>(c10::elementSize(m.dtype));
-      for (auto d : m.sizes) bytes *= static_cast<double>(d);
-      if (bytes > 4.0 * (1 << 30)) fail_at(b, "computing it ahead would make a constant of " + ir::shape_str(m.sizes) + " (" + std::to_string(bytes / (1 << 30)) + " GiB); spmdx folds constants up to 4 GiB");
-    }
+  // The node's arguments as the op's boxed call takes them, its tensors from `tensor` (by value name).
+  torch::jit::Stack stack_of(const BoundNode& b, const std::function<at::Tensor(const std::string&)>& tensor) {
     torch::jit::Stack stack;
     const auto& schema_args = b.schema->arguments();
     for (std::size_t k = 0; k < b.args.size(); ++k) {
@@ -878,23 +893,88 @@ class Mapper {
       } else if (!a.is_tensor) {
         stack.push_back(a.value);
       } else if (!a.is_list) {
-        stack.emplace_back(sym(a.tensors[0]).c);
+        stack.emplace_back(tensor(a.tensors[0]));
       } else {
         std::vector<at::Tensor> list;
-        for (const auto& t : a.tensors) list.push_back(sym(t).c);
+        for (const auto& t : a.tensors) list.push_back(tensor(t));
         stack.emplace_back(list);
       }
     }
-    try {
-      b.op->callBoxed(&stack);
-    } catch (const c10::Error& e) {
-      fail_at(b, std::string("computing it ahead (its inputs are all constants) failed: ") + e.what_without_backtrace());
-    }
+    return stack;
+  }
+
+  static std::vector<at::Tensor> results_of(const torch::jit::Stack& stack) {
     std::vector<at::Tensor> results;
     for (const auto& r : stack) {
       if (r.isTensor()) results.push_back(r.toTensor());
       else if (r.isTensorList()) for (const auto& t : r.toTensorList()) results.push_back(t);
     }
+    return results;
+  }
+
+  // The shapes the node's own arguments give its outputs, from ATen's shape functions (the op
+  // run on meta tensors: shapes, no data) on its inputs as spmdx has them, must be the shapes
+  // the file records in tensor_values: the shape ops' mappings take their output shapes from
+  // there, so a view or split whose sizes were changed would otherwise be read as the file
+  // says. Refused naming the node and both shapes.
+  void check_shapes(const BoundNode& b) {
+    bool all_known = true;
+    torch::jit::Stack stack = stack_of(b, [&](const std::string& name) {
+      const Sym& s = sym(name);
+      if (s.kind == Sym::Kind::constant) return at::empty(s.c.sizes(), s.c.options().device(at::kMeta));
+      if (s.kind != Sym::Kind::value) all_known = false;  // complex pairs: not a tensor of the file's shape
+      const ir::TensorMeta& m = s.v->meta();
+      return at::empty(m.shape, at::TensorOptions().dtype(exec::to_aten(m.dtype)).device(at::kMeta));
+    });
+    if (!all_known) return;
+    try {
+      b.op->callBoxed(&stack);
+    } catch (const c10::Error& e) {
+      std::string shapes;
+      for (const auto& a : b.args) {
+        for (const auto& t : a.tensors) shapes += (shapes.empty() ? "" : ", ") + t + " " + ir::shape_str(sym(t).kind == Sym::Kind::constant ? sym(t).c.sizes().vec() : sym(t).v->meta().shape);
+      }
+      fail_at(b, "its arguments do not fit its input" + std::string(shapes.find(',') == std::string::npos ? " " : "s ") + shapes + " (" + e.what_without_backtrace() +
+                     "): the file is damaged; export the program again");
+    }
+    const std::vector<at::Tensor> results = results_of(stack);
+    if (results.size() != b.outputs.size()) {
+      std::vector<std::string> got, recorded;
+      for (const auto& r : results) got.push_back(ir::shape_str(r.sizes().vec()));
+      for (std::size_t k = 0; k < b.outputs.size(); ++k) recorded.push_back(b.outputs[k].empty() ? "(not kept)" : b.outputs[k] + " " + ir::shape_str(meta(b, k).sizes));
+      fail_at(b, "its arguments give " + std::to_string(results.size()) + " outputs (" + join(got) + "), but the file records " + std::to_string(b.outputs.size()) + " (" +
+                     join(recorded) + "): the file is damaged; export the program again");
+    }
+    for (std::size_t k = 0; k < b.outputs.size(); ++k) {
+      if (b.outputs[k].empty()) continue;
+      const Shape got = results[k].sizes().vec();
+      if (got != meta(b, k).sizes) {
+        fail_at(b, "its arguments give its output '" + b.outputs[k] + "' the shape " + ir::shape_str(got) + ", but tensor_values records " +
+                       ir::shape_str(meta(b, k).sizes) + ": the file is damaged; export the program again");
+      }
+    }
+  }
+
+  // Constant folding: every tensor input frozen (or none), the op run once with ATen.
+  bool try_fold(const BoundNode& b) {
+    if (!foldable(b, [&](const std::string& name) { return sym(name).kind == Sym::Kind::constant; })) return false;
+    if (b.op->hasTag(at::Tag::nondeterministic_seeded)) {
+      fail_at(b, "a random op (dropout, rand); spmdx runs each step's program as exported: export in eval() mode or without random ops");
+    }
+    for (std::size_t i = 0; i < b.outputs.size(); ++i) {  // the sizes the file declares, before ATen allocates them
+      if (b.outputs[i].empty()) continue;
+      const Meta& m = meta(b, i);
+      double bytes = static_cast<double>(c10::elementSize(m.dtype));
+      for (auto d : m.sizes) bytes *= static_cast<double>(d);
+      if (bytes > 4.0 * (1 << 30)) fail_at(b, "computing it ahead would make a constant of " + ir::shape_str(m.sizes) + " (" + std::to_string(bytes / (1 << 30)) + " GiB); spmdx folds constants up to 4 GiB");
+    }
+    torch::jit::Stack stack = stack_of(b, [&](const std::string& name) { return sym(name).c; });
+    try {
+      b.op->callBoxed(&stack);
+    } catch (const c10::Error& e) {
+      fail_at(b, std::string("computing it ahead (its inputs are all constants) failed: ") + e.what_without_backtrace());
+    }
+    const std::vector<at::Tensor> results = results_of(stack);
     if (results.size() < b.outputs.size()) fail_at(b, "folding it gave " + std::to_string(results.size()) + " tensors for " + std::to_string(b.outputs.size()) + " outputs");
     for (std::size_t i = 0; i < b.outputs.size(); ++i) {
       if (b.outputs[i].empty()) continue;
@@ -909,10 +989,28 @@ class Mapper {
     return true;
   }
 
-  std::int64_t i(const BoundNode& b, const char* n) const { return b.arg(n).value.toInt(); }
-  double f(const BoundNode& b, const char* n) const { return b.arg(n).value.toScalar().toDouble(); }
+  // A node's arguments by name, of the kind the handler reads: one of another kind (an edited
+  // file: a string where the schema has an int) is refused naming the node and the argument.
+  [[noreturn]] void wrong_arg(const BoundNode& b, const char* n, const char* want) const {
+    const Bound& a = b.arg(n);
+    fail_at(b, "argument '" + std::string(n) + "' is " + (a.is_tensor ? "a tensor" : a.value.tagKind()) + ", not " + want + ": the file is damaged");
+  }
+  std::int64_t i(const BoundNode& b, const char* n) const {
+    const Bound& a = b.arg(n);
+    if (a.is_tensor || !a.value.isInt()) wrong_arg(b, n, "an int");
+    return a.value.toInt();
+  }
+  double f(const BoundNode& b, const char* n) const {
+    const Bound& a = b.arg(n);
+    if (a.is_tensor || !(a.value.isDouble() || a.value.isInt() || a.value.isBool())) wrong_arg(b, n, "a number");
+    return a.value.toScalar().toDouble();
+  }
   bool none(const BoundNode& b, const char* n) const { return !b.arg(n).is_tensor && b.arg(n).value.isNone(); }
-  const std::string& t(const BoundNode& b, const char* n) const { return b.arg(n).tensors.at(0); }
+  const std::string& t(const BoundNode& b, const char* n) const {
+    const Bound& a = b.arg(n);
+    if (!a.is_tensor || a.tensors.empty() || a.tensors[0].empty()) wrong_arg(b, n, "a tensor");
+    return a.tensors[0];
+  }
   bool is_tensor(const BoundNode& b, const char* n) const { return b.arg(n).is_tensor; }
 
   ir::Value* reshape_to(ir::Value* x, const Shape& shape) {
@@ -1057,6 +1155,7 @@ class Mapper {
   void map_shape(const BoundNode& b) {
     const std::string& op = b.target;
     ir::Graph& g = m_.graph;
+    check_shapes(b);
     if (op == "aten.view.default" || op == "aten.reshape.default" || op == "aten._unsafe_view.default" || op == "aten.flatten.using_ints" ||
         op == "aten.unsqueeze.default" || op == "aten.squeeze.dim" || op == "aten.squeeze.dims" || op == "aten.squeeze.default") {
       return set(b, reshape_to(value(t(b, "self")), meta(b).sizes));
@@ -1364,6 +1463,7 @@ class Mapper {
   const ModelArgs& args_;
   Model& m_;
   Fail fail_;
+  const BoundNode* current_ = nullptr;  // the node being mapped, for messages
   std::map<std::string, Sym> env_;
   std::map<std::string, std::string> constant_names_;  // graph arg -> buffer/constant fqn
   std::map<std::string, std::string> arg_of_param_;    // parameter fqn -> graph arg
@@ -1400,6 +1500,8 @@ auto guarded(const std::string& path, F f) -> decltype(f()) {
     return f();
   } catch (const ImportError&) {
     throw;
+  } catch (const JsonError& e) {
+    throw ImportError(path + ": " + e.what() + ": the file is damaged; save it again with torch.export.save");
   } catch (const json::exception& e) {
     throw ImportError(path + ": the program's JSON is malformed (" + e.what() + "): the file is damaged; save it again with torch.export.save");
   } catch (const c10::Error& e) {
@@ -1473,7 +1575,7 @@ Pt2Summary summarize(const std::string& path) {
   // Which nodes could map: ops in the table, and any op the importer computes ahead.
   std::set<std::string> frozen;
   for (const auto& in : roles.frozen) frozen.insert(in.arg);
-  for (const auto& node : p.graph->at("nodes")) {
+  for (const auto& node : p.graph["nodes"].elements()) {
     BoundNode b = bind_node(fail, node);
     ++s.ops[b.target];
     if (foldable(b, [&](const std::string& name) { return frozen.count(name) > 0; }) && !b.op->hasTag(at::Tag::nondeterministic_seeded)) {

@@ -1239,6 +1239,61 @@ ContextParallelSummary context_parallel_summary(const JobSpec& spec, const Place
   return s;
 }
 
+std::vector<ShortParameters> short_parameters(const JobSpec& spec, const PlacedJob& job) {
+  std::vector<ShortParameters> out;
+  const auto& dims = job.mesh.dims();
+  for (std::size_t d = 0; d < dims.size(); ++d) {
+    const std::int64_t k = dims[d].size;
+    if (k <= 1) continue;
+    ShortParameters s;
+    s.mesh_dim = dims[d].name;
+    s.degree = k;
+    bool shards = dims[d].name == "dp_shard", long_left_whole = false;
+    for (const auto& name : job.model.params) {
+      auto placed = job.inputs.find(name);
+      const ir::Value* v = job.model.graph.find_input(name);
+      if (placed == job.inputs.end() || v == nullptr || d >= placed->second.size()) continue;
+      const ir::TensorMeta& m = v->meta();
+      if (!placed->second[d].is_replicate()) {
+        shards = shards || placed->second[d].is_shard();
+        continue;
+      }
+      if (!m.shape.empty() && m.shape[0] >= k) {
+        long_left_whole = true;  // whole by the strategy's design (tp's norms, ddp): not for its length
+        continue;
+      }
+      s.parameters.push_back({name, m.shape, m.nbytes()});
+      s.extra_bytes += 4 * (m.nbytes() - m.nbytes() / k);
+    }
+    if (!shards || long_left_whole || s.parameters.empty()) continue;
+    s.all = s.parameters.size() == job.model.params.size();
+    auto bound = spec.strategies.find(dims[d].name);
+    try {
+      s.strategy = bound != spec.strategies.end() ? bound->second : sharding::strategy_for(dims[d].name);
+    } catch (const std::invalid_argument&) {
+      s.strategy = "";  // a dim no strategy decides (cp): named alone
+    }
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
+std::string ShortParameters::line() const {
+  std::int64_t bytes = 0, shortest = degree;
+  for (const auto& p : parameters) bytes += p.bytes, shortest = std::min<std::int64_t>(shortest, p.shape.empty() ? 1 : p.shape[0]);
+  std::vector<std::string> shown;
+  for (std::size_t i = 0; i < parameters.size() && i < 4; ++i) shown.push_back(parameters[i].name + " " + ir::shape_str(parameters[i].shape));
+  if (parameters.size() > shown.size()) shown.push_back("and " + std::to_string(parameters.size() - shown.size()) + " more");
+  const std::string n = std::to_string(parameters.size()) + (parameters.size() == 1 ? " parameter" : " parameters");
+  const std::string which = all ? "every parameter (" + n + ", the whole model, " + human_bytes(static_cast<double>(bytes)) + ")"
+                                : n + " (" + human_bytes(static_cast<double>(bytes)) + ")";
+  return (strategy.empty() ? "" : strategy + " on ") + mesh_dim + " (" + std::to_string(degree) + " ranks) keeps " + which +
+         " whole on every rank, not sharded: " + (parameters.size() == 1 ? "its" : "their") + " dim 0 is shorter than " + std::to_string(degree) + " (" +
+         join(shown) + "); that costs each rank " + human_bytes(static_cast<double>(extra_bytes)) + " more than an even share of them (parameters, gradients and AdamW state: 4 x " +
+         human_bytes(static_cast<double>(bytes)) + ", less 1/" + std::to_string(degree) + " of it; FSDP2 would pad them and leave some ranks an empty shard)" +
+         (shortest > 1 ? "; a degree of at most " + std::to_string(shortest) + " shards them all" : "");
+}
+
 std::string ContextParallelSummary::line() const {
   if (degree <= 1) return "";
   std::string out = "context parallel: cp " + std::to_string(degree) + ", " + std::to_string(tokens_per_rank) + " of " + std::to_string(tokens_per_rank * degree) +

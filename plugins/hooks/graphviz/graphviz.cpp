@@ -16,6 +16,7 @@
 #include <chrono>
 #include <csignal>
 #include <filesystem>
+#include <algorithm>
 #include <map>
 #include <thread>
 #include <set>
@@ -193,25 +194,126 @@ class Graphviz final : public spmdx::Hook {
     return dot.str();
   }
 
-  // One box per layer; returns the boxes drawn.
+  // Each node's box in the by-layer picture: "optimizer" for the gradient norm, the clipping
+  // and AdamW (the nodes of the norm's scalar chain, from each gradient's square to the
+  // grad_norm output, everything computed from it, and every adamw); else the node's layer
+  // (the parameter it reads, else its input made last: graph_view.h); else the box of its
+  // first reader that has one (a batch's reshape, the rope tables' redistributions, the count
+  // of valid labels); else "(no layer)".
+  static std::vector<std::string> boxes_of(const spmdx::GraphView& g) {
+    const std::size_t n = g.nodes.size();
+    std::vector<char> optimizer(n, 0);
+    auto producer = [&](int v) { return g.values[static_cast<std::size_t>(v)].producer; };
+    for (const auto& [name, v] : g.outputs) {
+      if (name != "grad_norm" || producer(v) < 0) continue;
+      std::vector<int> stack{producer(v)};  // the scalar chain: sqrt <- add <- sum <- mul(g, g)
+      while (!stack.empty()) {
+        const int p = stack.back();
+        stack.pop_back();
+        if (optimizer[static_cast<std::size_t>(p)]) continue;
+        optimizer[static_cast<std::size_t>(p)] = 1;
+        const auto& node = g.nodes[static_cast<std::size_t>(p)];
+        for (int in : node.inputs) {
+          const int q = producer(in);
+          if (q < 0) continue;
+          const bool scalar = g.values[static_cast<std::size_t>(in)].shape.empty();
+          if (scalar || (node.op == "sum" && g.nodes[static_cast<std::size_t>(q)].op == "mul")) stack.push_back(q);
+        }
+      }
+    }
+    for (std::size_t i = 0; i < n; ++i) {  // what the norm feeds (the clip coefficient, clipped gradients), and AdamW
+      if (g.nodes[i].op == "adamw") optimizer[i] = 1;
+      for (int in : g.nodes[i].inputs) {
+        const int p = producer(in);
+        if (p >= 0 && optimizer[static_cast<std::size_t>(p)] && g.values[static_cast<std::size_t>(in)].shape.empty()) optimizer[i] = 1;
+      }
+    }
+    std::vector<std::string> box(n);
+    for (std::size_t i = 0; i < n; ++i) box[i] = optimizer[i] ? "optimizer" : g.nodes[i].layer;
+    std::vector<std::vector<int>> readers(n);
+    for (std::size_t i = 0; i < n; ++i) {
+      for (int in : g.nodes[i].inputs) {
+        if (const int p = producer(in); p >= 0) readers[static_cast<std::size_t>(p)].push_back(static_cast<int>(i));
+      }
+    }
+    for (std::size_t k = n; k-- > 0;) {  // readers come later: one backward pass settles chains
+      if (!box[k].empty()) continue;
+      for (int r : readers[k]) {
+        if (!box[static_cast<std::size_t>(r)].empty()) {
+          box[k] = box[static_cast<std::size_t>(r)];
+          break;
+        }
+      }
+    }
+    for (auto& b : box) {
+      if (b.empty()) b = "(no layer)";
+    }
+    return box;
+  }
+
+  // "layers.10" -> ("layers.", 10); a name without a number after its last dot -> ("", -1).
+  static std::pair<std::string, long long> numbered(const std::string& box) {
+    const auto dot = box.rfind('.');
+    if (dot == std::string::npos || dot + 1 == box.size() || box.find_first_not_of("0123456789", dot + 1) != std::string::npos) return {"", -1};
+    return {box.substr(0, dot + 1), std::stoll(box.substr(dot + 1))};
+  }
+
+  // The boxes in the order a step runs them: those first met before the first numbered block
+  // (the embedding), the blocks by number (layers.2 before layers.10), the others in the order
+  // met (the final norm, the output and the loss), the optimizer last.
+  static std::vector<std::string> box_order(const spmdx::GraphView& g, const std::vector<std::string>& box) {
+    std::vector<std::string> before, blocks, after;
+    std::set<std::string> seen;
+    bool block_met = false, optimizer = false;
+    for (std::size_t i = 0; i < box.size(); ++i) {
+      const std::string& b = box[i];
+      if (!seen.insert(b).second) {
+        continue;
+      }
+      if (b == "optimizer") {
+        optimizer = true;
+      } else if (numbered(b).second >= 0) {
+        block_met = true;
+        blocks.push_back(b);
+      } else {
+        (block_met ? after : before).push_back(b);
+      }
+    }
+    (void)g;
+    std::stable_sort(blocks.begin(), blocks.end(), [](const std::string& a, const std::string& b) { return numbered(a) < numbered(b); });
+    std::vector<std::string> order = before;
+    order.insert(order.end(), blocks.begin(), blocks.end());
+    order.insert(order.end(), after.begin(), after.end());
+    if (optimizer) order.push_back("optimizer");
+    return order;
+  }
+
+  // One box per layer, stacked in box_order's order (an invisible chain keeps graphviz from
+  // reordering them; an edge going back up, the backward's, does not rank them); returns the
+  // boxes drawn.
   std::size_t write_collapsed(const spmdx::GraphView& g, std::ostringstream& dot, std::set<std::string>& used) {
     struct Group {
       std::size_t ops = 0, collectives = 0;
       double flops = 0, comm = 0;
       std::map<std::string, std::size_t> placements;
+      bool loss = false;
     };
+    const std::vector<std::string> box = boxes_of(g);
+    int loss_node = -1;
+    for (const auto& [name, v] : g.outputs) {
+      if (name == "loss") loss_node = g.values[static_cast<std::size_t>(v)].producer;
+    }
     std::map<std::string, Group> groups;
-    std::vector<std::string> order;
-    auto key = [](const spmdx::GraphNode& n) { return n.layer.empty() ? std::string("(no layer)") : n.layer; };
-    for (const auto& n : g.nodes) {
-      const std::string k = key(n);
-      if (!groups.count(k)) order.push_back(k);
-      Group& gr = groups[k];
+    for (std::size_t i = 0; i < g.nodes.size(); ++i) {
+      const auto& n = g.nodes[i];
+      Group& gr = groups[box[i]];
       ++gr.ops;
       gr.flops += n.flops;
+      gr.loss = gr.loss || static_cast<int>(i) == loss_node;
       if (n.collective) ++gr.collectives, gr.comm += static_cast<double>(n.comm_bytes);
       if (!n.outputs.empty()) ++gr.placements[placement_str(g.values[static_cast<std::size_t>(n.outputs[0])].placements)];
     }
+    const std::vector<std::string> order = box_order(g, box);
     std::map<std::string, int> id;
     for (const auto& k : order) {
       const Group& gr = groups[k];
@@ -227,20 +329,23 @@ class Graphviz final : public spmdx::Hook {
       flops.precision(3);
       flops << gr.flops / 1e9;
       dot << "  g" << i << " [fillcolor=\"" << colour(main_pl) << "\"" << (gr.collectives ? ", style=\"filled,bold\", penwidth=3, color=\"#b2182b\"" : "")
-          << ", label=\"" << escape(k) << "\\n" << gr.ops << " ops, " << flops.str() << " GFLOP, mostly " << main_pl;
+          << ", label=\"" << escape(k) << (gr.loss && k != "loss" ? " + loss" : "") << "\\n" << gr.ops << " ops, " << flops.str() << " GFLOP, mostly " << main_pl;
       if (gr.collectives) dot << "\\n" << gr.collectives << " collectives, " << spmdx::human_bytes(gr.comm) << " sent";
       dot << "\"];\n";
     }
+    for (std::size_t i = 0; i + 1 < order.size(); ++i) dot << "  g" << i << " -> g" << i + 1 << " [style=invis, weight=100];\n";
     std::map<std::pair<int, int>, double> edges;
-    for (const auto& n : g.nodes) {
-      for (int v : n.inputs) {
+    for (std::size_t c = 0; c < g.nodes.size(); ++c) {
+      for (int v : g.nodes[c].inputs) {
         const int p = g.values[static_cast<std::size_t>(v)].producer;
         if (p < 0) continue;
-        const int from = id[key(g.nodes[static_cast<std::size_t>(p)])], to = id[key(n)];
+        const int from = id[box[static_cast<std::size_t>(p)]], to = id[box[c]];
         if (from != to) edges[{from, to}] += static_cast<double>(g.values[static_cast<std::size_t>(v)].bytes);
       }
     }
-    for (const auto& [e, bytes] : edges) dot << "  g" << e.first << " -> g" << e.second << " [label=\"" << spmdx::human_bytes(bytes) << "\", fontsize=8];\n";
+    for (const auto& [e, bytes] : edges) {
+      dot << "  g" << e.first << " -> g" << e.second << " [label=\"" << spmdx::human_bytes(bytes) << "\", fontsize=8" << (e.first > e.second ? ", constraint=false" : "") << "];\n";
+    }
     return order.size();
   }
 

@@ -286,6 +286,34 @@ struct ContextParallelSummary {
 };
 /// Throws nothing; `degree` 1 (and line() "") when the job has no context parallelism.
 ContextParallelSummary context_parallel_summary(const JobSpec& spec, const PlacedJob& job, const sharding::DistributedPlan& plan);
+/// Parameters kept whole on a mesh dim that shards parameters, because their dim 0 is shorter
+/// than the dim's degree: fsdp keeps a parameter with fewer rows than ranks whole on every rank
+/// (where FSDP2 pads it and leaves some ranks an empty shard), so fsdp 1000 on a model of
+/// 256-wide weights shards nothing and every rank holds the whole model. One per such mesh dim:
+/// a dim whose parameters left Replicate are all shorter than its degree, and that shards some
+/// parameter or is dp_shard (FSDP's dim in torchtitan's mesh).
+struct ShortParameters {
+  std::string mesh_dim;   ///< "dp_shard"
+  std::int64_t degree = 1;
+  std::string strategy;   ///< the plugin bound to the dim ("fsdp": [parallelism.strategies]' or the default)
+  struct Parameter {
+    std::string name;
+    std::vector<std::int64_t> shape;  ///< global
+    std::int64_t bytes = 0;           ///< whole
+  };
+  std::vector<Parameter> parameters;  ///< in the model's order
+  bool all = false;                   ///< every parameter of the model is among them
+  /// What holding them whole costs a rank over an even share (1/degree) of them, in bytes:
+  /// the parameters, their gradients and AdamW's two moments, 4 x (bytes - bytes / degree).
+  std::int64_t extra_bytes = 0;
+  /// "fsdp on dp_shard (1000 ranks) keeps every parameter (..., the whole model, 20.0 MiB) whole
+  /// on every rank, not sharded: their dim 0 is shorter than 1000 (tok_embeddings.weight [264,
+  /// 256], ... and 50 more); that costs each rank 79.9 MiB more than an even share of them (...)".
+  std::string line() const;
+};
+/// Throws nothing; empty when every parameter a dim could shard is sharded.
+std::vector<ShortParameters> short_parameters(const JobSpec& spec, const PlacedJob& job);
+
 /// The model's train-step graph (with mixed precision and activation checkpointing as the spec
 /// asks) and where its inputs go on the mesh, by the strategy plugins.
 PlacedJob place_job(const JobSpec& spec, PluginRegistry& registry);
