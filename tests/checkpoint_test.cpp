@@ -445,6 +445,49 @@ TEST(Checkpoint, NonFiniteTensorsAreNeverSavedNorLoaded) {
   EXPECT_TRUE(at::equal(back.at("a"), good.at("a")));
 }
 
+// A save never replaces a complete checkpoint of its step (an earlier run's, which went further):
+// it fails before anything is written, the checkpoint kept as it was; a step folder that is not
+// complete is replaced. Preflight's check names the newer checkpoints a load_step would replace.
+TEST(Checkpoint, ASaveNeverReplacesACompleteCheckpointOfItsStep) {
+  test::TempDir dir;
+  const fs::path folder = dir / "ckpt";
+  const exec::TensorMap earlier{{"a", at::randn({4, 6})}}, later{{"a", at::randn({4, 6})}};
+  save_one_rank(folder, 4, earlier);
+  const std::string metadata = slurp(folder / "step-4" / "metadata.json"), shard = slurp(folder / "step-4" / "rank0.bin");
+  try {
+    save_one_rank(folder, 4, later);
+    ADD_FAILURE() << "saved";
+  } catch (const std::runtime_error& e) {
+    EXPECT_EQ(std::string(e.what()), "not saving checkpoint " + (folder / "step-4").string() +
+                                         ": a complete checkpoint of step 4 is already there, from an earlier run, and spmdx never replaces one (it is kept "
+                                         "as it was). Move it away to save this run's, or resume from it with checkpoint.load_step 4");
+  }
+  EXPECT_EQ(slurp(folder / "step-4" / "metadata.json"), metadata);
+  EXPECT_EQ(slurp(folder / "step-4" / "rank0.bin"), shard);
+  EXPECT_FALSE(fs::exists(folder / ".step-4.partial"));
+  const sharding::DeviceMesh one({{"dp_shard", 1}});
+  const std::map<std::string, ir::TensorMeta> global{{"a", {{4, 6}, ir::DType::f32}}};
+  const std::map<std::string, Placements> placements{{"a", {Placement::replicate()}}};
+  EXPECT_TRUE(at::equal(exec::load_checkpoint(folder, 4, one, 0, global, placements, nullptr).at("a"), earlier.at("a")));
+  // Not complete (its metadata.json lost after the save): the save replaces it.
+  fs::remove(folder / "step-4" / "metadata.json");
+  save_one_rank(folder, 4, later);
+  EXPECT_TRUE(at::equal(exec::load_checkpoint(folder, 4, one, 0, global, placements, nullptr).at("a"), later.at("a")));
+
+  save_one_rank(folder, 2, earlier);
+  save_one_rank(folder, 6, earlier);
+  const train::CheckpointFolder found = train::scan_checkpoints(folder);
+  EXPECT_EQ(train::newer_checkpoints_problem(folder, found, 6), "");
+  EXPECT_EQ(train::newer_checkpoints_problem(folder, found, 4),
+            "checkpoint.load_step 4: " + folder.string() + " also holds a newer complete checkpoint, of step 6 (" + (folder / "step-6").string() +
+                "), and this run, training on from step 4 with checkpoint.enable, would save its own in its place. To train on from step 4, move it away "
+                "first (out of " + folder.string() + "); to resume from the newest, step 6, set checkpoint.load_step -1");
+  EXPECT_EQ(train::newer_checkpoints_problem(folder, found, 2),
+            "checkpoint.load_step 2: " + folder.string() + " also holds newer complete checkpoints, of steps 4 and 6 (" + (folder / "step-4").string() + ", " +
+                (folder / "step-6").string() + "), and this run, training on from step 2 with checkpoint.enable, would save its own in their place. To "
+                "train on from step 2, move them away first (out of " + folder.string() + "); to resume from the newest, step 6, set checkpoint.load_step -1");
+}
+
 // metadata.json records the learning-rate schedule under its CRC-32; checkpoints without it
 // (written before it was) still read; a wrong value, re-signed, is refused naming the key.
 TEST(Checkpoint, TheLrScheduleIsRecordedUnderTheChecksum) {

@@ -306,6 +306,39 @@ TEST(Cli, DegreesThatDoNotFitTheRanksSayWhichFlagsFixThem) {
   EXPECT_THAT(three.output, HasSubstr("but world_size is 3: start 4 ranks (--world-size 4), or set degrees that multiply to 3\n"));
 }
 
+// data_parallel_shard_degree -1 where the other degrees do not divide the ranks: the message
+// says which flags would fit, as the degrees' product does, and each flag it names fixes the job.
+TEST(Cli, AShardDegreeOfMinusOneThatCannotFitSaysWhichFlagsFix) {
+  const std::string config = SPMDX_SOURCE_DIR "/configs/llama_debug.toml";
+  const std::string rest = " --parallelism.data_parallel_shard_degree -1";
+  auto run = spmdx("run '" + config + "' --nproc 3" + rest);
+  EXPECT_EQ(run.exit_code, 1) << run.output;
+  EXPECT_EQ(run.output, "error: " + config + ": parallelism.data_parallel_replicate_degree x tensor_parallel_degree = 2 does not divide world_size 3: start "
+                        "a multiple of 2 ranks (--nproc 4), or make the degrees fit 3 ranks: --parallelism.tensor_parallel_degree 1\n");
+  auto compile = spmdx("compile '" + config + "' --world-size 3" + rest);
+  EXPECT_EQ(compile.exit_code, 1) << compile.output;
+  EXPECT_THAT(compile.output, HasSubstr("does not divide world_size 3: start a multiple of 2 ranks (--world-size 4), or make the degrees fit 3 ranks: "
+                                        "--parallelism.tensor_parallel_degree 1\n"));
+  for (const std::string fix : {"3 --parallelism.tensor_parallel_degree 1", "4"}) {
+    auto fixed = spmdx("compile '" + config + "'" + rest + " --world-size " + fix);
+    EXPECT_EQ(fixed.exit_code, 0) << fix << "\n" << fixed.output;
+  }
+  // Against 6 ranks: tp 4 fits as 2 (dp_shard takes 3); dp_replicate 2 x tp 2 fits with either at 1.
+  auto tp4 = spmdx("compile '" + config + "' --world-size 6 --parallelism.tensor_parallel_degree 4" + rest);
+  EXPECT_THAT(tp4.output, HasSubstr("tensor_parallel_degree = 4 does not divide world_size 6: start a multiple of 4 ranks (--world-size 8), or make the "
+                                    "degrees fit 6 ranks: --parallelism.tensor_parallel_degree 2\n"));
+  const std::string two_by_two = "' --world-size 6 --parallelism.data_parallel_replicate_degree 2" + rest;
+  auto both = spmdx("compile '" + config + two_by_two);
+  EXPECT_THAT(both.output, HasSubstr("= 4 does not divide world_size 6: start a multiple of 4 ranks (--world-size 8), or make the degrees fit 6 ranks: "
+                                     "--parallelism.tensor_parallel_degree 1 or --parallelism.data_parallel_replicate_degree 1\n"));
+  for (const std::string fix : {"--parallelism.tensor_parallel_degree 1", "--parallelism.data_parallel_replicate_degree 1"}) {
+    auto fixed = spmdx("compile '" + config + two_by_two + " " + fix);
+    EXPECT_THAT(fixed.output, Not(HasSubstr("does not divide"))) << fix << "\n" << fixed.output;
+  }
+  auto none = spmdx("compile '" + config + "' --world-size 3 --parallelism.data_parallel_replicate_degree 2" + rest);  // no one degree fits 3 ranks
+  EXPECT_THAT(none.output, HasSubstr("= 4 does not divide world_size 3: start a multiple of 4 ranks (--world-size 4), or set degrees whose product divides 3\n"));
+}
+
 // One form for errors: spmdx's "error: ...", CLI11's parse errors included (no "Error:", no
 // "Run with --help").
 TEST(Cli, EveryErrorSaysErrorTheSameWay) {
@@ -424,6 +457,8 @@ TEST(Cli, EachLineOfARunHasOneRankPrefixAndHookLinesComeOnce) {
   EXPECT_EQ(validator, 1) << r.output;
   EXPECT_EQ(warnings, 2) << r.output;  // each rank's, each under its own prefix
   EXPECT_THAT(r.output, HasSubstr("[rank 0] partition_validator: passed (2 ranks"));
+  EXPECT_THAT(r.output, HasSubstr("[rank 0] waiting for 2 ranks to join at "));  // the rank named once
+  EXPECT_THAT(r.output, Not(HasSubstr("rank 0: waiting")));
 }
 
 TEST(Cli, EnvironmentPathIsSearched) {

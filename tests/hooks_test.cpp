@@ -531,6 +531,52 @@ TEST(Hooks, GraphvizByLayerPicturesStackTheLayersInOrderWithTheSameBoxes) {
   }
 }
 
+// A rerun in the same folder (from step 1, on fewer ranks) never loses what the hooks wrote
+// before: each file it replaces is kept whole under the next free name, and said; the flight
+// recorder's dumps of ranks the new run lacks too, and fr-trace merges the new run's alone.
+TEST(Hooks, ARerunKeepsEveryHookFileOfTheEarlierRunWhole) {
+  test::TempDir dir;
+  const fs::path out = dir / "out", h = out / "hooks";
+  const std::string corpus = test::corpus_file(dir);
+  auto run = [&](int nproc, int steps) {
+    return spmdx("run '" SPMDX_SOURCE_DIR "/configs/mlp_dp.toml' --nproc " + std::to_string(nproc) + " --parallelism.data_parallel_replicate_degree " +
+                 std::to_string(nproc) + " --training.steps " + std::to_string(steps) + " --data.paths '" + corpus + "' --job.dump_folder '" + out.string() +
+                 "' --hooks.enable timeline,consistency,flight_recorder --hooks.consistency.every 1");
+  };
+  auto first = run(4, 2);
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  std::map<fs::path, std::string> earlier;  // every file the hooks wrote
+  for (const auto& e : fs::recursive_directory_iterator(h)) {
+    if (e.is_regular_file()) earlier[e.path()] = read(e.path());
+  }
+  ASSERT_EQ(earlier.size(), 11u);  // timeline: 4 ranks, merged, summary; consistency: report; flight_recorder: 4 ranks
+  auto second = run(2, 3);
+  ASSERT_EQ(second.exit_code, 0) << second.output;
+  for (const auto& [path, bytes] : earlier) {
+    const fs::path aside = path.parent_path() / (path.stem().string() + ".1.json");
+    if (path.parent_path().filename() == "timeline" && (path.filename() == "rank2.json" || path.filename() == "rank3.json")) {
+      EXPECT_EQ(read(path), bytes) << path;  // no rank of this run writes it: left as it is
+      EXPECT_FALSE(fs::exists(aside)) << aside;
+      continue;
+    }
+    EXPECT_EQ(read(aside), bytes) << path;
+    const std::string said = path.filename() == "merged.json" || path.filename() == "summary.json"
+                                 ? "timeline: the merged trace of an earlier run is kept whole: " + (h / "timeline" / "merged.json").string() +
+                                       " as merged.1.json, " + (h / "timeline" / "summary.json").string() + " as summary.1.json"
+                             : path.parent_path().filename() == "timeline" ? "timeline: " + path.string() + " holds the trace of an earlier run: it is kept whole as " + aside.string()
+                             : path.parent_path().filename() == "consistency"
+                                 ? "consistency: " + path.string() + " holds the report of an earlier run: it is kept whole as " + aside.string()
+                                 : "flight_recorder: " + path.string() + " holds the dump of an earlier run: it is kept whole as " + aside.string();
+    EXPECT_THAT(second.output, HasSubstr(said));
+  }
+  EXPECT_EQ(json::parse(read(h / "timeline" / "summary.json")).size(), 6u);  // this run's: 2 ranks x 3 steps
+  EXPECT_EQ(json::parse(read(h / "consistency" / "report.json")).at("checks").size(), 3u);
+  EXPECT_FALSE(fs::exists(h / "flight_recorder" / "rank2.json"));
+  auto trace = spmdx("fr-trace '" + (h / "flight_recorder").string() + "'");
+  EXPECT_EQ(trace.exit_code, 0) << trace.output;
+  EXPECT_THAT(trace.output, HasSubstr("no mismatch"));
+}
+
 TEST(Hooks, FlightRecorderNamesTheRankThatSkippedACollective) {
   test::TempDir dir;
   const fs::path out = dir / "out";

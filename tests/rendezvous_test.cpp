@@ -340,6 +340,8 @@ TEST(Rendezvous, RanksStartedByHandWithAnotherLearningRateFailAtOnceNamingIt) {
   }
   EXPECT_THAT(r.output, HasSubstr("rank0=1"));
   EXPECT_THAT(r.output, HasSubstr("rank1=1"));
+  EXPECT_THAT(r0, HasSubstr("[rank 0] waiting for 2 ranks to join at 127.0.0.1:"));  // no launcher to name the rank: it names itself, once
+  EXPECT_THAT(r0, ::testing::Not(HasSubstr("rank 0: waiting")));
 }
 
 }  // namespace

@@ -9,6 +9,7 @@
 #include <signal.h>
 #include <sys/stat.h>
 
+#include <chrono>
 #include <cmath>
 #include <fstream>
 #include <functional>
@@ -881,7 +882,8 @@ TEST(Checkpoint, ResumeRefusesAnotherTokenizerAndExportNeverWritesIntoTheCheckpo
 }
 
 // Resuming in the job's own folder, as after a preemption: every file the run appends to keeps
-// the steps up to the checkpoint once and drops those past it; a finished job changes nothing.
+// the steps up to the checkpoint once and leaves out those past it, the file as it was kept
+// whole under the next free name; a finished job changes nothing.
 TEST(Checkpoint, ResumingInTheSameFolderKeepsTheHistoryOfEveryFile) {
   test::TempDir dir;
   const fs::path out = dir / "job";
@@ -919,11 +921,27 @@ TEST(Checkpoint, ResumingInTheSameFolderKeepsTheHistoryOfEveryFile) {
     checked.push_back(c.at("step").get<std::int64_t>());
   }
   EXPECT_EQ(checked, (std::vector<std::int64_t>{1, 2, 3, 4, 5, 6, 7, 8}));
-  // The first run's flight recorder dumps are kept aside, the new ones merge alone.
+  // The first run's files, which held steps 7 and 8 too, are kept whole under the next free
+  // name, each said; the first run's flight recorder dumps too, and the new ones merge alone.
+  const fs::path hooks = out / "hooks";
   for (int r : {0, 1}) {
-    EXPECT_TRUE(fs::exists(out / "hooks" / "flight_recorder" / "before-step-7" / ("rank" + std::to_string(r) + ".json"))) << r;
-    EXPECT_TRUE(fs::exists(out / "hooks" / "flight_recorder" / ("rank" + std::to_string(r) + ".json"))) << r;
+    const fs::path own = hooks / "timeline" / ("rank" + std::to_string(r) + ".json"), aside = hooks / "timeline" / ("rank" + std::to_string(r) + ".1.json");
+    EXPECT_THAT(resumed.output, HasSubstr("timeline: " + own.string() + " holds steps this run trains again (from step 7 on): it is kept whole as " +
+                                          aside.string() + ", and the trace goes on from its steps before 7"));
+    std::vector<std::int64_t> kept;
+    for (const auto& row : nlohmann::json::parse(std::ifstream(aside)).at("otherData").at("summary")) kept.push_back(row.at("step").get<std::int64_t>());
+    EXPECT_EQ(kept, (std::vector<std::int64_t>{1, 2, 3, 4, 5, 6, 7, 8})) << r;
+    const fs::path dump = hooks / "flight_recorder" / ("rank" + std::to_string(r) + ".json"), dump_aside = hooks / "flight_recorder" / ("rank" + std::to_string(r) + ".1.json");
+    EXPECT_THAT(resumed.output, HasSubstr("flight_recorder: " + dump.string() + " holds the dump of an earlier run: it is kept whole as " + dump_aside.string()));
+    EXPECT_NE(nlohmann::json::parse(std::ifstream(dump)).at("run"), nlohmann::json::parse(std::ifstream(dump_aside)).at("run")) << r;
   }
+  EXPECT_EQ(nlohmann::json::parse(std::ifstream(hooks / "timeline" / "summary.1.json")).size(), 16u);  // 2 ranks x steps 1-8
+  EXPECT_THAT(resumed.output, HasSubstr("timeline: the merged trace of an earlier run is kept whole: " + (hooks / "timeline" / "merged.json").string() +
+                                        " as merged.1.json, " + (hooks / "timeline" / "summary.json").string() + " as summary.1.json"));
+  EXPECT_THAT(resumed.output, HasSubstr("consistency: " + (hooks / "consistency" / "report.json").string() +
+                                        " holds checks of steps this run trains again (from step 7 on): it is kept whole as " +
+                                        (hooks / "consistency" / "report.1.json").string() + ", and the report goes on from its checks before step 7"));
+  EXPECT_EQ(nlohmann::json::parse(std::ifstream(hooks / "consistency" / "report.1.json")).at("checks").size(), 8u);
   auto trace = test::run_command("'" SPMDX_EXE "' fr-trace '" + (out / "hooks" / "flight_recorder").string() + "'");
   EXPECT_THAT(trace.output, HasSubstr("no mismatch"));
 
@@ -1123,6 +1141,47 @@ TEST(Checkpoint, ANonFiniteStateIsNeverSaved) {
   EXPECT_TRUE(fs::exists(ckpt / "step-2" / "metadata.json"));
   EXPECT_FALSE(fs::exists(ckpt / "step-4"));
   EXPECT_FALSE(fs::exists(ckpt / ".step-4.partial"));
+}
+
+// checkpoint.load_step N beside newer complete checkpoints, with checkpoint.enable: this run's
+// saves would take their place, so it is refused before any step, naming them, and nothing is
+// changed; moved away as the message says, the run trains on from step N. Each metrics row says
+// when its step ended (`time`, seconds since the epoch), in step order.
+TEST(Checkpoint, ALoadStepBeforeNewerCheckpointsIsRefusedNamingThem) {
+  test::TempDir dir;
+  const fs::path out = dir / "job", ckpt = out / "checkpoint";
+  const std::string job = tiny_job(dir, out) + " --training.steps 6 --checkpoint.enable true --checkpoint.interval 2";
+  const double before = std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+  auto first = spmdx_run(job);
+  const double after = std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  double last = before;
+  for (const auto& row : rows(out / "metrics.jsonl")) {
+    ASSERT_TRUE(row.contains("time") && row.at("time").is_number_float()) << row.dump();
+    const double t = row.at("time").get<double>();
+    EXPECT_GE(t, last) << row.dump();
+    EXPECT_LE(t, after) << row.dump();
+    last = t;
+  }
+  const std::string history = test::read_file(out / "metrics.jsonl"), newest = test::read_file(ckpt / "step-6" / "metadata.json");
+  auto refused = spmdx_run(job + " --checkpoint.load_step 2");
+  EXPECT_EQ(refused.exit_code, 1) << refused.output;
+  EXPECT_THAT(refused.output, HasSubstr("checkpoint.load_step 2: " + ckpt.string() + " also holds newer complete checkpoints, of steps 4 and 6 (" +
+                                        (ckpt / "step-4").string() + ", " + (ckpt / "step-6").string() +
+                                        "), and this run, training on from step 2 with checkpoint.enable, would save its own in their place. To train on "
+                                        "from step 2, move them away first (out of " + ckpt.string() + "); to resume from the newest, step 6, set "
+                                        "checkpoint.load_step -1"));
+  EXPECT_THAT(refused.output, Not(HasSubstr("step    3 |")));
+  EXPECT_EQ(test::read_file(out / "metrics.jsonl"), history);
+  EXPECT_EQ(test::read_file(ckpt / "step-6" / "metadata.json"), newest);
+  // Moved away: it trains on from step 2 and saves steps 4 and 6 anew.
+  fs::create_directories(dir / "later");
+  for (const char* s : {"step-4", "step-6"}) fs::rename(ckpt / s, dir / "later" / s);
+  auto on = spmdx_run(job + " --checkpoint.load_step 2");
+  ASSERT_EQ(on.exit_code, 0) << on.output;
+  EXPECT_THAT(on.output, HasSubstr("done: 4 steps (3-6, resumed)"));
+  EXPECT_EQ(metric_steps(out / "metrics.jsonl"), (std::vector<std::int64_t>{1, 2, 3, 4, 5, 6}));
+  EXPECT_TRUE(fs::exists(ckpt / "step-6" / "metadata.json"));
 }
 
 // Hot-swap: every step the ranks leave one backend and join the other (UCX over shared memory,

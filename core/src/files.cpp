@@ -37,6 +37,22 @@ std::string read_file_bytes(const std::filesystem::path& path) {
   return bytes;
 }
 
+std::filesystem::path move_aside(const std::filesystem::path& file) {
+  for (int n = 1;; ++n) {
+    const std::filesystem::path to = file.parent_path() / (file.stem().string() + "." + std::to_string(n) + file.extension().string());
+    if (::renameat2(AT_FDCWD, file.c_str(), AT_FDCWD, to.c_str(), RENAME_NOREPLACE) == 0) return to;
+    if (errno == EEXIST) continue;
+    if (errno == EINVAL || errno == ENOSYS) {  // a file system without RENAME_NOREPLACE: a hard link never replaces either
+      if (::link(file.c_str(), to.c_str()) == 0) {
+        ::unlink(file.c_str());
+        return to;
+      }
+      if (errno == EEXIST) continue;
+    }
+    throw std::runtime_error("cannot keep " + file.string() + " as " + to.string() + ": " + std::strerror(errno) + "; nothing was changed");
+  }
+}
+
 void write_file_atomic(const std::filesystem::path& path, const std::string& bytes) {
   std::filesystem::path tmp = path;
   tmp += ".tmp." + std::to_string(::getpid());

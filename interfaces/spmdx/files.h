@@ -23,6 +23,14 @@ std::string unreadable_file(const std::filesystem::path& path);
 /// what to do; a FIFO, folder or device is refused before it is opened.
 std::string read_file_bytes(const std::filesystem::path& path);
 
+/// Keeps `file` whole under the first free name beside it, <stem>.<N><ext> for N = 1, 2, ...
+/// (metrics.jsonl -> metrics.1.jsonl, rank0.json -> rank0.1.json), never over another file
+/// (renameat2's RENAME_NOREPLACE, or a hard link where the file system lacks it), and returns
+/// where. Used before a file that holds an earlier run's record is replaced or cut, so that
+/// nothing it held is lost; the caller says where it went. Throws std::runtime_error naming
+/// both paths and the system's reason, the file left where it was. ABI 3.4.
+std::filesystem::path move_aside(const std::filesystem::path& file);
+
 /// Writes `bytes` to `path` atomically: a temporary file next to it, fsync, rename over
 /// `path`, fsync of the folder. Throws std::runtime_error naming the file and errno's text.
 void write_file_atomic(const std::filesystem::path& path, const std::string& bytes);

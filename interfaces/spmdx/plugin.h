@@ -32,10 +32,12 @@
 // solver for the per-mesh-dim choice problems of `strategy = "auto"`.
 // 3.3: host services check_json_nesting (text.h: JSON too deep to copy or print safely),
 // unreadable_file and read_file_bytes (files.h: a FIFO or folder where a file should be).
+// 3.4: host service move_aside (files.h: an earlier run's file kept whole under the next free
+// name before it is replaced).
 //
 // Host services. A plugin may call, besides this folder's inline code, only the core
 // library's logging facade (spmdx/core/log.h) and the helpers declared in this folder
-// (options.h: OptionReader; files.h: write_file_atomic, unreadable_file, read_file_bytes; text.h: sizes, rank lists, JSON nesting), which
+// (options.h: OptionReader; files.h: write_file_atomic, unreadable_file, read_file_bytes, move_aside; text.h: sizes, rank lists, JSON nesting), which
 // are versioned with this ABI.
 //
 // Writing a plugin:
@@ -62,7 +64,7 @@
 #include "spmdx/transport.h"
 
 #define SPMDX_ABI_MAJOR 3
-#define SPMDX_ABI_MINOR 3
+#define SPMDX_ABI_MINOR 4
 
 // The toolchain tag: the C++ standard library, its string/list ABI and whether exceptions are
 // on. The loader refuses a plugin whose tag differs from the host's.

@@ -520,6 +520,14 @@ fs::path save_checkpoint(const fs::path& folder, const CheckpointMeta& meta, con
                              ", and a checkpoint of it could only resume the divergence. The earlier checkpoints in " + folder.string() +
                              " are kept: resume from the newest with checkpoint.enable true (with a lower optimizer.lr, or more lr_scheduler.warmup_steps)");
   }
+  // A complete checkpoint of this step (an earlier run's, which went further) is never replaced:
+  // every rank refuses before anything is written. Preflight refuses such a resume already
+  // (train::newer_checkpoints_problem); this holds whoever calls.
+  if (train::scan_checkpoints(folder).complete.count(meta.step) != 0) {
+    throw std::runtime_error("not saving checkpoint " + final_dir.string() + ": a complete checkpoint of step " + std::to_string(meta.step) +
+                             " is already there, from an earlier run, and spmdx never replaces one (it is kept as it was). Move it away to save "
+                             "this run's, or resume from it with checkpoint.load_step " + std::to_string(meta.step));
+  }
   if (rank == 0) {
     fs::remove_all(tmp);
     fs::create_directories(tmp);

@@ -20,7 +20,6 @@
 #include <pthread.h>
 #include <sys/sysinfo.h>
 #include <unistd.h>
-#include <fcntl.h>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
@@ -204,25 +203,6 @@ std::string npy_i64(const std::vector<std::int64_t>& data, std::int64_t rows, st
   return out;
 }
 
-// Moves `file` to the first free <stem>.<N><ext> beside it (metrics.1.jsonl, metrics.2.jsonl, ...),
-// never over another file, and returns where. Throws std::runtime_error naming both, the file
-// left where it was.
-std::filesystem::path move_aside(const std::filesystem::path& file) {
-  for (int n = 1;; ++n) {
-    const std::filesystem::path to = file.parent_path() / (file.stem().string() + "." + std::to_string(n) + file.extension().string());
-    if (::renameat2(AT_FDCWD, file.c_str(), AT_FDCWD, to.c_str(), RENAME_NOREPLACE) == 0) return to;
-    if (errno == EEXIST) continue;
-    if (errno == EINVAL || errno == ENOSYS) {  // a file system without RENAME_NOREPLACE: a hard link never replaces either
-      if (::link(file.c_str(), to.c_str()) == 0) {
-        ::unlink(file.c_str());
-        return to;
-      }
-      if (errno == EEXIST) continue;
-    }
-    throw std::runtime_error("cannot keep " + file.string() + " as " + to.string() + ": " + std::strerror(errno) + "; nothing was changed");
-  }
-}
-
 // Resuming at `first_step`: metrics.jsonl keeps the rows of the steps before it and the resumed
 // run appends. When the file holds more (rows of steps past the checkpoint, from a run that went
 // on after it; lines that are not a step's row, torn by a crash), it is kept whole as
@@ -356,8 +336,9 @@ Joined join_job(const config::Config& cfg, const launch::RankEnv& env, double ti
   if (env.world_size <= 1) return j;
   if (!env.store_hosted && !env.c10d_store && env.rank == 0) j.server = std::make_unique<comm::TcpStoreServer>("0.0.0.0", env.master_port, env.token);
   if (env.rank == 0) {
-    std::printf("rank 0: waiting for %d ranks to join at %s:%d (comm.timeout_seconds = %g)\n", env.world_size, env.master_addr.c_str(),
-                env.master_port, timeout);
+    // One "[rank 0]" a line, as the log's: the launcher's on the ranks it started, its own otherwise.
+    std::printf("%swaiting for %d ranks to join at %s:%d (comm.timeout_seconds = %g)\n", env.store_hosted ? "" : "[rank 0] ", env.world_size,
+                env.master_addr.c_str(), env.master_port, timeout);
     std::fflush(stdout);
   }
   if (env.c10d_store) {  // under torchrun: its agent's c10d TCPStore
@@ -476,7 +457,9 @@ class MetricsWriter {
   // scaling: float16's loss scale this step ran with, and whether its update was skipped.
   void row(std::int64_t step, std::int64_t last_step, double loss, double grad_norm, double lr, double tokens_per_s, const RunStats& st,
            const std::optional<std::pair<double, bool>>& scaling) {
+    const double now = metrics::unix_time_s();  // when the step's row is written: its wall clock, and TensorBoard's wall_time
     nlohmann::json row{{"step", step},
+                       {"time", now},
                        {"loss", loss},
                        {"grad_norm", grad_norm},
                        {"lr", lr},
@@ -498,7 +481,7 @@ class MetricsWriter {
     if (!out_) throw std::runtime_error("cannot write " + file().string() + ": " + std::strerror(errno));
     if (tensorboard_) {
       for (const auto& [tag, key, scale] : kTensorBoardScalars) {
-        if (row.contains(key)) tensorboard_->add_scalar(tag, row.at(key).get<double>() * scale, step);
+        if (row.contains(key)) tensorboard_->add_scalar(tag, row.at(key).get<double>() * scale, step, now);
       }
       tensorboard_->flush();
     }

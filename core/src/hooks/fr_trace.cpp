@@ -161,12 +161,14 @@ void refuse_mixed_runs(const std::filesystem::path& folder, const Dumps& dumps) 
   }
 }
 
-// Reads every rank*.json of `folder`; `dumped` comes back sorted.
+// Reads every rank*.json of `folder` (not the rank<R>.<N>.json of earlier runs); `dumped` comes
+// back sorted.
 Dumps read_dumps(const std::filesystem::path& folder) {
   Dumps dumps;
   for (const auto& file : std::filesystem::directory_iterator(folder)) {
     const std::string name = file.path().filename().string();
     if (name.rfind("rank", 0) != 0 || file.path().extension() != ".json") continue;
+    if (name.find('.') != name.size() - 5) continue;  // rank<R>.<N>.json: an earlier run's dump, kept aside by the flight recorder
     try {
       read_dump(file.path(), name, dumps);
     } catch (const std::exception& e) {

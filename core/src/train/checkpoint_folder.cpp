@@ -82,6 +82,24 @@ std::string resume_problem(const fs::path& folder, const CheckpointFolder& found
          (one ? "it" : "them") + " away; to resume from a good checkpoint, put it in " + folder.string() + " as step-<N> and set checkpoint.load_step <N>";
 }
 
+std::string newer_checkpoints_problem(const fs::path& folder, const CheckpointFolder& found, std::int64_t load_step) {
+  std::vector<std::string> steps, paths;
+  for (auto it = found.complete.upper_bound(load_step); it != found.complete.end(); ++it) {
+    steps.push_back(std::to_string(it->first));
+    paths.push_back(it->second.string());
+  }
+  if (steps.empty()) return "";
+  std::string listed;  // "4", "4 and 6", "4, 6 and 8"
+  for (std::size_t i = 0; i < steps.size(); ++i) listed += (i == 0 ? "" : i + 1 == steps.size() ? " and " : ", ") + steps[i];
+  std::string where;
+  for (const auto& p : paths) where += (where.empty() ? "" : ", ") + p;
+  const bool one = steps.size() == 1;
+  return "checkpoint.load_step " + std::to_string(load_step) + ": " + folder.string() + " also holds " + (one ? "a newer complete checkpoint, of step " : "newer complete checkpoints, of steps ") +
+         listed + " (" + where + "), and this run, training on from step " + std::to_string(load_step) + " with checkpoint.enable, would save its own in " +
+         (one ? "its" : "their") + " place. To train on from step " + std::to_string(load_step) + ", move " + (one ? "it" : "them") + " away first (out of " +
+         folder.string() + "); to resume from the newest, step " + steps.back() + ", set checkpoint.load_step -1";
+}
+
 std::string unusable_checkpoint_folder(const fs::path& folder) {
   std::error_code ec;
   const auto link = fs::symlink_status(folder, ec);

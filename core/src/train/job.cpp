@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <functional>
 #include <limits>
+#include <numeric>
 #include <set>
 
 #include <unistd.h>
@@ -200,6 +201,25 @@ std::string degrees_fix(const sharding::ParallelDims& dims, std::int64_t product
   return text + ", or make the degrees fit " + std::to_string(ranks) + (ranks == 1 ? " rank" : " ranks") + a_stage + ": " + join(fixes, " or ");
 }
 
+// What to change when data_parallel_shard_degree is -1 but the other degrees, multiplied to
+// `rest`, do not divide a stage's `ranks` (of `stages`): start a multiple of them (the next one
+// above, with `start_flag`), or lower one degree above 1 to the largest that divides both it and
+// the ranks the others leave, as flags (never a new kind of parallelism, as degrees_fix).
+std::string shard_rest_fix(const sharding::ParallelDims& dims, std::int64_t rest, std::int64_t ranks, std::int64_t stages, const std::string& start_flag) {
+  const std::string next = std::to_string((ranks / rest + 1) * rest * stages);
+  std::string text = "start a multiple of " + std::to_string(rest * stages) + " ranks" + (start_flag.empty() ? std::string() : " (" + start_flag + " " + next + ")");
+  std::vector<std::string> fixes;
+  const std::vector<std::pair<std::string, std::int64_t>> degrees{{kDegreeKeys[2], dims.tp}, {kDegreeKeys[3], dims.cp}, {kDegreeKeys[0], dims.dp_replicate}};
+  for (const auto& [key, degree] : degrees) {
+    const std::int64_t others = rest / degree;
+    if (degree <= 1 || ranks % others != 0) continue;
+    if (const std::int64_t fits = std::gcd(degree, ranks / others); fits != degree) fixes.push_back("--" + key + " " + std::to_string(fits));
+  }
+  const std::string a_stage = stages > 1 ? " (the ranks of a stage)" : "";
+  if (fixes.empty()) return text + ", or set degrees whose product divides " + std::to_string(ranks) + a_stage;
+  return text + ", or make the degrees fit " + std::to_string(ranks) + (ranks == 1 ? " rank" : " ranks") + a_stage + ": " + join(fixes, " or ");
+}
+
 // The mesh: parallelism's degrees, dp_shard = -1 taking what the others leave of world_size.
 // With pipeline stages, the degrees divide the ranks of one stage (world_size / stages).
 void read_degrees(const config::Config& cfg, std::int64_t world_size, const std::string& start_flag, sharding::ParallelDims& dims, Problems& problems) {
@@ -228,8 +248,8 @@ void read_degrees(const config::Config& cfg, std::int64_t world_size, const std:
     const std::int64_t rest = dims.dp_replicate * dims.cp * dims.tp;
     if (world_size % rest != 0) {
       problems.add(kDegreeKeys, "parallelism.data_parallel_replicate_degree x " + std::string(dims.cp > 1 ? "context_parallel_degree x " : "") +
-                   "tensor_parallel_degree = " + std::to_string(rest) +
-                   " does not divide " + world_text);
+                   "tensor_parallel_degree = " + std::to_string(rest) + " does not divide " + world_text + ": " +
+                   shard_rest_fix(dims, rest, world_size, std::max<std::int64_t>(1, stages), start_flag));
     }
     dims.dp_shard = std::max<std::int64_t>(1, world_size / rest);
   } else if (dims.dp_shard < 1) {
@@ -640,7 +660,8 @@ namespace {
 
 // [checkpoint] against what checkpoint.folder holds, before any rank starts (and again on each
 // rank, before it trains): a folder checkpoints cannot be written to; a rerun that would start
-// at step 1 beside an earlier run's checkpoints; a resume with nothing whole to resume from.
+// at step 1 beside an earlier run's checkpoints; a resume with nothing whole to resume from; a
+// resume from checkpoint.load_step whose saves would replace newer complete checkpoints.
 void check_checkpoint_folder(const config::Config& cfg, Problems& problems) {
   const std::filesystem::path dump = cfg.get_string("job.dump_folder");
   const std::filesystem::path folder = dump / cfg.get_string("checkpoint.folder");
@@ -664,7 +685,11 @@ void check_checkpoint_folder(const config::Config& cfg, Problems& problems) {
                      "--checkpoint.enable true; to start a new one, choose another --job.dump_folder (or move the old run away)");
     return;
   }
-  if (const std::string why = resume_problem(folder, found, load_step); !why.empty()) problems.add({"checkpoint.enable", "checkpoint.load_step"}, why);
+  if (const std::string why = resume_problem(folder, found, load_step); !why.empty()) {
+    problems.add({"checkpoint.enable", "checkpoint.load_step"}, why);
+  } else if (const std::string newer = enable && load_step >= 0 ? newer_checkpoints_problem(folder, found, load_step) : ""; !newer.empty()) {
+    problems.add({"checkpoint.load_step"}, newer);
+  }
 }
 
 }  // namespace

@@ -10,7 +10,9 @@
 // checked (default 10); fail, stop the
 // job on a divergence (default true; false only reports it).
 // Output: <dump>/hooks/consistency/report.json (rank 0): the checks and the first divergence; a
-// run resumed in the same folder keeps those of the steps before it.
+// run resumed in the same folder keeps those of the steps before it. A report this run would
+// replace or cut (a run from step 1, checks past the checkpoint, one it cannot read) is first
+// kept whole as report.<N>.json, the next free N, and said: nothing an earlier run wrote is lost.
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -49,7 +51,7 @@ class Consistency final : public spmdx::Hook {
     if (context.store == nullptr && !context.compile_only) {
       SPMDX_INFO("consistency: one rank, nothing to compare");
     }
-    if (context.rank == 0 && context.first_step > 1 && !context.compile_only) keep_earlier_report();
+    if (context.rank == 0 && context.store != nullptr && !context.compile_only) keep_earlier_report();  // one rank writes no report
   }
 
   void on_step_end(const spmdx::StepInfo& step) override {
@@ -133,25 +135,44 @@ class Consistency final : public spmdx::Hook {
     spmdx::write_file_atomic(std::filesystem::path(context_.output_dir) / "report.json", report_.dump(1) + "\n");
   }
 
-  // Resumed in the same folder: the report keeps the checks (and a divergence) of the steps
-  // before this run's first step.
+  // An earlier run's report in this folder. Resumed (first_step > 1), it keeps the checks (and a
+  // divergence) of the steps before this run's first. Whatever it would not keep (checks from
+  // first_step on, an unreadable report, all of it in a run from step 1) is kept whole aside
+  // first, and the kept part written at once, for the next resume should this run be killed.
   void keep_earlier_report() {
     const std::filesystem::path file = std::filesystem::path(context_.output_dir) / "report.json";
-    if (!spmdx::unreadable_file(file).empty()) return;  // none (or a FIFO, which would block)
-    try {
-      const std::string text = spmdx::read_file_bytes(file);
-      spmdx::check_json_nesting(text);
-      const json old = json::parse(text);
-      for (const auto& c : old.at("checks")) {
-        if (c.at("step").get<std::int64_t>() < context_.first_step) report_["checks"].push_back(c);
+    std::error_code ec;
+    if (!std::filesystem::is_regular_file(std::filesystem::symlink_status(file, ec))) return;  // none (a FIFO or folder is no report: left alone)
+    std::string why;  // what this run would lose, "" when nothing
+    bool part = false;
+    if (context_.first_step <= 1) {
+      why = "holds the report of an earlier run";
+    } else {
+      try {
+        const std::string text = spmdx::read_file_bytes(file);
+        spmdx::check_json_nesting(text);
+        const json old = json::parse(text);
+        const json& checks = old.at("checks");
+        for (const auto& c : checks) {
+          if (c.at("step").get<std::int64_t>() < context_.first_step) report_["checks"].push_back(c);
+        }
+        const json& d = old.value("divergence", json());
+        const bool divergence_past = d.is_object() && d.at("step").get<std::int64_t>() >= context_.first_step;
+        if (d.is_object() && !divergence_past) report_["divergence"] = d;
+        if (report_["checks"].size() < checks.size() || divergence_past) {
+          why = "holds checks of steps this run trains again (from step " + std::to_string(context_.first_step) + " on)";
+          part = true;
+        }
+      } catch (const std::exception& e) {
+        why = std::string("cannot be read as a report (") + e.what() + ")";
+        report_ = {{"checks", json::array()}};
       }
-      const json& d = old.value("divergence", json());
-      if (d.is_object() && d.at("step").get<std::int64_t>() < context_.first_step) report_["divergence"] = d;
-    } catch (const std::exception& e) {
-      SPMDX_WARN("consistency: the report of the run before (" << (std::filesystem::path(context_.output_dir) / "report.json").string()
-                                                                << ") is unreadable (" << e.what() << "); starting a new one");
-      report_ = {{"checks", json::array()}};
     }
+    if (why.empty()) return;  // every check kept: this run's add to them
+    const std::filesystem::path aside = spmdx::move_aside(file);
+    if (part) write_report();
+    SPMDX_WARN("consistency: " << file.string() << " " << why << ": it is kept whole as " << aside.string()
+                               << (part ? ", and the report goes on from its checks before step " + std::to_string(context_.first_step) : std::string()));
   }
 
   std::int64_t every_ = 10;

@@ -7,10 +7,10 @@
 // Options ([hooks.flight_recorder]): size, entries kept per rank (default 2000);
 // dump_at_end, also dump after the last step (default true: a rank that finished while others
 // hang is then seen in the merge, with the collectives it did issue).
-// A rank removes its own old dump when it starts, and rank 0 those of ranks beyond world_size,
-// so that a merge never mixes runs; a run resumed from a checkpoint in the same folder moves
-// them into before-step-<first step>/ instead, so that the dumps of the failure it resumes
-// after are kept.
+// A rank keeps its own dump of an earlier run whole as rank<R>.<N>.json (the next free N) when
+// it starts, and rank 0 those of ranks beyond world_size, and each says so: a merge never mixes
+// runs (fr-trace reads rank<R>.json alone), and the dumps of the failure a run resumes after,
+// or of any run before, are never lost.
 #include <deque>
 #include <filesystem>
 #include <cstdio>
@@ -26,6 +26,15 @@
 namespace {
 
 using nlohmann::json;
+
+// The rank of a dump's file name, rank<R>.json exactly; -1 for any other (rank0.1.json is a dump
+// kept aside, rank01.json none of ours).
+int rank_of(const std::string& name) {
+  if (name.size() < 10 || name.compare(0, 4, "rank") != 0 || name.compare(name.size() - 5, 5, ".json") != 0) return -1;
+  const std::string digits = name.substr(4, name.size() - 9);
+  if (digits.size() > 9 || (digits.size() > 1 && digits[0] == '0') || digits.find_first_not_of("0123456789") != std::string::npos) return -1;
+  return std::stoi(digits);
+}
 
 class FlightRecorder final : public spmdx::Hook {
  public:
@@ -55,12 +64,7 @@ class FlightRecorder final : public spmdx::Hook {
     if (context.rank != 0) return;
     std::error_code ec;
     for (const auto& f : std::filesystem::directory_iterator(context.output_dir, ec)) {
-      const std::string name = f.path().filename().string();
-      if (name.rfind("rank", 0) != 0 || f.path().extension() != ".json") continue;
-      try {
-        if (std::stoi(name.substr(4)) >= context.world_size) retire(f.path());
-      } catch (const std::logic_error&) {
-      }
+      if (rank_of(f.path().filename().string()) >= context.world_size) retire(f.path());
     }
   }
 
@@ -88,25 +92,14 @@ class FlightRecorder final : public spmdx::Hook {
   }
 
  private:
-  // A dump of the run before: a fresh run removes it; a run resumed in the same folder keeps it
-  // (the dump of the failure it resumes after, say) in before-step-<first step>[.N]/, out of
-  // the way of fr-trace's merge of this run's dumps.
+  // A dump of an earlier run (the one whose failure this run resumes after, say): kept whole
+  // under the next free name, out of the way of fr-trace's merge of this run's dumps.
   void retire(const std::filesystem::path& old) const {
     std::error_code ec;
-    if (!std::filesystem::exists(old, ec)) return;
-    if (context_.first_step <= 1) {
-      std::filesystem::remove(old, ec);
-      return;
-    }
-    const std::filesystem::path base = std::filesystem::path(context_.output_dir) / ("before-step-" + std::to_string(context_.first_step));
-    for (int n = 1; n < 1000; ++n) {
-      const std::filesystem::path dir = n == 1 ? base : std::filesystem::path(base.string() + "." + std::to_string(n));
-      if (std::filesystem::exists(dir / old.filename(), ec)) continue;
-      std::filesystem::create_directories(dir, ec);
-      std::filesystem::rename(old, dir / old.filename(), ec);
-      if (!ec) return;
-    }
-    SPMDX_WARN("flight_recorder: could not keep " << old.string() << " aside; it will be overwritten");
+    if (!std::filesystem::is_regular_file(std::filesystem::symlink_status(old, ec))) return;
+    const std::filesystem::path aside = spmdx::move_aside(old);
+    SPMDX_WARN("flight_recorder: " << old.string() << " holds the dump of an earlier run: it is kept whole as " << aside.string()
+                                   << " (spmdx fr-trace merges rank<R>.json alone)");
   }
 
   std::filesystem::path path_of(int rank) const { return std::filesystem::path(context_.output_dir) / ("rank" + std::to_string(rank) + ".json"); }

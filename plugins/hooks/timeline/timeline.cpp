@@ -9,7 +9,9 @@
 // Output: <dump>/hooks/timeline/rank<R>.json, and on rank 0 merged.json (every rank's file
 // that exists once all ranks wrote theirs) and summary.json (per rank and step: step, comm and
 // exposed comm in ms, overlap ratio). A run resumed from a checkpoint in the same folder keeps
-// what the runs before recorded for the steps before its first.
+// what the runs before recorded for the steps before its first. Nothing an earlier run wrote is
+// lost: a file this run would replace or cut (a run from step 1, steps past the checkpoint, a
+// trace it cannot read) is first kept whole as <name>.<N>.json, the next free N, and said.
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -49,7 +51,9 @@ class Timeline final : public spmdx::Hook {
     for (int t = 0; t < 2; ++t) {
       events_.push_back({{"ph", "M"}, {"name", "thread_name"}, {"pid", pid}, {"tid", t}, {"args", {{"name", threads[t]}}}});
     }
-    if (context.first_step > 1 && !context.compile_only) keep_earlier_steps();
+    if (context.compile_only) return;
+    keep_earlier_trace();
+    if (context.rank == 0) keep_earlier_merge();
   }
 
   void on_step_end(const spmdx::StepInfo& step) override {
@@ -140,36 +144,87 @@ class Timeline final : public spmdx::Hook {
     spmdx::write_file_atomic(fs::path(context_.output_dir) / ("rank" + std::to_string(context_.rank) + ".json"), doc.dump() + "\n");
   }
 
-  // Resumed in the same folder: this rank's trace keeps the events and summary rows of the
-  // steps before this run's first step (spans carry their step; a step's overlap counter
-  // shares the start of its "step N" span).
-  void keep_earlier_steps() {
+  static bool is_file(const fs::path& file) {
+    std::error_code ec;
+    return fs::is_regular_file(fs::symlink_status(file, ec));
+  }
+
+  // This rank's trace of an earlier run in this folder. Resumed (first_step > 1), it keeps the
+  // events and summary rows of the steps before this run's first (spans carry their step; a
+  // step's overlap counter shares the start of its "step N" span). Whatever it would not keep
+  // (steps from first_step on, an unreadable trace, all of it in a run from step 1) is kept
+  // whole aside first, and the kept part written at once, so that a run killed before its end
+  // leaves the history for the next resume.
+  void keep_earlier_trace() {
     const fs::path own = fs::path(context_.output_dir) / ("rank" + std::to_string(context_.rank) + ".json");
-    if (!spmdx::unreadable_file(own).empty()) return;  // none (or a FIFO, which would block)
-    try {
-      const std::string text = spmdx::read_file_bytes(own);
-      spmdx::check_json_nesting(text);
-      const json old = json::parse(text);
-      std::set<double> step_starts;
-      json kept = json::array();
-      for (const auto& e : old.at("traceEvents")) {
-        if (e.value("ph", "") != "X" || !e.contains("args") || !e["args"].contains("step")) continue;
-        if (e["args"]["step"].get<std::int64_t>() >= context_.first_step) continue;
-        kept.push_back(e);
-        if (e.value("cat", "") == "step") step_starts.insert(e.at("ts").get<double>());
+    if (!is_file(own)) return;  // none (a FIFO or folder is no trace: left alone)
+    std::string why;     // what this run would lose, "" when nothing
+    bool part = false;   // the steps before first_step are kept, the rest left out
+    if (context_.first_step <= 1) {
+      why = "holds the trace of an earlier run";
+    } else {
+      try {
+        const std::string text = spmdx::read_file_bytes(own);
+        spmdx::check_json_nesting(text);
+        const json old = json::parse(text);
+        std::set<double> step_starts;
+        json kept = json::array();
+        std::size_t recorded = 0;  // events of steps (not the metadata every trace starts with)
+        for (const auto& e : old.at("traceEvents")) {
+          if (e.value("ph", "") == "M") continue;
+          ++recorded;
+          if (e.value("ph", "") != "X" || !e.contains("args") || !e["args"].contains("step")) continue;
+          if (e["args"]["step"].get<std::int64_t>() >= context_.first_step) continue;
+          kept.push_back(e);
+          if (e.value("cat", "") == "step") step_starts.insert(e.at("ts").get<double>());
+        }
+        for (const auto& e : old.at("traceEvents")) {
+          if (e.value("ph", "") == "C" && step_starts.count(e.at("ts").get<double>())) kept.push_back(e);
+        }
+        json summary = json::array();
+        const json& rows = old.at("otherData").at("summary");
+        for (const auto& row : rows) {
+          if (row.at("step").get<std::int64_t>() < context_.first_step) summary.push_back(row);
+        }
+        if (kept.size() < recorded || summary.size() < rows.size()) {
+          why = "holds steps this run trains again (from step " + std::to_string(context_.first_step) + " on)";
+          part = true;
+        }
+        for (auto& e : kept) events_.push_back(std::move(e));
+        summary_ = std::move(summary);
+      } catch (const std::exception& e) {
+        why = std::string("cannot be read as a trace (") + e.what() + ")";
       }
-      for (const auto& e : old.at("traceEvents")) {
-        if (e.value("ph", "") == "C" && step_starts.count(e.at("ts").get<double>())) kept.push_back(e);
-      }
-      json summary = json::array();
-      for (const auto& row : old.at("otherData").at("summary")) {
-        if (row.at("step").get<std::int64_t>() < context_.first_step) summary.push_back(row);
-      }
-      for (auto& e : kept) events_.push_back(std::move(e));
-      summary_ = std::move(summary);
-    } catch (const std::exception& e) {
-      SPMDX_WARN("timeline: the trace of the run before (" << own.string() << ") is unreadable (" << e.what() << "); starting a new one");
     }
+    if (why.empty()) return;  // every event kept: this run's trace adds to it
+    const fs::path aside = spmdx::move_aside(own);
+    if (part) write_own();
+    SPMDX_WARN("timeline: " << own.string() << " " << why << ": it is kept whole as " << aside.string()
+                            << (part ? ", and the trace goes on from its steps before " + std::to_string(context_.first_step) : std::string()));
+  }
+
+  // Rank 0: the merged trace and summary of an earlier run, which finish() rewrites from the
+  // ranks' traces. Kept whole aside when they hold what those will not (steps from first_step
+  // on, or anything at all in a run from step 1); a resumed run's merge holds their steps again.
+  void keep_earlier_merge() {
+    const fs::path dir(context_.output_dir);
+    bool lose = context_.first_step <= 1;
+    if (!lose && is_file(dir / "summary.json")) {
+      try {
+        const std::string text = spmdx::read_file_bytes(dir / "summary.json");
+        spmdx::check_json_nesting(text);
+        for (const auto& row : json::parse(text)) lose = lose || row.at("step").get<std::int64_t>() >= context_.first_step;
+      } catch (const std::exception&) {
+        lose = true;
+      }
+    }
+    if (!lose) return;
+    std::string kept;
+    for (const char* name : {"merged.json", "summary.json"}) {
+      if (!is_file(dir / name)) continue;
+      kept += (kept.empty() ? "" : ", ") + (dir / name).string() + " as " + spmdx::move_aside(dir / name).filename().string();
+    }
+    if (!kept.empty()) SPMDX_WARN("timeline: the merged trace of an earlier run is kept whole: " << kept);
   }
 
   std::int64_t start_ = 1, steps_ = 5;

@@ -64,7 +64,9 @@ struct PipelineStages {
 /// wait for each other before rank 0 publishes the checkpoint. Returns the folder. Throws
 /// std::runtime_error naming the file that could not be written, or, before anything is
 /// written, the tensor of `local` that holds NaN or infinite values (one isfinite().all() per
-/// floating tensor): a diverged state is never saved, and the earlier checkpoints stay.
+/// floating tensor): a diverged state is never saved, and the earlier checkpoints stay; or, before
+/// anything is written, that a complete checkpoint of `meta.step` is already in `folder` (an
+/// earlier run's): it is never replaced (a step folder that is not complete is).
 std::filesystem::path save_checkpoint(const std::filesystem::path& folder, const CheckpointMeta& meta, const sharding::DeviceMesh& mesh,
                                       std::int64_t rank, const TensorMap& local, const std::map<std::string, ir::TensorMeta>& global,
                                       const std::map<std::string, sharding::Placements>& placements, CommBackend* backend,

@@ -42,7 +42,7 @@ struct FrAnalysis {
 };
 
 /// Reads <folder>/rank*.json (format "spmdx-flight-recorder-1"; a job's dump folder stands for
-/// its hooks/flight_recorder). Throws std::runtime_error naming the folder when it holds no
+/// its hooks/flight_recorder), not the rank<R>.<N>.json the flight recorder keeps of earlier runs. Throws std::runtime_error naming the folder when it holds no
 /// dump, or the file that is not valid (a field of the wrong type or out of range, named with
 /// its entry; a file named for another rank; dumps of different runs).
 FrAnalysis analyze_flight_recorder(const std::filesystem::path& folder);

@@ -45,6 +45,12 @@ CheckpointFolder scan_checkpoints(const std::filesystem::path& folder);
 /// Says which and what to do.
 std::string resume_problem(const std::filesystem::path& folder, const CheckpointFolder& found, std::int64_t load_step);
 
+/// What stops a resume from checkpoint `load_step` (>= 0) of `found` (scanned in `folder`) in a
+/// run that saves checkpoints, "" when nothing does: complete checkpoints of later steps, which
+/// that run's saves would replace (save_checkpoint refuses to, after training up to them). Names
+/// them, and says to move them away or resume from the newest.
+std::string newer_checkpoints_problem(const std::filesystem::path& folder, const CheckpointFolder& found, std::int64_t load_step);
+
 /// Why checkpoints cannot be written in `folder`, "" when they can: it exists and is not a folder
 /// (a file, FIFO, device or dangling link), or it cannot be made (a file on its path) or written.
 std::string unusable_checkpoint_folder(const std::filesystem::path& folder);
