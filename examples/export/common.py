@@ -26,12 +26,16 @@ REFERENCE = {"lr": 8e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay
 
 
 def lr_factor(c, warmup, steps):
-    """torchtitan's linear_warmup_stable_decay for 0-based step c, decay over every step after warm-up."""
+    """torchtitan's linear_warmup_stable_decay for 0-based step c, decay over every step after
+    warm-up, as torchtitan v0.2.2 sizes it (torchtitan/components/lr_scheduler.py, commit
+    73a0e6979dd1; PR #1284): one virtual stable step, so that the last step's lr is not 0."""
+    decay = steps - warmup
+    stable = steps + 1 - warmup - decay
     if c < warmup:
         return (c + 1) / warmup
-    decay = steps - warmup
-    p = (c + 1 - warmup) / decay
-    return 1.0 - p
+    if c < warmup + stable:
+        return 1.0
+    return 1.0 - (c + 1 - warmup - stable) / decay
 
 
 def loss_of(model, takes_labels, tokens, labels):
