@@ -600,52 +600,66 @@ TEST(Hooks, FlightRecorderNamesTheRankThatSkippedACollective) {
 // The grid: for each layout, each rank skips in turn the first, a middle and the last
 // collective of step 2; the launcher and fr-trace must name that rank and what it skipped. What
 // was skipped is read from a clean run's dump (same plan, no fault), not from the faulty run.
-TEST(Hooks, FlightRecorderNamesTheRankAndValueSkippedForEveryIndexRankAndLayout) {
-  struct Layout {
-    std::string name;
-    int nproc;
-    std::string args;
-  };
-  const std::vector<Layout> layouts = {
-      {"ddp 2", 2, "--parallelism.data_parallel_replicate_degree 2"},
-      {"fsdp x tp 2 x 2", 4, "--parallelism.data_parallel_shard_degree 2 --parallelism.tensor_parallel_degree 2"}};
+// One test per layout and pick (each a clean run and a faulty run per rank), so that each stays
+// well inside CTest's limit on a loaded 2-core machine.
+struct SkipCase {
+  std::string layout;
+  int nproc;
+  std::string args;
+  int pick;  // 0: the first collective of step 2, 1: a middle one, 2: the last
+};
+
+class FlightRecorderGrid : public ::testing::TestWithParam<SkipCase> {};
+
+TEST_P(FlightRecorderGrid, NamesTheRankAndValueSkipped) {
+  const SkipCase& c = GetParam();
   test::TempDir dir;
   const std::string corpus = test::corpus_file(dir);
-  for (const auto& layout : layouts) {
-    const std::string base = "run '" SPMDX_SOURCE_DIR "/configs/llama_fsdp.toml' --model.flavor tiny --training.steps 3 --training.global_batch_size 4 "
-                             "--training.seq_len 32 --nproc " + std::to_string(layout.nproc) + " " + layout.args +
-                             " --comm.timeout_seconds 6 --hooks.enable flight_recorder --data.paths '" + corpus + "'";
-    const fs::path clean = dir / ("clean" + std::to_string(layout.nproc));
-    auto c = spmdx(base + " --job.dump_folder '" + clean.string() + "'");
-    ASSERT_EQ(c.exit_code, 0) << c.output;
-    std::map<std::int64_t, std::string> value_at;  // plan index of step 2 -> what that call produces (every rank runs the same plan)
-    for (int r = 0; r < layout.nproc; ++r) {
-      const json d = json::parse(read(clean / "hooks" / "flight_recorder" / ("rank" + std::to_string(r) + ".json")));
-      for (const auto& e : d.at("entries")) {
-        if (e.at("step") == 2) value_at[e.at("index").get<std::int64_t>()] = e.at("value").get<std::string>();
-      }
-    }
-    ASSERT_GE(value_at.size(), 3u) << c.output;
-    const std::vector<std::int64_t> picks = {value_at.begin()->first, std::next(value_at.begin(), static_cast<long>(value_at.size() / 2))->first,
-                                             value_at.rbegin()->first};
-    for (std::int64_t index : picks) {
-      for (int rank = 0; rank < layout.nproc; ++rank) {
-        SCOPED_TRACE(layout.name + ", rank " + std::to_string(rank) + " skips index " + std::to_string(index) + " (" + value_at[index] + ")");
-        const fs::path out = dir / ("fault" + std::to_string(layout.nproc) + "_" + std::to_string(index) + "_" + std::to_string(rank));
-        auto r = spmdx(base + " --job.dump_folder '" + out.string() + "'",
-                       "SPMDX_FAULT=skip_collective:rank=" + std::to_string(rank) + ",step=2,index=" + std::to_string(index));
-        EXPECT_EQ(r.exit_code, 1) << r.output;
-        EXPECT_THAT(r.output, HasSubstr("spmdx run: rank " + std::to_string(rank) + " diverged, as the flight recorder's dumps show")) << r.output;
-        const auto a = hooks::analyze_flight_recorder(out / "hooks" / "flight_recorder");
-        ASSERT_FALSE(a.findings.empty()) << a.text;
-        EXPECT_EQ(a.findings.front().ranks, std::vector<int>{rank}) << a.text;
-        EXPECT_EQ(a.findings.front().value, value_at[index]) << a.text;
-        EXPECT_EQ(a.findings.front().step, 2) << a.text;
-        EXPECT_EQ(a.findings.front().index, index) << a.text;
-      }
+  const std::string base = "run '" SPMDX_SOURCE_DIR "/configs/llama_fsdp.toml' --model.flavor tiny --training.steps 3 --training.global_batch_size 4 "
+                           "--training.seq_len 32 --nproc " + std::to_string(c.nproc) + " " + c.args +
+                           " --comm.timeout_seconds 6 --hooks.enable flight_recorder --data.paths '" + corpus + "'";
+  const fs::path clean = dir / "clean";
+  auto run = spmdx(base + " --job.dump_folder '" + clean.string() + "'");
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  std::map<std::int64_t, std::string> value_at;  // plan index of step 2 -> what that call produces (every rank runs the same plan)
+  for (int r = 0; r < c.nproc; ++r) {
+    const json d = json::parse(read(clean / "hooks" / "flight_recorder" / ("rank" + std::to_string(r) + ".json")));
+    for (const auto& e : d.at("entries")) {
+      if (e.at("step") == 2) value_at[e.at("index").get<std::int64_t>()] = e.at("value").get<std::string>();
     }
   }
+  ASSERT_GE(value_at.size(), 3u) << run.output;
+  const std::int64_t index = c.pick == 0   ? value_at.begin()->first
+                             : c.pick == 1 ? std::next(value_at.begin(), static_cast<long>(value_at.size() / 2))->first
+                                           : value_at.rbegin()->first;
+  for (int rank = 0; rank < c.nproc; ++rank) {
+    SCOPED_TRACE(c.layout + ", rank " + std::to_string(rank) + " skips index " + std::to_string(index) + " (" + value_at[index] + ")");
+    const fs::path out = dir / ("fault" + std::to_string(rank));
+    auto r = spmdx(base + " --job.dump_folder '" + out.string() + "'",
+                   "SPMDX_FAULT=skip_collective:rank=" + std::to_string(rank) + ",step=2,index=" + std::to_string(index));
+    EXPECT_EQ(r.exit_code, 1) << r.output;
+    EXPECT_THAT(r.output, HasSubstr("spmdx run: rank " + std::to_string(rank) + " diverged, as the flight recorder's dumps show")) << r.output;
+    const auto a = hooks::analyze_flight_recorder(out / "hooks" / "flight_recorder");
+    ASSERT_FALSE(a.findings.empty()) << a.text;
+    EXPECT_EQ(a.findings.front().ranks, std::vector<int>{rank}) << a.text;
+    EXPECT_EQ(a.findings.front().value, value_at[index]) << a.text;
+    EXPECT_EQ(a.findings.front().step, 2) << a.text;
+    EXPECT_EQ(a.findings.front().index, index) << a.text;
+  }
 }
+
+std::vector<SkipCase> skip_cases() {
+  std::vector<SkipCase> cases;
+  for (int pick = 0; pick < 3; ++pick) {
+    cases.push_back({"ddp_2", 2, "--parallelism.data_parallel_replicate_degree 2", pick});
+    cases.push_back({"fsdp_x_tp_2x2", 4, "--parallelism.data_parallel_shard_degree 2 --parallelism.tensor_parallel_degree 2", pick});
+  }
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(EveryIndexRankAndLayout, FlightRecorderGrid, ::testing::ValuesIn(skip_cases()), [](const ::testing::TestParamInfo<SkipCase>& info) {
+  return info.param.layout + (info.param.pick == 0 ? "_first" : info.param.pick == 1 ? "_middle" : "_last");
+});
 
 // Without the flight recorder, two members that called different collectives cannot tell which
 // one skipped: the launcher says so instead of blaming the lowest rank.
