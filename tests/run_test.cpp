@@ -18,7 +18,6 @@
 #include <tuple>
 
 #include "run_util.h"
-#include "spmdx/exec/device.h"
 #include "spmdx/launch/launcher.h"
 
 namespace spmdx {
@@ -513,10 +512,12 @@ TEST(Run, CudaWithoutAGpuIsRefusedBeforeAnyRankStartsSayingWhatToDo) {
   test::TempDir dir;
   auto r = spmdx_run("'" SPMDX_SOURCE_DIR "/configs/mlp_dp.toml' --nproc 2 --training.device cuda --training.steps 2 --job.dump_folder '" +
                      dir.path().string() + "'");
-  // Whether this machine has GPUs for 2 ranks is asked first (as the launcher does), so that a
-  // job that trained on the CPU where no GPU is cannot read as "skipped".
-  if (exec::cuda_problem(2).empty()) {
-    EXPECT_EQ(r.exit_code, 0) << r.output;
+  // A job that succeeds must have trained on GPUs: the banner names the CPU's linear library
+  // (", float32 linears on ...") only for a CPU device, so a silent CPU fallback where no GPU
+  // is fails here instead of reading as "skipped".
+  if (r.exit_code == 0) {
+    EXPECT_THAT(r.output, HasSubstr("spmdx: ")) << r.output;
+    EXPECT_THAT(r.output, Not(HasSubstr("float32 linears on"))) << "training.device = \"cuda\" trained on the CPU:\n" << r.output;
     GTEST_SKIP() << "this machine has GPUs for 2 ranks: the job trained on them";
   }
   EXPECT_EQ(r.exit_code, 1) << r.output;
