@@ -411,7 +411,7 @@ TEST(Cli, UnknownAndMissingCommandsListTheCommands) {
   EXPECT_THAT(help.output, HasSubstr("Usage: spmdx run [OPTIONS] config"));
   EXPECT_THAT(help.output, HasSubstr("Any config key can be given after the config as --section.key value"));
   EXPECT_THAT(help.output, HasSubstr("e.g. --training.steps 3 --optimizer.lr 1e-3"));
-  EXPECT_THAT(help.output, HasSubstr("Every key, with its default and meaning: spmdx run CONFIG --print-config"));
+  EXPECT_THAT(help.output, HasSubstr("Every key, with its default and meaning: spmdx run CONFIG --print-config (docs/configuration.md)."));
   EXPECT_THAT(spmdx("compile --help").output, HasSubstr("--section.key value"));
 }
 

@@ -1085,7 +1085,7 @@ int missing_command(const CLI::App& cmd) {
 const char* const kOverridesHelp =
     "Any config key can be given after the config as --section.key value (or --section.key=value; lists as a,b),\n"
     "replacing the file's: e.g. --training.steps 3 --optimizer.lr 1e-3 --parallelism.tensor_parallel_degree 1.\n"
-    "Every key, with its default and meaning: spmdx run CONFIG --print-config (README, \"Configs\").";
+    "Every key, with its default and meaning: spmdx run CONFIG --print-config (docs/configuration.md).";
 
 }  // namespace
 

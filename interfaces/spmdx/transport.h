@@ -11,7 +11,7 @@
 // Registering one:
 //     r.add_transport("my_net", {{"device"}, [](const spmdx::Options& o) { return std::make_unique<MyNet>(o); }});
 // The host then offers a comm backend "my_net" whose options are the engine's (chunk_bytes,
-// direct_max_bytes, shm, shm_chunk_bytes; README "Comm backends") plus the keys named in
+// direct_max_bytes, shm, shm_chunk_bytes; docs/comm.md, "Comm backends") plus the keys named in
 // TransportInfo::options, which alone reach the factory; any other key is refused by the host,
 // listing both (`spmdx plugins` prints them as "options of my_net").
 //

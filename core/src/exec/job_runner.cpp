@@ -808,7 +808,7 @@ struct StepLoop {
     }
     const RunStats st = graph ? graph_stats : executor.stats();
     if (lead && spec.memory_budget > 0 && st.peak_bytes > spec.memory_budget && !over_budget_said) {
-      over_budget_said = true;  // the budget bounds the planned peak; the allocator's may differ by a little (README "Memory")
+      over_budget_said = true;  // the budget bounds the planned peak; the allocator's may differ by a little (docs/memory.md, "A budget")
       std::printf("warning: step %lld held %lld bytes (%s) at its peak, %lld more than parallelism.memory_budget = %lld bytes; the budget bounds the "
                   "planned peak (%lld bytes), which the allocator's count can pass by a little: lower the budget by the difference to keep under it\n",
                   static_cast<long long>(step), static_cast<long long>(st.peak_bytes), human_bytes(static_cast<double>(st.peak_bytes)).c_str(),
