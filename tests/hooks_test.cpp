@@ -609,6 +609,9 @@ struct SkipCase {
   int pick;  // 0: the first collective of step 2, 1: a middle one, 2: the last
 };
 
+// How CTest lists a case: "fsdp_x_tp_2x2, middle" (not its bytes).
+void PrintTo(const SkipCase& c, std::ostream* os) { *os << c.layout << ", " << (c.pick == 0 ? "first" : c.pick == 1 ? "middle" : "last"); }
+
 class FlightRecorderGrid : public ::testing::TestWithParam<SkipCase> {};
 
 TEST_P(FlightRecorderGrid, NamesTheRankAndValueSkipped) {
