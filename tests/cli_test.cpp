@@ -38,7 +38,7 @@ TEST(Cli, PluginsJsonListsTheBuiltPlugins) {
   }
   ASSERT_NE(dp, nullptr) << r.output;
   EXPECT_EQ(dp->at("kind"), "strategy");
-  EXPECT_EQ(dp->at("abi"), "3.3");
+  EXPECT_EQ(dp->at("abi"), "3.4");
   EXPECT_EQ(dp->at("version"), "0.2.0");
   EXPECT_EQ(dp->at("registered"), true);
   EXPECT_EQ(dp->at("toolchain"), SPMDX_TOOLCHAIN);
@@ -82,7 +82,7 @@ TEST(Cli, PluginsTableNamesEachPlugin) {
 TEST(Cli, VersionPrintsTheAbi) {
   auto r = spmdx("--version");
   ASSERT_EQ(r.exit_code, 0);
-  EXPECT_THAT(r.output, HasSubstr("plugin ABI 3.3"));
+  EXPECT_THAT(r.output, HasSubstr("plugin ABI 3.4"));
 }
 
 struct ErrorCase {
