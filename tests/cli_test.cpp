@@ -313,7 +313,7 @@ TEST(Cli, AShardDegreeOfMinusOneThatCannotFitSaysWhichFlagsFix) {
   const std::string rest = " --parallelism.data_parallel_shard_degree -1";
   auto run = spmdx("run '" + config + "' --nproc 3" + rest);
   EXPECT_EQ(run.exit_code, 1) << run.output;
-  EXPECT_EQ(run.output, "error: " + config + ": parallelism.data_parallel_replicate_degree x tensor_parallel_degree = 2 does not divide world_size 3: start "
+  EXPECT_EQ(run.output, "error: " + config + " with command line" + rest + ": parallelism.data_parallel_replicate_degree x tensor_parallel_degree = 2 does not divide world_size 3: start "
                         "a multiple of 2 ranks (--nproc 4), or make the degrees fit 3 ranks: --parallelism.tensor_parallel_degree 1\n");
   auto compile = spmdx("compile '" + config + "' --world-size 3" + rest);
   EXPECT_EQ(compile.exit_code, 1) << compile.output;
