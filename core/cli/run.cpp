@@ -1,0 +1,153 @@
+// `spmdx run CONFIG`: trains the job its config describes. With --nproc it checks everything
+// that can be checked before any rank starts (config, tokenizer, degrees, plugins, data, GPUs),
+// then starts the ranks here, each this same command told its rank by the environment (as
+// torchrun --standalone; --nnodes for several hosts); without, it runs as the rank its
+// environment names (one rank alone, or started by torchrun, srun or mpirun). Exit 0 when the
+// job finished, 1 when it could not start or a rank failed, 2 on a usage error.
+#include <sys/prctl.h>
+
+#include <algorithm>
+#include <csignal>
+#include <cstdlib>
+#include <filesystem>
+#include <iostream>
+#include <optional>
+#include <unistd.h>
+
+#include "command.h"
+#include "job_calibration.h"
+#include "self_exe.h"
+#include "usage.h"
+#include "spmdx/config/config.h"
+#include "spmdx/core/log.h"
+#include "spmdx/core/registry.h"
+#include "spmdx/data/tokenizer.h"
+#include "spmdx/launch/launcher.h"
+#include "spmdx/train/job.h"
+#ifdef SPMDX_HAVE_EXEC
+#include "spmdx/exec/device.h"
+#include "spmdx/exec/job_runner.h"
+#endif
+
+namespace spmdx::cli {
+namespace {
+
+struct RunOptions {
+  std::string config;
+  int nproc = 0;
+  int nnodes = 1;
+  int node_rank = 0;
+  std::string master_addr;
+  int master_port = 0;
+  bool print_config = false;
+  std::vector<std::string> overrides;
+};
+
+// The preflight's problems, and for training.device = "cuda" whether this host has a GPU for
+// each of its `ranks_per_host` ranks: checked before any rank starts, since each would fail
+// with the same message.
+std::vector<std::string> run_problems(const spmdx::config::Config& cfg, std::int64_t world_size, int ranks_per_host, spmdx::PluginRegistry& registry,
+                                      std::unique_ptr<spmdx::data::Tokenizer>* tokenizer, std::optional<spmdx::train::JobSpec>* spec,
+                                      const std::string& start_flag = "") {
+  std::vector<std::string> problems = spmdx::train::preflight(cfg, world_size, registry, tokenizer, spec, spmdx::train::Preflight::run, start_flag);
+#ifdef SPMDX_HAVE_EXEC
+  if (!cfg.has_problem("training.device") && cfg.get_string("training.device") == "cuda") {
+    if (const std::string why = spmdx::exec::cuda_problem(ranks_per_host); !why.empty()) {
+      problems.push_back(cfg.where({"training.device"}) + ": training.device = \"cuda\": " + why);
+    }
+  }
+#else
+  (void)ranks_per_host;
+#endif
+  return problems;
+}
+
+int run_run(const RunOptions& o) {
+  const bool launched = std::getenv("SPMDX_STORE_HOSTED") != nullptr;
+  // A rank the launcher started: the launcher has checked everything already.
+  spmdx::config::Config cfg = spmdx::config::Config::load(o.config, o.overrides, /*throw_on_problems=*/launched);
+  if (o.print_config) {
+    cfg.check();
+    std::cout << cfg.to_toml();
+    return 0;
+  }
+  if (o.nproc > 0 && !launched) {
+    // strategy = "auto" prices plans with this machine's rates: measured once, before the ranks share its cores.
+    if (!cfg.has_problem("parallelism.strategy") && !cfg.has_problem("job.dump_folder") && cfg.get_string("parallelism.strategy") == "auto") job_calibration(cfg);
+    // Check everything that can be checked before starting any rank, and say all of it at once.
+    spmdx::PluginRegistry registry;
+    std::unique_ptr<spmdx::data::Tokenizer> tokenizer;
+    std::optional<spmdx::train::JobSpec> spec;
+    cfg.check(run_problems(cfg, o.nproc * o.nnodes, o.nproc, registry, &tokenizer, &spec, o.nnodes == 1 ? "--nproc" : ""));
+    spmdx::train::check_data(cfg, *tokenizer, *spec);  // reads the data: only once the rest is right
+    if (!cfg.ignored().empty()) std::cerr << cfg.ignored_text() << "\n";
+    std::vector<std::string> argv{self_exe(), "run", o.config};
+    for (const auto& a : o.overrides) argv.push_back(a);
+    spmdx::launch::LaunchOptions lo{o.nproc, o.nnodes, o.node_rank, o.master_addr, o.master_port, "spmdx run", ""};
+    const auto& enabled = cfg.get_list("hooks.enable");
+    if (std::find(enabled.begin(), enabled.end(), "flight_recorder") != enabled.end()) {
+      lo.flight_recorder_dir = (std::filesystem::path(cfg.get_string("job.dump_folder")) / "hooks" / "flight_recorder").string();
+    }
+    return spmdx::launch::launch(lo, argv);
+  }
+  const spmdx::launch::RankEnv env = spmdx::launch::rank_env();
+  if (env.source == "single" && !cfg.has_problem("parallelism.")) {  // a job of several ranks started as one: say how to start it
+    const std::int64_t want = spmdx::train::degree_product(cfg);
+    if (want > 1) {  // with the config's other problems, if any: each is to fix before starting them
+      cfg.check({cfg.where(spmdx::train::kDegreeKeys) + ": its parallelism degrees make " + std::to_string(want) + " ranks: start them with --nproc " +
+                 std::to_string(want) + " (or under torchrun, srun, mpirun)"});
+    }
+  }
+  if (!launched) {  // one rank, or started by hand, torchrun, srun or mpirun: this rank checks its own job
+    spmdx::PluginRegistry registry;
+    std::unique_ptr<spmdx::data::Tokenizer> tokenizer;
+    std::optional<spmdx::train::JobSpec> spec;
+    cfg.check(run_problems(cfg, env.world_size, env.local_world_size, registry, &tokenizer, &spec));
+    if (env.rank == 0 && !cfg.ignored().empty()) std::cerr << cfg.ignored_text() << "\n";
+  }
+  if (launched) {
+    prctl(PR_SET_PDEATHSIG, SIGTERM);  // never outlive the launcher
+    if (getppid() == 1) return 1;
+  }
+  // One "[rank R]" a line: the launcher puts it on each line of the ranks it started; a rank
+  // started otherwise (torchrun, srun, mpirun) puts it on its log lines itself.
+  if (env.world_size > 1 && !launched) spmdx::log::set_rank(env.rank);
+#ifdef SPMDX_HAVE_EXEC
+  return spmdx::exec::run_job(cfg, env);
+#else
+  std::cerr << "error: this spmdx was built without LibTorch (SPMDX_WITH_TORCH=OFF) and cannot run jobs\n";
+  return 1;
+#endif
+}
+
+class Run final : public Command {
+ public:
+  CLI::App* add(CLI::App& parent, const std::string& name) override {
+    auto* run_cmd = parent.add_subcommand(name, "Train: the job its config describes, on --nproc ranks here or as torchrun/srun/mpirun started it");
+    run_cmd->allow_extras();  // --section.key value overrides
+    run_cmd->add_option("config", o_.config, "The job's TOML config")->required()->check(CLI::ExistingFile);
+    run_cmd->add_option("--nproc,--nproc-per-node", o_.nproc, "Start this many ranks on this machine (as torchrun --standalone)")
+        ->check(CLI::Range(1, 4096));
+    run_cmd->add_option("--nnodes", o_.nnodes, "Nodes in the job (torchrun's flag; needs SPMDX_JOB_TOKEN)")->check(CLI::Range(1, 100000));
+    run_cmd->add_option("--node-rank", o_.node_rank, "This node's index, 0 .. nnodes-1 (node 0 serves the store)")->check(CLI::NonNegativeNumber);
+    run_cmd->add_option("--master-addr", o_.master_addr, "Node 0's address, reachable from every node");
+    run_cmd->add_option("--master-port", o_.master_port, "The store's port on node 0")->check(CLI::Range(1, 65535));
+    run_cmd->add_flag("--print-config", o_.print_config, "Print the effective config and exit");
+    run_cmd->footer(kOverridesHelp);
+    return run_cmd;
+  }
+
+  int run(const CLI::App& cmd, int, char**) override {
+    o_.overrides = cmd.remaining();
+    return run_run(o_);
+  }
+
+ private:
+  RunOptions o_;
+};
+
+}  // namespace
+
+std::unique_ptr<Command> make_run() { return std::make_unique<Run>(); }
+
+}  // namespace spmdx::cli
