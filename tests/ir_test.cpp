@@ -41,6 +41,19 @@ std::string error_of(F&& f) {
   return "(no error)";
 }
 
+// The elements of every index but one dim's: with a zero-size dim elsewhere 0, with the zero-size
+// dim left out the product of the rest (numel() / shape[dim] would divide by zero).
+TEST(Ir, NumelWithoutOneDimHandlesZeroSizeDims) {
+  const ir::TensorMeta m{{8, 4, 16, 0}, ir::DType::f32};
+  EXPECT_EQ(m.numel(), 0);
+  EXPECT_EQ(m.numel_without(-1), 8 * 4 * 16);
+  EXPECT_EQ(m.numel_without(3), 8 * 4 * 16);
+  EXPECT_EQ(m.numel_without(0), 0);
+  EXPECT_EQ((ir::TensorMeta{{3, 5}, ir::DType::f32}.numel_without(0)), 5);
+  EXPECT_THROW(m.numel_without(4), std::out_of_range);
+  EXPECT_THROW(m.numel_without(-5), std::out_of_range);
+}
+
 TEST(Ir, BuildsInfersAndPrintsAnMlp) {
   Graph g = mlp();
   g.verify();

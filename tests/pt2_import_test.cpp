@@ -104,9 +104,11 @@ TEST_P(Pt2Model, TenAdamWStepsMatchPyTorchEager) {
   EXPECT_LT(want.back(), want.front());  // it trains
 }
 
-// The examples, and a minGPT-style model with hand-written attention and its causal mask applied
-// by masked_fill, an additive mask and torch.where (tests/fixtures/masked_attention.py).
-INSTANTIATE_TEST_SUITE_P(Examples, Pt2Model, ::testing::Values("torchtitan_llama", "hf_llama", "gpt2", "masked_attention"));
+// The examples, a minGPT-style model with hand-written attention and its causal mask applied
+// by masked_fill, an additive mask and torch.where (tests/fixtures/masked_attention.py), and a
+// Phi3-style model whose full rotary slices and concatenates zero-width tensors
+// (tests/fixtures/zero_width.py: [8, 4, 16, 0]; planning once divided by that 0).
+INSTANTIATE_TEST_SUITE_P(Examples, Pt2Model, ::testing::Values("torchtitan_llama", "hf_llama", "gpt2", "masked_attention", "zero_width"));
 
 // GPT-2's output layer is its token embedding: one parameter, used twice, its gradient the sum.
 TEST(Pt2Import, TiedWeightIsOneParameter) {

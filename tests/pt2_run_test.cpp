@@ -65,6 +65,42 @@ TEST_P(Pt2Run, FourRanksGiveTheLossesOfOneRank) {
 // appended, complex rotary, GQA; hf_llama: the built-in plan's Hugging Face names.
 INSTANTIATE_TEST_SUITE_P(Examples, Pt2Run, ::testing::Values("gpt2", "torchtitan_llama", "hf_llama"));
 
+// Zero-size dims (tests/fixtures/zero_width.py: Phi3's full rotary slices q[..., 8:] of width 0
+// and concatenates it back; planning once divided by that 0 and died with SIGFPE): `compile`
+// plans it and fsdp 2, tp 2 by a written plan and fsdp 2 x cp 2 give the one-rank losses.
+TEST(Pt2RunZeroWidth, ZeroSizeDimsTrainOnEveryLayout) {
+  test::TempDir dir;
+  test::corpus_file(dir);
+  test::write_file(dir / "zero.toml", "[model]\nname = \"pt2\"\npath = \"" + (kFixtures / "zero_width.pt2").string() +
+                                          "\"\ntokenizer = \"byte\"\n[training]\nsteps = 4\n[optimizer]\nlr = 3e-3\n[data]\npaths = [\"" + (dir / "corpus.txt").string() +
+                                          "\"]\n[parallelism.tp_plan]\n\"*.qkv.weight\" = \"colwise\"\n\"*.o.weight\" = \"rowwise\"\n"
+                                          "\"*.up.weight\" = \"colwise\"\n\"*.down.weight\" = \"rowwise\"\n");
+  auto run = [&](const std::string& name, int nproc, const std::string& layout) {
+    return spmdx("run '" + (dir / "zero.toml").string() + "' --nproc " + std::to_string(nproc) + " --job.dump_folder '" + (dir / name).string() + "' " + layout);
+  };
+  const std::string one_rank = "--parallelism.data_parallel_shard_degree 1 --parallelism.tensor_parallel_degree 1";
+  auto planned = spmdx("compile '" + (dir / "zero.toml").string() + "' " + one_rank);
+  ASSERT_EQ(planned.exit_code, 0) << planned.output;
+  EXPECT_THAT(planned.output, HasSubstr("planned peak memory"));
+  auto one = run("one", 1, one_rank);
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  const auto want = test::losses(dir / "one" / "metrics.jsonl");
+  ASSERT_EQ(want.size(), 4u);
+  EXPECT_LT(want.back(), want.front());
+  const std::vector<std::tuple<std::string, std::string>> layouts = {
+      {"fsdp2", "--parallelism.data_parallel_shard_degree 2 --parallelism.tensor_parallel_degree 1"},
+      {"tp2", "--parallelism.data_parallel_shard_degree 1 --parallelism.tensor_parallel_degree 2"},
+      {"fsdp2xcp2", "--parallelism.data_parallel_shard_degree 2 --parallelism.context_parallel_degree 2 --parallelism.tensor_parallel_degree 1"},
+  };
+  for (const auto& [name, flags] : layouts) {
+    auto r = run(name, name == "fsdp2xcp2" ? 4 : 2, flags);
+    ASSERT_EQ(r.exit_code, 0) << name << "\n" << r.output;
+    const auto got = test::losses(dir / name / "metrics.jsonl");
+    ASSERT_EQ(got.size(), want.size()) << name;
+    for (std::size_t i = 0; i < want.size(); ++i) EXPECT_NEAR(got[i], want[i], 1e-5 * std::abs(want[i])) << name << " step " << i + 1;
+  }
+}
+
 // Gradient accumulation of an exported program: microbatches of its batch (8 rows); a global
 // batch of 16 on 1, 2 and 4 ranks gives the same losses, and one that is no multiple of 8 is
 // refused naming the export's rows.

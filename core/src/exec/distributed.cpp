@@ -127,7 +127,7 @@ DistributedExecutor::DistributedExecutor(const ir::Graph& graph, const sharding:
       MemberLayout& M = member_[static_cast<std::size_t>(m)];
       const auto& shape = n.input(0)->meta().shape;
       M.dim = n.attr_int("dim") < 0 ? n.attr_int("dim") + static_cast<std::int64_t>(shape.size()) : n.attr_int("dim");
-      M.inner = n.input(0)->meta().numel() / shape.at(static_cast<std::size_t>(M.dim));
+      M.inner = n.input(0)->meta().numel_without(M.dim);
       M.out_offset = L.out_numel;
       L.out_numel += n.attr_ints("sizes").at(static_cast<std::size_t>(n.attr_int("index"))) * M.inner;
       for (std::size_t j = 0; j < k; ++j) L.counts[j] += static_cast<std::size_t>(n.attr_ints("sizes")[j] * M.inner);

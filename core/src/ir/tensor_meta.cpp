@@ -1,5 +1,7 @@
 #include "spmdx/ir/tensor_meta.h"
 
+#include <stdexcept>
+
 namespace spmdx::ir {
 
 const char* to_string(DType dtype) noexcept {
@@ -44,6 +46,19 @@ bool is_floating(DType dtype) noexcept {
 std::int64_t TensorMeta::numel() const noexcept {
   std::int64_t n = 1;
   for (auto s : shape) n *= s;
+  return n;
+}
+
+std::int64_t TensorMeta::numel_without(std::int64_t dim) const {
+  const std::int64_t r = rank();
+  if (dim < -r || dim >= r) {
+    throw std::out_of_range("dim " + std::to_string(dim) + " is outside a tensor of shape " + shape_str(shape));
+  }
+  if (dim < 0) dim += r;
+  std::int64_t n = 1;
+  for (std::int64_t i = 0; i < r; ++i) {
+    if (i != dim) n *= shape[static_cast<std::size_t>(i)];
+  }
   return n;
 }
 

@@ -1068,7 +1068,8 @@ class Mapper {
                                "aten.sigmoid.default", "aten.silu.default", "aten.relu.default", "aten.gelu.default"});
       add(&Mapper::map_shape, {"aten.view.default", "aten.reshape.default", "aten._unsafe_view.default", "aten.flatten.using_ints",
                                "aten.unsqueeze.default", "aten.squeeze.dim", "aten.squeeze.dims", "aten.squeeze.default", "aten.slice.Tensor",
-                               "aten.select.int", "aten.cat.default", "aten.split.Tensor", "aten.split_with_sizes.default", "aten.expand.default"});
+                               "aten.select.int", "aten.cat.default", "aten.split.Tensor", "aten.split_with_sizes.default", "aten.chunk.default",
+                               "aten.unbind.int", "aten.expand.default"});
       add(&Mapper::map_reduce, {"aten.sum.dim_IntList", "aten.sum.default", "aten.mean.dim", "aten.mean.default", "aten.softmax.int",
                                 "aten._softmax.default", "aten.log_softmax.int", "aten._log_softmax.default"});
       add(&Mapper::norm, {"aten.rms_norm.default", "aten.layer_norm.default"});
@@ -1184,7 +1185,20 @@ class Mapper {
       for (const auto& n : b.arg("tensors").tensors) xs.push_back(cast(value(n), out));
       return set(b, g.add("cat", xs, {{"dim", i(b, "dim")}}));
     }
-    if (op == "aten.split.Tensor" || op == "aten.split_with_sizes.default") {
+    // unbind (GPT-NeoX-style `q, k, v = qkv.unbind(dim)`): output k is index k along dim.
+    if (op == "aten.unbind.int") {
+      ir::Value* x = value(t(b, "self"));
+      const std::int64_t dim = i(b, "dim") < 0 ? i(b, "dim") + x->meta().rank() : i(b, "dim");
+      for (std::size_t k = 0; k < b.outputs.size(); ++k) {
+        if (b.outputs[k].empty()) continue;
+        const auto start = static_cast<std::int64_t>(k);
+        set(b, reshape_to(g.add("slice", {x}, {{"dim", dim}, {"start", start}, {"end", start + 1}}), meta(b, k).sizes), k);
+      }
+      return;
+    }
+    // chunk (export's training IR keeps it; run_decompositions makes it split): the sizes are the
+    // outputs' recorded ones.
+    if (op == "aten.split.Tensor" || op == "aten.split_with_sizes.default" || op == "aten.chunk.default") {
       ir::Value* x = value(t(b, "self"));
       const std::int64_t dim = i(b, "dim") < 0 ? i(b, "dim") + x->meta().rank() : i(b, "dim");
       std::int64_t start = 0;

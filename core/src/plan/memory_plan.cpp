@@ -420,7 +420,7 @@ class Simulation {
     const std::string& op = n.op();
     auto bytes = [&](int i) { return n.input(i)->meta().nbytes(); };
     auto copy_if_strided = [&](int i) { return contiguous_value(n.input(i)) ? 0 : bytes(i); };
-    const std::int64_t rows = n.inputs().empty() || n.input(0)->meta().shape.empty() ? 0 : n.input(0)->meta().numel() / n.input(0)->meta().shape.back();
+    const std::int64_t rows = n.inputs().empty() || n.input(0)->meta().shape.empty() ? 0 : n.input(0)->meta().numel_without(-1);
     if (op == "rms_norm_backward") return 2 * bytes(1) + 2 * rows * elem_bytes(n.input(1));  // xhat, xhat * mean(..) or g * xhat; r and the mean
     if (op == "layer_norm_backward") return bytes(1);   // the forward recomputed
     if (op == "cross_entropy") return bytes(0);         // log_softmax of the logits

@@ -31,6 +31,11 @@ struct TensorMeta {
   std::int64_t rank() const noexcept { return static_cast<std::int64_t>(shape.size()); }
   std::int64_t numel() const noexcept;
   std::int64_t nbytes() const noexcept { return numel() * static_cast<std::int64_t>(element_size(dtype)); }
+  /// The product of every size but dim's (negative dims count from the end): the rows of a
+  /// tensor reduced over its last dim, or the inner elements of one index along dim. Not
+  /// numel() / shape[dim], which divides by zero for a zero-size dim (PyTorch allows them:
+  /// Phi3's full-rotary slice is [b, h, s, 0]). Throws std::out_of_range for a dim outside.
+  std::int64_t numel_without(std::int64_t dim) const;
   /// "f32[8, 64]"; "f32[]" for a scalar; device and requires_grad are not printed.
   std::string str() const;
 
