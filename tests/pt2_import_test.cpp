@@ -107,8 +107,10 @@ TEST_P(Pt2Model, TenAdamWStepsMatchPyTorchEager) {
 // The examples, a minGPT-style model with hand-written attention and its causal mask applied
 // by masked_fill, an additive mask and torch.where (tests/fixtures/masked_attention.py), and a
 // Phi3-style model whose full rotary slices and concatenates zero-width tensors
-// (tests/fixtures/zero_width.py: [8, 4, 16, 0]; planning once divided by that 0).
-INSTANTIATE_TEST_SUITE_P(Examples, Pt2Model, ::testing::Values("torchtitan_llama", "hf_llama", "gpt2", "masked_attention", "zero_width"));
+// (tests/fixtures/zero_width.py: [8, 4, 16, 0]; planning once divided by that 0), and a
+// GPT-2/Gemma-2-style model with addmm (Conv1D), baddbmm, tanh (gelu_new, logit soft-capping)
+// and an embedding with padding_idx 0, whose row's gradient is zero (tests/fixtures/hf_ops.py).
+INSTANTIATE_TEST_SUITE_P(Examples, Pt2Model, ::testing::Values("torchtitan_llama", "hf_llama", "gpt2", "masked_attention", "zero_width", "hf_ops"));
 
 // GPT-2's output layer is its token embedding: one parameter, used twice, its gradient the sum.
 TEST(Pt2Import, TiedWeightIsOneParameter) {

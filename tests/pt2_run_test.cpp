@@ -65,21 +65,20 @@ TEST_P(Pt2Run, FourRanksGiveTheLossesOfOneRank) {
 // appended, complex rotary, GQA; hf_llama: the built-in plan's Hugging Face names.
 INSTANTIATE_TEST_SUITE_P(Examples, Pt2Run, ::testing::Values("gpt2", "torchtitan_llama", "hf_llama"));
 
-// Zero-size dims (tests/fixtures/zero_width.py: Phi3's full rotary slices q[..., 8:] of width 0
-// and concatenates it back; planning once divided by that 0 and died with SIGFPE): `compile`
-// plans it and fsdp 2, tp 2 by a written plan and fsdp 2 x cp 2 give the one-rank losses.
-TEST(Pt2RunZeroWidth, ZeroSizeDimsTrainOnEveryLayout) {
+// A fixture's one-rank losses on fsdp 2, tp 2 by a written plan and fsdp 2 x cp 2, after
+// `compile` plans it: a config written around tests/fixtures/<fixture>.py's export.
+void expect_layouts_give_one_rank_losses(const std::string& fixture, const std::string& tp_plan) {
   test::TempDir dir;
   test::corpus_file(dir);
-  test::write_file(dir / "zero.toml", "[model]\nname = \"pt2\"\npath = \"" + (kFixtures / "zero_width.pt2").string() +
-                                          "\"\ntokenizer = \"byte\"\n[training]\nsteps = 4\n[optimizer]\nlr = 3e-3\n[data]\npaths = [\"" + (dir / "corpus.txt").string() +
-                                          "\"]\n[parallelism.tp_plan]\n\"*.qkv.weight\" = \"colwise\"\n\"*.o.weight\" = \"rowwise\"\n"
-                                          "\"*.up.weight\" = \"colwise\"\n\"*.down.weight\" = \"rowwise\"\n");
+  const fs::path config = dir / (fixture + ".toml");
+  test::write_file(config, "[model]\nname = \"pt2\"\npath = \"" + (kFixtures / (fixture + ".pt2")).string() +
+                               "\"\ntokenizer = \"byte\"\n[training]\nsteps = 4\n[optimizer]\nlr = 3e-3\n[data]\npaths = [\"" +
+                               (dir / "corpus.txt").string() + "\"]\n[parallelism.tp_plan]\n" + tp_plan);
   auto run = [&](const std::string& name, int nproc, const std::string& layout) {
-    return spmdx("run '" + (dir / "zero.toml").string() + "' --nproc " + std::to_string(nproc) + " --job.dump_folder '" + (dir / name).string() + "' " + layout);
+    return spmdx("run '" + config.string() + "' --nproc " + std::to_string(nproc) + " --job.dump_folder '" + (dir / name).string() + "' " + layout);
   };
   const std::string one_rank = "--parallelism.data_parallel_shard_degree 1 --parallelism.tensor_parallel_degree 1";
-  auto planned = spmdx("compile '" + (dir / "zero.toml").string() + "' " + one_rank);
+  auto planned = spmdx("compile '" + config.string() + "' " + one_rank);
   ASSERT_EQ(planned.exit_code, 0) << planned.output;
   EXPECT_THAT(planned.output, HasSubstr("planned peak memory"));
   auto one = run("one", 1, one_rank);
@@ -97,8 +96,22 @@ TEST(Pt2RunZeroWidth, ZeroSizeDimsTrainOnEveryLayout) {
     ASSERT_EQ(r.exit_code, 0) << name << "\n" << r.output;
     const auto got = test::losses(dir / name / "metrics.jsonl");
     ASSERT_EQ(got.size(), want.size()) << name;
-    for (std::size_t i = 0; i < want.size(); ++i) EXPECT_NEAR(got[i], want[i], 1e-5 * std::abs(want[i])) << name << " step " << i + 1;
+    for (std::size_t i = 0; i < want.size(); ++i) EXPECT_NEAR(got[i], want[i], 1e-5 * std::abs(want[i])) << fixture << " " << name << " step " << i + 1;
   }
+}
+
+// Zero-size dims (tests/fixtures/zero_width.py: Phi3's full rotary slices q[..., 8:] of width 0
+// and concatenates it back; planning once divided by that 0 and died with SIGFPE), with a fused
+// qkv split, chunk and unbind under tp.
+TEST(Pt2RunHuggingFaceOps, ZeroSizeDimsTrainOnEveryLayout) {
+  expect_layouts_give_one_rank_losses("zero_width", "\"*.qkv.weight\" = \"colwise\"\n\"*.o.weight\" = \"rowwise\"\n"
+                                                    "\"*.up.weight\" = \"colwise\"\n\"*.down.weight\" = \"rowwise\"\n");
+}
+
+// GPT-2's Conv1D (addmm, weight [in, out]: column-parallel is shard(1) of the weight and shard(0)
+// of the bias), baddbmm, tanh and padding_idx (tests/fixtures/hf_ops.py).
+TEST(Pt2RunHuggingFaceOps, AddmmTanhAndPaddingIdxTrainOnEveryLayout) {
+  expect_layouts_give_one_rank_losses("hf_ops", "\"*.c_fc.weight\" = \"shard(1)\"\n\"*.c_fc.bias\" = \"shard(0)\"\n\"*.c_proj.weight\" = \"shard(0)\"\n");
 }
 
 // Gradient accumulation of an exported program: microbatches of its batch (8 rows); a global

@@ -47,6 +47,7 @@ std::vector<Case> cases() {
       {"sqrt", "sqrt", {{4, 5}}, {}, [](Tensors& x) { positive(x[0]); }},
       {"rsqrt", "rsqrt", {{4, 5}}, {}, [](Tensors& x) { positive(x[0]); }},
       {"sigmoid", "sigmoid", {{4, 5}}, {}},
+      {"tanh", "tanh", {{4, 5}}, {}},
       {"silu", "silu", {{4, 5}}, {}},
       {"gelu", "gelu", {{4, 5}}, {}},
       {"gelu_tanh", "gelu", {{4, 5}}, {{"approximate", std::string("tanh")}}},

@@ -335,6 +335,7 @@ const std::map<std::string, Kernel>& kernels() {
     k["sqrt"] = [](const Node&, const Tensors& x) { return one(at::sqrt(x[0])); };
     k["rsqrt"] = [](const Node&, const Tensors& x) { return one(at::rsqrt(x[0])); };
     k["sigmoid"] = [](const Node&, const Tensors& x) { return one(at::sigmoid(x[0])); };
+    k["tanh"] = [](const Node&, const Tensors& x) { return one(at::tanh(x[0])); };
     k["silu"] = [](const Node&, const Tensors& x) { return one(at::silu(x[0])); };
     k["gelu"] = [](const Node& n, const Tensors& x) { return one(at::gelu(x[0], n.attr_string("approximate"))); };
     k["cast"] = [](const Node& n, const Tensors& x) { return one(x[0].to(to_aten(n.output()->meta().dtype))); };
@@ -364,7 +365,7 @@ const std::map<std::string, Kernel>& kernels() {
       return one(at::matmul(x[0], x[1]));
     };
     k["linear"] = [](const Node&, const Tensors& x) { return one(cpu_linear(x[0], x[1])); };
-    k["embedding"] = [](const Node&, const Tensors& x) { return one(at::embedding(x[0], x[1])); };
+    k["embedding"] = [](const Node& n, const Tensors& x) { return one(at::embedding(x[0], x[1], n.attr_int("padding_idx"))); };
     k["reshape"] = [](const Node& n, const Tensors& x) { return one(x[0].reshape(n.output()->meta().shape)); };
     k["transpose"] = [](const Node& n, const Tensors& x) { return one(x[0].transpose(n.attr_int("dim0"), n.attr_int("dim1"))); };
     k["permute"] = [](const Node& n, const Tensors& x) { return one(x[0].permute(n.attr_ints("dims"))); };
@@ -471,7 +472,7 @@ const std::map<std::string, Kernel>& kernels() {
       return one(at::_log_softmax_backward_data(x[0], x[1], n.attr_int("dim"), x[1].scalar_type()));
     };
     k["embedding_backward"] = [](const Node& n, const Tensors& x) {
-      return one(at::embedding_dense_backward(x[0], x[1], n.attr_int("num_weights"), -1, false));
+      return one(at::embedding_dense_backward(x[0], x[1], n.attr_int("num_weights"), n.attr_int("padding_idx"), false));
     };
     // d(CE)/d(logits) = softmax(logits) - onehot(target), rows of ignored targets 0, divided by
     // the count of the others for the mean.
@@ -604,6 +605,7 @@ const std::map<std::string, InPlaceKernel>& in_place_kernels() {
     unary("sqrt", [](const Node&, at::Tensor& t) { t.sqrt_(); });
     unary("rsqrt", [](const Node&, at::Tensor& t) { t.rsqrt_(); });
     unary("sigmoid", [](const Node&, at::Tensor& t) { t.sigmoid_(); });
+    unary("tanh", [](const Node&, at::Tensor& t) { t.tanh_(); });
     unary("silu", [](const Node&, at::Tensor& t) { at::silu_(t); });
     unary("relu", [](const Node&, at::Tensor& t) { t.relu_(); });
     unary("gelu", [](const Node& n, at::Tensor& t) { at::gelu_(t, n.attr_string("approximate")); });

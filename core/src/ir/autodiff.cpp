@@ -58,6 +58,11 @@ const std::map<std::string, Rule>& rules() {
       Value* one_minus = g.add("add_scalar", {g.add("neg", {y})}, float_attr(1.0));
       return Grads{g.add("mul", {go[0], g.add("mul", {y, one_minus})})};
     };
+    r["tanh"] = [](Graph& g, const Node& n, const Grads& go) {  // 1 - y^2, as ATen's tanh_backward
+      Value* y = n.output();
+      Value* one_minus = g.add("add_scalar", {g.add("neg", {g.add("mul", {y, y})})}, float_attr(1.0));
+      return Grads{g.add("mul", {go[0], one_minus})};
+    };
     r["relu"] = [](Graph& g, const Node& n, const Grads& go) { return Grads{g.add("relu_backward", {go[0], n.output()})}; };
     r["silu"] = [](Graph& g, const Node& n, const Grads& go) { return Grads{g.add("silu_backward", {go[0], n.input(0)})}; };
     r["gelu"] = [](Graph& g, const Node& n, const Grads& go) {
@@ -125,7 +130,8 @@ const std::map<std::string, Rule>& rules() {
       return Grads{gx, gw};
     };
     r["embedding"] = [](Graph& g, const Node& n, const Grads& go) {
-      return Grads{g.add("embedding_backward", {go[0], n.input(1)}, {{"num_weights", n.input(0)->meta().shape[0]}}), nullptr};
+      return Grads{g.add("embedding_backward", {go[0], n.input(1)}, {{"num_weights", n.input(0)->meta().shape[0]}, {"padding_idx", n.attr_int("padding_idx")}}),
+                   nullptr};
     };
     r["reshape"] = [](Graph& g, const Node& n, const Grads& go) {
       return Grads{g.add("reshape", {go[0]}, {{"shape", n.input(0)->meta().shape}})};

@@ -114,7 +114,7 @@ OpSchema softmax_like(const std::string& name) {
 std::vector<OpSchema> builtin_ops() {
   std::vector<OpSchema> ops;
   for (const char* n : {"add", "sub", "mul", "div"}) ops.push_back(binary(n));
-  for (const char* n : {"neg", "exp", "log", "sqrt", "rsqrt", "sigmoid", "silu", "relu"}) ops.push_back(unary(n));
+  for (const char* n : {"neg", "exp", "log", "sqrt", "rsqrt", "sigmoid", "tanh", "silu", "relu"}) ops.push_back(unary(n));
   // gelu: x * Phi(x) ("none"), or its tanh approximation ("tanh"), as torch.nn.functional.gelu.
   const AttrSpec approximate{"approximate", AttrType::string, false, std::string("none")};
   auto check_approximate = [](const Attributes& a) {
@@ -168,9 +168,16 @@ std::vector<OpSchema> builtin_ops() {
                    out.back() = w[0];
                    return std::vector{like(*in[0], out, any_requires_grad(in))};
                  }});
-  // embedding: weight[num, dim], indices (i64)[...] -> [..., dim].
-  ops.push_back({"embedding", 2, 2, {}, [](const Metas& in, const Attributes&) {
+  // embedding: weight[num, dim], indices (i64)[...] -> [..., dim]. padding_idx (-1: none), as
+  // torch.nn.functional.embedding's: the forward is unchanged, the weight's gradient is zero on
+  // that row (ATen's embedding_dense_backward).
+  const AttrSpec padding_idx{"padding_idx", AttrType::integer, false, std::int64_t{-1}};
+  ops.push_back({"embedding", 2, 2, {padding_idx}, [](const Metas& in, const Attributes& a) {
                    if (in[0]->rank() != 2) fail("the weight must be [num_embeddings, dim]");
+                   const std::int64_t pad = std::get<std::int64_t>(a.at("padding_idx"));
+                   if (pad < -1 || pad >= in[0]->shape[0]) {
+                     fail("padding_idx " + std::to_string(pad) + " is not a row of the weight [" + std::to_string(in[0]->shape[0]) + ", ...] (-1 for none)");
+                   }
                    if (in[1]->dtype != DType::i64 && in[1]->dtype != DType::i32) fail("indices must be i64 or i32");
                    Shape out = in[1]->shape;
                    out.push_back(in[0]->shape[1]);
@@ -454,7 +461,7 @@ std::vector<OpSchema> builtin_ops() {
     ops.push_back({n, 2, 2, {{"dim", AttrType::integer, false, std::int64_t{-1}}}, grad_like(1, 1)});
   }
   // embedding_backward: grad[..., dim], indices[...] -> [num_weights, dim] (index_add of rows).
-  ops.push_back({"embedding_backward", 2, 2, {{"num_weights", AttrType::integer, true, {}}}, [](const Metas& in, const Attributes& a) {
+  ops.push_back({"embedding_backward", 2, 2, {{"num_weights", AttrType::integer, true, {}}, padding_idx}, [](const Metas& in, const Attributes& a) {
                    return std::vector{like(*in[0], Shape{std::get<std::int64_t>(a.at("num_weights")), in[0]->shape.back()},
                                            in[0]->requires_grad)};
                  }});

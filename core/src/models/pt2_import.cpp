@@ -1061,11 +1061,12 @@ class Mapper {
       };
       add(&Mapper::map_nothing, {"aten._assert_tensor_metadata.default", "aten._assert_scalar.default"});
       add(&Mapper::map_dense, {"aten.embedding.default", "aten.linear.default", "aten.mm.default", "aten.bmm.default", "aten.matmul.default",
+                               "aten.addmm.default", "aten.baddbmm.default",
                                "aten.t.default", "aten.transpose.int", "aten.permute.default"});
       add(&Mapper::map_arith, {"aten.add.Tensor", "aten.sub.Tensor", "aten.mul.Tensor", "aten.div.Tensor", "aten.add.Scalar", "aten.sub.Scalar",
                                "aten.mul.Scalar", "aten.div.Scalar", "aten.rsub.Scalar", "aten.rsub.Tensor", "aten.pow.Tensor_Scalar",
                                "aten.neg.default", "aten.exp.default", "aten.log.default", "aten.sqrt.default", "aten.rsqrt.default",
-                               "aten.sigmoid.default", "aten.silu.default", "aten.relu.default", "aten.gelu.default"});
+                               "aten.sigmoid.default", "aten.tanh.default", "aten.silu.default", "aten.relu.default", "aten.gelu.default"});
       add(&Mapper::map_shape, {"aten.view.default", "aten.reshape.default", "aten._unsafe_view.default", "aten.flatten.using_ints",
                                "aten.unsqueeze.default", "aten.squeeze.dim", "aten.squeeze.dims", "aten.squeeze.default", "aten.slice.Tensor",
                                "aten.select.int", "aten.cat.default", "aten.split.Tensor", "aten.split_with_sizes.default", "aten.chunk.default",
@@ -1101,9 +1102,8 @@ class Mapper {
     const std::string& op = b.target;
     ir::Graph& g = m_.graph;
     if (op == "aten.embedding.default") {
-      if (i(b, "padding_idx") != -1) fail_at(b, "embedding with padding_idx " + std::to_string(i(b, "padding_idx")) + "; spmdx's embedding has none");
       if (b.arg("scale_grad_by_freq").value.toBool() || b.arg("sparse").value.toBool()) fail_at(b, "embedding with scale_grad_by_freq or sparse");
-      return set(b, g.add("embedding", {value(t(b, "weight")), value(t(b, "indices"))}));
+      return set(b, g.add("embedding", {value(t(b, "weight")), value(t(b, "indices"))}, {{"padding_idx", i(b, "padding_idx")}}));
     }
     if (op == "aten.linear.default") {
       ir::Value* y = g.add("linear", {value(t(b, "input")), value(t(b, "weight"))});
@@ -1111,6 +1111,18 @@ class Mapper {
       return set(b, y);
     }
     if (op == "aten.mm.default" || op == "aten.bmm.default") return set(b, g.add("matmul", {value(t(b, "self")), value(t(b, "mat2"))}));
+    // beta * self + alpha * (mat1 @ mat2) (GPT-2's Conv1D: x @ W + b with W [in, out]); baddbmm
+    // the same over a batch, as ATen's.
+    if (op == "aten.addmm.default" || op == "aten.baddbmm.default") {
+      const bool batched = op == "aten.baddbmm.default";
+      ir::Value* y = g.add("matmul", {value(t(b, batched ? "batch1" : "mat1")), value(t(b, batched ? "batch2" : "mat2"))});
+      const double alpha = f(b, "alpha"), beta = f(b, "beta");
+      if (alpha != 1.0) y = g.add("mul_scalar", {y}, {{"value", alpha}});
+      if (beta == 0.0) return set(b, y);  // ATen ignores self (even NaN) when beta is 0
+      ir::Value* self = value(t(b, "self"));
+      if (beta != 1.0) self = g.add("mul_scalar", {self}, {{"value", beta}});
+      return set(b, g.add("add", {y, self}));
+    }
     if (op == "aten.matmul.default") {
       ir::Value* x = value(t(b, "self"));
       ir::Value* y = value(t(b, "other"));
@@ -1145,7 +1157,7 @@ class Mapper {
       return set(b, g.add("add_scalar", {x}, {{"value", f(b, "other")}}));
     }
     if (op == "aten.pow.Tensor_Scalar") return set(b, g.add("pow_scalar", {value(t(b, "self"))}, {{"value", f(b, "exponent")}}));
-    for (const char* unary : {"neg", "exp", "log", "sqrt", "rsqrt", "sigmoid", "silu", "relu"}) {
+    for (const char* unary : {"neg", "exp", "log", "sqrt", "rsqrt", "sigmoid", "tanh", "silu", "relu"}) {
       if (op == std::string("aten.") + unary + ".default") return set(b, g.add(unary, {value(t(b, "self"))}));
     }
     if (op == "aten.gelu.default") return set(b, g.add("gelu", {value(t(b, "self"))}, {{"approximate", b.arg("approximate").value.toStringRef()}}));

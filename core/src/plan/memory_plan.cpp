@@ -594,7 +594,7 @@ class Simulation {
 const std::map<std::string, std::vector<int>>& in_place_ops() {
   static const std::map<std::string, std::vector<int>> ops = [] {
     std::map<std::string, std::vector<int>> m;
-    for (const char* op : {"neg", "exp", "log", "sqrt", "rsqrt", "sigmoid", "silu", "relu", "gelu", "add_scalar", "mul_scalar", "pow_scalar",
+    for (const char* op : {"neg", "exp", "log", "sqrt", "rsqrt", "sigmoid", "tanh", "silu", "relu", "gelu", "add_scalar", "mul_scalar", "pow_scalar",
                            "rdiv_scalar", "clamp_max_scalar"}) {
       m[op] = {0};
     }

@@ -125,7 +125,7 @@ const std::map<std::string, Rule>& rules() {
       return pointwise(n, in, out, k, {{true, false}, {false, true}});
     };
     r["div"] = [](const Node& n, const auto& in, const auto& out, std::int64_t k) { return pointwise(n, in, out, k, {{true, false}}); };
-    for (const char* op : {"exp", "log", "sqrt", "rsqrt", "sigmoid", "silu", "gelu", "relu", "add_scalar", "pow_scalar",
+    for (const char* op : {"exp", "log", "sqrt", "rsqrt", "sigmoid", "tanh", "silu", "gelu", "relu", "add_scalar", "pow_scalar",
                            "rdiv_scalar", "clamp_max_scalar", "rpow_scalar", "ones_like"}) {
       r[op] = nonlinear();
     }
