@@ -9,6 +9,7 @@
 #include <signal.h>
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <fstream>
@@ -1247,6 +1248,38 @@ TEST(HotSwap, SwappingBackendsEveryStepChangesNoResultAndLeaksNothing) {
 #else
   EXPECT_LT(growth_mib, 8.0) << "100 swaps grew RSS by " << growth_mib << " MiB";
 #endif
+}
+
+// A swap is recorded on the step it follows: that step's metrics.jsonl row says from what, to
+// what and what runs now, and the line saying it comes after that step's line, before the next.
+TEST(HotSwap, ASwapIsRecordedOnTheStepItFollows) {
+  test::TempDir dir;
+  auto r = spmdx_run("'" SPMDX_SOURCE_DIR "/configs/mlp_dp.toml' --nproc 2 --data.paths '" + corpus_file(dir) +
+                     "' --training.steps 3 --metrics.log_freq 1 --comm.swap_at_step 1 --comm.swap_to 'ucx:tls=tcp,self' --job.dump_folder '" +
+                     (dir / "out").string() + "'");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto got = rows(dir / "out" / "metrics.jsonl");
+  ASSERT_EQ(got.size(), 3u);
+  ASSERT_TRUE(got[0].contains("comm_swap")) << got[0].dump();
+  EXPECT_EQ(got[0].at("comm_swap").at("from"), "auto");
+  EXPECT_EQ(got[0].at("comm_swap").at("to"), "ucx:tls=tcp,self");
+  EXPECT_EQ(got[0].at("comm_swap").at("generation"), 1);
+  EXPECT_THAT(got[0].at("comm_swap").at("backend").get<std::string>(), ::testing::StartsWith("ucx (UCX_TLS=tcp,self, "));
+  ASSERT_TRUE(got[1].contains("comm_swap")) << got[1].dump();
+  EXPECT_EQ(got[1].at("comm_swap").at("from"), "ucx:tls=tcp,self");
+  EXPECT_EQ(got[1].at("comm_swap").at("to"), "auto");
+  EXPECT_EQ(got[1].at("comm_swap").at("generation"), 2);
+  EXPECT_THAT(got[1].at("comm_swap").at("backend").get<std::string>(), ::testing::StartsWith("auto -> ucx (UCX_TLS=shm,self, "));
+  EXPECT_FALSE(got[2].contains("comm_swap")) << "the last step swaps nothing: " << got[2].dump();
+  // The lines in the order the steps ran: step 1, its swap, step 2, its swap, step 3.
+  std::vector<std::size_t> at;
+  for (const char* line : {"step    1 |", "after step 1: swapped the comm backend to ucx (UCX_TLS=tcp,self, ", "step    2 |",
+                           "after step 2: swapped the comm backend to auto -> ucx (UCX_TLS=shm,self, ", "step    3 |"}) {
+    at.push_back(r.output.find(line));
+    ASSERT_NE(at.back(), std::string::npos) << "no '" << line << "' in:\n" << r.output;
+  }
+  EXPECT_TRUE(std::is_sorted(at.begin(), at.end())) << r.output;
+  EXPECT_THAT(r.output, Not(HasSubstr("after step 3:")));
 }
 
 TEST(BenchComm, EveryOpSweepsSizesAndChecksEveryResult) {

@@ -2,7 +2,7 @@
 //
 // Every collective is asynchronous and returns a Work handle, as torch.distributed's
 // ProcessGroup does; buffers are described by pointer, element count, dtype and memory kind.
-// Groups are made once per mesh-dim slice with new_group(). Plain C++17: part of the plugin ABI.
+// Groups are made once per mesh-dim slice with new_group(). Plain C++20: part of the plugin ABI.
 // A plugin implements either a whole CommBackend (nccl) or only a point-to-point Transport
 // (transport.h: ucx, local), under which the host runs its own collective engine.
 //

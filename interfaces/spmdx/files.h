@@ -1,6 +1,6 @@
 // Writing files so that a crash never leaves a half-written one under the final name, and
 // asking whether a path can be read as one.
-// A host service of the plugin ABI (plugin.h): declared here, defined in libspmdx_core,
+// A host service of the plugin ABI (plugin.h): declared here, defined in libspmdx_host,
 // versioned with SPMDX_ABI_MAJOR.
 #pragma once
 

@@ -18,7 +18,7 @@
 // come from another thread (a signal) while they run, so a hook that keeps state for it locks.
 //
 // Times are wall-clock seconds since the Unix epoch (system_clock), so that traces of several
-// ranks on one host line up. Plain C++17: part of the plugin ABI.
+// ranks on one host line up. Plain C++20: part of the plugin ABI.
 #pragma once
 
 #include <cstdint>

@@ -2,7 +2,7 @@
 // given a bad value notes the problem (naming the plugin, the key and what was expected) and
 // returns the fallback; done() throws every problem noted and every key nobody read, one line
 // each, so that a user sees all of them at once. Call done() after the getters.
-// A host service of the plugin ABI (plugin.h): declared here, defined in libspmdx_core,
+// A host service of the plugin ABI (plugin.h): declared here, defined in libspmdx_host,
 // versioned with SPMDX_ABI_MAJOR.
 #pragma once
 

@@ -6,7 +6,7 @@
 //   Replicate()   / R        each rank holds the whole tensor
 //   Partial(sum)  / P(sum)   each rank holds a partial value; the logical tensor is their reduction
 //
-// Plain C++17: part of the plugin ABI (interfaces/), no LibTorch, no Boost.
+// Plain C++20: part of the plugin ABI (interfaces/), no LibTorch, no Boost.
 #pragma once
 
 #include <cstdint>

@@ -8,7 +8,7 @@
 // builds the problem from its cost model (`strategy = "auto"`, docs/DESIGN.md "auto-sharding")
 // and propagates the placements the chosen strategies give; a planner only solves it, so a
 // third party can bring another solver or heuristic without seeing the graph.
-// Plain C++17: part of the plugin ABI (3.2).
+// Plain C++20: part of the plugin ABI (3.2).
 #pragma once
 
 #include <cstdint>

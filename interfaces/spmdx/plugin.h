@@ -38,7 +38,15 @@
 // Host services. A plugin may call, besides this folder's inline code, only the core
 // library's logging facade (spmdx/core/log.h) and the helpers declared in this folder
 // (options.h: OptionReader; files.h: write_file_atomic, unreadable_file, read_file_bytes, move_aside; text.h: sizes, rank lists, JSON nesting), which
-// are versioned with this ABI.
+// are versioned with this ABI. The linker holds a plugin to this: they are defined in
+// libspmdx_host.so, which exports nothing else (core/host_services.map) and is the one spmdx
+// library a plugin links (spmdx_add_plugin, with -z defs), so a call to any other spmdx symbol
+// fails to link, naming it.
+//
+// C++ standard. C++20, on both sides: these headers, every plugin (spmdx_add_plugin sets it) and
+// the host are compiled as C++20, so the inline code and the standard library types of this
+// folder compile the same in a plugin as in the host. A plugin compiled otherwise stops at the
+// check below.
 //
 // Writing a plugin:
 //     #include <spmdx/plugin.h>
@@ -47,9 +55,13 @@
 //     }
 //     SPMDX_PLUGIN("my_strategy", strategy, "0.1.0", "Shards every weight on dim 0", register_me)
 //
-// Plain C++17, no LibTorch, no Boost: a third party compiles against this folder alone
-// (plus the core library for the host services).
+// Plain C++20, no LibTorch, no Boost: a third party compiles against this folder alone
+// (plus libspmdx_host for the host services).
 #pragma once
+
+#if __cplusplus < 202002L
+#error "spmdx plugins are C++20 (interfaces/spmdx/plugin.h): compile with -std=c++20, as spmdx_add_plugin does"
+#endif
 
 #include <cstdint>
 #include <functional>

@@ -1,6 +1,6 @@
 // Small text helpers shared by the error messages of the config, the registry and the
 // strategies ("did you mean ...").
-// A host service of the plugin ABI (plugin.h): declared here, defined in libspmdx_core,
+// A host service of the plugin ABI (plugin.h): declared here, defined in libspmdx_host,
 // versioned with SPMDX_ABI_MAJOR.
 #pragma once
 

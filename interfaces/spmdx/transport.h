@@ -36,7 +36,7 @@
 // highest score covering a call wins; equal scores go to the backend whose name sorts first.
 // Built in: ucx 10 and local 1 on host memory, nccl 100 on CUDA memory. Give a transport that
 // should replace ucx on host memory more than 10, one for some sizes only a capability with
-// min_bytes/max_bytes. Plain C++17: part of the plugin ABI (interfaces/spmdx/plugin.h).
+// min_bytes/max_bytes. Plain C++20: part of the plugin ABI (interfaces/spmdx/plugin.h).
 #pragma once
 
 #include <cstddef>

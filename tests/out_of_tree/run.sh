@@ -1,35 +1,41 @@
 #!/usr/bin/env bash
-# Installs spmdx from BUILD_DIR into a temporary prefix, builds the sample strategy and transport
-# plugins in separate folders with find_package(spmdx), checks that the installed host loads
-# them, and trains 2 ranks over the sample transport: the losses must be ucx's, bit for bit.
+# Builds the sample strategy plugin with find_package(spmdx) against the BUILD tree
+# (-Dspmdx_DIR=BUILD_DIR) and checks that the built host loads it; installs spmdx from BUILD_DIR
+# into a temporary prefix, builds the sample transport plugin against that (-DCMAKE_PREFIX_PATH),
+# checks that the installed host loads both, and trains 2 ranks over the sample transport: the
+# losses must be ucx's, bit for bit.
 # Usage: run.sh BUILD_DIR OUT_OF_TREE_DIR CONFIG
 set -euo pipefail
 build="$1"; oot="$2"; config="$3"; src="$oot/sample_strategy"
 work="$(mktemp -d)"; trap 'rm -rf "$work"' EXIT
 chmod 0755 "$work"
 
-cmake --install "$build" --prefix "$work/prefix" >/dev/null
 launcher=()
 if command -v ccache >/dev/null; then launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache); fi
-cmake -S "$src" -B "$work/build" -G Ninja -DCMAKE_PREFIX_PATH="$work/prefix" "${launcher[@]}" >/dev/null
+# The strategy against the build tree: no install step between editing spmdx and a plugin.
+cmake -S "$src" -B "$work/build" -G Ninja -Dspmdx_DIR="$build" "${launcher[@]}" >/dev/null
 cmake --build "$work/build" >/dev/null
+cmake --install "$build" --prefix "$work/prefix" >/dev/null
 cmake -S "$oot/sample_transport" -B "$work/transport" -G Ninja -DCMAKE_PREFIX_PATH="$work/prefix" "${launcher[@]}" >/dev/null
 cmake --build "$work/transport" >/dev/null
 
-out="$(env -u SPMDX_PLUGIN_PATH "$work/prefix/bin/spmdx" plugins --plugin-path "$work/build" --json)"
-echo "$out"
-python3 - "$out" "$work" <<'PY'
+# The strategy, loaded by the host of the build tree and by the installed one.
+for host in "$build" "$work/prefix"; do
+  out="$(env -u SPMDX_PLUGIN_PATH "$host/bin/spmdx" plugins --plugin-path "$work/build" --json)"
+  echo "$out"
+  python3 - "$out" "$work" "$host" <<'PY'
 import json, sys
 plugins = {p["name"]: p for p in json.loads(sys.argv[1])}
-work = sys.argv[2]
+work, host = sys.argv[2:4]
 s = plugins.get("sample_column")
-assert s, "the installed host did not list the out-of-tree plugin"
+assert s, f"the host in {host} did not list the out-of-tree plugin"
 assert s["kind"] == "strategy" and s["registered"] and s["factories"] == ["sample_column"], s
 assert s["path"] == f"{work}/build/libspmdx_sample_column.so", s["path"]
 dp = plugins.get("data_parallel")
-assert dp and dp["path"] == f"{work}/prefix/lib/spmdx/plugins/libspmdx_data_parallel.so", dp
-print("out-of-tree plugin loaded by the installed host: OK")
+assert dp and dp["path"] == f"{host}/lib/spmdx/plugins/libspmdx_data_parallel.so", dp
+print(f"out-of-tree plugin built against the build tree, loaded by the host in {host}: OK")
 PY
+done
 
 # The transport: listed with its capability, then 2 ranks train over it (shm=off, so every
 # byte goes through it) and over ucx; the same engine runs on both, so the losses are equal.

@@ -817,21 +817,23 @@ struct StepLoop {
     }
     if (!hooks.empty()) tell_hooks(hooks, step, spec, env, loss, st, names, state, out, state_placements, job.mesh, executor);
     // Hot-swap at a step boundary: nothing is in flight between runs; the old backend leaves
-    // the job, the other one joins it under the next generation's keys.
+    // the job, the other one joins it under the next generation's keys. Recorded on this step:
+    // its metrics row says what was swapped to, and the line comes after its step line.
     const std::int64_t swap_every = spec.comm.swap_at_step;
+    std::string swapped;  // "after step N: swapped ...", said after the step's row
     if (backend && swap_every > 0 && step % swap_every == 0 && step < spec.steps) {
       backend->barrier(0)->wait(timeout);
       backend->finalize();
       const std::int64_t generation = step / swap_every;
       const std::string& next = generation % 2 == 1 ? spec.comm.swap_to : spec.comm.backend;
+      const std::string& previous = generation % 2 == 1 ? spec.comm.backend : spec.comm.swap_to;
       backend.reset();
       backend = join_backend(registry, next, spec.comm, env, *store, generation);
       executor.set_backend(backend.get());
       if (validation != nullptr) validation->executor.set_backend(backend.get());
-      if (lead && (step / swap_every) % std::max<std::int64_t>(1, log_freq) == 0) {
-        std::printf("after step %lld: swapped the comm backend to %s%s\n", static_cast<long long>(step), next == "auto" ? "auto -> " : "",
-                    backend->describe().c_str());
-      }
+      const std::string now = (next == "auto" ? "auto -> " : "") + backend->describe();
+      if (metrics) metrics->add_to_next_row("comm_swap", {{"from", previous}, {"to", next}, {"backend", now}, {"generation", generation}});
+      if (lead && generation % std::max<std::int64_t>(1, log_freq) == 0) swapped = "after step " + std::to_string(step) + ": swapped the comm backend to " + now;
     }
     if (metrics) {  // what fell back since the last row, and the backend now
       nlohmann::json told = nlohmann::json::array();
@@ -848,6 +850,7 @@ struct StepLoop {
       metrics->row(step, spec.steps, loss, out.at("grad_norm").item<double>(), lr, static_cast<double>(spec.global_batch_size * spec.seq_len) / st.total, st,
                    loss_scaling ? std::optional<std::pair<double, bool>>{{loss_scale, skipped}} : std::nullopt);
     }
+    if (!swapped.empty()) std::printf("%s\n", swapped.c_str()), std::fflush(stdout);
     if (checkpointing && (step % spec.checkpoint.interval == 0 || step == spec.steps)) {
       CheckpointMeta meta{step, dataset.state().samples, tokenizer_id, optimizer_steps};
       if (loss_scaling) meta.loss_scale = scaler.scale, meta.growth_tracker = scaler.growth_tracker;
