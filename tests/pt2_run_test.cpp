@@ -114,6 +114,14 @@ TEST(Pt2RunHuggingFaceOps, AddmmTanhAndPaddingIdxTrainOnEveryLayout) {
   expect_layouts_give_one_rank_losses("hf_ops", "\"*.c_fc.weight\" = \"shard(1)\"\n\"*.c_fc.bias\" = \"shard(0)\"\n\"*.c_proj.weight\" = \"shard(0)\"\n");
 }
 
+// Hugging Face models as transformers exports them by default (tests/fixtures/hf_models.py): sdpa
+// with the mask transformers builds (causal: the causal kernel), tensor parallel by the built-in
+// plan's Hugging Face names under the wrapper's prefix; Qwen3's q/k norms per head.
+TEST(Pt2RunHuggingFaceOps, TransformersLlamaAndQwen3TrainOnEveryLayout) {
+  expect_layouts_give_one_rank_losses("transformers_llama", "");
+  expect_layouts_give_one_rank_losses("transformers_qwen3", "");
+}
+
 // Gradient accumulation of an exported program: microbatches of its batch (8 rows); a global
 // batch of 16 on 1, 2 and 4 ranks gives the same losses, and one that is no multiple of 8 is
 // refused naming the export's rows.

@@ -835,12 +835,14 @@ class Mapper {
     Sym& s = sym(name);
     if (s.kind == Sym::Kind::value) return s.v;
     if (s.kind != Sym::Kind::constant) fail_("value '" + name + "' is complex; spmdx maps complex numbers only in torchtitan's rotary embedding (view_as_complex(x) * freqs_cis, view_as_real)");
+    // A constant read by a trainable op becomes a frozen input once; it stays a constant for
+    // the nodes after (GPT-2's positions feed both its position embedding and its mask).
+    if (s.v != nullptr) return s.v;
     auto it = constant_names_.find(name);
     std::string input = it != constant_names_.end() ? it->second : "const." + name;
     const ir::DType dtype = ir_dtype(s.c.scalar_type(), "constant '" + input + "'");
     s.v = m_.graph.add_input(input, {s.c.sizes().vec(), dtype, "cpu", false});
     add_init(input, s.c, false);
-    s.kind = Sym::Kind::value;
     return s.v;
   }
 
@@ -1399,7 +1401,19 @@ class Mapper {
 
   void attention(const BoundNode& b) {
     ir::Graph& g = m_.graph;
-    if (is_tensor(b, "attn_mask")) fail_at(b, "attention with attn_mask; spmdx's attention is causal or full: pass is_causal=True instead of a mask");
+    // A mask computed from positions and buffers (what transformers builds under torch.export,
+    // and minGPT's or nanoGPT's tril buffers) is a constant here: the causal one becomes the
+    // causal kernel, any other (a sliding window, a prefix) a general masked attention below.
+    at::Tensor mask;
+    if (is_tensor(b, "attn_mask")) {
+      const Sym& m = sym(t(b, "attn_mask"));
+      if (m.kind != Sym::Kind::constant) {
+        fail_at(b, "attention with a mask computed from the batch (a padding mask from an attention_mask input, or a document mask from the ids); "
+                   "spmdx takes masks computed from positions and buffers: export forward(input_ids) without attention_mask");
+      }
+      if (b.arg("is_causal").value.toBool()) fail_at(b, "attention with both attn_mask and is_causal=True (PyTorch refuses it too)");
+      mask = m.c;
+    }
     if (f(b, "dropout_p") != 0.0) fail_at(b, "attention dropout (dropout_p " + std::to_string(f(b, "dropout_p")) + "); export with dropout_p = 0");
     ir::Value* q = value(t(b, "query"));
     ir::Value* k = value(t(b, "key"));
@@ -1422,7 +1436,54 @@ class Mapper {
       k = repeat(k);
       v = repeat(v);
     }
-    set(b, g.add_node("sdpa", {q, k, v}, {{"causal", b.arg("is_causal").value.toBool()}})->output(0));
+    bool causal = b.arg("is_causal").value.toBool();
+    if (mask.defined()) {
+      const at::Tensor bias = attention_bias(b, mask, qs[2], ks[2], ir_dtype_of(q));
+      if (is_causal_bias(bias, qs[2], ks[2])) {
+        causal = true;
+      } else {
+        // softmax(q k^T / sqrt(d) + bias) v, as PyTorch's math attention (a boolean mask is 0 where
+        // kept and -inf where masked): matmul, scale, add, softmax, matmul, each with its rules.
+        ir::Value* kt = g.add("transpose", {k}, {{"dim0", std::int64_t{-2}}, {"dim1", std::int64_t{-1}}});
+        ir::Value* scores = g.add("mul_scalar", {g.add("matmul", {q, kt})}, {{"value", 1.0 / std::sqrt(static_cast<double>(qs[3]))}});
+        scores = g.add("add", {scores, constant_input(b.name + ".attn_bias", bias)});
+        return set(b, g.add("matmul", {g.add("softmax", {scores}, {{"dim", std::int64_t{-1}}}), v}));
+      }
+    }
+    set(b, g.add_node("sdpa", {q, k, v}, {{"causal", causal}})->output(0));
+  }
+
+  static at::ScalarType ir_dtype_of(const ir::Value* v) { return exec::to_aten(v->meta().dtype); }
+
+  // The additive attention bias of a constant attn_mask, in the scores' dtype: a boolean mask as
+  // 0 (attend) and -inf (not), a float mask as is (PyTorch's sdpa adds it). Broadcast to
+  // [batch or 1, heads or 1, q_len, kv_len] and collapsed over batch and heads where every
+  // slice is the same (transformers' [batch, 1, s, s] mask is one [s, s] pattern repeated).
+  at::Tensor attention_bias(const BoundNode& b, at::Tensor mask, std::int64_t q_len, std::int64_t kv_len, at::ScalarType dtype) {
+    while (mask.dim() < 4) mask = mask.unsqueeze(0);
+    if (mask.dim() != 4 || mask.size(2) != q_len || mask.size(3) != kv_len) {
+      if (mask.dim() == 4 && (mask.size(2) == 1 || mask.size(3) == 1)) {
+        mask = mask.expand({mask.size(0), mask.size(1), q_len, kv_len});
+      } else {
+        fail_at(b, "attn_mask " + ir::shape_str(mask.sizes().vec()) + " does not broadcast as [batch, heads, " + std::to_string(q_len) + ", " + std::to_string(kv_len) + "]");
+      }
+    }
+    for (int d = 0; d < 2; ++d) {
+      if (mask.size(d) > 1 && mask.narrow(d, 0, 1).expand_as(mask).equal(mask)) mask = mask.narrow(d, 0, 1);
+    }
+    at::Tensor bias = mask.scalar_type() == at::kBool
+                          ? at::where(mask, at::zeros({}, at::kDouble), at::full({}, -std::numeric_limits<double>::infinity(), at::kDouble))
+                          : mask;
+    return bias.to(dtype).contiguous();
+  }
+
+  // Whether an additive bias is the causal mask: 0 on and below the diagonal, -inf above, the
+  // same for every batch row and head (as is_causal=True: the top-left aligned lower triangle).
+  static bool is_causal_bias(const at::Tensor& bias, std::int64_t q_len, std::int64_t kv_len) {
+    if (q_len != kv_len || bias.size(0) != 1 || bias.size(1) != 1) return false;
+    const at::Tensor allowed = at::ones({q_len, kv_len}, at::kBool).tril();
+    const at::Tensor m = bias[0][0];
+    return m.isneginf().logical_not().equal(allowed) && m.masked_select(allowed).eq(0).all().item<bool>();
   }
 
   // Mean cross entropy becomes sum / count of valid targets, as the built-in models' loss: both
