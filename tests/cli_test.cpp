@@ -38,7 +38,7 @@ TEST(Cli, PluginsJsonListsTheBuiltPlugins) {
   }
   ASSERT_NE(dp, nullptr) << r.output;
   EXPECT_EQ(dp->at("kind"), "strategy");
-  EXPECT_EQ(dp->at("abi"), "3.4");
+  EXPECT_EQ(dp->at("abi"), "4.0");
   EXPECT_EQ(dp->at("version"), "0.2.0");
   EXPECT_EQ(dp->at("registered"), true);
   EXPECT_EQ(dp->at("toolchain"), SPMDX_TOOLCHAIN);
@@ -82,7 +82,7 @@ TEST(Cli, PluginsTableNamesEachPlugin) {
 TEST(Cli, VersionPrintsTheAbi) {
   auto r = spmdx("--version");
   ASSERT_EQ(r.exit_code, 0);
-  EXPECT_THAT(r.output, HasSubstr("plugin ABI 3.4"));
+  EXPECT_THAT(r.output, HasSubstr("plugin ABI 4.0"));
 }
 
 struct ErrorCase {
@@ -98,7 +98,7 @@ TEST(Cli, EachPluginErrorPrintsItsMessageAndExitsOne) {
       {"missing", "/nonexistent/libspmdx_x.so", "'/nonexistent/libspmdx_x.so' (from plugins.paths or --plugin-path) does not exist"},
       {"not ELF", (dir / "libspmdx_text.so").string(), "not a shared object"},
       {"no entry", plugin_dir("test_no_entry").string(), "has no 'spmdx_plugin' entry point"},
-      {"ABI major", plugin_dir("test_abi_major").string(), "was built for ABI 4, this host supports 3"},
+      {"ABI major", plugin_dir("test_abi_major").string(), "was built for ABI 5, this host supports 4"},
       {"throws", plugin_dir("test_throws").string(), "plugin 'test_throws' (" + plugin_dir("test_throws").string() +
                                                         "/libspmdx_test_throws.so) failed to register"},
   };

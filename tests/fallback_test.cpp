@@ -122,7 +122,7 @@ TEST(Fallback, AtStartABackendThatCannotStartOrFailsItsChecksIsPassedOverSayingW
   // A plugin that does not load (built for ABI 2) is passed over with its own reason.
   r = spmdx_run(job + (dir / "abi").string() + "' --plugins.paths '" TEST_PLUGIN_DIR "/test_abi_2' --comm.backend test_abi_2 --comm.fallback ucx");
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_THAT(r.output, HasSubstr("was built for ABI 2, this host supports 3")) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("was built for ABI 2, this host supports 4")) << r.output;
   EXPECT_THAT(r.output, HasSubstr("the job goes on: it has fallbacks")) << r.output;
   EXPECT_THAT(r.output, HasSubstr("fallback: comm backend \"test_abi_2\" passed over at start")) << r.output;
 

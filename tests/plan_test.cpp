@@ -6,12 +6,16 @@
 #include <algorithm>
 #include <map>
 #include <set>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
 
 #include "spmdx/config/config.h"
 #include "spmdx/core/registry.h"
 #include "spmdx/plan/memory_plan.h"
 #include "spmdx/plan/runtime_plan.h"
 #include "spmdx/sharding/distribute.h"
+#include "spmdx/sharding/redistribute.h"
 #include "spmdx/train/job.h"
 
 namespace spmdx {
@@ -242,6 +246,57 @@ TEST(RuntimePlan, CollectivesFedByABucketAreBucketedTogetherWhereItIsWaitedFor) 
   const auto q = plan::make_runtime_plan(*j.graph, j.job->mesh, off);
   expect_valid_order(*j.graph, q);
   EXPECT_LT(p.issues, q.issues);
+}
+
+// The collectives plan.txt (DistributedPlan::str) lists: one per redistribution step it prints.
+int printed_collectives(const std::string& plan_text) {
+  int n = 0;
+  std::istringstream lines(plan_text);
+  for (std::string line; std::getline(lines, line);) {
+    if (line.rfind("  redistribute ", 0) != 0) continue;
+    for (const char* op : {" all_reduce (", " all_gather (", " reduce_scatter (", " all_to_all ("}) {
+      for (auto at = line.find(op); at != std::string::npos; at = line.find(op, at + 1)) ++n;
+    }
+  }
+  return n;
+}
+
+int rank_collectives(const ir::Graph& g) {
+  int n = 0;
+  for (const auto& node : g.nodes()) n += sharding::is_collective(node->op());
+  return n;
+}
+
+// mul(%c, %c) with %c Partial: both operands read it as one Shard, the rank runs one
+// reduce_scatter, and plan.txt says so (it used to list one redistribution per operand).
+TEST(PlanText, AnOperandReadTwiceIsRedistributedOnceAsTheRankRunsIt) {
+  ir::Graph g;
+  ir::Value* a = g.add_input("a", {{4, 8}, ir::DType::f32, "cpu", false});
+  ir::Value* b = g.add_input("b", {{8, 4}, ir::DType::f32, "cpu", false});
+  ir::Value* c = g.add("matmul", {a, b});
+  g.add_output("d", g.add("mul", {c, c}));
+  const sharding::DeviceMesh mesh({{"tp", 2}});
+  const auto plan = sharding::propagate(g, mesh, {{"a", {Placement::shard(1)}}, {"b", {Placement::shard(0)}}});
+  ASSERT_EQ(to_string(plan.placement.at(c)), "P(sum)") << plan.str();
+  const std::string text = plan.str();
+  EXPECT_EQ(printed_collectives(text), 1) << text;
+  EXPECT_THAT(text, HasSubstr("  redistribute " + c->ref() + " P(sum) -> S(0): mesh dim 0: P(sum) -> S(0) reduce_scatter")) << text;
+  EXPECT_THAT(text, HasSubstr(" = mul(" + c->ref() + ": S(0), " + c->ref() + ": S(0))")) << text;
+  EXPECT_EQ(rank_collectives(sharding::rank_graph(plan, 0)), 1);
+  // plan.json keeps one entry per operand read in other placements; the second does not run.
+  const auto j = nlohmann::json::parse(plan.to_json());
+  ASSERT_EQ(j.at("redistributions").size(), 2u) << j.dump(1);
+  EXPECT_TRUE(j["redistributions"][0].at("runs").get<bool>());
+  EXPECT_FALSE(j["redistributions"][1].at("runs").get<bool>());
+}
+
+// On a real job (llama tiny, FSDP x TP, with FSDP's reshard after forward): plan.txt lists
+// exactly the collectives rank 0 runs.
+TEST(PlanText, ListsTheCollectivesTheRankGraphRuns) {
+  const Job j(1, 2, 2);
+  const int printed = printed_collectives(j.plan->str());
+  EXPECT_GT(printed, 10);
+  EXPECT_EQ(printed, rank_collectives(*j.graph));
 }
 
 }  // namespace

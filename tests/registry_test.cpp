@@ -128,7 +128,7 @@ TEST(Registry, PluginBuiltAgainstAbi2IsRefusedSayingRebuild) {
   PluginError e = only_error(registry);
   EXPECT_EQ(e.code(), Code::abi_mismatch);
   EXPECT_EQ(std::string(e.what()), "plugin '" + plugin_file("test_abi_2").string() +
-                                       "' was built for ABI 2, this host supports 3 (ABI 3.4): rebuild the plugin against this spmdx. "
+                                       "' was built for ABI 2, this host supports 4 (ABI 4.0): rebuild the plugin against this spmdx. "
                                        "(ABI 3 moved the collectives into the host: a comm plugin built on the P2P backend now registers "
                                        "a Transport, see spmdx/transport.h.)");
   EXPECT_TRUE(registry.plugins().empty());

@@ -189,6 +189,7 @@ int run_compile(const CompileOptions& o) {
                      {"planner_seconds", seconds},
                      {"planner_peak_rss_bytes", peak_rss_bytes()},
                      {"fake", o.fake}};
+    j["decided_by"] = job.decided_by;  // who placed each mesh dim
     j["parameters_kept_whole"] = nlohmann::json::array();  // train::short_parameters: their dim 0 shorter than a sharding dim's degree
     for (const auto& short_ones : spmdx::train::short_parameters(spec, job)) {
       nlohmann::json names = nlohmann::json::array();
@@ -243,6 +244,7 @@ int run_compile(const CompileOptions& o) {
                                             }() + " (parameters, gradients, AdamW state and communication above: the whole model on one stage's mesh; the planned peak: stage 0's)\n" + stages_text
                                         : std::string())
             << (spec.memory_fit.empty() ? "" : spec.memory_fit + "\n");
+  for (const auto& line : job.decided_by) std::cout << line << "\n";
   for (const auto& short_ones : spmdx::train::short_parameters(spec, job)) std::cout << "warning: " << short_ones.line() << "\n";
   for (const auto& [layout, why] : spec.strategies_passed_over) {
     std::cout << "fallback: strategies " << layout << " passed over (" << why << ")\n";

@@ -238,7 +238,8 @@ const PluginDescriptor* open_descriptor(const fs::path& given) {
                           "): rebuild the plugin against this spmdx." +
                           (d->abi_major == 2 ? " (ABI 3 moved the collectives into the host: a comm plugin built on the P2P backend "
                                                "now registers a Transport, see spmdx/transport.h.)"
-                                             : ""));
+                           : d->abi_major == 3 ? " (ABI 4 gave TensorInfo a role: a plugin's ABI 3 source builds unchanged, only rebuild it.)"
+                                               : ""));
   }
   if (d->abi_minor > SPMDX_ABI_MINOR) {
     throw PluginError(Code::abi_mismatch, file,
@@ -565,21 +566,31 @@ std::unique_ptr<Strategy> PluginRegistry::make_strategy(std::string_view name, c
   return factories_->strategies.find(name)->second.factory(options);
 }
 
-std::unique_ptr<CommBackend> PluginRegistry::make_comm_backend_from_spec(const std::string& spec) {
+const PluginInfo& PluginRegistry::strategy_plugin(std::string_view name) {
+  ensure_factory(PluginKind::strategy, name);
+  return *find(factories_->strategies.find(name)->second.plugin);
+}
+
+PluginSpec parse_plugin_spec(const std::string& spec, const std::string& what) {
   const auto colon = spec.find(':');
-  Options options;
+  PluginSpec out{spec.substr(0, colon), {}};
   if (colon != std::string::npos) {
     std::stringstream list(spec.substr(colon + 1));
     std::string item;
     while (std::getline(list, item, ';')) {
       const auto eq = item.find('=');
-      if (eq == std::string::npos) throw std::invalid_argument("comm backend '" + spec + "': option '" + item + "' is not key=value");
-      if (!options.emplace(item.substr(0, eq), item.substr(eq + 1)).second) {
-        throw std::invalid_argument("comm backend '" + spec + "': option '" + item.substr(0, eq) + "' is given twice");
+      if (eq == std::string::npos) throw std::invalid_argument(what + " '" + spec + "': option '" + item + "' is not key=value");
+      if (!out.options.emplace(item.substr(0, eq), item.substr(eq + 1)).second) {
+        throw std::invalid_argument(what + " '" + spec + "': option '" + item.substr(0, eq) + "' is given twice");
       }
     }
   }
-  return make_comm_backend(spec.substr(0, colon), options);
+  return out;
+}
+
+std::unique_ptr<CommBackend> PluginRegistry::make_comm_backend_from_spec(const std::string& spec) {
+  const PluginSpec parsed = parse_plugin_spec(spec, "comm backend");
+  return make_comm_backend(parsed.name, parsed.options);
 }
 
 std::unique_ptr<CommBackend> PluginRegistry::make_comm_backend(std::string_view name, const Options& options) {

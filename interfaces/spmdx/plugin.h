@@ -34,6 +34,9 @@
 // unreadable_file and read_file_bytes (files.h: a FIFO or folder where a file should be).
 // 3.4: host service move_aside (files.h: an earlier run's file kept whole under the next free
 // name before it is replaced).
+// 4.0: TensorInfo::role (strategy.h: TensorRole), a field added to a struct plugins read, so a
+// major. Strategies take options ("name:key=value" in [parallelism.strategies]) through the
+// factory's Options, which needed no ABI change.
 //
 // Host services. A plugin may call, besides this folder's inline code, only the core
 // library's logging facade (spmdx/core/log.h) and the helpers declared in this folder
@@ -75,8 +78,8 @@
 #include "spmdx/strategy.h"
 #include "spmdx/transport.h"
 
-#define SPMDX_ABI_MAJOR 3
-#define SPMDX_ABI_MINOR 4
+#define SPMDX_ABI_MAJOR 4
+#define SPMDX_ABI_MINOR 0
 
 // The toolchain tag: the C++ standard library, its string/list ABI and whether exceptions are
 // on. The loader refuses a plugin whose tag differs from the host's.

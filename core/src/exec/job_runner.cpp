@@ -1076,6 +1076,7 @@ void print_banner(const train::JobSpec& spec, const train::PlacedJob& job, const
               at::get_num_threads(), at::get_num_threads() == 1 ? "" : "s",
               linears.c_str());
   for (const auto& s : train::short_parameters(spec, job)) std::printf("warning: %s\n", s.line().c_str());
+  for (const auto& line : job.decided_by) std::printf("%s\n", line.c_str());  // who placed each mesh dim
   if (const std::int64_t m = spec.step.microbatches; m > 1 && spec.pipeline.stages == 1) {
     const std::int64_t rows = spec.global_batch_size / (m * spec.dims.dp_replicate * spec.dims.dp_shard);
     std::printf("gradient accumulation: %lld microbatches of %lld row%s per data-parallel rank (training.local_batch_size), one optimizer step and one gradient reduction per step\n",

@@ -775,7 +775,43 @@ DistributedPlan propagate_optimal(const ir::Graph& graph, const DeviceMesh& mesh
   return plan;
 }
 
+namespace {
+
+// Which of a plan's per-operand redistributions run, as rank_graph (rewriter.cpp) makes them: a
+// value's version in given placements (version_key) is made once and reused by every later
+// reader, also a version passed on the way to another (`mul(%x, %x)` reading %x Replicate
+// twice all_reduces it once). first() is true for the reads that make one.
+class MadeOnce {
+ public:
+  explicit MadeOnce(const DistributedPlan& plan) : plan_(plan) {
+    for (const ir::Value* v : plan.graph->inputs()) have(v, plan.placement.at(v));
+  }
+  bool first(const ir::Value* v, const Placements& want, const ir::Node* reader) {
+    if (made_.count({v, plan_.version_key(v, want, reader)}) != 0) return false;
+    Placements state = plan_.placement.at(v);
+    for (const auto& step : redistribute_plan(plan_.mesh, v->meta(), state, want)) {
+      state[static_cast<std::size_t>(step.mesh_dim)] = step.to;
+      made_.insert({v, plan_.version_key(v, state, reader)});
+    }
+    return true;
+  }
+  void outputs_of(const ir::Node& node) {
+    for (const ir::Value* o : node.outputs()) have(o, plan_.placement.at(o));
+  }
+
+ private:
+  void have(const ir::Value* v, const Placements& pl) {
+    made_.insert({v, plan_.version_key(v, pl, nullptr)});
+    for (const auto& key : plan_.resharded_keys(pl)) made_.insert({v, key});
+  }
+  const DistributedPlan& plan_;
+  std::set<std::pair<const ir::Value*, std::string>> made_;
+};
+
+}  // namespace
+
 std::string DistributedPlan::str() const {
+  MadeOnce runs(*this);
   std::ostringstream out;
   out << "mesh " << mesh.str() << "; " << static_cast<std::int64_t>(comm_bytes) << " bytes sent per rank per run, about "
       << comm_seconds * 1e3 << " ms of communication (alpha-beta estimate)\n";
@@ -784,11 +820,12 @@ std::string DistributedPlan::str() const {
     const auto& in = inputs.at(node.get());
     for (std::size_t a = 0; a < in.size(); ++a) {
       const ir::Value* v = node->inputs()[a];
-      if (in[a] != placement.at(v)) {
+      if (in[a] != placement.at(v) && runs.first(v, in[a], node.get())) {  // what runs: one line per redistribution the ranks make
         out << "  redistribute " << v->ref() << " " << to_string(placement.at(v)) << " -> " << to_string(in[a]) << ": "
             << to_string(redistribute_plan(mesh, v->meta(), placement.at(v), in[a])) << "\n";
       }
     }
+    runs.outputs_of(*node);
     out << "  ";
     for (std::size_t a = 0; a < node->outputs().size(); ++a) {
       out << (a ? ", " : "") << node->outputs()[a]->ref() << ": " << to_string(placement.at(node->outputs()[a]));
@@ -814,6 +851,7 @@ std::string DistributedPlan::to_json() const {
   for (const ir::Value* v : graph->inputs()) j["inputs"][v->name()] = to_string(placement.at(v));
   j["nodes"] = json::array();
   j["redistributions"] = json::array();
+  MadeOnce runs(*this);
   for (const auto& node : graph->nodes()) {
     json n{{"id", node->id()}, {"op", node->op()}, {"inputs", json::array()}, {"outputs", json::array()}};
     const auto& in = inputs.at(node.get());
@@ -821,13 +859,15 @@ std::string DistributedPlan::to_json() const {
       n["inputs"].push_back(to_string(in[a]));
       const ir::Value* v = node->inputs()[a];
       if (in[a] == placement.at(v)) continue;
-      json r{{"value", v->ref()}, {"node", node->id()}, {"from", to_string(placement.at(v))}, {"to", to_string(in[a])}, {"steps", json::array()}};
+      json r{{"value", v->ref()}, {"node", node->id()}, {"from", to_string(placement.at(v))}, {"to", to_string(in[a])},
+             {"runs", runs.first(v, in[a], node.get())}, {"steps", json::array()}};
       for (const auto& step : redistribute_plan(mesh, v->meta(), placement.at(v), in[a])) {
         r["steps"].push_back({{"mesh_dim", step.mesh_dim}, {"op", step.op}, {"from", step.from.str()}, {"to", step.to.str()},
                               {"bytes", step.bytes}, {"seconds", step.seconds}});
       }
       j["redistributions"].push_back(std::move(r));
     }
+    runs.outputs_of(*node);
     for (const ir::Value* o : node->outputs()) n["outputs"].push_back(to_string(placement.at(o)));
     j["nodes"].push_back(std::move(n));
   }

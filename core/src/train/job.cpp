@@ -153,7 +153,16 @@ void read_strategies(const config::Config& cfg, JobSpec& s, Problems& problems) 
                    (other != elsewhere.end() ? other->second : std::string()) +
                    (near.empty() ? std::string() : "; did you mean '" + near + "'?"));
     }
-    if (plugin.empty()) problems.add({"parallelism.strategies"}, "[parallelism.strategies] " + dim + " names no plugin: give a strategy plugin's name (e.g. \"" + sharding::strategy_for(dim == "tp" ? "tp" : "dp_shard") + "\")");
+    if (plugin.empty() || plugin[0] == ':') {
+      problems.add({"parallelism.strategies"}, "[parallelism.strategies] " + dim + " names no plugin: give a strategy plugin's name (e.g. \"" +
+                   sharding::strategy_for(dim == "tp" ? "tp" : "dp_shard") + "\"), with options as \"name:key=value;key=value\"");
+      continue;
+    }
+    try {
+      parse_plugin_spec(plugin, "[parallelism.strategies] " + dim);
+    } catch (const std::invalid_argument& e) {
+      problems.add({"parallelism.strategies"}, std::string(e.what()) + ": write options as \"name:key=value;key=value\"");
+    }
   }
   if (cfg.get_bool("parallelism.strict")) return;
   for (const auto& entry : cfg.get_list("parallelism.fallback_strategies")) {
@@ -165,8 +174,9 @@ void read_strategies(const config::Config& cfg, JobSpec& s, Problems& problems) 
       const std::string binding = entry.substr(start, end - start);
       const std::size_t eq = binding.find('=');
       const std::string dim = eq == std::string::npos ? "" : binding.substr(0, eq), plugin = eq == std::string::npos ? "" : binding.substr(eq + 1);
-      ok = (dim == "dp_replicate" || dim == "dp_shard" || dim == "tp") && !plugin.empty() &&
-           plugin.find_first_not_of("abcdefghijklmnopqrstuvwxyz0123456789_") == std::string::npos && bound.insert(dim).second;  // plugin names are [a-z0-9_]+
+      const std::string name = plugin.substr(0, plugin.find(':'));  // options may follow: "fsdp_except_embeddings:keep=embedding"
+      ok = (dim == "dp_replicate" || dim == "dp_shard" || dim == "tp") && !name.empty() &&
+           name.find_first_not_of("abcdefghijklmnopqrstuvwxyz0123456789_") == std::string::npos && bound.insert(dim).second;  // plugin names are [a-z0-9_]+
       layout[dim] = plugin;
       start = end;
     }
@@ -824,7 +834,8 @@ std::vector<std::string> comm_plugin_names(const PluginRegistry& registry) {
 void check_strategy_names(const config::Config& cfg, const PluginRegistry& registry, const std::map<std::string, std::string>& strategies,
                           std::vector<std::string>& out) {
   const std::vector<std::string> known = strategy_factories(registry);
-  for (const auto& [dim, name] : strategies) {
+  for (const auto& [dim, spec] : strategies) {
+    const std::string name = spec.substr(0, spec.find(':'));  // "name:key=value;..."
     if (std::find(known.begin(), known.end(), name) != known.end()) continue;
     const std::string key = "parallelism.strategies." + dim;
     const PluginInfo* other = registry.find(name);
@@ -968,7 +979,8 @@ std::vector<std::string> preflight(const config::Config& cfg, std::int64_t world
   if (*spec && !(*spec)->fallback_strategies.empty()) {
     const std::vector<std::string> known = strategy_factories(registry);
     for (const auto& layout : (*spec)->fallback_strategies) {
-      for (const auto& [dim, plugin] : layout) {
+      for (const auto& [dim, bound] : layout) {
+        const std::string plugin = bound.substr(0, bound.find(':'));  // options may follow
         if (std::find(known.begin(), known.end(), plugin) != known.end() || load_error_of(registry, plugin) != nullptr) continue;
         const std::string near = nearest_word(plugin, known, 3);
         out.push_back(cfg.where({"parallelism.fallback_strategies"}) + ": parallelism.fallback_strategies names '" + plugin + "' for " + dim +
@@ -1185,10 +1197,11 @@ PlacedJob place_job(const JobSpec& spec, PluginRegistry& registry) {
                           : checkpoint_activations(job.model.graph, forward_nodes_of(job.model.graph), job.model.params, spec.activation_checkpoint, &job.checkpointed);
   }
   StrategyInput in;
+  const auto roles = sharding::parameter_roles(job.model.graph, job.model.params);
   for (const auto& init : job.model.init) {
-    if (init.trainable) in.parameters.push_back({init.name, init.shape});
+    if (init.trainable) in.parameters.push_back({init.name, init.shape, roles.count(init.name) ? roles.at(init.name) : TensorRole::unknown});
   }
-  for (const char* name : {"tokens", "labels"}) in.inputs.push_back({name, job.model.graph.find_input(name)->meta().shape});
+  for (const char* name : {"tokens", "labels"}) in.inputs.push_back({name, job.model.graph.find_input(name)->meta().shape, TensorRole::input});
   std::map<std::string, Options> options;
   if (!spec.tp_plan.empty()) {
     options["tensor_parallel"] = spec.tp_plan;
@@ -1198,7 +1211,10 @@ PlacedJob place_job(const JobSpec& spec, PluginRegistry& registry) {
       registry.make_strategy("tensor_parallel", spec.tp_plan)->place(one);
     }
   }
-  job.inputs = sharding::parallelize(registry, job.mesh, in, spec.strategies, options);
+  job.inputs = sharding::parallelize(registry, job.mesh, in, spec.strategies, options, &job.decided_by);
+  if (!spec.auto_choices.empty()) {
+    for (auto& line : job.decided_by) line += "; each op's strategy chosen by planner '" + spec.planner + "'";
+  }
   std::map<std::string, sharding::Placements> params;
   for (const auto& p : job.model.params) params[p] = job.inputs.at(p);
   job.use = sharding::use_placements(job.mesh, params);

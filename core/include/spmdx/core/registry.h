@@ -134,6 +134,9 @@ class PluginRegistry {
   /// "ucx:tls=tcp,self", the form of the config's comm.backend). Throws
   /// std::invalid_argument for an item that is not key=value, and what make_comm_backend throws.
   std::unique_ptr<CommBackend> make_comm_backend_from_spec(const std::string& spec);
+  /// The plugin that registered strategy `name` (loading plugins on demand as make_strategy
+  /// does); throws PluginError(unknown_plugin) as make_strategy.
+  const PluginInfo& strategy_plugin(std::string_view name);
   /// The plugin that registered comm backend `name` (loading plugins on demand as
   /// make_comm_backend does); throws PluginError(unknown_plugin) as make_comm_backend.
   const PluginInfo& comm_backend_plugin(std::string_view name);
@@ -153,6 +156,17 @@ class PluginRegistry {
   std::vector<std::string> warnings_;
   std::unique_ptr<Factories> factories_;
 };
+
+/// A plugin named with its options: "ucx", or "ucx:tls=tcp,self;rndv_thresh=8192".
+struct PluginSpec {
+  std::string name;
+  Options options;
+};
+
+/// Splits "name" or "name:key=value;key=value" (comm.backend, [parallelism.strategies]).
+/// `what` names the setting in messages ("comm backend", "strategy"). Throws
+/// std::invalid_argument for an item that is not key=value or a key given twice.
+PluginSpec parse_plugin_spec(const std::string& spec, const std::string& what);
 
 /// Opens one plugin file and returns its descriptor's fields (registered = false), after the
 /// trust check and the ABI check. Throws PluginError with a message that names the file and

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <map>
 #include <string>
+#include <vector>
 
 #include "spmdx/core/registry.h"
 #include "spmdx/sharding/distribute.h"
@@ -27,19 +28,35 @@ struct ParallelDims {
 /// Throws std::invalid_argument when a degree is < 1 or their product is not world_size.
 DeviceMesh make_mesh(const ParallelDims& dims, std::int64_t world_size);
 
+/// Each parameter's role (TensorRole, for StrategyInput's TensorInfo) from the ops of `graph`
+/// that read it, through casts, reshapes and transposes: an embedding lookup's table
+/// `embedding`; the weight or bias of the linear (matmul) whose result is the logits (read by
+/// the loss, or the graph output "logits") `output`; a normalization's `norm`; another
+/// linear's `linear`; else `unknown`. A table an embedding and the output both read (tied
+/// weights) is `embedding`. Parameters not in the graph are `unknown`.
+std::map<std::string, TensorRole> parameter_roles(const ir::Graph& graph, const std::vector<std::string>& parameters);
+
 /// The strategy plugin that decides each mesh dim (by the names above); throws
 /// std::invalid_argument for a dim of another name.
 std::string strategy_for(const std::string& mesh_dim);
 
 /// Runs each mesh dim's strategy (loaded through `registry`) on `in` and takes, for every
 /// tensor and mesh dim, the placement that dim's strategy gave. `strategies` names another
-/// strategy plugin for a mesh dim (a third party's, say); `options` gives a strategy its
-/// options by strategy name (tensor_parallel's plan). Throws std::invalid_argument when a
+/// strategy plugin for a mesh dim (a third party's, say), as "name" or with options
+/// "name:key=value;key=value" (parse_plugin_spec); `options` gives a strategy more options by
+/// strategy name (tensor_parallel's plan), under those of the spec. Throws std::invalid_argument when a
 /// strategy places a tensor that is not in `in` (the message lists the nearest names),
 /// PluginError for an unknown strategy, and whatever a strategy throws.
+/// Every answer is checked at this boundary: one Placement per mesh dim, and on the dim the
+/// strategy decides Replicate or Shard(d) of a dim the tensor has; anything else throws
+/// std::invalid_argument naming the strategy and its plugin (name, version, file), the tensor
+/// and the mesh dim, and what is allowed there.
+/// `decided_by`, when given, gets one line per mesh dim saying who placed it:
+/// "mesh dim tp (2): strategy 'tensor_parallel' (plugin tensor_parallel 0.3.0, /path/libspmdx_tensor_parallel.so)".
 std::map<std::string, Placements> parallelize(PluginRegistry& registry, const DeviceMesh& mesh, const StrategyInput& in,
                                               const std::map<std::string, std::string>& strategies = {},
-                                              const std::map<std::string, Options>& options = {});
+                                              const std::map<std::string, Options>& options = {},
+                                              std::vector<std::string>* decided_by = nullptr);
 
 /// The placements parameters are used in (propagate()'s `use`), one entry per parameter:
 /// Replicate on the data-parallel mesh dims (dp_replicate, dp_shard), where a shard is for

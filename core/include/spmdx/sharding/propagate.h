@@ -45,12 +45,15 @@ struct DistributedPlan {
   std::vector<std::string> resharded_keys(const Placements& placements) const;
 
   /// The logical graph annotated: each node with the placements it reads and writes, and each
-  /// redistribution with its steps.
+  /// redistribution that runs with its steps, once, before the node that makes it: a version
+  /// another operand or an earlier node made already is reused (rank_graph), not listed again.
   std::string str() const;
   /// The same as JSON: {"mesh": [{name, size}], "comm_bytes", "comm_seconds",
   /// "comm_bytes_by_dim": {dim name: bytes}, "inputs": {name: "S(0)R"},
-  /// "nodes": [{id, op, inputs: [...], outputs: [...]}], "redistributions": [{value, from, to,
-  /// steps: [{mesh_dim, op, from, to, bytes}]}], "outputs": {name: placements}}.
+  /// "nodes": [{id, op, inputs: [...], outputs: [...]}], "redistributions": [{value, node, from,
+  /// to, runs, steps: [{mesh_dim, op, from, to, bytes}]}], "outputs": {name: placements}}, one
+  /// redistribution per operand read in other placements; `runs` false where the ranks reuse a
+  /// version made before (str() leaves those out).
   std::string to_json() const;
 };
 

@@ -239,6 +239,9 @@ struct PlacedJob {
   std::map<std::string, sharding::Placements> outputs;
   std::map<std::string, sharding::Placements> use;  ///< parameters' placements at use (FSDP unshard)
   bool reshard_after_forward = true;
+  /// Who placed each mesh dim, one line per dim (sharding::parallelize's decided_by): printed
+  /// by `spmdx compile` and in the run's first lines.
+  std::vector<std::string> decided_by{};
   CheckpointReport checkpointed{};  ///< what activation checkpointing did to model.graph
   /// The mesh dim whose ranks shard the residual stream on the sequence (sequence parallelism:
   /// tp's index with parallelism.enable_sequence_parallel and tp > 1), or -1.
