@@ -1,4 +1,4 @@
-#include "spmdx/train/auto_sharding.h"
+#include "spmdx/job/auto_sharding.h"
 
 #include <nlohmann/json.hpp>
 
@@ -22,9 +22,11 @@
 #include "spmdx/plan/runtime_plan.h"
 #include "spmdx/sharding/redistribute.h"
 #include "spmdx/text.h"
+#include "spmdx/job/compile.h"
 #include "spmdx/train/pipeline.h"
 
-namespace spmdx::train {
+namespace spmdx::job {
+using namespace spmdx::train;
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -715,4 +717,4 @@ plan::StepEstimate estimate_job(const JobSpec& spec, PluginRegistry& registry, c
   return measure(job, spec, propagate_job(job), c, planning_ranks_per_host(spec.world_size), launch::usable_cpus(), nullptr, true);
 }
 
-}  // namespace spmdx::train
+}  // namespace spmdx::job
