@@ -95,8 +95,9 @@ int run_compile(const CompileOptions& o) {
   cfg.check(spmdx::job::preflight(cfg, world, registry, &tokenizer, &checked_spec, spmdx::job::Preflight::plan, "--world-size"));
   if (!cfg.ignored().empty()) std::cerr << cfg.ignored_text() << "\n";
   const spmdx::job::JobSpec& spec = checked_spec.value();
-  spmdx::job::PlacedJob job = spmdx::job::place_job(spec, registry);
-  const auto plan = spmdx::job::propagate_job(job);
+  spmdx::job::CompiledJob compiled = spmdx::job::compile_job(spec, registry);
+  const spmdx::job::PlacedJob& job = compiled.job;
+  const spmdx::sharding::DistributedPlan& plan = compiled.plan;
   const std::int64_t dumped_ranks = o.dump.empty() ? 0 : (o.fake ? 1 : world);
   if (!o.dump.empty()) {
     std::error_code ec;
@@ -113,17 +114,17 @@ int run_compile(const CompileOptions& o) {
   } else {
     spmdx::sharding::rank_graph(plan, 0);  // checks that the local shapes work out
   }
-  if (!cfg.get_list("hooks.enable").empty()) {  // compile-stage hooks: pictures, partition checks
+  if (!spec.hooks.enabled.empty()) {  // compile-stage hooks: pictures, partition checks
     spmdx::HookContext base;
     base.world_size = static_cast<int>(world);
     base.mesh = job.mesh.dims();
     base.coordinate = job.mesh.coordinate(0);
     base.compile_only = true;
-    spmdx::hooks::HookSet hooks = spmdx::hooks::make_hooks(spmdx::job::hook_spec(cfg), registry, base);
+    spmdx::hooks::HookSet hooks = spmdx::hooks::make_hooks(spec.hooks, registry, base);
     std::vector<std::int64_t> ranks;
     for (std::int64_t r = 0; r < (o.fake ? 1 : job.mesh.size()); ++r) ranks.push_back(r);
     hooks.compile(plan, ranks, spec.plan);
-    (o.json ? std::cerr : std::cout) << "hooks (" << spmdx::join(cfg.get_list("hooks.enable")) << ") ran on the compile stages; their files are under "
+    (o.json ? std::cerr : std::cout) << "hooks (" << spmdx::join(spec.hooks.enabled) << ") ran on the compile stages; their files are under "
               << (fs::path(cfg.get_string("job.dump_folder")) / "hooks").string() << "\n";
   }
   const spmdx::job::PlannedStep planned = spmdx::job::plan_step(job, spec);

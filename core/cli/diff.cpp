@@ -30,8 +30,9 @@ spmdx::plan::JobDump compile_for_diff(const std::string& config) {
   std::optional<spmdx::job::JobSpec> checked_spec;
   cfg.check(spmdx::job::preflight(cfg, world, registry, &tokenizer, &checked_spec, spmdx::job::Preflight::plan));
   const spmdx::job::JobSpec& spec = checked_spec.value();
-  spmdx::job::PlacedJob job = spmdx::job::place_job(spec, registry);
-  const auto plan = spmdx::job::propagate_job(job);
+  spmdx::job::CompiledJob compiled = spmdx::job::compile_job(spec, registry);
+  const spmdx::job::PlacedJob& job = compiled.job;
+  const spmdx::sharding::DistributedPlan& plan = compiled.plan;
   spmdx::plan::JobDump d;
   d.label = config;
   for (auto& [name, text] : dump_documents(job, plan, spec, world, /*everything=*/false)) {

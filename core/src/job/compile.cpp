@@ -28,17 +28,17 @@ HookContext hook_context(std::int64_t world_size, const PlacedJob* job) {
   return base;
 }
 
-PlanValidator validator_hooks(const config::Config& cfg, PluginRegistry& registry, std::int64_t world_size) {
-  return [&cfg, &registry, world_size](const PlacedJob& job, const sharding::DistributedPlan& plan) -> std::string {
-    if (cfg.get_list("hooks.enable").empty()) return "";
-    hooks::HookSet hooks = hooks::make_hooks(hook_spec(cfg), registry, hook_context(world_size, &job));
+PlanValidator validator_hooks(const JobSpec& spec, PluginRegistry& registry) {
+  return [hook_spec = spec.hooks, options = spec.plan, &registry, world_size = spec.world_size](const PlacedJob& job, const sharding::DistributedPlan& plan) -> std::string {
+    if (hook_spec.enabled.empty()) return "";
+    hooks::HookSet hooks = hooks::make_hooks(hook_spec, registry, hook_context(world_size, &job));
     std::vector<std::int64_t> ranks;
     for (std::int64_t r = 0; r < std::min<std::int64_t>(job.mesh.size(), 64); ++r) ranks.push_back(r);  // one stage's mesh with pipeline stages
     // Only the verdict counts here: the hooks' lines ("partition_validator: passed") are said
     // once, by rank 0 (or spmdx compile) running the compile stages of the job chosen.
     const log::ThreadLevel quiet(log::Level::error);
     try {
-      hooks.compile(plan, ranks, plan_options(cfg));
+      hooks.compile(plan, ranks, options);
     } catch (const ValidationError& e) {
       return e.what();
     }
@@ -71,10 +71,9 @@ void choose_strategies(JobSpec& spec, PluginRegistry& registry, const PlanValida
     std::string why;
     try {  // what a rank does before its first step: the budget's fit, the placements, rank 0's graph, the validators
       s.memory_fit = fit_memory_budget(s, registry);
-      const PlacedJob job = place_job(s, registry);
-      const auto plan = propagate_job(job);
-      sharding::rank_graph(plan, 0);
-      why = validate ? validate(job, plan) : "";
+      const CompiledJob compiled = compile_job(s, registry);
+      sharding::rank_graph(compiled.plan, 0);
+      why = validate ? validate(compiled.job, compiled.plan) : "";
     } catch (const std::exception& e) {
       why = e.what();
     }
@@ -253,6 +252,10 @@ PlacedJob place_job(const JobSpec& spec, PluginRegistry& registry) {
   }
   return job;
 }
+
+CompiledJob::CompiledJob(const JobSpec& spec, PluginRegistry& registry) : job(place_job(spec, registry)), plan(propagate_job(job)) {}
+
+CompiledJob compile_job(const JobSpec& spec, PluginRegistry& registry) { return CompiledJob(spec, registry); }
 
 sharding::DistributedPlan propagate_job(const PlacedJob& job) {
   return sharding::propagate(job.model.graph, job.mesh, job.inputs, job.outputs, job.use, job.reshard_after_forward, job.sequence_parallel_dim,

@@ -249,15 +249,16 @@ void check_comm_backends(const config::Config& cfg, PluginRegistry& registry, st
 
 // The hooks hooks.enable names, made as for a compile; with a plan (and for a run), the
 // validators run on it.
-void check_hooks(const config::Config& cfg, PluginRegistry& registry, std::int64_t world_size, const std::optional<PlacedJob>& job,
-                 const std::optional<sharding::DistributedPlan>& plan, bool run, std::vector<std::string>& out) {
+void check_hooks(const config::Config& cfg, PluginRegistry& registry, std::int64_t world_size, const std::optional<JobSpec>& spec,
+                 const std::optional<CompiledJob>& compiled, bool run, std::vector<std::string>& out) {
+  const PlacedJob* job = compiled ? &compiled->job : nullptr;
   try {
-    if (plan && run) {  // the validators' verdicts (partition_validator), as rank 0 would give them after start (compile runs them itself)
-      if (const std::string refused = validator_hooks(cfg, registry, world_size)(*job, *plan); !refused.empty()) {
+    if (compiled && run) {  // the validators' verdicts (partition_validator), as rank 0 would give them after start (compile runs them itself)
+      if (const std::string refused = validator_hooks(*spec, registry)(compiled->job, compiled->plan); !refused.empty()) {
         out.push_back(cfg.where({"hooks.enable"}) + ": " + refused);
       }
     } else {
-      hooks::make_hooks(hook_spec(cfg), registry, hook_context(world_size, job ? &*job : nullptr));
+      hooks::make_hooks(spec ? spec->hooks : hook_spec(cfg), registry, hook_context(world_size, job));  // the config's, when no JobSpec could be made
     }
   } catch (const std::invalid_argument& e) {
     // A line per problem; one about an option names where the config set it.
@@ -347,39 +348,36 @@ std::vector<std::string> preflight(const config::Config& cfg, std::int64_t world
     strategies_found = attempt({"parallelism.strategy", "parallelism.planner"}, [&] { choose_auto(**spec, registry); });
   } else if (*spec && !(*spec)->fallback_strategies.empty() && plugins_ok && strategies_found) {
     strategies_found = attempt({"parallelism.strategies", "parallelism.fallback_strategies"},
-                               [&] { choose_strategies(**spec, registry, validator_hooks(cfg, registry, world_size)); });
+                               [&] { choose_strategies(**spec, registry, validator_hooks(**spec, registry)); });
   }
   const std::size_t before_strategies = out.size();
   if (*spec && strategies_found) check_strategy_names(cfg, registry, (*spec)->strategies, out);
   strategies_found = strategies_found && out.size() == before_strategies;
   if (run && world_size > 1 && !cfg.has_problem("comm.")) check_comm_backends(cfg, registry, out);
-  std::optional<PlacedJob> job;
-  std::optional<sharding::DistributedPlan> plan;
+  std::optional<CompiledJob> compiled;
   if (*spec && plugins_ok && strategies_found) {  // what `spmdx compile` finds: placements and local shapes
     auto place = [&] {
-      job.emplace(place_job(**spec, registry));
-      plan.emplace(propagate_job(*job));
-      sharding::rank_graph(*plan, 0);
+      compiled.emplace(**spec, registry);  // in place: the plan points at its graph
+      sharding::rank_graph(compiled->plan, 0);
     };
     const bool placed = attempt({"model.name", "model.flavor", "model.tokenizer", "model.path", kDegreeKeys[0], kDegreeKeys[1], kDegreeKeys[2],
                                  "parallelism.tp_plan", "parallelism.strategies"}, place);
     // Over the budget: the job as fit_memory_budget changed it, or a problem naming the largest tensors.
     if (placed && (*spec)->memory_budget > 0 && (*spec)->fallback_strategies.empty() && !(*spec)->auto_strategy) {  // (choose_strategies fitted it already)
-      job.reset();
-      plan.reset();
+      compiled.reset();
       if (attempt({"parallelism.memory_budget"}, [&] { (*spec)->memory_fit = fit_memory_budget(**spec, registry); })) place();
     }
     // The initial weights' names, shapes and dtypes, from the files' headers; a job that will
     // resume from its own checkpoint never reads them (as torchtitan's initial_load_path).
-    if (const CheckpointSpec& ckpt = (*spec)->checkpoint; run && job && !ckpt.initial_load_path.empty() && !has_checkpoint(ckpt)) {
+    if (const CheckpointSpec& ckpt = (*spec)->checkpoint; run && compiled && !ckpt.initial_load_path.empty() && !has_checkpoint(ckpt)) {
       try {
-        models::plan_weight_load(ckpt.initial_load_path, job->model);
+        models::plan_weight_load(ckpt.initial_load_path, compiled->job.model);
       } catch (const std::exception& e) {  // a line per tensor, each said where the path was set
         for (const auto& line : split_lines(e.what())) out.push_back(cfg.where({"checkpoint.initial_load_path"}) + ": " + line);
       }
     }
   }
-  if (!cfg.get_list("hooks.enable").empty() && !cfg.has_problem("hooks.")) check_hooks(cfg, registry, world_size, job, plan, run, out);
+  if (!cfg.get_list("hooks.enable").empty() && !cfg.has_problem("hooks.")) check_hooks(cfg, registry, world_size, *spec, compiled, run, out);
   return out;
 }
 

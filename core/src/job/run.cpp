@@ -262,7 +262,7 @@ void say_nothing_to_do(const std::filesystem::path& ckpt_dir, std::int64_t resum
 }
 
 // Debug hooks: made on every rank, each told where it runs.
-hooks::HookSet make_job_hooks(const config::Config& cfg, const launch::RankEnv& env, const PlacedJob& job, PluginRegistry& registry,
+hooks::HookSet make_job_hooks(const JobSpec& spec, const launch::RankEnv& env, const PlacedJob& job, PluginRegistry& registry,
                               Store* store, double timeout, std::int64_t first_step) {
   HookContext hook_base;
   hook_base.rank = env.rank;
@@ -272,7 +272,7 @@ hooks::HookSet make_job_hooks(const config::Config& cfg, const launch::RankEnv& 
   hook_base.store = store;
   hook_base.timeout_seconds = timeout;
   hook_base.first_step = first_step;
-  return hooks::make_hooks(hook_spec(cfg), registry, hook_base);
+  return hooks::make_hooks(spec.hooks, registry, hook_base);
 }
 
 // Loads checkpoint `step` over `state` (the trained tensors; buffers stay as made) and puts the
@@ -427,7 +427,7 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
   // rank's comes from SLURM_LOCALID or OMPI_COMM_WORLD_LOCAL_RANK. Set before any thread starts.
   ::setenv("LOCAL_RANK", std::to_string(env.local_rank).c_str(), /*overwrite=*/0);
   std::optional<SignalDumper> signals;
-  if (!cfg.get_list("hooks.enable").empty()) {
+  if (hooks_enabled(cfg)) {
     signals.emplace();  // before any thread starts
   } else {
     std::signal(SIGUSR1, SIG_IGN);  // a dump request (the launcher passes it on) with nothing to dump
@@ -435,13 +435,13 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
   const Fault fault = parse_fault(std::getenv("SPMDX_FAULT"));
   // Ranks on one host share its cores: each takes its part for intra-op threads.
   at::set_num_threads(intra_op_threads(env.local_world_size));
-  const auto tokenizer = data::make_tokenizer(cfg.get_string("model.tokenizer"));
+  const auto tokenizer = job_tokenizer(cfg);
   PluginRegistry registry;
   discover_plugins(registry, cfg);
   // The config read once; under parallelism.memory_budget, changed as the launcher's check chose.
   const JobSpec spec = [&] {
     JobSpec s = job_spec(cfg, env.world_size, tokenizer->vocab_size());
-    choose_strategies(s, registry, validator_hooks(cfg, registry, env.world_size));  // as the launcher chose
+    choose_strategies(s, registry, validator_hooks(s, registry));  // as the launcher chose
     return s;
   }();
   check_runnable(cfg);
@@ -458,9 +458,10 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
     return 0;
   }
 
-  PlacedJob job = place_job(spec, registry);
+  CompiledJob compiled = compile_job(spec, registry);
+  PlacedJob& job = compiled.job;
+  const sharding::DistributedPlan& plan = compiled.plan;
   check_fault(fault, env, spec, job);
-  const auto plan = propagate_job(job);
   std::int64_t kept_collectives = 0;
   // With pipeline stages, this rank plans as its place on one stage's mesh and runs its stage.
   const std::int64_t plan_rank = env.rank % job.mesh.size();
@@ -471,7 +472,7 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
   Joined joined = join_job(cfg, env, timeout);
   // Debug hooks: made on every rank; the compile stages run on rank 0, before any backend
   // joins, so a validator that fails stops the job before its first step.
-  hooks::HookSet hooks = make_job_hooks(cfg, env, job, registry, joined.store.get(), timeout, first_step);
+  hooks::HookSet hooks = make_job_hooks(spec, env, job, registry, joined.store.get(), timeout, first_step);
   if (signals) signals->start(&hooks);
   if (lead && !hooks.empty()) {
     std::vector<std::int64_t> ranks;

@@ -529,6 +529,7 @@ JobSpec job_spec(const config::Config& cfg, std::int64_t world_size, std::int64_
   s.planner_time_limit = cfg.get_float("parallelism.planner_time_limit_seconds");
   s.step.max_norm = cfg.get_float("training.max_norm");
   s.plan = plan_options(cfg);
+  s.hooks = hook_spec(cfg);
   s.step.adamw = {cfg.get_float("optimizer.beta1"), cfg.get_float("optimizer.beta2"), cfg.get_float("optimizer.eps"),
                   cfg.get_float("optimizer.weight_decay")};
   read_sections(cfg, s);
@@ -553,6 +554,10 @@ JobSpec job_spec(const config::Config& cfg, std::int64_t world_size, std::int64_
   problems.throw_if_any();
   return s;
 }
+
+std::unique_ptr<data::Tokenizer> job_tokenizer(const config::Config& cfg) { return data::make_tokenizer(cfg.get_string("model.tokenizer")); }
+
+bool hooks_enabled(const config::Config& cfg) { return !cfg.get_list("hooks.enable").empty(); }
 
 void discover_plugins(PluginRegistry& registry, const config::Config& cfg) {
   const auto& listed = cfg.get_list("plugins.paths");

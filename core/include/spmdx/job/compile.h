@@ -108,10 +108,25 @@ std::vector<ShortParameters> short_parameters(const JobSpec& spec, const PlacedJ
 /// asks) and where its inputs go on the mesh, by the strategy plugins.
 PlacedJob place_job(const JobSpec& spec, PluginRegistry& registry);
 
-/// What a validator hook (hooks.enable, e.g. partition_validator) says of a placed job, as it
+/// A job compiled: its train step placed and the plan every rank builds before its first step.
+/// Made in place and never moved: the plan points at job.model.graph.
+struct CompiledJob {
+  CompiledJob(const JobSpec& spec, PluginRegistry& registry);  ///< as compile_job
+  CompiledJob(const CompiledJob&) = delete;
+  CompiledJob& operator=(const CompiledJob&) = delete;
+  PlacedJob job;
+  sharding::DistributedPlan plan;  ///< propagate_job(job)
+};
+
+/// place_job, then propagate_job: the one way `spmdx run`, `compile` and `diff`, the strategy
+/// fallbacks and the auto planner compile a JobSpec (which preflight checked and made).
+/// Throws what place_job and propagation throw (std::invalid_argument naming the plugin or op).
+CompiledJob compile_job(const JobSpec& spec, PluginRegistry& registry);
+
+/// What a validator hook (spec.hooks, e.g. partition_validator) says of a placed job, as it
 /// would on rank 0 before the first step: "" when none objects (or none is enabled).
 using PlanValidator = std::function<std::string(const PlacedJob&, const sharding::DistributedPlan&)>;
-PlanValidator validator_hooks(const config::Config& cfg, PluginRegistry& registry, std::int64_t world_size);
+PlanValidator validator_hooks(const JobSpec& spec, PluginRegistry& registry);
 
 /// With parallelism.fallback_strategies: the first layout ([parallelism.strategies], then each
 /// fallback over it) whose plugins are found and place the job, that meets

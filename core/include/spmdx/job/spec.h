@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -14,6 +15,7 @@
 #include "spmdx/config/config.h"
 #include "spmdx/core/registry.h"
 #include "spmdx/data/text_dataset.h"
+#include "spmdx/data/tokenizer.h"
 #include "spmdx/hooks/hook_set.h"
 #include "spmdx/models/model.h"
 #include "spmdx/plan/runtime_plan.h"
@@ -159,6 +161,7 @@ struct JobSpec {
   DataSpec data;              ///< [data] and model.tokenizer
   OutputSpec output;          ///< job.dump_folder, [metrics], [debug], [profiling]
   ValidationSpec validation;  ///< [validation]
+  hooks::HookSpec hooks;      ///< hooks.enable and [hooks.<name>] (hook_spec)
 };
 
 /// The RuntimePlan's options from [comm]: bucket_cap_mb and first_bucket_cap_mb (MiB ->
@@ -192,6 +195,13 @@ std::int64_t degree_product(const config::Config& cfg);
 /// "--world-size", when the caller's command line starts or counts them by a flag) or a
 /// degree, as the flag that fits ("--parallelism.data_parallel_shard_degree -1").
 JobSpec job_spec(const config::Config& cfg, std::int64_t world_size, std::int64_t vocab_size, const std::string& start_flag = "");
+
+/// model.tokenizer's tokenizer: what a rank makes before its JobSpec, whose vocabulary it sets.
+std::unique_ptr<data::Tokenizer> job_tokenizer(const config::Config& cfg);
+
+/// Whether hooks.enable names any hook: a rank asks before its JobSpec, to block the signals its
+/// hooks dump on before any thread starts (signals.h).
+bool hooks_enabled(const config::Config& cfg);
 
 /// CommSpec::chain from comm.backend, comm.fallback and comm.strict.
 std::vector<std::string> comm_chain(const config::Config& cfg);
