@@ -13,7 +13,9 @@
 #include "spmdx/exec/trainer.h"
 #include "spmdx/sharding/distribute.h"
 #include "spmdx/train/activation_checkpoint.h"
-#include "spmdx/train/job.h"
+#include "spmdx/job/compile.h"
+#include "spmdx/job/preflight.h"
+#include "spmdx/job/spec.h"
 #include "spmdx/train/train_step.h"
 
 namespace spmdx::train {
@@ -146,10 +148,10 @@ TEST(ActivationCheckpoint, KeepCollectiveOutputsMergesOnlyTheRecomputationsColle
     cfg.override_value("activation_checkpoint.keep_collective_outputs", keep ? "true" : "false");
     PluginRegistry registry;
     registry.discover({{BUILTIN_PLUGIN_DIR, PluginSource::Origin::builtin}});
-    const JobSpec spec = job_spec(cfg, 4, 256);
-    const PlacedJob job = place_job(spec, registry);
-    const auto plan = train::propagate_job(job);
-    return rank_step_graph(plan, 0, spec, kept);
+    const job::JobSpec spec = job::job_spec(cfg, 4, 256);
+    const job::PlacedJob job = job::place_job(spec, registry);
+    const auto plan = job::propagate_job(job);
+    return job::rank_step_graph(plan, 0, spec, kept);
   };
   auto collectives = [](const ir::Graph& g) {
     std::map<std::string, int> n;

@@ -17,8 +17,10 @@
 #include "spmdx/plan/memory_plan.h"
 #include "spmdx/plan/runtime_plan.h"
 #include "spmdx/sharding/distribute.h"
-#include "spmdx/train/auto_sharding.h"
-#include "spmdx/train/job.h"
+#include "spmdx/job/auto_sharding.h"
+#include "spmdx/job/compile.h"
+#include "spmdx/job/preflight.h"
+#include "spmdx/job/spec.h"
 #include "spmdx/train/pipeline.h"
 #include "test_util.h"
 
@@ -101,12 +103,12 @@ TEST(AutoPlanner, AnUnknownPlannerIsNamed) {
   }
 }
 
-train::JobSpec spec_of(const std::string& config, std::int64_t replicate, std::int64_t shard, std::int64_t tp) {
+job::JobSpec spec_of(const std::string& config, std::int64_t replicate, std::int64_t shard, std::int64_t tp) {
   config::Config cfg = config::Config::load(std::string(SPMDX_SOURCE_DIR "/configs/") + config);
   cfg.override_value("parallelism.data_parallel_replicate_degree", std::to_string(replicate));
   cfg.override_value("parallelism.data_parallel_shard_degree", std::to_string(shard));
   cfg.override_value("parallelism.tensor_parallel_degree", std::to_string(tp));
-  return train::job_spec(cfg, replicate * shard * tp, 256);
+  return job::job_spec(cfg, replicate * shard * tp, 256);
 }
 
 // The ILP's plan costs no more than the greedy one in the problem it solves, every choice it
@@ -116,12 +118,12 @@ TEST(PropagateOptimal, NeverCostsMoreThanGreedyAndKeepsTheOutputs) {
   for (const auto& [config, r, s, t] : {std::tuple{"mlp_dp.toml", 4, 1, 1}, std::tuple{"mlp_dp.toml", 1, 2, 2}, std::tuple{"llama_fsdp.toml", 1, 2, 2},
                                         std::tuple{"llama_fsdp.toml", 2, 2, 1}}) {
     SCOPED_TRACE(std::string(config) + " " + std::to_string(r) + "x" + std::to_string(s) + "x" + std::to_string(t));
-    const train::JobSpec spec = spec_of(config, r, s, t);
-    const train::PlacedJob job = train::place_job(spec, registry());
-    const auto greedy = train::propagate_job(job);
+    const job::JobSpec spec = spec_of(config, r, s, t);
+    const job::PlacedJob job = job::place_job(spec, registry());
+    const auto greedy = job::propagate_job(job);
     std::vector<sharding::IntraOpDim> report;
     const auto planner = cbc();
-    const auto optimal = train::propagate_job(job, *planner, sharding::IntraOpCostModel{}, &report);
+    const auto optimal = job::propagate_job(job, *planner, sharding::IntraOpCostModel{}, &report);
     ASSERT_FALSE(report.empty());
     for (const auto& d : report) {
       EXPECT_LE(d.chosen_seconds, d.greedy_seconds * (1 + 1e-9)) << d.mesh_dim;
@@ -130,7 +132,7 @@ TEST(PropagateOptimal, NeverCostsMoreThanGreedyAndKeepsTheOutputs) {
     }
     EXPECT_EQ(optimal.outputs, greedy.outputs);
     // Both plans run: rank 0's program has the same outputs and shapes.
-    const ir::Graph a = train::rank_program(job, greedy, 0, spec), b = train::rank_program(job, optimal, 0, spec);
+    const ir::Graph a = job::rank_program(job, greedy, 0, spec), b = job::rank_program(job, optimal, 0, spec);
     for (const auto& [name, v] : a.outputs()) {
       ASSERT_NE(b.find_output(name), nullptr) << name;
       EXPECT_EQ(b.find_output(name)->meta().shape, v->meta().shape) << name;
@@ -218,10 +220,10 @@ TEST(Estimate, RankTrafficIsThePlansOwn) {
   for (const auto& [config, r, s, t] : {std::tuple{"mlp_dp.toml", 4, 1, 1}, std::tuple{"mlp_dp.toml", 1, 2, 2}, std::tuple{"llama_fsdp.toml", 1, 2, 2},
                                         std::tuple{"llama_fsdp.toml", 2, 2, 1}, std::tuple{"llama_fsdp.toml", 1, 1, 4}}) {
     SCOPED_TRACE(std::string(config) + " " + std::to_string(r) + "x" + std::to_string(s) + "x" + std::to_string(t));
-    const train::JobSpec spec = spec_of(config, r, s, t);
-    const train::PlacedJob job = train::place_job(spec, registry());
-    const auto plan = train::propagate_job(job);
-    const plan::Traffic traffic = plan::rank_traffic(train::rank_program(job, plan, 0, spec), job.mesh);
+    const job::JobSpec spec = spec_of(config, r, s, t);
+    const job::PlacedJob job = job::place_job(spec, registry());
+    const auto plan = job::propagate_job(job);
+    const plan::Traffic traffic = plan::rank_traffic(job::rank_program(job, plan, 0, spec), job.mesh);
     ASSERT_EQ(traffic.bytes_by_dim.size(), plan.comm_bytes_by_dim.size());
     for (std::size_t d = 0; d < traffic.bytes_by_dim.size(); ++d) {
       EXPECT_LE(traffic.bytes_by_dim[d], plan.comm_bytes_by_dim[d] * (1 + 1e-9)) << "mesh dim " << d;
@@ -252,20 +254,20 @@ TEST(Estimate, APipelineStepIsTheSlowestStageOverItsBusyShare) {
   config::Config cfg = config::Config::load(SPMDX_SOURCE_DIR "/configs/llama_fsdp.toml");
   cfg.override_value("parallelism.pipeline_parallel_degree", "2");
   cfg.override_value("parallelism.data_parallel_shard_degree", "2");
-  const train::JobSpec spec = train::job_spec(cfg, 4, 256);
-  const train::PlacedJob job = train::place_job(spec, registry());
-  const auto plan = train::propagate_job(job);
-  const auto mesh = train::run_mesh(job);
+  const job::JobSpec spec = job::job_spec(cfg, 4, 256);
+  const job::PlacedJob job = job::place_job(spec, registry());
+  const auto plan = job::propagate_job(job);
+  const auto mesh = job::run_mesh(job);
   ASSERT_EQ(mesh.dims()[0].name, "pp");
   for (std::int64_t stage = 0; stage < 2; ++stage) {
     train::StageGraph staged;
-    const ir::Graph g = train::rank_program(job, plan, stage * job.mesh.size(), spec, nullptr, &staged);
+    const ir::Graph g = job::rank_program(job, plan, stage * job.mesh.size(), spec, nullptr, &staged);
     const plan::Traffic t = plan::rank_traffic(g, mesh);
     EXPECT_EQ(t.bytes_by_dim[0], static_cast<double>(staged.bytes_sent)) << "stage " << stage;
     EXPECT_EQ(t.messages_by_dim[0], static_cast<double>(staged.sends)) << "stage " << stage;
     EXPECT_GT(t.bytes_by_dim[1], 0) << "stage " << stage << ": its gradients' reduce_scatter over dp_shard";
   }
-  const plan::StepEstimate whole = train::estimate_job(spec, registry(), plan::Calibration{});
+  const plan::StepEstimate whole = job::estimate_job(spec, registry(), plan::Calibration{});
   EXPECT_EQ(whole.stages, 2);
   EXPECT_DOUBLE_EQ(whole.bubble_fraction, train::bubble_fraction(job.pipeline));
   EXPECT_NEAR(whole.step_seconds, *std::max_element(whole.stage_seconds.begin(), whole.stage_seconds.end()) / (1 - whole.bubble_fraction), 1e-12);
@@ -281,10 +283,10 @@ TEST(AutoSharding, EnumeratesPipelineStagesUpToTheLayers) {
   cfg.override_value("parallelism.planner", "greedy");
   cfg.override_value("training.global_batch_size", "8");
   cfg.override_value("job.dump_folder", dir.path().string());
-  const train::JobSpec spec = train::job_spec(cfg, 4, 256);
+  const job::JobSpec spec = job::job_spec(cfg, 4, 256);
   ASSERT_EQ(spec.model.n_layers, 2);
   std::set<std::string> names;
-  for (const auto& p : train::plan_auto(spec, registry(), plan::Calibration{}).plans) {
+  for (const auto& p : job::plan_auto(spec, registry(), plan::Calibration{}).plans) {
     SCOPED_TRACE(p.layout);
     ASSERT_EQ(p.error, "");
     names.insert(p.layout);
@@ -298,12 +300,12 @@ TEST(AutoSharding, EnumeratesPipelineStagesUpToTheLayers) {
     EXPECT_GT(p.chosen.comm_bytes_by_dim.at(0), 0) << "the activations sent between the stages";
     EXPECT_EQ(p.extrapolated, p.microbatches > 4);
     // Priced as the ranks would run it (every microbatch unrolled): an extrapolated layout agrees.
-    train::JobSpec exact = spec;
+    job::JobSpec exact = spec;
     exact.auto_strategy = false;
     exact.dims = p.dims;
     exact.pipeline.stages = 2;
     exact.step.microbatches = exact.pipeline.microbatches = p.microbatches;
-    const plan::StepEstimate e = train::estimate_job(exact, registry(), plan::Calibration{});
+    const plan::StepEstimate e = job::estimate_job(exact, registry(), plan::Calibration{});
     EXPECT_NEAR(p.chosen.step_seconds, e.step_seconds, 0.02 * e.step_seconds);
     EXPECT_NEAR(static_cast<double>(p.chosen.peak_bytes), static_cast<double>(e.peak_bytes), 0.05 * static_cast<double>(e.peak_bytes));
     EXPECT_EQ(p.chosen.comm_bytes_by_dim, e.comm_bytes_by_dim);
@@ -314,21 +316,21 @@ TEST(AutoSharding, EnumeratesPipelineStagesUpToTheLayers) {
   // A budget only pipelined layouts meet: auto chooses one, its stages and microbatches become
   // the job's, and auto_plan.json gives them back.
   std::int64_t flat = 0, piped = 0;
-  for (const auto& p : train::plan_auto(spec, registry(), plan::Calibration{}).plans) {
+  for (const auto& p : job::plan_auto(spec, registry(), plan::Calibration{}).plans) {
     std::int64_t& least = p.stages == 1 ? flat : piped;
     least = least == 0 ? p.chosen.peak_bytes : std::min(least, p.chosen.peak_bytes);
   }
   ASSERT_LT(piped, flat);
-  train::JobSpec budgeted = spec;
+  job::JobSpec budgeted = spec;
   budgeted.memory_budget = flat - 1;
-  const train::AutoReport report = train::choose_auto(budgeted, registry());
+  const job::AutoReport report = job::choose_auto(budgeted, registry());
   EXPECT_EQ(report.plans.front().stages, 2);
   EXPECT_FALSE(report.plans.front().extrapolated) << "the first is priced with every microbatch";
   {
-    train::JobSpec exact = budgeted;
+    job::JobSpec exact = budgeted;
     exact.auto_strategy = false;
     exact.auto_choices.clear();
-    EXPECT_EQ(report.plans.front().chosen.peak_bytes, train::estimate_job(exact, registry(), plan::Calibration{}).peak_bytes);
+    EXPECT_EQ(report.plans.front().chosen.peak_bytes, job::estimate_job(exact, registry(), plan::Calibration{}).peak_bytes);
   }
   for (const auto& p : report.plans) EXPECT_TRUE(p.intra.empty() || p.fits) << p.layout << ": the planner ran on a layout over the budget";
   EXPECT_EQ(budgeted.pipeline.stages, 2);
@@ -336,17 +338,17 @@ TEST(AutoSharding, EnumeratesPipelineStagesUpToTheLayers) {
   EXPECT_EQ(budgeted.pipeline.microbatches, report.plans.front().microbatches);
   EXPECT_THAT(budgeted.auto_report, HasSubstr("auto: chose pp 2 x "));
   EXPECT_THAT(budgeted.auto_report, HasSubstr("pipeline bubble"));
-  train::JobSpec again = spec;
+  job::JobSpec again = spec;
   again.memory_budget = flat - 1;
-  train::choose_auto(again, registry());
+  job::choose_auto(again, registry());
   EXPECT_EQ(again.pipeline.stages, 2);
   EXPECT_EQ(again.dims.tp, budgeted.dims.tp);
   EXPECT_EQ(again.step.microbatches, budgeted.step.microbatches);
-  const train::PlacedJob job = train::place_job(budgeted, registry());
-  EXPECT_EQ(train::run_mesh(job).size(), 4);
+  const job::PlacedJob job = job::place_job(budgeted, registry());
+  EXPECT_EQ(job::run_mesh(job).size(), 4);
 
   cfg.override_value("parallelism.pipeline_parallel_degree", "2");
-  for (const auto& p : train::plan_auto(train::job_spec(cfg, 4, 256), registry(), plan::Calibration{}).plans) EXPECT_EQ(p.stages, 2) << p.layout;
+  for (const auto& p : job::plan_auto(job::job_spec(cfg, 4, 256), registry(), plan::Calibration{}).plans) EXPECT_EQ(p.stages, 2) << p.layout;
 
   // More than 32 microbatches (global batch 128 over 2 data-parallel ranks in rows of 1): the
   // pipelined layout cannot run, naming the key that raises the rows.
@@ -354,7 +356,7 @@ TEST(AutoSharding, EnumeratesPipelineStagesUpToTheLayers) {
   big.override_value("parallelism.pipeline_parallel_degree", "1");
   big.override_value("training.global_batch_size", "128");
   bool named = false;
-  for (const auto& p : train::plan_auto(train::job_spec(big, 4, 256), registry(), plan::Calibration{}).plans) {
+  for (const auto& p : job::plan_auto(job::job_spec(big, 4, 256), registry(), plan::Calibration{}).plans) {
     if (p.layout == "pp 2 x dp_replicate 2") {
       EXPECT_THAT(p.error, HasSubstr("64 microbatches of 1 rows (parallelism.pipeline_parallel_microbatch_size), more than the 32"));
       named = true;
@@ -368,7 +370,7 @@ TEST(AutoSharding, EnumeratesPipelineStagesUpToTheLayers) {
   split.override_value("parallelism.strategy", "auto");
   split.override_value("parallelism.pipeline_parallel_split_points", "layers.1");
   try {
-    train::job_spec(split, 4, 256);
+    job::job_spec(split, 4, 256);
     ADD_FAILURE() << "no error";
   } catch (const std::exception& e) {
     EXPECT_THAT(e.what(), HasSubstr("parallelism.pipeline_parallel_split_points is set, but parallelism.strategy = \"auto\" chooses the pipeline stages"));
@@ -377,7 +379,7 @@ TEST(AutoSharding, EnumeratesPipelineStagesUpToTheLayers) {
   config::Config mlp = config::Config::load(SPMDX_SOURCE_DIR "/configs/mlp_dp.toml");
   mlp.override_value("parallelism.strategy", "auto");
   mlp.override_value("parallelism.planner", "greedy");
-  for (const auto& p : train::plan_auto(train::job_spec(mlp, 4, 256), registry(), plan::Calibration{}).plans) EXPECT_EQ(p.stages, 1) << p.layout;
+  for (const auto& p : job::plan_auto(job::job_spec(mlp, 4, 256), registry(), plan::Calibration{}).plans) EXPECT_EQ(p.stages, 1) << p.layout;
 }
 
 // A budget under the data-parallel layouts' peak (parameters, gradients and AdamW state whole on
@@ -387,8 +389,8 @@ TEST(AutoSharding, ABudgetThatExcludesDataParallelIsNotMetByIt) {
   config::Config cfg = config::Config::load(SPMDX_SOURCE_DIR "/configs/llama_fsdp.toml");
   cfg.override_value("parallelism.strategy", "auto");
   cfg.override_value("job.dump_folder", dir.path().string());
-  train::JobSpec spec = train::job_spec(cfg, 4, 256);
-  const train::AutoReport all = train::plan_auto(spec, registry(), plan::Calibration{});
+  job::JobSpec spec = job::job_spec(cfg, 4, 256);
+  const job::AutoReport all = job::plan_auto(spec, registry(), plan::Calibration{});
   std::int64_t dp_peak = 0, best_other = 0;
   for (const auto& p : all.plans) {
     ASSERT_EQ(p.error, "") << p.layout;
@@ -397,16 +399,16 @@ TEST(AutoSharding, ABudgetThatExcludesDataParallelIsNotMetByIt) {
   }
   ASSERT_GT(dp_peak, best_other);
   spec.memory_budget = (dp_peak + best_other) / 2;
-  train::JobSpec chosen = spec;
-  const train::AutoReport report = train::choose_auto(chosen, registry());
+  job::JobSpec chosen = spec;
+  const job::AutoReport report = job::choose_auto(chosen, registry());
   EXPECT_NE(report.plans.front().layout, "dp_replicate 4");
   EXPECT_LE(report.plans.front().chosen.peak_bytes, spec.memory_budget);
   EXPECT_EQ(chosen.pipeline.stages * chosen.dims.dp_replicate * chosen.dims.dp_shard * chosen.dims.tp, 4);
   EXPECT_TRUE(std::filesystem::exists(dir / "auto_plan.json"));
   EXPECT_THAT(report.text(), HasSubstr("why: against"));
   // Kept and reused as written; edited by hand, planned again.
-  train::JobSpec again = spec;
-  train::choose_auto(again, registry());
+  job::JobSpec again = spec;
+  job::choose_auto(again, registry());
   EXPECT_EQ(again.dims.tp, chosen.dims.tp);
   EXPECT_EQ(again.dims.dp_shard, chosen.dims.dp_shard);
   EXPECT_EQ(again.auto_choices, chosen.auto_choices);
@@ -418,8 +420,8 @@ TEST(AutoSharding, ABudgetThatExcludesDataParallelIsNotMetByIt) {
     text.replace(at, std::string("\"dims\":[").size(), "\"dims\":[4,1,1,1],\"old\":[");
     test::write_file(dir / "auto_plan.json", text);
   }
-  train::JobSpec edited = spec;
-  train::choose_auto(edited, registry());
+  job::JobSpec edited = spec;
+  job::choose_auto(edited, registry());
   EXPECT_EQ(edited.dims.dp_replicate, chosen.dims.dp_replicate);
   EXPECT_EQ(edited.dims.dp_shard, chosen.dims.dp_shard);
   // Forged, the check recomputed as spmdx computes it: degrees whose product makes 4 ranks only
@@ -428,9 +430,9 @@ TEST(AutoSharding, ABudgetThatExcludesDataParallelIsNotMetByIt) {
   auto forged = [&](const std::function<std::string(nlohmann::json)>& forge, const std::string& why) {
     std::ifstream in(dir / "auto_plan.json");
     test::write_file(dir / "auto_plan.json", forge(nlohmann::json::parse(in)));
-    train::JobSpec s = spec;
+    job::JobSpec s = spec;
     testing::internal::CaptureStderr();
-    train::choose_auto(s, registry());
+    job::choose_auto(s, registry());
     EXPECT_THAT(testing::internal::GetCapturedStderr(), HasSubstr("auto_plan.json: not the auto strategy's plan (" + why));
     EXPECT_EQ(s.dims.dp_replicate, chosen.dims.dp_replicate);
     EXPECT_EQ(s.dims.dp_shard, chosen.dims.dp_shard);
@@ -447,34 +449,34 @@ TEST(AutoSharding, ABudgetThatExcludesDataParallelIsNotMetByIt) {
          "JSON nested more than 256 arrays or objects deep");
 
   // Under every layout's peak but over one with full activation checkpointing: auto turns it on.
-  train::JobSpec full = spec;
+  job::JobSpec full = spec;
   full.activation_checkpoint = {"full", "op", false};
   std::int64_t least = 0, least_full = 0;
   for (const auto& p : all.plans) least = least == 0 ? p.chosen.peak_bytes : std::min(least, p.chosen.peak_bytes);
-  for (const auto& p : train::plan_auto(full, registry(), plan::Calibration{}).plans) {
+  for (const auto& p : job::plan_auto(full, registry(), plan::Calibration{}).plans) {
     least_full = least_full == 0 ? p.chosen.peak_bytes : std::min(least_full, p.chosen.peak_bytes);
   }
   ASSERT_LT(least_full, least);
-  train::JobSpec checkpointed = spec;
+  job::JobSpec checkpointed = spec;
   checkpointed.memory_budget = least - 1;
   std::filesystem::remove(dir / "auto_plan.json");
-  const train::AutoReport with_ac = train::choose_auto(checkpointed, registry());
+  const job::AutoReport with_ac = job::choose_auto(checkpointed, registry());
   EXPECT_NE(checkpointed.activation_checkpoint.mode, "none");
   EXPECT_LE(with_ac.plans.front().chosen.peak_bytes, checkpointed.memory_budget);
   EXPECT_THAT(checkpointed.auto_report, HasSubstr("activation_checkpoint.mode"));
 
-  train::JobSpec tiny = spec;
+  job::JobSpec tiny = spec;
   tiny.memory_budget = 1024;
   std::filesystem::remove(dir / "auto_plan.json");
   try {
-    train::choose_auto(tiny, registry());
+    job::choose_auto(tiny, registry());
     FAIL() << "no error";
   } catch (const std::invalid_argument& e) {
     EXPECT_THAT(e.what(), HasSubstr("no layout of 4 ranks fits parallelism.memory_budget"));
     // The nearest layout first, six named, the rest counted (the search choose_auto made).
-    const train::AutoReport searched = train::plan_auto(tiny, registry(), plan::Calibration{});
+    const job::AutoReport searched = job::plan_auto(tiny, registry(), plan::Calibration{});
     ASSERT_GT(searched.plans.size(), 6u);
-    const train::AutoPlan* least_peak = &searched.plans.front();
+    const job::AutoPlan* least_peak = &searched.plans.front();
     for (const auto& p : searched.plans) {
       if (p.error.empty() && p.chosen.peak_bytes < least_peak->chosen.peak_bytes) least_peak = &p;
     }

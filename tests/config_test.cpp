@@ -6,7 +6,9 @@
 #include <filesystem>
 
 #include "spmdx/config/config.h"
-#include "spmdx/train/job.h"
+#include "spmdx/job/compile.h"
+#include "spmdx/job/preflight.h"
+#include "spmdx/job/spec.h"
 #include "test_util.h"
 
 namespace spmdx::config {
@@ -129,14 +131,14 @@ TEST(Job, DerivesDegreesAndBatchAndRejectsWhatCannotWork) {
   c.override_value("model.flavor", "tiny");
   c.override_value("parallelism.tensor_parallel_degree", "2");
   c.override_value("training.local_batch_size", "3");
-  train::JobSpec s = train::job_spec(c, 8, 256);
+  job::JobSpec s = job::job_spec(c, 8, 256);
   EXPECT_EQ(s.dims.dp_shard, 4);  // -1: the ranks tp leaves
   EXPECT_EQ(s.global_batch_size, 12);
   auto error = [&](const std::string& key, const std::string& value, std::int64_t world) {
     Config bad = c;
     bad.override_value(key, value);
     try {
-      train::job_spec(bad, world, 256);
+      job::job_spec(bad, world, 256);
     } catch (const ConfigError& e) {
       return std::string(e.what());
     }
@@ -157,7 +159,7 @@ TEST(Config, ErrorsSayWhetherAValueCameFromTheFileOrTheCommandLine) {
   EXPECT_EQ(c.where({"parallelism.tensor_parallel_degree", "parallelism.data_parallel_shard_degree"}),
             "job.toml with command line --parallelism.data_parallel_shard_degree 2");  // several keys: the file
   try {
-    train::job_spec(c, 4, 256);
+    job::job_spec(c, 4, 256);
     FAIL() << "3 x 2 ranks on 4";
   } catch (const ConfigError& e) {
     EXPECT_THAT(e.what(), HasSubstr("job.toml with command line --parallelism.data_parallel_shard_degree 2: parallelism degrees multiply to 6"));

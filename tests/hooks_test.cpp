@@ -18,7 +18,9 @@
 #include "spmdx/hooks/fr_trace.h"
 #include "spmdx/hooks/hook_set.h"
 #include "spmdx/models/model.h"
-#include "spmdx/train/job.h"
+#include "spmdx/job/compile.h"
+#include "spmdx/job/preflight.h"
+#include "spmdx/job/spec.h"
 #include "run_util.h"
 
 namespace spmdx {
@@ -49,7 +51,7 @@ std::map<std::string, long> counts(const fs::path& p) {
 struct Planned {
   config::Config cfg;
   PluginRegistry registry;
-  std::unique_ptr<train::PlacedJob> job;
+  std::unique_ptr<job::PlacedJob> job;
   std::unique_ptr<sharding::DistributedPlan> plan_;
   const sharding::DistributedPlan& plan() const { return *plan_; }
   Planned() {
@@ -57,9 +59,9 @@ struct Planned {
     cfg.override_value("parallelism.data_parallel_shard_degree", "2");
     cfg.override_value("parallelism.tensor_parallel_degree", "2");
     registry.discover({{BUILTIN_PLUGIN_DIR, PluginSource::Origin::builtin}});
-    job = std::make_unique<train::PlacedJob>(train::place_job(train::job_spec(cfg, 4, 256), registry));
+    job = std::make_unique<job::PlacedJob>(job::place_job(job::job_spec(cfg, 4, 256), registry));
     plan_ = std::make_unique<sharding::DistributedPlan>(
-        train::propagate_job(*job));
+        job::propagate_job(*job));
   }
 };
 

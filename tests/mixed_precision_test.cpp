@@ -13,7 +13,9 @@
 #include "spmdx/exec/trainer.h"
 #include "spmdx/plan/runtime_plan.h"
 #include "spmdx/sharding/distribute.h"
-#include "spmdx/train/job.h"
+#include "spmdx/job/compile.h"
+#include "spmdx/job/preflight.h"
+#include "spmdx/job/spec.h"
 #include "spmdx/train/mixed_precision.h"
 #include "spmdx/train/train_step.h"
 
@@ -112,8 +114,8 @@ TEST(MixedPrecision, FsdpGathersBf16ParametersAndReducesF32Gradients) {
     cfg.override_value("training.mixed_precision_param", param);
     PluginRegistry registry;
     registry.discover({{BUILTIN_PLUGIN_DIR, PluginSource::Origin::builtin}});
-    const PlacedJob job = place_job(job_spec(cfg, 4, 256), registry);
-    const auto plan = train::propagate_job(job);
+    const job::PlacedJob job = job::place_job(job::job_spec(cfg, 4, 256), registry);
+    const auto plan = job::propagate_job(job);
     const ir::Graph rank0 = sharding::rank_graph(plan, 0);
     Counted c;
     for (const auto& n : rank0.nodes()) {

@@ -21,7 +21,9 @@
 #include "spmdx/exec/distributed.h"
 #include "spmdx/exec/kernels.h"
 #include "spmdx/sharding/redistribute.h"
-#include "spmdx/train/job.h"
+#include "spmdx/job/compile.h"
+#include "spmdx/job/preflight.h"
+#include "spmdx/job/spec.h"
 
 namespace spmdx::exec {
 namespace {
@@ -125,8 +127,8 @@ bool CountedWork::wait(double) {
 // Rank 0's step of configs/llama_debug.toml (the main job) with the given overrides, as
 // `spmdx run --nproc 4` plans it.
 struct MainJob {
-  train::JobSpec spec;
-  std::unique_ptr<train::PlacedJob> job;
+  job::JobSpec spec;
+  std::unique_ptr<job::PlacedJob> job;
   std::unique_ptr<ir::Graph> graph;
   std::unique_ptr<sharding::DeviceMesh> mesh;
   explicit MainJob(const std::vector<std::pair<std::string, std::string>>& overrides) {
@@ -134,11 +136,11 @@ struct MainJob {
     for (const auto& [key, value] : overrides) cfg.override_value(key, value);
     PluginRegistry registry;
     registry.discover({{BUILTIN_PLUGIN_DIR, PluginSource::Origin::builtin}});
-    spec = train::job_spec(cfg, 4, 264);  // the byte tokenizer's 264 ids
-    job = std::make_unique<train::PlacedJob>(train::place_job(spec, registry));
-    const sharding::DistributedPlan plan = train::propagate_job(*job);
-    graph = std::make_unique<ir::Graph>(train::rank_program(*job, plan, 0, spec));
-    mesh = std::make_unique<sharding::DeviceMesh>(train::run_mesh(*job));
+    spec = job::job_spec(cfg, 4, 264);  // the byte tokenizer's 264 ids
+    job = std::make_unique<job::PlacedJob>(job::place_job(spec, registry));
+    const sharding::DistributedPlan plan = job::propagate_job(*job);
+    graph = std::make_unique<ir::Graph>(job::rank_program(*job, plan, 0, spec));
+    mesh = std::make_unique<sharding::DeviceMesh>(job::run_mesh(*job));
   }
   // Inputs of the rank's shapes: token ids 0, AdamW's step 1, every other tensor 0.01.
   TensorMap feed() const {

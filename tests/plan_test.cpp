@@ -15,8 +15,10 @@
 #include "spmdx/plan/memory_plan.h"
 #include "spmdx/plan/runtime_plan.h"
 #include "spmdx/sharding/distribute.h"
+#include "spmdx/job/compile.h"
+#include "spmdx/job/preflight.h"
+#include "spmdx/job/spec.h"
 #include "spmdx/sharding/redistribute.h"
-#include "spmdx/train/job.h"
 
 namespace spmdx {
 namespace {
@@ -24,7 +26,7 @@ namespace {
 using ::testing::HasSubstr;
 
 struct Job {
-  std::unique_ptr<train::PlacedJob> job;
+  std::unique_ptr<job::PlacedJob> job;
   std::unique_ptr<sharding::DistributedPlan> plan;
   std::unique_ptr<ir::Graph> graph;  // rank 0's
   Job(std::int64_t replicate, std::int64_t shard, std::int64_t tp) {
@@ -34,9 +36,9 @@ struct Job {
     cfg.override_value("parallelism.tensor_parallel_degree", std::to_string(tp));
     PluginRegistry registry;
     registry.discover({{BUILTIN_PLUGIN_DIR, PluginSource::Origin::builtin}});
-    job = std::make_unique<train::PlacedJob>(train::place_job(train::job_spec(cfg, replicate * shard * tp, 256), registry));
+    job = std::make_unique<job::PlacedJob>(job::place_job(job::job_spec(cfg, replicate * shard * tp, 256), registry));
     plan = std::make_unique<sharding::DistributedPlan>(
-        train::propagate_job(*job));
+        job::propagate_job(*job));
     graph = std::make_unique<ir::Graph>(sharding::rank_graph(*plan, 0));
   }
 };

@@ -6,7 +6,8 @@
 #include "spmdx/config/config.h"
 #include "spmdx/core/registry.h"
 #include "spmdx/sharding/parallelize.h"
-#include "spmdx/train/job.h"
+#include "spmdx/job/compile.h"
+#include "spmdx/job/spec.h"
 
 namespace spmdx {
 namespace {
@@ -69,7 +70,7 @@ TEST(StrategyPlugins, AValidAnswerIsKeptOnTheDimTheStrategyDecides) {
 }
 
 // Llama tiny (configs/llama_debug.toml) placed on dp_shard x tp, with more plugins found.
-train::PlacedJob llama(std::int64_t shard, std::int64_t tp, const std::string& dp_shard_strategy = "") {
+job::PlacedJob llama(std::int64_t shard, std::int64_t tp, const std::string& dp_shard_strategy = "") {
   config::Config cfg = config::Config::load(SPMDX_SOURCE_DIR "/configs/llama_debug.toml");
   cfg.override_value("model.flavor", "tiny");
   cfg.override_value("parallelism.data_parallel_shard_degree", std::to_string(shard));
@@ -78,14 +79,14 @@ train::PlacedJob llama(std::int64_t shard, std::int64_t tp, const std::string& d
   PluginRegistry registry;
   registry.discover({{BUILTIN_PLUGIN_DIR, PluginSource::Origin::builtin},
                      {std::string(TEST_PLUGIN_DIR) + "/fsdp_except_embeddings", PluginSource::Origin::user}});
-  return train::place_job(train::job_spec(cfg, shard * tp, 256), registry);
+  return job::place_job(job::job_spec(cfg, shard * tp, 256), registry);
 }
 
 // Roles come from the ops that read a parameter, not from its name; with loss parallelism (tp 2)
 // the logits go to the vocabulary-parallel loss's ops, and the output projection is still found.
 TEST(StrategyPlugins, EachParameterGetsTheRoleOfTheOpsThatReadIt) {
   for (const std::int64_t tp : {1, 2}) {
-    const train::PlacedJob job = llama(2, tp);
+    const job::PlacedJob job = llama(2, tp);
     const auto roles = sharding::parameter_roles(job.model.graph, job.model.params);
     EXPECT_EQ(roles.at("tok_embeddings.weight"), TensorRole::embedding) << "tp " << tp;
     EXPECT_EQ(roles.at("output.weight"), TensorRole::output) << "tp " << tp;
@@ -102,10 +103,10 @@ TEST(StrategyPlugins, EachParameterGetsTheRoleOfTheOpsThatReadIt) {
 
 // "name:key=value" binds a strategy with options; the plugin places by role.
 TEST(StrategyPlugins, OptionsInTheBindingReachTheStrategy) {
-  const train::PlacedJob fsdp = llama(2, 1);
-  const train::PlacedJob same = llama(2, 1, "fsdp_except_embeddings:keep=");
-  const train::PlacedJob embedding = llama(2, 1, "fsdp_except_embeddings:keep=embedding");
-  const train::PlacedJob both = llama(2, 1, "fsdp_except_embeddings");
+  const job::PlacedJob fsdp = llama(2, 1);
+  const job::PlacedJob same = llama(2, 1, "fsdp_except_embeddings:keep=");
+  const job::PlacedJob embedding = llama(2, 1, "fsdp_except_embeddings:keep=embedding");
+  const job::PlacedJob both = llama(2, 1, "fsdp_except_embeddings");
   EXPECT_EQ(same.inputs, fsdp.inputs);
   EXPECT_EQ(to_string(fsdp.inputs.at("tok_embeddings.weight")), "S(0)");
   EXPECT_EQ(to_string(embedding.inputs.at("tok_embeddings.weight")), "R");

@@ -21,7 +21,9 @@
 #include "spmdx/launch/launcher.h"
 #include "spmdx/plan/estimate.h"
 #include "spmdx/text.h"
-#include "spmdx/train/job.h"
+#include "spmdx/job/compile.h"
+#include "spmdx/job/preflight.h"
+#include "spmdx/job/spec.h"
 
 namespace spmdx::cli {
 namespace {
@@ -64,7 +66,7 @@ int run_bench_comm(const BenchCommOptions& o, const std::vector<std::string>& ra
     {  // the backend and its options, once, before any rank starts
       spmdx::PluginRegistry registry;
       registry.discover(spmdx::plugin_search_path(paths));
-      if (const std::string why = spmdx::train::comm_backend_problem(registry, o.backend, "cpu"); !why.empty()) {
+      if (const std::string why = spmdx::job::comm_backend_problem(registry, o.backend, "cpu"); !why.empty()) {
         throw std::invalid_argument("--backend \"" + o.backend + "\"" + why);
       }
     }

@@ -33,9 +33,11 @@
 #include "spmdx/plan/runtime_plan.h"
 #include "spmdx/sharding/distribute.h"
 #include "spmdx/text.h"
-#include "spmdx/train/auto_sharding.h"
-#include "spmdx/train/job.h"
-#include "spmdx/train/memory_budget.h"
+#include "spmdx/job/auto_sharding.h"
+#include "spmdx/job/compile.h"
+#include "spmdx/job/preflight.h"
+#include "spmdx/job/spec.h"
+#include "spmdx/job/memory_budget.h"
 
 namespace spmdx::cli {
 namespace {
@@ -84,17 +86,18 @@ int run_compile(const CompileOptions& o) {
   }
   const auto start = std::chrono::steady_clock::now();
   if (o.world_size < 0 || o.world_size > 100000000) throw std::invalid_argument("--world-size must be between 1 and 1e8");
-  const std::int64_t world = o.world_size > 0 ? o.world_size : spmdx::train::degree_product(cfg);
+  const std::int64_t world = o.world_size > 0 ? o.world_size : spmdx::job::degree_product(cfg);
   // Every problem at once: the config's, the tokenizer's, the degrees', the placements'. With
   // none, the preflight's tokenizer, job spec and plugins are the ones to plan with.
   spmdx::PluginRegistry registry;
   std::unique_ptr<spmdx::data::Tokenizer> tokenizer;
-  std::optional<spmdx::train::JobSpec> checked_spec;
-  cfg.check(spmdx::train::preflight(cfg, world, registry, &tokenizer, &checked_spec, spmdx::train::Preflight::plan, "--world-size"));
+  std::optional<spmdx::job::JobSpec> checked_spec;
+  cfg.check(spmdx::job::preflight(cfg, world, registry, &tokenizer, &checked_spec, spmdx::job::Preflight::plan, "--world-size"));
   if (!cfg.ignored().empty()) std::cerr << cfg.ignored_text() << "\n";
-  const spmdx::train::JobSpec& spec = checked_spec.value();
-  spmdx::train::PlacedJob job = spmdx::train::place_job(spec, registry);
-  const auto plan = spmdx::train::propagate_job(job);
+  const spmdx::job::JobSpec& spec = checked_spec.value();
+  spmdx::job::CompiledJob compiled = spmdx::job::compile_job(spec, registry);
+  const spmdx::job::PlacedJob& job = compiled.job;
+  const spmdx::sharding::DistributedPlan& plan = compiled.plan;
   const std::int64_t dumped_ranks = o.dump.empty() ? 0 : (o.fake ? 1 : world);
   if (!o.dump.empty()) {
     std::error_code ec;
@@ -111,22 +114,22 @@ int run_compile(const CompileOptions& o) {
   } else {
     spmdx::sharding::rank_graph(plan, 0);  // checks that the local shapes work out
   }
-  if (!cfg.get_list("hooks.enable").empty()) {  // compile-stage hooks: pictures, partition checks
+  if (!spec.hooks.enabled.empty()) {  // compile-stage hooks: pictures, partition checks
     spmdx::HookContext base;
     base.world_size = static_cast<int>(world);
     base.mesh = job.mesh.dims();
     base.coordinate = job.mesh.coordinate(0);
     base.compile_only = true;
-    spmdx::hooks::HookSet hooks = spmdx::hooks::make_hooks(spmdx::train::hook_spec(cfg), registry, base);
+    spmdx::hooks::HookSet hooks = spmdx::hooks::make_hooks(spec.hooks, registry, base);
     std::vector<std::int64_t> ranks;
     for (std::int64_t r = 0; r < (o.fake ? 1 : job.mesh.size()); ++r) ranks.push_back(r);
     hooks.compile(plan, ranks, spec.plan);
-    (o.json ? std::cerr : std::cout) << "hooks (" << spmdx::join(cfg.get_list("hooks.enable")) << ") ran on the compile stages; their files are under "
+    (o.json ? std::cerr : std::cout) << "hooks (" << spmdx::join(spec.hooks.enabled) << ") ran on the compile stages; their files are under "
               << (fs::path(cfg.get_string("job.dump_folder")) / "hooks").string() << "\n";
   }
-  const spmdx::train::PlannedStep planned = spmdx::train::plan_step(job, spec);
+  const spmdx::job::PlannedStep planned = spmdx::job::plan_step(job, spec);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  const double param = static_cast<double>(spmdx::train::local_parameter_bytes(job, 0));
+  const double param = static_cast<double>(spmdx::job::local_parameter_bytes(job, 0));
   const std::int64_t count = spmdx::models::parameter_count(job.model);
   const std::int64_t embedding = spmdx::models::embedding_parameter_count(job.model);
   const double flops_token = spmdx::models::flops_per_token(job.model, spec.seq_len);
@@ -136,10 +139,10 @@ int run_compile(const CompileOptions& o) {
   nlohmann::json stages_json = nlohmann::json::array();
   std::string stages_text;
   if (job.pipeline.stages > 1) {
-    const spmdx::sharding::DeviceMesh mesh = spmdx::train::run_mesh(job);
+    const spmdx::sharding::DeviceMesh mesh = spmdx::job::run_mesh(job);
     for (std::int64_t st = 0; st < job.pipeline.stages; ++st) {
       spmdx::train::StageGraph staged;
-      const spmdx::ir::Graph g = spmdx::train::rank_program(job, plan, st * job.mesh.size(), spec, nullptr, &staged);
+      const spmdx::ir::Graph g = spmdx::job::rank_program(job, plan, st * job.mesh.size(), spec, nullptr, &staged);
       const spmdx::plan::RuntimePlan runtime = spmdx::plan::make_runtime_plan(g, mesh, spec.plan);
       const std::int64_t peak = spmdx::plan::plan_memory(g, runtime).peak_bytes;
       const std::int64_t first = job.pipeline.first_layer[static_cast<std::size_t>(st)];
@@ -154,7 +157,7 @@ int run_compile(const CompileOptions& o) {
                      spmdx::human_bytes(static_cast<double>(peak)) + "\n";
     }
   }
-  const spmdx::train::ContextParallelSummary cp = spmdx::train::context_parallel_summary(spec, job, plan);
+  const spmdx::job::ContextParallelSummary cp = spmdx::job::context_parallel_summary(spec, job, plan);
   if (o.json) {
     nlohmann::json by_dim = nlohmann::json::object();
     for (std::size_t d = 0; d < dims.size(); ++d) by_dim[dims[d].name] = plan.comm_bytes_by_dim.at(d);
@@ -190,8 +193,8 @@ int run_compile(const CompileOptions& o) {
                      {"planner_peak_rss_bytes", peak_rss_bytes()},
                      {"fake", o.fake}};
     j["decided_by"] = job.decided_by;  // who placed each mesh dim
-    j["parameters_kept_whole"] = nlohmann::json::array();  // train::short_parameters: their dim 0 shorter than a sharding dim's degree
-    for (const auto& short_ones : spmdx::train::short_parameters(spec, job)) {
+    j["parameters_kept_whole"] = nlohmann::json::array();  // job::short_parameters: their dim 0 shorter than a sharding dim's degree
+    for (const auto& short_ones : spmdx::job::short_parameters(spec, job)) {
       nlohmann::json names = nlohmann::json::array();
       for (const auto& p : short_ones.parameters) names.push_back(p.name);
       j["parameters_kept_whole"].push_back({{"mesh_dim", short_ones.mesh_dim}, {"degree", short_ones.degree}, {"strategy", short_ones.strategy},
@@ -202,7 +205,7 @@ int run_compile(const CompileOptions& o) {
       j["auto"] = report.empty() ? nlohmann::json(spec.auto_report) : nlohmann::json::parse(report);
     }
     if (o.estimate) {
-      const auto e = spmdx::train::estimate_job(spec, registry, *calibration);
+      const auto e = spmdx::job::estimate_job(spec, registry, *calibration);
       j["estimate"] = {{"step_seconds", e.step_seconds}, {"compute_seconds", e.compute_seconds}, {"comm_seconds", e.comm_seconds},
                        {"comm_seconds_by_dim", e.comm_seconds_by_dim}, {"peak_bytes", e.peak_bytes}, {"threads", e.threads}, {"core_sharing", e.core_sharing},
                        {"stages", e.stages}, {"bubble_seconds", e.bubble_seconds}, {"bubble_fraction", e.bubble_fraction}, {"stage_seconds", e.stage_seconds},
@@ -221,7 +224,7 @@ int run_compile(const CompileOptions& o) {
   std::string by_dim;
   for (std::size_t d = 0; d < dims.size(); ++d) by_dim += (d ? ", " : "") + dims[d].name + " " + spmdx::human_bytes(plan.comm_bytes_by_dim.at(d));
   std::cout << "model " << spmdx::models::model_label(spec.model) << " (vocab " << spec.model.vocab_size << ", " << params << "), " << job.model.graph.num_nodes()
-            << " nodes; mesh " << spmdx::train::run_mesh(job).str() << " (" << world << " ranks" << (job.sequence_parallel_dim >= 0 ? ", sequence parallel over tp" : "") << (job.loss_parallel ? ", loss parallel" : "") << "); global batch " << spec.global_batch_size << " x " << spec.seq_len
+            << " nodes; mesh " << spmdx::job::run_mesh(job).str() << " (" << world << " ranks" << (job.sequence_parallel_dim >= 0 ? ", sequence parallel over tp" : "") << (job.loss_parallel ? ", loss parallel" : "") << "); global batch " << spec.global_batch_size << " x " << spec.seq_len
             << (spec.step.microbatches > 1 ? " in " + std::to_string(spec.step.microbatches) + " microbatches (" +
                                                  (job.pipeline.stages > 1 ? "pipeline" : "gradient accumulation") + ")"
                                            : std::string())
@@ -245,17 +248,17 @@ int run_compile(const CompileOptions& o) {
                                         : std::string())
             << (spec.memory_fit.empty() ? "" : spec.memory_fit + "\n");
   for (const auto& line : job.decided_by) std::cout << line << "\n";
-  for (const auto& short_ones : spmdx::train::short_parameters(spec, job)) std::cout << "warning: " << short_ones.line() << "\n";
+  for (const auto& short_ones : spmdx::job::short_parameters(spec, job)) std::cout << "warning: " << short_ones.line() << "\n";
   for (const auto& [layout, why] : spec.strategies_passed_over) {
     std::cout << "fallback: strategies " << layout << " passed over (" << why << ")\n";
   }
-  if (!spec.strategies_passed_over.empty()) std::cout << "strategies: " << spmdx::train::layout_text(spec.strategies) << "\n";
+  if (!spec.strategies_passed_over.empty()) std::cout << "strategies: " << spmdx::job::layout_text(spec.strategies) << "\n";
   if (spec.auto_strategy) {
     const std::string report = file_text(fs::path(spec.output.dump_folder) / "auto_report.txt");
     std::cout << (report.empty() ? spec.auto_report + "\n" : report) << "(the ranking: " << (fs::path(spec.output.dump_folder) / "auto_report.{txt,json}").string() << ")\n";
   }
   if (o.estimate) {
-    const auto e = spmdx::train::estimate_job(spec, registry, *calibration);
+    const auto e = spmdx::job::estimate_job(spec, registry, *calibration);
     char text[512];
     char bubble[160] = "";
     if (e.stages > 1) {

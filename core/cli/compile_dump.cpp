@@ -9,8 +9,8 @@
 
 namespace spmdx::cli {
 
-std::vector<std::pair<std::string, std::string>> dump_documents(const spmdx::train::PlacedJob& job, const spmdx::sharding::DistributedPlan& plan,
-                                                                const spmdx::train::JobSpec& spec, std::int64_t ranks, bool everything) {
+std::vector<std::pair<std::string, std::string>> dump_documents(const spmdx::job::PlacedJob& job, const spmdx::sharding::DistributedPlan& plan,
+                                                                const spmdx::job::JobSpec& spec, std::int64_t ranks, bool everything) {
   std::vector<std::pair<std::string, std::string>> docs;
   if (everything) docs.emplace_back("logical.txt", job.model.graph.str());
   docs.emplace_back("logical.json", spmdx::ir::to_json(job.model.graph));
@@ -21,7 +21,7 @@ std::vector<std::pair<std::string, std::string>> dump_documents(const spmdx::tra
       p["pipeline"] = {{"stages", job.pipeline.stages}, {"schedule", job.pipeline.schedule}, {"microbatches", job.pipeline.microbatches},
                        {"first_layer", job.pipeline.first_layer}};
       p["run_mesh"] = nlohmann::json::array();
-      const spmdx::sharding::DeviceMesh mesh = spmdx::train::run_mesh(job);
+      const spmdx::sharding::DeviceMesh mesh = spmdx::job::run_mesh(job);
       for (const auto& d : mesh.dims()) p["run_mesh"].push_back({{"name", d.name}, {"size", d.size}});
     }
     if (job.context_parallel_dim >= 0) {  // what spmdx diff names when two jobs' context parallelism differs
@@ -34,8 +34,8 @@ std::vector<std::pair<std::string, std::string>> dump_documents(const spmdx::tra
   }
   for (std::int64_t r = 0; r < ranks; ++r) {
     const std::string rank = "rank" + std::to_string(r);
-    const spmdx::ir::Graph g = spmdx::train::rank_program(job, plan, r, spec);
-    const spmdx::sharding::DeviceMesh mesh = spmdx::train::run_mesh(job);
+    const spmdx::ir::Graph g = spmdx::job::rank_program(job, plan, r, spec);
+    const spmdx::sharding::DeviceMesh mesh = spmdx::job::run_mesh(job);
     const spmdx::plan::RuntimePlan runtime = spmdx::plan::make_runtime_plan(g, mesh, spec.plan);
     if (everything) {
       docs.emplace_back(rank + ".txt", g.str());

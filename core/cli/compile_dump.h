@@ -7,7 +7,9 @@
 #include <vector>
 
 #include "spmdx/sharding/distribute.h"
-#include "spmdx/train/job.h"
+#include "spmdx/job/compile.h"
+#include "spmdx/job/preflight.h"
+#include "spmdx/job/spec.h"
 
 namespace spmdx::cli {
 
@@ -17,7 +19,7 @@ namespace spmdx::cli {
 // (rankR.plan.json); with `everything`, the text forms (logical.txt, plan.txt, rankR.txt,
 // rankR.plan.txt), the memory plans (rankR.memory.txt) and pipeline schedules too (`spmdx
 // diff` reads only the JSON ones).
-std::vector<std::pair<std::string, std::string>> dump_documents(const spmdx::train::PlacedJob& job, const spmdx::sharding::DistributedPlan& plan,
-                                                                const spmdx::train::JobSpec& spec, std::int64_t ranks, bool everything);
+std::vector<std::pair<std::string, std::string>> dump_documents(const spmdx::job::PlacedJob& job, const spmdx::sharding::DistributedPlan& plan,
+                                                                const spmdx::job::JobSpec& spec, std::int64_t ranks, bool everything);
 
 }  // namespace spmdx::cli

@@ -13,7 +13,9 @@
 #include "spmdx/core/registry.h"
 #include "spmdx/data/tokenizer.h"
 #include "spmdx/plan/diff.h"
-#include "spmdx/train/job.h"
+#include "spmdx/job/compile.h"
+#include "spmdx/job/preflight.h"
+#include "spmdx/job/spec.h"
 
 namespace spmdx::cli {
 namespace {
@@ -22,14 +24,15 @@ namespace {
 // config with problems is refused as spmdx compile refuses it).
 spmdx::plan::JobDump compile_for_diff(const std::string& config) {
   spmdx::config::Config cfg = spmdx::config::Config::load(config, {}, /*throw_on_problems=*/false);
-  const std::int64_t world = spmdx::train::degree_product(cfg);
+  const std::int64_t world = spmdx::job::degree_product(cfg);
   spmdx::PluginRegistry registry;
   std::unique_ptr<spmdx::data::Tokenizer> tokenizer;
-  std::optional<spmdx::train::JobSpec> checked_spec;
-  cfg.check(spmdx::train::preflight(cfg, world, registry, &tokenizer, &checked_spec, spmdx::train::Preflight::plan));
-  const spmdx::train::JobSpec& spec = checked_spec.value();
-  spmdx::train::PlacedJob job = spmdx::train::place_job(spec, registry);
-  const auto plan = spmdx::train::propagate_job(job);
+  std::optional<spmdx::job::JobSpec> checked_spec;
+  cfg.check(spmdx::job::preflight(cfg, world, registry, &tokenizer, &checked_spec, spmdx::job::Preflight::plan));
+  const spmdx::job::JobSpec& spec = checked_spec.value();
+  spmdx::job::CompiledJob compiled = spmdx::job::compile_job(spec, registry);
+  const spmdx::job::PlacedJob& job = compiled.job;
+  const spmdx::sharding::DistributedPlan& plan = compiled.plan;
   spmdx::plan::JobDump d;
   d.label = config;
   for (auto& [name, text] : dump_documents(job, plan, spec, world, /*everything=*/false)) {

@@ -12,7 +12,9 @@
 #include "spmdx/data/tokenizer.h"
 #include "spmdx/ir/serialize.h"
 #include "spmdx/models/model.h"
-#include "spmdx/train/job.h"
+#include "spmdx/job/compile.h"
+#include "spmdx/job/preflight.h"
+#include "spmdx/job/spec.h"
 #include "spmdx/train/train_step.h"
 
 namespace spmdx::cli {
@@ -62,7 +64,7 @@ class Graph final : public Command {
     if (!o_.config.empty()) {
       const spmdx::config::Config cfg = spmdx::config::Config::load(o_.config);
       const auto tokenizer = spmdx::data::make_tokenizer(cfg.get_string("model.tokenizer"));
-      const spmdx::train::JobSpec spec = spmdx::train::job_spec(cfg, spmdx::train::degree_product(cfg), tokenizer->vocab_size());
+      const spmdx::job::JobSpec spec = spmdx::job::job_spec(cfg, spmdx::job::degree_product(cfg), tokenizer->vocab_size());
       args = spec.model;
       if (!o_.given.count("--batch")) batch = spec.global_batch_size;
       if (!o_.given.count("--seq")) seq = spec.seq_len;

@@ -23,10 +23,12 @@
 #include "spmdx/core/registry.h"
 #include "spmdx/data/tokenizer.h"
 #include "spmdx/launch/launcher.h"
-#include "spmdx/train/job.h"
+#include "spmdx/job/compile.h"
+#include "spmdx/job/preflight.h"
+#include "spmdx/job/spec.h"
 #ifdef SPMDX_HAVE_EXEC
 #include "spmdx/exec/device.h"
-#include "spmdx/exec/job_runner.h"
+#include "spmdx/job/run.h"
 #endif
 
 namespace spmdx::cli {
@@ -47,9 +49,9 @@ struct RunOptions {
 // each of its `ranks_per_host` ranks: checked before any rank starts, since each would fail
 // with the same message.
 std::vector<std::string> run_problems(const spmdx::config::Config& cfg, std::int64_t world_size, int ranks_per_host, spmdx::PluginRegistry& registry,
-                                      std::unique_ptr<spmdx::data::Tokenizer>* tokenizer, std::optional<spmdx::train::JobSpec>* spec,
+                                      std::unique_ptr<spmdx::data::Tokenizer>* tokenizer, std::optional<spmdx::job::JobSpec>* spec,
                                       const std::string& start_flag = "") {
-  std::vector<std::string> problems = spmdx::train::preflight(cfg, world_size, registry, tokenizer, spec, spmdx::train::Preflight::run, start_flag);
+  std::vector<std::string> problems = spmdx::job::preflight(cfg, world_size, registry, tokenizer, spec, spmdx::job::Preflight::run, start_flag);
 #ifdef SPMDX_HAVE_EXEC
   if (!cfg.has_problem("training.device") && cfg.get_string("training.device") == "cuda") {
     if (const std::string why = spmdx::exec::cuda_problem(ranks_per_host); !why.empty()) {
@@ -77,9 +79,9 @@ int run_run(const RunOptions& o) {
     // Check everything that can be checked before starting any rank, and say all of it at once.
     spmdx::PluginRegistry registry;
     std::unique_ptr<spmdx::data::Tokenizer> tokenizer;
-    std::optional<spmdx::train::JobSpec> spec;
+    std::optional<spmdx::job::JobSpec> spec;
     cfg.check(run_problems(cfg, o.nproc * o.nnodes, o.nproc, registry, &tokenizer, &spec, o.nnodes == 1 ? "--nproc" : ""));
-    spmdx::train::check_data(cfg, *tokenizer, *spec);  // reads the data: only once the rest is right
+    spmdx::job::check_data(cfg, *tokenizer, *spec);  // reads the data: only once the rest is right
     if (!cfg.ignored().empty()) std::cerr << cfg.ignored_text() << "\n";
     std::vector<std::string> argv{self_exe(), "run", o.config};
     for (const auto& a : o.overrides) argv.push_back(a);
@@ -92,16 +94,16 @@ int run_run(const RunOptions& o) {
   }
   const spmdx::launch::RankEnv env = spmdx::launch::rank_env();
   if (env.source == "single" && !cfg.has_problem("parallelism.")) {  // a job of several ranks started as one: say how to start it
-    const std::int64_t want = spmdx::train::degree_product(cfg);
+    const std::int64_t want = spmdx::job::degree_product(cfg);
     if (want > 1) {  // with the config's other problems, if any: each is to fix before starting them
-      cfg.check({cfg.where(spmdx::train::kDegreeKeys) + ": its parallelism degrees make " + std::to_string(want) + " ranks: start them with --nproc " +
+      cfg.check({cfg.where(spmdx::job::kDegreeKeys) + ": its parallelism degrees make " + std::to_string(want) + " ranks: start them with --nproc " +
                  std::to_string(want) + " (or under torchrun, srun, mpirun)"});
     }
   }
   if (!launched) {  // one rank, or started by hand, torchrun, srun or mpirun: this rank checks its own job
     spmdx::PluginRegistry registry;
     std::unique_ptr<spmdx::data::Tokenizer> tokenizer;
-    std::optional<spmdx::train::JobSpec> spec;
+    std::optional<spmdx::job::JobSpec> spec;
     cfg.check(run_problems(cfg, env.world_size, env.local_world_size, registry, &tokenizer, &spec));
     if (env.rank == 0 && !cfg.ignored().empty()) std::cerr << cfg.ignored_text() << "\n";
   }
@@ -113,7 +115,7 @@ int run_run(const RunOptions& o) {
   // started otherwise (torchrun, srun, mpirun) puts it on its log lines itself.
   if (env.world_size > 1 && !launched) spmdx::log::set_rank(env.rank);
 #ifdef SPMDX_HAVE_EXEC
-  return spmdx::exec::run_job(cfg, env);
+  return spmdx::job::run_job(cfg, env);
 #else
   std::cerr << "error: this spmdx was built without LibTorch (SPMDX_WITH_TORCH=OFF) and cannot run jobs\n";
   return 1;

@@ -62,7 +62,7 @@ class HookSet {
   std::unique_ptr<std::mutex> failure_mutex_ = std::make_unique<std::mutex>();
 };
 
-/// The hooks a job enables, as its config says them (train::hook_spec reads them).
+/// The hooks a job enables, as its config says them (job::hook_spec reads them).
 struct HookSpec {
   std::vector<std::string> enabled;                                   ///< hooks.enable
   std::map<std::string, std::map<std::string, std::string>> options;  ///< hook name -> [hooks.<name>]

@@ -20,7 +20,7 @@
 
 namespace spmdx::train {
 
-/// [parallelism] pipeline_parallel_*, resolved (train::job_spec).
+/// [parallelism] pipeline_parallel_*, resolved (job::job_spec).
 struct PipelineSpec {
   std::int64_t stages = 1;         ///< pipeline_parallel_degree: groups of ranks (mesh dim pp)
   std::string schedule = "1F1B";   ///< pipeline_parallel_schedule: "GPipe", "1F1B" or "Interleaved1F1B"

@@ -1,5 +1,5 @@
 // The comm backends a job's ranks join, in the order the config gives them (comm.backend, then
-// comm.fallback: train::CommSpec::chain), agreed by every rank through the job's store: a
+// comm.fallback: CommSpec::chain), agreed by every rank through the job's store: a
 // backend that cannot be made (a plugin that fails to load, its ABI or capability check, its
 // options) or started (init fails on some rank) is passed over for the next, the reason said,
 // on every rank alike. During the run a backend whose collectives fail comm.max_failures times
@@ -16,9 +16,9 @@
 #include "spmdx/comm.h"
 #include "spmdx/core/registry.h"
 #include "spmdx/launch/launcher.h"
-#include "spmdx/train/job.h"
+#include "spmdx/job/spec.h"
 
-namespace spmdx::exec {
+namespace spmdx::job {
 
 /// A vote of every rank through `store` under `key` (unique per vote): each says "" (yes) or why
 /// not. Returns "" when every rank said yes, else the first reason given, as "rank R: why".
@@ -30,7 +30,7 @@ std::string vote(Store& store, const std::string& key, int rank, int world_size,
 /// from the plugins each rank finds): one that differs from rank 0 fails here, naming both. A
 /// peer that cannot be reached (it failed first, say) is named in the store for the launcher.
 /// Throws what making and initialising the backend throws.
-std::unique_ptr<CommBackend> join_backend(PluginRegistry& registry, const std::string& backend_spec, const train::CommSpec& spec,
+std::unique_ptr<CommBackend> join_backend(PluginRegistry& registry, const std::string& backend_spec, const CommSpec& spec,
                                           const launch::RankEnv& env, Store& store, std::int64_t generation);
 
 /// A change of backend (or, in FallbackEvent's other use, of strategies) and why.
@@ -48,7 +48,7 @@ class CommChain {
   /// and below those of "auto"'s members ((i + 1) * 2^40 + generation).
   static constexpr std::int64_t kFirstFallbackGeneration = std::int64_t{1} << 36;
 
-  CommChain(PluginRegistry& registry, const train::CommSpec& spec, const launch::RankEnv& env, Store& store)
+  CommChain(PluginRegistry& registry, const CommSpec& spec, const launch::RankEnv& env, Store& store)
       : registry_(registry), spec_(spec), env_(env), store_(store) {}
 
   /// Joins the first backend of the chain every rank can make and start, from the start of the
@@ -74,7 +74,7 @@ class CommChain {
   std::unique_ptr<CommBackend> join_from(std::size_t from, std::int64_t step);
 
   PluginRegistry& registry_;
-  const train::CommSpec& spec_;
+  const CommSpec& spec_;
   const launch::RankEnv& env_;
   Store& store_;
   std::size_t current_ = 0;
@@ -83,4 +83,4 @@ class CommChain {
   std::vector<FallbackEvent> events_;
 };
 
-}  // namespace spmdx::exec
+}  // namespace spmdx::job

@@ -1,4 +1,4 @@
-#include "spmdx/train/memory_budget.h"
+#include "spmdx/job/memory_budget.h"
 
 #include <cmath>
 #include <cstdio>
@@ -10,7 +10,8 @@
 #include "spmdx/sharding/distribute.h"
 #include "spmdx/text.h"
 
-namespace spmdx::train {
+namespace spmdx::job {
+using namespace spmdx::train;
 namespace {
 
 std::string bytes(std::int64_t b) { return human_bytes(static_cast<double>(b)); }
@@ -135,4 +136,4 @@ std::string fit_memory_budget(JobSpec& spec, PluginRegistry& registry) {
                               ". Raise the budget, add ranks or lower the batch or sequence length");
 }
 
-}  // namespace spmdx::train
+}  // namespace spmdx::job

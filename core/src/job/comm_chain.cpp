@@ -1,12 +1,13 @@
-#include "spmdx/exec/comm_chain.h"
+#include "spmdx/job/comm_chain.h"
 
 #include <stdexcept>
 
 #include "spmdx/comm/health.h"
 #include "spmdx/comm/select.h"
+#include "spmdx/job/preflight.h"
 #include "spmdx/text.h"
 
-namespace spmdx::exec {
+namespace spmdx::job {
 
 std::string vote(Store& store, const std::string& key, int rank, int world_size, const std::string& why_not, double timeout_seconds) {
   // The first "no" leaves its reason before its vote is counted; the last vote counted opens
@@ -37,7 +38,7 @@ std::string vote(Store& store, const std::string& key, int rank, int world_size,
   return store.get(key + "/why", timeout_seconds);
 }
 
-std::unique_ptr<CommBackend> join_backend(PluginRegistry& registry, const std::string& backend_spec, const train::CommSpec& spec,
+std::unique_ptr<CommBackend> join_backend(PluginRegistry& registry, const std::string& backend_spec, const CommSpec& spec,
                                           const launch::RankEnv& env, Store& store, std::int64_t generation) {
   std::string choice;
   auto backend = comm::make_job_backend(registry, backend_spec, spec.memory, true, &choice);  // ranks here are processes
@@ -78,7 +79,7 @@ std::unique_ptr<CommBackend> CommChain::join_from(std::size_t from, std::int64_t
       // What the launcher checks before start (capabilities, memory, in-process-only plugins),
       // then the join itself.
       const bool cuda = !spec_.memory.empty() && spec_.memory.front() == MemoryType::cuda;
-      if (const std::string problem = train::comm_backend_problem(registry_, spec_.chain[i], cuda ? "cuda" : "cpu"); !problem.empty()) {
+      if (const std::string problem = comm_backend_problem(registry_, spec_.chain[i], cuda ? "cuda" : "cpu"); !problem.empty()) {
         why_not = "\"" + spec_.chain[i] + "\"" + problem;
       } else {
         backend = join_backend(registry_, spec_.chain[i], spec_, env_, store_, generation);
@@ -135,4 +136,4 @@ std::unique_ptr<CommBackend> CommChain::replace(std::unique_ptr<CommBackend> fai
   return backend;
 }
 
-}  // namespace spmdx::exec
+}  // namespace spmdx::job

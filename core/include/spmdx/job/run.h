@@ -7,10 +7,10 @@
 #include "spmdx/config/config.h"
 #include "spmdx/launch/launcher.h"
 
-namespace spmdx::exec {
+namespace spmdx::job {
 
 /// Returns the process exit code (0: trained every step). Throws config::ConfigError,
 /// CommError and std::runtime_error with what went wrong, naming the file, key or rank.
 int run_job(const config::Config& cfg, const launch::RankEnv& env);
 
-}  // namespace spmdx::exec
+}  // namespace spmdx::job

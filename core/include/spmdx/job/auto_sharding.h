@@ -17,9 +17,9 @@
 #include "spmdx/core/registry.h"
 #include "spmdx/plan/estimate.h"
 #include "spmdx/sharding/propagate.h"
-#include "spmdx/train/job.h"
+#include "spmdx/job/spec.h"
 
-namespace spmdx::train {
+namespace spmdx::job {
 
 /// One layout the auto strategy planned.
 struct AutoPlan {
@@ -103,4 +103,4 @@ AutoReport choose_auto(JobSpec& spec, PluginRegistry& registry);
 /// rank at position 0, combined by plan::pipeline_step): `spmdx compile --estimate`.
 plan::StepEstimate estimate_job(const JobSpec& spec, PluginRegistry& registry, const plan::Calibration& c);
 
-}  // namespace spmdx::train
+}  // namespace spmdx::job

@@ -1,4 +1,4 @@
-#include "spmdx/train/auto_sharding.h"
+#include "spmdx/job/auto_sharding.h"
 
 #include <nlohmann/json.hpp>
 
@@ -22,9 +22,11 @@
 #include "spmdx/plan/runtime_plan.h"
 #include "spmdx/sharding/redistribute.h"
 #include "spmdx/text.h"
+#include "spmdx/job/compile.h"
 #include "spmdx/train/pipeline.h"
 
-namespace spmdx::train {
+namespace spmdx::job {
+using namespace spmdx::train;
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -256,9 +258,10 @@ AutoPlan plan_layout(const JobSpec& spec, const sharding::ParallelDims& dims, st
         JobSpec few = s;
         few.step.microbatches = few.pipeline.microbatches = i == 0 ? ma : mb;
         few.global_batch_size = s.global_batch_size / s.step.microbatches * few.step.microbatches;
-        const PlacedJob job = place_job(few, registry);
+        const CompiledJob compiled = compile_job(few, registry);
+        const PlacedJob& job = compiled.job;
         for (const auto& p : job.model.params) out.layers = std::max(out.layers, layer_of(p) + 1);
-        at[i] = measure_stages(job, few, propagate_job(job), c, ranks_per_host, cores, &collectives[i]);
+        at[i] = measure_stages(job, few, compiled.plan, c, ranks_per_host, cores, &collectives[i]);
         pipeline = job.pipeline;
       }
       pipeline.microbatches = out.microbatches;
@@ -711,8 +714,8 @@ std::string AutoReport::json() const {
 }
 
 plan::StepEstimate estimate_job(const JobSpec& spec, PluginRegistry& registry, const plan::Calibration& c) {
-  const PlacedJob job = place_job(spec, registry);
-  return measure(job, spec, propagate_job(job), c, planning_ranks_per_host(spec.world_size), launch::usable_cpus(), nullptr, true);
+  const CompiledJob compiled = compile_job(spec, registry);
+  return measure(compiled.job, spec, compiled.plan, c, planning_ranks_per_host(spec.world_size), launch::usable_cpus(), nullptr, true);
 }
 
-}  // namespace spmdx::train
+}  // namespace spmdx::job

@@ -9,9 +9,9 @@
 
 #include "spmdx/core/registry.h"
 #include "spmdx/plan/memory_plan.h"
-#include "spmdx/train/job.h"
+#include "spmdx/job/compile.h"
 
-namespace spmdx::train {
+namespace spmdx::job {
 
 /// What one rank's step is planned to cost.
 struct PlannedStep {
@@ -42,4 +42,4 @@ PlannedStep plan_step(const PlacedJob& job, const JobSpec& spec, std::int64_t ra
 /// at the last one's peak.
 std::string fit_memory_budget(JobSpec& spec, PluginRegistry& registry);
 
-}  // namespace spmdx::train
+}  // namespace spmdx::job

@@ -1,0 +1,328 @@
+#include "spmdx/job/step_loop.h"
+
+#include <ATen/ATen.h>
+
+#include <ATen/Parallel.h>
+#include <c10/core/InferenceMode.h>
+
+#include <algorithm>
+#include <optional>
+#include <cerrno>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <thread>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <sstream>
+#include <csignal>
+#include <pthread.h>
+#include <sys/sysinfo.h>
+#include <unistd.h>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "spmdx/exec/shards.h"
+#include "spmdx/files.h"
+#include "spmdx/text.h"
+#include "spmdx/train/checkpoint_folder.h"
+
+namespace spmdx::job {
+using namespace spmdx::exec;
+using namespace spmdx::train;
+
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+// A NumPy .npy file (format 1.0) of int64 [rows, cols], little endian, C order.
+std::string npy_i64(const std::vector<std::int64_t>& data, std::int64_t rows, std::int64_t cols) {
+  std::string header = "{'descr': '<i8', 'fortran_order': False, 'shape': (" + std::to_string(rows) + ", " + std::to_string(cols) + "), }";
+  while ((10 + header.size() + 1) % 64 != 0) header += ' ';
+  header += '\n';
+  std::string out("\x93NUMPY\x01\x00", 8);
+  const auto len = static_cast<std::uint16_t>(header.size());
+  out += static_cast<char>(len & 0xff);
+  out += static_cast<char>(len >> 8);
+  out += header;
+  out.append(reinterpret_cast<const char*>(data.data()), data.size() * sizeof(std::int64_t));
+  return out;
+}
+
+// OnGlobalSyncComplete: the train state after the step (views of this rank's shards), the loss
+// and the step's spans, for the hooks.
+void tell_hooks(hooks::HookSet& hooks, std::int64_t step, const JobSpec& spec, const launch::RankEnv& env, double loss, const RunStats& st,
+                const std::vector<std::string>& names, const TensorMap& state, const TensorMap& out,
+                const std::map<std::string, sharding::Placements>& state_placements, const sharding::DeviceMesh& mesh, const DistributedExecutor& executor) {
+  StepInfo info;
+  info.step = step;
+  info.last = step == spec.steps;
+  info.rank = env.rank;
+  info.world_size = env.world_size;
+  info.loss = loss;
+  info.step_seconds = st.total;
+  info.comm_seconds = st.comm;
+  info.exposed_comm_seconds = st.exposed_comm;
+  info.hidden_comm_seconds = st.hidden_comm;
+  std::vector<at::Tensor> alive;
+  auto view = [&](const std::string& name, const at::Tensor& t, const sharding::Placements& pl) {
+    alive.push_back(t.to(at::kCPU).contiguous());  // hooks read host memory
+    info.tensors.push_back({name, t.sizes().vec(), comm_dtype(t.scalar_type()), alive.back().data_ptr(), alive.back().nbytes(), pl});
+  };
+  for (const auto& name : names) view(name, state.at(name), state_placements.at(name));
+  view("loss", out.at("loss"), sharding::Placements(static_cast<std::size_t>(mesh.ndim()), Placement::replicate()));
+  info.spans = executor.spans();
+  hooks.step_end(info);
+}
+
+}  // namespace
+
+void StepLoop::resume(const CheckpointMeta& meta) {
+  optimizer_steps = meta.optimizer_steps >= 0 ? meta.optimizer_steps : meta.step;
+  if (meta.loss_scale > 0 && loss_scaling) {
+    scaler.scale = meta.loss_scale;
+    scaler.growth_tracker = std::min(meta.growth_tracker, scaler.growth_interval - 1);
+  }
+}
+
+void StepLoop::feed_microbatches(TensorMap& feed, const char* name, const at::Tensor& global, const sharding::Placements& pl, const c10::Device& on) const {
+  const std::int64_t m = spec.step.microbatches;
+  if (m == 1) {
+    feed[name] = shard_tensor(global, pl, job.mesh, coord).to(on);
+    return;
+  }
+  const std::int64_t dp = spec.dims.dp_replicate * spec.dims.dp_shard;
+  const at::Tensor split = global.reshape({dp, m, spec.global_batch_size / (dp * m), spec.seq_len});
+  for (std::int64_t k = 0; k < m; ++k) {
+    const at::Tensor rows = split.select(1, k).reshape({spec.global_batch_size / m, spec.seq_len});
+    feed[train::microbatch_input(name, k)] = shard_tensor(rows, pl, job.mesh, coord).to(on);
+  }
+}
+
+TensorMap StepLoop::run_step(TensorMap& feed, std::int64_t step) {
+  if (!spec.device.cuda_graphs || !warmed_up) {
+    warmed_up = true;
+    TensorMap out = executor.run(feed, step);
+    for (const auto& s : names) state[s] = out.at("next." + s);
+    return out;
+  }
+  if (!graph) {
+    graph_feed = feed;  // the state's tensors, updated in place by each replay
+    executor.set_capturing(true);
+    graph = device.capture([&] {
+      graph_out = executor.run(graph_feed, step);
+      for (const auto& s : names) graph_feed.at(s).copy_(graph_out.at("next." + s));
+    });
+    executor.set_capturing(false);
+  } else {
+    for (const auto& [input, value] : feed) {  // the batch (every microbatch's), lr, step, loss_scale: not the state, updated in place
+      if (state.count(input) == 0) graph_feed.at(input).copy_(value);
+    }
+  }
+  const auto t0 = Clock::now();
+  device.reset_peak_memory();
+  graph->replay();
+  device.synchronize();
+  graph_stats = {};
+  graph_stats.total = std::chrono::duration<double>(Clock::now() - t0).count();
+  graph_stats.peak_bytes = device.peak_memory_bytes();
+  return graph_out;
+}
+
+double StepLoop::step(std::int64_t step) {
+  c10::InferenceMode no_autograd;  // the state tensors are inference tensors: updated in place below (a fault, a CUDA graph's copies)
+  if (failover) {
+    for (const auto& s : names) before[s] = state.at(s).clone();  // the step updates the state in place
+    data_before = dataset.state(), optimizer_steps_before = optimizer_steps, scaler_before = scaler;
+  }
+  const data::Batch batch = dataset.next_batch();
+  if (lead && dump_batches) {
+    std::filesystem::create_directories(batches_dir);
+    for (const auto& [what, ids] : {std::pair<const char*, const std::vector<std::int64_t>*>{"tokens", &batch.tokens}, {"labels", &batch.labels}}) {
+      write_file_atomic(batches_dir / ("step-" + std::to_string(step) + "." + what + ".npy"), npy_i64(*ids, spec.global_batch_size, spec.seq_len));
+    }
+  }
+  auto as_tensor = [&](const std::vector<std::int64_t>& ids) {
+    return at::tensor(ids, at::kLong).reshape({spec.global_batch_size, spec.seq_len});
+  };
+  const c10::Device on = device.device();
+  TensorMap feed = state;
+  feed_microbatches(feed, "tokens", as_tensor(batch.tokens), tokens_pl, on);
+  feed_microbatches(feed, "labels", as_tensor(batch.labels), labels_pl, on);
+  const double lr = spec.lr * train::lr_factor(step, spec.schedule);
+  feed["lr"] = at::scalar_tensor(lr, at::TensorOptions().dtype(at::kFloat).device(on));
+  feed["step"] = at::scalar_tensor(static_cast<double>(optimizer_steps + 1), at::TensorOptions().dtype(at::kFloat).device(on));
+  const double loss_scale = scaler.scale;
+  if (loss_scaling) feed["loss_scale"] = at::scalar_tensor(loss_scale, at::TensorOptions().dtype(at::kFloat).device(on));
+  TensorMap out;
+  const bool profiling = profiler != nullptr && profiler->chosen(step);
+  if (profiling) {
+    executor.set_record_spans(true);
+    profiler->start();
+  }
+  try {
+    out = run_step(feed, step);
+  } catch (const CommError& e) {
+    if (profiling) profiler->cancel(), executor.set_record_spans(false);
+    if (failover) throw StepFailed(e.what(), false);
+    throw;
+  }
+  if (profiling) {
+    const std::filesystem::path trace = profiler->stop(step, executor.spans());
+    executor.set_record_spans(hooks.empty() ? false : true);
+    if (lead) std::printf("profiler: step %lld traced in %s (and the other ranks' beside it)\n", static_cast<long long>(step), trace.string().c_str());
+  }
+  if (failover) {
+    if (const std::string no = vote(*store, vote_key(step), env.rank, env.world_size, "", timeout + 30); !no.empty()) throw StepFailed(no, true);
+  }
+  // Every rank reads the same found_inf (from the all-reduced norm), so all skip together.
+  const bool skipped = loss_scaling && out.at("found_inf").item<float>() != 0;
+  if (!skipped) ++optimizer_steps;
+  if (loss_scaling) scaler.update(skipped);
+  if (fault.kind == "perturb" && fault.rank == env.rank && fault.step == step) {
+    const auto held = state.find(fault.tensor);  // its name was checked before the first step
+    if (held == state.end()) {
+      throw std::invalid_argument("SPMDX_FAULT: rank " + std::to_string(env.rank) + " does not hold '" + fault.tensor +
+                                  "': it is another pipeline stage's; perturb a rank of that stage");
+    }
+    held->second.add_(fault.delta);  // in place: a CUDA graph reads it
+  }
+  const double loss = out.at("loss").item<double>();
+  if (validation != nullptr && step % spec.validation.freq == 0) {
+    const double val_loss = validation->run(state);
+    if (metrics) metrics->add_to_next_row("val_loss", val_loss), metrics->add_to_next_row("val_perplexity", std::exp(val_loss));
+  }
+  if (!std::isfinite(loss)) {
+    throw std::runtime_error("step " + std::to_string(step) + ": the loss is " + std::to_string(loss) +
+                             (spec.mixed_precision.param == "float16"
+                                  ? " (a float16 forward can overflow, which loss scaling does not guard: if bfloat16 trains, use it; else lower optimizer.lr)"
+                                  : ""));
+  }
+  const RunStats st = graph ? graph_stats : executor.stats();
+  if (lead && spec.memory_budget > 0 && st.peak_bytes > spec.memory_budget && !over_budget_said) {
+    over_budget_said = true;  // the budget bounds the planned peak; the allocator's may differ by a little (docs/memory.md, "A budget")
+    std::printf("warning: step %lld held %lld bytes (%s) at its peak, %lld more than parallelism.memory_budget = %lld bytes; the budget bounds the "
+                "planned peak (%lld bytes), which the allocator's count can pass by a little: lower the budget by the difference to keep under it\n",
+                static_cast<long long>(step), static_cast<long long>(st.peak_bytes), human_bytes(static_cast<double>(st.peak_bytes)).c_str(),
+                static_cast<long long>(st.peak_bytes - spec.memory_budget), static_cast<long long>(spec.memory_budget),
+                static_cast<long long>(planned_peak));
+  }
+  if (!hooks.empty()) tell_hooks(hooks, step, spec, env, loss, st, names, state, out, state_placements, job.mesh, executor);
+  // Hot-swap at a step boundary: nothing is in flight between runs; the old backend leaves
+  // the job, the other one joins it under the next generation's keys. Recorded on this step:
+  // its metrics row says what was swapped to, and the line comes after its step line.
+  const std::int64_t swap_every = spec.comm.swap_at_step;
+  std::string swapped;  // "after step N: swapped ...", said after the step's row
+  if (backend && swap_every > 0 && step % swap_every == 0 && step < spec.steps) {
+    backend->barrier(0)->wait(timeout);
+    backend->finalize();
+    const std::int64_t generation = step / swap_every;
+    const std::string& next = generation % 2 == 1 ? spec.comm.swap_to : spec.comm.backend;
+    const std::string& previous = generation % 2 == 1 ? spec.comm.backend : spec.comm.swap_to;
+    backend.reset();
+    backend = join_backend(registry, next, spec.comm, env, *store, generation);
+    executor.set_backend(backend.get());
+    if (validation != nullptr) validation->executor.set_backend(backend.get());
+    const std::string now = (next == "auto" ? "auto -> " : "") + backend->describe();
+    if (metrics) metrics->add_to_next_row("comm_swap", {{"from", previous}, {"to", next}, {"backend", now}, {"generation", generation}});
+    if (lead && generation % std::max<std::int64_t>(1, log_freq) == 0) swapped = "after step " + std::to_string(step) + ": swapped the comm backend to " + now;
+  }
+  if (metrics) {  // what fell back since the last row, and the backend now
+    nlohmann::json told = nlohmann::json::array();
+    auto tell = [&](const FallbackEvent& e) { told.push_back({{"what", e.what}, {"from", e.from}, {"to", e.to}, {"reason", e.reason}, {"step", e.step}}); };
+    std::for_each(strategy_events.begin(), strategy_events.end(), tell);
+    strategy_events.clear();
+    if (chain != nullptr && spec.comm.chain.size() > 1) {
+      metrics->add_to_next_row("comm_backend", chain->current());
+      for (; events_told < chain->events().size(); ++events_told) tell(chain->events()[events_told]);
+    }
+    if (!told.empty()) metrics->add_to_next_row("fallback", std::move(told));
+  }
+  if (metrics) {
+    metrics->row(step, spec.steps, loss, out.at("grad_norm").item<double>(), lr, static_cast<double>(spec.global_batch_size * spec.seq_len) / st.total, st,
+                 loss_scaling ? std::optional<std::pair<double, bool>>{{loss_scale, skipped}} : std::nullopt);
+  }
+  if (!swapped.empty()) std::printf("%s\n", swapped.c_str()), std::fflush(stdout);
+  if (checkpointing && (step % spec.checkpoint.interval == 0 || step == spec.steps)) {
+    CheckpointMeta meta{step, dataset.state().samples, tokenizer_id, optimizer_steps};
+    if (loss_scaling) meta.loss_scale = scaler.scale, meta.growth_tracker = scaler.growth_tracker;
+    meta.lr_schedule = spec.schedule;
+    std::filesystem::path where;
+    try {
+      where = save_checkpoint(ckpt_dir, meta, job.mesh, env.rank, state, state_metas, state_placements, backend.get(), *pipeline_stages);
+    } catch (const CommError& e) {  // the save's barrier: a run-time fallback covers the step's collectives, not this
+      throw CommError("saving the checkpoint of step " + std::to_string(step) + ": " + e.what() +
+                          (failover ? " (comm.fallback covers the steps' collectives, not a checkpoint save's)" : ""),
+                      e.peer());
+    }
+    if (lead) std::printf("saved checkpoint %s\n", where.string().c_str());
+    // checkpoint.keep_latest_k: the oldest go only now, with this one complete (every rank's
+    // shard written, renamed into place); rank 0 deletes, as torchtitan's.
+    if (lead && spec.checkpoint.keep_latest_k > 0) {
+      for (const auto& gone : purge_checkpoints(ckpt_dir, spec.checkpoint.keep_latest_k, step)) {
+        std::printf("deleted checkpoint %s (checkpoint.keep_latest_k = %lld)\n", gone.string().c_str(), static_cast<long long>(spec.checkpoint.keep_latest_k));
+      }
+      std::fflush(stdout);
+    }
+  }
+  return loss;
+}
+
+void StepLoop::recover(std::int64_t step, const StepFailed& f) {
+  const std::string why = f.voted ? f.what() : vote(*store, vote_key(step), env.rank, env.world_size, f.what(), timeout + 30);
+  ++recoveries;
+  executor.set_backend(nullptr);
+  if (validation != nullptr) validation->executor.set_backend(nullptr);
+  backend = chain->replace(std::move(backend), step, why);
+  executor.set_backend(backend.get());
+  if (validation != nullptr) validation->executor.set_backend(backend.get());
+  for (auto& [name, t] : before) state[name] = std::move(t);
+  before.clear();
+  dataset.restore(data_before);
+  optimizer_steps = optimizer_steps_before;
+  scaler = scaler_before;
+  if (lead) {
+    for (std::size_t i = events_told; i < chain->events().size(); ++i) std::printf("fallback: %s\n", chain->events()[i].str().c_str());
+    std::fflush(stdout);
+  }
+}
+
+std::pair<double, double> StepLoop::run(std::int64_t first_step, bool serves_store) {
+  double first_loss = 0, last_loss = 0;
+  // A failing rank tells the hooks first (the flight recorder dumps), then fails.
+  try {
+    for (std::int64_t step = first_step; step <= spec.steps;) {
+      double loss = 0;
+      try {
+        loss = this->step(step);
+      } catch (const StepFailed& f) {
+        recover(step, f);
+        continue;  // the same step, from the state before it
+      }
+      if (step == first_step) first_loss = loss;
+      last_loss = loss;
+      ++step;
+    }
+    hooks.finish();
+  } catch (const std::exception& e) {
+    hooks.failure(e.what());
+    // Collectives still queued or waiting on peers fail now, instead of each waiting out
+    // comm.timeout_seconds while the backend is destroyed.
+    if (backend) backend->abort();
+    if (serves_store && dynamic_cast<const CommError*>(&e) != nullptr) {
+      // This rank serves the store (started without spmdx run, as under mpirun or srun): the
+      // others learn from it which rank failed, at their next health check (every 5 s of a
+      // stuck wait). Leaving at once would take the store down with this rank, and they
+      // would time out blaming it.
+      const double linger = std::min(12.0, timeout);
+      std::fprintf(stderr, "rank %d serves the store: keeping it up %.0f s so that the other ranks can name the rank that failed\n",
+                   env.rank, linger);
+      std::this_thread::sleep_for(std::chrono::duration<double>(linger));
+    }
+    throw;
+  }
+  return {first_loss, last_loss};
+}
+
+}  // namespace spmdx::job
