@@ -11,7 +11,7 @@
 #include "spmdx/core/registry.h"
 #include "spmdx/plan/memory_plan.h"
 #include "spmdx/plan/runtime_plan.h"
-#include "spmdx/sharding/distribute.h"
+#include "spmdx/sharding/rewriter.h"
 #include "spmdx/train/job.h"
 
 namespace spmdx {

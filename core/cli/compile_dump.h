@@ -6,7 +6,7 @@
 #include <utility>
 #include <vector>
 
-#include "spmdx/sharding/distribute.h"
+#include "spmdx/sharding/rewriter.h"
 #include "spmdx/train/job.h"
 
 namespace spmdx::cli {

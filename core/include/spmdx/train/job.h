@@ -18,7 +18,7 @@
 #include "spmdx/data/tokenizer.h"
 #include "spmdx/hooks/hook_set.h"
 #include "spmdx/models/model.h"
-#include "spmdx/sharding/distribute.h"
+#include "spmdx/sharding/rewriter.h"
 #include "spmdx/plan/runtime_plan.h"
 #include "spmdx/sharding/parallelize.h"
 #include "spmdx/train/activation_checkpoint.h"
@@ -30,7 +30,7 @@ namespace spmdx::train {
 
 /// [comm] as a rank's run loop uses it (the plan's options are JobSpec::plan).
 struct CommSpec {
-  std::string backend = "auto";   ///< comm.backend: "auto" or "name[:key=value;...]" (comm/select.h)
+  std::string backend = "auto";   ///< comm.backend: "auto" or "name[:key=value;...]" (comm/score_map.h)
   std::string swap_to;            ///< comm.swap_to: the backend hot-swapped to ("": none)
   std::int64_t swap_at_step = 0;  ///< comm.swap_at_step: swap every this many steps (0: never)
   double timeout_seconds = 300;   ///< comm.timeout_seconds: a collective or the rendezvous not done by then fails
