@@ -19,7 +19,7 @@
 #include <vector>
 
 #include "spmdx/exec/trainer.h"
-#include "spmdx/models/pt2.h"
+#include "spmdx/exec/pt2_import.h"
 
 namespace {
 

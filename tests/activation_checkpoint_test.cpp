@@ -11,7 +11,7 @@
 #include "spmdx/core/registry.h"
 #include "spmdx/exec/executor.h"
 #include "spmdx/exec/trainer.h"
-#include "spmdx/sharding/distribute.h"
+#include "spmdx/sharding/rewriter.h"
 #include "spmdx/train/activation_checkpoint.h"
 #include "spmdx/job/compile.h"
 #include "spmdx/job/preflight.h"

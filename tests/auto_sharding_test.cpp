@@ -16,7 +16,7 @@
 #include "spmdx/plan/estimate.h"
 #include "spmdx/plan/memory_plan.h"
 #include "spmdx/plan/runtime_plan.h"
-#include "spmdx/sharding/distribute.h"
+#include "spmdx/sharding/rewriter.h"
 #include "spmdx/job/auto_sharding.h"
 #include "spmdx/job/compile.h"
 #include "spmdx/job/preflight.h"

@@ -1,4 +1,4 @@
-// Backends chosen by score (spmdx/comm/select.h): the pick per operation, memory and size; a
+// Backends chosen by score (spmdx/comm/score_map.h): the pick per operation, memory and size; a
 // scored backend that routes each call to its pick across real ranks (threads over `local`)
 // and still gives the right sums; what comm.backend = "auto" keeps from the built-in plugins.
 #include <gmock/gmock.h>
@@ -8,7 +8,7 @@
 #include <map>
 #include <thread>
 
-#include "spmdx/comm/select.h"
+#include "spmdx/comm/score_map.h"
 #include "spmdx/core/registry.h"
 
 namespace spmdx::comm {

@@ -12,7 +12,7 @@
 #include "spmdx/exec/executor.h"
 #include "spmdx/exec/trainer.h"
 #include "spmdx/plan/runtime_plan.h"
-#include "spmdx/sharding/distribute.h"
+#include "spmdx/sharding/rewriter.h"
 #include "spmdx/job/compile.h"
 #include "spmdx/job/preflight.h"
 #include "spmdx/job/spec.h"

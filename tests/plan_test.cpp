@@ -14,7 +14,7 @@
 #include "spmdx/core/registry.h"
 #include "spmdx/plan/memory_plan.h"
 #include "spmdx/plan/runtime_plan.h"
-#include "spmdx/sharding/distribute.h"
+#include "spmdx/sharding/rewriter.h"
 #include "spmdx/job/compile.h"
 #include "spmdx/job/preflight.h"
 #include "spmdx/job/spec.h"

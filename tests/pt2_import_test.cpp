@@ -16,7 +16,7 @@
 #include "spmdx/exec/executor.h"
 #include "spmdx/exec/trainer.h"
 #include "spmdx/ir/autodiff.h"
-#include "spmdx/models/pt2.h"
+#include "spmdx/exec/pt2_import.h"
 #include "test_util.h"
 
 namespace spmdx {

@@ -13,7 +13,7 @@
 
 #include "spmdx/exec/kernels.h"
 #include "spmdx/ir/ops.h"
-#include "spmdx/sharding/distribute.h"
+#include "spmdx/sharding/rewriter.h"
 #include "spmdx/sharding/rules.h"
 #include "spmdx/sharding/spec.h"
 

@@ -15,7 +15,7 @@
 #include "self_exe.h"
 #include "usage.h"
 #include "spmdx/comm/bench.h"
-#include "spmdx/comm/select.h"
+#include "spmdx/comm/score_map.h"
 #include "spmdx/comm/store.h"
 #include "spmdx/core/registry.h"
 #include "spmdx/launch/launcher.h"

@@ -31,7 +31,7 @@
 #include "spmdx/plan/estimate.h"
 #include "spmdx/plan/memory_plan.h"
 #include "spmdx/plan/runtime_plan.h"
-#include "spmdx/sharding/distribute.h"
+#include "spmdx/sharding/rewriter.h"
 #include "spmdx/text.h"
 #include "spmdx/job/auto_sharding.h"
 #include "spmdx/job/compile.h"

@@ -6,7 +6,7 @@
 #include <utility>
 #include <vector>
 
-#include "spmdx/sharding/distribute.h"
+#include "spmdx/sharding/rewriter.h"
 #include "spmdx/job/compile.h"
 #include "spmdx/job/preflight.h"
 #include "spmdx/job/spec.h"

@@ -12,7 +12,7 @@
 #include "usage.h"
 #ifdef SPMDX_HAVE_EXEC
 #include "spmdx/ir/serialize.h"
-#include "spmdx/models/pt2.h"
+#include "spmdx/exec/pt2_import.h"
 #include "spmdx/text.h"
 #endif
 

@@ -12,7 +12,7 @@
 
 #include "command.h"
 #include "usage.h"
-#include "spmdx/comm/select.h"
+#include "spmdx/comm/score_map.h"
 #include "spmdx/core/registry.h"
 #include "spmdx/text.h"
 

@@ -18,7 +18,6 @@
 #include <mutex>
 #include <sstream>
 
-#include "spmdx/comm/p2p.h"
 #include "spmdx/core/log.h"
 
 namespace spmdx {
@@ -37,6 +36,11 @@ struct LibraryCache {
 LibraryCache& library_cache() {
   static auto* cache = new LibraryCache();
   return *cache;
+}
+
+TransportWrapper& transport_wrapper() {
+  static TransportWrapper wrap;
+  return wrap;
 }
 
 std::string octal_mode(mode_t mode) {
@@ -320,6 +324,8 @@ std::vector<PluginSource> plugin_search_path(const std::vector<fs::path>& user_p
   return out;
 }
 
+void set_transport_wrapper(TransportWrapper wrap) { transport_wrapper() = std::move(wrap); }
+
 PluginInfo read_plugin(const fs::path& file) { return info_from(*open_descriptor(file), file); }
 
 // Factories by kind and name, plus the plugin that registered each.
@@ -351,15 +357,10 @@ class PluginRegistry::Staging final : public Registrar {
   }
   void add_transport(const std::string& name, TransportInfo info) override {
     if (!info.factory) throw std::invalid_argument("empty transport factory '" + name + "'");
-    for (const auto& key : info.options) {
-      const auto& engine = comm::p2p_option_keys();
-      if (std::find(engine.begin(), engine.end(), key) != engine.end()) {
-        throw std::invalid_argument("transport '" + name + "' claims option '" + key + "', which is the collective engine's; rename it");
-      }
-    }
-    std::vector<std::string> keys = comm::transport_backend_options(info);
-    add(target_.comm_backends, comm_backends_, PluginKind::comm, name, comm::p2p_backend_factory(name, std::move(info)));
-    transport_options_[name] = std::move(keys);
+    if (!transport_wrapper()) throw std::logic_error("transport '" + name + "': no collective engine to run it over (set_transport_wrapper was never called)");
+    TransportBackend backend = transport_wrapper()(name, std::move(info));
+    add(target_.comm_backends, comm_backends_, PluginKind::comm, name, std::move(backend.factory));
+    transport_options_[name] = std::move(backend.options);
   }
   void add_hook(const std::string& name, HookFactory f) override {
     add(target_.hooks, hooks_, PluginKind::hook, name, std::move(f));

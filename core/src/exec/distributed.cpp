@@ -14,7 +14,7 @@
 #include "spmdx/core/clock.h"
 #include "spmdx/exec/kernels.h"
 #include "spmdx/hooks/hook_set.h"
-#include "spmdx/sharding/distribute.h"
+#include "spmdx/sharding/rewriter.h"
 
 namespace spmdx::exec {
 namespace {

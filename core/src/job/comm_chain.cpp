@@ -3,7 +3,7 @@
 #include <stdexcept>
 
 #include "spmdx/comm/health.h"
-#include "spmdx/comm/select.h"
+#include "spmdx/comm/score_map.h"
 #include "spmdx/job/preflight.h"
 #include "spmdx/text.h"
 

@@ -5,9 +5,9 @@
 #include <stdexcept>
 #include <vector>
 
-#include "spmdx/hooks/graph_view.h"
 #include "spmdx/models/model.h"
-#include "spmdx/sharding/distribute.h"
+#include "spmdx/sharding/cost_model.h"
+#include "spmdx/sharding/rewriter.h"
 #include "spmdx/text.h"
 
 namespace spmdx::job {
@@ -103,7 +103,7 @@ PlannedStep plan_step(const PlacedJob& job, const JobSpec& spec, std::int64_t ra
   step.memory = plan::plan_memory(graph, plan::make_runtime_plan(graph, run_mesh(job), spec.plan));
   if (spec.comm.failover() && spec.world_size > 1) step.memory.add_state_copy(state_copy_bytes(graph, job.model.params));
   step.comm_seconds = plan.comm_seconds;
-  for (const auto& n : graph.nodes()) step.flops += hooks::node_flops(*n);
+  for (const auto& n : graph.nodes()) step.flops += sharding::node_flops(*n);
   return step;
 }
 

@@ -6,7 +6,7 @@
 
 #include <unistd.h>
 
-#include "spmdx/comm/select.h"
+#include "spmdx/comm/score_map.h"
 #include "spmdx/core/log.h"
 #include "spmdx/files.h"
 #include "spmdx/text.h"

@@ -24,7 +24,7 @@
 #include <nlohmann/json.hpp>
 
 #include "spmdx/comm/health.h"
-#include "spmdx/comm/select.h"
+#include "spmdx/comm/score_map.h"
 #include "spmdx/comm/store.h"
 #include "spmdx/files.h"
 #include "spmdx/core/log.h"

@@ -8,7 +8,7 @@
 #include <numeric>
 #include <set>
 
-#include "spmdx/comm/select.h"
+#include "spmdx/comm/score_map.h"
 #include "spmdx/core/log.h"
 #include "spmdx/files.h"
 #include "spmdx/text.h"

@@ -11,7 +11,7 @@
 #include <stdexcept>
 
 #include "spmdx/files.h"
-#include "spmdx/hooks/graph_view.h"
+#include "spmdx/sharding/cost_model.h"
 #include "spmdx/sharding/redistribute.h"
 #include "spmdx/sharding/spec.h"
 #include "spmdx/text.h"
@@ -149,7 +149,7 @@ double compute_seconds(const ir::Graph& rank_graph, const Calibration& c, std::i
   double total = 0;
   for (const auto& node : rank_graph.nodes()) {
     if (sharding::is_communication(node->op()) || node->op() == "send" || node->op() == "recv") continue;  // priced as traffic
-    total += c.node_seconds + hooks::node_seconds(*node, c.matmul_flops_per_second * t, c.memory_bytes_per_second * t);
+    total += c.node_seconds + sharding::node_seconds(*node, c.matmul_flops_per_second * t, c.memory_bytes_per_second * t);
   }
   return total;
 }

@@ -10,7 +10,7 @@
 
 #include "spmdx/text.h"
 #include "spmdx/models/model.h"
-#include "spmdx/sharding/distribute.h"
+#include "spmdx/sharding/rewriter.h"
 
 namespace spmdx::plan {
 namespace {

@@ -9,7 +9,7 @@
 #include <sstream>
 #include <stdexcept>
 
-#include "spmdx/hooks/graph_view.h"
+#include "spmdx/sharding/cost_model.h"
 #include "spmdx/sharding/rules.h"
 #include "spmdx/sharding/spec.h"
 
@@ -458,7 +458,7 @@ struct Propagator {
       auto& cands = candidates[static_cast<std::size_t>(v)];
       cands = candidates_of(node, i, in_pl, out_pl, seen_in, seen_out);
       // The node's work on this rank before dim i splits it, divided by the other dims it is split on.
-      double work = hooks::node_seconds(node, model.flops_per_second, model.bytes_per_second);
+      double work = node_seconds(node, model.flops_per_second, model.bytes_per_second);
       for (int j = 0; j < n; ++j) {
         if (j == i) continue;
         const bool split = std::any_of(out_pl.begin(), out_pl.end(), [&](const Placements& pl) { return !pl[static_cast<std::size_t>(j)].is_replicate(); });

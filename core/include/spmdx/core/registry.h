@@ -33,6 +33,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <memory>
 #include <stdexcept>
@@ -68,6 +69,20 @@ class PluginError : public std::runtime_error {
   Code code_;
   std::filesystem::path path_;
 };
+
+/// What a transport that a comm plugin registers (Registrar::add_transport) becomes: a comm
+/// backend that runs the collective engine over it (comm/p2p.h), and the option keys that
+/// backend takes (the transport's, then the engine's).
+struct TransportBackend {
+  CommBackendFactory factory;
+  std::vector<std::string> options;
+};
+/// Makes a TransportBackend of the transport registered as `name`; throws
+/// std::invalid_argument for a transport that claims one of the engine's option keys.
+using TransportWrapper = std::function<TransportBackend(const std::string& name, TransportInfo info)>;
+/// Set by the collective engine (core/src/comm/p2p.cpp) when the core library loads, so that
+/// the registry depends on nothing of comm/.
+void set_transport_wrapper(TransportWrapper wrap);
 
 struct PluginSource {
   enum class Origin { user, environment, builtin };

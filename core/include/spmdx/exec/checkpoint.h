@@ -28,7 +28,7 @@
 #include "spmdx/comm.h"
 #include "spmdx/exec/executor.h"
 #include "spmdx/models/weights.h"
-#include "spmdx/sharding/distribute.h"
+#include "spmdx/sharding/rewriter.h"
 #include "spmdx/train/train_step.h"
 
 namespace spmdx::exec {

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "spmdx/exec/dtype.h"
 #include "spmdx/ir/graph.h"
 
 namespace spmdx::exec {
@@ -94,10 +95,5 @@ const Kernel* find_kernel(const std::string& op);
 using InPlaceKernel = std::function<std::vector<at::Tensor>(const ir::Node& node, const std::vector<at::Tensor>& inputs, const std::vector<int>& into)>;
 /// The in-place kernel of an op of plan::in_place_ops(), or nullptr.
 const InPlaceKernel* find_in_place_kernel(const std::string& op);
-
-/// ATen's scalar type for an IR dtype (f32 -> at::kFloat, ...).
-at::ScalarType to_aten(ir::DType dtype);
-/// The IR dtype of an ATen scalar type; throws std::invalid_argument for one the IR lacks.
-ir::DType from_aten(at::ScalarType type);
 
 }  // namespace spmdx::exec

@@ -9,7 +9,7 @@
 
 #include "spmdx/exec/executor.h"
 #include "spmdx/exec/shards.h"
-#include "spmdx/sharding/distribute.h"
+#include "spmdx/sharding/rewriter.h"
 
 namespace spmdx::exec {
 

@@ -14,7 +14,7 @@
 #include "spmdx/hooks/graph_view.h"
 #include "spmdx/ir/graph.h"
 #include "spmdx/plan/runtime_plan.h"
-#include "spmdx/sharding/distribute.h"
+#include "spmdx/sharding/rewriter.h"
 
 namespace spmdx {
 class PluginRegistry;

@@ -25,7 +25,7 @@ namespace spmdx::job {
 /// Throws CommError when not every rank has voted within timeout_seconds.
 std::string vote(Store& store, const std::string& key, int rank, int world_size, const std::string& why_not, double timeout_seconds);
 
-/// The comm backend `backend_spec` names (comm.backend's form; comm/select.h), joined to the job
+/// The comm backend `backend_spec` names (comm.backend's form; comm/score_map.h), joined to the job
 /// under store generation `generation`. Every rank must have made the same one ("auto" chooses
 /// from the plugins each rank finds): one that differs from rank 0 fails here, naming both. A
 /// peer that cannot be reached (it failed first, say) is named in the store for the launcher.

@@ -12,7 +12,7 @@
 #include "spmdx/hooks/hook_set.h"
 #include "spmdx/job/spec.h"
 #include "spmdx/models/model.h"
-#include "spmdx/sharding/distribute.h"
+#include "spmdx/sharding/rewriter.h"
 #include "spmdx/sharding/parallelize.h"
 #include "spmdx/train/activation_checkpoint.h"
 #include "spmdx/train/pipeline.h"

@@ -17,7 +17,7 @@ namespace spmdx::job {
 struct PlannedStep {
   plan::MemoryPlan memory;  ///< the rank's predicted peak (bytes) and what is held at it
   double comm_seconds = 0;  ///< the propagation's alpha-beta estimate of one rank's communication, seconds
-  double flops = 0;         ///< the rank graph's FLOPs (hooks::node_flops: 2MNK per matmul)
+  double flops = 0;         ///< the rank graph's FLOPs (sharding::node_flops: 2MNK per matmul)
 };
 
 /// Bytes of the copy of a rank's train state (parameters and AdamW state, train_state_names of

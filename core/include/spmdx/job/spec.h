@@ -29,7 +29,7 @@ namespace spmdx::job {
 
 /// [comm] as a rank's run loop uses it (the plan's options are JobSpec::plan).
 struct CommSpec {
-  std::string backend = "auto";   ///< comm.backend: "auto" or "name[:key=value;...]" (comm/select.h)
+  std::string backend = "auto";   ///< comm.backend: "auto" or "name[:key=value;...]" (comm/score_map.h)
   std::string swap_to;            ///< comm.swap_to: the backend hot-swapped to ("": none)
   std::int64_t swap_at_step = 0;  ///< comm.swap_at_step: swap every this many steps (0: never)
   double timeout_seconds = 300;   ///< comm.timeout_seconds: a collective or the rendezvous not done by then fails

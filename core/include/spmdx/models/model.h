@@ -107,7 +107,7 @@ struct Model {
 Model build_model(const ModelArgs& args, std::int64_t batch, std::int64_t seq_len, ir::DType dtype = ir::DType::f32);
 
 /// Reads a model from a file (ModelArgs::path) for ModelArgs::name "pt2". The library that can
-/// read one (spmdx_exec, which links LibTorch: spmdx/models/pt2.h) sets it when it is loaded;
+/// read one (spmdx_exec, which links LibTorch: spmdx/exec/pt2_import.h) sets it when it is loaded;
 /// without it build_model refuses "pt2" saying so.
 using Importer = std::function<Model(const ModelArgs&)>;
 void set_importer(Importer importer);

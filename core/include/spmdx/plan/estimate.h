@@ -1,7 +1,7 @@
 // The calibrated cost model of `spmdx compile --estimate` and `strategy = "auto"`: how long one
 // rank's step takes, predicted before any rank starts, from rates measured on this machine (as
 // Alpa profiles its mesh: Zheng et al., OSDI 2022, section 6). Compute: each node's FLOPs
-// (hooks::node_flops) at the measured matmul rate, or the bytes it reads and writes at the
+// (sharding::node_flops, sharding/cost_model.h) at the measured matmul rate, or the bytes it reads and writes at the
 // measured memory rate, whichever the node is bound by. Communication: the plan's messages and
 // bytes per mesh dim by the alpha-beta model (Hockney 1994) with alpha and beta fitted from
 // `spmdx bench comm --calibrate` per link (this host's shared memory; between hosts).

@@ -3,7 +3,7 @@
 //   dp_replicate (data_parallel_replicate_degree) -> data_parallel   (DDP)
 //   dp_shard     (data_parallel_shard_degree)     -> fsdp            (FSDP2 / ZeRO-3)
 //   tp           (tensor_parallel_degree)         -> tensor_parallel (Megatron)
-// Each strategy decides its own mesh dim; the core propagates the rest (distribute.h).
+// Each strategy decides its own mesh dim; the core propagates the rest (propagate.h).
 #pragma once
 
 #include <cstdint>
@@ -12,7 +12,8 @@
 #include <vector>
 
 #include "spmdx/core/registry.h"
-#include "spmdx/sharding/distribute.h"
+#include "spmdx/sharding/mesh.h"
+#include "spmdx/sharding/redistribute.h"
 
 namespace spmdx::sharding {
 

@@ -101,7 +101,7 @@ std::string taken_signature(const DistributedPlan& plan, const ir::Node& node, i
 /// rates at which a rank computes (plan/estimate.h's Calibration measures them).
 struct IntraOpCostModel {
   std::vector<CostModel> links;      ///< per mesh dim; a missing one is CostModel{}
-  double flops_per_second = 50e9;    ///< matmuls and attention (hooks::node_flops)
+  double flops_per_second = 50e9;    ///< matmuls and attention (node_flops, cost_model.h)
   double bytes_per_second = 10e9;    ///< other ops: the bytes they read and write
   double collective_seconds = 0;     ///< a redistribution's fixed cost beyond alpha-beta (plan::Calibration's)
   double time_limit_seconds = 10;    ///< the planner's, for all mesh dims: each gets what is left; a dim reached with none keeps propagation's choices

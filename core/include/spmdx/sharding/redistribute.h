@@ -9,6 +9,7 @@
 
 #include "spmdx/ir/graph.h"
 #include "spmdx/placement.h"
+#include "spmdx/sharding/cost_model.h"
 #include "spmdx/sharding/mesh.h"
 
 namespace spmdx::sharding {
@@ -26,18 +27,10 @@ struct RedistributeStep {
   /// 2(k-1)/k of the tensor, all_gather and reduce_scatter (k-1)/k, all_to_all (k-1)/k^2).
   double bytes = 0;
   /// Alpha-beta estimate (Hockney 1994) of the step's time, in seconds: messages x alpha +
-  /// bytes / beta, with the ring's k-1 messages per phase. See CostModel.
+  /// bytes / beta, with the ring's k-1 messages per phase. See CostModel (cost_model.h).
   double seconds = 0;
   /// Messages each rank sends for it: the ring's k-1 per phase (all_reduce 2 phases); 0 locally.
   double messages = 0;
-};
-
-/// The alpha-beta cost model of the mesh's links, per mesh dim: alpha, the latency of one
-/// message (seconds); beta, the bandwidth (bytes per second). The defaults are one host's
-/// shared memory; a dim that spans hosts would use its network's numbers.
-struct CostModel {
-  double alpha = 10e-6;
-  double beta = 10e9;
 };
 
 /// The steps that take a tensor of global `meta` from `from` to `to` on `mesh`: collectives

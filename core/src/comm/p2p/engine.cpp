@@ -1,4 +1,4 @@
-// The engine's spine: options, the queue from the issuing threads to the communication
+// The engine's spine: the queue from the issuing threads to the communication
 // thread, the comm thread's loop, and the waits every algorithm shares.
 #include "engine.h"
 
@@ -36,69 +36,8 @@ class P2PEngine::OpWork final : public Work {
   std::shared_ptr<Op> op_;
 };
 
-std::string P2POptions::str() const {
-  return "chunk_bytes=" + std::to_string(chunk_bytes) + ", direct_max_bytes=" + std::to_string(direct_max_bytes) +
-         ", shm=" + (shm ? "on" : "off") + ", shm_chunk_bytes=" + std::to_string(shm_chunk_bytes);
-}
-
-const std::vector<std::string>& p2p_option_keys() {
-  static const std::vector<std::string> keys{"chunk_bytes", "direct_max_bytes", "shm", "shm_chunk_bytes"};
-  return keys;
-}
-
-std::vector<std::string> transport_backend_options(const TransportInfo& info) {
-  std::vector<std::string> keys = info.options;
-  keys.insert(keys.end(), p2p_option_keys().begin(), p2p_option_keys().end());
-  return keys;
-}
-
-P2POptions take_p2p_options(const std::string& backend, Options& options) {
-  P2POptions out;
-  if (auto it = options.find("shm"); it != options.end()) {
-    if (it->second != "on" && it->second != "off") throw std::invalid_argument(backend + ": option shm='" + it->second + "' must be on or off");
-    out.shm = it->second == "on";
-    options.erase(it);
-  }
-  for (const char* key : {"chunk_bytes", "direct_max_bytes", "shm_chunk_bytes"}) {
-    auto it = options.find(key);
-    if (it == options.end()) continue;
-    const std::string& value = it->second;
-    const std::string k = key;
-    const std::uint64_t least = k == "direct_max_bytes" ? 0 : 64;
-    const bool shm_chunk = k == "shm_chunk_bytes";
-    std::uint64_t bytes = 0;
-    bool ok = !value.empty() && value.find_first_of("-+ ") == std::string::npos;
-    try {
-      if (ok) bytes = spmdx::parse_bytes(value);
-    } catch (const std::exception&) {
-      ok = false;
-    }
-    if (!ok || bytes < least || bytes > (shm_chunk ? std::uint64_t{64} << 20 : std::uint64_t{1} << 40)) {
-      throw std::invalid_argument(backend + ": option " + k + "='" + value + "' must be a size in bytes from " + std::to_string(least) +
-                                  (shm_chunk ? " to 64M" : " to 1024G") + " (examples: 262144, 256K, 4M)");
-    }
-    (k == "chunk_bytes" ? out.chunk_bytes : k == "direct_max_bytes" ? out.direct_max_bytes : out.shm_chunk_bytes) = static_cast<std::size_t>(bytes);
-    options.erase(it);
-  }
-  return out;
-}
-
 std::unique_ptr<CommBackend> make_p2p_backend(std::string name, std::unique_ptr<Transport> transport, P2POptions options) {
   return std::make_unique<P2PEngine>(std::move(name), std::move(transport), options);
-}
-
-CommBackendFactory p2p_backend_factory(std::string name, TransportInfo info) {
-  return [name = std::move(name), info = std::move(info)](const Options& given) -> std::unique_ptr<CommBackend> {
-    Options options = given;
-    const P2POptions p2p = take_p2p_options(name, options);
-    for (const auto& [key, value] : options) {
-      if (std::find(info.options.begin(), info.options.end(), key) != info.options.end()) continue;
-      throw std::invalid_argument(name + ": unknown option '" + key + "' (known: " + join(transport_backend_options(info)) + ")");
-    }
-    std::unique_ptr<Transport> transport = info.factory(options);
-    if (!transport) throw std::runtime_error(name + ": the plugin's transport factory returned no transport; fix the plugin");
-    return make_p2p_backend(name, std::move(transport), p2p);
-  };
 }
 
 P2PEngine::P2PEngine(std::string name, std::unique_ptr<Transport> transport, P2POptions options)

@@ -1,4 +1,4 @@
-// The .pt2 importer (spmdx/models/pt2.h). Three parts:
+// The .pt2 importer (spmdx/exec/pt2_import.h). Three parts:
 //   1. Archive: the zip (LibTorch's PyTorchStreamReader, which strips the archive's top
 //      folder), its JSON read strictly (every object's fields and every union's kind checked
 //      against torch/_export/serde/schema.py, major 8; every value read through JsonAt, which
@@ -10,7 +10,7 @@
 //      constants, their products) run once here, boxed through the dispatcher (constant
 //      folding); torchtitan's complex rotary pattern becomes rotary_embedding; the rest map
 //      op by op (the table in map_node).
-#include "spmdx/models/pt2.h"
+#include "spmdx/exec/pt2_import.h"
 #include "spmdx/text.h"
 
 #include <ATen/ATen.h>
@@ -29,7 +29,7 @@
 #include <set>
 #include <tuple>
 
-#include "spmdx/exec/kernels.h"
+#include "spmdx/exec/dtype.h"
 #include "../json_at.h"
 
 namespace spmdx::models {

@@ -1,6 +1,6 @@
 // Importing a PyTorch program: a torch.export archive (`torch.export.save(ep, "model.pt2")`,
 // torch >= 2.9) becomes a spmdx forward Model, trained like the built-in ones: weights from
-// the archive, the program's ATen ops mapped onto the IR (core/src/models/pt2_import.cpp).
+// the archive, the program's ATen ops mapped onto the IR (core/src/exec/pt2_import.cpp).
 //
 // What is read: the PT2 archive (archive_format "pt2", little-endian, serialization schema
 // major 8), its one program models/<name>.json, and data/weights/ (raw bytes per storage).

@@ -1,4 +1,4 @@
-#include "spmdx/comm/select.h"
+#include "spmdx/comm/score_map.h"
 
 #include <algorithm>
 #include <set>

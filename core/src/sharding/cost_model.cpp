@@ -1,0 +1,34 @@
+#include "spmdx/sharding/cost_model.h"
+
+#include "spmdx/sharding/spec.h"
+
+namespace spmdx::sharding {
+
+double node_flops(const ir::Node& node) {
+  const std::string& op = node.op();
+  double out = 0;
+  for (const ir::Value* v : node.outputs()) out += static_cast<double>(v->meta().numel());
+  auto last_dim = [](const ir::Value* v) {
+    const auto& s = v->meta().shape;
+    return s.empty() ? 1.0 : static_cast<double>(s.back());
+  };
+  if (op == "matmul" || op == "linear") return 2 * out * last_dim(node.input(0));
+  if (op == "linear_weight_grad") return 2 * out * static_cast<double>(node.input(0)->meta().numel()) / last_dim(node.input(0));
+  if (op == "sdpa" || op == "sdpa_backward") {
+    const auto& q = node.input(op == "sdpa" ? 0 : 1)->meta().shape;  // [B, H, S, D]
+    if (q.size() != 4) return out;
+    const double f = 4.0 * static_cast<double>(q[0] * q[1]) * static_cast<double>(q[2]) * static_cast<double>(q[2]) * static_cast<double>(q[3]);
+    return op == "sdpa" ? f : 2 * f;
+  }
+  return out;
+}
+
+double node_seconds(const ir::Node& node, double flops_per_second, double bytes_per_second) {
+  double elements = 0, traffic = 0;
+  for (const ir::Value* o : node.outputs()) elements += static_cast<double>(o->meta().numel()), traffic += shape_bytes(o->meta().shape, o->meta().dtype);
+  for (const ir::Value* in : node.inputs()) traffic += shape_bytes(in->meta().shape, in->meta().dtype);
+  const double flops = node_flops(node);
+  return flops > elements ? flops / flops_per_second : traffic / bytes_per_second;
+}
+
+}  // namespace spmdx::sharding
