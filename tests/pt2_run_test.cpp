@@ -122,6 +122,22 @@ TEST(Pt2RunHuggingFaceOps, TransformersLlamaAndQwen3TrainOnEveryLayout) {
   expect_layouts_give_one_rank_losses("transformers_qwen3", "");
 }
 
+// The built-in tensor-parallel plan matches a wrapped model's names: transformers' lm_head under
+// the wrapper's prefix (`model.lm_head.weight`) is column-parallel, not kept whole.
+TEST(Pt2RunHuggingFaceOps, BuiltInPlanShardsAWrappedLmHead) {
+  test::TempDir dir;
+  test::corpus_file(dir);
+  test::write_file(dir / "llama.toml", "[model]\nname = \"pt2\"\npath = \"" + (kFixtures / "transformers_llama.pt2").string() +
+                                           "\"\ntokenizer = \"byte\"\n[data]\npaths = [\"" + (dir / "corpus.txt").string() + "\"]\n");
+  auto r = spmdx("compile '" + (dir / "llama.toml").string() + "' --parallelism.data_parallel_shard_degree 1 --parallelism.tensor_parallel_degree 2 --dump '" +
+                 (dir / "plan").string() + "'");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const std::string plan = test::read_file(dir / "plan" / "plan.txt");
+  EXPECT_THAT(plan, HasSubstr("input %model.lm_head.weight: S(0) f32[264, 64]"));
+  EXPECT_THAT(plan, HasSubstr("input %model.model.embed_tokens.weight: S(1) f32[264, 64]"));
+  EXPECT_THAT(plan, HasSubstr("input %model.model.layers.0.self_attn.q_proj.weight: S(0)"));
+}
+
 // Gradient accumulation of an exported program: microbatches of its batch (8 rows); a global
 // batch of 16 on 1, 2 and 4 ranks gives the same losses, and one that is no multiple of 8 is
 // refused naming the export's rows.

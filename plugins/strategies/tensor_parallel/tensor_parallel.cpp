@@ -49,7 +49,7 @@ const Plan& builtin_plan() {
       // Hugging Face's Llama
       {"*self_attn.q_proj.weight", "colwise"}, {"*self_attn.k_proj.weight", "colwise"}, {"*self_attn.v_proj.weight", "colwise"},
       {"*self_attn.o_proj.weight", "rowwise"}, {"*mlp.gate_proj.weight", "colwise"}, {"*mlp.up_proj.weight", "colwise"},
-      {"*mlp.down_proj.weight", "rowwise"}, {"lm_head.weight", "colwise"}, {"*embed_tokens.weight", "shard(1)"}};
+      {"*mlp.down_proj.weight", "rowwise"}, {"*lm_head.weight", "colwise"}, {"*embed_tokens.weight", "shard(1)"}};
   return plan;
 }
 
