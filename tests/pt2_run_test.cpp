@@ -136,6 +136,18 @@ TEST(Pt2RunHuggingFaceOps, BuiltInPlanShardsAWrappedLmHead) {
   EXPECT_THAT(plan, HasSubstr("input %model.lm_head.weight: S(0) f32[264, 64]"));
   EXPECT_THAT(plan, HasSubstr("input %model.model.embed_tokens.weight: S(1) f32[264, 64]"));
   EXPECT_THAT(plan, HasSubstr("input %model.model.layers.0.self_attn.q_proj.weight: S(0)"));
+  EXPECT_THAT(r.output, Not(HasSubstr("whole on every tp rank")));
+  // A written plan that leaves large weights whole says so, naming each (the 1-D norms are not
+  // named: they are tp's design, and small).
+  test::write_file(dir / "zero.toml", "[model]\nname = \"pt2\"\npath = \"" + (kFixtures / "zero_width.pt2").string() +
+                                          "\"\ntokenizer = \"byte\"\n[data]\npaths = [\"" + (dir / "corpus.txt").string() +
+                                          "\"]\n[parallelism.tp_plan]\n\"*.qkv.weight\" = \"colwise\"\n");
+  auto partial = spmdx("compile '" + (dir / "zero.toml").string() + "' --parallelism.data_parallel_shard_degree 1 --parallelism.tensor_parallel_degree 2");
+  ASSERT_EQ(partial.exit_code, 0) << partial.output;
+  EXPECT_THAT(partial.output, HasSubstr("warning: tensor_parallel on tp (2 ranks) keeps head.weight [264, 32] (27.0% of the model's parameters) whole on every tp rank"));
+  EXPECT_THAT(partial.output, HasSubstr("keeps blocks.0.o.weight [32, 32]"));
+  EXPECT_THAT(partial.output, Not(HasSubstr("keeps blocks.0.qkv.weight")));
+  EXPECT_THAT(partial.output, Not(HasSubstr("norm.weight [32]")));
 }
 
 // Gradient accumulation of an exported program: microbatches of its batch (8 rows); a global

@@ -249,6 +249,7 @@ int run_compile(const CompileOptions& o) {
             << (spec.memory_fit.empty() ? "" : spec.memory_fit + "\n");
   for (const auto& line : job.decided_by) std::cout << line << "\n";
   for (const auto& short_ones : spmdx::job::short_parameters(spec, job)) std::cout << "warning: " << short_ones.line() << "\n";
+  for (const auto& line : spmdx::job::tp_replicated_parameters(spec, job)) std::cout << "warning: " << line << "\n";
   for (const auto& [layout, why] : spec.strategies_passed_over) {
     std::cout << "fallback: strategies " << layout << " passed over (" << why << ")\n";
   }

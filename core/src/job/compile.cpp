@@ -1,6 +1,7 @@
 #include "spmdx/job/compile.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <set>
 
 #include "spmdx/core/log.h"
@@ -331,6 +332,36 @@ std::vector<ShortParameters> short_parameters(const JobSpec& spec, const PlacedJ
       s.strategy = "";  // a dim no strategy decides (cp): named alone
     }
     out.push_back(std::move(s));
+  }
+  return out;
+}
+
+std::vector<std::string> tp_replicated_parameters(const JobSpec& spec, const PlacedJob& job) {
+  std::vector<std::string> out;
+  const auto& dims = job.mesh.dims();
+  std::size_t tp = dims.size();
+  for (std::size_t d = 0; d < dims.size(); ++d) {
+    if (dims[d].name == "tp" && dims[d].size > 1) tp = d;
+  }
+  if (tp == dims.size()) return out;
+  std::int64_t total = 0;
+  for (const auto& name : job.model.params) {
+    if (const ir::Value* v = job.model.graph.find_input(name)) total += v->meta().numel();
+  }
+  auto bound = spec.strategies.find("tp");
+  const std::string strategy = bound != spec.strategies.end() ? bound->second : sharding::strategy_for("tp");
+  for (const auto& name : job.model.params) {
+    auto placed = job.inputs.find(name);
+    const ir::Value* v = job.model.graph.find_input(name);
+    if (placed == job.inputs.end() || v == nullptr || tp >= placed->second.size() || !placed->second[tp].is_replicate()) continue;
+    const ir::TensorMeta& m = v->meta();
+    const double share = total > 0 ? static_cast<double>(m.numel()) / static_cast<double>(total) : 0.0;
+    if (m.rank() < 2 || share <= 0.01) continue;
+    char pct[32];
+    std::snprintf(pct, sizeof pct, "%.1f%%", 100.0 * share);
+    out.push_back(strategy + " on tp (" + std::to_string(dims[tp].size) + " ranks) keeps " + name + " " + ir::shape_str(m.shape) + " (" + pct +
+                  " of the model's parameters) whole on every tp rank: the numbers are the same, the memory is not; to shard it, name it in "
+                  "[parallelism.tp_plan] (\"" + name + "\" = \"colwise\", \"rowwise\" or \"shard(d)\")");
   }
   return out;
 }

@@ -369,6 +369,7 @@ void print_banner(const JobSpec& spec, const PlacedJob& job, const sharding::Dis
               linears.c_str());
   for (const auto& s : short_parameters(spec, job)) std::printf("warning: %s\n", s.line().c_str());
   for (const auto& line : job.decided_by) std::printf("%s\n", line.c_str());  // who placed each mesh dim
+  for (const auto& line : tp_replicated_parameters(spec, job)) std::printf("warning: %s\n", line.c_str());
   if (const std::int64_t m = spec.step.microbatches; m > 1 && spec.pipeline.stages == 1) {
     const std::int64_t rows = spec.global_batch_size / (m * spec.dims.dp_replicate * spec.dims.dp_shard);
     std::printf("gradient accumulation: %lld microbatches of %lld row%s per data-parallel rank (training.local_batch_size), one optimizer step and one gradient reduction per step\n",

@@ -107,6 +107,13 @@ struct ShortParameters {
 /// Throws nothing; empty when every parameter a dim could shard is sharded.
 std::vector<ShortParameters> short_parameters(const JobSpec& spec, const PlacedJob& job);
 
+/// With tensor parallelism (mesh dim "tp" of more than one rank), a line for each parameter of
+/// more than 1% of the model's parameters that the plan keeps whole (Replicate on tp) although
+/// it is at least 2-D: "tensor_parallel on tp (2 ranks) keeps model.lm_head.weight [264, 64]
+/// (12.3% of the model's parameters) whole on every tp rank: ...". What it costs is memory,
+/// never numbers (a replicated weight computes the same values). Empty without tp.
+std::vector<std::string> tp_replicated_parameters(const JobSpec& spec, const PlacedJob& job);
+
 /// The model's train-step graph (with mixed precision and activation checkpointing as the spec
 /// asks) and where its inputs go on the mesh, by the strategy plugins.
 PlacedJob place_job(const JobSpec& spec, PluginRegistry& registry);
