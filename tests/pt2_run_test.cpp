@@ -208,6 +208,30 @@ TEST(Pt2RunErrors, BadInputFailsBeforeAnyRankStarts) {
   }
 }
 
+// Every construct spmdx cannot train in one list, from `spmdx run` and `spmdx import` alike:
+// attention under a mask computed from the batch, cumsum and erf, each with node and source
+// line (before, run named the first and import left the masked attention out).
+TEST(Pt2RunErrors, EveryConstructThatCannotTrainIsListedOnce) {
+  test::TempDir dir;
+  test::corpus_file(dir);
+  const std::string path = (kFixtures / "bad" / "several.pt2").string();
+  test::write_file(dir / "several.toml", "[model]\nname = \"pt2\"\npath = \"" + path + "\"\ntokenizer = \"byte\"\n[data]\npaths = [\"" +
+                                             (dir / "corpus.txt").string() + "\"]\n");
+  auto run = spmdx("run '" + (dir / "several.toml").string() + "' --job.dump_folder '" + (dir / "out").string() + "'");
+  auto import = spmdx("import '" + path + "'");
+  EXPECT_EQ(run.exit_code, 1) << run.output;
+  EXPECT_EQ(import.exit_code, 1) << import.output;
+  EXPECT_THAT(run.output, HasSubstr("4 nodes spmdx cannot train"));
+  for (const auto* out : {&run.output, &import.output}) {
+    EXPECT_THAT(*out, HasSubstr("aten.scaled_dot_product_attention.default at node 'scaled_dot_product_attention': make_pt2_fixtures.py:"));
+    EXPECT_THAT(*out, HasSubstr("a mask computed from the batch"));
+    EXPECT_THAT(*out, HasSubstr("aten.cumsum.default at node 'cumsum': make_pt2_fixtures.py:"));
+    EXPECT_THAT(*out, HasSubstr("aten.special_erf.default at node 'special_erf'"));
+    EXPECT_THAT(*out, HasSubstr("aten.gt.Scalar at node 'gt'"));
+  }
+  EXPECT_FALSE(fs::exists(dir / "out" / "metrics.jsonl"));
+}
+
 // A parameter of one row (gated.pt2's gate [1]) cannot be cut over fsdp 2: the run says so on the
 // line after its first, naming it, why and what it costs, and trains.
 TEST(Pt2RunFsdp, AParameterShorterThanTheDegreeIsSaidToBeKeptWholeAfterTheFirstLine) {

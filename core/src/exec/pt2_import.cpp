@@ -1621,15 +1621,30 @@ Pt2Summary summarize_pt2(const std::string& path) {
 }
 
 Model import_pt2(const ModelArgs& args) {
-  return guarded(args.path, [&] {
-    const auto a = archive(args.path);
-    const Program p = read_program(*a);
-    Model m;
-    m.args = args;
-    Mapper mapper(*a, p, args, m);
-    mapper.run();
-    return m;
-  });
+  try {
+    return guarded(args.path, [&] {
+      const auto a = archive(args.path);
+      const Program p = read_program(*a);
+      Model m;
+      m.args = args;
+      Mapper mapper(*a, p, args, m);
+      mapper.run();
+      return m;
+    });
+  } catch (const ImportError& first) {
+    // Every construct spmdx cannot train, in one list (as `spmdx import` prints it), not only
+    // the first that stopped the mapping: a user fixes them all in one round.
+    std::vector<Pt2Summary::Unsupported> all;
+    try {
+      all = summarize_pt2(args.path).unsupported;
+    } catch (const std::exception&) {
+      throw first;  // the file itself is damaged: the first error says where
+    }
+    if (all.size() < 2) throw;
+    std::string list;
+    for (const auto& u : all) list += "\n  " + u.op + " at node '" + u.node + "'" + (u.source.empty() ? "" : ": " + u.source) + " (" + u.why + ")";
+    throw ImportError(args.path + ": " + std::to_string(all.size()) + " nodes spmdx cannot train (`spmdx import " + args.path + "` lists them too):" + list);
+  }
 }
 
 namespace {
@@ -1672,6 +1687,11 @@ Pt2Summary summarize(const std::string& path) {
     if (!Mapper::mapped_ops().count(b.target)) {
       s.unsupported.push_back({b.target, b.name, source_line(node),
                                b.op->hasTag(at::Tag::nondeterministic_seeded) ? "a random op: export in eval() mode" : "spmdx has no mapping for it"});
+    } else if (b.target == "aten.scaled_dot_product_attention.default" && b.arg("attn_mask").is_tensor && !frozen.count(b.arg("attn_mask").tensors.front())) {
+      // A mask computed from positions and buffers folds to a constant; one from the batch does not.
+      s.unsupported.push_back({b.target, b.name, source_line(node),
+                               "attention with a mask computed from the batch (a padding mask from an attention_mask input): export forward(input_ids) "
+                               "without attention_mask, so that the mask comes from positions only"});
     }
   }
   return s;
