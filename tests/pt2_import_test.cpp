@@ -120,12 +120,13 @@ INSTANTIATE_TEST_SUITE_P(Examples, Pt2Model, ::testing::Values("torchtitan_llama
 // higher_order.wrap_with_set_grad_enabled, which the importer does not inline yet):
 // sdpa with the boolean mask transformers builds under export (a constant: causal here), q/k
 // norms (Qwen3, OLMo2), q/k/v biases (Qwen2), soft-capping and padding_idx (Gemma 2), fused
-// qkv/gate_up with full rotary and a zero-width pass-through (Phi3).
+// qkv/gate_up with full rotary and a zero-width pass-through (Phi3), a sliding window of 8 tokens
+// (Mistral: the band mask as general masked attention).
 class Pt2Transformers : public ::testing::TestWithParam<std::string> {};
 TEST_P(Pt2Transformers, LossAndGradientsMatchPyTorchAutograd) { expect_autograd_values(GetParam(), ".pt2"); }
 TEST_P(Pt2Transformers, TenAdamWStepsMatchPyTorchEager) { expect_adamw_steps(GetParam()); }
 INSTANTIATE_TEST_SUITE_P(Defaults, Pt2Transformers,
-                         ::testing::Values("transformers_llama", "transformers_qwen2", "transformers_qwen3", "transformers_gemma2", "transformers_gpt2", "transformers_phi3",
+                         ::testing::Values("transformers_llama", "transformers_qwen2", "transformers_qwen3", "transformers_gemma2", "transformers_gpt2", "transformers_phi3", "transformers_mistral",
                                            "transformers_olmo2"));
 
 // GPT-2's output layer is its token embedding: one parameter, used twice, its gradient the sum.

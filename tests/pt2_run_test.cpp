@@ -122,6 +122,10 @@ TEST(Pt2RunHuggingFaceOps, TransformersLlamaAndQwen3TrainOnEveryLayout) {
   expect_layouts_give_one_rank_losses("transformers_qwen3", "");
 }
 
+// Mistral with a sliding window of 8 tokens over 32: the band mask (a constant) runs as general
+// masked attention, its bias split with the scores on every layout, context parallelism too.
+TEST(Pt2RunHuggingFaceOps, TransformersSlidingWindowTrainsOnEveryLayout) { expect_layouts_give_one_rank_losses("transformers_mistral", ""); }
+
 // The built-in tensor-parallel plan matches a wrapped model's names: transformers' lm_head under
 // the wrapper's prefix (`model.lm_head.weight`) is column-parallel, not kept whole.
 TEST(Pt2RunHuggingFaceOps, BuiltInPlanShardsAWrappedLmHead) {
