@@ -63,7 +63,8 @@ TEST_P(Pt2Run, FourRanksGiveTheLossesOfOneRank) {
 
 // gpt2: a tied embedding and a plan of its own; torchtitan_llama: logits with cross entropy
 // appended, complex rotary, GQA; hf_llama: the built-in plan's Hugging Face names.
-INSTANTIATE_TEST_SUITE_P(Examples, Pt2Run, ::testing::Values("gpt2", "torchtitan_llama", "hf_llama"));
+// transformers_qwen3: transformers' own Qwen3 as it exports by default (sdpa under its mask).
+INSTANTIATE_TEST_SUITE_P(Examples, Pt2Run, ::testing::Values("gpt2", "torchtitan_llama", "hf_llama", "transformers_qwen3"));
 
 // A fixture's one-rank losses on fsdp 2, tp 2 by a written plan and fsdp 2 x cp 2, after
 // `compile` plans it: a config written around tests/fixtures/<fixture>.py's export.
