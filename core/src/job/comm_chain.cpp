@@ -42,6 +42,11 @@ std::unique_ptr<CommBackend> join_backend(PluginRegistry& registry, const std::s
                                           const launch::RankEnv& env, Store& store, std::int64_t generation) {
   std::string choice;
   auto backend = comm::make_job_backend(registry, backend_spec, spec.memory, true, &choice);  // ranks here are processes
+  return join_backend(std::move(backend), choice, backend_spec, spec, env, store, generation);
+}
+
+std::unique_ptr<CommBackend> join_backend(std::unique_ptr<CommBackend> backend, const std::string& choice, const std::string& backend_spec,
+                                          const CommSpec& spec, const launch::RankEnv& env, Store& store, std::int64_t generation) {
   const std::string key = "spmdx/comm_choice/g" + std::to_string(generation);
   if (env.rank == 0) store.set(key, choice);
   if (const std::string first = store.get(key, spec.timeout_seconds); first != choice) {
@@ -79,10 +84,12 @@ std::unique_ptr<CommBackend> CommChain::join_from(std::size_t from, std::int64_t
       // What the launcher checks before start (capabilities, memory, in-process-only plugins),
       // then the join itself.
       const bool cuda = !spec_.memory.empty() && spec_.memory.front() == MemoryType::cuda;
-      if (const std::string problem = comm_backend_problem(registry_, spec_.chain[i], cuda ? "cuda" : "cpu"); !problem.empty()) {
+      std::unique_ptr<CommBackend> made;  // made once: checked, then joined
+      std::string choice;
+      if (const std::string problem = comm_backend_problem(registry_, spec_.chain[i], cuda ? "cuda" : "cpu", &made, &choice); !problem.empty()) {
         why_not = "\"" + spec_.chain[i] + "\"" + problem;
       } else {
-        backend = join_backend(registry_, spec_.chain[i], spec_, env_, store_, generation);
+        backend = join_backend(std::move(made), choice, spec_.chain[i], spec_, env_, store_, generation);
       }
     } catch (const std::exception& e) {
       why_not = e.what();

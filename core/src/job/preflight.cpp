@@ -383,12 +383,16 @@ std::vector<std::string> preflight(const config::Config& cfg, std::int64_t world
   return out;
 }
 
-std::string comm_backend_problem(PluginRegistry& registry, const std::string& spec_text, const std::string& device) {
+std::string comm_backend_problem(PluginRegistry& registry, const std::string& spec_text, const std::string& device, std::unique_ptr<CommBackend>* made,
+                                 std::string* choice) {
   const std::vector<MemoryType> memory = comm::job_memory(device);
   const std::string memory_text = device == "cuda" ? "CUDA" : "host";
   if (spec_text == "auto" || spec_text.rfind("auto:", 0) == 0) {
     try {
-      comm::make_job_backend(registry, spec_text, memory, true);
+      std::string chosen;
+      auto backend = comm::make_job_backend(registry, spec_text, memory, true, &chosen);
+      if (made != nullptr) *made = std::move(backend);
+      if (choice != nullptr) *choice = chosen;
     } catch (const std::exception& e) {
       return ": " + std::string(e.what());
     }
@@ -407,13 +411,15 @@ std::string comm_backend_problem(PluginRegistry& registry, const std::string& sp
       return ": the " + name + " plugin runs ranks as threads of one process (its descriptor is flagged in-process only), and spmdx "
              "starts a process per rank; use ucx, or \"auto\"";
     }
-    const auto backend = registry.make_comm_backend_from_spec(spec_text);
+    auto backend = registry.make_comm_backend_from_spec(spec_text);
     if (const std::string problem = comm::capability_problem(backend->capabilities()); !problem.empty()) {
       return ": the " + name + " plugin's capabilities are malformed: " + problem + "; fix the plugin";
     }
     bool moves = false;
     for (const auto& c : backend->capabilities()) moves = moves || c.memory == memory.front();
     if (!moves) return ": the " + name + " plugin does not move " + memory_text + " memory, which training.device = \"" + device + "\" needs";
+    if (made != nullptr) *made = std::move(backend);
+    if (choice != nullptr) *choice = spec_text;
   } catch (const std::exception& e) {
     return ": " + std::string(e.what());
   }

@@ -32,6 +32,9 @@ std::string vote(Store& store, const std::string& key, int rank, int world_size,
 /// Throws what making and initialising the backend throws.
 std::unique_ptr<CommBackend> join_backend(PluginRegistry& registry, const std::string& backend_spec, const CommSpec& spec,
                                           const launch::RankEnv& env, Store& store, std::int64_t generation);
+/// The same with a backend already made (by comm_backend_problem's check) and what it is.
+std::unique_ptr<CommBackend> join_backend(std::unique_ptr<CommBackend> backend, const std::string& choice, const std::string& backend_spec,
+                                          const CommSpec& spec, const launch::RankEnv& env, Store& store, std::int64_t generation);
 
 /// A change of backend (or, in FallbackEvent's other use, of strategies) and why.
 struct FallbackEvent {

@@ -50,6 +50,10 @@ std::vector<std::string> preflight(const config::Config& cfg, std::int64_t world
 /// wrong, worded to follow `key = "spec"`: not found (with the names found and a hint at
 /// plugins.paths), an in-process-only plugin, options it refuses, malformed capabilities, memory
 /// it does not move, or, for "auto", that none is found or that "auto" takes no options.
-std::string comm_backend_problem(PluginRegistry& registry, const std::string& spec_text, const std::string& device);
+/// `made`/`choice`: when given and there is no problem, the backend made for the check (not
+/// initialised) and what it is ("auto"'s choice, else spec_text), for the caller to join: a
+/// rank makes each backend of its chain once.
+std::string comm_backend_problem(PluginRegistry& registry, const std::string& spec_text, const std::string& device,
+                                 std::unique_ptr<CommBackend>* made = nullptr, std::string* choice = nullptr);
 
 }  // namespace spmdx::job
