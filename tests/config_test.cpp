@@ -36,6 +36,27 @@ TEST(Config, ReadsTorchtitanNamesAndKeepsDefaults) {
   EXPECT_DOUBLE_EQ(c.get_float("optimizer.weight_decay"), 0.1);  // default
 }
 
+// Every comm backend spec of a job (comm.backend, comm.fallback, comm.swap_to) is parsed once, into
+// JobSpec's typed form, which the ranks make their backends from.
+TEST(Config, CommBackendSpecsAreParsedOnceIntoTheJobSpec) {
+  Config c = Config::parse("[model]\nname = \"mlp\"\n[comm]\nbackend = \"ucx:tls=tcp,self;chunk_bytes=64K\"\nfallback = [\"auto\", \"local\"]\n"
+                           "swap_to = \"ucx:shm=off\"\nswap_at_step = 2\n",
+                           "job.toml");
+  const job::JobSpec spec = job::job_spec(c, 1, 256);
+  EXPECT_EQ(spec.comm.chain, (std::vector<std::string>{"ucx:tls=tcp,self;chunk_bytes=64K", "auto", "local"}));
+  ASSERT_EQ(spec.comm.parsed.size(), 4u);
+  const PluginSpec* first = spec.comm.find_parsed("ucx:tls=tcp,self;chunk_bytes=64K");
+  ASSERT_NE(first, nullptr);
+  EXPECT_EQ(first->name, "ucx");
+  EXPECT_EQ(first->options.at("tls"), "tcp,self");
+  EXPECT_EQ(first->options.at("chunk_bytes"), "64K");
+  ASSERT_NE(spec.comm.find_parsed("ucx:shm=off"), nullptr);
+  EXPECT_EQ(spec.comm.find_parsed("ucx:shm=off")->options.at("shm"), "off");
+  ASSERT_NE(spec.comm.find_parsed("auto"), nullptr);
+  EXPECT_TRUE(spec.comm.find_parsed("auto")->options.empty());
+  EXPECT_EQ(spec.comm.find_parsed("local")->name, "local");
+}
+
 TEST(Config, ErrorsNameFileLineColumnKeyAndExpectation) {
   EXPECT_EQ(error_of("[training]\nsteps = 3\nstpes = 4\n"),
             "job.toml:3:9: unknown key 'training.stpes'; did you mean 'training.steps'?");

@@ -261,9 +261,18 @@ std::unique_ptr<CommBackend> make_job_backend(PluginRegistry& registry, const st
     throw std::invalid_argument("\"auto\" takes no options (it makes each backend with its defaults); to give options, "
                                 "pin a backend, e.g. \"ucx:" + spec.substr(5) + "\"");
   }
-  if (spec != "auto") {
-    if (choice != nullptr) *choice = spec;
-    return registry.make_comm_backend_from_spec(spec);
+  return make_job_backend(registry, parse_plugin_spec(spec, "comm backend"), spec, memory, processes, choice);
+}
+
+std::unique_ptr<CommBackend> make_job_backend(PluginRegistry& registry, const PluginSpec& parsed, const std::string& text, const std::vector<MemoryType>& memory,
+                                              bool processes, std::string* choice) {
+  if (parsed.name == "auto" && !parsed.options.empty()) {
+    throw std::invalid_argument("\"auto\" takes no options (it makes each backend with its defaults); to give options, "
+                                "pin a backend, e.g. \"ucx:" + text.substr(text.find(':') + 1) + "\"");
+  }
+  if (parsed.name != "auto") {
+    if (choice != nullptr) *choice = text;
+    return registry.make_comm_backend(parsed.name, parsed.options);
   }
   std::vector<Candidate> candidates = auto_candidates(registry, memory, processes);
   // A plugin whose table is broken would never be chosen, silently: it is refused instead.

@@ -41,7 +41,9 @@ std::string vote(Store& store, const std::string& key, int rank, int world_size,
 std::unique_ptr<CommBackend> join_backend(PluginRegistry& registry, const std::string& backend_spec, const CommSpec& spec,
                                           const launch::RankEnv& env, Store& store, std::int64_t generation) {
   std::string choice;
-  auto backend = comm::make_job_backend(registry, backend_spec, spec.memory, true, &choice);  // ranks here are processes
+  const PluginSpec* parsed = spec.find_parsed(backend_spec);  // JobSpec's, parsed once
+  auto backend = parsed != nullptr ? comm::make_job_backend(registry, *parsed, backend_spec, spec.memory, true, &choice)  // ranks here are processes
+                                   : comm::make_job_backend(registry, backend_spec, spec.memory, true, &choice);
   return join_backend(std::move(backend), choice, backend_spec, spec, env, store, generation);
 }
 
@@ -86,7 +88,7 @@ std::unique_ptr<CommBackend> CommChain::join_from(std::size_t from, std::int64_t
       const bool cuda = !spec_.memory.empty() && spec_.memory.front() == MemoryType::cuda;
       std::unique_ptr<CommBackend> made;  // made once: checked, then joined
       std::string choice;
-      if (const std::string problem = comm_backend_problem(registry_, spec_.chain[i], cuda ? "cuda" : "cpu", &made, &choice); !problem.empty()) {
+      if (const std::string problem = comm_backend_problem(registry_, spec_.chain[i], cuda ? "cuda" : "cpu", &made, &choice, spec_.find_parsed(spec_.chain[i])); !problem.empty()) {
         why_not = "\"" + spec_.chain[i] + "\"" + problem;
       } else {
         backend = join_backend(std::move(made), choice, spec_.chain[i], spec_, env_, store_, generation);

@@ -384,13 +384,14 @@ std::vector<std::string> preflight(const config::Config& cfg, std::int64_t world
 }
 
 std::string comm_backend_problem(PluginRegistry& registry, const std::string& spec_text, const std::string& device, std::unique_ptr<CommBackend>* made,
-                                 std::string* choice) {
+                                 std::string* choice, const PluginSpec* parsed) {
   const std::vector<MemoryType> memory = comm::job_memory(device);
   const std::string memory_text = device == "cuda" ? "CUDA" : "host";
   if (spec_text == "auto" || spec_text.rfind("auto:", 0) == 0) {
     try {
       std::string chosen;
-      auto backend = comm::make_job_backend(registry, spec_text, memory, true, &chosen);
+      auto backend = parsed != nullptr ? comm::make_job_backend(registry, *parsed, spec_text, memory, true, &chosen)
+                                       : comm::make_job_backend(registry, spec_text, memory, true, &chosen);
       if (made != nullptr) *made = std::move(backend);
       if (choice != nullptr) *choice = chosen;
     } catch (const std::exception& e) {
@@ -411,7 +412,7 @@ std::string comm_backend_problem(PluginRegistry& registry, const std::string& sp
       return ": the " + name + " plugin runs ranks as threads of one process (its descriptor is flagged in-process only), and spmdx "
              "starts a process per rank; use ucx, or \"auto\"";
     }
-    auto backend = registry.make_comm_backend_from_spec(spec_text);
+    auto backend = parsed != nullptr ? registry.make_comm_backend(parsed->name, parsed->options) : registry.make_comm_backend_from_spec(spec_text);
     if (const std::string problem = comm::capability_problem(backend->capabilities()); !problem.empty()) {
       return ": the " + name + " plugin's capabilities are malformed: " + problem + "; fix the plugin";
     }

@@ -386,6 +386,14 @@ void read_sections(const config::Config& cfg, JobSpec& s) {
   s.comm.backend = s.comm.chain.front();
   s.comm.max_failures = cfg.get_int("comm.max_failures");
   s.comm.failure_window = cfg.get_int("comm.failure_window");
+  std::vector<std::string> specs = s.comm.chain;
+  if (!s.comm.swap_to.empty()) specs.push_back(s.comm.swap_to);
+  for (const auto& text : specs) {  // parsed once here; what does not parse preflight refuses
+    try {
+      s.comm.parsed.emplace(text, parse_plugin_spec(text, "comm backend"));
+    } catch (const std::invalid_argument&) {
+    }
+  }
   s.device = {cfg.get_string("training.device"), cfg.get_bool("training.allow_tf32"), cfg.get_bool("training.cuda_graphs"),
               cfg.get_string("training.cpu_matmul")};
   s.activation_checkpoint = {cfg.get_string("activation_checkpoint.mode"), cfg.get_string("activation_checkpoint.selective_ac_option"),

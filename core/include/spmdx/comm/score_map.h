@@ -15,6 +15,7 @@
 
 namespace spmdx {
 class PluginRegistry;
+struct PluginSpec;
 }
 
 namespace spmdx::comm {
@@ -68,6 +69,10 @@ std::vector<Candidate> auto_candidates(PluginRegistry& registry, const std::vect
 /// `choice`, says what was made: the pinned spec, or "auto: ucx, nccl" (the backends kept), which
 /// every rank of a job must agree on.
 std::unique_ptr<CommBackend> make_job_backend(PluginRegistry& registry, const std::string& spec, const std::vector<MemoryType>& memory,
+                                              bool processes, std::string* choice = nullptr);
+/// The same for a spec already parsed (a job's CommSpec::parsed, made once by job_spec): `text`
+/// is the spec as written, for messages and `choice`.
+std::unique_ptr<CommBackend> make_job_backend(PluginRegistry& registry, const PluginSpec& parsed, const std::string& text, const std::vector<MemoryType>& memory,
                                               bool processes, std::string* choice = nullptr);
 
 }  // namespace spmdx::comm

@@ -52,8 +52,9 @@ std::vector<std::string> preflight(const config::Config& cfg, std::int64_t world
 /// it does not move, or, for "auto", that none is found or that "auto" takes no options.
 /// `made`/`choice`: when given and there is no problem, the backend made for the check (not
 /// initialised) and what it is ("auto"'s choice, else spec_text), for the caller to join: a
-/// rank makes each backend of its chain once.
+/// rank makes each backend of its chain once. `parsed`: spec_text as JobSpec parsed it (made
+/// from it, not parsed again), or nullptr.
 std::string comm_backend_problem(PluginRegistry& registry, const std::string& spec_text, const std::string& device,
-                                 std::unique_ptr<CommBackend>* made = nullptr, std::string* choice = nullptr);
+                                 std::unique_ptr<CommBackend>* made = nullptr, std::string* choice = nullptr, const PluginSpec* parsed = nullptr);
 
 }  // namespace spmdx::job

@@ -37,6 +37,15 @@ struct CommSpec {
   /// The backends a rank may join, in order: comm.backend (when set, or when comm.fallback is
   /// empty), then comm.fallback without repeats; with comm.strict, comm.backend alone.
   std::vector<std::string> chain{"auto"};
+  /// Every backend spec of the job (the chain's and swap_to), parsed once by job_spec into its
+  /// plugin name and options, keyed by the text as written; a rank makes each backend from
+  /// here. A spec that does not parse is absent (preflight refuses it, naming the key).
+  std::map<std::string, PluginSpec> parsed{};
+  /// The parsed form of `text`, or nullptr.
+  const PluginSpec* find_parsed(const std::string& text) const {
+    auto it = parsed.find(text);
+    return it == parsed.end() ? nullptr : &it->second;
+  }
   std::int64_t max_failures = 1;     ///< comm.max_failures: failures of one backend before the next replaces it
   std::int64_t failure_window = 100; ///< comm.failure_window: the steps over which they count
   /// Run-time failover: a step whose collectives fail runs again (on a rejoined or the next
