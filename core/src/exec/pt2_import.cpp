@@ -1438,7 +1438,7 @@ class Mapper {
     }
     bool causal = b.arg("is_causal").value.toBool();
     if (mask.defined()) {
-      const at::Tensor bias = attention_bias(b, mask, qs[2], ks[2], ir_dtype_of(q));
+      const at::Tensor bias = attention_bias(b, mask, qs[2], ks[2], aten_dtype_of(q));
       if (is_causal_bias(bias, qs[2], ks[2])) {
         causal = true;
       } else {
@@ -1453,7 +1453,7 @@ class Mapper {
     set(b, g.add_node("sdpa", {q, k, v}, {{"causal", causal}})->output(0));
   }
 
-  static at::ScalarType ir_dtype_of(const ir::Value* v) { return exec::to_aten(v->meta().dtype); }
+  static at::ScalarType aten_dtype_of(const ir::Value* v) { return exec::to_aten(v->meta().dtype); }
 
   // The additive attention bias of a constant attn_mask, in the scores' dtype: a boolean mask as
   // 0 (attend) and -inf (not), a float mask as is (PyTorch's sdpa adds it). Broadcast to
