@@ -329,17 +329,7 @@ const std::map<std::string, Kernel>& kernels() {
     k["sub"] = [](const Node&, const Tensors& x) { return one(at::sub(x[0], x[1])); };
     k["mul"] = [](const Node&, const Tensors& x) { return one(at::mul(x[0], x[1])); };
     k["div"] = [](const Node&, const Tensors& x) { return one(at::div(x[0], x[1])); };
-    k["neg"] = [](const Node&, const Tensors& x) { return one(at::neg(x[0])); };
-    k["exp"] = [](const Node&, const Tensors& x) { return one(at::exp(x[0])); };
-    k["log"] = [](const Node&, const Tensors& x) { return one(at::log(x[0])); };
-    k["sqrt"] = [](const Node&, const Tensors& x) { return one(at::sqrt(x[0])); };
-    k["rsqrt"] = [](const Node&, const Tensors& x) { return one(at::rsqrt(x[0])); };
-    k["sigmoid"] = [](const Node&, const Tensors& x) { return one(at::sigmoid(x[0])); };
-    k["tanh"] = [](const Node&, const Tensors& x) { return one(at::tanh(x[0])); };
-    k["silu"] = [](const Node&, const Tensors& x) { return one(at::silu(x[0])); };
-    k["gelu"] = [](const Node& n, const Tensors& x) { return one(at::gelu(x[0], n.attr_string("approximate"))); };
     k["cast"] = [](const Node& n, const Tensors& x) { return one(x[0].to(to_aten(n.output()->meta().dtype))); };
-    k["relu"] = [](const Node&, const Tensors& x) { return one(at::relu(x[0])); };
     k["add_scalar"] = [](const Node& n, const Tensors& x) { return one(at::add(x[0], n.attr_float("value"))); };
     k["mul_scalar"] = [](const Node& n, const Tensors& x) { return one(at::mul(x[0], n.attr_float("value"))); };
     k["pow_scalar"] = [](const Node& n, const Tensors& x) { return one(at::pow(x[0], n.attr_float("value"))); };
@@ -579,7 +569,27 @@ at::Tensor cpu_linear(const at::Tensor& x, const at::Tensor& w) {
   return at::linear(x, w);
 }
 
+namespace {
+
+struct Defined {
+  Kernel kernel;
+  InPlaceKernel in_place;
+};
+
+// The kernels core/src/ops/ defines next to each op's record (at load time: function-local).
+std::map<std::string, Defined>& defined() {
+  static std::map<std::string, Defined> table;
+  return table;
+}
+
+}  // namespace
+
+void define_kernel(const std::string& op, Kernel kernel, InPlaceKernel in_place) {
+  if (!defined().emplace(op, Defined{std::move(kernel), std::move(in_place)}).second) throw std::invalid_argument("kernel for op '" + op + "' defined twice");
+}
+
 const Kernel* find_kernel(const std::string& op) {
+  if (auto d = defined().find(op); d != defined().end()) return &d->second.kernel;
   auto it = kernels().find(op);
   return it == kernels().end() ? nullptr : &it->second;
 }
@@ -599,16 +609,6 @@ const std::map<std::string, InPlaceKernel>& in_place_kernels() {
         return Tensors{t};
       };
     };
-    unary("neg", [](const Node&, at::Tensor& t) { t.neg_(); });
-    unary("exp", [](const Node&, at::Tensor& t) { t.exp_(); });
-    unary("log", [](const Node&, at::Tensor& t) { t.log_(); });
-    unary("sqrt", [](const Node&, at::Tensor& t) { t.sqrt_(); });
-    unary("rsqrt", [](const Node&, at::Tensor& t) { t.rsqrt_(); });
-    unary("sigmoid", [](const Node&, at::Tensor& t) { t.sigmoid_(); });
-    unary("tanh", [](const Node&, at::Tensor& t) { t.tanh_(); });
-    unary("silu", [](const Node&, at::Tensor& t) { at::silu_(t); });
-    unary("relu", [](const Node&, at::Tensor& t) { t.relu_(); });
-    unary("gelu", [](const Node& n, at::Tensor& t) { at::gelu_(t, n.attr_string("approximate")); });
     unary("add_scalar", [](const Node& n, at::Tensor& t) { t.add_(n.attr_float("value")); });
     unary("mul_scalar", [](const Node& n, at::Tensor& t) { t.mul_(n.attr_float("value")); });
     unary("pow_scalar", [](const Node& n, at::Tensor& t) { t.pow_(n.attr_float("value")); });
@@ -650,6 +650,7 @@ const std::map<std::string, InPlaceKernel>& in_place_kernels() {
 }  // namespace
 
 const InPlaceKernel* find_in_place_kernel(const std::string& op) {
+  if (auto d = defined().find(op); d != defined().end()) return d->second.in_place ? &d->second.in_place : nullptr;
   auto it = in_place_kernels().find(op);
   return it == in_place_kernels().end() ? nullptr : &it->second;
 }

@@ -14,7 +14,7 @@ namespace {
 
 using Shape = std::vector<std::int64_t>;
 using Grads = std::vector<Value*>;
-using Rule = std::function<Grads(Graph&, const Node&, const Grads&)>;
+using Rule = VjpRule;
 
 // g reduced to the shape of x when broadcasting made it larger.
 Value* reduce_to(Graph& g, Value* grad, const Value* x) {
@@ -41,32 +41,6 @@ const std::map<std::string, Rule>& rules() {
       Value* ga = g.add("div", {go[0], n.input(1)});
       Value* gb = g.add("neg", {g.add("div", {g.add("mul", {go[0], n.output()}), n.input(1)})});
       return Grads{reduce_to(g, ga, n.input(0)), reduce_to(g, gb, n.input(1))};
-    };
-    r["neg"] = [](Graph& g, const Node&, const Grads& go) { return Grads{g.add("neg", {go[0]})}; };
-    r["exp"] = [](Graph& g, const Node& n, const Grads& go) { return Grads{g.add("mul", {go[0], n.output()})}; };
-    r["log"] = [](Graph& g, const Node& n, const Grads& go) { return Grads{g.add("div", {go[0], n.input(0)})}; };
-    r["sqrt"] = [](Graph& g, const Node& n, const Grads& go) {
-      return Grads{g.add("div", {go[0], g.add("mul_scalar", {n.output()}, float_attr(2.0))})};
-    };
-    r["rsqrt"] = [](Graph& g, const Node& n, const Grads& go) {  // d(x^-1/2) = -1/2 y^3
-      Value* y = n.output();
-      Value* y3 = g.add("mul", {y, g.add("mul", {y, y})});
-      return Grads{g.add("mul_scalar", {g.add("mul", {go[0], y3})}, float_attr(-0.5))};
-    };
-    r["sigmoid"] = [](Graph& g, const Node& n, const Grads& go) {  // y (1 - y)
-      Value* y = n.output();
-      Value* one_minus = g.add("add_scalar", {g.add("neg", {y})}, float_attr(1.0));
-      return Grads{g.add("mul", {go[0], g.add("mul", {y, one_minus})})};
-    };
-    r["tanh"] = [](Graph& g, const Node& n, const Grads& go) {  // 1 - y^2, as ATen's tanh_backward
-      Value* y = n.output();
-      Value* one_minus = g.add("add_scalar", {g.add("neg", {g.add("mul", {y, y})})}, float_attr(1.0));
-      return Grads{g.add("mul", {go[0], one_minus})};
-    };
-    r["relu"] = [](Graph& g, const Node& n, const Grads& go) { return Grads{g.add("relu_backward", {go[0], n.output()})}; };
-    r["silu"] = [](Graph& g, const Node& n, const Grads& go) { return Grads{g.add("silu_backward", {go[0], n.input(0)})}; };
-    r["gelu"] = [](Graph& g, const Node& n, const Grads& go) {
-      return Grads{g.add("gelu_backward", {go[0], n.input(0)}, {{"approximate", n.attr_string("approximate")}})};
     };
     r["cast"] = [](Graph& g, const Node& n, const Grads& go) {
       return Grads{g.add("cast", {go[0]}, {{"dtype", std::string(to_string(n.input(0)->meta().dtype))}})};
@@ -207,9 +181,16 @@ const std::map<std::string, Rule>& rules() {
   return table;
 }
 
+// The op's VJP: its record's (core/src/ops/), else the table above.
+const Rule* vjp_of(const std::string& op) {
+  if (const OpSchema* s = OpRegistry::global().find(op); s != nullptr && s->vjp) return &s->vjp;
+  auto it = rules().find(op);
+  return it == rules().end() ? nullptr : &it->second;
+}
+
 }  // namespace
 
-bool has_vjp(const std::string& op) { return rules().count(op) > 0; }
+bool has_vjp(const std::string& op) { return vjp_of(op) != nullptr; }
 
 std::vector<Value*> gradients(Graph& graph, Value* loss, const std::vector<Value*>& wrt) {
   if (!loss->meta().shape.empty() || !is_floating(loss->meta().dtype)) {
@@ -244,12 +225,12 @@ std::vector<Value*> gradients(Graph& graph, Value* loss, const std::vector<Value
     for (std::size_t i = 0; i < go.size(); ++i) {
       if (go[i] == nullptr) go[i] = graph.add("zeros_like", {node.outputs()[i]});
     }
-    auto rule = rules().find(node.op());
-    if (rule == rules().end()) {
+    const Rule* rule = vjp_of(node.op());
+    if (rule == nullptr) {
       throw IrError("gradients: node %" + std::to_string(node.id()) + " (" + node.op() +
                     ") lies between the parameters and the loss but the op has no VJP rule");
     }
-    Grads gi = rule->second(graph, node, go);
+    Grads gi = (*rule)(graph, node, go);
     for (std::size_t i = 0; i < gi.size() && i < node.inputs().size(); ++i) {
       if (gi[i] != nullptr && from_wrt.count(node.inputs()[i])) accumulate(node.inputs()[i], gi[i]);
     }

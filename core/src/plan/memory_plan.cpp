@@ -115,6 +115,7 @@ bool front_is_view(const Shape& shape, std::int64_t dim) {
 std::int64_t elem_bytes(const Value* v) { return static_cast<std::int64_t>(ir::element_size(v->meta().dtype)); }
 
 bool is_elementwise(const std::string& op) {
+  if (const ir::OpSchema* s = ir::OpRegistry::global().find(op); s != nullptr && s->defined_by_record) return s->elementwise;
   return (op != "adamw" && in_place_ops().count(op) > 0) || op == "cast" || op == "zeros_like" || op == "ones_like";
 }
 
@@ -327,10 +328,19 @@ class Simulation {
   }
 
   // The strides of output k of a kernel node (ATen's), and whether it is a view of input 0.
+  // What an op's record (ir::OpSchema's scratch and layout) may ask of n's inputs.
+  ir::LayoutQuery query(const Node& n) const {
+    return {[this, &n](int i) { return strides(n.input(i)); }, [this, &n](int i) { return contiguous_value(n.input(i)); },
+            [this, &n](int i) { return dense_value(n.input(i)); }};
+  }
+
   std::pair<Strides, bool> output_layout(const Node& n, std::size_t k) const {
     const std::string& op = n.op();
     const Shape& shape = n.output(static_cast<int>(k))->meta().shape;
     const Value* x = n.inputs().empty() ? nullptr : n.input(0);
+    if (const ir::OpSchema* r = ir::OpRegistry::global().find(op); r != nullptr && r->defined_by_record && r->layout) {
+      if (auto l = r->layout(n, k, query(n))) return {l->strides, l->view};
+    }
     if (op == "transpose") {
       Strides s = strides(x);
       std::swap(s[static_cast<std::size_t>(wrap(n.attr_int("dim0"), s.size()))], s[static_cast<std::size_t>(wrap(n.attr_int("dim1"), s.size()))]);
@@ -417,6 +427,7 @@ class Simulation {
   // each ATen intermediate of the composite kernels, and the contiguous() copies ATen makes of
   // strided inputs.
   std::int64_t scratch(const Node& n) const {
+    if (const ir::OpSchema* s = ir::OpRegistry::global().find(n.op()); s != nullptr && s->defined_by_record) return s->scratch ? s->scratch(n, query(n)) : 0;
     const std::string& op = n.op();
     auto bytes = [&](int i) { return n.input(i)->meta().nbytes(); };
     auto copy_if_strided = [&](int i) { return contiguous_value(n.input(i)) ? 0 : bytes(i); };
@@ -594,12 +605,18 @@ class Simulation {
 const std::map<std::string, std::vector<int>>& in_place_ops() {
   static const std::map<std::string, std::vector<int>> ops = [] {
     std::map<std::string, std::vector<int>> m;
-    for (const char* op : {"neg", "exp", "log", "sqrt", "rsqrt", "sigmoid", "tanh", "silu", "relu", "gelu", "add_scalar", "mul_scalar", "pow_scalar",
-                           "rdiv_scalar", "clamp_max_scalar"}) {
+    for (const char* op : {"add_scalar", "mul_scalar", "pow_scalar", "rdiv_scalar", "clamp_max_scalar"}) {
       m[op] = {0};
     }
     for (const char* op : {"add", "sub", "mul", "div", "silu_backward", "relu_backward", "gelu_backward"}) m[op] = {0, 1};
     m["adamw"] = {0, 2, 3};
+    for (const auto& name : ir::OpRegistry::global().names()) {  // the records of core/src/ops/
+      const ir::OpSchema& s = *ir::OpRegistry::global().find(name);
+      if (s.defined_by_record) {
+        m.erase(name);
+        if (!s.in_place.empty()) m[name] = s.in_place;
+      }
+    }
     return m;
   }();
   return ops;

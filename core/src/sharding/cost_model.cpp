@@ -1,10 +1,12 @@
 #include "spmdx/sharding/cost_model.h"
 
+#include "spmdx/ir/ops.h"
 #include "spmdx/sharding/spec.h"
 
 namespace spmdx::sharding {
 
 double node_flops(const ir::Node& node) {
+  if (const ir::OpSchema* s = ir::OpRegistry::global().find(node.op()); s != nullptr && s->flops) return s->flops(node);
   const std::string& op = node.op();
   double out = 0;
   for (const ir::Value* v : node.outputs()) out += static_cast<double>(v->meta().numel());

@@ -6,6 +6,7 @@
 #include <functional>
 #include <map>
 #include <set>
+#include <stdexcept>
 #include <string>
 
 namespace spmdx::sharding {
@@ -13,7 +14,6 @@ namespace {
 
 using ir::Node;
 using Strategies = std::vector<OpStrategy>;
-using Rule = std::function<Strategies(const Node&, const std::vector<Shape>&, const std::vector<Shape>&, std::int64_t)>;
 
 const Placement R = Placement::replicate();
 const Placement P = Placement::partial(ReduceOp::sum);
@@ -26,7 +26,11 @@ OpStrategy all(const Placement& p, std::size_t n_in, std::size_t n_out) {
 }
 
 // Elementwise with broadcasting. `linear_in`: the inputs the op is linear in, for Partial.
-Strategies pointwise(const Node& n, const std::vector<Shape>& in, const std::vector<Shape>& out, std::int64_t k,
+}  // namespace
+
+namespace rule {
+
+Strategies pointwise(const std::vector<Shape>& in, const std::vector<Shape>& out, std::int64_t k,
                      const std::vector<std::vector<bool>>& partial_patterns) {
   Strategies s{all(R, in.size(), out.size())};
   const Shape& o = out[0];
@@ -40,7 +44,6 @@ Strategies pointwise(const Node& n, const std::vector<Shape>& in, const std::vec
     }
     s.push_back(st);
   }
-  (void)n;
   for (const auto& pattern : partial_patterns) {  // true: Partial input, false: Replicate
     OpStrategy st{{}, std::vector<Placement>(out.size(), P)};
     for (bool p : pattern) st.inputs.push_back(p ? P : R);
@@ -50,17 +53,17 @@ Strategies pointwise(const Node& n, const std::vector<Shape>& in, const std::vec
 }
 
 Rule nonlinear() {
-  return [](const Node& n, const auto& in, const auto& out, std::int64_t k) { return pointwise(n, in, out, k, {}); };
+  return [](const Node&, const auto& in, const auto& out, std::int64_t k) { return pointwise(in, out, k, {}); };
 }
 Rule linear_unary() {
-  return [](const Node& n, const auto& in, const auto& out, std::int64_t k) { return pointwise(n, in, out, k, {{true}}); };
+  return [](const Node&, const auto& in, const auto& out, std::int64_t k) { return pointwise(in, out, k, {{true}}); };
 }
 // (grad, saved) -> grad_in, linear in grad.
 Rule linear_in_first() {
-  return [](const Node& n, const auto& in, const auto& out, std::int64_t k) {
+  return [](const Node&, const auto& in, const auto& out, std::int64_t k) {
     std::vector<bool> pattern(in.size(), false);
     pattern[0] = true;
-    return pointwise(n, in, out, k, {pattern});
+    return pointwise(in, out, k, {pattern});
   };
 }
 
@@ -74,6 +77,12 @@ Strategies same_dim(const std::vector<Shape>& in, const std::vector<Shape>& out,
   }
   return s;
 }
+
+}  // namespace rule
+
+namespace {
+
+using namespace rule;
 
 // Maps a shard of input dim `d` through a reshape, or -1 when the shard does not stay a
 // contiguous shard of one output dim. Groups of dims with equal products: only the outermost
@@ -118,19 +127,19 @@ bool query_rows_split(const Node& n, std::int64_t rows, std::int64_t k) {
 const std::map<std::string, Rule>& rules() {
   static const std::map<std::string, Rule> table = [] {
     std::map<std::string, Rule> r;
-    r["add"] = r["sub"] = [](const Node& n, const auto& in, const auto& out, std::int64_t k) {
-      return pointwise(n, in, out, k, {{true, true}});
+    r["add"] = r["sub"] = [](const Node&, const auto& in, const auto& out, std::int64_t k) {
+      return pointwise(in, out, k, {{true, true}});
     };
-    r["mul"] = [](const Node& n, const auto& in, const auto& out, std::int64_t k) {
-      return pointwise(n, in, out, k, {{true, false}, {false, true}});
+    r["mul"] = [](const Node&, const auto& in, const auto& out, std::int64_t k) {
+      return pointwise(in, out, k, {{true, false}, {false, true}});
     };
-    r["div"] = [](const Node& n, const auto& in, const auto& out, std::int64_t k) { return pointwise(n, in, out, k, {{true, false}}); };
-    for (const char* op : {"exp", "log", "sqrt", "rsqrt", "sigmoid", "tanh", "silu", "gelu", "relu", "add_scalar", "pow_scalar",
+    r["div"] = [](const Node&, const auto& in, const auto& out, std::int64_t k) { return pointwise(in, out, k, {{true, false}}); };
+    for (const char* op : {"add_scalar", "pow_scalar",
                            "rdiv_scalar", "clamp_max_scalar", "rpow_scalar", "ones_like"}) {
       r[op] = nonlinear();
     }
     // cast is linear up to rounding: a Partial sum stays one (as DTensor's to(dtype)).
-    for (const char* op : {"neg", "mul_scalar", "zeros_like", "cast"}) r[op] = linear_unary();
+    for (const char* op : {"mul_scalar", "zeros_like", "cast"}) r[op] = linear_unary();
     for (const char* op : {"relu_backward", "silu_backward", "gelu_backward"}) r[op] = linear_in_first();
 
     auto reduction = [](bool mean) {
@@ -441,8 +450,28 @@ const std::map<std::string, Rule>& rules() {
 
 }  // namespace
 
+namespace {
+
+struct Defined {
+  Rule rule;
+  LocalAttrsFn local_attrs;
+};
+
+// The rules core/src/ops/ defines next to each op's record (at load time: function-local).
+std::map<std::string, Defined>& defined() {
+  static std::map<std::string, Defined> table;
+  return table;
+}
+
+}  // namespace
+
+void define_rules(const std::string& op, Rule rule, LocalAttrsFn local_attrs) {
+  if (!defined().emplace(op, Defined{std::move(rule), std::move(local_attrs)}).second) throw std::invalid_argument("sharding rules for op '" + op + "' defined twice");
+}
+
 std::vector<OpStrategy> op_strategies(const ir::Node& node, const std::vector<Shape>& in, const std::vector<Shape>& out,
                                       std::int64_t k) {
+  if (auto d = defined().find(node.op()); d != defined().end()) return d->second.rule(node, in, out, k);
   auto it = rules().find(node.op());
   if (it == rules().end()) throw ir::IrError("no sharding rule for op '" + node.op() + "' (node %" + std::to_string(node.id()) + ")");
   return it->second(node, in, out, k);
@@ -453,6 +482,7 @@ std::vector<OpStrategy> op_strategies(const ir::Node& node, const std::vector<Sh
 namespace spmdx::sharding {
 
 ir::Attributes local_attrs(const ir::Node& node, const std::vector<Shape>& local_out, std::int64_t column_offset) {
+  if (auto d = defined().find(node.op()); d != defined().end() && d->second.local_attrs) return d->second.local_attrs(node, local_out, column_offset);
   ir::Attributes a = node.attrs();
   const std::string& op = node.op();
   if (op == "reshape" || op == "expand" || op == "sum_to") a["shape"] = local_out.at(0);

@@ -1,4 +1,5 @@
 #include "spmdx/train/mixed_precision.h"
+#include "spmdx/ir/ops.h"
 
 #include <map>
 #include <set>
@@ -19,6 +20,15 @@ const std::set<std::string> kFloat32{"rms_norm", "layer_norm", "softmax", "log_s
 // `output.type_as(x)`), so what follows them (a sequence-parallel all_gather) moves bf16.
 const std::set<std::string> kTypeAs{"rms_norm", "layer_norm"};
 
+// The op's policy: its record's (core/src/ops/), else the lists above.
+ir::Precision precision_of(const std::string& op) {
+  if (const ir::OpSchema* s = ir::OpRegistry::global().find(op); s != nullptr && s->defined_by_record) return s->precision;
+  if (kLow.count(op) > 0) return ir::Precision::low;
+  if (kTypeAs.count(op) > 0) return ir::Precision::float32_cast_back;
+  if (kFloat32.count(op) > 0) return ir::Precision::float32;
+  return ir::Precision::promote;
+}
+
 }  // namespace
 
 ir::Graph cast_for_mixed_precision(const ir::Graph& forward, DType compute) {
@@ -37,9 +47,10 @@ ir::Graph cast_for_mixed_precision(const ir::Graph& forward, DType compute) {
     for (const Value* v : node->inputs()) in.push_back(map.at(v));
     DType want = DType::f32;
     bool cast = true;
-    if (kLow.count(node->op()) > 0) {
+    const ir::Precision policy = precision_of(node->op());
+    if (policy == ir::Precision::low) {
       want = compute;
-    } else if (kFloat32.count(node->op()) == 0) {
+    } else if (policy == ir::Precision::promote) {
       // Promote: the widest floating dtype among the inputs, only when they differ.
       std::set<DType> seen;
       for (Value* v : in) {
@@ -53,7 +64,7 @@ ir::Graph cast_for_mixed_precision(const ir::Graph& forward, DType compute) {
     }
     const ir::Node* copy = out.add_node(node->op(), in, node->attrs());
     for (std::size_t k = 0; k < node->outputs().size(); ++k) map[node->outputs()[k]] = copy->outputs()[k];
-    if (kTypeAs.count(node->op()) > 0) map[node->output()] = as(copy->outputs()[0], x_dtype);
+    if (policy == ir::Precision::float32_cast_back) map[node->output()] = as(copy->outputs()[0], x_dtype);
   }
   for (const auto& [name, v] : forward.outputs()) out.add_output(name, map.at(v));
   return out;

@@ -96,4 +96,9 @@ using InPlaceKernel = std::function<std::vector<at::Tensor>(const ir::Node& node
 /// The in-place kernel of an op of plan::in_place_ops(), or nullptr.
 const InPlaceKernel* find_in_place_kernel(const std::string& op);
 
+/// Registers an op's kernel (and its in-place twin, for an op whose record lists in_place
+/// inputs), next to the op's record in core/src/ops/ (compiled into this library with
+/// SPMDX_OPS_KERNELS). Throws std::invalid_argument when the op has one already.
+void define_kernel(const std::string& op, Kernel kernel, InPlaceKernel in_place = nullptr);
+
 }  // namespace spmdx::exec

@@ -5,6 +5,7 @@
 
 #include <functional>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -25,12 +26,91 @@ struct AttrSpec {
 /// Throws IrError with a message about shapes only; Graph adds the node and op names.
 using InferFn = std::function<std::vector<TensorMeta>(const std::vector<const TensorMeta*>&, const Attributes&)>;
 
+/// A VJP rule: for a forward node and the gradients of its outputs (zeros_like where an output
+/// reaches no loss), appends IR computing the gradients of its inputs; nullptr for an input that
+/// takes none (indices). The rules follow PyTorch's tools/autograd/derivatives.yaml.
+using VjpRule = std::function<std::vector<Value*>(Graph& graph, const Node& node, const std::vector<Value*>& grad_outputs)>;
+
+/// Floating-point operations of one node (2MNK per matmul, one per output element for
+/// elementwise ops), what the cost model (sharding/cost_model.h) and MFU count.
+using FlopsFn = std::function<double(const Node& node)>;
+
+/// What the memory plan (plan/memory_plan.h) knows of a node's inputs as it simulates a step:
+/// each one's strides (in elements, as ATen's kernels give them), and whether it is contiguous
+/// or dense (non-overlapping and without gaps, in some order).
+struct LayoutQuery {
+  std::function<std::vector<std::int64_t>(int input)> strides;
+  std::function<bool(int input)> contiguous;
+  std::function<bool(int input)> dense;
+};
+
+/// Bytes a kernel allocates beyond its outputs while it runs (ATen temporaries, contiguous()
+/// copies of strided inputs).
+using ScratchFn = std::function<std::int64_t(const Node& node, const LayoutQuery& inputs)>;
+
+/// The layout of output k as the op's kernel makes it: its strides, and whether it is a view of
+/// input 0's storage (transpose, a reshape that can view). nullopt: the default, which is
+/// TensorIterator's for an elementwise op (the strides of its first dense input of the output's
+/// shape) and contiguous for any other.
+struct OutputLayout {
+  std::vector<std::int64_t> strides;
+  bool view = false;
+};
+using LayoutFn = std::function<std::optional<OutputLayout>(const Node& node, std::size_t k, const LayoutQuery& inputs)>;
+
+/// How mixed precision (train/mixed_precision.h, torch.autocast's CPU/CUDA lists and
+/// torchtitan's FSDP2 MixedPrecisionPolicy) casts the op's floating inputs.
+enum class Precision {
+  promote,           ///< as it comes: the widest floating dtype among the inputs, when they differ
+  low,               ///< the compute dtype (autocast's lower-precision list: matmuls, attention)
+  float32,           ///< float32 (autocast's float32 list: reductions, softmax, losses)
+  float32_cast_back  ///< float32, the output cast back to input 0's dtype (RMSNorm's type_as(x))
+};
+
+/// One input of a conformance sample: its shape and how random values fill it.
+struct SampleInput {
+  enum class Fill {
+    normal,    ///< N(0, 1)
+    positive,  ///< >= 0.5 (log, sqrt, divisors)
+    indices,   ///< int64 in [0, bound)
+    constant,  ///< N(0, 1), no gradient taken (a mask, a saved value)
+  };
+  std::vector<std::int64_t> shape;
+  Fill fill = Fill::normal;
+  std::int64_t bound = 5;  ///< indices: the exclusive upper bound
+};
+
+/// A small instance of the op for the conformance test (tests/ops_conformance_test.cpp), as
+/// PyTorch's OpInfo sample_inputs: its gradient against LibTorch autograd of its kernel, its
+/// sharding rules run on 2, 3 and 2 x 2 ranks.
+struct Sample {
+  std::string label;
+  std::vector<SampleInput> inputs;
+  Attributes attrs;
+  bool gradient = true;  ///< false: rules only (a backward op, or one without a VJP)
+};
+
+/// One op, one record (issue 45): everything the passes need to know about an op, defined in
+/// one place (core/src/ops/, each family's file) and read by each layer through
+/// OpRegistry::global(). Sharding rules and the ATen kernel, which need types from the layers
+/// above the IR, are defined next to the record in the same file (sharding::define_rules,
+/// exec::define_kernel).
 struct OpSchema {
   std::string name;
   int min_inputs = 0;
   int max_inputs = 0;  ///< -1: any number (cat)
   std::vector<AttrSpec> attrs;
   InferFn infer;
+  VjpRule vjp;                 ///< empty: not differentiable (a backward op, integer outputs)
+  FlopsFn flops;               ///< empty: one per output element (CostModel's default)
+  std::vector<int> in_place;   ///< inputs the output may be written into, in preference order (plan/memory_plan.h); adamw: one per output
+  ScratchFn scratch;           ///< empty: none
+  LayoutFn layout;             ///< empty: the default (OutputLayout)
+  bool elementwise = false;    ///< each output element from the same element of each input (memory plan, fusion)
+  Precision precision = Precision::promote;
+  bool saved_by_selective = false;  ///< selective activation checkpointing keeps its output (torchtitan's op SAC list)
+  std::vector<Sample> samples;
+  bool defined_by_record = false;  ///< set by define_op: this op lives in core/src/ops/
 };
 
 class OpRegistry {
@@ -40,6 +120,9 @@ class OpRegistry {
 
   /// Throws std::invalid_argument when the name is taken.
   void add(OpSchema schema);
+  /// Adds one op's record to the global registry (core/src/ops/ at load time). Throws
+  /// std::invalid_argument when the name is taken.
+  static void define(OpSchema schema);
   /// nullptr when no op has that name.
   const OpSchema* find(const std::string& name) const;
   std::vector<std::string> names() const;

@@ -4,6 +4,9 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
+#include <set>
+#include <string>
 #include <vector>
 
 #include "spmdx/ir/graph.h"
@@ -27,6 +30,35 @@ struct OpStrategy {
 /// where the split is even. Throws ir::IrError for an op without rules.
 std::vector<OpStrategy> op_strategies(const ir::Node& node, const std::vector<Shape>& in, const std::vector<Shape>& out,
                                       std::int64_t k);
+
+/// An op's sharding rule: op_strategies for its nodes.
+using Rule = std::function<std::vector<OpStrategy>(const ir::Node& node, const std::vector<Shape>& in, const std::vector<Shape>& out, std::int64_t k)>;
+/// An op's attributes for a rank computing outputs of `local_out` shapes (local_attrs below),
+/// for ops whose attributes spell out a shape or an offset.
+using LocalAttrsFn = std::function<ir::Attributes(const ir::Node& node, const std::vector<Shape>& local_out, std::int64_t column_offset)>;
+
+/// Registers an op's rule (and its local attributes, when they change with the shards), next
+/// to its record in core/src/ops/. Throws std::invalid_argument when the op has one already.
+void define_rules(const std::string& op, Rule rule, LocalAttrsFn local_attrs = nullptr);
+
+/// Rule builders for the records in core/src/ops/ (R = Replicate, S(d) = Shard(d), P = Partial(sum)).
+namespace rule {
+/// Elementwise with broadcasting: every output dim with >= k elements sharded alike on each
+/// input that has it (Replicate where broadcast); plus, for each pattern (true: Partial input,
+/// false: Replicate), all-Partial outputs: the op is linear in the Partial inputs.
+std::vector<OpStrategy> pointwise(const std::vector<Shape>& in, const std::vector<Shape>& out, std::int64_t k,
+                                  const std::vector<std::vector<bool>>& partial_patterns);
+/// pointwise with no Partial strategy (a nonlinear op).
+Rule nonlinear();
+/// pointwise, and Partial in -> Partial out (a unary op linear in its input).
+Rule linear_unary();
+/// pointwise, and Partial out from a Partial first input (grad, saved...) -> linear in grad.
+Rule linear_in_first();
+/// All-Replicate, then every dim d < rank not in `avoid` with >= k elements sharded on every
+/// input and output alike.
+std::vector<OpStrategy> same_dim(const std::vector<Shape>& in, const std::vector<Shape>& out, std::int64_t k, const std::set<std::int64_t>& avoid,
+                                 std::size_t rank);
+}  // namespace rule
 
 }  // namespace spmdx::sharding
 
