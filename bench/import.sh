@@ -9,6 +9,10 @@
 #    process's own footprint, LibTorch included) is printed beside it.
 # 2. One-rank step of the imported torchtitan-style Llama vs the built-in `llama debugmodel` of
 #    the same shape (bench_import_step): ratio built-in / imported (goal >= 0.95).
+# 3. The same for transformers' own LlamaForCausalLM (the pinned `transformers` package) as its
+#    users export it: default attention (sdpa, under the boolean mask transformers builds),
+#    config defaults, wrapped to return the logits (examples/export/transformers_qwen3.py's
+#    LogitsOnly), exported by examples/export/common.py, in the shape of llama debugmodel.
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 py="${SPMDX_VENV:-$repo/.venv}/bin/python"
@@ -27,6 +31,21 @@ export_llama() {  # folder, then size flags
   local out=$1; shift
   "$py" "$repo/examples/export/torchtitan_llama.py" --out "$out" "$@" >/dev/null
 }
+export_transformers_llama() {  # folder: LlamaForCausalLM in llama debugmodel's shape, batch 2 x 256
+  "$py" - "$1" "$repo/examples/export" <<'EOF' >/dev/null
+import sys
+out, examples = sys.argv[1], sys.argv[2]
+sys.path.insert(0, examples)
+import transformers
+from common import main
+from transformers_qwen3 import LogitsOnly
+
+config = transformers.LlamaConfig(vocab_size=264, hidden_size=256, num_hidden_layers=6, num_attention_heads=16, num_key_value_heads=16,
+                                  intermediate_size=768, bos_token_id=256, eos_token_id=257)
+sys.argv = [sys.argv[0], "--out", out]
+main("transformers_llama", lambda: LogitsOnly(transformers.LlamaForCausalLM(config)).eval(), False, 2, 256, 264)
+EOF
+}
 peak() {  # wall seconds and max RSS KiB of a command
   /usr/bin/time -f "%e %M" "$@" 2>&1 >/dev/null | tail -1
 }
@@ -44,3 +63,7 @@ awk -v w="$weights" -v t="$t_big" -v r="$rss_big" -v rt="$rss_tiny" -v tt="$t_ti
 echo "== one-rank step: imported torchtitan-style Llama vs built-in llama debugmodel (same shape)"
 export_llama "$work/debug" --layers 6 --dim 256 --ffn 768 --heads 16 --kv-heads 16 --batch 2 --seq 256
 "$repo/build/bin/bench_import_step" "$work/debug/torchtitan_llama.pt2" --flavor debugmodel --steps 20
+
+echo "== one-rank step: imported transformers LlamaForCausalLM (sdpa export) vs built-in llama debugmodel (same shape)"
+export_transformers_llama "$work/hf"
+"$repo/build/bin/bench_import_step" "$work/hf/transformers_llama.pt2" --flavor debugmodel --steps 20

@@ -3,7 +3,7 @@
 // PT2_FIXTURE_DIR): for each example model, PyTorch autograd's loss and gradients at the
 // exported weights, and the losses of 10 torch.optim.AdamW steps with clipping and
 // torchtitan's schedule. spmdx must match: loss and every gradient <= 1e-5 relative (f32), the
-// 10 losses <= 1e-4. Then the bad inputs, each refused with a message naming what is wrong.
+// 10 losses <= 1e-5. Then the bad inputs, each refused with a message naming what is wrong.
 #include <ATen/ATen.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -84,7 +84,8 @@ void expect_autograd_values(const std::string& model, const std::string& suffix)
 TEST_P(Pt2Model, LossAndGradientsMatchPyTorchAutograd) { expect_autograd_values(GetParam(), ".pt2"); }
 TEST_P(Pt2Model, TrainingIrAsExportedMatchesToo) { expect_autograd_values(GetParam(), ".training_ir.pt2"); }
 
-// Ten AdamW steps with clipping and the warm-up/decay schedule, as torch.optim.AdamW runs them.
+// Ten AdamW steps with clipping and the warm-up/decay schedule, as torch.optim.AdamW runs them,
+// each loss <= 1e-5 relative (the issue asks 5 steps; all 10 have been <= 2e-7).
 void expect_adamw_steps(const std::string& model) {
   SCOPED_TRACE(model);
   const nlohmann::json r = reference(model);
@@ -97,11 +98,14 @@ void expect_adamw_steps(const std::string& model) {
   const at::Tensor tokens = batch_tensor(r, "tokens"), labels = batch_tensor(r, "labels");
   const auto want = r["losses"].get<std::vector<double>>();
   const train::LrSchedule schedule{r["warmup_steps"].get<std::int64_t>(), r["steps"].get<std::int64_t>()};
+  double largest = 0;  // the largest relative difference, printed
   for (std::size_t s = 0; s < want.size(); ++s) {
     const auto step = static_cast<std::int64_t>(s + 1);
     const double got = trainer.step(step, r["lr"].get<double>() * train::lr_factor(step, schedule), tokens, labels).loss;
-    EXPECT_NEAR(got, want[s], 1e-4 * std::abs(want[s])) << "step " << step;
+    largest = std::max(largest, std::abs(got - want[s]) / std::abs(want[s]));
+    EXPECT_NEAR(got, want[s], 1e-5 * std::abs(want[s])) << "step " << step;
   }
+  std::printf("%s: %zu AdamW losses against PyTorch, largest relative difference %.2e\n", model.c_str(), want.size(), largest);
   EXPECT_LT(want.back(), want.front());  // it trains
 }
 

@@ -2,10 +2,14 @@
 // (examples/export/*.toml) with the fixtures of pt2_fixtures, real rank processes over ucx.
 // Four ranks as fsdp 4, dp x tp (tp by plan), fsdp x tp and HSDP give the one-rank losses; bad
 // files and configs fail before any rank starts; `spmdx import` says what a file holds.
+// Hugging Face transformers models (tests/fixtures/hf_models.py) give the one-rank losses on
+// fsdp 2, tp 2 and fsdp 2 x cp 2.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <functional>
+#include <map>
 #include <tuple>
 
 #include "run_util.h"
@@ -29,36 +33,53 @@ test::CommandResult run_example(const std::string& model, const test::TempDir& d
                "' --data.paths '" + (dir / "corpus.txt").string() + "' --training.steps 4 --job.dump_folder '" + (dir / name).string() + "' " + flags);
 }
 
+// A layout of a run: its name (the dump folder), its rank count and its flags.
+struct Layout {
+  std::string name;
+  int nproc;
+  std::string flags;
+};
+
+// Runs `one` (one rank) and then each of `layouts` by `run` in `dir`: each layout's losses equal
+// the one-rank losses <= 1e-5 relative. Every run's output goes to `outputs` (by layout name)
+// for what a caller checks beyond the losses.
+void expect_losses_of_one_rank(const std::string& model, const test::TempDir& dir, const Layout& one, const std::vector<Layout>& layouts,
+                               const std::function<test::CommandResult(const Layout&)>& run, std::map<std::string, std::string>* outputs = nullptr) {
+  auto first = run(one);
+  ASSERT_EQ(first.exit_code, 0) << model << " " << one.name << "\n" << first.output;
+  const auto want = test::losses(dir / one.name / "metrics.jsonl");
+  ASSERT_EQ(want.size(), 4u) << model;
+  EXPECT_LT(want.back(), want.front()) << model;
+  for (const auto& layout : layouts) {
+    auto r = run(layout);
+    ASSERT_EQ(r.exit_code, 0) << model << " " << layout.name << "\n" << r.output;
+    if (outputs != nullptr) (*outputs)[layout.name] = r.output;
+    const auto got = test::losses(dir / layout.name / "metrics.jsonl");
+    ASSERT_EQ(got.size(), want.size()) << model << " " << layout.name;
+    for (std::size_t i = 0; i < want.size(); ++i) EXPECT_NEAR(got[i], want[i], 1e-5 * std::abs(want[i])) << model << " " << layout.name << " step " << i + 1;
+  }
+}
+
 class Pt2Run : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(Pt2Run, FourRanksGiveTheLossesOfOneRank) {
   test::TempDir dir;
   test::corpus_file(dir);
   const std::string model = GetParam();
-  auto one = run_example(model, dir, "one", 1, "--parallelism.data_parallel_shard_degree 1 --parallelism.tensor_parallel_degree 1");
-  ASSERT_EQ(one.exit_code, 0) << one.output;
-  const auto want = test::losses(dir / "one" / "metrics.jsonl");
-  ASSERT_EQ(want.size(), 4u);
-  EXPECT_LT(want.back(), want.front());
-  const std::vector<std::tuple<std::string, std::string>> layouts = {
-      {"fsdp4", "--parallelism.data_parallel_shard_degree 4 --parallelism.tensor_parallel_degree 1"},
-      {"dp2xtp2", "--parallelism.data_parallel_replicate_degree 2 --parallelism.data_parallel_shard_degree 1 --parallelism.tensor_parallel_degree 2"},
-      {"fsdp2xtp2", "--parallelism.data_parallel_shard_degree 2 --parallelism.tensor_parallel_degree 2"},
-      {"hsdp2x2", "--parallelism.data_parallel_replicate_degree 2 --parallelism.data_parallel_shard_degree 2 --parallelism.tensor_parallel_degree 1"},
+  const std::vector<Layout> layouts = {
+      {"fsdp4", 4, "--parallelism.data_parallel_shard_degree 4 --parallelism.tensor_parallel_degree 1"},
+      {"dp2xtp2", 4, "--parallelism.data_parallel_replicate_degree 2 --parallelism.data_parallel_shard_degree 1 --parallelism.tensor_parallel_degree 2"},
+      {"fsdp2xtp2", 4, "--parallelism.data_parallel_shard_degree 2 --parallelism.tensor_parallel_degree 2"},
+      {"hsdp2x2", 4, "--parallelism.data_parallel_replicate_degree 2 --parallelism.data_parallel_shard_degree 2 --parallelism.tensor_parallel_degree 1"},
       // Context parallelism on an exported program: its sequence split in order (it makes its
       // own positions), attention's query rows split.
-      {"fsdp2xcp2", "--parallelism.data_parallel_shard_degree 2 --parallelism.context_parallel_degree 2 --parallelism.tensor_parallel_degree 1"},
+      {"fsdp2xcp2", 4, "--parallelism.data_parallel_shard_degree 2 --parallelism.context_parallel_degree 2 --parallelism.tensor_parallel_degree 1"},
   };
-  for (const auto& [name, flags] : layouts) {
-    auto r = run_example(model, dir, name, 4, flags);
-    ASSERT_EQ(r.exit_code, 0) << name << "\n" << r.output;
-    if (name == "fsdp2xcp2") {
-      EXPECT_THAT(r.output, HasSubstr("in order (an imported program makes its own positions); attention: 2 of 2 split their query rows"));
-    }
-    const auto got = test::losses(dir / name / "metrics.jsonl");
-    ASSERT_EQ(got.size(), want.size()) << name;
-    for (std::size_t i = 0; i < want.size(); ++i) EXPECT_NEAR(got[i], want[i], 1e-5 * std::abs(want[i])) << model << " " << name << " step " << i + 1;
-  }
+  std::map<std::string, std::string> outputs;
+  expect_losses_of_one_rank(
+      model, dir, {"one", 1, "--parallelism.data_parallel_shard_degree 1 --parallelism.tensor_parallel_degree 1"}, layouts,
+      [&](const Layout& l) { return run_example(model, dir, l.name, l.nproc, l.flags); }, &outputs);
+  EXPECT_THAT(outputs["fsdp2xcp2"], HasSubstr("in order (an imported program makes its own positions); attention: 2 of 2 split their query rows"));
 }
 
 // gpt2: a tied embedding and a plan of its own; torchtitan_llama: logits with cross entropy
@@ -66,8 +87,9 @@ TEST_P(Pt2Run, FourRanksGiveTheLossesOfOneRank) {
 // transformers_qwen3: transformers' own Qwen3 as it exports by default (sdpa under its mask).
 INSTANTIATE_TEST_SUITE_P(Examples, Pt2Run, ::testing::Values("gpt2", "torchtitan_llama", "hf_llama", "transformers_qwen3"));
 
-// A fixture's one-rank losses on fsdp 2, tp 2 by a written plan and fsdp 2 x cp 2, after
-// `compile` plans it: a config written around tests/fixtures/<fixture>.py's export.
+// A fixture's one-rank losses on fsdp 2, tp 2 by a written plan ("": the built-in plan) and
+// fsdp 2 x cp 2, after `compile` plans it: a config written around tests/fixtures/<fixture>.py's
+// export.
 void expect_layouts_give_one_rank_losses(const std::string& fixture, const std::string& tp_plan) {
   test::TempDir dir;
   test::corpus_file(dir);
@@ -75,30 +97,18 @@ void expect_layouts_give_one_rank_losses(const std::string& fixture, const std::
   test::write_file(config, "[model]\nname = \"pt2\"\npath = \"" + (kFixtures / (fixture + ".pt2")).string() +
                                "\"\ntokenizer = \"byte\"\n[training]\nsteps = 4\n[optimizer]\nlr = 3e-3\n[data]\npaths = [\"" +
                                (dir / "corpus.txt").string() + "\"]\n[parallelism.tp_plan]\n" + tp_plan);
-  auto run = [&](const std::string& name, int nproc, const std::string& layout) {
-    return spmdx("run '" + config.string() + "' --nproc " + std::to_string(nproc) + " --job.dump_folder '" + (dir / name).string() + "' " + layout);
-  };
-  const std::string one_rank = "--parallelism.data_parallel_shard_degree 1 --parallelism.tensor_parallel_degree 1";
-  auto planned = spmdx("compile '" + config.string() + "' " + one_rank);
+  const Layout one = {"one", 1, "--parallelism.data_parallel_shard_degree 1 --parallelism.tensor_parallel_degree 1"};
+  auto planned = spmdx("compile '" + config.string() + "' " + one.flags);
   ASSERT_EQ(planned.exit_code, 0) << planned.output;
   EXPECT_THAT(planned.output, HasSubstr("planned peak memory"));
-  auto one = run("one", 1, one_rank);
-  ASSERT_EQ(one.exit_code, 0) << one.output;
-  const auto want = test::losses(dir / "one" / "metrics.jsonl");
-  ASSERT_EQ(want.size(), 4u);
-  EXPECT_LT(want.back(), want.front());
-  const std::vector<std::tuple<std::string, std::string>> layouts = {
-      {"fsdp2", "--parallelism.data_parallel_shard_degree 2 --parallelism.tensor_parallel_degree 1"},
-      {"tp2", "--parallelism.data_parallel_shard_degree 1 --parallelism.tensor_parallel_degree 2"},
-      {"fsdp2xcp2", "--parallelism.data_parallel_shard_degree 2 --parallelism.context_parallel_degree 2 --parallelism.tensor_parallel_degree 1"},
+  const std::vector<Layout> layouts = {
+      {"fsdp2", 2, "--parallelism.data_parallel_shard_degree 2 --parallelism.tensor_parallel_degree 1"},
+      {"tp2", 2, "--parallelism.data_parallel_shard_degree 1 --parallelism.tensor_parallel_degree 2"},
+      {"fsdp2xcp2", 4, "--parallelism.data_parallel_shard_degree 2 --parallelism.context_parallel_degree 2 --parallelism.tensor_parallel_degree 1"},
   };
-  for (const auto& [name, flags] : layouts) {
-    auto r = run(name, name == "fsdp2xcp2" ? 4 : 2, flags);
-    ASSERT_EQ(r.exit_code, 0) << name << "\n" << r.output;
-    const auto got = test::losses(dir / name / "metrics.jsonl");
-    ASSERT_EQ(got.size(), want.size()) << name;
-    for (std::size_t i = 0; i < want.size(); ++i) EXPECT_NEAR(got[i], want[i], 1e-5 * std::abs(want[i])) << fixture << " " << name << " step " << i + 1;
-  }
+  expect_losses_of_one_rank(fixture, dir, one, layouts, [&](const Layout& l) {
+    return spmdx("run '" + config.string() + "' --nproc " + std::to_string(l.nproc) + " --job.dump_folder '" + (dir / l.name).string() + "' " + l.flags);
+  });
 }
 
 // Zero-size dims (tests/fixtures/zero_width.py: Phi3's full rotary slices q[..., 8:] of width 0
@@ -126,6 +136,37 @@ TEST(Pt2RunHuggingFaceOps, TransformersLlamaAndQwen3TrainOnEveryLayout) {
 // Mistral with a sliding window of 8 tokens over 32: the band mask (a constant) runs as general
 // masked attention, its bias split with the scores on every layout, context parallelism too.
 TEST(Pt2RunHuggingFaceOps, TransformersSlidingWindowTrainsOnEveryLayout) { expect_layouts_give_one_rank_losses("transformers_mistral", ""); }
+
+// The other architectures of tests/fixtures/hf_models.py, one test each (so that ctest -j2 runs
+// them side by side: each is 5 spmdx processes, 6 to 12 s with ctest -j2 on 2 busy cores), tensor
+// parallel by the built-in plan's Hugging Face names unless written_plan() has one:
+// - qwen2 (q/k/v biases), gemma2 (soft-capping, padding_idx, eager attention), olmo2 (q/k norms
+//   over the whole projection, sharded under tp): the built-in plan.
+// - gpt2: Conv1D (addmm, weight [in, out]) under names the built-in plan does not know (c_attn,
+//   c_fc, c_proj; tp 2 refuses to run without a plan): Megatron's split written as shard(d),
+//   column-parallel being shard(1) of the weight and shard(0) of its bias; c_attn's fused
+//   q/k/v splits after the shard.
+// - phi3: fused qkv_proj and gate_up_proj. The built-in plan would run, but it shards only the
+//   embedding and lm_head and keeps every layer whole with no warning (each layer weight is
+//   under 1% of a model whose vocabulary is 32064), so the plan is written to shard the fused
+//   projections too; the full rotary's zero-width slices pass through.
+std::string written_plan(const std::string& fixture) {
+  if (fixture == "transformers_gpt2") {
+    return "\"*.attn.c_attn.weight\" = \"shard(1)\"\n\"*.attn.c_attn.bias\" = \"shard(0)\"\n\"*.attn.c_proj.weight\" = \"shard(0)\"\n"
+           "\"*.mlp.c_fc.weight\" = \"shard(1)\"\n\"*.mlp.c_fc.bias\" = \"shard(0)\"\n\"*.mlp.c_proj.weight\" = \"shard(0)\"\n";
+  }
+  if (fixture == "transformers_phi3") {
+    return "\"*self_attn.qkv_proj.weight\" = \"colwise\"\n\"*self_attn.o_proj.weight\" = \"rowwise\"\n\"*mlp.gate_up_proj.weight\" = \"colwise\"\n"
+           "\"*mlp.down_proj.weight\" = \"rowwise\"\n\"*lm_head.weight\" = \"colwise\"\n\"*embed_tokens.weight\" = \"shard(1)\"\n";
+  }
+  return "";
+}
+
+class Pt2RunTransformers : public ::testing::TestWithParam<std::string> {};
+TEST_P(Pt2RunTransformers, FsdpTpAndCpGiveTheOneRankLosses) { expect_layouts_give_one_rank_losses(GetParam(), written_plan(GetParam())); }
+INSTANTIATE_TEST_SUITE_P(Defaults, Pt2RunTransformers,
+                         ::testing::Values("transformers_qwen2", "transformers_gemma2", "transformers_olmo2", "transformers_gpt2", "transformers_phi3"),
+                         [](const ::testing::TestParamInfo<std::string>& info) { return info.param.substr(std::string("transformers_").size()); });
 
 // The built-in tensor-parallel plan matches a wrapped model's names: transformers' lm_head under
 // the wrapper's prefix (`model.lm_head.weight`) is column-parallel, not kept whole.
