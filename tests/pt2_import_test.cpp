@@ -113,7 +113,27 @@ TEST_P(Pt2Model, TenAdamWStepsMatchPyTorchEager) { expect_adamw_steps(GetParam()
 // (tests/fixtures/zero_width.py: [8, 4, 16, 0]; planning once divided by that 0), and a
 // GPT-2/Gemma-2-style model with addmm (Conv1D), baddbmm, tanh (gelu_new, logit soft-capping)
 // and an embedding with padding_idx 0, whose row's gradient is zero (tests/fixtures/hf_ops.py).
-INSTANTIATE_TEST_SUITE_P(Examples, Pt2Model, ::testing::Values("torchtitan_llama", "hf_llama", "gpt2", "masked_attention", "zero_width", "hf_ops"));
+// And torch's sdpa with a sliding-window attn_mask, boolean and additive, beside a causal layer
+// (tests/fixtures/sliding_window.py): the reference is torch's masked sdpa.
+INSTANTIATE_TEST_SUITE_P(Examples, Pt2Model, ::testing::Values("torchtitan_llama", "hf_llama", "gpt2", "masked_attention", "zero_width", "hf_ops", "sliding_window"));
+
+// A constant mask that is causal within a window of W tokens becomes sdpa with window W (the
+// tiled kernel); the causal mask stays the causal kernel, and nothing else is left as scores.
+TEST(Pt2Import, SlidingWindowMasksBecomeTheWindowKernel) {
+  for (const auto& [model, windows] : std::vector<std::pair<std::string, std::vector<std::int64_t>>>{{"sliding_window", {6, 0, 6}}, {"transformers_mistral", {8, 8}}}) {
+    SCOPED_TRACE(model);
+    models::Model m = import(model);
+    std::vector<std::int64_t> got;
+    for (const auto& n : m.graph.nodes()) {
+      EXPECT_NE(n->op(), "softmax");
+      if (n->op() == "sdpa") {
+        EXPECT_TRUE(n->attr_bool("causal"));
+        got.push_back(n->attr_int("window"));
+      }
+    }
+    EXPECT_EQ(got, windows);
+  }
+}
 
 // Hugging Face transformers models as exported with their defaults (tests/fixtures/hf_models.py,
 // export().run_decompositions({}): their training IR wraps the rotary tables in

@@ -125,6 +125,11 @@ std::vector<AttentionBlock> attention_blocks(const Node& n, std::int64_t q_rows,
   return blocks;
 }
 
+// The mask of a tiled sdpa or sdpa_backward node; its documents are input `documents` if any.
+AttentionMask attention_mask(const Node& n, const Tensors& x, std::size_t documents) {
+  return {n.attr_int("window"), n.attr_int("chunks"), n.attr_int("q_offset"), x.size() > documents ? x[documents] : at::Tensor()};
+}
+
 // sdpa with context parallelism's positions: each block's two parts merged by their
 // log-sum-exp, as ring attention and FlashAttention's split-KV do (out = sum of each part's
 // out x exp(lse_part - lse), lse = logaddexp of the parts').
@@ -175,7 +180,135 @@ Tensors blocked_attention_backward(const Node& n, const at::Tensor& g, const at:
   return Tensors{gq, gk, gv};
 }
 
+// The natural order of k's rows: row_of[position] (load-balanced order, chunks > 1) and
+// position_of[row], or undefined for chunks = 1 (k already in natural order).
+struct KeyOrder {
+  at::Tensor row_of, position_of;
+};
+KeyOrder key_order(std::int64_t rows, std::int64_t chunks, const at::Device& device) {
+  if (chunks <= 1) return {};
+  std::vector<std::int64_t> row_of(static_cast<std::size_t>(rows)), position_of(static_cast<std::size_t>(rows));
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const std::int64_t p = ir::natural_position(r, rows, chunks);
+    row_of[static_cast<std::size_t>(p)] = r;
+    position_of[static_cast<std::size_t>(r)] = p;
+  }
+  auto index = [&](const std::vector<std::int64_t>& i) { return at::tensor(i, at::TensorOptions().dtype(at::kLong)).to(device); };
+  return {index(row_of), index(position_of)};
+}
+
+// One tile of tiled attention on batch rows [b0, b0 + batches): its visited key positions and
+// the mask of its scores [batches or 1, 1, rows, keys] (true: masked).
+struct TileKeys {
+  std::int64_t b0, batches, begin, end;
+  at::Tensor masked;
+};
+
+// The tiles' key ranges and masks: with documents, one batch row at a time, each starting at the
+// first key of the document of the tile's first query (documents are runs of one id in natural
+// order); else every batch row at once.
+template <typename Visit>
+void for_each_tile(const at::Tensor& q, std::int64_t kv_rows, const AttentionMask& m, const at::Tensor& documents, Visit visit) {
+  const at::TensorOptions longs = at::TensorOptions().dtype(at::kLong).device(q.device());
+  const std::int64_t batch = q.size(0);
+  std::vector<std::vector<std::int64_t>> doc_start;  // per batch row, the first position of each position's document
+  at::Tensor docs_cpu;
+  if (documents.defined()) {
+    docs_cpu = documents.to(at::kCPU).contiguous();
+    const auto* d = docs_cpu.data_ptr<std::int64_t>();
+    doc_start.assign(static_cast<std::size_t>(batch), std::vector<std::int64_t>(static_cast<std::size_t>(kv_rows)));
+    for (std::int64_t b = 0; b < batch; ++b) {
+      auto& start = doc_start[static_cast<std::size_t>(b)];
+      for (std::int64_t p = 0; p < kv_rows; ++p) start[static_cast<std::size_t>(p)] = p > 0 && d[b * kv_rows + p] == d[b * kv_rows + p - 1] ? start[static_cast<std::size_t>(p - 1)] : p;
+    }
+  }
+  for (const auto& tile : ir::attention_tiles(q.size(2), kv_rows, m.chunks, m.q_offset, m.window)) {
+    const at::Tensor query = at::arange(tile.position, tile.position + tile.rows, longs).unsqueeze(1);
+    auto mask_of = [&](std::int64_t begin) {
+      const at::Tensor key = at::arange(begin, tile.key_end, longs).unsqueeze(0);
+      at::Tensor masked = key > query;
+      if (m.window > 0) masked = masked.logical_or_(key <= query - m.window);
+      return masked;
+    };
+    if (!documents.defined()) {
+      visit(tile, TileKeys{0, batch, tile.key_begin, tile.key_end, mask_of(tile.key_begin).view({1, 1, tile.rows, -1})});
+      continue;
+    }
+    for (std::int64_t b = 0; b < batch; ++b) {
+      const std::int64_t begin = std::max(tile.key_begin, doc_start[static_cast<std::size_t>(b)][static_cast<std::size_t>(tile.position)]);
+      const at::Tensor row = documents[b];
+      const at::Tensor other = row.narrow(0, begin, tile.key_end - begin).unsqueeze(0) != row.narrow(0, tile.position, tile.rows).unsqueeze(1);
+      visit(tile, TileKeys{b, 1, begin, tile.key_end, mask_of(begin).logical_or_(other).view({1, 1, tile.rows, -1})});
+    }
+  }
+}
+
+at::ScalarType accumulate_type(const at::Tensor& x) { return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat; }
+
+// k, v (and documents) in natural order, in the accumulation type.
+struct NaturalKeys {
+  KeyOrder order;
+  at::Tensor k, v, documents;
+};
+NaturalKeys natural_keys(const at::Tensor& k, const at::Tensor& v, const AttentionMask& m) {
+  NaturalKeys n{key_order(k.size(2), m.chunks, k.device()), k.to(accumulate_type(k)), v.to(accumulate_type(k)), m.documents};
+  if (n.order.row_of.defined()) {
+    n.k = n.k.index_select(2, n.order.row_of);
+    n.v = n.v.index_select(2, n.order.row_of);
+    if (n.documents.defined()) n.documents = n.documents.index_select(1, n.order.row_of);
+  }
+  return n;
+}
+
 }  // namespace
+
+std::vector<at::Tensor> tiled_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const AttentionMask& mask) {
+  const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(3)));
+  const NaturalKeys keys = natural_keys(k, v, mask);
+  const at::Tensor qf = q.to(accumulate_type(q));
+  at::Tensor out = at::empty_like(q), lse = at::empty({q.size(0), q.size(2), q.size(1)}, qf.options()).transpose(1, 2);
+  for_each_tile(q, k.size(2), mask, keys.documents, [&](const ir::AttentionTile& tile, const TileKeys& t) {
+    const at::Tensor qb = qf.narrow(0, t.b0, t.batches).narrow(2, tile.row0, tile.rows);
+    const at::Tensor kb = keys.k.narrow(0, t.b0, t.batches).narrow(2, t.begin, t.end - t.begin);
+    const at::Tensor vb = keys.v.narrow(0, t.b0, t.batches).narrow(2, t.begin, t.end - t.begin);
+    const at::Tensor s = at::matmul(qb, kb.transpose(-2, -1)).mul_(scale).masked_fill_(t.masked, -std::numeric_limits<double>::infinity());
+    const at::Tensor l = at::logsumexp(s, -1);
+    out.narrow(0, t.b0, t.batches).narrow(2, tile.row0, tile.rows).copy_(at::matmul(at::exp(s - l.unsqueeze(-1)), vb));
+    lse.narrow(0, t.b0, t.batches).narrow(2, tile.row0, tile.rows).copy_(l);
+  });
+  return {out, lse};
+}
+
+std::vector<at::Tensor> tiled_attention_backward(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                 const at::Tensor& out, const at::Tensor& lse, const AttentionMask& mask) {
+  const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(3)));
+  const NaturalKeys keys = natural_keys(k, v, mask);
+  const at::ScalarType acc = accumulate_type(q);
+  const at::Tensor qf = q.to(acc), g = grad_out.to(acc), l = lse.to(acc);
+  const at::Tensor delta = (g * out.to(acc)).sum(-1);  // rowsum(dO * O) = rowsum(P * dP), softmax's backward
+  at::Tensor dq = at::zeros_like(qf), dk = at::zeros_like(keys.k), dv = at::zeros_like(keys.v);
+  for_each_tile(q, k.size(2), mask, keys.documents, [&](const ir::AttentionTile& tile, const TileKeys& t) {
+    auto rows = [&](const at::Tensor& x) { return x.narrow(0, t.b0, t.batches).narrow(2, tile.row0, tile.rows); };
+    auto cols = [&](const at::Tensor& x) { return x.narrow(0, t.b0, t.batches).narrow(2, t.begin, t.end - t.begin); };
+    const at::Tensor qb = rows(qf), gb = rows(g), kb = cols(keys.k), vb = cols(keys.v);
+    at::Tensor p = at::matmul(qb, kb.transpose(-2, -1)).mul_(scale).masked_fill_(t.masked, -std::numeric_limits<double>::infinity());
+    p.sub_(rows(l).unsqueeze(-1)).exp_();  // the forward's probabilities, recomputed
+    cols(dv).add_(at::matmul(p.transpose(-2, -1), gb));
+    const at::Tensor ds = p.mul_(at::matmul(gb, vb.transpose(-2, -1)).sub_(rows(delta).unsqueeze(-1))).mul_(scale);
+    rows(dq).add_(at::matmul(ds, kb));
+    cols(dk).add_(at::matmul(ds.transpose(-2, -1), qb));
+  });
+  if (keys.order.position_of.defined()) {
+    dk = dk.index_select(2, keys.order.position_of);
+    dv = dv.index_select(2, keys.order.position_of);
+  }
+  // [b, s, h, d] in memory, as the fused kernel's gradients (the memory plan's layout).
+  auto bshd = [](const at::Tensor& like, const at::Tensor& value) {
+    at::Tensor t = at::empty({like.size(0), like.size(2), like.size(1), like.size(3)}, like.options()).transpose(1, 2);
+    return t.copy_(value);
+  };
+  return {bshd(q, dq), bshd(k, dk), bshd(v, dv)};
+}
 
 std::vector<at::Tensor> sdpa(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal) {
   if (q.is_cpu()) {
@@ -403,6 +536,7 @@ const std::map<std::string, Kernel>& kernels() {
       if (x[0].numel() == 0 || x[1].numel() == 0) {  // an empty shard: ATen's kernel divides by zero
         return Tensors{at::zeros_like(x[0]), at::zeros(n.output(1)->meta().shape, x[0].options().dtype(to_aten(n.output(1)->meta().dtype)))};
       }
+      if (ir::tiled_attention(n)) return tiled_attention(x[0], x[1], x[2], attention_mask(n, x, 3));
       if (ir::blocked_attention(n)) return blocked_attention(n, x[0], x[1], x[2]);
       return attend(x[0], x[1], x[2], n.attr_bool("causal"));
     };
@@ -456,6 +590,14 @@ const std::map<std::string, Kernel>& kernels() {
     };
     k["valid_rows"] = [](const Node& n, const Tensors& x) {
       return one(x[0].ne(n.attr_int("ignore_index")).to(to_aten(n.output()->meta().dtype)).unsqueeze(1));
+    };
+    k["document_ids"] = [](const Node& n, const Tensors& x) {
+      const std::int64_t chunks = n.attr_int("chunks"), seq = x[0].size(1);
+      const KeyOrder order = key_order(seq, chunks, x[0].device());
+      const at::Tensor natural = order.row_of.defined() ? x[0].index_select(1, order.row_of) : x[0];
+      at::Tensor ids = at::zeros_like(natural);  // eos tokens before each position
+      if (seq > 1) ids.narrow(1, 1, seq - 1).copy_(at::cumsum(natural.narrow(1, 0, seq - 1).eq(n.attr_int("eos")), 1));
+      return one(order.position_of.defined() ? ids.index_select(1, order.position_of) : ids);
     };
     k["count_valid"] = [](const Node& n, const Tensors& x) {
       return one(x[0].ne(n.attr_int("ignore_index")).sum().to(to_aten(n.output()->meta().dtype)));
@@ -521,6 +663,7 @@ const std::map<std::string, Kernel>& kernels() {
     };
     k["sdpa_backward"] = [](const Node& n, const Tensors& x) {
       if (x[1].numel() == 0 || x[2].numel() == 0) return Tensors{at::zeros_like(x[1]), at::zeros_like(x[2]), at::zeros_like(x[3])};
+      if (ir::tiled_attention(n)) return tiled_attention_backward(x[0], x[1], x[2], x[3], x[4], x[5], attention_mask(n, x, 6));
       if (ir::blocked_attention(n)) return blocked_attention_backward(n, x[0], x[1], x[2], x[3], x[4], x[5]);
       return attend_backward(x[0], x[1], x[2], x[3], x[4], x[5], n.attr_bool("causal"));
     };
