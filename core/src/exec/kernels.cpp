@@ -204,54 +204,51 @@ struct TileKeys {
   at::Tensor masked;
 };
 
-// The tiles' key ranges and masks: with documents, one batch row at a time, each starting at the
-// first key of the document of the tile's first query (documents are runs of one id in natural
-// order); else every batch row at once.
+// Visits the tiles with their key ranges and masks. With documents a tile's range starts at the
+// earliest start, over the batch rows, of its first query's document (documents are runs of one
+// id in natural order), and the mask is per batch row.
 template <typename Visit>
 void for_each_tile(const at::Tensor& q, std::int64_t kv_rows, const AttentionMask& m, const at::Tensor& documents, Visit visit) {
   const at::TensorOptions longs = at::TensorOptions().dtype(at::kLong).device(q.device());
   const std::int64_t batch = q.size(0);
-  std::vector<std::vector<std::int64_t>> doc_start;  // per batch row, the first position of each position's document
-  at::Tensor docs_cpu;
+  std::vector<std::int64_t> doc_start;  // per position, the earliest start over the batch rows of its document
   if (documents.defined()) {
-    docs_cpu = documents.to(at::kCPU).contiguous();
-    const auto* d = docs_cpu.data_ptr<std::int64_t>();
-    doc_start.assign(static_cast<std::size_t>(batch), std::vector<std::int64_t>(static_cast<std::size_t>(kv_rows)));
+    const at::Tensor docs = documents.to(at::kCPU).contiguous();
+    const auto* d = docs.data_ptr<std::int64_t>();
+    doc_start.assign(static_cast<std::size_t>(kv_rows), kv_rows);
+    std::vector<std::int64_t> start(static_cast<std::size_t>(kv_rows));
     for (std::int64_t b = 0; b < batch; ++b) {
-      auto& start = doc_start[static_cast<std::size_t>(b)];
-      for (std::int64_t p = 0; p < kv_rows; ++p) start[static_cast<std::size_t>(p)] = p > 0 && d[b * kv_rows + p] == d[b * kv_rows + p - 1] ? start[static_cast<std::size_t>(p - 1)] : p;
+      for (std::int64_t p = 0; p < kv_rows; ++p) {
+        auto& s = start[static_cast<std::size_t>(p)];
+        s = p > 0 && d[b * kv_rows + p] == d[b * kv_rows + p - 1] ? start[static_cast<std::size_t>(p - 1)] : p;
+        doc_start[static_cast<std::size_t>(p)] = std::min(doc_start[static_cast<std::size_t>(p)], s);
+      }
     }
   }
   for (const auto& tile : ir::attention_tiles(q.size(2), kv_rows, m.chunks, m.q_offset, m.window)) {
+    const std::int64_t begin = documents.defined() ? std::max(tile.key_begin, doc_start[static_cast<std::size_t>(tile.position)]) : tile.key_begin;
     const at::Tensor query = at::arange(tile.position, tile.position + tile.rows, longs).unsqueeze(1);
-    auto mask_of = [&](std::int64_t begin) {
-      const at::Tensor key = at::arange(begin, tile.key_end, longs).unsqueeze(0);
-      at::Tensor masked = key > query;
-      if (m.window > 0) masked = masked.logical_or_(key <= query - m.window);
-      return masked;
-    };
-    if (!documents.defined()) {
-      visit(tile, TileKeys{0, batch, tile.key_begin, tile.key_end, mask_of(tile.key_begin).view({1, 1, tile.rows, -1})});
-      continue;
+    const at::Tensor key = at::arange(begin, tile.key_end, longs).unsqueeze(0);
+    at::Tensor masked = key > query;
+    if (m.window > 0) masked = masked.logical_or_(key <= query - m.window);
+    masked = masked.view({1, 1, tile.rows, -1});
+    if (documents.defined()) {
+      const at::Tensor keys = documents.narrow(1, begin, tile.key_end - begin), queries = documents.narrow(1, tile.position, tile.rows);
+      masked = masked.logical_or(keys.unsqueeze(1) != queries.unsqueeze(2)).unsqueeze_(1).view({batch, 1, tile.rows, -1});
     }
-    for (std::int64_t b = 0; b < batch; ++b) {
-      const std::int64_t begin = std::max(tile.key_begin, doc_start[static_cast<std::size_t>(b)][static_cast<std::size_t>(tile.position)]);
-      const at::Tensor row = documents[b];
-      const at::Tensor other = row.narrow(0, begin, tile.key_end - begin).unsqueeze(0) != row.narrow(0, tile.position, tile.rows).unsqueeze(1);
-      visit(tile, TileKeys{b, 1, begin, tile.key_end, mask_of(begin).logical_or_(other).view({1, 1, tile.rows, -1})});
-    }
+    visit(tile, TileKeys{0, batch, begin, tile.key_end, masked});
   }
 }
 
 at::ScalarType accumulate_type(const at::Tensor& x) { return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat; }
 
-// k, v (and documents) in natural order, in the accumulation type.
+// k, v (and documents) in natural order.
 struct NaturalKeys {
   KeyOrder order;
   at::Tensor k, v, documents;
 };
 NaturalKeys natural_keys(const at::Tensor& k, const at::Tensor& v, const AttentionMask& m) {
-  NaturalKeys n{key_order(k.size(2), m.chunks, k.device()), k.to(accumulate_type(k)), v.to(accumulate_type(k)), m.documents};
+  NaturalKeys n{key_order(k.size(2), m.chunks, k.device()), k, v, m.documents};
   if (n.order.row_of.defined()) {
     n.k = n.k.index_select(2, n.order.row_of);
     n.v = n.v.index_select(2, n.order.row_of);
@@ -260,20 +257,31 @@ NaturalKeys natural_keys(const at::Tensor& k, const at::Tensor& v, const Attenti
   return n;
 }
 
+// A boolean mask (true: masked) as the additive bias ATen's attention kernels take, in x's dtype.
+at::Tensor additive(const at::Tensor& masked, const at::Tensor& x) {
+  return at::zeros(masked.sizes(), x.options()).masked_fill_(masked, -std::numeric_limits<double>::infinity());
+}
+
 }  // namespace
 
 std::vector<at::Tensor> tiled_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const AttentionMask& mask) {
   const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(3)));
   const NaturalKeys keys = natural_keys(k, v, mask);
-  const at::Tensor qf = q.to(accumulate_type(q));
-  at::Tensor out = at::empty_like(q), lse = at::empty({q.size(0), q.size(2), q.size(1)}, qf.options()).transpose(1, 2);
+  const at::ScalarType acc = accumulate_type(q);
+  at::Tensor out = at::empty_like(q), lse = at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(acc)).transpose(1, 2);
   for_each_tile(q, k.size(2), mask, keys.documents, [&](const ir::AttentionTile& tile, const TileKeys& t) {
-    const at::Tensor qb = qf.narrow(0, t.b0, t.batches).narrow(2, tile.row0, tile.rows);
+    const at::Tensor qb = q.narrow(0, t.b0, t.batches).narrow(2, tile.row0, tile.rows);
     const at::Tensor kb = keys.k.narrow(0, t.b0, t.batches).narrow(2, t.begin, t.end - t.begin);
     const at::Tensor vb = keys.v.narrow(0, t.b0, t.batches).narrow(2, t.begin, t.end - t.begin);
-    const at::Tensor s = at::matmul(qb, kb.transpose(-2, -1)).mul_(scale).masked_fill_(t.masked, -std::numeric_limits<double>::infinity());
-    const at::Tensor l = at::logsumexp(s, -1);
-    out.narrow(0, t.b0, t.batches).narrow(2, tile.row0, tile.rows).copy_(at::matmul(at::exp(s - l.unsqueeze(-1)), vb));
+    at::Tensor o, l;
+    if (q.is_cpu()) {  // ATen's fused CPU kernel on the tile's keys, the mask as an additive bias
+      std::tie(o, l) = at::_scaled_dot_product_flash_attention_for_cpu(qb, kb, vb, 0.0, false, additive(t.masked, q));
+    } else {  // the scores materialised, [tile rows, keys]
+      const at::Tensor s = at::matmul(qb.to(acc), kb.to(acc).transpose(-2, -1)).mul_(scale).masked_fill_(t.masked, -std::numeric_limits<double>::infinity());
+      l = at::logsumexp(s, -1);
+      o = at::matmul(at::exp(s - l.unsqueeze(-1)), vb.to(acc));
+    }
+    out.narrow(0, t.b0, t.batches).narrow(2, tile.row0, tile.rows).copy_(o);
     lse.narrow(0, t.b0, t.batches).narrow(2, tile.row0, tile.rows).copy_(l);
   });
   return {out, lse};
@@ -284,18 +292,27 @@ std::vector<at::Tensor> tiled_attention_backward(const at::Tensor& grad_out, con
   const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(3)));
   const NaturalKeys keys = natural_keys(k, v, mask);
   const at::ScalarType acc = accumulate_type(q);
-  const at::Tensor qf = q.to(acc), g = grad_out.to(acc), l = lse.to(acc);
-  const at::Tensor delta = (g * out.to(acc)).sum(-1);  // rowsum(dO * O) = rowsum(P * dP), softmax's backward
-  at::Tensor dq = at::zeros_like(qf), dk = at::zeros_like(keys.k), dv = at::zeros_like(keys.v);
+  // dk and dv gather every tile's part in the accumulation type (tiles' key rows overlap).
+  at::Tensor dq = at::empty(q.sizes(), q.options().dtype(acc)), dk = at::zeros(k.sizes(), k.options().dtype(acc)), dv = at::zeros_like(dk);
+  const at::Tensor delta = q.is_cpu() ? at::Tensor() : (grad_out.to(acc) * out.to(acc)).sum(-1);  // rowsum(dO * O) = rowsum(P * dP)
   for_each_tile(q, k.size(2), mask, keys.documents, [&](const ir::AttentionTile& tile, const TileKeys& t) {
     auto rows = [&](const at::Tensor& x) { return x.narrow(0, t.b0, t.batches).narrow(2, tile.row0, tile.rows); };
     auto cols = [&](const at::Tensor& x) { return x.narrow(0, t.b0, t.batches).narrow(2, t.begin, t.end - t.begin); };
-    const at::Tensor qb = rows(qf), gb = rows(g), kb = cols(keys.k), vb = cols(keys.v);
+    if (q.is_cpu()) {  // ATen's fused CPU backward from the whole row's out and lse
+      auto [gq, gk, gv] = at::_scaled_dot_product_flash_attention_for_cpu_backward(rows(grad_out).contiguous(), rows(q).contiguous(), cols(keys.k).contiguous(),
+                                                                                  cols(keys.v).contiguous(), rows(out).contiguous(), rows(lse).contiguous(), 0.0,
+                                                                                  false, additive(t.masked, q));
+      rows(dq).copy_(gq);
+      cols(dk).add_(gk);
+      cols(dv).add_(gv);
+      return;
+    }
+    const at::Tensor qb = rows(q).to(acc), gb = rows(grad_out).to(acc), kb = cols(keys.k).to(acc), vb = cols(keys.v).to(acc);
     at::Tensor p = at::matmul(qb, kb.transpose(-2, -1)).mul_(scale).masked_fill_(t.masked, -std::numeric_limits<double>::infinity());
-    p.sub_(rows(l).unsqueeze(-1)).exp_();  // the forward's probabilities, recomputed
+    p.sub_(rows(lse).to(acc).unsqueeze(-1)).exp_();  // the forward's probabilities, recomputed
     cols(dv).add_(at::matmul(p.transpose(-2, -1), gb));
     const at::Tensor ds = p.mul_(at::matmul(gb, vb.transpose(-2, -1)).sub_(rows(delta).unsqueeze(-1))).mul_(scale);
-    rows(dq).add_(at::matmul(ds, kb));
+    rows(dq).copy_(at::matmul(ds, kb));
     cols(dk).add_(at::matmul(ds.transpose(-2, -1), qb));
   });
   if (keys.order.position_of.defined()) {

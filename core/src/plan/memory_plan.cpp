@@ -413,7 +413,8 @@ class Simulation {
     return most;
   }
 
-  // Tiled attention (exec/kernels.cpp, tiled_attention): q, k, v (and in the backward the
+  // Tiled attention (exec/kernels.cpp, tiled_attention), as its materialising path allocates
+  // (the CPU's fused path allocates less: an upper bound there): q, k, v (and in the backward the
   // gradient, out, lse and float dq, dk, dv) in the accumulation type, k and v reordered to
   // natural order under context parallelism, and per tile its scores and probabilities (tile
   // rows x visited keys) with the matmuls' products; the largest tile counts.
