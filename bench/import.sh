@@ -13,8 +13,17 @@
 #    users export it: default attention (sdpa, under the boolean mask transformers builds),
 #    config defaults, wrapped to return the logits (examples/export/transformers_qwen3.py's
 #    LogitsOnly), exported by examples/export/common.py, in the shape of llama debugmodel.
+# 4. Sliding-window attention at seq 2048, window 256 (the tiled kernel) vs full causal
+#    attention (ATen's fused kernel), forward and backward (bench_attention): ratio window /
+#    causal (goal <= 0.25).
+# 5. One-rank step of the built-in llama debugmodel on the main job's documents
+#    (configs/llama_debug.toml's data) with model.attn_mask_type = "block_causal" vs "causal":
+#    median step_ms of each, runs alternated, ratio block_causal / causal.
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# shellcheck source=bench/lib.sh
+source "$repo/bench/lib.sh"
+machine
 py="${SPMDX_VENV:-$repo/.venv}/bin/python"
 spmdx="$repo/build/bin/spmdx"
 layers=32 dim=1024 ffn=2816 heads=16 kv=4
@@ -67,3 +76,20 @@ export_llama "$work/debug" --layers 6 --dim 256 --ffn 768 --heads 16 --kv-heads 
 echo "== one-rank step: imported transformers LlamaForCausalLM (sdpa export) vs built-in llama debugmodel (same shape)"
 export_transformers_llama "$work/hf"
 "$repo/build/bin/bench_import_step" "$work/hf/transformers_llama.pt2" --flavor debugmodel --steps 20
+echo "== sliding-window attention (seq 2048, window 256) vs full causal attention"
+"$repo/build/bin/bench_attention" --seq 2048 --window 256
+
+echo "== one-rank step of llama debugmodel on configs/llama_debug.toml's documents: block_causal vs causal"
+step_ms() {  # mask, round: the median step_ms after the first 2 steps
+  local out="$work/mask-$1-$2"
+  "$spmdx" run "$repo/configs/llama_debug.toml" --nproc 1 --parallelism.data_parallel_shard_degree 1 --parallelism.tensor_parallel_degree 1 \
+    --training.steps 12 --model.attn_mask_type "$1" --job.dump_folder "$out" >/dev/null
+  "$py" -c 'import json, statistics, sys; r = [json.loads(l) for l in open(sys.argv[1]) if "step_ms" in l]; print(statistics.median(x["step_ms"] for x in r[2:]))' "$out/metrics.jsonl"
+}
+causal_ms=() block_ms=()
+for round in 1 2; do
+  causal_ms+=("$(step_ms causal "$round")")
+  block_ms+=("$(step_ms block_causal "$round")")
+done
+c=$(echo "${causal_ms[*]}" | median 1) b=$(echo "${block_ms[*]}" | median 1)
+awk -v c="$c" -v b="$b" 'BEGIN { printf "step: causal %.1f ms, block_causal %.1f ms: block_causal / causal = %.3f\n", c, b, b / c }'

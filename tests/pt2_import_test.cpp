@@ -17,6 +17,7 @@
 #include "spmdx/exec/trainer.h"
 #include "spmdx/ir/autodiff.h"
 #include "spmdx/exec/pt2_import.h"
+#include "spmdx/models/model.h"
 #include "test_util.h"
 
 namespace spmdx {
@@ -117,7 +118,27 @@ TEST_P(Pt2Model, TenAdamWStepsMatchPyTorchEager) { expect_adamw_steps(GetParam()
 // (tests/fixtures/zero_width.py: [8, 4, 16, 0]; planning once divided by that 0), and a
 // GPT-2/Gemma-2-style model with addmm (Conv1D), baddbmm, tanh (gelu_new, logit soft-capping)
 // and an embedding with padding_idx 0, whose row's gradient is zero (tests/fixtures/hf_ops.py).
-INSTANTIATE_TEST_SUITE_P(Examples, Pt2Model, ::testing::Values("torchtitan_llama", "hf_llama", "gpt2", "masked_attention", "zero_width", "hf_ops"));
+// And torch's sdpa with a sliding-window attn_mask, boolean and additive, beside a causal layer
+// (tests/fixtures/sliding_window.py): the reference is torch's masked sdpa.
+INSTANTIATE_TEST_SUITE_P(Examples, Pt2Model, ::testing::Values("torchtitan_llama", "hf_llama", "gpt2", "masked_attention", "zero_width", "hf_ops", "sliding_window"));
+
+// A constant mask that is causal within a window of W tokens becomes sdpa with window W (the
+// tiled kernel); the causal mask stays the causal kernel, and nothing else is left as scores.
+TEST(Pt2Import, SlidingWindowMasksBecomeTheWindowKernel) {
+  for (const auto& [model, windows] : std::vector<std::pair<std::string, std::vector<std::int64_t>>>{{"sliding_window", {6, 0, 6}}, {"transformers_mistral", {8, 8}}}) {
+    SCOPED_TRACE(model);
+    models::Model m = import(model);
+    std::vector<std::int64_t> got;
+    for (const auto& n : m.graph.nodes()) {
+      EXPECT_NE(n->op(), "softmax");
+      if (n->op() == "sdpa") {
+        EXPECT_TRUE(n->attr_bool("causal"));
+        got.push_back(n->attr_int("window"));
+      }
+    }
+    EXPECT_EQ(got, windows);
+  }
+}
 
 // Hugging Face transformers models as exported with their defaults (tests/fixtures/hf_models.py,
 // export().run_decompositions({}): their training IR wraps the rotary tables in
@@ -172,6 +193,46 @@ TEST(Pt2Import, RotaryPatternsMap) {
   for (const auto* v : h.graph.inputs()) consts += v->name().rfind("const.", 0) == 0;
   EXPECT_GE(consts, 2);  // cos and sin, folded
   EXPECT_EQ(h.graph.find_input("model.rotary_emb.inv_freq"), nullptr);  // only used to fold them
+}
+
+// The built-in llama with model.attn_mask_type = "block_causal" (documents from the batch's EOS
+// tokens, the tiled kernel) at the weights, rotary tables and batch of a torchtitan-style Llama
+// in PyTorch given torchtitan's block-causal mask explicitly (tests/fixtures/block_causal.py):
+// the same loss and every gradient.
+TEST(BuiltInLlama, BlockCausalMatchesPyTorchWithAnExplicitMask) {
+  const nlohmann::json r = reference("block_causal");
+  models::ModelArgs args = models::model_args("llama", "tiny", r["vocab"].get<std::int64_t>());
+  args.dim = r["dim"].get<std::int64_t>(), args.n_layers = r["layers"].get<std::int64_t>(), args.n_heads = r["heads"].get<std::int64_t>();
+  args.n_kv_heads = r["kv_heads"].get<std::int64_t>(), args.ffn_hidden = r["ffn"].get<std::int64_t>();
+  args.attn_mask_type = "block_causal", args.eos_id = r["eos"].get<std::int64_t>();
+  models::Model m = models::build_model(args, r["batch"].get<std::int64_t>(), r["seq"].get<std::int64_t>());
+  int documents = 0;
+  for (const auto& n : m.graph.nodes()) {
+    if (n->op() == "sdpa") documents += n->inputs().size() == 4;
+  }
+  EXPECT_EQ(documents, args.n_layers);
+  std::vector<ir::Value*> params;
+  for (const auto& p : m.params) params.push_back(m.graph.find_input(p));
+  const auto grads = ir::gradients(m.graph, m.graph.find_output("loss"), params);
+  for (std::size_t i = 0; i < grads.size(); ++i) m.graph.add_output("grad." + m.params[i], grads[i]);
+  exec::TensorMap feed;
+  auto table = [&](const char* key) { return at::tensor(r[key].get<std::vector<float>>()).reshape(m.graph.find_input("rope.cos")->meta().shape); };
+  feed["rope.cos"] = table("rope_cos");
+  feed["rope.sin"] = table("rope_sin");
+  for (const auto& p : m.params) feed[p] = at::tensor(r["weights"][p].get<std::vector<float>>()).reshape(m.graph.find_input(p)->meta().shape);
+  feed["tokens"] = batch_tensor(r, "tokens");
+  feed["labels"] = batch_tensor(r, "labels");
+  const exec::TensorMap out = exec::Executor(m.graph).run(feed);
+  EXPECT_NEAR(out.at("loss").item<double>(), r["loss"].get<double>(), 1e-5 * r["loss"].get<double>());
+  for (const auto& p : m.params) {
+    const at::Tensor want = at::tensor(r["grads"][p].get<std::vector<float>>()).reshape(m.graph.find_input(p)->meta().shape);
+    EXPECT_LE((out.at("grad." + p) - want).abs().max().item<double>() / want.abs().max().item<double>(), 1e-5) << p;
+  }
+  // The mask matters: plain causal attention gives another loss.
+  args.attn_mask_type = "causal";
+  models::Model causal = models::build_model(args, r["batch"].get<std::int64_t>(), r["seq"].get<std::int64_t>());
+  exec::TensorMap plain = feed;
+  EXPECT_GT(std::abs(exec::Executor(causal.graph).run(plain).at("loss").item<double>() - r["loss"].get<double>()), 1e-3);
 }
 
 // ---- Bad input: each a clear error ----

@@ -133,9 +133,30 @@ TEST(Pt2RunHuggingFaceOps, TransformersLlamaAndQwen3TrainOnEveryLayout) {
   expect_layouts_give_one_rank_losses("transformers_qwen3", "");
 }
 
-// Mistral with a sliding window of 8 tokens over 32: the band mask (a constant) runs as general
-// masked attention, its bias split with the scores on every layout, context parallelism too.
-TEST(Pt2RunHuggingFaceOps, TransformersSlidingWindowTrainsOnEveryLayout) { expect_layouts_give_one_rank_losses("transformers_mistral", ""); }
+// Mistral with a sliding window of 8 tokens over 32: the band mask (a constant) becomes sdpa with
+// window 8, the tiled window kernel, on every layout (context parallelism's positions too).
+TEST(Pt2RunHuggingFaceOps, TransformersSlidingWindowTrainsOnEveryLayout) {
+  test::TempDir dir;
+  test::corpus_file(dir);
+  test::write_file(dir / "mistral.toml", "[model]\nname = \"pt2\"\npath = \"" + (kFixtures / "transformers_mistral.pt2").string() +
+                                             "\"\ntokenizer = \"byte\"\n[data]\npaths = [\"" + (dir / "corpus.txt").string() + "\"]\n");
+  auto r = spmdx("compile '" + (dir / "mistral.toml").string() + "' --parallelism.data_parallel_shard_degree 1 --dump '" + (dir / "plan").string() + "'");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const std::string graph = test::read_file(dir / "plan" / "logical.txt");
+  int windowed = 0;
+  for (std::size_t at = graph.find("= sdpa("); at != std::string::npos; at = graph.find("= sdpa(", at + 1)) {
+    windowed += graph.substr(at, graph.find('\n', at) - at).find("window=8") != std::string::npos;
+  }
+  EXPECT_EQ(windowed, 2);  // both layers
+  EXPECT_THAT(graph, Not(HasSubstr("softmax(")));  // no general masked attention left
+  expect_layouts_give_one_rank_losses("transformers_mistral", "");
+}
+
+// torch's sdpa with an explicit sliding-window attn_mask, boolean and additive, beside a causal
+// layer (tests/fixtures/sliding_window.py): the window kernel on fsdp 2, tp 2 and cp 2.
+TEST(Pt2RunHuggingFaceOps, SlidingWindowMaskTrainsOnEveryLayout) {
+  expect_layouts_give_one_rank_losses("sliding_window", "\"*.qkv.weight\" = \"colwise\"\n\"*.o.weight\" = \"rowwise\"\n");
+}
 
 // The other architectures of tests/fixtures/hf_models.py, one test each (so that ctest -j2 runs
 // them side by side: each is 5 spmdx processes, 6 to 12 s with ctest -j2 on 2 busy cores), tensor

@@ -237,6 +237,42 @@ TEST(Run, AutoStrategyGivesTheLossesOfOneRank) {
   }
 }
 
+// Document masking (model.attn_mask_type = "block_causal", torchtitan's): each line of the corpus
+// a document (BOS line EOS), several in every 64-token row; fsdp 2, tp 2 and cp 2 (the document
+// ids of the load-balanced sequence counted in natural order) give the one rank's losses, and
+// they are not the causal mask's.
+TEST(Run, BlockCausalGivesTheLossesOfOneRankOnEveryLayout) {
+  test::TempDir dir;
+  const std::string common = " --data.paths '" + corpus_file(dir) + "' --data.document_separator '\n' --training.steps 3 --training.global_batch_size 4 " +
+                             "--training.seq_len 64 --model.n_layers 2 --model.attn_mask_type block_causal";
+  const std::string config = "'" SPMDX_SOURCE_DIR "/configs/llama_fsdp.toml'";
+  const std::string one_rank = " --parallelism.data_parallel_shard_degree 1";
+  auto one = spmdx_run(config + " --nproc 1 --job.dump_folder '" + (dir / "one").string() + "'" + common + one_rank);
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  const auto want = losses(dir / "one" / "metrics.jsonl");
+  ASSERT_EQ(want.size(), 3u);
+  auto causal = spmdx_run(config + " --nproc 1 --job.dump_folder '" + (dir / "causal").string() + "'" + common + one_rank + " --model.attn_mask_type causal");
+  ASSERT_EQ(causal.exit_code, 0) << causal.output;
+  EXPECT_GT(std::abs(losses(dir / "causal" / "metrics.jsonl")[0] - want[0]), 1e-4);
+  const std::vector<std::pair<std::string, std::string>> layouts = {
+      {"fsdp2", " --parallelism.data_parallel_shard_degree 2"},
+      {"tp2", one_rank + " --parallelism.tensor_parallel_degree 2"},
+      {"cp2", one_rank + " --parallelism.context_parallel_degree 2"},
+  };
+  for (const auto& [name, flags] : layouts) {
+    auto r = spmdx_run(config + " --nproc 2 --job.dump_folder '" + (dir / name).string() + "'" + common + flags);
+    ASSERT_EQ(r.exit_code, 0) << name << "\n" << r.output;
+    const auto got = losses(dir / name / "metrics.jsonl");
+    ASSERT_EQ(got.size(), want.size()) << name;
+    for (std::size_t i = 0; i < want.size(); ++i) EXPECT_NEAR(got[i], want[i], 1e-5 * std::abs(want[i])) << name << " step " << i + 1;
+  }
+  // A value that is neither: the key and the allowed values named.
+  auto bad = spmdx_run(config + " --nproc 1 --job.dump_folder '" + (dir / "bad").string() + "'" + common + one_rank + " --model.attn_mask_type document");
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_THAT(bad.output, HasSubstr("model.attn_mask_type"));
+  EXPECT_THAT(bad.output, HasSubstr("block_causal"));
+}
+
 TEST(Run, ContextParallelGivesTheLossesOfOneRank) {
   test::TempDir dir;
   const std::string common = " --data.paths '" + corpus_file(dir) + "' --training.steps 5 --training.global_batch_size 4 --training.seq_len 32 --model.n_layers 2";

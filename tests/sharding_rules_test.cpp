@@ -94,6 +94,28 @@ std::vector<Case> cases() {
          x[4] = out;
          x[5] = lse;
        }},
+      // Sliding window (the tiled kernel): the same strategies, the window at natural positions.
+      {"sdpa_window", "sdpa", {{4, 4, 8, 8}, {4, 4, 8, 8}, {4, 4, 8, 8}}, {{"window", std::int64_t{3}}}},
+      {"sdpa_window_balanced", "sdpa", {{4, 4, 8, 8}, {4, 4, 8, 8}, {4, 4, 8, 8}}, {{"window", std::int64_t{3}}, {"chunks", std::int64_t{4}}}},
+      {"sdpa_backward_window_balanced", "sdpa_backward", {{4, 4, 8, 8}, {4, 4, 8, 8}, {4, 4, 8, 8}, {4, 4, 8, 8}, {4, 4, 8, 8}, {4, 4, 8}},
+       {{"window", std::int64_t{3}}, {"chunks", std::int64_t{4}}},
+       [](Tensors& x) {
+         const auto r = exec::tiled_attention(x[1], x[2], x[3], {3, 4, 0, {}});
+         x[4] = r[0];
+         x[5] = r[1];
+       }},
+      // block_causal: document ids (nondecreasing along each row) as sdpa's fourth input.
+      {"sdpa_documents", "sdpa", {{4, 4, 8, 8}, {4, 4, 8, 8}, {4, 4, 8, 8}, {4, 8}}, {}, [](Tensors& x) { x[3] = at::cumsum(x[3].gt(0.5), 1).to(at::kLong); }},
+      {"sdpa_backward_documents_balanced", "sdpa_backward", {{4, 4, 8, 8}, {4, 4, 8, 8}, {4, 4, 8, 8}, {4, 4, 8, 8}, {4, 4, 8, 8}, {4, 4, 8}, {4, 8}},
+       {{"chunks", std::int64_t{4}}},
+       [](Tensors& x) {
+         x[6] = at::cumsum(x[6].gt(0.5), 1).to(at::kLong);
+         const auto r = exec::tiled_attention(x[1], x[2], x[3], {0, 4, 0, x[6]});
+         x[4] = r[0];
+         x[5] = r[1];
+       }},
+      {"document_ids", "document_ids", {{4, 8}}, {{"eos", std::int64_t{2}}}, [](Tensors& x) { indices(x[0], 4); }},
+      {"document_ids_balanced", "document_ids", {{4, 8}}, {{"eos", std::int64_t{2}}, {"chunks", std::int64_t{4}}}, [](Tensors& x) { indices(x[0], 4); }},
       {"linear_weight_grad", "linear_weight_grad", {{4, 6, 5}, {4, 6, 3}}, {}},
       {"seq_permute", "seq_permute", {{4, 8, 3}}, {{"dim", std::int64_t{1}}, {"chunks", std::int64_t{4}}}},
       {"seq_permute_inverse", "seq_permute", {{4, 8, 3}}, {{"dim", std::int64_t{1}}, {"chunks", std::int64_t{4}}, {"inverse", true}}},

@@ -63,6 +63,7 @@ std::vector<OpCase> cases() {
       {"rotary_embedding", "rotary_embedding", {{{2, 4, 3, 8}}, {{4, 4}, Fill::constant}, {{4, 4}, Fill::constant}}, {}},
       {"sdpa_causal", "sdpa", {{{2, 2, 5, 4}}, {{2, 2, 5, 4}}, {{2, 2, 5, 4}}}, {{"causal", true}}},
       {"sdpa_full", "sdpa", {{{2, 2, 5, 4}}, {{2, 2, 6, 4}}, {{2, 2, 6, 4}}}, {{"causal", false}}},
+      {"sdpa_window", "sdpa", {{{2, 2, 7, 4}}, {{2, 2, 7, 4}}, {{2, 2, 7, 4}}}, {{"window", std::int64_t{3}}}},
       // sdpa with context parallelism's chunks and q_offset: context_parallel_test.cpp (its
       // kernel merges two flash calls by their logsumexp, which autograd does not differentiate).
       {"seq_permute", "seq_permute", {{{2, 8, 3}}}, {{"dim", std::int64_t{1}}, {"chunks", std::int64_t{4}}}},

@@ -125,6 +125,11 @@ std::vector<AttentionBlock> attention_blocks(const Node& n, std::int64_t q_rows,
   return blocks;
 }
 
+// The mask of a tiled sdpa or sdpa_backward node; its documents are input `documents` if any.
+AttentionMask attention_mask(const Node& n, const Tensors& x, std::size_t documents) {
+  return {n.attr_int("window"), n.attr_int("chunks"), n.attr_int("q_offset"), x.size() > documents ? x[documents] : at::Tensor()};
+}
+
 // sdpa with context parallelism's positions: each block's two parts merged by their
 // log-sum-exp, as ring attention and FlashAttention's split-KV do (out = sum of each part's
 // out x exp(lse_part - lse), lse = logaddexp of the parts').
@@ -175,7 +180,152 @@ Tensors blocked_attention_backward(const Node& n, const at::Tensor& g, const at:
   return Tensors{gq, gk, gv};
 }
 
+// The natural order of k's rows: row_of[position] (load-balanced order, chunks > 1) and
+// position_of[row], or undefined for chunks = 1 (k already in natural order).
+struct KeyOrder {
+  at::Tensor row_of, position_of;
+};
+KeyOrder key_order(std::int64_t rows, std::int64_t chunks, const at::Device& device) {
+  if (chunks <= 1) return {};
+  std::vector<std::int64_t> row_of(static_cast<std::size_t>(rows)), position_of(static_cast<std::size_t>(rows));
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const std::int64_t p = ir::natural_position(r, rows, chunks);
+    row_of[static_cast<std::size_t>(p)] = r;
+    position_of[static_cast<std::size_t>(r)] = p;
+  }
+  auto index = [&](const std::vector<std::int64_t>& i) { return at::tensor(i, at::TensorOptions().dtype(at::kLong)).to(device); };
+  return {index(row_of), index(position_of)};
+}
+
+// One tile of tiled attention on batch rows [b0, b0 + batches): its visited key positions and
+// the mask of its scores [batches or 1, 1, rows, keys] (true: masked).
+struct TileKeys {
+  std::int64_t b0, batches, begin, end;
+  at::Tensor masked;
+};
+
+// Visits the tiles with their key ranges and masks. With documents a tile's range starts at the
+// earliest start, over the batch rows, of its first query's document (documents are runs of one
+// id in natural order), and the mask is per batch row.
+template <typename Visit>
+void for_each_tile(const at::Tensor& q, std::int64_t kv_rows, const AttentionMask& m, const at::Tensor& documents, Visit visit) {
+  const at::TensorOptions longs = at::TensorOptions().dtype(at::kLong).device(q.device());
+  const std::int64_t batch = q.size(0);
+  std::vector<std::int64_t> doc_start;  // per position, the earliest start over the batch rows of its document
+  if (documents.defined()) {
+    const at::Tensor docs = documents.to(at::kCPU).contiguous();
+    const auto* d = docs.data_ptr<std::int64_t>();
+    doc_start.assign(static_cast<std::size_t>(kv_rows), kv_rows);
+    std::vector<std::int64_t> start(static_cast<std::size_t>(kv_rows));
+    for (std::int64_t b = 0; b < batch; ++b) {
+      for (std::int64_t p = 0; p < kv_rows; ++p) {
+        auto& s = start[static_cast<std::size_t>(p)];
+        s = p > 0 && d[b * kv_rows + p] == d[b * kv_rows + p - 1] ? start[static_cast<std::size_t>(p - 1)] : p;
+        doc_start[static_cast<std::size_t>(p)] = std::min(doc_start[static_cast<std::size_t>(p)], s);
+      }
+    }
+  }
+  for (const auto& tile : ir::attention_tiles(q.size(2), kv_rows, m.chunks, m.q_offset, m.window)) {
+    const std::int64_t begin = documents.defined() ? std::max(tile.key_begin, doc_start[static_cast<std::size_t>(tile.position)]) : tile.key_begin;
+    const at::Tensor query = at::arange(tile.position, tile.position + tile.rows, longs).unsqueeze(1);
+    const at::Tensor key = at::arange(begin, tile.key_end, longs).unsqueeze(0);
+    at::Tensor masked = key > query;
+    if (m.window > 0) masked = masked.logical_or_(key <= query - m.window);
+    masked = masked.view({1, 1, tile.rows, -1});
+    if (documents.defined()) {
+      const at::Tensor keys = documents.narrow(1, begin, tile.key_end - begin), queries = documents.narrow(1, tile.position, tile.rows);
+      masked = masked.logical_or(keys.unsqueeze(1) != queries.unsqueeze(2)).unsqueeze_(1).view({batch, 1, tile.rows, -1});
+    }
+    visit(tile, TileKeys{0, batch, begin, tile.key_end, masked});
+  }
+}
+
+at::ScalarType accumulate_type(const at::Tensor& x) { return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat; }
+
+// k, v (and documents) in natural order.
+struct NaturalKeys {
+  KeyOrder order;
+  at::Tensor k, v, documents;
+};
+NaturalKeys natural_keys(const at::Tensor& k, const at::Tensor& v, const AttentionMask& m) {
+  NaturalKeys n{key_order(k.size(2), m.chunks, k.device()), k, v, m.documents};
+  if (n.order.row_of.defined()) {
+    n.k = n.k.index_select(2, n.order.row_of);
+    n.v = n.v.index_select(2, n.order.row_of);
+    if (n.documents.defined()) n.documents = n.documents.index_select(1, n.order.row_of);
+  }
+  return n;
+}
+
+// A boolean mask (true: masked) as the additive bias ATen's attention kernels take, in x's dtype.
+at::Tensor additive(const at::Tensor& masked, const at::Tensor& x) {
+  return at::zeros(masked.sizes(), x.options()).masked_fill_(masked, -std::numeric_limits<double>::infinity());
+}
+
 }  // namespace
+
+std::vector<at::Tensor> tiled_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const AttentionMask& mask) {
+  const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(3)));
+  const NaturalKeys keys = natural_keys(k, v, mask);
+  const at::ScalarType acc = accumulate_type(q);
+  at::Tensor out = at::empty_like(q), lse = at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(acc)).transpose(1, 2);
+  for_each_tile(q, k.size(2), mask, keys.documents, [&](const ir::AttentionTile& tile, const TileKeys& t) {
+    const at::Tensor qb = q.narrow(0, t.b0, t.batches).narrow(2, tile.row0, tile.rows);
+    const at::Tensor kb = keys.k.narrow(0, t.b0, t.batches).narrow(2, t.begin, t.end - t.begin);
+    const at::Tensor vb = keys.v.narrow(0, t.b0, t.batches).narrow(2, t.begin, t.end - t.begin);
+    at::Tensor o, l;
+    if (q.is_cpu()) {  // ATen's fused CPU kernel on the tile's keys, the mask as an additive bias
+      std::tie(o, l) = at::_scaled_dot_product_flash_attention_for_cpu(qb, kb, vb, 0.0, false, additive(t.masked, q));
+    } else {  // the scores materialised, [tile rows, keys]
+      const at::Tensor s = at::matmul(qb.to(acc), kb.to(acc).transpose(-2, -1)).mul_(scale).masked_fill_(t.masked, -std::numeric_limits<double>::infinity());
+      l = at::logsumexp(s, -1);
+      o = at::matmul(at::exp(s - l.unsqueeze(-1)), vb.to(acc));
+    }
+    out.narrow(0, t.b0, t.batches).narrow(2, tile.row0, tile.rows).copy_(o);
+    lse.narrow(0, t.b0, t.batches).narrow(2, tile.row0, tile.rows).copy_(l);
+  });
+  return {out, lse};
+}
+
+std::vector<at::Tensor> tiled_attention_backward(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                 const at::Tensor& out, const at::Tensor& lse, const AttentionMask& mask) {
+  const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(3)));
+  const NaturalKeys keys = natural_keys(k, v, mask);
+  const at::ScalarType acc = accumulate_type(q);
+  // dk and dv gather every tile's part in the accumulation type (tiles' key rows overlap).
+  at::Tensor dq = at::empty(q.sizes(), q.options().dtype(acc)), dk = at::zeros(k.sizes(), k.options().dtype(acc)), dv = at::zeros_like(dk);
+  const at::Tensor delta = q.is_cpu() ? at::Tensor() : (grad_out.to(acc) * out.to(acc)).sum(-1);  // rowsum(dO * O) = rowsum(P * dP)
+  for_each_tile(q, k.size(2), mask, keys.documents, [&](const ir::AttentionTile& tile, const TileKeys& t) {
+    auto rows = [&](const at::Tensor& x) { return x.narrow(0, t.b0, t.batches).narrow(2, tile.row0, tile.rows); };
+    auto cols = [&](const at::Tensor& x) { return x.narrow(0, t.b0, t.batches).narrow(2, t.begin, t.end - t.begin); };
+    if (q.is_cpu()) {  // ATen's fused CPU backward from the whole row's out and lse
+      auto [gq, gk, gv] = at::_scaled_dot_product_flash_attention_for_cpu_backward(rows(grad_out).contiguous(), rows(q).contiguous(), cols(keys.k).contiguous(),
+                                                                                  cols(keys.v).contiguous(), rows(out).contiguous(), rows(lse).contiguous(), 0.0,
+                                                                                  false, additive(t.masked, q));
+      rows(dq).copy_(gq);
+      cols(dk).add_(gk);
+      cols(dv).add_(gv);
+      return;
+    }
+    const at::Tensor qb = rows(q).to(acc), gb = rows(grad_out).to(acc), kb = cols(keys.k).to(acc), vb = cols(keys.v).to(acc);
+    at::Tensor p = at::matmul(qb, kb.transpose(-2, -1)).mul_(scale).masked_fill_(t.masked, -std::numeric_limits<double>::infinity());
+    p.sub_(rows(lse).to(acc).unsqueeze(-1)).exp_();  // the forward's probabilities, recomputed
+    cols(dv).add_(at::matmul(p.transpose(-2, -1), gb));
+    const at::Tensor ds = p.mul_(at::matmul(gb, vb.transpose(-2, -1)).sub_(rows(delta).unsqueeze(-1))).mul_(scale);
+    rows(dq).copy_(at::matmul(ds, kb));
+    cols(dk).add_(at::matmul(ds.transpose(-2, -1), qb));
+  });
+  if (keys.order.position_of.defined()) {
+    dk = dk.index_select(2, keys.order.position_of);
+    dv = dv.index_select(2, keys.order.position_of);
+  }
+  // [b, s, h, d] in memory, as the fused kernel's gradients (the memory plan's layout).
+  auto bshd = [](const at::Tensor& like, const at::Tensor& value) {
+    at::Tensor t = at::empty({like.size(0), like.size(2), like.size(1), like.size(3)}, like.options()).transpose(1, 2);
+    return t.copy_(value);
+  };
+  return {bshd(q, dq), bshd(k, dk), bshd(v, dv)};
+}
 
 std::vector<at::Tensor> sdpa(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal) {
   if (q.is_cpu()) {
@@ -393,6 +543,7 @@ const std::map<std::string, Kernel>& kernels() {
       if (x[0].numel() == 0 || x[1].numel() == 0) {  // an empty shard: ATen's kernel divides by zero
         return Tensors{at::zeros_like(x[0]), at::zeros(n.output(1)->meta().shape, x[0].options().dtype(to_aten(n.output(1)->meta().dtype)))};
       }
+      if (ir::tiled_attention(n)) return tiled_attention(x[0], x[1], x[2], attention_mask(n, x, 3));
       if (ir::blocked_attention(n)) return blocked_attention(n, x[0], x[1], x[2]);
       return attend(x[0], x[1], x[2], n.attr_bool("causal"));
     };
@@ -446,6 +597,14 @@ const std::map<std::string, Kernel>& kernels() {
     };
     k["valid_rows"] = [](const Node& n, const Tensors& x) {
       return one(x[0].ne(n.attr_int("ignore_index")).to(to_aten(n.output()->meta().dtype)).unsqueeze(1));
+    };
+    k["document_ids"] = [](const Node& n, const Tensors& x) {
+      const std::int64_t chunks = n.attr_int("chunks"), seq = x[0].size(1);
+      const KeyOrder order = key_order(seq, chunks, x[0].device());
+      const at::Tensor natural = order.row_of.defined() ? x[0].index_select(1, order.row_of) : x[0];
+      at::Tensor ids = at::zeros_like(natural);  // eos tokens before each position
+      if (seq > 1) ids.narrow(1, 1, seq - 1).copy_(at::cumsum(natural.narrow(1, 0, seq - 1).eq(n.attr_int("eos")), 1));
+      return one(order.position_of.defined() ? ids.index_select(1, order.position_of) : ids);
     };
     k["count_valid"] = [](const Node& n, const Tensors& x) {
       return one(x[0].ne(n.attr_int("ignore_index")).sum().to(to_aten(n.output()->meta().dtype)));
@@ -511,6 +670,7 @@ const std::map<std::string, Kernel>& kernels() {
     };
     k["sdpa_backward"] = [](const Node& n, const Tensors& x) {
       if (x[1].numel() == 0 || x[2].numel() == 0) return Tensors{at::zeros_like(x[1]), at::zeros_like(x[2]), at::zeros_like(x[3])};
+      if (ir::tiled_attention(n)) return tiled_attention_backward(x[0], x[1], x[2], x[3], x[4], x[5], attention_mask(n, x, 6));
       if (ir::blocked_attention(n)) return blocked_attention_backward(n, x[0], x[1], x[2], x[3], x[4], x[5]);
       return attend_backward(x[0], x[1], x[2], x[3], x[4], x[5], n.attr_bool("causal"));
     };

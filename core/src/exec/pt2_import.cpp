@@ -1403,7 +1403,8 @@ class Mapper {
     ir::Graph& g = m_.graph;
     // A mask computed from positions and buffers (what transformers builds under torch.export,
     // and minGPT's or nanoGPT's tril buffers) is a constant here: the causal one becomes the
-    // causal kernel, any other (a sliding window, a prefix) a general masked attention below.
+    // causal kernel, a causal one within a window of W tokens the tiled window kernel (sdpa's
+    // window), any other (a prefix, a document mask) a general masked attention below.
     at::Tensor mask;
     if (is_tensor(b, "attn_mask")) {
       const Sym& m = sym(t(b, "attn_mask"));
@@ -1437,9 +1438,12 @@ class Mapper {
       v = repeat(v);
     }
     bool causal = b.arg("is_causal").value.toBool();
+    std::int64_t window = 0;
     if (mask.defined()) {
       const at::Tensor bias = attention_bias(b, mask, qs[2], ks[2], aten_dtype_of(q));
       if (is_causal_bias(bias, qs[2], ks[2])) {
+        causal = true;
+      } else if ((window = sliding_window_of(bias, qs[2], ks[2])) > 0) {
         causal = true;
       } else {
         // softmax(q k^T / sqrt(d) + bias) v, as PyTorch's math attention (a boolean mask is 0 where
@@ -1450,7 +1454,7 @@ class Mapper {
         return set(b, g.add("matmul", {g.add("softmax", {scores}, {{"dim", std::int64_t{-1}}}), v}));
       }
     }
-    set(b, g.add_node("sdpa", {q, k, v}, {{"causal", causal}})->output(0));
+    set(b, g.add_node("sdpa", {q, k, v}, {{"causal", causal}, {"window", window}})->output(0));
   }
 
   static at::ScalarType aten_dtype_of(const ir::Value* v) { return exec::to_aten(v->meta().dtype); }
@@ -1484,6 +1488,19 @@ class Mapper {
     const at::Tensor allowed = at::ones({q_len, kv_len}, at::kBool).tril();
     const at::Tensor m = bias[0][0];
     return m.isneginf().logical_not().equal(allowed) && m.masked_select(allowed).eq(0).all().item<bool>();
+  }
+
+  // The window W of an additive bias that is causal within W tokens (key j kept for query i when
+  // i - W < j <= i, transformers' sliding_window_causal_mask_function), the same for every batch
+  // row and head, with W < the sequence (a wider one is the causal mask); else 0.
+  static std::int64_t sliding_window_of(const at::Tensor& bias, std::int64_t q_len, std::int64_t kv_len) {
+    if (q_len != kv_len || q_len < 2 || bias.size(0) != 1 || bias.size(1) != 1) return 0;
+    const at::Tensor m = bias[0][0], kept = m.isneginf().logical_not();
+    const std::int64_t window = kept[q_len - 1].sum().item<std::int64_t>();
+    if (window < 1 || window >= q_len) return 0;
+    const at::Tensor ones = at::ones({q_len, kv_len}, at::kBool);
+    const at::Tensor allowed = ones.tril().logical_and_(ones.triu(-(window - 1)));
+    return kept.equal(allowed) && m.masked_select(allowed).eq(0).all().item<bool>() ? window : 0;
   }
 
   // Mean cross entropy becomes sum / count of valid targets, as the built-in models' loss: both

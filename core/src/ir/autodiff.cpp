@@ -155,7 +155,10 @@ const std::map<std::string, Rule>& rules() {
       return Grads{g.add("rotary_embedding", {go[0], n.input(1), g.add("neg", {n.input(2)})}), nullptr, nullptr};
     };
     r["sdpa"] = [](Graph& g, const Node& n, const Grads& go) {
-      Node* b = g.add_node("sdpa_backward", {go[0], n.input(0), n.input(1), n.input(2), n.output(0), n.output(1)}, n.attrs());
+      std::vector<Value*> in{go[0], n.input(0), n.input(1), n.input(2), n.output(0), n.output(1)};
+      if (n.inputs().size() == 4) in.push_back(n.input(3));  // the documents (block_causal): no gradient
+      Node* b = g.add_node("sdpa_backward", in, n.attrs());
+      if (n.inputs().size() == 4) return Grads{b->output(0), b->output(1), b->output(2), nullptr};
       return Grads{b->output(0), b->output(1), b->output(2)};
     };
     r["seq_permute"] = [](Graph& g, const Node& n, const Grads& go) {  // the pieces put back

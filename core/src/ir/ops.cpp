@@ -252,11 +252,17 @@ std::vector<OpSchema> builtin_ops() {
   // pieces of t / chunks positions, seq_permute's order), and q_offset that q's rows are the
   // rows from q_offset on of that sequence (a rank's shard); a key is seen by a query at or
   // after its position in the sequence as written in natural order.
+  // `window` > 0 (causal only) keeps a key j for a query i when i - window < j <= i (Mistral's
+  // and Qwen2's sliding window, transformers' sliding_window_causal_mask_function); a fourth
+  // input, documents (i64 [b, t], one id a key row, laid out as k's rows and nondecreasing in
+  // natural order), keeps only keys of the query's own document (torchtitan's block_causal).
+  // Both run a tiled kernel that visits only the key blocks a query tile may see.
   const std::vector<AttrSpec> attention_attrs{{"causal", AttrType::boolean, false, true},
                                               {"chunks", AttrType::integer, false, std::int64_t{1}},
-                                              {"q_offset", AttrType::integer, false, std::int64_t{0}}};
-  ops.push_back({"sdpa", 3, 3, attention_attrs, [](const Metas& in, const Attributes& a) {
-                   same_dtype(in);
+                                              {"q_offset", AttrType::integer, false, std::int64_t{0}},
+                                              {"window", AttrType::integer, false, std::int64_t{0}}};
+  ops.push_back({"sdpa", 3, 4, attention_attrs, [](const Metas& in, const Attributes& a) {
+                   same_dtype(Metas(in.begin(), in.begin() + 3));
                    floating(*in[0], "q");
                    const Shape& q = in[0]->shape;
                    const Shape& k = in[1]->shape;
@@ -266,6 +272,13 @@ std::vector<OpSchema> builtin_ops() {
                    const std::int64_t chunks = std::get<std::int64_t>(a.at("chunks")), offset = std::get<std::int64_t>(a.at("q_offset"));
                    if (chunks < 1 || k[2] % chunks != 0) fail("chunks must be >= 1 and divide the key sequence " + std::to_string(k[2]));
                    if (offset < 0 || offset + q[2] > k[2]) fail("q_offset " + std::to_string(offset) + " puts q's rows past the key sequence");
+                   const std::int64_t window = std::get<std::int64_t>(a.at("window"));
+                   const bool causal = std::get<bool>(a.at("causal"));
+                   if (window < 0 || (window > 0 && !causal)) fail("window " + std::to_string(window) + " must be >= 0, and > 0 only with causal");
+                   if (in.size() == 4) {
+                     if (!causal) fail("documents mask causal attention only");
+                     if (in[3]->dtype != DType::i64 || in[3]->shape != Shape{k[0], k[2]}) fail("documents must be i64 [batch, kv_seq] = " + shape_str({k[0], k[2]}));
+                   }
                    TensorMeta lse = like(*in[0], Shape{q[0], q[1], q[2]}, false);
                    if (lse.dtype == DType::f16 || lse.dtype == DType::bf16) lse.dtype = DType::f32;
                    return std::vector{like(*in[0], q, any_requires_grad(in)), lse};
@@ -364,6 +377,19 @@ std::vector<OpSchema> builtin_ops() {
                    }
                    return std::vector{*in[0]};
                  }});
+  // document_ids: tokens (i64)[b, s] -> i64 [b, s], the document of each position: how many
+  // `eos` tokens come before it in its row (torchtitan's get_document_mask_mod: an EOS belongs
+  // to the document it ends), for sdpa's documents input (block_causal). With chunks > 1 the
+  // rows are in context parallelism's load-balanced order (seq_permute's), and so are the ids;
+  // they are counted in natural order.
+  ops.push_back({"document_ids", 1, 1,
+                 {{"eos", AttrType::integer, true, std::int64_t{0}}, {"chunks", AttrType::integer, false, std::int64_t{1}}},
+                 [](const Metas& in, const Attributes& a) {
+                   if (in[0]->dtype != DType::i64 || in[0]->rank() != 2) fail("tokens must be i64 [batch, seq]");
+                   const std::int64_t chunks = std::get<std::int64_t>(a.at("chunks"));
+                   if (chunks < 1 || in[0]->shape[1] % chunks != 0) fail("chunks " + std::to_string(chunks) + " does not divide the sequence of " + in[0]->str());
+                   return std::vector{TensorMeta{in[0]->shape, DType::i64, in[0]->device, false}};
+                 }});
   // count_valid: targets (i64)[...] -> the number of entries != ignore_index, a scalar of `dtype`
   // (the denominator of a mean loss, kept apart so that it can be summed across ranks).
   ops.push_back({"count_valid", 1, 1,
@@ -435,8 +461,8 @@ std::vector<OpSchema> builtin_ops() {
                    return std::vector{like(*in[1], in[1]->shape, true), like(*in[2], in[2]->shape, true),
                                       like(*in[3], in[3]->shape, true)};
                  }});
-  // sdpa_backward: grad, q, k, v, out, logsumexp -> (grad_q, grad_k, grad_v).
-  ops.push_back({"sdpa_backward", 6, 6, attention_attrs, [](const Metas& in, const Attributes&) {
+  // sdpa_backward: grad, q, k, v, out, logsumexp [, documents] -> (grad_q, grad_k, grad_v).
+  ops.push_back({"sdpa_backward", 6, 7, attention_attrs, [](const Metas& in, const Attributes&) {
                    return std::vector{like(*in[1], in[1]->shape, true), like(*in[2], in[2]->shape, true),
                                       like(*in[3], in[3]->shape, true)};
                  }});
@@ -572,7 +598,40 @@ std::vector<std::string> OpRegistry::names() const {
 std::int64_t balanced_piece(std::int64_t slot, std::int64_t chunks) { return slot % 2 == 0 ? slot / 2 : chunks - 1 - slot / 2; }
 
 bool blocked_attention(const Node& node) {
-  return node.attr_bool("causal") && (node.attr_int("chunks") > 1 || node.attr_int("q_offset") > 0);
+  return !tiled_attention(node) && node.attr_bool("causal") && (node.attr_int("chunks") > 1 || node.attr_int("q_offset") > 0);
+}
+
+std::int64_t natural_position(std::int64_t row, std::int64_t total, std::int64_t chunks) {
+  if (chunks <= 1) return row;
+  const std::int64_t piece = total / chunks;
+  return balanced_piece(row / piece, chunks) * piece + row % piece;
+}
+
+std::vector<AttentionTile> attention_tiles(std::int64_t q_rows, std::int64_t kv_rows, std::int64_t chunks, std::int64_t q_offset, std::int64_t window) {
+  std::vector<AttentionTile> tiles;
+  // Runs of rows at consecutive natural positions (a whole q, or one piece of the balanced
+  // order), each cut into tiles of kAttentionTile rows.
+  const std::int64_t run = chunks <= 1 ? std::max<std::int64_t>(q_rows, 1) : kv_rows / chunks;
+  for (std::int64_t r0 = 0; r0 < q_rows; r0 += run) {
+    const std::int64_t n = std::min(run, q_rows - r0), first = natural_position(q_offset + r0, kv_rows, chunks);
+    for (std::int64_t t = 0; t < n; t += kAttentionTile) {
+      const std::int64_t rows = std::min(kAttentionTile, n - t), position = first + t;
+      const std::int64_t begin = window > 0 ? std::max<std::int64_t>(0, position - window + 1) : 0;
+      tiles.push_back({r0 + t, rows, position, begin, std::min(position + rows, kv_rows)});
+    }
+  }
+  return tiles;
+}
+
+bool tiled_attention(const Node& node) {
+  const std::size_t documents = node.op() == "sdpa" ? 3 : 6;
+  return node.attr_int("window") > 0 || node.inputs().size() > documents;
+}
+
+std::vector<AttentionTile> attention_tiles(const Node& node) {
+  const bool forward = node.op() == "sdpa";
+  const Shape &q = node.input(forward ? 0 : 1)->meta().shape, &k = node.input(forward ? 1 : 2)->meta().shape;
+  return attention_tiles(q.at(2), k.at(2), node.attr_int("chunks"), node.attr_int("q_offset"), node.attr_int("window"));
 }
 
 namespace {

@@ -324,7 +324,7 @@ std::string search_key(const JobSpec& spec, const plan::Calibration& c) {
   std::ostringstream key;
   const auto& m = spec.model;
   key << m.name << "/" << m.flavor << "/" << m.path << "/" << m.vocab_size << " dim " << m.dim << " layers " << m.n_layers << " heads " << m.n_heads << "/"
-      << m.n_kv_heads << " ffn " << m.ffn_hidden << " loss " << m.loss << " inputs " << m.inputs.size() << " world " << spec.world_size
+      << m.n_kv_heads << " ffn " << m.ffn_hidden << " mask " << m.attn_mask_type << " loss " << m.loss << " inputs " << m.inputs.size() << " world " << spec.world_size
       << " batch " << spec.global_batch_size << " seq " << spec.seq_len << " micro " << spec.step.microbatches << " cp " << spec.dims.cp << " budget "
       << spec.memory_budget << " planner " << spec.planner << " " << spec.planner_time_limit << " sp " << spec.sequence_parallel << " lp "
       << spec.loss_parallel << " ac " << spec.activation_checkpoint.mode << " mp " << spec.mixed_precision.param << " rsf " << spec.reshard_after_forward

@@ -472,6 +472,18 @@ JobSpec job_spec(const config::Config& cfg, std::int64_t world_size, std::int64_
     else if (s.model.name != "llama") problems.add({"model.n_layers", "model.name"}, "model.n_layers applies to llama only, not " + s.model.name);
     else s.model.n_layers = layers;
   }
+  if (const std::string mask = cfg.get_string("model.attn_mask_type"); mask != "causal") {
+    if (s.model.name != "llama") {
+      problems.add({"model.attn_mask_type", "model.name"}, "model.attn_mask_type = \"" + mask + "\" applies to the built-in llama only, not " + s.model.name +
+                                                               (s.model.name == "pt2" ? " (an exported program's attention is as it was exported)" : ""));
+    } else if (const auto eos = job_tokenizer(cfg)->eos_id(); !eos) {
+      problems.add({"model.attn_mask_type", "model.tokenizer"}, "model.attn_mask_type = \"block_causal\" needs documents that end with an EOS token, and the tokenizer '" +
+                                                                    cfg.get_string("model.tokenizer") + "' has none: use \"causal\" or a tokenizer with an eos_token");
+    } else {
+      s.model.attn_mask_type = mask;
+      s.model.eos_id = *eos;
+    }
+  }
   const std::vector<std::int64_t> exported = read_pt2(cfg, vocab_size, s.model, problems);  // pt2: the tokens' [batch, seq] as exported
   read_strategies(cfg, s, problems);
   read_degrees(cfg, world_size, start_flag, s.dims, problems);

@@ -63,6 +63,8 @@ void build_llama(Model& m, Builder& mb, Value* tokens, Value* labels, std::int64
   const std::int64_t hd = a.dim / a.n_heads;
   using K = InitSpec::Kind;
   Value* h = b.embedding(mb.param("tok_embeddings.weight", {a.vocab_size, a.dim}, K::normal, 1.0), tokens);
+  // block_causal: each position's document, from the batch's ids (one op, shared by the layers).
+  Value* documents = a.attn_mask_type == "block_causal" ? m.graph.add("document_ids", {tokens}, {{"eos", a.eos_id}}) : nullptr;
   Value* cos = mb.buffer("rope.cos", {seq, hd / 2}, K::rope_cos, a.rope_theta, a.rope_scaling);
   Value* sin = mb.buffer("rope.sin", {seq, hd / 2}, K::rope_sin, a.rope_theta, a.rope_scaling);
   for (std::int64_t l = 0; l < a.n_layers; ++l) {
@@ -83,7 +85,8 @@ void build_llama(Model& m, Builder& mb, Value* tokens, Value* labels, std::int64
     Value* q = b.transpose(b.rotary(heads("wq", a.n_heads, 0.02), cos, sin), 1, 2);
     Value* k = repeat(b.transpose(b.rotary(heads("wk", kv, 0.02), cos, sin), 1, 2));
     Value* v = repeat(b.transpose(heads("wv", kv, 0.02), 1, 2));
-    Value* o = b.reshape(b.transpose(b.causal_attention(q, k, v), 1, 2), {batch, seq, a.dim});
+    Value* attention = documents != nullptr ? m.graph.add_node("sdpa", {q, k, v, documents}, {{"causal", true}})->output(0) : b.causal_attention(q, k, v);
+    Value* o = b.reshape(b.transpose(attention, 1, 2), {batch, seq, a.dim});
     h = b.add(h, b.linear(o, mb.param(p + "attention.wo.weight", {a.dim, a.dim}, K::trunc_normal, depth_std)));
     Value* y = b.rms_norm(h, mb.param(p + "ffn_norm.weight", {a.dim}, K::ones), a.norm_eps);
     Value* w1 = mb.param(p + "feed_forward.w1.weight", {a.ffn_hidden, a.dim}, K::trunc_normal, 0.02);

@@ -423,6 +423,28 @@ class Simulation {
     return most;
   }
 
+  // Tiled attention (exec/kernels.cpp, tiled_attention), as its materialising path allocates
+  // (the CPU's fused path allocates less: an upper bound there): q, k, v (and in the backward the
+  // gradient, out, lse and float dq, dk, dv) in the accumulation type, k and v reordered to
+  // natural order under context parallelism, and per tile its scores and probabilities (tile
+  // rows x visited keys) with the matmuls' products; the largest tile counts.
+  std::int64_t tiled_attention(const Node& n) const {
+    const bool forward = n.op() == "sdpa";
+    const ir::TensorMeta &q = n.input(forward ? 0 : 1)->meta(), &k = n.input(forward ? 1 : 2)->meta();
+    const std::int64_t acc = q.dtype == ir::DType::f64 ? 8 : 4, b = q.shape.at(0), h = q.shape.at(1), d = q.shape.at(3);
+    const std::int64_t q_acc = q.numel() * acc, k_acc = k.numel() * acc;
+    const bool documents = n.inputs().size() > (forward ? 3u : 6u);
+    std::int64_t tile = 0;
+    for (const auto& t : ir::attention_tiles(n)) {
+      const std::int64_t keys = t.key_end - t.key_begin, batches = documents ? 1 : b;
+      const std::int64_t scores = batches * h * t.rows * keys * acc, products = batches * h * (t.rows + keys) * d * acc;
+      tile = std::max(tile, (forward ? 2 : 3) * scores + (forward ? 1 : 2) * products + t.rows * keys * 24);
+    }
+    const std::int64_t docs = documents ? 3 * k.shape.at(0) * k.shape.at(2) * 8 : 0;
+    if (forward) return q_acc + 4 * k_acc + docs + tile;
+    return 5 * q_acc + 6 * k_acc + b * h * q.shape.at(2) * acc + docs + tile;
+  }
+
   // Bytes of temporaries a kernel allocates beyond its outputs while it runs (exec/kernels.cpp):
   // each ATen intermediate of the composite kernels, and the contiguous() copies ATen makes of
   // strided inputs.
@@ -439,6 +461,7 @@ class Simulation {
     if (op == "pick" || op == "pick_backward") return rows * 40;  // the targets' masks and column indices (bool and i64 a row)
     if (op == "cross_entropy_backward") return 2 * bytes(1);  // log_softmax, nll_loss_backward
     if (op == "rdiv_scalar") return bytes(0);           // the reciprocal before the multiply
+    if ((op == "sdpa" || op == "sdpa_backward") && ir::tiled_attention(n)) return tiled_attention(n);
     if ((op == "sdpa" || op == "sdpa_backward") && ir::blocked_attention(n)) return blocked_attention(n);
     if (op == "rotary_embedding") return copy_if_strided(0);
     if (op == "softmax" || op == "log_softmax") return copy_if_strided(0);

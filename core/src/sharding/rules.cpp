@@ -124,6 +124,12 @@ bool query_rows_split(const Node& n, std::int64_t rows, std::int64_t k) {
   return rows % k == 0 && (rows / k) % piece == 0;
 }
 
+// Attention's strategy with its documents input placed as `placement`, when it has one.
+OpStrategy documents(OpStrategy s, bool has, const Placement& placement) {
+  if (has) s.inputs.push_back(placement);
+  return s;
+}
+
 const std::map<std::string, Rule>& rules() {
   static const std::map<std::string, Rule> table = [] {
     std::map<std::string, Rule> r;
@@ -333,20 +339,24 @@ const std::map<std::string, Rule>& rules() {
     // rows (context parallelism, Llama 3's all-gather attention: Dubey et al. 2024, 3.3.2)
     // with k and v whole: each rank attends its rows to every key it may see (local_attrs
     // gives the kernel its rows' q_offset), and in the backward its dk, dv are partial sums.
+    // Document ids (block_causal, a last input [b, t] laid out as k's rows) go with the batch,
+    // and stay whole otherwise: every head and every query row may look up any key's document.
     r["sdpa"] = [](const Node& n, const std::vector<Shape>& in, const std::vector<Shape>&, std::int64_t k) {
-      Strategies s{all(R, 3, 2)};
+      const bool docs = in.size() == 4;
+      Strategies s{all(R, in.size(), 2)};
       for (std::int64_t d : {0, 1}) {
-        if (in[0][static_cast<std::size_t>(d)] >= k) s.push_back(all(S(d), 3, 2));
+        if (in[0][static_cast<std::size_t>(d)] >= k) s.push_back(documents(all(S(d), 3, 2), docs, d == 0 ? S(0) : R));
       }
-      if (query_rows_split(n, in[0][2], k)) s.push_back({{S(2), R, R}, {S(2), S(2)}});
+      if (query_rows_split(n, in[0][2], k)) s.push_back(documents({{S(2), R, R}, {S(2), S(2)}}, docs, R));
       return s;
     };
     r["sdpa_backward"] = [](const Node& n, const std::vector<Shape>& in, const std::vector<Shape>&, std::int64_t k) {
-      Strategies s{all(R, 6, 3)};
+      const bool docs = in.size() == 7;
+      Strategies s{all(R, in.size(), 3)};
       for (std::int64_t d : {0, 1}) {
-        if (in[1][static_cast<std::size_t>(d)] >= k) s.push_back(all(S(d), 6, 3));
+        if (in[1][static_cast<std::size_t>(d)] >= k) s.push_back(documents(all(S(d), 6, 3), docs, d == 0 ? S(0) : R));
       }
-      if (query_rows_split(n, in[1][2], k)) s.push_back({{S(2), S(2), R, R, S(2), S(2)}, {S(2), P, P}});
+      if (query_rows_split(n, in[1][2], k)) s.push_back(documents({{S(2), S(2), R, R, S(2), S(2)}, {S(2), P, P}}, docs, R));
       return s;
     };
     // g^T x summed over the leading dims: a leading dim split alike gives partial sums; g's
@@ -421,6 +431,12 @@ const std::map<std::string, Rule>& rules() {
     r["valid_rows"] = [](const Node&, const std::vector<Shape>& in, const std::vector<Shape>&, std::int64_t k) {
       Strategies s{all(R, 1, 1)};
       if (in[0][0] >= k) s.push_back({{S(0)}, {S(0)}});
+      return s;
+    };
+    // Each row's ids count along the whole row: split on the batch only.
+    r["document_ids"] = [](const Node&, const std::vector<Shape>& in, const std::vector<Shape>&, std::int64_t k) {
+      Strategies s{all(R, 1, 1)};
+      if (in[0][0] >= k) s.push_back(all(S(0), 1, 1));
       return s;
     };
     r["count_valid"] = [](const Node&, const std::vector<Shape>& in, const std::vector<Shape>&, std::int64_t k) {

@@ -96,7 +96,7 @@ ir::Graph context_parallel(const ir::Graph& forward, std::int64_t seq_len, std::
       continue;
     }
     ir::Attributes attrs = node->attrs();
-    if (node->op() == "sdpa" && chunks > 1) attrs["chunks"] = chunks;
+    if ((node->op() == "sdpa" || node->op() == "document_ids") && chunks > 1) attrs["chunks"] = chunks;
     const ir::Node* copy = out.add_node(node->op(), in, attrs);
     for (std::size_t k = 0; k < node->outputs().size(); ++k) map[node->outputs()[k]] = copy->outputs()[k];
   }

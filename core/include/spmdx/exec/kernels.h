@@ -42,6 +42,27 @@ std::vector<at::Tensor> attention(const at::Tensor& q, const at::Tensor& k, cons
 std::vector<at::Tensor> attention_backward(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                            const at::Tensor& out, const at::Tensor& lse, bool causal);
 
+/// The mask of tiled attention (the sdpa op's window, chunks, q_offset and documents inputs;
+/// ir/ops.cpp says what each means): causal, within `window` tokens when > 0, within a
+/// document when `documents` (i64 [b, t], laid out as k's rows) is defined.
+struct AttentionMask {
+  std::int64_t window = 0, chunks = 1, q_offset = 0;
+  at::Tensor documents;
+};
+/// Attention by tiles of query rows (ir::attention_tiles) that visits only the key rows a tile
+/// may see, so a window of W costs about s x (W + tile), not s x t / 2. On the CPU each tile is
+/// one call of ATen's fused kernel (_scaled_dot_product_flash_attention_for_cpu, float32
+/// accumulation) over its keys, the tile's mask given as an additive bias; elsewhere the tile's
+/// scores (tile rows x keys) are materialised, masked and reduced in float32 (float64 for double
+/// inputs). The outputs of sdpa(), laid out as the fused CPU kernel's (out as q, the log-sum-exp
+/// [b, s, h] in memory).
+std::vector<at::Tensor> tiled_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const AttentionMask& mask);
+/// Its gradients {dq, dk, dv} ([b, s, h, d] in memory, as sdpa_backward()'s), from the
+/// forward's out and lse, tile by tile over the same key rows (ATen's fused backward on the
+/// CPU); dk and dv sum the tiles' parts in float32.
+std::vector<at::Tensor> tiled_attention_backward(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                 const at::Tensor& out, const at::Tensor& lse, const AttentionMask& mask);
+
 /// AdamW's hyperparameters (the adamw node's attributes).
 struct AdamW {
   double beta1, beta2, eps, weight_decay;

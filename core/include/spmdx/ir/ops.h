@@ -141,4 +141,31 @@ std::int64_t balanced_piece(std::int64_t slot, std::int64_t chunks);
 /// kernel (exec/kernels.cpp) and the memory plan both ask.
 bool blocked_attention(const Node& node);
 
+/// The natural-order position of row `row` of a sequence of `total` rows held in context
+/// parallelism's load-balanced order of `chunks` pieces (chunks = 1: the row itself).
+std::int64_t natural_position(std::int64_t row, std::int64_t total, std::int64_t chunks);
+
+/// Query rows per tile of the tiled attention kernel (exec/kernels.h, tiled_attention).
+constexpr std::int64_t kAttentionTile = 64;
+
+/// One tile of tiled attention: `rows` query rows from local row `row0`, at the consecutive
+/// natural positions from `position`, and the natural key positions [key_begin, key_end) the
+/// kernel visits for them (every other key is masked for every row of the tile).
+struct AttentionTile {
+  std::int64_t row0, rows, position, key_begin, key_end;
+};
+
+/// The tiles of q's `q_rows` rows (sdpa's chunks and q_offset place them, as the causal path)
+/// over `kv_rows` keys, causal within a window of `window` tokens (0: none): a query at
+/// position i sees keys i - window < j <= i, as transformers' sliding_window_causal_mask.
+/// The kernel, the memory plan and the cost model all walk these.
+std::vector<AttentionTile> attention_tiles(std::int64_t q_rows, std::int64_t kv_rows, std::int64_t chunks, std::int64_t q_offset, std::int64_t window);
+
+/// Whether an sdpa or sdpa_backward node runs the tiled kernel: a sliding window (window > 0)
+/// or document masking (a fourth input of document ids, block_causal).
+bool tiled_attention(const Node& node);
+
+/// The tiles of a tiled sdpa or sdpa_backward node, from its shapes and attributes.
+std::vector<AttentionTile> attention_tiles(const Node& node);
+
 }  // namespace spmdx::ir

@@ -73,6 +73,11 @@ struct ModelArgs {
   double rope_theta = 500000.0;
   RopeScaling rope_scaling{8.0, 1.0, 4.0, 8192};  ///< torchtitan's llama3 default (RoPEScalingArgs())
   double norm_eps = 1e-5;
+  /// llama: "causal", or "block_causal" (torchtitan's model.attn_mask_type): a token attends
+  /// only within its own document, documents ending at each `eos_id` token of the batch's ids
+  /// (torchtitan's get_document_mask_mod: the EOS belongs to the document it ends).
+  std::string attn_mask_type = "causal";
+  std::int64_t eos_id = -1;  ///< the tokenizer's EOS id, for block_causal
 };
 
 /// The flavors: llama `debugmodel` (torchtitan's: dim 256, 6 layers, 16 heads, FFN 768,
