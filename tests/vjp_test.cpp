@@ -46,9 +46,6 @@ std::vector<OpCase> cases() {
       {"mean_keepdim", "mean", {{{2, 3, 4}}}, {{"dims", Shape{0, 2}}, {"keepdim", true}}},
       {"softmax", "softmax", {{{3, 5}}}, {{"dim", std::int64_t{1}}}},
       {"log_softmax", "log_softmax", {{{3, 5}}}, {{"dim", neg1}}},
-      {"matmul_broadcast", "matmul", {{{2, 3, 4}}, {{4, 5}}}, {}},
-      {"matmul_batched", "matmul", {{{2, 3, 4}}, {{2, 4, 5}}}, {}},
-      {"linear", "linear", {{{2, 3, 4}}, {{5, 4}}}, {}},
       {"embedding", "embedding", {{{10, 6}}, {{2, 7}, Fill::indices}}, {}},
       {"embedding_padding_idx", "embedding", {{{10, 6}}, {{4, 7}, Fill::indices}}, {{"padding_idx", std::int64_t{3}}}},
       {"reshape", "reshape", {{{2, 3, 4}}}, {{"shape", Shape{6, -1}}}},
@@ -96,6 +93,7 @@ at::Tensor make(const InputSpec& spec, at::ScalarType dtype, at::Generator& gen)
       return t;
     }
     case Fill::positive: return at::rand(spec.shape, gen, at::TensorOptions().dtype(dtype)) + 0.5;
+    case Fill::value: return at::full(spec.shape, spec.value, at::TensorOptions().dtype(spec.dtype ? exec::to_aten(*spec.dtype) : dtype));
     case Fill::normal:
     case Fill::constant: return at::randn(spec.shape, gen, at::TensorOptions().dtype(dtype));
   }

@@ -413,36 +413,6 @@ std::vector<at::Tensor> adamw_on_device(const at::Tensor& param, const at::Tenso
 
 namespace {
 
-// ATen's fused AdamW (torch.optim.AdamW's fused=True: aten/src/ATen/native/cpu/FusedAdamKernel.cpp
-// on the CPU, native/cuda/FusedAdamWKernel.cu on CUDA) on one parameter, in place; step is the
-// 1-based step as a float tensor, as torch.optim keeps state["step"]. On CUDA the tensor-lr form
-// (torch.optim.AdamW(fused=True, capturable=True) with a tensor lr): lr and step are read on the
-// device, so the host never waits and a CUDA graph replays each step's values; one kernel in
-// place of adamw_on_device()'s twenty.
-// found_inf (defined for float16 loss scaling): the kernel leaves everything as it is when it
-// is nonzero.
-void fused_adamw(at::Tensor& param, const at::Tensor& grad, at::Tensor& exp_avg, at::Tensor& exp_avg_sq, const at::Tensor& lr,
-                 const at::Tensor& step, const AdamW& h, const at::Tensor& found_inf) {
-  std::optional<at::Tensor> inf;
-  if (found_inf.defined()) inf = found_inf;
-  // The fused kernel walks each tensor's memory in order: every one must be contiguous.
-  std::vector<at::Tensor> t{param, grad.contiguous(), exp_avg, exp_avg_sq};
-  for (std::size_t i : {0, 2, 3}) {
-    if (!t[i].is_contiguous()) t[i] = t[i].contiguous();
-  }
-  if (t[0].is_cuda()) {
-    at::_fused_adamw_({t[0]}, {t[1]}, {t[2]}, {t[3]}, {}, {step}, lr, h.beta1, h.beta2, h.weight_decay, h.eps,
-                      /*amsgrad=*/false, /*maximize=*/false, /*grad_scale=*/std::nullopt, inf);
-  } else {
-    at::_fused_adamw_({t[0]}, {t[1]}, {t[2]}, {t[3]}, {}, {step}, lr.item<double>(), h.beta1, h.beta2, h.weight_decay, h.eps,
-                      /*amsgrad=*/false, /*maximize=*/false, /*grad_scale=*/std::nullopt, inf);
-  }
-  for (auto [i, dst] : {std::pair<std::size_t, at::Tensor*>{0, &param}, {2, &exp_avg}, {3, &exp_avg_sq}}) {
-    if (!t[i].is_same(*dst)) dst->copy_(t[i]);
-  }
-}
-
-at::Tensor found_inf_of(const Tensors& x) { return x.size() > 6 ? x[6] : at::Tensor(); }
 
 // oneDNN's linear, looked up in the dispatcher once (nullopt: this LibTorch lacks it).
 using OneDnnLinear = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, c10::string_view,
@@ -462,15 +432,6 @@ std::atomic<CpuMatmul>& cpu_matmul_setting() {
   return library;
 }
 
-// A bfloat16 or float16 matmul on a CPU: ATen's kernel for them runs up to 50 times slower than
-// its float32 GEMM where the CPU lacks bf16/fp16 instructions (AVX2), worst with a transposed
-// operand, as the backward's are (1.2 of 1.4 s of a debugmodel bf16 step here). It accumulates
-// in float32 and rounds once; so does a float32 GEMM of the upcast inputs rounded back, which
-// the matmul kernel runs instead (the same bits but for the order of the sums). linear (the
-// forward's) keeps ATen's kernel, so the forward is PyTorch's bit for bit.
-bool half_on_cpu(const at::Tensor& x) { return x.is_cpu() && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf); }
-
-AdamW hyper(const Node& n) { return {n.attr_float("beta1"), n.attr_float("beta2"), n.attr_float("eps"), n.attr_float("weight_decay")}; }
 
 const std::map<std::string, Kernel>& kernels() {
   static const std::map<std::string, Kernel> table = [] {
@@ -498,13 +459,6 @@ const std::map<std::string, Kernel>& kernels() {
     };
     k["softmax"] = [](const Node& n, const Tensors& x) { return one(at::softmax(x[0], n.attr_int("dim"))); };
     k["log_softmax"] = [](const Node& n, const Tensors& x) { return one(at::log_softmax(x[0], n.attr_int("dim"))); };
-    k["matmul"] = [](const Node&, const Tensors& x) {
-      if (half_on_cpu(x[0])) return one(at::matmul(x[0].to(at::kFloat), x[1].to(at::kFloat)).to(x[0].scalar_type()));
-      // x [..., k] times a whole weight w [k, n] (the linear's input gradient) is x (w^T)^T.
-      if (x[1].dim() == 2 && x[1].is_contiguous() && x[0].dim() >= 2) return one(cpu_linear(x[0], x[1].t()));
-      return one(at::matmul(x[0], x[1]));
-    };
-    k["linear"] = [](const Node&, const Tensors& x) { return one(cpu_linear(x[0], x[1])); };
     k["embedding"] = [](const Node& n, const Tensors& x) { return one(at::embedding(x[0], x[1], n.attr_int("padding_idx"))); };
     k["reshape"] = [](const Node& n, const Tensors& x) { return one(x[0].reshape(n.output()->meta().shape)); };
     k["transpose"] = [](const Node& n, const Tensors& x) { return one(x[0].transpose(n.attr_int("dim0"), n.attr_int("dim1"))); };
@@ -546,11 +500,6 @@ const std::map<std::string, Kernel>& kernels() {
       if (ir::tiled_attention(n)) return tiled_attention(x[0], x[1], x[2], attention_mask(n, x, 3));
       if (ir::blocked_attention(n)) return blocked_attention(n, x[0], x[1], x[2]);
       return attend(x[0], x[1], x[2], n.attr_bool("causal"));
-    };
-    k["linear_weight_grad"] = [](const Node&, const Tensors& x) {
-      std::int64_t rows = 1;  // explicit: a shard may hold 0 columns, which -1 cannot infer rows from
-      for (std::int64_t d = 0; d + 1 < x[0].dim(); ++d) rows *= x[0].size(d);
-      return one(at::mm(x[0].reshape({rows, x[0].size(-1)}).t(), x[1].reshape({rows, x[1].size(-1)})));
     };
     k["seq_permute"] = [](const Node& n, const Tensors& x) {
       const std::int64_t dim = wrap(n.attr_int("dim"), x[0].dim()), chunks = n.attr_int("chunks");
@@ -674,15 +623,6 @@ const std::map<std::string, Kernel>& kernels() {
       if (ir::blocked_attention(n)) return blocked_attention_backward(n, x[0], x[1], x[2], x[3], x[4], x[5]);
       return attend_backward(x[0], x[1], x[2], x[3], x[4], x[5], n.attr_bool("causal"));
     };
-    // As torch.optim.AdamW(fused=True) on the CPU: ATen's fused kernel, one pass over each
-    // element (decoupled decay, bias corrections in double), on copies of the state.
-    k["adamw"] = [](const Node& n, const Tensors& x) {
-      const AdamW h = hyper(n);
-      if (!x[4].is_cpu() && !x[4].is_cuda()) return adamw_on_device(x[0], x[1], x[2], x[3], x[4], x[5], h, found_inf_of(x));
-      Tensors state{x[0].clone(at::MemoryFormat::Contiguous), x[2].clone(at::MemoryFormat::Contiguous), x[3].clone(at::MemoryFormat::Contiguous)};
-      fused_adamw(state[0], x[1], state[1], state[2], x[4], x[5], h, found_inf_of(x));
-      return state;
-    };
     // Local halves of redistribution (the collectives run in the comm layer, not here).
     k["chunk"] = [](const Node& n, const Tensors& x) {
       const auto& sizes = n.attr_ints("sizes");
@@ -691,7 +631,6 @@ const std::map<std::string, Kernel>& kernels() {
       for (std::size_t i = 0; i < index; ++i) start += sizes[i];
       return one(x[0].narrow(wrap(n.attr_int("dim"), x[0].dim()), start, sizes[index]).contiguous());
     };
-    k["to_partial"] = [](const Node& n, const Tensors& x) { return one(n.attr_int("index") == 0 ? x[0] : at::zeros_like(x[0])); };
     k["slice_backward"] = [](const Node& n, const Tensors& x) {
       const auto& shape = n.attr_ints("input_shape");
       const auto dim = wrap(n.attr_int("dim"), static_cast<std::int64_t>(shape.size()));
@@ -791,17 +730,6 @@ const std::map<std::string, InPlaceKernel>& in_place_kernels() {
     binary("gelu_backward", [](const Node& n, at::Tensor& o, const at::Tensor& g, const at::Tensor& x) {
       at::gelu_backward_out(o, g, x, n.attr_string("approximate"));
     });
-    // The parameter and its AdamW state updated where they are (donated by the caller).
-    k["adamw"] = [](const Node& n, const Tensors& x, const std::vector<int>&) {
-      Tensors state{x[0], x[2], x[3]};
-      if (!x[4].is_cpu() && !x[4].is_cuda()) {  // neither fused kernel: the tensor-hyperparameter form, copied back
-        const Tensors next = adamw_on_device(x[0], x[1], x[2], x[3], x[4], x[5], hyper(n), found_inf_of(x));
-        for (std::size_t i = 0; i < 3; ++i) state[i].copy_(next[i]);
-        return state;
-      }
-      fused_adamw(state[0], x[1], state[1], state[2], x[4], x[5], hyper(n), found_inf_of(x));
-      return state;
-    };
     return k;
   }();
   return table;

@@ -86,23 +86,6 @@ const std::map<std::string, Rule>& rules() {
     r["log_softmax"] = [](Graph& g, const Node& n, const Grads& go) {
       return Grads{g.add("log_softmax_backward", {go[0], n.output()}, {{"dim", n.attr_int("dim")}})};
     };
-    r["matmul"] = [](Graph& g, const Node& n, const Grads& go) {
-      Attributes last_two{{"dim0", std::int64_t{-1}}, {"dim1", std::int64_t{-2}}};
-      Value* ga = g.add("matmul", {go[0], g.add("transpose", {n.input(1)}, last_two)});
-      Value* gb = g.add("matmul", {g.add("transpose", {n.input(0)}, last_two), go[0]});
-      return Grads{reduce_to(g, ga, n.input(0)), reduce_to(g, gb, n.input(1))};
-    };
-    r["linear"] = [](Graph& g, const Node& n, const Grads& go) {  // y = x W^T
-      Value* x = n.input(0);
-      Value* w = n.input(1);
-      Value* gx = g.add("matmul", {go[0], w});
-      const std::int64_t out = w->meta().shape[0];
-      const std::int64_t in = w->meta().shape[1];
-      Value* g2 = g.add("reshape", {go[0]}, {{"shape", Shape{-1, out}}});
-      Value* x2 = g.add("reshape", {x}, {{"shape", Shape{-1, in}}});
-      Value* gw = g.add("matmul", {g.add("transpose", {g2}, {{"dim0", std::int64_t{0}}, {"dim1", std::int64_t{1}}}), x2});
-      return Grads{gx, gw};
-    };
     r["embedding"] = [](Graph& g, const Node& n, const Grads& go) {
       return Grads{g.add("embedding_backward", {go[0], n.input(1)}, {{"num_weights", n.input(0)->meta().shape[0]}, {"padding_idx", n.attr_int("padding_idx")}}),
                    nullptr};

@@ -91,32 +91,6 @@ std::vector<OpSchema> builtin_ops() {
   ops.push_back(softmax_like("softmax"));
   ops.push_back(softmax_like("log_softmax"));
 
-  // matmul: a[..., m, k] @ b[..., k, n] -> [broadcast(...), m, n], as torch.matmul for rank >= 2.
-  ops.push_back({"matmul", 2, 2, {}, [](const Metas& in, const Attributes&) {
-                   same_dtype(in);
-                   const Shape& a = in[0]->shape;
-                   const Shape& b = in[1]->shape;
-                   if (a.size() < 2 || b.size() < 2) fail("both operands need rank >= 2");
-                   if (a.back() != b[b.size() - 2]) {
-                     fail("inner dimensions differ (" + std::to_string(a.back()) + " vs " +
-                          std::to_string(b[b.size() - 2]) + ")");
-                   }
-                   Shape out = broadcast(Shape(a.begin(), a.end() - 2), Shape(b.begin(), b.end() - 2));
-                   out.push_back(a[a.size() - 2]);
-                   out.push_back(b.back());
-                   return std::vector{like(*in[0], out, any_requires_grad(in))};
-                 }});
-  // linear: x[..., in] , weight[out, in] -> [..., out]  (x @ weight^T, as torch.nn.functional.linear).
-  ops.push_back({"linear", 2, 2, {}, [](const Metas& in, const Attributes&) {
-                   same_dtype(in);
-                   const Shape& x = in[0]->shape;
-                   const Shape& w = in[1]->shape;
-                   if (x.empty() || w.size() != 2) fail("linear needs x[..., in] and weight[out, in]");
-                   if (x.back() != w[1]) fail("in_features differ (x has " + std::to_string(x.back()) + ", weight " + std::to_string(w[1]) + ")");
-                   Shape out = x;
-                   out.back() = w[0];
-                   return std::vector{like(*in[0], out, any_requires_grad(in))};
-                 }});
   // embedding: weight[num, dim], indices (i64)[...] -> [..., dim]. padding_idx (-1: none), as
   // torch.nn.functional.embedding's: the forward is unchanged, the weight's gradient is zero on
   // that row (ATen's embedding_dense_backward).
@@ -347,19 +321,6 @@ std::vector<OpSchema> builtin_ops() {
                    if (in[0]->dtype != DType::i64 || in[0]->rank() != 1) fail("targets must be i64 [n]");
                    return std::vector{TensorMeta{{in[0]->shape[0], 1}, *dtype, in[0]->device, false}};
                  }});
-  // linear_weight_grad: g [..., out], x [..., in] -> [out, in] = the sum over every leading
-  // position of g^T x: linear's weight gradient without flattening the leading dims first (a
-  // sequence shard of [batch, seq, ...] is not a shard of the flattened rows; context
-  // parallelism's backward, train/context_parallel.h).
-  ops.push_back({"linear_weight_grad", 2, 2, {}, [](const Metas& in, const Attributes&) {
-                   same_dtype(in);
-                   floating(*in[0], "g");
-                   const Shape &g = in[0]->shape, &x = in[1]->shape;
-                   if (g.size() < 2 || g.size() != x.size() || !std::equal(g.begin(), g.end() - 1, x.begin())) {
-                     fail("g and x must agree on every dim but the last, of at least 2 dims: " + shape_str(g) + " and " + shape_str(x));
-                   }
-                   return std::vector{like(*in[0], Shape{g.back(), x.back()}, any_requires_grad(in))};
-                 }});
   // seq_permute: x -> x with dim `dim` cut into `chunks` equal pieces put in load-balanced
   // order for causal attention: piece 0, chunks - 1, 1, chunks - 2, ... (Llama 3's context
   // parallelism, torch's _HeadTailLoadBalancer: with chunks = 2 cp, rank r of cp holds pieces r
@@ -472,98 +433,13 @@ std::vector<OpSchema> builtin_ops() {
                    floating(*in[0], "found_inf's input");
                    return std::vector{TensorMeta{{}, DType::f32, in[0]->device, false}};
                  }});
-  // adamw: one AdamW update of one parameter (Loshchilov & Hutter 2019, as torch.optim.AdamW's
-  // single-tensor path): (param, grad, exp_avg, exp_avg_sq, lr [], step [] [, found_inf []]) ->
-  // (param', exp_avg', exp_avg_sq'). step is the 1-based count after this update. With
-  // found_inf (float16 loss scaling) the update is skipped, state unchanged, when it is nonzero
-  // (the fused kernels' found_inf, as GradScaler.step skips optimizer.step).
-  ops.push_back({"adamw", 6, 7,
-                 {{"beta1", AttrType::floating, false, 0.9},
-                  {"beta2", AttrType::floating, false, 0.999},
-                  {"eps", AttrType::floating, false, 1e-8},
-                  {"weight_decay", AttrType::floating, false, 0.01}},
-                 [](const Metas& in, const Attributes&) {
-                   same_dtype({in[0], in[1], in[2], in[3]});
-                   for (int i = 1; i < 4; ++i) {
-                     if (in[static_cast<std::size_t>(i)]->shape != in[0]->shape) fail("grad and state must have the parameter's shape");
-                   }
-                   if (!in[4]->shape.empty() || !in[5]->shape.empty()) fail("lr and step must be scalars");
-                   if (in.size() > 6 && (!in[6]->shape.empty() || in[6]->dtype != DType::f32)) fail("found_inf must be a float32 scalar");
-                   return std::vector{like(*in[0], in[0]->shape, false), like(*in[2], in[2]->shape, false),
-                                      like(*in[3], in[3]->shape, false)};
-                 }});
-  // ---- Communication (inserted by the rewriter into per-rank graphs) ----
-  // mesh_dim names the process group: the ranks that differ from this one only along that
-  // mesh dim. sizes: the chunk sizes of all group members along `dim` (torch.chunk); index:
-  // this rank's position in the group. Semantics as torch.distributed's collectives.
-  auto sum_of = [](const Shape& v) { return std::accumulate(v.begin(), v.end(), std::int64_t{0}); };
-  auto at_index = [](const Attributes& a, const char* key) {
-    const Shape& sizes = std::get<Shape>(a.at(key));
-    const auto index = std::get<std::int64_t>(a.at("index"));
-    if (index < 0 || index >= static_cast<std::int64_t>(sizes.size())) fail("index " + std::to_string(index) + " outside " + key);
-    return sizes[static_cast<std::size_t>(index)];
-  };
-  const AttrSpec mesh_dim{"mesh_dim", AttrType::integer, true, {}};
-  const AttrSpec reduce_op{"op", AttrType::string, false, std::string("sum")};
+  // The communication ops are in core/src/ops/comm.cpp; chunk, the local half of
+  // Replicate -> Shard, has their attributes: sizes, the chunk sizes of all group members along
+  // `dim` (torch.chunk), and index, this rank's position in the group.
   const AttrSpec index{"index", AttrType::integer, true, {}};
-  // A full `dim` (the sum of sizes) becomes this rank's piece of it (sizes[index]).
-  const InferFn scatter_dim = [=](const Metas& in, const Attributes& a) {
-    Shape s = in[0]->shape;
-    auto d = static_cast<std::size_t>(wrap_dim(std::get<std::int64_t>(a.at("dim")), in[0]->rank()));
-    if (s[d] != sum_of(std::get<Shape>(a.at("sizes")))) fail("dim " + std::to_string(d) + " is not the sum of sizes");
-    s[d] = at_index(a, "sizes");
-    return std::vector{like(*in[0], s, in[0]->requires_grad)};
-  };
-  ops.push_back({"all_reduce", 1, 1, {mesh_dim, reduce_op}, [](const Metas& in, const Attributes&) { return std::vector{*in[0]}; }});
-  ops.push_back({"all_gather", 1, 1, {mesh_dim, {"dim", AttrType::integer, true, {}}, {"sizes", AttrType::ints, true, {}}, index},
-                 [=](const Metas& in, const Attributes& a) {
-                   Shape s = in[0]->shape;
-                   auto d = static_cast<std::size_t>(wrap_dim(std::get<std::int64_t>(a.at("dim")), in[0]->rank()));
-                   if (s[d] != at_index(a, "sizes")) fail("the local dim " + std::to_string(d) + " is not this rank's chunk size");
-                   s[d] = sum_of(std::get<Shape>(a.at("sizes")));
-                   return std::vector{like(*in[0], s, in[0]->requires_grad)};
-                 }});
-  ops.push_back({"reduce_scatter", 1, 1,
-                 {mesh_dim, {"dim", AttrType::integer, true, {}}, reduce_op, {"sizes", AttrType::ints, true, {}}, index},
-                 scatter_dim});
-  // all_to_all: Shard(gather_dim) -> Shard(scatter_dim) along the group.
-  ops.push_back({"all_to_all", 1, 1,
-                 {mesh_dim, {"gather_dim", AttrType::integer, true, {}}, {"scatter_dim", AttrType::integer, true, {}},
-                  {"gather_sizes", AttrType::ints, true, {}}, {"scatter_sizes", AttrType::ints, true, {}}, index},
-                 [=](const Metas& in, const Attributes& a) {
-                   Shape s = in[0]->shape;
-                   auto g = static_cast<std::size_t>(wrap_dim(std::get<std::int64_t>(a.at("gather_dim")), in[0]->rank()));
-                   auto c = static_cast<std::size_t>(wrap_dim(std::get<std::int64_t>(a.at("scatter_dim")), in[0]->rank()));
-                   if (s[g] != at_index(a, "gather_sizes") || s[c] != sum_of(std::get<Shape>(a.at("scatter_sizes")))) {
-                     fail("local shape does not match gather_sizes / scatter_sizes");
-                   }
-                   s[g] = sum_of(std::get<Shape>(a.at("gather_sizes")));
-                   s[c] = at_index(a, "scatter_sizes");
-                   return std::vector{like(*in[0], s, in[0]->requires_grad)};
-                 }});
   // chunk (local, Replicate -> Shard): this rank's torch.chunk piece of `dim`.
   ops.push_back({"chunk", 1, 1, {{"dim", AttrType::integer, true, {}}, {"sizes", AttrType::ints, true, {}}, index},
                  scatter_dim});
-  // to_partial (local, Replicate -> Partial(sum)): the value on index 0, zeros elsewhere.
-  ops.push_back({"to_partial", 1, 1, {index}, [](const Metas& in, const Attributes&) { return std::vector{*in[0]}; }});
-  // Point to point between pipeline stages (torch.distributed's isend / irecv, as
-  // torch.distributed.pipelining's stages exchange activations and their gradients). peer: the
-  // global rank on the other side; tag: what the pair's two nodes share (0 to 2^24 - 1).
-  // send: x -> a f32[] token, complete when x has gone (nothing reads it; the executor waits for
-  // it at the end of the step). recv: () -> a tensor of `shape` and `dtype` ("f32", ...).
-  const AttrSpec peer{"peer", AttrType::integer, true, {}};
-  const AttrSpec tag{"tag", AttrType::integer, true, {}};
-  ops.push_back({"send", 1, 1, {peer, tag}, [](const Metas& in, const Attributes&) {
-                   return std::vector{TensorMeta{{}, DType::f32, in[0]->device, false}};
-                 }});
-  ops.push_back({"recv", 0, 0,
-                 {peer, tag, {"shape", AttrType::ints, true, {}}, {"dtype", AttrType::string, true, {}},
-                  {"device", AttrType::string, false, std::string("cpu")}},
-                 [](const Metas&, const Attributes& a) {
-                   const auto dtype = parse_dtype(std::get<std::string>(a.at("dtype")));
-                   if (!dtype) fail("recv: unknown dtype '" + std::get<std::string>(a.at("dtype")) + "'");
-                   return std::vector{TensorMeta{std::get<Shape>(a.at("shape")), *dtype, std::get<std::string>(a.at("device")), false}};
-                 }});
   // slice_backward: grad of a slice -> zeros of input_shape with grad written into the slice.
   ops.push_back({"slice_backward", 1, 1,
                  {{"input_shape", AttrType::ints, true, {}},
@@ -697,6 +573,23 @@ Shape broadcast(const Shape& a, const Shape& b) {
     out[i] = x == 1 ? y : x;
   }
   return out;
+}
+
+std::int64_t sum_of(const Shape& sizes) { return std::accumulate(sizes.begin(), sizes.end(), std::int64_t{0}); }
+
+std::int64_t chunk_size(const Attributes& a, const char* key) {
+  const Shape& sizes = std::get<Shape>(a.at(key));
+  const auto index = std::get<std::int64_t>(a.at("index"));
+  if (index < 0 || index >= static_cast<std::int64_t>(sizes.size())) fail("index " + std::to_string(index) + " outside " + key);
+  return sizes[static_cast<std::size_t>(index)];
+}
+
+std::vector<TensorMeta> scatter_dim(const Metas& in, const Attributes& a) {
+  Shape s = in[0]->shape;
+  auto d = static_cast<std::size_t>(wrap_dim(std::get<std::int64_t>(a.at("dim")), in[0]->rank()));
+  if (s[d] != sum_of(std::get<Shape>(a.at("sizes")))) fail("dim " + std::to_string(d) + " is not the sum of sizes");
+  s[d] = chunk_size(a, "sizes");
+  return std::vector{like(*in[0], s, in[0]->requires_grad)};
 }
 
 }  // namespace infer

@@ -116,7 +116,7 @@ std::int64_t elem_bytes(const Value* v) { return static_cast<std::int64_t>(ir::e
 
 bool is_elementwise(const std::string& op) {
   if (const ir::OpSchema* s = ir::OpRegistry::global().find(op); s != nullptr && s->defined_by_record) return s->elementwise;
-  return (op != "adamw" && in_place_ops().count(op) > 0) || op == "cast" || op == "zeros_like" || op == "ones_like";
+  return in_place_ops().count(op) > 0 || op == "cast" || op == "zeros_like" || op == "ones_like";
 }
 
 // The executor's step, replayed on buffers: who holds each one (values, calls in flight,
@@ -369,7 +369,6 @@ class Simulation {
       if (auto s = view_strides(x->meta().shape, strides(x), shape)) return {*s, true};
       return {contiguous(shape), false};
     }
-    if (op == "to_partial" && n.attr_int("index") == 0) return {strides(x), true};
     if (op == "chunk") {  // narrow(...).contiguous(): a view when the narrowed block is contiguous
       if (contiguous_value(x) && front_is_view(x->meta().shape, n.attr_int("dim"))) return {contiguous(shape), true};
       return {contiguous(shape), false};
@@ -465,13 +464,6 @@ class Simulation {
     if ((op == "sdpa" || op == "sdpa_backward") && ir::blocked_attention(n)) return blocked_attention(n);
     if (op == "rotary_embedding") return copy_if_strided(0);
     if (op == "softmax" || op == "log_softmax") return copy_if_strided(0);
-    if (op == "matmul" || op == "linear") {
-      const ir::DType t = n.input(0)->meta().dtype;
-      if (op == "matmul" && (t == ir::DType::bf16 || t == ir::DType::f16)) {  // computed in float32 on the CPU: the inputs and the result upcast
-        return 2 * (bytes(0) + bytes(1) + n.output()->meta().nbytes());
-      }
-      return copy_if_strided(0) + (op == "matmul" && n.input(1)->meta().shape.size() > 2 ? copy_if_strided(1) : 0);
-    }
     return 0;
   }
 
@@ -632,7 +624,6 @@ const std::map<std::string, std::vector<int>>& in_place_ops() {
       m[op] = {0};
     }
     for (const char* op : {"add", "sub", "mul", "div", "silu_backward", "relu_backward", "gelu_backward"}) m[op] = {0, 1};
-    m["adamw"] = {0, 2, 3};
     for (const auto& name : ir::OpRegistry::global().names()) {  // the records of core/src/ops/
       const ir::OpSchema& s = *ir::OpRegistry::global().find(name);
       if (s.defined_by_record) {

@@ -10,15 +10,6 @@ double node_flops(const ir::Node& node) {
   const std::string& op = node.op();
   double out = 0;
   for (const ir::Value* v : node.outputs()) out += static_cast<double>(v->meta().numel());
-  auto last_dim = [](const ir::Value* v) {
-    const auto& s = v->meta().shape;
-    return s.empty() ? 1.0 : static_cast<double>(s.back());
-  };
-  if (op == "matmul" || op == "linear") return 2 * out * last_dim(node.input(0));
-  if (op == "linear_weight_grad") {  // [out, in] from g [rows, out]: 2 * out * in * rows (rows = every dim of g but its last; 0 / 0 for a zero-size one)
-    const ir::TensorMeta& g = node.input(0)->meta();
-    return 2 * out * (g.shape.empty() ? 1.0 : static_cast<double>(g.numel_without(-1)));
-  }
   if (op == "sdpa" || op == "sdpa_backward") {
     const auto& q = node.input(op == "sdpa" ? 0 : 1)->meta().shape;  // [B, H, S, D]
     if (q.size() != 4) return out;

@@ -184,38 +184,6 @@ const std::map<std::string, Rule>& rules() {
       s.push_back({{P, R}, {P}});
       return s;
     };
-    r["matmul"] = [](const Node&, const std::vector<Shape>& in, const std::vector<Shape>& out, std::int64_t k) {
-      const Shape &a = in[0], &b = in[1], &o = out[0];
-      const auto ra = static_cast<std::int64_t>(a.size()), rb = static_cast<std::int64_t>(b.size()), ro = static_cast<std::int64_t>(o.size());
-      Strategies s{all(R, 2, 1)};
-      for (std::int64_t d = 0; d < ro - 2; ++d) {  // batch dims
-        if (o[static_cast<std::size_t>(d)] < k) continue;
-        auto align = [&](const Shape& x, std::int64_t rx) -> Placement {
-          const std::int64_t ad = d - (ro - rx);
-          return ad < 0 || x[static_cast<std::size_t>(ad)] == 1 ? R : S(ad);
-        };
-        s.push_back({{align(a, ra), align(b, rb)}, {S(d)}});
-      }
-      if (a[static_cast<std::size_t>(ra - 2)] >= k) s.push_back({{S(ra - 2), R}, {S(ro - 2)}});
-      if (b[static_cast<std::size_t>(rb - 1)] >= k) s.push_back({{R, S(rb - 1)}, {S(ro - 1)}});
-      if (a[static_cast<std::size_t>(ra - 1)] >= k) s.push_back({{S(ra - 1), S(rb - 2)}, {P}});
-      s.push_back({{P, R}, {P}});
-      s.push_back({{R, P}, {P}});
-      return s;
-    };
-    r["linear"] = [](const Node&, const std::vector<Shape>& in, const std::vector<Shape>& out, std::int64_t k) {
-      const Shape &x = in[0], &w = in[1];
-      const auto rx = static_cast<std::int64_t>(x.size());
-      Strategies s{all(R, 2, 1)};
-      for (std::int64_t d = 0; d < rx - 1; ++d) {
-        if (x[static_cast<std::size_t>(d)] >= k) s.push_back({{S(d), R}, {S(d)}});
-      }
-      if (w[0] >= k) s.push_back({{R, S(0)}, {S(rx - 1)}});                     // column parallel
-      if (w[1] >= k) s.push_back({{S(rx - 1), S(1)}, {P}});                     // row parallel
-      s.push_back({{P, R}, {P}});
-      (void)out;
-      return s;
-    };
     r["embedding"] = [](const Node&, const std::vector<Shape>& in, const std::vector<Shape>& out, std::int64_t k) {
       const Shape &w = in[0], &idx = in[1];
       Strategies s{all(R, 2, 1)};
@@ -359,20 +327,6 @@ const std::map<std::string, Rule>& rules() {
       if (query_rows_split(n, in[1][2], k)) s.push_back(documents({{S(2), S(2), R, R, S(2), S(2)}, {S(2), P, P}}, docs, R));
       return s;
     };
-    // g^T x summed over the leading dims: a leading dim split alike gives partial sums; g's
-    // last dim split gives rows of the result, x's its columns.
-    r["linear_weight_grad"] = [](const Node&, const std::vector<Shape>& in, const std::vector<Shape>&, std::int64_t k) {
-      const std::size_t last = in[0].size() - 1;
-      Strategies s{all(R, 2, 1)};
-      for (std::size_t d = 0; d < last; ++d) {
-        if (in[0][d] >= k) s.push_back({{S(static_cast<std::int64_t>(d)), S(static_cast<std::int64_t>(d))}, {P}});
-      }
-      if (in[0][last] >= k) s.push_back({{S(static_cast<std::int64_t>(last)), R}, {S(0)}});
-      if (in[1][last] >= k) s.push_back({{R, S(static_cast<std::int64_t>(last))}, {S(1)}});
-      s.push_back({{P, R}, {P}});
-      s.push_back({{R, P}, {P}});
-      return s;
-    };
     // Load-balanced order: along the permuted dim only whole tensors (pieces move).
     r["seq_permute"] = [](const Node& n, const std::vector<Shape>& in, const std::vector<Shape>& out, std::int64_t k) {
       Strategies s = same_dim(in, out, k, {wrap(n.attr_int("dim"), in[0].size())}, in[0].size());
@@ -443,17 +397,6 @@ const std::map<std::string, Rule>& rules() {
       Strategies s{all(R, 1, 1)};
       for (std::size_t d = 0; d < in[0].size(); ++d) {
         if (in[0][d] >= k) s.push_back({{S(static_cast<std::int64_t>(d))}, {P}});
-      }
-      return s;
-    };
-    r["adamw"] = [](const Node&, const std::vector<Shape>& in, const std::vector<Shape>&, std::int64_t k) {
-      Strategies s{all(R, in.size(), 3)};
-      for (std::size_t d = 0; d < in[0].size(); ++d) {
-        if (in[0][d] < k) continue;
-        const Placement sd = S(static_cast<std::int64_t>(d));
-        std::vector<Placement> inputs{sd, sd, sd, sd};
-        inputs.resize(in.size(), R);  // lr, step, found_inf: replicated scalars
-        s.push_back({inputs, {sd, sd, sd}});
       }
       return s;
     };

@@ -55,7 +55,7 @@ std::vector<int> layer_runs(const std::vector<const Node*>& nodes, const std::ve
 
 bool kept_by_selective(const std::string& op) {
   if (const ir::OpSchema* s = ir::OpRegistry::global().find(op); s != nullptr && s->defined_by_record) return s->saved_by_selective;
-  return op == "matmul" || op == "linear" || op == "sdpa";
+  return op == "sdpa";
 }
 
 ir::Graph checkpoint_activations(const ir::Graph& graph, std::size_t forward_nodes, const std::vector<std::string>& params,

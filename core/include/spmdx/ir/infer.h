@@ -33,4 +33,12 @@ TensorMeta like(const TensorMeta& m, Shape shape, bool requires_grad);
 /// NumPy broadcasting, as torch.broadcast_shapes.
 Shape broadcast(const Shape& a, const Shape& b);
 
+/// The communication ops' and chunk's pieces of a dim over a process group (torch.chunk's):
+/// the sum of `sizes`, and this rank's piece, a[key][a["index"]] (fails when index is outside).
+std::int64_t sum_of(const Shape& sizes);
+std::int64_t chunk_size(const Attributes& a, const char* key);
+/// chunk's and reduce_scatter's inference: a full `dim` (the sum of "sizes") becomes this rank's
+/// piece of it (sizes[index]).
+std::vector<TensorMeta> scatter_dim(const Metas& in, const Attributes& a);
+
 }  // namespace spmdx::ir::infer

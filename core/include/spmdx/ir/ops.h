@@ -74,10 +74,13 @@ struct SampleInput {
     positive,  ///< >= 0.5 (log, sqrt, divisors)
     indices,   ///< int64 in [0, bound)
     constant,  ///< N(0, 1), no gradient taken (a mask, a saved value)
+    value,     ///< every element `value`, no gradient taken (a hyperparameter: adamw's lr, step, found_inf)
   };
   std::vector<std::int64_t> shape;
   Fill fill = Fill::normal;
   std::int64_t bound = 5;  ///< indices: the exclusive upper bound
+  double value = 0;        ///< value: the elements' value
+  std::optional<DType> dtype = std::nullopt;  ///< the input's dtype where it is not the test's floating dtype (adamw's found_inf: f32)
 };
 
 /// A small instance of the op for the conformance test (tests/ops_conformance_test.cpp), as
