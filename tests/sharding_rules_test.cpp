@@ -34,7 +34,6 @@ void positive(at::Tensor& t) { t = t.abs() + 0.5; }
 void indices(at::Tensor& t, std::int64_t n) { t = (t.abs() * 1000).to(at::kLong).remainder(n); }
 
 std::vector<Case> cases() {
-  const std::int64_t m1 = -1;
   auto idx1 = [](Tensors& x) { indices(x[1], 5); };
   return {
       {"add", "add", {{6, 4}, {4}}, {}},
@@ -50,13 +49,6 @@ std::vector<Case> cases() {
       {"rpow_scalar", "rpow_scalar", {{4, 5}}, {{"value", 0.9}}},
       {"zeros_like", "zeros_like", {{4, 5}}, {}},
       {"ones_like", "ones_like", {{4, 5}}, {}},
-      {"sum_dim", "sum", {{4, 6, 5}}, {{"dims", Shape{1}}}},
-      {"sum_all", "sum", {{4, 6}}, {}},
-      {"mean_keepdim", "mean", {{4, 6, 5}}, {{"dims", Shape{0, 2}}, {"keepdim", true}}},
-      {"softmax", "softmax", {{4, 6}}, {{"dim", std::int64_t{1}}}},
-      {"log_softmax", "log_softmax", {{4, 6}}, {{"dim", m1}}},
-      {"softmax_backward", "softmax_backward", {{4, 6}, {4, 6}}, {{"dim", std::int64_t{1}}}},
-      {"log_softmax_backward", "log_softmax_backward", {{4, 6}, {4, 6}}, {{"dim", m1}}},
       {"embedding", "embedding", {{5, 6}, {4, 6}}, {}, idx1},
       {"embedding_backward", "embedding_backward", {{4, 6, 6}, {4, 6}}, {{"num_weights", std::int64_t{5}}}, idx1},
       {"reshape_split", "reshape", {{4, 12}}, {{"shape", Shape{4, 4, 3}}}},
@@ -69,11 +61,6 @@ std::vector<Case> cases() {
        {{"input_shape", Shape{4, 7}}, {"dim", std::int64_t{1}}, {"start", std::int64_t{1}}, {"end", std::int64_t{6}}, {"step", std::int64_t{2}}}},
       {"cat", "cat", {{4, 3}, {4, 1}}, {{"dim", std::int64_t{1}}}},
       {"expand", "expand", {{4, 1}}, {{"shape", Shape{3, 4, 6}}}},
-      {"sum_to", "sum_to", {{4, 6, 5}}, {{"shape", Shape{6, 1}}}},
-      {"rms_norm", "rms_norm", {{4, 6, 8}, {8}}, {}},
-      {"layer_norm", "layer_norm", {{4, 6, 8}, {8}, {8}}, {}},
-      {"rms_norm_backward", "rms_norm_backward", {{4, 6, 8}, {4, 6, 8}, {8}}, {}},
-      {"layer_norm_backward", "layer_norm_backward", {{4, 6, 8}, {4, 6, 8}, {8}, {8}}, {}},
       {"rotary_embedding", "rotary_embedding", {{4, 6, 4, 8}, {6, 4}, {6, 4}}, {}},
       {"sdpa", "sdpa", {{4, 4, 6, 8}, {4, 4, 6, 8}, {4, 4, 6, 8}}, {}},
       {"sdpa_backward", "sdpa_backward", {{4, 4, 6, 8}, {4, 4, 6, 8}, {4, 4, 6, 8}, {4, 4, 6, 8}, {4, 4, 6, 8}, {4, 4, 6}}, {},
@@ -115,25 +102,12 @@ std::vector<Case> cases() {
       {"document_ids_balanced", "document_ids", {{4, 8}}, {{"eos", std::int64_t{2}}, {"chunks", std::int64_t{4}}}, [](Tensors& x) { indices(x[0], 4); }},
       {"seq_permute", "seq_permute", {{4, 8, 3}}, {{"dim", std::int64_t{1}}, {"chunks", std::int64_t{4}}}},
       {"seq_permute_inverse", "seq_permute", {{4, 8, 3}}, {{"dim", std::int64_t{1}}, {"chunks", std::int64_t{4}}, {"inverse", true}}},
-      {"cross_entropy_sum", "cross_entropy", {{6, 5}, {6}}, {{"reduction", std::string("sum")}}, idx1},
-      {"cross_entropy_mean", "cross_entropy", {{6, 5}, {6}}, {}, idx1},
-      {"cross_entropy_backward_sum", "cross_entropy_backward", {{}, {6, 5}, {6}}, {{"reduction", std::string("sum")}},
-       [](Tensors& x) { indices(x[2], 5); }},
-      {"count_valid", "count_valid", {{4, 6}}, {{"ignore_index", std::int64_t{2}}}, [](Tensors& x) { indices(x[0], 5); }},
-      // Vocabulary-parallel cross entropy (train/loss_parallel.h): targets in [0, 6), 2 ignored.
-      {"amax_rows", "amax_rows", {{6, 6}}, {}},
-      {"sum_exp_rows", "sum_exp_rows", {{6, 6}, {6, 1}}, {}},
-      {"sum_exp_rows_backward", "sum_exp_rows_backward", {{6, 1}, {6, 6}, {6, 1}}, {}},
-      {"pick", "pick", {{6, 6}, {6}}, {{"ignore_index", std::int64_t{2}}}, [](Tensors& x) { indices(x[1], 6); }},
-      {"pick_backward", "pick_backward", {{6, 1}, {6}}, {{"num_classes", std::int64_t{6}}, {"ignore_index", std::int64_t{2}}},
-       [](Tensors& x) { indices(x[1], 6); }},
-      {"valid_rows", "valid_rows", {{6}}, {{"ignore_index", std::int64_t{2}}}, [](Tensors& x) { indices(x[0], 6); }},
       {"relu_backward", "relu_backward", {{4, 5}, {4, 5}}, {}, [](Tensors& x) { x[1] = at::relu(x[1]); }},
       {"silu_backward", "silu_backward", {{4, 5}, {4, 5}}, {}},
       {"gelu_backward", "gelu_backward", {{4, 5}, {4, 5}}, {}},
       {"gelu_backward_tanh", "gelu_backward", {{4, 5}, {4, 5}}, {{"approximate", std::string("tanh")}}},
       // float16's loss scaling: found_inf of a value with an inf (adamw told of it: its record's samples).
-      {"found_inf", "found_inf", {{4, 5}}, {}, [](Tensors& x) { x[0][1][2] = std::numeric_limits<double>::infinity(); }},
+      // float16's loss scaling: adamw told of an inf (skips) or not (found_inf's sample: core/src/ops/reduction.cpp).
   };
 }
 
@@ -153,6 +127,7 @@ std::vector<Case> all_cases() {
           if (inputs[i].fill == ir::SampleInput::Fill::value) {
             x[i] = at::full(x[i].sizes(), inputs[i].value, x[i].options().dtype(inputs[i].dtype ? exec::to_aten(*inputs[i].dtype) : x[i].scalar_type()));
           }
+          if (inputs[i].fill == ir::SampleInput::Fill::nonfinite) x[i].view({-1})[x[i].numel() / 2] = std::numeric_limits<double>::infinity();
         }
       };
       out.push_back(std::move(c));

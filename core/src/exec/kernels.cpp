@@ -32,9 +32,6 @@ std::pair<std::int64_t, std::int64_t> slice_bounds(const Node& n, std::int64_t s
   return {start, std::max(start, clamp(n.attr_int("end")))};
 }
 
-// rms_norm(x) = x * rsqrt(mean(x^2, -1) + eps) * w  (Zhang & Sennrich 2019).
-at::Tensor rms_inv(const at::Tensor& x, double eps) { return at::rsqrt(x.pow(2).mean(-1, true) + eps); }
-
 // The causal mask of scores [.., s, t]: true above the diagonal (key after query), as
 // PyTorch's is_causal (top-left aligned).
 at::Tensor future(const at::Tensor& scores) {
@@ -57,27 +54,6 @@ Tensors attend_backward(const at::Tensor& g, const at::Tensor& q, const at::Tens
 }
 
 bool half(const at::Tensor& x) { return x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf; }
-
-// A fused CUDA kernel that refused its inputs (for attention: head_dim, alignment, an older
-// GPU): said once per kernel, and the plain ATen ops run instead.
-void fused_refused(const char* kernel, const c10::Error& e) {
-  static std::mutex m;
-  static std::set<std::string> said;
-  const std::lock_guard<std::mutex> lock(m);
-  if (!said.insert(kernel).second) return;
-  SPMDX_WARN("ATen's " << kernel << " refused its inputs (" << e.what_without_backtrace() << "); plain ATen ops run instead");
-}
-
-// rms_norm with ATen's fused CUDA kernel (at::_fused_rms_norm, torch.nn.functional.rms_norm's
-// on CUDA since PyTorch 2.8): {y, rstd [..., 1]}; nullopt where it refuses the inputs.
-std::optional<std::tuple<at::Tensor, at::Tensor>> fused_rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
-  try {
-    return at::_fused_rms_norm(x, {x.size(-1)}, w, eps);
-  } catch (const c10::Error& e) {
-    fused_refused("fused RMSNorm", e);
-    return std::nullopt;
-  }
-}
 
 // The memory-efficient kernel pads its log-sum-exp's rows to a multiple of 32 (kAlignLSE, the
 // backward's block of queries; PyTorch's mem_eff_attention kernel_forward.h); the sdpa op's
@@ -449,16 +425,6 @@ const std::map<std::string, Kernel>& kernels() {
     k["clamp_max_scalar"] = [](const Node& n, const Tensors& x) { return one(at::clamp_max(x[0], n.attr_float("value"))); };
     k["zeros_like"] = [](const Node&, const Tensors& x) { return one(at::zeros_like(x[0])); };
     k["ones_like"] = [](const Node&, const Tensors& x) { return one(at::ones_like(x[0])); };
-    k["sum"] = [](const Node& n, const Tensors& x) {
-      const auto& dims = n.attr_ints("dims");
-      return one(dims.empty() && !n.attr_bool("keepdim") ? at::sum(x[0]) : at::sum(x[0], dims, n.attr_bool("keepdim")));
-    };
-    k["mean"] = [](const Node& n, const Tensors& x) {
-      const auto& dims = n.attr_ints("dims");
-      return one(dims.empty() && !n.attr_bool("keepdim") ? at::mean(x[0]) : at::mean(x[0], dims, n.attr_bool("keepdim")));
-    };
-    k["softmax"] = [](const Node& n, const Tensors& x) { return one(at::softmax(x[0], n.attr_int("dim"))); };
-    k["log_softmax"] = [](const Node& n, const Tensors& x) { return one(at::log_softmax(x[0], n.attr_int("dim"))); };
     k["embedding"] = [](const Node& n, const Tensors& x) { return one(at::embedding(x[0], x[1], n.attr_int("padding_idx"))); };
     k["reshape"] = [](const Node& n, const Tensors& x) { return one(x[0].reshape(n.output()->meta().shape)); };
     k["transpose"] = [](const Node& n, const Tensors& x) { return one(x[0].transpose(n.attr_int("dim0"), n.attr_int("dim1"))); };
@@ -470,17 +436,6 @@ const std::map<std::string, Kernel>& kernels() {
     };
     k["cat"] = [](const Node& n, const Tensors& x) { return one(at::cat(x, n.attr_int("dim"))); };
     k["expand"] = [](const Node& n, const Tensors& x) { return one(x[0].expand(n.attr_ints("shape"))); };
-    k["sum_to"] = [](const Node& n, const Tensors& x) { return one(at::sum_to(x[0], n.attr_ints("shape"))); };
-    // (x * rsqrt(mean(x^2) + eps)) * w, the product by w in place: no temporary beside the output.
-    k["rms_norm"] = [](const Node& n, const Tensors& x) {
-      if (x[0].is_cuda()) {
-        if (auto r = fused_rms_norm(x[0], x[1], n.attr_float("eps"))) return one(std::get<0>(*r));
-      }
-      return one((x[0] * rms_inv(x[0], n.attr_float("eps"))).mul_(x[1]));
-    };
-    k["layer_norm"] = [](const Node& n, const Tensors& x) {
-      return one(at::layer_norm(x[0], {x[0].size(-1)}, x[1], x[2], n.attr_float("eps")));
-    };
     // Pairs (x[2i], x[2i+1]) rotated by the angle whose cos and sin are given, as torchtitan's
     // apply_rotary_emb with complex freqs_cis.
     k["rotary_embedding"] = [](const Node&, const Tensors& x) {
@@ -514,39 +469,6 @@ const std::map<std::string, Kernel>& kernels() {
       }
       return one(x[0].index_select(dim, at::tensor(index, at::TensorOptions().dtype(at::kLong)).to(x[0].device())));
     };
-    k["cross_entropy"] = [](const Node& n, const Tensors& x) {
-      const auto reduction = n.attr_string("reduction") == "sum" ? at::Reduction::Sum : at::Reduction::Mean;
-      return one(at::cross_entropy_loss(x[0], x[1], {}, reduction, n.attr_int("ignore_index")));
-    };
-    k["found_inf"] = [](const Node&, const Tensors& x) { return one(at::isfinite(x[0]).all().logical_not().to(at::kFloat)); };
-    k["amax_rows"] = [](const Node&, const Tensors& x) { return one(at::amax(x[0], {1}, true)); };
-    k["sum_exp_rows"] = [](const Node&, const Tensors& x) {
-      at::Tensor e = x[0] - x[1];  // the one temporary (memory_plan's scratch)
-      return one(e.exp_().sum(1, true));
-    };
-    k["sum_exp_rows_backward"] = [](const Node&, const Tensors& x) {
-      at::Tensor e = x[1] - x[2];  // becomes the output
-      return one(e.exp_().mul_(x[0]));
-    };
-    // The rows whose target is one of this rank's columns (offset .. offset + columns) and not ignored.
-    auto picked = [](const Node& n, const at::Tensor& targets, std::int64_t columns) {
-      const std::int64_t offset = n.attr_int("offset");
-      const at::Tensor valid = targets.ne(n.attr_int("ignore_index")).logical_and(targets.ge(offset)).logical_and(targets.lt(offset + columns));
-      return std::pair{valid.unsqueeze(1), at::where(valid, targets - offset, at::zeros_like(targets)).unsqueeze(1)};
-    };
-    k["pick"] = [picked](const Node& n, const Tensors& x) {
-      const auto [valid, index] = picked(n, x[1], x[0].size(1));
-      return one(at::where(valid, x[0].gather(1, index), at::zeros({}, x[0].options())));
-    };
-    k["pick_backward"] = [picked](const Node& n, const Tensors& x) {
-      const std::int64_t columns = n.attr_int("num_classes");
-      const auto [valid, index] = picked(n, x[1], columns);
-      at::Tensor out = at::zeros({x[0].size(0), columns}, x[0].options());
-      return one(out.scatter_(1, index, at::where(valid, x[0], at::zeros({}, x[0].options()))));
-    };
-    k["valid_rows"] = [](const Node& n, const Tensors& x) {
-      return one(x[0].ne(n.attr_int("ignore_index")).to(to_aten(n.output()->meta().dtype)).unsqueeze(1));
-    };
     k["document_ids"] = [](const Node& n, const Tensors& x) {
       const std::int64_t chunks = n.attr_int("chunks"), seq = x[0].size(1);
       const KeyOrder order = key_order(seq, chunks, x[0].device());
@@ -555,67 +477,13 @@ const std::map<std::string, Kernel>& kernels() {
       if (seq > 1) ids.narrow(1, 1, seq - 1).copy_(at::cumsum(natural.narrow(1, 0, seq - 1).eq(n.attr_int("eos")), 1));
       return one(order.position_of.defined() ? ids.index_select(1, order.position_of) : ids);
     };
-    k["count_valid"] = [](const Node& n, const Tensors& x) {
-      return one(x[0].ne(n.attr_int("ignore_index")).sum().to(to_aten(n.output()->meta().dtype)));
-    };
 
     // ---- backward ops ----
     k["relu_backward"] = [](const Node&, const Tensors& x) { return one(at::threshold_backward(x[0], x[1], 0)); };
     k["silu_backward"] = [](const Node&, const Tensors& x) { return one(at::silu_backward(x[0], x[1])); };
     k["gelu_backward"] = [](const Node& n, const Tensors& x) { return one(at::gelu_backward(x[0], x[1], n.attr_string("approximate"))); };
-    k["softmax_backward"] = [](const Node& n, const Tensors& x) {
-      return one(at::_softmax_backward_data(x[0], x[1], n.attr_int("dim"), x[1].scalar_type()));
-    };
-    k["log_softmax_backward"] = [](const Node& n, const Tensors& x) {
-      return one(at::_log_softmax_backward_data(x[0], x[1], n.attr_int("dim"), x[1].scalar_type()));
-    };
     k["embedding_backward"] = [](const Node& n, const Tensors& x) {
       return one(at::embedding_dense_backward(x[0], x[1], n.attr_int("num_weights"), n.attr_int("padding_idx"), false));
-    };
-    // d(CE)/d(logits) = softmax(logits) - onehot(target), rows of ignored targets 0, divided by
-    // the count of the others for the mean.
-    k["cross_entropy_backward"] = [](const Node& n, const Tensors& x) {
-      // As autograd does for cross_entropy = nll_loss(log_softmax): ATen's two fused backward
-      // kernels, softmax(x) - onehot(target) without materialising the one-hot [N, V] matrix.
-      const std::int64_t ignore = n.attr_int("ignore_index");
-      const at::Tensor logits = x[1].reshape({-1, x[1].size(-1)});
-      const at::Tensor target = x[2].reshape({-1});
-      const bool sum = n.attr_string("reduction") == "sum";
-      at::Tensor lsm = at::log_softmax(logits, -1);
-      at::Tensor total_weight = target.ne(ignore).sum().to(logits.scalar_type());
-      at::Tensor g = at::nll_loss_backward(x[0], lsm, target, {}, sum ? at::Reduction::Sum : at::Reduction::Mean, ignore, total_weight);
-      return one(at::_log_softmax_backward_data(g, lsm, -1, logits.scalar_type()).view(x[1].sizes()));
-    };
-    // gx = r * (g w - xhat * mean(g w * xhat)), gw = sum(g * xhat); the subtraction and the
-    // product by r in place in g w (the same elementwise operations): at most two temporaries
-    // of x's size beside the outputs, not five.
-    k["rms_norm_backward"] = [](const Node& n, const Tensors& x) {
-      const at::Tensor &g = x[0], &in = x[1], &w = x[2];
-      if (in.is_cuda()) {
-        // The forward's rstd again (one fused pass), then ATen's fused backward.
-        if (auto r = fused_rms_norm(in, w, n.attr_float("eps"))) {
-          try {
-            auto [gx, gw] = at::_fused_rms_norm_backward(g, in, {in.size(-1)}, std::get<1>(*r), w, {true, true});
-            return Tensors{gx, gw};
-          } catch (const c10::Error& e) {
-            fused_refused("fused RMSNorm backward", e);
-          }
-        }
-      }
-      const at::Tensor r = rms_inv(in, n.attr_float("eps"));
-      const at::Tensor xhat = in * r;
-      at::Tensor gx = g * w;
-      const at::Tensor dot = (gx * xhat).mean(-1, true);
-      gx.sub_(xhat * dot).mul_(r);
-      std::vector<std::int64_t> batch_dims;
-      for (std::int64_t i = 0; i + 1 < in.dim(); ++i) batch_dims.push_back(i);
-      return Tensors{gx, (g * xhat).sum(batch_dims)};
-    };
-    k["layer_norm_backward"] = [](const Node& n, const Tensors& x) {
-      const std::vector<std::int64_t> shape{x[1].size(-1)};
-      auto [out, mean, rstd] = at::native_layer_norm(x[1], shape, x[2], x[3], n.attr_float("eps"));
-      auto [gx, gw, gb] = at::native_layer_norm_backward(x[0], x[1], shape, mean, rstd, x[2], x[3], {true, true, true});
-      return Tensors{gx, gw, gb};
     };
     k["sdpa_backward"] = [](const Node& n, const Tensors& x) {
       if (x[1].numel() == 0 || x[2].numel() == 0) return Tensors{at::zeros_like(x[1]), at::zeros_like(x[2]), at::zeros_like(x[3])};
@@ -682,6 +550,14 @@ std::map<std::string, Defined>& defined() {
 }
 
 }  // namespace
+
+void fused_refused(const char* kernel, const c10::Error& e) {
+  static std::mutex m;
+  static std::set<std::string> said;
+  const std::lock_guard<std::mutex> lock(m);
+  if (!said.insert(kernel).second) return;
+  SPMDX_WARN("ATen's " << kernel << " refused its inputs (" << e.what_without_backtrace() << "); plain ATen ops run instead");
+}
 
 void define_kernel(const std::string& op, Kernel kernel, InPlaceKernel in_place) {
   if (!defined().emplace(op, Defined{std::move(kernel), std::move(in_place)}).second) throw std::invalid_argument("kernel for op '" + op + "' defined twice");

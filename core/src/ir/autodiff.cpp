@@ -57,35 +57,6 @@ const std::map<std::string, Rule>& rules() {
     r["rdiv_scalar"] = [](Graph& g, const Node& n, const Grads& go) {  // d(v/x) = -y/x
       return Grads{g.add("neg", {g.add("div", {g.add("mul", {go[0], n.output()}), n.input(0)})})};
     };
-    auto reduction = [](bool mean) {
-      return [mean](Graph& g, const Node& n, const Grads& go) {
-        const Shape& x = n.input(0)->meta().shape;
-        Shape dims = n.attr_ints("dims");
-        if (dims.empty()) {
-          for (std::size_t i = 0; i < x.size(); ++i) dims.push_back(static_cast<std::int64_t>(i));
-        }
-        Shape kept = x;
-        std::int64_t count = 1;
-        for (auto d : dims) {
-          const auto w = static_cast<std::size_t>(d < 0 ? d + static_cast<std::int64_t>(x.size()) : d);
-          count *= x[w];
-          kept[w] = 1;
-        }
-        Value* grad = go[0];
-        if (grad->meta().shape != kept) grad = g.add("reshape", {grad}, {{"shape", kept}});
-        grad = g.add("expand", {grad}, {{"shape", x}});
-        if (mean) grad = g.add("mul_scalar", {grad}, float_attr(1.0 / static_cast<double>(count)));
-        return Grads{grad};
-      };
-    };
-    r["sum"] = reduction(false);
-    r["mean"] = reduction(true);
-    r["softmax"] = [](Graph& g, const Node& n, const Grads& go) {
-      return Grads{g.add("softmax_backward", {go[0], n.output()}, {{"dim", n.attr_int("dim")}})};
-    };
-    r["log_softmax"] = [](Graph& g, const Node& n, const Grads& go) {
-      return Grads{g.add("log_softmax_backward", {go[0], n.output()}, {{"dim", n.attr_int("dim")}})};
-    };
     r["embedding"] = [](Graph& g, const Node& n, const Grads& go) {
       return Grads{g.add("embedding_backward", {go[0], n.input(1)}, {{"num_weights", n.input(0)->meta().shape[0]}, {"padding_idx", n.attr_int("padding_idx")}}),
                    nullptr};
@@ -123,17 +94,6 @@ const std::map<std::string, Rule>& rules() {
       return out;
     };
     r["expand"] = [](Graph& g, const Node& n, const Grads& go) { return Grads{reduce_to(g, go[0], n.input(0))}; };
-    r["sum_to"] = [](Graph& g, const Node& n, const Grads& go) {
-      return Grads{g.add("expand", {go[0]}, {{"shape", n.input(0)->meta().shape}})};
-    };
-    r["rms_norm"] = [](Graph& g, const Node& n, const Grads& go) {
-      Node* b = g.add_node("rms_norm_backward", {go[0], n.input(0), n.input(1)}, {{"eps", n.attr_float("eps")}});
-      return Grads{b->output(0), b->output(1)};
-    };
-    r["layer_norm"] = [](Graph& g, const Node& n, const Grads& go) {
-      Node* b = g.add_node("layer_norm_backward", {go[0], n.input(0), n.input(1), n.input(2)}, {{"eps", n.attr_float("eps")}});
-      return Grads{b->output(0), b->output(1), b->output(2)};
-    };
     r["rotary_embedding"] = [](Graph& g, const Node& n, const Grads& go) {  // the inverse rotation
       return Grads{g.add("rotary_embedding", {go[0], n.input(1), g.add("neg", {n.input(2)})}), nullptr, nullptr};
     };
@@ -146,21 +106,6 @@ const std::map<std::string, Rule>& rules() {
     };
     r["seq_permute"] = [](Graph& g, const Node& n, const Grads& go) {  // the pieces put back
       return Grads{g.add("seq_permute", {go[0]}, {{"dim", n.attr_int("dim")}, {"chunks", n.attr_int("chunks")}, {"inverse", !n.attr_bool("inverse")}})};
-    };
-    // The row maximum only steadies a logsumexp (loss_parallel.h): no gradient flows through it.
-    r["amax_rows"] = [](Graph&, const Node&, const Grads&) { return Grads{nullptr}; };
-    r["sum_exp_rows"] = [](Graph& g, const Node& n, const Grads& go) {
-      return Grads{g.add("sum_exp_rows_backward", {go[0], n.input(0), n.input(1)}), nullptr};
-    };
-    r["pick"] = [](Graph& g, const Node& n, const Grads& go) {
-      return Grads{g.add("pick_backward", {go[0], n.input(1)},
-                         {{"num_classes", n.input(0)->meta().shape[1]}, {"ignore_index", n.attr_int("ignore_index")}, {"offset", n.attr_int("offset")}}),
-                   nullptr};
-    };
-    r["cross_entropy"] = [](Graph& g, const Node& n, const Grads& go) {
-      return Grads{g.add("cross_entropy_backward", {go[0], n.input(0), n.input(1)},
-                         {{"ignore_index", n.attr_int("ignore_index")}, {"reduction", n.attr_string("reduction")}}),
-                   nullptr};
     };
     return r;
   }();

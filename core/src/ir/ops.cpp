@@ -38,40 +38,6 @@ OpSchema scalar(const std::string& name) {
           }};
 }
 
-OpSchema reduction(const std::string& name) {
-  return {name, 1, 1,
-          {{"dims", AttrType::ints, false, Shape{}}, {"keepdim", AttrType::boolean, false, false}},
-          [](const Metas& in, const Attributes& a) {
-            const Shape& x = in[0]->shape;
-            Shape dims = std::get<Shape>(a.at("dims"));
-            if (dims.empty()) {  // all dims, as torch.sum(x)
-              dims.resize(x.size());
-              std::iota(dims.begin(), dims.end(), 0);
-            }
-            std::vector<bool> reduced(x.size(), false);
-            for (auto d : dims) {
-              auto w = wrap_dim(d, static_cast<std::int64_t>(x.size()));
-              if (reduced[w]) fail("dim " + std::to_string(d) + " appears twice in dims");
-              reduced[w] = true;
-            }
-            const bool keep = std::get<bool>(a.at("keepdim"));
-            Shape out;
-            for (std::size_t i = 0; i < x.size(); ++i) {
-              if (!reduced[i]) out.push_back(x[i]);
-              else if (keep) out.push_back(1);
-            }
-            return std::vector{like(*in[0], out, in[0]->requires_grad)};
-          }};
-}
-
-OpSchema softmax_like(const std::string& name) {
-  return {name, 1, 1, {{"dim", AttrType::integer, false, std::int64_t{-1}}}, [](const Metas& in, const Attributes& a) {
-            floating(*in[0], "the input");
-            wrap_dim(std::get<std::int64_t>(a.at("dim")), in[0]->rank());
-            return std::vector{like(*in[0], in[0]->shape, in[0]->requires_grad)};
-          }};
-}
-
 std::vector<OpSchema> builtin_ops() {
   std::vector<OpSchema> ops;
   for (const char* n : {"add", "sub", "mul", "div"}) ops.push_back(binary(n));
@@ -86,10 +52,6 @@ std::vector<OpSchema> builtin_ops() {
                    return std::vector{out};
                  }});
   for (const char* n : {"add_scalar", "mul_scalar", "pow_scalar"}) ops.push_back(scalar(n));
-  ops.push_back(reduction("sum"));
-  ops.push_back(reduction("mean"));
-  ops.push_back(softmax_like("softmax"));
-  ops.push_back(softmax_like("log_softmax"));
 
   // embedding: weight[num, dim], indices (i64)[...] -> [..., dim]. padding_idx (-1: none), as
   // torch.nn.functional.embedding's: the forward is unchanged, the weight's gradient is zero on
@@ -190,24 +152,6 @@ std::vector<OpSchema> builtin_ops() {
                    }
                    return std::vector{like(*in[0], out, any_requires_grad(in))};
                  }});
-  // rms_norm: x[..., d] * rsqrt(mean(x^2, -1) + eps) * weight[d]  (Zhang & Sennrich 2019).
-  ops.push_back({"rms_norm", 2, 2, {{"eps", AttrType::floating, false, 1e-6}}, [](const Metas& in, const Attributes&) {
-                   same_dtype(in);
-                   floating(*in[0], "x");
-                   if (in[0]->shape.empty() || in[1]->shape != Shape{in[0]->shape.back()}) {
-                     fail("weight must be [" + (in[0]->shape.empty() ? std::string("d") : std::to_string(in[0]->shape.back())) +
-                          "], the last dim of x");
-                   }
-                   return std::vector{like(*in[0], in[0]->shape, any_requires_grad(in))};
-                 }});
-  // layer_norm over the last dim with weight[d] and bias[d] (Ba et al. 2016).
-  ops.push_back({"layer_norm", 3, 3, {{"eps", AttrType::floating, false, 1e-5}}, [](const Metas& in, const Attributes&) {
-                   same_dtype(in);
-                   floating(*in[0], "x");
-                   const Shape last{in[0]->shape.empty() ? 0 : in[0]->shape.back()};
-                   if (in[1]->shape != last || in[2]->shape != last) fail("weight and bias must be " + shape_str(last));
-                   return std::vector{like(*in[0], in[0]->shape, any_requires_grad(in))};
-                 }});
   // rotary_embedding: x[b, s, h, d] with cos, sin [s, d/2]; rotates pairs (x[2i], x[2i+1]),
   // as torchtitan's apply_rotary_emb (Su et al. 2021, RoFormer).
   ops.push_back({"rotary_embedding", 3, 3, {}, [](const Metas& in, const Attributes&) {
@@ -257,70 +201,6 @@ std::vector<OpSchema> builtin_ops() {
                    if (lse.dtype == DType::f16 || lse.dtype == DType::bf16) lse.dtype = DType::f32;
                    return std::vector{like(*in[0], q, any_requires_grad(in)), lse};
                  }});
-  // cross_entropy: logits[n, c], targets (i64)[n] -> scalar: the mean ("mean") or the sum
-  // ("sum") over targets != ignore_index, as torch.nn.functional.cross_entropy.
-  ops.push_back({"cross_entropy", 2, 2,
-                 {{"ignore_index", AttrType::integer, false, std::int64_t{-100}},
-                  {"reduction", AttrType::string, false, std::string("mean")}},
-                 [](const Metas& in, const Attributes& a) {
-                   floating(*in[0], "logits");
-                   if (in[0]->rank() != 2 || in[1]->rank() != 1 || in[0]->shape[0] != in[1]->shape[0]) {
-                     fail("needs logits [n, classes] and targets [n]");
-                   }
-                   if (in[1]->dtype != DType::i64) fail("targets must be i64");
-                   const auto& r = std::get<std::string>(a.at("reduction"));
-                   if (r != "mean" && r != "sum") fail("reduction must be \"mean\" or \"sum\", got \"" + r + "\"");
-                   return std::vector{like(*in[0], Shape{}, in[0]->requires_grad)};
-                 }});
-  // Vocabulary-parallel cross entropy (Megatron-LM's, torchtitan's loss_parallel), written
-  // with ops whose shards need no gathered logits (train/loss_parallel.h):
-  // amax_rows: x[n, c] -> its row maxima [n, 1], as torch.amax(x, -1, keepdim=True), with no
-  // gradient: it only steadies a logsumexp, whose value and gradient do not depend on it.
-  ops.push_back({"amax_rows", 1, 1, {}, [](const Metas& in, const Attributes&) {
-                   floating(*in[0], "x");
-                   if (in[0]->rank() != 2) fail("needs x [n, classes]");
-                   return std::vector{like(*in[0], Shape{in[0]->shape[0], 1}, false)};
-                 }});
-  // sum_exp_rows: x[n, c], m[n, 1] -> [n, 1]: sum over each row of exp(x - m), as
-  // torch.exp(x - m).sum(-1, keepdim=True), its gradient to x alone (m is amax_rows').
-  ops.push_back({"sum_exp_rows", 2, 2, {}, [](const Metas& in, const Attributes&) {
-                   floating(*in[0], "x");
-                   if (in[0]->rank() != 2 || in[1]->shape != Shape{in[0]->shape[0], 1}) fail("needs x [n, classes] and m [n, 1]");
-                   return std::vector{like(*in[0], Shape{in[0]->shape[0], 1}, in[0]->requires_grad)};
-                 }});
-  // sum_exp_rows_backward: grad[n, 1], x[n, c], m[n, 1] -> grad x exp(x - m), [n, c].
-  ops.push_back({"sum_exp_rows_backward", 3, 3, {}, [](const Metas& in, const Attributes&) {
-                   return std::vector{like(*in[1], in[1]->shape, any_requires_grad(in))};
-                 }});
-  // pick: logits[n, c], targets (i64)[n] -> [n, 1]: logits[i, targets[i] - offset] where that
-  // is one of the c columns and targets[i] != ignore_index, else 0 (`offset`: the first class
-  // a rank's columns hold, set by the rewriter).
-  ops.push_back({"pick", 2, 2,
-                 {{"ignore_index", AttrType::integer, false, std::int64_t{-100}}, {"offset", AttrType::integer, false, std::int64_t{0}}},
-                 [](const Metas& in, const Attributes&) {
-                   floating(*in[0], "logits");
-                   if (in[0]->rank() != 2 || in[1]->rank() != 1 || in[0]->shape[0] != in[1]->shape[0]) fail("needs logits [n, classes] and targets [n]");
-                   if (in[1]->dtype != DType::i64) fail("targets must be i64");
-                   return std::vector{like(*in[0], Shape{in[0]->shape[0], 1}, in[0]->requires_grad)};
-                 }});
-  // pick_backward: grad[n, 1], targets (i64)[n] -> [n, num_classes]: zero but grad[i] at the
-  // column pick read.
-  ops.push_back({"pick_backward", 2, 2,
-                 {{"num_classes", AttrType::integer, true, {}}, {"ignore_index", AttrType::integer, false, std::int64_t{-100}},
-                  {"offset", AttrType::integer, false, std::int64_t{0}}},
-                 [](const Metas& in, const Attributes& a) {
-                   if (in[0]->rank() != 2 || in[1]->rank() != 1 || in[0]->shape[0] != in[1]->shape[0]) fail("needs grad [n, 1] and targets [n]");
-                   return std::vector{like(*in[0], Shape{in[0]->shape[0], std::get<std::int64_t>(a.at("num_classes"))}, in[0]->requires_grad)};
-                 }});
-  // valid_rows: targets (i64)[n] -> [n, 1] of `dtype`: 1 where targets[i] != ignore_index, else 0.
-  ops.push_back({"valid_rows", 1, 1,
-                 {{"ignore_index", AttrType::integer, false, std::int64_t{-100}}, {"dtype", AttrType::string, false, std::string("f32")}},
-                 [](const Metas& in, const Attributes& a) {
-                   auto dtype = parse_dtype(std::get<std::string>(a.at("dtype")));
-                   if (!dtype || !is_floating(*dtype)) fail("dtype must name a floating type");
-                   if (in[0]->dtype != DType::i64 || in[0]->rank() != 1) fail("targets must be i64 [n]");
-                   return std::vector{TensorMeta{{in[0]->shape[0], 1}, *dtype, in[0]->device, false}};
-                 }});
   // seq_permute: x -> x with dim `dim` cut into `chunks` equal pieces put in load-balanced
   // order for causal attention: piece 0, chunks - 1, 1, chunks - 2, ... (Llama 3's context
   // parallelism, torch's _HeadTailLoadBalancer: with chunks = 2 cp, rank r of cp holds pieces r
@@ -351,32 +231,16 @@ std::vector<OpSchema> builtin_ops() {
                    if (chunks < 1 || in[0]->shape[1] % chunks != 0) fail("chunks " + std::to_string(chunks) + " does not divide the sequence of " + in[0]->str());
                    return std::vector{TensorMeta{in[0]->shape, DType::i64, in[0]->device, false}};
                  }});
-  // count_valid: targets (i64)[...] -> the number of entries != ignore_index, a scalar of `dtype`
-  // (the denominator of a mean loss, kept apart so that it can be summed across ranks).
-  ops.push_back({"count_valid", 1, 1,
-                 {{"ignore_index", AttrType::integer, false, std::int64_t{-100}},
-                  {"dtype", AttrType::string, false, std::string("f32")}},
-                 [](const Metas& in, const Attributes& a) {
-                   auto dtype = parse_dtype(std::get<std::string>(a.at("dtype")));
-                   if (!dtype || !is_floating(*dtype)) fail("dtype must name a floating type");
-                   if (in[0]->dtype != DType::i64) fail("targets must be i64");
-                   return std::vector{TensorMeta{{}, *dtype, in[0]->device, false}};
-                 }});
 
   // ---- Ops that gradients and the optimizer need ----
   // value / x, min(x, value), value ** x
   for (const char* n : {"rdiv_scalar", "clamp_max_scalar", "rpow_scalar"}) ops.push_back(scalar(n));
   for (const char* n : {"zeros_like", "ones_like"}) ops.push_back(unary(n, false));
-  // expand: broadcast to `shape` (as torch.Tensor.expand); sum_to: the reverse, summing the
-  // broadcast dims away (as at::sum_to).
+  // expand: broadcast to `shape` (as torch.Tensor.expand); sum_to, the reverse, is in
+  // core/src/ops/reduction.cpp.
   ops.push_back({"expand", 1, 1, {{"shape", AttrType::ints, true, {}}}, [](const Metas& in, const Attributes& a) {
                    const Shape& shape = std::get<Shape>(a.at("shape"));
                    if (broadcast(in[0]->shape, shape) != shape) fail("cannot expand " + shape_str(in[0]->shape) + " to " + shape_str(shape));
-                   return std::vector{like(*in[0], shape, in[0]->requires_grad)};
-                 }});
-  ops.push_back({"sum_to", 1, 1, {{"shape", AttrType::ints, true, {}}}, [](const Metas& in, const Attributes& a) {
-                   const Shape& shape = std::get<Shape>(a.at("shape"));
-                   if (broadcast(shape, in[0]->shape) != in[0]->shape) fail("cannot sum " + shape_str(in[0]->shape) + " to " + shape_str(shape));
                    return std::vector{like(*in[0], shape, in[0]->requires_grad)};
                  }});
   // Backward ops: (grad_out, saved...) -> grad_in, with the ATen backward kernel of the same name.
@@ -398,40 +262,15 @@ std::vector<OpSchema> builtin_ops() {
                    check_approximate(a);
                    return grad_like(1, 1)(in, a);
                  }});
-  for (const char* n : {"softmax_backward", "log_softmax_backward"}) {
-    ops.push_back({n, 2, 2, {{"dim", AttrType::integer, false, std::int64_t{-1}}}, grad_like(1, 1)});
-  }
   // embedding_backward: grad[..., dim], indices[...] -> [num_weights, dim] (index_add of rows).
   ops.push_back({"embedding_backward", 2, 2, {{"num_weights", AttrType::integer, true, {}}, padding_idx}, [](const Metas& in, const Attributes& a) {
                    return std::vector{like(*in[0], Shape{std::get<std::int64_t>(a.at("num_weights")), in[0]->shape.back()},
                                            in[0]->requires_grad)};
                  }});
-  // cross_entropy_backward: grad (scalar), logits[n, c], targets[n] -> grad_logits[n, c].
-  ops.push_back({"cross_entropy_backward", 3, 3,
-                 {{"ignore_index", AttrType::integer, false, std::int64_t{-100}},
-                  {"reduction", AttrType::string, false, std::string("mean")}},
-                 [](const Metas& in, const Attributes&) {
-                   return std::vector{like(*in[1], in[1]->shape, any_requires_grad(in))};
-                 }});
-  // rms_norm_backward: grad, x, weight -> (grad_x, grad_weight).
-  ops.push_back({"rms_norm_backward", 3, 3, {{"eps", AttrType::floating, false, 1e-6}}, [](const Metas& in, const Attributes&) {
-                   return std::vector{like(*in[1], in[1]->shape, true), like(*in[2], in[2]->shape, true)};
-                 }});
-  // layer_norm_backward: grad, x, weight, bias -> (grad_x, grad_weight, grad_bias).
-  ops.push_back({"layer_norm_backward", 4, 4, {{"eps", AttrType::floating, false, 1e-5}}, [](const Metas& in, const Attributes&) {
-                   return std::vector{like(*in[1], in[1]->shape, true), like(*in[2], in[2]->shape, true),
-                                      like(*in[3], in[3]->shape, true)};
-                 }});
   // sdpa_backward: grad, q, k, v, out, logsumexp [, documents] -> (grad_q, grad_k, grad_v).
   ops.push_back({"sdpa_backward", 6, 7, attention_attrs, [](const Metas& in, const Attributes&) {
                    return std::vector{like(*in[1], in[1]->shape, true), like(*in[2], in[2]->shape, true),
                                       like(*in[3], in[3]->shape, true)};
-                 }});
-  // found_inf: x (floating) -> 1.0 when any element of x is inf or nan, else 0.0, a float32
-  // scalar (torch.amp.GradScaler's found_inf, from _amp_foreach_non_finite_check_and_unscale_).
-  ops.push_back({"found_inf", 1, 1, {}, [](const Metas& in, const Attributes&) {
-                   floating(*in[0], "found_inf's input");
-                   return std::vector{TensorMeta{{}, DType::f32, in[0]->device, false}};
                  }});
   // The communication ops are in core/src/ops/comm.cpp; chunk, the local half of
   // Replicate -> Shard, has their attributes: sizes, the chunk sizes of all group members along
@@ -528,6 +367,19 @@ void OpRegistry::define(OpSchema schema) {
 }
 
 const OpRegistry& OpRegistry::global() { return mutable_global(); }
+
+std::vector<std::int64_t> dense_like(const std::vector<std::int64_t>& shape, const std::vector<std::int64_t>& like) {
+  std::vector<std::size_t> dims(shape.size());
+  std::iota(dims.begin(), dims.end(), 0);
+  std::stable_sort(dims.begin(), dims.end(), [&](std::size_t a, std::size_t b) { return like[a] > like[b]; });
+  std::vector<std::int64_t> s(shape.size(), 1);
+  std::int64_t step = 1;
+  for (std::size_t k = dims.size(); k-- > 0;) {
+    s[dims[k]] = step;
+    step *= std::max<std::int64_t>(shape[dims[k]], 1);
+  }
+  return s;
+}
 
 namespace infer {
 

@@ -29,20 +29,7 @@ Strides contiguous(const Shape& shape) {
   return s;
 }
 
-// Dense strides for `shape` laid out in the order of `like`'s strides (outermost = largest),
-// as ATen's TensorIterator and empty_like give an elementwise output of a permuted input.
-Strides dense_like(const Shape& shape, const Strides& like) {
-  std::vector<std::size_t> dims(shape.size());
-  std::iota(dims.begin(), dims.end(), 0);
-  std::stable_sort(dims.begin(), dims.end(), [&](std::size_t a, std::size_t b) { return like[a] > like[b]; });
-  Strides s(shape.size(), 1);
-  std::int64_t step = 1;
-  for (std::size_t k = dims.size(); k-- > 0;) {
-    s[dims[k]] = step;
-    step *= std::max<std::int64_t>(shape[dims[k]], 1);
-  }
-  return s;
-}
+using ir::dense_like;
 
 bool is_contiguous(const Shape& shape, const Strides& strides) {
   std::int64_t expected = 1;
@@ -380,7 +367,7 @@ class Simulation {
     if (op == "sdpa_backward") {  // its gradients are [b, s, h, d] in memory
       return {dense_like(shape, Strides{shape[1] * shape[2] * shape[3], shape[3], shape[1] * shape[3], 1}), false};
     }
-    if (is_elementwise(op) || op == "rms_norm") {  // TensorIterator: the first dense input of the output's shape
+    if (is_elementwise(op)) {  // TensorIterator: the first dense input of the output's shape
       for (const Value* in : n.inputs()) {
         if (in->meta().shape == shape && dense_value(in)) return {dense_like(shape, strides(in)), false};
       }
@@ -452,18 +439,10 @@ class Simulation {
     const std::string& op = n.op();
     auto bytes = [&](int i) { return n.input(i)->meta().nbytes(); };
     auto copy_if_strided = [&](int i) { return contiguous_value(n.input(i)) ? 0 : bytes(i); };
-    const std::int64_t rows = n.inputs().empty() || n.input(0)->meta().shape.empty() ? 0 : n.input(0)->meta().numel_without(-1);
-    if (op == "rms_norm_backward") return 2 * bytes(1) + 2 * rows * elem_bytes(n.input(1));  // xhat, xhat * mean(..) or g * xhat; r and the mean
-    if (op == "layer_norm_backward") return bytes(1);   // the forward recomputed
-    if (op == "cross_entropy") return bytes(0);         // log_softmax of the logits
-    if (op == "sum_exp_rows") return bytes(0);          // exp(x - m) before the row sums
-    if (op == "pick" || op == "pick_backward") return rows * 40;  // the targets' masks and column indices (bool and i64 a row)
-    if (op == "cross_entropy_backward") return 2 * bytes(1);  // log_softmax, nll_loss_backward
     if (op == "rdiv_scalar") return bytes(0);           // the reciprocal before the multiply
     if ((op == "sdpa" || op == "sdpa_backward") && ir::tiled_attention(n)) return tiled_attention(n);
     if ((op == "sdpa" || op == "sdpa_backward") && ir::blocked_attention(n)) return blocked_attention(n);
     if (op == "rotary_embedding") return copy_if_strided(0);
-    if (op == "softmax" || op == "log_softmax") return copy_if_strided(0);
     return 0;
   }
 

@@ -21,14 +21,14 @@ Placement S(std::int64_t d) { return Placement::shard(static_cast<int>(d)); }
 
 std::int64_t wrap(std::int64_t d, std::size_t rank) { return d < 0 ? d + static_cast<std::int64_t>(rank) : d; }
 
-OpStrategy all(const Placement& p, std::size_t n_in, std::size_t n_out) {
-  return {std::vector<Placement>(n_in, p), std::vector<Placement>(n_out, p)};
-}
-
 // Elementwise with broadcasting. `linear_in`: the inputs the op is linear in, for Partial.
 }  // namespace
 
 namespace rule {
+
+OpStrategy all(const Placement& p, std::size_t n_in, std::size_t n_out) {
+  return {std::vector<Placement>(n_in, p), std::vector<Placement>(n_out, p)};
+}
 
 Strategies pointwise(const std::vector<Shape>& in, const std::vector<Shape>& out, std::int64_t k,
                      const std::vector<std::vector<bool>>& partial_patterns) {
@@ -148,42 +148,6 @@ const std::map<std::string, Rule>& rules() {
     for (const char* op : {"mul_scalar", "zeros_like", "cast"}) r[op] = linear_unary();
     for (const char* op : {"relu_backward", "silu_backward", "gelu_backward"}) r[op] = linear_in_first();
 
-    auto reduction = [](bool mean) {
-      return [mean](const Node& n, const std::vector<Shape>& in, const std::vector<Shape>& out, std::int64_t k) {
-        Strategies s{all(R, 1, 1)};
-        const Shape& x = in[0];
-        std::set<std::int64_t> reduced;
-        for (auto d : n.attr_ints("dims")) reduced.insert(wrap(d, x.size()));
-        if (reduced.empty()) {
-          for (std::size_t d = 0; d < x.size(); ++d) reduced.insert(static_cast<std::int64_t>(d));
-        }
-        const bool keep = n.attr_bool("keepdim");
-        std::int64_t out_dim = 0;
-        for (std::size_t d = 0; d < x.size(); ++d) {
-          const bool is_reduced = reduced.count(static_cast<std::int64_t>(d)) > 0;
-          if (x[d] >= k) {
-            if (!is_reduced) s.push_back({{S(static_cast<std::int64_t>(d))}, {S(out_dim)}});
-            else if (!mean) s.push_back({{S(static_cast<std::int64_t>(d))}, {P}});
-            else if (x[d] % k == 0) s.push_back({{S(static_cast<std::int64_t>(d))}, {Placement::partial(ReduceOp::avg)}});
-          }
-          if (!is_reduced || keep) ++out_dim;
-        }
-        (void)out;
-        s.push_back({{P}, {P}});
-        return s;
-      };
-    };
-    r["sum"] = reduction(false);
-    r["mean"] = reduction(true);
-    auto softmax_rule = [](const Node& n, const std::vector<Shape>& in, const std::vector<Shape>& out, std::int64_t k) {
-      return same_dim(in, out, k, {wrap(n.attr_int("dim"), in[0].size())}, in[0].size());
-    };
-    r["softmax"] = r["log_softmax"] = softmax_rule;
-    r["softmax_backward"] = r["log_softmax_backward"] = [softmax_rule](const Node& n, const auto& in, const auto& out, std::int64_t k) {
-      Strategies s = softmax_rule(n, in, out, k);
-      s.push_back({{P, R}, {P}});
-      return s;
-    };
     r["embedding"] = [](const Node&, const std::vector<Shape>& in, const std::vector<Shape>& out, std::int64_t k) {
       const Shape &w = in[0], &idx = in[1];
       Strategies s{all(R, 2, 1)};
@@ -258,42 +222,6 @@ const std::map<std::string, Rule>& rules() {
       s.push_back({{P}, {P}});
       return s;
     };
-    r["sum_to"] = [](const Node&, const std::vector<Shape>& in, const std::vector<Shape>& out, std::int64_t k) {
-      Strategies s{all(R, 1, 1)};
-      const Shape &x = in[0], &o = out[0];
-      for (std::size_t d = 0; d < x.size(); ++d) {
-        if (x[d] < k) continue;
-        const auto od = static_cast<std::int64_t>(d) - static_cast<std::int64_t>(x.size() - o.size());
-        if (od >= 0 && o[static_cast<std::size_t>(od)] == x[d]) s.push_back({{S(static_cast<std::int64_t>(d))}, {S(od)}});
-        else s.push_back({{S(static_cast<std::int64_t>(d))}, {P}});  // summed away
-      }
-      s.push_back({{P}, {P}});
-      return s;
-    };
-    // Norms over the last dim: shard any other dim; weights replicated; weight grads partial.
-    r["rms_norm"] = r["layer_norm"] = [](const Node&, const std::vector<Shape>& in, const std::vector<Shape>&, std::int64_t k) {
-      Strategies s{all(R, in.size(), 1)};
-      for (std::size_t d = 0; d + 1 < in[0].size(); ++d) {
-        if (in[0][d] < k) continue;
-        OpStrategy st{std::vector<Placement>(in.size(), R), {S(static_cast<std::int64_t>(d))}};
-        st.inputs[0] = S(static_cast<std::int64_t>(d));
-        s.push_back(st);
-      }
-      return s;
-    };
-    r["rms_norm_backward"] = r["layer_norm_backward"] = [](const Node&, const std::vector<Shape>& in, const std::vector<Shape>& out, std::int64_t k) {
-      Strategies s{all(R, in.size(), out.size())};
-      for (std::size_t d = 0; d + 1 < in[1].size(); ++d) {
-        if (in[1][d] < k) continue;
-        OpStrategy st{std::vector<Placement>(in.size(), R), std::vector<Placement>(out.size(), P)};
-        st.inputs[0] = st.inputs[1] = st.outputs[0] = S(static_cast<std::int64_t>(d));
-        s.push_back(st);
-      }
-      OpStrategy partial{std::vector<Placement>(in.size(), R), std::vector<Placement>(out.size(), P)};
-      partial.inputs[0] = P;  // linear in the incoming gradient
-      s.push_back(partial);
-      return s;
-    };
     r["rotary_embedding"] = [](const Node&, const std::vector<Shape>& in, const std::vector<Shape>&, std::int64_t k) {
       Strategies s{all(R, 3, 1)};
       for (std::int64_t d : {0, 2}) {  // batch, heads
@@ -333,75 +261,17 @@ const std::map<std::string, Rule>& rules() {
       s.push_back({{P}, {P}});
       return s;
     };
-    // Sums over tokens split across ranks are partial sums; a mean is not (kept replicated).
-    r["cross_entropy"] = [](const Node& n, const std::vector<Shape>& in, const std::vector<Shape>&, std::int64_t k) {
-      Strategies s{all(R, 2, 1)};
-      if (n.attr_string("reduction") == "sum" && in[0][0] >= k) s.push_back({{S(0), S(0)}, {P}});
-      return s;
-    };
-    r["cross_entropy_backward"] = [](const Node& n, const std::vector<Shape>& in, const std::vector<Shape>&, std::int64_t k) {
-      Strategies s{all(R, 3, 1)};
-      if (n.attr_string("reduction") == "sum") {
-        if (in[1][0] >= k) s.push_back({{R, S(0), S(0)}, {S(0)}});
-        s.push_back({{P, R, R}, {P}});
-      }
-      return s;
-    };
-    // Vocabulary-parallel cross entropy: the classes split across ranks give partial maxima,
-    // partial sums of exp and partial picks (a rank's pick is 0 where the target is another's).
-    r["amax_rows"] = [](const Node&, const std::vector<Shape>& in, const std::vector<Shape>&, std::int64_t k) {
-      Strategies s{all(R, 1, 1)};
-      if (in[0][0] >= k) s.push_back({{S(0)}, {S(0)}});
-      if (in[0][1] >= k) s.push_back({{S(1)}, {Placement::partial(ReduceOp::max)}});
-      return s;
-    };
-    r["sum_exp_rows"] = [](const Node&, const std::vector<Shape>& in, const std::vector<Shape>&, std::int64_t k) {
-      Strategies s{all(R, 2, 1)};
-      if (in[0][0] >= k) s.push_back({{S(0), S(0)}, {S(0)}});
-      if (in[0][1] >= k) s.push_back({{S(1), R}, {P}});
-      return s;
-    };
-    r["sum_exp_rows_backward"] = [](const Node&, const std::vector<Shape>& in, const std::vector<Shape>&, std::int64_t k) {
-      Strategies s{all(R, 3, 1)};
-      if (in[1][1] >= k) s.push_back({{R, S(1), R}, {S(1)}});  // first: at equal cost, the columns the logits have
-      if (in[1][0] >= k) s.push_back({{S(0), S(0), S(0)}, {S(0)}});
-      s.push_back({{P, R, R}, {P}});
-      return s;
-    };
-    r["pick"] = [](const Node&, const std::vector<Shape>& in, const std::vector<Shape>&, std::int64_t k) {
-      Strategies s{all(R, 2, 1)};
-      if (in[0][0] >= k) s.push_back({{S(0), S(0)}, {S(0)}});
-      if (in[0][1] >= k) s.push_back({{S(1), R}, {P}});
-      s.push_back({{P, R}, {P}});
-      return s;
-    };
-    r["pick_backward"] = [](const Node&, const std::vector<Shape>& in, const std::vector<Shape>& out, std::int64_t k) {
-      Strategies s{all(R, 2, 1)};
-      if (out[0][1] >= k) s.push_back({{R, R}, {S(1)}});  // first: at equal cost, the columns the logits' gradient has
-      if (in[0][0] >= k) s.push_back({{S(0), S(0)}, {S(0)}});
-      s.push_back({{P, R}, {P}});
-      return s;
-    };
-    r["valid_rows"] = [](const Node&, const std::vector<Shape>& in, const std::vector<Shape>&, std::int64_t k) {
-      Strategies s{all(R, 1, 1)};
-      if (in[0][0] >= k) s.push_back({{S(0)}, {S(0)}});
-      return s;
-    };
     // Each row's ids count along the whole row: split on the batch only.
     r["document_ids"] = [](const Node&, const std::vector<Shape>& in, const std::vector<Shape>&, std::int64_t k) {
       Strategies s{all(R, 1, 1)};
       if (in[0][0] >= k) s.push_back(all(S(0), 1, 1));
       return s;
     };
-    r["count_valid"] = [](const Node&, const std::vector<Shape>& in, const std::vector<Shape>&, std::int64_t k) {
-      Strategies s{all(R, 1, 1)};
       for (std::size_t d = 0; d < in[0].size(); ++d) {
         if (in[0][d] >= k) s.push_back({{S(static_cast<std::int64_t>(d))}, {P}});
       }
       return s;
     };
-    // Any non-finite element of a replicated value (the global gradient norm).
-    r["found_inf"] = [](const Node&, const std::vector<Shape>&, const std::vector<Shape>&, std::int64_t) { return Strategies{all(R, 1, 1)}; };
     return r;
   }();
   return table;
@@ -444,11 +314,9 @@ ir::Attributes local_attrs(const ir::Node& node, const std::vector<Shape>& local
   if (auto d = defined().find(node.op()); d != defined().end() && d->second.local_attrs) return d->second.local_attrs(node, local_out, column_offset);
   ir::Attributes a = node.attrs();
   const std::string& op = node.op();
-  if (op == "reshape" || op == "expand" || op == "sum_to") a["shape"] = local_out.at(0);
+  if (op == "reshape" || op == "expand") a["shape"] = local_out.at(0);
   if (op == "slice_backward") a["input_shape"] = local_out.at(0);
   if (op == "embedding_backward") a["num_weights"] = local_out.at(0).at(0);
-  if (op == "pick_backward") a["num_classes"] = local_out.at(0).at(1);
-  if (op == "pick" || op == "pick_backward") a["offset"] = node.attr_int("offset") + column_offset;
   if (op == "sdpa" || op == "sdpa_backward") a["q_offset"] = node.attr_int("q_offset") + column_offset;
   return a;
 }

@@ -15,10 +15,10 @@ using ir::Value;
 // lookup, whose weight FSDP2 casts with the others.
 const std::set<std::string> kLow{"sdpa", "embedding"};
 // What torchtitan's model and loss compute in float32, and autocast's float32 reductions.
-const std::set<std::string> kFloat32{"rms_norm", "layer_norm", "softmax", "log_softmax", "cross_entropy", "sum", "mean"};
+const std::set<std::string> kFloat32{};
 // Of those, the ones whose output torchtitan casts back to the input's dtype (RMSNorm's
 // `output.type_as(x)`), so what follows them (a sequence-parallel all_gather) moves bf16.
-const std::set<std::string> kTypeAs{"rms_norm", "layer_norm"};
+const std::set<std::string> kTypeAs{};
 
 // The op's policy: its record's (core/src/ops/), else the lists above.
 ir::Precision precision_of(const std::string& op) {

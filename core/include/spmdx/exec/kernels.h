@@ -122,4 +122,8 @@ const InPlaceKernel* find_in_place_kernel(const std::string& op);
 /// SPMDX_OPS_KERNELS). Throws std::invalid_argument when the op has one already.
 void define_kernel(const std::string& op, Kernel kernel, InPlaceKernel in_place = nullptr);
 
+/// A fused CUDA kernel that refused its inputs (for attention: head_dim, alignment, an older
+/// GPU; RMSNorm): said once per kernel on stderr, and the caller runs plain ATen ops instead.
+void fused_refused(const char* kernel, const c10::Error& e);
+
 }  // namespace spmdx::exec

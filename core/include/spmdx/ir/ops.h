@@ -57,6 +57,9 @@ struct OutputLayout {
   bool view = false;
 };
 using LayoutFn = std::function<std::optional<OutputLayout>(const Node& node, std::size_t k, const LayoutQuery& inputs)>;
+/// Dense strides for `shape` laid out in the order of `like`'s strides (outermost = largest),
+/// as ATen's TensorIterator and empty_like give an elementwise output of a permuted input.
+std::vector<std::int64_t> dense_like(const std::vector<std::int64_t>& shape, const std::vector<std::int64_t>& like);
 
 /// How mixed precision (train/mixed_precision.h, torch.autocast's CPU/CUDA lists and
 /// torchtitan's FSDP2 MixedPrecisionPolicy) casts the op's floating inputs.
@@ -75,6 +78,7 @@ struct SampleInput {
     indices,   ///< int64 in [0, bound)
     constant,  ///< N(0, 1), no gradient taken (a mask, a saved value)
     value,     ///< every element `value`, no gradient taken (a hyperparameter: adamw's lr, step, found_inf)
+    nonfinite, ///< N(0, 1) with one +inf, at flat element numel / 2 (found_inf); no gradient taken
   };
   std::vector<std::int64_t> shape;
   Fill fill = Fill::normal;

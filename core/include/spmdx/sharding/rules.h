@@ -43,6 +43,8 @@ void define_rules(const std::string& op, Rule rule, LocalAttrsFn local_attrs = n
 
 /// Rule builders for the records in core/src/ops/ (R = Replicate, S(d) = Shard(d), P = Partial(sum)).
 namespace rule {
+/// Every input and output in placement p.
+OpStrategy all(const Placement& p, std::size_t n_in, std::size_t n_out);
 /// Elementwise with broadcasting: every output dim with >= k elements sharded alike on each
 /// input that has it (Replicate where broadcast); plus, for each pattern (true: Partial input,
 /// false: Replicate), all-Partial outputs: the op is linear in the Partial inputs.
