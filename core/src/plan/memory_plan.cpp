@@ -116,7 +116,7 @@ std::int64_t elem_bytes(const Value* v) { return static_cast<std::int64_t>(ir::e
 
 bool is_elementwise(const std::string& op) {
   if (const ir::OpSchema* s = ir::OpRegistry::global().find(op); s != nullptr && s->defined_by_record) return s->elementwise;
-  return (op != "adamw" && in_place_ops().count(op) > 0) || op == "cast" || op == "zeros_like" || op == "ones_like";
+  return op != "adamw" && in_place_ops().count(op) > 0;
 }
 
 // The executor's step, replayed on buffers: who holds each one (values, calls in flight,
@@ -438,7 +438,6 @@ class Simulation {
     if (op == "sum_exp_rows") return bytes(0);          // exp(x - m) before the row sums
     if (op == "pick" || op == "pick_backward") return rows * 40;  // the targets' masks and column indices (bool and i64 a row)
     if (op == "cross_entropy_backward") return 2 * bytes(1);  // log_softmax, nll_loss_backward
-    if (op == "rdiv_scalar") return bytes(0);           // the reciprocal before the multiply
     if ((op == "sdpa" || op == "sdpa_backward") && ir::blocked_attention(n)) return blocked_attention(n);
     if (op == "rotary_embedding") return copy_if_strided(0);
     if (op == "softmax" || op == "log_softmax") return copy_if_strided(0);
@@ -605,10 +604,6 @@ class Simulation {
 const std::map<std::string, std::vector<int>>& in_place_ops() {
   static const std::map<std::string, std::vector<int>> ops = [] {
     std::map<std::string, std::vector<int>> m;
-    for (const char* op : {"add_scalar", "mul_scalar", "pow_scalar", "rdiv_scalar", "clamp_max_scalar"}) {
-      m[op] = {0};
-    }
-    for (const char* op : {"add", "sub", "mul", "div", "silu_backward", "relu_backward", "gelu_backward"}) m[op] = {0, 1};
     m["adamw"] = {0, 2, 3};
     for (const auto& name : ir::OpRegistry::global().names()) {  // the records of core/src/ops/
       const ir::OpSchema& s = *ir::OpRegistry::global().find(name);

@@ -33,4 +33,8 @@ TensorMeta like(const TensorMeta& m, Shape shape, bool requires_grad);
 /// NumPy broadcasting, as torch.broadcast_shapes.
 Shape broadcast(const Shape& a, const Shape& b);
 
+/// A backward op's output (grad_out, saved...) -> grad_in: input `like_input`'s meta, once the
+/// gradient (input 0) has its dtype and input `grad_input`'s shape.
+std::vector<TensorMeta> grad_like(const Metas& in, std::size_t grad_input, std::size_t like_input);
+
 }  // namespace spmdx::ir::infer

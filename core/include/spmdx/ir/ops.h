@@ -74,6 +74,7 @@ struct SampleInput {
     positive,  ///< >= 0.5 (log, sqrt, divisors)
     indices,   ///< int64 in [0, bound)
     constant,  ///< N(0, 1), no gradient taken (a mask, a saved value)
+    nonnegative,  ///< max(N(0, 1), 0): a relu's output (relu_backward's saved y)
   };
   std::vector<std::int64_t> shape;
   Fill fill = Fill::normal;
