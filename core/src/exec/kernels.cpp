@@ -412,19 +412,6 @@ std::atomic<CpuMatmul>& cpu_matmul_setting() {
 const std::map<std::string, Kernel>& kernels() {
   static const std::map<std::string, Kernel> table = [] {
     std::map<std::string, Kernel> k;
-    k["add"] = [](const Node&, const Tensors& x) { return one(at::add(x[0], x[1])); };
-    k["sub"] = [](const Node&, const Tensors& x) { return one(at::sub(x[0], x[1])); };
-    k["mul"] = [](const Node&, const Tensors& x) { return one(at::mul(x[0], x[1])); };
-    k["div"] = [](const Node&, const Tensors& x) { return one(at::div(x[0], x[1])); };
-    k["cast"] = [](const Node& n, const Tensors& x) { return one(x[0].to(to_aten(n.output()->meta().dtype))); };
-    k["add_scalar"] = [](const Node& n, const Tensors& x) { return one(at::add(x[0], n.attr_float("value"))); };
-    k["mul_scalar"] = [](const Node& n, const Tensors& x) { return one(at::mul(x[0], n.attr_float("value"))); };
-    k["pow_scalar"] = [](const Node& n, const Tensors& x) { return one(at::pow(x[0], n.attr_float("value"))); };
-    k["rdiv_scalar"] = [](const Node& n, const Tensors& x) { return one(at::reciprocal(x[0]) * n.attr_float("value")); };
-    k["rpow_scalar"] = [](const Node& n, const Tensors& x) { return one(at::pow(n.attr_float("value"), x[0])); };
-    k["clamp_max_scalar"] = [](const Node& n, const Tensors& x) { return one(at::clamp_max(x[0], n.attr_float("value"))); };
-    k["zeros_like"] = [](const Node&, const Tensors& x) { return one(at::zeros_like(x[0])); };
-    k["ones_like"] = [](const Node&, const Tensors& x) { return one(at::ones_like(x[0])); };
     k["embedding"] = [](const Node& n, const Tensors& x) { return one(at::embedding(x[0], x[1], n.attr_int("padding_idx"))); };
     k["reshape"] = [](const Node& n, const Tensors& x) { return one(x[0].reshape(n.output()->meta().shape)); };
     k["transpose"] = [](const Node& n, const Tensors& x) { return one(x[0].transpose(n.attr_int("dim0"), n.attr_int("dim1"))); };
@@ -479,9 +466,6 @@ const std::map<std::string, Kernel>& kernels() {
     };
 
     // ---- backward ops ----
-    k["relu_backward"] = [](const Node&, const Tensors& x) { return one(at::threshold_backward(x[0], x[1], 0)); };
-    k["silu_backward"] = [](const Node&, const Tensors& x) { return one(at::silu_backward(x[0], x[1])); };
-    k["gelu_backward"] = [](const Node& n, const Tensors& x) { return one(at::gelu_backward(x[0], x[1], n.attr_string("approximate"))); };
     k["embedding_backward"] = [](const Node& n, const Tensors& x) {
       return one(at::embedding_dense_backward(x[0], x[1], n.attr_int("num_weights"), n.attr_int("padding_idx"), false));
     };
@@ -576,36 +560,6 @@ namespace {
 const std::map<std::string, InPlaceKernel>& in_place_kernels() {
   static const std::map<std::string, InPlaceKernel> table = [] {
     std::map<std::string, InPlaceKernel> k;
-    using Unary = void (*)(const Node&, at::Tensor&);
-    auto unary = [&](const char* op, Unary f) {
-      k[op] = [f](const Node& n, const Tensors& x, const std::vector<int>&) {
-        at::Tensor t = x[0];
-        f(n, t);
-        return Tensors{t};
-      };
-    };
-    unary("add_scalar", [](const Node& n, at::Tensor& t) { t.add_(n.attr_float("value")); });
-    unary("mul_scalar", [](const Node& n, at::Tensor& t) { t.mul_(n.attr_float("value")); });
-    unary("pow_scalar", [](const Node& n, at::Tensor& t) { t.pow_(n.attr_float("value")); });
-    unary("rdiv_scalar", [](const Node& n, at::Tensor& t) { t.reciprocal_().mul_(n.attr_float("value")); });
-    unary("clamp_max_scalar", [](const Node& n, at::Tensor& t) { t.clamp_max_(n.attr_float("value")); });
-    using Binary = void (*)(const Node&, at::Tensor&, const at::Tensor&, const at::Tensor&);
-    auto binary = [&](const char* op, Binary f) {
-      k[op] = [f](const Node& n, const Tensors& x, const std::vector<int>& into) {
-        at::Tensor out = x[static_cast<std::size_t>(into.at(0))];
-        f(n, out, x[0], x[1]);
-        return Tensors{out};
-      };
-    };
-    binary("add", [](const Node&, at::Tensor& o, const at::Tensor& a, const at::Tensor& b) { at::add_out(o, a, b); });
-    binary("sub", [](const Node&, at::Tensor& o, const at::Tensor& a, const at::Tensor& b) { at::sub_out(o, a, b); });
-    binary("mul", [](const Node&, at::Tensor& o, const at::Tensor& a, const at::Tensor& b) { at::mul_out(o, a, b); });
-    binary("div", [](const Node&, at::Tensor& o, const at::Tensor& a, const at::Tensor& b) { at::div_out(o, a, b); });
-    binary("silu_backward", [](const Node&, at::Tensor& o, const at::Tensor& g, const at::Tensor& x) { at::silu_backward_out(o, g, x); });
-    binary("relu_backward", [](const Node&, at::Tensor& o, const at::Tensor& g, const at::Tensor& y) { at::threshold_backward_out(o, g, y, 0); });
-    binary("gelu_backward", [](const Node& n, at::Tensor& o, const at::Tensor& g, const at::Tensor& x) {
-      at::gelu_backward_out(o, g, x, n.attr_string("approximate"));
-    });
     return k;
   }();
   return table;

@@ -27,36 +27,6 @@ Attributes float_attr(double v) { return {{"value", v}}; }
 const std::map<std::string, Rule>& rules() {
   static const std::map<std::string, Rule> table = [] {
     std::map<std::string, Rule> r;
-    r["add"] = [](Graph& g, const Node& n, const Grads& go) {
-      return Grads{reduce_to(g, go[0], n.input(0)), reduce_to(g, go[0], n.input(1))};
-    };
-    r["sub"] = [](Graph& g, const Node& n, const Grads& go) {
-      return Grads{reduce_to(g, go[0], n.input(0)), reduce_to(g, g.add("neg", {go[0]}), n.input(1))};
-    };
-    r["mul"] = [](Graph& g, const Node& n, const Grads& go) {
-      return Grads{reduce_to(g, g.add("mul", {go[0], n.input(1)}), n.input(0)),
-                   reduce_to(g, g.add("mul", {go[0], n.input(0)}), n.input(1))};
-    };
-    r["div"] = [](Graph& g, const Node& n, const Grads& go) {  // d(a/b)/db = -(a/b)/b
-      Value* ga = g.add("div", {go[0], n.input(1)});
-      Value* gb = g.add("neg", {g.add("div", {g.add("mul", {go[0], n.output()}), n.input(1)})});
-      return Grads{reduce_to(g, ga, n.input(0)), reduce_to(g, gb, n.input(1))};
-    };
-    r["cast"] = [](Graph& g, const Node& n, const Grads& go) {
-      return Grads{g.add("cast", {go[0]}, {{"dtype", std::string(to_string(n.input(0)->meta().dtype))}})};
-    };
-    r["add_scalar"] = [](Graph&, const Node&, const Grads& go) { return Grads{go[0]}; };
-    r["mul_scalar"] = [](Graph& g, const Node& n, const Grads& go) {
-      return Grads{g.add("mul_scalar", {go[0]}, float_attr(n.attr_float("value")))};
-    };
-    r["pow_scalar"] = [](Graph& g, const Node& n, const Grads& go) {  // v x^(v-1)
-      const double v = n.attr_float("value");
-      Value* d = g.add("mul_scalar", {g.add("pow_scalar", {n.input(0)}, float_attr(v - 1.0))}, float_attr(v));
-      return Grads{g.add("mul", {go[0], d})};
-    };
-    r["rdiv_scalar"] = [](Graph& g, const Node& n, const Grads& go) {  // d(v/x) = -y/x
-      return Grads{g.add("neg", {g.add("div", {g.add("mul", {go[0], n.output()}), n.input(0)})})};
-    };
     r["embedding"] = [](Graph& g, const Node& n, const Grads& go) {
       return Grads{g.add("embedding_backward", {go[0], n.input(1)}, {{"num_weights", n.input(0)->meta().shape[0]}, {"padding_idx", n.attr_int("padding_idx")}}),
                    nullptr};

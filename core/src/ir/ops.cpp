@@ -17,41 +17,8 @@ namespace {
 
 using namespace infer;
 
-OpSchema binary(const std::string& name) {
-  return {name, 2, 2, {}, [](const Metas& in, const Attributes&) {
-            same_dtype(in);
-            return std::vector{like(*in[0], broadcast(in[0]->shape, in[1]->shape), any_requires_grad(in))};
-          }};
-}
-
-OpSchema unary(const std::string& name, bool needs_float = true) {
-  return {name, 1, 1, {}, [needs_float, name](const Metas& in, const Attributes&) {
-            if (needs_float) floating(*in[0], "the input");
-            return std::vector{like(*in[0], in[0]->shape, in[0]->requires_grad)};
-          }};
-}
-
-OpSchema scalar(const std::string& name) {
-  return {name, 1, 1, {{"value", AttrType::floating, true, {}}}, [](const Metas& in, const Attributes&) {
-            floating(*in[0], "the input");
-            return std::vector{like(*in[0], in[0]->shape, in[0]->requires_grad)};
-          }};
-}
-
 std::vector<OpSchema> builtin_ops() {
   std::vector<OpSchema> ops;
-  for (const char* n : {"add", "sub", "mul", "div"}) ops.push_back(binary(n));
-  // cast: the same values in another dtype, as Tensor.to(dtype) (round to nearest even for
-  // floats). The gradient is cast back to the input's dtype.
-  ops.push_back({"cast", 1, 1, {{"dtype", AttrType::string, true, {}}}, [](const Metas& in, const Attributes& a) {
-                   const auto& name = std::get<std::string>(a.at("dtype"));
-                   auto dtype = parse_dtype(name);
-                   if (!dtype) fail("dtype \"" + name + "\" is not one of f32, f64, f16, bf16, i32, i64, u8, bool");
-                   TensorMeta out = like(*in[0], in[0]->shape, in[0]->requires_grad && is_floating(*dtype));
-                   out.dtype = *dtype;
-                   return std::vector{out};
-                 }});
-  for (const char* n : {"add_scalar", "mul_scalar", "pow_scalar"}) ops.push_back(scalar(n));
 
   // embedding: weight[num, dim], indices (i64)[...] -> [..., dim]. padding_idx (-1: none), as
   // torch.nn.functional.embedding's: the forward is unchanged, the weight's gradient is zero on
@@ -233,9 +200,6 @@ std::vector<OpSchema> builtin_ops() {
                  }});
 
   // ---- Ops that gradients and the optimizer need ----
-  // value / x, min(x, value), value ** x
-  for (const char* n : {"rdiv_scalar", "clamp_max_scalar", "rpow_scalar"}) ops.push_back(scalar(n));
-  for (const char* n : {"zeros_like", "ones_like"}) ops.push_back(unary(n, false));
   // expand: broadcast to `shape` (as torch.Tensor.expand); sum_to, the reverse, is in
   // core/src/ops/reduction.cpp.
   ops.push_back({"expand", 1, 1, {{"shape", AttrType::ints, true, {}}}, [](const Metas& in, const Attributes& a) {
@@ -246,22 +210,9 @@ std::vector<OpSchema> builtin_ops() {
   // Backward ops: (grad_out, saved...) -> grad_in, with the ATen backward kernel of the same name.
   auto grad_like = [](int grad_input, int like_input) {
     return [=](const Metas& in, const Attributes&) {
-      same_dtype({in[0], in[static_cast<std::size_t>(like_input)]});
-      if (in[0]->shape != in[static_cast<std::size_t>(grad_input)]->shape) fail("grad and input shapes differ");
-      return std::vector{like(*in[static_cast<std::size_t>(like_input)], in[static_cast<std::size_t>(like_input)]->shape,
-                              any_requires_grad(in))};
+      return infer::grad_like(in, static_cast<std::size_t>(grad_input), static_cast<std::size_t>(like_input));
     };
   };
-  for (const char* n : {"relu_backward", "silu_backward"}) ops.push_back({n, 2, 2, {}, grad_like(1, 1)});
-  const AttrSpec approximate{"approximate", AttrType::string, false, std::string("none")};
-  auto check_approximate = [](const Attributes& a) {
-    const auto& v = std::get<std::string>(a.at("approximate"));
-    if (v != "none" && v != "tanh") fail("approximate must be \"none\" or \"tanh\", got \"" + v + "\"");
-  };
-  ops.push_back({"gelu_backward", 2, 2, {approximate}, [grad_like, check_approximate](const Metas& in, const Attributes& a) {
-                   check_approximate(a);
-                   return grad_like(1, 1)(in, a);
-                 }});
   // embedding_backward: grad[..., dim], indices[...] -> [num_weights, dim] (index_add of rows).
   ops.push_back({"embedding_backward", 2, 2, {{"num_weights", AttrType::integer, true, {}}, padding_idx}, [](const Metas& in, const Attributes& a) {
                    return std::vector{like(*in[0], Shape{std::get<std::int64_t>(a.at("num_weights")), in[0]->shape.back()},
@@ -444,6 +395,10 @@ std::vector<TensorMeta> scatter_dim(const Metas& in, const Attributes& a) {
   return std::vector{like(*in[0], s, in[0]->requires_grad)};
 }
 
+std::vector<TensorMeta> grad_like(const Metas& in, std::size_t grad_input, std::size_t like_input) {
+  same_dtype({in[0], in[like_input]});
+  if (in[0]->shape != in[grad_input]->shape) fail("grad and input shapes differ");
+  return std::vector{like(*in[like_input], in[like_input]->shape, any_requires_grad(in))};
 }  // namespace infer
 
 }  // namespace spmdx::ir

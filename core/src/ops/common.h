@@ -46,6 +46,14 @@ inline ir::InferFn same_as_input() {
   };
 }
 
+// gelu's and gelu_backward's `approximate`: "none" (x * Phi(x)) or "tanh", as
+// torch.nn.functional.gelu.
+inline ir::AttrSpec gelu_approximate() { return {"approximate", ir::AttrType::string, false, std::string("none")}; }
+inline void check_gelu_approximate(const Attributes& a) {
+  const auto& v = std::get<std::string>(a.at("approximate"));
+  if (v != "none" && v != "tanh") fail("approximate must be \"none\" or \"tanh\", got \"" + v + "\"");
+}
+
 // A 1-output elementwise op's record with one sample of these inputs.
 inline OpSchema elementwise(const std::string& name, int inputs, ir::InferFn infer, std::vector<ir::SampleInput> sample,
                             std::vector<ir::AttrSpec> attrs = {}) {

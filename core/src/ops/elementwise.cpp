@@ -76,11 +76,10 @@ SPMDX_OP([] {
   Op op = unary("gelu", [](Graph& g, const Node& n, const Grads& go) {
     return Grads{g.add("gelu_backward", {go[0], n.input(0)}, {{"approximate", n.attr_string("approximate")}})};
   });
-  op.schema.attrs = {{"approximate", ir::AttrType::string, false, std::string("none")}};
+  op.schema.attrs = {gelu_approximate()};
   op.schema.infer = [](const Metas& in, const Attributes& a) {
     floating(*in[0], "the input");
-    const auto& v = std::get<std::string>(a.at("approximate"));
-    if (v != "none" && v != "tanh") fail("approximate must be \"none\" or \"tanh\", got \"" + v + "\"");
+    check_gelu_approximate(a);
     return std::vector{like(*in[0], in[0]->shape, in[0]->requires_grad)};
   };
   op.schema.samples.push_back({"gelu_tanh", {{{4, 5}}}, {{"approximate", std::string("tanh")}}});

@@ -103,7 +103,7 @@ std::int64_t elem_bytes(const Value* v) { return static_cast<std::int64_t>(ir::e
 
 bool is_elementwise(const std::string& op) {
   if (const ir::OpSchema* s = ir::OpRegistry::global().find(op); s != nullptr && s->defined_by_record) return s->elementwise;
-  return in_place_ops().count(op) > 0 || op == "cast" || op == "zeros_like" || op == "ones_like";
+  return in_place_ops().count(op) > 0;
 }
 
 // The executor's step, replayed on buffers: who holds each one (values, calls in flight,
@@ -439,7 +439,6 @@ class Simulation {
     const std::string& op = n.op();
     auto bytes = [&](int i) { return n.input(i)->meta().nbytes(); };
     auto copy_if_strided = [&](int i) { return contiguous_value(n.input(i)) ? 0 : bytes(i); };
-    if (op == "rdiv_scalar") return bytes(0);           // the reciprocal before the multiply
     if ((op == "sdpa" || op == "sdpa_backward") && ir::tiled_attention(n)) return tiled_attention(n);
     if ((op == "sdpa" || op == "sdpa_backward") && ir::blocked_attention(n)) return blocked_attention(n);
     if (op == "rotary_embedding") return copy_if_strided(0);
@@ -599,10 +598,6 @@ class Simulation {
 const std::map<std::string, std::vector<int>>& in_place_ops() {
   static const std::map<std::string, std::vector<int>> ops = [] {
     std::map<std::string, std::vector<int>> m;
-    for (const char* op : {"add_scalar", "mul_scalar", "pow_scalar", "rdiv_scalar", "clamp_max_scalar"}) {
-      m[op] = {0};
-    }
-    for (const char* op : {"add", "sub", "mul", "div", "silu_backward", "relu_backward", "gelu_backward"}) m[op] = {0, 1};
     for (const auto& name : ir::OpRegistry::global().names()) {  // the records of core/src/ops/
       const ir::OpSchema& s = *ir::OpRegistry::global().find(name);
       if (s.defined_by_record) {

@@ -133,20 +133,6 @@ OpStrategy documents(OpStrategy s, bool has, const Placement& placement) {
 const std::map<std::string, Rule>& rules() {
   static const std::map<std::string, Rule> table = [] {
     std::map<std::string, Rule> r;
-    r["add"] = r["sub"] = [](const Node&, const auto& in, const auto& out, std::int64_t k) {
-      return pointwise(in, out, k, {{true, true}});
-    };
-    r["mul"] = [](const Node&, const auto& in, const auto& out, std::int64_t k) {
-      return pointwise(in, out, k, {{true, false}, {false, true}});
-    };
-    r["div"] = [](const Node&, const auto& in, const auto& out, std::int64_t k) { return pointwise(in, out, k, {{true, false}}); };
-    for (const char* op : {"add_scalar", "pow_scalar",
-                           "rdiv_scalar", "clamp_max_scalar", "rpow_scalar", "ones_like"}) {
-      r[op] = nonlinear();
-    }
-    // cast is linear up to rounding: a Partial sum stays one (as DTensor's to(dtype)).
-    for (const char* op : {"mul_scalar", "zeros_like", "cast"}) r[op] = linear_unary();
-    for (const char* op : {"relu_backward", "silu_backward", "gelu_backward"}) r[op] = linear_in_first();
 
     r["embedding"] = [](const Node&, const std::vector<Shape>& in, const std::vector<Shape>& out, std::int64_t k) {
       const Shape &w = in[0], &idx = in[1];

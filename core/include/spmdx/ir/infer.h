@@ -41,4 +41,7 @@ std::int64_t chunk_size(const Attributes& a, const char* key);
 /// piece of it (sizes[index]).
 std::vector<TensorMeta> scatter_dim(const Metas& in, const Attributes& a);
 
+/// A backward op's output (grad_out, saved...) -> grad_in: input `like_input`'s meta, once the
+/// gradient (input 0) has its dtype and input `grad_input`'s shape.
+std::vector<TensorMeta> grad_like(const Metas& in, std::size_t grad_input, std::size_t like_input);
 }  // namespace spmdx::ir::infer

@@ -79,6 +79,7 @@ struct SampleInput {
     constant,  ///< N(0, 1), no gradient taken (a mask, a saved value)
     value,     ///< every element `value`, no gradient taken (a hyperparameter: adamw's lr, step, found_inf)
     nonfinite, ///< N(0, 1) with one +inf, at flat element numel / 2 (found_inf); no gradient taken
+    nonnegative,  ///< max(N(0, 1), 0): a relu's output (relu_backward's saved y)
   };
   std::vector<std::int64_t> shape;
   Fill fill = Fill::normal;
