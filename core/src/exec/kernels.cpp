@@ -23,15 +23,6 @@ using ir::Node;
 
 Tensors one(at::Tensor t) { return {std::move(t)}; }
 
-std::int64_t wrap(std::int64_t dim, std::int64_t rank) { return dim < 0 ? dim + rank : dim; }
-
-// Python-style clamped slice bounds, as the slice op's shape inference.
-std::pair<std::int64_t, std::int64_t> slice_bounds(const Node& n, std::int64_t size) {
-  auto clamp = [&](std::int64_t i) { return std::clamp<std::int64_t>(i < 0 ? i + size : i, 0, size); };
-  const std::int64_t start = clamp(n.attr_int("start"));
-  return {start, std::max(start, clamp(n.attr_int("end")))};
-}
-
 // rms_norm(x) = x * rsqrt(mean(x^2, -1) + eps) * w  (Zhang & Sennrich 2019).
 at::Tensor rms_inv(const at::Tensor& x, double eps) { return at::rsqrt(x.pow(2).mean(-1, true) + eps); }
 
@@ -355,17 +346,6 @@ const std::map<std::string, Kernel>& kernels() {
       return one(at::matmul(x[0], x[1]));
     };
     k["linear"] = [](const Node&, const Tensors& x) { return one(cpu_linear(x[0], x[1])); };
-    k["embedding"] = [](const Node& n, const Tensors& x) { return one(at::embedding(x[0], x[1], n.attr_int("padding_idx"))); };
-    k["reshape"] = [](const Node& n, const Tensors& x) { return one(x[0].reshape(n.output()->meta().shape)); };
-    k["transpose"] = [](const Node& n, const Tensors& x) { return one(x[0].transpose(n.attr_int("dim0"), n.attr_int("dim1"))); };
-    k["permute"] = [](const Node& n, const Tensors& x) { return one(x[0].permute(n.attr_ints("dims"))); };
-    k["slice"] = [](const Node& n, const Tensors& x) {
-      const auto dim = wrap(n.attr_int("dim"), x[0].dim());
-      auto [start, end] = slice_bounds(n, x[0].size(dim));
-      return one(x[0].slice(dim, start, end, n.attr_int("step")));
-    };
-    k["cat"] = [](const Node& n, const Tensors& x) { return one(at::cat(x, n.attr_int("dim"))); };
-    k["expand"] = [](const Node& n, const Tensors& x) { return one(x[0].expand(n.attr_ints("shape"))); };
     k["sum_to"] = [](const Node& n, const Tensors& x) { return one(at::sum_to(x[0], n.attr_ints("shape"))); };
     // (x * rsqrt(mean(x^2) + eps)) * w, the product by w in place: no temporary beside the output.
     k["rms_norm"] = [](const Node& n, const Tensors& x) {
@@ -376,17 +356,6 @@ const std::map<std::string, Kernel>& kernels() {
     };
     k["layer_norm"] = [](const Node& n, const Tensors& x) {
       return one(at::layer_norm(x[0], {x[0].size(-1)}, x[1], x[2], n.attr_float("eps")));
-    };
-    // Pairs (x[2i], x[2i+1]) rotated by the angle whose cos and sin are given, as torchtitan's
-    // apply_rotary_emb with complex freqs_cis.
-    k["rotary_embedding"] = [](const Node&, const Tensors& x) {
-      // One complex multiply over (re, im) pairs, as torchtitan's apply_rotary_emb: six strided
-      // real kernels and a stack took 5% of a debugmodel step.
-      const auto b = x[0].size(0), s = x[0].size(1), h = x[0].size(2), d = x[0].size(3);
-      if (x[0].numel() == 0) return one(x[0].clone());
-      at::Tensor pairs = at::view_as_complex(x[0].contiguous().view({b, s, h, d / 2, 2}));
-      at::Tensor freqs = at::complex(x[1].contiguous(), x[2].contiguous()).view({1, s, 1, d / 2});
-      return one(at::view_as_real(pairs * freqs).view({b, s, h, d}));
     };
     // ATen's fused attention of the device (sdpa(), kernels.h): no [s, t] matrix kept.
     k["sdpa"] = [](const Node& n, const Tensors& x) {
@@ -400,19 +369,6 @@ const std::map<std::string, Kernel>& kernels() {
       std::int64_t rows = 1;  // explicit: a shard may hold 0 columns, which -1 cannot infer rows from
       for (std::int64_t d = 0; d + 1 < x[0].dim(); ++d) rows *= x[0].size(d);
       return one(at::mm(x[0].reshape({rows, x[0].size(-1)}).t(), x[1].reshape({rows, x[1].size(-1)})));
-    };
-    k["seq_permute"] = [](const Node& n, const Tensors& x) {
-      const std::int64_t dim = wrap(n.attr_int("dim"), x[0].dim()), chunks = n.attr_int("chunks");
-      const std::int64_t piece = x[0].size(dim) / chunks;
-      std::vector<std::int64_t> index(static_cast<std::size_t>(x[0].size(dim)));
-      for (std::int64_t j = 0; j < chunks; ++j) {
-        for (std::int64_t i = 0; i < piece; ++i) {
-          const std::int64_t to = j * piece + i, from = ir::balanced_piece(j, chunks) * piece + i;
-          if (n.attr_bool("inverse")) index[static_cast<std::size_t>(from)] = to;
-          else index[static_cast<std::size_t>(to)] = from;
-        }
-      }
-      return one(x[0].index_select(dim, at::tensor(index, at::TensorOptions().dtype(at::kLong)).to(x[0].device())));
     };
     k["cross_entropy"] = [](const Node& n, const Tensors& x) {
       const auto reduction = n.attr_string("reduction") == "sum" ? at::Reduction::Sum : at::Reduction::Mean;
@@ -460,9 +416,6 @@ const std::map<std::string, Kernel>& kernels() {
     };
     k["log_softmax_backward"] = [](const Node& n, const Tensors& x) {
       return one(at::_log_softmax_backward_data(x[0], x[1], n.attr_int("dim"), x[1].scalar_type()));
-    };
-    k["embedding_backward"] = [](const Node& n, const Tensors& x) {
-      return one(at::embedding_dense_backward(x[0], x[1], n.attr_int("num_weights"), n.attr_int("padding_idx"), false));
     };
     // d(CE)/d(logits) = softmax(logits) - onehot(target), rows of ignored targets 0, divided by
     // the count of the others for the mean.
@@ -524,20 +477,7 @@ const std::map<std::string, Kernel>& kernels() {
       return state;
     };
     // Local halves of redistribution (the collectives run in the comm layer, not here).
-    k["chunk"] = [](const Node& n, const Tensors& x) {
-      const auto& sizes = n.attr_ints("sizes");
-      const auto index = static_cast<std::size_t>(n.attr_int("index"));
-      std::int64_t start = 0;
-      for (std::size_t i = 0; i < index; ++i) start += sizes[i];
-      return one(x[0].narrow(wrap(n.attr_int("dim"), x[0].dim()), start, sizes[index]).contiguous());
-    };
     k["to_partial"] = [](const Node& n, const Tensors& x) { return one(n.attr_int("index") == 0 ? x[0] : at::zeros_like(x[0])); };
-    k["slice_backward"] = [](const Node& n, const Tensors& x) {
-      const auto& shape = n.attr_ints("input_shape");
-      const auto dim = wrap(n.attr_int("dim"), static_cast<std::int64_t>(shape.size()));
-      auto [start, end] = slice_bounds(n, shape[static_cast<std::size_t>(dim)]);
-      return one(at::slice_backward(x[0], shape, dim, start, end, n.attr_int("step")));
-    };
     return k;
   }();
   return table;

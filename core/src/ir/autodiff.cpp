@@ -103,43 +103,6 @@ const std::map<std::string, Rule>& rules() {
       Value* gw = g.add("matmul", {g.add("transpose", {g2}, {{"dim0", std::int64_t{0}}, {"dim1", std::int64_t{1}}}), x2});
       return Grads{gx, gw};
     };
-    r["embedding"] = [](Graph& g, const Node& n, const Grads& go) {
-      return Grads{g.add("embedding_backward", {go[0], n.input(1)}, {{"num_weights", n.input(0)->meta().shape[0]}, {"padding_idx", n.attr_int("padding_idx")}}),
-                   nullptr};
-    };
-    r["reshape"] = [](Graph& g, const Node& n, const Grads& go) {
-      return Grads{g.add("reshape", {go[0]}, {{"shape", n.input(0)->meta().shape}})};
-    };
-    r["transpose"] = [](Graph& g, const Node& n, const Grads& go) {
-      return Grads{g.add("transpose", {go[0]}, {{"dim0", n.attr_int("dim0")}, {"dim1", n.attr_int("dim1")}})};
-    };
-    r["permute"] = [](Graph& g, const Node& n, const Grads& go) {
-      const Shape& dims = n.attr_ints("dims");
-      Shape inverse(dims.size());
-      const auto rank = static_cast<std::int64_t>(dims.size());
-      for (std::size_t i = 0; i < dims.size(); ++i) {
-        inverse[static_cast<std::size_t>(dims[i] < 0 ? dims[i] + rank : dims[i])] = static_cast<std::int64_t>(i);
-      }
-      return Grads{g.add("permute", {go[0]}, {{"dims", inverse}})};
-    };
-    r["slice"] = [](Graph& g, const Node& n, const Grads& go) {
-      Attributes a = n.attrs();
-      a["input_shape"] = n.input(0)->meta().shape;
-      return Grads{g.add("slice_backward", {go[0]}, a)};
-    };
-    r["cat"] = [](Graph& g, const Node& n, const Grads& go) {
-      Grads out;
-      std::int64_t dim = n.attr_int("dim");
-      if (dim < 0) dim += n.input(0)->meta().rank();
-      std::int64_t offset = 0;
-      for (const Value* x : n.inputs()) {
-        const std::int64_t size = x->meta().shape[static_cast<std::size_t>(dim)];
-        out.push_back(g.add("slice", {go[0]}, {{"dim", dim}, {"start", offset}, {"end", offset + size}}));
-        offset += size;
-      }
-      return out;
-    };
-    r["expand"] = [](Graph& g, const Node& n, const Grads& go) { return Grads{reduce_to(g, go[0], n.input(0))}; };
     r["sum_to"] = [](Graph& g, const Node& n, const Grads& go) {
       return Grads{g.add("expand", {go[0]}, {{"shape", n.input(0)->meta().shape}})};
     };
@@ -151,15 +114,9 @@ const std::map<std::string, Rule>& rules() {
       Node* b = g.add_node("layer_norm_backward", {go[0], n.input(0), n.input(1), n.input(2)}, {{"eps", n.attr_float("eps")}});
       return Grads{b->output(0), b->output(1), b->output(2)};
     };
-    r["rotary_embedding"] = [](Graph& g, const Node& n, const Grads& go) {  // the inverse rotation
-      return Grads{g.add("rotary_embedding", {go[0], n.input(1), g.add("neg", {n.input(2)})}), nullptr, nullptr};
-    };
     r["sdpa"] = [](Graph& g, const Node& n, const Grads& go) {
       Node* b = g.add_node("sdpa_backward", {go[0], n.input(0), n.input(1), n.input(2), n.output(0), n.output(1)}, n.attrs());
       return Grads{b->output(0), b->output(1), b->output(2)};
-    };
-    r["seq_permute"] = [](Graph& g, const Node& n, const Grads& go) {  // the pieces put back
-      return Grads{g.add("seq_permute", {go[0]}, {{"dim", n.attr_int("dim")}, {"chunks", n.attr_int("chunks")}, {"inverse", !n.attr_bool("inverse")}})};
     };
     // The row maximum only steadies a logsumexp (loss_parallel.h): no gradient flows through it.
     r["amax_rows"] = [](Graph&, const Node&, const Grads&) { return Grads{nullptr}; };

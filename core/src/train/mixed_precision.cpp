@@ -11,9 +11,9 @@ namespace {
 using ir::DType;
 using ir::Value;
 
-// Autocast's lower-precision ops (matmuls, attention) and the embedding lookup, whose weight
-// FSDP2 casts with the others.
-const std::set<std::string> kLow{"matmul", "linear", "sdpa", "embedding"};
+// Autocast's lower-precision ops (matmuls, attention); the embedding lookup, whose weight FSDP2
+// casts with the others, says so in its record (core/src/ops/embedding.cpp).
+const std::set<std::string> kLow{"matmul", "linear", "sdpa"};
 // What torchtitan's model and loss compute in float32, and autocast's float32 reductions.
 const std::set<std::string> kFloat32{"rms_norm", "layer_norm", "softmax", "log_softmax", "cross_entropy", "sum", "mean"};
 // Of those, the ones whose output torchtitan casts back to the input's dtype (RMSNorm's

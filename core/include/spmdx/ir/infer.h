@@ -33,4 +33,13 @@ TensorMeta like(const TensorMeta& m, Shape shape, bool requires_grad);
 /// NumPy broadcasting, as torch.broadcast_shapes.
 Shape broadcast(const Shape& a, const Shape& b);
 
+/// The communication ops' `sizes` (each member's torch.chunk size along a dim) and `index`
+/// (this rank's position): their sum, and this rank's entry of a[key] (checked against it).
+std::int64_t sum_of(const Shape& sizes);
+std::int64_t at_index(const Attributes& a, const char* key);
+
+/// The inference of chunk and reduce_scatter: a full `dim` (the sum of sizes) becomes this
+/// rank's piece of it (sizes[index]).
+std::vector<TensorMeta> scatter_dim(const Metas& in, const Attributes& a);
+
 }  // namespace spmdx::ir::infer
