@@ -36,19 +36,6 @@ void indices(at::Tensor& t, std::int64_t n) { t = (t.abs() * 1000).to(at::kLong)
 std::vector<Case> cases() {
   auto idx1 = [](Tensors& x) { indices(x[1], 5); };
   return {
-      {"embedding", "embedding", {{5, 6}, {4, 6}}, {}, idx1},
-      {"embedding_backward", "embedding_backward", {{4, 6, 6}, {4, 6}}, {{"num_weights", std::int64_t{5}}}, idx1},
-      {"reshape_split", "reshape", {{4, 12}}, {{"shape", Shape{4, 4, 3}}}},
-      {"reshape_merge", "reshape", {{4, 6, 2}}, {{"shape", Shape{24, 2}}}},
-      {"reshape_flat", "reshape", {{4, 6}}, {{"shape", Shape{-1}}}},
-      {"transpose", "transpose", {{4, 6, 5}}, {{"dim0", std::int64_t{0}}, {"dim1", std::int64_t{2}}}},
-      {"permute", "permute", {{4, 6, 5}}, {{"dims", Shape{2, 0, 1}}}},
-      {"slice", "slice", {{4, 7}}, {{"dim", std::int64_t{1}}, {"start", std::int64_t{1}}, {"end", std::int64_t{6}}, {"step", std::int64_t{2}}}},
-      {"slice_backward", "slice_backward", {{4, 3}},
-       {{"input_shape", Shape{4, 7}}, {"dim", std::int64_t{1}}, {"start", std::int64_t{1}}, {"end", std::int64_t{6}}, {"step", std::int64_t{2}}}},
-      {"cat", "cat", {{4, 3}, {4, 1}}, {{"dim", std::int64_t{1}}}},
-      {"expand", "expand", {{4, 1}}, {{"shape", Shape{3, 4, 6}}}},
-      {"rotary_embedding", "rotary_embedding", {{4, 6, 4, 8}, {6, 4}, {6, 4}}, {}},
       {"sdpa", "sdpa", {{4, 4, 6, 8}, {4, 4, 6, 8}, {4, 4, 6, 8}}, {}},
       {"sdpa_backward", "sdpa_backward", {{4, 4, 6, 8}, {4, 4, 6, 8}, {4, 4, 6, 8}, {4, 4, 6, 8}, {4, 4, 6, 8}, {4, 4, 6}}, {},
        [](Tensors& x) {

@@ -23,15 +23,6 @@ using ir::Node;
 
 Tensors one(at::Tensor t) { return {std::move(t)}; }
 
-std::int64_t wrap(std::int64_t dim, std::int64_t rank) { return dim < 0 ? dim + rank : dim; }
-
-// Python-style clamped slice bounds, as the slice op's shape inference.
-std::pair<std::int64_t, std::int64_t> slice_bounds(const Node& n, std::int64_t size) {
-  auto clamp = [&](std::int64_t i) { return std::clamp<std::int64_t>(i < 0 ? i + size : i, 0, size); };
-  const std::int64_t start = clamp(n.attr_int("start"));
-  return {start, std::max(start, clamp(n.attr_int("end")))};
-}
-
 // The causal mask of scores [.., s, t]: true above the diagonal (key after query), as
 // PyTorch's is_causal (top-left aligned).
 at::Tensor future(const at::Tensor& scores) {
@@ -412,28 +403,6 @@ std::atomic<CpuMatmul>& cpu_matmul_setting() {
 const std::map<std::string, Kernel>& kernels() {
   static const std::map<std::string, Kernel> table = [] {
     std::map<std::string, Kernel> k;
-    k["embedding"] = [](const Node& n, const Tensors& x) { return one(at::embedding(x[0], x[1], n.attr_int("padding_idx"))); };
-    k["reshape"] = [](const Node& n, const Tensors& x) { return one(x[0].reshape(n.output()->meta().shape)); };
-    k["transpose"] = [](const Node& n, const Tensors& x) { return one(x[0].transpose(n.attr_int("dim0"), n.attr_int("dim1"))); };
-    k["permute"] = [](const Node& n, const Tensors& x) { return one(x[0].permute(n.attr_ints("dims"))); };
-    k["slice"] = [](const Node& n, const Tensors& x) {
-      const auto dim = wrap(n.attr_int("dim"), x[0].dim());
-      auto [start, end] = slice_bounds(n, x[0].size(dim));
-      return one(x[0].slice(dim, start, end, n.attr_int("step")));
-    };
-    k["cat"] = [](const Node& n, const Tensors& x) { return one(at::cat(x, n.attr_int("dim"))); };
-    k["expand"] = [](const Node& n, const Tensors& x) { return one(x[0].expand(n.attr_ints("shape"))); };
-    // Pairs (x[2i], x[2i+1]) rotated by the angle whose cos and sin are given, as torchtitan's
-    // apply_rotary_emb with complex freqs_cis.
-    k["rotary_embedding"] = [](const Node&, const Tensors& x) {
-      // One complex multiply over (re, im) pairs, as torchtitan's apply_rotary_emb: six strided
-      // real kernels and a stack took 5% of a debugmodel step.
-      const auto b = x[0].size(0), s = x[0].size(1), h = x[0].size(2), d = x[0].size(3);
-      if (x[0].numel() == 0) return one(x[0].clone());
-      at::Tensor pairs = at::view_as_complex(x[0].contiguous().view({b, s, h, d / 2, 2}));
-      at::Tensor freqs = at::complex(x[1].contiguous(), x[2].contiguous()).view({1, s, 1, d / 2});
-      return one(at::view_as_real(pairs * freqs).view({b, s, h, d}));
-    };
     // ATen's fused attention of the device (sdpa(), kernels.h): no [s, t] matrix kept.
     k["sdpa"] = [](const Node& n, const Tensors& x) {
       if (x[0].numel() == 0 || x[1].numel() == 0) {  // an empty shard: ATen's kernel divides by zero
@@ -443,18 +412,6 @@ const std::map<std::string, Kernel>& kernels() {
       if (ir::blocked_attention(n)) return blocked_attention(n, x[0], x[1], x[2]);
       return attend(x[0], x[1], x[2], n.attr_bool("causal"));
     };
-    k["seq_permute"] = [](const Node& n, const Tensors& x) {
-      const std::int64_t dim = wrap(n.attr_int("dim"), x[0].dim()), chunks = n.attr_int("chunks");
-      const std::int64_t piece = x[0].size(dim) / chunks;
-      std::vector<std::int64_t> index(static_cast<std::size_t>(x[0].size(dim)));
-      for (std::int64_t j = 0; j < chunks; ++j) {
-        for (std::int64_t i = 0; i < piece; ++i) {
-          const std::int64_t to = j * piece + i, from = ir::balanced_piece(j, chunks) * piece + i;
-          if (n.attr_bool("inverse")) index[static_cast<std::size_t>(from)] = to;
-          else index[static_cast<std::size_t>(to)] = from;
-        }
-      }
-      return one(x[0].index_select(dim, at::tensor(index, at::TensorOptions().dtype(at::kLong)).to(x[0].device())));
     };
     k["document_ids"] = [](const Node& n, const Tensors& x) {
       const std::int64_t chunks = n.attr_int("chunks"), seq = x[0].size(1);
@@ -466,8 +423,6 @@ const std::map<std::string, Kernel>& kernels() {
     };
 
     // ---- backward ops ----
-    k["embedding_backward"] = [](const Node& n, const Tensors& x) {
-      return one(at::embedding_dense_backward(x[0], x[1], n.attr_int("num_weights"), n.attr_int("padding_idx"), false));
     };
     k["sdpa_backward"] = [](const Node& n, const Tensors& x) {
       if (x[1].numel() == 0 || x[2].numel() == 0) return Tensors{at::zeros_like(x[1]), at::zeros_like(x[2]), at::zeros_like(x[3])};
@@ -476,19 +431,6 @@ const std::map<std::string, Kernel>& kernels() {
       return attend_backward(x[0], x[1], x[2], x[3], x[4], x[5], n.attr_bool("causal"));
     };
     // Local halves of redistribution (the collectives run in the comm layer, not here).
-    k["chunk"] = [](const Node& n, const Tensors& x) {
-      const auto& sizes = n.attr_ints("sizes");
-      const auto index = static_cast<std::size_t>(n.attr_int("index"));
-      std::int64_t start = 0;
-      for (std::size_t i = 0; i < index; ++i) start += sizes[i];
-      return one(x[0].narrow(wrap(n.attr_int("dim"), x[0].dim()), start, sizes[index]).contiguous());
-    };
-    k["slice_backward"] = [](const Node& n, const Tensors& x) {
-      const auto& shape = n.attr_ints("input_shape");
-      const auto dim = wrap(n.attr_int("dim"), static_cast<std::int64_t>(shape.size()));
-      auto [start, end] = slice_bounds(n, shape[static_cast<std::size_t>(dim)]);
-      return one(at::slice_backward(x[0], shape, dim, start, end, n.attr_int("step")));
-    };
     return k;
   }();
   return table;

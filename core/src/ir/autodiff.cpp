@@ -27,55 +27,12 @@ Attributes float_attr(double v) { return {{"value", v}}; }
 const std::map<std::string, Rule>& rules() {
   static const std::map<std::string, Rule> table = [] {
     std::map<std::string, Rule> r;
-    r["embedding"] = [](Graph& g, const Node& n, const Grads& go) {
-      return Grads{g.add("embedding_backward", {go[0], n.input(1)}, {{"num_weights", n.input(0)->meta().shape[0]}, {"padding_idx", n.attr_int("padding_idx")}}),
-                   nullptr};
-    };
-    r["reshape"] = [](Graph& g, const Node& n, const Grads& go) {
-      return Grads{g.add("reshape", {go[0]}, {{"shape", n.input(0)->meta().shape}})};
-    };
-    r["transpose"] = [](Graph& g, const Node& n, const Grads& go) {
-      return Grads{g.add("transpose", {go[0]}, {{"dim0", n.attr_int("dim0")}, {"dim1", n.attr_int("dim1")}})};
-    };
-    r["permute"] = [](Graph& g, const Node& n, const Grads& go) {
-      const Shape& dims = n.attr_ints("dims");
-      Shape inverse(dims.size());
-      const auto rank = static_cast<std::int64_t>(dims.size());
-      for (std::size_t i = 0; i < dims.size(); ++i) {
-        inverse[static_cast<std::size_t>(dims[i] < 0 ? dims[i] + rank : dims[i])] = static_cast<std::int64_t>(i);
-      }
-      return Grads{g.add("permute", {go[0]}, {{"dims", inverse}})};
-    };
-    r["slice"] = [](Graph& g, const Node& n, const Grads& go) {
-      Attributes a = n.attrs();
-      a["input_shape"] = n.input(0)->meta().shape;
-      return Grads{g.add("slice_backward", {go[0]}, a)};
-    };
-    r["cat"] = [](Graph& g, const Node& n, const Grads& go) {
-      Grads out;
-      std::int64_t dim = n.attr_int("dim");
-      if (dim < 0) dim += n.input(0)->meta().rank();
-      std::int64_t offset = 0;
-      for (const Value* x : n.inputs()) {
-        const std::int64_t size = x->meta().shape[static_cast<std::size_t>(dim)];
-        out.push_back(g.add("slice", {go[0]}, {{"dim", dim}, {"start", offset}, {"end", offset + size}}));
-        offset += size;
-      }
-      return out;
-    };
-    r["expand"] = [](Graph& g, const Node& n, const Grads& go) { return Grads{reduce_to(g, go[0], n.input(0))}; };
-    r["rotary_embedding"] = [](Graph& g, const Node& n, const Grads& go) {  // the inverse rotation
-      return Grads{g.add("rotary_embedding", {go[0], n.input(1), g.add("neg", {n.input(2)})}), nullptr, nullptr};
-    };
     r["sdpa"] = [](Graph& g, const Node& n, const Grads& go) {
       std::vector<Value*> in{go[0], n.input(0), n.input(1), n.input(2), n.output(0), n.output(1)};
       if (n.inputs().size() == 4) in.push_back(n.input(3));  // the documents (block_causal): no gradient
       Node* b = g.add_node("sdpa_backward", in, n.attrs());
       if (n.inputs().size() == 4) return Grads{b->output(0), b->output(1), b->output(2), nullptr};
       return Grads{b->output(0), b->output(1), b->output(2)};
-    };
-    r["seq_permute"] = [](Graph& g, const Node& n, const Grads& go) {  // the pieces put back
-      return Grads{g.add("seq_permute", {go[0]}, {{"dim", n.attr_int("dim")}, {"chunks", n.attr_int("chunks")}, {"inverse", !n.attr_bool("inverse")}})};
     };
     return r;
   }();

@@ -20,115 +20,6 @@ using namespace infer;
 std::vector<OpSchema> builtin_ops() {
   std::vector<OpSchema> ops;
 
-  // embedding: weight[num, dim], indices (i64)[...] -> [..., dim]. padding_idx (-1: none), as
-  // torch.nn.functional.embedding's: the forward is unchanged, the weight's gradient is zero on
-  // that row (ATen's embedding_dense_backward).
-  const AttrSpec padding_idx{"padding_idx", AttrType::integer, false, std::int64_t{-1}};
-  ops.push_back({"embedding", 2, 2, {padding_idx}, [](const Metas& in, const Attributes& a) {
-                   if (in[0]->rank() != 2) fail("the weight must be [num_embeddings, dim]");
-                   const std::int64_t pad = std::get<std::int64_t>(a.at("padding_idx"));
-                   if (pad < -1 || pad >= in[0]->shape[0]) {
-                     fail("padding_idx " + std::to_string(pad) + " is not a row of the weight [" + std::to_string(in[0]->shape[0]) + ", ...] (-1 for none)");
-                   }
-                   if (in[1]->dtype != DType::i64 && in[1]->dtype != DType::i32) fail("indices must be i64 or i32");
-                   Shape out = in[1]->shape;
-                   out.push_back(in[0]->shape[1]);
-                   return std::vector{like(*in[0], out, in[0]->requires_grad)};
-                 }});
-  // reshape: one entry may be -1, as torch.reshape.
-  ops.push_back({"reshape", 1, 1, {{"shape", AttrType::ints, true, {}}}, [](const Metas& in, const Attributes& a) {
-                   Shape shape = std::get<Shape>(a.at("shape"));
-                   std::int64_t known = 1;
-                   int infer_at = -1;
-                   for (std::size_t i = 0; i < shape.size(); ++i) {
-                     if (shape[i] == -1) {
-                       if (infer_at >= 0) fail("only one -1 allowed in shape " + shape_str(shape));
-                       infer_at = static_cast<int>(i);
-                     } else if (shape[i] < 0) {
-                       fail("negative size in shape " + shape_str(shape));
-                     } else {
-                       known *= shape[i];
-                     }
-                   }
-                   const std::int64_t n = in[0]->numel();
-                   if (infer_at >= 0) {
-                     if (known == 0 || n % known != 0) fail("cannot reshape " + shape_str(in[0]->shape) + " to " + shape_str(shape));
-                     shape[static_cast<std::size_t>(infer_at)] = n / known;
-                   } else if (known != n) {
-                     fail("cannot reshape " + shape_str(in[0]->shape) + " (" + std::to_string(n) + " elements) to " +
-                          shape_str(shape));
-                   }
-                   return std::vector{like(*in[0], shape, in[0]->requires_grad)};
-                 }});
-  ops.push_back({"transpose", 1, 1,
-                 {{"dim0", AttrType::integer, true, {}}, {"dim1", AttrType::integer, true, {}}},
-                 [](const Metas& in, const Attributes& a) {
-                   Shape s = in[0]->shape;
-                   auto d0 = wrap_dim(std::get<std::int64_t>(a.at("dim0")), in[0]->rank());
-                   auto d1 = wrap_dim(std::get<std::int64_t>(a.at("dim1")), in[0]->rank());
-                   std::swap(s[d0], s[d1]);
-                   return std::vector{like(*in[0], s, in[0]->requires_grad)};
-                 }});
-  ops.push_back({"permute", 1, 1, {{"dims", AttrType::ints, true, {}}}, [](const Metas& in, const Attributes& a) {
-                   const Shape& dims = std::get<Shape>(a.at("dims"));
-                   if (static_cast<std::int64_t>(dims.size()) != in[0]->rank()) {
-                     fail("dims " + shape_str(dims) + " do not match rank " + std::to_string(in[0]->rank()));
-                   }
-                   Shape out;
-                   std::vector<bool> seen(dims.size(), false);
-                   for (auto d : dims) {
-                     auto w = wrap_dim(d, in[0]->rank());
-                     if (seen[w]) fail("dims " + shape_str(dims) + " repeat a dim");
-                     seen[w] = true;
-                     out.push_back(in[0]->shape[w]);
-                   }
-                   return std::vector{like(*in[0], out, in[0]->requires_grad)};
-                 }});
-  // slice: [start, end) with step along dim; start/end clamped as Python slicing.
-  ops.push_back({"slice", 1, 1,
-                 {{"dim", AttrType::integer, true, {}},
-                  {"start", AttrType::integer, false, std::int64_t{0}},
-                  {"end", AttrType::integer, true, {}},
-                  {"step", AttrType::integer, false, std::int64_t{1}}},
-                 [](const Metas& in, const Attributes& a) {
-                   Shape s = in[0]->shape;
-                   if (s.empty()) fail("cannot slice a scalar");
-                   auto d = wrap_dim(std::get<std::int64_t>(a.at("dim")), in[0]->rank());
-                   const std::int64_t size = s[d];
-                   auto clamp = [&](std::int64_t i) { return std::clamp<std::int64_t>(i < 0 ? i + size : i, 0, size); };
-                   const std::int64_t start = clamp(std::get<std::int64_t>(a.at("start")));
-                   const std::int64_t end = clamp(std::get<std::int64_t>(a.at("end")));
-                   const std::int64_t step = std::get<std::int64_t>(a.at("step"));
-                   if (step <= 0) fail("step must be positive, got " + std::to_string(step));
-                   s[d] = end > start ? (end - start + step - 1) / step : 0;
-                   return std::vector{like(*in[0], s, in[0]->requires_grad)};
-                 }});
-  ops.push_back({"cat", 1, -1, {{"dim", AttrType::integer, false, std::int64_t{0}}}, [](const Metas& in, const Attributes& a) {
-                   same_dtype(in);
-                   Shape out = in[0]->shape;
-                   auto d = wrap_dim(std::get<std::int64_t>(a.at("dim")), in[0]->rank());
-                   for (std::size_t i = 1; i < in.size(); ++i) {
-                     const Shape& s = in[i]->shape;
-                     for (std::size_t j = 0; j < out.size(); ++j) {
-                       if (s.size() != out.size() || (static_cast<std::int64_t>(j) != d && s[j] != out[j])) {
-                         fail("input " + std::to_string(i) + " " + shape_str(s) + " does not match " +
-                              shape_str(in[0]->shape) + " outside dim " + std::to_string(d));
-                       }
-                     }
-                     out[d] += s[d];
-                   }
-                   return std::vector{like(*in[0], out, any_requires_grad(in))};
-                 }});
-  // rotary_embedding: x[b, s, h, d] with cos, sin [s, d/2]; rotates pairs (x[2i], x[2i+1]),
-  // as torchtitan's apply_rotary_emb (Su et al. 2021, RoFormer).
-  ops.push_back({"rotary_embedding", 3, 3, {}, [](const Metas& in, const Attributes&) {
-                   same_dtype(in);
-                   const Shape& x = in[0]->shape;
-                   if (x.size() != 4 || x[3] % 2 != 0) fail("x must be [batch, seq, heads, head_dim] with an even head_dim");
-                   const Shape want{x[1], x[3] / 2};
-                   if (in[1]->shape != want || in[2]->shape != want) fail("cos and sin must be " + shape_str(want));
-                   return std::vector{like(*in[0], x, in[0]->requires_grad)};
-                 }});
   // Scaled dot-product attention: q[b, h, s, d], k and v [b, h, t, d] -> out [b, h, s, d] =
   // softmax(q k^T / sqrt(d) [+ causal mask, top-left aligned]) v, and its row logsumexp
   // [b, h, s] for the backward pass (as torch's flash attention; f32 for f16/bf16 inputs).
@@ -168,23 +59,6 @@ std::vector<OpSchema> builtin_ops() {
                    if (lse.dtype == DType::f16 || lse.dtype == DType::bf16) lse.dtype = DType::f32;
                    return std::vector{like(*in[0], q, any_requires_grad(in)), lse};
                  }});
-  // seq_permute: x -> x with dim `dim` cut into `chunks` equal pieces put in load-balanced
-  // order for causal attention: piece 0, chunks - 1, 1, chunks - 2, ... (Llama 3's context
-  // parallelism, torch's _HeadTailLoadBalancer: with chunks = 2 cp, rank r of cp holds pieces r
-  // and 2 cp - 1 - r of the sequence, as much work as any other rank). inverse = true puts
-  // them back.
-  ops.push_back({"seq_permute", 1, 1,
-                 {{"dim", AttrType::integer, true, std::int64_t{0}},
-                  {"chunks", AttrType::integer, true, std::int64_t{2}},
-                  {"inverse", AttrType::boolean, false, false}},
-                 [](const Metas& in, const Attributes& a) {
-                   const std::int64_t dim = wrap_dim(std::get<std::int64_t>(a.at("dim")), in[0]->rank());
-                   const std::int64_t chunks = std::get<std::int64_t>(a.at("chunks"));
-                   if (chunks < 1 || in[0]->shape[static_cast<std::size_t>(dim)] % chunks != 0) {
-                     fail("chunks " + std::to_string(chunks) + " does not divide dim " + std::to_string(dim) + " of " + in[0]->str());
-                   }
-                   return std::vector{*in[0]};
-                 }});
   // document_ids: tokens (i64)[b, s] -> i64 [b, s], the document of each position: how many
   // `eos` tokens come before it in its row (torchtitan's get_document_mask_mod: an EOS belongs
   // to the document it ends), for sdpa's documents input (block_causal). With chunks > 1 the
@@ -202,22 +76,14 @@ std::vector<OpSchema> builtin_ops() {
   // ---- Ops that gradients and the optimizer need ----
   // expand: broadcast to `shape` (as torch.Tensor.expand); sum_to, the reverse, is in
   // core/src/ops/reduction.cpp.
-  ops.push_back({"expand", 1, 1, {{"shape", AttrType::ints, true, {}}}, [](const Metas& in, const Attributes& a) {
-                   const Shape& shape = std::get<Shape>(a.at("shape"));
-                   if (broadcast(in[0]->shape, shape) != shape) fail("cannot expand " + shape_str(in[0]->shape) + " to " + shape_str(shape));
-                   return std::vector{like(*in[0], shape, in[0]->requires_grad)};
-                 }});
+  // sum_to: the reverse of expand (core/src/ops/shape.cpp), summing the broadcast dims away
+  // (as at::sum_to).
   // Backward ops: (grad_out, saved...) -> grad_in, with the ATen backward kernel of the same name.
   auto grad_like = [](int grad_input, int like_input) {
     return [=](const Metas& in, const Attributes&) {
       return infer::grad_like(in, static_cast<std::size_t>(grad_input), static_cast<std::size_t>(like_input));
     };
   };
-  // embedding_backward: grad[..., dim], indices[...] -> [num_weights, dim] (index_add of rows).
-  ops.push_back({"embedding_backward", 2, 2, {{"num_weights", AttrType::integer, true, {}}, padding_idx}, [](const Metas& in, const Attributes& a) {
-                   return std::vector{like(*in[0], Shape{std::get<std::int64_t>(a.at("num_weights")), in[0]->shape.back()},
-                                           in[0]->requires_grad)};
-                 }});
   // sdpa_backward: grad, q, k, v, out, logsumexp [, documents] -> (grad_q, grad_k, grad_v).
   ops.push_back({"sdpa_backward", 6, 7, attention_attrs, [](const Metas& in, const Attributes&) {
                    return std::vector{like(*in[1], in[1]->shape, true), like(*in[2], in[2]->shape, true),
@@ -227,19 +93,6 @@ std::vector<OpSchema> builtin_ops() {
   // Replicate -> Shard, has their attributes: sizes, the chunk sizes of all group members along
   // `dim` (torch.chunk), and index, this rank's position in the group.
   const AttrSpec index{"index", AttrType::integer, true, {}};
-  // chunk (local, Replicate -> Shard): this rank's torch.chunk piece of `dim`.
-  ops.push_back({"chunk", 1, 1, {{"dim", AttrType::integer, true, {}}, {"sizes", AttrType::ints, true, {}}, index},
-                 scatter_dim});
-  // slice_backward: grad of a slice -> zeros of input_shape with grad written into the slice.
-  ops.push_back({"slice_backward", 1, 1,
-                 {{"input_shape", AttrType::ints, true, {}},
-                  {"dim", AttrType::integer, true, {}},
-                  {"start", AttrType::integer, false, std::int64_t{0}},
-                  {"end", AttrType::integer, true, {}},
-                  {"step", AttrType::integer, false, std::int64_t{1}}},
-                 [](const Metas& in, const Attributes& a) {
-                   return std::vector{like(*in[0], std::get<Shape>(a.at("input_shape")), in[0]->requires_grad)};
-                 }});
   return ops;
 }
 
@@ -380,7 +233,7 @@ Shape broadcast(const Shape& a, const Shape& b) {
 
 std::int64_t sum_of(const Shape& sizes) { return std::accumulate(sizes.begin(), sizes.end(), std::int64_t{0}); }
 
-std::int64_t chunk_size(const Attributes& a, const char* key) {
+std::int64_t at_index(const Attributes& a, const char* key) {
   const Shape& sizes = std::get<Shape>(a.at(key));
   const auto index = std::get<std::int64_t>(a.at("index"));
   if (index < 0 || index >= static_cast<std::int64_t>(sizes.size())) fail("index " + std::to_string(index) + " outside " + key);
@@ -391,7 +244,7 @@ std::vector<TensorMeta> scatter_dim(const Metas& in, const Attributes& a) {
   Shape s = in[0]->shape;
   auto d = static_cast<std::size_t>(wrap_dim(std::get<std::int64_t>(a.at("dim")), in[0]->rank()));
   if (s[d] != sum_of(std::get<Shape>(a.at("sizes")))) fail("dim " + std::to_string(d) + " is not the sum of sizes");
-  s[d] = chunk_size(a, "sizes");
+  s[d] = at_index(a, "sizes");
   return std::vector{like(*in[0], s, in[0]->requires_grad)};
 }
 
@@ -399,6 +252,8 @@ std::vector<TensorMeta> grad_like(const Metas& in, std::size_t grad_input, std::
   same_dtype({in[0], in[like_input]});
   if (in[0]->shape != in[grad_input]->shape) fail("grad and input shapes differ");
   return std::vector{like(*in[like_input], in[like_input]->shape, any_requires_grad(in))};
+}
+
 }  // namespace infer
 
 }  // namespace spmdx::ir

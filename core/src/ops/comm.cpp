@@ -41,7 +41,7 @@ SPMDX_OP(comm("all_gather", 1, {kMeshDim, {"dim", ir::AttrType::integer, true, {
               [](const Metas& in, const Attributes& a) {
                 Shape s = in[0]->shape;
                 auto d = static_cast<std::size_t>(wrap_dim(std::get<std::int64_t>(a.at("dim")), in[0]->rank()));
-                if (s[d] != chunk_size(a, "sizes")) fail("the local dim " + std::to_string(d) + " is not this rank's chunk size");
+                if (s[d] != at_index(a, "sizes")) fail("the local dim " + std::to_string(d) + " is not this rank's chunk size");
                 s[d] = sum_of(std::get<Shape>(a.at("sizes")));
                 return std::vector{like(*in[0], s, in[0]->requires_grad)};
               }))
@@ -59,11 +59,11 @@ SPMDX_OP(comm("all_to_all", 1,
                 Shape s = in[0]->shape;
                 auto g = static_cast<std::size_t>(wrap_dim(std::get<std::int64_t>(a.at("gather_dim")), in[0]->rank()));
                 auto c = static_cast<std::size_t>(wrap_dim(std::get<std::int64_t>(a.at("scatter_dim")), in[0]->rank()));
-                if (s[g] != chunk_size(a, "gather_sizes") || s[c] != sum_of(std::get<Shape>(a.at("scatter_sizes")))) {
+                if (s[g] != at_index(a, "gather_sizes") || s[c] != sum_of(std::get<Shape>(a.at("scatter_sizes")))) {
                   fail("local shape does not match gather_sizes / scatter_sizes");
                 }
                 s[g] = sum_of(std::get<Shape>(a.at("gather_sizes")));
-                s[c] = chunk_size(a, "scatter_sizes");
+                s[c] = at_index(a, "scatter_sizes");
                 return std::vector{like(*in[0], s, in[0]->requires_grad)};
               }))
 

@@ -9,6 +9,7 @@
 #include "spmdx/ir/graph.h"
 #include "spmdx/ir/infer.h"
 #include "spmdx/ir/ops.h"
+#include "spmdx/ir/strides.h"
 #include "spmdx/ops/define.h"
 #include "spmdx/sharding/rules.h"
 

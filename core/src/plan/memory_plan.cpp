@@ -9,6 +9,7 @@
 #include <unordered_set>
 
 #include "spmdx/ir/ops.h"
+#include "spmdx/ir/strides.h"
 #include "spmdx/sharding/redistribute.h"
 #include "spmdx/text.h"
 
@@ -23,11 +24,7 @@ using Strides = std::vector<std::int64_t>;
 // What a buffer holds, for the breakdown at the peak; a later kind outranks an earlier one.
 enum class Kind { activation, communication, gradient, optimizer_state, parameter };
 
-Strides contiguous(const Shape& shape) {
-  Strides s(shape.size(), 1);
-  for (std::size_t d = shape.size(); d-- > 1;) s[d - 1] = s[d] * std::max<std::int64_t>(shape[d], 1);
-  return s;
-}
+Strides contiguous(const Shape& shape) { return ir::contiguous_strides(shape); }
 
 using ir::dense_like;
 
@@ -57,47 +54,7 @@ bool is_dense(const Shape& shape, const Strides& strides) {
   return true;
 }
 
-// The strides of a view of (old_shape, old_strides) as new_shape, or none when reshape must
-// copy: ATen's computeStride (aten/src/ATen/TensorUtils.cpp).
-std::optional<Strides> view_strides(const Shape& old_shape, const Strides& old_strides, const Shape& new_shape) {
-  std::int64_t numel = 1;
-  for (auto d : old_shape) numel *= d;
-  if (numel == 0 || old_shape.empty()) return contiguous(new_shape);
-  Strides out(new_shape.size(), 1);
-  std::int64_t view_d = static_cast<std::int64_t>(new_shape.size()) - 1;
-  std::int64_t chunk_base = old_strides.back(), tensor_numel = 1, view_numel = 1;
-  for (std::int64_t t = static_cast<std::int64_t>(old_shape.size()) - 1; t >= 0; --t) {
-    tensor_numel *= old_shape[static_cast<std::size_t>(t)];
-    const auto prev = static_cast<std::size_t>(t - 1);
-    if (t == 0 || (old_shape[prev] != 1 && old_strides[prev] != tensor_numel * chunk_base)) {
-      while (view_d >= 0 && (view_numel < tensor_numel || new_shape[static_cast<std::size_t>(view_d)] == 1)) {
-        out[static_cast<std::size_t>(view_d)] = view_numel * chunk_base;
-        view_numel *= new_shape[static_cast<std::size_t>(view_d)];
-        --view_d;
-      }
-      if (view_numel != tensor_numel) return std::nullopt;
-      if (t > 0) {
-        chunk_base = old_strides[prev];
-        tensor_numel = 1;
-        view_numel = 1;
-      }
-    }
-  }
-  if (view_d != -1) return std::nullopt;
-  return out;
-}
-
-std::int64_t wrap(std::int64_t dim, std::size_t rank) { return dim < 0 ? dim + static_cast<std::int64_t>(rank) : dim; }
-
-// True when moving `dim` of a contiguous tensor of `shape` to the front keeps it contiguous
-// (every dim before it has size 1): the lowering's movedim(dim, 0).contiguous() is a view.
-bool front_is_view(const Shape& shape, std::int64_t dim) {
-  dim = wrap(dim, shape.size());
-  for (std::int64_t d = 0; d < dim; ++d) {
-    if (shape[static_cast<std::size_t>(d)] != 1) return false;
-  }
-  return true;
-}
+using ir::front_is_view;  // the collectives' movedim(dim, 0).contiguous()
 
 std::int64_t elem_bytes(const Value* v) { return static_cast<std::int64_t>(ir::element_size(v->meta().dtype)); }
 
@@ -328,38 +285,6 @@ class Simulation {
     if (const ir::OpSchema* r = ir::OpRegistry::global().find(op); r != nullptr && r->defined_by_record && r->layout) {
       if (auto l = r->layout(n, k, query(n))) return {l->strides, l->view};
     }
-    if (op == "transpose") {
-      Strides s = strides(x);
-      std::swap(s[static_cast<std::size_t>(wrap(n.attr_int("dim0"), s.size()))], s[static_cast<std::size_t>(wrap(n.attr_int("dim1"), s.size()))]);
-      return {s, true};
-    }
-    if (op == "permute") {
-      const Strides& in = strides(x);
-      Strides s;
-      for (auto d : n.attr_ints("dims")) s.push_back(in[static_cast<std::size_t>(wrap(d, in.size()))]);
-      return {s, true};
-    }
-    if (op == "slice") {
-      Strides s = strides(x);
-      s[static_cast<std::size_t>(wrap(n.attr_int("dim"), s.size()))] *= n.attr_int("step");
-      return {s, true};
-    }
-    if (op == "expand") {
-      const Shape& in_shape = x->meta().shape;
-      const Strides& in = strides(x);
-      Strides s(shape.size(), 0);
-      const std::size_t lead = shape.size() - in_shape.size();
-      for (std::size_t d = 0; d < in_shape.size(); ++d) s[lead + d] = in_shape[d] == shape[lead + d] ? in[d] : 0;
-      return {s, true};
-    }
-    if (op == "reshape") {
-      if (auto s = view_strides(x->meta().shape, strides(x), shape)) return {*s, true};
-      return {contiguous(shape), false};
-    }
-    if (op == "chunk") {  // narrow(...).contiguous(): a view when the narrowed block is contiguous
-      if (contiguous_value(x) && front_is_view(x->meta().shape, n.attr_int("dim"))) return {contiguous(shape), true};
-      return {contiguous(shape), false};
-    }
     if (op == "sdpa") {  // ATen's CPU flash attention: out laid out as q; logsumexp as [b, s, h]
       if (k == 0) return {dense_like(shape, strides(x)), false};
       return {dense_like(shape, Strides{shape[1] * shape[2], 1, shape[1]}), false};
@@ -441,7 +366,6 @@ class Simulation {
     auto copy_if_strided = [&](int i) { return contiguous_value(n.input(i)) ? 0 : bytes(i); };
     if ((op == "sdpa" || op == "sdpa_backward") && ir::tiled_attention(n)) return tiled_attention(n);
     if ((op == "sdpa" || op == "sdpa_backward") && ir::blocked_attention(n)) return blocked_attention(n);
-    if (op == "rotary_embedding") return copy_if_strided(0);
     return 0;
   }
 

@@ -84,36 +84,6 @@ namespace {
 
 using namespace rule;
 
-// Maps a shard of input dim `d` through a reshape, or -1 when the shard does not stay a
-// contiguous shard of one output dim. Groups of dims with equal products: only the outermost
-// non-1 dim of a group may be sharded, evenly unless the group is a single dim on each side.
-std::int64_t reshape_dim(const Shape& in, const Shape& out, std::int64_t d, std::int64_t k) {
-  std::size_t i = 0, j = 0;
-  while (i < in.size() || j < out.size()) {
-    while (i < in.size() && in[i] == 1 && static_cast<std::int64_t>(i) != d) ++i;
-    while (j < out.size() && out[j] == 1) ++j;
-    if (i >= in.size() || j >= out.size()) break;
-    const std::size_t i0 = i, j0 = j;
-    std::int64_t a = in[i++], b = out[j++];
-    while (a != b) {
-      if (a < b) {
-        if (i >= in.size()) return -1;
-        a *= in[i++];
-      } else {
-        if (j >= out.size()) return -1;
-        b *= out[j++];
-      }
-    }
-    if (static_cast<std::int64_t>(i0) == d) {
-      const bool single = i - i0 == 1 && j - j0 == 1;
-      if (single || (in[i0] % k == 0 && out[j0] % k == 0)) return static_cast<std::int64_t>(j0);
-      return -1;
-    }
-    if (static_cast<std::int64_t>(i0) < d && d < static_cast<std::int64_t>(i)) return -1;  // an inner dim of a group
-  }
-  return -1;
-}
-
 // Whether attention's query rows (`rows` of them as this mesh dim sees q) may be split k ways:
 // evenly, and for a load-balanced sequence (chunks > 1) in whole pieces.
 bool query_rows_split(const Node& n, std::int64_t rows, std::int64_t k) {
@@ -134,89 +104,6 @@ const std::map<std::string, Rule>& rules() {
   static const std::map<std::string, Rule> table = [] {
     std::map<std::string, Rule> r;
 
-    r["embedding"] = [](const Node&, const std::vector<Shape>& in, const std::vector<Shape>& out, std::int64_t k) {
-      const Shape &w = in[0], &idx = in[1];
-      Strategies s{all(R, 2, 1)};
-      for (std::size_t d = 0; d < idx.size(); ++d) {
-        if (idx[d] >= k) s.push_back({{R, S(static_cast<std::int64_t>(d))}, {S(static_cast<std::int64_t>(d))}});
-      }
-      if (w[1] >= k) s.push_back({{S(1), R}, {S(static_cast<std::int64_t>(out[0].size()) - 1)}});
-      return s;
-    };
-    r["embedding_backward"] = [](const Node&, const std::vector<Shape>& in, const std::vector<Shape>& out, std::int64_t k) {
-      const Shape &g = in[0], &idx = in[1];
-      Strategies s{all(R, 2, 1)};
-      for (std::size_t d = 0; d < idx.size(); ++d) {
-        if (idx[d] >= k) s.push_back({{S(static_cast<std::int64_t>(d)), S(static_cast<std::int64_t>(d))}, {P}});
-      }
-      if (g.back() >= k) s.push_back({{S(static_cast<std::int64_t>(g.size()) - 1), R}, {S(1)}});
-      s.push_back({{P, R}, {P}});
-      (void)out;
-      return s;
-    };
-    r["reshape"] = [](const Node&, const std::vector<Shape>& in, const std::vector<Shape>& out, std::int64_t k) {
-      Strategies s{all(R, 1, 1)};
-      for (std::size_t d = 0; d < in[0].size(); ++d) {
-        if (in[0][d] < k) continue;
-        const std::int64_t to = reshape_dim(in[0], out[0], static_cast<std::int64_t>(d), k);
-        if (to >= 0) s.push_back({{S(static_cast<std::int64_t>(d))}, {S(to)}});
-      }
-      s.push_back({{P}, {P}});
-      return s;
-    };
-    auto permutation = [](const Node& n, std::size_t rank) {
-      std::vector<std::int64_t> perm(rank);  // output dim i comes from input dim perm[i]
-      for (std::size_t i = 0; i < rank; ++i) perm[i] = static_cast<std::int64_t>(i);
-      if (n.op() == "transpose") {
-        std::swap(perm[static_cast<std::size_t>(wrap(n.attr_int("dim0"), rank))], perm[static_cast<std::size_t>(wrap(n.attr_int("dim1"), rank))]);
-      } else {
-        for (std::size_t i = 0; i < rank; ++i) perm[i] = wrap(n.attr_ints("dims")[i], rank);
-      }
-      return perm;
-    };
-    r["transpose"] = r["permute"] = [permutation](const Node& n, const std::vector<Shape>& in, const std::vector<Shape>&, std::int64_t k) {
-      Strategies s{all(R, 1, 1)};
-      const auto perm = permutation(n, in[0].size());
-      for (std::size_t i = 0; i < perm.size(); ++i) {
-        if (in[0][static_cast<std::size_t>(perm[i])] >= k) s.push_back({{S(perm[i])}, {S(static_cast<std::int64_t>(i))}});
-      }
-      s.push_back({{P}, {P}});
-      return s;
-    };
-    r["slice"] = [](const Node& n, const std::vector<Shape>& in, const std::vector<Shape>& out, std::int64_t k) {
-      Strategies s = same_dim(in, out, k, {wrap(n.attr_int("dim"), in[0].size())}, in[0].size());
-      s.push_back({{P}, {P}});
-      return s;
-    };
-    r["slice_backward"] = [](const Node& n, const std::vector<Shape>& in, const std::vector<Shape>& out, std::int64_t k) {
-      Strategies s = same_dim(in, out, k, {wrap(n.attr_int("dim"), out[0].size())}, out[0].size());
-      s.push_back({{P}, {P}});
-      return s;
-    };
-    r["cat"] = [](const Node& n, const std::vector<Shape>& in, const std::vector<Shape>& out, std::int64_t k) {
-      Strategies s = same_dim(in, out, k, {wrap(n.attr_int("dim"), in[0].size())}, in[0].size());
-      s.push_back(all(P, in.size(), 1));
-      return s;
-    };
-    r["expand"] = [](const Node&, const std::vector<Shape>& in, const std::vector<Shape>& out, std::int64_t k) {
-      Strategies s{all(R, 1, 1)};
-      const Shape &x = in[0], &o = out[0];
-      for (std::size_t d = 0; d < x.size(); ++d) {
-        const std::size_t od = d + (o.size() - x.size());
-        if (x[d] >= k && x[d] == o[od]) s.push_back({{S(static_cast<std::int64_t>(d))}, {S(static_cast<std::int64_t>(od))}});
-      }
-      s.push_back({{P}, {P}});
-      return s;
-    };
-    r["rotary_embedding"] = [](const Node&, const std::vector<Shape>& in, const std::vector<Shape>&, std::int64_t k) {
-      Strategies s{all(R, 3, 1)};
-      for (std::int64_t d : {0, 2}) {  // batch, heads
-        if (in[0][static_cast<std::size_t>(d)] >= k) s.push_back({{S(d), R, R}, {S(d)}});
-      }
-      if (in[0][1] >= k) s.push_back({{S(1), S(0), S(0)}, {S(1)}});  // sequence, with its rows of the tables
-      s.push_back({{P, R, R}, {P}});
-      return s;
-    };
     // Attention: batch or heads sharded alike on q, k, v (and out, logsumexp). Or the query
     // rows (context parallelism, Llama 3's all-gather attention: Dubey et al. 2024, 3.3.2)
     // with k and v whole: each rank attends its rows to every key it may see (local_attrs
@@ -239,12 +126,6 @@ const std::map<std::string, Rule>& rules() {
         if (in[1][static_cast<std::size_t>(d)] >= k) s.push_back(documents(all(S(d), 6, 3), docs, d == 0 ? S(0) : R));
       }
       if (query_rows_split(n, in[1][2], k)) s.push_back(documents({{S(2), S(2), R, R, S(2), S(2)}, {S(2), P, P}}, docs, R));
-      return s;
-    };
-    // Load-balanced order: along the permuted dim only whole tensors (pieces move).
-    r["seq_permute"] = [](const Node& n, const std::vector<Shape>& in, const std::vector<Shape>& out, std::int64_t k) {
-      Strategies s = same_dim(in, out, k, {wrap(n.attr_int("dim"), in[0].size())}, in[0].size());
-      s.push_back({{P}, {P}});
       return s;
     };
     // Each row's ids count along the whole row: split on the batch only.
@@ -300,9 +181,6 @@ ir::Attributes local_attrs(const ir::Node& node, const std::vector<Shape>& local
   if (auto d = defined().find(node.op()); d != defined().end() && d->second.local_attrs) return d->second.local_attrs(node, local_out, column_offset);
   ir::Attributes a = node.attrs();
   const std::string& op = node.op();
-  if (op == "reshape" || op == "expand") a["shape"] = local_out.at(0);
-  if (op == "slice_backward") a["input_shape"] = local_out.at(0);
-  if (op == "embedding_backward") a["num_weights"] = local_out.at(0).at(0);
   if (op == "sdpa" || op == "sdpa_backward") a["q_offset"] = node.attr_int("q_offset") + column_offset;
   return a;
 }

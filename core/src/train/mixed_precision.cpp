@@ -11,9 +11,9 @@ namespace {
 using ir::DType;
 using ir::Value;
 
-// Autocast's lower-precision ops (attention; the matmuls' records say so) and the embedding
-// lookup, whose weight FSDP2 casts with the others.
-const std::set<std::string> kLow{"sdpa", "embedding"};
+// Autocast's lower-precision ops not yet in a record (attention); the matmuls' and the
+// embedding lookup's records say so (core/src/ops/matmul.cpp, embedding.cpp).
+const std::set<std::string> kLow{"sdpa"};
 // What torchtitan's model and loss compute in float32, and autocast's float32 reductions.
 const std::set<std::string> kFloat32{};
 // Of those, the ones whose output torchtitan casts back to the input's dtype (RMSNorm's

@@ -33,15 +33,17 @@ TensorMeta like(const TensorMeta& m, Shape shape, bool requires_grad);
 /// NumPy broadcasting, as torch.broadcast_shapes.
 Shape broadcast(const Shape& a, const Shape& b);
 
-/// The communication ops' and chunk's pieces of a dim over a process group (torch.chunk's):
-/// the sum of `sizes`, and this rank's piece, a[key][a["index"]] (fails when index is outside).
+/// The communication ops' `sizes` (each member's torch.chunk size along a dim) and `index`
+/// (this rank's position): their sum, and this rank's entry of a[key] (checked against it).
 std::int64_t sum_of(const Shape& sizes);
-std::int64_t chunk_size(const Attributes& a, const char* key);
-/// chunk's and reduce_scatter's inference: a full `dim` (the sum of "sizes") becomes this rank's
-/// piece of it (sizes[index]).
+std::int64_t at_index(const Attributes& a, const char* key);
+
+/// The inference of chunk and reduce_scatter: a full `dim` (the sum of sizes) becomes this
+/// rank's piece of it (sizes[index]).
 std::vector<TensorMeta> scatter_dim(const Metas& in, const Attributes& a);
 
 /// A backward op's output (grad_out, saved...) -> grad_in: input `like_input`'s meta, once the
 /// gradient (input 0) has its dtype and input `grad_input`'s shape.
 std::vector<TensorMeta> grad_like(const Metas& in, std::size_t grad_input, std::size_t like_input);
+
 }  // namespace spmdx::ir::infer
