@@ -21,8 +21,6 @@ namespace {
 using Tensors = std::vector<at::Tensor>;
 using ir::Node;
 
-Tensors one(at::Tensor t) { return {std::move(t)}; }
-
 // The causal mask of scores [.., s, t]: true above the diagonal (key after query), as
 // PyTorch's is_causal (top-left aligned).
 at::Tensor future(const at::Tensor& scores) {
@@ -92,7 +90,9 @@ std::vector<AttentionBlock> attention_blocks(const Node& n, std::int64_t q_rows,
   return blocks;
 }
 
-// The mask of a tiled sdpa or sdpa_backward node; its documents are input `documents` if any.
+
+}  // namespace
+
 AttentionMask attention_mask(const Node& n, const Tensors& x, std::size_t documents) {
   return {n.attr_int("window"), n.attr_int("chunks"), n.attr_int("q_offset"), x.size() > documents ? x[documents] : at::Tensor()};
 }
@@ -147,6 +147,8 @@ Tensors blocked_attention_backward(const Node& n, const at::Tensor& g, const at:
   return Tensors{gq, gk, gv};
 }
 
+namespace {
+
 // The natural order of k's rows: row_of[position] (load-balanced order, chunks > 1) and
 // position_of[row], or undefined for chunks = 1 (k already in natural order).
 struct KeyOrder {
@@ -163,6 +165,19 @@ KeyOrder key_order(std::int64_t rows, std::int64_t chunks, const at::Device& dev
   auto index = [&](const std::vector<std::int64_t>& i) { return at::tensor(i, at::TensorOptions().dtype(at::kLong)).to(device); };
   return {index(row_of), index(position_of)};
 }
+
+}  // namespace
+
+at::Tensor document_ids(const at::Tensor& tokens, std::int64_t eos, std::int64_t chunks) {
+  const std::int64_t seq = tokens.size(1);
+  const KeyOrder order = key_order(seq, chunks, tokens.device());
+  const at::Tensor natural = order.row_of.defined() ? tokens.index_select(1, order.row_of) : tokens;
+  at::Tensor ids = at::zeros_like(natural);  // eos tokens before each position
+  if (seq > 1) ids.narrow(1, 1, seq - 1).copy_(at::cumsum(natural.narrow(1, 0, seq - 1).eq(eos), 1));
+  return order.position_of.defined() ? ids.index_select(1, order.position_of) : ids;
+}
+
+namespace {
 
 // One tile of tiled attention on batch rows [b0, b0 + batches): its visited key positions and
 // the mask of its scores [batches or 1, 1, rows, keys] (true: masked).
@@ -400,42 +415,6 @@ std::atomic<CpuMatmul>& cpu_matmul_setting() {
 }
 
 
-const std::map<std::string, Kernel>& kernels() {
-  static const std::map<std::string, Kernel> table = [] {
-    std::map<std::string, Kernel> k;
-    // ATen's fused attention of the device (sdpa(), kernels.h): no [s, t] matrix kept.
-    k["sdpa"] = [](const Node& n, const Tensors& x) {
-      if (x[0].numel() == 0 || x[1].numel() == 0) {  // an empty shard: ATen's kernel divides by zero
-        return Tensors{at::zeros_like(x[0]), at::zeros(n.output(1)->meta().shape, x[0].options().dtype(to_aten(n.output(1)->meta().dtype)))};
-      }
-      if (ir::tiled_attention(n)) return tiled_attention(x[0], x[1], x[2], attention_mask(n, x, 3));
-      if (ir::blocked_attention(n)) return blocked_attention(n, x[0], x[1], x[2]);
-      return attend(x[0], x[1], x[2], n.attr_bool("causal"));
-    };
-    };
-    k["document_ids"] = [](const Node& n, const Tensors& x) {
-      const std::int64_t chunks = n.attr_int("chunks"), seq = x[0].size(1);
-      const KeyOrder order = key_order(seq, chunks, x[0].device());
-      const at::Tensor natural = order.row_of.defined() ? x[0].index_select(1, order.row_of) : x[0];
-      at::Tensor ids = at::zeros_like(natural);  // eos tokens before each position
-      if (seq > 1) ids.narrow(1, 1, seq - 1).copy_(at::cumsum(natural.narrow(1, 0, seq - 1).eq(n.attr_int("eos")), 1));
-      return one(order.position_of.defined() ? ids.index_select(1, order.position_of) : ids);
-    };
-
-    // ---- backward ops ----
-    };
-    k["sdpa_backward"] = [](const Node& n, const Tensors& x) {
-      if (x[1].numel() == 0 || x[2].numel() == 0) return Tensors{at::zeros_like(x[1]), at::zeros_like(x[2]), at::zeros_like(x[3])};
-      if (ir::tiled_attention(n)) return tiled_attention_backward(x[0], x[1], x[2], x[3], x[4], x[5], attention_mask(n, x, 6));
-      if (ir::blocked_attention(n)) return blocked_attention_backward(n, x[0], x[1], x[2], x[3], x[4], x[5]);
-      return attend_backward(x[0], x[1], x[2], x[3], x[4], x[5], n.attr_bool("causal"));
-    };
-    // Local halves of redistribution (the collectives run in the comm layer, not here).
-    return k;
-  }();
-  return table;
-}
-
 }  // namespace
 
 void set_cpu_matmul(CpuMatmul library) {
@@ -490,29 +469,13 @@ void define_kernel(const std::string& op, Kernel kernel, InPlaceKernel in_place)
 }
 
 const Kernel* find_kernel(const std::string& op) {
-  if (auto d = defined().find(op); d != defined().end()) return &d->second.kernel;
-  auto it = kernels().find(op);
-  return it == kernels().end() ? nullptr : &it->second;
+  auto d = defined().find(op);
+  return d == defined().end() ? nullptr : &d->second.kernel;
 }
-
-namespace {
-
-// The in-place twins of the elementwise kernels above: ATen's in-place and out= forms of the
-// same ops, whose loops compute each element as the functional forms do.
-const std::map<std::string, InPlaceKernel>& in_place_kernels() {
-  static const std::map<std::string, InPlaceKernel> table = [] {
-    std::map<std::string, InPlaceKernel> k;
-    return k;
-  }();
-  return table;
-}
-
-}  // namespace
 
 const InPlaceKernel* find_in_place_kernel(const std::string& op) {
-  if (auto d = defined().find(op); d != defined().end()) return d->second.in_place ? &d->second.in_place : nullptr;
-  auto it = in_place_kernels().find(op);
-  return it == in_place_kernels().end() ? nullptr : &it->second;
+  auto d = defined().find(op);
+  return d != defined().end() && d->second.in_place ? &d->second.in_place : nullptr;
 }
 
 }  // namespace spmdx::exec

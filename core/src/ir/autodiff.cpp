@@ -1,7 +1,7 @@
-// VJP rules: for a forward node and the gradients of its outputs, emit IR computing the
-// gradients of its inputs (nullptr for inputs that take none, e.g. indices). The rules follow
-// PyTorch's derivatives.yaml; composite ops with a cheaper fused form (rms_norm, sdpa,
-// cross_entropy, ...) emit a dedicated backward op with its own ATen kernel.
+// Reverse-mode autodiff over the IR: each node's VJP (its op record's, core/src/ops/) emits IR
+// computing the gradients of its inputs (nullptr for inputs that take none, e.g. indices). The
+// records follow PyTorch's derivatives.yaml; composite ops with a cheaper fused form (rms_norm,
+// sdpa, cross_entropy, ...) emit a dedicated backward op with its own ATen kernel.
 #include <functional>
 #include <map>
 #include <set>
@@ -12,38 +12,12 @@
 namespace spmdx::ir {
 namespace {
 
-using Shape = std::vector<std::int64_t>;
 using Grads = std::vector<Value*>;
-using Rule = VjpRule;
 
-// g reduced to the shape of x when broadcasting made it larger.
-Value* reduce_to(Graph& g, Value* grad, const Value* x) {
-  if (grad->meta().shape == x->meta().shape) return grad;
-  return g.add("sum_to", {grad}, {{"shape", x->meta().shape}});
-}
-
-Attributes float_attr(double v) { return {{"value", v}}; }
-
-const std::map<std::string, Rule>& rules() {
-  static const std::map<std::string, Rule> table = [] {
-    std::map<std::string, Rule> r;
-    r["sdpa"] = [](Graph& g, const Node& n, const Grads& go) {
-      std::vector<Value*> in{go[0], n.input(0), n.input(1), n.input(2), n.output(0), n.output(1)};
-      if (n.inputs().size() == 4) in.push_back(n.input(3));  // the documents (block_causal): no gradient
-      Node* b = g.add_node("sdpa_backward", in, n.attrs());
-      if (n.inputs().size() == 4) return Grads{b->output(0), b->output(1), b->output(2), nullptr};
-      return Grads{b->output(0), b->output(1), b->output(2)};
-    };
-    return r;
-  }();
-  return table;
-}
-
-// The op's VJP: its record's (core/src/ops/), else the table above.
-const Rule* vjp_of(const std::string& op) {
-  if (const OpSchema* s = OpRegistry::global().find(op); s != nullptr && s->vjp) return &s->vjp;
-  auto it = rules().find(op);
-  return it == rules().end() ? nullptr : &it->second;
+// The op's VJP, from its record (core/src/ops/).
+const VjpRule* vjp_of(const std::string& op) {
+  const OpSchema* s = OpRegistry::global().find(op);
+  return s != nullptr && s->vjp ? &s->vjp : nullptr;
 }
 
 }  // namespace
@@ -83,7 +57,7 @@ std::vector<Value*> gradients(Graph& graph, Value* loss, const std::vector<Value
     for (std::size_t i = 0; i < go.size(); ++i) {
       if (go[i] == nullptr) go[i] = graph.add("zeros_like", {node.outputs()[i]});
     }
-    const Rule* rule = vjp_of(node.op());
+    const VjpRule* rule = vjp_of(node.op());
     if (rule == nullptr) {
       throw IrError("gradients: node %" + std::to_string(node.id()) + " (" + node.op() +
                     ") lies between the parameters and the loss but the op has no VJP rule");

@@ -1,102 +1,14 @@
-// The built-in op schemas: inputs, attributes and shape/dtype inference. Semantics follow the
-// ATen op of the same name (the executor's kernel), without type promotion: inputs of a
-// floating op share one dtype.
+// The op registry, which the records of core/src/ops/ fill at load time (one record per op), and
+// the helpers those records share: shape and dtype inference (ir/infer.h) and attention's tiles.
 #include <algorithm>
 #include <numeric>
 
 #include "spmdx/ir/ops.h"
 #include "spmdx/ir/infer.h"
 
-// The table below is what is left of the ops not yet moved into core/src/ops/ (one record
-// per op): its entries give the schema only.
-#pragma GCC diagnostic ignored "-Wmissing-field-initializers"
-
 namespace spmdx::ir {
-namespace {
-
 
 using namespace infer;
-
-std::vector<OpSchema> builtin_ops() {
-  std::vector<OpSchema> ops;
-
-  // Scaled dot-product attention: q[b, h, s, d], k and v [b, h, t, d] -> out [b, h, s, d] =
-  // softmax(q k^T / sqrt(d) [+ causal mask, top-left aligned]) v, and its row logsumexp
-  // [b, h, s] for the backward pass (as torch's flash attention; f32 for f16/bf16 inputs).
-  // Context parallelism (train/context_parallel.h) adds two attributes, which matter only when
-  // causal: `chunks` > 1 says the sequence of q, k and v is in load-balanced order (chunks
-  // pieces of t / chunks positions, seq_permute's order), and q_offset that q's rows are the
-  // rows from q_offset on of that sequence (a rank's shard); a key is seen by a query at or
-  // after its position in the sequence as written in natural order.
-  // `window` > 0 (causal only) keeps a key j for a query i when i - window < j <= i (Mistral's
-  // and Qwen2's sliding window, transformers' sliding_window_causal_mask_function); a fourth
-  // input, documents (i64 [b, t], one id a key row, laid out as k's rows and nondecreasing in
-  // natural order), keeps only keys of the query's own document (torchtitan's block_causal).
-  // Both run a tiled kernel that visits only the key blocks a query tile may see.
-  const std::vector<AttrSpec> attention_attrs{{"causal", AttrType::boolean, false, true},
-                                              {"chunks", AttrType::integer, false, std::int64_t{1}},
-                                              {"q_offset", AttrType::integer, false, std::int64_t{0}},
-                                              {"window", AttrType::integer, false, std::int64_t{0}}};
-  ops.push_back({"sdpa", 3, 4, attention_attrs, [](const Metas& in, const Attributes& a) {
-                   same_dtype(Metas(in.begin(), in.begin() + 3));
-                   floating(*in[0], "q");
-                   const Shape& q = in[0]->shape;
-                   const Shape& k = in[1]->shape;
-                   const Shape& v = in[2]->shape;
-                   if (q.size() != 4 || k != v || k.size() != 4) fail("q must be [batch, heads, seq, head_dim], k and v the same [batch, heads, kv_seq, head_dim]");
-                   if (q[0] != k[0] || q[1] != k[1] || q[3] != k[3]) fail("q and k do not agree on batch, heads or head_dim");
-                   const std::int64_t chunks = std::get<std::int64_t>(a.at("chunks")), offset = std::get<std::int64_t>(a.at("q_offset"));
-                   if (chunks < 1 || k[2] % chunks != 0) fail("chunks must be >= 1 and divide the key sequence " + std::to_string(k[2]));
-                   if (offset < 0 || offset + q[2] > k[2]) fail("q_offset " + std::to_string(offset) + " puts q's rows past the key sequence");
-                   const std::int64_t window = std::get<std::int64_t>(a.at("window"));
-                   const bool causal = std::get<bool>(a.at("causal"));
-                   if (window < 0 || (window > 0 && !causal)) fail("window " + std::to_string(window) + " must be >= 0, and > 0 only with causal");
-                   if (in.size() == 4) {
-                     if (!causal) fail("documents mask causal attention only");
-                     if (in[3]->dtype != DType::i64 || in[3]->shape != Shape{k[0], k[2]}) fail("documents must be i64 [batch, kv_seq] = " + shape_str({k[0], k[2]}));
-                   }
-                   TensorMeta lse = like(*in[0], Shape{q[0], q[1], q[2]}, false);
-                   if (lse.dtype == DType::f16 || lse.dtype == DType::bf16) lse.dtype = DType::f32;
-                   return std::vector{like(*in[0], q, any_requires_grad(in)), lse};
-                 }});
-  // document_ids: tokens (i64)[b, s] -> i64 [b, s], the document of each position: how many
-  // `eos` tokens come before it in its row (torchtitan's get_document_mask_mod: an EOS belongs
-  // to the document it ends), for sdpa's documents input (block_causal). With chunks > 1 the
-  // rows are in context parallelism's load-balanced order (seq_permute's), and so are the ids;
-  // they are counted in natural order.
-  ops.push_back({"document_ids", 1, 1,
-                 {{"eos", AttrType::integer, true, std::int64_t{0}}, {"chunks", AttrType::integer, false, std::int64_t{1}}},
-                 [](const Metas& in, const Attributes& a) {
-                   if (in[0]->dtype != DType::i64 || in[0]->rank() != 2) fail("tokens must be i64 [batch, seq]");
-                   const std::int64_t chunks = std::get<std::int64_t>(a.at("chunks"));
-                   if (chunks < 1 || in[0]->shape[1] % chunks != 0) fail("chunks " + std::to_string(chunks) + " does not divide the sequence of " + in[0]->str());
-                   return std::vector{TensorMeta{in[0]->shape, DType::i64, in[0]->device, false}};
-                 }});
-
-  // ---- Ops that gradients and the optimizer need ----
-  // expand: broadcast to `shape` (as torch.Tensor.expand); sum_to, the reverse, is in
-  // core/src/ops/reduction.cpp.
-  // sum_to: the reverse of expand (core/src/ops/shape.cpp), summing the broadcast dims away
-  // (as at::sum_to).
-  // Backward ops: (grad_out, saved...) -> grad_in, with the ATen backward kernel of the same name.
-  auto grad_like = [](int grad_input, int like_input) {
-    return [=](const Metas& in, const Attributes&) {
-      return infer::grad_like(in, static_cast<std::size_t>(grad_input), static_cast<std::size_t>(like_input));
-    };
-  };
-  // sdpa_backward: grad, q, k, v, out, logsumexp [, documents] -> (grad_q, grad_k, grad_v).
-  ops.push_back({"sdpa_backward", 6, 7, attention_attrs, [](const Metas& in, const Attributes&) {
-                   return std::vector{like(*in[1], in[1]->shape, true), like(*in[2], in[2]->shape, true),
-                                      like(*in[3], in[3]->shape, true)};
-                 }});
-  // The communication ops are in core/src/ops/comm.cpp; chunk, the local half of
-  // Replicate -> Shard, has their attributes: sizes, the chunk sizes of all group members along
-  // `dim` (torch.chunk), and index, this rank's position in the group.
-  const AttrSpec index{"index", AttrType::integer, true, {}};
-  return ops;
-}
-
-}  // namespace
 
 void OpRegistry::add(OpSchema schema) {
   const std::string name = schema.name;
@@ -156,11 +68,7 @@ std::vector<AttentionTile> attention_tiles(const Node& node) {
 namespace {
 // Function-local, so that core/src/ops/'s definitions at load time find it constructed.
 OpRegistry& mutable_global() {
-  static OpRegistry registry = [] {
-    OpRegistry r;
-    for (auto& op : builtin_ops()) r.add(std::move(op));
-    return r;
-  }();
+  static OpRegistry registry;
   return registry;
 }
 }  // namespace

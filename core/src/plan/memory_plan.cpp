@@ -59,8 +59,8 @@ using ir::front_is_view;  // the collectives' movedim(dim, 0).contiguous()
 std::int64_t elem_bytes(const Value* v) { return static_cast<std::int64_t>(ir::element_size(v->meta().dtype)); }
 
 bool is_elementwise(const std::string& op) {
-  if (const ir::OpSchema* s = ir::OpRegistry::global().find(op); s != nullptr && s->defined_by_record) return s->elementwise;
-  return in_place_ops().count(op) > 0;
+  const ir::OpSchema* s = ir::OpRegistry::global().find(op);
+  return s != nullptr && s->elementwise;
 }
 
 // The executor's step, replayed on buffers: who holds each one (values, calls in flight,
@@ -281,16 +281,8 @@ class Simulation {
   std::pair<Strides, bool> output_layout(const Node& n, std::size_t k) const {
     const std::string& op = n.op();
     const Shape& shape = n.output(static_cast<int>(k))->meta().shape;
-    const Value* x = n.inputs().empty() ? nullptr : n.input(0);
-    if (const ir::OpSchema* r = ir::OpRegistry::global().find(op); r != nullptr && r->defined_by_record && r->layout) {
+    if (const ir::OpSchema* r = ir::OpRegistry::global().find(op); r != nullptr && r->layout) {
       if (auto l = r->layout(n, k, query(n))) return {l->strides, l->view};
-    }
-    if (op == "sdpa") {  // ATen's CPU flash attention: out laid out as q; logsumexp as [b, s, h]
-      if (k == 0) return {dense_like(shape, strides(x)), false};
-      return {dense_like(shape, Strides{shape[1] * shape[2], 1, shape[1]}), false};
-    }
-    if (op == "sdpa_backward") {  // its gradients are [b, s, h, d] in memory
-      return {dense_like(shape, Strides{shape[1] * shape[2] * shape[3], shape[3], shape[1] * shape[3], 1}), false};
     }
     if (is_elementwise(op)) {  // TensorIterator: the first dense input of the output's shape
       for (const Value* in : n.inputs()) {
@@ -300,73 +292,12 @@ class Simulation {
     return {contiguous(shape), false};
   }
 
-  // Context parallelism's attention (exec/kernels.cpp, blocked_attention): per block of query
-  // rows, contiguous copies of its rows and of its keys' and values' rows (its own and the ones
-  // before it, gathered by index_select), two attention calls and their merge (in the
-  // log-sum-exp's dtype), written into outputs laid out as the fused kernel's.
-  std::int64_t blocked_attention(const Node& n) const {
-    const bool forward = n.op() == "sdpa";
-    const ir::TensorMeta &q = n.input(forward ? 0 : 1)->meta(), &k = n.input(forward ? 1 : 2)->meta();
-    const ir::TensorMeta& lse = forward ? n.output(1)->meta() : n.input(5)->meta();
-    const std::int64_t q_rows = std::max<std::int64_t>(q.shape.at(2), 1), kv_rows = std::max<std::int64_t>(k.shape.at(2), 1);
-    const std::int64_t chunks = n.attr_int("chunks"), offset = n.attr_int("q_offset");
-    const std::int64_t q_row = q.nbytes() / q_rows, k_row = k.nbytes() / kv_rows, lse_row = lse.nbytes() / q_rows;
-    const std::int64_t wide = static_cast<std::int64_t>(ir::element_size(lse.dtype));  // the merge computes in the log-sum-exp's dtype
-    std::vector<std::pair<std::int64_t, std::int64_t>> blocks;  // (rows, rows of keys wholly seen)
-    if (chunks == 1) {
-      blocks.emplace_back(q_rows, offset);
-    } else {
-      const std::int64_t piece = kv_rows / chunks;
-      for (std::int64_t b = 0; piece > 0 && b < q_rows / piece; ++b) {
-        blocks.emplace_back(piece, ir::balanced_piece(offset / piece + b, chunks) * piece);  // the pieces before it in natural order
-      }
-    }
-    std::int64_t most = 0;
-    for (const auto& [rows, seen] : blocks) {
-      const std::int64_t qb = rows * q_row, lb = rows * lse_row, out_wide = rows * (q_row / std::max<std::int64_t>(static_cast<std::int64_t>(ir::element_size(q.dtype)), 1)) * wide;
-      // Measured with the CPU's counting allocator (q [2, 4, 64, 16], k [2, 4, 128, 16], f32, cp 2
-      // load-balanced): forward 179,456 and 138,496 bytes for ranks 0 and 1 (planned 199,680
-      // and 166,912), backward 378,880 and 296,960 (planned exactly).
-      const std::int64_t block = forward ? 2 * qb + lb + 2 * rows * k_row + (seen > 0 ? 2 * seen * k_row + qb + 2 * lb + out_wide : 0)
-                                         : 4 * qb + 2 * lb + 4 * rows * k_row + (seen > 0 ? 5 * seen * k_row : 0);
-      most = std::max(most, block);
-    }
-    return most;
-  }
-
-  // Tiled attention (exec/kernels.cpp, tiled_attention), as its materialising path allocates
-  // (the CPU's fused path allocates less: an upper bound there): q, k, v (and in the backward the
-  // gradient, out, lse and float dq, dk, dv) in the accumulation type, k and v reordered to
-  // natural order under context parallelism, and per tile its scores and probabilities (tile
-  // rows x visited keys) with the matmuls' products; the largest tile counts.
-  std::int64_t tiled_attention(const Node& n) const {
-    const bool forward = n.op() == "sdpa";
-    const ir::TensorMeta &q = n.input(forward ? 0 : 1)->meta(), &k = n.input(forward ? 1 : 2)->meta();
-    const std::int64_t acc = q.dtype == ir::DType::f64 ? 8 : 4, b = q.shape.at(0), h = q.shape.at(1), d = q.shape.at(3);
-    const std::int64_t q_acc = q.numel() * acc, k_acc = k.numel() * acc;
-    const bool documents = n.inputs().size() > (forward ? 3u : 6u);
-    std::int64_t tile = 0;
-    for (const auto& t : ir::attention_tiles(n)) {
-      const std::int64_t keys = t.key_end - t.key_begin, batches = documents ? 1 : b;
-      const std::int64_t scores = batches * h * t.rows * keys * acc, products = batches * h * (t.rows + keys) * d * acc;
-      tile = std::max(tile, (forward ? 2 : 3) * scores + (forward ? 1 : 2) * products + t.rows * keys * 24);
-    }
-    const std::int64_t docs = documents ? 3 * k.shape.at(0) * k.shape.at(2) * 8 : 0;
-    if (forward) return q_acc + 4 * k_acc + docs + tile;
-    return 5 * q_acc + 6 * k_acc + b * h * q.shape.at(2) * acc + docs + tile;
-  }
-
   // Bytes of temporaries a kernel allocates beyond its outputs while it runs (exec/kernels.cpp):
   // each ATen intermediate of the composite kernels, and the contiguous() copies ATen makes of
   // strided inputs.
   std::int64_t scratch(const Node& n) const {
-    if (const ir::OpSchema* s = ir::OpRegistry::global().find(n.op()); s != nullptr && s->defined_by_record) return s->scratch ? s->scratch(n, query(n)) : 0;
-    const std::string& op = n.op();
-    auto bytes = [&](int i) { return n.input(i)->meta().nbytes(); };
-    auto copy_if_strided = [&](int i) { return contiguous_value(n.input(i)) ? 0 : bytes(i); };
-    if ((op == "sdpa" || op == "sdpa_backward") && ir::tiled_attention(n)) return tiled_attention(n);
-    if ((op == "sdpa" || op == "sdpa_backward") && ir::blocked_attention(n)) return blocked_attention(n);
-    return 0;
+    const ir::OpSchema* s = ir::OpRegistry::global().find(n.op());
+    return s != nullptr && s->scratch ? s->scratch(n, query(n)) : 0;
   }
 
   // A kernel node: in place where it can, views, new buffers; its scratch while it runs.
@@ -524,10 +455,7 @@ const std::map<std::string, std::vector<int>>& in_place_ops() {
     std::map<std::string, std::vector<int>> m;
     for (const auto& name : ir::OpRegistry::global().names()) {  // the records of core/src/ops/
       const ir::OpSchema& s = *ir::OpRegistry::global().find(name);
-      if (s.defined_by_record) {
-        m.erase(name);
-        if (!s.in_place.empty()) m[name] = s.in_place;
-      }
+      if (!s.in_place.empty()) m[name] = s.in_place;
     }
     return m;
   }();

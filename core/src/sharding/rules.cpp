@@ -1,5 +1,7 @@
-// The rule table. Notation: R = Replicate, S(d) = Shard(d), P = Partial(sum). A rule is valid
-// when running the op on each rank's local inputs gives each rank's local output.
+// Sharding rules: each op's strategies, defined next to its record (core/src/ops/, through
+// define_rules), and the builders those records share (sharding::rule). Notation: R =
+// Replicate, S(d) = Shard(d), P = Partial(sum). A rule is valid when running the op on each
+// rank's local inputs gives each rank's local output.
 #include "spmdx/sharding/rules.h"
 #include "spmdx/sharding/spec.h"
 
@@ -19,9 +21,6 @@ const Placement R = Placement::replicate();
 const Placement P = Placement::partial(ReduceOp::sum);
 Placement S(std::int64_t d) { return Placement::shard(static_cast<int>(d)); }
 
-std::int64_t wrap(std::int64_t d, std::size_t rank) { return d < 0 ? d + static_cast<std::int64_t>(rank) : d; }
-
-// Elementwise with broadcasting. `linear_in`: the inputs the op is linear in, for Partial.
 }  // namespace
 
 namespace rule {
@@ -82,72 +81,6 @@ Strategies same_dim(const std::vector<Shape>& in, const std::vector<Shape>& out,
 
 namespace {
 
-using namespace rule;
-
-// Whether attention's query rows (`rows` of them as this mesh dim sees q) may be split k ways:
-// evenly, and for a load-balanced sequence (chunks > 1) in whole pieces.
-bool query_rows_split(const Node& n, std::int64_t rows, std::int64_t k) {
-  if (rows < k) return false;
-  const std::int64_t chunks = n.attr_int("chunks");
-  if (chunks == 1) return true;
-  const std::int64_t piece = n.input(n.op() == "sdpa" ? 1 : 2)->meta().shape[2] / chunks;
-  return rows % k == 0 && (rows / k) % piece == 0;
-}
-
-// Attention's strategy with its documents input placed as `placement`, when it has one.
-OpStrategy documents(OpStrategy s, bool has, const Placement& placement) {
-  if (has) s.inputs.push_back(placement);
-  return s;
-}
-
-const std::map<std::string, Rule>& rules() {
-  static const std::map<std::string, Rule> table = [] {
-    std::map<std::string, Rule> r;
-
-    // Attention: batch or heads sharded alike on q, k, v (and out, logsumexp). Or the query
-    // rows (context parallelism, Llama 3's all-gather attention: Dubey et al. 2024, 3.3.2)
-    // with k and v whole: each rank attends its rows to every key it may see (local_attrs
-    // gives the kernel its rows' q_offset), and in the backward its dk, dv are partial sums.
-    // Document ids (block_causal, a last input [b, t] laid out as k's rows) go with the batch,
-    // and stay whole otherwise: every head and every query row may look up any key's document.
-    r["sdpa"] = [](const Node& n, const std::vector<Shape>& in, const std::vector<Shape>&, std::int64_t k) {
-      const bool docs = in.size() == 4;
-      Strategies s{all(R, in.size(), 2)};
-      for (std::int64_t d : {0, 1}) {
-        if (in[0][static_cast<std::size_t>(d)] >= k) s.push_back(documents(all(S(d), 3, 2), docs, d == 0 ? S(0) : R));
-      }
-      if (query_rows_split(n, in[0][2], k)) s.push_back(documents({{S(2), R, R}, {S(2), S(2)}}, docs, R));
-      return s;
-    };
-    r["sdpa_backward"] = [](const Node& n, const std::vector<Shape>& in, const std::vector<Shape>&, std::int64_t k) {
-      const bool docs = in.size() == 7;
-      Strategies s{all(R, in.size(), 3)};
-      for (std::int64_t d : {0, 1}) {
-        if (in[1][static_cast<std::size_t>(d)] >= k) s.push_back(documents(all(S(d), 6, 3), docs, d == 0 ? S(0) : R));
-      }
-      if (query_rows_split(n, in[1][2], k)) s.push_back(documents({{S(2), S(2), R, R, S(2), S(2)}, {S(2), P, P}}, docs, R));
-      return s;
-    };
-    // Each row's ids count along the whole row: split on the batch only.
-    r["document_ids"] = [](const Node&, const std::vector<Shape>& in, const std::vector<Shape>&, std::int64_t k) {
-      Strategies s{all(R, 1, 1)};
-      if (in[0][0] >= k) s.push_back(all(S(0), 1, 1));
-      return s;
-    };
-      for (std::size_t d = 0; d < in[0].size(); ++d) {
-        if (in[0][d] >= k) s.push_back({{S(static_cast<std::int64_t>(d))}, {P}});
-      }
-      return s;
-    };
-    return r;
-  }();
-  return table;
-}
-
-}  // namespace
-
-namespace {
-
 struct Defined {
   Rule rule;
   LocalAttrsFn local_attrs;
@@ -167,10 +100,9 @@ void define_rules(const std::string& op, Rule rule, LocalAttrsFn local_attrs) {
 
 std::vector<OpStrategy> op_strategies(const ir::Node& node, const std::vector<Shape>& in, const std::vector<Shape>& out,
                                       std::int64_t k) {
-  if (auto d = defined().find(node.op()); d != defined().end()) return d->second.rule(node, in, out, k);
-  auto it = rules().find(node.op());
-  if (it == rules().end()) throw ir::IrError("no sharding rule for op '" + node.op() + "' (node %" + std::to_string(node.id()) + ")");
-  return it->second(node, in, out, k);
+  auto d = defined().find(node.op());
+  if (d == defined().end()) throw ir::IrError("no sharding rule for op '" + node.op() + "' (node %" + std::to_string(node.id()) + ")");
+  return d->second.rule(node, in, out, k);
 }
 
 }  // namespace spmdx::sharding
@@ -179,10 +111,7 @@ namespace spmdx::sharding {
 
 ir::Attributes local_attrs(const ir::Node& node, const std::vector<Shape>& local_out, std::int64_t column_offset) {
   if (auto d = defined().find(node.op()); d != defined().end() && d->second.local_attrs) return d->second.local_attrs(node, local_out, column_offset);
-  ir::Attributes a = node.attrs();
-  const std::string& op = node.op();
-  if (op == "sdpa" || op == "sdpa_backward") a["q_offset"] = node.attr_int("q_offset") + column_offset;
-  return a;
+  return node.attrs();
 }
 
 std::int64_t column_offset_of(const ir::Node& node, const DeviceMesh& mesh, const std::vector<Placement>& logits, const std::vector<std::int64_t>& coordinate) {

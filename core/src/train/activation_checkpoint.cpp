@@ -54,8 +54,8 @@ std::vector<int> layer_runs(const std::vector<const Node*>& nodes, const std::ve
 }  // namespace
 
 bool kept_by_selective(const std::string& op) {
-  if (const ir::OpSchema* s = ir::OpRegistry::global().find(op); s != nullptr && s->defined_by_record) return s->saved_by_selective;
-  return op == "sdpa";
+  const ir::OpSchema* s = ir::OpRegistry::global().find(op);
+  return s != nullptr && s->saved_by_selective;
 }
 
 ir::Graph checkpoint_activations(const ir::Graph& graph, std::size_t forward_nodes, const std::vector<std::string>& params,

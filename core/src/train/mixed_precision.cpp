@@ -11,22 +11,11 @@ namespace {
 using ir::DType;
 using ir::Value;
 
-// Autocast's lower-precision ops not yet in a record (attention); the matmuls' and the
-// embedding lookup's records say so (core/src/ops/matmul.cpp, embedding.cpp).
-const std::set<std::string> kLow{"sdpa"};
-// What torchtitan's model and loss compute in float32, and autocast's float32 reductions.
-const std::set<std::string> kFloat32{};
-// Of those, the ones whose output torchtitan casts back to the input's dtype (RMSNorm's
-// `output.type_as(x)`), so what follows them (a sequence-parallel all_gather) moves bf16.
-const std::set<std::string> kTypeAs{};
-
-// The op's policy: its record's (core/src/ops/), else the lists above.
+// The op's policy, from its record (core/src/ops/): autocast's lists and torchtitan's float32
+// norms and loss.
 ir::Precision precision_of(const std::string& op) {
-  if (const ir::OpSchema* s = ir::OpRegistry::global().find(op); s != nullptr && s->defined_by_record) return s->precision;
-  if (kLow.count(op) > 0) return ir::Precision::low;
-  if (kTypeAs.count(op) > 0) return ir::Precision::float32_cast_back;
-  if (kFloat32.count(op) > 0) return ir::Precision::float32;
-  return ir::Precision::promote;
+  const ir::OpSchema* s = ir::OpRegistry::global().find(op);
+  return s != nullptr ? s->precision : ir::Precision::promote;
 }
 
 }  // namespace

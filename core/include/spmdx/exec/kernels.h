@@ -63,6 +63,22 @@ std::vector<at::Tensor> tiled_attention(const at::Tensor& q, const at::Tensor& k
 std::vector<at::Tensor> tiled_attention_backward(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                  const at::Tensor& out, const at::Tensor& lse, const AttentionMask& mask);
 
+/// The mask of a tiled sdpa (documents: input 3) or sdpa_backward (input 6) node.
+AttentionMask attention_mask(const ir::Node& node, const std::vector<at::Tensor>& inputs, std::size_t documents);
+/// Causal attention of an sdpa node whose query rows sit at known positions (context
+/// parallelism: ir::blocked_attention): per block of rows, the keys before it (wholly seen) and
+/// its own (causally) in two fused calls merged by their log-sum-exp (ring attention's and
+/// FlashAttention's split-KV merge). The outputs of sdpa(), laid out as the fused kernel's.
+std::vector<at::Tensor> blocked_attention(const ir::Node& node, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v);
+/// Its gradients {dq, dk, dv} ([b, s, h, d] in memory), each part's backward from the merged
+/// out and lse.
+std::vector<at::Tensor> blocked_attention_backward(const ir::Node& node, const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
+                                                   const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse);
+/// The document of each position of tokens (i64 [b, s]): how many `eos` tokens come before it
+/// in its row (torchtitan's get_document_mask_mod), counted in natural order when the rows are
+/// in context parallelism's load-balanced order of `chunks` pieces; laid out as tokens.
+at::Tensor document_ids(const at::Tensor& tokens, std::int64_t eos, std::int64_t chunks);
+
 /// AdamW's hyperparameters (the adamw node's attributes).
 struct AdamW {
   double beta1, beta2, eps, weight_decay;

@@ -118,12 +118,12 @@ struct OpSchema {
   Precision precision = Precision::promote;
   bool saved_by_selective = false;  ///< selective activation checkpointing keeps its output (torchtitan's op SAC list)
   std::vector<Sample> samples;
-  bool defined_by_record = false;  ///< set by define_op: this op lives in core/src/ops/
+  bool defined_by_record = false;  ///< set by OpRegistry::define (core/src/ops/); ops_conformance_test checks every op has it
 };
 
 class OpRegistry {
  public:
-  /// The registry with every built-in op (core/src/ir/ops.cpp).
+  /// The registry with every op: the records of core/src/ops/, defined at load time.
   static const OpRegistry& global();
 
   /// Throws std::invalid_argument when the name is taken.
