@@ -344,5 +344,34 @@ TEST(Rendezvous, RanksStartedByHandWithAnotherLearningRateFailAtOnceNamingIt) {
   EXPECT_THAT(r0, ::testing::Not(HasSubstr("rank 0: waiting")));
 }
 
+// A config's warning is the same for every rank: said once, by spmdx's launcher (--nproc) or,
+// for ranks started by hand as torchrun starts them, by the host's local rank 0; never again by
+// a rank once the job runs.
+TEST(Rendezvous, AConfigWarningIsSaidOnceHoweverTheRanksStart) {
+  test::TempDir dir;
+  const std::string warning = "lr_scheduler.warmup_steps 5 is more than the 2 steps of the schedule";
+  auto count = [&](const std::string& out) {
+    int n = 0;
+    for (std::size_t at = out.find(warning); at != std::string::npos; at = out.find(warning, at + 1)) ++n;
+    return n;
+  };
+  const std::string args = " run '" SPMDX_SOURCE_DIR "/configs/mlp_dp.toml' --parallelism.data_parallel_replicate_degree 2 --training.steps 2 "
+                           "--lr_scheduler.warmup_steps 5 --data.paths '" + test::corpus_file(dir) + "'";
+  auto launched = test::run_command("'" SPMDX_EXE "'" + args + " --nproc 2 --job.dump_folder '" + (dir / "launched").string() + "' 2>&1");
+  ASSERT_EQ(launched.exit_code, 0) << launched.output;
+  EXPECT_EQ(count(launched.output), 1) << launched.output;
+  const std::string env = "WORLD_SIZE=2 LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(29000 + (::getpid() + 450) % 900) +
+                          " SPMDX_JOB_TOKEN=t";
+  const std::string run = "'" SPMDX_EXE "'" + args + " --job.dump_folder '" + (dir / "by_hand").string() + "'";
+  auto by_hand = test::run_command("{ (env RANK=0 LOCAL_RANK=0 " + env + " " + run + " > '" + (dir / "r0.log").string() + "' 2>&1; echo rank0=$?) & env RANK=1 LOCAL_RANK=1 " +
+                                   env + " " + run + " 2>&1; echo rank1=$?; wait; }");
+  std::ifstream in(dir / "r0.log");
+  const std::string r0((std::istreambuf_iterator<char>(in)), {});
+  EXPECT_THAT(by_hand.output, HasSubstr("rank0=0")) << by_hand.output << r0;
+  EXPECT_THAT(by_hand.output, HasSubstr("rank1=0")) << by_hand.output << r0;
+  EXPECT_EQ(count(r0), 1) << r0;
+  EXPECT_EQ(count(by_hand.output), 0) << by_hand.output;
+}
+
 }  // namespace
 }  // namespace spmdx

@@ -104,6 +104,10 @@ int run_run(const RunOptions& o) {
     spmdx::PluginRegistry registry;
     std::unique_ptr<spmdx::data::Tokenizer> tokenizer;
     std::optional<spmdx::job::JobSpec> spec;
+    // Its warnings are the same for every rank of a host (the config's, the host's plugins and
+    // backends): said by the host's first local rank, once.
+    std::optional<spmdx::log::ThreadLevel> said_by_local_rank_0;
+    if (env.local_rank != 0) said_by_local_rank_0.emplace(spmdx::log::Level::error);
     cfg.check(run_problems(cfg, env.world_size, env.local_world_size, registry, &tokenizer, &spec));
     if (env.rank == 0 && !cfg.ignored().empty()) std::cerr << cfg.ignored_text() << "\n";
   }

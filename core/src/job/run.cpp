@@ -441,12 +441,15 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
   PluginRegistry registry;
   discover_plugins(registry, cfg);
   // The config read once; under parallelism.memory_budget, changed as the launcher's check chose.
+  // What it warns of was said by the preflight before this (spmdx run's: the launcher's, or
+  // under torchrun, srun or mpirun, the first local rank's of each host): not again here.
   const JobSpec spec = [&] {
+    const log::ThreadLevel said_by_the_preflight(log::Level::error);
     JobSpec s = job_spec(cfg, env.world_size, tokenizer->vocab_size());
     choose_strategies(s, registry, validator_hooks(s, registry));  // as the launcher chose
+    check_runnable(cfg);
     return s;
   }();
-  check_runnable(cfg);
   const std::unique_ptr<Device> device = make_device({spec.device.kind, env.local_rank, spec.device.allow_tf32, spec.device.cpu_matmul});
 
   // A job whose checkpoint is already at its last step has nothing to do, and changes nothing.
