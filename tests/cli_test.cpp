@@ -200,6 +200,25 @@ TEST(Cli, CompilePlansWithoutStartingRanks) {
   EXPECT_THAT(printed.output, HasSubstr("tensor_parallel_degree = 2"));
 }
 
+// A tp_plan that shards only the embeddings leaves every layer's matrices whole: each is under
+// 1% of a model with a large vocabulary (not named alone), but together they are a sixth of
+// it, and that is said, with a glob that would shard them. The built-in plan says nothing.
+TEST(Cli, ManySmallReplicatedMatricesAreNamedTogether) {
+  test::TempDir dir;
+  test::write_file(dir / "plan.toml", "[model]\nname = \"llama\"\nflavor = \"debugmodel\"\ntokenizer = \"byte\"\n[data]\npaths = [\"" +
+                                          test::corpus_file(dir) + "\"]\n[parallelism.tp_plan]\n\"tok_embeddings.weight\" = \"rowwise\"\n\"output.weight\" = \"colwise\"\n");
+  const std::string args = " --parallelism.tensor_parallel_degree 2 --parallelism.data_parallel_shard_degree 1 --world-size 2 --model.vocab_size 50000 --fake";
+  auto r = spmdx("compile '" + (dir / "plan.toml").string() + "'" + args);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_THAT(r.output, ::testing::ContainsRegex("warning: tensor_parallel on tp \\(2 ranks\\) keeps 42 weight matrices, each under 1% but 1[0-9]\\.[0-9]% of "
+                                                 "the model's parameters together, whole on every tp rank \\(layers.0.attention.wq.weight, "
+                                                 "layers.0.attention.wk.weight, layers.0.attention.wv.weight, and 39 more\\)"));
+  EXPECT_THAT(r.output, HasSubstr("(globs such as \"*.wq.weight\" = \"colwise\")"));
+  auto built_in = spmdx("compile '" SPMDX_SOURCE_DIR "/configs/llama_debug.toml'" + args);
+  ASSERT_EQ(built_in.exit_code, 0) << built_in.output;
+  EXPECT_THAT(built_in.output, Not(HasSubstr("whole on every tp rank")));
+}
+
 // parallelism.enable_sequence_parallel says where it acts and, where it cannot, that it is off
 // and why, in `spmdx compile` as in `spmdx run`: tp 1, a model without norms, a sequence
 // shorter than tp.

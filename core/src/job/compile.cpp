@@ -336,6 +336,16 @@ std::vector<ShortParameters> short_parameters(const JobSpec& spec, const PlacedJ
   return out;
 }
 
+namespace {
+// "layers.0.attention.wq.weight" -> "wq.weight": a glob's tail for every layer's copy.
+std::string last_two_parts(const std::string& name) {
+  const std::size_t last = name.rfind('.');
+  if (last == std::string::npos || last == 0) return name;
+  const std::size_t before = name.rfind('.', last - 1);
+  return before == std::string::npos ? name : name.substr(before + 1);
+}
+}  // namespace
+
 std::vector<std::string> tp_replicated_parameters(const JobSpec& spec, const PlacedJob& job) {
   std::vector<std::string> out;
   const auto& dims = job.mesh.dims();
@@ -350,18 +360,35 @@ std::vector<std::string> tp_replicated_parameters(const JobSpec& spec, const Pla
   }
   auto bound = spec.strategies.find("tp");
   const std::string strategy = bound != spec.strategies.end() ? bound->second : sharding::strategy_for("tp");
+  std::vector<std::string> small;  // replicated matrices of at most 1% each
+  double small_share = 0;
   for (const auto& name : job.model.params) {
     auto placed = job.inputs.find(name);
     const ir::Value* v = job.model.graph.find_input(name);
     if (placed == job.inputs.end() || v == nullptr || tp >= placed->second.size() || !placed->second[tp].is_replicate()) continue;
     const ir::TensorMeta& m = v->meta();
     const double share = total > 0 ? static_cast<double>(m.numel()) / static_cast<double>(total) : 0.0;
-    if (m.rank() < 2 || share <= 0.01) continue;
+    if (m.rank() < 2) continue;
+    if (share <= 0.01) {  // small alone; many of them are not (a plan that names only the embeddings)
+      small.push_back(name);
+      small_share += share;
+      continue;
+    }
     char pct[32];
     std::snprintf(pct, sizeof pct, "%.1f%%", 100.0 * share);
     out.push_back(strategy + " on tp (" + std::to_string(dims[tp].size) + " ranks) keeps " + name + " " + ir::shape_str(m.shape) + " (" + pct +
                   " of the model's parameters) whole on every tp rank: the numbers are the same, the memory is not; to shard it, name it in "
                   "[parallelism.tp_plan] (\"" + name + "\" = \"colwise\", \"rowwise\" or \"shard(d)\")");
+  }
+  if (small_share > 0.1) {
+    std::vector<std::string> shown(small.begin(), small.begin() + static_cast<std::ptrdiff_t>(std::min<std::size_t>(small.size(), 3)));
+    if (small.size() > shown.size()) shown.push_back("and " + std::to_string(small.size() - shown.size()) + " more");
+    char pct[32];
+    std::snprintf(pct, sizeof pct, "%.1f%%", 100.0 * small_share);
+    out.push_back(strategy + " on tp (" + std::to_string(dims[tp].size) + " ranks) keeps " + std::to_string(small.size()) + " weight matrices, each under 1% but " +
+                  pct + " of the model's parameters together, whole on every tp rank (" + join(shown) +
+                  "): the numbers are the same, the memory is not; to shard them, name them in [parallelism.tp_plan] (globs such as \"*." +
+                  last_two_parts(small.front()) + "\" = \"colwise\")");
   }
   return out;
 }
