@@ -217,6 +217,29 @@ TEST(Pt2RunHuggingFaceOps, BuiltInPlanShardsAWrappedLmHead) {
   EXPECT_THAT(partial.output, Not(HasSubstr("norm.weight [32]")));
 }
 
+// transformers' RMSNorm (LlamaRMSNorm and its copies: weight * (x * rsqrt(mean(x^2, -1) + eps)))
+// imports as one rms_norm with its fused backward, not five elementwise ops and their
+// gradients: the two norms of each of the 2 layers and the final one. (The numbers are checked
+// against PyTorch by Pt2RunTransformers and the reference tests.)
+TEST(Pt2RunHuggingFaceOps, TransformersRmsNormImportsAsOneOp) {
+  test::TempDir dir;
+  test::corpus_file(dir);
+  test::write_file(dir / "llama.toml", "[model]\nname = \"pt2\"\npath = \"" + (kFixtures / "transformers_llama.pt2").string() +
+                                           "\"\ntokenizer = \"byte\"\n[data]\npaths = [\"" + (dir / "corpus.txt").string() + "\"]\n");
+  auto r = spmdx("compile '" + (dir / "llama.toml").string() + "' --parallelism.data_parallel_shard_degree 1 --dump '" + (dir / "plan").string() + "'");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const std::string graph = test::read_file(dir / "plan" / "logical.txt");
+  auto count = [&](const std::string& what) {
+    int n = 0;
+    for (std::size_t at = graph.find(what); at != std::string::npos; at = graph.find(what, at + 1)) ++n;
+    return n;
+  };
+  EXPECT_EQ(count(" = rms_norm("), 5) << graph;
+  EXPECT_EQ(count(" = rms_norm_backward("), 5) << graph;
+  EXPECT_EQ(count(" = rsqrt("), 0) << graph;
+  EXPECT_EQ(count(" = pow_scalar("), 0) << graph;
+}
+
 // Gradient accumulation of an exported program: microbatches of its batch (8 rows); a global
 // batch of 16 on 1, 2 and 4 ranks gives the same losses, and one that is no multiple of 8 is
 // refused naming the export's rows.

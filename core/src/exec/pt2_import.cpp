@@ -710,10 +710,16 @@ bool foldable(const BoundNode& b, const std::function<bool(const std::string&)>&
 // 3. Mapping onto the IR
 
 struct Sym {
-  enum class Kind { value, constant, complex, rotated } kind = Kind::value;
-  ir::Value* v = nullptr;  // value; complex/rotated: the real pairs x[..., d/2, 2]
+  enum class Kind { value, constant, complex, rotated, rms } kind = Kind::value;
+  ir::Value* v = nullptr;  // value; complex/rotated: the real pairs x[..., d/2, 2]; rms: x
   at::Tensor c;            // constant
   at::Tensor cos, sin;     // rotated: [seq, d/2]
+  // rms: a step of RMSNorm as transformers writes it (LlamaRMSNorm and its copies),
+  // x * rsqrt(mean(x^2, -1, keepdim) + eps), not computed yet: the weight's product makes the
+  // whole an rms_norm; any other reader computes the steps as written (rms_value).
+  enum class RmsStep { square = 1, mean, shifted, inverse, normed } step = RmsStep::square;
+  std::string previous;  // rms: the step before this one (its value's name); none for square
+  double eps = 0;        // rms: from shifted on
 };
 
 class Mapper {
@@ -834,6 +840,7 @@ class Mapper {
   ir::Value* value(const std::string& name) {
     Sym& s = sym(name);
     if (s.kind == Sym::Kind::value) return s.v;
+    if (s.kind == Sym::Kind::rms) return rms_value(name);
     if (s.kind != Sym::Kind::constant) fail_("value '" + name + "' is complex; spmdx maps complex numbers only in torchtitan's rotary embedding (view_as_complex(x) * freqs_cis, view_as_real)");
     // A constant read by a trainable op becomes a frozen input once; it stays a constant for
     // the nodes after (GPT-2's positions feed both its position embedding and its mask).
@@ -844,6 +851,52 @@ class Mapper {
     s.v = m_.graph.add_input(input, {s.c.sizes().vec(), dtype, "cpu", false});
     add_init(input, s.c, false);
     return s.v;
+  }
+
+  // An RMSNorm step read by something other than the next step: its ops as the file writes
+  // them (the steps before it first), once.
+  ir::Value* rms_value(const std::string& name) {
+    Sym s = sym(name);
+    ir::Graph& g = m_.graph;
+    ir::Value* x = s.v;
+    ir::Value* out = nullptr;
+    switch (s.step) {
+      case Sym::RmsStep::square: out = g.add("pow_scalar", {x}, {{"value", 2.0}}); break;
+      case Sym::RmsStep::mean:
+        out = g.add("mean", {value(s.previous)}, {{"dims", Shape{static_cast<std::int64_t>(x->meta().shape.size()) - 1}}, {"keepdim", true}});
+        break;
+      case Sym::RmsStep::shifted: out = g.add("add_scalar", {value(s.previous)}, {{"value", s.eps}}); break;
+      case Sym::RmsStep::inverse: out = g.add("rsqrt", {value(s.previous)}); break;
+      case Sym::RmsStep::normed: out = g.add("mul", {x, value(s.previous)}); break;
+    }
+    Sym& kept = sym(name);
+    kept = Sym{};
+    kept.v = out;
+    return out;
+  }
+
+  // The next RMSNorm step from value `from` (of kind rms at step `from_step`, or for the square
+  // a plain floating value x), when node b's output is exactly what the file records for it.
+  bool rms_step(const BoundNode& b, const std::string& from, Sym::RmsStep step, double eps = 0) {
+    const Sym& in = sym(from);
+    Sym s;
+    s.kind = Sym::Kind::rms;
+    s.step = step;
+    if (step == Sym::RmsStep::square) {
+      if (in.kind != Sym::Kind::value || !ir::is_floating(in.v->meta().dtype) || in.v->meta().shape.empty()) return false;
+      s.v = in.v;
+    } else {
+      if (in.kind != Sym::Kind::rms || static_cast<int>(in.step) + 1 != static_cast<int>(step)) return false;
+      s.v = in.v;
+      s.previous = from;
+      s.eps = step == Sym::RmsStep::shifted ? eps : in.eps;
+    }
+    const Meta& want = meta(b);
+    Shape shape = s.v->meta().shape;
+    if (step == Sym::RmsStep::mean || step == Sym::RmsStep::shifted || step == Sym::RmsStep::inverse) shape.back() = 1;
+    if (want.sizes != shape || ir_dtype(want.dtype, "output") != s.v->meta().dtype) return false;
+    env_[b.outputs.at(0)] = s;
+    return true;
   }
 
   // Every read of a value by name goes through here: one the program never defines (no input,
@@ -1148,7 +1201,24 @@ class Mapper {
       Sym& x = sym(t(b, "self"));
       Sym& y = sym(t(b, "other"));
       if (x.kind == Sym::Kind::complex || y.kind == Sym::Kind::complex) return rotate(b, x.kind == Sym::Kind::complex ? x : y, x.kind == Sym::Kind::complex ? y : x);
+      // RMSNorm: x * rsqrt(...), then weight * that (either order): one rms_norm.
+      for (const auto& [a, other] : {std::pair{"self", "other"}, std::pair{"other", "self"}}) {
+        const Sym& s = sym(t(b, a));
+        const Sym& o = sym(t(b, other));
+        if (s.kind != Sym::Kind::rms || o.kind != Sym::Kind::value) continue;
+        if (s.step == Sym::RmsStep::inverse && o.v == s.v && rms_step(b, t(b, a), Sym::RmsStep::normed)) return;
+        if (s.step == Sym::RmsStep::normed && o.v->meta().shape == Shape{s.v->meta().shape.back()} && o.v->meta().dtype == s.v->meta().dtype &&
+            meta(b).sizes == s.v->meta().shape && ir_dtype(meta(b).dtype, "output") == s.v->meta().dtype) {
+          return set(b, g.add("rms_norm", {s.v, o.v}, {{"eps", s.eps}}));
+        }
+      }
     }
+    if (op == "aten.pow.Tensor_Scalar" && f(b, "exponent") == 2.0 && rms_step(b, t(b, "self"), Sym::RmsStep::square)) return;
+    if ((op == "aten.add.Tensor" || op == "aten.add.Scalar") && !is_tensor(b, "other") && f(b, "alpha") == 1.0 &&
+        rms_step(b, t(b, "self"), Sym::RmsStep::shifted, f(b, "other"))) {
+      return;
+    }
+    if (op == "aten.rsqrt.default" && rms_step(b, t(b, "self"), Sym::RmsStep::inverse)) return;
     if (op == "aten.add.Tensor" || op == "aten.add.Scalar") return binary(b, "add", f(b, "alpha"));
     if (op == "aten.sub.Tensor" || op == "aten.sub.Scalar") return binary(b, "sub", f(b, "alpha"));
     if (op == "aten.mul.Tensor" || op == "aten.mul.Scalar") return binary(b, "mul", 1.0);
@@ -1231,6 +1301,10 @@ class Mapper {
   void map_reduce(const BoundNode& b) {
     const std::string& op = b.target;
     ir::Graph& g = m_.graph;
+    if (op == "aten.mean.dim" && sym(t(b, "self")).kind == Sym::Kind::rms && b.arg("keepdim").value.toBool() && b.arg("dtype").value.isNone()) {
+      const Shape dims = dims_arg(b, "dim", sym(t(b, "self")).v->meta().shape.size());
+      if (dims == Shape{static_cast<std::int64_t>(sym(t(b, "self")).v->meta().shape.size()) - 1} && rms_step(b, t(b, "self"), Sym::RmsStep::mean)) return;
+    }
     if (op == "aten.sum.dim_IntList" || op == "aten.sum.default" || op == "aten.mean.dim" || op == "aten.mean.default") {
       ir::Value* x = value(t(b, "self"));
       const bool mean = op.rfind("aten.mean", 0) == 0;
