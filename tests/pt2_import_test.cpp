@@ -119,8 +119,28 @@ TEST_P(Pt2Model, TenAdamWStepsMatchPyTorchEager) { expect_adamw_steps(GetParam()
 // GPT-2/Gemma-2-style model with addmm (Conv1D), baddbmm, tanh (gelu_new, logit soft-capping)
 // and an embedding with padding_idx 0, whose row's gradient is zero (tests/fixtures/hf_ops.py).
 // And torch's sdpa with a sliding-window attn_mask, boolean and additive, beside a causal layer
-// (tests/fixtures/sliding_window.py): the reference is torch's masked sdpa.
-INSTANTIATE_TEST_SUITE_P(Examples, Pt2Model, ::testing::Values("torchtitan_llama", "hf_llama", "gpt2", "masked_attention", "zero_width", "hf_ops", "sliding_window"));
+// (tests/fixtures/sliding_window.py): the reference is torch's masked sdpa. And a tiny token-choice
+// Mixture of Experts routed by topk, a stable argsort, gather and scatter_add, beside a
+// _grouped_mm over constant groups (tests/fixtures/moe_ops.py).
+INSTANTIATE_TEST_SUITE_P(Examples, Pt2Model,
+                         ::testing::Values("torchtitan_llama", "hf_llama", "gpt2", "masked_attention", "zero_width", "hf_ops", "sliding_window", "moe_ops"));
+
+// The Mixture of Experts' aten ops map onto spmdx's MoE records (core/src/ops/moe.cpp):
+// topk, argsort.stable (-> argsort), sort (-> argsort, its values gathered), gather,
+// scatter_add and _grouped_mm (-> grouped_mm, its i32 offs a frozen input).
+TEST(Pt2Import, MixtureOfExpertsOpsMapOntoTheMoeRecords) {
+  for (const char* suffix : {".pt2", ".training_ir.pt2"}) {
+    SCOPED_TRACE(suffix);
+    models::Model m = import("moe_ops", suffix);
+    std::map<std::string, int> count;
+    for (const auto& n : m.graph.nodes()) ++count[n->op()];
+    EXPECT_EQ(count["topk"], 1);
+    EXPECT_EQ(count["argsort"], 2);
+    EXPECT_EQ(count["gather"], 5);
+    EXPECT_EQ(count["scatter_add"], 1);
+    EXPECT_EQ(count["grouped_mm"], 1);
+  }
+}
 
 // A constant mask that is causal within a window of W tokens becomes sdpa with window W (the
 // tiled kernel); the causal mask stays the causal kernel, and nothing else is left as scores.

@@ -9,6 +9,7 @@
 
 #include <functional>
 #include <limits>
+#include <optional>
 #include <set>
 
 #include "spmdx/exec/kernels.h"
@@ -32,6 +33,13 @@ struct Case {
 
 void positive(at::Tensor& t) { t = t.abs() + 0.5; }
 void indices(at::Tensor& t, std::int64_t n) { t = (t.abs() * 1000).to(at::kLong).remainder(n); }
+// grouped_mm's offs: nondecreasing in [0, last], the last = last (int64 unless dtype says).
+void offsets(at::Tensor& t, std::int64_t last, std::optional<ir::DType> dtype) {
+  indices(t, last + 1);
+  t = std::get<0>(t.sort());
+  if (t.numel() > 0) t.view({-1})[-1] = last;
+  t = t.to(dtype ? exec::to_aten(*dtype) : at::kLong);
+}
 
 std::vector<Case> cases() {
   return {
@@ -84,6 +92,7 @@ std::vector<Case> all_cases() {
           if (inputs[i].fill == ir::SampleInput::Fill::positive) positive(x[i]);
           if (inputs[i].fill == ir::SampleInput::Fill::nonnegative) x[i] = at::relu(x[i]);
           if (inputs[i].fill == ir::SampleInput::Fill::indices) indices(x[i], inputs[i].bound);
+          if (inputs[i].fill == ir::SampleInput::Fill::offsets) offsets(x[i], inputs[i].bound, inputs[i].dtype);
           if (inputs[i].fill == ir::SampleInput::Fill::value) {
             x[i] = at::full(x[i].sizes(), inputs[i].value, x[i].options().dtype(inputs[i].dtype ? exec::to_aten(*inputs[i].dtype) : x[i].scalar_type()));
           }

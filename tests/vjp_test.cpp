@@ -58,6 +58,11 @@ at::Tensor make(const InputSpec& spec, at::ScalarType dtype, at::Generator& gen)
       at::Tensor t = at::randint(0, spec.bound, spec.shape, gen, at::TensorOptions().dtype(at::kLong));
       return t;
     }
+    case Fill::offsets: {  // nondecreasing, the last = bound
+      at::Tensor t = std::get<0>(at::randint(0, spec.bound + 1, spec.shape, gen, at::TensorOptions().dtype(at::kLong)).sort());
+      if (t.numel() > 0) t.view({-1})[-1] = spec.bound;
+      return t.to(spec.dtype ? exec::to_aten(*spec.dtype) : at::kLong);
+    }
     case Fill::positive: return at::rand(spec.shape, gen, at::TensorOptions().dtype(dtype)) + 0.5;
     case Fill::value: return at::full(spec.shape, spec.value, at::TensorOptions().dtype(spec.dtype ? exec::to_aten(*spec.dtype) : dtype));
     case Fill::nonnegative: return at::relu(at::randn(spec.shape, gen, at::TensorOptions().dtype(dtype)));

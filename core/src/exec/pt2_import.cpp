@@ -1136,6 +1136,8 @@ class Mapper {
                               "aten.dropout.default"});
       add(&Mapper::map_complex, {"aten.view_as_complex.default", "aten.view_as_real.default"});
       add(&Mapper::map_select, {"aten.masked_fill.Scalar", "aten.masked_fill.Tensor", "aten.where.self", "aten.where.ScalarOther", "aten.where.ScalarSelf"});
+      add(&Mapper::map_moe, {"aten.topk.default", "aten.sort.default", "aten.sort.stable", "aten.argsort.default", "aten.argsort.stable", "aten.gather.default",
+                             "aten.scatter_add.default", "aten.bincount.default", "aten._grouped_mm.default"});
       return t;
     }();
     return table;
@@ -1317,6 +1319,63 @@ class Mapper {
       ir::Value* x = cast(value(t(b, "self")), ir_dtype(meta(b).dtype, "output"));
       const bool log = op.find("log_softmax") != std::string::npos;
       return set(b, g.add(log ? "log_softmax" : "softmax", {x}, {{"dim", i(b, "dim")}}));
+    }
+    fail_at(b, "no mapping");  // listed for this family but not handled above
+  }
+
+  // A Mixture of Experts' routing and experts (core/src/ops/moe.cpp): topk, sort / argsort,
+  // gather, scatter_add, bincount, _grouped_mm. Outputs the program does not keep are left out.
+  void map_moe(const BoundNode& b) {
+    const std::string& op = b.target;
+    ir::Graph& g = m_.graph;
+    auto set_kept = [&](ir::Value* v, std::size_t k) {
+      if (k < b.outputs.size() && !b.outputs[k].empty()) set(b, v, k);
+    };
+    if (op == "aten.topk.default") {
+      // spmdx's topk selects along the last dim: another dim is moved there and back.
+      ir::Value* x = value(t(b, "self"));
+      const auto rank = static_cast<std::int64_t>(x->meta().shape.size());
+      const std::int64_t dim = i(b, "dim") < 0 ? i(b, "dim") + rank : i(b, "dim");
+      const ir::Attributes swap{{"dim0", dim}, {"dim1", rank - 1}};
+      const bool moved = rank > 1 && dim != rank - 1;
+      if (moved) x = g.add("transpose", {x}, swap);
+      ir::Node* n = g.add_node("topk", {x}, {{"k", i(b, "k")}, {"largest", b.arg("largest").value.toBool()}, {"sorted", b.arg("sorted").value.toBool()}});
+      for (std::size_t k = 0; k < 2; ++k) set_kept(moved ? g.add("transpose", {n->output(static_cast<int>(k))}, swap) : n->output(static_cast<int>(k)), k);
+      return;
+    }
+    if (op == "aten.sort.default" || op == "aten.sort.stable" || op == "aten.argsort.default" || op == "aten.argsort.stable") {
+      // A stable sort: one of the orders an unstable one may give; the values gathered by it.
+      ir::Value* x = value(t(b, "self"));
+      const ir::Attributes dim{{"dim", i(b, "dim")}};
+      ir::Value* order = g.add("argsort", {x}, {{"dim", i(b, "dim")}, {"descending", b.arg("descending").value.toBool()}, {"stable", true}});
+      if (op.rfind("aten.argsort", 0) == 0) return set(b, order);
+      set_kept(g.add("gather", {x, order}, dim), 0);
+      set_kept(order, 1);
+      return;
+    }
+    if (op == "aten.gather.default") {
+      if (b.arg("sparse_grad").value.toBool()) fail_at(b, "gather with sparse_grad=True; spmdx's gradients are dense: export with sparse_grad=False");
+      return set(b, g.add("gather", {value(t(b, "self")), cast(value(t(b, "index")), ir::DType::i64)}, {{"dim", i(b, "dim")}}));
+    }
+    if (op == "aten.scatter_add.default") {
+      ir::Value* x = value(t(b, "self"));
+      ir::Value* src = cast(value(t(b, "src")), x->meta().dtype);
+      return set(b, g.add("scatter_add", {x, cast(value(t(b, "index")), ir::DType::i64), src}, {{"dim", i(b, "dim")}}));
+    }
+    if (op == "aten.bincount.default") {
+      if (is_tensor(b, "weights")) fail_at(b, "bincount with weights; spmdx counts ids only (multiply the counts, or scatter_add the weights)");
+      // The program's static output length is the number of bins; an id past it fails when the step runs.
+      return set(b, g.add("bincount", {value(t(b, "self"))}, {{"minlength", meta(b).sizes.at(0)}}));
+    }
+    if (op == "aten._grouped_mm.default") {
+      ir::Value* x = value(t(b, "self"));
+      ir::Value* w = value(t(b, "mat2"));
+      if (x->meta().shape.size() != 2 || w->meta().shape.size() != 3 || !is_tensor(b, "offs")) {
+        fail_at(b, "_grouped_mm of " + x->meta().str() + " and " + w->meta().str() + (is_tensor(b, "offs") ? "" : " without offs") +
+                       "; spmdx maps the MoE form: x [tokens, k], w [groups, k, n] and offs");
+      }
+      if (is_tensor(b, "bias")) fail_at(b, "_grouped_mm with a bias; spmdx maps it without one (add the bias after)");
+      return set(b, g.add("grouped_mm", {x, w, value(t(b, "offs"))}));  // set() casts to out_dtype
     }
     fail_at(b, "no mapping");  // listed for this family but not handled above
   }

@@ -80,12 +80,13 @@ struct SampleInput {
     value,     ///< every element `value`, no gradient taken (a hyperparameter: adamw's lr, step, found_inf)
     nonfinite, ///< N(0, 1) with one +inf, at flat element numel / 2 (found_inf); no gradient taken
     nonnegative,  ///< max(N(0, 1), 0): a relu's output (relu_backward's saved y)
+    offsets,   ///< nondecreasing ints in [0, bound], the last = bound: grouped_mm's offs (each group's end row); int64 unless `dtype`
   };
   std::vector<std::int64_t> shape;
   Fill fill = Fill::normal;
-  std::int64_t bound = 5;  ///< indices: the exclusive upper bound
+  std::int64_t bound = 5;  ///< indices: the exclusive upper bound; offsets: the last offset
   double value = 0;        ///< value: the elements' value
-  std::optional<DType> dtype = std::nullopt;  ///< the input's dtype where it is not the test's floating dtype (adamw's found_inf: f32)
+  std::optional<DType> dtype = std::nullopt;  ///< the input's dtype where it is not the test's floating dtype (adamw's found_inf: f32; offsets: i32)
 };
 
 /// A small instance of the op for the conformance test (tests/ops_conformance_test.cpp), as
