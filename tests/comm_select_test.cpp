@@ -74,7 +74,7 @@ TEST(CapabilityProblem, TyposEmptyRangesNegativeScoresAndEmptyTablesAreNamed) {
   EXPECT_EQ(capability_problem({}), "it declares no capabilities (CommCapability: operation, memory, sizes, score), so it serves nothing");
   EXPECT_EQ(capability_problem({{"*", MemoryType::host, 0, kAny, 1}, {"all_reduse", MemoryType::host, 0, kAny, 5}}),
             "capability 1 (all_reduse, host) names operation 'all_reduse', which is neither \"*\" nor one of all_reduce, all_gather, "
-            "reduce_scatter, all_to_all, broadcast, send, recv, barrier (did you mean all_reduce?)");
+            "reduce_scatter, all_to_all, all_to_all_v, broadcast, send, recv, barrier (did you mean all_reduce?)");
   EXPECT_EQ(capability_problem({{"*", MemoryType::host, 4096, 16, 5}}),
             "capability 0 (*, host) covers no size: min_bytes 4096 is above max_bytes 16");
   EXPECT_EQ(capability_problem({{"*", MemoryType::host, 0, kAny, -3}}), "capability 0 (*, host) has a negative score -3 (scores are 0 or more; higher wins)");
