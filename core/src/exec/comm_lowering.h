@@ -45,7 +45,8 @@ struct LoweredV : Lowered {
 /// op issues it yet). `x` is [N, ...]: rows along the leading dim, input_split_sizes[j] of them
 /// (in order) for member j of `group`, one entry per member, summing to N. finish() gives a
 /// [output_rows, ...] tensor of x's dtype and device: the rows received, packed in member
-/// order, then zeros; output_split_sizes() the rows received from each member. output_rows is
+/// order, then zeros; output_split_sizes() the rows received from each member (zeros when a
+/// row holds no elements: the call moves elements, not rows). output_rows is
 /// the most this member may receive (tokens x top_k x members for a dropless dispatch); more
 /// fails the call's Work naming the counts. Throws std::invalid_argument for split sizes that
 /// do not sum to N or are negative, and for a backend without all_to_all_v, naming it.
