@@ -38,7 +38,7 @@ TEST(Cli, PluginsJsonListsTheBuiltPlugins) {
   }
   ASSERT_NE(dp, nullptr) << r.output;
   EXPECT_EQ(dp->at("kind"), "strategy");
-  EXPECT_EQ(dp->at("abi"), "4.0");
+  EXPECT_EQ(dp->at("abi"), "4.1");
   EXPECT_EQ(dp->at("version"), "0.2.0");
   EXPECT_EQ(dp->at("registered"), true);
   EXPECT_EQ(dp->at("toolchain"), SPMDX_TOOLCHAIN);
@@ -66,7 +66,7 @@ TEST(Cli, PluginsRefusesACommBackendWithMalformedCapabilities) {
   EXPECT_THAT(r.output, HasSubstr("error: comm backend 'test_comm_typo' of plugin 'test_comm_typo' (" +
                                   (plugin_dir("test_comm_typo") / "libspmdx_test_comm_typo.so").lexically_normal().string() +
                                   ") has malformed capabilities: capability 0 (all_reduse, host) names operation 'all_reduse', which is neither "
-                                  "\"*\" nor one of all_reduce, all_gather, reduce_scatter, all_to_all, broadcast, send, recv, barrier (did you "
+                                  "\"*\" nor one of all_reduce, all_gather, reduce_scatter, all_to_all, all_to_all_v, broadcast, send, recv, barrier (did you "
                                   "mean all_reduce?); fix the plugin"));
   EXPECT_THAT(r.output, HasSubstr("capabilities of ucx: * host any size score 10"));
   EXPECT_THAT(r.output, HasSubstr("options of ucx: tls, chunk_bytes, direct_max_bytes, shm, shm_chunk_bytes"));
@@ -82,7 +82,7 @@ TEST(Cli, PluginsTableNamesEachPlugin) {
 TEST(Cli, VersionPrintsTheAbi) {
   auto r = spmdx("--version");
   ASSERT_EQ(r.exit_code, 0);
-  EXPECT_THAT(r.output, HasSubstr("plugin ABI 4.0"));
+  EXPECT_THAT(r.output, HasSubstr("plugin ABI 4.1"));
 }
 
 struct ErrorCase {

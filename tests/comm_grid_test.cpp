@@ -1,7 +1,8 @@
 // One conformance grid for the comm backends (gloo's Combine(transports, sizes, counts)): every
 // backend configuration x world size 1-4 x element count 0, 1, 7, 1,000,003, and in each cell
 // all seven dtypes through all_reduce (every reduce op), reduce_scatter and all_gather with
-// uneven blocks (one empty), all_to_all and broadcast, against one oracle computed here.
+// uneven blocks (one empty), all_to_all, all_to_all_v (split sizes only the senders know, zero
+// blocks among them) and broadcast, against one oracle computed here.
 // Ranks run as threads of this process, each with its own backend instance (UCX: one worker
 // per thread) and, for shared memory, a store; a single cell reruns with --gtest_filter.
 // Inputs are small integers so that every dtype holds every sum and product exactly; only the
@@ -15,6 +16,7 @@
 #include <thread>
 #include <tuple>
 
+#include "spmdx/comm/all_to_all_v.h"
 #include "spmdx/comm/store.h"
 #include "spmdx/core/registry.h"
 
@@ -211,6 +213,33 @@ TEST_P(CommGrid, EveryCollectiveAndDtypeMatchesTheOracle) {
           ASSERT_EQ(c.get(static_cast<std::size_t>(at) + i), input(j, static_cast<std::size_t>(rank))) << "all_to_all from rank " << j;
         }
       }
+      // all_to_all_v: rank r sends rank j sent(r, j) elements, valued (r, j, i) as below; some
+      // blocks are empty (r + j a multiple of 3: every world has one). The receiver is told no
+      // counts; its buffer has 5 elements to spare, holding a sentinel that must stay.
+      auto sent = [&](int r, int j) -> std::size_t {
+        return (r + j) % 3 == 0 ? 0 : (big ? 7 : count) + static_cast<std::size_t>(r) + 2 * static_cast<std::size_t>(j);
+      };
+      auto element = [](int r, int j, std::size_t i) { return static_cast<double>((31 * r + 7 * j + static_cast<int>(i % 89)) % 97 + 1); };
+      const double sentinel = 200;
+      std::vector<std::size_t> vsend(static_cast<std::size_t>(n));
+      std::size_t vsend_total = 0, vrecv_total = 0;
+      for (int j = 0; j < n; ++j) vsend_total += vsend[static_cast<std::size_t>(j)] = sent(rank, j);
+      for (int j = 0; j < n; ++j) vrecv_total += sent(j, rank);
+      Typed va(t, vsend_total), vc(t, vrecv_total + 5);
+      for (int j = 0, at = 0; j < n; at += static_cast<int>(vsend[static_cast<std::size_t>(j)]), ++j) {
+        for (std::size_t i = 0; i < vsend[static_cast<std::size_t>(j)]; ++i) va.set(static_cast<std::size_t>(at) + i, element(rank, j, i));
+      }
+      for (std::size_t i = 0; i < vc.size(); ++i) vc.set(i, sentinel);
+      std::vector<std::size_t> vrecv(static_cast<std::size_t>(n), 12345);
+      ASSERT_TRUE(comm::all_to_all_v(b, group, va.buffer(), vc.buffer(), vsend, vrecv.data())->wait(60));
+      std::size_t vat = 0;
+      for (int j = 0; j < n; ++j) {
+        ASSERT_EQ(vrecv[static_cast<std::size_t>(j)], sent(j, rank)) << "all_to_all_v's count from rank " << j;
+        for (std::size_t i = 0; i < sent(j, rank); ++i, ++vat) {
+          ASSERT_EQ(vc.get(vat), element(j, rank, i)) << "all_to_all_v from rank " << j << " element " << i;
+        }
+      }
+      for (; vat < vc.size(); ++vat) ASSERT_EQ(vc.get(vat), sentinel) << "all_to_all_v wrote past the received elements, at " << vat;
       // broadcast from the last member.
       Typed bc(t, count);
       for (std::size_t i = 0; i < count; ++i) bc.set(i, input(rank, i));
@@ -226,6 +255,47 @@ std::string cell_name(const ::testing::TestParamInfo<CommGrid::ParamType>& info)
     if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
   }
   return spec + "_world" + std::to_string(std::get<1>(info.param)) + "_count" + std::to_string(std::get<2>(info.param));
+}
+
+// all_to_all_v into a buffer too small: that rank's Work fails naming the counts and its
+// capacity; the senders' complete, and the group goes on to its next collective.
+TEST(CommGridAllToAllV, MoreThanTheCapacityFailsThatRankAloneNamingTheCounts) {
+  for (const std::string spec : {"local", "ucx:tls=self,sm,tcp"}) {
+    on_ranks(spec, 3, [&](int rank, CommBackend& b) {
+      std::vector<std::int32_t> in(9, rank + 1), out(rank == 2 ? 4 : 9, -1);
+      std::vector<std::size_t> recv(3);
+      auto work = comm::all_to_all_v(b, 0, {in.data(), in.size(), CommDType::i32}, {out.data(), out.size(), CommDType::i32}, {3, 3, 3}, recv.data());
+      if (rank == 2) {
+        try {
+          work->wait(60);
+          ADD_FAILURE() << spec << ": rank 2 received 9 elements into 4";
+        } catch (const std::exception& e) {
+          EXPECT_THAT(e.what(), ::testing::HasSubstr("the members sent this rank 9 elements (3, 3, 3, in member order) but out.count is 4"));
+        }
+      } else {
+        ASSERT_TRUE(work->wait(60));
+        EXPECT_EQ(out, (std::vector<std::int32_t>{1, 1, 1, 2, 2, 2, 3, 3, 3}));
+      }
+      EXPECT_EQ(recv, (std::vector<std::size_t>{3, 3, 3}));
+      std::int32_t one = 1;
+      ASSERT_TRUE(b.all_reduce(0, {&one, 1, CommDType::i32}, ReduceOp::sum)->wait(60));
+      EXPECT_EQ(one, 3);
+    });
+  }
+}
+
+// Counts that do not add up to the send buffer fail the call, naming them.
+TEST(CommGridAllToAllV, SendCountsThatDoNotMatchTheBufferAreNamed) {
+  on_ranks("local", 2, [&](int, CommBackend& b) {
+    std::vector<float> in(4), out(4);
+    std::vector<std::size_t> recv(2);
+    try {
+      comm::all_to_all_v(b, 0, {in.data(), 4}, {out.data(), 4}, {1, 2}, recv.data())->wait(60);
+      ADD_FAILURE() << "counts of 3 elements for a buffer of 4 were taken";
+    } catch (const std::exception& e) {
+      EXPECT_THAT(e.what(), ::testing::HasSubstr("send_counts (2 entries, 3 elements) do not match the group's 2 members or in.count 4"));
+    }
+  });
 }
 
 INSTANTIATE_TEST_SUITE_P(Grid, CommGrid,

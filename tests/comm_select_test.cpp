@@ -8,6 +8,7 @@
 #include <map>
 #include <thread>
 
+#include "spmdx/comm/all_to_all_v.h"
 #include "spmdx/comm/score_map.h"
 #include "spmdx/core/registry.h"
 
@@ -74,7 +75,7 @@ TEST(CapabilityProblem, TyposEmptyRangesNegativeScoresAndEmptyTablesAreNamed) {
   EXPECT_EQ(capability_problem({}), "it declares no capabilities (CommCapability: operation, memory, sizes, score), so it serves nothing");
   EXPECT_EQ(capability_problem({{"*", MemoryType::host, 0, kAny, 1}, {"all_reduse", MemoryType::host, 0, kAny, 5}}),
             "capability 1 (all_reduse, host) names operation 'all_reduse', which is neither \"*\" nor one of all_reduce, all_gather, "
-            "reduce_scatter, all_to_all, broadcast, send, recv, barrier (did you mean all_reduce?)");
+            "reduce_scatter, all_to_all, all_to_all_v, broadcast, send, recv, barrier (did you mean all_reduce?)");
   EXPECT_EQ(capability_problem({{"*", MemoryType::host, 4096, 16, 5}}),
             "capability 0 (*, host) covers no size: min_bytes 4096 is above max_bytes 16");
   EXPECT_EQ(capability_problem({{"*", MemoryType::host, 0, kAny, -3}}), "capability 0 (*, host) has a negative score -3 (scores are 0 or more; higher wins)");
@@ -128,6 +129,57 @@ TEST(ScoredBackend, RoutesEachCallToItsPickAndSumsRight) {
   EXPECT_EQ(big_calls, 3 * n) << "the 4000-byte all_reduce, the all_gather and the barrier";
   EXPECT_EQ(smalls[0]->generations_, std::vector<std::int64_t>{(std::int64_t{1} << 40) + 2})
       << "each member its own store generation, beyond any a plain backend's hot-swaps reach";
+}
+
+// all_to_all_v goes to the member that scores best for it, when that member has it
+// (VariableAllToAll); a member without it is named.
+TEST(ScoredBackend, AllToAllVGoesToItsPickOrNamesAPickWithoutIt) {
+  constexpr int n = 2;
+  PluginRegistry registry;
+  registry.discover({{BUILTIN_PLUGIN_DIR, PluginSource::Origin::builtin}});
+  std::atomic<int> calls{0};
+  std::vector<std::unique_ptr<CommBackend>> ranks;
+  for (int r = 0; r < n; ++r) {
+    std::vector<std::pair<std::string, std::unique_ptr<CommBackend>>> members;
+    members.emplace_back("engine", registry.make_comm_backend("local", {{"job", "scored_v"}}));
+    // Best for all_to_all but not all_to_all_v: without VariableAllToAll, it must not get it.
+    members.emplace_back("counted", std::make_unique<Counted>(registry.make_comm_backend("local", {{"job", "scored_v_counted"}}),
+                                                              std::vector<CommCapability>{{"all_to_all", MemoryType::host, 0, kAny, 50}}, calls));
+    ranks.push_back(make_scored_backend(std::move(members)));
+  }
+  std::vector<std::string> errors(n);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        CommBackend& b = *ranks[static_cast<std::size_t>(r)];
+        b.init({r, n, 0, nullptr, 30});
+        // Rank 0 sends rank 1 three elements and itself none; rank 1 sends each one.
+        std::vector<std::int64_t> in = r == 0 ? std::vector<std::int64_t>{7, 8, 9} : std::vector<std::int64_t>{10, 11}, out(4, -1);
+        std::vector<std::size_t> send = r == 0 ? std::vector<std::size_t>{0, 3} : std::vector<std::size_t>{1, 1}, recv(2);
+        comm::all_to_all_v(b, 0, {in.data(), in.size(), CommDType::i64}, {out.data(), 4, CommDType::i64}, send, recv.data())->wait(30);
+        const auto want = r == 0 ? std::vector<std::int64_t>{10, -1, -1, -1} : std::vector<std::int64_t>{7, 8, 9, 11};
+        if (out != want || recv != (r == 0 ? std::vector<std::size_t>{0, 1} : std::vector<std::size_t>{3, 1})) errors[static_cast<std::size_t>(r)] = "wrong blocks";
+        b.finalize();
+      } catch (const std::exception& e) {
+        errors[static_cast<std::size_t>(r)] = e.what();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < n; ++r) EXPECT_EQ(errors[static_cast<std::size_t>(r)], "") << "rank " << r;
+  EXPECT_EQ(calls, 0);
+
+  std::vector<std::pair<std::string, std::unique_ptr<CommBackend>>> members;
+  members.emplace_back("counted", std::make_unique<Counted>(registry.make_comm_backend("local", {{"job", "scored_v_only"}}),
+                                                            std::vector<CommCapability>{{"*", MemoryType::host, 0, kAny, 1}}, calls));
+  auto b = make_scored_backend(std::move(members));
+  b->init({0, 1, 0, nullptr, 5});
+  std::int64_t x = 1, y = 0;
+  std::size_t got = 0;
+  EXPECT_THAT([&] { comm::all_to_all_v(*b, 0, {&x, 1, CommDType::i64}, {&y, 1, CommDType::i64}, {1}, &got); },
+              ::testing::ThrowsMessage<std::invalid_argument>(HasSubstr("has no all_to_all_v (VariableAllToAll, plugin ABI 4.1)")));
+  b->finalize();
 }
 
 TEST(ScoredBackend, CallNoMemberServesIsRefusedByName) {

@@ -12,6 +12,7 @@
 // (SPMDX_TEST_OPTIONS_RANK1: rank 1's, when they should differ).
 // Prints "checked N" and exits 0, or prints the failure and exits 1 (3: the expected CommError).
 #include <spmdx/comm.h>
+#include <spmdx/comm/all_to_all_v.h>
 #include <spmdx/comm/reduce.h>
 #include <spmdx/comm/store.h>
 #include <spmdx/core/registry.h>
@@ -229,6 +230,32 @@ void run_collectives(CommBackend& b, int group, const std::vector<int>& members,
         for (std::size_t i = 0; i < recv_counts[static_cast<std::size_t>(j)]; ++i, ++o) {
           if (!close(get(z, o, t), value(members[static_cast<std::size_t>(j)] * 10 + me, i, ReduceOp::sum, t), t)) c.fail(std::string("all_to_all ") + dtype_name(t));
         }
+      }
+      ++c.checks;
+      // all_to_all_v: member i sends member j vsent(i, j) elements (none when i + j is a
+      // multiple of 3), which the receiver is not told; 3 elements to spare hold a sentinel.
+      auto vsent = [n](int i, int j) -> std::size_t { return (i + j) % 3 == 0 ? 0 : n + static_cast<std::size_t>(i + 2 * j); };
+      std::vector<std::size_t> vsend;
+      std::size_t vsn = 0, vrn = 0;
+      for (int j = 0; j < k; ++j) vsn += vsend.emplace_back(vsent(me, j));
+      for (int j = 0; j < k; ++j) vrn += vsent(j, me);
+      std::vector<char> va(vsn * es), vz((vrn + 3) * es);
+      o = 0;
+      for (int j = 0; j < k; ++j) {
+        for (std::size_t i = 0; i < vsend[static_cast<std::size_t>(j)]; ++i, ++o) put(va, o, t, value(c.rank * 10 + j + 5, i, ReduceOp::sum, t));
+      }
+      for (std::size_t i = 0; i < vrn + 3; ++i) put(vz, i, t, 7);
+      std::vector<std::size_t> vrecv(static_cast<std::size_t>(k));
+      if (!comm::all_to_all_v(b, group, {va.data(), vsn, t}, {vz.data(), vrn + 3, t}, vsend, vrecv.data())->wait(timeout)) c.fail("all_to_all_v timed out");
+      o = 0;
+      for (int j = 0; j < k; ++j) {
+        if (vrecv[static_cast<std::size_t>(j)] != vsent(j, me)) c.fail(std::string("all_to_all_v count from member ") + std::to_string(j));
+        for (std::size_t i = 0; i < vsent(j, me); ++i, ++o) {
+          if (!close(get(vz, o, t), value(members[static_cast<std::size_t>(j)] * 10 + me + 5, i, ReduceOp::sum, t), t)) c.fail(std::string("all_to_all_v ") + dtype_name(t));
+        }
+      }
+      for (; o < vrn + 3; ++o) {
+        if (get(vz, o, t) != 7) c.fail(std::string("all_to_all_v wrote past the received elements, ") + dtype_name(t));
       }
       ++c.checks;
       // broadcast from the last member

@@ -7,6 +7,7 @@
 
 #include <vector>
 
+#include "spmdx/comm/all_to_all_v.h"
 #include "spmdx/comm/store.h"
 #include "spmdx/core/registry.h"
 
@@ -48,6 +49,21 @@ TEST(Nccl, OneRankEveryCollectiveOnDeviceAndHostBuffers) {
   ASSERT_TRUE(b->all_gather(0, in, out, {7})->wait(30));
   ASSERT_TRUE(b->reduce_scatter(0, in, out, {7}, ReduceOp::sum)->wait(30));
   ASSERT_TRUE(b->all_to_all(0, in, out, {7}, {7})->wait(30));
+  // all_to_all_v: the count learnt from the exchange, into a buffer of 7 with 2 to spare.
+  std::size_t learnt = 0;
+  std::vector<float> vin = {9, 8, 7, 6, 5}, vout(7, -1);
+  ASSERT_TRUE(comm::all_to_all_v(*b, 0, {vin.data(), 5}, {vout.data(), 7}, {5}, &learnt)->wait(30));
+  EXPECT_EQ(learnt, 5u);
+  EXPECT_EQ(vout, (std::vector<float>{9, 8, 7, 6, 5, -1, -1}));
+  ASSERT_TRUE(comm::all_to_all_v(*b, 0, in, {e, 7, CommDType::f32, MemoryType::cuda}, {7}, &learnt)->wait(30));
+  EXPECT_EQ(learnt, 7u);
+  std::vector<float> small(3);
+  EXPECT_THAT([&] { comm::all_to_all_v(*b, 0, {vin.data(), 5}, {small.data(), 3}, {5}, &learnt); },
+              ::testing::ThrowsMessage<std::invalid_argument>(::testing::HasSubstr("the members sent rank 0 5 elements (5, in member order) but out.count is 3")));
+  std::vector<float> empty_in, empty_out(2, 4);
+  ASSERT_TRUE(comm::all_to_all_v(*b, 0, {empty_in.data(), 0}, {empty_out.data(), 2}, {0}, &learnt)->wait(30));
+  EXPECT_EQ(learnt, 0u);
+  EXPECT_EQ(empty_out, (std::vector<float>{4, 4}));
   ASSERT_TRUE(b->broadcast(0, out, 0)->wait(30));
   ASSERT_TRUE(b->barrier(0)->wait(30));
   std::vector<float> back(7);

@@ -9,6 +9,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "spmdx/comm/all_to_all_v.h"
 #include "spmdx/core/registry.h"
 #include "test_util.h"
 
@@ -128,7 +129,7 @@ TEST(Registry, PluginBuiltAgainstAbi2IsRefusedSayingRebuild) {
   PluginError e = only_error(registry);
   EXPECT_EQ(e.code(), Code::abi_mismatch);
   EXPECT_EQ(std::string(e.what()), "plugin '" + plugin_file("test_abi_2").string() +
-                                       "' was built for ABI 2, this host supports 4 (ABI 4.0): rebuild the plugin against this spmdx. "
+                                       "' was built for ABI 2, this host supports 4 (ABI 4.1): rebuild the plugin against this spmdx. "
                                        "(ABI 3 moved the collectives into the host: a comm plugin built on the P2P backend now registers "
                                        "a Transport, see spmdx/transport.h.)");
   EXPECT_TRUE(registry.plugins().empty());
@@ -161,6 +162,27 @@ TEST(Registry, AbiMinorNewerThanHostIsRefused) {
   EXPECT_EQ(e.code(), Code::abi_mismatch);
   EXPECT_THAT(e.what(), HasSubstr("was built for ABI " + std::to_string(SPMDX_ABI_MAJOR) + ".99, this host supports up to " +
                                    std::to_string(SPMDX_ABI_MAJOR) + "." + std::to_string(SPMDX_ABI_MINOR)));
+}
+
+// ABI 4.1 added VariableAllToAll as an interface of its own (a minor): a comm plugin of 4.0
+// still loads and runs the other collectives; all_to_all_v on it names it and says to rebuild.
+TEST(Registry, CommPluginOfAbi40LoadsAndItsAllToAllVIsRefusedNamingIt) {
+  PluginRegistry registry;
+  registry.discover(user({plugin_dir("test_comm_abi_4_0")}));
+  EXPECT_TRUE(registry.errors().empty());
+  auto backend = registry.make_comm_backend("test_comm_abi_4_0");
+  ASSERT_NE(backend, nullptr);
+  EXPECT_EQ(registry.find("test_comm_abi_4_0")->abi_minor, 0u);
+  std::vector<float> in(2), out(2);
+  std::vector<std::size_t> recv(1);
+  try {
+    comm::all_to_all_v(*backend, 0, {in.data(), 2}, {out.data(), 2}, {2}, recv.data());
+    FAIL() << "all_to_all_v ran on a backend without it";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("comm backend test_comm_abi_4_0 "));
+    EXPECT_THAT(e.what(), HasSubstr("has no all_to_all_v (VariableAllToAll, plugin ABI 4.1): its plugin was built for ABI 4.0 or does not "
+                                    "implement it; rebuild the plugin against this spmdx, or use ucx or nccl"));
+  }
 }
 
 TEST(Registry, DescriptorWithoutCallbackIsRefused) {

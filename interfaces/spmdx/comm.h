@@ -133,7 +133,7 @@ class Work {
 /// What a backend does well, for choosing between backends per call (as UCC's score maps):
 /// the highest score for the op, memory type and size wins unless the config pins a backend
 /// (spmdx/comm/select.h in the core). Sizes are the bytes of the call's buffer (all_gather:
-/// its output). Scores in use: ucx 10 and local 1 on host memory; nccl 100 on CUDA memory, 1
+/// its output; all_to_all and all_to_all_v: 0, since they differ across ranks). Scores in use: ucx 10 and local 1 on host memory; nccl 100 on CUDA memory, 1
 /// on host memory (staged through the GPU).
 struct CommCapability {
   std::string op;  ///< "all_reduce", ..., or "*"
@@ -176,7 +176,8 @@ class CommBackend {
   virtual std::unique_ptr<Work> reduce_scatter(int group, CommBuffer in, CommBuffer out, std::vector<std::size_t> counts,
                                                ReduceOp op) = 0;
   /// Member i's block j (send_counts[j] elements, blocks in order) goes to member j's block i
-  /// (recv_counts[i] elements).
+  /// (recv_counts[i] elements): every member knows both counts beforehand (as
+  /// MPI_Alltoallv). For splits only the senders know, VariableAllToAll::all_to_all_v below.
   virtual std::unique_ptr<Work> all_to_all(int group, CommBuffer in, CommBuffer out, std::vector<std::size_t> send_counts,
                                            std::vector<std::size_t> recv_counts) = 0;
   /// buf becomes member root_member's buf on every member (root_member indexes the group).
@@ -207,6 +208,38 @@ class StreamOrdered {
   /// for it itself). The host still waits for every Work later, off the critical path, which
   /// is where a timeout or a failed peer is reported.
   virtual bool stream_wait(Work& work, void* stream) = 0;
+};
+
+/// Optional (ABI 4.1), found as StreamOrdered is, with dynamic_cast on the CommBackend: the
+/// all-to-all whose split sizes are known only at run time, and only to the senders (expert
+/// parallelism's dispatch and combine, where a router decides how many tokens go to each rank;
+/// torch.distributed.all_to_all_single with input_split_sizes, torchtitan's token dispatch).
+/// The backends spmdx ships have it (the host's engine under ucx and local; nccl); a plugin
+/// built for ABI 4.0 does not, and the host's comm::all_to_all_v (spmdx/comm/all_to_all_v.h)
+/// on it throws std::invalid_argument naming the backend and saying to rebuild its plugin.
+/// CommBackend::all_to_all is the call for splits every member knows beforehand.
+class VariableAllToAll {
+ public:
+  virtual ~VariableAllToAll() = default;
+  /// Counts are elements of in.dtype (a block's bytes: count x comm_dtype_size(dtype)).
+  /// `in` holds one block per group member, in member order: send_counts[j] elements for
+  /// member j (send_counts has one entry per member, zeros allowed, and sums to in.count).
+  /// `out` has in's dtype; out.count is its capacity in elements, the most this member may
+  /// receive (a dropless dispatch: tokens x top_k x group size). The block member i sent this
+  /// member arrives packed in member order from out.data (after the blocks of members
+  /// 0..i-1); the elements past the received ones are left as they were.
+  /// `recv_counts` points at one std::size_t per member, in host memory, valid until the Work
+  /// completes; before it completes the backend writes there the elements received from each
+  /// member (recv_counts[i] = member i's send_counts[me]). The counts travel with the call:
+  /// one exchange of group-size integers, then the data.
+  /// Errors: send_counts of the wrong length or sum, or a null recv_counts, fail the call or
+  /// its Work (std::invalid_argument, or CommError from Work::wait); more elements arriving
+  /// than out.count fails this member's Work naming the counts and the capacity, after the
+  /// data was drained, so the other members' Works complete and the group stays usable.
+  /// nccl blocks the calling thread until the counts arrived (NCCL's receives take host
+  /// counts), as torchtitan's dispatch waits for its split sizes; the engine does not.
+  virtual std::unique_ptr<Work> all_to_all_v(int group, CommBuffer in, CommBuffer out, std::vector<std::size_t> send_counts,
+                                             std::size_t* recv_counts) = 0;
 };
 
 }  // namespace spmdx

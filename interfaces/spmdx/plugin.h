@@ -37,6 +37,11 @@
 // 4.0: TensorInfo::role (strategy.h: TensorRole), a field added to a struct plugins read, so a
 // major. Strategies take options ("name:key=value" in [parallelism.strategies]) through the
 // factory's Options, which needed no ABI change.
+// 4.1: VariableAllToAll (comm.h: all_to_all_v, split sizes known only at run time), an
+// interface a comm backend may also implement, as StreamOrdered in 3.1: a new interface, not a
+// method added to CommBackend (which would be a major), so 4.0 plugins still load; the host's
+// all_to_all_v on a backend without it is a std::invalid_argument naming the backend and
+// saying to rebuild its plugin.
 //
 // Host services. A plugin may call, besides this folder's inline code, only the core
 // library's logging facade (spmdx/core/log.h) and the helpers declared in this folder
@@ -79,7 +84,7 @@
 #include "spmdx/transport.h"
 
 #define SPMDX_ABI_MAJOR 4
-#define SPMDX_ABI_MINOR 0
+#define SPMDX_ABI_MINOR 1
 
 // The toolchain tag: the C++ standard library, its string/list ABI and whether exceptions are
 // on. The loader refuses a plugin whose tag differs from the host's.

@@ -1,7 +1,8 @@
 // Test comm plugins "test_comm_a" / "test_comm_b" (COMM_NAME): count live backends in a
 // variable of their own library, so a test can tell that a library stays mapped and that its
 // destructors run after the registry is gone. COMM_CAPS replaces their capability table
-// (test_comm_typo: a misspelt operation).
+// (test_comm_typo: a misspelt operation). COMM_ABI_MINOR declares an older minor of this ABI
+// major (test_comm_abi_4_0: a comm plugin of ABI 4.0, from before VariableAllToAll).
 #include <spmdx/plugin.h>
 
 #include <atomic>
@@ -74,4 +75,13 @@ void register_comm(spmdx::Registrar& r) {
 
 }  // namespace
 
+#ifdef COMM_ABI_MINOR
+namespace {
+const spmdx::PluginDescriptor descriptor{SPMDX_ABI_MAJOR, COMM_ABI_MINOR, COMM_NAME, spmdx::PluginKind::comm, "1.0.0",
+                                         "test: a comm backend of an older ABI minor", register_comm, SPMDX_TOOLCHAIN, 0};
+const spmdx::PluginDescriptor* entry() { return &descriptor; }
+}  // namespace
+SPMDX_PLUGIN_ENTRY(entry)
+#else
 SPMDX_PLUGIN(COMM_NAME, comm, "1.0.0", "test: a comm backend that counts its live instances", register_comm)
+#endif

@@ -4,6 +4,7 @@
 #include <set>
 #include <stdexcept>
 
+#include "spmdx/comm/all_to_all_v.h"
 #include "spmdx/core/log.h"
 #include "spmdx/core/registry.h"
 #include "spmdx/text.h"
@@ -21,8 +22,8 @@ std::int64_t member_generation(std::int64_t generation, std::size_t i) {
 
 // Also StreamOrdered for its members that are: a call in device memory goes to a member that
 // orders itself after the compute stream, or fails (the host would otherwise read its output
-// before it is there).
-class ScoredBackend final : public CommBackend, public StreamOrdered {
+// before it is there). And VariableAllToAll, failing naming the member chosen when it lacks it.
+class ScoredBackend final : public CommBackend, public StreamOrdered, public VariableAllToAll {
  public:
   explicit ScoredBackend(std::vector<std::pair<std::string, std::unique_ptr<CommBackend>>> members) : members_(std::move(members)) {
     for (const auto& m : members_) capabilities_.push_back(m.second->capabilities());
@@ -76,6 +77,11 @@ class ScoredBackend final : public CommBackend, public StreamOrdered {
                                    std::vector<std::size_t> recv_counts) override {
     const std::size_t i = pick("all_to_all", in.memory, 0);
     return members_[i].second->all_to_all(id(group, i), in, out, std::move(send_counts), std::move(recv_counts));
+  }
+  std::unique_ptr<Work> all_to_all_v(int group, CommBuffer in, CommBuffer out, std::vector<std::size_t> send_counts,
+                                     std::size_t* recv_counts) override {
+    const std::size_t i = pick("all_to_all_v", in.memory, 0);
+    return comm::all_to_all_v(*members_[i].second, id(group, i), in, out, std::move(send_counts), recv_counts);
   }
   std::unique_ptr<Work> broadcast(int group, CommBuffer buf, int root_member) override {
     const std::size_t i = pick("broadcast", buf.memory, buf.bytes());
@@ -156,7 +162,7 @@ std::vector<MemoryType> job_memory(const std::string& device) {
 }
 
 const std::vector<std::string>& comm_operations() {
-  static const std::vector<std::string> ops{"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send", "recv", "barrier"};
+  static const std::vector<std::string> ops{"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "all_to_all_v", "broadcast", "send", "recv", "barrier"};
   return ops;
 }
 

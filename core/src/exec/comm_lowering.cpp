@@ -6,6 +6,7 @@
 #include <numeric>
 #include <stdexcept>
 
+#include "spmdx/comm/all_to_all_v.h"
 #include "spmdx/exec/distributed.h"
 
 namespace spmdx::exec {
@@ -107,6 +108,40 @@ Lowered all_to_all(CommBackend& backend, int group, const ir::Node& n, const at:
 }
 
 }  // namespace
+
+LoweredV all_to_all_single(CommBackend& backend, int group, const at::Tensor& x, const std::vector<std::int64_t>& input_split_sizes,
+                           std::int64_t output_rows, const std::function<void()>& before_call) {
+  if (x.dim() == 0) throw std::invalid_argument("all_to_all_single: x is a scalar; it splits rows along a leading dim");
+  std::int64_t rows = 0;
+  for (auto s : input_split_sizes) {
+    if (s < 0) throw std::invalid_argument("all_to_all_single: input split size " + std::to_string(s) + " is negative");
+    rows += s;
+  }
+  if (rows != x.size(0)) {
+    throw std::invalid_argument("all_to_all_single: input split sizes sum to " + std::to_string(rows) + " rows, x has " + std::to_string(x.size(0)));
+  }
+  if (output_rows < 0) throw std::invalid_argument("all_to_all_single: output_rows " + std::to_string(output_rows) + " is negative");
+  std::int64_t inner = 1;  // elements per row, also when x has no rows
+  for (std::int64_t d = 1; d < x.dim(); ++d) inner *= x.size(d);
+  std::vector<std::size_t> send_counts;
+  for (auto s : input_split_sizes) send_counts.push_back(static_cast<std::size_t>(s * inner));
+  std::vector<std::int64_t> out_shape = x.sizes().vec();
+  out_shape[0] = output_rows;
+  at::Tensor in = x.contiguous();
+  at::Tensor out = at::zeros(out_shape, x.options());
+  auto recv = std::make_shared<std::vector<std::size_t>>(input_split_sizes.size(), 0);
+  before_call();
+  LoweredV l;
+  l.work = comm::all_to_all_v(backend, group, buffer(in), buffer(out), send_counts, recv->data());
+  l.keep = {in, out};
+  l.finish = [out, recv] { return out; };  // recv: alive while the call may write it
+  l.output_split_sizes = [recv, inner] {
+    std::vector<std::int64_t> rows;
+    for (std::size_t c : *recv) rows.push_back(inner > 0 ? static_cast<std::int64_t>(c) / inner : 0);
+    return rows;
+  };
+  return l;
+}
 
 const Lowering* find_lowering(const std::string& op) {
   static const std::map<std::string, Lowering> table = {

@@ -7,6 +7,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
@@ -32,6 +33,25 @@ using Lowering = std::function<Lowered(CommBackend& backend, int group, const ir
 
 /// The lowering of a collective op; nullptr for an op without one.
 const Lowering* find_lowering(const std::string& op);
+
+/// An all_to_all_single whose split sizes only the senders know (LoweredV::output_split_sizes
+/// tells the receiver's, once the call is done).
+struct LoweredV : Lowered {
+  std::function<std::vector<std::int64_t>()> output_split_sizes;  ///< rows from each member, once the call is done
+};
+
+/// torch.distributed.all_to_all_single(output, x, output_split_sizes=<learnt>,
+/// input_split_sizes) over comm::all_to_all_v (expert parallelism's dispatch and combine; no IR
+/// op issues it yet). `x` is [N, ...]: rows along the leading dim, input_split_sizes[j] of them
+/// (in order) for member j of `group`, one entry per member, summing to N. finish() gives a
+/// [output_rows, ...] tensor of x's dtype and device: the rows received, packed in member
+/// order, then zeros; output_split_sizes() the rows received from each member (zeros when a
+/// row holds no elements: the call moves elements, not rows). output_rows is
+/// the most this member may receive (tokens x top_k x members for a dropless dispatch); more
+/// fails the call's Work naming the counts. Throws std::invalid_argument for split sizes that
+/// do not sum to N or are negative, and for a backend without all_to_all_v, naming it.
+LoweredV all_to_all_single(CommBackend& backend, int group, const at::Tensor& x, const std::vector<std::int64_t>& input_split_sizes,
+                           std::int64_t output_rows, const std::function<void()>& before_call);
 
 /// A tensor's memory as the backend takes it (contiguous; host or CUDA memory by its device).
 CommBuffer buffer(const at::Tensor& t);

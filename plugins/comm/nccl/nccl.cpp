@@ -9,7 +9,10 @@
 // ProcessGroupNCCL does with the current stream. Host buffers are staged through device memory
 // (copy in, run, copy out on the same stream), so a CPU job can use NCCL too, if slowly.
 // Uneven all_gather and reduce_scatter are NCCL broadcasts / reduces in one ncclGroupStart/End
-// (the allgatherv/reducescatterv idiom); all_to_all is grouped ncclSend/ncclRecv.
+// (the allgatherv/reducescatterv idiom); all_to_all is grouped ncclSend/ncclRecv. all_to_all_v
+// (VariableAllToAll) first sends each member its count (grouped ncclSend/ncclRecv of one
+// int64), waits for them on the host, since ncclRecv takes a host count, then moves the data
+// as all_to_all does (torchtitan's dispatch syncs its split sizes to the host the same way).
 #include <cuda_runtime.h>
 #include <nccl.h>
 
@@ -108,7 +111,7 @@ class NcclWork final : public spmdx::Work {
   bool done_ = false;
 };
 
-class NcclBackend final : public spmdx::CommBackend, public spmdx::StreamOrdered {
+class NcclBackend final : public spmdx::CommBackend, public spmdx::StreamOrdered, public spmdx::VariableAllToAll {
  public:
   /// Checks, without joining a job, that this machine has a CUDA device: NCCL moves data
   /// between GPUs (host buffers are staged through one). Throws std::invalid_argument.
@@ -253,6 +256,59 @@ class NcclBackend final : public spmdx::CommBackend, public spmdx::StreamOrdered
       }
       nccl_check(ncclGroupEnd(), "group end");
     }, group);
+  }
+
+  std::unique_ptr<spmdx::Work> all_to_all_v(int group, CommBuffer in, CommBuffer out, std::vector<std::size_t> send_counts,
+                                            std::size_t* recv_counts) override {
+    if (group < 0 || group >= static_cast<int>(comms_.size())) throw std::invalid_argument("nccl: all_to_all_v: no group " + std::to_string(group));
+    if (recv_counts == nullptr) throw std::invalid_argument("nccl: all_to_all_v: recv_counts is null; pass one std::size_t per group member");
+    if (in.dtype != out.dtype) throw std::invalid_argument("nccl: all_to_all_v: in and out have different dtypes");
+    const std::size_t k = members_.at(static_cast<std::size_t>(group)).size();
+    std::size_t sent = 0;
+    for (std::size_t c : send_counts) sent += c;
+    if (send_counts.size() != k || sent != in.count) {
+      throw std::invalid_argument("nccl: all_to_all_v: send_counts (" + std::to_string(send_counts.size()) + " entries, " + std::to_string(sent) +
+                                  " elements) do not match the group's " + std::to_string(k) + " members or in.count " + std::to_string(in.count));
+    }
+    // The counts, staged through the GPU and waited for here (with the timeout and the abort of
+    // every other call).
+    std::vector<std::int64_t> mine(send_counts.begin(), send_counts.end()), theirs(k, 0);
+    run("all_to_all_v counts", {{mine.data(), k, spmdx::CommDType::i64, MemoryType::host}}, {{theirs.data(), k, spmdx::CommDType::i64, MemoryType::host}},
+        [&](ncclComm_t c, void** i, void** o) {
+          nccl_check(ncclGroupStart(), "group start");
+          for (std::size_t j = 0; j < k; ++j) {
+            nccl_check(ncclSend(static_cast<std::int64_t*>(i[0]) + j, 1, ncclInt64, static_cast<int>(j), c, stream_), "send a count");
+            nccl_check(ncclRecv(static_cast<std::int64_t*>(o[0]) + j, 1, ncclInt64, static_cast<int>(j), c, stream_), "receive a count");
+          }
+          nccl_check(ncclGroupEnd(), "group end");
+        }, group)->wait(timeout_);
+    std::vector<std::size_t> counts(theirs.begin(), theirs.end());
+    std::size_t total = 0;
+    for (std::size_t j = 0; j < k; ++j) total += recv_counts[j] = counts[j];
+    const std::size_t es = spmdx::comm_dtype_size(in.dtype);
+    auto exchange = [&](CommBuffer into) {
+      return run("all_to_all_v", {in}, {into}, [&](ncclComm_t c, void** i, void** o) {
+        std::size_t so = 0, ro = 0;
+        nccl_check(ncclGroupStart(), "group start");
+        for (std::size_t j = 0; j < k; ++j) {
+          nccl_check(ncclSend(static_cast<char*>(i[0]) + so * es, send_counts[j], nccl_type(in.dtype), static_cast<int>(j), c, stream_), "send");
+          nccl_check(ncclRecv(static_cast<char*>(o[0]) + ro * es, counts[j], nccl_type(in.dtype), static_cast<int>(j), c, stream_), "recv");
+          so += send_counts[j];
+          ro += counts[j];
+        }
+        nccl_check(ncclGroupEnd(), "group end");
+      }, group);
+    };
+    // Only the received elements are staged and copied out: the rest of `out` stays as it was.
+    if (total <= out.count) return exchange({out.data, total, out.dtype, out.memory});
+    // Too much for `out`: drained into a buffer of ours, so that the senders complete, then failed.
+    std::vector<unsigned char> drain(total * es);
+    exchange({drain.data(), total, out.dtype, MemoryType::host})->wait(timeout_);
+    std::string from;
+    for (std::size_t j = 0; j < k; ++j) from += (j ? ", " : "") + std::to_string(counts[j]);
+    throw std::invalid_argument("nccl: all_to_all_v: the members sent rank " + std::to_string(rank_) + " " + std::to_string(total) + " elements (" + from +
+                                ", in member order) but out.count is " + std::to_string(out.count) +
+                                "; size the receive buffer for the most this rank may receive");
   }
 
   std::unique_ptr<spmdx::Work> broadcast(int group, CommBuffer buf, int root_member) override {

@@ -9,6 +9,7 @@
 //   all_gather      ring or direct, uneven blocks (MPI_Allgatherv)
 //   reduce_scatter  ring (pipelined) or direct, uneven blocks
 //   all_to_all      pairwise exchange (direct.cpp)
+//   all_to_all_v    the counts all-pairs, then the pairwise exchange (direct.cpp)
 //   broadcast       binomial tree; barrier: dissemination (tree.cpp)
 // Groups whose members share a host run all_reduce, reduce_scatter and all_gather through a
 // shared-memory segment instead (shm.cpp: Open MPI's coll/sm, UCC's tl/shm). Operations run in

@@ -39,8 +39,8 @@ int choose_backend(const std::vector<std::vector<CommCapability>>& capabilities,
 
 /// One CommBackend over several, each call going to choose_backend's pick. Sizes that
 /// differ across ranks are not used to choose (every rank must pick the same backend):
-/// all_gather picks by its output's bytes, reduce_scatter by its input's, all_to_all and
-/// barrier by operation and memory alone (as if 0 bytes). Each member joins the job with its
+/// all_gather picks by its output's bytes, reduce_scatter by its input's, all_to_all,
+/// all_to_all_v and barrier by operation and memory alone (as if 0 bytes). Each member joins the job with its
 /// own store generation ((index + 1) x 2^40 + generation), so their keys never meet each
 /// other's nor those of a plain backend a hot-swap alternates with (generations 0, 1, 2, ...). Throws
 /// std::invalid_argument from a call no member covers, naming the operation, memory and size.

@@ -117,6 +117,35 @@ std::unique_ptr<Work> P2PEngine::all_to_all(int group, CommBuffer in, CommBuffer
   });
 }
 
+std::unique_ptr<Work> P2PEngine::all_to_all_v(int group, CommBuffer in, CommBuffer out, std::vector<std::size_t> send_counts,
+                                              std::size_t* recv_counts) {
+  if (recv_counts == nullptr) throw std::invalid_argument("all_to_all_v: recv_counts is null; pass one std::size_t per group member");
+  if (in.dtype != out.dtype) {
+    throw std::invalid_argument(std::string("all_to_all_v: in is ") + to_string(in.dtype) + ", out is " + to_string(out.dtype) + "; they must match");
+  }
+  return submit("all_to_all_v", group, [this, in, out, send_counts, recv_counts](Op& op) {
+    const std::size_t k = op.g->ranks.size();
+    if (send_counts.size() != k || offset_of(send_counts, k) != in.count) {
+      throw std::invalid_argument("send_counts (" + std::to_string(send_counts.size()) + " entries, " + std::to_string(offset_of(send_counts, send_counts.size())) +
+                                  " elements) do not match the group's " + std::to_string(k) + " members or in.count " + std::to_string(in.count));
+    }
+    const std::vector<std::size_t> got = exchange_counts(op, send_counts);
+    std::copy(got.begin(), got.end(), recv_counts);
+    const std::size_t total = offset_of(got, k);
+    if (total <= out.count) {
+      pairwise_all_to_all(op, in, out, send_counts, got);
+      return;
+    }
+    // Too much for `out`: received into scratch all the same, so that the senders complete and
+    // the group's next collective finds no stray message, then failed here.
+    pairwise_all_to_all(op, in, {scratch(0, total * comm_dtype_size(out.dtype)), total, out.dtype, MemoryType::host}, send_counts, got);
+    std::string from;
+    for (std::size_t i = 0; i < k; ++i) from += (i ? ", " : "") + std::to_string(got[i]);
+    throw std::invalid_argument("the members sent this rank " + std::to_string(total) + " elements (" + from + ", in member order) but out.count is " +
+                                std::to_string(out.count) + "; size the receive buffer for the most this rank may receive");
+  });
+}
+
 std::unique_ptr<Work> P2PEngine::broadcast(int group, CommBuffer buf, int root_member) {
   return submit("broadcast", group, [this, buf, root_member](Op& op) { binomial_broadcast(op, buf, root_member); });
 }

@@ -1,6 +1,6 @@
 // Direct (all-pairs) collectives: every member sends to every other at once, as MPICH's and
 // Open MPI's shared-memory collectives read every peer's block at once; and the pairwise
-// exchange of all_to_all.
+// exchange of all_to_all (and of all_to_all_v, after its counts).
 #include <algorithm>
 
 #include "engine.h"
@@ -73,6 +73,25 @@ void P2PEngine::pairwise_all_to_all(Op& op, CommBuffer in, CommBuffer out, const
     sendrecv(op, g.ranks[to], at(in.data, offset_of(send_counts, to), in.dtype), send_counts[to] * es, g.ranks[from],
              at(out.data, offset_of(recv_counts, from), out.dtype), recv_counts[from] * es);
   }
+}
+
+std::vector<std::size_t> P2PEngine::exchange_counts(Op& op, const std::vector<std::size_t>& send_counts) {
+  const Group& g = *op.g;
+  const std::size_t k = g.ranks.size(), me = static_cast<std::size_t>(g.me);
+  std::vector<std::uint64_t> sent(send_counts.begin(), send_counts.end()), got(k, 0);  // 8 bytes on every platform
+  got[me] = sent[me];
+  const std::uint16_t step = op.step++;
+  std::vector<Request> reqs;
+  for (std::size_t d = 1; d < k; ++d) {
+    const std::size_t j = (me + k - d) % k;
+    reqs.emplace_back(post_recv(op, g.ranks[j], &got[j], sizeof(std::uint64_t), make_tag(g.ranks[j], op.group, op.seq, step)), g.ranks[j]);
+  }
+  for (std::size_t d = 1; d < k; ++d) {
+    const std::size_t j = (me + d) % k;
+    reqs.emplace_back(post_send(op, g.ranks[j], &sent[j], sizeof(std::uint64_t), make_tag(rank_, op.group, op.seq, step)), g.ranks[j]);
+  }
+  wait_all(op, reqs);
+  return {got.begin(), got.end()};
 }
 
 }  // namespace spmdx::comm

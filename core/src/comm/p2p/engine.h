@@ -24,7 +24,7 @@
 
 namespace spmdx::comm {
 
-class P2PEngine final : public CommBackend {
+class P2PEngine final : public CommBackend, public VariableAllToAll {
  public:
   P2PEngine(std::string name, std::unique_ptr<Transport> transport, P2POptions options);
   ~P2PEngine() override;
@@ -42,6 +42,8 @@ class P2PEngine final : public CommBackend {
                                        ReduceOp op) override;
   std::unique_ptr<Work> all_to_all(int group, CommBuffer in, CommBuffer out, std::vector<std::size_t> send_counts,
                                    std::vector<std::size_t> recv_counts) override;
+  std::unique_ptr<Work> all_to_all_v(int group, CommBuffer in, CommBuffer out, std::vector<std::size_t> send_counts,
+                                     std::size_t* recv_counts) override;
   std::unique_ptr<Work> broadcast(int group, CommBuffer buf, int root_member) override;
   std::unique_ptr<Work> send(CommBuffer buf, int peer_rank, int tag) override;
   std::unique_ptr<Work> recv(CommBuffer buf, int peer_rank, int tag) override;
@@ -100,6 +102,9 @@ class P2PEngine final : public CommBackend {
   void direct_all_gather(Op& op, char* out, const std::vector<std::size_t>& counts, CommDType dtype);
   void pairwise_all_to_all(Op& op, CommBuffer in, CommBuffer out, const std::vector<std::size_t>& send_counts,
                            const std::vector<std::size_t>& recv_counts);
+  // all_to_all_v's first half: send_counts[j] goes to member j; returns what each member sent
+  // this one (all-pairs, one message of 8 bytes each way per pair).
+  std::vector<std::size_t> exchange_counts(Op& op, const std::vector<std::size_t>& send_counts);
 
   // tree.cpp
   void binomial_broadcast(Op& op, CommBuffer buf, int root_member);
