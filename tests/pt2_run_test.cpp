@@ -160,31 +160,16 @@ TEST(Pt2RunHuggingFaceOps, SlidingWindowMaskTrainsOnEveryLayout) {
 
 // The other architectures of tests/fixtures/hf_models.py, one test each (so that ctest -j2 runs
 // them side by side: each is 5 spmdx processes, 6 to 12 s with ctest -j2 on 2 busy cores), tensor
-// parallel by the built-in plan's Hugging Face names unless written_plan() has one:
+// parallel by the built-in plan's Hugging Face names (no plan written):
 // - qwen2 (q/k/v biases), gemma2 (soft-capping, padding_idx, eager attention), olmo2 (q/k norms
-//   over the whole projection, sharded under tp): the built-in plan.
-// - gpt2: Conv1D (addmm, weight [in, out]) under names the built-in plan does not know (c_attn,
-//   c_fc, c_proj; tp 2 refuses to run without a plan): Megatron's split written as shard(d),
-//   column-parallel being shard(1) of the weight and shard(0) of its bias; c_attn's fused
-//   q/k/v splits after the shard.
-// - phi3: fused qkv_proj and gate_up_proj. The built-in plan would run, but it shards only the
-//   embedding and lm_head and keeps every layer whole with no warning (each layer weight is
-//   under 1% of a model whose vocabulary is 32064), so the plan is written to shard the fused
-//   projections too; the full rotary's zero-width slices pass through.
-std::string written_plan(const std::string& fixture) {
-  if (fixture == "transformers_gpt2") {
-    return "\"*.attn.c_attn.weight\" = \"shard(1)\"\n\"*.attn.c_attn.bias\" = \"shard(0)\"\n\"*.attn.c_proj.weight\" = \"shard(0)\"\n"
-           "\"*.mlp.c_fc.weight\" = \"shard(1)\"\n\"*.mlp.c_fc.bias\" = \"shard(0)\"\n\"*.mlp.c_proj.weight\" = \"shard(0)\"\n";
-  }
-  if (fixture == "transformers_phi3") {
-    return "\"*self_attn.qkv_proj.weight\" = \"colwise\"\n\"*self_attn.o_proj.weight\" = \"rowwise\"\n\"*mlp.gate_up_proj.weight\" = \"colwise\"\n"
-           "\"*mlp.down_proj.weight\" = \"rowwise\"\n\"*lm_head.weight\" = \"colwise\"\n\"*embed_tokens.weight\" = \"shard(1)\"\n";
-  }
-  return "";
-}
-
+//   over the whole projection, sharded under tp).
+// - gpt2: Conv1D (addmm, weight [in, out]): the built-in plan's c_attn, c_fc, c_proj, Megatron's
+//   split as shard(d), column-parallel being shard(1) of the weight and shard(0) of its bias;
+//   c_attn's fused q/k/v splits after the shard.
+// - phi3: the built-in plan's fused qkv_proj and gate_up_proj; the full rotary's zero-width
+//   slices pass through.
 class Pt2RunTransformers : public ::testing::TestWithParam<std::string> {};
-TEST_P(Pt2RunTransformers, FsdpTpAndCpGiveTheOneRankLosses) { expect_layouts_give_one_rank_losses(GetParam(), written_plan(GetParam())); }
+TEST_P(Pt2RunTransformers, FsdpTpAndCpGiveTheOneRankLosses) { expect_layouts_give_one_rank_losses(GetParam(), ""); }
 INSTANTIATE_TEST_SUITE_P(Defaults, Pt2RunTransformers,
                          ::testing::Values("transformers_qwen2", "transformers_gemma2", "transformers_olmo2", "transformers_gpt2", "transformers_phi3"),
                          [](const ::testing::TestParamInfo<std::string>& info) { return info.param.substr(std::string("transformers_").size()); });
@@ -215,6 +200,32 @@ TEST(Pt2RunHuggingFaceOps, BuiltInPlanShardsAWrappedLmHead) {
   EXPECT_THAT(partial.output, HasSubstr("keeps blocks.0.o.weight [32, 32]"));
   EXPECT_THAT(partial.output, Not(HasSubstr("keeps blocks.0.qkv.weight")));
   EXPECT_THAT(partial.output, Not(HasSubstr("norm.weight [32]")));
+}
+
+// The built-in plan knows GPT-2's Conv1D names and Phi-3's fused projections: under tp 2 every
+// layer weight is sharded (no "whole on every tp rank" warning), Conv1D's column-parallel
+// weights on dim 1 and their biases on dim 0.
+TEST(Pt2RunHuggingFaceOps, BuiltInPlanShardsGpt2AndPhi3) {
+  test::TempDir dir;
+  test::corpus_file(dir);
+  for (const std::string fixture : {"transformers_gpt2", "transformers_phi3"}) {
+    SCOPED_TRACE(fixture);
+    test::write_file(dir / "m.toml", "[model]\nname = \"pt2\"\npath = \"" + (kFixtures / (fixture + ".pt2")).string() +
+                                         "\"\ntokenizer = \"byte\"\n[data]\npaths = [\"" + (dir / "corpus.txt").string() + "\"]\n");
+    auto r = spmdx("compile '" + (dir / "m.toml").string() + "' --parallelism.data_parallel_shard_degree 1 --parallelism.tensor_parallel_degree 2 --dump '" +
+                   (dir / fixture).string() + "'");
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_THAT(r.output, Not(HasSubstr("whole on every tp rank"))) << r.output;
+    const std::string plan = test::read_file(dir / fixture / "plan.txt");
+    if (fixture == "transformers_gpt2") {
+      EXPECT_THAT(plan, ::testing::ContainsRegex("input %[a-z_.]*h\\.0\\.attn\\.c_attn\\.weight: S\\(1\\)"));
+      EXPECT_THAT(plan, ::testing::ContainsRegex("input %[a-z_.]*h\\.0\\.attn\\.c_attn\\.bias: S\\(0\\)"));
+      EXPECT_THAT(plan, ::testing::ContainsRegex("input %[a-z_.]*h\\.0\\.mlp\\.c_proj\\.weight: S\\(0\\)"));
+    } else {
+      EXPECT_THAT(plan, ::testing::ContainsRegex("input %[a-z_.]*layers\\.0\\.self_attn\\.qkv_proj\\.weight: S\\(0\\)"));
+      EXPECT_THAT(plan, ::testing::ContainsRegex("input %[a-z_.]*layers\\.0\\.mlp\\.gate_up_proj\\.weight: S\\(0\\)"));
+    }
+  }
 }
 
 // transformers' RMSNorm (LlamaRMSNorm and its copies: weight * (x * rsqrt(mean(x^2, -1) + eps)))

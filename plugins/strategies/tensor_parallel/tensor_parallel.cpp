@@ -14,7 +14,9 @@
 // matches nothing is an error, as is a dim that does not split evenly. Without options the built-in plan covers torchtitan's Llama names (attention
 // wq, wk, wv, feed_forward w1, w3 and output colwise; wo, w2 rowwise; tok_embeddings shard(1)),
 // Hugging Face's Llama names (q_proj, k_proj, v_proj, gate_proj, up_proj, lm_head colwise;
-// o_proj, down_proj rowwise; embed_tokens shard(1)) and the built-in mlp. Norm weights and
+// o_proj, down_proj rowwise; embed_tokens shard(1)), Phi-3's fused qkv_proj and gate_up_proj
+// (colwise), GPT-2's Conv1D (c_attn, c_fc column-parallel as shard(1), biases shard(0); c_proj
+// row-parallel as shard(0); the wte and wpe tables shard(1)) and the built-in mlp. Norm weights and
 // batch inputs are replicated; other mesh dims are left to other strategies.
 #include <spmdx/plugin.h>
 
@@ -49,7 +51,14 @@ const Plan& builtin_plan() {
       // Hugging Face's Llama
       {"*self_attn.q_proj.weight", "colwise"}, {"*self_attn.k_proj.weight", "colwise"}, {"*self_attn.v_proj.weight", "colwise"},
       {"*self_attn.o_proj.weight", "rowwise"}, {"*mlp.gate_proj.weight", "colwise"}, {"*mlp.up_proj.weight", "colwise"},
-      {"*mlp.down_proj.weight", "rowwise"}, {"*lm_head.weight", "colwise"}, {"*embed_tokens.weight", "shard(1)"}};
+      {"*mlp.down_proj.weight", "rowwise"}, {"*lm_head.weight", "colwise"}, {"*embed_tokens.weight", "shard(1)"},
+      // Hugging Face's fused projections (Phi-3: qkv_proj, gate_up_proj; q/k/v split after the shard)
+      {"*self_attn.qkv_proj.weight", "colwise"}, {"*mlp.gate_up_proj.weight", "colwise"},
+      // Hugging Face's GPT-2: Conv1D weights are [in, out], so column-parallel is shard(1) of the
+      // weight and shard(0) of its bias, row-parallel shard(0) (Megatron's split)
+      {"*attn.c_attn.weight", "shard(1)"}, {"*attn.c_attn.bias", "shard(0)"}, {"*attn.c_proj.weight", "shard(0)"},
+      {"*mlp.c_fc.weight", "shard(1)"}, {"*mlp.c_fc.bias", "shard(0)"}, {"*mlp.c_proj.weight", "shard(0)"},
+      {"*transformer.wte.weight", "shard(1)"}, {"*transformer.wpe.weight", "shard(1)"}};  // token (tied to lm_head) and position tables
   return plan;
 }
 
