@@ -344,6 +344,13 @@ std::string last_two_parts(const std::string& name) {
   const std::size_t before = name.rfind('.', last - 1);
   return before == std::string::npos ? name : name.substr(before + 1);
 }
+
+// The first `most` of `names`, then "and N more" for the rest.
+std::vector<std::string> first_of(const std::vector<std::string>& names, std::size_t most) {
+  std::vector<std::string> shown(names.begin(), names.begin() + static_cast<std::ptrdiff_t>(std::min(names.size(), most)));
+  if (names.size() > shown.size()) shown.push_back("and " + std::to_string(names.size() - shown.size()) + " more");
+  return shown;
+}
 }  // namespace
 
 std::vector<std::string> tp_replicated_parameters(const JobSpec& spec, const PlacedJob& job) {
@@ -381,12 +388,10 @@ std::vector<std::string> tp_replicated_parameters(const JobSpec& spec, const Pla
                   "[parallelism.tp_plan] (\"" + name + "\" = \"colwise\", \"rowwise\" or \"shard(d)\")");
   }
   if (small_share > 0.1) {
-    std::vector<std::string> shown(small.begin(), small.begin() + static_cast<std::ptrdiff_t>(std::min<std::size_t>(small.size(), 3)));
-    if (small.size() > shown.size()) shown.push_back("and " + std::to_string(small.size() - shown.size()) + " more");
     char pct[32];
     std::snprintf(pct, sizeof pct, "%.1f%%", 100.0 * small_share);
     out.push_back(strategy + " on tp (" + std::to_string(dims[tp].size) + " ranks) keeps " + std::to_string(small.size()) + " weight matrices, each under 1% but " +
-                  pct + " of the model's parameters together, whole on every tp rank (" + join(shown) +
+                  pct + " of the model's parameters together, whole on every tp rank (" + join(first_of(small, 3)) +
                   "): the numbers are the same, the memory is not; to shard them, name them in [parallelism.tp_plan] (globs such as \"*." +
                   last_two_parts(small.front()) + "\" = \"colwise\")");
   }
@@ -396,15 +401,14 @@ std::vector<std::string> tp_replicated_parameters(const JobSpec& spec, const Pla
 std::string ShortParameters::line() const {
   std::int64_t bytes = 0, shortest = degree;
   for (const auto& p : parameters) bytes += p.bytes, shortest = std::min<std::int64_t>(shortest, p.shape.empty() ? 1 : p.shape[0]);
-  std::vector<std::string> shown;
-  for (std::size_t i = 0; i < parameters.size() && i < 4; ++i) shown.push_back(parameters[i].name + " " + ir::shape_str(parameters[i].shape));
-  if (parameters.size() > shown.size()) shown.push_back("and " + std::to_string(parameters.size() - shown.size()) + " more");
+  std::vector<std::string> named;
+  for (const auto& p : parameters) named.push_back(p.name + " " + ir::shape_str(p.shape));
   const std::string n = std::to_string(parameters.size()) + (parameters.size() == 1 ? " parameter" : " parameters");
   const std::string which = all ? "every parameter (" + n + ", the whole model, " + human_bytes(static_cast<double>(bytes)) + ")"
                                 : n + " (" + human_bytes(static_cast<double>(bytes)) + ")";
   return (strategy.empty() ? "" : strategy + " on ") + mesh_dim + " (" + std::to_string(degree) + " ranks) keeps " + which +
          " whole on every rank, not sharded: " + (parameters.size() == 1 ? "its" : "their") + " dim 0 is shorter than " + std::to_string(degree) + " (" +
-         join(shown) + "); that costs each rank " + human_bytes(static_cast<double>(extra_bytes)) + " more than an even share of them (parameters, gradients and AdamW state: 4 x " +
+         join(first_of(named, 4)) + "); that costs each rank " + human_bytes(static_cast<double>(extra_bytes)) + " more than an even share of them (parameters, gradients and AdamW state: 4 x " +
          human_bytes(static_cast<double>(bytes)) + ", less 1/" + std::to_string(degree) + " of it; FSDP2 would pad them and leave some ranks an empty shard)" +
          (shortest > 1 ? "; a degree of at most " + std::to_string(shortest) + " shards them all" : "");
 }

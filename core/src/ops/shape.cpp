@@ -80,6 +80,16 @@ const ir::AttrSpec kShape{"shape", ir::AttrType::ints, true, {}};
 // A view of input 0 with these strides.
 [[maybe_unused]] ir::OutputLayout view(std::vector<std::int64_t> strides) { return {std::move(strides), true}; }
 
+// The rule of an op that moves elements along its "dim" (slice and its gradient, cat,
+// seq_permute): any other dim sharded alike on every input and the output, and Partial inputs
+// giving a Partial output.
+[[maybe_unused]] Strategies along_dim(const Node& n, const std::vector<Shape>& in, const std::vector<Shape>& out, std::int64_t k) {
+  const std::size_t rank = out[0].size();
+  Strategies st = sharding::rule::same_dim(in, out, k, {wrap_dim(n.attr_int("dim"), static_cast<std::int64_t>(rank))}, rank);
+  st.push_back({std::vector<Placement>(in.size(), P()), {P()}});
+  return st;
+}
+
 }  // namespace
 
 // reshape: one entry may be -1, as torch.reshape; a view where ATen's computeStride finds one.
@@ -274,12 +284,7 @@ SPMDX_OP([] {
     return view(std::move(st));
   };
   s.samples = {{"slice", {{{4, 7}}}, {{"dim", std::int64_t{1}}, {"start", std::int64_t{1}}, {"end", std::int64_t{6}}, {"step", std::int64_t{2}}}}};
-  sharding::Rule rules = [](const Node& n, const std::vector<Shape>& in, const std::vector<Shape>& out, std::int64_t k) {
-    const auto rank = static_cast<std::int64_t>(in[0].size());
-    Strategies st = sharding::rule::same_dim(in, out, k, {wrap_dim(n.attr_int("dim"), rank)}, in[0].size());
-    st.push_back({{P()}, {P()}});
-    return st;
-  };
+  sharding::Rule rules = along_dim;
   return Op{std::move(s), std::move(rules), nullptr};
 }())
 SPMDX_KERNEL("slice", [](const Node& n, const Tensors& x) {
@@ -306,12 +311,7 @@ SPMDX_OP([] {
                 {{{4, 3}}},
                 {{"input_shape", Shape{4, 7}}, {"dim", std::int64_t{1}}, {"start", std::int64_t{1}}, {"end", std::int64_t{6}}, {"step", std::int64_t{2}}},
                 false}};
-  sharding::Rule rules = [](const Node& n, const std::vector<Shape>& in, const std::vector<Shape>& out, std::int64_t k) {
-    const auto rank = static_cast<std::int64_t>(out[0].size());
-    Strategies st = sharding::rule::same_dim(in, out, k, {wrap_dim(n.attr_int("dim"), rank)}, out[0].size());
-    st.push_back({{P()}, {P()}});
-    return st;
-  };
+  sharding::Rule rules = along_dim;
   sharding::LocalAttrsFn local = [](const Node& n, const std::vector<Shape>& local_out, std::int64_t) {
     Attributes a = n.attrs();
     a["input_shape"] = local_out.at(0);
@@ -362,12 +362,7 @@ SPMDX_OP([] {
     return out;
   };
   s.samples = {{"cat", {{{4, 3}}, {{4, 1}}, {{4, 2}}}, {{"dim", std::int64_t{1}}}}};
-  sharding::Rule rules = [](const Node& n, const std::vector<Shape>& in, const std::vector<Shape>& out, std::int64_t k) {
-    const auto rank = static_cast<std::int64_t>(in[0].size());
-    Strategies st = sharding::rule::same_dim(in, out, k, {wrap_dim(n.attr_int("dim"), rank)}, in[0].size());
-    st.push_back({std::vector<Placement>(in.size(), P()), {P()}});
-    return st;
-  };
+  sharding::Rule rules = along_dim;
   return Op{std::move(s), std::move(rules), nullptr};
 }())
 SPMDX_KERNEL("cat", [](const Node& n, const Tensors& x) { return one(at::cat(x, n.attr_int("dim"))); })
@@ -421,12 +416,7 @@ SPMDX_OP([] {
   s.samples = {{"seq_permute", {{{4, 8, 3}}}, {{"dim", std::int64_t{1}}, {"chunks", std::int64_t{4}}}},
                {"seq_permute_inverse", {{{4, 8, 3}}}, {{"dim", std::int64_t{1}}, {"chunks", std::int64_t{4}}, {"inverse", true}}}};
   // Along the permuted dim only whole tensors (pieces move).
-  sharding::Rule rules = [](const Node& n, const std::vector<Shape>& in, const std::vector<Shape>& out, std::int64_t k) {
-    const auto rank = static_cast<std::int64_t>(in[0].size());
-    Strategies st = sharding::rule::same_dim(in, out, k, {wrap_dim(n.attr_int("dim"), rank)}, in[0].size());
-    st.push_back({{P()}, {P()}});
-    return st;
-  };
+  sharding::Rule rules = along_dim;
   return Op{std::move(s), std::move(rules), nullptr};
 }())
 SPMDX_KERNEL("seq_permute", [](const Node& n, const Tensors& x) {
