@@ -16,15 +16,13 @@
 
 #include "spmdx/exec/kernels.h"
 #include "spmdx/ir/ops.h"
+#include "stats.h"
 
 namespace {
 
 using Clock = std::chrono::steady_clock;
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
+using spmdx::bench::median;
 
 }  // namespace
 

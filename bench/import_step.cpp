@@ -20,15 +20,13 @@
 
 #include "spmdx/exec/trainer.h"
 #include "spmdx/exec/pt2_import.h"
+#include "stats.h"
 
 namespace {
 
 using Clock = std::chrono::steady_clock;
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
+using spmdx::bench::median;
 
 }  // namespace
 

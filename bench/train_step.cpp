@@ -21,6 +21,7 @@
 #include "eager_trainer.h"
 #include "spmdx/exec/kernels.h"
 #include "spmdx/exec/trainer.h"
+#include "stats.h"
 
 namespace {
 
@@ -31,10 +32,7 @@ struct Case {
   std::int64_t batch = 0, seq = 0;
 };
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
+using spmdx::bench::median;
 
 void run(const Case& c, int steps) {
   constexpr std::int64_t kVocab = 256;
