@@ -11,22 +11,14 @@
 #include "spmdx/exec/kernels.h"
 #include "spmdx/ir/graph.h"
 #include "spmdx/ir/ops.h"
+#include "kernel_util.h"
 
 namespace spmdx {
 namespace {
 
 using Tensors = std::vector<at::Tensor>;
 
-// Runs op's kernel on `x` as a node with `attrs`.
-Tensors run_op(const std::string& op, const Tensors& x, const ir::Attributes& attrs) {
-  ir::Graph g;
-  std::vector<ir::Value*> in;
-  for (std::size_t i = 0; i < x.size(); ++i) {
-    in.push_back(g.add_input("in" + std::to_string(i), {x[i].sizes().vec(), exec::from_aten(x[i].scalar_type()), "cpu", false}));
-  }
-  const ir::Node* node = g.add_node(op, in, attrs);
-  return (*exec::find_kernel(op))(*node, x);
-}
+using test::run_op;
 
 // Which keys each query keeps ([b, 1, s, t]): causal, within `window` (0: none), within its
 // document (documents [b, t] or undefined), in natural order.

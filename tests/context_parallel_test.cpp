@@ -18,6 +18,7 @@
 #include "spmdx/models/model.h"
 #include "spmdx/train/context_parallel.h"
 #include "spmdx/train/mixed_precision.h"
+#include "kernel_util.h"
 
 namespace spmdx {
 namespace {
@@ -25,16 +26,7 @@ namespace {
 using ::testing::HasSubstr;
 using Tensors = std::vector<at::Tensor>;
 
-// Runs op's kernel on `x` as a node with `attrs`.
-Tensors run_op(const std::string& op, const Tensors& x, const ir::Attributes& attrs) {
-  ir::Graph g;
-  std::vector<ir::Value*> in;
-  for (std::size_t i = 0; i < x.size(); ++i) {
-    in.push_back(g.add_input("in" + std::to_string(i), {x[i].sizes().vec(), exec::from_aten(x[i].scalar_type()), "cpu", false}));
-  }
-  const ir::Node* node = g.add_node(op, in, attrs);
-  return (*exec::find_kernel(op))(*node, x);
-}
+using test::run_op;
 
 at::Tensor permuted(const at::Tensor& t, std::int64_t dim, std::int64_t chunks, bool inverse = false) {
   return run_op("seq_permute", {t}, {{"dim", dim}, {"chunks", chunks}, {"inverse", inverse}})[0];
