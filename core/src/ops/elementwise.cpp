@@ -62,6 +62,11 @@ SPMDX_OP(unary("tanh", [](Graph& g, const Node& n, const Grads& go) {
 }))
 SPMDX_KERNEL("tanh", [](const Node&, const Tensors& x) { return one(at::tanh(x[0])); }, unary_in_place([](const Node&, at::Tensor& t) { t.tanh_(); }))
 
+// sign: -1, 0 or 1 as x < 0, x = 0, x > 0 (torch.sign); the gradient is zero (derivatives.yaml).
+// DeepSeek-V3's load balancing steps each expert's bias by the sign of its load's deficit.
+SPMDX_OP(unary("sign", [](Graph& g, const Node& n, const Grads&) { return Grads{g.add("zeros_like", {n.input(0)})}; }))
+SPMDX_KERNEL("sign", [](const Node&, const Tensors& x) { return one(at::sign(x[0])); }, unary_in_place([](const Node&, at::Tensor& t) { t.sign_(); }))
+
 // relu: max(x, 0); the gradient through relu_backward (ATen's threshold_backward at 0).
 SPMDX_OP(unary("relu", [](Graph& g, const Node& n, const Grads& go) { return Grads{g.add("relu_backward", {go[0], n.output()})}; }))
 SPMDX_KERNEL("relu", [](const Node&, const Tensors& x) { return one(at::relu(x[0])); }, unary_in_place([](const Node&, at::Tensor& t) { t.relu_(); }))

@@ -84,15 +84,21 @@ SPMDX_KERNEL("embedding_backward", [](const Node& n, const Tensors& x) {
   return one(at::embedding_dense_backward(x[0], x[1], n.attr_int("num_weights"), n.attr_int("padding_idx"), false));
 })
 
-// rotary_embedding: x[b, s, h, d] with cos, sin [s, d/2]; rotates pairs (x[2i], x[2i+1]) by the
-// angle whose cos and sin are given, as torchtitan's apply_rotary_emb with complex freqs_cis
-// (Su et al. 2021, RoFormer). The gradient is the inverse rotation (sin negated).
+// rotary_embedding: x[b, s, h, d] with cos, sin [s, d/2]; rotates pairs by the angle whose cos
+// and sin are given (Su et al. 2021, RoFormer). `style` "interleaved" pairs (x[2i], x[2i+1]), as
+// torchtitan's llama3 apply_rotary_emb with complex freqs_cis; "half" pairs (x[i], x[i + d/2]),
+// as Hugging Face's rotate_half and torchtitan's "cos_sin" RoPE backend (Qwen3):
+// x cos + rotate_half(x) sin with rotate_half(x) = cat(-x[d/2:], x[:d/2]). The gradient is the
+// inverse rotation (sin negated).
 SPMDX_OP([] {
   OpSchema s;
   s.name = "rotary_embedding";
   s.min_inputs = s.max_inputs = 3;
-  s.infer = [](const Metas& in, const Attributes&) {
+  s.attrs = {{"style", ir::AttrType::string, false, std::string("interleaved")}};
+  s.infer = [](const Metas& in, const Attributes& a) {
     same_dtype(in);
+    const auto& style = std::get<std::string>(a.at("style"));
+    if (style != "interleaved" && style != "half") fail("style must be \"interleaved\" or \"half\", got \"" + style + "\"");
     const Shape& x = in[0]->shape;
     if (x.size() != 4 || x[3] % 2 != 0) fail("x must be [batch, seq, heads, head_dim] with an even head_dim");
     const Shape want{x[1], x[3] / 2};
@@ -100,11 +106,12 @@ SPMDX_OP([] {
     return std::vector{like(*in[0], x, in[0]->requires_grad)};
   };
   s.vjp = [](Graph& g, const Node& n, const Grads& go) {
-    return Grads{g.add("rotary_embedding", {go[0], n.input(1), g.add("neg", {n.input(2)})}), nullptr, nullptr};
+    return Grads{g.add("rotary_embedding", {go[0], n.input(1), g.add("neg", {n.input(2)})}, {{"style", n.attr_string("style")}}), nullptr, nullptr};
   };
   // The kernel's x.contiguous(): a copy of a strided x.
   s.scratch = [](const Node& n, const ir::LayoutQuery& q) -> std::int64_t { return q.contiguous(0) ? 0 : n.input(0)->meta().nbytes(); };
-  s.samples = {{"rotary_embedding", {{{4, 6, 4, 8}}, {{6, 4}, Fill::constant}, {{6, 4}, Fill::constant}}, {}}};
+  s.samples = {{"rotary_embedding", {{{4, 6, 4, 8}}, {{6, 4}, Fill::constant}, {{6, 4}, Fill::constant}}, {}},
+               {"rotary_embedding_half", {{{4, 6, 4, 8}}, {{6, 4}, Fill::constant}, {{6, 4}, Fill::constant}}, {{"style", std::string("half")}}}};
   // Batch or heads; or the sequence, with its rows of the tables.
   sharding::Rule rules = [](const Node&, const std::vector<Shape>& in, const std::vector<Shape>&, std::int64_t k) {
     Strategies st{{{R(), R(), R()}, {R()}}};
@@ -117,7 +124,13 @@ SPMDX_OP([] {
   };
   return Op{std::move(s), std::move(rules), nullptr};
 }())
-SPMDX_KERNEL("rotary_embedding", [](const Node&, const Tensors& x) {
+SPMDX_KERNEL("rotary_embedding", [](const Node& n, const Tensors& x) {
+  if (n.attr_string("style") == "half") {  // x1 cos - x2 sin, x2 cos + x1 sin over the two halves
+    const std::int64_t s = x[0].size(1), half = x[0].size(3) / 2;
+    const at::Tensor cos = x[1].view({1, s, 1, half}), sin = x[2].view({1, s, 1, half});
+    const at::Tensor x1 = x[0].narrow(3, 0, half), x2 = x[0].narrow(3, half, half);
+    return one(at::cat({x1 * cos - x2 * sin, x2 * cos + x1 * sin}, 3));
+  }
   // One complex multiply over (re, im) pairs, as torchtitan's apply_rotary_emb: six strided
   // real kernels and a stack took 5% of a debugmodel step.
   const auto b = x[0].size(0), s = x[0].size(1), h = x[0].size(2), d = x[0].size(3);

@@ -352,6 +352,68 @@ SPMDX_OP([] {
   return op;
 }())
 
+// cumsum: x -> the running sums along `dim` (torch.cumsum(x, dim)); with `reverse`, from the
+// end (out[i] = x[i] + x[i + 1] + ..., torch.flip(torch.cumsum(torch.flip(x, dim), dim), dim)).
+// Integer x sums in int64, as torch.cumsum promotes it: the dispatch's group end rows from the
+// tokens each expert receives (torchtitan's torch.cumsum(num_tokens_per_expert)). The gradient
+// of a floating x is the running sum of the output's from the other end.
+SPMDX_OP([] {
+  Op op;
+  OpSchema& s = op.schema;
+  s.name = "cumsum";
+  s.min_inputs = s.max_inputs = 1;
+  s.attrs = {{"dim", ir::AttrType::integer, true, {}}, {"reverse", ir::AttrType::boolean, false, false}};
+  s.infer = [](const Metas& in, const Attributes& a) {
+    const ir::TensorMeta& x = *in[0];
+    wrap_dim(std::get<std::int64_t>(a.at("dim")), x.rank());
+    if (ir::is_floating(x.dtype)) return std::vector{like(x, x.shape, x.requires_grad)};
+    if (x.dtype != ir::DType::i64 && x.dtype != ir::DType::i32) fail("x must be floating, i32 or i64, got " + x.str());
+    return std::vector{ir::TensorMeta{x.shape, ir::DType::i64, x.device, false}};
+  };
+  s.vjp = [](Graph& g, const Node& n, const Grads& go) {
+    return Grads{g.add("cumsum", {go[0]}, {{"dim", n.attr_int("dim")}, {"reverse", !n.attr_bool("reverse")}})};
+  };
+  s.samples = {{"cumsum", {{{4, 6}}}, {{"dim", std::int64_t{1}}}},
+               {"cumsum_reverse", {{{5, 3}}}, {{"dim", std::int64_t{0}}, {"reverse", true}}},
+               // the tokens each expert receives -> each group's end row
+               {"cumsum_counts", {{{8}, Fill::indices, 5}}, {{"dim", std::int64_t{0}}}, false}};
+  // Any other dim split; a floating x's Partial summands give the sums' summands.
+  op.rules = [](const Node& n, const std::vector<Shape>& in, const std::vector<Shape>& out, std::int64_t ranks) {
+    Strategies st = sharding::rule::same_dim(in, out, ranks, {wrap_dim(n.attr_int("dim"), static_cast<std::int64_t>(in[0].size()))}, in[0].size());
+    if (ir::is_floating(n.input(0)->meta().dtype)) st.push_back({{P()}, {P()}});
+    return st;
+  };
+  return op;
+}())
+SPMDX_KERNEL("cumsum", [](const Node& n, const Tensors& x) {
+  const std::int64_t dim = n.attr_int("dim");
+  const auto dtype = ir::is_floating(n.output()->meta().dtype) ? x[0].scalar_type() : at::kLong;
+  if (!n.attr_bool("reverse")) return one(at::cumsum(x[0], dim, dtype));
+  return one(at::flip(at::cumsum(at::flip(x[0], {dim}), dim, dtype), {dim}));
+})
+
+// floor_divide_scalar: integer x -> floor(x / value) for a positive integer `value`, as
+// torch.div(x, value, rounding_mode="floor") (Python's //): a routed slot's token,
+// slot // top_k (torchtitan's token_indices_experts_sorted // top_k). No gradient.
+SPMDX_OP([] {
+  Op op;
+  OpSchema& s = op.schema;
+  s.name = "floor_divide_scalar";
+  s.min_inputs = s.max_inputs = 1;
+  s.attrs = {{"value", ir::AttrType::integer, true, {}}};
+  s.infer = [](const Metas& in, const Attributes& a) {
+    const ir::TensorMeta& x = *in[0];
+    if (x.dtype != ir::DType::i64 && x.dtype != ir::DType::i32) fail("x must be i32 or i64, got " + x.str());
+    if (std::get<std::int64_t>(a.at("value")) < 1) fail("value must be a positive integer, got " + std::to_string(std::get<std::int64_t>(a.at("value"))));
+    return std::vector{ir::TensorMeta{x.shape, x.dtype, x.device, false}};
+  };
+  s.elementwise = true;
+  s.samples = {{"floor_divide_scalar", {{{4, 6}, Fill::indices, 24}}, {{"value", std::int64_t{3}}}, false}};
+  op.rules = sharding::rule::nonlinear();
+  return op;
+}())
+SPMDX_KERNEL("floor_divide_scalar", [](const Node& n, const Tensors& x) { return one(at::div(x[0], n.attr_int("value"), "floor")); })
+
 #if defined(SPMDX_OPS_KERNELS)
 namespace {
 

@@ -59,12 +59,15 @@ sharding::Rule pointwise_rule(Patterns patterns) {
   return {std::move(s), sharding::rule::linear_in_first(), nullptr};
 }
 
-// zeros_like / ones_like: x's meta, any dtype; no VJP (autodiff's seeds, not differentiated).
+// zeros_like / ones_like: x's meta, any dtype. Its value does not depend on x's, so nothing
+// flows back to x (derivatives.yaml: not differentiable): the VJP gives no gradient, which lets
+// a model start a sum from zeros_like of a trained value (the MoE combine's scatter_add base).
 [[maybe_unused]] Op filled_like(const std::string& name, bool linear) {
   OpSchema s = elementwise(
       name, 1, [](const Metas& in, const Attributes&) { return std::vector{like(*in[0], in[0]->shape, in[0]->requires_grad)}; },
       {{{4, 5}}});
   s.samples[0].gradient = false;
+  s.vjp = [](Graph&, const Node&, const Grads&) { return Grads{nullptr}; };
   return {std::move(s), linear ? sharding::rule::linear_unary() : sharding::rule::nonlinear(), nullptr};
 }
 
