@@ -63,8 +63,8 @@ TEST(Config, ErrorsNameFileLineColumnKeyAndExpectation) {
   EXPECT_EQ(error_of("[trainig]\nsteps = 3\n"), "job.toml:1:1: unknown section 'trainig'; did you mean 'training'?");
   EXPECT_EQ(error_of("[training]\nsteps = \"ten\"\n"), "job.toml:2:9: training.steps must be an integer");
   EXPECT_EQ(error_of("[training]\nsteps = 0\n"), "job.toml:2:9: training.steps is 0, must be between 1 and 1e+09");
-  EXPECT_EQ(error_of("[model]\nname = \"lama\"\n"), "job.toml:2:8: model.name is \"lama\", expected one of llama, mlp, pt2; did you mean 'llama'?");
-  EXPECT_EQ(error_of("[model]\nname = \"LLAMA\"\n"), "job.toml:2:8: model.name is \"LLAMA\", expected one of llama, mlp, pt2; did you mean 'llama'?");
+  EXPECT_EQ(error_of("[model]\nname = \"lama\"\n"), "job.toml:2:8: model.name is \"lama\", expected one of llama, mlp, qwen3, deepseek_v3, pt2; did you mean 'llama'?");
+  EXPECT_EQ(error_of("[model]\nname = \"LLAMA\"\n"), "job.toml:2:8: model.name is \"LLAMA\", expected one of llama, mlp, qwen3, deepseek_v3, pt2; did you mean 'llama'?");
   EXPECT_THAT(error_of("[training\nsteps = 3\n"), HasSubstr("job.toml:1:"));
   EXPECT_THAT(error_of("[data]\npaths = [1, 2]\n"), HasSubstr("data.paths must be a list of strings"));
 }

@@ -239,7 +239,7 @@ TEST(Flavors, NLayersChangesTheDepthAndIsRefusedWhereItCannotApply) {
            {"--fake --parallelism.data_parallel_replicate_degree 65536 --parallelism.data_parallel_shard_degree 65536 --parallelism.tensor_parallel_degree 1",
             "more than the 100,000,000 spmdx plans"},
            {"--dump '" SPMDX_SOURCE_DIR "/README.md'", "is a file: give a folder"},
-           {"--model.name mlp --model.flavor tiny --model.n_layers 3", "model.n_layers applies to llama only, not mlp"}}) {
+           {"--model.name mlp --model.flavor tiny --model.n_layers 3", "model.n_layers applies to llama, qwen3 and deepseek_v3 only, not mlp"}}) {
     auto r = spmdx("compile " + kConfig + " " + flags);
     EXPECT_NE(r.exit_code, 0) << flags;
     EXPECT_THAT(r.output, HasSubstr(message)) << r.output;

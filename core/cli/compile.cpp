@@ -132,6 +132,7 @@ int run_compile(const CompileOptions& o) {
   const double param = static_cast<double>(spmdx::job::local_parameter_bytes(job, 0));
   const std::int64_t count = spmdx::models::parameter_count(job.model);
   const std::int64_t embedding = spmdx::models::embedding_parameter_count(job.model);
+  const std::int64_t active = spmdx::models::active_parameter_count(job.model);
   const double flops_token = spmdx::models::flops_per_token(job.model, spec.seq_len);
   const double tokens = static_cast<double>(spec.global_batch_size) * static_cast<double>(spec.seq_len);
   const auto& dims = job.mesh.dims();
@@ -167,7 +168,7 @@ int run_compile(const CompileOptions& o) {
     nlohmann::json j{{"format", "spmdx.compile"},
                      {"version", 1},
                      {"model", {{"label", spmdx::models::model_label(spec.model)}, {"vocab_size", spec.model.vocab_size}, {"parameters", count},
-                                {"embedding_parameters", embedding}, {"graph_nodes", job.model.graph.num_nodes()}}},
+                                {"active_parameters", active}, {"embedding_parameters", embedding}, {"graph_nodes", job.model.graph.num_nodes()}}},
                      {"mesh", mesh},
                      {"world_size", world},
                      {"global_batch_size", spec.global_batch_size},
@@ -216,14 +217,22 @@ int run_compile(const CompileOptions& o) {
   }
   char comm_ms[32];
   std::snprintf(comm_ms, sizeof comm_ms, "%.2f", plan.comm_seconds * 1e3);
-  char params[64];
-  std::snprintf(params, sizeof params, "%lld parameters (%.3g x 10^9)", static_cast<long long>(count), static_cast<double>(count) / 1e9);
+  char params[128];
+  std::snprintf(params, sizeof params, "%lld parameters (%.3g x 10^9", static_cast<long long>(count), static_cast<double>(count) / 1e9);
+  std::string params_text = params;
+  if (active != count) {  // an MoE: the parameters a token meets (its top_k of the routed experts)
+    std::snprintf(params, sizeof params, "; %.3g x 10^9 active per token, top %lld of %lld experts", static_cast<double>(active) / 1e9,
+                  static_cast<long long>(spec.model.moe.top_k), static_cast<long long>(spec.model.moe.experts));
+    params_text += params;
+  }
+  params_text += ")";
   char flops[256];
-  std::snprintf(flops, sizeof flops, "%.4g FLOPs per token (torchtitan's 6 x %.4g non-embedding parameters%s), %.4g per step of %.0f tokens", flops_token,
-                static_cast<double>(count - embedding), spec.model.name == "llama" ? " + 12 x layers x heads x head_dim x seq_len" : "", flops_token * tokens, tokens);
+  std::snprintf(flops, sizeof flops, "%.4g FLOPs per token (torchtitan's 6 x %.4g non-embedding %sparameters%s), %.4g per step of %.0f tokens", flops_token,
+                static_cast<double>(active - embedding), active != count ? "active " : "",
+                spmdx::models::is_builtin_transformer(spec.model.name) ? " + 12 x layers x heads x head_dim x seq_len" : "", flops_token * tokens, tokens);
   std::string by_dim;
   for (std::size_t d = 0; d < dims.size(); ++d) by_dim += (d ? ", " : "") + dims[d].name + " " + spmdx::human_bytes(plan.comm_bytes_by_dim.at(d));
-  std::cout << "model " << spmdx::models::model_label(spec.model) << " (vocab " << spec.model.vocab_size << ", " << params << "), " << job.model.graph.num_nodes()
+  std::cout << "model " << spmdx::models::model_label(spec.model) << " (vocab " << spec.model.vocab_size << ", " << params_text << "), " << job.model.graph.num_nodes()
             << " nodes; mesh " << spmdx::job::run_mesh(job).str() << " (" << world << " ranks" << (job.sequence_parallel_dim >= 0 ? ", sequence parallel over tp" : "") << (job.loss_parallel ? ", loss parallel" : "") << "); global batch " << spec.global_batch_size << " x " << spec.seq_len
             << (spec.step.microbatches > 1 ? " in " + std::to_string(spec.step.microbatches) + " microbatches (" +
                                                  (job.pipeline.stages > 1 ? "pipeline" : "gradient accumulation") + ")"
@@ -250,6 +259,7 @@ int run_compile(const CompileOptions& o) {
   for (const auto& line : job.decided_by) std::cout << line << "\n";
   for (const auto& short_ones : spmdx::job::short_parameters(spec, job)) std::cout << "warning: " << short_ones.line() << "\n";
   for (const auto& line : spmdx::job::tp_replicated_parameters(spec, job)) std::cout << "warning: " << line << "\n";
+  if (const std::string note = spmdx::models::mla_note(spec.model); !note.empty()) std::cout << "note: " << note << "\n";
   for (const auto& [layout, why] : spec.strategies_passed_over) {
     std::cout << "fallback: strategies " << layout << " passed over (" << why << ")\n";
   }

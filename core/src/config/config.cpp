@@ -188,8 +188,11 @@ const std::vector<KeySpec>& schema() {
   static const std::vector<KeySpec> keys = {
       k("job.dump_folder", Type::string, std::string("./outputs"), "where metrics, checkpoints, graphs and traces go"),
       n("job.seed", Type::integer, std::int64_t{42}, "seed of parameter initialisation", 0, 9.2e18),
-      k("model.name", Type::string, std::string("llama"), "model (\"pt2\": a torch.export program from model.path)", -1e300, L{"llama", "mlp", "pt2"}),
-      k("model.flavor", Type::string, std::string("debugmodel"), "model size", -1e300, L{"tiny", "debugmodel", "large", "tiny_gqa", "8B", "70B", "405B"}),
+      k("model.name", Type::string, std::string("llama"), "model: llama, qwen3 and deepseek_v3 as torchtitan's (deepseek_v3 with plain attention in place of MLA), mlp, or \"pt2\": a torch.export program from model.path",
+        -1e300, L{"llama", "mlp", "qwen3", "deepseek_v3", "pt2"}),
+      k("model.flavor", Type::string, std::string("debugmodel"), "model size (torchtitan's flavor names; qwen3 and deepseek_v3 also tiny_moe)", -1e300,
+        L{"tiny", "debugmodel", "large", "tiny_gqa", "8B", "70B", "405B", "0.6B", "1.7B", "4B", "14B", "32B", "debugmodel_moe", "30B-A3B", "235B-A22B", "tiny_moe", "16B",
+          "671B"}),
       k("model.attn_mask_type", Type::string, std::string("causal"),
         "llama's attention mask (torchtitan's key): \"causal\", or \"block_causal\" (a token attends only within its document, documents ending at the tokenizer's EOS)",
         -1e300, L{"causal", "block_causal"}),

@@ -68,7 +68,7 @@ TensorMap init_tensors(const models::Model& model, std::uint64_t seed) {
 Trainer::Trainer(models::Model model, const train::TrainStepConfig& config, TensorMap init) : model_(std::move(model)) {
   train::append_train_step(model_.graph, model_.params, config);
   model_.graph.verify();
-  state_names_ = train::train_state_names(model_.params);
+  state_names_ = train::step_state_names(model_.graph, model_.params);
   for (const auto& spec : model_.init) {
     auto it = init.find(spec.name);
     if (it == init.end()) throw std::invalid_argument("Trainer: no initial value for '" + spec.name + "'");

@@ -61,7 +61,7 @@ Fault parse_fault(const char* text) {
 
 void check_fault(const Fault& fault, const launch::RankEnv& env, const JobSpec& spec, const PlacedJob& job) {
   if (fault.kind.empty()) return;
-  const auto state_names = train::train_state_names(job.model.params);
+  const auto state_names = train::step_state_names(job.model.graph, job.model.params);
   if (fault.rank >= env.world_size || fault.step > spec.steps) {
     throw std::invalid_argument("SPMDX_FAULT: rank " + std::to_string(fault.rank) + ", step " + std::to_string(fault.step) +
                                 " never happens in this job (" + std::to_string(env.world_size) + " ranks, " + std::to_string(spec.steps) + " steps)");

@@ -82,7 +82,7 @@ std::vector<Candidate> candidates(const JobSpec& configured, bool layers) {
 
 std::int64_t state_copy_bytes(const ir::Graph& rank_graph, const std::vector<std::string>& params) {
   std::int64_t bytes = 0;
-  for (const auto& name : train_state_names(params)) {
+  for (const auto& name : step_state_names(rank_graph, params)) {
     if (const ir::Value* v = rank_graph.find_input(name)) bytes += v->meta().nbytes();  // a pipeline stage holds its own
   }
   return bytes;

@@ -89,6 +89,8 @@ constexpr TensorBoardScalar kTensorBoardScalars[] = {
     {"memory/planned_peak(GiB)", "planned_peak_mem_bytes", 1.0 / (1024.0 * 1024.0 * 1024.0)},
     {"validation_metrics/loss", "val_loss", 1.0},
     {"validation_metrics/perplexity", "val_perplexity", 1.0},
+    {"moe/load_imbalance", "moe_load_imbalance", 1.0},
+    {"moe/load_max", "moe_load_max", 1.0},
 };
 
 }  // namespace
@@ -152,11 +154,13 @@ void MetricsWriter::row(std::int64_t step, std::int64_t last_step, double loss, 
     char scale[96] = "";
     if (scaling) std::snprintf(scale, sizeof scale, " | loss scale %.9g%s", scaling->first, scaling->second ? " (overflow: update skipped)" : "");
     if (std::isnan(grad_norm)) grad_norm = std::fabs(grad_norm);  // "nan", not "-nan": a float16 overflow's
+    char moe[48] = "";
+    if (row.contains("moe_load_imbalance")) std::snprintf(moe, sizeof moe, " | moe load max/mean %.2f", row.at("moe_load_imbalance").get<double>());
     char accum[32] = "";
     if (microbatches_ > 1) std::snprintf(accum, sizeof accum, " | accum %lld", static_cast<long long>(microbatches_));
-    std::printf("step %4lld | loss %8.4f | grad_norm %7.3f | lr %.2e | %9.0f tok/s | %7.1f ms | exposed comm %4.1f%% | peak %s%s%s%s\n",
+    std::printf("step %4lld | loss %8.4f | grad_norm %7.3f | lr %.2e | %9.0f tok/s | %7.1f ms | exposed comm %4.1f%% | peak %s%s%s%s%s\n",
                 static_cast<long long>(step), loss, grad_norm, lr, tokens_per_s, st.total * 1e3, 100.0 * st.exposed_comm / st.total,
-                human_bytes(static_cast<double>(st.peak_bytes)).c_str(), accum, validation, scale);
+                human_bytes(static_cast<double>(st.peak_bytes)).c_str(), moe, accum, validation, scale);
     std::fflush(stdout);
   }
 }

@@ -285,8 +285,9 @@ CheckpointMeta resume_from(const std::filesystem::path& ckpt_dir, std::int64_t s
   // training.seq_len, as torchtitan's may.
   std::map<std::string, ir::TensorMeta> trained = state_metas;
   std::set<std::string> buffers;
+  const auto updated = updated_buffers(job.model.graph, job.model.params);  // an MoE layer's expert_bias: state, loaded
   for (const auto& spec_i : job.model.init) {
-    if (!spec_i.trainable) trained.erase(spec_i.name), buffers.insert(spec_i.name);
+    if (!spec_i.trainable && std::find(updated.begin(), updated.end(), spec_i.name) == updated.end()) trained.erase(spec_i.name), buffers.insert(spec_i.name);
   }
   for (auto it = trained.begin(); it != trained.end();) it = state.count(it->first) == 0 ? trained.erase(it) : std::next(it);  // another stage's
   for (auto& [name, t] : load_checkpoint(ckpt_dir, step, job.mesh, env.rank, trained, state_placements, &meta, buffers, pipeline)) state[name] = t.to(device);
@@ -370,6 +371,7 @@ void print_banner(const JobSpec& spec, const PlacedJob& job, const sharding::Dis
   for (const auto& s : short_parameters(spec, job)) std::printf("warning: %s\n", s.line().c_str());
   for (const auto& line : job.decided_by) std::printf("%s\n", line.c_str());  // who placed each mesh dim
   for (const auto& line : tp_replicated_parameters(spec, job)) std::printf("warning: %s\n", line.c_str());
+  if (const std::string note = models::mla_note(spec.model); !note.empty()) std::printf("note: %s\n", note.c_str());
   if (const std::int64_t m = spec.step.microbatches; m > 1 && spec.pipeline.stages == 1) {
     const std::int64_t rows = spec.global_batch_size / (m * spec.dims.dp_replicate * spec.dims.dp_shard);
     std::printf("gradient accumulation: %lld microbatches of %lld row%s per data-parallel rank (training.local_batch_size), one optimizer step and one gradient reduction per step\n",

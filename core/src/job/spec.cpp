@@ -469,12 +469,12 @@ JobSpec job_spec(const config::Config& cfg, std::int64_t world_size, std::int64_
   s.model = models::model_args(cfg.get_string("model.name"), cfg.get_string("model.flavor"), vocab_size);
   if (const std::int64_t layers = cfg.get_int("model.n_layers"); layers != -1) {
     if (layers == 0) problems.add({"model.n_layers"}, "model.n_layers must be positive, or -1 (the flavor's)");
-    else if (s.model.name != "llama") problems.add({"model.n_layers", "model.name"}, "model.n_layers applies to llama only, not " + s.model.name);
+    else if (!models::is_builtin_transformer(s.model.name)) problems.add({"model.n_layers", "model.name"}, "model.n_layers applies to llama, qwen3 and deepseek_v3 only, not " + s.model.name);
     else s.model.n_layers = layers;
   }
   if (const std::string mask = cfg.get_string("model.attn_mask_type"); mask != "causal") {
-    if (s.model.name != "llama") {
-      problems.add({"model.attn_mask_type", "model.name"}, "model.attn_mask_type = \"" + mask + "\" applies to the built-in llama only, not " + s.model.name +
+    if (!models::is_builtin_transformer(s.model.name)) {
+      problems.add({"model.attn_mask_type", "model.name"}, "model.attn_mask_type = \"" + mask + "\" applies to the built-in llama, qwen3 and deepseek_v3 only, not " + s.model.name +
                                                                (s.model.name == "pt2" ? " (an exported program's attention is as it was exported)" : ""));
     } else if (const auto eos = job_tokenizer(cfg)->eos_id(); !eos) {
       problems.add({"model.attn_mask_type", "model.tokenizer"}, "model.attn_mask_type = \"block_causal\" needs documents that end with an EOS token, and the tokenizer '" +
@@ -488,10 +488,10 @@ JobSpec job_spec(const config::Config& cfg, std::int64_t world_size, std::int64_
   read_strategies(cfg, s, problems);
   read_degrees(cfg, world_size, start_flag, s.dims, problems);
   const bool degrees_ok = problems.lines.empty();  // the batch check below needs the data-parallel degree
-  if (s.model.name == "llama" && s.model.n_heads % s.dims.tp != 0) {
+  if (models::is_builtin_transformer(s.model.name) && s.model.n_heads % s.dims.tp != 0) {
     fail({"parallelism.tensor_parallel_degree", "model.name", "model.flavor"}, "parallelism.tensor_parallel_degree " + std::to_string(s.dims.tp) + " does not divide the " + std::to_string(s.model.n_heads) +
          " attention heads of " + s.model.name + " " + s.model.flavor);
-  } else if (s.model.name == "llama" && s.model.n_kv_heads > 0 && s.model.n_kv_heads % s.dims.tp != 0) {
+  } else if (models::is_builtin_transformer(s.model.name) && s.model.n_kv_heads > 0 && s.model.n_kv_heads % s.dims.tp != 0) {
     // Tensor parallelism shards the key/value heads as the query heads (wk and wv colwise);
     // torchtitan replicates them instead when it cannot; spmdx refuses.
     fail({"parallelism.tensor_parallel_degree", "model.flavor"}, "parallelism.tensor_parallel_degree " + std::to_string(s.dims.tp) + " does not divide the " +
@@ -558,6 +558,7 @@ JobSpec job_spec(const config::Config& cfg, std::int64_t world_size, std::int64_
   s.planner = cfg.get_string("parallelism.planner");
   s.planner_time_limit = cfg.get_float("parallelism.planner_time_limit_seconds");
   s.step.max_norm = cfg.get_float("training.max_norm");
+  s.step.load_balance_coeff = s.model.moe.load_balance_coeff;
   s.plan = plan_options(cfg);
   s.hooks = hook_spec(cfg);
   s.step.adamw = {cfg.get_float("optimizer.beta1"), cfg.get_float("optimizer.beta2"), cfg.get_float("optimizer.eps"),

@@ -240,6 +240,24 @@ double StepLoop::step(std::int64_t step) {
     if (!told.empty()) metrics->add_to_next_row("fallback", std::move(told));
   }
   if (metrics) {
+    // MoE load balance: each layer's most loaded expert against the mean (the slots of the step
+    // over the experts), as torchtitan's MoE metrics; the worst layer on the step line.
+    nlohmann::json layers = nlohmann::json::object();
+    double worst = 0, most = 0, mean = 0;
+    for (const auto& [name, t] : out) {
+      if (!train::is_tokens_per_expert(name)) continue;
+      const at::Tensor load = t.to(at::kCPU, at::kDouble);
+      const double m = load.mean().item<double>(), x = load.max().item<double>();
+      layers[models::layer_of(name)] = m > 0 ? x / m : 0.0;
+      if (m > 0 && x / m > worst) worst = x / m;
+      most = std::max(most, x), mean = m;
+    }
+    if (!layers.empty()) {
+      metrics->add_to_next_row("moe_load_imbalance", worst);
+      metrics->add_to_next_row("moe_load_max", most);
+      metrics->add_to_next_row("moe_load_mean", mean);
+      metrics->add_to_next_row("moe_load_layers", std::move(layers));
+    }
     metrics->row(step, spec.steps, loss, out.at("grad_norm").item<double>(), lr, static_cast<double>(spec.global_batch_size * spec.seq_len) / st.total, st,
                  loss_scaling ? std::optional<std::pair<double, bool>>{{loss_scale, skipped}} : std::nullopt);
   }

@@ -21,6 +21,10 @@ std::vector<std::string> train_state_names(const std::vector<std::string>& param
 
 namespace {
 
+// An MoE layer's forward output of the tokens each expert received (models::build_model's
+// "layers.L.moe.tokens_per_expert"): summed over microbatches, read by load balancing.
+constexpr const char* kLoadSuffix = "tokens_per_expert";
+
 // The same view of the same value, made once: each VJP reshapes or transposes what it reads on
 // its own (a linear's input, once per weight reading it: q, k and v), and sharding then moves
 // each copy on its own (three all_gathers of one activation under TP). Views cost nothing to
@@ -63,6 +67,7 @@ ir::Graph unroll_microbatches(const ir::Graph& forward, const std::vector<std::s
   const ir::Attributes mean{{"value", 1.0 / static_cast<double>(microbatches)}};
   Value* loss_sum = nullptr;
   std::map<const Value*, Value*> first;  // microbatch 0's values, for the other outputs
+  std::map<std::string, Value*> counts;   // the MoE layers' tokens_per_expert, summed
   for (std::int64_t k = 0; k < microbatches; ++k) {
     std::map<const Value*, Value*> map = shared;
     for (const Value* in : forward.inputs()) {
@@ -74,6 +79,9 @@ ir::Graph unroll_microbatches(const ir::Graph& forward, const std::vector<std::s
       const ir::Node* copy = g.add_node(n->op(), in, n->attrs());
       for (std::size_t i = 0; i < n->outputs().size(); ++i) map[n->outputs()[i]] = copy->outputs()[i];
     }
+    for (const auto& [name, v] : forward.outputs()) {  // the whole step's tokens per expert: every microbatch's
+      if (is_tokens_per_expert(name)) counts[name] = k == 0 ? map.at(v) : g.add("add", {counts.at(name), map.at(v)});
+    }
     Value* loss_k = map.at(loss);
     const std::vector<Value*> grads_k = ir::gradients(g, loss_scale ? g.add("mul", {loss_k, loss_scale}) : loss_k, weights);
     for (std::size_t i = 0; i < grads_k.size(); ++i) grads[i] = k == 0 ? grads_k[i] : g.add("add", {grads[i], grads_k[i]});
@@ -82,11 +90,36 @@ ir::Graph unroll_microbatches(const ir::Graph& forward, const std::vector<std::s
     ends.push_back(g.num_nodes());
   }
   for (Value*& gr : grads) gr = g.add("mul_scalar", {gr}, mean);
-  for (const auto& [name, v] : forward.outputs()) g.add_output(name, name == "loss" ? g.add("mul_scalar", {loss_sum}, mean) : first.at(v));
+  for (const auto& [name, v] : forward.outputs()) {
+    if (name == "loss") g.add_output(name, g.add("mul_scalar", {loss_sum}, mean));
+    else if (counts.count(name) > 0) g.add_output(name, counts.at(name));
+    else g.add_output(name, first.at(v));
+  }
   return g;
 }
 
 }  // namespace
+
+bool is_tokens_per_expert(const std::string& name) {
+  const std::string suffix = kLoadSuffix;
+  return name.size() > suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0 && name[name.size() - suffix.size() - 1] == '.';
+}
+
+std::vector<std::string> updated_buffers(const ir::Graph& step, const std::vector<std::string>& params) {
+  const std::vector<std::string> trained = train_state_names(params);
+  const std::set<std::string> known(trained.begin(), trained.end());
+  std::vector<std::string> out;
+  for (const Value* in : step.inputs()) {
+    if (known.count(in->name()) == 0 && step.find_output("next." + in->name()) != nullptr) out.push_back(in->name());
+  }
+  return out;
+}
+
+std::vector<std::string> step_state_names(const ir::Graph& step, const std::vector<std::string>& params) {
+  std::vector<std::string> out = train_state_names(params);
+  for (auto& b : updated_buffers(step, params)) out.push_back(std::move(b));
+  return out;
+}
 
 std::string microbatch_input(const std::string& name, std::int64_t k) { return k == 0 ? name : name + "." + std::to_string(k); }
 
@@ -175,6 +208,21 @@ void append_train_step(ir::Graph& g, const std::vector<std::string>& params, con
   }
   for (const auto* group : {&next, &next_m, &next_v}) {
     for (const auto& [name, value] : *group) g.add_output("next." + name, value);
+  }
+  // MoE load balancing (torchtitan's _update_expert_bias, run before the optimizer step; the
+  // bias does not touch this step's gradients, so where it runs in the step changes nothing).
+  std::vector<std::pair<std::string, Value*>> loads;
+  for (const auto& [name, v] : g.outputs()) {
+    if (is_tokens_per_expert(name)) loads.emplace_back(name, v);
+  }
+  for (const auto& [name, load] : loads) {
+    const std::string bias_name = name.substr(0, name.size() - std::string(kLoadSuffix).size()) + "expert_bias";
+    Value* bias = g.find_input(bias_name);
+    if (bias == nullptr) continue;
+    if (config.load_balance_coeff <= 0) throw std::invalid_argument("append_train_step: the model reads " + bias_name + " but load_balance_coeff is " + std::to_string(config.load_balance_coeff));
+    Value* deficit = g.add("sub", {g.add("mean", {load}), load});
+    Value* delta = g.add("mul_scalar", {g.add("sign", {deficit})}, attr(config.load_balance_coeff));
+    g.add_output("next." + bias_name, g.add("add", {bias, g.add("sub", {delta, g.add("mean", {delta})})}));
   }
 #ifndef NDEBUG
   g.verify();

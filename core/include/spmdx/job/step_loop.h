@@ -70,7 +70,7 @@ struct StepLoop {
   // The state this rank updates (with pipeline stages, its stage's).
   std::vector<std::string> names = [this] {
     std::vector<std::string> out;
-    for (auto& n : train::train_state_names(job.model.params)) {
+    for (auto& n : train::step_state_names(job.model.graph, job.model.params)) {
       if (state.count(n) > 0) out.push_back(std::move(n));
     }
     return out;

@@ -51,8 +51,31 @@ struct InitSpec {
   std::size_t nbytes = 0;
 };
 
+/// A Mixture-of-Experts feed-forward layer, as torchtitan's MoE (models/moe/moe.py, MoEArgs):
+/// token-choice top-k routing over `experts` SwiGLU experts, dropless (every token reaches its
+/// top_k experts: the slots are sorted by expert and run as one grouped GEMM whose group ends are
+/// data), with optional shared experts on every token and DeepSeek-V3's auxiliary-loss-free load
+/// balancing (a per-layer expert_bias used only for choosing experts).
+struct MoEArgs {
+  std::int64_t experts = 0;       ///< 0: no MoE layers (a dense model)
+  std::int64_t top_k = 1;
+  std::int64_t hidden = 0;        ///< each expert's SwiGLU hidden size (torchtitan's moe_inter_dim / moe_hidden_dim)
+  std::int64_t shared_experts = 0;  ///< a dense SwiGLU of hidden x shared_experts on every token (0: none)
+  std::string score_func = "softmax";  ///< "softmax" or "sigmoid", in float32
+  bool route_norm = false;        ///< divide the top-k scores by their sum (+1e-20)
+  double route_scale = 1.0;       ///< then multiply them by this
+  bool score_before_experts = false;  ///< weight the routed tokens before the experts (else their outputs after)
+  std::int64_t expert_groups = 0;   ///< node-limited routing: experts in this many groups (0: off) ...
+  std::int64_t limited_groups = 0;  ///< ... of which each token's top_k come from the best this many (by each group's top-2 sum)
+  /// DeepSeek-V3's load balancing (Wang et al. 2024, arXiv:2408.15664; torchtitan's
+  /// load_balance_coeff): after each step expert_bias += coeff x sign(mean load - load), centred;
+  /// 0: no expert_bias.
+  double load_balance_coeff = 1e-3;
+  std::int64_t dense_layers = 0;  ///< the first this many layers keep a dense FFN (DeepSeek-V3's n_dense_layers)
+};
+
 struct ModelArgs {
-  std::string name;    ///< "mlp", "llama", or "pt2" (a torch.export program read from `path`)
+  std::string name;    ///< "mlp", "llama", "qwen3", "deepseek_v3", or "pt2" (a torch.export program read from `path`)
   std::string flavor;  ///< "tiny", "debugmodel"; unused for "pt2"
   std::string path;    ///< "pt2": the archive (torch.export.save's .pt2)
   /// "pt2": the program's user inputs that take the batch's tokens and labels, in that order,
@@ -78,6 +101,12 @@ struct ModelArgs {
   /// (torchtitan's get_document_mask_mod: the EOS belongs to the document it ends).
   std::string attn_mask_type = "causal";
   std::int64_t eos_id = -1;  ///< the tokenizer's EOS id, for block_causal
+  /// Each attention head's size; 0: dim / n_heads (Qwen3's is 128 whatever dim is).
+  std::int64_t head_dim = 0;
+  bool qk_norm = false;         ///< RMSNorm over head_dim on each head's query and key before RoPE (Qwen3)
+  bool tie_embeddings = false;  ///< the output projection is tok_embeddings.weight (Qwen3 up to 4B)
+  std::string rope_style = "interleaved";  ///< rotary_embedding's style: "interleaved" (Llama 3) or "half" (Qwen3's cos_sin)
+  MoEArgs moe;                  ///< moe.experts > 0: the FFN of layers from moe.dense_layers on is an MoE
 };
 
 /// The flavors: llama `debugmodel` (torchtitan's: dim 256, 6 layers, 16 heads, FFN 768,
@@ -88,9 +117,30 @@ struct ModelArgs {
 /// with 2 key/value heads for its 4 query heads); torchtitan's llama3 `8B` (dim 4096, 32
 /// layers, 32 heads, 8 KV heads, FFN 14336), `70B` (8192, 80, 64, 8, 28672) and `405B` (16384,
 /// 126, 128, 8, 53248), rope_theta 500000 with Llama 3.1 scaling; mlp `tiny` (dim 64,
-/// FFN 192), `debugmodel` (dim 256, FFN 768) and `large` (dim 2048, FFN 5632). Throws std::invalid_argument naming the
-/// model or flavor and listing the known ones.
+/// FFN 192), `debugmodel` (dim 256, FFN 768) and `large` (dim 2048, FFN 5632). qwen3: torchtitan's
+/// Qwen3 flavors (models/qwen3/__init__.py: head_dim 128, q/k RMSNorm, eps 1e-6, RoPE theta 1e6
+/// in the rotate_half convention, tied embeddings up to 4B): dense `debugmodel`, `0.6B`,
+/// `1.7B`, `4B`, `8B`, `14B`, `32B`; MoE `debugmodel_moe`, `30B-A3B`, `235B-A22B` (softmax
+/// scores with route_norm, no shared experts); and spmdx's `tiny_moe` (dim 64, 2 layers, 4 heads
+/// of 16, 2 KV heads, 8 experts of hidden 32, top 2). deepseek_v3: torchtitan's DeepSeek-V3
+/// flavors (models/deepseek_v3/__init__.py) `debugmodel`, `16B`, `236B`, `671B`, and `tiny_moe`
+/// (dim 64, 2 layers of which 1 dense, 8 experts of hidden 32, top 2, 1 shared, sigmoid scores
+/// with route_norm and route_scale 2.5, 4 groups of which 2 chosen), with plain multi-head
+/// attention (head_dim 128; tiny_moe 16) in place of its multi-head latent attention (MLA, not
+/// built: mla_note says so). Throws std::invalid_argument naming the model or flavor and listing
+/// the known ones.
 ModelArgs model_args(const std::string& name, const std::string& flavor, std::int64_t vocab_size);
+
+/// For deepseek_v3: the sentence that says its attention is plain multi-head attention in place of
+/// DeepSeek-V3's multi-head latent attention; "" for other models.
+std::string mla_note(const ModelArgs& args);
+
+/// Each attention head's size: args.head_dim, or dim / n_heads.
+std::int64_t head_dim_of(const ModelArgs& args);
+
+/// True for the built-in decoder-only transformers (llama, qwen3, deepseek_v3): RoPE attention
+/// blocks with RMSNorm, whose flavors fix their shapes.
+bool is_builtin_transformer(const std::string& name);
 
 /// torchtitan's FeedForward hidden size: int(2 x 4 dim / 3), times ffn_dim_multiplier (int),
 /// rounded up to a multiple of multiple_of (8B: 14336, 70B: 28672, 405B: 53248).
@@ -98,7 +148,10 @@ std::int64_t llama3_ffn_hidden(std::int64_t dim, double ffn_dim_multiplier, std:
 
 /// A forward graph: inputs are "tokens" and "labels" (i64[batch, seq_len], labels = tokens
 /// shifted by one) then the parameters and buffers in init order; the output "loss" (f32[],
-/// mean cross entropy over all tokens).
+/// mean cross entropy over all tokens). Each MoE layer L adds the output
+/// "layers.L.moe.tokens_per_expert" (f32 [experts], the slots each expert received: torchtitan's
+/// buffer of that name) and, with load balancing, reads the buffer "layers.L.moe.expert_bias"
+/// (f32 [experts], zeros at first), which the train step updates (train::TrainStepConfig).
 struct Model {
   ModelArgs args;
   ir::Graph graph;
@@ -133,10 +186,16 @@ std::int64_t parameter_count(const Model& m);
 /// a cast): torchtitan's nparams_embedding (tok_embeddings.weight; GPT-2's wte and wpe).
 std::int64_t embedding_parameter_count(const Model& m);
 
-/// Training FLOPs per token, torchtitan's MFU formula (get_dense_model_nparams_and_flops):
-/// 6 x (parameters - embedding parameters) for the matmuls of forward and backward, plus
+/// The parameters a token meets: every trainable parameter, the routed experts' counted top_k /
+/// experts (torchtitan's get_moe_model_nparams_and_flops: dense + active sparse); for a dense
+/// model parameter_count.
+std::int64_t active_parameter_count(const Model& m);
+
+/// Training FLOPs per token, torchtitan's MFU formula (get_dense_model_nparams_and_flops, and
+/// get_moe_model_nparams_and_flops for MoE models, with active parameters):
+/// 6 x (active parameters - embedding parameters) for the matmuls of forward and backward, plus
 /// 12 x layers x heads x head_dim x seq_len for attention's score and value matmuls (causal
-/// sparsity not discounted, recomputation not counted). The attention term only for llama;
+/// sparsity not discounted, recomputation not counted). The attention term only for the built-in transformers;
 /// mlp has none, and an imported pt2 program's heads are unknown (6N only).
 double flops_per_token(const Model& m, std::int64_t seq_len);
 

@@ -35,6 +35,14 @@ struct TrainStepConfig {
   /// it is Partial, so a data-parallel reduction (DDP's all_reduce, FSDP's reduce_scatter) runs
   /// once per step, as FSDP2's set_requires_gradient_sync(False) on all but the last microbatch.
   std::int64_t microbatches = 1;
+  /// Auxiliary-loss-free load balancing of MoE layers (DeepSeek-V3, Wang et al. 2024,
+  /// arXiv:2408.15664; torchtitan's load_balance_coeff and its optimizer pre-hook
+  /// _update_expert_bias): for each forward output "X.tokens_per_expert" whose graph reads
+  /// "X.expert_bias", the step outputs next.X.expert_bias = bias + d - mean(d) with
+  /// d = coeff x sign(mean(load) - load), load being the tokens_per_expert of the whole step
+  /// (summed over microbatches, and over the data-parallel ranks once sharded). The bias is not
+  /// trained; it is state (step_state_names), saved in checkpoints.
+  double load_balance_coeff = 1e-3;
 };
 
 /// Appends to `forward` (output "loss", a scalar; trainable parameters named in `params`) the
@@ -63,9 +71,21 @@ bool is_batch_input(const std::string& name);
 /// output "loss" (a forward node, of any microbatch), rather than a gradient or an update.
 std::vector<bool> forward_nodes_of(const ir::Graph& step);
 
+/// True for an MoE layer's forward output of the tokens each expert received ("X.tokens_per_expert",
+/// models::build_model's), which the step sums over microbatches and load balancing reads.
+bool is_tokens_per_expert(const std::string& output);
+
 /// The state names append_train_step adds for `params`: each P, then exp_avg.P and
 /// exp_avg_sq.P.
 std::vector<std::string> train_state_names(const std::vector<std::string>& params);
+
+/// Every state a train step `step` feeds back: train_state_names(params), then each other graph
+/// input B the step updates (it has an output "next.B": an MoE layer's expert_bias), in input
+/// order.
+std::vector<std::string> step_state_names(const ir::Graph& step, const std::vector<std::string>& params);
+
+/// The inputs of `step` other than `params`' state that it updates (step_state_names' tail).
+std::vector<std::string> updated_buffers(const ir::Graph& step, const std::vector<std::string>& params);
 
 /// torchtitan's learning-rate schedule ([lr_scheduler]): linear warm-up, a stable phase, then
 /// a decay to min_lr_factor (warmup-stable-decay, Hu et al. 2024, MiniCPM).
