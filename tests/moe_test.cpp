@@ -7,6 +7,8 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <fstream>
+#include <iterator>
 #include <string>
 #include <vector>
 
@@ -115,6 +117,44 @@ TEST(Moe, StepLineAndMetricsReportTheLoadBalanceOfTheWholeBatch) {
     EXPECT_DOUBLE_EQ(row.at("moe_load_imbalance").get<double>(), std::max(row.at("moe_load_layers").at("layers.0").get<double>(),
                                                                           row.at("moe_load_layers").at("layers.1").get<double>()));
   }
+}
+
+// Expert parallelism (parallelism.expert_parallel_degree, torchtitan's key) takes the dp_shard
+// dim: each rank keeps its experts (no all_gather of them, no reduce_scatter of their gradients)
+// and the tokens move, 8 all_to_all_v a step for 2 MoE layers (dispatch and combine, forward and
+// backward); compile prices them; degrees it cannot take are refused naming the keys.
+TEST(Moe, ExpertParallelismKeepsTheExpertsAndMovesTheTokens) {
+  test::TempDir dir;
+  auto r = spmdx("run " + kConfig + " --data.paths '" + test::corpus_file(dir) + "' --nproc 2 --training.steps 1 --parallelism.expert_parallel_degree 2 "
+                 "--hooks.enable graphviz --job.dump_folder '" + dir.path().string() + "'");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  std::ifstream in(dir / "hooks" / "graphviz" / "rank0.dot");
+  const std::string dot((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::size_t exchanges = 0, expert_moves = 0;
+  for (std::size_t at = dot.find("label=\""); at != std::string::npos; at = dot.find("label=\"", at + 1)) {
+    const std::string label = dot.substr(at, dot.find('"', at + 7) - at);
+    if (label.find("all_to_all_v (dp_shard)") != std::string::npos) ++exchanges;
+    if ((label.find("all_gather") != std::string::npos || label.find("reduce_scatter") != std::string::npos) && label.find("[8, 32, 64]") != std::string::npos) ++expert_moves;
+  }
+  EXPECT_EQ(exchanges, 8U) << dot;
+  EXPECT_EQ(expert_moves, 0U) << "an expert weight or gradient moved whole";
+
+  auto plan = spmdx("compile " + kConfig + " --world-size 4 --parallelism.expert_parallel_degree 4 --json");
+  ASSERT_EQ(plan.exit_code, 0) << plan.output;
+  const auto j = nlohmann::json::parse(plan.output.substr(plan.output.find('{')));
+  // 16 x 64 tokens over 4 ranks, top 2, 64 float32 features: 128 KiB a dispatch or combine, 4 a
+  // layer, 2 layers, 3/4 of it to other ranks.
+  EXPECT_DOUBLE_EQ(j.at("model").at("expert_parallel").at("all_to_all_v_bytes_even_routing").get<double>(), 4.0 * 2 * 512 * 64 * 4 * 3 / 4);
+
+  auto partial = spmdx("compile " + kConfig + " --world-size 4 --parallelism.expert_parallel_degree 2");
+  EXPECT_NE(partial.exit_code, 0);
+  EXPECT_THAT(partial.output, HasSubstr("expert_parallel_degree 2: spmdx's expert parallelism takes the whole dp_shard dim (ep = data_parallel_shard_degree, here 4)")) << partial.output;
+  auto dense = spmdx("compile " + kConfig + " --model.name llama --model.flavor tiny --world-size 2 --parallelism.expert_parallel_degree 2");
+  EXPECT_NE(dense.exit_code, 0);
+  EXPECT_THAT(dense.output, HasSubstr("applies to Mixture-of-Experts models")) << dense.output;
+  auto uneven = spmdx("compile " + kConfig + " --world-size 3 --parallelism.expert_parallel_degree 3");
+  EXPECT_NE(uneven.exit_code, 0);
+  EXPECT_THAT(uneven.output, HasSubstr("does not divide the 8 experts")) << uneven.output;
 }
 
 // The expert biases are state: a job stopped at step 3 and resumed trains steps 4 to 6 to the

@@ -133,6 +133,17 @@ int run_compile(const CompileOptions& o) {
   const std::int64_t count = spmdx::models::parameter_count(job.model);
   const std::int64_t embedding = spmdx::models::embedding_parameter_count(job.model);
   const std::int64_t active = spmdx::models::active_parameter_count(job.model);
+  // Expert parallelism's all_to_all_v per rank and step: each MoE layer's dispatch and combine,
+  // forward and backward, move this rank's slots (tokens x top_k rows of dim elements); with even
+  // routing (ep - 1) / ep of them leave the rank; at most ep x that arrive (all at one rank).
+  const spmdx::models::MoEArgs& moe = spec.model.moe;
+  double ep_bytes = 0;
+  if (moe.expert_parallel > 1) {
+    const double slots = static_cast<double>(spec.global_batch_size * spec.seq_len) / static_cast<double>(spec.dims.dp_replicate * spec.dims.dp_shard) * static_cast<double>(moe.top_k);
+    const double layers = static_cast<double>(spec.model.n_layers - std::min(moe.dense_layers, spec.model.n_layers));
+    const double element = spec.mixed_precision.param == "float32" ? 4.0 : 2.0;
+    ep_bytes = 4 * layers * slots * static_cast<double>(spec.model.dim) * element * static_cast<double>(moe.expert_parallel - 1) / static_cast<double>(moe.expert_parallel);
+  }
   const double flops_token = spmdx::models::flops_per_token(job.model, spec.seq_len);
   const double tokens = static_cast<double>(spec.global_batch_size) * static_cast<double>(spec.seq_len);
   const auto& dims = job.mesh.dims();
@@ -168,7 +179,8 @@ int run_compile(const CompileOptions& o) {
     nlohmann::json j{{"format", "spmdx.compile"},
                      {"version", 1},
                      {"model", {{"label", spmdx::models::model_label(spec.model)}, {"vocab_size", spec.model.vocab_size}, {"parameters", count},
-                                {"active_parameters", active}, {"embedding_parameters", embedding}, {"graph_nodes", job.model.graph.num_nodes()}}},
+                                {"active_parameters", active}, {"embedding_parameters", embedding},
+                                {"expert_parallel", {{"degree", moe.expert_parallel}, {"all_to_all_v_bytes_even_routing", ep_bytes}}}, {"graph_nodes", job.model.graph.num_nodes()}}},
                      {"mesh", mesh},
                      {"world_size", world},
                      {"global_batch_size", spec.global_batch_size},
@@ -243,6 +255,12 @@ int run_compile(const CompileOptions& o) {
             << spmdx::human_bytes(2 * param) << ", communication " << spmdx::human_bytes(plan.comm_bytes) << " sent per step (" << by_dim << "; about "
             << comm_ms << " ms at 10 GB/s, 10 us per message)\n"
             << "planned peak memory (rank 0): " << planned.memory.str() << "\n"
+            << (moe.expert_parallel > 1 ? "expert parallelism: ep " + std::to_string(moe.expert_parallel) + " over " + moe.expert_dim + ", " +
+                                              std::to_string(moe.experts / moe.expert_parallel) + " of " + std::to_string(moe.experts) +
+                                              " experts a rank; all_to_all_v sends " + spmdx::human_bytes(ep_bytes) +
+                                              " per rank per step with even routing (not in the communication above; routing decides: up to " +
+                                              std::to_string(moe.expert_parallel) + " x that reach one rank)\n"
+                                        : std::string())
             << (job.sequence_parallel_off.empty() ? "" : "sequence parallel: off, " + job.sequence_parallel_off + "\n")
             << (cp.degree > 1 ? cp.line() + "\n" : std::string())
             << (job.pipeline.stages > 1 ? "pipeline: " + std::to_string(job.pipeline.stages) + " stages" +

@@ -143,6 +143,60 @@ LoweredV all_to_all_single(CommBackend& backend, int group, const at::Tensor& x,
   return l;
 }
 
+Lowered expert_exchange(CommBackend& backend, int group, const ir::Node& n, const at::Tensor& x, const at::Tensor& counts, double timeout_seconds,
+                        const std::function<void()>& before_call) {
+  const std::int64_t members = n.attr_int("members"), experts = counts.numel(), local = experts / members, d = x.size(2);
+  const bool dispatch = n.attr_string("direction") == "dispatch";
+  const std::int64_t slots = dispatch ? x.size(1) : x.size(1) / members;  // this member's slots (dispatch's input rows)
+  // The counts: mine[q * local + e] of my slots go to member q's expert e; theirs[p * local + e]
+  // of member p's slots come to my expert e.
+  const at::Tensor mine_t = counts.reshape({experts}).to(at::kCPU, at::kLong).contiguous();
+  LoweredV exchange = all_to_all_single(backend, group, mine_t, std::vector<std::int64_t>(static_cast<std::size_t>(members), local), members * local, before_call);
+  if (!exchange.work->wait(timeout_seconds)) {
+    throw CommError("all_to_all_v: the expert counts' exchange did not finish within " + std::to_string(timeout_seconds) + " s", -1);
+  }
+  const at::Tensor theirs_t = exchange.finish().contiguous();
+  const std::int64_t *mine = mine_t.data_ptr<std::int64_t>(), *theirs = theirs_t.data_ptr<std::int64_t>();
+  std::vector<std::int64_t> send(static_cast<std::size_t>(members), 0), recv(static_cast<std::size_t>(members), 0);
+  for (std::int64_t q = 0; q < members; ++q) {
+    for (std::int64_t e = 0; e < local; ++e) send[static_cast<std::size_t>(q)] += mine[q * local + e], recv[static_cast<std::size_t>(q)] += theirs[q * local + e];
+  }
+  // Received rows arrive member-major (member p's rows for my experts, by expert); the experts
+  // want them expert-major. order[k]: the member-major row of expert-major row k.
+  std::vector<std::int64_t> order, start(static_cast<std::size_t>(members * local));
+  std::int64_t at = 0;
+  for (std::int64_t p = 0; p < members; ++p) {
+    for (std::int64_t e = 0; e < local; ++e) start[static_cast<std::size_t>(p * local + e)] = at, at += theirs[p * local + e];
+  }
+  for (std::int64_t e = 0; e < local; ++e) {
+    for (std::int64_t p = 0; p < members; ++p) {
+      for (std::int64_t i = 0; i < theirs[p * local + e]; ++i) order.push_back(start[static_cast<std::size_t>(p * local + e)] + i);
+    }
+  }
+  const at::Tensor index = at::tensor(order, at::TensorOptions().dtype(at::kLong)).to(x.device());
+  const at::Tensor rows = x.reshape({x.size(1), d});
+  Lowered l;
+  if (dispatch) {
+    std::int64_t sent = 0;
+    for (auto s : send) sent += s;
+    LoweredV v = all_to_all_single(backend, group, rows.narrow(0, 0, sent), send, members * slots, before_call);
+    l.work = std::move(v.work), l.keep = std::move(v.keep);
+    l.finish = [out = v.finish, index, total = members * slots, d] {
+      const at::Tensor got = out();
+      at::Tensor grouped = at::zeros({total, d}, got.options());
+      if (index.numel() > 0) grouped.narrow(0, 0, index.numel()).copy_(got.index_select(0, index));
+      return grouped.view({1, total, d});
+    };
+  } else {
+    at::Tensor member_major = at::empty({index.numel(), d}, rows.options());
+    if (index.numel() > 0) member_major.index_copy_(0, index, rows.narrow(0, 0, index.numel()));
+    LoweredV v = all_to_all_single(backend, group, member_major, recv, slots, before_call);
+    l.work = std::move(v.work), l.keep = std::move(v.keep);
+    l.finish = [out = v.finish, slots, d] { return out().view({1, slots, d}); };
+  }
+  return l;
+}
+
 const Lowering* find_lowering(const std::string& op) {
   static const std::map<std::string, Lowering> table = {
       {"all_reduce", all_reduce}, {"all_gather", gather_or_scatter}, {"reduce_scatter", gather_or_scatter}, {"all_to_all", all_to_all}};

@@ -53,6 +53,17 @@ struct LoweredV : Lowered {
 LoweredV all_to_all_single(CommBackend& backend, int group, const at::Tensor& x, const std::vector<std::int64_t>& input_split_sizes,
                            std::int64_t output_rows, const std::function<void()>& before_call);
 
+/// Expert parallelism's exchange: node `n` (all_to_all_v, ops/comm.cpp) on this rank's block `x`
+/// [1, rows, D] with its counts [1, E] (E / members experts a member). The counts go first (an
+/// all_to_all of E / members each, waited for here: the rows' split sizes and their regrouping
+/// follow from them), then the rows by all_to_all_single with those split sizes. "dispatch":
+/// x's rows are the block's slots sorted by expert; the output [1, members x rows, D] holds, for
+/// each local expert in turn, the rows every member sent it, member by member, then zeros.
+/// "combine": the reverse (x laid out as dispatch's output, the output as dispatch's input; a
+/// slot past the counts' sum is zero). `timeout_seconds` bounds the counts' exchange.
+Lowered expert_exchange(CommBackend& backend, int group, const ir::Node& n, const at::Tensor& x, const at::Tensor& counts, double timeout_seconds,
+                        const std::function<void()>& before_call);
+
 /// A tensor's memory as the backend takes it (contiguous; host or CUDA memory by its device).
 CommBuffer buffer(const at::Tensor& t);
 /// "sum", "avg", "max", "min", "prod" -> the ReduceOp; throws std::invalid_argument otherwise.

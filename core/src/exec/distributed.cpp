@@ -401,8 +401,9 @@ void DistributedExecutor::issue_collective(Step& s, std::size_t index) {
   const std::string& op = n.op();
   s.issue(is, n, x, mesh_dim, n.output()->ref());
   const Lowering* lower = find_lowering(op);
-  if (lower == nullptr) throw std::invalid_argument("no executor support for communication op '" + op + "'");
-  Lowered l = (*lower)(*backend_, group, n, x, [this] { order_before_call(); });
+  if (lower == nullptr && op != "all_to_all_v") throw std::invalid_argument("no executor support for communication op '" + op + "'");
+  Lowered l = op == "all_to_all_v" ? expert_exchange(*backend_, group, n, x, s.value(n.input(1)), timeout_ + 10, [this] { order_before_call(); })
+                                   : (*lower)(*backend_, group, n, x, [this] { order_before_call(); });
   is->work = std::move(l.work);
   is->keep = std::move(l.keep);
   p.finish = std::move(l.finish);

@@ -55,6 +55,63 @@ void build_mlp(Model& m, Builder& mb, Value* tokens, Value* labels) {
 // A SwiGLU feed-forward: w2(silu(w1 y) * w3 y).
 Value* swiglu(ir::GraphBuilder& b, Value* y, Value* w1, Value* w2, Value* w3) { return b.linear(b.mul(b.silu(b.linear(y, w1)), b.linear(y, w3)), w2); }
 
+// The routed (and shared) experts under expert parallelism, in blocks of P = expert_parallel:
+// block p the tokens of rank p of the expert dim (x's rows p n .. (p + 1) n - 1), its slots sorted
+// by expert within the block, sent to the blocks of their experts' ranks (expert_dispatch, an
+// all_to_all_v once sharded), run there as each block's grouped GEMMs over its E / P experts
+// (their rows expert-major), and sent back (expert_combine). Numbers as moe_layer's: the same
+// products and the same sums per token, in another order.
+Value* expert_parallel_experts(Model& m, Builder& mb, Value* x, Value* chosen, Value* top, const Shape& shape, const std::string& p, double depth_std) {
+  const MoEArgs& a = m.args.moe;
+  auto& b = mb.b();
+  ir::Graph& g = m.graph;
+  using K = InitSpec::Kind;
+  const std::int64_t P = a.expert_parallel, dim = x->meta().shape[1], tokens = x->meta().shape[0], E = a.experts, k = a.top_k;
+  if (tokens % P != 0 || E % P != 0) {
+    throw std::invalid_argument("expert parallelism of degree " + std::to_string(P) + " needs the tokens (" + std::to_string(tokens) + ") and the experts (" +
+                                std::to_string(E) + ") to divide by it");
+  }
+  const std::int64_t n = tokens / P, slots = n * k, local = E / P;
+  const ir::DType dtype = x->meta().dtype;
+  const std::string f32 = ir::to_string(ir::DType::f32);
+  auto to_f32 = [&](Value* v) { return dtype == ir::DType::f32 ? v : g.add("cast", {v}, {{"dtype", f32}}); };
+  auto back = [&](Value* v) { return dtype == ir::DType::f32 ? v : g.add("cast", {v}, {{"dtype", std::string(ir::to_string(dtype))}}); };
+  const ir::Attributes on_dim{{"expert_dim", a.expert_dim}};
+
+  Value* ids = b.reshape(chosen, {P, slots});
+  Value* counts = g.add("bincount", {ids}, {{"minlength", E}});  // [P, E]: each block's slots per expert
+  g.add_output(p + "tokens_per_expert", g.add("sum", {g.add("cast", {counts}, {{"dtype", f32}})}, {{"dims", Shape{0}}}));
+  Value* order = g.add("argsort", {ids}, {{"dim", std::int64_t{1}}, {"stable", true}});
+  Value* weights = b.reshape(g.add("gather", {b.reshape(top, {P, slots}), order}, {{"dim", std::int64_t{1}}}), {P, slots, 1});
+  Value* index = g.add("expand", {b.reshape(g.add("floor_divide_scalar", {order}, {{"value", k}}), {P, slots, 1})}, {{"shape", Shape{P, slots, dim}}});
+  Value* xb = b.reshape(x, {P, n, dim});
+  Value* routed = g.add("gather", {xb, index}, {{"dim", std::int64_t{1}}});
+  if (a.score_before_experts) routed = back(b.mul(to_f32(routed), weights));
+  Value* rows = g.add("expert_dispatch", {routed, counts}, on_dim);  // [P, P x slots, dim]
+  // Each block's rows per local expert (over all blocks' slots), and their ends.
+  Value* received = g.add("sum", {b.reshape(counts, {P, P, local})}, {{"dims", Shape{0}}});
+  Value* offs = g.add("cumsum", {received}, {{"dim", std::int64_t{1}}});
+  auto experts = [&](const std::string& name, std::int64_t rows_of, std::int64_t cols, double std) {
+    Value* w = mb.param(p + "experts." + name, {E, rows_of, cols}, K::trunc_normal, std);
+    return b.transpose(b.reshape(w, {P, local, rows_of, cols}), 2, 3);
+  };
+  Value* w1 = experts("w1", a.hidden, dim, 0.02);
+  Value* w2 = experts("w2", dim, a.hidden, depth_std);
+  Value* w3 = experts("w3", a.hidden, dim, depth_std);
+  auto grouped_mm = [&](Value* in, Value* w) { return g.add("grouped_mm", {in, w, offs}); };
+  Value* out = g.add("expert_combine", {grouped_mm(b.mul(b.silu(grouped_mm(rows, w1)), grouped_mm(rows, w3)), w2), counts}, on_dim);  // [P, slots, dim]
+  Value* base = g.add("zeros_like", {xb});
+  if (a.shared_experts > 0) {
+    const std::int64_t hidden = a.hidden * a.shared_experts;
+    base = b.reshape(swiglu(b, x, mb.param(p + "shared_experts.w1.weight", {hidden, dim}, K::trunc_normal, 0.02),
+                            mb.param(p + "shared_experts.w2.weight", {dim, hidden}, K::trunc_normal, depth_std),
+                            mb.param(p + "shared_experts.w3.weight", {hidden, dim}, K::trunc_normal, depth_std)),
+                     {P, n, dim});
+  }
+  if (!a.score_before_experts) out = back(b.mul(to_f32(out), weights));
+  return b.reshape(g.add("scatter_add", {base, index, out}, {{"dim", std::int64_t{1}}}), shape);
+}
+
 // torchtitan's MoE forward (models/moe/moe.py: TokenChoiceTopKRouter, TokenReorderer,
 // GroupedExperts with torch._grouped_mm, MoE.forward), one static graph: y [batch, seq, dim] ->
 // the same shape. Scores in float32; the bias (load balancing) only chooses experts; the slots
@@ -101,6 +158,7 @@ Value* moe_layer(Model& m, Builder& mb, Value* y, const std::string& p, std::int
   Value* top = g.add("gather", {scores, chosen}, {{"dim", std::int64_t{1}}});
   if (a.route_norm) top = g.add("div", {top, g.add("add_scalar", {g.add("sum", {top}, {{"dims", Shape{-1}}, {"keepdim", true}})}, {{"value", 1e-20}})});
   if (a.route_scale != 1.0) top = g.add("mul_scalar", {top}, {{"value", a.route_scale}});
+  if (a.expert_parallel > 1) return expert_parallel_experts(m, mb, x, chosen, top, shape, p, depth_std);
   Value* flat = b.reshape(chosen, {slots});
   Value* counts = g.add("bincount", {flat}, {{"minlength", E}});
   g.add_output(p + "tokens_per_expert", g.add("cast", {counts}, {{"dtype", f32}}));

@@ -67,6 +67,23 @@ SPMDX_OP(comm("all_to_all", 1,
                 return std::vector{like(*in[0], s, in[0]->requires_grad)};
               }))
 
+// all_to_all_v: expert parallelism's exchange (expert_dispatch or expert_combine, `direction`,
+// on this rank's block [1, rows, D] with its counts [1, E]) over the group of `members`: the
+// counts first (each member learns how many of its experts' rows come from whom), then the rows
+// with split sizes known only at run time (torch.distributed.all_to_all_single with
+// input/output_split_sizes), regrouped expert-major on dispatch (and back before combine).
+SPMDX_OP(comm("all_to_all_v", 2, {kMeshDim, {"direction", ir::AttrType::string, true, {}}, {"members", ir::AttrType::integer, true, {}}},
+              [](const Metas& in, const Attributes& a) {
+                Shape s = in[0]->shape;
+                const std::int64_t members = std::get<std::int64_t>(a.at("members"));
+                const auto& direction = std::get<std::string>(a.at("direction"));
+                if (s.size() != 3 || s[0] != 1) fail("all_to_all_v: x must be one block [1, rows, features], got " + in[0]->str());
+                if (direction == "dispatch") s[1] *= members;
+                else if (direction == "combine" && s[1] % members == 0) s[1] /= members;
+                else fail("all_to_all_v: direction must be \"dispatch\" or \"combine\" (rows a multiple of members), got \"" + direction + "\"");
+                return std::vector{like(*in[0], s, in[0]->requires_grad)};
+              }))
+
 // to_partial (local, Replicate -> Partial(sum)): the value on index 0, zeros elsewhere; on
 // index 0 the output is the input itself (a view, for the memory plan).
 SPMDX_OP([] {

@@ -37,9 +37,9 @@ namespace {
 }
 
 // Shape checks of grouped_mm and grouped_mm_weight_grad's offs: an integer vector of `groups`.
-[[maybe_unused]] void check_offs(const ir::TensorMeta& offs, std::int64_t groups) {
-  if ((offs.dtype != ir::DType::i32 && offs.dtype != ir::DType::i64) || offs.shape != Shape{groups}) {
-    fail("offs must be i32 or i64 [" + std::to_string(groups) + "] (each group's end row), got " + offs.str());
+[[maybe_unused]] void check_offs(const ir::TensorMeta& offs, const Shape& groups) {
+  if ((offs.dtype != ir::DType::i32 && offs.dtype != ir::DType::i64) || offs.shape != groups) {
+    fail("offs must be i32 or i64 " + ir::shape_str(groups) + " (each group's end row), got " + offs.str());
   }
 }
 
@@ -217,8 +217,9 @@ SPMDX_KERNEL("scatter_add", [](const Node& n, const Tensors& x) { return one(at:
 
 // bincount: ids (i64 or i32) [n] -> i64 [minlength], how many ids equal each value, as
 // torch.bincount(ids, minlength=minlength) with every id in [0, minlength): the tokens each
-// expert receives (torchtitan counts them with torch.histc on float ids). An id outside is
-// refused when the kernel runs (the output's size is static). No gradient.
+// expert receives (torchtitan counts them with torch.histc on float ids). ids [b, n] count each
+// row apart -> [b, minlength] (expert parallelism's per-rank blocks). An id outside is refused
+// when the kernel runs (the output's size is static). No gradient.
 SPMDX_OP([] {
   Op op;
   OpSchema& s = op.schema;
@@ -227,18 +228,22 @@ SPMDX_OP([] {
   s.attrs = {{"minlength", ir::AttrType::integer, true, {}}};
   s.infer = [](const Metas& in, const Attributes& a) {
     const ir::TensorMeta& ids = *in[0];
-    if ((ids.dtype != ir::DType::i64 && ids.dtype != ir::DType::i32) || ids.rank() != 1) fail("ids must be i64 or i32 [n], got " + ids.str());
+    if ((ids.dtype != ir::DType::i64 && ids.dtype != ir::DType::i32) || ids.rank() < 1 || ids.rank() > 2) fail("ids must be i64 or i32 [n] or [b, n], got " + ids.str());
     const std::int64_t length = std::get<std::int64_t>(a.at("minlength"));
     if (length < 1) fail("minlength must be >= 1 (the number of bins), got " + std::to_string(length));
-    return std::vector{ir::TensorMeta{Shape{length}, ir::DType::i64, ids.device, false}};
+    return std::vector{ir::TensorMeta{ids.rank() == 1 ? Shape{length} : Shape{ids.shape[0], length}, ir::DType::i64, ids.device, false}};
   };
   s.flops = [](const Node& n) { return static_cast<double>(n.input(0)->meta().numel()); };  // one increment per id
   s.samples = {{"bincount", {{{20}, Fill::indices, 6}}, {{"minlength", std::int64_t{6}}}, false},
-               {"bincount_empty_bins", {{{5}, Fill::indices, 3}}, {{"minlength", std::int64_t{8}}}, false}};
-  // ids split: each rank counts its own, the counts are partial sums.
+               {"bincount_empty_bins", {{{5}, Fill::indices, 3}}, {{"minlength", std::int64_t{8}}}, false},
+               {"bincount_rows", {{{4, 10}, Fill::indices, 6}}, {{"minlength", std::int64_t{6}}}, false}};
+  // ids split: each rank counts its own, the counts are partial sums; rows split: each rank
+  // counts its rows.
   op.rules = [](const Node&, const std::vector<Shape>& in, const std::vector<Shape>&, std::int64_t ranks) {
     Strategies st{{{R()}, {R()}}};
-    if (in[0][0] >= ranks) st.push_back({{S(0)}, {P()}});
+    const std::size_t last = in[0].size() - 1;
+    if (in[0][last] >= ranks) st.push_back({{S(static_cast<std::int64_t>(last))}, {P()}});
+    if (in[0].size() == 2 && in[0][0] >= ranks) st.push_back({{S(0)}, {S(0)}});
     return st;
   };
   return op;
@@ -252,7 +257,11 @@ SPMDX_KERNEL("bincount", [](const Node& n, const Tensors& x) {
                                std::to_string(hi) + "; raise minlength to the number of experts");
     }
   }
-  return one(at::bincount(x[0], {}, length));
+  if (x[0].dim() == 1) return one(at::bincount(x[0], {}, length));
+  // Each row's ids moved to bins of their own: row r counts into [r * length, (r + 1) * length).
+  const std::int64_t rows = x[0].size(0);
+  const at::Tensor shifted = x[0].to(at::kLong) + at::arange(rows, x[0].options().dtype(at::kLong)).unsqueeze(1) * length;
+  return one(at::bincount(shifted.reshape({-1}), {}, rows * length).view({rows, length}));
 })
 
 // grouped_mm: x [tokens, k] with its rows sorted by group, w [groups, k, n], offs (i32 or i64)
@@ -270,18 +279,25 @@ SPMDX_OP([] {
     const ir::TensorMeta &x = *in[0], &w = *in[1];
     floating(x, "x");
     same_dtype(Metas(in.begin(), in.begin() + 2));
-    if (x.rank() != 2 || w.rank() != 3) fail("x must be [tokens, k] and w [groups, k, n], got " + x.str() + " and " + w.str());
-    if (x.shape[1] != w.shape[1]) fail("x " + x.str() + " and w " + w.str() + " differ in k (x's dim 1, w's dim 1)");
-    check_offs(*in[2], w.shape[0]);
-    return std::vector{like(x, Shape{x.shape[0], w.shape[2]}, x.requires_grad || w.requires_grad)};
+    const bool batched = x.rank() == 3;
+    if (!((x.rank() == 2 && w.rank() == 3) || (batched && w.rank() == 4 && w.shape[0] == x.shape[0]))) {
+      fail("x must be [tokens, k] and w [groups, k, n] (or [b, tokens, k] and [b, groups, k, n]), got " + x.str() + " and " + w.str());
+    }
+    const std::size_t b = batched ? 1 : 0;
+    if (x.shape[b + 1] != w.shape[b + 1]) fail("x " + x.str() + " and w " + w.str() + " differ in k (x's last dim, w's second last)");
+    check_offs(*in[2], batched ? Shape{x.shape[0], w.shape[1]} : Shape{w.shape[0]});
+    Shape out = x.shape;
+    out.back() = w.shape.back();
+    return std::vector{like(x, out, x.requires_grad || w.requires_grad)};
   };
   s.vjp = [](Graph& g, const Node& n, const Grads& go) {
-    Value* wt = g.add("transpose", {n.input(1)}, {{"dim0", std::int64_t{1}}, {"dim1", std::int64_t{2}}});
+    const std::int64_t r = n.input(1)->meta().rank();
+    Value* wt = g.add("transpose", {n.input(1)}, {{"dim0", r - 2}, {"dim1", r - 1}});
     return Grads{g.add("grouped_mm", {go[0], wt, n.input(2)}), g.add("grouped_mm_weight_grad", {n.input(0), go[0], n.input(2)}), nullptr};
   };
   s.flops = [](const Node& n) {
-    const Shape& x = n.input(0)->meta().shape;
-    return grouped_flops(x[0], x[1], n.output()->meta().shape[1]);
+    const ir::TensorMeta& x = n.input(0)->meta();
+    return grouped_flops(x.numel_without(-1), x.shape.back(), n.output()->meta().shape.back());
   };
   // The groups' products before they are joined (the output's size); bf16 / f16 on a CPU: the
   // float32 copies of x, w and the result (as matmul's kernel).
@@ -296,11 +312,18 @@ SPMDX_OP([] {
   s.saved_by_selective = false;
   s.samples = {{"grouped_mm", {{{10, 4}}, {{3, 4, 5}}, {{3}, Fill::offsets, 10}}, {}},
                // i32 offs as torch._grouped_mm takes them; rows 7 to 9 in no group (zeros)
-               {"grouped_mm_tail_i32", {{{10, 4}}, {{3, 4, 5}}, {{3}, Fill::offsets, 7, 0, ir::DType::i32}}, {}}};
+               {"grouped_mm_tail_i32", {{{10, 4}}, {{3, 4, 5}}, {{3}, Fill::offsets, 7, 0, ir::DType::i32}}, {}},
+               // expert parallelism's blocks: each block's groups on its own rows
+               {"grouped_mm_blocks", {{{2, 9, 4}}, {{2, 3, 4, 5}}, {{2, 3}, Fill::offsets, 7}}, {}}};
   // w's columns give the output's; k split on both gives partial sums; linear in x and in w.
-  // The rows cannot be split: offs name global rows (expert parallelism shards the groups).
+  // The rows cannot be split: offs name global rows. Blocks ([b, ...]) split alike on all three.
   op.rules = [](const Node&, const std::vector<Shape>& in, const std::vector<Shape>&, std::int64_t ranks) {
     const Shape &x = in[0], &w = in[1];
+    if (x.size() == 3) {
+      Strategies st{{{R(), R(), R()}, {R()}}, {{P(), R(), R()}, {P()}}, {{R(), P(), R()}, {P()}}};
+      if (x[0] >= ranks) st.push_back({{S(0), S(0), S(0)}, {S(0)}});
+      return st;
+    }
     Strategies st{{{R(), R(), R()}, {R()}}};
     if (w[2] >= ranks) st.push_back({{R(), S(2), R()}, {S(1)}});
     if (x[1] >= ranks) st.push_back({{S(1), S(1), R()}, {P()}});
@@ -323,14 +346,20 @@ SPMDX_OP([] {
     const ir::TensorMeta &x = *in[0], &g = *in[1], &offs = *in[2];
     floating(x, "x");
     same_dtype(Metas(in.begin(), in.begin() + 2));
-    if (x.rank() != 2 || g.rank() != 2 || x.shape[0] != g.shape[0]) fail("x and g must be [tokens, k] and [tokens, n], got " + x.str() + " and " + g.str());
-    if (offs.rank() != 1) fail("offs must be i32 or i64 [groups], got " + offs.str());
-    check_offs(offs, offs.shape[0]);
-    return std::vector{like(x, Shape{offs.shape[0], x.shape[1], g.shape[1]}, x.requires_grad || g.requires_grad)};
+    const bool batched = x.rank() == 3;
+    if ((x.rank() != 2 && !batched) || g.rank() != x.rank() || Shape(x.shape.begin(), x.shape.end() - 1) != Shape(g.shape.begin(), g.shape.end() - 1)) {
+      fail("x and g must be [tokens, k] and [tokens, n] (or [b, tokens, k] and [b, tokens, n]), got " + x.str() + " and " + g.str());
+    }
+    if (offs.rank() != x.rank() - 1 || (batched && offs.shape[0] != x.shape[0])) fail("offs must be i32 or i64 [groups] (or [b, groups]), got " + offs.str());
+    check_offs(offs, offs.shape);
+    Shape out = offs.shape;
+    out.push_back(x.shape.back());
+    out.push_back(g.shape.back());
+    return std::vector{like(x, out, x.requires_grad || g.requires_grad)};
   };
   s.flops = [](const Node& n) {
-    const Shape &x = n.input(0)->meta().shape, &g = n.input(1)->meta().shape;
-    return grouped_flops(x[0], x[1], g[1]);
+    const ir::TensorMeta &x = n.input(0)->meta(), &g = n.input(1)->meta();
+    return grouped_flops(x.numel_without(-1), x.shape.back(), g.shape.back());
   };
   // bf16 / f16 on a CPU: the float32 copies of x, g and the result.
   s.scratch = [](const Node& n, const ir::LayoutQuery&) -> std::int64_t {
@@ -339,9 +368,16 @@ SPMDX_OP([] {
     return half ? 2 * (x.nbytes() + g.nbytes() + 2 * out.nbytes()) : 0;
   };
   s.samples = {{"grouped_mm_weight_grad", {{{10, 4}}, {{10, 5}}, {{3}, Fill::offsets, 10}}, {}, false},
-               {"grouped_mm_weight_grad_tail", {{{10, 4}}, {{10, 5}}, {{4}, Fill::offsets, 6, 0, ir::DType::i32}}, {}, false}};
-  // x's columns give the result's rows (dim 1), g's its columns (dim 2); linear in each.
+               {"grouped_mm_weight_grad_tail", {{{10, 4}}, {{10, 5}}, {{4}, Fill::offsets, 6, 0, ir::DType::i32}}, {}, false},
+               {"grouped_mm_weight_grad_blocks", {{{2, 9, 4}}, {{2, 9, 5}}, {{2, 3}, Fill::offsets, 7}}, {}, false}};
+  // x's columns give the result's rows (dim 1), g's its columns (dim 2); linear in each. Blocks
+  // split alike on all three.
   op.rules = [](const Node&, const std::vector<Shape>& in, const std::vector<Shape>&, std::int64_t ranks) {
+    if (in[0].size() == 3) {
+      Strategies st{{{R(), R(), R()}, {R()}}, {{P(), R(), R()}, {P()}}, {{R(), P(), R()}, {P()}}};
+      if (in[0][0] >= ranks) st.push_back({{S(0), S(0), S(0)}, {S(0)}});
+      return st;
+    }
     Strategies st{{{R(), R(), R()}, {R()}}};
     if (in[0][1] >= ranks) st.push_back({{S(1), R(), R()}, {S(1)}});
     if (in[1][1] >= ranks) st.push_back({{R(), S(1), R()}, {S(2)}});
@@ -440,12 +476,27 @@ std::vector<std::int64_t> group_ends(const at::Tensor& offs, std::int64_t rows, 
 bool half_on_cpu(const at::Tensor& x) { return x.is_cpu() && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf); }
 
 }  // namespace
-#endif
 
 // A loop of at::mm over the groups, joined by cat (autograd's reference differentiates it).
 // This LibTorch's at::_grouped_mm on a CPU takes float32 / bf16 only, i32 offs, rows of a
 // multiple of 16 bytes, and leaves the rows past offs[-1] unwritten.
-SPMDX_KERNEL("grouped_mm", [](const Node&, const Tensors& x) {
+namespace {
+at::Tensor grouped_mm_2d(const Tensors& x);
+at::Tensor grouped_mm_weight_grad_2d(const Tensors& x);
+
+// Blocks ([b, ...]): each block's product on its own.
+template <typename F>
+at::Tensor per_block(const Tensors& x, F f) {
+  if (x[0].dim() == 2) return f(x);
+  std::vector<at::Tensor> blocks;
+  for (std::int64_t b = 0; b < x[0].size(0); ++b) blocks.push_back(f(Tensors{x[0][b], x[1][b], x[2][b]}));
+  return at::stack(blocks);
+}
+
+SPMDX_KERNEL("grouped_mm", [](const Node&, const Tensors& x) { return one(per_block(x, grouped_mm_2d)); })
+SPMDX_KERNEL("grouped_mm_weight_grad", [](const Node&, const Tensors& x) { return one(per_block(x, grouped_mm_weight_grad_2d)); })
+
+at::Tensor grouped_mm_2d(const Tensors& x) {
   const bool half = half_on_cpu(x[0]);
   const at::Tensor a = half ? x[0].to(at::kFloat) : x[0], w = half ? x[1].to(at::kFloat) : x[1];
   const std::int64_t rows = a.size(0);
@@ -458,10 +509,10 @@ SPMDX_KERNEL("grouped_mm", [](const Node&, const Tensors& x) {
   }
   if (start < rows || parts.empty()) parts.push_back(at::zeros({rows - start, w.size(2)}, a.options()));
   at::Tensor out = parts.size() == 1 ? parts[0] : at::cat(parts);
-  return one(half ? out.to(x[0].scalar_type()) : out);
-})
+  return half ? out.to(x[0].scalar_type()) : out;
+}
 
-SPMDX_KERNEL("grouped_mm_weight_grad", [](const Node&, const Tensors& x) {
+at::Tensor grouped_mm_weight_grad_2d(const Tensors& x) {
   const bool half = half_on_cpu(x[0]);
   const at::Tensor a = half ? x[0].to(at::kFloat) : x[0], g = half ? x[1].to(at::kFloat) : x[1];
   const std::vector<std::int64_t> ends = group_ends(x[2], a.size(0), "grouped_mm_weight_grad");
@@ -473,7 +524,10 @@ SPMDX_KERNEL("grouped_mm_weight_grad", [](const Node&, const Tensors& x) {
     else at::mm_out(slot, a.narrow(0, start, ends[k] - start).t(), g.narrow(0, start, ends[k] - start));
     start = ends[k];
   }
-  return one(half ? out.to(x[0].scalar_type()) : out);
-})
+  return half ? out.to(x[0].scalar_type()) : out;
+}
+
+}  // namespace
+#endif
 
 }  // namespace spmdx::ops

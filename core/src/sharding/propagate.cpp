@@ -364,6 +364,10 @@ struct Propagator {
       seen_out.push_back(shape_after(mesh, sofar, node.outputs()[a]->meta().shape, zero, i));
     }
     auto candidates = op_strategies(node, seen_in, seen_out, mesh.size(i));
+    if ((node.op() == "expert_dispatch" || node.op() == "expert_combine") && node.attr_string("expert_dim") == mesh.dims()[static_cast<std::size_t>(i)].name) {
+      // Expert parallelism: each rank its block, the rows exchanged (rank_graph's all_to_all_v).
+      candidates = {{{Placement::shard(0), Placement::shard(0)}, {Placement::shard(0)}}};
+    }
     if (i == query_rows_dim && (node.op() == "sdpa" || node.op() == "sdpa_backward")) {
       const std::size_t q = node.op() == "sdpa" ? 0 : 1;
       std::vector<OpStrategy> rows;

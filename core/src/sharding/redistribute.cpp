@@ -27,7 +27,7 @@ double redistribute_bytes(const Placement& from, const Placement& to, double byt
 bool is_communication(const std::string& op) { return is_collective(op) || op == "chunk" || op == "to_partial"; }
 
 bool is_collective(const std::string& op) {
-  return op == "all_reduce" || op == "all_gather" || op == "reduce_scatter" || op == "all_to_all";
+  return op == "all_reduce" || op == "all_gather" || op == "reduce_scatter" || op == "all_to_all" || op == "all_to_all_v";
 }
 
 std::vector<RedistributeStep> redistribute_plan(const DeviceMesh& mesh, const ir::TensorMeta& meta, const Placements& from,

@@ -63,8 +63,16 @@ DistributedGraph rank_graph(const DistributedPlan& plan, std::int64_t rank) {
     for (const ir::Value* o : node->outputs()) local_out.push_back(local_meta(o->meta(), plan.placement.at(o)).shape);
     // A rank's classes of vocabulary-parallel cross entropy start where its columns of the logits do.
     const Placements& logits = node->op() == "pick" ? in_pl.at(0) : plan.placement.at(node->outputs()[0]);
-    const ir::Attributes attrs = local_attrs(*node, local_out, column_offset_of(*node, mesh, logits, coord));
-    ir::Node* ln = g.add_node(node->op(), args, attrs);
+    ir::Attributes attrs = local_attrs(*node, local_out, column_offset_of(*node, mesh, logits, coord));
+    std::string op = node->op();
+    if (op == "expert_dispatch" || op == "expert_combine") {  // blocks over the expert dim: the exchange itself
+      const int i = mesh.dim_index(node->attr_string("expert_dim"));
+      if (i >= 0 && in_pl[0][static_cast<std::size_t>(i)] == Placement::shard(0)) {
+        attrs = {{"mesh_dim", std::int64_t{i}}, {"direction", std::string(op == "expert_dispatch" ? "dispatch" : "combine")}, {"members", mesh.size(i)}};
+        op = "all_to_all_v";
+      }
+    }
+    ir::Node* ln = g.add_node(op, args, attrs);
     for (std::size_t a = 0; a < local_out.size(); ++a) {
       const ir::Value* o = node->outputs()[a];
       if (ln->output(static_cast<int>(a))->meta().shape != local_out[a]) {

@@ -72,6 +72,12 @@ struct MoEArgs {
   /// 0: no expert_bias.
   double load_balance_coeff = 1e-3;
   std::int64_t dense_layers = 0;  ///< the first this many layers keep a dense FFN (DeepSeek-V3's n_dense_layers)
+  /// Expert parallelism (torchtitan's expert_parallel_degree): > 1 builds the routed experts in
+  /// blocks of this many ranks of mesh dim `expert_dim` (each block its ranks' tokens and
+  /// experts / degree experts), exchanged by expert_dispatch / expert_combine; the numbers are
+  /// those of degree 1 (sums in another order aside).
+  std::int64_t expert_parallel = 1;
+  std::string expert_dim = "dp_shard";
 };
 
 struct ModelArgs {
