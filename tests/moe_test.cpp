@@ -157,6 +157,16 @@ TEST(Moe, ExpertParallelismKeepsTheExpertsAndMovesTheTokens) {
   EXPECT_THAT(uneven.output, HasSubstr("does not divide the 8 experts")) << uneven.output;
 }
 
+// all_to_all_v in `spmdx bench comm` (the op expert parallelism's dispatch runs): every element
+// and every learnt split size right, size by size.
+TEST(Moe, BenchCommTimesAndChecksAllToAllV) {
+  auto r = spmdx("bench comm --nproc 2 --op all_to_all_v --min-bytes 1K --max-bytes 64K --iters 2 --warmup 1");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("# spmdx bench comm: all_to_all_v, 2 ranks"));
+  EXPECT_THAT(r.output, HasSubstr("        65536        16384  float   none"));
+  EXPECT_THAT(r.output, HasSubstr("# wrong results: 0"));
+}
+
 // The expert biases are state: a job stopped at step 3 and resumed trains steps 4 to 6 to the
 // losses of one that never stopped, bit for bit (biases reset to zero would route differently).
 TEST(Moe, AResumedJobKeepsItsExpertBiases) {

@@ -112,7 +112,7 @@ class BenchComm final : public Command {
     bench_comm->add_option("--backend", o_.backend, "The comm plugin, \"name\" or \"name:key=value;...\" (ucx:chunk_bytes=1048576)")->capture_default_str();
     bench_comm->add_option("--nproc", o_.nproc, "Ranks to start here")->capture_default_str()->check(CLI::Range(1, 256));
     bench_comm->add_option("--op", o_.op, "The collective")->capture_default_str()
-        ->check(CLI::IsMember({"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"}));
+        ->check(CLI::IsMember({"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "all_to_all_v", "broadcast"}));
     bench_comm->add_option("--min-bytes", o_.min_bytes, "The smallest size (8, 4K, 64M, ...)")->capture_default_str();
     bench_comm->add_option("--max-bytes", o_.max_bytes, "The largest size")->capture_default_str();
     bench_comm->add_option("--iters", o_.iters, "Timed operations per size")->capture_default_str()->check(CLI::PositiveNumber);

@@ -1,5 +1,7 @@
 #include "spmdx/comm/bench.h"
 
+#include "spmdx/comm/all_to_all_v.h"
+
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -99,6 +101,10 @@ class SizeRun {
     }
     if (op_ == "all_gather") return b_.all_gather(0, {in_.data(), block_, t}, {out_.data(), count_, t}, counts_);
     if (op_ == "reduce_scatter") return b_.reduce_scatter(0, {in_.data(), count_, t}, {out_.data(), block_, t}, counts_, ReduceOp::sum);
+    if (op_ == "all_to_all_v") {  // the split sizes as expert parallelism sends them: known to the senders only
+      recv_.assign(counts_.size(), 0);
+      return all_to_all_v(b_, 0, {in_.data(), count_, t}, {out_.data(), count_, t}, counts_, recv_.data());
+    }
     return b_.all_to_all(0, {in_.data(), count_, t}, {out_.data(), count_, t}, counts_, counts_);
   }
 
@@ -114,10 +120,13 @@ class SizeRun {
         want = value(static_cast<int>(i / block_), i % block_);
       } else if (op_ == "reduce_scatter") {
         for (int r = 0; r < n_; ++r) want += value(r, static_cast<std::size_t>(rank_) * block_ + i);
-      } else {  // all_to_all: block j came from rank j, its block `rank`
+      } else {  // all_to_all (and _v, split evenly): block j came from rank j, its block `rank`
         want = value(static_cast<int>(i / block_), static_cast<std::size_t>(rank_) * block_ + i % block_);
       }
       wrong += out_[i] != want;
+    }
+    if (op_ == "all_to_all_v") {
+      for (std::size_t j = 0; j < recv_.size(); ++j) wrong += recv_[j] != counts_[j];  // each sender's count, learnt
     }
     return wrong;
   }
@@ -142,14 +151,15 @@ class SizeRun {
   const std::size_t count_, block_;
   const std::vector<std::size_t> counts_;
   std::vector<float> in_, out_;
+  std::vector<std::size_t> recv_;
 };
 
 }  // namespace
 
 std::int64_t run_comm_bench(CommBackend& b, int rank, int n, const BenchOptions& o) {
   const std::string& op = o.op;
-  if (op != "all_reduce" && op != "all_gather" && op != "reduce_scatter" && op != "all_to_all" && op != "broadcast") {
-    throw std::invalid_argument("unknown op '" + op + "' (all_reduce, all_gather, reduce_scatter, all_to_all, broadcast)");
+  if (op != "all_reduce" && op != "all_gather" && op != "reduce_scatter" && op != "all_to_all" && op != "all_to_all_v" && op != "broadcast") {
+    throw std::invalid_argument("unknown op '" + op + "' (all_reduce, all_gather, reduce_scatter, all_to_all, all_to_all_v, broadcast)");
   }
   if (rank == 0) print_header(op, n, b);
   std::int64_t total_wrong = 0;

@@ -503,11 +503,11 @@ JobSpec job_spec(const config::Config& cfg, std::int64_t world_size, std::int64_
     if (s.model.moe.experts == 0) {
       fail(keys, "parallelism.expert_parallel_degree " + std::to_string(ep) + " applies to Mixture-of-Experts models (qwen3 debugmodel_moe, 30B-A3B, 235B-A22B, "
                  "tiny_moe; deepseek_v3), not " + models::model_label(s.model));
-    } else if (ep != s.dims.dp_shard || s.dims.dp_replicate != 1 || s.dims.cp != 1 || s.pipeline.stages != 1) {
+    } else if (ep != s.dims.dp_shard || s.dims.dp_replicate != 1 || s.dims.cp != 1) {
       fail({"parallelism.expert_parallel_degree", "parallelism.data_parallel_shard_degree"},
            "parallelism.expert_parallel_degree " + std::to_string(ep) + ": spmdx's expert parallelism takes the whole dp_shard dim (ep = data_parallel_shard_degree, "
-           "here " + std::to_string(s.dims.dp_shard) + ") with data_parallel_replicate_degree, context_parallel_degree and pipeline_parallel_degree 1; torchtitan's "
-           "ep carved from part of dp_shard x cp (efsdp > 1), and EP with HSDP, CP or PP, are not built yet");
+           "here " + std::to_string(s.dims.dp_shard) + ") with data_parallel_replicate_degree and context_parallel_degree 1; torchtitan's "
+           "ep carved from part of dp_shard x cp (efsdp > 1), and EP with HSDP or CP, are not built yet");
     } else if (s.model.moe.experts % ep != 0) {
       fail(keys, "parallelism.expert_parallel_degree " + std::to_string(ep) + " does not divide the " + std::to_string(s.model.moe.experts) + " experts of " +
                      models::model_label(s.model));
