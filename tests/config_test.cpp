@@ -235,7 +235,7 @@ TEST(Config, SuggestionsAreOnlyTheLikelyOnes) {
 // have are refused unless off, naming the feature; the rest is ignored, each with its reason.
 TEST(Config, TorchtitanKeysAreReadAsTorchtitanMeansThem) {
   Config c = Config::parse("[model]\nname = \"llama3\"\nhf_assets_path = \"/tok\"\n[checkpoint]\nenable_checkpoint = true\n"
-                           "[training]\nwarmup_steps = 5\n[lr_scheduler]\nlr_min = 0.1\n[parallelism]\nexpert_parallel_degree = 1\n"
+                           "[training]\nwarmup_steps = 5\n[lr_scheduler]\nlr_min = 0.1\n[parallelism]\nexpert_tensor_parallel_degree = 1\n"
                            "[activation_checkpoint]\nmode = \"selective\"\nearly_stop = true\n[quantize.linear.float8]\nfilter_fqns = [\"output\"]\n",
                            "titan.toml");
   EXPECT_EQ(c.get_string("model.name"), "llama");
@@ -245,15 +245,16 @@ TEST(Config, TorchtitanKeysAreReadAsTorchtitanMeansThem) {
   EXPECT_EQ(c.get_int("lr_scheduler.warmup_steps"), 5);
   EXPECT_DOUBLE_EQ(c.get_float("lr_scheduler.min_lr_factor"), 0.1);
   ASSERT_EQ(c.ignored().size(), 3u);
-  EXPECT_EQ(c.ignored()[0], "titan.toml:11:26: parallelism.expert_parallel_degree = 1: expert parallelism is off (spmdx does not have it yet)");
+  EXPECT_EQ(c.ignored()[0], "titan.toml:11:33: parallelism.expert_tensor_parallel_degree = 1: expert tensor parallelism is off (spmdx does not have it yet)");
   EXPECT_EQ(c.get_string("activation_checkpoint.mode"), "selective");  // spmdx's key too
   EXPECT_THAT(c.ignored()[1], HasSubstr("activation_checkpoint.early_stop = true: it tunes torchtitan's checkpoint wrapper"));
   EXPECT_THAT(c.ignored()[2], HasSubstr("quantize.linear.float8.filter_fqns = [\"output\"]: options of torchtitan's quantization converters"));
   EXPECT_THAT(c.ignored_text(), HasSubstr("spmdx ignores 3 keys of torchtitan's that change nothing it computes:\n"
-                                          "  parallelism.expert_parallel_degree = 1 (line 11): expert parallelism is off"));
+                                          "  parallelism.expert_tensor_parallel_degree = 1 (line 11): expert tensor parallelism is off"));
 
-  EXPECT_EQ(error_of("[parallelism]\nexpert_parallel_degree = 2\n"),
-            "job.toml:2:26: parallelism.expert_parallel_degree = 2 is torchtitan's; spmdx does not support expert parallelism yet: set it to 1 or remove it");
+  EXPECT_EQ(error_of("[parallelism]\nexpert_tensor_parallel_degree = 2\n"),
+            "job.toml:2:33: parallelism.expert_tensor_parallel_degree = 2 is torchtitan's; spmdx does not support expert tensor parallelism yet: set it to 1 or remove it");
+  EXPECT_EQ(Config::parse("[parallelism]\nexpert_parallel_degree = 2\n", "ep.toml").get_int("parallelism.expert_parallel_degree"), 2);  // spmdx's key too
   EXPECT_THAT(error_of("[training]\nmixed_precision_param = \"float8\"\n"), HasSubstr("expected one of float32, bfloat16, float16"));
   EXPECT_THAT(error_of("[checkpoint]\nenable = true\nenable_checkpoint = true\n"),
               HasSubstr("checkpoint.enable_checkpoint is torchtitan's name for checkpoint.enable, which is set too: keep one"));
@@ -264,7 +265,7 @@ TEST(Config, TorchtitanKeysAreReadAsTorchtitanMeansThem) {
   EXPECT_TRUE(cli.get_bool("checkpoint.enable"));
   EXPECT_EQ(cli.get_string("model.name"), "llama");
   EXPECT_EQ(cli.where({"checkpoint.enable"}), "command line --checkpoint.enable_checkpoint true");  // as the user wrote it
-  EXPECT_THROW(cli.override_value("parallelism.expert_parallel_degree", "2"), ConfigError);
+  EXPECT_THROW(cli.override_value("parallelism.expert_tensor_parallel_degree", "2"), ConfigError);
   // On the command line too, a key and its torchtitan name are one setting: both is a mistake.
   try {
     Config::load(SPMDX_SOURCE_DIR "/configs/mlp_dp.toml", {"--checkpoint.enable_checkpoint", "true", "--checkpoint.enable", "false"});
@@ -274,15 +275,15 @@ TEST(Config, TorchtitanKeysAreReadAsTorchtitanMeansThem) {
   }
   // A command-line value replaces the file's, and what the file's had ignored is no longer said.
   test::TempDir dir;
-  test::write_file(dir / "t.toml", "[parallelism]\nexpert_parallel_degree = 1\n");
+  test::write_file(dir / "t.toml", "[parallelism]\nexpert_tensor_parallel_degree = 1\n");
   try {
-    Config::load((dir / "t.toml").string(), {"--parallelism.expert_parallel_degree", "2"});
+    Config::load((dir / "t.toml").string(), {"--parallelism.expert_tensor_parallel_degree", "2"});
     FAIL() << "loaded";
   } catch (const ConfigError& e) {
-    EXPECT_THAT(e.what(), HasSubstr("expert_parallel_degree = 2 is torchtitan's"));
-    EXPECT_THAT(e.what(), ::testing::Not(HasSubstr("expert parallelism is off")));
+    EXPECT_THAT(e.what(), HasSubstr("expert_tensor_parallel_degree = 2 is torchtitan's"));
+    EXPECT_THAT(e.what(), ::testing::Not(HasSubstr("expert tensor parallelism is off")));
   }
-  EXPECT_NO_THROW(cli.override_value("parallelism.expert_parallel_degree", "1"));
+  EXPECT_NO_THROW(cli.override_value("parallelism.expert_tensor_parallel_degree", "1"));
 }
 
 // torchtitan's own llama3 debug_model.toml, read as is (when the shared data is here): one

@@ -26,7 +26,7 @@ const std::vector<TitanKey>& table() {
       {"training.dataset_path", K::unsupported, "torchtitan's data set folders", {}, "spmdx reads text or JSON Lines files: set data.paths"},
       {"training.enable_cpu_offload", K::unsupported, "CPU offload of FSDP state", {"false"}, ""},
       {"parallelism.pipeline_parallel_schedule_csv", K::unsupported, "pipeline schedules from a CSV file", {"\"\""}, "use pipeline_parallel_schedule"},
-      {"parallelism.expert_tensor_parallel_degree", K::unsupported, "expert parallelism", {"1"}, ""},
+      {"parallelism.expert_tensor_parallel_degree", K::unsupported, "expert tensor parallelism", {"1"}, ""},
       {"parallelism.enable_async_tensor_parallel", K::unsupported, "async tensor parallelism", {"false"}, ""},
       {"checkpoint.export_dtype", K::unsupported, "exporting in another dtype", {"\"float32\""}, ""},
       {"checkpoint.create_seed_checkpoint", K::unsupported, "seed checkpoints", {"false"}, ""},
