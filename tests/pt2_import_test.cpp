@@ -172,7 +172,44 @@ TEST_P(Pt2Transformers, LossAndGradientsMatchPyTorchAutograd) { expect_autograd_
 TEST_P(Pt2Transformers, TenAdamWStepsMatchPyTorchEager) { expect_adamw_steps(GetParam()); }
 INSTANTIATE_TEST_SUITE_P(Defaults, Pt2Transformers,
                          ::testing::Values("transformers_llama", "transformers_qwen2", "transformers_qwen3", "transformers_gemma2", "transformers_gpt2", "transformers_phi3", "transformers_mistral",
-                                           "transformers_olmo2"));
+                                           "transformers_olmo2", "transformers_qwen3_moe", "transformers_qwen3_moe_batched_mm", "transformers_mixtral",
+                                           "transformers_mixtral_batched_mm"));
+
+// transformers' Mixture of Experts (Qwen3-MoE, Mixtral: 2 MoE layers) onto spmdx's records. The
+// default experts implementation: the slots sorted by expert (sort -> argsort), each slot's token
+// (floor_divide -> floor_divide_scalar) and row (x[ids] -> embedding), the tokens per expert
+// (histc of the float ids -> bincount) and their running sum (cumsum), two
+// transformers.grouped_mm_fallback -> grouped_mm per layer, the inverse order (index_put of
+// arange over empty_like -> scatter_add) and the rows put back by it (embedding). "batched_mm":
+// each token copied per expert (repeat_interleave -> expand), each slot's expert weights
+// (gate_up_proj[ids], down_proj[ids] -> embedding) and a bmm (matmul) per projection.
+TEST(Pt2Import, TransformersMixturesOfExpertsMapOntoTheMoeRecords) {
+  for (const char* arch : {"transformers_qwen3_moe", "transformers_mixtral"}) {
+    for (const std::string suffix : {"", "_batched_mm"}) {
+      SCOPED_TRACE(arch + suffix);
+      models::Model m = import(arch + suffix);
+      std::map<std::string, int> count;
+      for (const auto& n : m.graph.nodes()) ++count[n->op()];
+      EXPECT_EQ(count["topk"], 2);
+      if (suffix.empty()) {
+        EXPECT_EQ(count["grouped_mm"], 4);
+        EXPECT_EQ(count["argsort"], 2);
+        EXPECT_EQ(count["floor_divide_scalar"], 2);
+        EXPECT_EQ(count["bincount"], 2);
+        EXPECT_EQ(count["cumsum"], 2);
+        EXPECT_EQ(count["scatter_add"], 2);
+        EXPECT_EQ(count["zeros_like"], 2);
+        EXPECT_EQ(count["embedding"], 1 + 2 * 3);  // the tokens', then per layer: tokens by slot, scores by slot, slots by token
+        EXPECT_EQ(count["matmul"], 0);
+      } else {
+        EXPECT_EQ(count["grouped_mm"], 0);
+        EXPECT_EQ(count["argsort"], 0);
+        EXPECT_EQ(count["embedding"], 1 + 2 * 2);  // the tokens', then per layer: gate_up_proj and down_proj by slot
+        EXPECT_EQ(count["matmul"], 4);
+      }
+    }
+  }
+}
 
 // GPT-2's output layer is its token embedding: one parameter, used twice, its gradient the sum.
 TEST(Pt2Import, TiedWeightIsOneParameter) {
@@ -285,6 +322,16 @@ TEST(Pt2ImportErrors, UnsupportedOpNamedWithSourceLine) {
   const models::Pt2Summary s = models::summarize_pt2((kDir / "bad" / "cumsum.pt2").string());
   ASSERT_EQ(s.unsupported.size(), 1u);
   EXPECT_EQ(s.unsupported[0].op, "aten.cumsum.default");
+}
+
+// x[ids] = v where ids may name a row twice (which write wins is not defined) is refused, naming
+// what spmdx maps instead; transformers' own index_put (over a permutation) imports (above).
+TEST(Pt2ImportErrors, IndexPutThatMayWriteARowTwice) {
+  const std::string e = import_error((kDir / "bad" / "index_put.pt2").string());
+  EXPECT_THAT(e, HasSubstr("aten.index_put.default"));
+  EXPECT_THAT(e, HasSubstr("make_pt2_fixtures.py:"));
+  EXPECT_THAT(e, HasSubstr("that may repeat a row"));
+  EXPECT_THAT(e, HasSubstr("a permutation of x's rows"));
 }
 
 // Two parameters that are different rows of one storage are not tied, whatever their values.

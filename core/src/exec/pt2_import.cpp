@@ -17,6 +17,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
 #include <caffe2/serialize/inline_container.h>
+#include <torch/csrc/jit/frontend/function_schema_parser.h>
 #include <nlohmann/json.hpp>
 
 #include <cmath>
@@ -633,7 +634,7 @@ struct BoundNode {
   std::string target;  // "aten.add.Tensor"
   std::string name;    // the node's name ("add_3")
   const c10::FunctionSchema* schema = nullptr;
-  std::optional<c10::OperatorHandle> op;
+  std::optional<c10::OperatorHandle> op;  // none for a library's op (library_schema)
   std::vector<Bound> args;  // in schema order
   std::vector<std::string> outputs;  // value names ("" for an output not kept)
 
@@ -650,15 +651,34 @@ std::optional<c10::OperatorHandle> find_op(const std::string& target) {
   return c10::Dispatcher::singleton().findOp({name, overload});
 }
 
+// Ops a Python library registers with torch.library when it is imported, which LibTorch alone
+// does not know, by target: their schemas as the library declares them, so that their nodes
+// bind as ATen's do. The importer maps them by name and never runs them.
+const c10::FunctionSchema* library_schema(const std::string& target) {
+  static const std::map<std::string, c10::FunctionSchema> schemas = [] {
+    std::map<std::string, c10::FunctionSchema> s;
+    // transformers/integrations/moe.py (5.x): the grouped GEMM of its experts under torch.compile
+    // and torch.export when torch._grouped_mm cannot run (float32 weights)
+    s.emplace("transformers.grouped_mm_fallback.default",
+              torch::jit::parseSchema("transformers::grouped_mm_fallback(Tensor input, Tensor weight, Tensor offs) -> Tensor"));
+    return s;
+  }();
+  const auto it = schemas.find(target);
+  return it == schemas.end() ? nullptr : &it->second;
+}
+
 BoundNode bind_node(const Fail& fail, const JsonAt& node) {
   BoundNode b;
   b.node = node;
   b.target = short_target(node["target"].str());
   b.name = node.str_or("name", "?");
-  auto op = find_op(node["target"].str());
-  if (!op) fail("node '" + b.name + "' calls " + b.target + ", which this LibTorch does not know");
-  b.op = *op;
-  b.schema = &b.op->schema();
+  if (auto op = find_op(node["target"].str())) {
+    b.op = *op;
+    b.schema = &b.op->schema();
+  } else {
+    b.schema = library_schema(b.target);
+    if (b.schema == nullptr) fail("node '" + b.name + "' calls " + b.target + ", which this LibTorch does not know");
+  }
   std::map<std::string, JsonAt> given;
   for (const auto& in : node["inputs"].elements()) {
     const std::string n = in["name"].str();
@@ -694,10 +714,11 @@ BoundNode bind_node(const Fail& fail, const JsonAt& node) {
   return b;
 }
 
-// Whether a node can be computed ahead, once: no assert, and every tensor it reads a constant
-// (`constant`: by value name). A random op that qualifies is refused by the callers.
+// Whether a node can be computed ahead, once: an op LibTorch can run (not a library's), no
+// assert, and every tensor it reads a constant (`constant`: by value name). A random op that
+// qualifies is refused by the callers.
 bool foldable(const BoundNode& b, const std::function<bool(const std::string&)>& constant) {
-  if (b.target == "aten._assert_tensor_metadata.default" || b.target == "aten._assert_scalar.default") return false;
+  if (!b.op || b.target == "aten._assert_tensor_metadata.default" || b.target == "aten._assert_scalar.default") return false;
   for (const auto& a : b.args) {
     for (const auto& t : a.tensors) {
       if (!t.empty() && !constant(t)) return false;
@@ -914,6 +935,8 @@ class Mapper {
     if (it == p_.values.end()) fail_at(b, "its output '" + b.outputs.at(i) + "' has no entry in tensor_values");
     return it->second;
   }
+
+  static bool integer(const ir::Value* v) { return v->meta().dtype == ir::DType::i64 || v->meta().dtype == ir::DType::i32; }
 
   ir::Value* cast(ir::Value* v, ir::DType to) {
     if (v->meta().dtype == to) return v;
@@ -1137,7 +1160,9 @@ class Mapper {
       add(&Mapper::map_complex, {"aten.view_as_complex.default", "aten.view_as_real.default"});
       add(&Mapper::map_select, {"aten.masked_fill.Scalar", "aten.masked_fill.Tensor", "aten.where.self", "aten.where.ScalarOther", "aten.where.ScalarSelf"});
       add(&Mapper::map_moe, {"aten.topk.default", "aten.sort.default", "aten.sort.stable", "aten.argsort.default", "aten.argsort.stable", "aten.gather.default",
-                             "aten.scatter_add.default", "aten.bincount.default", "aten._grouped_mm.default"});
+                             "aten.scatter_add.default", "aten.bincount.default", "aten.histc.default", "aten.cumsum.default", "aten.floor_divide.default",
+                             "aten.floor_divide.Scalar", "aten._grouped_mm.default", "transformers.grouped_mm_fallback.default"});
+      add(&Mapper::map_index, {"aten.index.Tensor", "aten.index_put.default", "aten.repeat_interleave.self_int", "aten.empty_like.default"});
       return t;
     }();
     return table;
@@ -1324,7 +1349,9 @@ class Mapper {
   }
 
   // A Mixture of Experts' routing and experts (core/src/ops/moe.cpp): topk, sort / argsort,
-  // gather, scatter_add, bincount, _grouped_mm. Outputs the program does not keep are left out.
+  // gather, scatter_add, bincount (and histc of integer ids), cumsum of counts, floor_divide by
+  // an int, _grouped_mm and transformers' grouped_mm_fallback. Outputs the program does not keep
+  // are left out.
   void map_moe(const BoundNode& b) {
     const std::string& op = b.target;
     ir::Graph& g = m_.graph;
@@ -1367,15 +1394,132 @@ class Mapper {
       // The program's static output length is the number of bins; an id past it fails when the step runs.
       return set(b, g.add("bincount", {value(t(b, "self"))}, {{"minlength", meta(b).sizes.at(0)}}));
     }
-    if (op == "aten._grouped_mm.default") {
+    if (op == "aten.histc.default") {
+      // transformers counts the tokens of each expert as histc(ids.float(), bins=E, min=0,
+      // max=E-1) (a CPU's histc takes no integers): bins of width (E-1)/E put id e in bin e,
+      // which is bincount(ids). An id outside [0, E) (histc drops it) fails when the step runs.
       ir::Value* x = value(t(b, "self"));
-      ir::Value* w = value(t(b, "mat2"));
+      const std::int64_t bins = i(b, "bins");
+      ir::Node* from = x->producer();
+      ir::Value* ids = from != nullptr && from->op() == "cast" && integer(from->input(0)) ? from->input(0) : nullptr;
+      if (ids == nullptr || ids->meta().rank() != 1 || bins < 2 || f(b, "min") != 0.0 || f(b, "max") != static_cast<double>(bins - 1)) {
+        fail_at(b, "histc of " + x->meta().str() + " into " + std::to_string(bins) + " bins over [" + std::to_string(f(b, "min")) + ", " + std::to_string(f(b, "max")) +
+                       "]; spmdx maps histc(ids.float(), bins=n, min=0, max=n-1) of integer ids [k] (a count of each id, as bincount)");
+      }
+      return set(b, g.add("bincount", {ids}, {{"minlength", bins}}));  // set() casts the counts to histc's dtype
+    }
+    if (op == "aten.cumsum.default") {
+      // Running sums of counts: a Mixture of Experts' group end rows (cumsum(counts, dtype=int32)).
+      // A floating x is converted first, as torch does for an integer dtype; the sums are int64.
+      const ir::DType out = ir_dtype(meta(b).dtype, "output");
+      if (ir::is_floating(out)) fail_at(b, "a running sum of floating values; spmdx maps cumsum of integer counts only (a Mixture of Experts' group ends)");
+      ir::Value* x = value(t(b, "self"));
+      if (!integer(x)) x = cast(x, ir::DType::i64);
+      return set(b, g.add("cumsum", {x}, {{"dim", i(b, "dim")}}));
+    }
+    if (op == "aten.floor_divide.default" || op == "aten.floor_divide.Scalar") {
+      // A routed slot's token: slot // top_k.
+      ir::Value* x = value(t(b, "self"));
+      const Bound& by = b.arg("other");
+      if (by.is_tensor || !by.value.isInt() || by.value.toInt() < 1 || !integer(x)) {
+        fail_at(b, "floor_divide of " + x->meta().str() + " by " + (by.is_tensor ? "a tensor" : by.value.isInt() ? std::to_string(by.value.toInt()) : "a float") +
+                       "; spmdx maps integer ids // a positive int (a routed slot's token, slot // top_k)");
+      }
+      return set(b, g.add("floor_divide_scalar", {x}, {{"value", by.value.toInt()}}));
+    }
+    if (op == "aten._grouped_mm.default" || op == "transformers.grouped_mm_fallback.default") {
+      // transformers' grouped_mm_fallback (transformers/integrations/moe.py) is grouped_mm's
+      // meaning: zeros, then rows [offs[g-1], offs[g]) times weight[g] for each nonempty group.
+      const bool aten = op == "aten._grouped_mm.default";
+      ir::Value* x = value(t(b, aten ? "self" : "input"));
+      ir::Value* w = value(t(b, aten ? "mat2" : "weight"));
       if (x->meta().shape.size() != 2 || w->meta().shape.size() != 3 || !is_tensor(b, "offs")) {
-        fail_at(b, "_grouped_mm of " + x->meta().str() + " and " + w->meta().str() + (is_tensor(b, "offs") ? "" : " without offs") +
+        fail_at(b, std::string(aten ? "_grouped_mm" : "grouped_mm_fallback") + " of " + x->meta().str() + " and " + w->meta().str() + (is_tensor(b, "offs") ? "" : " without offs") +
                        "; spmdx maps the MoE form: x [tokens, k], w [groups, k, n] and offs");
       }
-      if (is_tensor(b, "bias")) fail_at(b, "_grouped_mm with a bias; spmdx maps it without one (add the bias after)");
+      if (aten && is_tensor(b, "bias")) fail_at(b, "_grouped_mm with a bias; spmdx maps it without one (add the bias after)");
       return set(b, g.add("grouped_mm", {x, w, value(t(b, "offs"))}));  // set() casts to out_dtype
+    }
+    fail_at(b, "no mapping");  // listed for this family but not handled above
+  }
+
+  // Indexing by integer tensors, as transformers' experts write their dispatch: x[ids] and
+  // x[ids] = v (one index tensor, on dim 0), repeat_interleave by an int, empty_like.
+  void map_index(const BoundNode& b) {
+    const std::string& op = b.target;
+    ir::Graph& g = m_.graph;
+    // The one index tensor of `indices` (x[ids]: on dim 0), integer.
+    auto row_ids = [&](ir::Value* x) {
+      const Bound& ix = b.arg("indices");
+      if (ix.tensors.size() != 1 || ix.tensors[0].empty() || x->meta().rank() < 1) {
+        fail_at(b, "indexing " + x->meta().str() + " by " + std::to_string(ix.tensors.size()) +
+                       " index tensors (None for a dim taken whole); spmdx maps x[ids]: one integer tensor indexing dim 0");
+      }
+      ir::Value* ids = value(ix.tensors[0]);
+      if (!integer(ids)) fail_at(b, "indexing by a " + ids->meta().str() + " tensor (a mask: the result's size would depend on the data); spmdx maps integer indices");
+      return ids;
+    };
+    if (op == "aten.index.Tensor") {
+      // x[ids]: x's rows picked by id (a token's hidden state for each of its experts, an
+      // expert's weights for each slot), an embedding lookup in x seen as [rows, the rest]; its
+      // gradient adds each picked row back (embedding_backward). An id outside [0, rows)
+      // (negative ones too, which x[ids] wraps) fails when the step runs.
+      ir::Value* x = value(t(b, "self"));
+      ir::Value* ids = row_ids(x);
+      const std::int64_t rows = x->meta().shape[0];
+      ir::Value* picked = g.add("embedding", {reshape_to(x, {rows, rows == 0 ? 0 : x->meta().numel() / rows}), ids});
+      return set(b, reshape_to(picked, meta(b).sizes));
+    }
+    if (op == "aten.index_put.default") {
+      // x[ids] += v (accumulate) is a scatter_add of v's rows into x's. x[ids] = v is one when
+      // ids is a permutation of x's rows (an argsort's order: transformers inverts its dispatch
+      // order so): every row is written once, so x itself is never read (zeros in its place).
+      ir::Value* x = value(t(b, "self"));
+      ir::Value* ids = row_ids(x);
+      const bool accumulate = b.arg("accumulate").value.toBool();
+      const Shape& xs = x->meta().shape;
+      ir::Node* from = ids->producer();
+      const bool permutation = from != nullptr && from->op() == "argsort" && from->input(0)->meta().rank() == 1 && ids->meta().shape == Shape{xs[0]};
+      if (!accumulate && !permutation) {
+        fail_at(b, "x[ids] = v with ids " + ids->meta().str() + " that may repeat a row (then which write wins is not defined); spmdx maps x[ids] += v "
+                   "(accumulate=True), and x[ids] = v where ids is a permutation of x's rows (argsort's order)");
+      }
+      // scatter_add's index and src: one row of x's shape for each id.
+      const std::int64_t n = ids->meta().numel();
+      Shape each = ids->meta().shape, flat{n}, ones{n};
+      for (std::size_t d = 1; d < xs.size(); ++d) {
+        each.push_back(xs[d]);
+        flat.push_back(xs[d]);
+        ones.push_back(1);
+      }
+      ir::Value* v = cast(value(t(b, "values")), x->meta().dtype);
+      if (v->meta().shape != each) v = g.add("expand", {v}, {{"shape", each}});
+      ir::Value* index = reshape_to(cast(ids, ir::DType::i64), ones);
+      if (ones != flat) index = g.add("expand", {index}, {{"shape", flat}});
+      const bool zeros = x->producer() != nullptr && x->producer()->op() == "zeros_like";  // empty_like's
+      ir::Value* base = accumulate || zeros ? x : g.add("zeros_like", {x});
+      return set(b, g.add("scatter_add", {base, index, reshape_to(v, flat)}, {{"dim", std::int64_t{0}}}));
+    }
+    if (op == "aten.repeat_interleave.self_int") {
+      // Each element along dim `repeats` times in a row (transformers' batched_mm experts copy each
+      // token's hidden state for each of its top_k experts): x.unsqueeze(dim + 1), expanded
+      // there, flattened back; without a dim, of x flattened.
+      ir::Value* x = value(t(b, "self"));
+      const std::int64_t r = i(b, "repeats");
+      Shape s = x->meta().shape;
+      std::int64_t dim = 0;
+      if (none(b, "dim")) s = {x->meta().numel()};
+      else dim = i(b, "dim") < 0 ? i(b, "dim") + static_cast<std::int64_t>(s.size()) : i(b, "dim");
+      if (r < 0 || dim < 0 || dim >= static_cast<std::int64_t>(s.size())) fail_at(b, "repeat_interleave of " + x->meta().str() + " " + std::to_string(r) + " times along dim " + std::to_string(dim));
+      s.insert(s.begin() + dim + 1, 1);
+      ir::Value* one_each = reshape_to(x, s);
+      s[static_cast<std::size_t>(dim + 1)] = r;
+      return set(b, reshape_to(g.add("expand", {one_each}, {{"shape", s}}), meta(b).sizes));
+    }
+    if (op == "aten.empty_like.default") {
+      // Memory not yet written: zeros are one of its values (transformers fills it by an
+      // index_put that writes every row).
+      return set(b, g.add("zeros_like", {value(t(b, "self"))}));  // set() casts to a dtype given
     }
     fail_at(b, "no mapping");  // listed for this family but not handled above
   }
@@ -1836,7 +1980,9 @@ Pt2Summary summarize(const std::string& path) {
     }
     if (!Mapper::mapped_ops().count(b.target)) {
       s.unsupported.push_back({b.target, b.name, source_line(node),
-                               b.op->hasTag(at::Tag::nondeterministic_seeded) ? "a random op: export in eval() mode" : "spmdx has no mapping for it"});
+                               b.op && b.op->hasTag(at::Tag::nondeterministic_seeded) ? "a random op: export in eval() mode" : "spmdx has no mapping for it"});
+    } else if (b.target == "aten.cumsum.default" && !b.outputs.empty() && p.values.count(b.outputs[0]) && at::isFloatingType(p.values.at(b.outputs[0]).dtype)) {
+      s.unsupported.push_back({b.target, b.name, source_line(node), "a running sum of floating values: spmdx maps cumsum of integer counts only (a Mixture of Experts' group ends)"});
     } else if (b.target == "aten.scaled_dot_product_attention.default" && b.arg("attn_mask").is_tensor && !frozen.count(b.arg("attn_mask").tensors.front())) {
       // A mask computed from positions and buffers folds to a constant; one from the batch does not.
       s.unsupported.push_back({b.target, b.name, source_line(node),

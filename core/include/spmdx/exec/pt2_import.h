@@ -9,7 +9,9 @@
 // tensor subclasses, custom objects, higher-order ops, mutated buffers, unknown fields or
 // union kinds in the JSON, truncated payloads, and ATen ops the IR has no mapping for (named
 // with the node and the source line from its stack trace). The implementation needs LibTorch
-// (its zip reader and the ATen schemas of c10::Dispatcher); this header does not.
+// (its zip reader and the ATen schemas of c10::Dispatcher; a library's op LibTorch does not
+// know, transformers' grouped_mm_fallback, binds by the schema the library declares); this
+// header does not.
 #pragma once
 
 #include <cstdint>
