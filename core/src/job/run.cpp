@@ -372,6 +372,10 @@ void print_banner(const JobSpec& spec, const PlacedJob& job, const sharding::Dis
   for (const auto& line : job.decided_by) std::printf("%s\n", line.c_str());  // who placed each mesh dim
   for (const auto& line : tp_replicated_parameters(spec, job)) std::printf("warning: %s\n", line.c_str());
   if (const std::string note = models::mla_note(spec.model); !note.empty()) std::printf("note: %s\n", note.c_str());
+  if (const auto& moe = spec.model.moe; moe.expert_parallel > 1) {
+    std::printf("expert parallelism: ep %lld over %s, %lld of %lld experts a rank, tokens exchanged by all_to_all_v\n", static_cast<long long>(moe.expert_parallel),
+                moe.expert_dim.c_str(), static_cast<long long>(moe.experts / moe.expert_parallel), static_cast<long long>(moe.experts));
+  }
   if (const std::int64_t m = spec.step.microbatches; m > 1 && spec.pipeline.stages == 1) {
     const std::int64_t rows = spec.global_batch_size / (m * spec.dims.dp_replicate * spec.dims.dp_shard);
     std::printf("gradient accumulation: %lld microbatches of %lld row%s per data-parallel rank (training.local_batch_size), one optimizer step and one gradient reduction per step\n",

@@ -506,11 +506,16 @@ JobSpec job_spec(const config::Config& cfg, std::int64_t world_size, std::int64_
     } else if (ep != s.dims.dp_shard || s.dims.dp_replicate != 1 || s.dims.cp != 1) {
       fail({"parallelism.expert_parallel_degree", "parallelism.data_parallel_shard_degree"},
            "parallelism.expert_parallel_degree " + std::to_string(ep) + ": spmdx's expert parallelism takes the whole dp_shard dim (ep = data_parallel_shard_degree, "
-           "here " + std::to_string(s.dims.dp_shard) + ") with data_parallel_replicate_degree and context_parallel_degree 1; torchtitan's "
+           "here " + std::to_string(s.dims.dp_shard) + ") with data_parallel_replicate_degree and context_parallel_degree 1: set "
+           "data_parallel_shard_degree to " + std::to_string(ep) + " (spmdx compile: --world-size for the ranks); torchtitan's "
            "ep carved from part of dp_shard x cp (efsdp > 1), and EP with HSDP or CP, are not built yet");
     } else if (s.model.moe.experts % ep != 0) {
+      std::string divisors;
+      for (std::int64_t d = 1; d <= s.model.moe.experts; ++d) {
+        if (s.model.moe.experts % d == 0) divisors += (divisors.empty() ? "" : ", ") + std::to_string(d);
+      }
       fail(keys, "parallelism.expert_parallel_degree " + std::to_string(ep) + " does not divide the " + std::to_string(s.model.moe.experts) + " experts of " +
-                     models::model_label(s.model));
+                     models::model_label(s.model) + ": use one that does (" + divisors + "), with data_parallel_shard_degree the same");
     } else {
       s.model.moe.expert_parallel = ep;
     }
