@@ -27,7 +27,6 @@ import json
 import math
 import os
 import shutil
-import struct
 import subprocess
 import sys
 import tempfile
@@ -39,6 +38,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from torchtitan_lr import build_lr_lambda  # noqa: E402  torchtitan v0.2.2's schedule
+from safetensors_io import read_safetensors  # noqa: E402
 
 torch.set_default_dtype(torch.float64)
 PERTURB_NORM_IN_BF16 = False  # --perturb norm_in_bf16
@@ -59,21 +59,6 @@ def ffn_hidden(a):
     if a["ffn_dim_multiplier"] is not None:
         hidden = int(a["ffn_dim_multiplier"] * hidden)
     return a["multiple_of"] * ((hidden + a["multiple_of"] - 1) // a["multiple_of"])
-
-
-def read_safetensors(path):
-    kinds = {"F32": np.float32, "F64": np.float64, "I64": np.int64, "I32": np.int32}
-    with open(path, "rb") as f:
-        data = f.read()
-    (n,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8 : 8 + n])
-    out = {}
-    for name, t in header.items():
-        if name == "__metadata__":
-            continue
-        begin, end = t["data_offsets"]
-        out[name] = np.frombuffer(data[8 + n + begin : 8 + n + end], dtype=kinds[t["dtype"]]).reshape(t["shape"])
-    return out
 
 
 def apply_scaling(freqs, s):

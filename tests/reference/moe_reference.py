@@ -46,7 +46,6 @@ import argparse
 import json
 import os
 import shutil
-import struct
 import subprocess
 import sys
 import tempfile
@@ -58,6 +57,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from torchtitan_lr import build_lr_lambda  # noqa: E402  torchtitan v0.2.2's schedule
+from safetensors_io import read_safetensors, write_safetensors  # noqa: E402
 
 torch.set_default_dtype(torch.float64)
 
@@ -84,21 +84,6 @@ FLAVORS = {
 PERTURBATIONS = ["none", "no_route_norm", "score_before_experts", "no_bias_update", "no_group_limit"]
 # spmdx's own tables and buffers that the reference makes itself or has no use for.
 IGNORED = ("rope.", "freqs_cis", "rope_cache")
-
-
-def read_safetensors(path):
-    kinds = {"F32": np.float32, "F64": np.float64, "I64": np.int64, "I32": np.int32}
-    with open(path, "rb") as f:
-        data = f.read()
-    (n,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8 : 8 + n])
-    out = {}
-    for name, t in header.items():
-        if name == "__metadata__":
-            continue
-        begin, end = t["data_offsets"]
-        out[name] = np.frombuffer(data[8 + n + begin : 8 + n + end], dtype=kinds[t["dtype"]]).reshape(t["shape"])
-    return out
 
 
 def moe_layers(a):
@@ -383,20 +368,6 @@ def check_init(a, init):
     wrong = {n: (tuple(init[n].shape), s) for n, s in {**shapes, **buffers}.items() if tuple(init[n].shape) != s}
     assert not wrong, f"spmdx's tensor shapes are not the flavor's (spmdx, reference): {wrong}"
     assert all(not np.any(init[n]) for n in buffers), "spmdx's expert_bias does not start at 0"
-
-
-def write_safetensors(path, tensors):
-    kinds = {np.dtype(np.float32): "F32", np.dtype(np.float64): "F64", np.dtype(np.int64): "I64", np.dtype(np.int32): "I32"}
-    header, blobs, at = {}, [], 0
-    for name, t in tensors.items():
-        data = np.ascontiguousarray(t).tobytes()
-        header[name] = {"dtype": kinds[t.dtype], "shape": list(t.shape), "data_offsets": [at, at + len(data)]}
-        blobs.append(data)
-        at += len(data)
-    text = json.dumps(header).encode()
-    text += b" " * (-len(text) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(text)) + text + b"".join(blobs))
 
 
 def main():
