@@ -246,12 +246,11 @@ PlacedJob place_job(const JobSpec& spec, PluginRegistry& registry) {
   for (std::int64_t k = 1; k < spec.step.microbatches; ++k) {  // every microbatch's rows go where microbatch 0's do
     for (const char* name : {"tokens", "labels"}) job.inputs[microbatch_input(name, k)] = job.inputs.at(name);
   }
-  for (const auto& b : updated_buffers(job.model.graph, job.model.params)) {  // an MoE layer's expert_bias: whole on every rank
-    job.inputs[b] = sharding::Placements(static_cast<std::size_t>(job.mesh.ndim()), Placement::replicate());
-  }
+  const sharding::Placements whole(static_cast<std::size_t>(job.mesh.ndim()), Placement::replicate());
+  for (const auto& b : updated_buffers(job.model.graph, job.model.params)) job.inputs[b] = whole;  // an MoE layer's expert_bias: whole on every rank
   for (const auto& s : step_state_names(job.model.graph, job.model.params)) job.outputs["next." + s] = job.inputs.at(s);
   for (const auto& [name, v] : job.model.graph.outputs()) {  // the whole step's load on every rank (summed over data-parallel ranks)
-    if (is_tokens_per_expert(name)) job.outputs[name] = sharding::Placements(static_cast<std::size_t>(job.mesh.ndim()), Placement::replicate());
+    if (is_tokens_per_expert(name)) job.outputs[name] = whole;
   }
   if (spec.sequence_parallel && spec.dims.tp == 1) {
     job.sequence_parallel_off = "parallelism.enable_sequence_parallel acts only with parallelism.tensor_parallel_degree > 1";

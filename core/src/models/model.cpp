@@ -55,6 +55,24 @@ void build_mlp(Model& m, Builder& mb, Value* tokens, Value* labels) {
 // A SwiGLU feed-forward: w2(silu(w1 y) * w3 y).
 Value* swiglu(ir::GraphBuilder& b, Value* y, Value* w1, Value* w2, Value* w3) { return b.linear(b.mul(b.silu(b.linear(y, w1)), b.linear(y, w3)), w2); }
 
+// The casts an MoE layer's float32 arithmetic (scores, weighting) needs around values of the
+// model's dtype: none when that is float32.
+struct Float32Casts {
+  ir::Graph& g;
+  ir::DType dtype;
+  Value* to_f32(Value* v) const { return dtype == ir::DType::f32 ? v : g.add("cast", {v}, {{"dtype", std::string(ir::to_string(ir::DType::f32))}}); }
+  Value* back(Value* v) const { return dtype == ir::DType::f32 ? v : g.add("cast", {v}, {{"dtype", std::string(ir::to_string(dtype))}}); }
+};
+
+// An MoE layer's shared experts (torchtitan's FeedForward of hidden x shared_experts) on x.
+Value* shared_experts(Builder& mb, Value* x, const std::string& p, std::int64_t hidden, double depth_std) {
+  using K = InitSpec::Kind;
+  const std::int64_t dim = x->meta().shape.back();
+  return swiglu(mb.b(), x, mb.param(p + "shared_experts.w1.weight", {hidden, dim}, K::trunc_normal, 0.02),
+                mb.param(p + "shared_experts.w2.weight", {dim, hidden}, K::trunc_normal, depth_std),
+                mb.param(p + "shared_experts.w3.weight", {hidden, dim}, K::trunc_normal, depth_std));
+}
+
 // The routed (and shared) experts under expert parallelism, in blocks of P = expert_parallel:
 // block p the tokens of rank p of the expert dim (x's rows p n .. (p + 1) n - 1), its slots sorted
 // by expert within the block, sent to the blocks of their experts' ranks (expert_dispatch, an
@@ -72,10 +90,8 @@ Value* expert_parallel_experts(Model& m, Builder& mb, Value* x, Value* chosen, V
                                 std::to_string(E) + ") to divide by it");
   }
   const std::int64_t n = tokens / P, slots = n * k, local = E / P;
-  const ir::DType dtype = x->meta().dtype;
+  const Float32Casts cast{g, x->meta().dtype};
   const std::string f32 = ir::to_string(ir::DType::f32);
-  auto to_f32 = [&](Value* v) { return dtype == ir::DType::f32 ? v : g.add("cast", {v}, {{"dtype", f32}}); };
-  auto back = [&](Value* v) { return dtype == ir::DType::f32 ? v : g.add("cast", {v}, {{"dtype", std::string(ir::to_string(dtype))}}); };
   const ir::Attributes on_dim{{"expert_dim", a.expert_dim}};
 
   Value* ids = b.reshape(chosen, {P, slots});
@@ -86,7 +102,7 @@ Value* expert_parallel_experts(Model& m, Builder& mb, Value* x, Value* chosen, V
   Value* index = g.add("expand", {b.reshape(g.add("floor_divide_scalar", {order}, {{"value", k}}), {P, slots, 1})}, {{"shape", Shape{P, slots, dim}}});
   Value* xb = b.reshape(x, {P, n, dim});
   Value* routed = g.add("gather", {xb, index}, {{"dim", std::int64_t{1}}});
-  if (a.score_before_experts) routed = back(b.mul(to_f32(routed), weights));
+  if (a.score_before_experts) routed = cast.back(b.mul(cast.to_f32(routed), weights));
   Value* rows = g.add("expert_dispatch", {routed, counts}, on_dim);  // [P, P x slots, dim]
   // Each block's rows per local expert (over all blocks' slots), and their ends.
   Value* received = g.add("sum", {b.reshape(counts, {P, P, local})}, {{"dims", Shape{0}}});
@@ -100,15 +116,8 @@ Value* expert_parallel_experts(Model& m, Builder& mb, Value* x, Value* chosen, V
   Value* w3 = experts("w3", a.hidden, dim, depth_std);
   auto grouped_mm = [&](Value* in, Value* w) { return g.add("grouped_mm", {in, w, offs}); };
   Value* out = g.add("expert_combine", {grouped_mm(b.mul(b.silu(grouped_mm(rows, w1)), grouped_mm(rows, w3)), w2), counts}, on_dim);  // [P, slots, dim]
-  Value* base = g.add("zeros_like", {xb});
-  if (a.shared_experts > 0) {
-    const std::int64_t hidden = a.hidden * a.shared_experts;
-    base = b.reshape(swiglu(b, x, mb.param(p + "shared_experts.w1.weight", {hidden, dim}, K::trunc_normal, 0.02),
-                            mb.param(p + "shared_experts.w2.weight", {dim, hidden}, K::trunc_normal, depth_std),
-                            mb.param(p + "shared_experts.w3.weight", {hidden, dim}, K::trunc_normal, depth_std)),
-                     {P, n, dim});
-  }
-  if (!a.score_before_experts) out = back(b.mul(to_f32(out), weights));
+  Value* base = a.shared_experts > 0 ? b.reshape(shared_experts(mb, x, p, a.hidden * a.shared_experts, depth_std), {P, n, dim}) : g.add("zeros_like", {xb});
+  if (!a.score_before_experts) out = cast.back(b.mul(cast.to_f32(out), weights));
   return b.reshape(g.add("scatter_add", {base, index, out}, {{"dim", std::int64_t{1}}}), shape);
 }
 
@@ -126,14 +135,12 @@ Value* moe_layer(Model& m, Builder& mb, Value* y, const std::string& p, std::int
   const Shape shape = y->meta().shape;
   const std::int64_t dim = shape.back(), tokens = y->meta().numel() / dim, E = a.experts, k = a.top_k, slots = tokens * k;
   const double depth_std = 0.02 / std::sqrt(2.0 * static_cast<double>(layer + 1));
-  const ir::DType dtype = y->meta().dtype;
+  const Float32Casts cast{g, y->meta().dtype};
   const std::string f32 = ir::to_string(ir::DType::f32);
-  auto to_f32 = [&](Value* v) { return dtype == ir::DType::f32 ? v : g.add("cast", {v}, {{"dtype", f32}}); };
-  auto back = [&](Value* v) { return dtype == ir::DType::f32 ? v : g.add("cast", {v}, {{"dtype", std::string(ir::to_string(dtype))}}); };
 
   Value* x = b.reshape(y, {tokens, dim});
   Value* gate = mb.param(p + "router.gate.weight", {E, dim}, K::trunc_normal, depth_std);
-  Value* logits = to_f32(b.linear(x, gate));
+  Value* logits = cast.to_f32(b.linear(x, gate));
   Value* scores = a.score_func == "sigmoid" ? g.add("sigmoid", {logits}) : g.add("softmax", {logits}, {{"dim", std::int64_t{-1}}});
   Value* choice = scores;
   if (a.load_balance_coeff > 0) {
@@ -166,21 +173,15 @@ Value* moe_layer(Model& m, Builder& mb, Value* y, const std::string& p, std::int
   Value* weights = b.reshape(g.add("gather", {b.reshape(top, {slots}), order}, {{"dim", std::int64_t{0}}}), {slots, 1});
   Value* index = g.add("expand", {b.reshape(g.add("floor_divide_scalar", {order}, {{"value", k}}), {slots, 1})}, {{"shape", Shape{slots, dim}}});
   Value* routed = g.add("gather", {x, index}, {{"dim", std::int64_t{0}}});
-  if (a.score_before_experts) routed = back(b.mul(to_f32(routed), weights));
+  if (a.score_before_experts) routed = cast.back(b.mul(cast.to_f32(routed), weights));
   Value* offs = g.add("cumsum", {counts}, {{"dim", std::int64_t{0}}});
   Value* w1 = mb.param(p + "experts.w1", {E, a.hidden, dim}, K::trunc_normal, 0.02);
   Value* w2 = mb.param(p + "experts.w2", {E, dim, a.hidden}, K::trunc_normal, depth_std);
   Value* w3 = mb.param(p + "experts.w3", {E, a.hidden, dim}, K::trunc_normal, depth_std);
   auto grouped_mm = [&](Value* in, Value* w) { return g.add("grouped_mm", {in, b.transpose(w, 1, 2), offs}); };
   Value* out = grouped_mm(b.mul(b.silu(grouped_mm(routed, w1)), grouped_mm(routed, w3)), w2);
-  Value* base = g.add("zeros_like", {x});
-  if (a.shared_experts > 0) {
-    const std::int64_t hidden = a.hidden * a.shared_experts;
-    base = swiglu(b, x, mb.param(p + "shared_experts.w1.weight", {hidden, dim}, K::trunc_normal, 0.02),
-                  mb.param(p + "shared_experts.w2.weight", {dim, hidden}, K::trunc_normal, depth_std),
-                  mb.param(p + "shared_experts.w3.weight", {hidden, dim}, K::trunc_normal, depth_std));
-  }
-  if (!a.score_before_experts) out = back(b.mul(to_f32(out), weights));
+  Value* base = a.shared_experts > 0 ? shared_experts(mb, x, p, a.hidden * a.shared_experts, depth_std) : g.add("zeros_like", {x});
+  if (!a.score_before_experts) out = cast.back(b.mul(cast.to_f32(out), weights));
   return b.reshape(g.add("scatter_add", {base, index, out}, {{"dim", std::int64_t{0}}}), shape);
 }
 

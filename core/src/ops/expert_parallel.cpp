@@ -26,11 +26,25 @@ namespace {
 
 // Both ops move rows of D elements as a whole: the features may be split alike, and both are
 // linear in the rows. Sharding the blocks is the exchange itself (sharding/propagate's expert
-// dim takes it): no rule here claims it.
-[[maybe_unused]] Strategies exchange_rules(const std::vector<Shape>& in, std::int64_t ranks) {
-  Strategies st{{{R(), R()}, {R()}}, {{P(), R()}, {P()}}};
-  if (in[0][2] >= ranks) st.push_back({{S(2), R()}, {S(2)}});
-  return st;
+// dim takes it): no rule here claims it. Each one's gradient is the other of the output's.
+[[maybe_unused]] Op exchange(const std::string& name, const std::string& inverse, ir::InferFn infer, ir::Sample sample) {
+  Op op;
+  OpSchema& s = op.schema;
+  s.name = name;
+  s.min_inputs = s.max_inputs = 2;
+  s.attrs = {kExpertDim};
+  s.infer = std::move(infer);
+  s.vjp = [inverse](Graph& g, const Node& n, const Grads& go) {
+    return Grads{g.add(inverse, {go[0], n.input(1)}, {{"expert_dim", n.attr_string("expert_dim")}}), nullptr};
+  };
+  s.flops = [](const Node&) { return 0.0; };  // moves rows
+  s.samples = {std::move(sample)};
+  op.rules = [](const Node&, const std::vector<Shape>& in, const std::vector<Shape>&, std::int64_t ranks) {
+    Strategies st{{{R(), R()}, {R()}}, {{P(), R()}, {P()}}};
+    if (in[0][2] >= ranks) st.push_back({{S(2), R()}, {S(2)}});
+    return st;
+  };
+  return op;
 }
 
 }  // namespace
@@ -39,49 +53,31 @@ namespace {
 // experts e = q E/P .. (q + 1) E/P - 1 in turn, the slots every block p sends to e, p in order
 // (expert-major, so each expert's rows are contiguous for grouped_mm), then zero rows. A block's
 // slots past the sum of its counts go nowhere. The gradient is expert_combine of the output's.
-SPMDX_OP([] {
-  Op op;
-  OpSchema& s = op.schema;
-  s.name = "expert_dispatch";
-  s.min_inputs = s.max_inputs = 2;
-  s.attrs = {kExpertDim};
-  s.infer = [](const Metas& in, const Attributes&) {
-    const ir::TensorMeta& x = *in[0];
-    floating(x, "slots");
-    if (x.rank() != 3) fail("slots must be [blocks, slots, features], got " + x.str());
-    check_counts(*in[1], x.shape[0]);
-    return std::vector{like(x, Shape{x.shape[0], x.shape[0] * x.shape[1], x.shape[2]}, x.requires_grad)};
-  };
-  s.vjp = [](Graph& g, const Node& n, const Grads& go) { return Grads{g.add("expert_combine", {go[0], n.input(1)}, {{"expert_dim", n.attr_string("expert_dim")}}), nullptr}; };
-  s.flops = [](const Node&) { return 0.0; };  // moves rows
-  // 2 blocks of 6 slots to 4 experts, 2 a block, each count below 2: every slot placed or left
-  s.samples = {{"expert_dispatch", {{{2, 6, 3}}, {{2, 4}, Fill::indices, 2}}, {}}};
-  op.rules = [](const Node&, const std::vector<Shape>& in, const std::vector<Shape>&, std::int64_t ranks) { return exchange_rules(in, ranks); };
-  return op;
-}())
+SPMDX_OP(exchange(
+    "expert_dispatch", "expert_combine",
+    [](const Metas& in, const Attributes&) {
+      const ir::TensorMeta& x = *in[0];
+      floating(x, "slots");
+      if (x.rank() != 3) fail("slots must be [blocks, slots, features], got " + x.str());
+      check_counts(*in[1], x.shape[0]);
+      return std::vector{like(x, Shape{x.shape[0], x.shape[0] * x.shape[1], x.shape[2]}, x.requires_grad)};
+    },
+    // 2 blocks of 6 slots to 4 experts, 2 a block, each count below 2: every slot placed or left
+    {"expert_dispatch", {{{2, 6, 3}}, {{2, 4}, Fill::indices, 2}}, {}}))
 
 // expert_combine: [P, P * S, D] laid out as expert_dispatch's output, counts [P, E] -> [P, S, D]:
 // every slot back in its block's place; slots past the sum of a block's counts are zero. The
 // gradient is expert_dispatch of the output's.
-SPMDX_OP([] {
-  Op op;
-  OpSchema& s = op.schema;
-  s.name = "expert_combine";
-  s.min_inputs = s.max_inputs = 2;
-  s.attrs = {kExpertDim};
-  s.infer = [](const Metas& in, const Attributes&) {
-    const ir::TensorMeta& y = *in[0];
-    floating(y, "rows");
-    if (y.rank() != 3 || y.shape[0] == 0 || y.shape[1] % y.shape[0] != 0) fail("rows must be [blocks, blocks x slots, features], got " + y.str());
-    check_counts(*in[1], y.shape[0]);
-    return std::vector{like(y, Shape{y.shape[0], y.shape[1] / y.shape[0], y.shape[2]}, y.requires_grad)};
-  };
-  s.vjp = [](Graph& g, const Node& n, const Grads& go) { return Grads{g.add("expert_dispatch", {go[0], n.input(1)}, {{"expert_dim", n.attr_string("expert_dim")}}), nullptr}; };
-  s.flops = [](const Node&) { return 0.0; };
-  s.samples = {{"expert_combine", {{{2, 12, 3}}, {{2, 4}, Fill::indices, 2}}, {}}};
-  op.rules = [](const Node&, const std::vector<Shape>& in, const std::vector<Shape>&, std::int64_t ranks) { return exchange_rules(in, ranks); };
-  return op;
-}())
+SPMDX_OP(exchange(
+    "expert_combine", "expert_dispatch",
+    [](const Metas& in, const Attributes&) {
+      const ir::TensorMeta& y = *in[0];
+      floating(y, "rows");
+      if (y.rank() != 3 || y.shape[0] == 0 || y.shape[1] % y.shape[0] != 0) fail("rows must be [blocks, blocks x slots, features], got " + y.str());
+      check_counts(*in[1], y.shape[0]);
+      return std::vector{like(y, Shape{y.shape[0], y.shape[1] / y.shape[0], y.shape[2]}, y.requires_grad)};
+    },
+    {"expert_combine", {{{2, 12, 3}}, {{2, 4}, Fill::indices, 2}}, {}}))
 
 #if defined(SPMDX_OPS_KERNELS)
 namespace {
