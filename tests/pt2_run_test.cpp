@@ -181,6 +181,9 @@ INSTANTIATE_TEST_SUITE_P(Defaults, Pt2RunTransformers,
 // then hf_models.py --train-on (torch.optim.AdamW with spmdx's default hyperparameters, on the
 // global batches the one-rank run dumped, which fsdp 2's equal): every loss within 1e-5 relative
 // of PyTorch's. Routing is a topk: a float32 near-tie could flip a token's expert; none does here.
+// Then the same with expert parallelism 2 (`parallelism.expert_parallel_degree 2`): each layer's
+// experts module replaced by spmdx's expert-parallel form (2 of the 4 experts a rank, tokens
+// exchanged by all_to_all_v), whichever experts implementation exported it.
 class Pt2RunTransformersMoe : public ::testing::TestWithParam<std::string> {};
 TEST_P(Pt2RunTransformersMoe, OneRankAndFsdp2TrainAsPyTorch) {
   test::TempDir dir;
@@ -190,15 +193,22 @@ TEST_P(Pt2RunTransformersMoe, OneRankAndFsdp2TrainAsPyTorch) {
   test::write_file(config, "[model]\nname = \"pt2\"\npath = \"" + (kFixtures / ("transformers_" + arch + ".pt2")).string() +
                                "\"\ntokenizer = \"byte\"\n[training]\nsteps = 5\n[data]\npaths = [\"" + (dir / "corpus.txt").string() + "\"]\n");
   const std::vector<Layout> layouts = {{"one", 1, "--parallelism.data_parallel_shard_degree 1 --parallelism.tensor_parallel_degree 1"},
-                                       {"fsdp2", 2, "--parallelism.data_parallel_shard_degree 2 --parallelism.tensor_parallel_degree 1"}};
+                                       {"fsdp2", 2, "--parallelism.data_parallel_shard_degree 2 --parallelism.tensor_parallel_degree 1"},
+                                       {"ep2", 2, "--parallelism.data_parallel_shard_degree 2 --parallelism.tensor_parallel_degree 1 --parallelism.expert_parallel_degree 2"}};
   for (const auto& l : layouts) {
     auto r = spmdx("run '" + config.string() + "' --nproc " + std::to_string(l.nproc) + " --job.dump_folder '" + (dir / l.name).string() +
                    "' --debug.dump_batches true " + l.flags);
     ASSERT_EQ(r.exit_code, 0) << l.name << "\n" << r.output;
+    if (l.name == "ep2") {  // each layer's experts module replaced by the expert-parallel form: 2 of the 4 experts a rank, tokens moved
+      EXPECT_THAT(r.output, HasSubstr("expert parallelism: ep 2 over dp_shard, 2 of 4 experts a rank")) << r.output;
+      EXPECT_THAT(test::read_file(dir / l.name / "metrics.jsonl"), HasSubstr("\"moe_load_imbalance\""));
+    }
   }
-  for (int step = 1; step <= 5; ++step) {
-    const std::string batch = "debug/batches/step-" + std::to_string(step) + ".tokens.npy";
-    EXPECT_EQ(test::read_file(dir / "fsdp2" / batch), test::read_file(dir / "one" / batch)) << "step " << step;
+  for (const char* layout : {"fsdp2", "ep2"}) {
+    for (int step = 1; step <= 5; ++step) {
+      const std::string batch = "debug/batches/step-" + std::to_string(step) + ".tokens.npy";
+      EXPECT_EQ(test::read_file(dir / layout / batch), test::read_file(dir / "one" / batch)) << layout << " step " << step;
+    }
   }
   auto torch = test::run_command("'" SPMDX_PYTHON "' '" SPMDX_SOURCE_DIR "/tests/fixtures/hf_models.py' " + arch + " --train-on '" + (dir / "one").string() + "'");
   ASSERT_EQ(torch.exit_code, 0) << torch.output;
@@ -217,6 +227,21 @@ TEST_P(Pt2RunTransformersMoe, OneRankAndFsdp2TrainAsPyTorch) {
   }
 }
 INSTANTIATE_TEST_SUITE_P(Defaults, Pt2RunTransformersMoe, ::testing::Values("qwen3_moe", "qwen3_moe_batched_mm", "mixtral", "mixtral_batched_mm"));
+
+// Expert parallelism on an export without experts (transformers' dense Qwen3) is refused naming
+// the key and what it applies to, before any rank starts training.
+TEST(Pt2RunHuggingFaceOps, ExpertParallelismOnADenseExportIsRefused) {
+  test::TempDir dir;
+  test::corpus_file(dir);
+  const fs::path config = dir / "dense.toml";
+  test::write_file(config, "[model]\nname = \"pt2\"\npath = \"" + (kFixtures / "transformers_qwen3.pt2").string() +
+                               "\"\ntokenizer = \"byte\"\n[training]\nsteps = 1\n[data]\npaths = [\"" + (dir / "corpus.txt").string() + "\"]\n");
+  auto r = spmdx("run '" + config.string() + "' --nproc 2 --job.dump_folder '" + (dir / "out").string() +
+                 "' --parallelism.data_parallel_shard_degree 2 --parallelism.expert_parallel_degree 2");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_THAT(r.output, HasSubstr("parallelism.expert_parallel_degree 2: the program has no experts module to place")) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("transformers_qwen3.pt2")) << r.output;
+}
 
 // The built-in tensor-parallel plan matches a wrapped model's names: transformers' lm_head under
 // the wrapper's prefix (`model.lm_head.weight`) is column-parallel, not kept whole.

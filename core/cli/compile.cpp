@@ -136,13 +136,18 @@ int run_compile(const CompileOptions& o) {
   // Expert parallelism's all_to_all_v per rank and step: each MoE layer's dispatch and combine,
   // forward and backward, move this rank's slots (tokens x top_k rows of dim elements); with even
   // routing (ep - 1) / ep of them leave the rank; at most ep x that arrive (all at one rank).
-  const spmdx::models::MoEArgs& moe = spec.model.moe;
+  // The model's MoE arguments: an imported model's experts are counted when it is read. Every
+  // expert_dispatch and expert_combine node of the step (forward, and each one's VJP, the other)
+  // moves a rank's slots (of its microbatch): dispatch's input, combine's output [ep, slots, dim].
+  const spmdx::models::MoEArgs& moe = job.model.args.moe;
   double ep_bytes = 0;
   if (moe.expert_parallel > 1) {
-    const double slots = static_cast<double>(spec.global_batch_size * spec.seq_len) / static_cast<double>(spec.dims.dp_replicate * spec.dims.dp_shard) * static_cast<double>(moe.top_k);
-    const double layers = static_cast<double>(spec.model.n_layers - std::min(moe.dense_layers, spec.model.n_layers));
     const double element = spec.mixed_precision.param == "float32" ? 4.0 : 2.0;
-    ep_bytes = 4 * layers * slots * static_cast<double>(spec.model.dim) * element * static_cast<double>(moe.expert_parallel - 1) / static_cast<double>(moe.expert_parallel);
+    for (const auto& n : job.model.graph.nodes()) {
+      if (n->op() != "expert_dispatch" && n->op() != "expert_combine") continue;
+      const auto& shape = (n->op() == "expert_dispatch" ? n->input(0) : n->output(0))->meta().shape;
+      ep_bytes += static_cast<double>(shape[1] * shape[2]) * element * static_cast<double>(moe.expert_parallel - 1) / static_cast<double>(moe.expert_parallel);
+    }
   }
   const double flops_token = spmdx::models::flops_per_token(job.model, spec.seq_len);
   const double tokens = static_cast<double>(spec.global_batch_size) * static_cast<double>(spec.seq_len);
@@ -234,7 +239,7 @@ int run_compile(const CompileOptions& o) {
   std::string params_text = params;
   if (active != count) {  // an MoE: the parameters a token meets (its top_k of the routed experts)
     std::snprintf(params, sizeof params, "; %.3g x 10^9 active per token, top %lld of %lld experts", static_cast<double>(active) / 1e9,
-                  static_cast<long long>(spec.model.moe.top_k), static_cast<long long>(spec.model.moe.experts));
+                  static_cast<long long>(moe.top_k), static_cast<long long>(moe.experts));
     params_text += params;
   }
   params_text += ")";

@@ -749,11 +749,16 @@ class Mapper {
 
   void run() {
     bind_inputs();
+    if (args_.moe.expert_parallel > 1) find_experts();
     for (const auto& node : p_.graph["nodes"].elements()) {
       BoundNode b = bind_node(fail_, node);
       current_ = &b;
       try {
-        map_node(b);
+        if (const auto r = region_of_.find(b.name); r == region_of_.end()) {
+          map_node(b);
+        } else if (experts_[r->second].last == b.name) {
+          emit_experts(experts_[r->second], b);
+        }  // the module's other nodes: computed by emit_experts' graph
       } catch (const ImportError&) {
         throw;
       } catch (const JsonError&) {
@@ -1178,6 +1183,160 @@ class Mapper {
   }
 
   void map_nothing(const BoundNode&) {}  // asserts: nothing to compute
+
+  // Expert parallelism on an imported Mixture of Experts. transformers' experts modules (a class
+  // named *Experts holding gate_up_proj [experts, 2 hidden, dim] and down_proj [experts, dim,
+  // hidden]: the contract of transformers/integrations/moe.py, 5.x) compute
+  // out[t] = sum_k w[t, k] down_e(silu(gate_e x_t) * up_e x_t), e = top_k_index[t, k], from
+  // forward(hidden_states, top_k_index, top_k_weights), whichever experts implementation
+  // exported them (grouped_mm, batched_mm). Their nodes are found by the module each was
+  // exported from (nn_module_stack) and replaced, as a whole, by expert_parallel_experts: the
+  // same function, in blocks exchanged by all_to_all_v. The router before them stays as
+  // exported.
+  struct ExpertsRegion {
+    std::string path;                    // "model.model.layers.0.mlp.experts"
+    std::string type;                    // "Qwen3MoeExperts"
+    std::vector<std::string> inputs;     // values read from outside it, in first-read order
+    std::vector<std::string> params;     // parameters it reads (FQNs)
+    std::set<std::string> ops;           // its ATen ops
+    std::set<std::string> outputs;       // values made in it and read outside
+    std::string last;                    // the node that makes the output
+    std::string reader;                  // a node outside that reads it (for messages)
+  };
+
+  // The innermost module of a node's nn_module_stack ("key,path,type;..." from the outermost)
+  // whose class name ends in "Experts": {path, class}, or empty.
+  static std::pair<std::string, std::string> experts_module(const JsonAt& node) {
+    const auto md = node.is_object() ? node.find("metadata") : std::nullopt;
+    if (!md || !md->is_object() || !md->has("nn_module_stack") || !(*md)["nn_module_stack"].is_string()) return {};
+    std::pair<std::string, std::string> found;
+    const std::string stack = md->raw()["nn_module_stack"].get<std::string>();
+    for (std::size_t from = 0, to = 0; from <= stack.size(); from = to + 1) {
+      to = std::min(stack.find(';', from), stack.size());
+      const std::string entry = stack.substr(from, to - from);
+      const auto type_at = entry.rfind(',');
+      if (type_at == std::string::npos || type_at == 0) continue;
+      const auto path_at = entry.rfind(',', type_at - 1);
+      const std::string type = entry.substr(type_at + 1);
+      const std::string cls = type.substr(type.rfind('.') == std::string::npos ? 0 : type.rfind('.') + 1);
+      const std::string suffix = "Experts";
+      if (cls.size() >= suffix.size() && cls.compare(cls.size() - suffix.size(), suffix.size(), suffix) == 0) {
+        found = {entry.substr(path_at == std::string::npos ? 0 : path_at + 1, type_at - (path_at == std::string::npos ? 0 : path_at + 1)), cls};
+      }
+    }
+    return found;
+  }
+
+  void find_experts() {
+    std::map<std::string, std::string> param_of_arg;
+    for (const auto& [fqn, arg] : arg_of_param_) param_of_arg[arg] = fqn;
+    std::map<std::string, std::size_t> index;        // module path -> experts_
+    std::map<std::string, std::size_t> made_in;      // value -> the region that makes it
+    std::map<std::string, std::string> made_by;      // value -> its node
+    auto read_outside = [&](const std::string& value, const std::string& reader) {
+      const auto it = made_in.find(value);
+      if (it == made_in.end()) return;
+      ExpertsRegion& r = experts_[it->second];
+      r.outputs.insert(value);
+      r.last = made_by.at(value);
+      if (r.reader.empty()) r.reader = reader;
+    };
+    for (const auto& node : p_.graph["nodes"].elements()) {
+      const BoundNode b = bind_node(fail_, node);
+      const auto [path, type] = experts_module(node);
+      if (path.empty()) {
+        for (const auto& a : b.args) {
+          for (const auto& t : a.tensors) read_outside(t, "node '" + b.name + "'");
+        }
+        continue;
+      }
+      const auto [it, fresh] = index.emplace(path, experts_.size());
+      if (fresh) experts_.push_back({path, type, {}, {}, {}, {}, "", ""});
+      ExpertsRegion& r = experts_[it->second];
+      region_of_[b.name] = it->second;
+      r.ops.insert(b.target);
+      for (const auto& a : b.args) {
+        for (const auto& t : a.tensors) {
+          if (t.empty()) continue;
+          if (const auto m = made_in.find(t); m != made_in.end() && m->second == it->second) continue;
+          if (const auto fqn = param_of_arg.find(t); fqn != param_of_arg.end()) {
+            if (std::find(r.params.begin(), r.params.end(), fqn->second) == r.params.end()) r.params.push_back(fqn->second);
+          } else if (std::find(r.inputs.begin(), r.inputs.end(), t) == r.inputs.end()) {
+            read_outside(t, "the experts module '" + path + "'");  // another region's output
+            r.inputs.push_back(t);
+          }
+        }
+      }
+      for (const auto& o : b.outputs) {
+        if (!o.empty()) made_in[o] = it->second, made_by[o] = b.name;
+      }
+    }
+    for (const auto& o : p_.outputs) read_outside(o, "the program's output");
+    const std::string key = "parallelism.expert_parallel_degree " + std::to_string(args_.moe.expert_parallel);
+    if (experts_.empty()) {
+      fail_(key + ": the program has no experts module to place (a transformers class named *Experts, as Qwen3MoeExperts and MixtralExperts, "
+                  "seen in the nodes' nn_module_stack): expert parallelism applies to Mixture-of-Experts exports; set it to 1");
+    }
+    for (const auto& r : experts_) {
+      if (r.outputs.size() != 1) {
+        fail_(key + ": the experts module '" + r.path + "' (" + r.type + ") gives " + std::to_string(r.outputs.size()) +
+              " values to the rest of the program; spmdx replaces an experts module that returns one tensor (transformers' experts forward)");
+      }
+    }
+  }
+
+  void emit_experts(const ExpertsRegion& r, const BoundNode& b) {
+    ir::Graph& g = m_.graph;
+    const std::string what = "parallelism.expert_parallel_degree " + std::to_string(args_.moe.expert_parallel) + " on the experts module '" + r.path + "' (" + r.type + "): ";
+    std::string gate_up, down;
+    for (const auto& fqn : r.params) {
+      const bool is_gate_up = fqn.size() >= 12 && fqn.compare(fqn.size() - 12, 12, "gate_up_proj") == 0;
+      const bool is_down = fqn.size() >= 9 && fqn.compare(fqn.size() - 9, 9, "down_proj") == 0;
+      if (is_gate_up && gate_up.empty()) gate_up = fqn;
+      else if (is_down && down.empty()) down = fqn;
+      else fail_(what + "it reads parameter '" + fqn + "'; spmdx's expert parallelism maps experts of gate_up_proj and down_proj only (no biases): set the degree to 1");
+    }
+    if (gate_up.empty() || down.empty()) fail_(what + "it does not read both gate_up_proj and down_proj; set the degree to 1");
+    for (const char* act : {"aten.gelu.default", "aten.relu.default", "aten.tanh.default", "aten.sigmoid.default", "aten.clamp.default", "aten.elu.default"}) {
+      if (r.ops.count(act)) fail_(what + "its experts call " + act + "; spmdx's expert parallelism maps SwiGLU experts (silu(gate) * up): set the degree to 1");
+    }
+    if (!r.ops.count("aten.silu.default")) fail_(what + "no silu among its ops; spmdx's expert parallelism maps SwiGLU experts (silu(gate) * up): set the degree to 1");
+    ir::Value* gu = value(arg_of_param_.at(gate_up));
+    ir::Value* w2 = value(arg_of_param_.at(down));
+    ir::Value *x = nullptr, *ids = nullptr, *top = nullptr;
+    for (const auto& name : r.inputs) {
+      ir::Value* v = value(name);
+      ir::Value*& slot = integer(v) ? ids : v->meta().rank() == 2 && gu->meta().rank() == 3 && v->meta().shape[1] == gu->meta().shape[2] && x == nullptr ? x : top;
+      if (slot != nullptr) fail_(what + "it reads " + std::to_string(r.inputs.size()) + " values from outside; spmdx maps forward(hidden_states, top_k_index, top_k_weights)");
+      slot = v;
+    }
+    if (x == nullptr || ids == nullptr || top == nullptr) fail_(what + "it does not read hidden_states [tokens, dim], top_k_index and top_k_weights [tokens, top_k]");
+    const Shape &gs = gu->meta().shape, &ds = w2->meta().shape, &xs = x->meta().shape;
+    const std::int64_t E = gs[0], hidden = gs[1] / 2, dim = xs[1], tokens = xs[0];
+    if (gs.size() != 3 || gs[1] % 2 != 0 || gs[2] != dim || ds != Shape{E, dim, hidden} || ids->meta().rank() != 2 || ids->meta().shape[0] != tokens ||
+        top->meta().shape != ids->meta().shape) {
+      fail_(what + "gate_up_proj " + gu->meta().str() + ", down_proj " + w2->meta().str() + ", hidden_states " + x->meta().str() + ", top_k_index " + ids->meta().str() +
+            ", top_k_weights " + top->meta().str() + "; spmdx maps gate_up_proj [experts, 2 hidden, dim], down_proj [experts, dim, hidden] and [tokens, top_k] "
+            "routing (not transposed experts, not per-expert weights [tokens, experts])");
+    }
+    if (E % args_.moe.expert_parallel != 0) {
+      std::string divisors;
+      for (std::int64_t d = 1; d <= E; ++d) {
+        if (E % d == 0) divisors += (divisors.empty() ? "" : ", ") + std::to_string(d);
+      }
+      fail_(what + "the degree does not divide its " + std::to_string(E) + " experts: use one that does (" + divisors + "), with data_parallel_shard_degree the same");
+    }
+    const auto half = [&](std::int64_t start) { return g.add("slice", {gu}, {{"dim", std::int64_t{1}}, {"start", start}, {"end", start + hidden}}); };
+    MoEArgs a = args_.moe;
+    a.score_before_experts = false;  // transformers weights the experts' outputs
+    ir::Value* y = models::expert_parallel_experts(g, x, cast(ids, ir::DType::i64), cast(top, ir::DType::f32), half(0), w2, half(hidden), nullptr, a,
+                                                   r.path + ".tokens_per_expert");
+    set(b, y);
+    for (const auto& w : {gate_up, down}) m_.expert_params.push_back(w);
+    m_.args.moe.experts = E;
+    m_.args.moe.top_k = ids->meta().shape[1];
+    m_.args.moe.hidden = hidden;
+  }
 
   // embedding, linear, matmuls, transposes
   void map_dense(const BoundNode& b) {
@@ -1848,6 +2007,8 @@ class Mapper {
   std::map<std::string, Sym> env_;
   std::map<std::string, std::string> constant_names_;  // graph arg -> buffer/constant fqn
   std::map<std::string, std::string> arg_of_param_;    // parameter fqn -> graph arg
+  std::vector<ExpertsRegion> experts_;                  // expert parallelism: the experts modules replaced
+  std::map<std::string, std::size_t> region_of_;        // their nodes (by name) -> experts_
   std::vector<std::tuple<at::Tensor, at::Tensor, ir::Value*, ir::Value*>> rope_tables_;  // cos, sin and their inputs
   bool takes_labels_ = false;
   std::int64_t vocab_ = 0;

@@ -237,11 +237,7 @@ PlacedJob place_job(const JobSpec& spec, PluginRegistry& registry) {
   std::map<std::string, sharding::Placements> params;
   for (const auto& p : job.model.params) params[p] = job.inputs.at(p);
   job.use = sharding::use_placements(job.mesh, params);
-  if (spec.model.moe.expert_parallel > 1) {  // the routed experts are used where they are: each rank its own (tokens move instead)
-    for (const auto& p : job.model.params) {
-      if (p.find(".moe.experts.") != std::string::npos) job.use[p] = job.inputs.at(p);
-    }
-  }
+  for (const auto& p : job.model.expert_params) job.use[p] = job.inputs.at(p);  // expert parallelism: each rank uses its own experts (tokens move instead)
   for (const auto& p : job.model.params) job.inputs["exp_avg." + p] = job.inputs["exp_avg_sq." + p] = job.inputs.at(p);
   for (std::int64_t k = 1; k < spec.step.microbatches; ++k) {  // every microbatch's rows go where microbatch 0's do
     for (const char* name : {"tokens", "labels"}) job.inputs[microbatch_input(name, k)] = job.inputs.at(name);

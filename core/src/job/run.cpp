@@ -372,7 +372,7 @@ void print_banner(const JobSpec& spec, const PlacedJob& job, const sharding::Dis
   for (const auto& line : job.decided_by) std::printf("%s\n", line.c_str());  // who placed each mesh dim
   for (const auto& line : tp_replicated_parameters(spec, job)) std::printf("warning: %s\n", line.c_str());
   if (const std::string note = models::mla_note(spec.model); !note.empty()) std::printf("note: %s\n", note.c_str());
-  if (const auto& moe = spec.model.moe; moe.expert_parallel > 1) {
+  if (const auto& moe = job.model.args.moe; moe.expert_parallel > 1) {  // the model's: an imported one counts its experts when it is read
     std::printf("expert parallelism: ep %lld over %s, %lld of %lld experts a rank, tokens exchanged by all_to_all_v\n", static_cast<long long>(moe.expert_parallel),
                 moe.expert_dim.c_str(), static_cast<long long>(moe.experts / moe.expert_parallel), static_cast<long long>(moe.experts));
   }

@@ -500,16 +500,17 @@ JobSpec job_spec(const config::Config& cfg, std::int64_t world_size, std::int64_
   }
   if (const std::int64_t ep = cfg.get_int("parallelism.expert_parallel_degree"); ep > 1) {
     const std::vector<std::string> keys{"parallelism.expert_parallel_degree"};
-    if (s.model.moe.experts == 0) {
+    const bool imported = s.model.name == "pt2";  // its experts are counted when it is read (the importer checks the degree)
+    if (s.model.moe.experts == 0 && !imported) {
       fail(keys, "parallelism.expert_parallel_degree " + std::to_string(ep) + " applies to Mixture-of-Experts models (qwen3 debugmodel_moe, 30B-A3B, 235B-A22B, "
-                 "tiny_moe; deepseek_v3), not " + models::model_label(s.model));
+                 "tiny_moe; deepseek_v3; a transformers MoE export), not " + models::model_label(s.model));
     } else if (ep != s.dims.dp_shard || s.dims.dp_replicate != 1 || s.dims.cp != 1) {
       fail({"parallelism.expert_parallel_degree", "parallelism.data_parallel_shard_degree"},
            "parallelism.expert_parallel_degree " + std::to_string(ep) + ": spmdx's expert parallelism takes the whole dp_shard dim (ep = data_parallel_shard_degree, "
            "here " + std::to_string(s.dims.dp_shard) + ") with data_parallel_replicate_degree and context_parallel_degree 1: set "
            "data_parallel_shard_degree to " + std::to_string(ep) + " (spmdx compile: --world-size for the ranks); torchtitan's "
            "ep carved from part of dp_shard x cp (efsdp > 1), and EP with HSDP or CP, are not built yet");
-    } else if (s.model.moe.experts % ep != 0) {
+    } else if (!imported && s.model.moe.experts % ep != 0) {
       std::string divisors;
       for (std::int64_t d = 1; d <= s.model.moe.experts; ++d) {
         if (s.model.moe.experts % d == 0) divisors += (divisors.empty() ? "" : ", ") + std::to_string(d);

@@ -73,54 +73,6 @@ Value* shared_experts(Builder& mb, Value* x, const std::string& p, std::int64_t 
                 mb.param(p + "shared_experts.w3.weight", {hidden, dim}, K::trunc_normal, depth_std));
 }
 
-// The routed (and shared) experts under expert parallelism, in blocks of P = expert_parallel:
-// block p the tokens of rank p of the expert dim (x's rows p n .. (p + 1) n - 1), its slots sorted
-// by expert within the block, sent to the blocks of their experts' ranks (expert_dispatch, an
-// all_to_all_v once sharded), run there as each block's grouped GEMMs over its E / P experts
-// (their rows expert-major), and sent back (expert_combine). Numbers as moe_layer's: the same
-// products and the same sums per token, in another order.
-Value* expert_parallel_experts(Model& m, Builder& mb, Value* x, Value* chosen, Value* top, const Shape& shape, const std::string& p, double depth_std) {
-  const MoEArgs& a = m.args.moe;
-  auto& b = mb.b();
-  ir::Graph& g = m.graph;
-  using K = InitSpec::Kind;
-  const std::int64_t P = a.expert_parallel, dim = x->meta().shape[1], tokens = x->meta().shape[0], E = a.experts, k = a.top_k;
-  if (tokens % P != 0 || E % P != 0) {
-    throw std::invalid_argument("expert parallelism of degree " + std::to_string(P) + " needs the tokens (" + std::to_string(tokens) + ") and the experts (" +
-                                std::to_string(E) + ") to divide by it");
-  }
-  const std::int64_t n = tokens / P, slots = n * k, local = E / P;
-  const Float32Casts cast{g, x->meta().dtype};
-  const std::string f32 = ir::to_string(ir::DType::f32);
-  const ir::Attributes on_dim{{"expert_dim", a.expert_dim}};
-
-  Value* ids = b.reshape(chosen, {P, slots});
-  Value* counts = g.add("bincount", {ids}, {{"minlength", E}});  // [P, E]: each block's slots per expert
-  g.add_output(p + "tokens_per_expert", g.add("sum", {g.add("cast", {counts}, {{"dtype", f32}})}, {{"dims", Shape{0}}}));
-  Value* order = g.add("argsort", {ids}, {{"dim", std::int64_t{1}}, {"stable", true}});
-  Value* weights = b.reshape(g.add("gather", {b.reshape(top, {P, slots}), order}, {{"dim", std::int64_t{1}}}), {P, slots, 1});
-  Value* index = g.add("expand", {b.reshape(g.add("floor_divide_scalar", {order}, {{"value", k}}), {P, slots, 1})}, {{"shape", Shape{P, slots, dim}}});
-  Value* xb = b.reshape(x, {P, n, dim});
-  Value* routed = g.add("gather", {xb, index}, {{"dim", std::int64_t{1}}});
-  if (a.score_before_experts) routed = cast.back(b.mul(cast.to_f32(routed), weights));
-  Value* rows = g.add("expert_dispatch", {routed, counts}, on_dim);  // [P, P x slots, dim]
-  // Each block's rows per local expert (over all blocks' slots), and their ends.
-  Value* received = g.add("sum", {b.reshape(counts, {P, P, local})}, {{"dims", Shape{0}}});
-  Value* offs = g.add("cumsum", {received}, {{"dim", std::int64_t{1}}});
-  auto experts = [&](const std::string& name, std::int64_t rows_of, std::int64_t cols, double std) {
-    Value* w = mb.param(p + "experts." + name, {E, rows_of, cols}, K::trunc_normal, std);
-    return b.transpose(b.reshape(w, {P, local, rows_of, cols}), 2, 3);
-  };
-  Value* w1 = experts("w1", a.hidden, dim, 0.02);
-  Value* w2 = experts("w2", dim, a.hidden, depth_std);
-  Value* w3 = experts("w3", a.hidden, dim, depth_std);
-  auto grouped_mm = [&](Value* in, Value* w) { return g.add("grouped_mm", {in, w, offs}); };
-  Value* out = g.add("expert_combine", {grouped_mm(b.mul(b.silu(grouped_mm(rows, w1)), grouped_mm(rows, w3)), w2), counts}, on_dim);  // [P, slots, dim]
-  Value* base = a.shared_experts > 0 ? b.reshape(shared_experts(mb, x, p, a.hidden * a.shared_experts, depth_std), {P, n, dim}) : g.add("zeros_like", {xb});
-  if (!a.score_before_experts) out = cast.back(b.mul(cast.to_f32(out), weights));
-  return b.reshape(g.add("scatter_add", {base, index, out}, {{"dim", std::int64_t{1}}}), shape);
-}
-
 // torchtitan's MoE forward (models/moe/moe.py: TokenChoiceTopKRouter, TokenReorderer,
 // GroupedExperts with torch._grouped_mm, MoE.forward), one static graph: y [batch, seq, dim] ->
 // the same shape. Scores in float32; the bias (load balancing) only chooses experts; the slots
@@ -165,7 +117,14 @@ Value* moe_layer(Model& m, Builder& mb, Value* y, const std::string& p, std::int
   Value* top = g.add("gather", {scores, chosen}, {{"dim", std::int64_t{1}}});
   if (a.route_norm) top = g.add("div", {top, g.add("add_scalar", {g.add("sum", {top}, {{"dims", Shape{-1}}, {"keepdim", true}})}, {{"value", 1e-20}})});
   if (a.route_scale != 1.0) top = g.add("mul_scalar", {top}, {{"value", a.route_scale}});
-  if (a.expert_parallel > 1) return expert_parallel_experts(m, mb, x, chosen, top, shape, p, depth_std);
+  if (a.expert_parallel > 1) {
+    Value* w1 = mb.param(p + "experts.w1", {E, a.hidden, dim}, K::trunc_normal, 0.02);
+    Value* w2 = mb.param(p + "experts.w2", {E, dim, a.hidden}, K::trunc_normal, depth_std);
+    Value* w3 = mb.param(p + "experts.w3", {E, a.hidden, dim}, K::trunc_normal, depth_std);
+    for (const char* w : {"w1", "w2", "w3"}) m.expert_params.push_back(p + "experts." + w);
+    Value* base = a.shared_experts > 0 ? shared_experts(mb, x, p, a.hidden * a.shared_experts, depth_std) : nullptr;
+    return b.reshape(expert_parallel_experts(g, x, chosen, top, w1, w2, w3, base, a, p + "tokens_per_expert"), shape);
+  }
   Value* flat = b.reshape(chosen, {slots});
   Value* counts = g.add("bincount", {flat}, {{"minlength", E}});
   g.add_output(p + "tokens_per_expert", g.add("cast", {counts}, {{"dtype", f32}}));
@@ -258,6 +217,48 @@ std::function<void()>& releaser() {
 }
 
 }  // namespace
+
+// expert_parallel_experts (spmdx/models/model.h): block p the tokens of rank p of the expert
+// dim (x's rows p n .. (p + 1) n - 1), its slots sorted by expert within the block, sent to the
+// blocks of their experts' ranks, run there as each block's grouped GEMMs over its E / P experts
+// (their rows expert-major), and sent back. Numbers as moe_layer's flat form: the same products
+// and the same sums per token, in another order.
+ir::Value* expert_parallel_experts(ir::Graph& g, ir::Value* x, ir::Value* chosen, ir::Value* top, ir::Value* w1, ir::Value* w2, ir::Value* w3,
+                                   ir::Value* base, const MoEArgs& a, const std::string& load_output) {
+  ir::GraphBuilder b(g, x->meta().dtype);
+  const std::int64_t P = a.expert_parallel, dim = x->meta().shape[1], tokens = x->meta().shape[0], E = w1->meta().shape[0], k = chosen->meta().shape[1];
+  if (P < 1 || tokens % P != 0 || E % P != 0) {
+    throw std::invalid_argument("expert parallelism of degree " + std::to_string(P) + " needs the tokens (" + std::to_string(tokens) + ") and the experts (" +
+                                std::to_string(E) + ") to divide by it");
+  }
+  const std::int64_t n = tokens / P, slots = n * k, local = E / P;
+  const Float32Casts cast{g, x->meta().dtype};
+  const std::string f32 = ir::to_string(ir::DType::f32);
+  const ir::Attributes on_dim{{"expert_dim", a.expert_dim}};
+
+  Value* ids = b.reshape(chosen, {P, slots});
+  Value* counts = g.add("bincount", {ids}, {{"minlength", E}});  // [P, E]: each block's slots per expert
+  g.add_output(load_output, g.add("sum", {g.add("cast", {counts}, {{"dtype", f32}})}, {{"dims", Shape{0}}}));
+  Value* order = g.add("argsort", {ids}, {{"dim", std::int64_t{1}}, {"stable", true}});
+  Value* weights = b.reshape(g.add("gather", {b.reshape(top, {P, slots}), order}, {{"dim", std::int64_t{1}}}), {P, slots, 1});
+  Value* index = g.add("expand", {b.reshape(g.add("floor_divide_scalar", {order}, {{"value", k}}), {P, slots, 1})}, {{"shape", Shape{P, slots, dim}}});
+  Value* xb = b.reshape(x, {P, n, dim});
+  Value* routed = g.add("gather", {xb, index}, {{"dim", std::int64_t{1}}});
+  if (a.score_before_experts) routed = cast.back(b.mul(cast.to_f32(routed), weights));
+  Value* rows = g.add("expert_dispatch", {routed, counts}, on_dim);  // [P, P x slots, dim]
+  // Each block's rows per local expert (over all blocks' slots), and their ends.
+  Value* received = g.add("sum", {b.reshape(counts, {P, P, local})}, {{"dims", Shape{0}}});
+  Value* offs = g.add("cumsum", {received}, {{"dim", std::int64_t{1}}});
+  auto blocks = [&](Value* w) {  // [E, out, in] -> each block's experts, [P, local, in, out]
+    const Shape& s = w->meta().shape;
+    return b.transpose(b.reshape(w, {P, local, s[1], s[2]}), 2, 3);
+  };
+  auto grouped_mm = [&](Value* in, Value* w) { return g.add("grouped_mm", {in, blocks(w), offs}); };
+  Value* out = g.add("expert_combine", {grouped_mm(b.mul(b.silu(grouped_mm(rows, w1)), grouped_mm(rows, w3)), w2), counts}, on_dim);  // [P, slots, dim]
+  Value* onto = base != nullptr ? b.reshape(base, {P, n, dim}) : g.add("zeros_like", {xb});
+  if (!a.score_before_experts) out = cast.back(b.mul(cast.to_f32(out), weights));
+  return b.reshape(g.add("scatter_add", {onto, index, out}, {{"dim", std::int64_t{1}}}), {tokens, dim});
+}
 
 void set_importer(Importer f) { importer() = std::move(f); }
 void set_import_release(std::function<void()> release) { releaser() = std::move(release); }

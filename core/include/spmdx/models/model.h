@@ -163,7 +163,30 @@ struct Model {
   ir::Graph graph;
   std::vector<InitSpec> init;          ///< every parameter and buffer, in declaration order
   std::vector<std::string> params;     ///< trainable names, in declaration order
+  /// The routed experts' weights ([experts, ...] each) when expert parallelism builds them in
+  /// blocks over args.moe.expert_dim: each rank keeps its Shard(0) block and uses it where it is
+  /// (the tokens move instead). Empty without expert parallelism.
+  std::vector<std::string> expert_params;
 };
+
+/// One MoE layer's routed experts under expert parallelism (torchtitan's ExpertParallel,
+/// distributed/expert_parallel.py, v0.2.2; DeepSeek-V3's and Megatron-Core's dispatch / combine),
+/// written on values already in `g`, for the built-in MoE layer and an imported one alike:
+/// - x [tokens, dim] (the layer's input rows), chosen i64 [tokens, top_k] (each token's experts),
+///   top [tokens, top_k] (their scores, float32);
+/// - w1, w3 [experts, hidden, dim] and w2 [experts, dim, hidden]: SwiGLU experts,
+///   w2(silu(w1 x) * w3 x), as torchtitan's GroupedExperts and transformers' gate_up_proj
+///   (its first `hidden` rows w1, the rest w3) and down_proj;
+/// - base [tokens, dim] the routed outputs are added onto (shared experts), or nullptr (zeros).
+/// The tokens are cut into a.expert_parallel blocks (block p: rank p of a.expert_dim's rows),
+/// each block's slots sorted by expert (stable), sent to their experts' blocks (expert_dispatch:
+/// an all_to_all_v once sharded), run there as grouped GEMMs over the block's experts / degree
+/// experts, sent back (expert_combine), weighted by their scores (before the experts when
+/// a.score_before_experts) and added into their tokens' rows. Adds the graph output
+/// `load_output` (f32 [experts]: the slots each expert received). Returns [tokens, dim] in x's
+/// dtype. Throws std::invalid_argument when the degree divides neither the tokens nor the experts.
+ir::Value* expert_parallel_experts(ir::Graph& g, ir::Value* x, ir::Value* chosen, ir::Value* top, ir::Value* w1, ir::Value* w2, ir::Value* w3,
+                                   ir::Value* base, const MoEArgs& a, const std::string& load_output);
 
 /// Builds the forward graph for a batch of [batch, seq_len] tokens. For "pt2" the program is
 /// imported (set_importer) and its exported tokens must be [batch, seq_len]. Throws
