@@ -146,15 +146,73 @@ TEST(Moe, ExpertParallelismKeepsTheExpertsAndMovesTheTokens) {
   // layer, 2 layers, 3/4 of it to other ranks.
   EXPECT_DOUBLE_EQ(j.at("model").at("expert_parallel").at("all_to_all_v_bytes_even_routing").get<double>(), 4.0 * 2 * 512 * 64 * 4 * 3 / 4);
 
-  auto partial = spmdx("compile " + kConfig + " --world-size 4 --parallelism.expert_parallel_degree 2");
+  // EP 2 inside dp_shard 4 (torchtitan's efsdp 2): the mesh splits dp_shard.
+  auto carved = spmdx("compile " + kConfig + " --world-size 4 --parallelism.expert_parallel_degree 2");
+  ASSERT_EQ(carved.exit_code, 0) << carved.output;
+  EXPECT_THAT(carved.output, HasSubstr("mesh efsdp=2 x dp_shard=2 (4 ranks)")) << carved.output;
+  EXPECT_THAT(carved.output, HasSubstr("expert parallelism: ep 2 over dp_shard, 4 of 8 experts a rank")) << carved.output;
+  auto partial = spmdx("compile " + kConfig + " --world-size 4 --parallelism.expert_parallel_degree 3");
   EXPECT_NE(partial.exit_code, 0);
-  EXPECT_THAT(partial.output, HasSubstr("expert_parallel_degree 2: spmdx's expert parallelism takes the whole dp_shard dim (ep = data_parallel_shard_degree, here 4)")) << partial.output;
+  EXPECT_THAT(partial.output, HasSubstr("expert_parallel_degree 3: spmdx's expert parallelism is carved from the dp_shard dim (ep must divide data_parallel_shard_degree, here 4")) << partial.output;
   auto dense = spmdx("compile " + kConfig + " --model.name llama --model.flavor tiny --world-size 2 --parallelism.expert_parallel_degree 2");
   EXPECT_NE(dense.exit_code, 0);
   EXPECT_THAT(dense.output, HasSubstr("applies to Mixture-of-Experts models")) << dense.output;
   auto uneven = spmdx("compile " + kConfig + " --world-size 3 --parallelism.expert_parallel_degree 3");
   EXPECT_NE(uneven.exit_code, 0);
   EXPECT_THAT(uneven.output, HasSubstr("does not divide the 8 experts")) << uneven.output;
+}
+
+// Collectives of rank 0's step (graphviz hook) by what they move: `exchanges` all_to_all_v over
+// dp_shard; of the local expert blocks ([4, 32, 64] / [4, 64, 32]: 4 of tiny_moe's 8 experts),
+// those moved over dp_shard (none may be: EP keeps them there) and over `other` mesh dim.
+struct ExpertTraffic {
+  std::size_t exchanges = 0, over_dp_shard = 0, over_other = 0;
+};
+ExpertTraffic expert_traffic(const std::string& flags, const std::string& other, std::string* output) {
+  test::TempDir dir;
+  auto r = spmdx("run " + kConfig + " --data.paths '" + test::corpus_file(dir) + "' --nproc 4 --training.steps 1 " + flags +
+                 " --hooks.enable graphviz --job.dump_folder '" + dir.path().string() + "'");
+  *output = r.output;
+  ExpertTraffic t;
+  if (r.exit_code != 0) return t;
+  std::ifstream in(dir / "hooks" / "graphviz" / "rank0.dot");
+  const std::string dot((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  for (std::size_t at = dot.find("label=\""); at != std::string::npos; at = dot.find("label=\"", at + 1)) {
+    const std::string label = dot.substr(at, dot.find('"', at + 7) - at);
+    const bool expert_block = label.find("[4, 32, 64]") != std::string::npos || label.find("[4, 64, 32]") != std::string::npos;
+    if (label.find("all_to_all_v (dp_shard)") != std::string::npos) ++t.exchanges;
+    if (label.find("(dp_shard)") != std::string::npos && label.find("all_to_all_v") == std::string::npos && expert_block) ++t.over_dp_shard;
+    if (label.find("(" + other + ")") != std::string::npos && expert_block) ++t.over_other;
+  }
+  return t;
+}
+
+// HSDP with expert parallelism: each of 2 replicas (dp_replicate) runs its own EP 2 over its
+// dp_shard ranks: the tokens are exchanged only inside a replica (all_to_all_v over dp_shard), the
+// experts stay where dp_shard stores them (no dp_shard all_gather or reduce_scatter of an expert
+// block), and their gradients are summed over the replicas (dp_replicate), as HSDP's.
+// tests/reference (reference_moe_*_hsdp_expert_parallel) checks the numbers.
+TEST(Moe, HsdpReplicasEachRunTheirOwnExpertParallelism) {
+  std::string out;
+  const ExpertTraffic t = expert_traffic("--parallelism.data_parallel_replicate_degree 2 --parallelism.data_parallel_shard_degree 2 --parallelism.expert_parallel_degree 2",
+                                         "dp_replicate", &out);
+  EXPECT_THAT(out, HasSubstr("expert parallelism: ep 2 over dp_shard, 4 of 8 experts a rank"));
+  EXPECT_EQ(t.exchanges, 8U) << out;
+  EXPECT_EQ(t.over_dp_shard, 0U) << "an expert block moved over dp_shard";
+  EXPECT_GT(t.over_other, 0U) << "expert gradients not summed over the replicas";
+}
+
+// EP 2 carved from dp_shard 4 (torchtitan's efsdp 2): the mesh holds dp_shard as efsdp 2 x
+// dp_shard 2; the tokens move inside each efsdp group (all_to_all_v over the inner dp_shard), each
+// rank's experts are FSDP-sharded over efsdp (all_gather there, their gradients reduce_scatter
+// there) and never move over dp_shard. reference_moe_qwen3_expert_parallel_2_efsdp_2 checks the numbers.
+TEST(Moe, ExpertParallelismCarvedFromDpShardShardsTheExpertsOverEfsdp) {
+  std::string out;
+  const ExpertTraffic t = expert_traffic("--parallelism.expert_parallel_degree 2", "efsdp", &out);
+  EXPECT_THAT(out, HasSubstr("mesh efsdp=2 x dp_shard=2 (4 ranks"));
+  EXPECT_EQ(t.exchanges, 8U) << out;
+  EXPECT_EQ(t.over_dp_shard, 0U) << "an expert block moved over dp_shard";
+  EXPECT_GT(t.over_other, 0U) << "the experts are not FSDP-sharded over efsdp";
 }
 
 // all_to_all_v in `spmdx bench comm` (the op expert parallelism's dispatch runs): every element

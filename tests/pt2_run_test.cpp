@@ -183,7 +183,8 @@ INSTANTIATE_TEST_SUITE_P(Defaults, Pt2RunTransformers,
 // of PyTorch's. Routing is a topk: a float32 near-tie could flip a token's expert; none does here.
 // Then the same with expert parallelism 2 (`parallelism.expert_parallel_degree 2`): each layer's
 // experts module replaced by spmdx's expert-parallel form (2 of the 4 experts a rank, tokens
-// exchanged by all_to_all_v), whichever experts implementation exported it.
+// exchanged by all_to_all_v), whichever experts implementation exported it; and EP 2 carved from
+// dp_shard 4 (4 processes: the experts also FSDP-sharded over efsdp 2).
 class Pt2RunTransformersMoe : public ::testing::TestWithParam<std::string> {};
 TEST_P(Pt2RunTransformersMoe, OneRankAndFsdp2TrainAsPyTorch) {
   test::TempDir dir;
@@ -194,7 +195,8 @@ TEST_P(Pt2RunTransformersMoe, OneRankAndFsdp2TrainAsPyTorch) {
                                "\"\ntokenizer = \"byte\"\n[training]\nsteps = 5\n[data]\npaths = [\"" + (dir / "corpus.txt").string() + "\"]\n");
   const std::vector<Layout> layouts = {{"one", 1, "--parallelism.data_parallel_shard_degree 1 --parallelism.tensor_parallel_degree 1"},
                                        {"fsdp2", 2, "--parallelism.data_parallel_shard_degree 2 --parallelism.tensor_parallel_degree 1"},
-                                       {"ep2", 2, "--parallelism.data_parallel_shard_degree 2 --parallelism.tensor_parallel_degree 1 --parallelism.expert_parallel_degree 2"}};
+                                       {"ep2", 2, "--parallelism.data_parallel_shard_degree 2 --parallelism.tensor_parallel_degree 1 --parallelism.expert_parallel_degree 2"},
+                                       {"ep2_efsdp2", 4, "--parallelism.data_parallel_shard_degree 4 --parallelism.tensor_parallel_degree 1 --parallelism.expert_parallel_degree 2"}};
   for (const auto& l : layouts) {
     auto r = spmdx("run '" + config.string() + "' --nproc " + std::to_string(l.nproc) + " --job.dump_folder '" + (dir / l.name).string() +
                    "' --debug.dump_batches true " + l.flags);
@@ -204,7 +206,7 @@ TEST_P(Pt2RunTransformersMoe, OneRankAndFsdp2TrainAsPyTorch) {
       EXPECT_THAT(test::read_file(dir / l.name / "metrics.jsonl"), HasSubstr("\"moe_load_imbalance\""));
     }
   }
-  for (const char* layout : {"fsdp2", "ep2"}) {
+  for (const char* layout : {"fsdp2", "ep2", "ep2_efsdp2"}) {
     for (int step = 1; step <= 5; ++step) {
       const std::string batch = "debug/batches/step-" + std::to_string(step) + ".tokens.npy";
       EXPECT_EQ(test::read_file(dir / layout / batch), test::read_file(dir / "one" / batch)) << layout << " step " << step;

@@ -258,8 +258,9 @@ const std::vector<KeySpec>& schema() {
       n("parallelism.data_parallel_replicate_degree", Type::integer, std::int64_t{1}, "DDP degree (mesh dim dp_replicate)", 1, 1e6),
       n("parallelism.data_parallel_shard_degree", Type::integer, std::int64_t{-1}, "FSDP degree (mesh dim dp_shard; -1: the ranks left)", -1, 1e6),
       n("parallelism.expert_parallel_degree", Type::integer, std::int64_t{1},
-        "expert parallelism of MoE models, built-in or transformers exports (torchtitan's key): the routed experts Shard(0) over dp_shard, tokens dispatched to them by all_to_all_v; "
-        "1: off; else it must equal data_parallel_shard_degree (spmdx's ep = dp_shard: efsdp 1; with tp and pp, not with dp_replicate or cp)", 1, 1e6),
+        "expert parallelism of MoE models, built-in or transformers exports (torchtitan's key): the routed experts Shard(0) over (part of) dp_shard, tokens dispatched to them by all_to_all_v; "
+        "1: off; else it must divide data_parallel_shard_degree (the rest, efsdp = dp_shard / ep, shards the experts FSDP-style: mesh efsdp x dp_shard); "
+        "with tp, pp and dp_replicate (each replica its own EP), not with cp", 1, 1e6),
       n("parallelism.tensor_parallel_degree", Type::integer, std::int64_t{1}, "Megatron TP degree (mesh dim tp)", 1, 1e6),
       n("parallelism.context_parallel_degree", Type::integer, std::int64_t{1},
         "context parallelism (mesh dim cp, between dp_shard and tp): every activation sharded on the sequence over cp, attention "

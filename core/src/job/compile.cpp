@@ -237,7 +237,23 @@ PlacedJob place_job(const JobSpec& spec, PluginRegistry& registry) {
   std::map<std::string, sharding::Placements> params;
   for (const auto& p : job.model.params) params[p] = job.inputs.at(p);
   job.use = sharding::use_placements(job.mesh, params);
-  for (const auto& p : job.model.expert_params) job.use[p] = job.inputs.at(p);  // expert parallelism: each rank uses its own experts (tokens move instead)
+  // Expert parallelism: each rank uses its own experts, Shard(0) over the expert dim (the tokens
+  // move instead). With ep carved from dp_shard (mesh dim efsdp), the experts are FSDP-sharded
+  // over efsdp on their next dim (torchtitan's efsdp sharding) and gathered there for use.
+  if (!job.model.expert_params.empty()) {
+    const int ep_dim = job.mesh.dim_index(job.model.args.moe.expert_dim), efsdp = job.mesh.dim_index("efsdp");
+    for (const auto& p : job.model.expert_params) {
+      sharding::Placements& stored = job.inputs.at(p);
+      sharding::Placements use = stored;
+      if (ep_dim >= 0) stored[static_cast<std::size_t>(ep_dim)] = use[static_cast<std::size_t>(ep_dim)] = Placement::shard(0);
+      if (efsdp >= 0) {
+        const auto& shape = job.model.graph.find_input(p)->meta().shape;
+        stored[static_cast<std::size_t>(efsdp)] = shape.size() > 1 && shape[1] % job.mesh.size(efsdp) == 0 ? Placement::shard(1) : Placement::replicate();
+        use[static_cast<std::size_t>(efsdp)] = Placement::replicate();
+      }
+      job.use[p] = use;
+    }
+  }
   for (const auto& p : job.model.params) job.inputs["exp_avg." + p] = job.inputs["exp_avg_sq." + p] = job.inputs.at(p);
   for (std::int64_t k = 1; k < spec.step.microbatches; ++k) {  // every microbatch's rows go where microbatch 0's do
     for (const char* name : {"tokens", "labels"}) job.inputs[microbatch_input(name, k)] = job.inputs.at(name);

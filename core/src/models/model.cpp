@@ -226,36 +226,39 @@ std::function<void()>& releaser() {
 ir::Value* expert_parallel_experts(ir::Graph& g, ir::Value* x, ir::Value* chosen, ir::Value* top, ir::Value* w1, ir::Value* w2, ir::Value* w3,
                                    ir::Value* base, const MoEArgs& a, const std::string& load_output) {
   ir::GraphBuilder b(g, x->meta().dtype);
-  const std::int64_t P = a.expert_parallel, dim = x->meta().shape[1], tokens = x->meta().shape[0], E = w1->meta().shape[0], k = chosen->meta().shape[1];
-  if (P < 1 || tokens % P != 0 || E % P != 0) {
-    throw std::invalid_argument("expert parallelism of degree " + std::to_string(P) + " needs the tokens (" + std::to_string(tokens) + ") and the experts (" +
-                                std::to_string(E) + ") to divide by it");
+  const std::int64_t P = a.expert_parallel, D = a.expert_blocks > 0 ? a.expert_blocks : P, dim = x->meta().shape[1], tokens = x->meta().shape[0],
+                     E = w1->meta().shape[0], k = chosen->meta().shape[1];
+  if (P < 1 || D % P != 0 || tokens % D != 0 || E % P != 0) {
+    throw std::invalid_argument("expert parallelism of degree " + std::to_string(P) + " in " + std::to_string(D) + " blocks needs the tokens (" +
+                                std::to_string(tokens) + ") to divide by the blocks, and the blocks and the experts (" + std::to_string(E) + ") by the degree");
   }
-  const std::int64_t n = tokens / P, slots = n * k, local = E / P;
+  const std::int64_t n = tokens / D, slots = n * k, local = E / P;
   const Float32Casts cast{g, x->meta().dtype};
   const std::string f32 = ir::to_string(ir::DType::f32);
-  const ir::Attributes on_dim{{"expert_dim", a.expert_dim}};
+  ir::Attributes on_dim{{"expert_dim", a.expert_dim}};
+  if (D != P) on_dim["group"] = P;  // each run of P blocks exchanges on its own (HSDP's replicas)
 
-  Value* ids = b.reshape(chosen, {P, slots});
-  Value* counts = g.add("bincount", {ids}, {{"minlength", E}});  // [P, E]: each block's slots per expert
+  Value* ids = b.reshape(chosen, {D, slots});
+  Value* counts = g.add("bincount", {ids}, {{"minlength", E}});  // [D, E]: each block's slots per expert
   g.add_output(load_output, g.add("sum", {g.add("cast", {counts}, {{"dtype", f32}})}, {{"dims", Shape{0}}}));
   Value* order = g.add("argsort", {ids}, {{"dim", std::int64_t{1}}, {"stable", true}});
-  Value* weights = b.reshape(g.add("gather", {b.reshape(top, {P, slots}), order}, {{"dim", std::int64_t{1}}}), {P, slots, 1});
-  Value* index = g.add("expand", {b.reshape(g.add("floor_divide_scalar", {order}, {{"value", k}}), {P, slots, 1})}, {{"shape", Shape{P, slots, dim}}});
-  Value* xb = b.reshape(x, {P, n, dim});
+  Value* weights = b.reshape(g.add("gather", {b.reshape(top, {D, slots}), order}, {{"dim", std::int64_t{1}}}), {D, slots, 1});
+  Value* index = g.add("expand", {b.reshape(g.add("floor_divide_scalar", {order}, {{"value", k}}), {D, slots, 1})}, {{"shape", Shape{D, slots, dim}}});
+  Value* xb = b.reshape(x, {D, n, dim});
   Value* routed = g.add("gather", {xb, index}, {{"dim", std::int64_t{1}}});
   if (a.score_before_experts) routed = cast.back(b.mul(cast.to_f32(routed), weights));
-  Value* rows = g.add("expert_dispatch", {routed, counts}, on_dim);  // [P, P x slots, dim]
-  // Each block's rows per local expert (over all blocks' slots), and their ends.
-  Value* received = g.add("sum", {b.reshape(counts, {P, P, local})}, {{"dims", Shape{0}}});
+  Value* rows = g.add("expert_dispatch", {routed, counts}, on_dim);  // [D, P x slots, dim]
+  // Each block's rows per local expert (over all blocks' slots of its run), and their ends.
+  Value* received = D == P ? g.add("sum", {b.reshape(counts, {P, P, local})}, {{"dims", Shape{0}}})
+                           : b.reshape(g.add("sum", {b.reshape(counts, {D / P, P, P, local})}, {{"dims", Shape{1}}}), {D, local});
   Value* offs = g.add("cumsum", {received}, {{"dim", std::int64_t{1}}});
   auto blocks = [&](Value* w) {  // [E, out, in] -> each block's experts, [P, local, in, out]
     const Shape& s = w->meta().shape;
     return b.transpose(b.reshape(w, {P, local, s[1], s[2]}), 2, 3);
   };
   auto grouped_mm = [&](Value* in, Value* w) { return g.add("grouped_mm", {in, blocks(w), offs}); };
-  Value* out = g.add("expert_combine", {grouped_mm(b.mul(b.silu(grouped_mm(rows, w1)), grouped_mm(rows, w3)), w2), counts}, on_dim);  // [P, slots, dim]
-  Value* onto = base != nullptr ? b.reshape(base, {P, n, dim}) : g.add("zeros_like", {xb});
+  Value* out = g.add("expert_combine", {grouped_mm(b.mul(b.silu(grouped_mm(rows, w1)), grouped_mm(rows, w3)), w2), counts}, on_dim);  // [D, slots, dim]
+  Value* onto = base != nullptr ? b.reshape(base, {D, n, dim}) : g.add("zeros_like", {xb});
   if (!a.score_before_experts) out = cast.back(b.mul(cast.to_f32(out), weights));
   return b.reshape(g.add("scatter_add", {onto, index, out}, {{"dim", std::int64_t{1}}}), {tokens, dim});
 }

@@ -280,8 +280,8 @@ SPMDX_OP([] {
     floating(x, "x");
     same_dtype(Metas(in.begin(), in.begin() + 2));
     const bool batched = x.rank() == 3;
-    if (!((x.rank() == 2 && w.rank() == 3) || (batched && w.rank() == 4 && w.shape[0] == x.shape[0]))) {
-      fail("x must be [tokens, k] and w [groups, k, n] (or [b, tokens, k] and [b, groups, k, n]), got " + x.str() + " and " + w.str());
+    if (!((x.rank() == 2 && w.rank() == 3) || (batched && w.rank() == 4 && w.shape[0] > 0 && x.shape[0] % w.shape[0] == 0))) {
+      fail("x must be [tokens, k] and w [groups, k, n] (or [b, tokens, k] and [c, groups, k, n], c dividing b: block i takes w[i % c]), got " + x.str() + " and " + w.str());
     }
     const std::size_t b = batched ? 1 : 0;
     if (x.shape[b + 1] != w.shape[b + 1]) fail("x " + x.str() + " and w " + w.str() + " differ in k (x's last dim, w's second last)");
@@ -293,7 +293,8 @@ SPMDX_OP([] {
   s.vjp = [](Graph& g, const Node& n, const Grads& go) {
     const std::int64_t r = n.input(1)->meta().rank();
     Value* wt = g.add("transpose", {n.input(1)}, {{"dim0", r - 2}, {"dim1", r - 1}});
-    return Grads{g.add("grouped_mm", {go[0], wt, n.input(2)}), g.add("grouped_mm_weight_grad", {n.input(0), go[0], n.input(2)}), nullptr};
+    const ir::Attributes blocks{{"blocks", r == 4 ? n.input(1)->meta().shape[0] : std::int64_t{0}}};
+    return Grads{g.add("grouped_mm", {go[0], wt, n.input(2)}), g.add("grouped_mm_weight_grad", {n.input(0), go[0], n.input(2)}, blocks), nullptr};
   };
   s.flops = [](const Node& n) {
     const ir::TensorMeta& x = n.input(0)->meta();
@@ -314,14 +315,19 @@ SPMDX_OP([] {
                // i32 offs as torch._grouped_mm takes them; rows 7 to 9 in no group (zeros)
                {"grouped_mm_tail_i32", {{{10, 4}}, {{3, 4, 5}}, {{3}, Fill::offsets, 7, 0, ir::DType::i32}}, {}},
                // expert parallelism's blocks: each block's groups on its own rows
-               {"grouped_mm_blocks", {{{2, 9, 4}}, {{2, 3, 4, 5}}, {{2, 3}, Fill::offsets, 7}}, {}}};
+               {"grouped_mm_blocks", {{{2, 9, 4}}, {{2, 3, 4, 5}}, {{2, 3}, Fill::offsets, 7}}, {}},
+               // 4 blocks on 2 blocks of weights (expert parallelism 2 in each of 2 replicas)
+               {"grouped_mm_blocks_shared", {{{4, 9, 4}}, {{2, 3, 4, 5}}, {{4, 3}, Fill::offsets, 7}}, {}}};
   // w's columns give the output's; k split on both gives partial sums; linear in x and in w.
-  // The rows cannot be split: offs name global rows. Blocks ([b, ...]) split alike on all three.
+  // The rows cannot be split: offs name global rows. Blocks ([b, ...]) split alike on all three
+  // when each has its own weights; blocks sharing c blocks of weights split as whole runs of c
+  // (each rank all its blocks' weights).
   op.rules = [](const Node&, const std::vector<Shape>& in, const std::vector<Shape>&, std::int64_t ranks) {
     const Shape &x = in[0], &w = in[1];
     if (x.size() == 3) {
       Strategies st{{{R(), R(), R()}, {R()}}, {{P(), R(), R()}, {P()}}, {{R(), P(), R()}, {P()}}};
-      if (x[0] >= ranks) st.push_back({{S(0), S(0), S(0)}, {S(0)}});
+      if (x[0] >= ranks && x[0] == w[0]) st.push_back({{S(0), S(0), S(0)}, {S(0)}});
+      if (x[0] != w[0] && x[0] % ranks == 0 && (x[0] / ranks) % w[0] == 0) st.push_back({{S(0), R(), S(0)}, {S(0)}});
       return st;
     }
     Strategies st{{{R(), R(), R()}, {R()}}};
@@ -342,7 +348,9 @@ SPMDX_OP([] {
   OpSchema& s = op.schema;
   s.name = "grouped_mm_weight_grad";
   s.min_inputs = s.max_inputs = 3;
-  s.infer = [](const Metas& in, const Attributes&) {
+  // Blocks: the weights' blocks c (block i's product added into w[i % c]); 0: one a block.
+  s.attrs = {{"blocks", ir::AttrType::integer, false, std::int64_t{0}}};
+  s.infer = [](const Metas& in, const Attributes& attrs) {
     const ir::TensorMeta &x = *in[0], &g = *in[1], &offs = *in[2];
     floating(x, "x");
     same_dtype(Metas(in.begin(), in.begin() + 2));
@@ -353,6 +361,10 @@ SPMDX_OP([] {
     if (offs.rank() != x.rank() - 1 || (batched && offs.shape[0] != x.shape[0])) fail("offs must be i32 or i64 [groups] (or [b, groups]), got " + offs.str());
     check_offs(offs, offs.shape);
     Shape out = offs.shape;
+    if (const std::int64_t c = std::get<std::int64_t>(attrs.at("blocks")); batched && c > 0) {
+      if (x.shape[0] % c != 0) fail("blocks " + std::to_string(c) + " must divide x's " + std::to_string(x.shape[0]) + " blocks");
+      out[0] = c;
+    }
     out.push_back(x.shape.back());
     out.push_back(g.shape.back());
     return std::vector{like(x, out, x.requires_grad || g.requires_grad)};
@@ -369,13 +381,17 @@ SPMDX_OP([] {
   };
   s.samples = {{"grouped_mm_weight_grad", {{{10, 4}}, {{10, 5}}, {{3}, Fill::offsets, 10}}, {}, false},
                {"grouped_mm_weight_grad_tail", {{{10, 4}}, {{10, 5}}, {{4}, Fill::offsets, 6, 0, ir::DType::i32}}, {}, false},
-               {"grouped_mm_weight_grad_blocks", {{{2, 9, 4}}, {{2, 9, 5}}, {{2, 3}, Fill::offsets, 7}}, {}, false}};
+               {"grouped_mm_weight_grad_blocks", {{{2, 9, 4}}, {{2, 9, 5}}, {{2, 3}, Fill::offsets, 7}}, {}, false},
+               {"grouped_mm_weight_grad_blocks_shared", {{{4, 9, 4}}, {{4, 9, 5}}, {{4, 3}, Fill::offsets, 7}}, {{"blocks", std::int64_t{2}}}, false}};
   // x's columns give the result's rows (dim 1), g's its columns (dim 2); linear in each. Blocks
-  // split alike on all three.
-  op.rules = [](const Node&, const std::vector<Shape>& in, const std::vector<Shape>&, std::int64_t ranks) {
+  // split alike on all three when each has its own weights; blocks sharing c blocks of weights,
+  // as whole runs of c, give partial sums.
+  op.rules = [](const Node&, const std::vector<Shape>& in, const std::vector<Shape>& out, std::int64_t ranks) {
     if (in[0].size() == 3) {
       Strategies st{{{R(), R(), R()}, {R()}}, {{P(), R(), R()}, {P()}}, {{R(), P(), R()}, {P()}}};
-      if (in[0][0] >= ranks) st.push_back({{S(0), S(0), S(0)}, {S(0)}});
+      const std::int64_t b = in[0][0], c = out[0][0];
+      if (b >= ranks && b == c) st.push_back({{S(0), S(0), S(0)}, {S(0)}});
+      if (b != c && b % ranks == 0 && (b / ranks) % c == 0) st.push_back({{S(0), S(0), S(0)}, {P()}});
       return st;
     }
     Strategies st{{{R(), R(), R()}, {R()}}};
@@ -384,6 +400,12 @@ SPMDX_OP([] {
     st.push_back({{P(), R(), R()}, {P()}});
     st.push_back({{R(), P(), R()}, {P()}});
     return st;
+  };
+  // A rank's blocks of weights: its part of the output's.
+  op.local_attrs = [](const Node& n, const std::vector<Shape>& local_out, std::int64_t) {
+    Attributes a = n.attrs();
+    if (n.attr_int("blocks") > 0) a["blocks"] = local_out[0][0];
+    return a;
   };
   return op;
 }())
@@ -484,17 +506,30 @@ namespace {
 at::Tensor grouped_mm_2d(const Tensors& x);
 at::Tensor grouped_mm_weight_grad_2d(const Tensors& x);
 
-// Blocks ([b, ...]): each block's product on its own.
-template <typename F>
-at::Tensor per_block(const Tensors& x, F f) {
-  if (x[0].dim() == 2) return f(x);
+// Blocks ([b, ...]): each block's product on its own, block i on weights w[i % c] (grouped_mm's
+// w of c blocks).
+at::Tensor grouped_mm_blocks(const Tensors& x) {
+  if (x[0].dim() == 2) return grouped_mm_2d(x);
   std::vector<at::Tensor> blocks;
-  for (std::int64_t b = 0; b < x[0].size(0); ++b) blocks.push_back(f(Tensors{x[0][b], x[1][b], x[2][b]}));
+  for (std::int64_t b = 0; b < x[0].size(0); ++b) blocks.push_back(grouped_mm_2d(Tensors{x[0][b], x[1][b % x[1].size(0)], x[2][b]}));
   return at::stack(blocks);
 }
 
-SPMDX_KERNEL("grouped_mm", [](const Node&, const Tensors& x) { return one(per_block(x, grouped_mm_2d)); })
-SPMDX_KERNEL("grouped_mm_weight_grad", [](const Node&, const Tensors& x) { return one(per_block(x, grouped_mm_weight_grad_2d)); })
+// Each block's weight gradient, added into block i % c of c (attr blocks; 0: c = b).
+at::Tensor grouped_mm_weight_grad_blocks(const Node& n, const Tensors& x) {
+  if (x[0].dim() == 2) return grouped_mm_weight_grad_2d(x);
+  const std::int64_t b = x[0].size(0), c = n.attr_int("blocks") > 0 ? n.attr_int("blocks") : b;
+  std::vector<at::Tensor> blocks;
+  for (std::int64_t i = 0; i < b; ++i) {
+    at::Tensor w = grouped_mm_weight_grad_2d(Tensors{x[0][i], x[1][i], x[2][i]});
+    if (i < c) blocks.push_back(w);
+    else blocks[static_cast<std::size_t>(i % c)] = blocks[static_cast<std::size_t>(i % c)] + w;
+  }
+  return at::stack(blocks);
+}
+
+SPMDX_KERNEL("grouped_mm", [](const Node&, const Tensors& x) { return one(grouped_mm_blocks(x)); })
+SPMDX_KERNEL("grouped_mm_weight_grad", [](const Node& n, const Tensors& x) { return one(grouped_mm_weight_grad_blocks(n, x)); })
 
 at::Tensor grouped_mm_2d(const Tensors& x) {
   const bool half = half_on_cpu(x[0]);

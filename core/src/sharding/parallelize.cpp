@@ -47,7 +47,12 @@ void check_placement(const std::string& by, const TensorInfo& t, const DeviceMes
 
 DeviceMesh make_mesh(const ParallelDims& d, std::int64_t world_size) {
   std::vector<MeshDim> dims;
-  for (const auto& [name, size] : {std::pair<std::string, std::int64_t>{"dp_replicate", d.dp_replicate}, {"dp_shard", d.dp_shard}, {"cp", d.cp}, {"tp", d.tp}}) {
+  const bool carved = d.ep > 1 && d.ep < d.dp_shard;
+  if (carved && d.dp_shard % d.ep != 0) {
+    throw std::invalid_argument("expert_parallel_degree (" + std::to_string(d.ep) + ") must divide data_parallel_shard_degree (" + std::to_string(d.dp_shard) + ")");
+  }
+  for (const auto& [name, size] : {std::pair<std::string, std::int64_t>{"dp_replicate", d.dp_replicate}, {"efsdp", carved ? d.dp_shard / d.ep : 1},
+                                   {"dp_shard", carved ? d.ep : d.dp_shard}, {"cp", d.cp}, {"tp", d.tp}}) {
     if (size < 1) throw std::invalid_argument("parallelism degree " + name + " is " + std::to_string(size) + ", must be >= 1");
     if (size > 1) dims.push_back({name, size});
   }
@@ -124,9 +129,9 @@ std::map<std::string, TensorRole> parameter_roles(const ir::Graph& graph, const 
 
 std::string strategy_for(const std::string& mesh_dim) {
   if (mesh_dim == "dp_replicate" || mesh_dim == "dp") return "data_parallel";
-  if (mesh_dim == "dp_shard") return "fsdp";
+  if (mesh_dim == "dp_shard" || mesh_dim == "efsdp") return "fsdp";
   if (mesh_dim == "tp") return "tensor_parallel";
-  throw std::invalid_argument("no strategy decides mesh dim '" + mesh_dim + "' (known: dp_replicate, dp_shard, tp)");
+  throw std::invalid_argument("no strategy decides mesh dim '" + mesh_dim + "' (known: dp_replicate, dp_shard, efsdp, tp)");
 }
 
 std::map<std::string, Placements> parallelize(PluginRegistry& registry, const DeviceMesh& mesh, const StrategyInput& in,
@@ -213,7 +218,7 @@ std::map<std::string, Placements> use_placements(const DeviceMesh& mesh, const s
     Placements use = pl;
     for (int i = 0; i < mesh.ndim(); ++i) {
       const std::string& dim = mesh.dims()[static_cast<std::size_t>(i)].name;
-      if (dim == "dp_shard" || dim == "dp_replicate" || dim == "dp") use[static_cast<std::size_t>(i)] = Placement::replicate();
+      if (dim == "dp_shard" || dim == "efsdp" || dim == "dp_replicate" || dim == "dp") use[static_cast<std::size_t>(i)] = Placement::replicate();
     }
     out[name] = use;
   }

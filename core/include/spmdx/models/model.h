@@ -78,6 +78,9 @@ struct MoEArgs {
   /// those of degree 1 (sums in another order aside).
   std::int64_t expert_parallel = 1;
   std::string expert_dim = "dp_shard";
+  /// The tokens' blocks, one per data-parallel rank (dp_replicate x dp_shard: HSDP's replicas
+  /// each exchange within their own expert_parallel blocks); 0: expert_parallel.
+  std::int64_t expert_blocks = 0;
 };
 
 struct ModelArgs {
@@ -178,13 +181,14 @@ struct Model {
 ///   w2(silu(w1 x) * w3 x), as torchtitan's GroupedExperts and transformers' gate_up_proj
 ///   (its first `hidden` rows w1, the rest w3) and down_proj;
 /// - base [tokens, dim] the routed outputs are added onto (shared experts), or nullptr (zeros).
-/// The tokens are cut into a.expert_parallel blocks (block p: rank p of a.expert_dim's rows),
-/// each block's slots sorted by expert (stable), sent to their experts' blocks (expert_dispatch:
-/// an all_to_all_v once sharded), run there as grouped GEMMs over the block's experts / degree
-/// experts, sent back (expert_combine), weighted by their scores (before the experts when
+/// The tokens are cut into a.expert_blocks blocks (one per data-parallel rank; the ranks of
+/// a.expert_dim in runs of a.expert_parallel), each block's slots sorted by expert (stable), sent
+/// to their experts' blocks in their run (expert_dispatch: an all_to_all_v once sharded), run there
+/// as grouped GEMMs over the block's experts / degree experts, sent back (expert_combine), weighted by their scores (before the experts when
 /// a.score_before_experts) and added into their tokens' rows. Adds the graph output
 /// `load_output` (f32 [experts]: the slots each expert received). Returns [tokens, dim] in x's
-/// dtype. Throws std::invalid_argument when the degree divides neither the tokens nor the experts.
+/// dtype. Throws std::invalid_argument when the blocks do not divide the tokens, or the degree
+/// the blocks or the experts.
 ir::Value* expert_parallel_experts(ir::Graph& g, ir::Value* x, ir::Value* chosen, ir::Value* top, ir::Value* w1, ir::Value* w2, ir::Value* w3,
                                    ir::Value* base, const MoEArgs& a, const std::string& load_output);
 

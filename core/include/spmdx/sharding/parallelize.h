@@ -22,9 +22,15 @@ struct ParallelDims {
   std::int64_t dp_shard = 1;
   std::int64_t tp = 1;
   std::int64_t cp = 1;  ///< context parallelism (train/context_parallel.h): placed by the core, no plugin; the mesh puts it before tp
+  /// Expert parallelism carved from dp_shard (torchtitan's ep with efsdp = dp_shard / ep > 1):
+  /// when 1 < ep < dp_shard the mesh holds dp_shard as two dims, "efsdp" (dp_shard / ep, outer)
+  /// and "dp_shard" (ep, inner), the experts Shard(0) over the inner and FSDP-sharded over the
+  /// outer, the dense parameters FSDP-sharded over both. 1 (or dp_shard): one dp_shard dim.
+  std::int64_t ep = 1;
 };
 
-/// The mesh [dp_replicate, dp_shard, cp, tp] (torchtitan's order), row-major (tp innermost: neighbouring ranks, the
+/// The mesh [dp_replicate, dp_shard, cp, tp] (torchtitan's order; dp_shard as [efsdp, dp_shard]
+/// when ParallelDims::ep carves expert parallelism from part of it), row-major (tp innermost: neighbouring ranks, the
 /// fast local path), keeping the dims of size > 1 ("dp_replicate" of size 1 when all are 1).
 /// Throws std::invalid_argument when a degree is < 1 or their product is not world_size.
 DeviceMesh make_mesh(const ParallelDims& dims, std::int64_t world_size);
