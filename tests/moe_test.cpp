@@ -154,6 +154,9 @@ TEST(Moe, ExpertParallelismKeepsTheExpertsAndMovesTheTokens) {
   auto partial = spmdx("compile " + kConfig + " --world-size 4 --parallelism.expert_parallel_degree 3");
   EXPECT_NE(partial.exit_code, 0);
   EXPECT_THAT(partial.output, HasSubstr("expert_parallel_degree 3: spmdx's expert parallelism is carved from the dp_shard dim (ep must divide data_parallel_shard_degree, here 4")) << partial.output;
+  auto with_cp = spmdx("compile " + kConfig + " --world-size 4 --parallelism.context_parallel_degree 2 --parallelism.expert_parallel_degree 2");
+  EXPECT_NE(with_cp.exit_code, 0);
+  EXPECT_THAT(with_cp.output, HasSubstr("expert_parallel_degree 2 with context_parallel_degree 2: expert parallelism with context parallelism")) << with_cp.output;
   auto dense = spmdx("compile " + kConfig + " --model.name llama --model.flavor tiny --world-size 2 --parallelism.expert_parallel_degree 2");
   EXPECT_NE(dense.exit_code, 0);
   EXPECT_THAT(dense.output, HasSubstr("applies to Mixture-of-Experts models")) << dense.output;

@@ -230,6 +230,22 @@ TEST_P(Pt2RunTransformersMoe, OneRankAndFsdp2TrainAsPyTorch) {
 }
 INSTANTIATE_TEST_SUITE_P(Defaults, Pt2RunTransformersMoe, ::testing::Values("qwen3_moe", "qwen3_moe_batched_mm", "mixtral", "mixtral_batched_mm"));
 
+// An experts module of transformers' form that computes something else (silu(up) * gate:
+// tests/fixtures/hf_models.py mixtral_swapped_experts) is not replaced by SwiGLU experts: expert
+// parallelism runs the module's nodes on a sample, finds the difference and refuses, naming the
+// module and the key; without expert parallelism the export maps op by op and compiles.
+TEST(Pt2RunHuggingFaceOps, ExpertParallelismRefusesExpertsThatAreNotSwiGlu) {
+  const std::string model = (kFixtures / "transformers_mixtral_swapped_experts.pt2").string();
+  auto r = spmdx("compile '" SPMDX_SOURCE_DIR "/examples/export/transformers_qwen3_moe.toml' --model.path '" + model +
+                 "' --world-size 2 --parallelism.expert_parallel_degree 2");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_THAT(r.output, HasSubstr("parallelism.expert_parallel_degree 2 on the experts module 'model.model.layers.0.mlp.experts' (SwappedExperts)")) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("compute something other than SwiGLU experts")) << r.output;
+  auto plain = spmdx("compile '" SPMDX_SOURCE_DIR "/examples/export/transformers_qwen3_moe.toml' --model.path '" + model +
+                     "' --world-size 2 --parallelism.expert_parallel_degree 1");
+  EXPECT_EQ(plain.exit_code, 0) << plain.output;
+}
+
 // Expert parallelism on an export without experts (transformers' dense Qwen3) is refused naming
 // the key and what it applies to, before any rank starts training.
 TEST(Pt2RunHuggingFaceOps, ExpertParallelismOnADenseExportIsRefused) {

@@ -804,6 +804,7 @@ class Mapper {
       Sym s;
       s.v = m_.graph.add_input(in.fqn, meta);
       add_init(in.fqn, t, true);
+      param_values_[in.arg] = t;
       m_.params.push_back(in.fqn);
       env_[in.arg] = s;
       arg_of_param_[in.fqn] = in.arg;
@@ -1202,6 +1203,8 @@ class Mapper {
     std::set<std::string> outputs;       // values made in it and read outside
     std::string last;                    // the node that makes the output
     std::string reader;                  // a node outside that reads it (for messages)
+    std::vector<JsonAt> nodes;           // its nodes, in program order
+    double bytes = 0;                    // what its nodes' outputs hold (the sample check's memory)
   };
 
   // The innermost module of a node's nn_module_stack ("key,path,type;..." from the outermost)
@@ -1251,10 +1254,18 @@ class Mapper {
         continue;
       }
       const auto [it, fresh] = index.emplace(path, experts_.size());
-      if (fresh) experts_.push_back({path, type, {}, {}, {}, {}, "", ""});
+      if (fresh) experts_.push_back({path, type, {}, {}, {}, {}, "", "", {}, 0});
       ExpertsRegion& r = experts_[it->second];
       region_of_[b.name] = it->second;
       r.ops.insert(b.target);
+      r.nodes.push_back(node);
+      for (const auto& o : b.outputs) {
+        if (const auto m = p_.values.find(o); !o.empty() && m != p_.values.end()) {
+          double n = static_cast<double>(c10::elementSize(m->second.dtype));
+          for (const auto d : m->second.sizes) n *= static_cast<double>(d);
+          r.bytes += n;
+        }
+      }
       for (const auto& a : b.args) {
         for (const auto& t : a.tensors) {
           if (t.empty()) continue;
@@ -1282,6 +1293,83 @@ class Mapper {
         fail_(key + ": the experts module '" + r.path + "' (" + r.type + ") gives " + std::to_string(r.outputs.size()) +
               " values to the rest of the program; spmdx replaces an experts module that returns one tensor (transformers' experts forward)");
       }
+    }
+  }
+
+  // The replacement is exact only if the module computes transformers' experts contract; its
+  // class name and parameters say so, its ops are checked here: the module's own nodes run with
+  // ATen on a sample (random hidden states, distinct random experts per token, random scores and
+  // random weights of the parameters' shapes, seeded) against the contract's sum, in float64.
+  // A module that computes something else (another activation order, a scale, a bias) is refused
+  // naming it, rather than trained as if it were SwiGLU experts.
+  void check_experts_function(const ExpertsRegion& r, const std::string& what, const std::string& gate_up, const std::string& down,
+                              const std::vector<std::string>& inputs, const ir::Value* x, const ir::Value* ids) {
+    if (r.bytes > 8.0 * (1 << 30)) {
+      fail_(what + "checking that it computes SwiGLU experts runs its nodes on a sample, which would take " + std::to_string(r.bytes / (1 << 30)) +
+            " GiB at the exported batch; export with a smaller batch, or set the degree to 1");
+    }
+    at::manual_seed(20261206);
+    const at::Tensor& gu0 = param_values_.at(arg_of_param_.at(gate_up));
+    const at::Tensor& down0 = param_values_.at(arg_of_param_.at(down));
+    const std::int64_t tokens = x->meta().shape[0], dim = x->meta().shape[1], k = ids->meta().shape[1], E = gu0.size(0), hidden = gu0.size(1) / 2;
+    const auto f32 = at::TensorOptions().dtype(at::kFloat);
+    const at::Tensor gu = at::randn(gu0.sizes(), f32).div(std::sqrt(static_cast<double>(dim))).to(gu0.scalar_type());
+    const at::Tensor dn = at::randn(down0.sizes(), f32).div(std::sqrt(static_cast<double>(hidden))).to(down0.scalar_type());
+    const at::Tensor hs = at::randn({tokens, dim}, f32);
+    const at::Tensor choice = at::argsort(at::rand({tokens, E}, f32), /*dim=*/1, /*descending=*/false).narrow(1, 0, std::min(k, E)).contiguous();
+    const at::Tensor weights = at::rand({tokens, k}, f32);
+    std::map<std::string, at::Tensor> vals;
+    for (const auto& name : inputs) {
+      const ir::Value* v = value(name);
+      at::Tensor t = v == x ? hs : v == ids ? choice : weights;
+      vals[name] = t.to(exec::to_aten(v->meta().dtype));
+    }
+    auto tensor = [&](const std::string& name) -> at::Tensor {
+      if (const auto it = vals.find(name); it != vals.end()) return it->second;
+      if (name == arg_of_param_.at(gate_up)) return gu;
+      if (name == arg_of_param_.at(down)) return dn;
+      const Sym& c = sym(name);
+      if (c.kind == Sym::Kind::constant) return c.c;
+      fail_(what + "its value '" + name + "' is neither an input of the module nor a constant: cannot check what it computes; set the degree to 1");
+    };
+    std::string output;
+    for (const auto& node : r.nodes) {
+      const BoundNode b = bind_node(fail_, node);
+      if (b.target == "aten._assert_tensor_metadata.default" || b.target == "aten._assert_scalar.default") continue;
+      std::vector<at::Tensor> results;
+      if (b.target == "transformers.grouped_mm_fallback.default") {  // its meaning (transformers/integrations/moe.py)
+        const at::Tensor in = tensor(b.arg("input").tensors.at(0)), w = tensor(b.arg("weight").tensors.at(0)), offs = tensor(b.arg("offs").tensors.at(0)).to(at::kLong);
+        at::Tensor out = at::zeros({in.size(0), w.size(2)}, in.options());
+        std::int64_t start = 0;
+        for (std::int64_t e = 0; e < offs.size(0); ++e) {
+          const std::int64_t end = std::min(offs[e].item<std::int64_t>(), in.size(0));
+          if (end > start) out.narrow(0, start, end - start).copy_(at::mm(in.narrow(0, start, end - start), w[e]));
+          start = std::max(start, end);
+        }
+        results.push_back(out);
+      } else {
+        if (!b.op || b.op->hasTag(at::Tag::nondeterministic_seeded)) fail_at(b, what + "cannot run it on a sample to check the module; set the degree to 1");
+        torch::jit::Stack stack = stack_of(b, tensor);
+        b.op->callBoxed(&stack);
+        results = results_of(stack);
+      }
+      for (std::size_t i = 0; i < b.outputs.size() && i < results.size(); ++i) {
+        if (!b.outputs[i].empty()) vals[b.outputs[i]] = results[i];
+      }
+      if (b.name == r.last) output = *r.outputs.begin();
+    }
+    const at::Tensor got = vals.at(output).to(at::kDouble);
+    // The contract: out[t] = sum_j w[t, j] down_e(silu(gate_e x_t) * up_e x_t), e = choice[t, j].
+    const at::Tensor e = choice.reshape({-1}), xs = hs.to(at::kDouble).repeat_interleave(k, 0);
+    const at::Tensor h = at::bmm(gu.to(at::kDouble).index_select(0, e), xs.unsqueeze(-1)).squeeze(-1);
+    const at::Tensor act = at::silu(h.narrow(1, 0, hidden)) * h.narrow(1, hidden, hidden);
+    const at::Tensor want = (at::bmm(dn.to(at::kDouble).index_select(0, e), act.unsqueeze(-1)).squeeze(-1) * weights.to(at::kDouble).reshape({-1, 1}))
+                                .reshape({tokens, k, dim}).sum(1);
+    const double off = (got - want).abs().max().item<double>(), scale = want.abs().max().item<double>();
+    if (!(off <= 1e-3 * scale + 1e-6)) {
+      fail_(what + "on a sample its nodes compute something other than SwiGLU experts (sum over the top_k of score x down(silu(gate x) * up x), gate_up_proj's first half "
+                   "gate): off by " + std::to_string(off) + " where the values reach " + std::to_string(scale) +
+            ". spmdx's expert parallelism replaces the module by that function, so it is refused: set the degree to 1 (the module then maps op by op)");
     }
   }
 
@@ -1324,12 +1412,13 @@ class Mapper {
       for (std::int64_t d = 1; d <= E; ++d) {
         if (E % d == 0) divisors += (divisors.empty() ? "" : ", ") + std::to_string(d);
       }
-      fail_(what + "the degree does not divide its " + std::to_string(E) + " experts: use one that does (" + divisors + "), with data_parallel_shard_degree the same");
+      fail_(what + "the degree does not divide its " + std::to_string(E) + " experts: use one that does (" + divisors + ") and divides data_parallel_shard_degree");
     }
+    check_experts_function(r, what, gate_up, down, r.inputs, x, ids);
     const auto half = [&](std::int64_t start) { return g.add("slice", {gu}, {{"dim", std::int64_t{1}}, {"start", start}, {"end", start + hidden}}); };
     MoEArgs a = args_.moe;
     a.score_before_experts = false;  // transformers weights the experts' outputs
-    ir::Value* y = models::expert_parallel_experts(g, x, cast(ids, ir::DType::i64), cast(top, ir::DType::f32), half(0), w2, half(hidden), nullptr, a,
+    ir::Value* y = models::expert_parallel_experts(g, x, cast(ids, ir::DType::i64), cast(top, ir::DType::f32), half(0), w2, half(hidden), {}, a,
                                                    r.path + ".tokens_per_expert");
     set(b, y);
     for (const auto& w : {gate_up, down}) m_.expert_params.push_back(w);
@@ -2008,6 +2097,7 @@ class Mapper {
   std::map<std::string, std::string> constant_names_;  // graph arg -> buffer/constant fqn
   std::map<std::string, std::string> arg_of_param_;    // parameter fqn -> graph arg
   std::vector<ExpertsRegion> experts_;                  // expert parallelism: the experts modules replaced
+  std::map<std::string, at::Tensor> param_values_;      // parameter graph arg -> its value (the sample check's shapes and dtypes)
   std::map<std::string, std::size_t> region_of_;        // their nodes (by name) -> experts_
   std::vector<std::tuple<at::Tensor, at::Tensor, ir::Value*, ir::Value*>> rope_tables_;  // cos, sin and their inputs
   bool takes_labels_ = false;

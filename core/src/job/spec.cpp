@@ -504,19 +504,24 @@ JobSpec job_spec(const config::Config& cfg, std::int64_t world_size, std::int64_
     if (s.model.moe.experts == 0 && !imported) {
       fail(keys, "parallelism.expert_parallel_degree " + std::to_string(ep) + " applies to Mixture-of-Experts models (qwen3 debugmodel_moe, 30B-A3B, 235B-A22B, "
                  "tiny_moe; deepseek_v3; a transformers MoE export), not " + models::model_label(s.model));
-    } else if (s.dims.dp_shard % ep != 0 || s.dims.cp != 1) {
+    } else if (s.dims.cp != 1) {
+      fail({"parallelism.expert_parallel_degree", "parallelism.context_parallel_degree"},
+           "parallelism.expert_parallel_degree " + std::to_string(ep) + " with context_parallel_degree " + std::to_string(s.dims.cp) +
+               ": expert parallelism with context parallelism (torchtitan's ep carved from dp_shard x cp) is not built yet: set context_parallel_degree to 1, "
+               "or expert_parallel_degree to 1");
+    } else if (s.dims.dp_shard % ep != 0) {
       fail({"parallelism.expert_parallel_degree", "parallelism.data_parallel_shard_degree"},
            "parallelism.expert_parallel_degree " + std::to_string(ep) + ": spmdx's expert parallelism is carved from the dp_shard dim (ep must divide "
-           "data_parallel_shard_degree, here " + std::to_string(s.dims.dp_shard) + "; the rest, efsdp, shards the experts FSDP-style) with "
-           "context_parallel_degree 1: set data_parallel_shard_degree to a multiple of " + std::to_string(ep) + " (spmdx compile: --world-size for the ranks); "
-           "torchtitan's ep carved from dp_shard x cp (EP with CP) is not built yet");
+           "data_parallel_shard_degree, here " + std::to_string(s.dims.dp_shard) + "; the rest, efsdp, shards the experts FSDP-style): "
+           "set data_parallel_shard_degree to a multiple of " + std::to_string(ep) + " (spmdx compile: --world-size for the ranks)");
     } else if (!imported && s.model.moe.experts % ep != 0) {
       std::string divisors;
       for (std::int64_t d = 1; d <= s.model.moe.experts; ++d) {
         if (s.model.moe.experts % d == 0) divisors += (divisors.empty() ? "" : ", ") + std::to_string(d);
       }
       fail(keys, "parallelism.expert_parallel_degree " + std::to_string(ep) + " does not divide the " + std::to_string(s.model.moe.experts) + " experts of " +
-                     models::model_label(s.model) + ": use one that does (" + divisors + "), with data_parallel_shard_degree the same");
+                     models::model_label(s.model) + ": use one that does (" + divisors + ") and divides data_parallel_shard_degree (" +
+                     std::to_string(s.dims.dp_shard) + ")");
     } else {
       s.model.moe.expert_parallel = ep;
       s.model.moe.expert_blocks = s.dims.dp_replicate * s.dims.dp_shard;  // one block per data-parallel rank; each run of ep blocks exchanges

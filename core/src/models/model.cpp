@@ -122,7 +122,7 @@ Value* moe_layer(Model& m, Builder& mb, Value* y, const std::string& p, std::int
     Value* w2 = mb.param(p + "experts.w2", {E, dim, a.hidden}, K::trunc_normal, depth_std);
     Value* w3 = mb.param(p + "experts.w3", {E, a.hidden, dim}, K::trunc_normal, depth_std);
     for (const char* w : {"w1", "w2", "w3"}) m.expert_params.push_back(p + "experts." + w);
-    Value* base = a.shared_experts > 0 ? shared_experts(mb, x, p, a.hidden * a.shared_experts, depth_std) : nullptr;
+    auto base = [&]() -> Value* { return a.shared_experts > 0 ? shared_experts(mb, x, p, a.hidden * a.shared_experts, depth_std) : nullptr; };
     return b.reshape(expert_parallel_experts(g, x, chosen, top, w1, w2, w3, base, a, p + "tokens_per_expert"), shape);
   }
   Value* flat = b.reshape(chosen, {slots});
@@ -224,7 +224,7 @@ std::function<void()>& releaser() {
 // (their rows expert-major), and sent back. Numbers as moe_layer's flat form: the same products
 // and the same sums per token, in another order.
 ir::Value* expert_parallel_experts(ir::Graph& g, ir::Value* x, ir::Value* chosen, ir::Value* top, ir::Value* w1, ir::Value* w2, ir::Value* w3,
-                                   ir::Value* base, const MoEArgs& a, const std::string& load_output) {
+                                   const std::function<ir::Value*()>& base, const MoEArgs& a, const std::string& load_output) {
   ir::GraphBuilder b(g, x->meta().dtype);
   const std::int64_t P = a.expert_parallel, D = a.expert_blocks > 0 ? a.expert_blocks : P, dim = x->meta().shape[1], tokens = x->meta().shape[0],
                      E = w1->meta().shape[0], k = chosen->meta().shape[1];
@@ -248,6 +248,7 @@ ir::Value* expert_parallel_experts(ir::Graph& g, ir::Value* x, ir::Value* chosen
   Value* routed = g.add("gather", {xb, index}, {{"dim", std::int64_t{1}}});
   if (a.score_before_experts) routed = cast.back(b.mul(cast.to_f32(routed), weights));
   Value* rows = g.add("expert_dispatch", {routed, counts}, on_dim);  // [D, P x slots, dim]
+  Value* shared = base ? base() : nullptr;  // while the rows are in flight
   // Each block's rows per local expert (over all blocks' slots of its run), and their ends.
   Value* received = D == P ? g.add("sum", {b.reshape(counts, {P, P, local})}, {{"dims", Shape{0}}})
                            : b.reshape(g.add("sum", {b.reshape(counts, {D / P, P, P, local})}, {{"dims", Shape{1}}}), {D, local});
@@ -258,7 +259,7 @@ ir::Value* expert_parallel_experts(ir::Graph& g, ir::Value* x, ir::Value* chosen
   };
   auto grouped_mm = [&](Value* in, Value* w) { return g.add("grouped_mm", {in, blocks(w), offs}); };
   Value* out = g.add("expert_combine", {grouped_mm(b.mul(b.silu(grouped_mm(rows, w1)), grouped_mm(rows, w3)), w2), counts}, on_dim);  // [D, slots, dim]
-  Value* onto = base != nullptr ? b.reshape(base, {D, n, dim}) : g.add("zeros_like", {xb});
+  Value* onto = shared != nullptr ? b.reshape(shared, {D, n, dim}) : g.add("zeros_like", {xb});
   if (!a.score_before_experts) out = cast.back(b.mul(cast.to_f32(out), weights));
   return b.reshape(g.add("scatter_add", {onto, index, out}, {{"dim", std::int64_t{1}}}), {tokens, dim});
 }
@@ -314,12 +315,15 @@ std::int64_t embedding_parameter_count(const Model& m) {
 
 std::int64_t active_parameter_count(const Model& m) {
   if (m.args.moe.experts <= 0) return parameter_count(m);
+  // The routed experts: the built-in ones by name; an imported model's, those its expert
+  // parallelism built.
+  const std::set<std::string> expert(m.expert_params.begin(), m.expert_params.end());
   std::int64_t n = 0;
   for (const auto& init : m.init) {
     if (!init.trainable) continue;
     std::int64_t e = 1;
     for (const std::int64_t d : init.shape) e *= d;
-    n += init.name.find(".moe.experts.") != std::string::npos ? e / m.args.moe.experts * m.args.moe.top_k : e;
+    n += init.name.find(".moe.experts.") != std::string::npos || expert.count(init.name) ? e / m.args.moe.experts * m.args.moe.top_k : e;
   }
   return n;
 }

@@ -180,7 +180,9 @@ struct Model {
 /// - w1, w3 [experts, hidden, dim] and w2 [experts, dim, hidden]: SwiGLU experts,
 ///   w2(silu(w1 x) * w3 x), as torchtitan's GroupedExperts and transformers' gate_up_proj
 ///   (its first `hidden` rows w1, the rest w3) and down_proj;
-/// - base [tokens, dim] the routed outputs are added onto (shared experts), or nullptr (zeros).
+/// - base: builds [tokens, dim] the routed outputs are added onto (shared experts), called once
+///   right after the dispatch, so that its compute runs while the tokens are in flight (the
+///   all_to_all_v is asynchronous); empty (or returning nullptr): zeros.
 /// The tokens are cut into a.expert_blocks blocks (one per data-parallel rank; the ranks of
 /// a.expert_dim in runs of a.expert_parallel), each block's slots sorted by expert (stable), sent
 /// to their experts' blocks in their run (expert_dispatch: an all_to_all_v once sharded), run there
@@ -190,7 +192,7 @@ struct Model {
 /// dtype. Throws std::invalid_argument when the blocks do not divide the tokens, or the degree
 /// the blocks or the experts.
 ir::Value* expert_parallel_experts(ir::Graph& g, ir::Value* x, ir::Value* chosen, ir::Value* top, ir::Value* w1, ir::Value* w2, ir::Value* w3,
-                                   ir::Value* base, const MoEArgs& a, const std::string& load_output);
+                                   const std::function<ir::Value*()>& base, const MoEArgs& a, const std::string& load_output);
 
 /// Builds the forward graph for a batch of [batch, seq_len] tokens. For "pt2" the program is
 /// imported (set_importer) and its exported tokens must be [batch, seq_len]. Throws
@@ -219,9 +221,9 @@ std::int64_t parameter_count(const Model& m);
 /// a cast): torchtitan's nparams_embedding (tok_embeddings.weight; GPT-2's wte and wpe).
 std::int64_t embedding_parameter_count(const Model& m);
 
-/// The parameters a token meets: every trainable parameter, the routed experts' counted top_k /
-/// experts (torchtitan's get_moe_model_nparams_and_flops: dense + active sparse); for a dense
-/// model parameter_count.
+/// The parameters a token meets: every trainable parameter, the routed experts' (the built-in
+/// layers', and an imported model's expert_params) counted top_k / experts (torchtitan's
+/// get_moe_model_nparams_and_flops: dense + active sparse); for a dense model parameter_count.
 std::int64_t active_parameter_count(const Model& m);
 
 /// Training FLOPs per token, torchtitan's MFU formula (get_dense_model_nparams_and_flops, and
