@@ -362,7 +362,7 @@ std::vector<std::string> preflight(const config::Config& cfg, std::int64_t world
       compiled.emplace(**spec, registry);  // in place: the plan points at its graph
       sharding::rank_graph(compiled->plan, 0);
     };
-    const bool placed = attempt({"model.name", "model.flavor", "model.tokenizer", "model.path", kDegreeKeys[0], kDegreeKeys[1], kDegreeKeys[2],
+    const bool placed = attempt({"model.name", "model.flavor", "model.tokenizer", "model.path", kDegreeKeys[0], kDegreeKeys[1], kDegreeKeys[2], "parallelism.expert_parallel_degree",
                                  "parallelism.tp_plan", "parallelism.strategies"}, place);
     // Over the budget: the job as fit_memory_budget changed it, or a problem naming the largest tensors.
     if (placed && (*spec)->memory_budget > 0 && (*spec)->fallback_strategies.empty() && !(*spec)->auto_strategy) {  // (choose_strategies fitted it already)
