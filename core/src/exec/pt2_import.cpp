@@ -31,6 +31,7 @@
 #include <tuple>
 
 #include "spmdx/exec/dtype.h"
+#include "spmdx/exec/kernels.h"
 #include "../json_at.h"
 
 namespace spmdx::models {
@@ -804,7 +805,6 @@ class Mapper {
       Sym s;
       s.v = m_.graph.add_input(in.fqn, meta);
       add_init(in.fqn, t, true);
-      param_values_[in.arg] = t;
       m_.params.push_back(in.fqn);
       env_[in.arg] = s;
       arg_of_param_[in.fqn] = in.arg;
@@ -1202,7 +1202,6 @@ class Mapper {
     std::set<std::string> ops;           // its ATen ops
     std::set<std::string> outputs;       // values made in it and read outside
     std::string last;                    // the node that makes the output
-    std::string reader;                  // a node outside that reads it (for messages)
     std::vector<JsonAt> nodes;           // its nodes, in program order
     double bytes = 0;                    // what its nodes' outputs hold (the sample check's memory)
   };
@@ -1222,8 +1221,7 @@ class Mapper {
       const auto path_at = entry.rfind(',', type_at - 1);
       const std::string type = entry.substr(type_at + 1);
       const std::string cls = type.substr(type.rfind('.') == std::string::npos ? 0 : type.rfind('.') + 1);
-      const std::string suffix = "Experts";
-      if (cls.size() >= suffix.size() && cls.compare(cls.size() - suffix.size(), suffix.size(), suffix) == 0) {
+      if (cls.ends_with("Experts")) {
         found = {entry.substr(path_at == std::string::npos ? 0 : path_at + 1, type_at - (path_at == std::string::npos ? 0 : path_at + 1)), cls};
       }
     }
@@ -1236,25 +1234,24 @@ class Mapper {
     std::map<std::string, std::size_t> index;        // module path -> experts_
     std::map<std::string, std::size_t> made_in;      // value -> the region that makes it
     std::map<std::string, std::string> made_by;      // value -> its node
-    auto read_outside = [&](const std::string& value, const std::string& reader) {
+    auto read_outside = [&](const std::string& value) {
       const auto it = made_in.find(value);
       if (it == made_in.end()) return;
       ExpertsRegion& r = experts_[it->second];
       r.outputs.insert(value);
       r.last = made_by.at(value);
-      if (r.reader.empty()) r.reader = reader;
     };
     for (const auto& node : p_.graph["nodes"].elements()) {
       const BoundNode b = bind_node(fail_, node);
       const auto [path, type] = experts_module(node);
       if (path.empty()) {
         for (const auto& a : b.args) {
-          for (const auto& t : a.tensors) read_outside(t, "node '" + b.name + "'");
+          for (const auto& t : a.tensors) read_outside(t);
         }
         continue;
       }
       const auto [it, fresh] = index.emplace(path, experts_.size());
-      if (fresh) experts_.push_back({path, type, {}, {}, {}, {}, "", "", {}, 0});
+      if (fresh) experts_.push_back({path, type, {}, {}, {}, {}, "", {}, 0});
       ExpertsRegion& r = experts_[it->second];
       region_of_[b.name] = it->second;
       r.ops.insert(b.target);
@@ -1273,7 +1270,7 @@ class Mapper {
           if (const auto fqn = param_of_arg.find(t); fqn != param_of_arg.end()) {
             if (std::find(r.params.begin(), r.params.end(), fqn->second) == r.params.end()) r.params.push_back(fqn->second);
           } else if (std::find(r.inputs.begin(), r.inputs.end(), t) == r.inputs.end()) {
-            read_outside(t, "the experts module '" + path + "'");  // another region's output
+            read_outside(t);  // another region's output
             r.inputs.push_back(t);
           }
         }
@@ -1282,7 +1279,7 @@ class Mapper {
         if (!o.empty()) made_in[o] = it->second, made_by[o] = b.name;
       }
     }
-    for (const auto& o : p_.outputs) read_outside(o, "the program's output");
+    for (const auto& o : p_.outputs) read_outside(o);
     const std::string key = "parallelism.expert_parallel_degree " + std::to_string(args_.moe.expert_parallel);
     if (experts_.empty()) {
       fail_(key + ": the program has no experts module to place (a transformers class named *Experts, as Qwen3MoeExperts and MixtralExperts, "
@@ -1302,24 +1299,23 @@ class Mapper {
   // random weights of the parameters' shapes, seeded) against the contract's sum, in float64.
   // A module that computes something else (another activation order, a scale, a bias) is refused
   // naming it, rather than trained as if it were SwiGLU experts.
-  void check_experts_function(const ExpertsRegion& r, const std::string& what, const std::string& gate_up, const std::string& down,
-                              const std::vector<std::string>& inputs, const ir::Value* x, const ir::Value* ids) {
+  void check_experts_function(const ExpertsRegion& r, const std::string& what, const std::string& gate_up, const std::string& down, const ir::Value* x,
+                              const ir::Value* ids) {
     if (r.bytes > 8.0 * (1 << 30)) {
       fail_(what + "checking that it computes SwiGLU experts runs its nodes on a sample, which would take " + std::to_string(r.bytes / (1 << 30)) +
             " GiB at the exported batch; export with a smaller batch, or set the degree to 1");
     }
     at::manual_seed(20261206);
-    const at::Tensor& gu0 = param_values_.at(arg_of_param_.at(gate_up));
-    const at::Tensor& down0 = param_values_.at(arg_of_param_.at(down));
-    const std::int64_t tokens = x->meta().shape[0], dim = x->meta().shape[1], k = ids->meta().shape[1], E = gu0.size(0), hidden = gu0.size(1) / 2;
+    const ir::TensorMeta &gu0 = value(arg_of_param_.at(gate_up))->meta(), &down0 = value(arg_of_param_.at(down))->meta();
+    const std::int64_t tokens = x->meta().shape[0], dim = x->meta().shape[1], k = ids->meta().shape[1], E = gu0.shape[0], hidden = gu0.shape[1] / 2;
     const auto f32 = at::TensorOptions().dtype(at::kFloat);
-    const at::Tensor gu = at::randn(gu0.sizes(), f32).div(std::sqrt(static_cast<double>(dim))).to(gu0.scalar_type());
-    const at::Tensor dn = at::randn(down0.sizes(), f32).div(std::sqrt(static_cast<double>(hidden))).to(down0.scalar_type());
+    const at::Tensor gu = at::randn(gu0.shape, f32).div(std::sqrt(static_cast<double>(dim))).to(exec::to_aten(gu0.dtype));
+    const at::Tensor dn = at::randn(down0.shape, f32).div(std::sqrt(static_cast<double>(hidden))).to(exec::to_aten(down0.dtype));
     const at::Tensor hs = at::randn({tokens, dim}, f32);
     const at::Tensor choice = at::argsort(at::rand({tokens, E}, f32), /*dim=*/1, /*descending=*/false).narrow(1, 0, std::min(k, E)).contiguous();
     const at::Tensor weights = at::rand({tokens, k}, f32);
     std::map<std::string, at::Tensor> vals;
-    for (const auto& name : inputs) {
+    for (const auto& name : r.inputs) {
       const ir::Value* v = value(name);
       at::Tensor t = v == x ? hs : v == ids ? choice : weights;
       vals[name] = t.to(exec::to_aten(v->meta().dtype));
@@ -1337,16 +1333,12 @@ class Mapper {
       const BoundNode b = bind_node(fail_, node);
       if (b.target == "aten._assert_tensor_metadata.default" || b.target == "aten._assert_scalar.default") continue;
       std::vector<at::Tensor> results;
-      if (b.target == "transformers.grouped_mm_fallback.default") {  // its meaning (transformers/integrations/moe.py)
-        const at::Tensor in = tensor(b.arg("input").tensors.at(0)), w = tensor(b.arg("weight").tensors.at(0)), offs = tensor(b.arg("offs").tensors.at(0)).to(at::kLong);
-        at::Tensor out = at::zeros({in.size(0), w.size(2)}, in.options());
-        std::int64_t start = 0;
-        for (std::int64_t e = 0; e < offs.size(0); ++e) {
-          const std::int64_t end = std::min(offs[e].item<std::int64_t>(), in.size(0));
-          if (end > start) out.narrow(0, start, end - start).copy_(at::mm(in.narrow(0, start, end - start), w[e]));
-          start = std::max(start, end);
-        }
-        results.push_back(out);
+      if (b.target == "transformers.grouped_mm_fallback.default") {  // LibTorch does not know it: the grouped_mm it maps onto, by grouped_mm's kernel
+        const std::vector<at::Tensor> in{tensor(b.arg("input").tensors.at(0)), tensor(b.arg("weight").tensors.at(0)), tensor(b.arg("offs").tensors.at(0))};
+        ir::Graph one;
+        std::vector<ir::Value*> args;
+        for (std::size_t i = 0; i < in.size(); ++i) args.push_back(one.add_input("in" + std::to_string(i), {in[i].sizes().vec(), exec::from_aten(in[i].scalar_type()), "cpu", false}));
+        results = (*exec::find_kernel("grouped_mm"))(*one.add_node("grouped_mm", args), in);
       } else {
         if (!b.op || b.op->hasTag(at::Tag::nondeterministic_seeded)) fail_at(b, what + "cannot run it on a sample to check the module; set the degree to 1");
         torch::jit::Stack stack = stack_of(b, tensor);
@@ -1378,10 +1370,8 @@ class Mapper {
     const std::string what = "parallelism.expert_parallel_degree " + std::to_string(args_.moe.expert_parallel) + " on the experts module '" + r.path + "' (" + r.type + "): ";
     std::string gate_up, down;
     for (const auto& fqn : r.params) {
-      const bool is_gate_up = fqn.size() >= 12 && fqn.compare(fqn.size() - 12, 12, "gate_up_proj") == 0;
-      const bool is_down = fqn.size() >= 9 && fqn.compare(fqn.size() - 9, 9, "down_proj") == 0;
-      if (is_gate_up && gate_up.empty()) gate_up = fqn;
-      else if (is_down && down.empty()) down = fqn;
+      if (fqn.ends_with("gate_up_proj") && gate_up.empty()) gate_up = fqn;
+      else if (fqn.ends_with("down_proj") && down.empty()) down = fqn;
       else fail_(what + "it reads parameter '" + fqn + "'; spmdx's expert parallelism maps experts of gate_up_proj and down_proj only (no biases): set the degree to 1");
     }
     if (gate_up.empty() || down.empty()) fail_(what + "it does not read both gate_up_proj and down_proj; set the degree to 1");
@@ -1414,7 +1404,7 @@ class Mapper {
       }
       fail_(what + "the degree does not divide its " + std::to_string(E) + " experts: use one that does (" + divisors + ") and divides data_parallel_shard_degree");
     }
-    check_experts_function(r, what, gate_up, down, r.inputs, x, ids);
+    check_experts_function(r, what, gate_up, down, x, ids);
     const auto half = [&](std::int64_t start) { return g.add("slice", {gu}, {{"dim", std::int64_t{1}}, {"start", start}, {"end", start + hidden}}); };
     MoEArgs a = args_.moe;
     a.score_before_experts = false;  // transformers weights the experts' outputs
@@ -2097,7 +2087,6 @@ class Mapper {
   std::map<std::string, std::string> constant_names_;  // graph arg -> buffer/constant fqn
   std::map<std::string, std::string> arg_of_param_;    // parameter fqn -> graph arg
   std::vector<ExpertsRegion> experts_;                  // expert parallelism: the experts modules replaced
-  std::map<std::string, at::Tensor> param_values_;      // parameter graph arg -> its value (the sample check's shapes and dtypes)
   std::map<std::string, std::size_t> region_of_;        // their nodes (by name) -> experts_
   std::vector<std::tuple<at::Tensor, at::Tensor, ir::Value*, ir::Value*>> rope_tables_;  // cos, sin and their inputs
   bool takes_labels_ = false;

@@ -235,8 +235,7 @@ ir::Value* expert_parallel_experts(ir::Graph& g, ir::Value* x, ir::Value* chosen
   const std::int64_t n = tokens / D, slots = n * k, local = E / P;
   const Float32Casts cast{g, x->meta().dtype};
   const std::string f32 = ir::to_string(ir::DType::f32);
-  ir::Attributes on_dim{{"expert_dim", a.expert_dim}};
-  if (D != P) on_dim["group"] = P;  // each run of P blocks exchanges on its own (HSDP's replicas)
+  const ir::Attributes on_dim{{"expert_dim", a.expert_dim}, {"group", P}};  // each run of P blocks exchanges on its own (HSDP's replicas, efsdp's groups)
 
   Value* ids = b.reshape(chosen, {D, slots});
   Value* counts = g.add("bincount", {ids}, {{"minlength", E}});  // [D, E]: each block's slots per expert
@@ -250,8 +249,7 @@ ir::Value* expert_parallel_experts(ir::Graph& g, ir::Value* x, ir::Value* chosen
   Value* rows = g.add("expert_dispatch", {routed, counts}, on_dim);  // [D, P x slots, dim]
   Value* shared = base ? base() : nullptr;  // while the rows are in flight
   // Each block's rows per local expert (over all blocks' slots of its run), and their ends.
-  Value* received = D == P ? g.add("sum", {b.reshape(counts, {P, P, local})}, {{"dims", Shape{0}}})
-                           : b.reshape(g.add("sum", {b.reshape(counts, {D / P, P, P, local})}, {{"dims", Shape{1}}}), {D, local});
+  Value* received = b.reshape(g.add("sum", {b.reshape(counts, {D / P, P, P, local})}, {{"dims", Shape{1}}}), {D, local});
   Value* offs = g.add("cumsum", {received}, {{"dim", std::int64_t{1}}});
   auto blocks = [&](Value* w) {  // [E, out, in] -> each block's experts, [P, local, in, out]
     const Shape& s = w->meta().shape;
