@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <string>
 #include <thread>
 #include <vector>
@@ -147,6 +148,58 @@ TEST(DeviceKernels, Float32LinearsOnEachCpuMatmulLibraryGiveATensValues) {
     EXPECT_THAT(e.what(), HasSubstr("training.cpu_matmul = \"blas\": use \"auto\", \"onednn\" or \"aten\""));
   }
   (void)make_device({"cpu", 0, false, "auto"});
+}
+
+// bfloat16 and float16 linears on the CPU, both ways a CPU may run them (exec::half_gemm:
+// ATen's half kernel where the CPU has bf16/fp16 dot products, else float32 GEMMs of the upcast
+// operands), against PyTorch's own half linear and its autograd (LibTorch's at::linear with
+// requires_grad): y = x W^T, the input gradient g W (matmul by the whole weight, as linear's vjp
+// emits it) and the weight gradient g^T x (linear_weight_grad over the rows), each within one
+// rounding of the half dtype (each path sums in float32 and rounds once, in its own order).
+// The native path's forward is PyTorch's kernel itself: the same bits.
+TEST(DeviceKernels, HalfLinearsMatchPyTorchsHalfKernelOnEitherPath) {
+  for (const at::ScalarType dtype : {at::kBFloat16, at::kHalf}) {
+    const ir::DType t = dtype == at::kBFloat16 ? ir::DType::bf16 : ir::DType::f16;
+    at::manual_seed(5);
+    ir::Graph g;
+    ir::Value* x = g.add_input("x", ir::TensorMeta{{3, 40, 96}, t, "cpu", false});
+    ir::Value* w = g.add_input("w", ir::TensorMeta{{72, 96}, t, "cpu", false});
+    ir::Value* go = g.add_input("go", ir::TensorMeta{{3, 40, 72}, t, "cpu", false});
+    g.add_output("y", g.add("linear", {x, w}));
+    g.add_output("gx", g.add("matmul", {go, w}));
+    g.add_output("gw", g.add("linear_weight_grad", {go, x}));
+    const at::Tensor xs = at::randn({3, 40, 96}).to(dtype), ws = (at::randn({72, 96}) * 0.1).to(dtype), gos = at::randn({3, 40, 72}).to(dtype);
+    const at::Tensor xr = xs.clone().set_requires_grad(true), wr = ws.clone().set_requires_grad(true);
+    const at::Tensor yr = at::linear(xr, wr);
+    yr.backward(gos);
+    const TensorMap want{{"y", yr.detach()}, {"gx", xr.grad()}, {"gw", wr.grad()}};
+    // Per element: one rounding of the half dtype (2^-8 relative for bfloat16's 8 significant
+    // bits, 2^-11 for float16's; twice that, each side rounding once) plus float32 sums in
+    // another order (2^-20 of the sum of the terms' magnitudes).
+    const double half_eps = dtype == at::kBFloat16 ? std::ldexp(1.0, -8) : std::ldexp(1.0, -11);
+    const at::Tensor x64 = xs.to(at::kDouble).abs(), w64 = ws.to(at::kDouble).abs(), g64 = gos.to(at::kDouble).abs();
+    const TensorMap magnitude{{"y", at::linear(x64, w64)}, {"gx", at::matmul(g64, w64)}, {"gw", at::mm(g64.reshape({-1, 72}).t(), x64.reshape({-1, 96}))}};
+    for (const HalfGemm path : {HalfGemm::native, HalfGemm::upcast}) {
+      set_half_gemm(path);
+      const std::string how = std::string(dtype == at::kBFloat16 ? "bfloat16" : "float16") + (path == HalfGemm::native ? " native" : " upcast");
+      Executor ex(g);
+      const TensorMap got = ex.run({{"x", xs}, {"w", ws}, {"go", gos}});
+      for (const auto& [name, expected] : want) {
+        const at::Tensor& y = got.at(name);
+        EXPECT_EQ(y.scalar_type(), dtype) << how << " " << name;
+        ASSERT_EQ(y.sizes(), expected.sizes()) << how << " " << name;
+        const at::Tensor diff = (y.to(at::kDouble) - expected.to(at::kDouble)).abs();
+        const at::Tensor bound = expected.to(at::kDouble).abs() * (2 * half_eps) + magnitude.at(name) * std::ldexp(1.0, -20);
+        EXPECT_TRUE(diff.le(bound).all().item<bool>()) << how << " " << name << ": worst diff / bound " << (diff / bound).max().item<double>();
+      }
+      if (path == HalfGemm::native) {
+        EXPECT_TRUE(at::equal(got.at("y"), want.at("y"))) << how << ": PyTorch's kernel, the same bits";
+      }
+    }
+    set_half_gemm(std::nullopt);
+  }
+  // Where the CPU has the instructions, the native path is its choice; else the upcast one.
+  EXPECT_THAT(half_gemm_summary(at::kBFloat16), ::testing::AnyOf(HasSubstr("native (A"), HasSubstr("upcast to float32 (no AVX512-BF16 or AMX-BF16)")));
 }
 
 // The cost model's matmul rate is the kernels' own: a calibration names the linears' library,

@@ -138,7 +138,8 @@ def main():
                     "op lists decide what runs in bfloat16). spmdx runs with --training.mixed_precision_param bfloat16 for both")
     ap.add_argument("--first-loss-tolerance", type=float, default=1e-6,
                     help="under --mixed-precision, the first step's loss (same weights, same batch: only where the casts are can differ) "
-                    "must agree this closely; later steps carry bfloat16's rounding and are held to --tolerance")
+                    "must agree this closely (at least 1e-5 where spmdx says its bfloat16 GEMMs are upcast to float32: a CPU without "
+                    "bfloat16 instructions); later steps carry bfloat16's rounding and are held to --tolerance")
     ap.add_argument("run", nargs="*", help="more `spmdx run` options (after --), e.g. --nproc 4 --parallelism.tensor_parallel_degree 2")
     args = ap.parse_args()
 
@@ -226,8 +227,16 @@ def main():
     if args.table:
         with open(args.table, "w") as f:
             json.dump(rows, f, indent=1)
-    if mixed and rows[0]["loss_rel"] > args.first_loss_tolerance:
-        sys.exit(f"spmdx differs from the {args.mixed_precision} reference past {args.first_loss_tolerance:.0e}: step 1: loss is off by {rows[0]['loss_rel']:.2e} relative")
+    first_tolerance = args.first_loss_tolerance
+    if mixed and "bfloat16 GEMMs upcast to float32" in r.stdout and first_tolerance < 1e-5:
+        # A CPU without bfloat16 dot products (spmdx's banner says so): spmdx's linears and
+        # attention run float32 kernels on the upcast operands and round once, PyTorch's its
+        # bfloat16 kernels (also float32 sums, another order): a few outputs a bfloat16 ulp apart.
+        # Measured with SPMDX_HALF_GEMM=upcast on llama debugmodel: 1.4e-6.
+        first_tolerance = 1e-5
+        print(f"first loss held to {first_tolerance:.0e}: spmdx's bfloat16 GEMMs are upcast to float32 on this CPU")
+    if mixed and rows[0]["loss_rel"] > first_tolerance:
+        sys.exit(f"spmdx differs from the {args.mixed_precision} reference past {first_tolerance:.0e}: step 1: loss is off by {rows[0]['loss_rel']:.2e} relative")
     print(f"largest relative difference {worst[0]:.2e} at {worst[1]} (tolerance {args.tolerance:.0e})")
     if worst[0] > args.tolerance:
         sys.exit(f"spmdx differs from the float64 reference past {args.tolerance:.0e}: {worst[1]} is off by {worst[0]:.2e} relative")

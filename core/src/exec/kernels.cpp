@@ -4,15 +4,18 @@
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/cpu/Utils.h>
 
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <limits>
 #include <map>
 #include <mutex>
 #include <optional>
 #include <set>
 #include <tuple>
+#include <unordered_map>
 #include <stdexcept>
 
 namespace spmdx::exec {
@@ -309,7 +312,16 @@ std::vector<at::Tensor> tiled_attention_backward(const at::Tensor& grad_out, con
   return {bshd(q, dq), bshd(k, dk), bshd(v, dv)};
 }
 
+bool cpu_attention_upcast(const at::Tensor& q, bool backward) {
+  if (!q.is_cpu() || !half(q)) return false;
+  return half_gemm(q.scalar_type()) == HalfGemm::upcast || (backward && q.size(-1) < kCpuHalfAttentionHeadDim);
+}
+
 std::vector<at::Tensor> sdpa(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal) {
+  if (cpu_attention_upcast(q, /*backward=*/false)) {
+    auto [out, lse] = at::_scaled_dot_product_flash_attention_for_cpu(q.to(at::kFloat), k.to(at::kFloat), v.to(at::kFloat), 0.0, causal);
+    return {out.to(q.scalar_type()), lse};  // lse float32, as the half kernel's
+  }
   if (q.is_cpu()) {
     auto [out, lse] = at::_scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal);
     return {out, lse};
@@ -331,6 +343,12 @@ std::vector<at::Tensor> sdpa(const at::Tensor& q, const at::Tensor& k, const at:
 
 std::vector<at::Tensor> sdpa_backward(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
                                       const at::Tensor& lse, bool causal) {
+  if (cpu_attention_upcast(q, /*backward=*/true)) {
+    const at::ScalarType t = q.scalar_type();
+    auto [gq, gk, gv] = at::_scaled_dot_product_flash_attention_for_cpu_backward(grad_out.to(at::kFloat), q.to(at::kFloat), k.to(at::kFloat), v.to(at::kFloat),
+                                                                                 out.to(at::kFloat), lse.to(at::kFloat), 0.0, causal);
+    return {gq.to(t), gk.to(t), gv.to(t)};
+  }
   if (q.is_cpu()) {
     auto [gq, gk, gv] = at::_scaled_dot_product_flash_attention_for_cpu_backward(grad_out, q, k, v, out, lse, 0.0, causal);
     return {gq, gk, gv};
@@ -431,6 +449,80 @@ CpuMatmul cpu_matmul_named(const std::string& name) {
   throw std::runtime_error("training.cpu_matmul = \"" + name + "\": use \"auto\", \"onednn\" or \"aten\"");
 }
 const char* library_name(CpuMatmul library) { return library == CpuMatmul::onednn ? "oneDNN" : "ATen's BLAS"; }
+
+namespace {
+
+bool is_half(at::ScalarType t) { return t == at::kBFloat16 || t == at::kHalf; }
+
+// Whether ATen's cpuinfo found the capability `key` (false when it has no such key).
+bool cpu_has(const std::unordered_map<std::string, c10::IValue>& caps, const char* key) {
+  const auto it = caps.find(key);
+  return it != caps.end() && it->second.isBool() && it->second.toBool();
+}
+
+// The CPU's own choice for bfloat16 ([0]) and float16 ([1]), and the instructions found.
+struct HalfGemmOfCpu {
+  HalfGemm bf16 = HalfGemm::upcast, f16 = HalfGemm::upcast;
+  std::string bf16_isa, f16_isa;  // "AVX512-BF16", "AMX-BF16", ... or empty
+};
+const HalfGemmOfCpu& half_gemm_of_cpu() {
+  static const HalfGemmOfCpu of = [] {
+    HalfGemmOfCpu o;
+    const auto caps = at::cpu::get_cpu_capabilities();
+    for (const auto& [key, isa] : {std::pair{"amx_bf16", "AMX-BF16"}, {"avx512_bf16", "AVX512-BF16"}}) {
+      if (cpu_has(caps, key)) o.bf16_isa += (o.bf16_isa.empty() ? "" : ", ") + std::string(isa);
+    }
+    for (const auto& [key, isa] : {std::pair{"amx_fp16", "AMX-FP16"}, {"avx512_fp16", "AVX512-FP16"}}) {
+      if (cpu_has(caps, key)) o.f16_isa += (o.f16_isa.empty() ? "" : ", ") + std::string(isa);
+    }
+    if (!o.bf16_isa.empty()) o.bf16 = HalfGemm::native;
+    if (!o.f16_isa.empty()) o.f16 = HalfGemm::native;
+    if (const char* env = std::getenv("SPMDX_HALF_GEMM"); env != nullptr && *env != '\0') {
+      const std::string v = env;
+      if (v != "native" && v != "upcast" && v != "auto") {
+        SPMDX_WARN("SPMDX_HALF_GEMM='" << v << "' is not native, upcast or auto: ignored, the CPU's choice is made");
+      } else if (v != "auto") {
+        o.bf16 = o.f16 = v == "native" ? HalfGemm::native : HalfGemm::upcast;
+        o.bf16_isa = o.f16_isa = "SPMDX_HALF_GEMM=" + v;
+      }
+    }
+    return o;
+  }();
+  return of;
+}
+
+std::atomic<int>& half_gemm_forced() {  // -1: the CPU's choice, else a HalfGemm
+  static std::atomic<int> forced{-1};
+  return forced;
+}
+
+}  // namespace
+
+HalfGemm half_gemm(at::ScalarType dtype) {
+  if (!is_half(dtype)) return HalfGemm::native;
+  if (const int f = half_gemm_forced().load(std::memory_order_relaxed); f >= 0) return static_cast<HalfGemm>(f);
+  return dtype == at::kBFloat16 ? half_gemm_of_cpu().bf16 : half_gemm_of_cpu().f16;
+}
+
+void set_half_gemm(std::optional<HalfGemm> forced) { half_gemm_forced().store(forced ? static_cast<int>(*forced) : -1); }
+
+std::string half_gemm_summary(at::ScalarType dtype) {
+  const bool bf16 = dtype == at::kBFloat16;
+  const std::string name = bf16 ? "bfloat16" : "float16";
+  const std::string& isa = bf16 ? half_gemm_of_cpu().bf16_isa : half_gemm_of_cpu().f16_isa;
+  const bool forced = half_gemm_forced().load() >= 0;
+  if (half_gemm(dtype) == HalfGemm::native) return name + " GEMMs native (" + (isa.empty() ? std::string("forced") : isa) + ")";
+  const bool by_env = isa.rfind("SPMDX_HALF_GEMM=", 0) == 0;
+  return name + " GEMMs upcast to float32 (" +
+         (forced ? std::string("forced") : by_env ? isa : "no " + std::string(bf16 ? "AVX512-BF16 or AMX-BF16" : "AVX512-FP16 or AMX-FP16")) + ")";
+}
+
+bool upcast_half_gemm(const at::Tensor& x) { return x.is_cpu() && is_half(x.scalar_type()) && half_gemm(x.scalar_type()) == HalfGemm::upcast; }
+
+at::Tensor cpu_half_aware_matmul(const at::Tensor& a, const at::Tensor& b) {
+  if (upcast_half_gemm(a)) return at::matmul(a.to(at::kFloat), b.to(at::kFloat)).to(a.scalar_type());
+  return at::matmul(a, b);
+}
 
 at::Tensor cpu_linear(const at::Tensor& x, const at::Tensor& w) {
   if (cpu_matmul_setting().load(std::memory_order_relaxed) == CpuMatmul::onednn && x.is_cpu() && x.scalar_type() == at::kFloat &&

@@ -49,7 +49,7 @@ SPMDX_OP([] {
   s.flops = contracted_flops;
   s.scratch = [](const Node& n, const ir::LayoutQuery& q) -> std::int64_t {
     const ir::DType t = n.input(0)->meta().dtype;
-    if (t == ir::DType::bf16 || t == ir::DType::f16) {  // computed in float32 on the CPU: the inputs and the result upcast
+    if (t == ir::DType::bf16 || t == ir::DType::f16) {  // computed in float32 on a CPU without bf16/fp16 dot products: the inputs and the result upcast (an upper bound)
       return 2 * (n.input(0)->meta().nbytes() + n.input(1)->meta().nbytes() + n.output()->meta().nbytes());
     }
     return copy_if_strided(n, q, 0) + (n.input(1)->meta().shape.size() > 2 ? copy_if_strided(n, q, 1) : 0);
@@ -170,31 +170,29 @@ SPMDX_OP([] {
   return op;
 }())
 
-#if defined(SPMDX_OPS_KERNELS)
-namespace {
-// A bfloat16 or float16 matmul on a CPU: ATen's kernel for them runs up to 50 times slower than
-// its float32 GEMM where the CPU lacks bf16/fp16 instructions (AVX2), worst with a transposed
-// operand, as the backward's are (1.2 of 1.4 s of a debugmodel bf16 step here). It accumulates
-// in float32 and rounds once; so does a float32 GEMM of the upcast inputs rounded back, which
-// the matmul kernel runs instead (the same bits but for the order of the sums). linear (the
-// forward's) keeps ATen's kernel, so the forward is PyTorch's bit for bit.
-bool half_on_cpu(const at::Tensor& x) { return x.is_cpu() && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf); }
-}  // namespace
-#endif
-
+// bfloat16 / float16 on a CPU: ATen's kernel of the dtype where the CPU has its dot products
+// (AVX512-BF16, AMX; oneDNN underneath, as PyTorch's own bfloat16 linear and matmul), else a
+// float32 GEMM of the upcast operands rounded back (exec::half_gemm: ATen's half kernel runs up
+// to 50 times slower than float32 without them, 1.2 of 1.4 s of a debugmodel bf16 step on an
+// AVX2 machine). Both accumulate in float32 and round once, as PyTorch's kernel.
 SPMDX_KERNEL("matmul", [](const Node&, const Tensors& x) {
-  if (half_on_cpu(x[0])) return one(at::matmul(x[0].to(at::kFloat), x[1].to(at::kFloat)).to(x[0].scalar_type()));
+  if (exec::upcast_half_gemm(x[0])) return one(exec::cpu_half_aware_matmul(x[0], x[1]));
   // x [..., k] times a whole weight w [k, n] (the linear's input gradient) is x (w^T)^T.
   if (x[1].dim() == 2 && x[1].is_contiguous() && x[0].dim() >= 2) return one(exec::cpu_linear(x[0], x[1].t()));
   return one(at::matmul(x[0], x[1]));
 })
 
-SPMDX_KERNEL("linear", [](const Node&, const Tensors& x) { return one(exec::cpu_linear(x[0], x[1])); })
+SPMDX_KERNEL("linear", [](const Node&, const Tensors& x) {
+  if (exec::upcast_half_gemm(x[0])) return one(exec::cpu_linear(x[0].to(at::kFloat), x[1].to(at::kFloat)).to(x[0].scalar_type()));
+  return one(exec::cpu_linear(x[0], x[1]));
+})
 
 SPMDX_KERNEL("linear_weight_grad", [](const Node&, const Tensors& x) {
   std::int64_t rows = 1;  // explicit: a shard may hold 0 columns, which -1 cannot infer rows from
   for (std::int64_t d = 0; d + 1 < x[0].dim(); ++d) rows *= x[0].size(d);
-  return one(at::mm(x[0].reshape({rows, x[0].size(-1)}).t(), x[1].reshape({rows, x[1].size(-1)})));
+  const at::Tensor g = x[0].reshape({rows, x[0].size(-1)}).t(), in = x[1].reshape({rows, x[1].size(-1)});
+  if (exec::upcast_half_gemm(x[0])) return one(at::mm(g.to(at::kFloat), in.to(at::kFloat)).to(x[0].scalar_type()));
+  return one(at::mm(g, in));
 })
 
 }  // namespace spmdx::ops

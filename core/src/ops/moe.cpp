@@ -493,9 +493,9 @@ std::vector<std::int64_t> group_ends(const at::Tensor& offs, std::int64_t rows, 
   return ends;
 }
 
-// bf16 / f16 on a CPU compute in float32 and round once, as matmul's kernel (ATen's half GEMM
-// there runs many times slower than its float32 one).
-bool half_on_cpu(const at::Tensor& x) { return x.is_cpu() && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf); }
+// bf16 / f16 on a CPU without their dot products compute in float32 and round once, as
+// matmul's kernel (exec::half_gemm: ATen's half GEMM there runs many times slower than float32).
+bool half_on_cpu(const at::Tensor& x) { return exec::upcast_half_gemm(x); }
 
 }  // namespace
 

@@ -5,6 +5,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -27,6 +28,18 @@ using Kernel = std::function<std::vector<at::Tensor>(const ir::Node& node, const
 /// half inputs on CUDA)}; every kernel's lse means the same, so a backward may use another.
 /// causal (s == t): key j masked for query i < j (PyTorch's is_causal). The sdpa kernel.
 std::vector<at::Tensor> sdpa(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal);
+/// On the CPU, bfloat16/float16 attention runs ATen's float32 kernel on the upcast inputs
+/// (results rounded back to their dtype once; lse float32 as the half kernel's) where this says
+/// so: always where half_gemm is upcast (ATen's half kernel is slow without bf16/fp16
+/// instructions); for the backward also below a head_dim of kCpuHalfAttentionHeadDim, where
+/// ATen's half backward was measured 4.7x slower than float32's at head_dim 16 (Llama
+/// debugmodel: 111 of a 262 ms bf16 step), 2.5x at 32 and 1.3x at 48, and faster only from 64
+/// (0.92x at 64, 0.80x at 128; PyTorch 2.15, AMD EPYC with AVX512-BF16, one thread). The
+/// forward stays ATen's half kernel where half_gemm is native, so a step's forward is PyTorch's
+/// bit for bit there. Both kernels accumulate in float32.
+bool cpu_attention_upcast(const at::Tensor& q, bool backward);
+/// The head_dim from which the CPU's half attention backward runs native (where half_gemm is native).
+constexpr std::int64_t kCpuHalfAttentionHeadDim = 64;
 /// Its gradients {dq, dk, dv} from the forward's out and lse, by the same choice of kernel
 /// (their backward; FlashAttention-2's and the memory-efficient one accumulate dq with atomics,
 /// so two runs may differ in the last bits, as PyTorch's without torch.use_deterministic_algorithms).
@@ -121,6 +134,30 @@ bool onednn_linear_available();
 /// cpu_matmul() names when x and w are float32 CPU tensors, x contiguous and neither requiring
 /// grad (oneDNN's op has no autograd); at::linear otherwise.
 at::Tensor cpu_linear(const at::Tensor& x, const at::Tensor& w);
+
+/// How a bfloat16 or float16 GEMM (matmul, linear, a weight's gradient, grouped_mm) runs on
+/// the CPU. Both accumulate in float32 and round the result once, as PyTorch's bfloat16 kernel
+/// does; they differ in the order of the sums (the last bits), never between two calls.
+enum class HalfGemm {
+  native,  ///< ATen's kernel of the dtype: oneDNN with the CPU's bf16/fp16 dot products (vdpbf16ps, AMX tdpbf16ps), about 2x float32's rate
+  upcast,  ///< a float32 GEMM of the operands converted to float32, rounded back: ATen's half kernel runs up to 50x slower than float32 without those instructions (AVX2)
+};
+/// The choice for `dtype` (kBFloat16 or kHalf) on this CPU, decided at run time from what ATen's
+/// cpuinfo reads (at::cpu::get_cpu_capabilities): native for bfloat16 where the CPU has
+/// AVX512-BF16 or AMX-BF16, for float16 where it has AVX512-FP16 or AMX-FP16; upcast otherwise.
+/// The environment variable SPMDX_HALF_GEMM=native|upcast overrides the CPU's choice for both
+/// dtypes (to measure or test the other path on one machine); set_half_gemm overrides both.
+/// Other dtypes: native (nothing to choose).
+HalfGemm half_gemm(at::ScalarType dtype);
+/// Forces the choice for every half dtype (tests run both paths on any CPU); nullopt: the CPU's.
+void set_half_gemm(std::optional<HalfGemm> forced);
+/// What the CPU has, for logs: "bfloat16 GEMMs native (AVX512-BF16)", or "... upcast to float32 (no AVX512-BF16 or AMX-BF16)".
+std::string half_gemm_summary(at::ScalarType dtype);
+/// a @ b as torch.matmul, where a and b are bfloat16/float16 CPU tensors and half_gemm says
+/// upcast: matmul of the float32 copies, rounded back to a's dtype. Else at::matmul.
+at::Tensor cpu_half_aware_matmul(const at::Tensor& a, const at::Tensor& b);
+/// Whether x is a bfloat16/float16 CPU tensor whose GEMMs run upcast (half_gemm).
+bool upcast_half_gemm(const at::Tensor& x);
 
 /// The kernel of an op, or nullptr.
 const Kernel* find_kernel(const std::string& op);
