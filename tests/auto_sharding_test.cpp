@@ -16,6 +16,7 @@
 #include "spmdx/plan/estimate.h"
 #include "spmdx/plan/memory_plan.h"
 #include "spmdx/plan/runtime_plan.h"
+#include "spmdx/plan/target.h"
 #include "spmdx/sharding/rewriter.h"
 #include "spmdx/job/auto_sharding.h"
 #include "spmdx/job/compile.h"
@@ -233,6 +234,53 @@ TEST(Estimate, RankTrafficIsThePlansOwn) {
       EXPECT_GT(traffic.bytes_by_dim[d], 0) << "mesh dim " << d;
     }
   }
+}
+
+// planning.target: a GPU's datasheet figures (dense: half the sparse headline) price a plan.
+// A matmul in bfloat16 costs 2MNK at the tensor cores' peak, in float32 at the FP32 rate (TF32's
+// with allow_tf32), a memory-bound op its bytes at the HBM bandwidth, each plus a launch; 8
+// GPUs a host on NVLink, the dims past them on the NIC; the device's memory is the budget.
+TEST(Estimate, AGpuTargetPricesAPlanAtItsDatasheetRates) {
+  const plan::TargetProfile* h100 = plan::find_target("H100_SXM");
+  ASSERT_NE(h100, nullptr);
+  EXPECT_EQ(h100, plan::find_target("h100"));
+  EXPECT_EQ(h100, plan::target_for_device_name("NVIDIA H100 80GB HBM3"));
+  EXPECT_EQ(plan::target_for_device_name("NVIDIA H100 PCIe"), nullptr) << "another part, another peak";
+  EXPECT_EQ(plan::find_target("this-machine"), nullptr);
+  EXPECT_EQ(plan::find_target("a100"), nullptr);
+  EXPECT_DOUBLE_EQ(h100->peak_flops("bfloat16", false), 989.4e12);  // the whitepaper's dense figure (datasheet: "1,979 teraFLOPS*", * with sparsity)
+  EXPECT_DOUBLE_EQ(h100->peak_flops("float32", true), 494.7e12);
+  EXPECT_DOUBLE_EQ(h100->peak_flops("float32", false), 66.9e12);
+  EXPECT_DOUBLE_EQ(plan::find_target("b200")->peak_flops("bfloat16", false), 2.25e15);
+  EXPECT_DOUBLE_EQ(plan::find_target("h200")->memory_bytes, 141e9);
+  ir::Graph g;
+  ir::Value* x = g.add_input("x", ir::TensorMeta{{64, 4096}, ir::DType::bf16, "cpu", false});
+  ir::Value* w = g.add_input("w", ir::TensorMeta{{8192, 4096}, ir::DType::bf16, "cpu", false});
+  g.add_output("y", g.add("linear", {x, w}));
+  const double flops = 2.0 * 64 * 8192 * 4096;
+  EXPECT_DOUBLE_EQ(plan::compute_seconds(g, h100->calibration("bfloat16", false)), 4e-6 + flops / 989.4e12);
+  ir::Graph f;
+  ir::Value* xf = f.add_input("x", ir::TensorMeta{{64, 4096}, ir::DType::f32, "cpu", false});
+  ir::Value* wf = f.add_input("w", ir::TensorMeta{{8192, 4096}, ir::DType::f32, "cpu", false});
+  f.add_output("y", f.add("linear", {xf, wf}));
+  f.add_output("z", f.add("add", {xf, xf}));
+  EXPECT_DOUBLE_EQ(plan::compute_seconds(f, h100->calibration("float32", false)), 4e-6 + flops / 66.9e12 + 4e-6 + 3.0 * 64 * 4096 * 4 / 3.35e12);
+  EXPECT_DOUBLE_EQ(plan::compute_seconds(f, h100->calibration("float32", true)), 4e-6 + flops / 494.7e12 + 4e-6 + 3.0 * 64 * 4096 * 4 / 3.35e12);
+  // 16 ranks as dp 2 x fsdp 8: fsdp within a host's NVLink, dp across hosts' NICs.
+  const auto links = plan::mesh_links(sharding::DeviceMesh({{"dp_replicate", 2}, {"dp_shard", 8}}), h100->devices_per_host, h100->calibration("bfloat16", false));
+  EXPECT_DOUBLE_EQ(links.at(0).beta, 50e9);   // 400 Gb/s
+  EXPECT_DOUBLE_EQ(links.at(1).beta, 450e9);  // NVLink's 900 GB/s, both directions
+  // A job's spec takes the target's memory as its budget, unless one is set.
+  config::Config cfg = config::Config::load(SPMDX_SOURCE_DIR "/configs/llama_fsdp.toml");
+  cfg.override_value("planning.target", "h200");
+  EXPECT_EQ(job::job_spec(cfg, 4, 256).memory_budget, 141000000000);
+  EXPECT_EQ(job::job_spec(cfg, 4, 256).planning_target, "h200");
+  cfg.override_value("parallelism.memory_budget", "1GiB");
+  EXPECT_EQ(job::job_spec(cfg, 4, 256).memory_budget, 1 << 30);
+  const job::PlanningMachine m = job::planning_machine(job::job_spec(cfg, 4, 256), plan::Calibration{});
+  EXPECT_EQ(m.ranks_per_host, 8);
+  EXPECT_EQ(m.target, plan::find_target("h200"));
+  EXPECT_THAT(m.calibration.compute_source, HasSubstr("target h200"));
 }
 
 // A pipelined step: the slowest stage's busy time stretched by the schedule's bubble, the

@@ -38,6 +38,10 @@
 #include "spmdx/job/preflight.h"
 #include "spmdx/job/spec.h"
 #include "spmdx/job/memory_budget.h"
+#include "spmdx/plan/target.h"
+#ifdef SPMDX_HAVE_EXEC
+#include "spmdx/exec/calibrate.h"
+#endif
 
 namespace spmdx::cli {
 namespace {
@@ -48,6 +52,7 @@ struct CompileOptions {
   std::string dump;
   std::string strategy;   ///< --strategy: parallelism.strategy ("auto": print the ranking)
   bool estimate = false;  ///< --estimate: the calibrated step time
+  std::string target;     ///< --target: planning.target
   bool fake = false;
   bool print_config = false;
   bool json = false;
@@ -70,14 +75,50 @@ std::string file_text(const std::filesystem::path& file) {
   }
 }
 
+// The calibration an estimate was priced with, in words (planning.target's, or this machine's).
+std::string priced_calibration_text(const spmdx::job::JobSpec& spec, const spmdx::plan::Calibration& measured) {
+  return spmdx::job::planning_machine(spec, measured).calibration.str();
+}
+
+// The predicted MFU of an estimate (percent), and the peak it divides by, in words: FLOPs per
+// token x tokens per rank per predicted second over one rank's peak (planning.target's datasheet
+// peak, or this machine's measured GEMM peak of a core times the cores a rank has).
+std::pair<double, std::string> predicted_mfu(const spmdx::job::JobSpec& spec, const spmdx::plan::StepEstimate& e, double flops_per_token, double tokens,
+                                             std::int64_t world) {
+  const std::string& dtype = spec.mixed_precision.param;
+  double peak = 0;
+  std::string what;
+  char text[256];
+  if (const spmdx::plan::TargetProfile* t = spmdx::plan::find_target(spec.planning_target)) {
+    peak = t->peak_flops(dtype, spec.device.allow_tf32);
+    std::snprintf(text, sizeof text, "%.0f TFLOP/s %s a device, %s's datasheet", peak / 1e12, dtype.c_str(), t->label.c_str());
+    what = text;
+  } else {
+#ifdef SPMDX_HAVE_EXEC
+    const spmdx::exec::GemmPeak p = spmdx::exec::gemm_peak();
+    const double cores = static_cast<double>(e.threads) / std::max(1.0, e.core_sharing);
+    peak = p.of(dtype) * cores;
+    std::snprintf(text, sizeof text, "%.1f GFLOP/s %s a rank, this machine's GEMM peak of a core x %.3g", peak / 1e9, dtype.c_str(), cores);
+    what = text;
+#else
+    return {-1, "no GEMM peak (spmdx built without LibTorch)"};
+#endif
+  }
+  if (peak <= 0 || e.step_seconds <= 0) return {-1, what};
+  return {100.0 * flops_per_token * tokens / static_cast<double>(std::max<std::int64_t>(1, world)) / e.step_seconds / peak, what};
+}
+
 int run_compile(const CompileOptions& o) {
   namespace fs = std::filesystem;
   std::vector<std::string> overrides = o.overrides;
   if (!o.strategy.empty()) overrides.insert(overrides.end(), {"--parallelism.strategy", o.strategy});
+  if (!o.target.empty()) overrides.insert(overrides.end(), {"--planning.target", o.target});
   spmdx::config::Config cfg = spmdx::config::Config::load(o.config, overrides, /*throw_on_problems=*/false);
   std::optional<spmdx::plan::Calibration> calibration;
   if (!cfg.has_problem("parallelism.strategy") && !cfg.has_problem("job.dump_folder") && (o.estimate || cfg.get_string("parallelism.strategy") == "auto")) {
-    calibration = job_calibration(cfg);
+    // A GPU target is priced by its datasheet: this machine's rates are not measured for it.
+    const bool here = cfg.has_problem("planning.target") || cfg.get_string("planning.target") == "this-machine";
+    calibration = here ? job_calibration(cfg) : spmdx::plan::load_calibration(spmdx::plan::calibration_path(cfg.get_string("job.dump_folder")));
   }
   if (o.print_config) {
     cfg.check();
@@ -224,10 +265,13 @@ int run_compile(const CompileOptions& o) {
     }
     if (o.estimate) {
       const auto e = spmdx::job::estimate_job(spec, registry, *calibration);
+      const auto [mfu, peak_text] = predicted_mfu(spec, e, flops_token, tokens, world);
       j["estimate"] = {{"step_seconds", e.step_seconds}, {"compute_seconds", e.compute_seconds}, {"comm_seconds", e.comm_seconds},
+                       {"mfu", mfu >= 0 ? nlohmann::json(mfu) : nlohmann::json()}, {"mfu_peak", peak_text},
+                       {"target", spec.planning_target.empty() ? "this-machine" : spec.planning_target},
                        {"comm_seconds_by_dim", e.comm_seconds_by_dim}, {"peak_bytes", e.peak_bytes}, {"threads", e.threads}, {"core_sharing", e.core_sharing},
                        {"stages", e.stages}, {"bubble_seconds", e.bubble_seconds}, {"bubble_fraction", e.bubble_fraction}, {"stage_seconds", e.stage_seconds},
-                       {"calibration", nlohmann::json::parse(calibration->to_json())}};
+                       {"calibration", nlohmann::json::parse(spmdx::job::planning_machine(spec, *calibration).calibration.to_json())}};
     }
     std::cout << j.dump(1) << "\n";
     return 0;
@@ -303,7 +347,13 @@ int run_compile(const CompileOptions& o) {
     std::snprintf(text, sizeof text, "estimate (%s): %.2f ms a step = compute %.2f ms (%lld thread%s a rank, cores shared %.2fx) + communication %.2f ms%s; planned peak %s\n",
                   who, e.step_seconds * 1e3, e.compute_seconds * 1e3, static_cast<long long>(e.threads), e.threads == 1 ? "" : "s", e.core_sharing, e.comm_seconds * 1e3,
                   bubble, spmdx::human_bytes(static_cast<double>(e.peak_bytes)).c_str());
-    std::cout << text << "calibration: " << calibration->str() << "\n";
+    const auto [mfu, peak_text] = predicted_mfu(spec, e, flops_token, tokens, world);
+    std::cout << text;
+    std::fflush(stdout);
+    if (mfu >= 0) std::printf("predicted mfu: %.1f%% (torchtitan's: FLOPs per token x tokens/s per rank / peak; against %s)\n", mfu, peak_text.c_str());
+    else std::printf("predicted mfu: n/a (%s)\n", peak_text.c_str());
+    std::fflush(stdout);
+    std::cout << "calibration: " << priced_calibration_text(spec, *calibration) << "\n";
   }
   std::cout << "planned in " << std::fixed << std::setprecision(3) << seconds << " s, peak RSS " << spmdx::human_bytes(static_cast<double>(peak_rss_bytes())) << std::defaultfloat << (o.fake ? " (--fake: no ranks started" : " (no ranks started")
             << (dumped_ranks ? "; wrote " + o.dump + " with " + std::to_string(dumped_ranks) + " rank graph(s))" : ")") << "\n";
@@ -322,6 +372,8 @@ class Compile final : public Command {
     compile->add_option("--strategy", o_.strategy, "manual | auto: plan every layout, print the ranking and why the first wins (parallelism.strategy)")
         ->check(CLI::IsMember({"manual", "auto"}));
     compile->add_flag("--estimate", o_.estimate, "Print rank 0's predicted step time (compute, communication) and peak, by the calibration in job.dump_folder (measured once)");
+    compile->add_option("--target", o_.target,
+                        "Price the plan (--estimate, strategy = \"auto\") for this hardware: this-machine, h100-sxm, h200, b200 (planning.target)");
     compile->add_flag("--fake", o_.fake, "Plan a mesh larger than this machine; dump only rank 0's graph");
     auto* print_config = compile->add_flag("--print-config", o_.print_config, "Print the effective config and exit");
     add_json_flag(*compile, o_.json, "the summary",

@@ -311,6 +311,10 @@ const std::vector<KeySpec>& schema() {
         "checkpointing, a higher shard degree, in that order, before any rank starts"),
       k("parallelism.fsdp_reshard_after_forward", Type::string, std::string("default"), "free gathered parameters after forward", -1e300,
        L{"default", "never", "always"}),
+      k("planning.target", Type::string, std::string("this-machine"),
+        "the hardware strategy = \"auto\" and spmdx compile --estimate price plans for: this machine (its measured calibration.json), or a GPU's "
+        "datasheet (h100-sxm, h200, b200: peak FLOP/s per dtype, memory, NVLink and a 400 Gb/s NIC a GPU, 8 a host); a GPU target's memory is "
+        "parallelism.memory_budget unless that is set", -1e300, L{"this-machine", "h100-sxm", "h200", "b200"}),
       k("comm.backend", Type::string, std::string("auto"), "comm backend: \"auto\" (per collective, the best score of every comm plugin found), or pin one: \"name\" or \"name:key=value;...\" (ucx:tls=tcp,self)"),
       n("comm.timeout_seconds", Type::floating, 300.0, "a collective that takes longer fails, naming the peer", 1, 1e6),
       n("comm.swap_at_step", Type::integer, std::int64_t{0}, "hot-swap between backend and swap_to every this many steps (0: never)", 0, 1e9),

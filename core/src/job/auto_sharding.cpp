@@ -347,12 +347,21 @@ std::int64_t planning_ranks_per_host(std::int64_t world_size) {
   return world_size <= 64 ? world_size : 8;
 }
 
-AutoReport plan_auto(const JobSpec& spec, PluginRegistry& registry, const plan::Calibration& c) {
+PlanningMachine planning_machine(const JobSpec& spec, const plan::Calibration& measured) {
+  if (const plan::TargetProfile* t = plan::find_target(spec.planning_target)) {
+    return {t->calibration(spec.mixed_precision.param, spec.device.allow_tf32), t->devices_per_host, t->devices_per_host, t};
+  }
+  return {measured, planning_ranks_per_host(spec.world_size), launch::usable_cpus(), nullptr};
+}
+
+AutoReport plan_auto(const JobSpec& spec, PluginRegistry& registry, const plan::Calibration& measured) {
   const auto t0 = Clock::now();
+  const PlanningMachine machine = planning_machine(spec, measured);
+  const plan::Calibration& c = machine.calibration;
   AutoReport report;
   report.world_size = spec.world_size;
-  report.ranks_per_host = planning_ranks_per_host(spec.world_size);
-  report.cores = launch::usable_cpus();
+  report.ranks_per_host = machine.ranks_per_host;
+  report.cores = machine.cores;
   report.memory_budget = spec.memory_budget;
   report.planner = spec.planner;
   report.calibration = c;
@@ -440,7 +449,7 @@ AutoReport plan_auto(const JobSpec& spec, PluginRegistry& registry, const plan::
 }
 
 AutoReport choose_auto(JobSpec& spec, PluginRegistry& registry) {
-  const plan::Calibration c = plan::load_calibration(plan::calibration_path(spec.output.dump_folder));
+  const plan::Calibration c = planning_machine(spec, plan::load_calibration(plan::calibration_path(spec.output.dump_folder))).calibration;
   const std::string key = search_key(spec, c);
   const std::filesystem::path kept = spec.output.dump_folder / "auto_plan.json";
   AutoReport report;
@@ -529,7 +538,8 @@ AutoReport choose_auto(JobSpec& spec, PluginRegistry& registry) {
     if (nearest.size() > kNamed) each += "; and " + std::to_string(nearest.size() - kNamed) + " more layouts";
     throw std::invalid_argument(std::string("parallelism.strategy = \"auto\": ") +
                                 (best.error.empty() ? "no layout of " + std::to_string(spec.world_size) + " ranks fits parallelism.memory_budget = " +
-                                                          human_bytes(static_cast<double>(spec.memory_budget)) + " (" + each +
+                                                          human_bytes(static_cast<double>(spec.memory_budget)) +
+                                                          (spec.memory_budget_source.empty() ? "" : ", " + spec.memory_budget_source) + " (" + each +
                                                           (report.tried_checkpointing ? "; with selective or full activation checkpointing none fits either" : "") +
                                                           "). Raise the budget, add ranks, or lower the batch or sequence length"
                                                     : "no layout of " + std::to_string(spec.world_size) + " ranks can run the job (" + each + ")"));
@@ -715,7 +725,8 @@ std::string AutoReport::json() const {
 
 plan::StepEstimate estimate_job(const JobSpec& spec, PluginRegistry& registry, const plan::Calibration& c) {
   const CompiledJob compiled = compile_job(spec, registry);
-  return measure(compiled.job, spec, compiled.plan, c, planning_ranks_per_host(spec.world_size), launch::usable_cpus(), nullptr, true);
+  const PlanningMachine machine = planning_machine(spec, c);
+  return measure(compiled.job, spec, compiled.plan, machine.calibration, machine.ranks_per_host, machine.cores, nullptr, true);
 }
 
 }  // namespace spmdx::job

@@ -111,7 +111,9 @@ std::string fit_memory_budget(JobSpec& spec, PluginRegistry& registry) {
   if (spec.memory_budget <= 0) return "";
   const PlacedJob placed = place_job(spec, registry);
   const PlannedStep configured = plan_step(placed, spec, -1);
-  const std::string head = "parallelism.memory_budget = " + bytes(spec.memory_budget) + ": planned peak per rank " + bytes(configured.memory.peak_bytes);
+  const std::string budget = spec.memory_budget_source.empty() ? "parallelism.memory_budget = " + bytes(spec.memory_budget)
+                                                               : "memory budget " + bytes(spec.memory_budget) + " (" + spec.memory_budget_source + ")";
+  const std::string head = budget + ": planned peak per rank " + bytes(configured.memory.peak_bytes);
   if (configured.memory.peak_bytes <= spec.memory_budget) return head + " fits as configured";
   std::string tried = "as configured " + bytes(configured.memory.peak_bytes);
   PlannedStep last = configured;

@@ -1,4 +1,5 @@
 #include "spmdx/job/spec.h"
+#include "spmdx/plan/target.h"
 
 #include <algorithm>
 #include <cmath>
@@ -582,6 +583,13 @@ JobSpec job_spec(const config::Config& cfg, std::int64_t world_size, std::int64_
       if (s.memory_budget <= 0) throw std::invalid_argument("a budget must be more than 0 bytes");
     } catch (const std::exception& e) {
       fail({"parallelism.memory_budget"}, "parallelism.memory_budget = \"" + budget + "\": " + e.what() + "; use a size such as \"2GiB\" or \"512MiB\"");
+    }
+  }
+  if (const std::string target = cfg.get_string("planning.target"); target != "this-machine") {
+    s.planning_target = target;
+    if (const plan::TargetProfile* t = plan::find_target(target); t != nullptr && s.memory_budget == 0) {
+      s.memory_budget = static_cast<std::int64_t>(t->memory_bytes);
+      s.memory_budget_source = "planning.target " + t->name + "'s device memory, " + std::to_string(static_cast<long long>(t->memory_bytes / 1e9)) + " GB";
     }
   }
   s.auto_strategy = cfg.get_string("parallelism.strategy") == "auto";

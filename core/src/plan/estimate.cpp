@@ -20,7 +20,8 @@ namespace spmdx::plan {
 
 std::string Calibration::to_json() const {
   nlohmann::json j{{"format", "spmdx.calibration/1"},
-                   {"compute", {{"matmul_flops_per_second", matmul_flops_per_second}, {"memory_bytes_per_second", memory_bytes_per_second}, {"threads", 1},
+                   {"compute", {{"matmul_flops_per_second", matmul_flops_per_second}, {"half_matmul_flops_per_second", half_matmul_flops_per_second},
+                                {"memory_bytes_per_second", memory_bytes_per_second}, {"threads", 1},
                                 {"node_seconds", node_seconds}, {"source", compute_source}}},
                    {"step", {{"collective_seconds", collective_seconds}, {"source", collective_source}}},
                    {"links", {{"intra_host", {{"alpha_s", intra_host.alpha}, {"beta_bytes_per_s", intra_host.beta}, {"source", intra_source}}},
@@ -65,6 +66,9 @@ Calibration Calibration::from_json(const std::string& text, const std::string& w
   if (section(j, "compute", "compute")) {
     rate(j["compute"], "matmul_flops_per_second", c.matmul_flops_per_second, "compute");
     rate(j["compute"], "memory_bytes_per_second", c.memory_bytes_per_second, "compute");
+    if (j["compute"].contains("half_matmul_flops_per_second") && j["compute"]["half_matmul_flops_per_second"] != 0) {
+      rate(j["compute"], "half_matmul_flops_per_second", c.half_matmul_flops_per_second, "compute");
+    }
     number(j["compute"], "node_seconds", c.node_seconds, "compute", 0, 1);
     text_of(j["compute"], c.compute_source);
   }
@@ -87,11 +91,13 @@ Calibration Calibration::from_json(const std::string& text, const std::string& w
 }
 
 std::string Calibration::str() const {
+  char half[48] = "";
+  if (half_matmul_flops_per_second > 0) std::snprintf(half, sizeof half, " (bf16/f16 %.1f)", half_matmul_flops_per_second / 1e9);
   char text[1024];
   std::snprintf(text, sizeof text,
-                "matmul %.1f GFLOP/s, memory %.1f GB/s a thread, %.1f us a kernel (%s); this host: alpha %.1f us, beta %.2f GB/s (%s); between hosts: "
+                "matmul %.1f GFLOP/s%s, memory %.1f GB/s a thread, %.1f us a kernel (%s); this host: alpha %.1f us, beta %.2f GB/s (%s); between hosts: "
                 "alpha %.1f us, beta %.2f GB/s (%s); %.0f us a collective (%s)",
-                matmul_flops_per_second / 1e9, memory_bytes_per_second / 1e9, node_seconds * 1e6, compute_source.c_str(), intra_host.alpha * 1e6,
+                matmul_flops_per_second / 1e9, half, memory_bytes_per_second / 1e9, node_seconds * 1e6, compute_source.c_str(), intra_host.alpha * 1e6,
                 intra_host.beta / 1e9, intra_source.c_str(), inter_host.alpha * 1e6, inter_host.beta / 1e9, inter_source.c_str(), collective_seconds * 1e6,
                 collective_source.c_str());
   return text;
@@ -149,7 +155,8 @@ double compute_seconds(const ir::Graph& rank_graph, const Calibration& c, std::i
   double total = 0;
   for (const auto& node : rank_graph.nodes()) {
     if (sharding::is_communication(node->op()) || node->op() == "send" || node->op() == "recv") continue;  // priced as traffic
-    total += c.node_seconds + sharding::node_seconds(*node, c.matmul_flops_per_second * t, c.memory_bytes_per_second * t);
+    const ir::DType dtype = !node->inputs().empty() ? node->input(0)->meta().dtype : ir::DType::f32;
+    total += c.node_seconds + sharding::node_seconds(*node, c.matmul_rate(dtype) * t, c.memory_bytes_per_second * t);
   }
   return total;
 }

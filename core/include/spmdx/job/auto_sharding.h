@@ -16,6 +16,7 @@
 
 #include "spmdx/core/registry.h"
 #include "spmdx/plan/estimate.h"
+#include "spmdx/plan/target.h"
 #include "spmdx/sharding/propagate.h"
 #include "spmdx/job/spec.h"
 
@@ -79,6 +80,16 @@ struct AutoReport {
 /// world size up to 64 ranks, else 8 (a planned mesh larger than one machine: hosts of 8).
 std::int64_t planning_ranks_per_host(std::int64_t world_size);
 
+/// The machine a plan is priced on: planning.target's device (its datasheet rates, 8 a host, one
+/// rank a device) when spec names one, else this one (`measured`, planning_ranks_per_host, the
+/// usable CPUs).
+struct PlanningMachine {
+  plan::Calibration calibration;
+  std::int64_t ranks_per_host = 1, cores = 1;
+  const plan::TargetProfile* target = nullptr;  ///< nullptr: this machine
+};
+PlanningMachine planning_machine(const JobSpec& spec, const plan::Calibration& measured);
+
 /// Plans every layout of spec.world_size / cp ranks (spec's other settings as they are; with
 /// spec.pipeline.stages > 1 only those of that many stages, else every stage count from 1 up to
 /// the model's layers, Interleaved1F1B's half; a layout's microbatches are the global batch over
@@ -100,7 +111,8 @@ AutoReport plan_auto(const JobSpec& spec, PluginRegistry& registry, const plan::
 AutoReport choose_auto(JobSpec& spec, PluginRegistry& registry);
 
 /// One rank's predicted step of `spec` as configured (rank 0; with pipeline stages every stage's
-/// rank at position 0, combined by plan::pipeline_step): `spmdx compile --estimate`.
+/// rank at position 0, combined by plan::pipeline_step): `spmdx compile --estimate`, on
+/// planning_machine(spec, c).
 plan::StepEstimate estimate_job(const JobSpec& spec, PluginRegistry& registry, const plan::Calibration& c);
 
 }  // namespace spmdx::job

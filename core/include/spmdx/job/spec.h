@@ -163,7 +163,11 @@ struct JobSpec {
   /// strategy signature (sharding::signature) that place_job hands propagation; empty: greedy.
   std::map<std::int64_t, std::map<int, std::string>> auto_choices;
   std::string auto_report;               ///< the auto strategy's choice, for the start line
-  std::int64_t memory_budget = 0;  ///< parallelism.memory_budget, bytes of a rank's planned peak (0: none)
+  std::int64_t memory_budget = 0;  ///< parallelism.memory_budget, bytes of a rank's planned peak (0: none; a planning.target's device memory when it names one)
+  /// planning.target: the hardware plans are priced for (plan/target.h: "h100-sxm", "h200",
+  /// "b200"), or "" for this machine (its calibration.json).
+  std::string planning_target;
+  std::string memory_budget_source;  ///< where memory_budget came from when not parallelism.memory_budget ("planning.target h100-sxm's device memory, 80 GB")
   std::string memory_fit;          ///< what fit_memory_budget (memory_budget.h) reported, for the start line
   CommSpec comm;              ///< [comm] but the plan's options
   CheckpointSpec checkpoint;  ///< [checkpoint]
