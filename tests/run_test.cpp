@@ -383,6 +383,26 @@ TEST(Run, Bf16MixedPrecisionTracksTheF32LossCurveOnFsdpTimesTp) {
     }
     loss[param] = losses(dir / param / "metrics.jsonl");
     peak[param] = test::column(dir / param / "metrics.jsonl", "peak_mem_bytes");
+    // MFU in every row, torchtitan's (metrics.py): tflops = FLOPs per token x tokens/s per rank /
+    // 1e12, with FLOPs per token 6 x non-embedding parameters + 12 x layers x heads x head_dim x
+    // seq_len (get_dense_model_nparams_and_flops; the parameters as compile counts them:
+    // debugmodel has 6 layers of 16 heads of 16); mfu = 100 x tflops / the rank's peak.
+    EXPECT_THAT(r.output, HasSubstr("mfu: torchtitan's (FLOPs per token x tokens/s per rank / peak), against "));
+    EXPECT_THAT(r.output, HasSubstr(" " + param + " a rank = "));
+    const auto c = test::run_command("'" SPMDX_EXE "' compile '" SPMDX_SOURCE_DIR "/configs/llama_debug.toml' --training.seq_len 32 --json");
+    ASSERT_EQ(c.exit_code, 0) << c.output;
+    const auto model = nlohmann::json::parse(c.output.substr(c.output.find('{'))).at("model");
+    const double flops_per_token =
+        6.0 * (model.at("parameters").get<double>() - model.at("embedding_parameters").get<double>()) + 12.0 * 6 * 16 * 16 * 32;
+    const auto tps = test::column(dir / param / "metrics.jsonl", "tokens_per_s"), tflops = test::column(dir / param / "metrics.jsonl", "tflops");
+    const auto mfu = test::column(dir / param / "metrics.jsonl", "mfu"), peak_tflops = test::column(dir / param / "metrics.jsonl", "peak_tflops");
+    ASSERT_EQ(tflops.size(), 50u);
+    ASSERT_EQ(mfu.size(), 50u);
+    for (std::size_t s = 0; s < 50; ++s) {
+      EXPECT_NEAR(tflops[s], flops_per_token * tps[s] / 4 / 1e12, 1e-9 * tflops[s]) << param << " step " << s + 1;
+      EXPECT_GT(peak_tflops[s], 0);
+      EXPECT_NEAR(mfu[s], 100 * tflops[s] / peak_tflops[s], 1e-9 * mfu[s]) << param << " step " << s + 1;
+    }
   }
   ASSERT_EQ(loss["bfloat16"].size(), 50u);
   ASSERT_EQ(loss["float32"].size(), 50u);

@@ -27,7 +27,9 @@
 #include "spmdx/job/preflight.h"
 #include "spmdx/job/spec.h"
 #ifdef SPMDX_HAVE_EXEC
+#include "spmdx/exec/calibrate.h"
 #include "spmdx/exec/device.h"
+#include "spmdx/exec/kernels.h"
 #include "spmdx/job/run.h"
 #endif
 
@@ -83,6 +85,12 @@ int run_run(const RunOptions& o) {
     cfg.check(run_problems(cfg, o.nproc * o.nnodes, o.nproc, registry, &tokenizer, &spec, o.nnodes == 1 ? "--nproc" : ""));
     spmdx::job::check_data(cfg, *tokenizer, *spec);  // reads the data: only once the rest is right
     if (!cfg.ignored().empty()) std::cerr << cfg.ignored_text() << "\n";
+#ifdef SPMDX_HAVE_EXEC
+    if (spec->device.kind == "cpu") {  // MFU's peak: measured once per machine (cached), before the ranks share its cores
+      spmdx::exec::set_cpu_matmul(spmdx::exec::cpu_matmul_named(spec->device.cpu_matmul));
+      (void)spmdx::exec::gemm_peak();
+    }
+#endif
     std::vector<std::string> argv{self_exe(), "run", o.config};
     for (const auto& a : o.overrides) argv.push_back(a);
     spmdx::launch::LaunchOptions lo{o.nproc, o.nnodes, o.node_rank, o.master_addr, o.master_port, "spmdx run", ""};

@@ -82,6 +82,8 @@ constexpr TensorBoardScalar kTensorBoardScalars[] = {
     {"grad_norm", "grad_norm", 1.0},
     {"lr", "lr", 1.0},
     {"throughput(tps)", "tokens_per_s", 1.0},
+    {"tflops", "tflops", 1.0},
+    {"mfu(%)", "mfu", 1.0},
     {"time_metrics/end_to_end(s)", "step_ms", 1e-3},
     {"time_metrics/comm(s)", "comm_ms", 1e-3},
     {"time_metrics/exposed_comm(s)", "exposed_comm_ms", 1e-3},
@@ -138,6 +140,12 @@ void MetricsWriter::row(std::int64_t step, std::int64_t last_step, double loss, 
                      {"planned_peak_mem_bytes", planned_peak_},
                      {"rss_bytes", rss_bytes()}};
   if (scaling) row["loss_scale"] = scaling->first, row["skipped"] = scaling->second;
+  double mfu = -1;
+  if (flops_per_token_ > 0) {
+    const double flops_per_s = flops_per_token_ * tokens_per_s / static_cast<double>(ranks_);  // one rank's
+    row["tflops"] = flops_per_s / 1e12;
+    if (peak_flops_per_rank_ > 0) row["mfu"] = mfu = 100.0 * flops_per_s / peak_flops_per_rank_, row["peak_tflops"] = peak_flops_per_rank_ / 1e12;
+  }
   row.update(next_row_);
   next_row_ = nlohmann::json::object();
   out_ << row.dump() << "\n" << std::flush;
@@ -158,8 +166,10 @@ void MetricsWriter::row(std::int64_t step, std::int64_t last_step, double loss, 
     if (row.contains("moe_load_imbalance")) std::snprintf(moe, sizeof moe, " | moe load max/mean %.2f", row.at("moe_load_imbalance").get<double>());
     char accum[32] = "";
     if (microbatches_ > 1) std::snprintf(accum, sizeof accum, " | accum %lld", static_cast<long long>(microbatches_));
-    std::printf("step %4lld | loss %8.4f | grad_norm %7.3f | lr %.2e | %9.0f tok/s | %7.1f ms | exposed comm %4.1f%% | peak %s%s%s%s%s\n",
-                static_cast<long long>(step), loss, grad_norm, lr, tokens_per_s, st.total * 1e3, 100.0 * st.exposed_comm / st.total,
+    char mfu_text[32] = "";
+    if (mfu >= 0) std::snprintf(mfu_text, sizeof mfu_text, " | mfu %5.1f%%", mfu);
+    std::printf("step %4lld | loss %8.4f | grad_norm %7.3f | lr %.2e | %9.0f tok/s%s | %7.1f ms | exposed comm %4.1f%% | peak %s%s%s%s%s\n",
+                static_cast<long long>(step), loss, grad_norm, lr, tokens_per_s, mfu_text, st.total * 1e3, 100.0 * st.exposed_comm / st.total,
                 human_bytes(static_cast<double>(st.peak_bytes)).c_str(), moe, accum, validation, scale);
     std::fflush(stdout);
   }

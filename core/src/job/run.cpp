@@ -36,6 +36,8 @@
 #include "spmdx/job/comm_chain.h"
 #include "spmdx/exec/device.h"
 #include "spmdx/exec/kernels.h"
+#include "spmdx/exec/calibrate.h"
+#include "spmdx/plan/target.h"
 #include "spmdx/exec/distributed.h"
 #include "spmdx/exec/shards.h"
 #include "spmdx/exec/trainer.h"
@@ -354,13 +356,40 @@ void check_host_memory(const plan::MemoryPlan& planned, const launch::RankEnv& e
   if (says) SPMDX_WARN(over << ": the steps will swap, if no rank is killed" << what_makes_it_large(planned, spec, model, tokenizer_vocab) << "; " << todo);
 }
 
+// The peak FLOP/s of the hardware one rank has, in the step's compute dtype, for MFU, and what it
+// is ("" and 0 when unknown). A CPU rank: the measured GEMM peak of a core (exec::gemm_peak)
+// times the cores it has (its intra-op threads, at most the host's usable CPUs shared among its
+// ranks); a CUDA rank: its device's datasheet peak (plan/target.h), TF32's for float32 when on.
+std::pair<double, std::string> peak_flops_per_rank(const JobSpec& spec, const launch::RankEnv& env, const Device& device) {
+  const std::string& dtype = spec.mixed_precision.param;
+  char text[512];
+  if (device.compute_stream() != nullptr) {
+    const plan::TargetProfile* t = plan::target_for_device_name(device.describe());
+    if (t == nullptr) return {0, "no datasheet peak known for " + device.describe() + " (spmdx knows " + plan::target_names() + ")"};
+    const double peak = t->peak_flops(dtype, spec.device.allow_tf32);
+    std::snprintf(text, sizeof text, "%.0f TFLOP/s %s%s a rank (%s, dense, datasheet)", peak / 1e12, dtype.c_str(),
+                  dtype == "float32" && spec.device.allow_tf32 ? " on TF32" : "", t->label.c_str());
+    return {peak, text};
+  }
+  const exec::GemmPeak p = exec::gemm_peak();
+  const double cores = std::min(static_cast<double>(at::get_num_threads()),
+                                static_cast<double>(launch::usable_cpus()) / static_cast<double>(std::max(1, env.local_world_size)));
+  const double peak = p.of(dtype) * cores;
+  std::snprintf(text, sizeof text, "%.1f GFLOP/s %s a rank = %.1f a core x %.3g core%s (%s)", peak / 1e9, dtype.c_str(), p.of(dtype) / 1e9, cores,
+                cores == 1 ? "" : "s", p.source.c_str());
+  return {peak, text};
+}
+
 // `resumed`: the checkpoint a resumed job starts from (its loss scale replaces the config's).
 void print_banner(const JobSpec& spec, const PlacedJob& job, const sharding::DistributedPlan& plan, const launch::RankEnv& env, const CommBackend* backend,
                   const Device& device, const plan::MemoryPlan& planned, const CheckpointMeta* resumed) {
   using train::CheckpointReport;
   double params = 0;
   for (const auto& p : job.model.params) params += static_cast<double>(job.model.graph.find_input(p)->meta().numel());
-  const std::string linears = device.compute_stream() == nullptr ? std::string(", float32 linears on ") + library_name(cpu_matmul()) : "";
+  std::string linears = device.compute_stream() == nullptr ? std::string(", float32 linears on ") + library_name(cpu_matmul()) : "";
+  if (device.compute_stream() == nullptr && spec.mixed_precision.param != "float32") {
+    linears += ", " + half_gemm_summary(spec.mixed_precision.param == "bfloat16" ? at::kBFloat16 : at::kHalf);
+  }
   std::printf("spmdx: %s (%.2fM parameters), mesh %s (%d rank%s, %s), global batch %lld x %lld, %lld steps, comm %s, %d intra-op thread%s per rank%s\n",
               models::model_label(spec.model).c_str(), params / 1e6,
               run_mesh(job).str().c_str(), env.world_size, env.world_size == 1 ? "" : "s", env.source.c_str(), static_cast<long long>(spec.global_batch_size),
@@ -538,6 +567,9 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
   if (lead) {
     metrics.emplace(spec.output, first_step, checkpointing, planned.peak_bytes, spec.step.microbatches);
     print_banner(spec, job, plan, env, backend.get(), *device, planned, resume_step ? &resumed : nullptr);
+    const auto [peak, peak_text] = peak_flops_per_rank(spec, env, *device);
+    metrics->set_mfu_basis(models::flops_per_token(job.model, spec.seq_len), env.world_size, peak);
+    std::printf("mfu: torchtitan's (FLOPs per token x tokens/s per rank / peak), against %s\n", peak_text.c_str());
     if (job.pipeline.stages > 1) {
       std::printf("pipeline: %lld stages (mesh dim pp) of %lld rank%s, schedule %s, %lld microbatches, theoretical bubble %.3f; stage 0 (rank 0) sends %lld and receives %lld tensors a step\n",
                   static_cast<long long>(job.pipeline.stages), static_cast<long long>(job.mesh.size()), job.mesh.size() == 1 ? "" : "s", job.pipeline.schedule.c_str(),
