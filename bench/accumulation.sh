@@ -11,6 +11,9 @@ build="${SPMDX_BUILD_DIR:-$repo/build}"
 steps="${1:-10}"
 out="$(mktemp -d)"
 trap 'rm -rf "$out"' EXIT
+source "$repo/bench/lib.sh"  # machine
+
+machine
 for local in 4 2 1; do
   "$build/bin/spmdx" run "$repo/configs/llama_debug.toml" --nproc 4 --parallelism.data_parallel_shard_degree 4 --parallelism.tensor_parallel_degree 1 \
     --training.global_batch_size 16 --training.local_batch_size "$local" --training.steps "$steps" --metrics.log_freq 100000 \

@@ -20,7 +20,10 @@ steps="${1:-8}"
 rounds="${ROUNDS:-2}"
 out="$(mktemp -d)"
 trap 'rm -rf "$out"' EXIT
+source "$repo/bench/lib.sh"  # machine
 spmdx="$build/bin/spmdx"
+
+machine
 "$spmdx" bench comm --nproc 4 --max-bytes 16M --iters 10 --calibrate "$out/calibration.json" > "$out/comm.log" 2>&1 || { cat "$out/comm.log"; exit 1; }
 declare -A layouts=(
   [dp4]="--parallelism.data_parallel_replicate_degree 4 --parallelism.data_parallel_shard_degree 1 --parallelism.tensor_parallel_degree 1"

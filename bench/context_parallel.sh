@@ -18,6 +18,7 @@ seq="${2:-2048}"
 rounds="${ROUNDS:-3}"
 out="$(mktemp -d)"
 trap 'rm -rf "$out"' EXIT
+source "$repo/bench/lib.sh"  # machine
 run() {  # name nproc flags...
   local name="$1" nproc="$2"
   shift 2
@@ -25,6 +26,8 @@ run() {  # name nproc flags...
     --model.n_layers 2 --training.seq_len "$seq" --training.global_batch_size 1 --training.local_batch_size 1 --training.steps "$steps" \
     --metrics.log_freq 100000 --job.dump_folder "$out/$name" "$@" > "$out/$name.log" 2>&1 || { cat "$out/$name.log"; exit 1; }
 }
+
+machine
 for round in $(seq 1 "$rounds"); do
   run "one.$round" 1
   for cp in 2 4; do

@@ -15,7 +15,7 @@ if ! [[ "$steps" =~ ^[0-9]+$ ]] || [ "$steps" -lt 4 ]; then echo "STEPS must be 
 if ! [[ "$rounds" =~ ^[1-9][0-9]*$ ]]; then echo "ROUNDS must be a positive whole number, got '$rounds'" >&2; exit 2; fi
 out="$(mktemp -d)"
 trap 'rm -rf "$out"' EXIT
-source "$repo/bench/lib.sh"  # median
+source "$repo/bench/lib.sh"  # median, machine
 
 run() {  # aten|onednn -> "median step ms of steps 3.., last loss"
   "$build/bin/spmdx" run "$repo/configs/llama_debug.toml" --nproc 4 --training.steps "$steps" --metrics.log_freq 1000 \
@@ -28,6 +28,8 @@ r = [json.loads(l) for l in open(sys.argv[1])]
 print("%.1f %.9f" % (statistics.median(x["step_ms"] for x in r[2:]), r[-1]["loss"]))' "$out/$1/metrics.jsonl"
   rm -rf "${out:?}/$1"
 }
+
+machine
 a=(); o=()
 for ((r = 0; r < rounds; r++)); do
   read -r ms loss_a <<< "$(run aten)"; a+=("$ms")

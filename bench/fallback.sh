@@ -13,12 +13,15 @@ pairs="${1:-3}"
 steps="${2:-30}"
 out="$(mktemp -d)"
 trap 'rm -rf "$out"' EXIT
+source "$repo/bench/lib.sh"  # machine
 run() {  # name, flags...
   local name="$1"; shift
   "$build/bin/spmdx" run "$repo/configs/llama_debug.toml" --nproc 4 --training.steps "$steps" --metrics.log_freq 100000 \
     --job.dump_folder "$out/$name" "$@" > "$out/$name.log" 2>&1 || { cat "$out/$name.log"; exit 1; }
   sed -n 's/.*done: [0-9]* steps in \([0-9.]*\) s.*/\1/p' "$out/$name.log"
 }
+
+machine
 plain=0; with=0
 printf '%-6s %14s %14s\n' pair "without (s)" "with (s)"
 for i in $(seq 1 "$pairs"); do

@@ -18,12 +18,15 @@ if ! [[ "$steps" =~ ^[0-9]+$ ]] || [ "$steps" -lt 4 ]; then echo "STEPS must be 
 if ! [[ "$seq" =~ ^[1-9][0-9]*$ ]]; then echo "SEQ_LEN must be a positive whole number, got '$seq'" >&2; exit 2; fi
 out="$(mktemp -d)"
 trap 'rm -rf "$out"' EXIT
+source "$repo/bench/lib.sh"  # machine
 fsdp="--parallelism.data_parallel_replicate_degree 1 --parallelism.data_parallel_shard_degree 4 --parallelism.tensor_parallel_degree 1"
 run() {  # name, flags...
   local name="$1"; shift
   "$build/bin/spmdx" run "$repo/configs/llama_debug.toml" --nproc 4 --training.steps "$steps" --training.seq_len "$seq" --metrics.log_freq 1000 \
     $fsdp --job.dump_folder "$out/$name" "$@" > "$out/$name.log" 2>&1 || { cat "$out/$name.log"; exit 1; }
 }
+
+machine
 run none --activation_checkpoint.mode none
 run selective --activation_checkpoint.mode selective
 run full --activation_checkpoint.mode full

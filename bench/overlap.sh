@@ -16,6 +16,7 @@ steps="${1:-8}"
 bucket="${2:-2}"
 out="$(mktemp -d)"
 trap 'rm -rf "$out"' EXIT
+source "$repo/bench/lib.sh"  # machine
 dp="--parallelism.data_parallel_replicate_degree 4 --parallelism.data_parallel_shard_degree 1 --parallelism.tensor_parallel_degree 1"
 fsdp="--parallelism.data_parallel_replicate_degree 1 --parallelism.data_parallel_shard_degree 4 --parallelism.tensor_parallel_degree 1"
 run() {  # name, flags...
@@ -23,6 +24,8 @@ run() {  # name, flags...
   "$build/bin/spmdx" run "$repo/configs/llama_debug.toml" --nproc 4 --training.steps "$steps" --metrics.log_freq 1000 \
     --job.dump_folder "$out/$name" "$@" > "$out/$name.log" 2>&1 || { cat "$out/$name.log"; exit 1; }
 }
+
+machine
 run dp_off $dp --comm.overlap false --comm.bucket_cap_mb 0 --comm.prefetch false
 run dp_on $dp
 run dp_small $dp --comm.bucket_cap_mb "$bucket" --comm.first_bucket_cap_mb 1

@@ -15,6 +15,9 @@ steps="${1:-6}"
 seq="${2:-128}"
 out="$(mktemp -d)"
 trap 'rm -rf "$out"' EXIT
+source "$repo/bench/lib.sh"  # machine
+
+machine
 for m in 8 16; do
   for schedule in GPipe 1F1B Interleaved1F1B; do
     "$build/bin/spmdx" run "$repo/configs/llama_debug.toml" --nproc 4 --parallelism.data_parallel_shard_degree 1 --parallelism.tensor_parallel_degree 1 \

@@ -23,6 +23,7 @@ py="${SPMDX_VENV:-$repo/.venv}/bin/python"
 [ -x "$py" ] || py=python3
 out="$(mktemp -d)"
 trap 'rm -rf "$out"' EXIT
+source "$repo/bench/lib.sh"  # machine
 
 plan() {  # name flavor layers dp_replicate dp_shard tp [microbatches] -> $out/name.json
   local name="$1" flavor="$2" layers="$3" rep="$4" shard="$5" tp="$6" mb="${7:-1}"
@@ -32,6 +33,7 @@ plan() {  # name flavor layers dp_replicate dp_shard tp [microbatches] -> $out/n
     > "$out/$name.json" 2> "$out/$name.err" || { cat "$out/$name.err" >&2; exit 1; }
 }
 
+machine
 echo "1. depth: 16,384 fake ranks (dp_replicate 16 x dp_shard 128 x tp 8), sequence $seq"
 for layers in 8 16 32 80 126; do plan "8B-$layers" 8B "$layers" 16 128 8; done
 plan 70B 70B -1 16 128 8

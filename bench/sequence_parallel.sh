@@ -12,6 +12,9 @@ steps="${1:-10}"
 seq="${2:-128}"
 out="$(mktemp -d)"
 trap 'rm -rf "$out"' EXIT
+source "$repo/bench/lib.sh"  # machine
+
+machine
 for sp in false true; do
   "$build/bin/spmdx" run "$repo/configs/llama_debug.toml" --nproc 4 --parallelism.data_parallel_shard_degree 1 --parallelism.tensor_parallel_degree 4 \
     --parallelism.enable_sequence_parallel "$sp" --training.seq_len "$seq" --training.global_batch_size 4 --training.steps "$steps" \

@@ -57,8 +57,9 @@ torch_ms() {  # ddp|fsdp|local
   "$repo/.venv/bin/python" "$repo/bench/peers/torch_llama.py" "$1" "$n" "$steps" debugmodel $local_batch 128 2> "$out/torch_$1.log" \
     | awk '{ print $2 }' || { cat "$out/torch_$1.log" >&2; return 1; }
 }
-source "$repo/bench/lib.sh"  # median
+source "$repo/bench/lib.sh"  # median, machine
 
+machine
 printf "%-26s %-28s %-28s %8s\n" "llama debugmodel, $n ranks" "spmdx step ms (rounds)" "PyTorch step ms" speedup
 for pair in "dp ddp DDP" "fsdp fsdp FSDP2" "floor local no-communication"; do
   set -- $pair
