@@ -41,6 +41,32 @@ TEST(Device, CpuDeviceHasNoStream) {
   }
 }
 
+// Blocks of 1 MiB or more are handed out again for the same size once freed (a train step's
+// sizes repeat, and fresh memory faults its pages in at every first touch), still counted as
+// given back; another size gets another block; a small one is not cached.
+TEST(Device, CpuDeviceReusesAFreedLargeBlockForTheSameSize) {
+  auto cpu = make_device({"cpu", 0, false});
+  cpu->reset_peak_memory();
+  const std::int64_t base = cpu->peak_memory_bytes();
+  { const at::Tensor once = at::empty({16 << 20}, at::kFloat); }  // 64 MiB in use once: what may be held (in use + cached)
+  const void* first = nullptr;
+  {
+    const at::Tensor a = at::empty({3 << 20}, at::kFloat);  // 12 MiB
+    first = a.data_ptr();
+  }
+  cpu->reset_peak_memory();
+  EXPECT_EQ(cpu->peak_memory_bytes(), base) << "a cached block is not in use";
+  {
+    const at::Tensor other = at::empty({(3 << 20) + 16}, at::kFloat);
+    EXPECT_NE(other.data_ptr(), first) << "another size";
+  }
+  const at::Tensor again = at::empty({3 << 18}, at::kDouble);  // 6 MiB: not the 12 MiB block
+  EXPECT_NE(again.data_ptr(), first);
+  const at::Tensor same = at::empty({3 << 20}, at::kFloat);
+  EXPECT_EQ(same.data_ptr(), first) << "the freed 12 MiB block, reused";
+  EXPECT_EQ(cpu->peak_memory_bytes(), base + (12 << 20) + (6 << 20));
+}
+
 // The CPU device counts every ATen CPU allocation, as the CUDA caching allocator does on a GPU:
 // the peak since the reset, temporaries inside a kernel included, and tensors made before the
 // device (by c10's default allocator) freed safely.
