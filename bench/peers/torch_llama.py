@@ -4,15 +4,27 @@ SwiGLU feed-forward, untied output) trained in eager PyTorch with DistributedDat
 FSDP2 (torch.distributed.fsdp.fully_shard) over Gloo, one process per rank, or (mode local)
 NPROC processes each training its own copy with no collective but a barrier before each step
 (DDP's work without its communication: the floor under the same sharing of the cores), with the same
-global batch, AdamW (betas 0.9/0.95, weight decay 0.1), gradient clipping at 1.0 and the same
-intra-op threads per rank as spmdx (cores / ranks); or, mode cuda, in one process on cuda:0
+global batch, AdamW (betas 0.9/0.95, weight decay 0.1, fused as torchtitan's default), gradient
+clipping at 1.0 and the same intra-op threads per rank as spmdx (cores / ranks). ddp_bf16 is DDP
+with the forward and the loss under torch.autocast to bfloat16 (float32 parameters, gradients
+reduced in float32); fsdp_bf16 is FSDP2 with MixedPrecisionPolicy(param_dtype=bfloat16,
+reduce_dtype=float32), as torchtitan's mixed precision (spmdx's training.mixed_precision_param).
+One process on the CPU (NPROC must be 1; THREADS intra-op threads, default 1): mode cpu is eager
+float32, cpu_bf16 the same with the forward and the loss under torch.autocast("cpu", bfloat16)
+(float32 parameters and fused AdamW: torchtitan's mixed precision on one device), cpu_compile
+float32 with the model under torch.compile (inductor; the optimizer eager; compiling happens in
+the warm-up steps). Mode cuda: one process on cuda:0
 (float32 with TF32 off, as spmdx's training.allow_tf32 = false; NPROC must be 1), each step's
 time taken after torch.cuda.synchronize(); mode cuda_bf16 is the same under torch.autocast to
 bfloat16 (float32 parameters and AdamW), as torchtitan's mixed precision on one device. Tokens are random: only time is compared.
 
 Prints one line on rank 0: "MODE median_step_ms tokens_per_s".
-Usage: python torch_llama.py ddp|fsdp|local|cuda|cuda_bf16 NPROC STEPS [FLAVOR] [LOCAL_BATCH] [SEQ_LEN]
+Usage: python torch_llama.py MODE NPROC STEPS [FLAVOR] [LOCAL_BATCH] [SEQ_LEN]
+       MODE: ddp|fsdp|local|ddp_bf16|fsdp_bf16 (NPROC ranks over Gloo), cpu|cpu_bf16|cpu_compile
+       (one process on the CPU, NPROC 1, THREADS=N intra-op threads, default 1), cuda|cuda_bf16 (NPROC 1)
+       FLAVOR: tiny|debugmodel|large (spmdx's model.flavor of llama)
        (defaults: debugmodel, 4, 128; steps 1-2 are warm-up and not counted, so STEPS >= 3)"""
+import contextlib
 import os
 import socket
 import statistics
@@ -89,9 +101,10 @@ class Llama(nn.Module):
         return self.output(self.norm(h))
 
 
-def train(model, steps, local_batch, seq_len, seed, before_step, device="cpu"):
+def train(model, steps, local_batch, seq_len, seed, before_step, device="cpu", amp=contextlib.nullcontext):
     """Runs STEPS steps; returns their times in seconds. before_step() runs before each step's clock
-    starts (a barrier, or a CUDA synchronize); the clock stops after the next one."""
+    starts (a barrier, or a CUDA synchronize); the clock stops after the next one. The forward and
+    the loss run inside amp() (torchtitan's maybe_enable_amp), the backward and AdamW outside."""
     # fused=True: torchtitan's default (optimizer.implementation = "fused"), and the form spmdx runs.
     opt = torch.optim.AdamW(model.parameters(), lr=8e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
     g = torch.Generator().manual_seed(seed)
@@ -100,8 +113,10 @@ def train(model, steps, local_batch, seq_len, seed, before_step, device="cpu"):
         tokens = torch.randint(0, VOCAB, (local_batch, seq_len + 1), generator=g).to(device)
         before_step()
         t0 = time.perf_counter()
-        logits = model(tokens[:, :-1])
-        loss = F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+        with amp():
+            logits = model(tokens[:, :-1])
+            # .float(): torchtitan's loss upcasts the logits (a no-op on float32 ones)
+            loss = F.cross_entropy(logits.reshape(-1, VOCAB).float(), tokens[:, 1:].reshape(-1))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -123,14 +138,20 @@ def worker(rank, mode, n, steps, flavor, local_batch, seq_len, port, queue):
     dist.init_process_group("gloo", rank=rank, world_size=n)
     torch.manual_seed(42)
     model = Llama(seq_len=seq_len, **FLAVORS[flavor])
-    if mode == "ddp":
+    amp = contextlib.nullcontext
+    if mode in ("ddp", "ddp_bf16"):
         model = nn.parallel.DistributedDataParallel(model)
-    elif mode == "fsdp":
-        from torch.distributed.fsdp import fully_shard
+        if mode == "ddp_bf16":  # float32 parameters and gradient all_reduce, bfloat16 compute
+            amp = lambda: torch.autocast("cpu", dtype=torch.bfloat16)
+    elif mode in ("fsdp", "fsdp_bf16"):
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        # torchtitan's mixed precision under FSDP: bfloat16 all-gathered parameters and compute,
+        # float32 gradient reduce_scatter into float32 shards
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mode == "fsdp_bf16" else MixedPrecisionPolicy()
         for layer in model.layers:
-            fully_shard(layer)
-        fully_shard(model)
-    times = train(model, steps, local_batch, seq_len, rank, dist.barrier)
+            fully_shard(layer, mp_policy=mp)
+        fully_shard(model, mp_policy=mp)
+    times = train(model, steps, local_batch, seq_len, rank, dist.barrier, amp=amp)
     if rank == 0:
         queue.put(result(mode, times, local_batch * n * seq_len))
     dist.destroy_process_group()
@@ -150,15 +171,34 @@ def run_cuda(mode, steps, flavor, local_batch, seq_len):
     print(result(mode, times, local_batch * seq_len))
 
 
+def run_cpu(mode, steps, flavor, local_batch, seq_len):
+    torch.set_num_threads(int(os.environ.get("THREADS", "1")))
+    torch.manual_seed(42)
+    model = Llama(seq_len=seq_len, **FLAVORS[flavor])
+    amp = contextlib.nullcontext
+    if mode == "cpu_bf16":  # torchtitan's single-device mixed precision: float32 parameters and AdamW
+        amp = lambda: torch.autocast("cpu", dtype=torch.bfloat16)
+    elif mode == "cpu_compile":
+        model = torch.compile(model)  # inductor; steps 1-2 (compiling) are the warm-up
+    times = train(model, steps, local_batch, seq_len, 0, lambda: None, amp=amp)
+    print(result(mode, times, local_batch * seq_len))
+
+
+MODES = ("ddp", "fsdp", "local", "ddp_bf16", "fsdp_bf16", "cpu", "cpu_bf16", "cpu_compile", "cuda", "cuda_bf16")
+
+
 def main():
     mode, n, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     flavor = sys.argv[4] if len(sys.argv) > 4 else "debugmodel"
     local_batch = int(sys.argv[5]) if len(sys.argv) > 5 else 4
     seq_len = int(sys.argv[6]) if len(sys.argv) > 6 else 128
-    if mode not in ("ddp", "fsdp", "local", "cuda", "cuda_bf16") or flavor not in FLAVORS or steps < 3 or (mode.startswith("cuda") and n != 1):
+    one_process = mode.startswith(("cuda", "cpu"))
+    if mode not in MODES or flavor not in FLAVORS or steps < 3 or n < 1 or (one_process and n != 1):
         sys.exit(__doc__)
     if mode.startswith("cuda"):
         return run_cuda(mode, steps, flavor, local_batch, seq_len)
+    if mode.startswith("cpu"):
+        return run_cpu(mode, steps, flavor, local_batch, seq_len)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
