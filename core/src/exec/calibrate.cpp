@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdlib>
 #include <ctime>
 #include <fstream>
@@ -17,6 +18,7 @@
 
 #include "spmdx/core/log.h"
 #include "spmdx/files.h"
+#include "spmdx/text.h"
 
 namespace spmdx::exec {
 namespace {
@@ -42,6 +44,8 @@ std::string linears_on() { return std::string("float32 linears on ") + library_n
 // A measured calibration of another library than the one in use: one that names it, or one from
 // before the library was named (an ATen mm, MKL's rate) while oneDNN is in use.
 bool other_library(const std::string& source) {
+  // bfloat16's path (native, upcast) since it was named: measured again when it changed.
+  if (source.find("bfloat16 GEMMs ") != std::string::npos && source.find(half_gemm_summary(at::kBFloat16)) == std::string::npos) return true;
   if (source.find("float32 linears on ") != std::string::npos) return source.find(linears_on()) == std::string::npos;
   return source.find("ATen mm") != std::string::npos && cpu_matmul() == CpuMatmul::onednn;
 }
@@ -76,20 +80,24 @@ plan::Calibration measure_compute(plan::Calibration base, double seconds, double
                             },
                             seconds / 2) /
                         3;
-  // The same three in bfloat16 as the kernels run them on this CPU (exec::half_gemm: native, or
-  // float32 GEMMs of the upcast operands).
-  const at::Tensor xb = x.to(at::kBFloat16), wb = w.to(at::kBFloat16), gb = g.to(at::kBFloat16);
+  // The same three in bfloat16 and in float16 as the kernels run them on this CPU
+  // (exec::half_gemm: native, or float32 GEMMs of the upcast operands).
   auto half_linear = [](const at::Tensor& a, const at::Tensor& b) {
     return upcast_half_gemm(a) ? cpu_linear(a.to(at::kFloat), b.to(at::kFloat)).to(a.scalar_type()) : cpu_linear(a, b);
   };
-  const double half_matmul = per_call(
-                                 [&] {
-                                   (void)half_linear(xb, wb);
-                                   (void)half_linear(gb, wb.t());
-                                   (void)cpu_half_aware_matmul(gb.t(), xb);
-                                 },
-                                 seconds / 4) /
-                             3;
+  double half_matmul[2] = {0, 0};
+  for (const int i : {0, 1}) {
+    const at::ScalarType t = i == 0 ? at::kBFloat16 : at::kHalf;
+    const at::Tensor xh = x.to(t), wh = w.to(t), gh = g.to(t);
+    half_matmul[i] = per_call(
+                         [&] {
+                           (void)half_linear(xh, wh);
+                           (void)half_linear(gh, wh.t());
+                           (void)cpu_half_aware_matmul(gh.t(), xh);
+                         },
+                         seconds / 4) /
+                     3;
+  }
   const std::int64_t m = 4 << 20;
   const at::Tensor u = at::randn({m}), v = at::randn({m});
   const double add = per_call([&] { (void)at::add(u, v); }, seconds / 2);
@@ -97,13 +105,14 @@ plan::Calibration measure_compute(plan::Calibration base, double seconds, double
   const double tiny = per_call([&] { (void)at::add(one, one); }, 0.05);
   at::set_num_threads(threads);
   base.matmul_flops_per_second = 2.0 * n * n * n / matmul;
-  base.half_matmul_flops_per_second = 2.0 * n * n * n / half_matmul;
+  base.half_matmul_flops_per_second = 2.0 * n * n * n / half_matmul[0];
+  base.float16_matmul_flops_per_second = 2.0 * n * n * n / half_matmul[1];
   base.memory_bytes_per_second = 12.0 * static_cast<double>(m) / add;
   base.node_seconds = tiny;
   char when[32];
   const std::time_t now = std::time(nullptr);
   std::strftime(when, sizeof when, "%Y-%m-%d %H:%M", std::localtime(&now));
-  base.compute_source = std::string("measured ") + when + " (a linear's three 384^3 products, " + linears_on() + ", " + half_gemm_summary(at::kBFloat16) + "; add 4Mi f32 and 1 f32; 1 thread)";
+  base.compute_source = std::string("measured ") + when + " (a linear's three 384^3 products, " + linears_on() + ", " + half_gemm_summary(at::kBFloat16) + ", " + half_gemm_summary(at::kHalf) + "; add 4Mi f32 and 1 f32; 1 thread)";
   if (cpu_share != nullptr) {
     const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - wall0).count();
     *cpu_share = wall > 0 ? std::min(1.0, (thread_cpu_seconds() - cpu0) / wall) : 1.0;
@@ -209,10 +218,13 @@ GemmPeak gemm_peak() {
     nlohmann::json cache = nlohmann::json::object();
     if (!file.empty() && unreadable_file(file).empty()) {
       try {
-        cache = nlohmann::json::parse(read_file_bytes(file));
-        if (!cache.is_object()) cache = nlohmann::json::object();
-      } catch (const std::exception&) {
-        cache = nlohmann::json::object();  // a torn or edited cache: measured again and rewritten
+        const std::string text = read_file_bytes(file);
+        check_json_nesting(text);  // a forged file nested deep enough would overflow the stack
+        cache = nlohmann::json::parse(text);
+        if (!cache.is_object()) throw std::invalid_argument("not a JSON object");
+      } catch (const std::exception& e) {
+        SPMDX_WARN(file.string() << ": not the GEMM peak cache spmdx writes (" << e.what() << "): measured again and rewritten");
+        cache = nlohmann::json::object();  // a torn or edited cache
       }
     }
     GemmPeak kept;
@@ -223,8 +235,18 @@ GemmPeak gemm_peak() {
         // A busy measurement is kept for 10 minutes (the ranks of the job that measured it read
         // it), then measured again.
         const bool fresh = kept.source.find("busy") == std::string::npos || metrics_now() - e.value("time", 0.0) < 600;
-        if (kept.float32 > 0 && kept.bfloat16 > 0 && kept.float16 > 0 && fresh) return kept;
-      } catch (const std::exception&) {
+        // A core's GEMM rate from 0.1 GFLOP/s to 10 TFLOP/s (AMX's bfloat16 peak is about 2): else
+        // an edited or corrupt entry, measured again.
+        auto plausible = [](double v) { return std::isfinite(v) && v >= 1e8 && v <= 1e13; };
+        if (!plausible(kept.float32) || !plausible(kept.bfloat16) || !plausible(kept.float16)) {
+          SPMDX_WARN(file.string() << ": its GEMM peak for this CPU is not a rate a core has (" << kept.float32 << ", " << kept.bfloat16 << ", "
+                                   << kept.float16 << " FLOP/s): measured again");
+          kept = {};
+        } else if (fresh) {
+          return kept;
+        }
+      } catch (const std::exception& e) {
+        SPMDX_WARN(file.string() << ": its entry for this CPU is not the one spmdx writes (" << e.what() << "): measured again");
         kept = {};
       }
     }

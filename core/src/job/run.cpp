@@ -441,6 +441,10 @@ void print_banner(const JobSpec& spec, const PlacedJob& job, const sharding::Dis
     std::printf("mixed precision: %s parameters, %s reduce (matmuls and attention in %s; norms, loss and AdamW in float32 on float32 master weights)%s\n",
                 spec.mixed_precision.param.c_str(), spec.mixed_precision.reduce.c_str(), spec.mixed_precision.param.c_str(), scaling);
   }
+  if (!spec.planning_target.empty()) {
+    std::printf("note: planning.target = \"%s\" priced this job's plan (strategy = \"auto\", the memory budget) for that GPU; it runs on %s here\n",
+                spec.planning_target.c_str(), device.describe().c_str());
+  }
   if (device.compute_stream() != nullptr) {
     std::printf("device %s (rank 0's)%s\n", device.describe().c_str(), spec.device.cuda_graphs ? ", CUDA graphs: step 1 eager, then captured once and replayed" : "");
   }

@@ -588,8 +588,9 @@ JobSpec job_spec(const config::Config& cfg, std::int64_t world_size, std::int64_
   if (const std::string target = cfg.get_string("planning.target"); target != "this-machine") {
     s.planning_target = target;
     if (const plan::TargetProfile* t = plan::find_target(target); t != nullptr && s.memory_budget == 0) {
-      s.memory_budget = static_cast<std::int64_t>(t->memory_bytes);
-      s.memory_budget_source = "planning.target " + t->name + "'s device memory, " + std::to_string(static_cast<long long>(t->memory_bytes / 1e9)) + " GB";
+      s.memory_budget = static_cast<std::int64_t>(std::llround(plan::kTargetMemoryShare * t->memory_bytes));
+      s.memory_budget_source = "90% of planning.target " + t->name + "'s " + std::to_string(static_cast<long long>(t->memory_bytes / 1e9)) +
+                               " GB: the rest for the CUDA context, NCCL's buffers and the caching allocator's fragmentation";
     }
   }
   s.auto_strategy = cfg.get_string("parallelism.strategy") == "auto";

@@ -21,6 +21,7 @@ namespace spmdx::plan {
 std::string Calibration::to_json() const {
   nlohmann::json j{{"format", "spmdx.calibration/1"},
                    {"compute", {{"matmul_flops_per_second", matmul_flops_per_second}, {"half_matmul_flops_per_second", half_matmul_flops_per_second},
+                                {"float16_matmul_flops_per_second", float16_matmul_flops_per_second},
                                 {"memory_bytes_per_second", memory_bytes_per_second}, {"threads", 1},
                                 {"node_seconds", node_seconds}, {"source", compute_source}}},
                    {"step", {{"collective_seconds", collective_seconds}, {"source", collective_source}}},
@@ -69,6 +70,9 @@ Calibration Calibration::from_json(const std::string& text, const std::string& w
     if (j["compute"].contains("half_matmul_flops_per_second") && j["compute"]["half_matmul_flops_per_second"] != 0) {
       rate(j["compute"], "half_matmul_flops_per_second", c.half_matmul_flops_per_second, "compute");
     }
+    if (j["compute"].contains("float16_matmul_flops_per_second") && j["compute"]["float16_matmul_flops_per_second"] != 0) {
+      rate(j["compute"], "float16_matmul_flops_per_second", c.float16_matmul_flops_per_second, "compute");
+    }
     number(j["compute"], "node_seconds", c.node_seconds, "compute", 0, 1);
     text_of(j["compute"], c.compute_source);
   }
@@ -92,7 +96,7 @@ Calibration Calibration::from_json(const std::string& text, const std::string& w
 
 std::string Calibration::str() const {
   char half[48] = "";
-  if (half_matmul_flops_per_second > 0) std::snprintf(half, sizeof half, " (bf16/f16 %.1f)", half_matmul_flops_per_second / 1e9);
+  if (half_matmul_flops_per_second > 0) std::snprintf(half, sizeof half, " (bf16 %.1f)", half_matmul_flops_per_second / 1e9);
   char text[1024];
   std::snprintf(text, sizeof text,
                 "matmul %.1f GFLOP/s%s, memory %.1f GB/s a thread, %.1f us a kernel (%s); this host: alpha %.1f us, beta %.2f GB/s (%s); between hosts: "

@@ -51,7 +51,7 @@ double TargetProfile::peak_flops(const std::string& dtype, bool tf32) const {
 Calibration TargetProfile::calibration(const std::string& dtype, bool tf32) const {
   Calibration c;
   c.matmul_flops_per_second = peak_flops("float32", tf32);
-  c.half_matmul_flops_per_second = bfloat16_flops;
+  c.half_matmul_flops_per_second = c.float16_matmul_flops_per_second = bfloat16_flops;
   c.memory_bytes_per_second = memory_bytes_per_second;
   c.node_seconds = 4e-6;  // a kernel launch (CUDA graphs lower it)
   c.compute_source = "target " + name + " (" + label + ": " + source + "; matmuls at the dense peak of " + dtype + (dtype == "float32" && tf32 ? " on TF32" : "") +

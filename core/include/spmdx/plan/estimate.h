@@ -21,9 +21,11 @@ namespace spmdx::plan {
 /// Measured rates, as `calibration.json` in the job's dump folder keeps them.
 struct Calibration {
   double matmul_flops_per_second = 50e9;   ///< f32 matmul on one thread
-  /// bfloat16/float16 matmuls on one thread, as the kernels run them on this CPU (native or
-  /// upcast, exec::half_gemm); 0: unknown, priced at the float32 rate.
+  /// bfloat16 matmuls on one thread, as the kernels run them on this CPU (native or upcast,
+  /// exec::half_gemm); 0: unknown, priced at the float32 rate.
   double half_matmul_flops_per_second = 0;
+  /// float16 matmuls, likewise (a CPU may run bfloat16 native and float16 upcast); 0: the float32 rate.
+  double float16_matmul_flops_per_second = 0;
   double memory_bytes_per_second = 10e9;   ///< an elementwise op's bytes read + written per second, one thread
   double node_seconds = 5e-6;             ///< a kernel's fixed cost (ATen's dispatch, allocation): a 1-element add, one thread
   std::string compute_source = "defaults (not measured)";
@@ -41,9 +43,11 @@ struct Calibration {
   std::string to_json() const;
   /// Throws std::invalid_argument naming `where` and the key for malformed JSON or a rate <= 0.
   static Calibration from_json(const std::string& text, const std::string& where);
-  /// The matmul rate for nodes computing in `dtype` (half: half_matmul_flops_per_second when known).
+  /// The matmul rate for nodes computing in `dtype` (bfloat16's or float16's own when known).
   double matmul_rate(ir::DType dtype) const {
-    return (dtype == ir::DType::bf16 || dtype == ir::DType::f16) && half_matmul_flops_per_second > 0 ? half_matmul_flops_per_second : matmul_flops_per_second;
+    if (dtype == ir::DType::bf16 && half_matmul_flops_per_second > 0) return half_matmul_flops_per_second;
+    if (dtype == ir::DType::f16 && float16_matmul_flops_per_second > 0) return float16_matmul_flops_per_second;
+    return matmul_flops_per_second;
   }
   /// One line: "matmul 61.2 GFLOP/s, memory 9.8 GB/s a thread; shared memory 12 us, 4.1 GB/s; ...".
   std::string str() const;

@@ -37,10 +37,17 @@ struct TargetProfile {
   Calibration calibration(const std::string& dtype, bool tf32) const;
 };
 
+/// The share of a target's device memory a plan may take (parallelism.memory_budget's default
+/// under planning.target): the planned peak counts the tensors' bytes, as
+/// torch.cuda.max_memory_allocated; the CUDA context (~0.5 GB), NCCL's buffers and the caching
+/// allocator's fragmentation take the rest.
+constexpr double kTargetMemoryShare = 0.9;
+
 /// The profiles spmdx knows: H100 SXM, H200 (SXM), B200 (HGX).
 const std::vector<TargetProfile>& target_profiles();
-/// The one named (case-insensitive, '-' and '_' alike), or nullptr. "this-machine" and "" are
-/// not profiles (the machine's own calibration).
+/// The one named (case-insensitive, '-' and '_' alike, "h100" for "h100-sxm"; planning.target
+/// itself takes the lowercase names), or nullptr. "this-machine" and "" are not profiles (the
+/// machine's own calibration).
 const TargetProfile* find_target(const std::string& name);
 /// The profile of a CUDA device name as the driver reports it ("NVIDIA H100 80GB HBM3" is the
 /// SXM part; "NVIDIA H200", "NVIDIA B200"), or nullptr (a PCIe or NVL H100, another GPU).
