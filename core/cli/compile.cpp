@@ -301,8 +301,9 @@ int run_compile(const CompileOptions& o) {
             << "\n"
             << flops << "\n"
             << "per rank (rank 0): parameters " << spmdx::human_bytes(param) << ", gradients " << spmdx::human_bytes(param) << ", AdamW state "
-            << spmdx::human_bytes(2 * param) << ", communication " << spmdx::human_bytes(plan.comm_bytes) << " sent per step (" << by_dim << "; about "
-            << comm_ms << " ms at 10 GB/s, 10 us per message)\n"
+            << spmdx::human_bytes(2 * param) << ", communication " << spmdx::human_bytes(plan.comm_bytes) << " sent per step (" << by_dim
+            << (spec.planning_target.empty() ? "; about " + std::string(comm_ms) + " ms at 10 GB/s, 10 us per message)\n"
+                                             : "; over " + spec.planning_target + "'s links: --estimate)\n")
             << "planned peak memory (rank 0): " << planned.memory.str() << "\n"
             << (moe.expert_parallel > 1 ? "expert parallelism: ep " + std::to_string(moe.expert_parallel) + " over " + moe.expert_dim + ", " +
                                               std::to_string(moe.experts / moe.expert_parallel) + " of " + std::to_string(moe.experts) +
@@ -344,9 +345,14 @@ int run_compile(const CompileOptions& o) {
     }
     char who[128] = "rank 0";
     if (e.stages > 1) std::snprintf(who, sizeof who, "the slowest of %lld stages; the largest stage's peak", static_cast<long long>(e.stages));
-    std::snprintf(text, sizeof text, "estimate (%s): %.2f ms a step = compute %.2f ms (%lld thread%s a rank, cores shared %.2fx) + communication %.2f ms%s; planned peak %s\n",
-                  who, e.step_seconds * 1e3, e.compute_seconds * 1e3, static_cast<long long>(e.threads), e.threads == 1 ? "" : "s", e.core_sharing, e.comm_seconds * 1e3,
-                  bubble, spmdx::human_bytes(static_cast<double>(e.peak_bytes)).c_str());
+    char on[96];
+    if (spec.planning_target.empty()) {
+      std::snprintf(on, sizeof on, "%lld thread%s a rank, cores shared %.2fx", static_cast<long long>(e.threads), e.threads == 1 ? "" : "s", e.core_sharing);
+    } else {
+      std::snprintf(on, sizeof on, "one %s a rank", spec.planning_target.c_str());
+    }
+    std::snprintf(text, sizeof text, "estimate (%s): %.2f ms a step = compute %.2f ms (%s) + communication %.2f ms%s; planned peak %s\n", who,
+                  e.step_seconds * 1e3, e.compute_seconds * 1e3, on, e.comm_seconds * 1e3, bubble, spmdx::human_bytes(static_cast<double>(e.peak_bytes)).c_str());
     const auto [mfu, peak_text] = predicted_mfu(spec, e, flops_token, tokens, world);
     std::cout << text;
     std::fflush(stdout);
