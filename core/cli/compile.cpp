@@ -75,11 +75,6 @@ std::string file_text(const std::filesystem::path& file) {
   }
 }
 
-// The calibration an estimate was priced with, in words (planning.target's, or this machine's).
-std::string priced_calibration_text(const spmdx::job::JobSpec& spec, const spmdx::plan::Calibration& measured) {
-  return spmdx::job::planning_machine(spec, measured).calibration.str();
-}
-
 // The predicted MFU of an estimate (percent), and the peak it divides by, in words: FLOPs per
 // token x tokens per rank per predicted second over one rank's peak (planning.target's datasheet
 // peak, or this machine's measured GEMM peak of a core times the cores a rank has).
@@ -359,7 +354,7 @@ int run_compile(const CompileOptions& o) {
     if (mfu >= 0) std::printf("predicted mfu: %.1f%% (torchtitan's: FLOPs per token x tokens/s per rank / peak; against %s)\n", mfu, peak_text.c_str());
     else std::printf("predicted mfu: n/a (%s)\n", peak_text.c_str());
     std::fflush(stdout);
-    std::cout << "calibration: " << priced_calibration_text(spec, *calibration) << "\n";
+    std::cout << "calibration: " << spmdx::job::planning_machine(spec, *calibration).calibration.str() << "\n";  // planning.target's, or this machine's
   }
   std::cout << "planned in " << std::fixed << std::setprecision(3) << seconds << " s, peak RSS " << spmdx::human_bytes(static_cast<double>(peak_rss_bytes())) << std::defaultfloat << (o.fake ? " (--fake: no ranks started" : " (no ranks started")
             << (dumped_ranks ? "; wrote " + o.dump + " with " + std::to_string(dumped_ranks) + " rank graph(s))" : ")") << "\n";

@@ -18,6 +18,7 @@
 
 #include "spmdx/core/log.h"
 #include "spmdx/files.h"
+#include "spmdx/metrics/tensorboard.h"
 #include "spmdx/text.h"
 
 namespace spmdx::exec {
@@ -56,6 +57,30 @@ double thread_cpu_seconds() {
   return static_cast<double>(t.tv_sec) + 1e-9 * static_cast<double>(t.tv_nsec);
 }
 
+// The share of the wall time since it was made that this thread ran on a core (at most 1).
+class CpuShare {
+ public:
+  double now() const {
+    const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - wall0_).count();
+    return wall > 0 ? std::min(1.0, (thread_cpu_seconds() - cpu0_) / wall) : 1.0;
+  }
+
+ private:
+  std::chrono::steady_clock::time_point wall0_ = std::chrono::steady_clock::now();
+  double cpu0_ = thread_cpu_seconds();
+};
+
+// How a measurement taken at `share` of a core says it was busy.
+std::string busy_text(double share) { return "the measuring thread ran " + std::to_string(static_cast<int>(100 * share)) + "% of the time"; }
+
+// "measured 2026-12-06 08:44": a measurement's source begins so (ensure_calibration checks it).
+std::string measured_now() {
+  char when[32];
+  const std::time_t now = std::time(nullptr);
+  std::strftime(when, sizeof when, "%Y-%m-%d %H:%M", std::localtime(&now));
+  return std::string("measured ") + when;
+}
+
 // Below this share of the wall time on a core, the measuring thread waited for one: the machine
 // was busy (CI's tests beside it measured a matmul rate of 22 GFLOP/s, idle 75).
 constexpr double kIdleShare = 0.8;
@@ -63,8 +88,7 @@ constexpr double kIdleShare = 0.8;
 }  // namespace
 
 plan::Calibration measure_compute(plan::Calibration base, double seconds, double* cpu_share) {
-  const auto wall0 = std::chrono::steady_clock::now();
-  const double cpu0 = thread_cpu_seconds();
+  const CpuShare ran;
   const int threads = at::get_num_threads();
   at::set_num_threads(1);
   // A linear's three products as the train step runs them (kernels.h): its forward x W^T and
@@ -82,17 +106,14 @@ plan::Calibration measure_compute(plan::Calibration base, double seconds, double
                         3;
   // The same three in bfloat16 and in float16 as the kernels run them on this CPU
   // (exec::half_gemm: native, or float32 GEMMs of the upcast operands).
-  auto half_linear = [](const at::Tensor& a, const at::Tensor& b) {
-    return upcast_half_gemm(a) ? cpu_linear(a.to(at::kFloat), b.to(at::kFloat)).to(a.scalar_type()) : cpu_linear(a, b);
-  };
   double half_matmul[2] = {0, 0};
   for (const int i : {0, 1}) {
     const at::ScalarType t = i == 0 ? at::kBFloat16 : at::kHalf;
     const at::Tensor xh = x.to(t), wh = w.to(t), gh = g.to(t);
     half_matmul[i] = per_call(
                          [&] {
-                           (void)half_linear(xh, wh);
-                           (void)half_linear(gh, wh.t());
+                           (void)cpu_linear(xh, wh);
+                           (void)cpu_linear(gh, wh.t());
                            (void)cpu_half_aware_matmul(gh.t(), xh);
                          },
                          seconds / 4) /
@@ -109,14 +130,8 @@ plan::Calibration measure_compute(plan::Calibration base, double seconds, double
   base.float16_matmul_flops_per_second = 2.0 * n * n * n / half_matmul[1];
   base.memory_bytes_per_second = 12.0 * static_cast<double>(m) / add;
   base.node_seconds = tiny;
-  char when[32];
-  const std::time_t now = std::time(nullptr);
-  std::strftime(when, sizeof when, "%Y-%m-%d %H:%M", std::localtime(&now));
-  base.compute_source = std::string("measured ") + when + " (a linear's three 384^3 products, " + linears_on() + ", " + half_gemm_summary(at::kBFloat16) + ", " + half_gemm_summary(at::kHalf) + "; add 4Mi f32 and 1 f32; 1 thread)";
-  if (cpu_share != nullptr) {
-    const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - wall0).count();
-    *cpu_share = wall > 0 ? std::min(1.0, (thread_cpu_seconds() - cpu0) / wall) : 1.0;
-  }
+  base.compute_source = measured_now() + " (a linear's three 384^3 products, " + linears_on() + ", " + half_gemm_summary(at::kBFloat16) + ", " + half_gemm_summary(at::kHalf) + "; add 4Mi f32 and 1 f32; 1 thread)";
+  if (cpu_share != nullptr) *cpu_share = ran.now();
   return base;
 }
 
@@ -127,7 +142,7 @@ plan::Calibration ensure_calibration(const std::filesystem::path& dump_folder) {
   double share = 1;
   c = measure_compute(c, 0.6, &share);
   if (share < kIdleShare) {
-    const std::string ran = "the measuring thread ran " + std::to_string(static_cast<int>(100 * share)) + "% of the time";
+    const std::string ran = busy_text(share);
     c.compute_source += "; busy: " + ran;
     SPMDX_WARN(file.string() << ": the machine was busy while spmdx measured its compute rates (" << ran
                              << "), so they are low and estimates long: delete the file to measure again when it is idle");
@@ -169,8 +184,6 @@ std::string gemm_libraries() {
   return std::string("float32 on ") + library_name(cpu_matmul()) + ", " + half_gemm_summary(at::kBFloat16) + ", " + half_gemm_summary(at::kHalf);
 }
 
-double metrics_now() { return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count(); }
-
 std::filesystem::path cache_dir() {
   if (const char* d = std::getenv("SPMDX_CACHE_DIR"); d != nullptr && *d != '\0') return d;
   if (const char* d = std::getenv("XDG_CACHE_HOME"); d != nullptr && *d != '\0') return std::filesystem::path(d) / "spmdx";
@@ -181,8 +194,7 @@ std::filesystem::path cache_dir() {
 }  // namespace
 
 GemmPeak measure_gemm_peak(double seconds) {
-  const auto wall0 = std::chrono::steady_clock::now();
-  const double cpu0 = thread_cpu_seconds();
+  const CpuShare ran;
   const int threads = at::get_num_threads();
   at::set_num_threads(1);
   const std::int64_t n = 1024;
@@ -200,13 +212,9 @@ GemmPeak measure_gemm_peak(double seconds) {
     (t == at::kBFloat16 ? p.bfloat16 : p.float16) = flops / s;
   }
   at::set_num_threads(threads);
-  const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - wall0).count();
-  const double share = wall > 0 ? std::min(1.0, (thread_cpu_seconds() - cpu0) / wall) : 1.0;
-  char when[32];
-  const std::time_t now = std::time(nullptr);
-  std::strftime(when, sizeof when, "%Y-%m-%d %H:%M", std::localtime(&now));
-  p.source = std::string("measured ") + when + " on " + cpu_model() + " (1024^3 products, 1 thread; " + gemm_libraries() + ")";
-  if (share < kIdleShare) p.source += "; busy: the measuring thread ran " + std::to_string(static_cast<int>(100 * share)) + "% of the time";
+  const double share = ran.now();
+  p.source = measured_now() + " on " + cpu_model() + " (1024^3 products, 1 thread; " + gemm_libraries() + ")";
+  if (share < kIdleShare) p.source += "; busy: " + busy_text(share);
   return p;
 }
 
@@ -234,7 +242,7 @@ GemmPeak gemm_peak() {
         kept = {e.at("float32").get<double>(), e.at("bfloat16").get<double>(), e.at("float16").get<double>(), e.at("source").get<std::string>()};
         // A busy measurement is kept for 10 minutes (the ranks of the job that measured it read
         // it), then measured again.
-        const bool fresh = kept.source.find("busy") == std::string::npos || metrics_now() - e.value("time", 0.0) < 600;
+        const bool fresh = kept.source.find("busy") == std::string::npos || metrics::unix_time_s() - e.value("time", 0.0) < 600;
         // A core's GEMM rate from 0.1 GFLOP/s to 10 TFLOP/s (AMX's bfloat16 peak is about 2): else
         // an edited or corrupt entry, measured again.
         auto plausible = [](double v) { return std::isfinite(v) && v >= 1e8 && v <= 1e13; };
@@ -253,7 +261,7 @@ GemmPeak gemm_peak() {
     GemmPeak p = measure_gemm_peak();
     if (kept.float32 > p.float32) p = kept;  // a busy measurement and a busier one: the higher
     if (!file.empty()) {
-      cache[key] = {{"float32", p.float32}, {"bfloat16", p.bfloat16}, {"float16", p.float16}, {"source", p.source}, {"time", metrics_now()}};
+      cache[key] = {{"float32", p.float32}, {"bfloat16", p.bfloat16}, {"float16", p.float16}, {"source", p.source}, {"time", metrics::unix_time_s()}};
       try {
         std::filesystem::create_directories(dir);
         write_file_atomic(file, cache.dump(1) + "\n");

@@ -525,6 +525,7 @@ at::Tensor cpu_half_aware_matmul(const at::Tensor& a, const at::Tensor& b) {
 }
 
 at::Tensor cpu_linear(const at::Tensor& x, const at::Tensor& w) {
+  if (upcast_half_gemm(x)) return cpu_linear(x.to(at::kFloat), w.to(at::kFloat)).to(x.scalar_type());
   if (cpu_matmul_setting().load(std::memory_order_relaxed) == CpuMatmul::onednn && x.is_cpu() && x.scalar_type() == at::kFloat &&
       w.scalar_type() == at::kFloat && w.dim() == 2 && x.dim() >= 2 && x.is_contiguous() && x.numel() > 0 && w.numel() > 0 &&
       !(x.requires_grad() || w.requires_grad())) {

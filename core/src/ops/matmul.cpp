@@ -182,17 +182,12 @@ SPMDX_KERNEL("matmul", [](const Node&, const Tensors& x) {
   return one(at::matmul(x[0], x[1]));
 })
 
-SPMDX_KERNEL("linear", [](const Node&, const Tensors& x) {
-  if (exec::upcast_half_gemm(x[0])) return one(exec::cpu_linear(x[0].to(at::kFloat), x[1].to(at::kFloat)).to(x[0].scalar_type()));
-  return one(exec::cpu_linear(x[0], x[1]));
-})
+SPMDX_KERNEL("linear", [](const Node&, const Tensors& x) { return one(exec::cpu_linear(x[0], x[1])); })
 
 SPMDX_KERNEL("linear_weight_grad", [](const Node&, const Tensors& x) {
   std::int64_t rows = 1;  // explicit: a shard may hold 0 columns, which -1 cannot infer rows from
   for (std::int64_t d = 0; d + 1 < x[0].dim(); ++d) rows *= x[0].size(d);
-  const at::Tensor g = x[0].reshape({rows, x[0].size(-1)}).t(), in = x[1].reshape({rows, x[1].size(-1)});
-  if (exec::upcast_half_gemm(x[0])) return one(at::mm(g.to(at::kFloat), in.to(at::kFloat)).to(x[0].scalar_type()));
-  return one(at::mm(g, in));
+  return one(exec::cpu_half_aware_matmul(x[0].reshape({rows, x[0].size(-1)}).t(), x[1].reshape({rows, x[1].size(-1)})));
 })
 
 }  // namespace spmdx::ops

@@ -132,7 +132,9 @@ const char* library_name(CpuMatmul library);
 bool onednn_linear_available();
 /// The linear op's kernel: x [..., in] times w^T for w [out, in] -> [..., out], on the library
 /// cpu_matmul() names when x and w are float32 CPU tensors, x contiguous and neither requiring
-/// grad (oneDNN's op has no autograd); at::linear otherwise.
+/// grad (oneDNN's op has no autograd); bfloat16/float16 CPU tensors whose GEMMs run upcast
+/// (upcast_half_gemm) as that float32 linear of their float32 copies, rounded back;
+/// at::linear otherwise.
 at::Tensor cpu_linear(const at::Tensor& x, const at::Tensor& w);
 
 /// How a bfloat16 or float16 GEMM (matmul, linear, a weight's gradient, grouped_mm) runs on
