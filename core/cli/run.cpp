@@ -43,6 +43,7 @@ struct RunOptions {
   int node_rank = 0;
   std::string master_addr;
   int master_port = 0;
+  int max_restarts = 0;
   bool print_config = false;
   std::vector<std::string> overrides;
 };
@@ -94,6 +95,16 @@ int run_run(const RunOptions& o) {
     std::vector<std::string> argv{self_exe(), "run", o.config};
     for (const auto& a : o.overrides) argv.push_back(a);
     spmdx::launch::LaunchOptions lo{o.nproc, o.nnodes, o.node_rank, o.master_addr, o.master_port, "spmdx run", ""};
+    if (const auto& ft = spec->fault_tolerance; ft.enable) {
+      lo.ft_groups = static_cast<int>(ft.groups);
+      lo.ft_ranks_per_group = static_cast<int>(ft.ranks_per_group);
+      lo.ft_min_replicas = static_cast<int>(ft.min_replicas);
+    } else if (o.max_restarts > 0) {
+      cfg.check({cfg.where({"fault_tolerance.enable"}) + ": --max-restarts " + std::to_string(o.max_restarts) +
+                 " starts lost replica groups again, under fault_tolerance.enable = true (off here); spmdx does not restart a whole job: "
+                 "resume it from its checkpoint (checkpoint.enable = true)"});
+    }
+    lo.max_restarts = o.max_restarts;
     const auto& enabled = cfg.get_list("hooks.enable");
     if (std::find(enabled.begin(), enabled.end(), "flight_recorder") != enabled.end()) {
       lo.flight_recorder_dir = (std::filesystem::path(cfg.get_string("job.dump_folder")) / "hooks" / "flight_recorder").string();
@@ -146,6 +157,9 @@ class Run final : public Command {
     run_cmd->add_option("--node-rank", o_.node_rank, "This node's index, 0 .. nnodes-1 (node 0 serves the store)")->check(CLI::NonNegativeNumber);
     run_cmd->add_option("--master-addr", o_.master_addr, "Node 0's address, reachable from every node");
     run_cmd->add_option("--master-port", o_.master_port, "The store's port on node 0")->check(CLI::Range(1, 65535));
+    run_cmd->add_option("--max-restarts", o_.max_restarts,
+                        "Fault tolerance: start lost replica groups again, at most this many times over the job (torchrun's flag)")
+        ->check(CLI::Range(0, 1000000));
     run_cmd->add_flag("--print-config", o_.print_config, "Print the effective config and exit");
     run_cmd->footer(kOverridesHelp);
     return run_cmd;

@@ -331,6 +331,18 @@ const std::vector<KeySpec>& schema() {
       n("comm.first_bucket_cap_mb", Type::floating, 1.0, "the first bucket's cap, MiB: small, so communication starts early in the backward", 0, 1e6),
       k("comm.overlap", Type::boolean, true, "issue collectives early and wait late (false: wait right after each)"),
       k("comm.prefetch", Type::boolean, true, "FSDP: all_gather the next layer's parameters while the current layer computes"),
+      k("fault_tolerance.enable", Type::boolean, false,
+        "keep training when a rank dies (torchft's way, torchtitan's section): each data_parallel_replicate slice is a replica group; a group that "
+        "loses a rank is dropped for the step, restarted (spmdx run --max-restarts) and given the live groups' state, while the others train on"),
+      n("fault_tolerance.replica_id", Type::integer, std::int64_t{-1},
+        "this rank's replica group: spmdx run's launcher gives each rank its own (rank / ranks per group); -1 or that value", -1, 1e9),
+      n("fault_tolerance.group_size", Type::integer, std::int64_t{0},
+        "the number of replica groups (torchtitan's meaning): 0 takes parallelism.data_parallel_replicate_degree, which it must equal", 0, 1e9),
+      n("fault_tolerance.min_replica_size", Type::integer, std::int64_t{1},
+        "the fewest live replica groups a step may train with; below it the job stops, naming the groups lost", 1, 1e9),
+      n("fault_tolerance.process_group_timeout_ms", Type::integer, std::int64_t{10000},
+        "a collective, the per-step commit vote or a recovery transfer not done by then fails, and the rank that did not answer is stopped "
+        "(replaces comm.timeout_seconds under fault tolerance)", 100, 1e9),
       k("hooks.enable", Type::string_list, L{}, "debug hook plugins to run"),
       k("checkpoint.enable", Type::boolean, false, "write checkpoints"),
       k("checkpoint.folder", Type::string, std::string("checkpoint"), "under job.dump_folder"),

@@ -33,7 +33,6 @@ const std::vector<TitanKey>& table() {
       {"checkpoint.exclude_from_loading", K::unsupported, "loading part of a checkpoint", {"[]"}, ""},
       {"checkpoint.load_only", K::unsupported, "load-only checkpointing", {"false"}, ""},
       {"validation.enabled", K::alias, "validation.enable", {}, ""},
-      {"fault_tolerance.enable", K::unsupported, "TorchFT fault tolerance", {"false"}, ""},
       {"experimental.custom_import", K::unsupported, "importing Python modules", {"\"\""}, ""},
       {"experimental.custom_args_module", K::unsupported, "extending the config with Python", {"\"\""}, ""},
       // Ignored: nothing spmdx computes depends on them.
@@ -72,7 +71,7 @@ const std::vector<TitanKey>& table() {
       {"mx.*", K::ignored, "", {}, "options of torchtitan's MX converter, used only when model.converters lists it"},
       {"quantize.*", K::ignored, "", {}, "options of torchtitan's quantization converters, used only when model.converters lists them"},
       {"memory_estimation.*", K::ignored, "", {}, "spmdx compile prints the memory of each rank"},
-      {"fault_tolerance.*", K::ignored, "", {}, "TorchFT options, used only with fault_tolerance.enable"},
+      {"fault_tolerance.*", K::ignored, "", {}, "TorchFT options spmdx does not need (process_group: spmdx uses comm.backend; semi_sync_method: spmdx commits every step, as torchft's default)"},
       {"experimental.*", K::ignored, "", {}, "torchtitan's experimental options"},
       {"validation.dataset", K::ignored, "", {}, "torchtitan's named data sets; spmdx reads the text or JSON Lines files of validation.paths"},
       {"validation.dataset_path", K::ignored, "", {}, "torchtitan's data set location; spmdx reads the text or JSON Lines files of validation.paths "

@@ -510,7 +510,9 @@ void check_finite(const fs::path& file, const std::string& name, const at::Tenso
 
 fs::path save_checkpoint(const fs::path& folder, const CheckpointMeta& meta, const sharding::DeviceMesh& mesh, std::int64_t rank,
                          const TensorMap& local, const std::map<std::string, ir::TensorMeta>& global,
-                         const std::map<std::string, sharding::Placements>& placements, CommBackend* backend, const PipelineStages& pipeline) {
+                         const std::map<std::string, sharding::Placements>& placements, CommBackend* backend, const PipelineStages& pipeline,
+                         const SaveRoles* save_roles) {
+  const SaveRoles roles = save_roles != nullptr ? *save_roles : SaveRoles{rank == 0, {}};
   const fs::path final_dir = folder / train::checkpoint_name(meta.step);
   const fs::path tmp = folder / ("." + train::checkpoint_name(meta.step) + ".partial");
   if (const std::string bad = first_non_finite(local); !bad.empty()) {  // before anything is written: the earlier checkpoints stay as they are
@@ -528,17 +530,21 @@ fs::path save_checkpoint(const fs::path& folder, const CheckpointMeta& meta, con
                              " is already there, from an earlier run, and spmdx never replaces one (it is kept as it was). Move it away to save "
                              "this run's, or resume from it with checkpoint.load_step " + std::to_string(meta.step));
   }
-  if (rank == 0) {
+  if (roles.writes_metadata) {
     fs::remove_all(tmp);
     fs::create_directories(tmp);
   }
   if (backend) backend->barrier(0)->wait(600);
   fs::create_directories(tmp);
-  std::map<std::string, std::vector<std::int64_t>> where;
-  for (const auto& [name, t] : local) where[name] = sharding::ShardingSpec{placements.at(name), global.at(name)}.local_offset(mesh, mesh.coordinate(rank % mesh.size()));
-  write_file(tmp / ("rank" + std::to_string(rank) + ".bin"), encode(local, where));
+  std::vector<std::int64_t> writes{rank};
+  writes.insert(writes.end(), roles.also_ranks.begin(), roles.also_ranks.end());
+  for (const std::int64_t r : writes) {
+    std::map<std::string, std::vector<std::int64_t>> where;
+    for (const auto& [name, t] : local) where[name] = sharding::ShardingSpec{placements.at(name), global.at(name)}.local_offset(mesh, mesh.coordinate(r % mesh.size()));
+    write_file(tmp / ("rank" + std::to_string(r) + ".bin"), encode(local, where));
+  }
   if (backend) backend->barrier(0)->wait(600);  // every shard is on disk
-  if (rank == 0) {
+  if (roles.writes_metadata) {
     const bool staged = pipeline.stages > 1;
     json m{{"format", "spmdx.checkpoint"}, {"version", staged ? kPipelineVersion : kMetadataVersion}, {"step", meta.step}, {"data_samples", meta.data_samples},
            {"tokenizer", meta.tokenizer}, {"world_size", mesh.size() * pipeline.stages}, {"mesh", json::array()}, {"tensors", json::object()},

@@ -272,6 +272,7 @@ PlacedJob place_job(const JobSpec& spec, PluginRegistry& registry) {
   } else if (spec.sequence_parallel) {
     job.sequence_parallel_dim = job.mesh.dim_index("tp");
   }
+  if (spec.fault_tolerance.enable) job.fault_domain_dim = job.mesh.dim_index("dp_replicate");
   if (!spec.auto_choices.empty()) {
     for (const auto& node : job.model.graph.nodes()) {
       if (const auto it = spec.auto_choices.find(node->id()); it != spec.auto_choices.end()) job.forced[node.get()] = it->second;
@@ -286,7 +287,7 @@ CompiledJob compile_job(const JobSpec& spec, PluginRegistry& registry) { return 
 
 sharding::DistributedPlan propagate_job(const PlacedJob& job) {
   return sharding::propagate(job.model.graph, job.mesh, job.inputs, job.outputs, job.use, job.reshard_after_forward, job.sequence_parallel_dim,
-                             job.context_parallel_dim, job.context_parallel_allgather, job.forced.empty() ? nullptr : &job.forced);
+                             job.context_parallel_dim, job.context_parallel_allgather, job.forced.empty() ? nullptr : &job.forced, job.fault_domain_dim);
 }
 
 sharding::DistributedPlan propagate_job(const PlacedJob& job, const spmdx::Planner& planner, const sharding::IntraOpCostModel& cost,

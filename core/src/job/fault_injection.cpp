@@ -1,6 +1,11 @@
 #include "spmdx/job/fault_injection.h"
 
 #include <algorithm>
+#include <chrono>
+#include <csignal>
+#include <cstdio>
+#include <thread>
+#include <unistd.h>
 #include <sstream>
 #include <stdexcept>
 
@@ -10,53 +15,139 @@
 namespace spmdx::job {
 using namespace spmdx::train;
 
+namespace {
+
+constexpr const char* kForms =
+    "skip_collective:rank=R,step=S,index=I, perturb:rank=R,step=S,tensor=NAME[,delta=D], or kill|stop|slow|hold:rank=R,step=S[,at=start|collective|commit|recovery]"
+    "[,index=I][,seconds=X]; several separated by ';'";
+
+// One fault of the list: its kind and its key=value pairs, checked for form.
+struct Item {
+  std::string kind;
+  std::vector<std::pair<std::string, std::string>> pairs;
+};
+
+std::vector<Item> split_faults(const std::string& spec) {
+  std::vector<Item> out;
+  std::stringstream faults(spec);
+  std::string one;
+  while (std::getline(faults, one, ';')) {
+    if (one.empty()) continue;
+    auto bad = [&](const std::string& why) { return std::invalid_argument("SPMDX_FAULT='" + spec + "': " + why + " (expected " + kForms + ")"); };
+    Item it;
+    const auto colon = one.find(':');
+    it.kind = one.substr(0, colon);
+    if (it.kind != "skip_collective" && it.kind != "perturb" && it.kind != "kill" && it.kind != "stop" && it.kind != "slow" && it.kind != "hold") {
+      throw bad("unknown fault '" + it.kind + "'");
+    }
+    std::stringstream list(colon == std::string::npos ? "" : one.substr(colon + 1));
+    std::string item;
+    while (std::getline(list, item, ',')) {
+      const auto eq = item.find('=');
+      if (eq == std::string::npos) throw bad("'" + item + "' is not key=value");
+      it.pairs.emplace_back(item.substr(0, eq), item.substr(eq + 1));
+    }
+    out.push_back(std::move(it));
+  }
+  return out;
+}
+
+std::int64_t whole(const std::string& spec, const std::string& key, const std::string& value) {
+  std::size_t used = 0;
+  long long x = 0;
+  try {
+    x = std::stoll(value, &used);
+  } catch (const std::logic_error&) {
+    used = 0;
+  }
+  if (used == 0 || used != value.size() || x < 0) {
+    throw std::invalid_argument("SPMDX_FAULT='" + spec + "': " + key + "='" + value + "' is not a whole number >= 0 (expected " + kForms + ")");
+  }
+  return static_cast<std::int64_t>(x);
+}
+
+double number(const std::string& spec, const std::string& key, const std::string& value) {
+  try {
+    std::size_t used = 0;
+    const double x = std::stod(value, &used);
+    if (used == value.size()) return x;
+  } catch (const std::logic_error&) {
+  }
+  throw std::invalid_argument("SPMDX_FAULT='" + spec + "': " + key + "='" + value + "' is not a number");
+}
+
+}  // namespace
+
 Fault parse_fault(const char* text) {
   Fault f;
   if (text == nullptr || *text == '\0') return f;
   const std::string spec(text);
-  auto bad = [&](const std::string& why) {
-    return std::invalid_argument("SPMDX_FAULT='" + spec + "': " + why +
-                                 " (expected skip_collective:rank=R,step=S,index=I or perturb:rank=R,step=S,tensor=NAME[,delta=D])");
-  };
-  const auto colon = spec.find(':');
-  f.kind = spec.substr(0, colon);
-  if (f.kind != "skip_collective" && f.kind != "perturb") throw bad("unknown fault '" + f.kind + "'");
-  std::stringstream list(colon == std::string::npos ? "" : spec.substr(colon + 1));
-  std::string item;
-  while (std::getline(list, item, ',')) {
-    const auto eq = item.find('=');
-    if (eq == std::string::npos) throw bad("'" + item + "' is not key=value");
-    const std::string key = item.substr(0, eq), value = item.substr(eq + 1);
-    auto integer = [&] {
-      std::size_t used = 0;
-      long long x = 0;
-      try {
-        x = std::stoll(value, &used);
-      } catch (const std::logic_error&) {
-        used = 0;
-      }
-      if (used == 0 || used != value.size() || x < 0) throw bad(key + "='" + value + "' is not a whole number >= 0");
-      return static_cast<std::int64_t>(x);
-    };
-    if (key == "rank") f.rank = static_cast<int>(integer());
-    else if (key == "step") f.step = integer();
-    else if (key == "index") f.index = integer();
-    else if (key == "tensor") f.tensor = value;
-    else if (key == "delta") {
-      try {
-        std::size_t used = 0;
-        f.delta = std::stod(value, &used);
-        if (used != value.size()) throw std::invalid_argument(value);
-      } catch (const std::logic_error&) {
-        throw bad("delta='" + value + "' is not a number");
-      }
-    } else {
-      throw bad("unknown key '" + key + "'");
+  (void)parse_process_faults(text);  // every fault of the list is checked, whichever part reads it
+  for (const Item& it : split_faults(spec)) {
+    if (it.kind != "skip_collective" && it.kind != "perturb") continue;
+    if (!f.kind.empty()) throw std::invalid_argument("SPMDX_FAULT='" + spec + "': one skip_collective or perturb fault at a time");
+    auto bad = [&](const std::string& why) { return std::invalid_argument("SPMDX_FAULT='" + spec + "': " + why + " (expected " + kForms + ")"); };
+    f.kind = it.kind;
+    for (const auto& [key, value] : it.pairs) {
+      if (key == "rank") f.rank = static_cast<int>(whole(spec, key, value));
+      else if (key == "step") f.step = whole(spec, key, value);
+      else if (key == "index") f.index = whole(spec, key, value);
+      else if (key == "tensor") f.tensor = value;
+      else if (key == "delta") f.delta = number(spec, key, value);
+      else throw bad("unknown key '" + key + "'");
     }
+    if (f.rank < 0 || f.step < 1) throw bad("rank=R and step=S (S >= 1) are required");
+    if (f.kind == "perturb" && f.tensor.empty()) throw bad("perturb needs tensor=NAME");
   }
-  if (f.rank < 0 || f.step < 1) throw bad("rank=R and step=S (S >= 1) are required");
-  if (f.kind == "perturb" && f.tensor.empty()) throw bad("perturb needs tensor=NAME");
   return f;
+}
+
+std::vector<ProcessFault> parse_process_faults(const char* text) {
+  std::vector<ProcessFault> out;
+  if (text == nullptr || *text == '\0') return out;
+  const std::string spec(text);
+  for (const Item& it : split_faults(spec)) {
+    if (it.kind != "kill" && it.kind != "stop" && it.kind != "slow" && it.kind != "hold") continue;
+    auto bad = [&](const std::string& why) { return std::invalid_argument("SPMDX_FAULT='" + spec + "': " + why + " (expected " + kForms + ")"); };
+    ProcessFault f;
+    f.kind = it.kind;
+    bool index_set = false;
+    for (const auto& [key, value] : it.pairs) {
+      if (key == "rank") f.rank = static_cast<int>(whole(spec, key, value));
+      else if (key == "step") f.step = whole(spec, key, value);
+      else if (key == "index") f.index = whole(spec, key, value), index_set = true;
+      else if (key == "at") f.at = value;
+      else if (key == "seconds" && f.kind == "slow") f.seconds = number(spec, key, value);
+      else throw bad("unknown key '" + key + "' for " + f.kind);
+    }
+    if (f.rank < 0 || f.step < 1) throw bad("rank=R and step=S (S >= 1) are required");
+    if (f.at != "start" && f.at != "collective" && f.at != "commit" && f.at != "recovery") throw bad("at='" + f.at + "' is not start, collective, commit or recovery");
+    if (index_set && f.at != "collective" && f.at != "recovery") throw bad("index=I goes with at=collective or at=recovery");
+    if (!(f.seconds >= 0 && f.seconds <= 3600)) throw bad("seconds must be 0 to 3600");
+    if (f.kind == "hold" && f.at != "start" && f.at != "commit") throw bad("hold waits at=start or at=commit");
+    out.push_back(f);
+  }
+  return out;
+}
+
+const ProcessFault* due_fault(const std::vector<ProcessFault>& faults, int rank, std::int64_t step, const std::string& at, std::int64_t index) {
+  for (const auto& f : faults) {
+    if (f.rank == rank && f.step == step && f.at == at && ((at != "collective" && at != "recovery") || f.index == index)) return &f;
+  }
+  return nullptr;
+}
+
+void fire(const ProcessFault& f) {
+  const std::string where = f.at == "collective" ? "issuing collective " + std::to_string(f.index) + " of step " + std::to_string(f.step)
+                            : f.at == "recovery" ? "after " + std::to_string(f.index) + " tensors of the state transfer after step " + std::to_string(f.step)
+                            : f.at + " of step " + std::to_string(f.step);
+  std::fprintf(stderr, "SPMDX_FAULT: rank %d %s at %s\n", f.rank,
+               f.kind == "kill" ? "kills itself (SIGKILL)" : f.kind == "stop" ? "stops itself (SIGSTOP)" : ("sleeps " + std::to_string(f.seconds) + " s").c_str(),
+               where.c_str());
+  std::fflush(stderr);
+  if (f.kind == "kill") ::kill(::getpid(), SIGKILL);
+  else if (f.kind == "stop") ::kill(::getpid(), SIGSTOP);
+  else std::this_thread::sleep_for(std::chrono::duration<double>(f.seconds));
 }
 
 void check_fault(const Fault& fault, const launch::RankEnv& env, const JobSpec& spec, const PlacedJob& job) {
@@ -68,6 +159,18 @@ void check_fault(const Fault& fault, const launch::RankEnv& env, const JobSpec& 
   }
   if (fault.kind == "perturb" && std::find(state_names.begin(), state_names.end(), fault.tensor) == state_names.end()) {
     throw std::invalid_argument("SPMDX_FAULT: no tensor '" + fault.tensor + "' in the train state; it has " + join(state_names));
+  }
+}
+
+void check_process_faults(const std::vector<ProcessFault>& faults, const launch::RankEnv& env, const JobSpec& spec) {
+  for (const auto& f : faults) {
+    if (f.rank >= env.world_size || f.step > spec.steps) {
+      throw std::invalid_argument("SPMDX_FAULT: " + f.kind + " at rank " + std::to_string(f.rank) + ", step " + std::to_string(f.step) +
+                                  " never happens in this job (" + std::to_string(env.world_size) + " ranks, " + std::to_string(spec.steps) + " steps)");
+    }
+    if ((f.at == "recovery" || f.kind == "hold") && !spec.fault_tolerance.enable) {
+      throw std::invalid_argument("SPMDX_FAULT: " + f.kind + " at=" + f.at + " acts under fault tolerance: set fault_tolerance.enable = true");
+    }
   }
 }
 

@@ -166,11 +166,15 @@ void MetricsWriter::row(std::int64_t step, std::int64_t last_step, double loss, 
     if (row.contains("moe_load_imbalance")) std::snprintf(moe, sizeof moe, " | moe load max/mean %.2f", row.at("moe_load_imbalance").get<double>());
     char accum[32] = "";
     if (microbatches_ > 1) std::snprintf(accum, sizeof accum, " | accum %lld", static_cast<long long>(microbatches_));
+    char replicas[48] = "";  // fault tolerance: while a replica group is away
+    if (row.contains("replicas_live") && row.contains("replica_groups") && row.at("replicas_live") != row.at("replica_groups")) {
+      std::snprintf(replicas, sizeof replicas, " | replicas %lld/%lld", row.at("replicas_live").get<long long>(), row.at("replica_groups").get<long long>());
+    }
     char mfu_text[32] = "";
     if (mfu >= 0) std::snprintf(mfu_text, sizeof mfu_text, " | mfu %5.1f%%", mfu);
-    std::printf("step %4lld | loss %8.4f | grad_norm %7.3f | lr %.2e | %9.0f tok/s%s | %7.1f ms | exposed comm %4.1f%% | peak %s%s%s%s%s\n",
+    std::printf("step %4lld | loss %8.4f | grad_norm %7.3f | lr %.2e | %9.0f tok/s%s | %7.1f ms | exposed comm %4.1f%% | peak %s%s%s%s%s%s\n",
                 static_cast<long long>(step), loss, grad_norm, lr, tokens_per_s, mfu_text, st.total * 1e3, 100.0 * st.exposed_comm / st.total,
-                human_bytes(static_cast<double>(st.peak_bytes)).c_str(), moe, accum, validation, scale);
+                human_bytes(static_cast<double>(st.peak_bytes)).c_str(), moe, accum, validation, scale, replicas);
     std::fflush(stdout);
   }
 }

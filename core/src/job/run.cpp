@@ -132,7 +132,8 @@ std::string schedule_change(const train::LrSchedule& saved, const train::LrSched
   return out;
 }
 
-std::optional<std::int64_t> find_resume(const config::Config& cfg, const JobSpec& spec, const std::string& tokenizer_id, bool lead) {
+std::optional<std::int64_t> find_resume(const config::Config& cfg, const JobSpec& spec, const std::string& tokenizer_id, bool lead, bool restarted) {
+  if (restarted) return {};
   const CheckpointSpec& ckpt = spec.checkpoint;
   const std::filesystem::path& ckpt_dir = ckpt.folder;
   std::optional<std::int64_t> resume_step;
@@ -162,11 +163,11 @@ struct Joined {
   std::unique_ptr<Store> store;
 };
 
-Joined join_job(const config::Config& cfg, const launch::RankEnv& env, double timeout) {
+Joined join_job(const config::Config& cfg, const launch::RankEnv& env, double timeout, bool restarted) {
   Joined j;
   if (env.world_size <= 1) return j;
   if (!env.store_hosted && !env.c10d_store && env.rank == 0) j.server = std::make_unique<comm::TcpStoreServer>("0.0.0.0", env.master_port, env.token);
-  if (env.rank == 0) {
+  if (env.rank == 0 && !restarted) {
     // One "[rank 0]" a line, as the log's: the launcher's on the ranks it started, its own otherwise.
     std::printf("%swaiting for %d ranks to join at %s:%d (comm.timeout_seconds = %g)\n", env.store_hosted ? "" : "[rank 0] ", env.world_size,
                 env.master_addr.c_str(), env.master_port, timeout);
@@ -177,6 +178,9 @@ Joined join_job(const config::Config& cfg, const launch::RankEnv& env, double ti
   } else {
     j.store = std::make_unique<comm::TcpStore>(env.master_addr, env.master_port, env.token, timeout, env.rank);
   }
+  // A replica group restarted under fault tolerance: the job's ranks met long ago, and the
+  // launcher started this one with their settings; it joins at the live groups' next step.
+  if (restarted) return j;
   // Every rank says who it is and what it runs; rank 0 checks that they agree.
   launch::RankIdentity me;
   me.rank = env.rank;
@@ -474,6 +478,8 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
     std::signal(SIGUSR1, SIG_IGN);  // a dump request (the launcher passes it on) with nothing to dump
   }
   const Fault fault = parse_fault(std::getenv("SPMDX_FAULT"));
+  const std::vector<ProcessFault> process_faults = parse_process_faults(std::getenv("SPMDX_FAULT"));
+  const bool restarted = std::getenv(launch::ft::kRestartEnv) != nullptr;  // fault tolerance: a lost replica group started again
   // Ranks on one host share its cores: each takes its part for intra-op threads.
   at::set_num_threads(intra_op_threads(env.local_world_size));
   const auto tokenizer = job_tokenizer(cfg);
@@ -495,7 +501,8 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
   const bool checkpointing = spec.checkpoint.enable;
   const std::filesystem::path& ckpt_dir = spec.checkpoint.folder;
   const std::string tokenizer_id = tokenizer_fingerprint(spec.data.tokenizer, tokenizer->vocab_size());
-  const std::optional<std::int64_t> resume_step = find_resume(cfg, spec, tokenizer_id, lead);
+  // A restarted replica group reads no checkpoint: the live groups give it their state.
+  const std::optional<std::int64_t> resume_step = find_resume(cfg, spec, tokenizer_id, lead && !restarted, restarted);
   const std::int64_t first_step = resume_step ? *resume_step + 1 : 1;
   if (first_step > spec.steps) {
     if (lead) say_nothing_to_do(ckpt_dir, *resume_step, spec.steps);
@@ -506,26 +513,47 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
   PlacedJob& job = compiled.job;
   const sharding::DistributedPlan& plan = compiled.plan;
   check_fault(fault, env, spec, job);
+  check_process_faults(process_faults, env, spec);
   std::int64_t kept_collectives = 0;
   // With pipeline stages, this rank plans as its place on one stage's mesh and runs its stage.
   const std::int64_t plan_rank = env.rank % job.mesh.size();
   train::StageGraph staged;
   const ir::Graph graph = rank_program(job, plan, env.rank, spec, &kept_collectives, &staged);
+  if (job.fault_domain_dim >= 0) {
+    // Over the replica groups a step may only sum (an all_reduce runs over the live groups).
+    for (const auto& node : graph.nodes()) {
+      if (node->attrs().count("mesh_dim") == 0 || node->attr_int("mesh_dim") != job.fault_domain_dim || node->op() == "all_reduce") continue;
+      throw std::invalid_argument("fault_tolerance.enable: this layout moves data between replica groups with " + node->op() +
+                                  " (over mesh dim dp_replicate), which a lost group would leave incomplete; fault tolerance needs a layout whose "
+                                  "replica groups only all_reduce gradients (the data_parallel strategy on dp_replicate, FSDP or TP inside a group)");
+    }
+  }
 
   const double timeout = spec.comm.timeout_seconds;
-  Joined joined = join_job(cfg, env, timeout);
+  Joined joined = join_job(cfg, env, timeout, restarted);
   // Debug hooks: made on every rank; the compile stages run on rank 0, before any backend
   // joins, so a validator that fails stops the job before its first step.
   hooks::HookSet hooks = make_job_hooks(spec, env, job, registry, joined.store.get(), timeout, first_step);
   if (signals) signals->start(&hooks);
-  if (lead && !hooks.empty()) {
+  if (lead && !restarted && !hooks.empty()) {
     std::vector<std::int64_t> ranks;
     for (std::int64_t r = 0; r < job.mesh.size(); ++r) ranks.push_back(r);
     hooks.compile(plan, ranks, spec.plan);
   }
   std::unique_ptr<CommBackend> backend;
   std::optional<CommChain> chain;
-  if (env.world_size > 1) {
+  std::optional<FaultTolerance> ft;
+  if (spec.fault_tolerance.enable) {
+    // The live ranks' own backend (the first ranks': every group's; a restarted rank joins later).
+    ft.emplace(spec, env, *joined.store, registry, process_faults);
+    if (!ft->start({first_step, 0, 0, 0, 0})) {  // restarted, and the job finished before it was taken in
+      std::printf("%s (restart %d): the job finished before the live groups could take it in\n", launch::ft::group_text(ft->group(), ft->ranks_per_group()).c_str(),
+                  ft->attempt());
+      return 0;
+    }
+    backend = ft->join();
+    ft->watch(backend.get());
+  } else if (env.world_size > 1) {
     chain.emplace(registry, spec.comm, env, *joined.store);
     backend = chain->join_at_start();
   }
@@ -536,7 +564,7 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
   // The step's planned peak; with run-time failover, each step also holds a copy of the state.
   // Checked against this host's memory before the first tensor of the state is made.
   plan::MemoryPlan planned = executor.memory();
-  if (chain && spec.comm.failover()) planned.add_state_copy(state_copy_bytes(graph, job.model.params));
+  if ((chain && spec.comm.failover()) || ft) planned.add_state_copy(state_copy_bytes(graph, job.model.params));
   check_host_memory(planned, env, *device, spec, job.model, tokenizer->vocab_size());
 
   std::string loaded_weights;
@@ -568,7 +596,7 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
 
   std::optional<MetricsWriter> metrics;
   const std::filesystem::path& dump = spec.output.dump_folder;
-  if (lead) {
+  if (lead && !restarted) {
     metrics.emplace(spec.output, first_step, checkpointing, planned.peak_bytes, spec.step.microbatches);
     print_banner(spec, job, plan, env, backend.get(), *device, planned, resume_step ? &resumed : nullptr);
     const auto [peak, peak_text] = peak_flops_per_rank(spec, env, *device);
@@ -623,9 +651,35 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
     loop.profiler = &*profiler;
   }
   if (resume_step) loop.resume(resumed);
+  if (!restarted) loop.process_faults = process_faults;
+  std::int64_t start_step = first_step;
+  if (ft) {
+    loop.ft = &*ft;
+    loop.lead = lead && !restarted;
+    if (loop.lead) std::printf("fault tolerance: %d replica groups of %d rank%s (the data_parallel_replicate slices); min_replica_size %lld, timeout %s s\n",
+                               ft->groups(), ft->ranks_per_group(), ft->ranks_per_group() == 1 ? "" : "s",
+                               static_cast<long long>(spec.fault_tolerance.min_replicas), seconds_text(spec.fault_tolerance.timeout_seconds).c_str());
+    const double flops_per_token = models::flops_per_token(job.model, spec.seq_len);
+    loop.on_lead_change = [&](bool now_lead, std::int64_t from_step) {
+      if (!now_lead) {
+        if (metrics) metrics.reset();
+        loop.metrics = nullptr;
+        return;
+      }
+      metrics.emplace(spec.output, from_step, checkpointing, planned.peak_bytes, spec.step.microbatches);
+      const auto [peak, peak_text] = peak_flops_per_rank(spec, env, *device);
+      metrics->set_mfu_basis(flops_per_token, env.world_size, peak);
+      loop.metrics = &*metrics;
+    };
+    if (restarted) start_step = loop.join_restarted();
+  }
   const auto run_start = Clock::now();
-  const auto [first_loss, last_loss] = loop.run(first_step, joined.server != nullptr);
-  if (lead) print_done(spec, first_step, std::chrono::duration<double>(Clock::now() - run_start).count(), first_loss, last_loss, dump);
+  const auto [first_loss, last_loss] = loop.run(start_step, joined.server != nullptr);
+  if (ft) {
+    const std::string said = ft->check_replicas_equal(FaultTolerance::digest(state, loop.names), spec.steps);
+    if (!said.empty()) std::printf("%s\n", said.c_str());
+  }
+  if (loop.lead) print_done(spec, start_step, std::chrono::duration<double>(Clock::now() - run_start).count(), first_loss, last_loss, dump);
   if (backend) {
     backend->barrier(0)->wait(timeout);  // rank 0 may serve the store: nobody leaves before everyone is done
     backend->finalize();

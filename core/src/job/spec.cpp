@@ -621,6 +621,38 @@ JobSpec job_spec(const config::Config& cfg, std::int64_t world_size, std::int64_
     fail({"training.cuda_graphs"}, "training.cuda_graphs = true runs one rank only for now (" + std::to_string(world_size) +
          " ranks here): capturing a step's collectives needs the nccl stream inside the graph, which spmdx does not do yet; set it false");
   }
+  if (cfg.get_bool("fault_tolerance.enable")) {
+    auto& ft = s.fault_tolerance;
+    ft.enable = true;
+    ft.groups = cfg.get_int("fault_tolerance.group_size") > 0 ? cfg.get_int("fault_tolerance.group_size") : s.dims.dp_replicate;
+    ft.min_replicas = cfg.get_int("fault_tolerance.min_replica_size");
+    ft.timeout_seconds = static_cast<double>(cfg.get_int("fault_tolerance.process_group_timeout_ms")) / 1000.0;
+    ft.ranks_per_group = std::max<std::int64_t>(1, world_size / std::max<std::int64_t>(1, ft.groups));
+    const std::string off = "; set it off, or fault_tolerance.enable = false";
+    if (s.dims.dp_replicate < 2) {
+      fail({"fault_tolerance.enable", kDegreeKeys[0]}, "fault_tolerance.enable = true needs replica groups to fall back on: set "
+           "parallelism.data_parallel_replicate_degree to 2 or more (it is " + std::to_string(s.dims.dp_replicate) +
+           "); each replica group is a full copy of the model over the other mesh dims (FSDP, TP inside a group), as torchft's");
+    } else if (ft.groups != s.dims.dp_replicate) {
+      fail({"fault_tolerance.group_size", kDegreeKeys[0]}, "fault_tolerance.group_size = " + std::to_string(ft.groups) +
+           " replica groups, but parallelism.data_parallel_replicate_degree = " + std::to_string(s.dims.dp_replicate) +
+           ": the replica groups are the data_parallel_replicate slices; set group_size to 0 (it then takes the degree) or to the degree");
+    }
+    if (ft.min_replicas > std::max<std::int64_t>(1, ft.groups)) {
+      fail({"fault_tolerance.min_replica_size"}, "fault_tolerance.min_replica_size = " + std::to_string(ft.min_replicas) + " is more than the " +
+           std::to_string(ft.groups) + " replica groups: the job could never lose one; set it to at most " + std::to_string(ft.groups));
+    }
+    if (cfg.get_int("fault_tolerance.replica_id") >= 0) {
+      fail({"fault_tolerance.replica_id"}, "fault_tolerance.replica_id = " + std::to_string(cfg.get_int("fault_tolerance.replica_id")) +
+           ": spmdx run's launcher gives each rank its replica group (rank / ranks per group), where torchtitan starts one torchrun job per "
+           "group with its own replica_id; remove the key");
+    }
+    if (s.pipeline.stages > 1) fail({"fault_tolerance.enable", "parallelism.pipeline_parallel_degree"}, "fault tolerance with pipeline stages is not supported yet" + off);
+    if (s.comm.swap_at_step > 0) fail({"fault_tolerance.enable", "comm.swap_at_step"}, "fault tolerance rejoins the comm backend itself; comm.swap_at_step hot-swaps it" + off);
+    if (s.comm.failover()) fail({"fault_tolerance.enable", "comm.fallback"}, "fault tolerance replaces comm.fallback's run-time failover (a failed step is dropped and run again over the live groups)" + off);
+    if (s.device.kind != "cpu") fail({"fault_tolerance.enable", "training.device"}, "fault tolerance runs on training.device = \"cpu\" for now (the state transfer to a restarted group is host memory)");
+    if (s.validation.enable) fail({"fault_tolerance.enable", "validation.enable"}, "fault tolerance with validation is not supported yet" + off);
+  }
   problems.throw_if_any();
   return s;
 }

@@ -132,7 +132,11 @@ TensorMap StepLoop::run_step(TensorMap& feed, std::int64_t step) {
 
 double StepLoop::step(std::int64_t step) {
   c10::InferenceMode no_autograd;  // the state tensors are inference tensors: updated in place below (a fault, a CUDA graph's copies)
-  if (failover) {
+  if (const ProcessFault* f = due_fault(process_faults, env.rank, step, "start"); f != nullptr) ft != nullptr ? ft->act(*f) : fire(*f);
+  if (ft != nullptr) {
+    if (auto* live = dynamic_cast<LiveBackend*>(backend.get())) live->set_step(step);
+  }
+  if (failover || ft != nullptr) {
     for (const auto& s : names) before[s] = state.at(s).clone();  // the step updates the state in place
     data_before = dataset.state(), optimizer_steps_before = optimizer_steps, scaler_before = scaler;
   }
@@ -156,17 +160,47 @@ double StepLoop::step(std::int64_t step) {
   const double loss_scale = scaler.scale;
   if (loss_scaling) feed["loss_scale"] = at::scalar_tensor(loss_scale, at::TensorOptions().dtype(at::kFloat).device(on));
   TensorMap out;
-  const bool profiling = profiler != nullptr && profiler->chosen(step);
+  bool profiling = profiler != nullptr && profiler->chosen(step);
   if (profiling) {
     executor.set_record_spans(true);
     profiler->start();
   }
+  std::string failed;  // fault tolerance: why this rank could not finish the step
   try {
     out = run_step(feed, step);
   } catch (const CommError& e) {
     if (profiling) profiler->cancel(), executor.set_record_spans(false);
     if (failover) throw StepFailed(e.what(), false);
-    throw;
+    if (ft == nullptr) throw;
+    failed = e.what();
+    profiling = false;
+  }
+  if (const ProcessFault* f = due_fault(process_faults, env.rank, step, "commit"); f != nullptr) ft != nullptr ? ft->act(*f) : fire(*f);
+  if (ft != nullptr) {
+    // Where training stands after the step in either outcome: what a configuration the vote
+    // opens gives the groups that join it.
+    const FtProgress aborted{step, optimizer_steps_before, data_before.samples, scaler_before.scale, scaler_before.growth_tracker};
+    FtProgress committed = aborted;
+    if (failed.empty()) {
+      const bool overflow = loss_scaling && out.at("found_inf").item<float>() != 0;
+      train::GradScaler after = scaler;
+      if (loss_scaling) after.update(overflow);
+      committed = {step + 1, optimizer_steps + (overflow ? 0 : 1), dataset.state().samples, loss_scaling ? after.scale : 0.0, after.growth_tracker};
+    }
+    const FtDecision d = ft->vote_step(step, step == spec.steps, failed, committed, aborted);
+    if (d.stop) throw std::runtime_error("fault tolerance: step " + std::to_string(step) + ": " + d.why + "; the job stops");
+    if (!d.commit) {
+      for (auto& [name, t] : before) state[name] = std::move(t);
+      before.clear();
+      dataset.restore(data_before);
+      optimizer_steps = optimizer_steps_before;
+      scaler = scaler_before;
+      reconfigure(d.config, step - 1);
+      if (lead) std::printf("fault tolerance: step %lld dropped by every replica group (%s); it runs again over the live groups\n", static_cast<long long>(step), d.why.c_str());
+      std::fflush(stdout);
+      throw StepDropped{};
+    }
+    ft_next_config = d.config;
   }
   if (profiling) {
     const std::filesystem::path trace = profiler->stop(step, executor.spans());
@@ -258,17 +292,45 @@ double StepLoop::step(std::int64_t step) {
       metrics->add_to_next_row("moe_load_mean", mean);
       metrics->add_to_next_row("moe_load_layers", std::move(layers));
     }
-    metrics->row(step, spec.steps, loss, out.at("grad_norm").item<double>(), lr, static_cast<double>(spec.global_batch_size * spec.seq_len) / st.total, st,
+    double trained_rows = static_cast<double>(spec.global_batch_size);
+    if (ft != nullptr) {  // the rows of the groups away were not trained
+      const auto live = static_cast<std::int64_t>(ft->config().groups.size());
+      trained_rows = trained_rows * static_cast<double>(live) / static_cast<double>(ft->groups());
+      metrics->add_to_next_row("replicas_live", live);
+      metrics->add_to_next_row("replica_groups", ft->groups());
+      metrics->add_to_next_row("samples", static_cast<std::int64_t>(trained_rows));
+    }
+    metrics->row(step, spec.steps, loss, out.at("grad_norm").item<double>(), lr, trained_rows * static_cast<double>(spec.seq_len) / st.total, st,
                  loss_scaling ? std::optional<std::pair<double, bool>>{{loss_scale, skipped}} : std::nullopt);
   }
   if (!swapped.empty()) std::printf("%s\n", swapped.c_str()), std::fflush(stdout);
-  if (checkpointing && (step % spec.checkpoint.interval == 0 || step == spec.steps)) {
+  bool checkpoint_due = checkpointing && (step % spec.checkpoint.interval == 0 || step == spec.steps || checkpoint_waits);
+  if (checkpoint_due && ft != nullptr && !ft->all_live() && step != spec.steps) {
+    // A replica group is away: its ranks' shards wait for it (the last step's are written by
+    // the live groups for it, below).
+    if (lead && !checkpoint_waits) std::printf("checkpoint of step %lld waits: a replica group is away; saved once every group is back\n", static_cast<long long>(step));
+    checkpoint_waits = true;
+    checkpoint_due = false;
+  }
+  if (checkpoint_due) {
+    checkpoint_waits = false;
     CheckpointMeta meta{step, dataset.state().samples, tokenizer_id, optimizer_steps};
     if (loss_scaling) meta.loss_scale = scaler.scale, meta.growth_tracker = scaler.growth_tracker;
     meta.lr_schedule = spec.schedule;
     std::filesystem::path where;
     try {
-      where = save_checkpoint(ckpt_dir, meta, job.mesh, env.rank, state, state_metas, state_placements, backend.get(), *pipeline_stages);
+      SaveRoles roles;  // fault tolerance: the lowest live rank writes the metadata; the live groups write the shards of those away
+      if (ft != nullptr) {
+        roles.writes_metadata = env.rank == ft->lead();
+        if (ft->config().groups.front().group == env.rank / ft->ranks_per_group()) {
+          for (int g = 0; g < ft->groups(); ++g) {
+            if (!ft->config().has(g)) roles.also_ranks.push_back(g * ft->ranks_per_group() + env.rank % ft->ranks_per_group());
+          }
+        }
+      } else {
+        roles.writes_metadata = env.rank == 0;
+      }
+      where = save_checkpoint(ckpt_dir, meta, job.mesh, env.rank, state, state_metas, state_placements, backend.get(), *pipeline_stages, &roles);
     } catch (const CommError& e) {  // the save's barrier: a run-time fallback covers the step's collectives, not this
       throw CommError("saving the checkpoint of step " + std::to_string(step) + ": " + e.what() +
                           (failover ? " (comm.fallback covers the steps' collectives, not a checkpoint save's)" : ""),
@@ -284,7 +346,80 @@ double StepLoop::step(std::int64_t step) {
       std::fflush(stdout);
     }
   }
+  if (ft != nullptr && ft_next_config != ft->config().id) reconfigure(ft_next_config, step);
   return loss;
+}
+
+void StepLoop::reconfigure(std::int64_t id, std::int64_t after_step) {
+  executor.set_backend(nullptr);
+  ft->watch(nullptr);
+  if (backend) {
+    backend->abort();  // what is still queued fails now
+    backend.reset();
+  }
+  for (;;) {
+    ft->adopt(id);
+    if (lead && env.rank != ft->lead()) {  // the old lead closes its metrics before the new one opens them
+      lead = false;
+      if (on_lead_change) on_lead_change(false, 0);
+    }
+    std::string why;
+    try {
+      backend = ft->join();
+      executor.set_backend(backend.get());
+      ft->watch(backend.get());
+      ft->transfer(*backend, state, names, after_step);
+    } catch (const CommError& e) {
+      why = e.what();
+    }
+    const FtDecision d = ft->vote_join(why);
+    if (d.stop) throw std::runtime_error("fault tolerance: " + d.why + "; the job stops");
+    if (d.commit && d.config == id) break;
+    executor.set_backend(nullptr);
+    ft->watch(nullptr);
+    if (backend) backend->abort(), backend.reset();
+    id = d.config;
+  }
+  const FtConfig& c = ft->config();
+  if (!lead && env.rank == ft->lead()) {
+    lead = true;
+    if (on_lead_change) on_lead_change(true, c.progress.next_step);
+  }
+  if (lead && static_cast<std::int64_t>(c.groups.size()) != replicas_said) {
+    replicas_said = static_cast<std::int64_t>(c.groups.size());
+    std::string joined;
+    for (const auto& j : c.joiners) joined += (joined.empty() ? "" : ", ") + launch::ft::group_text(j.group, ft->ranks_per_group()) + " (restart " + std::to_string(j.attempt) + ")";
+    std::printf("fault tolerance: from step %lld, %zu of %d replica groups train (%s)%s%s\n", static_cast<long long>(c.progress.next_step), c.groups.size(),
+                ft->groups(), launch::ft::members_text(c.groups).c_str(), joined.empty() ? "" : "; given the live groups' state: ", joined.c_str());
+    std::fflush(stdout);
+  }
+}
+
+std::int64_t StepLoop::join_restarted() {
+  lead = false;
+  const std::int64_t id = ft->config().id;
+  std::string why;
+  try {
+    ft->transfer(*backend, state, names, ft->config().progress.next_step - 1);
+  } catch (const CommError& e) {
+    why = e.what();
+  }
+  const FtDecision d = ft->vote_join(why);
+  if (d.stop) throw std::runtime_error("fault tolerance: " + d.why + "; the job stops");
+  if (!d.commit || d.config != id) {
+    reconfigure(d.config, ft->config().progress.next_step - 1);
+  } else if (env.rank == ft->lead()) {
+    lead = true;
+    if (on_lead_change) on_lead_change(true, ft->config().progress.next_step);
+  }
+  const FtProgress& p = ft->config().progress;
+  dataset.restore(data::TextDatasetState{p.samples});
+  optimizer_steps = p.optimizer_steps;
+  if (loss_scaling && p.loss_scale > 0) scaler.scale = p.loss_scale, scaler.growth_tracker = p.growth_tracker;
+  std::printf("%s (restart %d): given the live groups' state; trains from step %lld\n", launch::ft::group_text(ft->group(), ft->ranks_per_group()).c_str(),
+              ft->attempt(), static_cast<long long>(p.next_step));
+  std::fflush(stdout);
+  return p.next_step;
 }
 
 void StepLoop::recover(std::int64_t step, const StepFailed& f) {
@@ -317,6 +452,8 @@ std::pair<double, double> StepLoop::run(std::int64_t first_step, bool serves_sto
       } catch (const StepFailed& f) {
         recover(step, f);
         continue;  // the same step, from the state before it
+      } catch (const StepDropped&) {
+        continue;  // the same step, from the state before it, over the live groups
       }
       if (step == first_step) first_loss = loss;
       last_loss = loss;

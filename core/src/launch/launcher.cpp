@@ -17,12 +17,16 @@
 #include <map>
 #include <memory>
 #include <random>
+#include <sstream>
+#include <set>
+#include <algorithm>
 #include <stdexcept>
 #include <thread>
 
 #include "spmdx/comm/health.h"
 #include "spmdx/comm/shm.h"
 #include "spmdx/comm/store.h"
+#include "spmdx/launch/replica_groups.h"
 #include "spmdx/text.h"
 #include "spmdx/hooks/fr_trace.h"
 
@@ -193,17 +197,20 @@ int spawn_rank(const std::vector<std::string>& argv, std::vector<std::string> st
   return rc;
 }
 
+// What local rank r of this node is told: who it is and where the store is.
+std::map<std::string, std::string> rank_variables(const LaunchOptions& o, const JobStore& store, int r) {
+  return {{"RANK", std::to_string(o.node_rank * o.nproc + r)}, {"WORLD_SIZE", std::to_string(o.nproc * o.nnodes)},
+          {"LOCAL_RANK", std::to_string(r)},                  {"LOCAL_WORLD_SIZE", std::to_string(o.nproc)},
+          {"MASTER_ADDR", store.addr},                         {"MASTER_PORT", std::to_string(store.port)},
+          {"SPMDX_JOB_TOKEN", store.token},                    {"SPMDX_STORE_HOSTED", "1"}};
+}
+
 // This node's ranks, each told who it is and where the store is.
 std::vector<Child> spawn_ranks(const LaunchOptions& o, const std::vector<std::string>& argv, const JobStore& store) {
   const int nproc = o.nproc;
-  const int world = nproc * o.nnodes;
   std::vector<Child> children(static_cast<std::size_t>(nproc));
   for (int r = 0; r < nproc; ++r) {
-    std::map<std::string, std::string> env{{"RANK", std::to_string(o.node_rank * nproc + r)}, {"WORLD_SIZE", std::to_string(world)},
-                                           {"LOCAL_RANK", std::to_string(r)},  {"LOCAL_WORLD_SIZE", std::to_string(nproc)},
-                                           {"MASTER_ADDR", store.addr},         {"MASTER_PORT", std::to_string(store.port)},
-                                           {"SPMDX_JOB_TOKEN", store.token},    {"SPMDX_STORE_HOSTED", "1"}};
-    if (const int rc = spawn_rank(argv, environment_with(env), children[static_cast<std::size_t>(r)]); rc != 0) {
+    if (const int rc = spawn_rank(argv, environment_with(rank_variables(o, store, r)), children[static_cast<std::size_t>(r)]); rc != 0) {
       for (auto& c : children) {
         if (c.pid > 0) kill(c.pid, SIGKILL);
       }
@@ -217,8 +224,12 @@ std::vector<Child> spawn_ranks(const LaunchOptions& o, const std::vector<std::st
 // on, and when one fails chooses the rank to blame and stops the others.
 class Supervisor {
  public:
-  Supervisor(const LaunchOptions& o, const JobStore& store, std::vector<Child> children)
-      : o_(o), store_(store), children_(std::move(children)), running_(children_.size()) {}
+  Supervisor(const LaunchOptions& o, const JobStore& store, std::vector<Child> children, std::vector<std::string> argv)
+      : o_(o), store_(store), children_(std::move(children)), running_(children_.size()), argv_(std::move(argv)),
+        stopped_by_us_(children_.size(), false), attempt_(static_cast<std::size_t>(std::max(0, o.ft_groups)), 0) {
+    for (int g = 0; g < o.ft_groups; ++g) live_.push_back({g, 0});
+    min_live_ = live_.size();
+  }
 
   void supervise() {
     while (running_ > 0) {
@@ -229,6 +240,7 @@ class Supervisor {
         if (children_[r].out >= 0 && (fds[r].revents & (POLLIN | POLLHUP))) relay_output(r);
         reap(r);
       }
+      if (fault_tolerant() && failed_rank_ < 0 && g_signal == 0) poll_replica_groups();
       if (failed_rank_ < 0 && blame_rank_ >= 0 && (std::chrono::steady_clock::now() >= blame_deadline_ || running_ == 0)) settle_blame();
       if (g_dump_requests != 0) {  // kill -USR1 <launcher>: every rank dumps, the run goes on
         g_dump_requests = 0;
@@ -258,6 +270,11 @@ class Supervisor {
 
   // Says which rank failed and how; the launcher's exit code (0: none failed).
   int blame() const {
+    if (failures_ > 0) {
+      std::cerr << o_.command << ": fault tolerance: " << failures_ << " rank failure" << (failures_ == 1 ? "" : "s") << ", " << restarts_used_
+                << " replica group restart" << (restarts_used_ == 1 ? "" : "s") << " (--max-restarts " << o_.max_restarts << "); the live replica groups went as low as "
+                << min_live_ << " of " << o_.ft_groups << "\n";
+    }
     if (failed_rank_ < 0) return 0;
     if (blame_from_flight_recorder()) return 1;
     if (blame_priority_ == 0 && !named_by_ranks_ && !mismatch_.empty()) {
@@ -307,7 +324,150 @@ class Supervisor {
     c.running = false;
     --running_;
     const bool ok = WIFEXITED(c.status) && WEXITSTATUS(c.status) == 0;
+    if (stopped_by_us_[r]) {  // a rank of a lost replica group, stopped with it
+      stopped_by_us_[r] = false;
+      return;
+    }
+    if (!ok && failed_rank_ < 0 && fault_tolerant() && g_signal == 0 && lose_group(r)) return;
     if (!ok && failed_rank_ < 0) consider_blaming(rank_of(r), c.status);
+  }
+
+  // ---- fault tolerance (LaunchOptions::ft_groups) ----
+  bool fault_tolerant() const { return o_.ft_groups > 0 && o_.nnodes == 1; }
+  comm::TcpStore& store() {
+    if (!ft_store_) ft_store_ = std::make_unique<comm::TcpStore>(store_.addr, store_.port, store_.token, 10);
+    return *ft_store_;
+  }
+  std::string how(int status) const {
+    return WIFEXITED(status) ? "exited with code " + std::to_string(WEXITSTATUS(status)) : killed_by(WTERMSIG(status), oom_kills_at_start_, oom_kill_count());
+  }
+  void publish() {
+    ++epoch_;
+    store().set(ft::members_key(epoch_), ft::members_text(live_));
+    store().add(ft::kEpochKey, 1);
+  }
+
+  // Local rank r failed. Once every rank joined the job, its replica group is lost rather than
+  // the job: its other ranks are stopped, the others are told, and it is started again while
+  // restarts are left. Returns false when the job stops as without fault tolerance.
+  bool lose_group(std::size_t r) {
+    try {
+      if (!ft_started_) ft_started_ = store().add(ft::kStartedKey, 0) >= o_.nproc;
+      if (!ft_started_) return false;  // before every rank joined: the job stops, naming the rank
+      const int G = o_.ft_ranks_per_group, g = static_cast<int>(r) / G;
+      ++failures_;
+      for (int q = g * G; q < (g + 1) * G; ++q) {
+        if (q != static_cast<int>(r) && children_[static_cast<std::size_t>(q)].running) {
+          kill(children_[static_cast<std::size_t>(q)].pid, SIGKILL);
+          stopped_by_us_[static_cast<std::size_t>(q)] = true;
+        }
+      }
+      pending_.erase(g);
+      const auto was = std::find_if(live_.begin(), live_.end(), [&](const ft::GroupAttempt& x) { return x.group == g; });
+      if (was != live_.end()) {
+        live_.erase(was);
+        publish();
+      }
+      min_live_ = std::min(min_live_, live_.size());
+      std::cout << o_.command << ": rank " << rank_of(r) << " " << how(children_[r].status) << ": " << ft::group_text(g, G) << " is lost; " << live_.size()
+                << " of " << o_.ft_groups << " replica groups train on" << std::endl;
+      if (static_cast<int>(live_.size()) < o_.ft_min_replicas) {
+        std::vector<int> lost;
+        for (int x = 0; x < o_.ft_groups; ++x) {
+          if (std::none_of(live_.begin(), live_.end(), [&](const ft::GroupAttempt& l) { return l.group == x; })) lost.push_back(x);
+        }
+        std::string names;
+        for (int x : lost) names += (names.empty() ? "" : ", ") + ft::group_text(x, G);
+        failed_rank_ = rank_of(r);
+        failure_ = how(children_[r].status) + ", and only " + std::to_string(live_.size()) + " of " + std::to_string(o_.ft_groups) +
+                   " replica groups are left, fewer than fault_tolerance.min_replica_size = " + std::to_string(o_.ft_min_replicas) + " (lost: " + names + ")";
+        stop_all(SIGTERM);
+        kill_deadline_ = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+        return true;
+      }
+      if (restarts_used_ < o_.max_restarts) {
+        ++restarts_used_;
+        restart_.push_back(g);  // once its ranks are all reaped
+      } else {
+        std::cout << o_.command << ": no restarts left (--max-restarts " << o_.max_restarts << "): " << ft::group_text(g, G) << " stays lost" << std::endl;
+      }
+      return true;
+    } catch (const std::exception& e) {
+      std::cerr << o_.command << ": fault tolerance: cannot reach the job's store (" << e.what() << "): the job stops" << std::endl;
+      return false;
+    }
+  }
+
+  // Every 100 ms: groups to start again, restarted groups ready to join, and ranks the others
+  // found hung.
+  void poll_replica_groups() {
+    try {
+      if (!ft_started_) {
+        ft_started_ = store().add(ft::kStartedKey, 0) >= o_.nproc;
+        if (!ft_started_) return;
+      }
+      const int G = o_.ft_ranks_per_group;
+      for (auto it = restart_.begin(); it != restart_.end();) {
+        const int g = *it;
+        bool reaped = true;
+        for (int q = g * G; q < (g + 1) * G; ++q) reaped = reaped && !children_[static_cast<std::size_t>(q)].running;
+        if (!reaped) {
+          ++it;
+          continue;
+        }
+        const int attempt = ++attempt_[static_cast<std::size_t>(g)];
+        for (int q = g * G; q < (g + 1) * G; ++q) {
+          Child& c = children_[static_cast<std::size_t>(q)];
+          if (c.out >= 0) {  // what the lost process wrote last
+            char buf[4096];
+            ssize_t n;
+            while ((n = read(c.out, buf, sizeof buf)) > 0) c.partial.append(buf, static_cast<std::size_t>(n));
+            close(c.out);
+            c.out = -1;
+          }
+          if (!c.partial.empty()) std::cout << "[rank " << rank_of(static_cast<std::size_t>(q)) << "] " << c.partial << "\n";
+          comm::remove_shared_memory_of(c.pid);
+          auto vars = rank_variables(o_, store_, q);
+          vars[ft::kRestartEnv] = std::to_string(attempt);
+          if (const int rc = spawn_rank(argv_, environment_with(vars), c); rc != 0) {
+            throw std::runtime_error("cannot start " + argv_[0] + " again: " + std::strerror(rc));
+          }
+          ++running_;
+        }
+        pending_[g] = attempt;
+        std::cout << o_.command << ": started " << ft::group_text(g, G) << " again (restart " << attempt << " of the job's " << restarts_used_ << "/"
+                  << o_.max_restarts << ")" << std::endl;
+        it = restart_.erase(it);
+      }
+      for (auto it = pending_.begin(); it != pending_.end();) {
+        const ft::GroupAttempt ga{it->first, it->second};
+        if (store().add(ft::ready_key(ga), 0) < G) {
+          ++it;
+          continue;
+        }
+        live_.push_back(ga);
+        std::sort(live_.begin(), live_.end());
+        publish();
+        std::cout << o_.command << ": " << ft::group_text(ga.group, G) << " (restart " << ga.attempt
+                  << ") is ready: the live groups give it their state after their current step" << std::endl;
+        it = pending_.erase(it);
+      }
+      if (const std::int64_t n = store().add(ft::kSuspectCountKey, 0); n > suspects_seen_) {
+        suspects_seen_ = n;
+        std::stringstream list(store().get(ft::kSuspectKey, 5));
+        std::string item;
+        while (std::getline(list, item, ',')) {
+          const int q = std::atoi(item.c_str()) - o_.node_rank * o_.nproc;
+          if (q < 0 || q >= o_.nproc || !children_[static_cast<std::size_t>(q)].running) continue;
+          if (!suspects_killed_.insert(children_[static_cast<std::size_t>(q)].pid).second) continue;  // named by several ranks
+          std::cout << o_.command << ": rank " << rank_of(static_cast<std::size_t>(q))
+                    << " neither voted nor exited within 2 x fault_tolerance.process_group_timeout_ms (hung, or stopped): killing it" << std::endl;
+          kill(children_[static_cast<std::size_t>(q)].pid, SIGKILL);
+        }
+      }
+    } catch (const std::exception& e) {
+      std::cerr << o_.command << ": fault tolerance: " << e.what() << std::endl;
+    }
   }
 
   void consider_blaming(int rank, int status) {
@@ -392,6 +552,22 @@ class Supervisor {
   std::string mismatch_;         // ranks found members calling different collectives (kMismatchKey)
   std::string blame_;
   std::chrono::steady_clock::time_point blame_deadline_ = std::chrono::steady_clock::time_point::max();
+  // Fault tolerance: what starts a rank again, the ranks stopped with their group, each
+  // group's restarts, the live groups (the membership of epoch_), the groups waiting to be
+  // started again or to be ready, and the counts for the summary.
+  std::vector<std::string> argv_;
+  std::vector<bool> stopped_by_us_;
+  std::vector<int> attempt_;
+  std::vector<ft::GroupAttempt> live_;
+  std::int64_t epoch_ = 0;
+  std::vector<int> restart_;
+  std::map<int, int> pending_;
+  std::unique_ptr<comm::TcpStore> ft_store_;
+  bool ft_started_ = false;
+  int failures_ = 0, restarts_used_ = 0;
+  std::size_t min_live_ = 0;
+  std::int64_t suspects_seen_ = 0;
+  std::set<pid_t> suspects_killed_;
 };
 
 }  // namespace
@@ -400,9 +576,20 @@ int launch(const LaunchOptions& o, const std::vector<std::string>& argv) {
   if (o.nproc < 1 || o.nnodes < 1 || o.node_rank < 0 || o.node_rank >= o.nnodes) {
     throw std::invalid_argument("launch: need --nproc >= 1 and 0 <= --node-rank < --nnodes");
   }
+  if (o.max_restarts > 0 && o.ft_groups == 0) {
+    throw std::invalid_argument("--max-restarts restarts lost replica groups: it needs fault_tolerance.enable = true (spmdx does not restart a whole job; "
+                                "resume it from its checkpoint with checkpoint.enable)");
+  }
+  if (o.ft_groups > 0 && o.nnodes > 1) throw std::invalid_argument("fault_tolerance.enable = true runs on one node (--nnodes 1) for now");
   const JobStore store = serve_store(o);
   catch_signals();
-  Supervisor job(o, store, spawn_ranks(o, argv, store));
+  if (o.ft_groups > 0) {  // epoch 0: every group, before any rank reads it
+    std::vector<ft::GroupAttempt> all;
+    for (int g = 0; g < o.ft_groups; ++g) all.push_back({g, 0});
+    comm::TcpStore client(store.addr, store.port, store.token, 10);
+    ft::publish_membership(client, 0, all);
+  }
+  Supervisor job(o, store, spawn_ranks(o, argv, store), argv);
   job.supervise();
   job.drain_output();
   if (g_signal != 0) {

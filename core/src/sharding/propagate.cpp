@@ -134,6 +134,9 @@ struct Propagator {
   // propagate_optimal: per node and mesh dim, the strategy a planner chose (its signature), taken
   // where the node's candidates have it and the rules above allow it.
   const ForcedChoices* forced = nullptr;
+  // Fault tolerance's mesh dim (dp_replicate): its members may be lost, so on it a value is only
+  // summed (Partial -> Replicate, an all_reduce over the live ones) or split locally.
+  int fault_domain_dim = -1;
 
   static double bytes_of(const ir::Value* v, const Shape& seen) { return shape_bytes(seen, v->meta().dtype); }
 
@@ -282,6 +285,14 @@ struct Propagator {
         }
       }
       if (target == current || made.count({v, plan.version_key(v, target, &node)})) continue;
+      if (i == fault_domain_dim) {
+        const Placement& from = current[static_cast<std::size_t>(i)];
+        const Placement& to = c.inputs[a];
+        if (!(from == to || (from.is_partial() && to.is_replicate()) || (from.is_replicate() && to.is_shard()))) {
+          total += 1e30;
+          continue;
+        }
+      }
       // A version already made that agrees on mesh dims 0..i (a gradient made in its
       // parameter's placement as soon as it was produced) is free to read, as the later dims
       // can choose it too: without this, dims still as produced (Partial) made the clipping's
@@ -633,7 +644,7 @@ namespace {
 DistributedPlan run_propagation(const ir::Graph& graph, const DeviceMesh& mesh, const std::map<std::string, Placements>& inputs,
                                 const std::map<std::string, Placements>& outputs, const std::map<std::string, Placements>& use,
                                 bool reshard_after_forward, int sequence_parallel_dim, int context_parallel_dim, bool context_parallel_allgather,
-                                const ForcedChoices* forced, const std::function<void(const Propagator&)>& after) {
+                                const ForcedChoices* forced, const std::function<void(const Propagator&)>& after, int fault_domain_dim = -1) {
   DistributedPlan plan{mesh, &graph, {}, {}, {}, 0, 0, std::vector<double>(static_cast<std::size_t>(mesh.ndim()), 0.0),
                        std::vector<double>(static_cast<std::size_t>(mesh.ndim()), 0.0), {}, {}};
   if (reshard_after_forward) {
@@ -665,6 +676,7 @@ DistributedPlan run_propagation(const ir::Graph& graph, const DeviceMesh& mesh, 
   }
   Propagator p(graph, mesh, plan);
   p.forced = forced;
+  p.fault_domain_dim = fault_domain_dim;
   auto on_sequence = [](const std::set<const ir::Value*>& values) {
     std::map<const ir::Value*, Placement> out;
     for (const ir::Value* v : values) out.emplace(v, Placement::shard(1));
@@ -729,9 +741,9 @@ DistributedPlan run_propagation(const ir::Graph& graph, const DeviceMesh& mesh, 
 DistributedPlan propagate(const ir::Graph& graph, const DeviceMesh& mesh, const std::map<std::string, Placements>& inputs,
                           const std::map<std::string, Placements>& outputs, const std::map<std::string, Placements>& use,
                           bool reshard_after_forward, int sequence_parallel_dim, int context_parallel_dim, bool context_parallel_allgather,
-                          const ForcedChoices* forced) {
+                          const ForcedChoices* forced, int fault_domain_dim) {
   return run_propagation(graph, mesh, inputs, outputs, use, reshard_after_forward, sequence_parallel_dim, context_parallel_dim,
-                         context_parallel_allgather, forced, {});
+                         context_parallel_allgather, forced, {}, fault_domain_dim);
 }
 
 DistributedPlan propagate_optimal(const ir::Graph& graph, const DeviceMesh& mesh, const std::map<std::string, Placements>& inputs,

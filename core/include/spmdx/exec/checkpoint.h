@@ -59,6 +59,14 @@ struct PipelineStages {
   std::int64_t stages = 1;
   std::map<std::string, int> stage;
 };
+/// Who writes what of a save besides the rank's own shard: the metadata (rank 0, or under
+/// fault tolerance the lowest live rank, which also makes the folder), and the shard files of
+/// ranks that are away (fault tolerance: a replica group lost holds what the live groups hold,
+/// so a live rank of the same coordinates writes its file). Null: rank 0 writes the metadata.
+struct SaveRoles {
+  bool writes_metadata = false;
+  std::vector<std::int64_t> also_ranks;
+};
 /// Writes this rank's `local` tensors (by name; their global metas and placements in `global`
 /// and `placements`, every stage's with pipeline stages) for `step`. Every rank calls it; `backend` (null for one rank) makes them
 /// wait for each other before rank 0 publishes the checkpoint. Returns the folder. Throws
@@ -70,7 +78,7 @@ struct PipelineStages {
 std::filesystem::path save_checkpoint(const std::filesystem::path& folder, const CheckpointMeta& meta, const sharding::DeviceMesh& mesh,
                                       std::int64_t rank, const TensorMap& local, const std::map<std::string, ir::TensorMeta>& global,
                                       const std::map<std::string, sharding::Placements>& placements, CommBackend* backend,
-                                      const PipelineStages& pipeline = {});
+                                      const PipelineStages& pipeline = {}, const SaveRoles* roles = nullptr);
 
 /// The step of the newest complete checkpoint in `folder` (load_step -1), or load_step itself
 /// when it is complete; nullopt when the folder holds no step folder. Only the names spmdx

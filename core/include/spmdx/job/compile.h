@@ -36,6 +36,9 @@ struct PlacedJob {
   /// The mesh dim whose ranks shard the residual stream on the sequence (sequence parallelism:
   /// tp's index with parallelism.enable_sequence_parallel and tp > 1), or -1.
   int sequence_parallel_dim = -1;
+  /// Fault tolerance's mesh dim (dp_replicate's index with fault_tolerance.enable), or -1: on it
+  /// propagation sums and splits locally, nothing else (sharding::propagate).
+  int fault_domain_dim = -1;
   /// Why sequence parallelism is off although the config asks for it ("" otherwise): tp is 1,
   /// or the graph has no norm (rms_norm, layer_norm) with a sequence of at least tp positions.
   std::string sequence_parallel_off{};

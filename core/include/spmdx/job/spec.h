@@ -53,6 +53,17 @@ struct CommSpec {
   bool failover() const { return chain.size() > 1; }
 };
 
+/// [fault_tolerance] (torchtitan's section; torchft's replica groups): the replica groups are
+/// the slices of the mesh along dp_replicate, which spmdx puts outermost (sharding::make_mesh),
+/// so group g holds ranks [g x ranks_per_group, (g + 1) x ranks_per_group). Off: groups = 0.
+struct FaultToleranceSpec {
+  bool enable = false;
+  std::int64_t groups = 0;           ///< fault_tolerance.group_size: replica groups (= dp_replicate)
+  std::int64_t ranks_per_group = 1;  ///< world_size / groups
+  std::int64_t min_replicas = 1;     ///< fault_tolerance.min_replica_size
+  double timeout_seconds = 10;       ///< fault_tolerance.process_group_timeout_ms / 1000
+};
+
 /// Where a rank's tensors live and run ([training] device keys).
 struct DeviceSpec {
   std::string kind = "cpu";  ///< training.device: "cpu", or "cuda" (GPU LOCAL_RANK per rank)
@@ -170,6 +181,7 @@ struct JobSpec {
   std::string memory_budget_source;  ///< where memory_budget came from when not parallelism.memory_budget ("planning.target h100-sxm's device memory, 80 GB")
   std::string memory_fit;          ///< what fit_memory_budget (memory_budget.h) reported, for the start line
   CommSpec comm;              ///< [comm] but the plan's options
+  FaultToleranceSpec fault_tolerance;  ///< [fault_tolerance]
   CheckpointSpec checkpoint;  ///< [checkpoint]
   DataSpec data;              ///< [data] and model.tokenizer
   OutputSpec output;          ///< job.dump_folder, [metrics], [debug], [profiling]

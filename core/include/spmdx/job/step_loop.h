@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <memory>
 #include <stdexcept>
@@ -22,6 +23,7 @@
 #include "spmdx/job/comm_chain.h"
 #include "spmdx/job/compile.h"
 #include "spmdx/job/fault_injection.h"
+#include "spmdx/job/fault_tolerance.h"
 #include "spmdx/job/metrics.h"
 #include "spmdx/job/validation.h"
 #include "spmdx/launch/launcher.h"
@@ -35,6 +37,10 @@ struct StepFailed : std::runtime_error {
   StepFailed(const std::string& why, bool voted_on) : std::runtime_error(why), voted(voted_on) {}
   bool voted;  ///< the ranks voted already: what() is the verdict every rank has
 };
+
+// Fault tolerance dropped the step on every live rank (the vote said so): the state is as before
+// it, the live ranks rejoined, and the step runs again.
+struct StepDropped {};
 
 // One rank's step loop: the batch, the step through the executor, the fault a test planted,
 // the hooks, a hot-swap of the comm backend, the metrics and checkpoints.
@@ -103,6 +109,24 @@ struct StepLoop {
   Validation* validation = nullptr;  // [validation]
   exec::StepProfiler* profiler = nullptr;  // [profiling]
   const exec::PipelineStages* pipeline_stages = nullptr;  // which stage holds each state tensor
+  // [fault_tolerance]: this rank's side (null: off); the lead's role (metrics.jsonl, the step
+  // lines) moves to the lowest live rank, on_lead_change(true, first step) opening its metrics
+  // and (false, _) closing them; a checkpoint due while a group is away waits for it.
+  FaultTolerance* ft = nullptr;
+  std::vector<ProcessFault> process_faults{};  // SPMDX_FAULT's kill, stop, slow, hold (at start and commit; none on a restarted rank)
+  std::function<void(bool, std::int64_t)> on_lead_change{};
+  bool checkpoint_waits = false;
+  std::int64_t ft_next_config = 0;  // the configuration the last vote opened
+  std::int64_t replicas_said = -1;  // the live groups last said on a line
+
+  // Fault tolerance: moves to configuration `id` (after step `after_step`): leaves the backend,
+  // joins the live ranks' one, gives the joining groups the state, and votes that it all went
+  // through; a move that failed goes on to the next configuration. A restarted rank starts here
+  // (after_step: where the live groups are).
+  void reconfigure(std::int64_t id, std::int64_t after_step);
+  // A restarted rank, joined to the configuration that took it in: receives the state and where
+  // training stands, and returns the step it trains first.
+  std::int64_t join_restarted();
 
   // Where a resumed job's checkpoint left the optimizer's count and, for float16, the loss
   // scale (a count past this run's growth interval grows it at the next clean step).

@@ -72,6 +72,17 @@ struct LaunchOptions {
   /// alike (each exits with an error, none named by the others), the launcher reads their
   /// dumps and blames the rank that skipped or missed a collective rather than the lowest.
   std::string flight_recorder_dir;
+  /// Fault tolerance ([fault_tolerance], one node): the replica groups, each of
+  /// ft_ranks_per_group consecutive ranks (0 groups: off). Once every rank has joined the job
+  /// (replica_groups.h's "started"), a rank that fails costs its group only: the launcher stops
+  /// the group's other ranks, records the group lost (the others train on), and starts it again
+  /// while restarts are left; below ft_min_replicas live groups the job stops.
+  int ft_groups = 0;
+  int ft_ranks_per_group = 1;
+  int ft_min_replicas = 1;
+  /// --max-restarts (torchrun's flag): how many times lost replica groups are started again,
+  /// over the whole job.
+  int max_restarts = 0;
 };
 
 /// Runs `nproc` copies of `argv` (argv[0]: the program) with the rank variables set (ranks

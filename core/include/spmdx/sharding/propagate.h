@@ -83,6 +83,10 @@ struct DistributedPlan {
 /// (DeepSpeed-Ulysses).
 /// `forced` (propagate_optimal's choices, ForcedChoices): per node and mesh dim, the strategy
 /// to take where the node's candidates have it and the rules above allow it.
+/// `fault_domain_dim` (>= 0: fault tolerance's dp_replicate, job/fault_tolerance.h): on that
+/// mesh dim only strategies whose inputs are summed (Partial -> Replicate: an all_reduce, which
+/// runs over the live replica groups) or split locally (Replicate -> Shard) are taken where
+/// another strategy is possible; the caller checks the rank graph for what is left.
 /// Throws std::invalid_argument naming an input or output that is not in the graph or whose
 /// placement count is not the mesh's ndim, or a sequence_parallel_dim or context_parallel_dim
 /// the mesh has not, and ir::IrError for an op without sharding rules.
@@ -90,7 +94,7 @@ DistributedPlan propagate(const ir::Graph& graph, const DeviceMesh& mesh, const 
                           const std::map<std::string, Placements>& outputs = {},
                           const std::map<std::string, Placements>& use = {}, bool reshard_after_forward = false,
                           int sequence_parallel_dim = -1, int context_parallel_dim = -1, bool context_parallel_allgather = true,
-                          const ForcedChoices* forced = nullptr);
+                          const ForcedChoices* forced = nullptr, int fault_domain_dim = -1);
 
 /// "S(0),R->S(0)": an OpStrategy's input and output placements on one mesh dim.
 std::string signature(const OpStrategy& strategy);
