@@ -21,6 +21,13 @@ settings (lr, betas, schedule, clipping) from the job's config as spmdx prints i
 shared with spmdx's own code or with bench/peers/.
 
     llama3_reference.py --spmdx build/bin/spmdx --config configs/llama_debug.toml --steps 10 [-- spmdx run options]
+
+With --fault-tolerance (spmdx run with fault_tolerance.enable and SPMDX_FAULT killing ranks):
+each step trains on the rows of the replica groups metrics.jsonl says trained it ("replicas":
+group g holds rows [g B/R, (g+1) B/R) of the global batch of B rows, R groups: dp_replicate is
+the mesh's outermost dim), as torchft's replica groups each read their own part of the batch and
+a missing group's part is not trained; parameters compare at the steps spmdx checkpointed (a
+checkpoint waits while a group is away).
 """
 import argparse
 import json
@@ -140,6 +147,8 @@ def main():
                     help="under --mixed-precision, the first step's loss (same weights, same batch: only where the casts are can differ) "
                     "must agree this closely (at least 1e-5 where spmdx says its bfloat16 GEMMs are upcast to float32: a CPU without "
                     "bfloat16 instructions); later steps carry bfloat16's rounding and are held to --tolerance")
+    ap.add_argument("--fault-tolerance", action="store_true",
+                    help="train each step on the rows of the replica groups metrics.jsonl lists as live for it (see above)")
     ap.add_argument("run", nargs="*", help="more `spmdx run` options (after --), e.g. --nproc 4 --parallelism.tensor_parallel_degree 2")
     args = ap.parse_args()
 
@@ -191,9 +200,18 @@ def main():
         opt, lr_of or build_lr_lambda(args.steps, s["warmup_steps"], None if s["decay_ratio"] == -1 else s["decay_ratio"], s["decay_type"], s["min_lr_factor"],
                              None if s.get("total_steps", -1) == -1 else s["total_steps"]))
     rows, worst = [], (0.0, "")
+    assert len(metrics) == args.steps and [m["step"] for m in metrics] == list(range(1, args.steps + 1)), "metrics.jsonl must hold every step once"
+    replicas = cfg["parallelism"]["data_parallel_replicate_degree"]
+    if args.fault_tolerance:
+        assert any(len(m["replicas"]) < replicas for m in metrics), "--fault-tolerance: no step ran with a group away (did SPMDX_FAULT kill a rank?)"
     for step in range(1, args.steps + 1):
         tokens = torch.from_numpy(np.load(os.path.join(dump, "debug", "batches", f"step-{step}.tokens.npy")))
         labels = torch.from_numpy(np.load(os.path.join(dump, "debug", "batches", f"step-{step}.labels.npy")))
+        if args.fault_tolerance:
+            live = metrics[step - 1]["replicas"]
+            per = tokens.shape[0] // replicas
+            keep = torch.cat([torch.arange(g * per, (g + 1) * per) for g in live])
+            tokens, labels = tokens[keep], labels[keep]
         opt.zero_grad()
         lr = schedule.get_last_lr()[0]
         if autocast:
@@ -206,10 +224,17 @@ def main():
         grad_norm = torch.nn.utils.clip_grad_norm_(list(p.values()), cfg["training"]["max_norm"], foreach=True)
         opt.step()
         schedule.step()
-        exported = os.path.join(dump, f"step-{step}.safetensors")
-        subprocess.run([args.spmdx, "export", os.path.join(dump, "checkpoint", f"step-{step}"), exported], check=True, capture_output=True)
-        got = read_safetensors(exported)
         m = metrics[step - 1]
+        saved = os.path.join(dump, "checkpoint", f"step-{step}")
+        if args.fault_tolerance and not os.path.isdir(saved):  # a checkpoint waits while a group is away
+            print(f"step {step:3d}  loss {m['loss']:.6f} ref {loss.item():.6f}  replicas {m['replicas']}  (no checkpoint: a group was away)")
+            for what, v in (("loss", abs(m["loss"] - loss.item()) / abs(loss.item())), ("grad_norm", abs(m["grad_norm"] - grad_norm.item()) / abs(grad_norm.item()))):
+                if v > worst[0]:
+                    worst = (v, f"step {step}: {what}")
+            continue
+        exported = os.path.join(dump, f"step-{step}.safetensors")
+        subprocess.run([args.spmdx, "export", saved, exported], check=True, capture_output=True)
+        got = read_safetensors(exported)
         row = {"step": step, "loss": m["loss"], "reference_loss": loss.item(), "loss_rel": abs(m["loss"] - loss.item()) / abs(loss.item()),
                "grad_norm_rel": abs(m["grad_norm"] - grad_norm.item()) / abs(grad_norm.item()),
                "lr_rel": abs(m["lr"] - lr) / max(abs(lr), 1e-300)}

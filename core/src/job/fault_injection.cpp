@@ -125,6 +125,7 @@ std::vector<ProcessFault> parse_process_faults(const char* text) {
     if (index_set && f.at != "collective" && f.at != "recovery") throw bad("index=I goes with at=collective or at=recovery");
     if (!(f.seconds >= 0 && f.seconds <= 3600)) throw bad("seconds must be 0 to 3600");
     if (f.kind == "hold" && f.at != "start" && f.at != "commit") throw bad("hold waits at=start or at=commit");
+    f.id = static_cast<int>(out.size());
     out.push_back(f);
   }
   return out;
@@ -168,7 +169,7 @@ void check_process_faults(const std::vector<ProcessFault>& faults, const launch:
       throw std::invalid_argument("SPMDX_FAULT: " + f.kind + " at rank " + std::to_string(f.rank) + ", step " + std::to_string(f.step) +
                                   " never happens in this job (" + std::to_string(env.world_size) + " ranks, " + std::to_string(spec.steps) + " steps)");
     }
-    if ((f.at == "recovery" || f.kind == "hold") && !spec.fault_tolerance.enable) {
+    if ((f.at == "recovery" || f.at == "collective" || f.kind == "hold") && !spec.fault_tolerance.enable) {
       throw std::invalid_argument("SPMDX_FAULT: " + f.kind + " at=" + f.at + " acts under fault tolerance: set fault_tolerance.enable = true");
     }
   }

@@ -109,8 +109,9 @@ bool FtConfig::has(int group) const {
 
 // ---- LiveBackend ----------------------------------------------------------------------------
 
-LiveBackend::LiveBackend(std::unique_ptr<CommBackend> inner, std::vector<int> live, int rank, std::string what, const std::vector<ProcessFault>* faults)
-    : inner_(std::move(inner)), live_(std::move(live)), rank_(rank), what_(std::move(what)), faults_(faults) {
+LiveBackend::LiveBackend(std::unique_ptr<CommBackend> inner, std::vector<int> live, int rank, std::string what, const std::vector<ProcessFault>* faults,
+                         std::function<void(const ProcessFault&)> act)
+    : inner_(std::move(inner)), live_(std::move(live)), rank_(rank), what_(std::move(what)), faults_(faults), act_(std::move(act)) {
   groups_[0] = GroupInfo{live_, {}, 1};  // the inner backend's own world
   for (std::size_t i = 0; i < live_.size(); ++i) groups_[0].live.push_back(static_cast<int>(i));
 }
@@ -141,7 +142,7 @@ const LiveBackend::GroupInfo& LiveBackend::info(int group, const char* op) const
 
 void LiveBackend::tick() {
   if (faults_ == nullptr) return;
-  if (const ProcessFault* f = due_fault(*faults_, rank_, step_, "collective", calls_); f != nullptr) fire(*f);
+  if (const ProcessFault* f = due_fault(*faults_, rank_, step_, "collective", calls_); f != nullptr) act_(*f);
   ++calls_;
 }
 
@@ -237,7 +238,6 @@ FaultTolerance::FaultTolerance(const JobSpec& spec, const launch::RankEnv& env, 
   group_ = env.rank / ranks_per_group_;
   timeout_ = f.timeout_seconds;
   if (const char* a = std::getenv(ft::kRestartEnv); a != nullptr && *a != '\0') attempt_ = std::atoi(a);
-  if (attempt_ > 0) faults_.clear();  // a planted fault is the first incarnation's
   if (env.source != "spmdx" || !env.store_hosted) {
     throw std::invalid_argument("fault_tolerance.enable = true needs spmdx run's launcher (spmdx run --nproc N, with --max-restarts for restarts): it "
                                 "watches the replica groups and restarts a lost one; under " + env.source +
@@ -353,7 +353,7 @@ std::unique_ptr<LiveBackend> FaultTolerance::join() {
                                             ft::members_text(config_.groups) + ")";
   // The first ranks count themselves in: once all have, a rank that dies costs its group only.
   if (config_.id == 0) store_.add(ft::kStartedKey, 1);
-  return std::make_unique<LiveBackend>(std::move(inner), live, env_.rank, what, &faults_);
+  return std::make_unique<LiveBackend>(std::move(inner), live, env_.rank, what, &faults_, [this](const ProcessFault& f) { act(f); });
 }
 
 void FaultTolerance::transfer(CommBackend& backend, exec::TensorMap& state, const std::vector<std::string>& names, std::int64_t after_step) {
@@ -381,7 +381,7 @@ void FaultTolerance::transfer(CommBackend& backend, exec::TensorMap& state, cons
   for (std::size_t i = 0; i < names.size(); ++i) {
     if (const ProcessFault* f = due_fault(faults_, env_.rank, after_step, "recovery", static_cast<std::int64_t>(i)); f != nullptr) {
       for (auto& w : works) w->wait(timeout_);  // what was sent so far arrives
-      fire(*f);
+      act(*f);
     }
     at::Tensor& t = state.at(names[i]);
     if (!t.is_contiguous()) t = t.contiguous();
@@ -518,6 +518,8 @@ void FaultTolerance::hold_until_all_live(double max_seconds) {
 }
 
 void FaultTolerance::act(const ProcessFault& fault) {
+  // Once a job: a restarted rank, which inherits SPMDX_FAULT, may reach the same step again.
+  if (store_.add("spmdx/ft/fired/" + std::to_string(fault.id), 1) != 1) return;
   if (fault.kind != "hold") return fire(fault);
   std::fprintf(stderr, "SPMDX_FAULT: rank %d holds at %s of step %lld until every replica group is live\n", fault.rank, fault.at.c_str(),
                static_cast<long long>(fault.step));
@@ -534,6 +536,19 @@ std::string FaultTolerance::digest(const exec::TensorMap& state, const std::vect
   char hex[17];
   std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(h));
   return hex;
+}
+
+std::string FaultTolerance::unfired_faults() {
+  std::string out;
+  for (const auto& f : faults_) {
+    if (store_.add("spmdx/ft/fired/" + std::to_string(f.id), 0) != 0) continue;
+    const std::string where = f.at == "collective" ? "backend call " + std::to_string(f.index) + " of step " + std::to_string(f.step)
+                              : f.at == "recovery"  ? "tensor " + std::to_string(f.index) + " of a state transfer after step " + std::to_string(f.step)
+                                                    : f.at + " of step " + std::to_string(f.step);
+    out += (out.empty() ? "" : "\n") + std::string("SPMDX_FAULT: ") + f.kind + " of rank " + std::to_string(f.rank) + " at " + where +
+           " never fired: that point never came on that rank (a step's backend calls count from 0; a transfer happens only when a group rejoins)";
+  }
+  return out;
 }
 
 std::string FaultTolerance::check_replicas_equal(const std::string& my_digest, std::int64_t step) {

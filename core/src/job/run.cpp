@@ -455,10 +455,14 @@ void print_banner(const JobSpec& spec, const PlacedJob& job, const sharding::Dis
   std::fflush(stdout);
 }
 
+// `rejoined`: this rank's replica group was restarted under fault tolerance and took the live
+// groups' state at `first_step` (the job's steps before it ran without this process).
 void print_done(const JobSpec& spec, std::int64_t first_step, double seconds, double first_loss, double last_loss,
-                const std::filesystem::path& dump) {
+                const std::filesystem::path& dump, bool rejoined) {
   const long long ran = static_cast<long long>(spec.steps - first_step + 1);
-  const std::string which = first_step > 1 ? " (" + std::to_string(first_step) + "-" + std::to_string(spec.steps) + ", resumed)" : "";
+  const std::string which = first_step > 1 ? " (" + std::to_string(first_step) + "-" + std::to_string(spec.steps) +
+                                                 (rejoined ? " on this rank, restarted: the job ran every step" : ", resumed") + ")"
+                                           : "";
   std::printf("done: %lld step%s%s in %.2f s, loss %.4f -> %.4f (ln(vocab) = %.4f); metrics in %s\n", ran, ran == 1 ? "" : "s", which.c_str(),
               seconds, first_loss, last_loss, std::log(static_cast<double>(spec.model.vocab_size)),
               (dump / "metrics.jsonl").string().c_str());
@@ -651,7 +655,7 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
     loop.profiler = &*profiler;
   }
   if (resume_step) loop.resume(resumed);
-  if (!restarted) loop.process_faults = process_faults;
+  loop.process_faults = process_faults;
   std::int64_t start_step = first_step;
   if (ft) {
     loop.ft = &*ft;
@@ -678,8 +682,11 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
   if (ft) {
     const std::string said = ft->check_replicas_equal(FaultTolerance::digest(state, loop.names), spec.steps);
     if (!said.empty()) std::printf("%s\n", said.c_str());
+    if (loop.lead) {
+      if (const std::string unfired = ft->unfired_faults(); !unfired.empty()) std::fprintf(stderr, "%s\n", unfired.c_str());
+    }
   }
-  if (loop.lead) print_done(spec, start_step, std::chrono::duration<double>(Clock::now() - run_start).count(), first_loss, last_loss, dump);
+  if (loop.lead) print_done(spec, start_step, std::chrono::duration<double>(Clock::now() - run_start).count(), first_loss, last_loss, dump, restarted);
   if (backend) {
     backend->barrier(0)->wait(timeout);  // rank 0 may serve the store: nobody leaves before everyone is done
     backend->finalize();

@@ -298,6 +298,9 @@ double StepLoop::step(std::int64_t step) {
       trained_rows = trained_rows * static_cast<double>(live) / static_cast<double>(ft->groups());
       metrics->add_to_next_row("replicas_live", live);
       metrics->add_to_next_row("replica_groups", ft->groups());
+      std::vector<int> live_groups;  // which groups trained the step (their rows of the batch)
+      for (const auto& g : ft->config().groups) live_groups.push_back(g.group);
+      metrics->add_to_next_row("replicas", live_groups);
       metrics->add_to_next_row("samples", static_cast<std::int64_t>(trained_rows));
     }
     metrics->row(step, spec.steps, loss, out.at("grad_norm").item<double>(), lr, trained_rows * static_cast<double>(spec.seq_len) / st.total, st,

@@ -27,7 +27,7 @@ namespace spmdx::job {
 // collective number I of the step, 0-based, counting every call it makes to the backend),
 // commit (after the step's kernels, the optimizer's included, before the commit vote), or
 // recovery (in a state transfer to a restarted group after step S, when I tensors moved).
-// Only the ranks the launcher started with the job act on them: a restarted rank does not.
+// Under fault tolerance each fault acts once a job (a restarted rank inherits SPMDX_FAULT).
 struct Fault {
   std::string kind;
   int rank = -1;
@@ -49,6 +49,7 @@ struct ProcessFault {
   std::string at = "start";  ///< "start", "collective", "commit", "recovery"
   std::int64_t index = 0;    ///< collective: the call's ordinal in the step; recovery: tensors moved first
   double seconds = 1;        ///< slow's sleep
+  int id = 0;                ///< its place in SPMDX_FAULT's list
 };
 
 /// SPMDX_FAULT's process faults, in order. Throws as parse_fault.

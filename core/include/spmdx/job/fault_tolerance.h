@@ -37,6 +37,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -93,7 +94,9 @@ struct FtDecision {
 /// are counted per step for SPMDX_FAULT's at=collective.
 class LiveBackend final : public CommBackend, public VariableAllToAll {
  public:
-  LiveBackend(std::unique_ptr<CommBackend> inner, std::vector<int> live, int rank, std::string what, const std::vector<ProcessFault>* faults);
+  /// `act`: what a fault due at a collective does (FaultTolerance::act).
+  LiveBackend(std::unique_ptr<CommBackend> inner, std::vector<int> live, int rank, std::string what, const std::vector<ProcessFault>* faults,
+              std::function<void(const ProcessFault&)> act);
   void init(const CommInit&) override;  ///< joined already: throws std::logic_error
   void finalize() override { inner_->finalize(); }
   void abort() noexcept override { inner_->abort(); }
@@ -127,6 +130,7 @@ class LiveBackend final : public CommBackend, public VariableAllToAll {
   int rank_;
   std::string what_;
   const std::vector<ProcessFault>* faults_;
+  std::function<void(const ProcessFault&)> act_;
   std::map<int, GroupInfo> groups_;
   std::int64_t step_ = 0, calls_ = 0;
 };
@@ -135,8 +139,8 @@ class LiveBackend final : public CommBackend, public VariableAllToAll {
 /// the state transfers, and the thread that watches the launcher's membership.
 class FaultTolerance {
  public:
-  /// `store` is the job's (the launcher serves it); `faults`: SPMDX_FAULT's process faults (a
-  /// restarted rank passes none).
+  /// `store` is the job's (the launcher serves it); `faults`: SPMDX_FAULT's process faults, each
+  /// acted out once a job (a restarted rank has them too).
   FaultTolerance(const JobSpec& spec, const launch::RankEnv& env, Store& store, PluginRegistry& registry, std::vector<ProcessFault> faults);
   ~FaultTolerance();
   FaultTolerance(const FaultTolerance&) = delete;
@@ -180,7 +184,7 @@ class FaultTolerance {
   /// SPMDX_FAULT's hold: waits until the launcher's membership has every group again (at most
   /// `max_seconds`; then throws std::runtime_error).
   void hold_until_all_live(double max_seconds);
-  /// Acts out a process fault: hold here, the others by fire().
+  /// Acts out a process fault, once a job (the store counts them): hold here, the others by fire().
   void act(const ProcessFault& fault);
 
   /// The backend the watcher aborts when a group of the configuration is lost (null: none).
@@ -192,6 +196,10 @@ class FaultTolerance {
   /// the same coordinates across the live groups. Returns the lead's line ("" elsewhere);
   /// throws std::runtime_error naming the ranks whose states differ.
   std::string check_replicas_equal(const std::string& my_digest, std::int64_t step);
+  /// After the run, on the lead: a line for each SPMDX_FAULT process fault that never fired
+  /// (its step, collective index or transfer never came: e.g. an index past the step's backend
+  /// calls), so a test's plant that did nothing is said, not taken for survived ("" if none).
+  std::string unfired_faults();
 
  private:
   FtDecision vote(const std::string& key, bool join, bool last, const std::string& why_not, const FtProgress& committed, const FtProgress& aborted);
