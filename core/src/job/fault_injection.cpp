@@ -19,7 +19,7 @@ namespace {
 
 constexpr const char* kForms =
     "skip_collective:rank=R,step=S,index=I, perturb:rank=R,step=S,tensor=NAME[,delta=D], or kill|stop|slow|hold:rank=R,step=S[,at=start|collective|commit|recovery]"
-    "[,index=I][,seconds=X]; several separated by ';'";
+    "[,index=I][,seconds=X], slow:rank=R,at=restart[,seconds=X] or hold:rank=R,step=S,at=restart; several separated by ';'";
 
 // One fault of the list: its kind and its key=value pairs, checked for form.
 struct Item {
@@ -120,11 +120,20 @@ std::vector<ProcessFault> parse_process_faults(const char* text) {
       else if (key == "seconds" && f.kind == "slow") f.seconds = number(spec, key, value);
       else throw bad("unknown key '" + key + "' for " + f.kind);
     }
-    if (f.rank < 0 || f.step < 1) throw bad("rank=R and step=S (S >= 1) are required");
-    if (f.at != "start" && f.at != "collective" && f.at != "commit" && f.at != "recovery") throw bad("at='" + f.at + "' is not start, collective, commit or recovery");
+    if (f.at == "restart") {  // a restarted process, slow to come up
+      if (f.kind != "slow" && f.kind != "hold") {
+        throw bad("at=restart goes with slow (sleep seconds=X) or hold (until step=S is committed) before a restarted rank asks to join");
+      }
+      if (f.kind == "slow" && f.step != -1) throw bad("slow at=restart takes no step=S: the restarted rank sleeps seconds=X before it asks to join");
+      if (f.kind == "slow") f.step = 0;
+    }
+    if (f.rank < 0 || f.step < 0 || (f.step < 1 && f.at != "restart")) throw bad("rank=R and step=S (S >= 1) are required");
+    if (f.at != "start" && f.at != "collective" && f.at != "commit" && f.at != "recovery" && f.at != "restart") {
+      throw bad("at='" + f.at + "' is not start, collective, commit, recovery or restart");
+    }
     if (index_set && f.at != "collective" && f.at != "recovery") throw bad("index=I goes with at=collective or at=recovery");
     if (!(f.seconds >= 0 && f.seconds <= 3600)) throw bad("seconds must be 0 to 3600");
-    if (f.kind == "hold" && f.at != "start" && f.at != "commit") throw bad("hold waits at=start or at=commit");
+    if (f.kind == "hold" && f.at != "start" && f.at != "commit" && f.at != "restart") throw bad("hold waits at=start, at=commit or at=restart");
     f.id = static_cast<int>(out.size());
     out.push_back(f);
   }
@@ -141,9 +150,12 @@ const ProcessFault* due_fault(const std::vector<ProcessFault>& faults, int rank,
 void fire(const ProcessFault& f) {
   const std::string where = f.at == "collective" ? "issuing collective " + std::to_string(f.index) + " of step " + std::to_string(f.step)
                             : f.at == "recovery" ? "after " + std::to_string(f.index) + " tensors of the state transfer after step " + std::to_string(f.step)
-                            : f.at + " of step " + std::to_string(f.step);
+                            : f.at == "restart"  ? "its restart, before it asks to join"
+                                                 : f.at + " of step " + std::to_string(f.step);
+  char sleeps[64];
+  std::snprintf(sleeps, sizeof sleeps, "sleeps %g s", f.seconds);
   std::fprintf(stderr, "SPMDX_FAULT: rank %d %s at %s\n", f.rank,
-               f.kind == "kill" ? "kills itself (SIGKILL)" : f.kind == "stop" ? "stops itself (SIGSTOP)" : ("sleeps " + std::to_string(f.seconds) + " s").c_str(),
+               f.kind == "kill" ? "kills itself (SIGKILL)" : f.kind == "stop" ? "stops itself (SIGSTOP)" : sleeps,
                where.c_str());
   std::fflush(stderr);
   if (f.kind == "kill") ::kill(::getpid(), SIGKILL);
@@ -169,7 +181,7 @@ void check_process_faults(const std::vector<ProcessFault>& faults, const launch:
       throw std::invalid_argument("SPMDX_FAULT: " + f.kind + " at rank " + std::to_string(f.rank) + ", step " + std::to_string(f.step) +
                                   " never happens in this job (" + std::to_string(env.world_size) + " ranks, " + std::to_string(spec.steps) + " steps)");
     }
-    if ((f.at == "recovery" || f.at == "collective" || f.kind == "hold") && !spec.fault_tolerance.enable) {
+    if ((f.at == "recovery" || f.at == "collective" || f.at == "restart" || f.kind == "hold") && !spec.fault_tolerance.enable) {
       throw std::invalid_argument("SPMDX_FAULT: " + f.kind + " at=" + f.at + " acts under fault tolerance: set fault_tolerance.enable = true");
     }
   }

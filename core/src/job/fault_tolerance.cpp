@@ -27,6 +27,7 @@ constexpr std::int64_t kFtGeneration = std::int64_t{1} << 38;
 // Added to a vote's count by the rank that closes it early (a group lost): votes after it
 // see a count this large and know the vote closed without them.
 constexpr std::int64_t kClosed = std::int64_t{1} << 32;
+constexpr const char* kCommittedKey = "spmdx/ft/committed";  // the newest step committed (SPMDX_FAULT hold at=restart reads it)
 
 std::string config_key(std::int64_t id) { return "spmdx/ft/config/" + std::to_string(id); }
 
@@ -46,7 +47,7 @@ std::string group_list_text(const std::vector<int>& groups) {
 
 nlohmann::json progress_json(const FtProgress& p) {
   return {{"next_step", p.next_step}, {"optimizer_steps", p.optimizer_steps}, {"samples", p.samples}, {"loss_scale", p.loss_scale},
-          {"growth_tracker", p.growth_tracker}};
+          {"growth_tracker", p.growth_tracker}, {"checkpoint_waits", p.checkpoint_waits}};
 }
 
 // A sum over a shrunken replica slice, scaled by members / live members once it completes.
@@ -99,7 +100,7 @@ FtConfig FtConfig::from_json(const std::string& text) {
   c.joiners = ft::parse_members(j.at("joiners").get<std::string>());
   const auto& p = j.at("progress");
   c.progress = {p.at("next_step").get<std::int64_t>(), p.at("optimizer_steps").get<std::int64_t>(), p.at("samples").get<std::uint64_t>(),
-                p.at("loss_scale").get<double>(), p.at("growth_tracker").get<std::int64_t>()};
+                p.at("loss_scale").get<double>(), p.at("growth_tracker").get<std::int64_t>(), p.at("checkpoint_waits").get<bool>()};
   return c;
 }
 
@@ -465,6 +466,10 @@ FtDecision FaultTolerance::decide(const std::string& key, bool join, std::int64_
   for (const auto& g : config_.groups) {
     if (std::find(m.groups.begin(), m.groups.end(), g) == m.groups.end()) lost.push_back(g.group);
   }
+  if (d.commit && !join) {  // the newest step committed (a counter: add the difference)
+    const std::int64_t step = committed.next_step - 1;
+    store_.add(kCommittedKey, step - store_.add(kCommittedKey, 0));
+  }
   if (no > 0) d.why = store_.get(key + "/why", 30);
   else if (!d.commit) d.why = group_list_text(lost) + " lost before " + std::to_string(n - voted) + " of its ranks voted";
   if (last && d.commit) {
@@ -521,6 +526,16 @@ void FaultTolerance::act(const ProcessFault& fault) {
   // Once a job: a restarted rank, which inherits SPMDX_FAULT, may reach the same step again.
   if (store_.add("spmdx/ft/fired/" + std::to_string(fault.id), 1) != 1) return;
   if (fault.kind != "hold") return fire(fault);
+  if (fault.at == "restart") {
+    std::fprintf(stderr, "SPMDX_FAULT: rank %d, restarted, holds until the live groups have committed step %lld\n", fault.rank,
+                 static_cast<long long>(fault.step));
+    const auto t0 = Clock::now();
+    while (store_.add(kCommittedKey, 0) < fault.step && store_.add(ft::kFinishedKey, 0) == 0) {
+      if (seconds_since(t0) > 600) throw std::runtime_error("SPMDX_FAULT hold at=restart: step " + std::to_string(fault.step) + " was not committed within 600 s");
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    return;
+  }
   std::fprintf(stderr, "SPMDX_FAULT: rank %d holds at %s of step %lld until every replica group is live\n", fault.rank, fault.at.c_str(),
                static_cast<long long>(fault.step));
   hold_until_all_live(600);
@@ -544,6 +559,7 @@ std::string FaultTolerance::unfired_faults() {
     if (store_.add("spmdx/ft/fired/" + std::to_string(f.id), 0) != 0) continue;
     const std::string where = f.at == "collective" ? "backend call " + std::to_string(f.index) + " of step " + std::to_string(f.step)
                               : f.at == "recovery"  ? "tensor " + std::to_string(f.index) + " of a state transfer after step " + std::to_string(f.step)
+                              : f.at == "restart"   ? std::string("a restart of its group")
                                                     : f.at + " of step " + std::to_string(f.step);
     out += (out.empty() ? "" : "\n") + std::string("SPMDX_FAULT: ") + f.kind + " of rank " + std::to_string(f.rank) + " at " + where +
            " never fired: that point never came on that rank (a step's backend calls count from 0; a transfer happens only when a group rejoins)";

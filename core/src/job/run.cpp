@@ -550,6 +550,11 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
   if (spec.fault_tolerance.enable) {
     // The live ranks' own backend (the first ranks': every group's; a restarted rank joins later).
     ft.emplace(spec, env, *joined.store, registry, process_faults);
+    if (restarted) {
+      for (const auto& f : process_faults) {
+        if (f.rank == env.rank && f.at == "restart") ft->act(f);
+      }
+    }
     if (!ft->start({first_step, 0, 0, 0, 0})) {  // restarted, and the job finished before it was taken in
       std::printf("%s (restart %d): the job finished before the live groups could take it in\n", launch::ft::group_text(ft->group(), ft->ranks_per_group()).c_str(),
                   ft->attempt());

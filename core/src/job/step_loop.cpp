@@ -179,13 +179,16 @@ double StepLoop::step(std::int64_t step) {
   if (ft != nullptr) {
     // Where training stands after the step in either outcome: what a configuration the vote
     // opens gives the groups that join it.
-    const FtProgress aborted{step, optimizer_steps_before, data_before.samples, scaler_before.scale, scaler_before.growth_tracker};
+    // A joining group takes the checkpoint put off, if any, with the others (it saves at the
+    // next step, every rank together).
+    const FtProgress aborted{step, optimizer_steps_before, data_before.samples, scaler_before.scale, scaler_before.growth_tracker, checkpoint_waits};
     FtProgress committed = aborted;
     if (failed.empty()) {
       const bool overflow = loss_scaling && out.at("found_inf").item<float>() != 0;
       train::GradScaler after = scaler;
       if (loss_scaling) after.update(overflow);
-      committed = {step + 1, optimizer_steps + (overflow ? 0 : 1), dataset.state().samples, loss_scaling ? after.scale : 0.0, after.growth_tracker};
+      committed = {step + 1, optimizer_steps + (overflow ? 0 : 1), dataset.state().samples, loss_scaling ? after.scale : 0.0, after.growth_tracker,
+                   checkpoint_after(step).second};
     }
     const FtDecision d = ft->vote_step(step, step == spec.steps, failed, committed, aborted);
     if (d.stop) throw std::runtime_error("fault tolerance: step " + std::to_string(step) + ": " + d.why + "; the job stops");
@@ -307,16 +310,12 @@ double StepLoop::step(std::int64_t step) {
                  loss_scaling ? std::optional<std::pair<double, bool>>{{loss_scale, skipped}} : std::nullopt);
   }
   if (!swapped.empty()) std::printf("%s\n", swapped.c_str()), std::fflush(stdout);
-  bool checkpoint_due = checkpointing && (step % spec.checkpoint.interval == 0 || step == spec.steps || checkpoint_waits);
-  if (checkpoint_due && ft != nullptr && !ft->all_live() && step != spec.steps) {
-    // A replica group is away: its ranks' shards wait for it (the last step's are written by
-    // the live groups for it, below).
-    if (lead && !checkpoint_waits) std::printf("checkpoint of step %lld waits: a replica group is away; saved once every group is back\n", static_cast<long long>(step));
-    checkpoint_waits = true;
-    checkpoint_due = false;
+  const auto [checkpoint_due, waits] = checkpoint_after(step);
+  if (waits && lead && !checkpoint_waits) {
+    std::printf("checkpoint of step %lld waits: a replica group is away; saved once every group is back\n", static_cast<long long>(step));
   }
+  checkpoint_waits = waits;
   if (checkpoint_due) {
-    checkpoint_waits = false;
     CheckpointMeta meta{step, dataset.state().samples, tokenizer_id, optimizer_steps};
     if (loss_scaling) meta.loss_scale = scaler.scale, meta.growth_tracker = scaler.growth_tracker;
     meta.lr_schedule = spec.schedule;
@@ -351,6 +350,14 @@ double StepLoop::step(std::int64_t step) {
   }
   if (ft != nullptr && ft_next_config != ft->config().id) reconfigure(ft_next_config, step);
   return loss;
+}
+
+std::pair<bool, bool> StepLoop::checkpoint_after(std::int64_t step) const {
+  const bool due = checkpointing && (step % spec.checkpoint.interval == 0 || step == spec.steps || checkpoint_waits);
+  // A replica group is away: its ranks' shards wait for it (the last step's are written by the
+  // live groups for it).
+  if (due && ft != nullptr && !ft->all_live() && step != spec.steps) return {false, true};
+  return {due, due ? false : checkpoint_waits};
 }
 
 void StepLoop::reconfigure(std::int64_t id, std::int64_t after_step) {
@@ -419,6 +426,7 @@ std::int64_t StepLoop::join_restarted() {
   dataset.restore(data::TextDatasetState{p.samples});
   optimizer_steps = p.optimizer_steps;
   if (loss_scaling && p.loss_scale > 0) scaler.scale = p.loss_scale, scaler.growth_tracker = p.growth_tracker;
+  checkpoint_waits = p.checkpoint_waits;
   std::printf("%s (restart %d): given the live groups' state; trains from step %lld\n", launch::ft::group_text(ft->group(), ft->ranks_per_group()).c_str(),
               ft->attempt(), static_cast<long long>(p.next_step));
   std::fflush(stdout);

@@ -46,7 +46,7 @@ struct ProcessFault {
   std::string kind;          ///< "kill", "stop", "slow", "hold"
   int rank = -1;
   std::int64_t step = -1;
-  std::string at = "start";  ///< "start", "collective", "commit", "recovery"
+  std::string at = "start";  ///< "start", "collective", "commit", "recovery", "restart" (a restarted rank before it joins: slow, step 0; hold until step is committed)
   std::int64_t index = 0;    ///< collective: the call's ordinal in the step; recovery: tensors moved first
   double seconds = 1;        ///< slow's sleep
   int id = 0;                ///< its place in SPMDX_FAULT's list

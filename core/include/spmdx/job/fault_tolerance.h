@@ -63,6 +63,7 @@ struct FtProgress {
   std::uint64_t samples = 0;         ///< the data position (data::TextDatasetState)
   double loss_scale = 0;             ///< float16's GradScaler scale (0: none)
   std::int64_t growth_tracker = 0;
+  bool checkpoint_waits = false;     ///< a checkpoint put off while a group was away: due at the next step
 };
 
 /// The ranks that train together, and what the joining groups among them are given.

@@ -113,7 +113,7 @@ struct StepLoop {
   // lines) moves to the lowest live rank, on_lead_change(true, first step) opening its metrics
   // and (false, _) closing them; a checkpoint due while a group is away waits for it.
   FaultTolerance* ft = nullptr;
-  std::vector<ProcessFault> process_faults{};  // SPMDX_FAULT's kill, stop, slow, hold (at start and commit; none on a restarted rank)
+  std::vector<ProcessFault> process_faults{};  // SPMDX_FAULT's kill, stop, slow, hold at start and commit (each fires once a job)
   std::function<void(bool, std::int64_t)> on_lead_change{};
   bool checkpoint_waits = false;
   std::int64_t ft_next_config = 0;  // the configuration the last vote opened
@@ -124,6 +124,9 @@ struct StepLoop {
   // through; a move that failed goes on to the next configuration. A restarted rank starts here
   // (after_step: where the live groups are).
   void reconfigure(std::int64_t id, std::int64_t after_step);
+  // After `step` commits: {a checkpoint is saved now, one waits after it} (under fault
+  // tolerance, a checkpoint due while a group is away waits for the next step with every group).
+  std::pair<bool, bool> checkpoint_after(std::int64_t step) const;
   // A restarted rank, joined to the configuration that took it in: receives the state and where
   // training stands, and returns the step it trains first.
   std::int64_t join_restarted();
