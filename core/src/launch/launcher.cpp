@@ -435,7 +435,7 @@ class Supervisor {
           ++running_;
         }
         pending_[g] = attempt;
-        std::cout << o_.command << ": started " << ft::group_text(g, G) << " again (restart " << attempt << " of the job's " << restarts_used_ << "/"
+        std::cout << o_.command << ": started " << ft::group_text(g, G) << " again (its restart " << attempt << "; the job has used " << restarts_used_ << " of --max-restarts "
                   << o_.max_restarts << ")" << std::endl;
         it = restart_.erase(it);
       }

@@ -506,7 +506,7 @@ std::string MemoryPlan::str() const {
   out << human_bytes(static_cast<double>(peak_bytes)) << " (parameters " << human_bytes(static_cast<double>(parameters)) << ", gradients "
       << human_bytes(static_cast<double>(gradients)) << ", AdamW state " << human_bytes(static_cast<double>(optimizer_state)) << ", activations "
       << human_bytes(static_cast<double>(activations)) << ", communication " << human_bytes(static_cast<double>(communication))
-      << (state_copy > 0 ? ", state copy for comm.fallback " + human_bytes(static_cast<double>(state_copy)) : std::string()) << ")";
+      << (state_copy > 0 ? ", state copy to run a failed step again " + human_bytes(static_cast<double>(state_copy)) : std::string()) << ")";
   return out.str();
 }
 
