@@ -79,6 +79,26 @@ TEST(Nccl, OneRankEveryCollectiveOnDeviceAndHostBuffers) {
 
 // Without a device the plugin refuses to be made at all (so that spmdx run refuses it before
 // any rank starts), saying why.
+// CommBackend::abort (what fault tolerance calls when a replica group is lost, from its watcher
+// thread): it returns at once, and every later call fails with a CommError saying so (the error
+// a rank recovers from by joining a new backend), not with a crash or a missing group; finalize
+// after it is safe.
+TEST(Nccl, AbortFailsLaterWorkWithACommError) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device here: the nccl plugin's tests need a GPU";
+  comm::TcpStoreServer server("127.0.0.1", 0, "t");
+  comm::TcpStore store("127.0.0.1", server.port(), "t", 30);
+  auto b = make_nccl();
+  b->init({0, 1, 0, &store, 30});
+  std::vector<float> host = {1, 2, 3};
+  ASSERT_TRUE(b->all_reduce(0, {host.data(), host.size()}, ReduceOp::sum)->wait(30));
+  b->abort();
+  EXPECT_THAT([&] { b->all_reduce(0, {host.data(), host.size()}, ReduceOp::sum); },
+              ::testing::ThrowsMessage<CommError>(::testing::HasSubstr("nccl: all_reduce on rank 0: the backend was aborted")));
+  EXPECT_THAT([&] { b->barrier(0); }, ::testing::Throws<CommError>());
+  EXPECT_THAT([&] { b->new_group({0}); }, ::testing::ThrowsMessage<CommError>(::testing::HasSubstr("the backend was aborted")));
+  b->finalize();
+}
+
 TEST(Nccl, WithoutADeviceItRefusesToBeMadeSayingWhy) {
   if (have_gpu()) GTEST_SKIP() << "a GPU is present: this checks the message where there is none";
   try {

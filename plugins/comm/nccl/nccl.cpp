@@ -203,6 +203,7 @@ class NcclBackend final : public spmdx::CommBackend, public spmdx::StreamOrdered
 
   int new_group(const std::vector<int>& ranks) override {
     if (std::find(ranks.begin(), ranks.end(), rank_) == ranks.end()) throw std::invalid_argument("nccl: new_group: rank " + std::to_string(rank_) + " is not a member");
+    if (aborted_->load()) throw CommError("nccl: new_group on rank " + std::to_string(rank_) + ": the backend was aborted", -1);
     ncclComm_t comm = nullptr;
     nccl_check(ncclCommSplit(comms_.at(0), ranks.front(), rank_, &comm, nullptr), "split a group");
     comms_.push_back(comm);
@@ -330,6 +331,7 @@ class NcclBackend final : public spmdx::CommBackend, public spmdx::StreamOrdered
   }
 
   std::unique_ptr<spmdx::Work> barrier(int group) override {
+    if (aborted_->load()) throw CommError("nccl: barrier on rank " + std::to_string(rank_) + ": the backend was aborted", -1);
     void* one = nullptr;
     cuda_check(cudaMallocAsync(&one, sizeof(int), stream_), "allocate");
     cuda_check(cudaMemsetAsync(one, 0, sizeof(int), stream_), "memset");
@@ -345,6 +347,9 @@ class NcclBackend final : public spmdx::CommBackend, public spmdx::StreamOrdered
   // Stages host buffers through device memory, enqueues `body` on the stream, records an event.
   std::unique_ptr<spmdx::Work> run(const char* name, std::vector<CommBuffer> ins, std::vector<CommBuffer> outs,
                                    const std::function<void(ncclComm_t, void**, void**)>& body, int group) {
+    // After abort() every communicator is gone: future work fails as the ABI says, with the
+    // CommError a caller recovers from (fault tolerance's rejoin), not as a missing group.
+    if (aborted_->load()) throw CommError(std::string("nccl: ") + name + " on rank " + std::to_string(rank_) + ": the backend was aborted", -1);
     if (group < 0 || group >= static_cast<int>(comms_.size())) throw std::invalid_argument(std::string("nccl: ") + name + ": no group " + std::to_string(group));
     void* in[1] = {nullptr};
     void* out[1] = {nullptr};
