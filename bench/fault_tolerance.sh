@@ -119,5 +119,5 @@ for k, label in (("ft", "fault tolerance"), ("plain", "stop, resume at ckpt")):
     print(f"median {label:<21} recovery {med(k, 'recovery'):.2f} s = start-up {med(k, 'startup'):.2f} s {over:+.1f} step times; "
           f"steps redone by the survivors {med(k, 'redone'):g}; wall time lost {med(k, 'lost'):.1f} step times")
 x = table["ft"][-1]
-print(f"fault tolerance, last round: the survivors never stopped; group {lost_group} was away for {x['away']} committed steps and trained again from step {x['back_at']}")
+print(f"fault tolerance, last round: the survivors never stopped; group {lost_group} was away for {x['away']} committed step(s) and trained again from step {x['back_at']}")
 PY

@@ -31,6 +31,7 @@
 #include "spmdx/exec/device.h"
 #include "spmdx/exec/kernels.h"
 #include "spmdx/job/run.h"
+#include "spmdx/job/fault_injection.h"
 #endif
 
 namespace spmdx::cli {
@@ -56,6 +57,20 @@ std::vector<std::string> run_problems(const spmdx::config::Config& cfg, std::int
                                       const std::string& start_flag = "") {
   std::vector<std::string> problems = spmdx::job::preflight(cfg, world_size, registry, tokenizer, spec, spmdx::job::Preflight::run, start_flag);
 #ifdef SPMDX_HAVE_EXEC
+  // SPMDX_FAULT's form, once here rather than by every rank as it starts.
+  if (const char* faults = std::getenv("SPMDX_FAULT"); faults != nullptr && *faults != '\0') {
+    try {
+      (void)spmdx::job::parse_fault(faults);
+      const auto process_faults = spmdx::job::parse_process_faults(faults);
+      if (spec->has_value()) {
+        spmdx::launch::RankEnv env;
+        env.world_size = static_cast<int>(world_size);
+        spmdx::job::check_process_faults(process_faults, env, **spec);
+      }
+    } catch (const std::invalid_argument& e) {
+      problems.push_back(e.what());
+    }
+  }
   if (!cfg.has_problem("training.device") && cfg.get_string("training.device") == "cuda") {
     if (const std::string why = spmdx::exec::cuda_problem(ranks_per_host); !why.empty()) {
       problems.push_back(cfg.where({"training.device"}) + ": training.device = \"cuda\": " + why);
@@ -99,6 +114,7 @@ int run_run(const RunOptions& o) {
       lo.ft_groups = static_cast<int>(ft.groups);
       lo.ft_ranks_per_group = static_cast<int>(ft.ranks_per_group);
       lo.ft_min_replicas = static_cast<int>(ft.min_replicas);
+      lo.ft_timeout_seconds = ft.timeout_seconds;
     } else if (o.max_restarts > 0) {
       cfg.check({cfg.where({"fault_tolerance.enable"}) + ": --max-restarts " + std::to_string(o.max_restarts) +
                  " starts lost replica groups again, under fault_tolerance.enable = true (off here); spmdx does not restart a whole job: "

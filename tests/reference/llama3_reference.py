@@ -26,8 +26,8 @@ With --fault-tolerance (spmdx run with fault_tolerance.enable and SPMDX_FAULT ki
 each step trains on the rows of the replica groups metrics.jsonl says trained it ("replicas":
 group g holds rows [g B/R, (g+1) B/R) of the global batch of B rows, R groups: dp_replicate is
 the mesh's outermost dim), as torchft's replica groups each read their own part of the batch and
-a missing group's part is not trained; parameters compare at the steps spmdx checkpointed (a
-checkpoint waits while a group is away).
+a missing group's part is not trained; parameters compare at every step spmdx checkpointed (the
+live groups save for a group away too).
 """
 import argparse
 import json
@@ -226,7 +226,7 @@ def main():
         schedule.step()
         m = metrics[step - 1]
         saved = os.path.join(dump, "checkpoint", f"step-{step}")
-        if args.fault_tolerance and not os.path.isdir(saved):  # a checkpoint waits while a group is away
+        if args.fault_tolerance and not os.path.isdir(saved):  # a save the job did not make (checkpoint.interval)
             print(f"step {step:3d}  loss {m['loss']:.6f} ref {loss.item():.6f}  replicas {m['replicas']}  (no checkpoint: a group was away)")
             for what, v in (("loss", abs(m["loss"] - loss.item()) / abs(loss.item())), ("grad_norm", abs(m["grad_norm"] - grad_norm.item()) / abs(grad_norm.item()))):
                 if v > worst[0]:

@@ -335,11 +335,13 @@ const std::vector<KeySpec>& schema() {
         "keep training when a rank dies (torchft's way, torchtitan's section): each data_parallel_replicate slice is a replica group; a group that "
         "loses a rank is dropped for the step, restarted (spmdx run --max-restarts) and given the live groups' state, while the others train on"),
       n("fault_tolerance.replica_id", Type::integer, std::int64_t{-1},
-        "this rank's replica group: spmdx run's launcher gives each rank its own (rank / ranks per group); -1 or that value", -1, 1e9),
+        "this rank's replica group: spmdx run's launcher gives each rank its own (rank / ranks per group); leave it -1 (torchtitan sets one "
+        "per torchrun job; spmdx runs the groups as one job)", -1, 1e9),
       n("fault_tolerance.group_size", Type::integer, std::int64_t{0},
         "the number of replica groups (torchtitan's meaning): 0 takes parallelism.data_parallel_replicate_degree, which it must equal", 0, 1e9),
       n("fault_tolerance.min_replica_size", Type::integer, std::int64_t{1},
-        "the fewest live replica groups a step may train with; below it the job stops, naming the groups lost", 1, 1e9),
+        "the fewest live replica groups a step may train with; below it the job stops at once, naming the groups lost (torchft's quorum "
+        "waits for groups to join instead)", 1, 1e9),
       n("fault_tolerance.process_group_timeout_ms", Type::integer, std::int64_t{10000},
         "a collective, the per-step commit vote or a recovery transfer not done by then fails, and the rank that did not answer is stopped "
         "(replaces comm.timeout_seconds under fault tolerance)", 100, 1e9),

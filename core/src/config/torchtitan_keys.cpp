@@ -71,7 +71,17 @@ const std::vector<TitanKey>& table() {
       {"mx.*", K::ignored, "", {}, "options of torchtitan's MX converter, used only when model.converters lists it"},
       {"quantize.*", K::ignored, "", {}, "options of torchtitan's quantization converters, used only when model.converters lists them"},
       {"memory_estimation.*", K::ignored, "", {}, "spmdx compile prints the memory of each rank"},
-      {"fault_tolerance.*", K::ignored, "", {}, "TorchFT options spmdx does not need (process_group: spmdx uses comm.backend; semi_sync_method: spmdx commits every step, as torchft's default)"},
+      // torchtitan's FaultTolerance.semi_sync_method (None by default: every step commits).
+      {"fault_tolerance.semi_sync_method", K::unsupported, "TorchFT's semi-synchronous training (local_sgd, diloco)", {"\"\""},
+       "spmdx's fault tolerance commits every step, torchft's default: leave semi_sync_method unset"},
+      {"fault_tolerance.process_group", K::ignored, "", {}, "TorchFT's process group (gloo, nccl): spmdx's collectives run on comm.backend"},
+      // torchtitan's Streaming DiLoCo options (its ft experiment's FaultTolerance), read only with semi_sync_method.
+      {"fault_tolerance.sync_steps", K::ignored, "", {}, "used only with semi_sync_method, which spmdx does not have"},
+      {"fault_tolerance.should_quantize", K::ignored, "", {}, "used only with semi_sync_method, which spmdx does not have"},
+      {"fault_tolerance.fragment_sync_delay", K::ignored, "", {}, "used only with semi_sync_method, which spmdx does not have"},
+      {"fault_tolerance.fragment_update_alpha", K::ignored, "", {}, "used only with semi_sync_method, which spmdx does not have"},
+      {"fault_tolerance.num_fragments", K::ignored, "", {}, "used only with semi_sync_method, which spmdx does not have"},
+      {"fault_tolerance.module_fqns_per_model_fragment", K::ignored, "", {}, "used only with semi_sync_method, which spmdx does not have"},
       {"experimental.*", K::ignored, "", {}, "torchtitan's experimental options"},
       {"validation.dataset", K::ignored, "", {}, "torchtitan's named data sets; spmdx reads the text or JSON Lines files of validation.paths"},
       {"validation.dataset_path", K::ignored, "", {}, "torchtitan's data set location; spmdx reads the text or JSON Lines files of validation.paths "

@@ -45,7 +45,11 @@ std::vector<Item> split_faults(const std::string& spec) {
     while (std::getline(list, item, ',')) {
       const auto eq = item.find('=');
       if (eq == std::string::npos) throw bad("'" + item + "' is not key=value");
-      it.pairs.emplace_back(item.substr(0, eq), item.substr(eq + 1));
+      const std::string key = item.substr(0, eq);
+      for (const auto& [k, v] : it.pairs) {
+        if (k == key) throw bad("'" + key + "' given twice in '" + one + "'");
+      }
+      it.pairs.emplace_back(key, item.substr(eq + 1));
     }
     out.push_back(std::move(it));
   }
@@ -134,6 +138,11 @@ std::vector<ProcessFault> parse_process_faults(const char* text) {
     if (index_set && f.at != "collective" && f.at != "recovery") throw bad("index=I goes with at=collective or at=recovery");
     if (!(f.seconds >= 0 && f.seconds <= 3600)) throw bad("seconds must be 0 to 3600");
     if (f.kind == "hold" && f.at != "start" && f.at != "commit" && f.at != "restart") throw bad("hold waits at=start, at=commit or at=restart");
+    for (const auto& o : out) {
+      if (o.kind == f.kind && o.rank == f.rank && o.step == f.step && o.at == f.at && o.index == f.index) {
+        throw bad("the same " + f.kind + " fault of rank " + std::to_string(f.rank) + " is listed twice (each fires once a job)");
+      }
+    }
     f.id = static_cast<int>(out.size());
     out.push_back(f);
   }
@@ -148,13 +157,13 @@ const ProcessFault* due_fault(const std::vector<ProcessFault>& faults, int rank,
 }
 
 void fire(const ProcessFault& f) {
-  const std::string where = f.at == "collective" ? "issuing collective " + std::to_string(f.index) + " of step " + std::to_string(f.step)
+  const std::string where = f.at == "collective" ? "as it issues backend call " + std::to_string(f.index) + " of step " + std::to_string(f.step)
                             : f.at == "recovery" ? "after " + std::to_string(f.index) + " tensors of the state transfer after step " + std::to_string(f.step)
-                            : f.at == "restart"  ? "its restart, before it asks to join"
-                                                 : f.at + " of step " + std::to_string(f.step);
+                            : f.at == "restart"  ? "at its restart, before it asks to join"
+                                                 : "at " + f.at + " of step " + std::to_string(f.step);
   char sleeps[64];
   std::snprintf(sleeps, sizeof sleeps, "sleeps %g s", f.seconds);
-  std::fprintf(stderr, "SPMDX_FAULT: rank %d %s at %s\n", f.rank,
+  std::fprintf(stderr, "SPMDX_FAULT: rank %d %s %s\n", f.rank,
                f.kind == "kill" ? "kills itself (SIGKILL)" : f.kind == "stop" ? "stops itself (SIGSTOP)" : sleeps,
                where.c_str());
   std::fflush(stderr);

@@ -47,7 +47,7 @@ std::string group_list_text(const std::vector<int>& groups) {
 
 nlohmann::json progress_json(const FtProgress& p) {
   return {{"next_step", p.next_step}, {"optimizer_steps", p.optimizer_steps}, {"samples", p.samples}, {"loss_scale", p.loss_scale},
-          {"growth_tracker", p.growth_tracker}, {"checkpoint_waits", p.checkpoint_waits}};
+          {"growth_tracker", p.growth_tracker}};
 }
 
 // A sum over a shrunken replica slice, scaled by members / live members once it completes.
@@ -100,7 +100,7 @@ FtConfig FtConfig::from_json(const std::string& text) {
   c.joiners = ft::parse_members(j.at("joiners").get<std::string>());
   const auto& p = j.at("progress");
   c.progress = {p.at("next_step").get<std::int64_t>(), p.at("optimizer_steps").get<std::int64_t>(), p.at("samples").get<std::uint64_t>(),
-                p.at("loss_scale").get<double>(), p.at("growth_tracker").get<std::int64_t>(), p.at("checkpoint_waits").get<bool>()};
+                p.at("loss_scale").get<double>(), p.at("growth_tracker").get<std::int64_t>()};
   return c;
 }
 
@@ -322,6 +322,7 @@ std::optional<FtConfig> FaultTolerance::start(const FtProgress& progress) {
     } catch (const CommError&) {
     }
     if (store_.add(ft::kFinishedKey, 0) > 0) return std::nullopt;
+    if (store_.add(ft::kStopKey, 0) > 0) throw std::runtime_error("fault tolerance: the job stops: " + store_.get(ft::kStopWhyKey, 30));
     if (const double waited = seconds_since(t0); waited - said >= 30) {
       said = waited;
       std::printf("%s (restart %d) is ready and waits for the live groups to take it in at their next step (%.0f s so far)\n",
@@ -483,6 +484,7 @@ FtDecision FaultTolerance::decide(const std::string& key, bool join, std::int64_
       }
       d.why = "only " + std::to_string(m.groups.size()) + " of " + std::to_string(groups_) + " replica groups are live (" + group_list_text(missing) +
               " lost), fewer than fault_tolerance.min_replica_size = " + std::to_string(spec_.fault_tolerance.min_replicas);
+      stop_job(d.why);
     } else {
       FtConfig next;
       next.id = store_.add("spmdx/ft/configs", 1);
@@ -500,6 +502,7 @@ FtDecision FaultTolerance::decide(const std::string& key, bool join, std::int64_
         d.stop = true;
         d.why = "every live replica group is one being given the state (" + ft::members_text(next.groups) +
                 "): the groups that held it were lost during the move, and no checkpoint is read";
+        stop_job(d.why);
         store_.set(key + "/all", nlohmann::json{{"commit", false}, {"stop", true}, {"config", config_.id}, {"why", d.why}}.dump());
         return d;
       }
@@ -515,6 +518,10 @@ FtDecision FaultTolerance::decide(const std::string& key, bool join, std::int64_
 void FaultTolerance::hold_until_all_live(double max_seconds) {
   const auto t0 = Clock::now();
   while (static_cast<int>(ft::read_membership(store_, std::max(30.0, timeout_)).groups.size()) < groups_) {
+    if (store_.add(ft::kLostForGoodKey, 0) > 0) {
+      SPMDX_WARN("SPMDX_FAULT hold: a replica group is lost with no restart left (--max-restarts): not every group will be live again; going on");
+      return;
+    }
     if (seconds_since(t0) > max_seconds) {
       throw std::runtime_error("SPMDX_FAULT hold: the replica groups were not all live again within " + seconds_text(max_seconds) + " s");
     }
@@ -553,6 +560,11 @@ std::string FaultTolerance::digest(const exec::TensorMap& state, const std::vect
   return hex;
 }
 
+void FaultTolerance::stop_job(const std::string& why) {
+  store_.set(ft::kStopWhyKey, why);
+  store_.add(ft::kStopKey, 1);
+}
+
 std::string FaultTolerance::unfired_faults() {
   std::string out;
   for (const auto& f : faults_) {
@@ -561,8 +573,13 @@ std::string FaultTolerance::unfired_faults() {
                               : f.at == "recovery"  ? "tensor " + std::to_string(f.index) + " of a state transfer after step " + std::to_string(f.step)
                               : f.at == "restart"   ? std::string("a restart of its group")
                                                     : f.at + " of step " + std::to_string(f.step);
+    const std::string why = f.at == "collective" ? "a step's backend calls count from 0, and a step has few"
+                            : f.at == "recovery" ? "a transfer happens only when a group rejoins, after the step it rejoins at: hold the giver "
+                                                   "there (hold:rank=G,step=S,at=commit) and the joiner until then (hold:rank=R,step=S-1,at=restart)"
+                            : f.at == "restart"  ? "its group was never restarted"
+                                                 : "the rank never ran that step";
     out += (out.empty() ? "" : "\n") + std::string("SPMDX_FAULT: ") + f.kind + " of rank " + std::to_string(f.rank) + " at " + where +
-           " never fired: that point never came on that rank (a step's backend calls count from 0; a transfer happens only when a group rejoins)";
+           " never fired: that point never came on that rank (" + why + ")";
   }
   return out;
 }
@@ -586,8 +603,10 @@ std::string FaultTolerance::check_replicas_equal(const std::string& my_digest, s
     throw std::runtime_error("fault tolerance: the replica groups' states differ after step " + std::to_string(step) + ": " + spmdx::join(mismatches) +
                              " (a bug: please report it with the run's output)");
   }
+  const std::string digest = "state digest of rank " + std::to_string(lead()) + ": " + store_.get(prefix + std::to_string(lead()), 30);
+  if (config_.groups.size() == 1) return "fault tolerance: one replica group is live after step " + std::to_string(step) + ", none to compare it with (" + digest + ")";
   return "fault tolerance: the " + std::to_string(config_.groups.size()) + " live replica groups hold bitwise-equal states after step " +
-         std::to_string(step) + " (state digest of rank " + std::to_string(lead()) + ": " + store_.get(prefix + std::to_string(lead()), 30) + ")";
+         std::to_string(step) + " (" + digest + ")";
 }
 
 }  // namespace spmdx::job

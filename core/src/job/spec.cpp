@@ -629,7 +629,11 @@ JobSpec job_spec(const config::Config& cfg, std::int64_t world_size, std::int64_
     ft.timeout_seconds = static_cast<double>(cfg.get_int("fault_tolerance.process_group_timeout_ms")) / 1000.0;
     ft.ranks_per_group = std::max<std::int64_t>(1, world_size / std::max<std::int64_t>(1, ft.groups));
     const std::string off = "; set it off, or fault_tolerance.enable = false";
-    if (s.dims.dp_replicate < 2) {
+    if (s.auto_strategy) {  // auto chooses the degrees, and does not yet keep a replicate dim as a fault domain
+      fail({"fault_tolerance.enable", "parallelism.strategy"}, "fault tolerance with parallelism.strategy = \"auto\" is not supported yet: the "
+           "replica groups are the data_parallel_replicate slices, whose degree auto would choose; set the degrees yourself "
+           "(spmdx compile --strategy auto --fault_tolerance.enable false shows the layout it would pick)");
+    } else if (s.dims.dp_replicate < 2) {
       fail({"fault_tolerance.enable", kDegreeKeys[0]}, "fault_tolerance.enable = true needs replica groups to fall back on: set "
            "parallelism.data_parallel_replicate_degree to 2 or more (it is " + std::to_string(s.dims.dp_replicate) +
            "); each replica group is a full copy of the model over the other mesh dims (FSDP, TP inside a group), as torchft's");
@@ -638,9 +642,10 @@ JobSpec job_spec(const config::Config& cfg, std::int64_t world_size, std::int64_
            " replica groups, but parallelism.data_parallel_replicate_degree = " + std::to_string(s.dims.dp_replicate) +
            ": the replica groups are the data_parallel_replicate slices; set group_size to 0 (it then takes the degree) or to the degree");
     }
-    if (ft.min_replicas > std::max<std::int64_t>(1, ft.groups)) {
-      fail({"fault_tolerance.min_replica_size"}, "fault_tolerance.min_replica_size = " + std::to_string(ft.min_replicas) + " is more than the " +
-           std::to_string(ft.groups) + " replica groups: the job could never lose one; set it to at most " + std::to_string(ft.groups));
+    if (ft.groups >= 2 && ft.min_replicas >= ft.groups) {
+      fail({"fault_tolerance.min_replica_size"}, "fault_tolerance.min_replica_size = " + std::to_string(ft.min_replicas) + " with " +
+           std::to_string(ft.groups) + " replica groups: the job could never lose one (a group below the floor is not waited for); set it to at most " +
+           std::to_string(ft.groups - 1));
     }
     if (cfg.get_int("fault_tolerance.replica_id") >= 0) {
       fail({"fault_tolerance.replica_id"}, "fault_tolerance.replica_id = " + std::to_string(cfg.get_int("fault_tolerance.replica_id")) +
@@ -648,6 +653,10 @@ JobSpec job_spec(const config::Config& cfg, std::int64_t world_size, std::int64_
            "group with its own replica_id; remove the key");
     }
     if (s.pipeline.stages > 1) fail({"fault_tolerance.enable", "parallelism.pipeline_parallel_degree"}, "fault tolerance with pipeline stages is not supported yet" + off);
+    if (s.dims.cp > 1) {  // its loss gathers rows across the data-parallel dims, the replicate dim among them
+      fail({"fault_tolerance.enable", "parallelism.context_parallel_degree"}, "fault tolerance with context parallelism is not supported yet (its loss "
+           "gathers across the replica groups, which must exchange nothing but their gradients' all_reduce)" + off);
+    }
     if (s.comm.swap_at_step > 0) fail({"fault_tolerance.enable", "comm.swap_at_step"}, "fault tolerance rejoins the comm backend itself; comm.swap_at_step hot-swaps it" + off);
     if (s.comm.failover()) fail({"fault_tolerance.enable", "comm.fallback"}, "fault tolerance replaces comm.fallback's run-time failover (a failed step is dropped and run again over the live groups)" + off);
     if (s.device.kind != "cpu") fail({"fault_tolerance.enable", "training.device"}, "fault tolerance runs on training.device = \"cpu\" for now (the state transfer to a restarted group is host memory)");

@@ -179,16 +179,13 @@ double StepLoop::step(std::int64_t step) {
   if (ft != nullptr) {
     // Where training stands after the step in either outcome: what a configuration the vote
     // opens gives the groups that join it.
-    // A joining group takes the checkpoint put off, if any, with the others (it saves at the
-    // next step, every rank together).
-    const FtProgress aborted{step, optimizer_steps_before, data_before.samples, scaler_before.scale, scaler_before.growth_tracker, checkpoint_waits};
+    const FtProgress aborted{step, optimizer_steps_before, data_before.samples, scaler_before.scale, scaler_before.growth_tracker};
     FtProgress committed = aborted;
     if (failed.empty()) {
       const bool overflow = loss_scaling && out.at("found_inf").item<float>() != 0;
       train::GradScaler after = scaler;
       if (loss_scaling) after.update(overflow);
-      committed = {step + 1, optimizer_steps + (overflow ? 0 : 1), dataset.state().samples, loss_scaling ? after.scale : 0.0, after.growth_tracker,
-                   checkpoint_after(step).second};
+      committed = {step + 1, optimizer_steps + (overflow ? 0 : 1), dataset.state().samples, loss_scaling ? after.scale : 0.0, after.growth_tracker};
     }
     const FtDecision d = ft->vote_step(step, step == spec.steps, failed, committed, aborted);
     if (d.stop) throw std::runtime_error("fault tolerance: step " + std::to_string(step) + ": " + d.why + "; the job stops");
@@ -305,23 +302,22 @@ double StepLoop::step(std::int64_t step) {
       for (const auto& g : ft->config().groups) live_groups.push_back(g.group);
       metrics->add_to_next_row("replicas", live_groups);
       metrics->add_to_next_row("samples", static_cast<std::int64_t>(trained_rows));
+      if (drops > 0) metrics->add_to_next_row("dropped", drops);  // times the step was dropped and run again
     }
     metrics->row(step, spec.steps, loss, out.at("grad_norm").item<double>(), lr, trained_rows * static_cast<double>(spec.seq_len) / st.total, st,
                  loss_scaling ? std::optional<std::pair<double, bool>>{{loss_scale, skipped}} : std::nullopt);
   }
   if (!swapped.empty()) std::printf("%s\n", swapped.c_str()), std::fflush(stdout);
-  const auto [checkpoint_due, waits] = checkpoint_after(step);
-  if (waits && lead && !checkpoint_waits) {
-    std::printf("checkpoint of step %lld waits: a replica group is away; saved once every group is back\n", static_cast<long long>(step));
-  }
-  checkpoint_waits = waits;
-  if (checkpoint_due) {
+  if (checkpointing && (step % spec.checkpoint.interval == 0 || step == spec.steps)) {
     CheckpointMeta meta{step, dataset.state().samples, tokenizer_id, optimizer_steps};
     if (loss_scaling) meta.loss_scale = scaler.scale, meta.growth_tracker = scaler.growth_tracker;
     meta.lr_schedule = spec.schedule;
     std::filesystem::path where;
     try {
-      SaveRoles roles;  // fault tolerance: the lowest live rank writes the metadata; the live groups write the shards of those away
+      // Fault tolerance: the lowest live rank writes the metadata, and the first live group the
+      // shards of the ranks away too (the same coordinates hold the same bytes in every group),
+      // so a checkpoint is whole whether or not a lost group ever comes back.
+      SaveRoles roles;
       if (ft != nullptr) {
         roles.writes_metadata = env.rank == ft->lead();
         if (ft->config().groups.front().group == env.rank / ft->ranks_per_group()) {
@@ -350,14 +346,6 @@ double StepLoop::step(std::int64_t step) {
   }
   if (ft != nullptr && ft_next_config != ft->config().id) reconfigure(ft_next_config, step);
   return loss;
-}
-
-std::pair<bool, bool> StepLoop::checkpoint_after(std::int64_t step) const {
-  const bool due = checkpointing && (step % spec.checkpoint.interval == 0 || step == spec.steps || checkpoint_waits);
-  // A replica group is away: its ranks' shards wait for it (the last step's are written by the
-  // live groups for it).
-  if (due && ft != nullptr && !ft->all_live() && step != spec.steps) return {false, true};
-  return {due, due ? false : checkpoint_waits};
 }
 
 void StepLoop::reconfigure(std::int64_t id, std::int64_t after_step) {
@@ -395,6 +383,11 @@ void StepLoop::reconfigure(std::int64_t id, std::int64_t after_step) {
     lead = true;
     if (on_lead_change) on_lead_change(true, c.progress.next_step);
   }
+  say_configuration();
+}
+
+void StepLoop::say_configuration() {
+  const FtConfig& c = ft->config();
   if (lead && static_cast<std::int64_t>(c.groups.size()) != replicas_said) {
     replicas_said = static_cast<std::int64_t>(c.groups.size());
     std::string joined;
@@ -421,12 +414,12 @@ std::int64_t StepLoop::join_restarted() {
   } else if (env.rank == ft->lead()) {
     lead = true;
     if (on_lead_change) on_lead_change(true, ft->config().progress.next_step);
+    say_configuration();  // the old lead, no longer one, does not
   }
   const FtProgress& p = ft->config().progress;
   dataset.restore(data::TextDatasetState{p.samples});
   optimizer_steps = p.optimizer_steps;
   if (loss_scaling && p.loss_scale > 0) scaler.scale = p.loss_scale, scaler.growth_tracker = p.growth_tracker;
-  checkpoint_waits = p.checkpoint_waits;
   std::printf("%s (restart %d): given the live groups' state; trains from step %lld\n", launch::ft::group_text(ft->group(), ft->ranks_per_group()).c_str(),
               ft->attempt(), static_cast<long long>(p.next_step));
   std::fflush(stdout);
@@ -464,10 +457,12 @@ std::pair<double, double> StepLoop::run(std::int64_t first_step, bool serves_sto
         recover(step, f);
         continue;  // the same step, from the state before it
       } catch (const StepDropped&) {
+        ++drops;
         continue;  // the same step, from the state before it, over the live groups
       }
       if (step == first_step) first_loss = loss;
       last_loss = loss;
+      drops = 0;
       ++step;
     }
     hooks.finish();

@@ -15,7 +15,9 @@
 #include <fstream>
 #include <iostream>
 #include <map>
+#include <iterator>
 #include <memory>
+#include <optional>
 #include <random>
 #include <sstream>
 #include <set>
@@ -268,13 +270,19 @@ class Supervisor {
     }
   }
 
-  // Says which rank failed and how; the launcher's exit code (0: none failed).
+  // Says which rank failed and how, then what fault tolerance survived; the launcher's exit
+  // code (0: none failed).
   int blame() const {
+    const int rc = blame_rank();
     if (failures_ > 0) {
       std::cerr << o_.command << ": fault tolerance: " << failures_ << " rank failure" << (failures_ == 1 ? "" : "s") << ", " << restarts_used_
                 << " replica group restart" << (restarts_used_ == 1 ? "" : "s") << " (--max-restarts " << o_.max_restarts << "); the live replica groups went as low as "
                 << min_live_ << " of " << o_.ft_groups << "\n";
     }
+    return rc;
+  }
+
+  int blame_rank() const {
     if (failed_rank_ < 0) return 0;
     if (blame_from_flight_recorder()) return 1;
     if (blame_priority_ == 0 && !named_by_ranks_ && !mismatch_.empty()) {
@@ -320,7 +328,13 @@ class Supervisor {
 
   void reap(std::size_t r) {
     auto& c = children_[r];
-    if (!c.running || waitpid(c.pid, &c.status, WNOHANG) != c.pid) return;
+    // Under fault tolerance a stopped rank is seen too (WUNTRACED): it is hung, and may have no
+    // live peer left to say so.
+    if (!c.running || waitpid(c.pid, &c.status, WNOHANG | (fault_tolerant() ? WUNTRACED : 0)) != c.pid) return;
+    if (WIFSTOPPED(c.status)) {
+      stopped_at_[r] = std::chrono::steady_clock::now();
+      return;
+    }
     c.running = false;
     --running_;
     const bool ok = WIFEXITED(c.status) && WEXITSTATUS(c.status) == 0;
@@ -328,12 +342,27 @@ class Supervisor {
       stopped_by_us_[r] = false;
       return;
     }
-    if (!ok && failed_rank_ < 0 && fault_tolerant() && g_signal == 0 && lose_group(r)) return;
+    if (!ok && failed_rank_ < 0 && fault_tolerant() && g_signal == 0 && !job_stopped_by_ranks() && lose_group(r)) return;
     if (!ok && failed_rank_ < 0) consider_blaming(rank_of(r), c.status);
   }
 
   // ---- fault tolerance (LaunchOptions::ft_groups) ----
   bool fault_tolerant() const { return o_.ft_groups > 0 && o_.nnodes == 1; }
+  // Whether a rank's vote stopped the job (replica_groups.h's kStopKey): then a rank's exit is
+  // the job's end, not a group to restart.
+  bool job_stopped_by_ranks() {
+    try {
+      return store().add(ft::kStopKey, 0) > 0;
+    } catch (const std::exception&) {
+      return false;
+    }
+  }
+  static bool still_stopped(pid_t pid) {  // /proc/PID/stat's state: T (stopped) or t (traced)
+    std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+    std::string all((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
+    const auto close = all.rfind(')');
+    return close != std::string::npos && close + 2 < all.size() && (all[close + 2] == 'T' || all[close + 2] == 't');
+  }
   comm::TcpStore& store() {
     if (!ft_store_) ft_store_ = std::make_unique<comm::TcpStore>(store_.addr, store_.port, store_.token, 10);
     return *ft_store_;
@@ -369,8 +398,6 @@ class Supervisor {
         publish();
       }
       min_live_ = std::min(min_live_, live_.size());
-      std::cout << o_.command << ": rank " << rank_of(r) << " " << how(children_[r].status) << ": " << ft::group_text(g, G) << " is lost; " << live_.size()
-                << " of " << o_.ft_groups << " replica groups train on" << std::endl;
       if (static_cast<int>(live_.size()) < o_.ft_min_replicas) {
         std::vector<int> lost;
         for (int x = 0; x < o_.ft_groups; ++x) {
@@ -380,16 +407,21 @@ class Supervisor {
         for (int x : lost) names += (names.empty() ? "" : ", ") + ft::group_text(x, G);
         failed_rank_ = rank_of(r);
         failure_ = how(children_[r].status) + ", and only " + std::to_string(live_.size()) + " of " + std::to_string(o_.ft_groups) +
-                   " replica groups are left, fewer than fault_tolerance.min_replica_size = " + std::to_string(o_.ft_min_replicas) + " (lost: " + names + ")";
+                   " replica groups are left, fewer than fault_tolerance.min_replica_size = " + std::to_string(o_.ft_min_replicas) + " (lost: " + names +
+                   "); the job stops: run it again to resume from its newest checkpoint (checkpoint.enable = true)" +
+                   (live_.empty() ? std::string() : ", or allow fewer live groups (fault_tolerance.min_replica_size)");
         stop_all(SIGTERM);
         kill_deadline_ = std::chrono::steady_clock::now() + std::chrono::seconds(5);
         return true;
       }
+      std::cout << o_.command << ": rank " << rank_of(r) << " " << how(children_[r].status) << ": " << ft::group_text(g, G) << " is lost; " << live_.size()
+                << " of " << o_.ft_groups << " replica groups train on" << std::endl;
       if (restarts_used_ < o_.max_restarts) {
         ++restarts_used_;
         restart_.push_back(g);  // once its ranks are all reaped
       } else {
         std::cout << o_.command << ": no restarts left (--max-restarts " << o_.max_restarts << "): " << ft::group_text(g, G) << " stays lost" << std::endl;
+        store().add(ft::kLostForGoodKey, 1);
       }
       return true;
     } catch (const std::exception& e) {
@@ -451,6 +483,18 @@ class Supervisor {
         std::cout << o_.command << ": " << ft::group_text(ga.group, G) << " (restart " << ga.attempt
                   << ") is ready: the live groups give it their state after their current step" << std::endl;
         it = pending_.erase(it);
+      }
+      for (std::size_t q = 0; q < children_.size(); ++q) {  // stopped longer than 2 x the timeout: hung
+        if (!stopped_at_[q] || !children_[q].running) continue;
+        if (!still_stopped(children_[q].pid)) {
+          stopped_at_[q].reset();
+          continue;
+        }
+        if (std::chrono::duration<double>(std::chrono::steady_clock::now() - *stopped_at_[q]).count() < 2 * o_.ft_timeout_seconds) continue;
+        stopped_at_[q].reset();
+        if (!suspects_killed_.insert(children_[q].pid).second) continue;
+        std::cout << o_.command << ": rank " << rank_of(q) << " was stopped (SIGSTOP) for 2 x fault_tolerance.process_group_timeout_ms: killing it" << std::endl;
+        kill(children_[q].pid, SIGKILL);
       }
       if (const std::int64_t n = store().add(ft::kSuspectCountKey, 0); n > suspects_seen_) {
         suspects_seen_ = n;
@@ -557,6 +601,7 @@ class Supervisor {
   // started again or to be ready, and the counts for the summary.
   std::vector<std::string> argv_;
   std::vector<bool> stopped_by_us_;
+  std::vector<std::optional<std::chrono::steady_clock::time_point>> stopped_at_ = std::vector<std::optional<std::chrono::steady_clock::time_point>>(children_.size());
   std::vector<int> attempt_;
   std::vector<ft::GroupAttempt> live_;
   std::int64_t epoch_ = 0;

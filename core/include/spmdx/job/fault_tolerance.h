@@ -63,7 +63,6 @@ struct FtProgress {
   std::uint64_t samples = 0;         ///< the data position (data::TextDatasetState)
   double loss_scale = 0;             ///< float16's GradScaler scale (0: none)
   std::int64_t growth_tracker = 0;
-  bool checkpoint_waits = false;     ///< a checkpoint put off while a group was away: due at the next step
 };
 
 /// The ranks that train together, and what the joining groups among them are given.
@@ -185,6 +184,8 @@ class FaultTolerance {
   /// SPMDX_FAULT's hold: waits until the launcher's membership has every group again (at most
   /// `max_seconds`; then throws std::runtime_error).
   void hold_until_all_live(double max_seconds);
+  /// Tells the launcher and the waiting restarted ranks that the job stops (launch/replica_groups.h's kStopKey).
+  void stop_job(const std::string& why);
   /// Acts out a process fault, once a job (the store counts them): hold here, the others by fire().
   void act(const ProcessFault& fault);
 

@@ -111,12 +111,15 @@ struct StepLoop {
   const exec::PipelineStages* pipeline_stages = nullptr;  // which stage holds each state tensor
   // [fault_tolerance]: this rank's side (null: off); the lead's role (metrics.jsonl, the step
   // lines) moves to the lowest live rank, on_lead_change(true, first step) opening its metrics
-  // and (false, _) closing them; a checkpoint due while a group is away waits for it.
+  // and (false, _) closing them; a checkpoint due while a group is away is written whole by
+  // the live groups.
   FaultTolerance* ft = nullptr;
   std::vector<ProcessFault> process_faults{};  // SPMDX_FAULT's kill, stop, slow, hold at start and commit (each fires once a job)
   std::function<void(bool, std::int64_t)> on_lead_change{};
-  bool checkpoint_waits = false;
   std::int64_t ft_next_config = 0;  // the configuration the last vote opened
+  // The lead's line when the live groups changed: "from step N, k of R replica groups train".
+  void say_configuration();
+  std::int64_t drops = 0;           // times the step now running was dropped (metrics.jsonl's `dropped`)
   std::int64_t replicas_said = -1;  // the live groups last said on a line
 
   // Fault tolerance: moves to configuration `id` (after step `after_step`): leaves the backend,
@@ -124,9 +127,6 @@ struct StepLoop {
   // through; a move that failed goes on to the next configuration. A restarted rank starts here
   // (after_step: where the live groups are).
   void reconfigure(std::int64_t id, std::int64_t after_step);
-  // After `step` commits: {a checkpoint is saved now, one waits after it} (under fault
-  // tolerance, a checkpoint due while a group is away waits for the next step with every group).
-  std::pair<bool, bool> checkpoint_after(std::int64_t step) const;
   // A restarted rank, joined to the configuration that took it in: receives the state and where
   // training stands, and returns the step it trains first.
   std::int64_t join_restarted();

@@ -80,6 +80,9 @@ struct LaunchOptions {
   int ft_groups = 0;
   int ft_ranks_per_group = 1;
   int ft_min_replicas = 1;
+  /// fault_tolerance.process_group_timeout_ms in seconds: a rank stopped (SIGSTOP) longer than
+  /// twice this is killed as hung, even with no live peer to notice it.
+  double ft_timeout_seconds = 10;
   /// --max-restarts (torchrun's flag): how many times lost replica groups are started again,
   /// over the whole job.
   int max_restarts = 0;

@@ -30,6 +30,12 @@ inline constexpr const char* kStartedKey = "spmdx/ft/started";
 inline constexpr const char* kSuspectCountKey = "spmdx/ft/suspects";
 inline constexpr const char* kSuspectKey = "spmdx/ft/suspect";
 inline constexpr const char* kFinishedKey = "spmdx/ft/finished";
+/// Set (a count) with kStopWhyKey when a rank's vote decides the job stops (too few groups, or
+/// none left that holds the state): the launcher then stops it, as a job without fault tolerance.
+inline constexpr const char* kStopKey = "spmdx/ft/stop";
+inline constexpr const char* kStopWhyKey = "spmdx/ft/stop_why";
+/// Counts the groups lost with no restart left: they will not be back (a hold stops waiting).
+inline constexpr const char* kLostForGoodKey = "spmdx/ft/lost_for_good";
 /// The environment variable the launcher sets on a restarted group's ranks: its attempt (>= 1).
 inline constexpr const char* kRestartEnv = "SPMDX_FT_RESTART";
 

@@ -108,7 +108,7 @@ void Health::check_stall(Op& op, Stall& s, int silent) {
     }
   }
   if (now > s.deadline) {
-    const std::string what = op_name(op) + " timed out after " + std::to_string(timeout_) + " s";
+    const std::string what = op_name(op) + " timed out after " + seconds_text(timeout_) + " s";
     if (const int blamed = reported_fault(); blamed >= 0) {
       throw CommError(what + ": rank " + std::to_string(blamed) + " failed (reported by a peer)", blamed);
     }
