@@ -444,7 +444,7 @@ FtDecision FaultTolerance::vote(const std::string& key, bool join, bool last, co
         store_.set(ft::kSuspectKey, list);
         store_.add(ft::kSuspectCountKey, 1);
         SPMDX_WARN(rank_list(silent) << " did not vote on '" << key << "' within " << seconds_text(waited)
-                                     << " s (2 x fault_tolerance.process_group_timeout_ms): asking the launcher to stop them");
+                                     << " s (2 x fault_tolerance.process_group_timeout_ms): asking the launcher to stop " << (silent.size() == 1 ? "it" : "them"));
       }
       suspected = true;
     }
