@@ -30,6 +30,8 @@ constexpr std::int64_t kClosed = std::int64_t{1} << 32;
 constexpr const char* kCommittedKey = "spmdx/ft/committed";  // the newest step committed (SPMDX_FAULT hold at=restart reads it)
 
 std::string config_key(std::int64_t id) { return "spmdx/ft/config/" + std::to_string(id); }
+// Counts SPMDX_FAULT's fault `id` acted out: once a job (act, unfired_faults).
+std::string fired_key(int id) { return "spmdx/ft/fired/" + std::to_string(id); }
 
 double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
@@ -238,6 +240,9 @@ FaultTolerance::FaultTolerance(const JobSpec& spec, const launch::RankEnv& env, 
   ranks_per_group_ = static_cast<int>(f.ranks_per_group);
   group_ = env.rank / ranks_per_group_;
   timeout_ = f.timeout_seconds;
+  // Only SPMDX_FAULT's hold at=restart reads the newest committed step: no store round trips a
+  // step otherwise (every rank has the same faults: restarted ones inherit SPMDX_FAULT).
+  publish_committed_ = std::any_of(faults_.begin(), faults_.end(), [](const ProcessFault& p) { return p.kind == "hold" && p.at == "restart"; });
   if (const char* a = std::getenv(ft::kRestartEnv); a != nullptr && *a != '\0') attempt_ = std::atoi(a);
   if (env.source != "spmdx" || !env.store_hosted) {
     throw std::invalid_argument("fault_tolerance.enable = true needs spmdx run's launcher (spmdx run --nproc N, with --max-restarts for restarts): it "
@@ -467,7 +472,7 @@ FtDecision FaultTolerance::decide(const std::string& key, bool join, std::int64_
   for (const auto& g : config_.groups) {
     if (std::find(m.groups.begin(), m.groups.end(), g) == m.groups.end()) lost.push_back(g.group);
   }
-  if (d.commit && !join) {  // the newest step committed (a counter: add the difference)
+  if (d.commit && !join && publish_committed_) {  // the newest step committed (a counter: add the difference)
     const std::int64_t step = committed.next_step - 1;
     store_.add(kCommittedKey, step - store_.add(kCommittedKey, 0));
   }
@@ -531,7 +536,7 @@ void FaultTolerance::hold_until_all_live(double max_seconds) {
 
 void FaultTolerance::act(const ProcessFault& fault) {
   // Once a job: a restarted rank, which inherits SPMDX_FAULT, may reach the same step again.
-  if (store_.add("spmdx/ft/fired/" + std::to_string(fault.id), 1) != 1) return;
+  if (store_.add(fired_key(fault.id), 1) != 1) return;
   if (fault.kind != "hold") return fire(fault);
   if (fault.at == "restart") {
     std::fprintf(stderr, "SPMDX_FAULT: rank %d, restarted, holds until the live groups have committed step %lld\n", fault.rank,
@@ -568,7 +573,7 @@ void FaultTolerance::stop_job(const std::string& why) {
 std::string FaultTolerance::unfired_faults() {
   std::string out;
   for (const auto& f : faults_) {
-    if (store_.add("spmdx/ft/fired/" + std::to_string(f.id), 0) != 0) continue;
+    if (store_.add(fired_key(f.id), 0) != 0) continue;
     const std::string where = f.at == "collective" ? "backend call " + std::to_string(f.index) + " of step " + std::to_string(f.step)
                               : f.at == "recovery"  ? "tensor " + std::to_string(f.index) + " of a state transfer after step " + std::to_string(f.step)
                               : f.at == "restart"   ? std::string("a restart of its group")

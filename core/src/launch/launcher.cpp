@@ -14,8 +14,8 @@
 #include <cstring>
 #include <fstream>
 #include <iostream>
-#include <map>
 #include <iterator>
+#include <map>
 #include <memory>
 #include <optional>
 #include <random>

@@ -214,6 +214,7 @@ class FaultTolerance {
   Store& store_;
   PluginRegistry& registry_;
   std::vector<ProcessFault> faults_;
+  bool publish_committed_ = false;  // a hold at=restart waits on the newest committed step
   int groups_ = 1, ranks_per_group_ = 1, group_ = 0, attempt_ = 0;
   double timeout_ = 10;
   FtConfig config_;
