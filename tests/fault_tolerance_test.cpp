@@ -270,7 +270,8 @@ TEST(FaultTolerance, NoGroupLeftWithTheStateStopsTheJob) {
 TEST(FaultTolerance, AStoppedRankWithNoLivePeerIsFoundByTheLauncher) {
   Job job;
   job.groups = 2, job.steps = 20;
-  job.fault = "kill:rank=1,step=3;slow:rank=1,at=restart,seconds=30;stop:rank=0,step=8";
+  // Rank 1, restarted, asks to join only after step 20, which never comes: group 1 stays away.
+  job.fault = "kill:rank=1,step=3;hold:rank=1,step=20,at=restart;stop:rank=0,step=8";
   job.extra = "--max-restarts 1 --fault_tolerance.process_group_timeout_ms 1000";
   const auto r = job.run();
   EXPECT_EQ(r.exit_code, 1) << r.output;
