@@ -521,8 +521,15 @@ bool upcast_half_gemm(const at::Tensor& x) { return x.is_cpu() && is_half(x.scal
 
 at::Tensor cpu_half_aware_matmul(const at::Tensor& a, const at::Tensor& b) {
   if (upcast_half_gemm(a)) return at::matmul(a.to(at::kFloat), b.to(at::kFloat)).to(a.scalar_type());
+  // oneDNN's bf16/fp16 GEMM of a transposed a (a weight's gradient, g^T x) runs at 0.6x the
+  // rate of the same product with a laid out row-major, and the copy costs a few percent of the
+  // product (Intel Xeon with AMX-BF16, one thread, [5632, 512] x [512, 2048]: 20.0 ms strided,
+  // 13.6 ms with the copy; float32 on MKL gains nothing, so only half dtypes copy).
+  if (strided_half_operand(a)) return at::matmul(a.contiguous(), b);
   return at::matmul(a, b);
 }
+
+bool strided_half_operand(const at::Tensor& a) { return a.is_cpu() && is_half(a.scalar_type()) && a.dim() == 2 && !a.is_contiguous(); }
 
 at::Tensor cpu_linear(const at::Tensor& x, const at::Tensor& w) {
   if (upcast_half_gemm(x)) return cpu_linear(x.to(at::kFloat), w.to(at::kFloat)).to(x.scalar_type());

@@ -176,7 +176,7 @@ SPMDX_OP([] {
 // to 50 times slower than float32 without them, 1.2 of 1.4 s of a debugmodel bf16 step on an
 // AVX2 machine). Both accumulate in float32 and round once, as PyTorch's kernel.
 SPMDX_KERNEL("matmul", [](const Node&, const Tensors& x) {
-  if (exec::upcast_half_gemm(x[0])) return one(exec::cpu_half_aware_matmul(x[0], x[1]));
+  if (exec::upcast_half_gemm(x[0]) || exec::strided_half_operand(x[0])) return one(exec::cpu_half_aware_matmul(x[0], x[1]));
   // x [..., k] times a whole weight w [k, n] (the linear's input gradient) is x (w^T)^T.
   if (x[1].dim() == 2 && x[1].is_contiguous() && x[0].dim() >= 2) return one(exec::cpu_linear(x[0], x[1].t()));
   return one(at::matmul(x[0], x[1]));

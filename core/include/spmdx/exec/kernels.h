@@ -156,8 +156,12 @@ void set_half_gemm(std::optional<HalfGemm> forced);
 /// What the CPU has, for logs: "bfloat16 GEMMs native (AVX512-BF16)", or "... upcast to float32 (no AVX512-BF16 or AMX-BF16)".
 std::string half_gemm_summary(at::ScalarType dtype);
 /// a @ b as torch.matmul, where a and b are bfloat16/float16 CPU tensors and half_gemm says
-/// upcast: matmul of the float32 copies, rounded back to a's dtype. Else at::matmul.
+/// upcast: matmul of the float32 copies, rounded back to a's dtype. A native half a that is a
+/// strided 2-D view (strided_half_operand) is copied row-major first. Else at::matmul.
 at::Tensor cpu_half_aware_matmul(const at::Tensor& a, const at::Tensor& b);
+/// Whether a is a bfloat16/float16 2-D CPU view that is not row-major (a weight's gradient
+/// g^T x reads g transposed), which cpu_half_aware_matmul copies before ATen's half GEMM.
+bool strided_half_operand(const at::Tensor& a);
 /// Whether x is a bfloat16/float16 CPU tensor whose GEMMs run upcast (half_gemm).
 bool upcast_half_gemm(const at::Tensor& x);
 
