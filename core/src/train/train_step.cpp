@@ -173,10 +173,11 @@ void append_train_step(ir::Graph& g, const std::vector<std::string>& params, con
     for (Value*& gr : grads) gr = g.add("mul", {gr, inv});
   }
 
-  // Global L2 norm of all gradients, then the clip coefficient.
+  // Global L2 norm of all gradients (the root of the sum of their squared norms, as
+  // clip_grad_norm_'s norm of the per-gradient norms), then the clip coefficient.
   Value* sq = nullptr;
   for (Value* gr : grads) {
-    Value* s = g.add("sum", {g.add("mul", {gr, gr})});
+    Value* s = g.add("squared_norm", {gr});
     sq = sq == nullptr ? s : g.add("add", {sq, s});
   }
   Value* norm = g.add("sqrt", {sq});
