@@ -194,17 +194,22 @@ TEST(DeviceKernels, HalfLinearsMatchPyTorchsHalfKernelOnEitherPath) {
     g.add_output("y", g.add("linear", {x, w}));
     g.add_output("gx", g.add("matmul", {go, w}));
     g.add_output("gw", g.add("linear_weight_grad", {go, x}));
+    // The weight gradient as the autodiff of a matmul writes it: g^T x, g^T a transposed view.
+    ir::Value* go_rows = g.add("reshape", {go}, {{"shape", std::vector<std::int64_t>{120, 72}}});
+    ir::Value* x_rows = g.add("reshape", {x}, {{"shape", std::vector<std::int64_t>{120, 96}}});
+    g.add_output("gw_view", g.add("matmul", {g.add("transpose", {go_rows}, {{"dim0", std::int64_t{0}}, {"dim1", std::int64_t{1}}}), x_rows}));
     const at::Tensor xs = at::randn({3, 40, 96}).to(dtype), ws = (at::randn({72, 96}) * 0.1).to(dtype), gos = at::randn({3, 40, 72}).to(dtype);
     const at::Tensor xr = xs.clone().set_requires_grad(true), wr = ws.clone().set_requires_grad(true);
     const at::Tensor yr = at::linear(xr, wr);
     yr.backward(gos);
-    const TensorMap want{{"y", yr.detach()}, {"gx", xr.grad()}, {"gw", wr.grad()}};
+    const TensorMap want{{"y", yr.detach()}, {"gx", xr.grad()}, {"gw", wr.grad()}, {"gw_view", wr.grad()}};
     // Per element: one rounding of the half dtype (2^-8 relative for bfloat16's 8 significant
     // bits, 2^-11 for float16's; twice that, each side rounding once) plus float32 sums in
     // another order (2^-20 of the sum of the terms' magnitudes).
     const double half_eps = dtype == at::kBFloat16 ? std::ldexp(1.0, -8) : std::ldexp(1.0, -11);
     const at::Tensor x64 = xs.to(at::kDouble).abs(), w64 = ws.to(at::kDouble).abs(), g64 = gos.to(at::kDouble).abs();
-    const TensorMap magnitude{{"y", at::linear(x64, w64)}, {"gx", at::matmul(g64, w64)}, {"gw", at::mm(g64.reshape({-1, 72}).t(), x64.reshape({-1, 96}))}};
+    const TensorMap magnitude{{"y", at::linear(x64, w64)}, {"gx", at::matmul(g64, w64)}, {"gw", at::mm(g64.reshape({-1, 72}).t(), x64.reshape({-1, 96}))},
+                                {"gw_view", at::mm(g64.reshape({-1, 72}).t(), x64.reshape({-1, 96}))}};
     for (const HalfGemm path : {HalfGemm::native, HalfGemm::upcast}) {
       set_half_gemm(path);
       const std::string how = std::string(dtype == at::kBFloat16 ? "bfloat16" : "float16") + (path == HalfGemm::native ? " native" : " upcast");
@@ -226,6 +231,29 @@ TEST(DeviceKernels, HalfLinearsMatchPyTorchsHalfKernelOnEitherPath) {
   }
   // Where the CPU has the instructions, the native path is its choice; else the upcast one.
   EXPECT_THAT(half_gemm_summary(at::kBFloat16), ::testing::AnyOf(HasSubstr("native (A"), HasSubstr("upcast to float32 (no AVX512-BF16 or AMX-BF16)")));
+}
+
+// The gradient norm's squared_norm: the sum of squares of 3,000,001 float32 elements (rows of
+// 4096 and a rest) within float32 rounding of the float64 sum, as at::sum(x * x) is, where
+// the whole tensor's float32 vector_norm squared is 1e-3 off; and the sum of a split tensor's
+// parts' squared norms (a sharded gradient's Partial) gives the whole's.
+TEST(DeviceKernels, SquaredNormIsTheSumOfSquaresWithinFloat32Rounding) {
+  at::manual_seed(9);
+  const std::int64_t n = 3000001;
+  const at::Tensor xs = at::randn({n});
+  ir::Graph g;
+  ir::Value* x = g.add_input("x", ir::TensorMeta{{n}, ir::DType::f32, "cpu", false});
+  g.add_output("whole", g.add("squared_norm", {x}));
+  g.add_output("head", g.add("squared_norm", {g.add("chunk", {x}, {{"dim", std::int64_t{0}}, {"sizes", std::vector<std::int64_t>{1000000, 2000001}}, {"index", std::int64_t{0}}})}));
+  g.add_output("tail", g.add("squared_norm", {g.add("chunk", {x}, {{"dim", std::int64_t{0}}, {"sizes", std::vector<std::int64_t>{1000000, 2000001}}, {"index", std::int64_t{1}}})}));
+  Executor ex(g);
+  const TensorMap got = ex.run({{"x", xs}});
+  const double want = xs.to(at::kDouble).square().sum().item<double>();
+  EXPECT_EQ(got.at("whole").scalar_type(), at::kFloat);
+  EXPECT_EQ(got.at("whole").dim(), 0);
+  EXPECT_NEAR(got.at("whole").item<double>(), want, 2e-7 * want);
+  EXPECT_NEAR(got.at("head").item<double>() + got.at("tail").item<double>(), want, 2e-7 * want);
+  EXPECT_GT(std::abs(std::pow(at::linalg_vector_norm(xs, 2).item<double>(), 2) - want), 2e-7 * want) << "the naive whole-tensor norm is exact here: the test would not catch it";
 }
 
 // The cost model's matmul rate is the kernels' own: a calibration names the linears' library,
