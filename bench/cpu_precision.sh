@@ -5,7 +5,8 @@
 # torch.compile (inductor) in float32 (bench/peers/torch_llama.py cpu, cpu_bf16, cpu_compile: the
 # same model, optimizer, clipping and loss). Two models: FLAVOR (default debugmodel, batch 4 x seq
 # 128, STEPS steps) and a GEMM-heavy one, HEAVY_FLAVOR (default large: dim 2048, 8 layers, FFN
-# 5632; HEAVY_BATCH 1 x HEAVY_SEQ 512, HEAVY_STEPS steps, default 4: a step takes seconds); set
+# 5632; HEAVY_BATCH 1 x HEAVY_SEQ 512, HEAVY_STEPS steps, default 6: a step takes seconds, and the
+# median of steps 3-6 is the steady step, past the first steps' page faults and kernel set-up); set
 # either to none to skip it. Each process gets one intra-op thread (OMP_NUM_THREADS=1, THREADS=1)
 # and is pinned with taskset to CPU PIN_CPU (default 1; unpinned, and said so, when taskset is
 # missing or this process may use one CPU only). The five runs go in turn ROUNDS times (default
@@ -32,7 +33,7 @@ flavor="${FLAVOR:-debugmodel}"
 heavy_flavor="${HEAVY_FLAVOR:-large}"
 heavy_batch="${HEAVY_BATCH:-1}"
 heavy_seq="${HEAVY_SEQ:-512}"
-heavy_steps="${HEAVY_STEPS:-4}"
+heavy_steps="${HEAVY_STEPS:-6}"
 pin_cpu="${PIN_CPU:-1}"
 multi="${MULTI:-0}"
 n="${NPROC:-4}"
