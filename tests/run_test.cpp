@@ -1364,5 +1364,74 @@ TEST(BenchComm, EveryOpSweepsSizesAndChecksEveryResult) {
                                              "backend, e.g. \"ucx:shm=off\""));
 }
 
+// Unlike ranks on one machine (issue 49): --cpu-affinity pins each local rank to its CPU list
+// (taskset's form) and gives it its share of them as intra-op threads; lists that do not fit
+// are refused before any rank starts. The CPUs are this process's own first and last.
+TEST(Launcher, CpuAffinityPinsEachRankToItsCpus) {
+  EXPECT_EQ(launch::parse_cpu_list("3,0-1,1"), (std::vector<int>{0, 1, 3}));
+  for (const std::string bad : {"", "a", "1-", "3-1", "1,,2", "-2"}) EXPECT_THROW(launch::parse_cpu_list(bad), std::invalid_argument) << bad;
+  EXPECT_EQ(launch::cpu_shares({"0", "1", "1"}), (std::vector<double>{1, 0.5, 0.5}));
+  EXPECT_EQ(launch::cpu_shares({"0-3", "2-5"}), (std::vector<double>{3, 3}));
+  cpu_set_t own;
+  ASSERT_EQ(sched_getaffinity(0, sizeof own, &own), 0);
+  int first = -1, last = -1;
+  for (int c = 0; c < CPU_SETSIZE; ++c) {
+    if (CPU_ISSET(c, &own)) last = c, first = first < 0 ? c : first;
+  }
+  const std::string a = std::to_string(first), b = std::to_string(last);
+  EXPECT_EQ(launch::cpu_affinity_lists(b + ";" + a, 2), (std::vector<std::string>{b, a}));
+  EXPECT_THROW(launch::cpu_affinity_lists(a, 2), std::invalid_argument);
+  EXPECT_THROW(launch::cpu_affinity_lists(a + ";" + std::to_string(CPU_SETSIZE - 1), 2), std::invalid_argument);
+
+  test::TempDir dir;
+  const std::string data = corpus_file(dir);
+  const std::string run = "'" SPMDX_EXE "' run '" SPMDX_SOURCE_DIR "/configs/llama_debug.toml' --nproc 2 --training.steps 2 --data.paths '" + data +
+                          "' --training.seq_len 16 --parallelism.data_parallel_shard_degree 2 --parallelism.tensor_parallel_degree 1 --job.dump_folder '" +
+                          dir.path().string() + "' --cpu-affinity ";
+  auto r = test::run_command(run + "'" + b + ";" + a + "' 2>&1");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  // The set each rank reads back from the kernel after pinning itself.
+  EXPECT_THAT(r.output, HasSubstr("[rank 0] CPUs " + b + " (--cpu-affinity), 1 intra-op thread\n"));
+  EXPECT_THAT(r.output, HasSubstr("[rank 1] CPUs " + a + " (--cpu-affinity), 1 intra-op thread\n"));
+  for (const auto& [flags, says] : std::vector<std::pair<std::string, std::string>>{
+           {"'" + a + "'", "--cpu-affinity '" + a + "' gives 1 CPU lists for 2 ranks (--nproc)"},
+           {"'" + a + ";x'", "--cpu-affinity, local rank 1: CPU list 'x': 'x' is not a CPU number"},
+           {"'" + a + ";" + std::to_string(CPU_SETSIZE - 1) + "'", "--cpu-affinity, local rank 1: CPU " + std::to_string(CPU_SETSIZE - 1) + " is not among the"}}) {
+    r = test::run_command(run + flags + " 2>&1");
+    EXPECT_EQ(r.exit_code, 2) << r.output;
+    EXPECT_THAT(r.output, HasSubstr(says));
+    EXPECT_THAT(r.output, Not(HasSubstr("[rank")));  // before any rank starts
+  }
+}
+
+// SPMDX_FAULT's slow:rank=R,factor=F: that rank's compute ops each take F times as long (a
+// slower device on a uniform machine); what it computes is unchanged, so the losses equal an
+// unslowed run's bit for bit. Its form is checked before any rank starts.
+TEST(Run, ASlowFactorSlowsOneRankWithoutChangingItsNumbers) {
+  test::TempDir dir;
+  const std::string data = corpus_file(dir);
+  auto run = [&](const std::string& fault, const std::string& name) {
+    return test::run_command((fault.empty() ? "" : "SPMDX_FAULT='" + fault + "' ") + "'" SPMDX_EXE "' run '" SPMDX_SOURCE_DIR
+                             "/configs/llama_debug.toml' --nproc 3 --training.steps 3 --data.paths '" + data +
+                             "' --training.seq_len 16 --parallelism.data_parallel_replicate_degree 3 --parallelism.data_parallel_shard_degree 1 "
+                             "--parallelism.tensor_parallel_degree 1 --job.dump_folder '" + (dir / name).string() + "' 2>&1");
+  };
+  auto even = run("", "even");
+  ASSERT_EQ(even.exit_code, 0) << even.output;
+  auto slowed = run("slow:rank=2,factor=3", "slowed");
+  ASSERT_EQ(slowed.exit_code, 0) << slowed.output;
+  EXPECT_THAT(slowed.output, HasSubstr("[rank 2] SPMDX_FAULT: rank 2 runs every compute op 3 times as long from step 1\n"));
+  EXPECT_EQ(losses((dir / "slowed" / "metrics.jsonl").string()), losses((dir / "even" / "metrics.jsonl").string()));
+  for (const auto& [fault, says] : std::vector<std::pair<std::string, std::string>>{
+           {"slow:rank=1,factor=1", "factor must be more than 1 and at most 100"},
+           {"slow:rank=1,factor=2,seconds=3", "slow with factor=F takes rank=R and step=S only"},
+           {"slow:rank=1,factor=2;slow:rank=1,factor=3,step=2", "rank 1 is given two slow factors"},
+           {"slow:rank=7,factor=2", "never happens in this job"}}) {
+    const auto r = run(fault, "bad");
+    EXPECT_NE(r.exit_code, 0) << fault;
+    EXPECT_THAT(r.output, HasSubstr(says)) << fault;
+  }
+}
+
 }  // namespace
 }  // namespace spmdx

@@ -45,6 +45,7 @@ struct RunOptions {
   std::string master_addr;
   int master_port = 0;
   int max_restarts = 0;
+  std::string cpu_affinity;  ///< --cpu-affinity: one CPU list a local rank, ';' separated
   bool print_config = false;
   std::vector<std::string> overrides;
 };
@@ -84,6 +85,17 @@ std::vector<std::string> run_problems(const spmdx::config::Config& cfg, std::int
 
 int run_run(const RunOptions& o) {
   const bool launched = std::getenv("SPMDX_STORE_HOSTED") != nullptr;
+  // --cpu-affinity's lists, checked before anything is read: a usage error (exit 2).
+  std::vector<std::string> cpu_affinity;
+  if (!o.cpu_affinity.empty() && !launched) {
+    try {
+      if (o.nproc < 1) throw std::invalid_argument("--cpu-affinity pins the ranks spmdx run starts: give --nproc N (under torchrun, srun or mpirun, pin with their own binding)");
+      cpu_affinity = spmdx::launch::cpu_affinity_lists(o.cpu_affinity, o.nproc);
+    } catch (const std::invalid_argument& e) {
+      std::cerr << "error: " << e.what() << "\n";
+      return 2;
+    }
+  }
   // A rank the launcher started: the launcher has checked everything already.
   spmdx::config::Config cfg = spmdx::config::Config::load(o.config, o.overrides, /*throw_on_problems=*/launched);
   if (o.print_config) {
@@ -121,6 +133,7 @@ int run_run(const RunOptions& o) {
                  "resume it from its checkpoint (checkpoint.enable = true)"});
     }
     lo.max_restarts = o.max_restarts;
+    lo.cpu_affinity = cpu_affinity;
     const auto& enabled = cfg.get_list("hooks.enable");
     if (std::find(enabled.begin(), enabled.end(), "flight_recorder") != enabled.end()) {
       lo.flight_recorder_dir = (std::filesystem::path(cfg.get_string("job.dump_folder")) / "hooks" / "flight_recorder").string();
@@ -176,6 +189,9 @@ class Run final : public Command {
     run_cmd->add_option("--max-restarts", o_.max_restarts,
                         "Fault tolerance: start lost replica groups again, at most this many times over the job (torchrun's flag)")
         ->check(CLI::Range(0, 1000000));
+    run_cmd->add_option("--cpu-affinity", o_.cpu_affinity,
+                        "Pin local rank r to the r-th of these ';'-separated CPU lists (taskset's form), e.g. \"0;1;1\": "
+                        "unlike ranks on one machine; each rank's intra-op threads are its share of its CPUs");
     run_cmd->add_flag("--print-config", o_.print_config, "Print the effective config and exit");
     run_cmd->footer(kOverridesHelp);
     return run_cmd;

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <exception>
 #include <chrono>
+#include <thread>
 #include <functional>
 #include <stdexcept>
 #include <unordered_map>
@@ -524,7 +525,7 @@ TensorMap DistributedExecutor::run(const TensorMap& inputs, std::int64_t step) {
     if (kernels_[index] != nullptr) {
       std::vector<at::Tensor> args;
       for (const ir::Value* v : n.inputs()) args.push_back(s.value(v));
-      const double t0 = spans_on() ? wall_seconds() : 0;
+      const double t0 = spans_on() || compute_slowdown_ > 1 ? wall_seconds() : 0;
       std::vector<at::Tensor> out;
       if (in_place_[index] != nullptr && writable(n, args, memory_.in_place[index])) {
         out = (*in_place_[index])(n, args, memory_.in_place[index]);
@@ -532,6 +533,7 @@ TensorMap DistributedExecutor::run(const TensorMap& inputs, std::int64_t step) {
         if (in_place_[index] != nullptr) ++stats_.in_place_fallbacks;
         out = (*kernels_[index])(n, args);
       }
+      if (compute_slowdown_ > 1) std::this_thread::sleep_for(std::chrono::duration<double>((compute_slowdown_ - 1) * (wall_seconds() - t0)));
       if (spans_on()) spans_.push_back({n.op(), "compute", t0, wall_seconds(), 0});
       for (std::size_t i = 0; i < out.size(); ++i) s.keep(n.outputs()[i], std::move(out[i]));
     } else if (is_point_to_point(n.op())) {

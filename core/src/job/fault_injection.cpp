@@ -19,7 +19,8 @@ namespace {
 
 constexpr const char* kForms =
     "skip_collective:rank=R,step=S,index=I, perturb:rank=R,step=S,tensor=NAME[,delta=D], or kill|stop|slow|hold:rank=R,step=S[,at=start|collective|commit|recovery]"
-    "[,index=I][,seconds=X], slow:rank=R,at=restart[,seconds=X] or hold:rank=R,step=S,at=restart; several separated by ';'";
+    "[,index=I][,seconds=X], slow:rank=R,factor=F[,step=S] (every compute op F times as long from step S), slow:rank=R,at=restart[,seconds=X] "
+    "or hold:rank=R,step=S,at=restart; several separated by ';'";
 
 // One fault of the list: its kind and its key=value pairs, checked for form.
 struct Item {
@@ -115,14 +116,20 @@ std::vector<ProcessFault> parse_process_faults(const char* text) {
     auto bad = [&](const std::string& why) { return std::invalid_argument("SPMDX_FAULT='" + spec + "': " + why + " (expected " + kForms + ")"); };
     ProcessFault f;
     f.kind = it.kind;
-    bool index_set = false;
+    bool index_set = false, seconds_set = false, at_set = false;
     for (const auto& [key, value] : it.pairs) {
       if (key == "rank") f.rank = static_cast<int>(whole(spec, key, value));
       else if (key == "step") f.step = whole(spec, key, value);
       else if (key == "index") f.index = whole(spec, key, value), index_set = true;
-      else if (key == "at") f.at = value;
-      else if (key == "seconds" && f.kind == "slow") f.seconds = number(spec, key, value);
+      else if (key == "at") f.at = value, at_set = true;
+      else if (key == "seconds" && f.kind == "slow") f.seconds = number(spec, key, value), seconds_set = true;
+      else if (key == "factor" && f.kind == "slow") f.factor = number(spec, key, value);
       else throw bad("unknown key '" + key + "' for " + f.kind);
+    }
+    if (f.factor != 0) {  // a slower device: every compute op, from step S on
+      if (!(f.factor > 1 && f.factor <= 100)) throw bad("factor must be more than 1 and at most 100 (the rank's compute takes F times as long)");
+      if (seconds_set || at_set || index_set) throw bad("slow with factor=F takes rank=R and step=S only (no seconds, at or index): it slows every compute op from step S on");
+      if (f.step == -1) f.step = 1;
     }
     if (f.at == "restart") {  // a restarted process, slow to come up
       if (f.kind != "slow" && f.kind != "hold") {
@@ -139,6 +146,7 @@ std::vector<ProcessFault> parse_process_faults(const char* text) {
     if (!(f.seconds >= 0 && f.seconds <= 3600)) throw bad("seconds must be 0 to 3600");
     if (f.kind == "hold" && f.at != "start" && f.at != "commit" && f.at != "restart") throw bad("hold waits at=start, at=commit or at=restart");
     for (const auto& o : out) {
+      if (o.factor > 0 && f.factor > 0 && o.rank == f.rank) throw bad("rank " + std::to_string(f.rank) + " is given two slow factors: one a rank");
       if (o.kind == f.kind && o.rank == f.rank && o.step == f.step && o.at == f.at && o.index == f.index) {
         throw bad("the same " + f.kind + " fault of rank " + std::to_string(f.rank) + " is listed twice (each fires once a job)");
       }
@@ -149,8 +157,16 @@ std::vector<ProcessFault> parse_process_faults(const char* text) {
   return out;
 }
 
+double compute_slowdown(const std::vector<ProcessFault>& faults, int rank, std::int64_t step) {
+  for (const auto& f : faults) {
+    if (f.factor > 0 && f.rank == rank && f.step <= step) return f.factor;
+  }
+  return 1;
+}
+
 const ProcessFault* due_fault(const std::vector<ProcessFault>& faults, int rank, std::int64_t step, const std::string& at, std::int64_t index) {
   for (const auto& f : faults) {
+    if (f.factor > 0) continue;  // compute_slowdown's
     if (f.rank == rank && f.step == step && f.at == at && ((at != "collective" && at != "recovery") || f.index == index)) return &f;
   }
   return nullptr;

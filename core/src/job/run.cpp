@@ -78,6 +78,8 @@ int intra_op_threads(int local_world_size) {
     if (*end == '\0' && n >= 1 && n <= 4096) return static_cast<int>(n);
     SPMDX_WARN("OMP_NUM_THREADS='" << v << "' is not a whole number from 1 to 4096: ignored, threads come from the CPUs available");
   }
+  // spmdx run --cpu-affinity: the whole cores of this rank's share of the CPUs it was given.
+  if (const double share = launch::cpu_share(); share > 0) return std::max(1, static_cast<int>(share + 1e-9));
   return std::max(1, static_cast<int>(launch::usable_cpus()) / std::max(1, local_world_size));
 }
 
@@ -376,8 +378,9 @@ std::pair<double, std::string> peak_flops_per_rank(const JobSpec& spec, const la
     return {peak, text};
   }
   const exec::GemmPeak p = exec::gemm_peak();
+  const double share = launch::cpu_share();  // --cpu-affinity's, else the host's CPUs shared evenly
   const double cores = std::min(static_cast<double>(at::get_num_threads()),
-                                static_cast<double>(launch::usable_cpus()) / static_cast<double>(std::max(1, env.local_world_size)));
+                                share > 0 ? share : static_cast<double>(launch::usable_cpus()) / static_cast<double>(std::max(1, env.local_world_size)));
   const double peak = p.of(dtype) * cores;
   std::snprintf(text, sizeof text, "%.1f GFLOP/s %s a rank = %.1f a core x %.3g core%s (%s)", peak / 1e9, dtype.c_str(), p.of(dtype) / 1e9, cores,
                 cores == 1 ? "" : "s", p.source.c_str());
@@ -484,6 +487,12 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
   const Fault fault = parse_fault(std::getenv("SPMDX_FAULT"));
   const std::vector<ProcessFault> process_faults = parse_process_faults(std::getenv("SPMDX_FAULT"));
   const bool restarted = std::getenv(launch::ft::kRestartEnv) != nullptr;  // fault tolerance: a lost replica group started again
+  // spmdx run --cpu-affinity: this rank on its CPUs before any thread starts (they inherit them).
+  if (const std::string cpus = launch::apply_cpu_affinity(); !cpus.empty()) {
+    const int threads = intra_op_threads(env.local_world_size);
+    std::printf("CPUs %s (--cpu-affinity), %d intra-op thread%s\n", cpus.c_str(), threads, threads == 1 ? "" : "s");
+    std::fflush(stdout);
+  }
   // Ranks on one host share its cores: each takes its part for intra-op threads.
   at::set_num_threads(intra_op_threads(env.local_world_size));
   const auto tokenizer = job_tokenizer(cfg);

@@ -133,6 +133,12 @@ TensorMap StepLoop::run_step(TensorMap& feed, std::int64_t step) {
 double StepLoop::step(std::int64_t step) {
   c10::InferenceMode no_autograd;  // the state tensors are inference tensors: updated in place below (a fault, a CUDA graph's copies)
   if (const ProcessFault* f = due_fault(process_faults, env.rank, step, "start"); f != nullptr) ft != nullptr ? ft->act(*f) : fire(*f);
+  if (const double factor = compute_slowdown(process_faults, env.rank, step); factor != slowdown_in_force) {
+    slowdown_in_force = factor;
+    executor.set_compute_slowdown(factor);
+    std::fprintf(stderr, "SPMDX_FAULT: rank %d runs every compute op %g times as long from step %lld\n", env.rank, factor, static_cast<long long>(step));
+    std::fflush(stderr);
+  }
   if (ft != nullptr) {
     if (auto* live = dynamic_cast<LiveBackend*>(backend.get())) live->set_step(step);
   }

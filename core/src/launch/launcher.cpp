@@ -9,6 +9,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -201,10 +202,17 @@ int spawn_rank(const std::vector<std::string>& argv, std::vector<std::string> st
 
 // What local rank r of this node is told: who it is and where the store is.
 std::map<std::string, std::string> rank_variables(const LaunchOptions& o, const JobStore& store, int r) {
-  return {{"RANK", std::to_string(o.node_rank * o.nproc + r)}, {"WORLD_SIZE", std::to_string(o.nproc * o.nnodes)},
-          {"LOCAL_RANK", std::to_string(r)},                  {"LOCAL_WORLD_SIZE", std::to_string(o.nproc)},
-          {"MASTER_ADDR", store.addr},                         {"MASTER_PORT", std::to_string(store.port)},
-          {"SPMDX_JOB_TOKEN", store.token},                    {"SPMDX_STORE_HOSTED", "1"}};
+  std::map<std::string, std::string> vars{{"RANK", std::to_string(o.node_rank * o.nproc + r)}, {"WORLD_SIZE", std::to_string(o.nproc * o.nnodes)},
+                                          {"LOCAL_RANK", std::to_string(r)},                  {"LOCAL_WORLD_SIZE", std::to_string(o.nproc)},
+                                          {"MASTER_ADDR", store.addr},                         {"MASTER_PORT", std::to_string(store.port)},
+                                          {"SPMDX_JOB_TOKEN", store.token},                    {"SPMDX_STORE_HOSTED", "1"}};
+  if (!o.cpu_affinity.empty()) {  // --cpu-affinity: this rank's CPUs, and its share of them for intra-op threads
+    vars["SPMDX_CPU_AFFINITY"] = o.cpu_affinity.at(static_cast<std::size_t>(r));
+    std::ostringstream share;
+    share << cpu_shares(o.cpu_affinity).at(static_cast<std::size_t>(r));
+    vars["SPMDX_CPU_SHARE"] = share.str();
+  }
+  return vars;
 }
 
 // This node's ranks, each told who it is and where the store is.
@@ -685,6 +693,106 @@ std::string killed_by(int signal, const std::optional<OomKillCount>& before, con
 std::int64_t usable_cpus() {
   cpu_set_t set;
   return sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : static_cast<std::int64_t>(std::thread::hardware_concurrency());
+}
+
+std::vector<int> parse_cpu_list(const std::string& list) {
+  auto bad = [&](const std::string& why) { return std::invalid_argument("CPU list '" + list + "': " + why + " (taskset's form: 0,2-3)"); };
+  auto cpu = [&](const std::string& s) {
+    if (s.empty() || s.size() > 6 || s.find_first_not_of("0123456789") != std::string::npos) throw bad("'" + s + "' is not a CPU number");
+    const int n = std::stoi(s);
+    if (n >= CPU_SETSIZE) throw bad("CPU " + s + " is past the " + std::to_string(CPU_SETSIZE) + " a CPU set holds");
+    return n;
+  };
+  std::set<int> out;
+  std::stringstream in(list);
+  std::string part;
+  while (std::getline(in, part, ',')) {
+    const auto dash = part.find('-');
+    const int lo = cpu(part.substr(0, dash)), hi = dash == std::string::npos ? lo : cpu(part.substr(dash + 1));
+    if (hi < lo) throw bad("the range " + part + " runs backwards");
+    for (int c = lo; c <= hi; ++c) out.insert(c);
+  }
+  if (out.empty()) throw bad("no CPU named");
+  return {out.begin(), out.end()};
+}
+
+std::vector<std::string> cpu_affinity_lists(const std::string& spec, int nproc) {
+  std::vector<std::string> lists;
+  std::stringstream in(spec);
+  std::string one;
+  while (std::getline(in, one, ';')) lists.push_back(one);
+  if (!spec.empty() && spec.back() == ';') lists.push_back("");
+  if (static_cast<int>(lists.size()) != nproc) {
+    throw std::invalid_argument("--cpu-affinity '" + spec + "' gives " + std::to_string(lists.size()) + " CPU lists for " + std::to_string(nproc) +
+                                " ranks (--nproc): one list a local rank, ';' between them, e.g. 0;1;1");
+  }
+  cpu_set_t own;
+  const bool known = sched_getaffinity(0, sizeof own, &own) == 0;
+  for (std::size_t r = 0; r < lists.size(); ++r) {
+    std::vector<int> cpus;
+    try {
+      cpus = parse_cpu_list(lists[r]);
+    } catch (const std::invalid_argument& e) {
+      throw std::invalid_argument("--cpu-affinity, local rank " + std::to_string(r) + ": " + e.what());
+    }
+    for (const int c : cpus) {
+      if (known && !CPU_ISSET(c, &own)) {
+        throw std::invalid_argument("--cpu-affinity, local rank " + std::to_string(r) + ": CPU " + std::to_string(c) + " is not among the " +
+                                    std::to_string(CPU_COUNT(&own)) + " CPUs this process may use (see taskset -cp $$ or nproc)");
+      }
+    }
+  }
+  return lists;
+}
+
+std::vector<double> cpu_shares(const std::vector<std::string>& lists) {
+  std::map<int, int> users;
+  std::vector<std::vector<int>> cpus;
+  for (const auto& l : lists) {
+    cpus.push_back(parse_cpu_list(l));
+    for (const int c : cpus.back()) ++users[c];
+  }
+  std::vector<double> out;
+  for (const auto& mine : cpus) {
+    double share = 0;
+    for (const int c : mine) share += 1.0 / users[c];
+    out.push_back(share);
+  }
+  return out;
+}
+
+double cpu_share() {
+  const char* v = std::getenv("SPMDX_CPU_SHARE");
+  if (v == nullptr || *v == '\0') return 0;
+  char* end = nullptr;
+  const double x = std::strtod(v, &end);
+  return *end == '\0' && x > 0 && x <= CPU_SETSIZE ? x : 0;
+}
+
+std::string apply_cpu_affinity() {
+  const char* v = std::getenv("SPMDX_CPU_AFFINITY");
+  if (v == nullptr || *v == '\0') return "";
+  std::vector<int> cpus;
+  try {
+    cpus = parse_cpu_list(v);
+  } catch (const std::invalid_argument& e) {
+    throw std::runtime_error(std::string("SPMDX_CPU_AFFINITY: ") + e.what());
+  }
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  for (const int c : cpus) CPU_SET(c, &set);
+  if (sched_setaffinity(0, sizeof set, &set) != 0 || sched_getaffinity(0, sizeof set, &set) != 0) {
+    throw std::runtime_error(std::string("SPMDX_CPU_AFFINITY='") + v + "': the kernel refused it (" + std::strerror(errno) + "): name CPUs this job may use");
+  }
+  std::string out;  // the kernel's set, read back, in taskset's form
+  for (int c = 0; c < CPU_SETSIZE; ++c) {
+    if (!CPU_ISSET(c, &set)) continue;
+    int last = c;
+    while (last + 1 < CPU_SETSIZE && CPU_ISSET(last + 1, &set)) ++last;
+    out += (out.empty() ? "" : ",") + std::to_string(c) + (last > c ? "-" + std::to_string(last) : "");
+    c = last;
+  }
+  return out;
 }
 
 }  // namespace spmdx::launch

@@ -87,6 +87,11 @@ class DistributedExecutor {
   /// While a CUDA graph captures run() (Device::capture): the host neither synchronises with
   /// the device nor reads its statistics, which capture forbids.
   void set_capturing(bool on) { capturing_ = on; }
+  /// Every compute op takes `factor` times as long from the next run on: after each kernel the
+  /// host sleeps (factor - 1) x its wall time (SPMDX_FAULT's slow:rank=R,factor=F, a slower
+  /// device emulated on a uniform machine; collectives are not slowed). 1: off. On a CPU the
+  /// kernel's time is its own; on CUDA it is the launch's.
+  void set_compute_slowdown(double factor) { compute_slowdown_ = factor; }
 
  private:
   const ir::Graph& graph_;
@@ -125,6 +130,7 @@ class DistributedExecutor {
   bool record_spans_ = false;
   bool spans_on() const noexcept { return hooks_ != nullptr || record_spans_; }
   bool capturing_ = false;
+  double compute_slowdown_ = 1;
   std::vector<Span> spans_;
   std::pair<std::int64_t, std::int64_t> skip_{-1, -1};
 

@@ -49,14 +49,22 @@ struct ProcessFault {
   std::string at = "start";  ///< "start", "collective", "commit", "recovery", "restart" (a restarted rank before it joins: slow, step 0; hold until step is committed)
   std::int64_t index = 0;    ///< collective: the call's ordinal in the step; recovery: tensors moved first
   double seconds = 1;        ///< slow's sleep
+  /// slow with factor=F (> 1): from step S (default 1) on, every compute op of the rank takes F
+  /// times as long (the executor sleeps F - 1 times each kernel's time after it), a slower
+  /// device on a uniform machine. Not fired once like the others: due_fault never returns it.
+  double factor = 0;
   int id = 0;                ///< its place in SPMDX_FAULT's list
 };
 
 /// SPMDX_FAULT's process faults, in order. Throws as parse_fault.
 std::vector<ProcessFault> parse_process_faults(const char* text);
 
+/// The compute slowdown of `rank` at `step`: the factor of its slow fault with factor=F whose
+/// step S <= step, else 1.
+double compute_slowdown(const std::vector<ProcessFault>& faults, int rank, std::int64_t step);
+
 /// The fault of `faults` due on `rank` at point `at` of `step` (collective and recovery: at
-/// index `index`), or nullptr.
+/// index `index`), or nullptr. A slow fault with a factor is never due (compute_slowdown).
 const ProcessFault* due_fault(const std::vector<ProcessFault>& faults, int rank, std::int64_t step, const std::string& at, std::int64_t index = 0);
 
 /// Acts it out on this process: SIGKILL, SIGSTOP (returns once continued), or the sleep (hold:

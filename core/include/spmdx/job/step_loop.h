@@ -115,6 +115,7 @@ struct StepLoop {
   // the live groups.
   FaultTolerance* ft = nullptr;
   std::vector<ProcessFault> process_faults{};  // SPMDX_FAULT's kill, stop, slow, hold at start and commit (each fires once a job)
+  double slowdown_in_force = 1;  // SPMDX_FAULT's slow factor in force on this rank (compute_slowdown())
   std::function<void(bool, std::int64_t)> on_lead_change{};
   std::int64_t ft_next_config = 0;  // the configuration the last vote opened
   // The lead's line when the live groups changed: "from step N, k of R replica groups train".

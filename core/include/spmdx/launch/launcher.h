@@ -39,6 +39,31 @@ RankEnv rank_env();
 /// (plan/estimate.h) divides among them.
 std::int64_t usable_cpus();
 
+/// The CPUs of a list in taskset's (and cpuset's) form: numbers and ranges, comma separated
+/// ("0", "2-3", "0,4-7"), sorted, each once. Throws std::invalid_argument naming the list and
+/// what is wrong with it (not a number, a range backwards, empty).
+std::vector<int> parse_cpu_list(const std::string& list);
+
+/// --cpu-affinity's value checked for `nproc` local ranks: `spec` is one CPU list a rank, ';'
+/// separated ("0;1;1": rank 0 alone on CPU 0, ranks 1 and 2 sharing CPU 1), every CPU among
+/// this process's own (its affinity mask). Returns each rank's list as given; throws
+/// std::invalid_argument naming the flag, the rank and the CPU at fault.
+std::vector<std::string> cpu_affinity_lists(const std::string& spec, int nproc);
+
+/// Each rank's share of the CPUs of `lists` (cpu_affinity_lists's), in cores: the sum over its
+/// CPUs of 1 / the ranks given that CPU ("0;1;1" gives 1, 0.5, 0.5; "0-3;4-7" gives 4 and 4).
+/// Its intra-op threads are the whole cores of it, at least 1; MFU's peak counts the share.
+std::vector<double> cpu_shares(const std::vector<std::string>& lists);
+
+/// This rank's share of cores from SPMDX_CPU_SHARE (set by --cpu-affinity), else 0 (none given).
+double cpu_share();
+
+/// Pins this process to SPMDX_CPU_AFFINITY's CPUs (the launcher's --cpu-affinity, one list a
+/// rank) before any thread starts; threads made after it inherit the set. Returns the set the
+/// kernel holds after it, in taskset's form ("" when the variable is unset). Throws std::runtime_error naming the variable when the list
+/// is malformed or the kernel refuses it.
+std::string apply_cpu_affinity();
+
 /// The kernel's count of the processes its out-of-memory killer has killed, and the file it
 /// was read from: this process's cgroup v2 `memory.events` (the kills in this container or job),
 /// else /proc/vmstat (the machine's, since boot; Linux >= 4.13).
@@ -86,6 +111,10 @@ struct LaunchOptions {
   /// --max-restarts (torchrun's flag): how many times lost replica groups are started again,
   /// over the whole job.
   int max_restarts = 0;
+  /// --cpu-affinity: local rank r's CPUs (taskset's list form), one entry a rank, checked by
+  /// cpu_affinity_lists; each rank gets SPMDX_CPU_AFFINITY (pinned by apply_cpu_affinity) and
+  /// SPMDX_CPU_SHARE (its cpu_shares). Empty: the ranks inherit the launcher's CPUs.
+  std::vector<std::string> cpu_affinity{};
 };
 
 /// Runs `nproc` copies of `argv` (argv[0]: the program) with the rank variables set (ranks
