@@ -1369,7 +1369,7 @@ TEST(BenchComm, EveryOpSweepsSizesAndChecksEveryResult) {
 // are refused before any rank starts. The CPUs are this process's own first and last.
 TEST(Launcher, CpuAffinityPinsEachRankToItsCpus) {
   EXPECT_EQ(launch::parse_cpu_list("3,0-1,1"), (std::vector<int>{0, 1, 3}));
-  for (const std::string bad : {"", "a", "1-", "3-1", "1,,2", "-2"}) EXPECT_THROW(launch::parse_cpu_list(bad), std::invalid_argument) << bad;
+  for (const std::string bad : {"", "a", "1-", "3-1", "1,,2", "-2", "0,"}) EXPECT_THROW(launch::parse_cpu_list(bad), std::invalid_argument) << bad;
   EXPECT_EQ(launch::cpu_shares({"0", "1", "1"}), (std::vector<double>{1, 0.5, 0.5}));
   EXPECT_EQ(launch::cpu_shares({"0-3", "2-5"}), (std::vector<double>{3, 3}));
   cpu_set_t own;
@@ -1396,12 +1396,19 @@ TEST(Launcher, CpuAffinityPinsEachRankToItsCpus) {
   for (const auto& [flags, says] : std::vector<std::pair<std::string, std::string>>{
            {"'" + a + "'", "--cpu-affinity '" + a + "' gives 1 CPU lists for 2 ranks (--nproc)"},
            {"'" + a + ";x'", "--cpu-affinity, local rank 1: CPU list 'x': 'x' is not a CPU number"},
+           {"''", "--cpu-affinity '' gives 0 CPU lists for 2 ranks"},
            {"'" + a + ";" + std::to_string(CPU_SETSIZE - 1) + "'", "--cpu-affinity, local rank 1: CPU " + std::to_string(CPU_SETSIZE - 1) + " is not among the"}}) {
     r = test::run_command(run + flags + " 2>&1");
     EXPECT_EQ(r.exit_code, 2) << r.output;
     EXPECT_THAT(r.output, HasSubstr(says));
     EXPECT_THAT(r.output, Not(HasSubstr("[rank")));  // before any rank starts
   }
+  // Without the flag, values left in the environment reach no rank (they would undo taskset's,
+  // srun's or mpirun's binding).
+  r = test::run_command("SPMDX_CPU_AFFINITY=garbage SPMDX_CPU_SHARE=64 " + run.substr(0, run.size() - std::string("--cpu-affinity ").size()) + " 2>&1");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_THAT(r.output, Not(HasSubstr("(--cpu-affinity)")));
+  EXPECT_THAT(r.output, Not(HasSubstr("64 intra-op threads")));
 }
 
 // SPMDX_FAULT's slow:rank=R,factor=F: that rank's compute ops each take F times as long (a
@@ -1424,6 +1431,8 @@ TEST(Run, ASlowFactorSlowsOneRankWithoutChangingItsNumbers) {
   EXPECT_EQ(losses((dir / "slowed" / "metrics.jsonl").string()), losses((dir / "even" / "metrics.jsonl").string()));
   for (const auto& [fault, says] : std::vector<std::pair<std::string, std::string>>{
            {"slow:rank=1,factor=1", "factor must be more than 1 and at most 100"},
+           {"slow:rank=1,factor=0", "factor must be more than 1 and at most 100"},
+           {"slow:rank=1,factor=0x10", "factor='0x10' is not a decimal number"},
            {"slow:rank=1,factor=2,seconds=3", "slow with factor=F takes rank=R and step=S only"},
            {"slow:rank=1,factor=2;slow:rank=1,factor=3,step=2", "rank 1 is given two slow factors"},
            {"slow:rank=7,factor=2", "never happens in this job"}}) {

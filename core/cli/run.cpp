@@ -45,7 +45,7 @@ struct RunOptions {
   std::string master_addr;
   int master_port = 0;
   int max_restarts = 0;
-  std::string cpu_affinity;  ///< --cpu-affinity: one CPU list a local rank, ';' separated
+  std::optional<std::string> cpu_affinity;  ///< --cpu-affinity: one CPU list a local rank, ';' separated
   bool print_config = false;
   std::vector<std::string> overrides;
 };
@@ -87,10 +87,10 @@ int run_run(const RunOptions& o) {
   const bool launched = std::getenv("SPMDX_STORE_HOSTED") != nullptr;
   // --cpu-affinity's lists, checked before anything is read: a usage error (exit 2).
   std::vector<std::string> cpu_affinity;
-  if (!o.cpu_affinity.empty() && !launched) {
+  if (o.cpu_affinity && !launched) {
     try {
       if (o.nproc < 1) throw std::invalid_argument("--cpu-affinity pins the ranks spmdx run starts: give --nproc N (under torchrun, srun or mpirun, pin with their own binding)");
-      cpu_affinity = spmdx::launch::cpu_affinity_lists(o.cpu_affinity, o.nproc);
+      cpu_affinity = spmdx::launch::cpu_affinity_lists(*o.cpu_affinity, o.nproc);
     } catch (const std::invalid_argument& e) {
       std::cerr << "error: " << e.what() << "\n";
       return 2;

@@ -533,7 +533,7 @@ TensorMap DistributedExecutor::run(const TensorMap& inputs, std::int64_t step) {
         if (in_place_[index] != nullptr) ++stats_.in_place_fallbacks;
         out = (*kernels_[index])(n, args);
       }
-      if (compute_slowdown_ > 1) std::this_thread::sleep_for(std::chrono::duration<double>((compute_slowdown_ - 1) * (wall_seconds() - t0)));
+      if (compute_slowdown_ > 1) slowdown_owed_ += (compute_slowdown_ - 1) * (wall_seconds() - t0);
       if (spans_on()) spans_.push_back({n.op(), "compute", t0, wall_seconds(), 0});
       for (std::size_t i = 0; i < out.size(); ++i) s.keep(n.outputs()[i], std::move(out[i]));
     } else if (is_point_to_point(n.op())) {
@@ -567,6 +567,11 @@ TensorMap DistributedExecutor::run(const TensorMap& inputs, std::int64_t step) {
         s.live.erase(it);
       }
     }
+  }
+  if (compute_slowdown_ > 1 && slowdown_owed_ > 0) {  // the step's owed sleep, the overshoot counted against the next
+    const double before = wall_seconds();
+    std::this_thread::sleep_for(std::chrono::duration<double>(slowdown_owed_));
+    slowdown_owed_ -= wall_seconds() - before;
   }
   TensorMap result;
   for (const auto& [name, v] : graph_.outputs()) result.emplace(name, s.value(v));

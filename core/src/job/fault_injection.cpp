@@ -116,17 +116,20 @@ std::vector<ProcessFault> parse_process_faults(const char* text) {
     auto bad = [&](const std::string& why) { return std::invalid_argument("SPMDX_FAULT='" + spec + "': " + why + " (expected " + kForms + ")"); };
     ProcessFault f;
     f.kind = it.kind;
-    bool index_set = false, seconds_set = false, at_set = false;
+    bool index_set = false, seconds_set = false, at_set = false, factor_set = false;
     for (const auto& [key, value] : it.pairs) {
       if (key == "rank") f.rank = static_cast<int>(whole(spec, key, value));
       else if (key == "step") f.step = whole(spec, key, value);
       else if (key == "index") f.index = whole(spec, key, value), index_set = true;
       else if (key == "at") f.at = value, at_set = true;
       else if (key == "seconds" && f.kind == "slow") f.seconds = number(spec, key, value), seconds_set = true;
-      else if (key == "factor" && f.kind == "slow") f.factor = number(spec, key, value);
+      else if (key == "factor" && f.kind == "slow") {
+        if (value.empty() || value.find_first_not_of("0123456789.") != std::string::npos) throw bad("factor='" + value + "' is not a decimal number");
+        f.factor = number(spec, key, value), factor_set = true;
+      }
       else throw bad("unknown key '" + key + "' for " + f.kind);
     }
-    if (f.factor != 0) {  // a slower device: every compute op, from step S on
+    if (factor_set) {  // a slower device: every compute op, from step S on
       if (!(f.factor > 1 && f.factor <= 100)) throw bad("factor must be more than 1 and at most 100 (the rank's compute takes F times as long)");
       if (seconds_set || at_set || index_set) throw bad("slow with factor=F takes rank=R and step=S only (no seconds, at or index): it slows every compute op from step S on");
       if (f.step == -1) f.step = 1;

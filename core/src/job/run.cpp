@@ -488,13 +488,14 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
   const std::vector<ProcessFault> process_faults = parse_process_faults(std::getenv("SPMDX_FAULT"));
   const bool restarted = std::getenv(launch::ft::kRestartEnv) != nullptr;  // fault tolerance: a lost replica group started again
   // spmdx run --cpu-affinity: this rank on its CPUs before any thread starts (they inherit them).
-  if (const std::string cpus = launch::apply_cpu_affinity(); !cpus.empty()) {
-    const int threads = intra_op_threads(env.local_world_size);
+  const std::string cpus = launch::apply_cpu_affinity();
+  // Ranks on one host share its cores: each takes its part for intra-op threads.
+  const int threads = intra_op_threads(env.local_world_size);
+  if (!cpus.empty()) {
     std::printf("CPUs %s (--cpu-affinity), %d intra-op thread%s\n", cpus.c_str(), threads, threads == 1 ? "" : "s");
     std::fflush(stdout);
   }
-  // Ranks on one host share its cores: each takes its part for intra-op threads.
-  at::set_num_threads(intra_op_threads(env.local_world_size));
+  at::set_num_threads(threads);
   const auto tokenizer = job_tokenizer(cfg);
   PluginRegistry registry;
   discover_plugins(registry, cfg);

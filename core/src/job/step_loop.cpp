@@ -136,7 +136,7 @@ double StepLoop::step(std::int64_t step) {
   if (const double factor = compute_slowdown(process_faults, env.rank, step); factor != slowdown_in_force) {
     slowdown_in_force = factor;
     executor.set_compute_slowdown(factor);
-    std::fprintf(stderr, "SPMDX_FAULT: rank %d runs every compute op %g times as long from step %lld\n", env.rank, factor, static_cast<long long>(step));
+    std::fprintf(stderr, "SPMDX_FAULT: rank %d runs every compute op %.10g times as long from step %lld\n", env.rank, factor, static_cast<long long>(step));
     std::fflush(stderr);
   }
   if (ft != nullptr) {

@@ -206,7 +206,10 @@ std::map<std::string, std::string> rank_variables(const LaunchOptions& o, const 
                                           {"LOCAL_RANK", std::to_string(r)},                  {"LOCAL_WORLD_SIZE", std::to_string(o.nproc)},
                                           {"MASTER_ADDR", store.addr},                         {"MASTER_PORT", std::to_string(store.port)},
                                           {"SPMDX_JOB_TOKEN", store.token},                    {"SPMDX_STORE_HOSTED", "1"}};
-  if (!o.cpu_affinity.empty()) {  // --cpu-affinity: this rank's CPUs, and its share of them for intra-op threads
+  // --cpu-affinity: this rank's CPUs, and its share of them for intra-op threads; empty without
+  // it, so that values left in the launcher's environment do not reach the ranks.
+  vars["SPMDX_CPU_AFFINITY"] = vars["SPMDX_CPU_SHARE"] = "";
+  if (!o.cpu_affinity.empty()) {
     vars["SPMDX_CPU_AFFINITY"] = o.cpu_affinity.at(static_cast<std::size_t>(r));
     std::ostringstream share;
     share << cpu_shares(o.cpu_affinity).at(static_cast<std::size_t>(r));
@@ -697,16 +700,17 @@ std::int64_t usable_cpus() {
 
 std::vector<int> parse_cpu_list(const std::string& list) {
   auto bad = [&](const std::string& why) { return std::invalid_argument("CPU list '" + list + "': " + why + " (taskset's form: 0,2-3)"); };
-  auto cpu = [&](const std::string& s) {
-    if (s.empty() || s.size() > 6 || s.find_first_not_of("0123456789") != std::string::npos) throw bad("'" + s + "' is not a CPU number");
-    const int n = std::stoi(s);
-    if (n >= CPU_SETSIZE) throw bad("CPU " + s + " is past the " + std::to_string(CPU_SETSIZE) + " a CPU set holds");
-    return n;
-  };
+  if (!list.empty() && list.back() == ',') throw bad("it ends with ','");
   std::set<int> out;
   std::stringstream in(list);
   std::string part;
   while (std::getline(in, part, ',')) {
+    auto cpu = [&](const std::string& s) {
+      if (s.empty() || s.size() > 6 || s.find_first_not_of("0123456789") != std::string::npos) throw bad("'" + part + "' is not a CPU number or a range a-b");
+      const int n = std::stoi(s);
+      if (n >= CPU_SETSIZE) throw bad("CPU " + s + " is past the " + std::to_string(CPU_SETSIZE) + " a CPU set holds");
+      return n;
+    };
     const auto dash = part.find('-');
     const int lo = cpu(part.substr(0, dash)), hi = dash == std::string::npos ? lo : cpu(part.substr(dash + 1));
     if (hi < lo) throw bad("the range " + part + " runs backwards");
@@ -763,15 +767,17 @@ std::vector<double> cpu_shares(const std::vector<std::string>& lists) {
 
 double cpu_share() {
   const char* v = std::getenv("SPMDX_CPU_SHARE");
-  if (v == nullptr || *v == '\0') return 0;
+  if (std::getenv("SPMDX_STORE_HOSTED") == nullptr || v == nullptr || *v == '\0') return 0;  // spmdx run's launcher's ranks only
   char* end = nullptr;
   const double x = std::strtod(v, &end);
-  return *end == '\0' && x > 0 && x <= CPU_SETSIZE ? x : 0;
+  return *end == '\0' && x > 0 && x <= static_cast<double>(usable_cpus()) ? x : 0;
 }
 
 std::string apply_cpu_affinity() {
   const char* v = std::getenv("SPMDX_CPU_AFFINITY");
-  if (v == nullptr || *v == '\0') return "";
+  // Only in a rank spmdx run's launcher started (which sets it, empty without --cpu-affinity):
+  // a value left in a user's environment must not undo taskset's, srun's or mpirun's binding.
+  if (std::getenv("SPMDX_STORE_HOSTED") == nullptr || v == nullptr || *v == '\0') return "";
   std::vector<int> cpus;
   try {
     cpus = parse_cpu_list(v);

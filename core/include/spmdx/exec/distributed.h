@@ -87,10 +87,13 @@ class DistributedExecutor {
   /// While a CUDA graph captures run() (Device::capture): the host neither synchronises with
   /// the device nor reads its statistics, which capture forbids.
   void set_capturing(bool on) { capturing_ = on; }
-  /// Every compute op takes `factor` times as long from the next run on: after each kernel the
-  /// host sleeps (factor - 1) x its wall time (SPMDX_FAULT's slow:rank=R,factor=F, a slower
-  /// device emulated on a uniform machine; collectives are not slowed). 1: off. On a CPU the
-  /// kernel's time is its own; on CUDA it is the launch's.
+  /// The rank's compute takes `factor` times as long from the next run on: each kernel's wall
+  /// time adds (factor - 1) x it to a sleep taken at the end of the run, its overshoot counted
+  /// against the next (SPMDX_FAULT's slow:rank=R,factor=F, a slower device emulated on a
+  /// uniform machine; collectives are not slowed, and the step's end is where the others wait
+  /// for it). Sleeping after every kernel, or every 2 ms, made a step 3.5x as long at factor 3
+  /// (a sleep's cost, and the kernels after it slower). 1: off. On a CPU the kernel's time is
+  /// its own; on CUDA it is the launch's.
   void set_compute_slowdown(double factor) { compute_slowdown_ = factor; }
 
  private:
@@ -131,6 +134,7 @@ class DistributedExecutor {
   bool spans_on() const noexcept { return hooks_ != nullptr || record_spans_; }
   bool capturing_ = false;
   double compute_slowdown_ = 1;
+  double slowdown_owed_ = 0;  ///< seconds of set_compute_slowdown's sleep owed by this run (negative: overslept)
   std::vector<Span> spans_;
   std::pair<std::int64_t, std::int64_t> skip_{-1, -1};
 

@@ -49,9 +49,10 @@ struct ProcessFault {
   std::string at = "start";  ///< "start", "collective", "commit", "recovery", "restart" (a restarted rank before it joins: slow, step 0; hold until step is committed)
   std::int64_t index = 0;    ///< collective: the call's ordinal in the step; recovery: tensors moved first
   double seconds = 1;        ///< slow's sleep
-  /// slow with factor=F (> 1): from step S (default 1) on, every compute op of the rank takes F
-  /// times as long (the executor sleeps F - 1 times each kernel's time after it), a slower
-  /// device on a uniform machine. Not fired once like the others: due_fault never returns it.
+  /// slow with factor=F (> 1): from step S (default 1) on, the rank's compute takes F times as
+  /// long (DistributedExecutor::set_compute_slowdown: F - 1 times its kernels' time slept at the
+  /// end of each step), a slower device on a uniform machine. Not fired once like the others:
+  /// due_fault never returns it.
   double factor = 0;
   int id = 0;                ///< its place in SPMDX_FAULT's list
 };
