@@ -71,7 +71,7 @@ using Clock = std::chrono::steady_clock;
 // Intra-op threads for this rank: OMP_NUM_THREADS when set (torchrun sets it to 1 for several
 // ranks per host, and a user's value wins, as in PyTorch), else this process's CPUs (its
 // affinity mask: taskset, a cgroup cpuset, a SLURM binding) shared among the host's ranks.
-int intra_op_threads(int local_world_size) {
+int intra_op_threads(const launch::RankEnv& env) {
   if (const char* v = std::getenv("OMP_NUM_THREADS"); v != nullptr && *v != '\0') {
     char* end = nullptr;
     const long n = std::strtol(v, &end, 10);
@@ -79,8 +79,8 @@ int intra_op_threads(int local_world_size) {
     SPMDX_WARN("OMP_NUM_THREADS='" << v << "' is not a whole number from 1 to 4096: ignored, threads come from the CPUs available");
   }
   // spmdx run --cpu-affinity: the whole cores of this rank's share of the CPUs it was given.
-  if (const double share = launch::cpu_share(); share > 0) return std::max(1, static_cast<int>(share + 1e-9));
-  return std::max(1, static_cast<int>(launch::usable_cpus()) / std::max(1, local_world_size));
+  if (const double share = launch::cpu_share(env); share > 0) return std::max(1, static_cast<int>(share + 1e-9));
+  return std::max(1, static_cast<int>(launch::usable_cpus()) / std::max(1, env.local_world_size));
 }
 
 // What the token ids of a run mean, for checkpoints: "byte (264 ids, BOS 256, EOS 257)", or "tokenizer.json <FNV-1a of its
@@ -378,7 +378,7 @@ std::pair<double, std::string> peak_flops_per_rank(const JobSpec& spec, const la
     return {peak, text};
   }
   const exec::GemmPeak p = exec::gemm_peak();
-  const double share = launch::cpu_share();  // --cpu-affinity's, else the host's CPUs shared evenly
+  const double share = launch::cpu_share(env);  // --cpu-affinity's, else the host's CPUs shared evenly
   const double cores = std::min(static_cast<double>(at::get_num_threads()),
                                 share > 0 ? share : static_cast<double>(launch::usable_cpus()) / static_cast<double>(std::max(1, env.local_world_size)));
   const double peak = p.of(dtype) * cores;
@@ -488,9 +488,9 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
   const std::vector<ProcessFault> process_faults = parse_process_faults(std::getenv("SPMDX_FAULT"));
   const bool restarted = std::getenv(launch::ft::kRestartEnv) != nullptr;  // fault tolerance: a lost replica group started again
   // spmdx run --cpu-affinity: this rank on its CPUs before any thread starts (they inherit them).
-  const std::string cpus = launch::apply_cpu_affinity();
+  const std::string cpus = launch::apply_cpu_affinity(env);
   // Ranks on one host share its cores: each takes its part for intra-op threads.
-  const int threads = intra_op_threads(env.local_world_size);
+  const int threads = intra_op_threads(env);
   if (!cpus.empty()) {
     std::printf("CPUs %s (--cpu-affinity), %d intra-op thread%s\n", cpus.c_str(), threads, threads == 1 ? "" : "s");
     std::fflush(stdout);

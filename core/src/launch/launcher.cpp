@@ -765,19 +765,17 @@ std::vector<double> cpu_shares(const std::vector<std::string>& lists) {
   return out;
 }
 
-double cpu_share() {
+double cpu_share(const RankEnv& env) {
   const char* v = std::getenv("SPMDX_CPU_SHARE");
-  if (std::getenv("SPMDX_STORE_HOSTED") == nullptr || v == nullptr || *v == '\0') return 0;  // spmdx run's launcher's ranks only
+  if (!env.store_hosted || v == nullptr || *v == '\0') return 0;
   char* end = nullptr;
   const double x = std::strtod(v, &end);
   return *end == '\0' && x > 0 && x <= static_cast<double>(usable_cpus()) ? x : 0;
 }
 
-std::string apply_cpu_affinity() {
+std::string apply_cpu_affinity(const RankEnv& env) {
   const char* v = std::getenv("SPMDX_CPU_AFFINITY");
-  // Only in a rank spmdx run's launcher started (which sets it, empty without --cpu-affinity):
-  // a value left in a user's environment must not undo taskset's, srun's or mpirun's binding.
-  if (std::getenv("SPMDX_STORE_HOSTED") == nullptr || v == nullptr || *v == '\0') return "";
+  if (!env.store_hosted || v == nullptr || *v == '\0') return "";
   std::vector<int> cpus;
   try {
     cpus = parse_cpu_list(v);

@@ -55,17 +55,19 @@ std::vector<std::string> cpu_affinity_lists(const std::string& spec, int nproc);
 /// Its intra-op threads are the whole cores of it, at least 1; MFU's peak counts the share.
 std::vector<double> cpu_shares(const std::vector<std::string>& lists);
 
-/// This rank's share of cores from SPMDX_CPU_SHARE (set by --cpu-affinity in the ranks spmdx
-/// run's launcher starts), else 0: none given, not started by it, or not a number from 0 to
-/// this process's CPUs.
-double cpu_share();
+/// This rank's share of cores from SPMDX_CPU_SHARE (set by --cpu-affinity), else 0: none
+/// given, `env` not a rank spmdx run's launcher started (env.store_hosted), or not a number
+/// from 0 to this process's CPUs.
+double cpu_share(const RankEnv& env);
 
 /// Pins this process to SPMDX_CPU_AFFINITY's CPUs (the launcher's --cpu-affinity, one list a
 /// rank) before any thread starts; threads made after it inherit the set. Read only in a rank
-/// spmdx run's launcher started (SPMDX_STORE_HOSTED). Returns the set the
-/// kernel holds after it, in taskset's form ("" when the variable is unset). Throws std::runtime_error naming the variable when the list
-/// is malformed or the kernel refuses it.
-std::string apply_cpu_affinity();
+/// spmdx run's launcher started (env.store_hosted), which sets it, empty without the flag: a
+/// value left in a user's environment must not undo taskset's, srun's or mpirun's binding.
+/// Returns the set the kernel holds after it, in taskset's form ("" when none is given).
+/// Throws std::runtime_error naming the variable when the list is malformed or the kernel
+/// refuses it.
+std::string apply_cpu_affinity(const RankEnv& env);
 
 /// The kernel's count of the processes its out-of-memory killer has killed, and the file it
 /// was read from: this process's cgroup v2 `memory.events` (the kills in this container or job),
