@@ -309,6 +309,15 @@ const std::vector<KeySpec>& schema() {
       k("parallelism.memory_budget", Type::string, std::string(""),
         "the most bytes a rank's step may hold (e.g. \"2GiB\"; empty: no limit): over it, spmdx turns on FSDP resharding, activation "
         "checkpointing, a higher shard degree, in that order, before any rank starts"),
+      k("parallelism.balance", Type::string, std::string("even"),
+        "how the global batch splits over the data-parallel ranks: \"even\" (global_batch_size / the degree each, as DDP and FSDP2); "
+        "\"speed\": in whole rows, in proportion to each rank's measured throughput (its rows over its compute time), re-planned "
+        "between steps, so that unequal ranks run at the speed of their sum (docs/parallelism.md, \"Unequal ranks\")", -1e300, L{"even", "speed"}),
+      n("parallelism.balance_interval", Type::integer, std::int64_t{5},
+        "with balance = \"speed\": steps between two re-plans of the split (each measures the steps since the last, the first of a split "
+        "not counted)", 2, 1e9),
+      n("parallelism.balance_threshold", Type::floating, 0.1,
+        "with balance = \"speed\": a new split is taken only when it is predicted to shorten the step by more than this share", 0, 0.9),
       k("parallelism.fsdp_reshard_after_forward", Type::string, std::string("default"), "free gathered parameters after forward", -1e300,
        L{"default", "never", "always"}),
       k("planning.target", Type::string, std::string("this-machine"),

@@ -186,17 +186,6 @@ std::map<std::int64_t, plan::StepEstimate> extrapolate(const PipelineSpec& pipel
   return out;
 }
 
-// The strategies the plan took on each mesh dim of size > 1, by node id.
-std::map<std::int64_t, std::map<int, std::string>> choices_of(const sharding::DistributedPlan& plan) {
-  std::map<std::int64_t, std::map<int, std::string>> out;
-  for (const auto& node : plan.graph->nodes()) {
-    for (int i = 0; i < plan.mesh.ndim(); ++i) {
-      if (plan.mesh.size(i) > 1) out[node->id()][i] = sharding::taken_signature(plan, *node, i);
-    }
-  }
-  return out;
-}
-
 // `s` with `stages` pipeline stages over its data-parallel degree (s.dims): the microbatches are
 // the global batch over the data-parallel ranks in pipeline_microbatch_size rows, as read_pipeline
 // makes them (an exported program's are fixed); stages the search chose split the layers evenly.
@@ -297,7 +286,7 @@ AutoPlan plan_layout(const JobSpec& spec, const sharding::ParallelDims& dims, st
         out.chosen = e;
         out.planner_kept = true;
         out.collectives = std::move(collectives);
-        out.choices = choices_of(optimal);
+        out.choices = plan_choices(optimal);
       }
     }
     out.fits = spec.memory_budget <= 0 || out.chosen.peak_bytes <= spec.memory_budget;

@@ -285,6 +285,16 @@ CompiledJob::CompiledJob(const JobSpec& spec, PluginRegistry& registry) : job(pl
 
 CompiledJob compile_job(const JobSpec& spec, PluginRegistry& registry) { return CompiledJob(spec, registry); }
 
+std::map<std::int64_t, std::map<int, std::string>> plan_choices(const sharding::DistributedPlan& plan) {
+  std::map<std::int64_t, std::map<int, std::string>> out;
+  for (const auto& node : plan.graph->nodes()) {
+    for (int i = 0; i < plan.mesh.ndim(); ++i) {
+      if (plan.mesh.size(i) > 1) out[node->id()][i] = sharding::taken_signature(plan, *node, i);
+    }
+  }
+  return out;
+}
+
 sharding::DistributedPlan propagate_job(const PlacedJob& job) {
   return sharding::propagate(job.model.graph, job.mesh, job.inputs, job.outputs, job.use, job.reshard_after_forward, job.sequence_parallel_dim,
                              job.context_parallel_dim, job.context_parallel_allgather, job.forced.empty() ? nullptr : &job.forced, job.fault_domain_dim);

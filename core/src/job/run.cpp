@@ -6,6 +6,8 @@
 #include <c10/core/InferenceMode.h>
 
 #include <algorithm>
+#include <map>
+#include <set>
 #include <optional>
 #include <cerrno>
 #include <chrono>
@@ -471,6 +473,61 @@ void print_done(const JobSpec& spec, std::int64_t first_step, double seconds, do
               (dump / "metrics.jsonl").string().c_str());
 }
 
+// parallelism.balance = "speed": this rank's program for `rows` rows, the job compiled for dp x
+// rows (every data-parallel rank as many) with every op's strategy as the even plan took it
+// (`choices`), which leaves the state's placements and the collectives over the data-parallel
+// dims as they are (Balancer::check_same_collectives checks the latter).
+struct BalancedProgram {
+  std::unique_ptr<CompiledJob> compiled;
+  ir::Graph graph;
+};
+
+BalancedProgram balanced_program(const JobSpec& spec, PluginRegistry& registry, int rank, std::int64_t rows, std::int64_t dp, const sharding::Placements& tokens_pl,
+                                 const std::map<std::int64_t, std::map<int, std::string>>& choices) {
+  JobSpec s = spec;
+  s.global_batch_size = dp * rows;
+  s.auto_choices = choices;  // the even plan's strategy for every op: costs at other rows could choose otherwise
+  BalancedProgram p{std::make_unique<CompiledJob>(s, registry), {}};
+  p.graph = rank_program(p.compiled->job, p.compiled->plan, rank, s);
+  const ir::Value* tokens = p.graph.find_input("tokens");
+  if (tokens == nullptr || tokens->meta().shape.empty() || tokens->meta().shape[0] != rows ||
+      p.compiled->plan.placement.at(p.compiled->job.model.graph.find_input("tokens")) != tokens_pl) {
+    throw std::runtime_error("parallelism.balance = \"speed\": the plan for " + std::to_string(rows) + " rows a data-parallel rank does not give rank " +
+                             std::to_string(rank) + " those rows of the batch (its layout does not split the batch over the data-parallel mesh dims alone): "
+                             "use parallelism.balance = \"even\"");
+  }
+  return p;
+}
+
+// What a rank runs over the data-parallel mesh dims, in its run order: each collective's op, mesh
+// dim, whole tensor, chunk sizes and bucket (FNV-1a, 64 bits), which every member of its group
+// must have alike.
+std::uint64_t data_parallel_collectives_hash(const ir::Graph& graph, const plan::RuntimePlan& plan, const sharding::DeviceMesh& mesh) {
+  static const std::set<std::string> collectives{"all_reduce", "reduce_scatter", "all_gather", "all_to_all", "all_to_all_v"};
+  std::vector<const ir::Node*> nodes;  // graph order, as plan.order counts them
+  for (const auto& node : graph.nodes()) nodes.push_back(node.get());
+  std::string text;
+  for (int index : plan.order) {
+    const ir::Node& n = *nodes.at(static_cast<std::size_t>(index));
+    if (collectives.count(n.op()) == 0 || n.attrs().count("mesh_dim") == 0) continue;
+    const std::int64_t dim = n.attr_int("mesh_dim");
+    if (!is_data_parallel_dim(mesh.dims().at(static_cast<std::size_t>(dim)).name)) continue;
+    // What every member of the group has alike: the whole tensor (a member's chunk of an uneven
+    // shard is its own), the chunks' sizes, the bucket.
+    const ir::Value* whole = n.op() == "all_gather" ? n.output() : n.input(0);
+    text += n.op() + " " + std::to_string(dim) + " " + (n.op() == "all_to_all" || n.op() == "all_to_all_v" ? ir::to_string(whole->meta().dtype) : whole->meta().str());
+    for (const char* sizes : {"sizes", "gather_sizes", "scatter_sizes"}) {
+      if (n.attrs().count(sizes) > 0) {
+        for (std::int64_t k : n.attr_ints(sizes)) text += " " + std::to_string(k);
+      }
+    }
+    text += " b" + std::to_string(plan.bucket_of.at(static_cast<std::size_t>(index))) + ";";
+  }
+  std::uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : text) h = (h ^ c) * 1099511628211ull;
+  return h;
+}
+
 }  // namespace
 
 int run_job(const config::Config& cfg, const launch::RankEnv& env) {
@@ -576,7 +633,8 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
     chain.emplace(registry, spec.comm, env, *joined.store);
     backend = chain->join_at_start();
   }
-  DistributedExecutor executor(graph, run_mesh(job), env.rank, backend.get(), timeout, spec.plan, device.get());
+  auto first_executor = std::make_unique<DistributedExecutor>(graph, run_mesh(job), env.rank, backend.get(), timeout, spec.plan, device.get());
+  DistributedExecutor& executor = *first_executor;
   if (!hooks.empty()) executor.set_hooks(&hooks);
   if (fault.kind == "skip_collective" && fault.rank == env.rank) executor.inject_skip(fault.step, fault.index);
 
@@ -645,7 +703,7 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
       std::fflush(stdout);
     }
   }
-  StepLoop loop{env, spec, job, plan, executor, *device, state, state_metas, state_placements, dataset, hooks, registry, backend, chain ? &*chain : nullptr,
+  StepLoop loop{env, spec, job, plan, &executor, *device, state, state_metas, state_placements, dataset, hooks, registry, backend, chain ? &*chain : nullptr,
                 joined.store.get(),
                 metrics ? &*metrics : nullptr, fault, timeout, ckpt_dir, tokenizer_id};
   loop.strategy_events = strategy_events(spec);
@@ -671,6 +729,47 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
   }
   if (resume_step) loop.resume(resumed);
   loop.process_faults = process_faults;
+  // parallelism.balance = "speed": this rank's plan for its rows of each split (compiled as the job
+  // for dp x those rows), and the executor of the split in force.
+  std::optional<Balancer> balancer;
+  std::map<std::int64_t, BalancedProgram> programs;
+  std::unique_ptr<DistributedExecutor> balanced_executor;
+  if (spec.balance.speed && joined.store) {
+    const std::int64_t dp = data_parallel_degree(job.mesh);
+    balancer.emplace(spec.balance, spec.global_batch_size, dp, data_parallel_index(job.mesh, job.mesh.coordinate(plan_rank)), env.rank, env.world_size,
+                     *joined.store, timeout);
+    loop.balancer = &*balancer;
+    // Every op's strategy is the one propagation takes for at least 64 Ki tokens a data-parallel
+    // rank: there moving activations costs more than moving gradients, so every op keeps its rows
+    // (data parallelism proper), where a few rows' costs can choose to move activations between
+    // the ranks, which unequal rows cannot do. Each split's plan takes the same strategies.
+    JobSpec large = spec;
+    large.global_batch_size = dp * std::max<std::int64_t>(spec.global_batch_size, (65536 + spec.seq_len - 1) / spec.seq_len);
+    loop.replan = [&, choices = plan_choices(CompiledJob(large, registry).plan)] {
+      const std::int64_t rows = balancer->rows();
+      auto it = programs.find(rows);
+      if (it == programs.end()) it = programs.emplace(rows, balanced_program(spec, registry, env.rank, rows, dp, loop.tokens_pl, choices)).first;
+      // Every rank makes its executor anew, in the same order: each makes the backend's groups.
+      loop.executor = nullptr;
+      balanced_executor = std::make_unique<DistributedExecutor>(it->second.graph, run_mesh(job), env.rank, backend.get(), timeout, spec.plan, device.get());
+      if (!hooks.empty()) balanced_executor->set_hooks(&hooks);
+      balanced_executor->set_compute_slowdown(loop.slowdown_in_force);
+      loop.executor = balanced_executor.get();
+      balancer->check_same_collectives(data_parallel_collectives_hash(it->second.graph, balanced_executor->plan(), run_mesh(job)),
+                                       "rows " + std::to_string(rows) + " on rank " + std::to_string(env.rank));
+    };
+    const double share = launch::cpu_share(env);
+    const double prior = share > 0 ? share : static_cast<double>(launch::usable_cpus()) / static_cast<double>(std::max(1, env.local_world_size));
+    const bool uneven = balancer->start(prior);
+    loop.replan();
+    if (lead) {
+      std::printf("balance: speed; rows per data-parallel rank %s at start (%s), re-planned every %lld steps from their measured compute times when "
+                  "%.3g shorter\n",
+                  split_text(balancer->split()).c_str(), uneven ? "in proportion to their CPU shares" : "even", static_cast<long long>(spec.balance.interval),
+                  spec.balance.threshold);
+      std::fflush(stdout);
+    }
+  }
   std::int64_t start_step = first_step;
   if (ft) {
     loop.ft = &*ft;

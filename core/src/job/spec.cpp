@@ -662,6 +662,29 @@ JobSpec job_spec(const config::Config& cfg, std::int64_t world_size, std::int64_
     if (s.device.kind != "cpu") fail({"fault_tolerance.enable", "training.device"}, "fault tolerance runs on training.device = \"cpu\" for now (the state transfer to a restarted group is host memory)");
     if (s.validation.enable) fail({"fault_tolerance.enable", "validation.enable"}, "fault tolerance with validation is not supported yet" + off);
   }
+  if (cfg.get_string("parallelism.balance") == "speed") {
+    s.balance = {true, cfg.get_int("parallelism.balance_interval"), cfg.get_float("parallelism.balance_threshold")};
+    // What a rank's own rows cannot change yet: each would need its split taken apart.
+    const std::string even = "; set parallelism.balance = \"even\"";
+    if (s.pipeline.stages > 1) {
+      fail({"parallelism.balance", "parallelism.pipeline_parallel_degree"}, "parallelism.balance = \"speed\" with pipeline stages is not supported yet "
+           "(a stage's microbatches would differ in rows from its data-parallel peers')" + even);
+    } else if (s.step.microbatches > 1) {
+      fail({"parallelism.balance", "training.global_batch_size", "training.local_batch_size"}, "parallelism.balance = \"speed\" with gradient "
+           "accumulation (" + std::to_string(s.step.microbatches) + " microbatches a step) is not supported yet: give training.global_batch_size "
+           "without local_batch_size (one microbatch)" + even);
+    }
+    if (s.fault_tolerance.enable) fail({"parallelism.balance", "fault_tolerance.enable"}, "parallelism.balance = \"speed\" with fault tolerance is not supported yet" + even);
+    if (s.auto_strategy) {
+      fail({"parallelism.balance", "parallelism.strategy"}, "parallelism.balance = \"speed\" with parallelism.strategy = \"auto\" is not supported yet "
+           "(auto would plan each split anew); set the degrees yourself" + even);
+    }
+    if (s.dims.ep > 1) {
+      fail({"parallelism.balance", "parallelism.expert_parallel_degree"}, "parallelism.balance = \"speed\" with expert parallelism is not supported yet "
+           "(its all_to_all moves each rank's tokens over dp_shard)" + even);
+    }
+    if (s.device.cuda_graphs) fail({"parallelism.balance", "training.cuda_graphs"}, "parallelism.balance = \"speed\" re-plans the step, which a CUDA graph fixes" + even);
+  }
   problems.throw_if_any();
   return s;
 }

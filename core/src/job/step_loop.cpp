@@ -88,6 +88,14 @@ void StepLoop::resume(const CheckpointMeta& meta) {
 
 void StepLoop::feed_microbatches(TensorMap& feed, const char* name, const at::Tensor& global, const sharding::Placements& pl, const c10::Device& on) const {
   const std::int64_t m = spec.step.microbatches;
+  if (balancer != nullptr) {
+    // This rank's rows of the split in force. Its plan is the job's for dp x its rows (every data-parallel
+    // rank holding as many), so the rows stand for each rank's chunk of that batch and shard_tensor
+    // takes them as any other layout's (tp and cp slicing the same rows alike).
+    const std::int64_t dp = spec.dims.dp_replicate * spec.dims.dp_shard;
+    feed[name] = shard_tensor(global.narrow(0, balancer->offset(), balancer->rows()).repeat({dp, 1}), pl, job.mesh, coord).to(on);
+    return;
+  }
   if (m == 1) {
     feed[name] = shard_tensor(global, pl, job.mesh, coord).to(on);
     return;
@@ -103,18 +111,18 @@ void StepLoop::feed_microbatches(TensorMap& feed, const char* name, const at::Te
 TensorMap StepLoop::run_step(TensorMap& feed, std::int64_t step) {
   if (!spec.device.cuda_graphs || !warmed_up) {
     warmed_up = true;
-    TensorMap out = executor.run(feed, step);
+    TensorMap out = executor->run(feed, step);
     for (const auto& s : names) state[s] = out.at("next." + s);
     return out;
   }
   if (!graph) {
     graph_feed = feed;  // the state's tensors, updated in place by each replay
-    executor.set_capturing(true);
+    executor->set_capturing(true);
     graph = device.capture([&] {
-      graph_out = executor.run(graph_feed, step);
+      graph_out = executor->run(graph_feed, step);
       for (const auto& s : names) graph_feed.at(s).copy_(graph_out.at("next." + s));
     });
-    executor.set_capturing(false);
+    executor->set_capturing(false);
   } else {
     for (const auto& [input, value] : feed) {  // the batch (every microbatch's), lr, step, loss_scale: not the state, updated in place
       if (state.count(input) == 0) graph_feed.at(input).copy_(value);
@@ -135,7 +143,7 @@ double StepLoop::step(std::int64_t step) {
   if (const ProcessFault* f = due_fault(process_faults, env.rank, step, "start"); f != nullptr) ft != nullptr ? ft->act(*f) : fire(*f);
   if (const double factor = compute_slowdown(process_faults, env.rank, step); factor != slowdown_in_force) {
     slowdown_in_force = factor;
-    executor.set_compute_slowdown(factor);
+    executor->set_compute_slowdown(factor);
     std::fprintf(stderr, "SPMDX_FAULT: rank %d runs every compute op %.10g times as long from step %lld\n", env.rank, factor, static_cast<long long>(step));
     std::fflush(stderr);
   }
@@ -168,14 +176,14 @@ double StepLoop::step(std::int64_t step) {
   TensorMap out;
   bool profiling = profiler != nullptr && profiler->chosen(step);
   if (profiling) {
-    executor.set_record_spans(true);
+    executor->set_record_spans(true);
     profiler->start();
   }
   std::string failed;  // fault tolerance: why this rank could not finish the step
   try {
     out = run_step(feed, step);
   } catch (const CommError& e) {
-    if (profiling) profiler->cancel(), executor.set_record_spans(false);
+    if (profiling) profiler->cancel(), executor->set_record_spans(false);
     if (failover) throw StepFailed(e.what(), false);
     if (ft == nullptr) throw;
     failed = e.what();
@@ -209,8 +217,8 @@ double StepLoop::step(std::int64_t step) {
     ft_next_config = d.config;
   }
   if (profiling) {
-    const std::filesystem::path trace = profiler->stop(step, executor.spans());
-    executor.set_record_spans(hooks.empty() ? false : true);
+    const std::filesystem::path trace = profiler->stop(step, executor->spans());
+    executor->set_record_spans(hooks.empty() ? false : true);
     if (lead) std::printf("profiler: step %lld traced in %s (and the other ranks' beside it)\n", static_cast<long long>(step), trace.string().c_str());
   }
   if (failover) {
@@ -239,7 +247,7 @@ double StepLoop::step(std::int64_t step) {
                                   ? " (a float16 forward can overflow, which loss scaling does not guard: if bfloat16 trains, use it; else lower optimizer.lr)"
                                   : ""));
   }
-  const RunStats st = graph ? graph_stats : executor.stats();
+  const RunStats st = graph ? graph_stats : executor->stats();
   if (lead && spec.memory_budget > 0 && st.peak_bytes > spec.memory_budget && !over_budget_said) {
     over_budget_said = true;  // the budget bounds the planned peak; the allocator's may differ by a little (docs/memory.md, "A budget")
     std::printf("warning: step %lld held %lld bytes (%s) at its peak, %lld more than parallelism.memory_budget = %lld bytes; the budget bounds the "
@@ -248,7 +256,7 @@ double StepLoop::step(std::int64_t step) {
                 static_cast<long long>(st.peak_bytes - spec.memory_budget), static_cast<long long>(spec.memory_budget),
                 static_cast<long long>(planned_peak));
   }
-  if (!hooks.empty()) tell_hooks(hooks, step, spec, env, loss, st, names, state, out, state_placements, job.mesh, executor);
+  if (!hooks.empty()) tell_hooks(hooks, step, spec, env, loss, st, names, state, out, state_placements, job.mesh, *executor);
   // Hot-swap at a step boundary: nothing is in flight between runs; the old backend leaves
   // the job, the other one joins it under the next generation's keys. Recorded on this step:
   // its metrics row says what was swapped to, and the line comes after its step line.
@@ -262,7 +270,7 @@ double StepLoop::step(std::int64_t step) {
     const std::string& previous = generation % 2 == 1 ? spec.comm.backend : spec.comm.swap_to;
     backend.reset();
     backend = join_backend(registry, next, spec.comm, env, *store, generation);
-    executor.set_backend(backend.get());
+    executor->set_backend(backend.get());
     if (validation != nullptr) validation->executor.set_backend(backend.get());
     const std::string now = (next == "auto" ? "auto -> " : "") + backend->describe();
     if (metrics) metrics->add_to_next_row("comm_swap", {{"from", previous}, {"to", next}, {"backend", now}, {"generation", generation}});
@@ -310,6 +318,7 @@ double StepLoop::step(std::int64_t step) {
       metrics->add_to_next_row("samples", static_cast<std::int64_t>(trained_rows));
       if (drops > 0) metrics->add_to_next_row("dropped", drops);  // times the step was dropped and run again
     }
+    if (balancer != nullptr) metrics->add_to_next_row("balance_rows", balancer->split());
     metrics->row(step, spec.steps, loss, out.at("grad_norm").item<double>(), lr, trained_rows * static_cast<double>(spec.seq_len) / st.total, st,
                  loss_scaling ? std::optional<std::pair<double, bool>>{{loss_scale, skipped}} : std::nullopt);
   }
@@ -351,11 +360,24 @@ double StepLoop::step(std::int64_t step) {
     }
   }
   if (ft != nullptr && ft_next_config != ft->config().id) reconfigure(ft_next_config, step);
+  if (balancer != nullptr && step < spec.steps) {
+    // Every rank reaches this at every step; the balancer exchanges its rates at the same ones.
+    std::string said;
+    if (balancer->after_step(step, st.total - st.exposed_comm, &said)) {
+      replan();
+      if (lead) std::printf("%s\n", said.c_str()), std::fflush(stdout);
+      if (metrics) {  // what the split was planned from: each data-parallel rank's ms a step, fixed and a row
+        nlohmann::json costs = nlohmann::json::array();
+        for (const RankCost& c : balancer->costs()) costs.push_back({{"fixed_ms", c.fixed * 1e3}, {"row_ms", c.per_row * 1e3}});
+        metrics->add_to_next_row("balance_costs", std::move(costs));
+      }
+    }
+  }
   return loss;
 }
 
 void StepLoop::reconfigure(std::int64_t id, std::int64_t after_step) {
-  executor.set_backend(nullptr);
+  executor->set_backend(nullptr);
   ft->watch(nullptr);
   if (backend) {
     backend->abort();  // what is still queued fails now
@@ -370,7 +392,7 @@ void StepLoop::reconfigure(std::int64_t id, std::int64_t after_step) {
     std::string why;
     try {
       backend = ft->join();
-      executor.set_backend(backend.get());
+      executor->set_backend(backend.get());
       ft->watch(backend.get());
       ft->transfer(*backend, state, names, after_step);
     } catch (const CommError& e) {
@@ -379,7 +401,7 @@ void StepLoop::reconfigure(std::int64_t id, std::int64_t after_step) {
     const FtDecision d = ft->vote_join(why);
     if (d.stop) throw std::runtime_error("fault tolerance: " + d.why + "; the job stops");
     if (d.commit && d.config == id) break;
-    executor.set_backend(nullptr);
+    executor->set_backend(nullptr);
     ft->watch(nullptr);
     if (backend) backend->abort(), backend.reset();
     id = d.config;
@@ -435,10 +457,10 @@ std::int64_t StepLoop::join_restarted() {
 void StepLoop::recover(std::int64_t step, const StepFailed& f) {
   const std::string why = f.voted ? f.what() : vote(*store, vote_key(step), env.rank, env.world_size, f.what(), timeout + 30);
   ++recoveries;
-  executor.set_backend(nullptr);
+  executor->set_backend(nullptr);
   if (validation != nullptr) validation->executor.set_backend(nullptr);
   backend = chain->replace(std::move(backend), step, why);
-  executor.set_backend(backend.get());
+  executor->set_backend(backend.get());
   if (validation != nullptr) validation->executor.set_backend(backend.get());
   for (auto& [name, t] : before) state[name] = std::move(t);
   before.clear();

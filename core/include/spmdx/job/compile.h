@@ -136,6 +136,12 @@ struct CompiledJob {
 /// Throws what place_job and propagation throw (std::invalid_argument naming the plugin or op).
 CompiledJob compile_job(const JobSpec& spec, PluginRegistry& registry);
 
+/// The strategy `plan` took for each node on each mesh dim of size > 1 (sharding::taken_signature),
+/// by node id in its logical graph: JobSpec::auto_choices, which make place_job's propagation take
+/// them again (the auto strategy's chosen plan; parallelism.balance's plan for other rows, whose
+/// costs alone could choose otherwise).
+std::map<std::int64_t, std::map<int, std::string>> plan_choices(const sharding::DistributedPlan& plan);
+
 /// What a validator hook (spec.hooks, e.g. partition_validator) says of a placed job, as it
 /// would on rank 0 before the first step: "" when none objects (or none is enabled).
 using PlanValidator = std::function<std::string(const PlacedJob&, const sharding::DistributedPlan&)>;

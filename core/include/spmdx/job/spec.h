@@ -17,6 +17,7 @@
 #include "spmdx/data/text_dataset.h"
 #include "spmdx/data/tokenizer.h"
 #include "spmdx/hooks/hook_set.h"
+#include "spmdx/job/balance.h"
 #include "spmdx/models/model.h"
 #include "spmdx/plan/runtime_plan.h"
 #include "spmdx/sharding/parallelize.h"
@@ -182,6 +183,7 @@ struct JobSpec {
   std::string memory_fit;          ///< what fit_memory_budget (memory_budget.h) reported, for the start line
   CommSpec comm;              ///< [comm] but the plan's options
   FaultToleranceSpec fault_tolerance;  ///< [fault_tolerance]
+  BalanceSpec balance;        ///< parallelism.balance, balance_interval, balance_threshold (job/balance.h)
   CheckpointSpec checkpoint;  ///< [checkpoint]
   DataSpec data;              ///< [data] and model.tokenizer
   OutputSpec output;          ///< job.dump_folder, [metrics], [debug], [profiling]

@@ -20,6 +20,7 @@
 #include "spmdx/exec/distributed.h"
 #include "spmdx/exec/profiler.h"
 #include "spmdx/hooks/hook_set.h"
+#include "spmdx/job/balance.h"
 #include "spmdx/job/comm_chain.h"
 #include "spmdx/job/compile.h"
 #include "spmdx/job/fault_injection.h"
@@ -49,7 +50,7 @@ struct StepLoop {
   const JobSpec& spec;
   const PlacedJob& job;
   const sharding::DistributedPlan& plan;
-  exec::DistributedExecutor& executor;
+  exec::DistributedExecutor* executor;  // replaced when parallelism.balance re-plans this rank's rows
   exec::Device& device;
   exec::TensorMap& state;
   const std::map<std::string, ir::TensorMeta>& state_metas;
@@ -117,6 +118,11 @@ struct StepLoop {
   std::vector<ProcessFault> process_faults{};  // SPMDX_FAULT's kill, stop, slow, hold at start and commit (each fires once a job)
   double slowdown_in_force = 1;  // SPMDX_FAULT's slow factor in force on this rank (compute_slowdown())
   std::function<void(bool, std::int64_t)> on_lead_change{};
+  // parallelism.balance = "speed": the split of the global batch in force (this rank feeds rows
+  // [offset, offset + rows) of it), and what makes this rank's executor for its rows when the
+  // split changes (every rank calls it at the same step: it makes the backend's groups anew).
+  Balancer* balancer = nullptr;
+  std::function<void()> replan{};
   std::int64_t ft_next_config = 0;  // the configuration the last vote opened
   // The lead's line when the live groups changed: "from step N, k of R replica groups train".
   void say_configuration();
