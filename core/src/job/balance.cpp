@@ -133,7 +133,8 @@ std::string index_cost(std::int64_t index, const RankCost& c) {
 
 }  // namespace
 
-bool Balancer::start(double prior) {
+bool Balancer::start(double prior, std::int64_t first_step) {
+  changed_at_ = first_step - 1;
   costs_ = per_index(exchange("prior", index_cost(dp_index_, {0, 1 / (prior > 0 && std::isfinite(prior) ? prior : 1.0)})));
   const auto before = split_;
   split_ = balanced_rows(global_rows_, costs_);
@@ -163,7 +164,8 @@ bool Balancer::after_step(std::int64_t step, double compute_seconds, std::string
   if (split_ == before) return false;
   if (said != nullptr) {
     std::ostringstream out;
-    out.precision(3);
+    out << std::fixed;
+    out.precision(1);
     out << "balance: after step " << step << ", rows " << split_text(split_) << " (were " << split_text(before) << "; measured ms a step, fixed + a row:";
     for (const RankCost& c : costs_) out << " " << c.fixed * 1e3 << "+" << c.per_row * 1e3;
     out << "; predicted step " << then * 1e3 << " ms, was " << now * 1e3 << " ms)";

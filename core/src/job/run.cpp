@@ -760,7 +760,7 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
     };
     const double share = launch::cpu_share(env);
     const double prior = share > 0 ? share : static_cast<double>(launch::usable_cpus()) / static_cast<double>(std::max(1, env.local_world_size));
-    const bool uneven = balancer->start(prior);
+    const bool uneven = balancer->start(prior, first_step);
     loop.replan();
     if (lead) {
       std::printf("balance: speed; rows per data-parallel rank %s at start (%s), re-planned every %lld steps from their measured compute times when "

@@ -671,8 +671,9 @@ JobSpec job_spec(const config::Config& cfg, std::int64_t world_size, std::int64_
            "(a stage's microbatches would differ in rows from its data-parallel peers')" + even);
     } else if (s.step.microbatches > 1) {
       fail({"parallelism.balance", "training.global_batch_size", "training.local_batch_size"}, "parallelism.balance = \"speed\" with gradient "
-           "accumulation (" + std::to_string(s.step.microbatches) + " microbatches a step) is not supported yet: give training.global_batch_size "
-           "without local_batch_size (one microbatch)" + even);
+           "accumulation (" + std::to_string(s.step.microbatches) + " microbatches a step) is not supported yet: set training.local_batch_size to " +
+           std::to_string(s.global_batch_size / std::max<std::int64_t>(1, s.dims.dp_replicate * s.dims.dp_shard)) + " (global_batch_size / the data-parallel "
+           "degree: one microbatch)" + even);
     }
     if (s.fault_tolerance.enable) fail({"parallelism.balance", "fault_tolerance.enable"}, "parallelism.balance = \"speed\" with fault tolerance is not supported yet" + even);
     if (s.auto_strategy) {

@@ -81,8 +81,9 @@ class Balancer {
 
   /// The split at start: every rank publishes `prior` (its CPU share under spmdx run
   /// --cpu-affinity, else its host's CPUs over its ranks) and the split is proportional to each
-  /// data-parallel index's smallest. Returns true when it is not the even split.
-  bool start(double prior);
+  /// data-parallel index's smallest. `first_step`: the job's first (a resumed job's is past 1),
+  /// which warms up and is not measured. Returns true when it is not the even split.
+  bool start(double prior, std::int64_t first_step = 1);
   /// Records step `step`'s compute seconds (this rank's). After step changed_at + interval it
   /// exchanges the costs (every rank calls this at every step, so all reach it together) and
   /// returns true when the split changed; `said` is then the line to log.
