@@ -533,5 +533,48 @@ TEST(AutoSharding, ABudgetThatExcludesDataParallelIsNotMetByIt) {
   }
 }
 
+// parallelism.balance = "speed" planned (spmdx compile --estimate): a rank's compute at speed 1
+// is the line through the estimates of its plan at the even rows and at half of them, each
+// rank's is that over its speed, and the balanced split is balanced_rows' of those, predicted
+// shorter than the even one, whose slowest rank (speed 0.5) it gives the fewest rows.
+TEST(AutoSharding, BalancePlansTheSplitOfTheGivenSpeeds) {
+  config::Config cfg = config::Config::load(SPMDX_SOURCE_DIR "/configs/llama_fsdp.toml");
+  cfg.override_value("parallelism.data_parallel_replicate_degree", "3");
+  cfg.override_value("parallelism.data_parallel_shard_degree", "1");
+  cfg.override_value("training.global_batch_size", "12");
+  cfg.override_value("training.local_batch_size", "4");
+  cfg.override_value("training.seq_len", "32");
+  cfg.override_value("parallelism.balance", "speed");
+  cfg.override_value("parallelism.balance_speeds", "1,1,0.5");
+  const job::JobSpec spec = job::job_spec(cfg, 3, 256);
+  ASSERT_EQ(spec.balance.speeds, (std::vector<double>{1, 1, 0.5}));
+  const plan::Calibration c{};
+  const job::BalanceEstimate b = job::estimate_balance(spec, registry(), c);
+  EXPECT_EQ(b.even, (std::vector<std::int64_t>{4, 4, 4}));
+  const auto choices = job::balance_choices(spec, registry());
+  const double at4 = job::estimate_job(job::rows_spec(spec, 4, choices), registry(), c).compute_seconds;
+  const double at2 = job::estimate_job(job::rows_spec(spec, 2, choices), registry(), c).compute_seconds;
+  EXPECT_GT(b.line.per_row, 0);
+  EXPECT_NEAR(b.line.at(4), at4, 1e-9 * at4);
+  EXPECT_NEAR(b.line.at(2), at2, 1e-9 * at2);
+  std::vector<job::RankCost> costs;
+  for (double v : b.speeds) costs.push_back({b.line.fixed / v, b.line.per_row / v});
+  EXPECT_EQ(b.balanced, job::balanced_rows(12, costs));
+  EXPECT_LT(b.balanced[2], b.balanced[0]);
+  EXPECT_NEAR(b.even_seconds, costs[2].at(4) + b.comm_seconds, 1e-12);
+  EXPECT_NEAR(b.balanced_seconds, job::predicted_seconds(b.balanced, costs) + b.comm_seconds, 1e-12);
+  EXPECT_LT(b.balanced_seconds, b.even_seconds);
+  // A speed per data-parallel rank, each a number > 0, and only with balance = "speed".
+  cfg.override_value("parallelism.balance_speeds", "1,1");
+  EXPECT_THROW(job::job_spec(cfg, 3, 256), config::ConfigError);
+  cfg.override_value("parallelism.balance_speeds", "1,1,fast");
+  EXPECT_THROW(job::job_spec(cfg, 3, 256), config::ConfigError);
+  cfg.override_value("parallelism.balance_speeds", "1,1,0");
+  EXPECT_THROW(job::job_spec(cfg, 3, 256), config::ConfigError);
+  cfg.override_value("parallelism.balance_speeds", "1,1,1");
+  cfg.override_value("parallelism.balance", "even");
+  EXPECT_THROW(job::job_spec(cfg, 3, 256), config::ConfigError);
+}
+
 }  // namespace
 }  // namespace spmdx

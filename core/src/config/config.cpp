@@ -316,6 +316,10 @@ const std::vector<KeySpec>& schema() {
       n("parallelism.balance_interval", Type::integer, std::int64_t{5},
         "with balance = \"speed\": steps between two re-plans of the split (each measures the steps since the last, the first of a split "
         "not counted)", 2, 1e9),
+      k("parallelism.balance_speeds", Type::string_list, L{},
+        "with balance = \"speed\": each data-parallel rank's relative speed, one a rank in data-parallel order (e.g. [\"1\", \"1\", \"0.5\"]): the split "
+        "at start (before any step is measured; default: the ranks' CPU shares under --cpu-affinity, else even) and what spmdx compile --estimate "
+        "plans with"),
       n("parallelism.balance_threshold", Type::floating, 0.1,
         "with balance = \"speed\": a new split is taken only when it is predicted to shorten the step by more than this share", 0, 0.9),
       k("parallelism.fsdp_reshard_after_forward", Type::string, std::string("default"), "free gathered parameters after forward", -1e300,

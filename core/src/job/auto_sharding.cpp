@@ -718,4 +718,27 @@ plan::StepEstimate estimate_job(const JobSpec& spec, PluginRegistry& registry, c
   return measure(compiled.job, spec, compiled.plan, machine.calibration, machine.ranks_per_host, machine.cores, nullptr, true);
 }
 
+BalanceEstimate estimate_balance(const JobSpec& spec, PluginRegistry& registry, const plan::Calibration& c) {
+  BalanceEstimate out;
+  const std::int64_t dp = spec.dims.dp_replicate * spec.dims.dp_shard;
+  out.speeds = spec.balance.speeds.empty() ? std::vector<double>(static_cast<std::size_t>(dp), 1.0) : spec.balance.speeds;
+  out.even = balanced_rows(spec.global_batch_size, std::vector<RankCost>(static_cast<std::size_t>(dp)));
+  const auto choices = balance_choices(spec, registry);
+  const std::int64_t rows = out.even.front(), fewer = std::max<std::int64_t>(1, rows / 2);
+  const plan::StepEstimate at_rows = estimate_job(rows_spec(spec, rows, choices), registry, c);
+  out.comm_seconds = at_rows.comm_seconds;
+  out.line = {0, at_rows.compute_seconds / static_cast<double>(rows)};
+  if (fewer < rows) {
+    const double at_fewer = estimate_job(rows_spec(spec, fewer, choices), registry, c).compute_seconds;
+    const double per_row = (at_rows.compute_seconds - at_fewer) / static_cast<double>(rows - fewer);
+    if (per_row > 0 && at_rows.compute_seconds - per_row * static_cast<double>(rows) >= 0) out.line = {at_rows.compute_seconds - per_row * static_cast<double>(rows), per_row};
+  }
+  std::vector<RankCost> costs;
+  for (double v : out.speeds) costs.push_back({out.line.fixed / v, out.line.per_row / v});
+  out.balanced = balanced_rows(spec.global_batch_size, costs);
+  out.even_seconds = predicted_seconds(out.even, costs) + out.comm_seconds;
+  out.balanced_seconds = predicted_seconds(out.balanced, costs) + out.comm_seconds;
+  return out;
+}
+
 }  // namespace spmdx::job

@@ -125,6 +125,12 @@ std::vector<RankCost> Balancer::per_index(const std::vector<std::string>& publis
 
 namespace {
 
+std::string ms_text(double seconds) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%.1f", seconds * 1e3);
+  return text;
+}
+
 std::string index_cost(std::int64_t index, const RankCost& c) {
   char text[96];
   std::snprintf(text, sizeof text, "%lld %.17g %.17g", static_cast<long long>(index), c.fixed, c.per_row);
@@ -141,35 +147,70 @@ bool Balancer::start(double prior, std::int64_t first_step) {
   return split_ != before;
 }
 
-bool Balancer::after_step(std::int64_t step, double compute_seconds, std::string* said) {
-  if (step > changed_at_ + 1) window_.push_back(std::max(compute_seconds, 1e-6));  // a split's first step warms up
+namespace {
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+}  // namespace
+
+bool Balancer::after_step(std::int64_t step, double compute_seconds, double step_seconds, std::string* said) {
+  if (step > changed_at_ + 1) {  // a split's first step warms up
+    window_.push_back(std::max(compute_seconds, 1e-6));
+    walls_.push_back(std::max(step_seconds, 1e-6));
+  }
   if (step < changed_at_ + spec_.interval || window_.empty()) return false;
-  std::vector<double> sorted = window_;
-  std::sort(sorted.begin(), sorted.end());
-  window_.clear();
   // The newest median for these rows, after the others' (at most 3 counts of rows: a speed that
   // drifts leaves the fit within a few re-plans).
   std::erase_if(measured_, [&](const auto& m) { return m.first == rows(); });
-  measured_.emplace_back(rows(), sorted[sorted.size() / 2]);
+  measured_.emplace_back(rows(), median(window_));
   if (measured_.size() > 3) measured_.erase(measured_.begin());
-  costs_ = per_index(exchange("cost", index_cost(dp_index_, fit_cost(measured_))));
-  const auto next = balanced_rows(global_rows_, costs_);
-  const double now = predicted_seconds(split_, costs_), then = predicted_seconds(next, costs_);
+  const RankCost mine = fit_cost(measured_);
+  char text[160];
+  std::snprintf(text, sizeof text, "%lld %.17g %.17g %.17g", static_cast<long long>(dp_index_), mine.fixed, mine.per_row, median(walls_));
+  window_.clear(), walls_.clear();
+  const auto published = exchange("cost", text);
+  costs_ = per_index(published);
+  double wall = 0;  // the split's step: the longest of the ranks' medians
+  for (const auto& p : published) {
+    std::istringstream in(p);
+    double index = 0, fixed = 0, per_row = 0, w = 0;
+    in >> index >> fixed >> per_row >> w;
+    wall = std::max(wall, w);
+  }
+  // The steps each split took when last run. One that now takes longer than then by more than
+  // the threshold means the ranks' speeds drifted: what was measured before is forgotten.
+  const double threshold = spec_.threshold;
+  if (const auto it = tried_.find(split_); it != tried_.end() && wall > it->second * (1 + threshold)) tried_.clear(), rejected_.clear();
+  tried_[split_] = wall;
+  const auto best = std::min_element(tried_.begin(), tried_.end(), [](const auto& a, const auto& b) { return a.second < b.second; });
   const auto before = split_;
-  if (next != split_ && then < (1 - spec_.threshold) * now) {
-    split_ = next;
-    ++changes_;
+  std::string why;
+  double then = 0, now = predicted_seconds(split_, costs_);
+  if (best->first != split_ && best->second < wall * (1 - threshold)) {
+    // The model's split ran slower than one run before (contention, or costs the line does not
+    // see): back to that one, and this one is not taken again until the speeds drift.
+    rejected_.insert(split_);
+    split_ = best->first;
+    why = "back to the fastest split measured: its steps took " + ms_text(best->second) + " ms, " + split_text(before) + "'s " + ms_text(wall) + " ms";
+  } else {
+    const auto next = balanced_rows(global_rows_, costs_);
+    then = predicted_seconds(next, costs_);
+    if (next != split_ && rejected_.count(next) == 0 && then < (1 - threshold) * now) {
+      split_ = next;
+      why = "predicted compute " + ms_text(then) + " ms a step, was " + ms_text(now) + " ms; steps took " + ms_text(wall) + " ms";
+    }
   }
   changed_at_ = step;  // measured afresh from here, the next step warming up a new split
   if (split_ == before) return false;
+  ++changes_;
   if (said != nullptr) {
-    std::ostringstream out;
-    out << std::fixed;
-    out.precision(1);
-    out << "balance: after step " << step << ", rows " << split_text(split_) << " (were " << split_text(before) << "; measured ms a step, fixed + a row:";
-    for (const RankCost& c : costs_) out << " " << c.fixed * 1e3 << "+" << c.per_row * 1e3;
-    out << "; predicted step " << then * 1e3 << " ms, was " << now * 1e3 << " ms)";
-    *said = out.str();
+    std::string lines;
+    for (const RankCost& c : costs_) lines += " " + ms_text(c.fixed) + "+" + ms_text(c.per_row);
+    *said = "balance: after step " + std::to_string(step) + ", rows " + split_text(split_) + " (were " + split_text(before) + "; measured ms a step, fixed + a row:" +
+            lines + "; " + why + ")";
   }
   return true;
 }

@@ -285,6 +285,18 @@ CompiledJob::CompiledJob(const JobSpec& spec, PluginRegistry& registry) : job(pl
 
 CompiledJob compile_job(const JobSpec& spec, PluginRegistry& registry) { return CompiledJob(spec, registry); }
 
+std::map<std::int64_t, std::map<int, std::string>> balance_choices(const JobSpec& spec, PluginRegistry& registry) {
+  const std::int64_t rows = std::max<std::int64_t>(spec.global_batch_size, (65536 + spec.seq_len - 1) / spec.seq_len);
+  return plan_choices(CompiledJob(rows_spec(spec, rows, {}), registry).plan);
+}
+
+JobSpec rows_spec(const JobSpec& spec, std::int64_t rows, const std::map<std::int64_t, std::map<int, std::string>>& choices) {
+  JobSpec s = spec;
+  s.global_batch_size = spec.dims.dp_replicate * spec.dims.dp_shard * rows;
+  s.auto_choices = choices;
+  return s;
+}
+
 std::map<std::int64_t, std::map<int, std::string>> plan_choices(const sharding::DistributedPlan& plan) {
   std::map<std::int64_t, std::map<int, std::string>> out;
   for (const auto& node : plan.graph->nodes()) {

@@ -474,19 +474,17 @@ void print_done(const JobSpec& spec, std::int64_t first_step, double seconds, do
 }
 
 // parallelism.balance = "speed": this rank's program for `rows` rows, the job compiled for dp x
-// rows (every data-parallel rank as many) with every op's strategy as the even plan took it
-// (`choices`), which leaves the state's placements and the collectives over the data-parallel
-// dims as they are (Balancer::check_same_collectives checks the latter).
+// rows (every data-parallel rank as many) with every op's strategy pinned (`choices`:
+// balance_choices'), which leaves the state's placements and the collectives over the
+// data-parallel dims as they are (Balancer::check_same_collectives checks the latter).
 struct BalancedProgram {
   std::unique_ptr<CompiledJob> compiled;
   ir::Graph graph;
 };
 
-BalancedProgram balanced_program(const JobSpec& spec, PluginRegistry& registry, int rank, std::int64_t rows, std::int64_t dp, const sharding::Placements& tokens_pl,
+BalancedProgram balanced_program(const JobSpec& spec, PluginRegistry& registry, int rank, std::int64_t rows, const sharding::Placements& tokens_pl,
                                  const std::map<std::int64_t, std::map<int, std::string>>& choices) {
-  JobSpec s = spec;
-  s.global_batch_size = dp * rows;
-  s.auto_choices = choices;  // the even plan's strategy for every op: costs at other rows could choose otherwise
+  const JobSpec s = rows_spec(spec, rows, choices);
   BalancedProgram p{std::make_unique<CompiledJob>(s, registry), {}};
   p.graph = rank_program(p.compiled->job, p.compiled->plan, rank, s);
   const ir::Value* tokens = p.graph.find_input("tokens");
@@ -739,16 +737,10 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
     balancer.emplace(spec.balance, spec.global_batch_size, dp, data_parallel_index(job.mesh, job.mesh.coordinate(plan_rank)), env.rank, env.world_size,
                      *joined.store, timeout);
     loop.balancer = &*balancer;
-    // Every op's strategy is the one propagation takes for at least 64 Ki tokens a data-parallel
-    // rank: there moving activations costs more than moving gradients, so every op keeps its rows
-    // (data parallelism proper), where a few rows' costs can choose to move activations between
-    // the ranks, which unequal rows cannot do. Each split's plan takes the same strategies.
-    JobSpec large = spec;
-    large.global_batch_size = dp * std::max<std::int64_t>(spec.global_batch_size, (65536 + spec.seq_len - 1) / spec.seq_len);
-    loop.replan = [&, choices = plan_choices(CompiledJob(large, registry).plan)] {
+    loop.replan = [&, choices = balance_choices(spec, registry)] {
       const std::int64_t rows = balancer->rows();
       auto it = programs.find(rows);
-      if (it == programs.end()) it = programs.emplace(rows, balanced_program(spec, registry, env.rank, rows, dp, loop.tokens_pl, choices)).first;
+      if (it == programs.end()) it = programs.emplace(rows, balanced_program(spec, registry, env.rank, rows, loop.tokens_pl, choices)).first;
       // Every rank makes its executor anew, in the same order: each makes the backend's groups.
       loop.executor = nullptr;
       balanced_executor = std::make_unique<DistributedExecutor>(it->second.graph, run_mesh(job), env.rank, backend.get(), timeout, spec.plan, device.get());
@@ -758,14 +750,19 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
       balancer->check_same_collectives(data_parallel_collectives_hash(it->second.graph, balanced_executor->plan(), run_mesh(job)),
                                        "rows " + std::to_string(rows) + " on rank " + std::to_string(env.rank));
     };
+    // The split at start: parallelism.balance_speeds when given, else the CPUs a rank has.
     const double share = launch::cpu_share(env);
-    const double prior = share > 0 ? share : static_cast<double>(launch::usable_cpus()) / static_cast<double>(std::max(1, env.local_world_size));
+    const std::int64_t dp_index = data_parallel_index(job.mesh, job.mesh.coordinate(plan_rank));
+    const double prior = !spec.balance.speeds.empty() ? spec.balance.speeds.at(static_cast<std::size_t>(dp_index))
+                         : share > 0                   ? share
+                                                       : static_cast<double>(launch::usable_cpus()) / static_cast<double>(std::max(1, env.local_world_size));
     const bool uneven = balancer->start(prior, first_step);
     loop.replan();
     if (lead) {
       std::printf("balance: speed; rows per data-parallel rank %s at start (%s), re-planned every %lld steps from their measured compute times when "
                   "%.3g shorter\n",
-                  split_text(balancer->split()).c_str(), uneven ? "in proportion to their CPU shares" : "even", static_cast<long long>(spec.balance.interval),
+                  split_text(balancer->split()).c_str(),
+                  !uneven ? "even" : spec.balance.speeds.empty() ? "in proportion to their CPU shares" : "in proportion to parallelism.balance_speeds", static_cast<long long>(spec.balance.interval),
                   spec.balance.threshold);
       std::fflush(stdout);
     }

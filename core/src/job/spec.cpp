@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <ctime>
 #include <filesystem>
 #include <limits>
@@ -662,8 +663,32 @@ JobSpec job_spec(const config::Config& cfg, std::int64_t world_size, std::int64_
     if (s.device.kind != "cpu") fail({"fault_tolerance.enable", "training.device"}, "fault tolerance runs on training.device = \"cpu\" for now (the state transfer to a restarted group is host memory)");
     if (s.validation.enable) fail({"fault_tolerance.enable", "validation.enable"}, "fault tolerance with validation is not supported yet" + off);
   }
+  const auto& speeds = cfg.get_list("parallelism.balance_speeds");
+  if (!speeds.empty() && cfg.get_string("parallelism.balance") != "speed") {
+    fail({"parallelism.balance_speeds", "parallelism.balance"}, "parallelism.balance_speeds is given, but parallelism.balance is \"" + cfg.get_string("parallelism.balance") +
+         "\": the speeds split the batch only with balance = \"speed\"; set it, or remove balance_speeds");
+  }
   if (cfg.get_string("parallelism.balance") == "speed") {
-    s.balance = {true, cfg.get_int("parallelism.balance_interval"), cfg.get_float("parallelism.balance_threshold")};
+    s.balance = {true, cfg.get_int("parallelism.balance_interval"), cfg.get_float("parallelism.balance_threshold"), {}};
+    const std::int64_t dp = s.dims.dp_replicate * s.dims.dp_shard;
+    for (const auto& text : speeds) {
+      char* end = nullptr;
+      const double v = std::strtod(text.c_str(), &end);
+      if (text.empty() || end != text.c_str() + text.size() || text.find_first_not_of("0123456789.eE+-") != std::string::npos || !std::isfinite(v) || v <= 0) {
+        fail({"parallelism.balance_speeds"}, "parallelism.balance_speeds: '" + text + "' is not a speed: give each data-parallel rank's relative speed as a decimal number > 0, e.g. [\"1\", \"0.5\"]");
+        s.balance.speeds.clear();
+        break;
+      }
+      s.balance.speeds.push_back(v);
+    }
+    if (!s.balance.speeds.empty() && degrees_ok && static_cast<std::int64_t>(s.balance.speeds.size()) != dp) {
+      fail({"parallelism.balance_speeds", kDegreeKeys[0], kDegreeKeys[1]}, "parallelism.balance_speeds gives " + std::to_string(s.balance.speeds.size()) +
+           " speeds for " + std::to_string(dp) + " data-parallel ranks: give one a data-parallel rank, in their order (dp_replicate outer, dp_shard inner)");
+    }
+    if (degrees_ok && s.global_batch_size < dp) {
+      fail({"training.global_batch_size", "parallelism.balance"}, "training.global_batch_size " + std::to_string(s.global_batch_size) + " cannot give each of the " +
+           std::to_string(dp) + " data-parallel ranks a row");
+    }
     // What a rank's own rows cannot change yet: each would need its split taken apart.
     const std::string even = "; set parallelism.balance = \"even\"";
     if (s.pipeline.stages > 1) {
@@ -673,18 +698,32 @@ JobSpec job_spec(const config::Config& cfg, std::int64_t world_size, std::int64_
       fail({"parallelism.balance", "training.global_batch_size", "training.local_batch_size"}, "parallelism.balance = \"speed\" with gradient "
            "accumulation (" + std::to_string(s.step.microbatches) + " microbatches a step) is not supported yet: set training.local_batch_size to " +
            std::to_string(s.global_batch_size / std::max<std::int64_t>(1, s.dims.dp_replicate * s.dims.dp_shard)) + " (global_batch_size / the data-parallel "
-           "degree: one microbatch)" + even);
+           "degree: one microbatch), or set parallelism.balance = \"even\"");
+    }
+    if (s.dims.cp > 1) {  // its loss gathers rows across the data-parallel dims, which unequal rows would make unequal collectives
+      fail({"parallelism.balance", "parallelism.context_parallel_degree"}, "parallelism.balance = \"speed\" with context parallelism is not supported yet "
+           "(its loss gathers rows across the data-parallel ranks, whose counts would differ)" + even);
     }
     if (s.fault_tolerance.enable) fail({"parallelism.balance", "fault_tolerance.enable"}, "parallelism.balance = \"speed\" with fault tolerance is not supported yet" + even);
     if (s.auto_strategy) {
       fail({"parallelism.balance", "parallelism.strategy"}, "parallelism.balance = \"speed\" with parallelism.strategy = \"auto\" is not supported yet "
-           "(auto would plan each split anew); set the degrees yourself" + even);
+           "(auto would plan each split anew): set the degrees yourself, or set parallelism.balance = \"even\"");
     }
     if (s.dims.ep > 1) {
       fail({"parallelism.balance", "parallelism.expert_parallel_degree"}, "parallelism.balance = \"speed\" with expert parallelism is not supported yet "
            "(its all_to_all moves each rank's tokens over dp_shard)" + even);
     }
-    if (s.device.cuda_graphs) fail({"parallelism.balance", "training.cuda_graphs"}, "parallelism.balance = \"speed\" re-plans the step, which a CUDA graph fixes" + even);
+    if (s.device.cuda_graphs && dp > 1) fail({"parallelism.balance", "training.cuda_graphs"}, "parallelism.balance = \"speed\" re-plans the step, which a CUDA graph fixes" + even);
+    if (degrees_ok && dp == 1) {
+      SPMDX_WARN(cfg.where({"parallelism.balance"}) << ": parallelism.balance = \"speed\" with one data-parallel rank has no batch to split: it does nothing");
+    } else if (s.balance.interval >= s.steps) {
+      SPMDX_WARN(cfg.where({"parallelism.balance_interval", "training.steps"}) << ": parallelism.balance_interval " << s.balance.interval << " is not less than training.steps "
+                                                                              << s.steps << ": the split is never re-planned from measured steps in this run");
+    }
+  } else {
+    for (const char* key : {"parallelism.balance_interval", "parallelism.balance_threshold"}) {
+      if (cfg.is_set(key)) SPMDX_WARN(cfg.where({key}) << ": " << key << " acts only with parallelism.balance = \"speed\" (it is \"" << cfg.get_string("parallelism.balance") << "\"): ignored");
+    }
   }
   problems.throw_if_any();
   return s;

@@ -363,7 +363,7 @@ double StepLoop::step(std::int64_t step) {
   if (balancer != nullptr && step < spec.steps) {
     // Every rank reaches this at every step; the balancer exchanges its rates at the same ones.
     std::string said;
-    if (balancer->after_step(step, st.total - st.exposed_comm, &said)) {
+    if (balancer->after_step(step, st.total - st.exposed_comm, st.total, &said)) {
       replan();
       if (lead) std::printf("%s\n", said.c_str()), std::fflush(stdout);
       if (metrics) {  // what the split was planned from: each data-parallel rank's ms a step, fixed and a row

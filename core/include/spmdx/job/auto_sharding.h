@@ -115,4 +115,18 @@ AutoReport choose_auto(JobSpec& spec, PluginRegistry& registry);
 /// planning_machine(spec, c).
 plan::StepEstimate estimate_job(const JobSpec& spec, PluginRegistry& registry, const plan::Calibration& c);
 
+/// parallelism.balance = "speed" planned: a data-parallel rank's predicted compute at speed 1 as a
+/// line (estimate_job of rows_spec at the even rows and at half of them), each rank's that over
+/// its parallelism.balance_speeds (1 each when not given), the even split and the split
+/// balanced_rows makes of them, and each one's predicted step (the slowest rank's compute plus
+/// the even plan's communication: the collectives move the parameters' and gradients' bytes,
+/// whatever the rows).
+struct BalanceEstimate {
+  std::vector<double> speeds;
+  RankCost line;  ///< seconds at speed 1: fixed + rows x per_row
+  std::vector<std::int64_t> even, balanced;
+  double comm_seconds = 0, even_seconds = 0, balanced_seconds = 0;
+};
+BalanceEstimate estimate_balance(const JobSpec& spec, PluginRegistry& registry, const plan::Calibration& c);
+
 }  // namespace spmdx::job

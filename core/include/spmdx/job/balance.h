@@ -19,6 +19,8 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -32,6 +34,9 @@ struct BalanceSpec {
   bool speed = false;          ///< "speed"; false: "even" (every data-parallel rank global / dp rows, as DDP)
   std::int64_t interval = 5;   ///< steps between two re-plans, at least 2 (the first step of a split is warm-up, not measured)
   double threshold = 0.1;      ///< re-plan when the predicted step is shorter by more than this share
+  /// parallelism.balance_speeds: each data-parallel rank's relative speed (empty: not given),
+  /// the split at start and what spmdx compile --estimate plans with.
+  std::vector<double> speeds;
 };
 
 /// A rank's compute time for a step of `rows` rows, in seconds: fixed + rows x per_row (the
@@ -84,10 +89,14 @@ class Balancer {
   /// data-parallel index's smallest. `first_step`: the job's first (a resumed job's is past 1),
   /// which warms up and is not measured. Returns true when it is not the even split.
   bool start(double prior, std::int64_t first_step = 1);
-  /// Records step `step`'s compute seconds (this rank's). After step changed_at + interval it
-  /// exchanges the costs (every rank calls this at every step, so all reach it together) and
-  /// returns true when the split changed; `said` is then the line to log.
-  bool after_step(std::int64_t step, double compute_seconds, std::string* said);
+  /// Records step `step`'s compute seconds and wall seconds (this rank's). After step
+  /// changed_at + interval it exchanges the costs and the median steps (every rank calls this at
+  /// every step, so all reach it together) and returns true when the split changed; `said` is
+  /// then the line to log. The model's split is taken when predicted shorter by more than the
+  /// threshold; a split whose steps ran longer than the fastest split measured by more than the
+  /// threshold goes back to that one (and is not taken again until the steps of a split run
+  /// longer than they did by more than the threshold: the speeds drifted).
+  bool after_step(std::int64_t step, double compute_seconds, double step_seconds, std::string* said);
 
   const std::vector<std::int64_t>& split() const noexcept { return split_; }
   std::int64_t rows() const { return split_.at(static_cast<std::size_t>(dp_index_)); }
@@ -117,6 +126,9 @@ class Balancer {
   std::vector<RankCost> costs_;
   std::vector<double> window_;       // compute seconds of the measured steps of this split
   std::vector<std::pair<std::int64_t, double>> measured_;  // (rows, median seconds) of the last splits, one per count of rows
+  std::vector<double> walls_;                              // wall seconds of the measured steps of this split
+  std::map<std::vector<std::int64_t>, double> tried_;      // each split run: its step (the slowest rank's median), when last run
+  std::set<std::vector<std::int64_t>> rejected_;           // splits that ran slower than the fastest tried
   std::int64_t changed_at_ = 0;      // the split in force took effect after this step
   std::int64_t changes_ = 0;
   std::int64_t exchanges_ = 0;       // part of each exchange's store key

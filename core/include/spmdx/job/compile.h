@@ -142,6 +142,16 @@ CompiledJob compile_job(const JobSpec& spec, PluginRegistry& registry);
 /// costs alone could choose otherwise).
 std::map<std::int64_t, std::map<int, std::string>> plan_choices(const sharding::DistributedPlan& plan);
 
+/// parallelism.balance = "speed": every op's strategy as propagation takes it for at least 64 Ki
+/// tokens a data-parallel rank (the job compiled for that batch; plan_choices). There moving
+/// activations costs more than moving gradients, so every op keeps its rows (data parallelism
+/// proper); at a few rows the costs can choose to all_gather activations between the
+/// data-parallel ranks, which unequal rows cannot do. Every split's plan takes these.
+std::map<std::int64_t, std::map<int, std::string>> balance_choices(const JobSpec& spec, PluginRegistry& registry);
+/// `spec` as one data-parallel rank of `rows` rows plans it: the global batch dp x rows (every
+/// data-parallel rank as many), `choices` (balance_choices') pinned.
+JobSpec rows_spec(const JobSpec& spec, std::int64_t rows, const std::map<std::int64_t, std::map<int, std::string>>& choices);
+
 /// What a validator hook (spec.hooks, e.g. partition_validator) says of a placed job, as it
 /// would on rank 0 before the first step: "" when none objects (or none is enabled).
 using PlanValidator = std::function<std::string(const PlacedJob&, const sharding::DistributedPlan&)>;
