@@ -15,7 +15,7 @@
 # line first, then per scenario even ms, speed ms, speed / even and the split. Goal (issue 49):
 # speed / even <= 0.75 with one rank 3x slower. Not a test: times depend on the machine and its
 # load. Needs 2 CPUs (the affinity lists name CPUs 0 and 1).
-# Usage: bench/hetero.sh [ROUNDS]   (env LAYOUT GLOBAL SEQ STEPS TIMED_FROM SLOW_RANK; about 4
+# Usage: bench/hetero.sh [ROUNDS]   (env LAYOUT GLOBAL SEQ STEPS TIMED_FROM SLOW_RANK KEEP; about 4.5
 # minutes a round here)
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -370,7 +370,7 @@ int run_compile(const CompileOptions& o) {
         speeds += one;
       }
       std::printf("balance (speed): data-parallel ranks at speeds %s (%s); a rank's compute at speed 1: %.2f ms + %.2f ms a row; even %s predicts %.2f ms a step, "
-                  "balanced %s %.2f ms (%.2fx); spmdx run starts from %s and re-plans from measured steps\n",
+                  "balanced %s %.2f ms (%.2fx); spmdx run starts from %s, and re-plans from measured steps\n",
                   speeds.c_str(), spec.balance.speeds.empty() ? "equal: parallelism.balance_speeds not given" : "parallelism.balance_speeds", b.line.fixed * 1e3,
                   b.line.per_row * 1e3, spmdx::job::split_text(b.even).c_str(), b.even_seconds * 1e3, spmdx::job::split_text(b.balanced).c_str(), b.balanced_seconds * 1e3,
                   b.balanced_seconds / b.even_seconds, spec.balance.speeds.empty() ? "the ranks' CPU shares (--cpu-affinity), else even" : "the balanced split");

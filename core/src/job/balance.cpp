@@ -172,6 +172,7 @@ bool Balancer::after_step(std::int64_t step, double compute_seconds, double step
   std::snprintf(text, sizeof text, "%lld %.17g %.17g %.17g", static_cast<long long>(dp_index_), mine.fixed, mine.per_row, median(walls_));
   window_.clear(), walls_.clear();
   const auto published = exchange("cost", text);
+  exchanged_after_ = step;
   costs_ = per_index(published);
   double wall = 0;  // the split's step: the longest of the ranks' medians
   for (const auto& p : published) {

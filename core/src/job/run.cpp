@@ -749,6 +749,18 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
       loop.executor = balanced_executor.get();
       balancer->check_same_collectives(data_parallel_collectives_hash(it->second.graph, balanced_executor->plan(), run_mesh(job)),
                                        "rows " + std::to_string(rows) + " on rank " + std::to_string(env.rank));
+      // The step's planned peak for these rows: checked against the host's memory, as at start,
+      // and what the step lines and metrics.jsonl compare the allocator's peak with.
+      plan::MemoryPlan now = balanced_executor->memory();
+      if (chain && spec.comm.failover()) now.add_state_copy(state_copy_bytes(it->second.graph, job.model.params));
+      check_host_memory(now, env, *device, spec, job.model, tokenizer->vocab_size());
+      loop.planned_peak = now.peak_bytes;
+      if (loop.metrics != nullptr) {
+        loop.metrics->set_planned_peak(now.peak_bytes);
+        std::printf("balance: rank %d plans %lld rows a step, planned peak memory %s\n", env.rank, static_cast<long long>(rows),
+                    human_bytes(static_cast<double>(now.peak_bytes)).c_str());
+        std::fflush(stdout);
+      }
     };
     // The split at start: parallelism.balance_speeds when given, else the CPUs a rank has.
     const double share = launch::cpu_share(env);
@@ -757,7 +769,6 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
                          : share > 0                   ? share
                                                        : static_cast<double>(launch::usable_cpus()) / static_cast<double>(std::max(1, env.local_world_size));
     const bool uneven = balancer->start(prior, first_step);
-    loop.replan();
     if (lead) {
       std::printf("balance: speed; rows per data-parallel rank %s at start (%s), re-planned every %lld steps from their measured compute times when "
                   "%.3g shorter\n",
@@ -766,6 +777,7 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
                   spec.balance.threshold);
       std::fflush(stdout);
     }
+    loop.replan();
   }
   std::int64_t start_step = first_step;
   if (ft) {

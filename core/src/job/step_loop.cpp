@@ -364,13 +364,13 @@ double StepLoop::step(std::int64_t step) {
     // Every rank reaches this at every step; the balancer exchanges its rates at the same ones.
     std::string said;
     if (balancer->after_step(step, st.total - st.exposed_comm, st.total, &said)) {
-      replan();
       if (lead) std::printf("%s\n", said.c_str()), std::fflush(stdout);
-      if (metrics) {  // what the split was planned from: each data-parallel rank's ms a step, fixed and a row
-        nlohmann::json costs = nlohmann::json::array();
-        for (const RankCost& c : balancer->costs()) costs.push_back({{"fixed_ms", c.fixed * 1e3}, {"row_ms", c.per_row * 1e3}});
-        metrics->add_to_next_row("balance_costs", std::move(costs));
-      }
+      replan();
+    }
+    if (metrics && balancer->exchanged_after() == step) {  // what each re-plan saw, kept split or not: each data-parallel rank's ms a step, fixed and a row
+      nlohmann::json costs = nlohmann::json::array();
+      for (const RankCost& c : balancer->costs()) costs.push_back({{"fixed_ms", c.fixed * 1e3}, {"row_ms", c.per_row * 1e3}});
+      metrics->add_to_next_row("balance_costs", std::move(costs));
     }
   }
   return loss;

@@ -105,6 +105,9 @@ class Balancer {
   /// Per data-parallel index, the costs of the last exchange (at start: 1 / the prior a row).
   const std::vector<RankCost>& costs() const noexcept { return costs_; }
   std::int64_t changes() const noexcept { return changes_; }
+  /// The step after which the costs were last exchanged (a re-plan, whether or not it changed
+  /// the split; 0: none yet).
+  std::int64_t exchanged_after() const noexcept { return exchanged_after_; }
 
   /// Every rank's hash of what it runs over the data-parallel mesh dims must be the same (the
   /// collectives of a rank's plan for its rows: their ops, shapes and order); throws
@@ -131,6 +134,7 @@ class Balancer {
   std::set<std::vector<std::int64_t>> rejected_;           // splits that ran slower than the fastest tried
   std::int64_t changed_at_ = 0;      // the split in force took effect after this step
   std::int64_t changes_ = 0;
+  std::int64_t exchanged_after_ = 0;
   std::int64_t exchanges_ = 0;       // part of each exchange's store key
 };
 

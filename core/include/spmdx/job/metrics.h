@@ -27,6 +27,9 @@ class MetricsWriter {
   /// `key` = `value` in the next row written (a fallback, the backend after it).
   void add_to_next_row(const std::string& key, nlohmann::json value) { next_row_[key] = std::move(value); }
 
+  /// The planned peak the rows report from now on (parallelism.balance's plan for this rank's new rows).
+  void set_planned_peak(std::int64_t bytes) { planned_peak_ = bytes; }
+
   /// MFU's basis (torchtitan's metrics: tflops = FLOPs per token x tokens/s per rank / 1e12,
   /// mfu = 100 x that / peak): `flops_per_token` (models::flops_per_token, 6N + attention), the
   /// `ranks` the step's tokens are trained by (tokens/s per rank = tokens/s / ranks, torchtitan's
