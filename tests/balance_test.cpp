@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include <cmath>
+#include <functional>
 #include <thread>
 
 #include "run_util.h"
@@ -71,80 +72,79 @@ TEST(Balance, TheDataParallelIndexCountsTheBatchDimsOnly) {
   EXPECT_TRUE(is_data_parallel_dim("efsdp"));
 }
 
-// Three ranks, each a thread with its own client of a real store, fed compute times of
-// t = s (20 ms + 10 ms a row) with s = 1, 1, 3 (the third rank 3x slower in everything). Every
-// rank must take the same split at the same step: first proportional to the even split's times,
-// then, with two counts of rows measured, the split of the exact lines.
-TEST(Balance, EveryRankTakesTheSameSplitAtTheSameStep) {
+// Three ranks, each a thread with its own client of a real store and its own Balancer over
+// `rows` rows (interval 3, threshold 0.05), run `steps` steps, each step taking seconds(rank,
+// split) of compute and of wall time. Per rank: the split of each step, and each line said.
+struct Ranks {
+  std::vector<std::vector<std::vector<std::int64_t>>> splits = std::vector<std::vector<std::vector<std::int64_t>>>(3);
+  std::vector<std::vector<std::string>> said = std::vector<std::vector<std::string>>(3);
+  std::vector<std::vector<std::int64_t>> changed_after = std::vector<std::vector<std::int64_t>>(3);
+};
+Ranks run_ranks(std::int64_t rows, std::int64_t steps, const std::function<double(int, const std::vector<std::int64_t>&)>& seconds) {
   comm::TcpStoreServer server("127.0.0.1", 0, "tok");
-  const BalanceSpec spec{true, 3, 0.05, {}};
-  const std::vector<double> slowness{1, 1, 3};
-  std::vector<std::vector<std::vector<std::int64_t>>> splits(3);
-  std::vector<std::vector<std::int64_t>> changed_after(3);
-  std::vector<std::string> said(3);
-  std::vector<std::thread> ranks;
+  Ranks out;
+  std::vector<std::thread> threads;
   for (int r = 0; r < 3; ++r) {
-    ranks.emplace_back([&, r] {
+    threads.emplace_back([&, r] {
+      const auto i = static_cast<std::size_t>(r);
       comm::TcpStore store("127.0.0.1", server.port(), "tok", 10, r);
-      Balancer b(spec, 14, 3, r, r, 3, store, 10);
+      Balancer b(BalanceSpec{true, 3, 0.05, {}}, rows, 3, r, r, 3, store, 10);
       EXPECT_FALSE(b.start(1.0));  // equal priors: the even split
-      for (std::int64_t step = 1; step <= 12; ++step) {
-        splits[static_cast<std::size_t>(r)].push_back(b.split());
-        const double t = slowness[static_cast<std::size_t>(r)] * (0.020 + 0.010 * static_cast<double>(b.rows()));
+      for (std::int64_t step = 1; step <= steps; ++step) {
+        out.splits[i].push_back(b.split());
+        const double t = seconds(r, b.split());
         std::string line;
-        if (b.after_step(step, t, t, &line)) changed_after[static_cast<std::size_t>(r)].push_back(step), said[static_cast<std::size_t>(r)] = line;
+        if (b.after_step(step, t, t, &line)) out.changed_after[i].push_back(step), out.said[i].push_back(line);
       }
     });
   }
-  for (auto& t : ranks) t.join();
-  EXPECT_EQ(splits[0], splits[1]);
-  EXPECT_EQ(splits[0], splits[2]);
-  EXPECT_EQ(changed_after[0], changed_after[2]);
-  ASSERT_FALSE(splits[0].empty());
-  EXPECT_THAT(splits[0].front(), ElementsAre(5, 5, 4));
+  for (auto& t : threads) t.join();
+  return out;
+}
+
+// Compute times of t = s (20 ms + 10 ms a row) with s = 1, 1, 3 (the third rank 3x slower in
+// everything). Every rank must take the same split at the same step: first proportional to the
+// even split's times, then, with two counts of rows measured, the split of the exact lines.
+TEST(Balance, EveryRankTakesTheSameSplitAtTheSameStep) {
+  const std::vector<double> slowness{1, 1, 3};
+  const Ranks r = run_ranks(14, 12, [&](int rank, const std::vector<std::int64_t>& split) {
+    const auto i = static_cast<std::size_t>(rank);
+    return slowness[i] * (0.020 + 0.010 * static_cast<double>(split[i]));
+  });
+  EXPECT_EQ(r.splits[0], r.splits[1]);
+  EXPECT_EQ(r.splits[0], r.splits[2]);
+  EXPECT_EQ(r.changed_after[0], r.changed_after[2]);
+  ASSERT_EQ(r.splits[0].size(), 12u);
+  EXPECT_THAT(r.splits[0].front(), ElementsAre(5, 5, 4));
   // After step 3: the even split's times, 70, 70 and 180 ms for 5, 5 and 4 rows, read as
   // proportional: 14, 14 and 45 ms a row.
-  EXPECT_EQ(splits[0][3], balanced_rows(14, {{0, 0.014}, {0, 0.014}, {0, 0.045}}));
+  EXPECT_EQ(r.splits[0][3], balanced_rows(14, {{0, 0.014}, {0, 0.014}, {0, 0.045}}));
   // Once two counts of rows are measured the lines are exact, and the split is theirs.
   const auto exact = balanced_rows(14, {{0.020, 0.010}, {0.020, 0.010}, {0.060, 0.030}});
-  EXPECT_EQ(splits[0].back(), exact);
+  EXPECT_EQ(r.splits[0].back(), exact);
   EXPECT_THAT(exact, ElementsAre(7, 6, 1));  // 90, 80 and 90 ms, where 6:6:2 takes 120
-  EXPECT_THAT(said[0], HasSubstr("rows 7:6:1"));
+  ASSERT_FALSE(r.said[0].empty());
+  EXPECT_THAT(r.said[0].back(), HasSubstr("rows 7:6:1"));
 }
 
 // A split the model chose that runs slower than one measured before (here every uneven split
 // pays 200 ms more, as contention the cost lines do not see would): the ranks go back to the
 // fastest split measured, say so, and do not take the slower one again.
 TEST(Balance, ASplitSlowerThanOneMeasuredBeforeIsLeft) {
-  comm::TcpStoreServer server("127.0.0.1", 0, "tok");
-  const BalanceSpec spec{true, 3, 0.05, {}};
   const std::vector<double> slowness{1, 1, 3};
-  std::vector<std::vector<std::vector<std::int64_t>>> splits(3);
-  std::vector<std::vector<std::string>> said(3);
-  std::vector<std::thread> ranks;
-  for (int r = 0; r < 3; ++r) {
-    ranks.emplace_back([&, r] {
-      comm::TcpStore store("127.0.0.1", server.port(), "tok", 10, r);
-      Balancer b(spec, 12, 3, r, r, 3, store, 10);
-      b.start(1.0);
-      for (std::int64_t step = 1; step <= 15; ++step) {
-        splits[static_cast<std::size_t>(r)].push_back(b.split());
-        const bool even = b.split() == std::vector<std::int64_t>{4, 4, 4};
-        const double t = slowness[static_cast<std::size_t>(r)] * 0.010 * static_cast<double>(b.rows()) + (even ? 0 : 0.2);
-        std::string line;
-        if (b.after_step(step, t, t, &line)) said[static_cast<std::size_t>(r)].push_back(line);
-      }
-    });
-  }
-  for (auto& t : ranks) t.join();
-  EXPECT_EQ(splits[0], splits[2]);
-  ASSERT_EQ(splits[0].size(), 15u);
-  EXPECT_NE(splits[0][3], (std::vector<std::int64_t>{4, 4, 4}));  // the model's split, after step 3
-  EXPECT_EQ(splits[0][6], (std::vector<std::int64_t>{4, 4, 4}));  // back, after step 6
-  EXPECT_EQ(splits[0].back(), (std::vector<std::int64_t>{4, 4, 4}));  // and it stays
-  ASSERT_EQ(said[0].size(), 2u);
-  EXPECT_THAT(said[0][1], HasSubstr("rows 4:4:4"));
-  EXPECT_THAT(said[0][1], HasSubstr("back to the fastest split measured: its steps took 120.0 ms"));
+  const std::vector<std::int64_t> even{4, 4, 4};
+  const Ranks r = run_ranks(12, 15, [&](int rank, const std::vector<std::int64_t>& split) {
+    const auto i = static_cast<std::size_t>(rank);
+    return slowness[i] * 0.010 * static_cast<double>(split[i]) + (split == even ? 0 : 0.2);
+  });
+  EXPECT_EQ(r.splits[0], r.splits[2]);
+  ASSERT_EQ(r.splits[0].size(), 15u);
+  EXPECT_NE(r.splits[0][3], even);      // the model's split, after step 3
+  EXPECT_EQ(r.splits[0][6], even);      // back, after step 6
+  EXPECT_EQ(r.splits[0].back(), even);  // and it stays
+  ASSERT_EQ(r.said[0].size(), 2u);
+  EXPECT_THAT(r.said[0][1], HasSubstr("rows 4:4:4"));
+  EXPECT_THAT(r.said[0][1], HasSubstr("back to the fastest split measured: its steps took 120.0 ms"));
 }
 
 #ifdef SPMDX_EXE
