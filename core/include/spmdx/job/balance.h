@@ -3,13 +3,15 @@
 // so that a job of unequal ranks runs at the speed of their sum instead of the slowest's.
 //
 // PyTorch DDP, FSDP2 and torchtitan split the batch evenly; research systems balance by ratios
-// tuned by hand (HetPipe, Narayanan et al. 2020; Whale, Jia et al. 2022; Cephalo, Guo et al.
-// 2024). Here the ratio is measured: a rank's cost is its compute time (the step's
-// wall time less the time it waited for collectives), the median over the steps since the last
-// split. Every rank publishes its cost in the job's store at the same step, reads everyone's, and
-// computes the same split from the same numbers; a new split is taken only when it is predicted
-// to shorten the step by more than parallelism.balance_threshold (hysteresis), at most every
-// parallelism.balance_interval steps.
+// tuned by hand or profiled once (HetPipe, Park et al., USENIX ATC 2020; Whale, Jia et al., USENIX
+// ATC 2022; Cephalo, Guo et al. 2024). Here the ratio is measured while the job runs: a rank's
+// cost is its compute time (the step's wall time less the time it waited for collectives), the
+// median over the steps since the last re-plan, fitted as a line (fixed + rows x per_row)
+// through its last splits. Every rank publishes its line and its median step in the job's store
+// at the same step, reads everyone's, and computes the same split from the same numbers: the
+// model's split when predicted shorter by more than parallelism.balance_threshold (hysteresis), at
+// most every parallelism.balance_interval steps, or back to the fastest split measured when the
+// one in force ran slower than it (the clock overrules the model).
 //
 // The numbers do not depend on the split: the loss is the sum of the token losses over the
 // count of tokens, both summed over the ranks (models::build_model's cross_entropy "sum" / count_valid),
