@@ -105,17 +105,20 @@ std::vector<std::string> Balancer::exchange(const std::string& key, const std::s
   return all;
 }
 
-std::vector<RankCost> Balancer::per_index(const std::vector<std::string>& published) const {
+std::vector<RankCost> Balancer::per_index(const std::vector<std::string>& published, double* longest_step) const {
   std::vector<RankCost> out(static_cast<std::size_t>(dp_degree_), RankCost{-1, -1});
+  if (longest_step != nullptr) *longest_step = 0;
   for (const auto& text : published) {
     std::istringstream in(text);
     std::int64_t index = -1;
     RankCost c;
-    in >> index >> c.fixed >> c.per_row;
-    if (!in || index < 0 || index >= dp_degree_) throw std::runtime_error("parallelism.balance: a rank published '" + text + "', not 'index fixed per_row'");
+    double step = 0;
+    in >> index >> c.fixed >> c.per_row >> step;
+    if (!in || index < 0 || index >= dp_degree_) throw std::runtime_error("parallelism.balance: a rank published '" + text + "', not 'index fixed per_row step'");
     RankCost& v = out[static_cast<std::size_t>(index)];
     const std::int64_t rows = split_[static_cast<std::size_t>(index)];
-    if (v.per_row < 0 || c.at(rows) > v.at(rows)) v = c;  // a group of ranks (tp, cp) goes at its slowest member's pace
+    if (v.per_row < 0 || c.at(rows) > v.at(rows)) v = c;  // a group of ranks (tp) goes at its slowest member's pace
+    if (longest_step != nullptr) *longest_step = std::max(*longest_step, step);
   }
   for (const RankCost& v : out) {
     if (v.per_row < 0) throw std::runtime_error("parallelism.balance: a data-parallel index published no cost");
@@ -131,9 +134,10 @@ std::string ms_text(double seconds) {
   return text;
 }
 
-std::string index_cost(std::int64_t index, const RankCost& c) {
-  char text[96];
-  std::snprintf(text, sizeof text, "%lld %.17g %.17g", static_cast<long long>(index), c.fixed, c.per_row);
+// What a rank publishes: its data-parallel index, its cost line and its median step (seconds).
+std::string index_cost(std::int64_t index, const RankCost& c, double step_seconds) {
+  char text[128];
+  std::snprintf(text, sizeof text, "%lld %.17g %.17g %.17g", static_cast<long long>(index), c.fixed, c.per_row, step_seconds);
   return text;
 }
 
@@ -141,7 +145,7 @@ std::string index_cost(std::int64_t index, const RankCost& c) {
 
 bool Balancer::start(double prior, std::int64_t first_step) {
   changed_at_ = first_step - 1;
-  costs_ = per_index(exchange("prior", index_cost(dp_index_, {0, 1 / (prior > 0 && std::isfinite(prior) ? prior : 1.0)})));
+  costs_ = per_index(exchange("prior", index_cost(dp_index_, {0, 1 / (prior > 0 && std::isfinite(prior) ? prior : 1.0)}, 0)));
   const auto before = split_;
   split_ = balanced_rows(global_rows_, costs_);
   return split_ != before;
@@ -167,20 +171,11 @@ bool Balancer::after_step(std::int64_t step, double compute_seconds, double step
   std::erase_if(measured_, [&](const auto& m) { return m.first == rows(); });
   measured_.emplace_back(rows(), median(window_));
   if (measured_.size() > 3) measured_.erase(measured_.begin());
-  const RankCost mine = fit_cost(measured_);
-  char text[160];
-  std::snprintf(text, sizeof text, "%lld %.17g %.17g %.17g", static_cast<long long>(dp_index_), mine.fixed, mine.per_row, median(walls_));
+  const std::string mine = index_cost(dp_index_, fit_cost(measured_), median(walls_));
   window_.clear(), walls_.clear();
-  const auto published = exchange("cost", text);
-  exchanged_after_ = step;
-  costs_ = per_index(published);
   double wall = 0;  // the split's step: the longest of the ranks' medians
-  for (const auto& p : published) {
-    std::istringstream in(p);
-    double index = 0, fixed = 0, per_row = 0, w = 0;
-    in >> index >> fixed >> per_row >> w;
-    wall = std::max(wall, w);
-  }
+  costs_ = per_index(exchange("cost", mine), &wall);
+  exchanged_after_ = step;
   // The steps each split took when last run. One that now takes longer than then by more than
   // the threshold means the ranks' speeds drifted: what was measured before is forgotten.
   const double threshold = spec_.threshold;
@@ -206,7 +201,6 @@ bool Balancer::after_step(std::int64_t step, double compute_seconds, double step
   }
   changed_at_ = step;  // measured afresh from here, the next step warming up a new split
   if (split_ == before) return false;
-  ++changes_;
   if (said != nullptr) {
     std::string lines;
     for (const RankCost& c : costs_) lines += " " + ms_text(c.fixed) + "+" + ms_text(c.per_row);

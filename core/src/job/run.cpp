@@ -70,6 +70,13 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+// The cores this rank has: its share under spmdx run --cpu-affinity, else this process's CPUs
+// shared evenly among the host's ranks.
+double rank_cores(const launch::RankEnv& env) {
+  const double share = launch::cpu_share(env);
+  return share > 0 ? share : static_cast<double>(launch::usable_cpus()) / static_cast<double>(std::max(1, env.local_world_size));
+}
+
 // Intra-op threads for this rank: OMP_NUM_THREADS when set (torchrun sets it to 1 for several
 // ranks per host, and a user's value wins, as in PyTorch), else this process's CPUs (its
 // affinity mask: taskset, a cgroup cpuset, a SLURM binding) shared among the host's ranks.
@@ -80,9 +87,7 @@ int intra_op_threads(const launch::RankEnv& env) {
     if (*end == '\0' && n >= 1 && n <= 4096) return static_cast<int>(n);
     SPMDX_WARN("OMP_NUM_THREADS='" << v << "' is not a whole number from 1 to 4096: ignored, threads come from the CPUs available");
   }
-  // spmdx run --cpu-affinity: the whole cores of this rank's share of the CPUs it was given.
-  if (const double share = launch::cpu_share(env); share > 0) return std::max(1, static_cast<int>(share + 1e-9));
-  return std::max(1, static_cast<int>(launch::usable_cpus()) / std::max(1, env.local_world_size));
+  return std::max(1, static_cast<int>(rank_cores(env) + 1e-9));  // the whole cores of it
 }
 
 // What the token ids of a run mean, for checkpoints: "byte (264 ids, BOS 256, EOS 257)", or "tokenizer.json <FNV-1a of its
@@ -380,9 +385,7 @@ std::pair<double, std::string> peak_flops_per_rank(const JobSpec& spec, const la
     return {peak, text};
   }
   const exec::GemmPeak p = exec::gemm_peak();
-  const double share = launch::cpu_share(env);  // --cpu-affinity's, else the host's CPUs shared evenly
-  const double cores = std::min(static_cast<double>(at::get_num_threads()),
-                                share > 0 ? share : static_cast<double>(launch::usable_cpus()) / static_cast<double>(std::max(1, env.local_world_size)));
+  const double cores = std::min(static_cast<double>(at::get_num_threads()), rank_cores(env));
   const double peak = p.of(dtype) * cores;
   std::snprintf(text, sizeof text, "%.1f GFLOP/s %s a rank = %.1f a core x %.3g core%s (%s)", peak / 1e9, dtype.c_str(), p.of(dtype) / 1e9, cores,
                 cores == 1 ? "" : "s", p.source.c_str());
@@ -733,9 +736,8 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
   std::map<std::int64_t, BalancedProgram> programs;
   std::unique_ptr<DistributedExecutor> balanced_executor;
   if (spec.balance.speed && joined.store) {
-    const std::int64_t dp = data_parallel_degree(job.mesh);
-    balancer.emplace(spec.balance, spec.global_batch_size, dp, data_parallel_index(job.mesh, job.mesh.coordinate(plan_rank)), env.rank, env.world_size,
-                     *joined.store, timeout);
+    const std::int64_t dp_index = data_parallel_index(job.mesh, job.mesh.coordinate(plan_rank));
+    balancer.emplace(spec.balance, spec.global_batch_size, data_parallel_degree(job.mesh), dp_index, env.rank, env.world_size, *joined.store, timeout);
     loop.balancer = &*balancer;
     loop.replan = [&, choices = balance_choices(spec, registry)] {
       const std::int64_t rows = balancer->rows();
@@ -762,12 +764,8 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
         std::fflush(stdout);
       }
     };
-    // The split at start: parallelism.balance_speeds when given, else the CPUs a rank has.
-    const double share = launch::cpu_share(env);
-    const std::int64_t dp_index = data_parallel_index(job.mesh, job.mesh.coordinate(plan_rank));
-    const double prior = !spec.balance.speeds.empty() ? spec.balance.speeds.at(static_cast<std::size_t>(dp_index))
-                         : share > 0                   ? share
-                                                       : static_cast<double>(launch::usable_cpus()) / static_cast<double>(std::max(1, env.local_world_size));
+    // The split at start: parallelism.balance_speeds when given, else the cores a rank has.
+    const double prior = !spec.balance.speeds.empty() ? spec.balance.speeds.at(static_cast<std::size_t>(dp_index)) : rank_cores(env);
     const bool uneven = balancer->start(prior, first_step);
     if (lead) {
       std::printf("balance: speed; rows per data-parallel rank %s at start (%s), re-planned every %lld steps from their measured compute times when "

@@ -106,7 +106,6 @@ class Balancer {
   std::int64_t offset() const;
   /// Per data-parallel index, the costs of the last exchange (at start: 1 / the prior a row).
   const std::vector<RankCost>& costs() const noexcept { return costs_; }
-  std::int64_t changes() const noexcept { return changes_; }
   /// The step after which the costs were last exchanged (a re-plan, whether or not it changed
   /// the split; 0: none yet).
   std::int64_t exchanged_after() const noexcept { return exchanged_after_; }
@@ -119,8 +118,9 @@ class Balancer {
  private:
   // Each rank's value under `key`, published and read through the store.
   std::vector<std::string> exchange(const std::string& key, const std::string& mine);
-  // Per data-parallel index, the cost of its slowest rank at its rows ("index fixed per_row" each).
-  std::vector<RankCost> per_index(const std::vector<std::string>& published) const;
+  // Per data-parallel index, the cost of its slowest rank at its rows ("index fixed per_row step"
+  // each); `longest_step`, when given, gets the longest of the published steps.
+  std::vector<RankCost> per_index(const std::vector<std::string>& published, double* longest_step = nullptr) const;
 
   BalanceSpec spec_;
   std::int64_t global_rows_, dp_degree_, dp_index_;
@@ -135,7 +135,6 @@ class Balancer {
   std::map<std::vector<std::int64_t>, double> tried_;      // each split run: its step (the slowest rank's median), when last run
   std::set<std::vector<std::int64_t>> rejected_;           // splits that ran slower than the fastest tried
   std::int64_t changed_at_ = 0;      // the split in force took effect after this step
-  std::int64_t changes_ = 0;
   std::int64_t exchanged_after_ = 0;
   std::int64_t exchanges_ = 0;       // part of each exchange's store key
 };
