@@ -1442,5 +1442,41 @@ TEST(Run, ASlowFactorSlowsOneRankWithoutChangingItsNumbers) {
   }
 }
 
+// training.device = "auto" and training.devices on a machine without a GPU: every rank on the
+// CPU, with the numbers of training.device = "cpu"; a list that does not fit the job, or puts
+// a rank on a GPU this machine lacks, is refused before any rank starts, naming the key.
+TEST(Run, DeviceAutoAndAPerRankListRunOnTheCpuHereWithTheCpusNumbers) {
+  test::TempDir dir;
+  const std::string data = corpus_file(dir);
+  auto run = [&](const std::string& device, const std::string& name) {
+    return test::run_command("'" SPMDX_EXE "' run '" SPMDX_SOURCE_DIR "/configs/llama_debug.toml' --nproc 2 --training.steps 3 --data.paths '" + data +
+                             "' --training.seq_len 16 --parallelism.data_parallel_replicate_degree 2 --parallelism.data_parallel_shard_degree 1 "
+                             "--parallelism.tensor_parallel_degree 1 " + device + " --job.dump_folder '" + (dir / name).string() + "' 2>&1");
+  };
+  const auto cpu = run("--training.device cpu", "cpu");
+  ASSERT_EQ(cpu.exit_code, 0) << cpu.output;
+  EXPECT_THAT(cpu.output, Not(HasSubstr("devices:")));
+  const auto automatic = run("--training.device auto", "auto");
+  ASSERT_EQ(automatic.exit_code, 0) << automatic.output;
+  EXPECT_THAT(automatic.output, HasSubstr("devices: cpu\n"));
+  const auto listed = run("--training.devices cpu,auto", "listed");
+  ASSERT_EQ(listed.exit_code, 0) << listed.output;
+  EXPECT_THAT(listed.output, HasSubstr("devices: cpu\n"));
+  const auto want = losses((dir / "cpu" / "metrics.jsonl").string());
+  ASSERT_EQ(want.size(), 3u);
+  EXPECT_EQ(losses((dir / "auto" / "metrics.jsonl").string()), want);
+  EXPECT_EQ(losses((dir / "listed" / "metrics.jsonl").string()), want);
+  for (const auto& [device, says] : std::vector<std::pair<std::string, std::string>>{
+           {"--training.devices cpu", "training.devices lists 1 device for 2 ranks: give one per rank"},
+           {"--training.devices cpu,gpu", "training.devices: 'gpu' is not a device: give each rank \"cpu\", \"cuda\" or \"auto\""},
+           {"--training.devices cpu,cuda", "training.devices puts rank 1 on \"cuda\": "},
+           {"--training.device auto --fault_tolerance.enable true --fault_tolerance.group_size 2", "fault tolerance runs on training.device = \"cpu\""}}) {
+    const auto r = run(device, "bad");
+    EXPECT_NE(r.exit_code, 0) << device;
+    EXPECT_THAT(r.output, HasSubstr(says)) << device << "\n" << r.output;
+    EXPECT_THAT(r.output, Not(HasSubstr("[rank 1]"))) << device << ": refused before any rank starts";
+  }
+}
+
 }  // namespace
 }  // namespace spmdx

@@ -26,6 +26,7 @@
 #include "spmdx/job/compile.h"
 #include "spmdx/job/preflight.h"
 #include "spmdx/job/spec.h"
+#include "spmdx/text.h"
 #ifdef SPMDX_HAVE_EXEC
 #include "spmdx/exec/calibrate.h"
 #include "spmdx/exec/device.h"
@@ -72,9 +73,25 @@ std::vector<std::string> run_problems(const spmdx::config::Config& cfg, std::int
       problems.push_back(e.what());
     }
   }
-  if (!cfg.has_problem("training.device") && cfg.get_string("training.device") == "cuda") {
+  if (!cfg.has_problem("training.device") && cfg.get_string("training.device") == "cuda" && cfg.get_list("training.devices").empty()) {
     if (const std::string why = spmdx::exec::cuda_problem(ranks_per_host); !why.empty()) {
       problems.push_back(cfg.where({"training.device"}) + ": training.device = \"cuda\": " + why);
+    }
+  }
+  // training.devices: the GPUs this host's "cuda" ranks take (local rank = rank mod ranks per host).
+  if (const auto& devices = cfg.get_list("training.devices"); !cfg.has_problem("training.devices") && !devices.empty()) {
+    int needed = 0;
+    std::vector<int> cuda_ranks;
+    for (std::size_t r = 0; r < devices.size(); ++r) {
+      if (devices[r] != "cuda") continue;
+      needed = std::max(needed, static_cast<int>(r) % std::max(ranks_per_host, 1) + 1);
+      cuda_ranks.push_back(static_cast<int>(r));
+    }
+    if (needed > 0) {
+      if (const std::string why = spmdx::exec::cuda_problem(needed); !why.empty()) {
+        problems.push_back(cfg.where({"training.devices"}) + ": training.devices puts " + spmdx::rank_list(cuda_ranks) + " on \"cuda\": " + why +
+                           " (\"auto\" takes a GPU where a local rank has one, else the CPU)");
+      }
     }
   }
 #else

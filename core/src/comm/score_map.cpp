@@ -49,6 +49,7 @@ class ScoredBackend final : public CommBackend, public StreamOrdered, public Var
     for (const auto& m : members_) parts.push_back(m.second->describe());
     return "scored: " + join(parts, " | ");
   }
+  const std::vector<std::vector<CommCapability>>& member_capabilities() const { return capabilities_; }
   std::vector<CommCapability> capabilities() const override {
     std::vector<CommCapability> out;
     for (const auto& c : capabilities_) out.insert(out.end(), c.begin(), c.end());
@@ -202,6 +203,11 @@ int choose_backend(const std::vector<std::vector<CommCapability>>& capabilities,
 
 std::unique_ptr<CommBackend> make_scored_backend(std::vector<std::pair<std::string, std::unique_ptr<CommBackend>>> members) {
   return std::make_unique<ScoredBackend>(std::move(members));
+}
+
+std::vector<std::vector<CommCapability>> member_capabilities(const CommBackend& backend) {
+  if (const auto* scored = dynamic_cast<const ScoredBackend*>(&backend)) return scored->member_capabilities();
+  return {backend.capabilities()};
 }
 
 std::vector<Candidate> auto_candidates(PluginRegistry& registry, const std::vector<MemoryType>& memory, bool processes) {

@@ -179,6 +179,25 @@ std::unique_ptr<Device> make_device(const DeviceOptions& options) {
   return std::unique_ptr<Device>(make(options));
 }
 
+int cuda_device_count(std::string* why) {
+  // Without the driver's control node there is no GPU to find: the CUDA libraries (about
+  // 500 MB) are not mapped to learn so.
+  if (!std::filesystem::exists("/dev/nvidiactl")) {
+    if (why != nullptr) *why = "no NVIDIA driver here (/dev/nvidiactl is absent)";
+    return 0;
+  }
+  try {
+    int count = 0;
+    std::string problem;
+    cuda_library().get<void(int&, std::string&)>("spmdx_cuda_device_count")(count, problem);
+    if (why != nullptr) *why = problem;
+    return count;
+  } catch (const std::exception& e) {
+    if (why != nullptr) *why = e.what();
+    return 0;
+  }
+}
+
 std::string cuda_problem(int ranks_per_host) {
   try {
     std::string why;

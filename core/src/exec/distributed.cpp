@@ -84,8 +84,9 @@ CommDType comm_dtype(at::ScalarType type) {
 }
 
 DistributedExecutor::DistributedExecutor(const ir::Graph& graph, const sharding::DeviceMesh& mesh, std::int64_t rank,
-                                         CommBackend* backend, double timeout_seconds, const plan::PlanOptions& options, Device* device)
-    : graph_(graph), backend_(backend), rank_(rank), device_(device), timeout_(timeout_seconds) {
+                                         CommBackend* backend, double timeout_seconds, const plan::PlanOptions& options, Device* device,
+                                         std::vector<MemoryType> rank_memory)
+    : graph_(graph), backend_(backend), rank_memory_(std::move(rank_memory)), rank_(rank), device_(device), timeout_(timeout_seconds) {
   for (const auto& node : graph.nodes()) {
     nodes_.push_back(node.get());
     const Kernel* k = find_kernel(node->op());
@@ -169,6 +170,13 @@ void DistributedExecutor::inject_skip(std::int64_t step, std::int64_t index) {
 }
 
 void DistributedExecutor::set_backend(CommBackend* backend) {
+  staged_.reset();
+  const bool has_host = std::any_of(rank_memory_.begin(), rank_memory_.end(), [](MemoryType m) { return m == MemoryType::host; });
+  if (backend != nullptr && device_ != nullptr && device_->memory() == MemoryType::cuda && has_host) {
+    if (!host_staging_) host_staging_ = make_host_staging(*device_);
+    staged_ = std::make_unique<comm::StagingBackend>(*backend, rank_memory_, *host_staging_);
+    backend = staged_.get();
+  }
   backend_ = backend;
   const bool streams = device_ != nullptr && device_->compute_stream() != nullptr;
   ordered_ = streams ? dynamic_cast<StreamOrdered*>(backend) : nullptr;

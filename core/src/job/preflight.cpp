@@ -15,6 +15,7 @@
 #include "spmdx/models/weights.h"
 #include "spmdx/job/auto_sharding.h"
 #include "spmdx/job/compile.h"
+#include "spmdx/job/devices.h"
 #include "spmdx/job/memory_budget.h"
 #include "spmdx/train/checkpoint_folder.h"
 #include "problems.h"
@@ -209,7 +210,11 @@ void check_strategy_names(const config::Config& cfg, const PluginRegistry& regis
 // training.device holds. With comm.fallback, the chain (comm_chain) is refused only when no
 // backend of it can serve the job, each named with its reason; the ranks pass over the others.
 void check_comm_backends(const config::Config& cfg, PluginRegistry& registry, std::vector<std::string>& out) {
-  const std::string device = cfg.get_string("training.device");
+  // Host memory unless every rank is on CUDA: a mesh that may mix CPU and CUDA ranks
+  // ("auto", training.devices) moves host memory between them (job/devices.h).
+  std::vector<std::string> devices = cfg.get_list("training.devices");
+  if (devices.empty()) devices.push_back(cfg.get_string("training.device"));
+  const std::string device = comm_device(devices);
   if (const auto chain = comm_chain(cfg); chain.size() > 1) {
     // A name no plugin here has (loaded or not) is a typo, not a fallback: it could never serve.
     std::vector<std::string> comm_names{"auto"};

@@ -36,6 +36,7 @@
 #include "spmdx/comm/c10d_store.h"
 #include "spmdx/exec/checkpoint.h"
 #include "spmdx/job/comm_chain.h"
+#include "spmdx/job/devices.h"
 #include "spmdx/exec/device.h"
 #include "spmdx/exec/kernels.h"
 #include "spmdx/exec/calibrate.h"
@@ -567,7 +568,12 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
     check_runnable(cfg);
     return s;
   }();
-  const std::unique_ptr<Device> device = make_device({spec.device.kind, env.local_rank, spec.device.allow_tf32, spec.device.cpu_matmul});
+  // training.device = "auto" (or a training.devices entry): CUDA where this local rank has a GPU.
+  const std::string& configured = spec.device.of(env.rank);
+  std::string why_no_gpu;
+  const std::string device_kind = resolve_device(configured, env.local_rank, configured == "auto" ? cuda_device_count(&why_no_gpu) : 0);
+  if (configured == "auto" && device_kind == "cpu" && !why_no_gpu.empty()) SPMDX_DEBUG("training.device = \"auto\": cpu (" << why_no_gpu << ")");
+  const std::unique_ptr<Device> device = make_device({device_kind, env.local_rank, spec.device.allow_tf32, spec.device.cpu_matmul});
 
   // A job whose checkpoint is already at its last step has nothing to do, and changes nothing.
   const bool checkpointing = spec.checkpoint.enable;
@@ -603,6 +609,14 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
 
   const double timeout = spec.comm.timeout_seconds;
   Joined joined = join_job(cfg, env, timeout, restarted);
+  // Every rank's device: a mesh of CUDA and CPU ranks moves its collectives in host memory
+  // (job/devices.h), its CUDA ranks staging them (comm/staging.h).
+  const std::vector<std::string> devices =
+      joined.store && env.world_size > 1 ? exchange_devices(*joined.store, env.rank, env.world_size, device_kind, timeout) : std::vector<std::string>{device_kind};
+  const bool mixed = mixed_devices(devices);
+  const std::vector<MemoryType> memory_of_ranks = mixed ? rank_memory(devices) : std::vector<MemoryType>{};
+  CommSpec comm_spec = spec.comm;
+  comm_spec.memory = job_comm_memory(devices);
   // Debug hooks: made on every rank; the compile stages run on rank 0, before any backend
   // joins, so a validator that fails stops the job before its first step.
   hooks::HookSet hooks = make_job_hooks(spec, env, job, registry, joined.store.get(), timeout, first_step);
@@ -631,10 +645,10 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
     backend = ft->join();
     ft->watch(backend.get());
   } else if (env.world_size > 1) {
-    chain.emplace(registry, spec.comm, env, *joined.store);
+    chain.emplace(registry, comm_spec, env, *joined.store);
     backend = chain->join_at_start();
   }
-  auto first_executor = std::make_unique<DistributedExecutor>(graph, run_mesh(job), env.rank, backend.get(), timeout, spec.plan, device.get());
+  auto first_executor = std::make_unique<DistributedExecutor>(graph, run_mesh(job), env.rank, backend.get(), timeout, spec.plan, device.get(), memory_of_ranks);
   DistributedExecutor& executor = *first_executor;
   if (!hooks.empty()) executor.set_hooks(&hooks);
   if (fault.kind == "skip_collective" && fault.rank == env.rank) executor.inject_skip(fault.step, fault.index);
@@ -677,6 +691,12 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
   if (lead && !restarted) {
     metrics.emplace(spec.output, first_step, checkpointing, planned.peak_bytes, spec.step.microbatches);
     print_banner(spec, job, plan, env, backend.get(), *device, planned, resume_step ? &resumed : nullptr);
+    if (mixed || !spec.device.per_rank.empty() || spec.device.kind == "auto") {
+      std::printf("devices: %s%s\n", devices_text(devices).c_str(),
+                  mixed ? "; collectives between CUDA and CPU ranks run in host memory (a CUDA rank stages its buffers through pinned host memory "
+                          "where the backend cannot move both)"
+                        : "");
+    }
     const auto [peak, peak_text] = peak_flops_per_rank(spec, env, *device);
     metrics->set_mfu_basis(models::flops_per_token(job.model, spec.seq_len), env.world_size, peak);
     std::printf("mfu: torchtitan's (FLOPs per token x tokens/s per rank / peak), against %s\n", peak_text.c_str());
@@ -710,9 +730,10 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
   loop.strategy_events = strategy_events(spec);
   loop.planned_peak = planned.peak_bytes;
   loop.pipeline_stages = &pipeline_stages;
+  loop.comm_spec = &comm_spec;
   std::optional<Validation> validation;
   if (spec.validation.enable) {
-    validation.emplace(spec, job, env.rank, backend.get(), timeout, *device, *tokenizer);
+    validation.emplace(spec, job, env.rank, backend.get(), timeout, *device, *tokenizer, memory_of_ranks);
     loop.validation = &*validation;
     if (lead) {
       std::printf("validation: every %lld steps, the mean loss of %lld held-out batches of %lld x %lld tokens (%zu tokens in validation.paths)%s\n",
@@ -745,7 +766,8 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
       if (it == programs.end()) it = programs.emplace(rows, balanced_program(spec, registry, env.rank, rows, loop.tokens_pl, choices)).first;
       // Every rank makes its executor anew, in the same order: each makes the backend's groups.
       loop.executor = nullptr;
-      balanced_executor = std::make_unique<DistributedExecutor>(it->second.graph, run_mesh(job), env.rank, backend.get(), timeout, spec.plan, device.get());
+      balanced_executor = std::make_unique<DistributedExecutor>(it->second.graph, run_mesh(job), env.rank, backend.get(), timeout, spec.plan, device.get(),
+                                                                memory_of_ranks);
       if (!hooks.empty()) balanced_executor->set_hooks(&hooks);
       balanced_executor->set_compute_slowdown(loop.slowdown_in_force);
       loop.executor = balanced_executor.get();

@@ -382,8 +382,12 @@ void read_pipeline(const config::Config& cfg, const std::vector<std::int64_t>& e
 // The typed sections a rank's run loop reads: [comm], [checkpoint], [data], outputs.
 
 void read_sections(const config::Config& cfg, JobSpec& s) {
+  s.device = {cfg.get_string("training.device"), cfg.get_bool("training.allow_tf32"), cfg.get_bool("training.cuda_graphs"),
+              cfg.get_string("training.cpu_matmul"), cfg.get_list("training.devices")};
+  // A mesh that may mix CPU and CUDA ranks moves host memory; a run learns the ranks' devices
+  // at start and chooses again (job/devices.h).
   s.comm = {cfg.get_string("comm.backend"), cfg.get_string("comm.swap_to"), cfg.get_int("comm.swap_at_step"), cfg.get_float("comm.timeout_seconds"),
-            comm::job_memory(cfg.get_string("training.device"))};
+            comm::job_memory(s.device.all("cuda") ? "cuda" : "cpu")};
   s.comm.chain = comm_chain(cfg);
   s.comm.backend = s.comm.chain.front();
   s.comm.max_failures = cfg.get_int("comm.max_failures");
@@ -396,8 +400,6 @@ void read_sections(const config::Config& cfg, JobSpec& s) {
     } catch (const std::invalid_argument&) {
     }
   }
-  s.device = {cfg.get_string("training.device"), cfg.get_bool("training.allow_tf32"), cfg.get_bool("training.cuda_graphs"),
-              cfg.get_string("training.cpu_matmul")};
   s.activation_checkpoint = {cfg.get_string("activation_checkpoint.mode"), cfg.get_string("activation_checkpoint.selective_ac_option"),
                              cfg.get_bool("activation_checkpoint.keep_collective_outputs")};
   s.mixed_precision = {cfg.get_string("training.mixed_precision_param"), cfg.get_string("training.mixed_precision_reduce"),
@@ -616,7 +618,19 @@ JobSpec job_spec(const config::Config& cfg, std::int64_t world_size, std::int64_
          "\": use \"op\" (keep matmul and attention outputs) or a positive integer N (every N-th layer in full), as torchtitan");
   }
   read_pipeline(cfg, exported, degrees_ok, s, problems);
-  if (s.device.cuda_graphs && s.device.kind != "cuda") {
+  if (const auto& devices = s.device.per_rank; !devices.empty()) {
+    for (const auto& d : devices) {
+      if (d != "cpu" && d != "cuda" && d != "auto") {
+        fail({"training.devices"}, "training.devices: '" + d + "' is not a device: give each rank \"cpu\", \"cuda\" or \"auto\"");
+        break;
+      }
+    }
+    if (static_cast<std::int64_t>(devices.size()) != world_size) {
+      fail({"training.devices"}, "training.devices lists " + std::to_string(devices.size()) + " device" + (devices.size() == 1 ? "" : "s") + " for " +
+           std::to_string(world_size) + " ranks: give one per rank, in rank order (or remove it and set training.device)");
+    }
+  }
+  if (s.device.cuda_graphs && !s.device.all("cuda")) {
     fail({"training.cuda_graphs", "training.device"}, "training.cuda_graphs = true needs training.device = \"cuda\" (CUDA graphs are a GPU feature)");
   } else if (s.device.cuda_graphs && world_size > 1) {
     fail({"training.cuda_graphs"}, "training.cuda_graphs = true runs one rank only for now (" + std::to_string(world_size) +
@@ -660,7 +674,7 @@ JobSpec job_spec(const config::Config& cfg, std::int64_t world_size, std::int64_
     }
     if (s.comm.swap_at_step > 0) fail({"fault_tolerance.enable", "comm.swap_at_step"}, "fault tolerance rejoins the comm backend itself; comm.swap_at_step hot-swaps it" + off);
     if (s.comm.failover()) fail({"fault_tolerance.enable", "comm.fallback"}, "fault tolerance replaces comm.fallback's run-time failover (a failed step is dropped and run again over the live groups)" + off);
-    if (s.device.kind != "cpu") fail({"fault_tolerance.enable", "training.device"}, "fault tolerance runs on training.device = \"cpu\" for now (the state transfer to a restarted group is host memory)");
+    if (!s.device.all("cpu")) fail({"fault_tolerance.enable", s.device.per_rank.empty() ? "training.device" : "training.devices"}, "fault tolerance runs on training.device = \"cpu\" for now (the state transfer to a restarted group is host memory)");
     if (s.validation.enable) fail({"fault_tolerance.enable", "validation.enable"}, "fault tolerance with validation is not supported yet" + off);
   }
   const auto& speeds = cfg.get_list("parallelism.balance_speeds");

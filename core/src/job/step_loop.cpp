@@ -269,7 +269,7 @@ double StepLoop::step(std::int64_t step) {
     const std::string& next = generation % 2 == 1 ? spec.comm.swap_to : spec.comm.backend;
     const std::string& previous = generation % 2 == 1 ? spec.comm.backend : spec.comm.swap_to;
     backend.reset();
-    backend = join_backend(registry, next, spec.comm, env, *store, generation);
+    backend = join_backend(registry, next, *comm_spec, env, *store, generation);
     executor->set_backend(backend.get());
     if (validation != nullptr) validation->executor.set_backend(backend.get());
     const std::string now = (next == "auto" ? "auto -> " : "") + backend->describe();

@@ -13,11 +13,11 @@ using namespace spmdx::exec;
 using namespace spmdx::train;
 
 Validation::Validation(const JobSpec& spec, const PlacedJob& job, std::int64_t rank, CommBackend* backend, double timeout, Device& device,
-           const data::Tokenizer& tokenizer)
+           const data::Tokenizer& tokenizer, std::vector<MemoryType> rank_memory)
     : placed(place_validation(spec, job)),
       plan(sharding::propagate(placed.model.graph, job.mesh, placed.inputs, {}, job.use, false, -1, job.context_parallel_dim, job.context_parallel_allgather)),
       graph(stage_of(sharding::rank_graph(plan, rank % job.mesh.size()), job, rank)),
-      executor(graph, run_mesh(job), rank, backend, timeout, options(spec.plan), &device),
+      executor(graph, run_mesh(job), rank, backend, timeout, options(spec.plan), &device, std::move(rank_memory)),
       dataset(validation_data(spec), tokenizer),
       steps(spec.validation.steps > 0 ? spec.validation.steps
                                       : std::max<std::int64_t>(1, static_cast<std::int64_t>(dataset.stream().size()) /

@@ -46,6 +46,10 @@ int choose_backend(const std::vector<std::vector<CommCapability>>& capabilities,
 /// std::invalid_argument from a call no member covers, naming the operation, memory and size.
 std::unique_ptr<CommBackend> make_scored_backend(std::vector<std::pair<std::string, std::unique_ptr<CommBackend>>> members);
 
+/// The capability tables of `backend`'s members, as choose_backend takes them: a scored
+/// backend's, one per member in its order; any other backend's own, as one member.
+std::vector<std::vector<CommCapability>> member_capabilities(const CommBackend& backend);
+
 /// A backend found for "auto", or why it was left out.
 struct Candidate {
   std::string name;

@@ -11,6 +11,7 @@
 #include <string>
 
 #include "spmdx/comm.h"
+#include "spmdx/comm/staging.h"
 
 namespace spmdx::exec {
 
@@ -68,6 +69,17 @@ class Device {
 /// had: a build without CUDA (-DSPMDX_WITH_CUDA=OFF, or no CUDA LibTorch found), a machine
 /// without a usable GPU, or local_rank beyond the GPUs there are.
 std::unique_ptr<Device> make_device(const DeviceOptions& options);
+
+/// The GPUs this process can use; 0 when this spmdx was built without CUDA, when no NVIDIA
+/// driver is present (no /dev/nvidiactl: libspmdx_cuda.so is then not loaded), or when
+/// libspmdx_cuda.so or the driver fails (then `why`, when given, says which).
+/// training.device = "auto" reads it.
+int cuda_device_count(std::string* why = nullptr);
+
+/// Host buffers for comm::StagingBackend on `device`: pinned (page-locked) on CUDA, as
+/// ProcessGroupGloo's CUDA paths stage through at::empty(..., pinned_memory); plain on the
+/// CPU. Copies run on the current stream and are done when they return.
+std::unique_ptr<comm::HostStaging> make_host_staging(const Device& device);
 
 /// Why `ranks_per_host` ranks cannot each take a GPU here ("" when they can): the launcher's
 /// check before it starts any rank. Loads libspmdx_cuda.so.

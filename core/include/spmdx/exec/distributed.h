@@ -12,9 +12,11 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "spmdx/comm.h"
+#include "spmdx/comm/staging.h"
 #include "spmdx/exec/device.h"
 #include "spmdx/exec/executor.h"
 #include "spmdx/hook.h"
@@ -55,8 +57,13 @@ class DistributedExecutor {
   /// (`options`: buckets, prefetch, overlap). Throws std::invalid_argument for an op without a
   /// kernel.
   /// `device`: where the inputs live and kernels run (outlives the executor); null: the CPU.
+  /// `rank_memory`: each rank's memory (job/devices.h), in a mesh of CUDA and CPU ranks; on a
+  /// CUDA rank whose groups hold a host rank, the calls go through comm::StagingBackend (staged
+  /// through pinned host memory where the backend cannot move both). Empty: every rank's is
+  /// this rank's.
   DistributedExecutor(const ir::Graph& graph, const sharding::DeviceMesh& mesh, std::int64_t rank, CommBackend* backend,
-                      double timeout_seconds, const plan::PlanOptions& options = {}, Device* device = nullptr);
+                      double timeout_seconds, const plan::PlanOptions& options = {}, Device* device = nullptr,
+                      std::vector<MemoryType> rank_memory = {});
   const plan::RuntimePlan& plan() const noexcept { return plan_; }
   /// The memory plan it follows (in-place writes) and its predicted peak.
   const plan::MemoryPlan& memory() const noexcept { return memory_; }
@@ -83,6 +90,8 @@ class DistributedExecutor {
   /// Uses another backend from the next run on (hot-swap), making its groups; between runs
   /// nothing is in flight. `backend` is initialised with the same ranks.
   void set_backend(CommBackend* backend);
+  /// What the staging of a mixed mesh copied (all zeros when this rank stages nothing).
+  comm::StagingStats staging_stats() const { return staged_ ? staged_->stats() : comm::StagingStats{}; }
   const RunStats& stats() const noexcept { return stats_; }
   /// While a CUDA graph captures run() (Device::capture): the host neither synchronises with
   /// the device nor reads its statistics, which capture forbids.
@@ -124,6 +133,9 @@ class DistributedExecutor {
   std::vector<std::uint64_t> seq_;  // per mesh dim: collectives issued so far over the run
   std::uint64_t p2p_seq_ = 0;       // sends and recvs issued so far over the run
   CommBackend* backend_;
+  std::vector<MemoryType> rank_memory_;               // empty: one memory for the whole mesh
+  std::unique_ptr<comm::HostStaging> host_staging_;  // a mixed mesh's CUDA rank: its pinned buffers
+  std::unique_ptr<comm::StagingBackend> staged_;     // ... and the backend_ it calls through
   std::int64_t rank_ = 0;
   Device* device_;                     // null: the CPU
   StreamOrdered* ordered_ = nullptr;   // backend_'s, when it has it and the device has streams

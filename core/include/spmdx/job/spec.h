@@ -67,10 +67,20 @@ struct FaultToleranceSpec {
 
 /// Where a rank's tensors live and run ([training] device keys).
 struct DeviceSpec {
-  std::string kind = "cpu";  ///< training.device: "cpu", or "cuda" (GPU LOCAL_RANK per rank)
+  std::string kind = "cpu";  ///< training.device: "cpu", "cuda" (GPU LOCAL_RANK per rank) or "auto" (cuda where a local rank has a GPU)
   bool allow_tf32 = false;   ///< training.allow_tf32: TF32 matmuls on CUDA (off: losses compare with the CPU's)
   bool cuda_graphs = false;  ///< training.cuda_graphs: capture the step once, replay it each step
   std::string cpu_matmul = "auto";  ///< training.cpu_matmul: "auto", "onednn" or "aten" (exec::CpuMatmul)
+  /// training.devices: one of "cpu", "cuda", "auto" per rank, in place of kind; empty when not given.
+  std::vector<std::string> per_rank;
+  /// Rank `rank`'s configured device: per_rank's entry, else kind (job/devices.h).
+  const std::string& of(int rank) const { return per_rank.empty() ? kind : per_rank.at(static_cast<std::size_t>(rank)); }
+  /// Every rank is configured "cpu" / "cuda" (what a check for one device may assume).
+  bool all(const std::string& device) const {
+    if (per_rank.empty()) return kind == device;
+    for (const auto& d : per_rank) if (d != device) return false;
+    return true;
+  }
 };
 
 /// [checkpoint]: where and when a rank saves, and what it resumes from.

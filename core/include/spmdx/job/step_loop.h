@@ -99,6 +99,8 @@ struct StepLoop {
   // position, the optimizer's count and the loss scale, and ends with a vote of every rank that
   // its collectives completed; a step that failed anywhere runs again from the copy.
   bool failover = chain != nullptr && spec.comm.failover();
+  // spec.comm with the memory the ranks' devices need (job/devices.h): what a hot-swap joins.
+  const CommSpec* comm_spec = &spec.comm;
   exec::TensorMap before{};
   data::TextDatasetState data_before{};
   std::int64_t optimizer_steps_before = 0;

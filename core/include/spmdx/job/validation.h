@@ -19,8 +19,9 @@ namespace spmdx::job {
 // validation so that every validation sees the same batches (as torchtitan's validator makes a
 // fresh iterator over its data loader each time).
 struct Validation {
+  /// `rank_memory`: each rank's memory in a mesh of CUDA and CPU ranks (DistributedExecutor's).
   Validation(const JobSpec& spec, const PlacedJob& job, std::int64_t rank, CommBackend* backend, double timeout, exec::Device& device,
-             const data::Tokenizer& tokenizer);
+             const data::Tokenizer& tokenizer, std::vector<MemoryType> rank_memory = {});
 
   // With pipeline stages, `rank`'s stage of the forward (one microbatch: the stages in turn).
   static ir::Graph stage_of(ir::Graph g, const PlacedJob& job, std::int64_t rank);

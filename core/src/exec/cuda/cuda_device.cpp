@@ -131,3 +131,9 @@ extern "C" __attribute__((visibility("default"))) void spmdx_cuda_problem(int ra
           " GPU" + (count == 1 ? "" : "s") + ": training.device = \"cuda\" takes one GPU per rank (--nproc at most " + std::to_string(count) + ")";
   }
 }
+
+extern "C" __attribute__((visibility("default"))) void spmdx_cuda_device_count(int& count, std::string& why) {
+  count = 0;
+  why = spmdx::exec::probe(count);
+  if (!why.empty()) count = 0;
+}
