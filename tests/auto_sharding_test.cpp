@@ -576,5 +576,39 @@ TEST(AutoSharding, BalancePlansTheSplitOfTheGivenSpeeds) {
   EXPECT_THROW(job::job_spec(cfg, 3, 256), config::ConfigError);
 }
 
+// strategy = "auto" with balance = "speed": a speed per rank, folded to one per data-parallel
+// rank of the layout auto chose (its slowest rank's); no pipelined layout; the line says the
+// balanced split and its predicted step.
+TEST(AutoSharding, AutoWithSpeedBalanceFoldsEachRanksSpeedAndReportsTheSplit) {
+  test::TempDir dir;
+  config::Config cfg = config::Config::load(SPMDX_SOURCE_DIR "/configs/llama_fsdp.toml");
+  cfg.override_value("job.dump_folder", dir.path().string());
+  cfg.override_value("parallelism.strategy", "auto");
+  cfg.override_value("training.global_batch_size", "16");
+  cfg.override_value("training.local_batch_size", "4");
+  cfg.override_value("training.seq_len", "32");
+  cfg.override_value("parallelism.balance", "speed");
+  cfg.override_value("parallelism.balance_speeds", "1,0.8,0.5,1");
+  job::JobSpec spec = job::job_spec(cfg, 4, 256);
+  const job::AutoReport report = job::choose_auto(spec, registry());
+  for (const auto& p : report.plans) EXPECT_EQ(p.stages, 1) << p.layout << ": a pipelined layout planned under balance = \"speed\"";
+  const std::int64_t dp = spec.dims.dp_replicate * spec.dims.dp_shard, inner = spec.dims.tp * spec.dims.cp;
+  ASSERT_EQ(static_cast<std::int64_t>(spec.balance.speeds.size()), dp);
+  const std::vector<double> given{1, 0.8, 0.5, 1};
+  for (std::int64_t i = 0; i < dp; ++i) {
+    double slowest = 1e9;
+    for (std::int64_t r = i * inner; r < (i + 1) * inner; ++r) slowest = std::min(slowest, given[static_cast<std::size_t>(r)]);
+    EXPECT_EQ(spec.balance.speeds[static_cast<std::size_t>(i)], slowest) << "data-parallel rank " << i << " of " << spec.dims.dp_replicate << " x "
+                                                                          << spec.dims.dp_shard << " x tp " << spec.dims.tp;
+  }
+  const job::BalanceEstimate b = job::estimate_balance(spec, registry(), plan::Calibration{});
+  EXPECT_THAT(spec.auto_report, HasSubstr("; balanced for data-parallel speeds "));
+  EXPECT_THAT(spec.auto_report, HasSubstr("rows " + job::split_text(b.balanced) + ", predicted "));
+  // Under auto the data-parallel ranks are not known before the layout: one speed a rank.
+  cfg.override_value("parallelism.balance_speeds", "1,0.5");
+  EXPECT_THAT([&] { job::job_spec(cfg, 4, 256); },
+              ::testing::ThrowsMessage<config::ConfigError>(HasSubstr("with parallelism.strategy = \"auto\", give one a rank")));
+}
+
 }  // namespace
 }  // namespace spmdx

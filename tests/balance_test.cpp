@@ -220,6 +220,12 @@ TEST(BalanceRun, TensorParallelGroupsKeepOneShareWithOneRanksNumbers) {
       "--parallelism.data_parallel_replicate_degree 2 --parallelism.data_parallel_shard_degree 1 --parallelism.tensor_parallel_degree 2 --training.local_batch_size 6", 4);
 }
 
+// strategy = "auto" chooses the layout (never a pipelined one), then the split balances its
+// data-parallel ranks; balance_speeds is one a rank there, the slowed last rank given a third.
+TEST(BalanceRun, AutoStrategyChoosesTheLayoutThenTheSplitWithOneRanksNumbers) {
+  expect_balanced_like_one_rank("--parallelism.strategy auto --parallelism.balance_speeds 1,1,1,0.34", 4);
+}
+
 TEST(BalanceRun, WhatItCannotBalanceIsRefusedBeforeAnyRankStarts) {
   test::TempDir dir;
   test::corpus_file(dir);

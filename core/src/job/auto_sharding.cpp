@@ -319,7 +319,7 @@ std::string search_key(const JobSpec& spec, const plan::Calibration& c) {
       << spec.loss_parallel << " ac " << spec.activation_checkpoint.mode << " mp " << spec.mixed_precision.param << " rsf " << spec.reshard_after_forward
       << " overlap " << spec.plan.overlap << " bucket " << spec.plan.bucket_bytes << " ranks/host " << planning_ranks_per_host(spec.world_size)
       << " cores " << launch::usable_cpus() << " stages " << spec.pipeline.stages << " schedule " << spec.pipeline.schedule << " rows "
-      << spec.pipeline_microbatch_size << " layers/stage " << spec.pipeline_layers_per_stage << " tp_plan " << spec.tp_plan.size() << " " << c.to_json();
+      << spec.pipeline_microbatch_size << " layers/stage " << spec.pipeline_layers_per_stage << " tp_plan " << spec.tp_plan.size() << " balance " << spec.balance.speed << " " << c.to_json();
   for (const auto& split : spec.pipeline_split_points) key << " split " << split;
   for (const auto& [glob, how] : spec.tp_plan) key << " " << glob << "=" << how;
   return key.str();
@@ -378,7 +378,9 @@ AutoReport plan_auto(const JobSpec& spec, PluginRegistry& registry, const plan::
   // it), in the order of the layout whose data-parallel replicas the stages replace (pp x
   // dp_replicate x dp_shard x tp against pp.dp_replicate x dp_shard x tp), the first
   // kPipelineLayouts of them; the rest only when none of those fits the budget.
-  if (!configured_stages) {
+  // parallelism.balance = "speed" splits the batch over data-parallel ranks, which pipeline
+  // stages cannot do yet: no pipelined layout then.
+  if (!configured_stages && !spec.balance.speed) {
     std::map<std::string, double> flat;
     for (const auto& p : report.plans) {
       if (p.error.empty()) flat[layout_of(p.dims, 1)] = p.chosen.step_seconds;
@@ -435,6 +437,34 @@ AutoReport plan_auto(const JobSpec& spec, PluginRegistry& registry, const plan::
   }
   report.seconds = since(t0);
   return report;
+}
+
+std::string balance_of_auto(JobSpec& spec, PluginRegistry& registry, const plan::Calibration& c) {
+  const std::int64_t dp = spec.dims.dp_replicate * spec.dims.dp_shard;
+  if (dp == 1) return "parallelism.balance = \"speed\": this layout has one data-parallel rank, so there is no batch to split";
+  if (spec.balance.speeds.empty()) return "parallelism.balance = \"speed\": the split follows the ranks' measured speeds from the first steps";
+  // Given per rank (the data-parallel ranks were not known before the layout): a data-parallel
+  // rank runs at its slowest member's speed, as the balancer measures it (a rank's index is
+  // rank / (cp x tp) in the mesh's order dp_replicate, dp_shard, cp, tp).
+  const std::int64_t inner = spec.dims.cp * spec.dims.tp;
+  std::vector<double> per_index(static_cast<std::size_t>(dp), std::numeric_limits<double>::infinity());
+  for (std::size_t r = 0; r < spec.balance.speeds.size(); ++r) {
+    double& v = per_index[static_cast<std::size_t>(static_cast<std::int64_t>(r) / inner)];
+    v = std::min(v, spec.balance.speeds[r]);
+  }
+  spec.balance.speeds = per_index;
+  const BalanceEstimate b = estimate_balance(spec, registry, c);
+  std::string speeds;
+  for (double v : b.speeds) {
+    char one[32];
+    std::snprintf(one, sizeof one, "%s%.3g", speeds.empty() ? "" : " : ", v);
+    speeds += one;
+  }
+  char out[512];
+  std::snprintf(out, sizeof out, "balanced for data-parallel speeds %s (parallelism.balance_speeds; a data-parallel rank at its slowest rank's): rows %s, "
+                "predicted %.2f ms a step against %.2f ms even (%.2fx)", speeds.c_str(), split_text(b.balanced).c_str(), b.balanced_seconds * 1e3,
+                b.even_seconds * 1e3, b.balanced_seconds / std::max(1e-12, b.even_seconds));
+  return out;
 }
 
 AutoReport choose_auto(JobSpec& spec, PluginRegistry& registry) {
@@ -565,6 +595,7 @@ AutoReport choose_auto(JobSpec& spec, PluginRegistry& registry) {
       SPMDX_WARN("the auto strategy's plan could not be kept in " << kept.string() << " (" << e.what() << "): every rank plans again");
     }
   }
+  if (spec.balance.speed) spec.auto_report += "; " + balance_of_auto(spec, registry, c);
   return report;
 }
 

@@ -695,7 +695,12 @@ JobSpec job_spec(const config::Config& cfg, std::int64_t world_size, std::int64_
       }
       s.balance.speeds.push_back(v);
     }
-    if (!s.balance.speeds.empty() && degrees_ok && static_cast<std::int64_t>(s.balance.speeds.size()) != dp) {
+    if (!s.balance.speeds.empty() && s.auto_strategy && static_cast<std::int64_t>(s.balance.speeds.size()) != world_size) {
+      // The data-parallel ranks are known only once auto has chosen the layout: a speed per rank.
+      fail({"parallelism.balance_speeds", "parallelism.strategy"}, "parallelism.balance_speeds gives " + std::to_string(s.balance.speeds.size()) +
+           " speeds for " + std::to_string(world_size) + " ranks: with parallelism.strategy = \"auto\", give one a rank, in rank order (auto chooses which "
+           "ranks are data-parallel peers; each data-parallel rank then runs at its slowest rank's speed)");
+    } else if (!s.balance.speeds.empty() && !s.auto_strategy && degrees_ok && static_cast<std::int64_t>(s.balance.speeds.size()) != dp) {
       fail({"parallelism.balance_speeds", kDegreeKeys[0], kDegreeKeys[1]}, "parallelism.balance_speeds gives " + std::to_string(s.balance.speeds.size()) +
            " speeds for " + std::to_string(dp) + " data-parallel ranks: give one a data-parallel rank, in their order (dp_replicate outer, dp_shard inner)");
     }
@@ -719,10 +724,6 @@ JobSpec job_spec(const config::Config& cfg, std::int64_t world_size, std::int64_
            "(its loss gathers rows across the data-parallel ranks, whose counts would differ)" + even);
     }
     if (s.fault_tolerance.enable) fail({"parallelism.balance", "fault_tolerance.enable"}, "parallelism.balance = \"speed\" with fault tolerance is not supported yet" + even);
-    if (s.auto_strategy) {
-      fail({"parallelism.balance", "parallelism.strategy"}, "parallelism.balance = \"speed\" with parallelism.strategy = \"auto\" is not supported yet "
-           "(auto would plan each split anew): set the degrees yourself, or set parallelism.balance = \"even\"");
-    }
     if (s.dims.ep > 1) {
       fail({"parallelism.balance", "parallelism.expert_parallel_degree"}, "parallelism.balance = \"speed\" with expert parallelism is not supported yet "
            "(its all_to_all moves each rank's tokens over dp_shard)" + even);

@@ -106,6 +106,10 @@ AutoReport plan_auto(const JobSpec& spec, PluginRegistry& registry, const plan::
 /// line goes to spec.auto_report. The search is kept in <job.dump_folder>/auto_plan.json and
 /// reused while the job and the calibration are the same, so that every rank starts the plan
 /// the launcher chose (a solver stopped by its time limit need not find the same plan twice).
+/// With parallelism.balance = "speed": no pipelined layout is planned (a split of rows over
+/// stages is not supported), the speeds of balance_speeds, one per rank, become one per
+/// data-parallel rank of the chosen layout (its slowest rank's), and the line ends with the
+/// balanced split and its predicted step against the even one (estimate_balance).
 /// Throws std::invalid_argument naming each layout's peak when none fits the budget, or each
 /// layout's error when none can run.
 AutoReport choose_auto(JobSpec& spec, PluginRegistry& registry);
