@@ -221,9 +221,10 @@ TEST(BalanceRun, TensorParallelGroupsKeepOneShareWithOneRanksNumbers) {
 }
 
 // strategy = "auto" chooses the layout (never a pipelined one), then the split balances its
-// data-parallel ranks; balance_speeds is one a rank there, the slowed last rank given a third.
+// data-parallel ranks from their measured speeds (balance_speeds under auto: AutoSharding's
+// AutoWithSpeedBalanceFoldsEachRanksSpeedAndReportsTheSplit).
 TEST(BalanceRun, AutoStrategyChoosesTheLayoutThenTheSplitWithOneRanksNumbers) {
-  expect_balanced_like_one_rank("--parallelism.strategy auto --parallelism.balance_speeds 1,1,1,0.34", 4);
+  expect_balanced_like_one_rank("--parallelism.strategy auto", 4);
 }
 
 TEST(BalanceRun, WhatItCannotBalanceIsRefusedBeforeAnyRankStarts) {
