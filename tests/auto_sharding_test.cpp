@@ -20,6 +20,7 @@
 #include "spmdx/sharding/rewriter.h"
 #include "spmdx/job/auto_sharding.h"
 #include "spmdx/job/compile.h"
+#include "spmdx/job/memory_budget.h"
 #include "spmdx/job/preflight.h"
 #include "spmdx/job/spec.h"
 #include "spmdx/train/pipeline.h"
@@ -608,6 +609,44 @@ TEST(AutoSharding, AutoWithSpeedBalanceFoldsEachRanksSpeedAndReportsTheSplit) {
   cfg.override_value("parallelism.balance_speeds", "1,0.5");
   EXPECT_THAT([&] { job::job_spec(cfg, 4, 256); },
               ::testing::ThrowsMessage<config::ConfigError>(HasSubstr("with parallelism.strategy = \"auto\", give one a rank")));
+}
+
+// Under parallelism.memory_budget no data-parallel rank takes more rows than its plan fits:
+// balance_max_rows bisects rank 0's planned peak; the estimate's splits keep to it.
+TEST(AutoSharding, TheBalancedSplitKeepsEachRankWithinTheMemoryBudget) {
+  config::Config cfg = config::Config::load(SPMDX_SOURCE_DIR "/configs/llama_fsdp.toml");
+  cfg.override_value("parallelism.data_parallel_replicate_degree", "3");
+  cfg.override_value("parallelism.data_parallel_shard_degree", "1");
+  cfg.override_value("training.global_batch_size", "12");
+  cfg.override_value("training.local_batch_size", "4");
+  cfg.override_value("training.seq_len", "32");
+  cfg.override_value("parallelism.balance", "speed");
+  cfg.override_value("parallelism.balance_speeds", "1,0.25,0.25");
+  job::JobSpec spec = job::job_spec(cfg, 3, 256);
+  const auto choices = job::balance_choices(spec, registry());
+  auto peak = [&](std::int64_t rows) {
+    const job::JobSpec s = job::rows_spec(spec, rows, choices);
+    return job::plan_step(job::place_job(s, registry()), s, 0).memory.peak_bytes;
+  };
+  ASSERT_LT(peak(4), peak(6));
+  ASSERT_LT(peak(6), peak(7)) << "the bound is meaningful only where a row more costs memory";
+  const job::BalanceEstimate free = job::estimate_balance(spec, registry(), plan::Calibration{});
+  EXPECT_EQ(free.max_rows, 0);
+  ASSERT_GT(free.balanced[0], 6) << job::split_text(free.balanced) << ": without a budget the fast rank takes more than 6 rows";
+  spec.memory_budget = peak(6);
+  EXPECT_EQ(job::balance_max_rows(spec, registry(), choices), 6);
+  const job::BalanceEstimate b = job::estimate_balance(spec, registry(), plan::Calibration{});
+  EXPECT_EQ(b.max_rows, 6);
+  for (const auto& split : {b.balanced, b.start}) {
+    std::int64_t sum = 0;
+    for (auto r : split) {
+      EXPECT_LE(r, 6) << job::split_text(split);
+      sum += r;
+    }
+    EXPECT_EQ(sum, 12);
+  }
+  spec.memory_budget = peak(12);
+  EXPECT_EQ(job::balance_max_rows(spec, registry(), choices), 0) << "every count fits: no bound";
 }
 
 }  // namespace

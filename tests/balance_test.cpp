@@ -43,6 +43,11 @@ TEST(Balance, WholeRowsInProportionToSpeed) {
   EXPECT_THROW(balanced_rows(6, {{0, 1}, {0, NAN}}), std::invalid_argument);
   EXPECT_THROW(balanced_rows(6, {{-1, 1}, {0, 1}}), std::invalid_argument);
   EXPECT_EQ(split_text({6, 6, 2}), "6:6:2");
+  // parallelism.memory_budget's bound: no rank above 5 rows; what the fast ranks cannot take
+  // goes to the slow one (14 rows as 5:5:4, not 6:6:2).
+  EXPECT_THAT(balanced_rows(14, slow_third, 5), ElementsAre(5, 5, 4));
+  EXPECT_THAT(balanced_rows(14, slow_third, 6), ElementsAre(6, 6, 2)) << "a bound not reached changes nothing";
+  EXPECT_THROW(balanced_rows(16, slow_third, 5), std::invalid_argument) << "16 rows do not fit 3 ranks of at most 5";
 }
 
 TEST(Balance, ACostLineIsFittedThroughTheSplitsMeasured) {
@@ -144,7 +149,7 @@ TEST(Balance, ASplitSlowerThanOneMeasuredBeforeIsLeft) {
   EXPECT_EQ(r.splits[0].back(), even);  // and it stays
   ASSERT_EQ(r.said[0].size(), 2u);
   EXPECT_THAT(r.said[0][1], HasSubstr("rows 4:4:4"));
-  EXPECT_THAT(r.said[0][1], HasSubstr("back to the fastest split measured: its steps took 120.0 ms"));
+  EXPECT_THAT(r.said[0][1], HasSubstr("back to the fastest split measured since the speeds last drifted: its steps took 120.0 ms"));
 }
 
 #ifdef SPMDX_EXE

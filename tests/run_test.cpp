@@ -1467,7 +1467,7 @@ TEST(Run, DeviceAutoAndAPerRankListRunOnTheCpuHereWithTheCpusNumbers) {
   EXPECT_EQ(losses((dir / "auto" / "metrics.jsonl").string()), want);
   EXPECT_EQ(losses((dir / "listed" / "metrics.jsonl").string()), want);
   for (const auto& [device, says] : std::vector<std::pair<std::string, std::string>>{
-           {"--training.devices cpu", "training.devices lists 1 device for 2 ranks: give one per rank"},
+           {"--training.devices cpu", "training.devices lists 1 device for 2 ranks (--nproc x nodes): give one per rank"},
            {"--training.devices cpu,gpu", "training.devices: 'gpu' is not a device: give each rank \"cpu\", \"cuda\" or \"auto\""},
            {"--training.devices cpu,cuda", "training.devices puts rank 1 on \"cuda\": "},
            {"--training.device auto --fault_tolerance.enable true --fault_tolerance.group_size 2", "fault tolerance runs on training.device = \"cpu\""}}) {

@@ -267,11 +267,11 @@ int run_compile(const CompileOptions& o) {
                        {"comm_seconds_by_dim", e.comm_seconds_by_dim}, {"peak_bytes", e.peak_bytes}, {"threads", e.threads}, {"core_sharing", e.core_sharing},
                        {"stages", e.stages}, {"bubble_seconds", e.bubble_seconds}, {"bubble_fraction", e.bubble_fraction}, {"stage_seconds", e.stage_seconds},
                        {"calibration", nlohmann::json::parse(spmdx::job::planning_machine(spec, *calibration).calibration.to_json())}};
-      if (spec.balance.speed) {
+      if (spec.balance.speed && spec.dims.dp_replicate * spec.dims.dp_shard > 1) {  // one data-parallel rank: no batch to split
         const auto b = spmdx::job::estimate_balance(spec, registry, *calibration);
         j["estimate"]["balance"] = {{"speeds", b.speeds}, {"fixed_seconds", b.line.fixed}, {"row_seconds", b.line.per_row}, {"even", b.even},
-                                    {"balanced", b.balanced}, {"even_step_seconds", b.even_seconds}, {"balanced_step_seconds", b.balanced_seconds},
-                                    {"comm_seconds", b.comm_seconds}};
+                                    {"balanced", b.balanced}, {"start", b.start}, {"max_rows", b.max_rows}, {"even_step_seconds", b.even_seconds},
+                                    {"balanced_step_seconds", b.balanced_seconds}, {"start_step_seconds", b.start_seconds}, {"comm_seconds", b.comm_seconds}};
       }
     }
     std::cout << j.dump(1) << "\n";
@@ -361,7 +361,9 @@ int run_compile(const CompileOptions& o) {
     else std::printf("predicted mfu: n/a (%s)\n", peak_text.c_str());
     std::fflush(stdout);
     std::cout << "calibration: " << spmdx::job::planning_machine(spec, *calibration).calibration.str() << "\n";  // planning.target's, or this machine's
-    if (spec.balance.speed) {
+    if (spec.balance.speed && spec.dims.dp_replicate * spec.dims.dp_shard == 1) {
+      std::printf("balance (speed): one data-parallel rank, so there is no batch to split\n");
+    } else if (spec.balance.speed) {
       const auto b = spmdx::job::estimate_balance(spec, registry, *calibration);
       std::string speeds;
       for (double v : b.speeds) {
@@ -369,11 +371,21 @@ int run_compile(const CompileOptions& o) {
         std::snprintf(one, sizeof one, "%s%.3g", speeds.empty() ? "" : " : ", v);
         speeds += one;
       }
+      std::string start = "the ranks' CPU shares (--cpu-affinity), else even";
+      if (!spec.balance.speeds.empty() && b.start == b.balanced) {
+        start = "the balanced split";
+      } else if (!spec.balance.speeds.empty()) {
+        char one[160];
+        std::snprintf(one, sizeof one, "%s (rows in proportion to the speeds, before a step is measured: %.2f ms predicted)", spmdx::job::split_text(b.start).c_str(),
+                      b.start_seconds * 1e3);
+        start = one;
+      }
+      if (b.max_rows > 0) start += "; at most " + std::to_string(b.max_rows) + " rows a rank within parallelism.memory_budget";
       std::printf("balance (speed): data-parallel ranks at speeds %s (%s); a rank's compute at speed 1: %.2f ms + %.2f ms a row; even %s predicts %.2f ms a step, "
                   "balanced %s %.2f ms (%.2fx); spmdx run starts from %s, and re-plans from measured steps\n",
                   speeds.c_str(), spec.balance.speeds.empty() ? "equal: parallelism.balance_speeds not given" : "parallelism.balance_speeds", b.line.fixed * 1e3,
                   b.line.per_row * 1e3, spmdx::job::split_text(b.even).c_str(), b.even_seconds * 1e3, spmdx::job::split_text(b.balanced).c_str(), b.balanced_seconds * 1e3,
-                  b.balanced_seconds / b.even_seconds, spec.balance.speeds.empty() ? "the ranks' CPU shares (--cpu-affinity), else even" : "the balanced split");
+                  b.balanced_seconds / b.even_seconds, start.c_str());
       std::fflush(stdout);
     }
   }

@@ -88,9 +88,13 @@ std::vector<std::string> run_problems(const spmdx::config::Config& cfg, std::int
       cuda_ranks.push_back(static_cast<int>(r));
     }
     if (needed > 0) {
-      if (const std::string why = spmdx::exec::cuda_problem(needed); !why.empty()) {
+      if (std::string why = spmdx::exec::cuda_problem(needed); !why.empty()) {
+        // Its advice names training.device; here the list's entries are what to change.
+        if (const std::string advice = "; use training.device = \"cpu\""; why.size() >= advice.size() && why.compare(why.size() - advice.size(), advice.size(), advice) == 0) {
+          why.resize(why.size() - advice.size());
+        }
         problems.push_back(cfg.where({"training.devices"}) + ": training.devices puts " + spmdx::rank_list(cuda_ranks) + " on \"cuda\": " + why +
-                           " (\"auto\" takes a GPU where a local rank has one, else the CPU)");
+                           "; make " + (cuda_ranks.size() == 1 ? "its entry" : "their entries") + " \"cpu\", or \"auto\" (a GPU where the local rank has one, else the CPU)");
       }
     }
   }

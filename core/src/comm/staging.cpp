@@ -1,11 +1,11 @@
 #include "spmdx/comm/staging.h"
 
 #include <algorithm>
-#include <functional>
 #include <stdexcept>
 
 #include "spmdx/comm/all_to_all_v.h"
 #include "spmdx/comm/score_map.h"
+#include "spmdx/comm/then_work.h"
 
 namespace spmdx::comm {
 
@@ -43,8 +43,6 @@ struct StagingBackend::Staged {
     return h;
   }
   void copy_back() {
-    if (copied) return;
-    copied = true;
     for (const auto& b : backs) {
       if (b.bytes == 0) continue;
       staging.to_device(b.device, b.host, b.bytes);
@@ -56,39 +54,7 @@ struct StagingBackend::Staged {
   std::shared_ptr<StagingStats> stats;
   std::vector<void*> host;
   std::vector<Back> backs;
-  bool copied = false;
 };
-
-namespace {
-
-// The inner call's Work; once it completes, the outputs go back to device memory.
-class StagedWork final : public Work {
- public:
-  StagedWork(std::unique_ptr<Work> inner, std::shared_ptr<void> staged, std::function<void()> back)
-      : inner_(std::move(inner)), staged_(std::move(staged)), back_(std::move(back)) {}
-  ~StagedWork() override {
-    inner_.reset();  // the call is done or failed before its host buffers go
-    staged_.reset();
-  }
-  bool wait(double timeout_seconds) override {
-    if (!inner_->wait(timeout_seconds)) return false;
-    back_();
-    return true;
-  }
-  bool test() override {
-    if (!inner_->test()) return false;
-    back_();
-    return true;
-  }
-  bool times(double& started_at, double& finished_at) const override { return inner_->times(started_at, finished_at); }
-
- private:
-  std::unique_ptr<Work> inner_;
-  std::shared_ptr<void> staged_;
-  std::function<void()> back_;
-};
-
-}  // namespace
 
 StagingBackend::StagingBackend(CommBackend& inner, std::vector<MemoryType> rank_memory, HostStaging& staging)
     : inner_(inner), rank_memory_(std::move(rank_memory)), staging_(staging), members_(member_capabilities(inner)) {
@@ -126,7 +92,7 @@ bool StagingBackend::stage(const std::string& op, std::size_t bytes, bool has_ho
 
 std::unique_ptr<Work> StagingBackend::wrap(std::unique_ptr<Work> work, std::shared_ptr<Staged> staged) {
   Staged* s = staged.get();
-  return std::make_unique<StagedWork>(std::move(work), std::move(staged), [s] { s->copy_back(); });
+  return std::make_unique<ThenWork>(std::move(work), [s] { s->copy_back(); }, std::move(staged));
 }
 
 std::unique_ptr<Work> StagingBackend::all_reduce(int group, CommBuffer buf, ReduceOp op) {

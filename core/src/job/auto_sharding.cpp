@@ -23,6 +23,7 @@
 #include "spmdx/sharding/redistribute.h"
 #include "spmdx/text.h"
 #include "spmdx/job/compile.h"
+#include "spmdx/job/memory_budget.h"
 #include "spmdx/train/pipeline.h"
 
 namespace spmdx::job {
@@ -441,7 +442,10 @@ AutoReport plan_auto(const JobSpec& spec, PluginRegistry& registry, const plan::
 
 std::string balance_of_auto(JobSpec& spec, PluginRegistry& registry, const plan::Calibration& c) {
   const std::int64_t dp = spec.dims.dp_replicate * spec.dims.dp_shard;
-  if (dp == 1) return "parallelism.balance = \"speed\": this layout has one data-parallel rank, so there is no batch to split";
+  if (dp == 1) {
+    if (!spec.balance.speeds.empty()) spec.balance.speeds = {*std::min_element(spec.balance.speeds.begin(), spec.balance.speeds.end())};
+    return "parallelism.balance = \"speed\": this layout has one data-parallel rank, so there is no batch to split";
+  }
   if (spec.balance.speeds.empty()) return "parallelism.balance = \"speed\": the split follows the ranks' measured speeds from the first steps";
   // Given per rank (the data-parallel ranks were not known before the layout): a data-parallel
   // rank runs at its slowest member's speed, as the balancer measures it (a rank's index is
@@ -464,7 +468,13 @@ std::string balance_of_auto(JobSpec& spec, PluginRegistry& registry, const plan:
   std::snprintf(out, sizeof out, "balanced for data-parallel speeds %s (parallelism.balance_speeds; a data-parallel rank at its slowest rank's): rows %s, "
                 "predicted %.2f ms a step against %.2f ms even (%.2fx)", speeds.c_str(), split_text(b.balanced).c_str(), b.balanced_seconds * 1e3,
                 b.even_seconds * 1e3, b.balanced_seconds / std::max(1e-12, b.even_seconds));
-  return out;
+  std::string text = out;
+  if (b.start != b.balanced) {
+    std::snprintf(out, sizeof out, "; the run starts from %s (rows in proportion to the speeds: %.2f ms predicted) and re-plans from measured steps",
+                  split_text(b.start).c_str(), b.start_seconds * 1e3);
+    text += out;
+  }
+  return text;
 }
 
 AutoReport choose_auto(JobSpec& spec, PluginRegistry& registry) {
@@ -766,9 +776,14 @@ BalanceEstimate estimate_balance(const JobSpec& spec, PluginRegistry& registry, 
   }
   std::vector<RankCost> costs;
   for (double v : out.speeds) costs.push_back({out.line.fixed / v, out.line.per_row / v});
-  out.balanced = balanced_rows(spec.global_batch_size, costs);
+  out.max_rows = balance_max_rows(spec, registry, choices);
+  out.balanced = balanced_rows(spec.global_batch_size, costs, out.max_rows);
+  std::vector<RankCost> proportional;
+  for (double v : out.speeds) proportional.push_back({0, 1 / v});
+  out.start = balanced_rows(spec.global_batch_size, proportional, out.max_rows);
   out.even_seconds = predicted_seconds(out.even, costs) + out.comm_seconds;
   out.balanced_seconds = predicted_seconds(out.balanced, costs) + out.comm_seconds;
+  out.start_seconds = predicted_seconds(out.start, costs) + out.comm_seconds;
   return out;
 }
 

@@ -30,7 +30,7 @@ RankCost fit_cost(const std::vector<std::pair<std::int64_t, double>>& points) {
   return {fixed, per_row};
 }
 
-std::vector<std::int64_t> balanced_rows(std::int64_t rows, const std::vector<RankCost>& costs) {
+std::vector<std::int64_t> balanced_rows(std::int64_t rows, const std::vector<RankCost>& costs, std::int64_t max_rows) {
   if (costs.empty()) throw std::invalid_argument("balanced_rows: no ranks");
   for (const RankCost& c : costs) {
     if (!std::isfinite(c.per_row) || c.per_row <= 0 || !std::isfinite(c.fixed) || c.fixed < 0) {
@@ -40,14 +40,18 @@ std::vector<std::int64_t> balanced_rows(std::int64_t rows, const std::vector<Ran
   }
   const auto n = static_cast<std::int64_t>(costs.size());
   if (rows < n) throw std::invalid_argument("balanced_rows: " + std::to_string(rows) + " rows cannot give each of " + std::to_string(n) + " ranks one");
+  if (max_rows > 0 && rows > n * max_rows) {
+    throw std::invalid_argument("balanced_rows: " + std::to_string(rows) + " rows do not fit " + std::to_string(n) + " ranks of at most " + std::to_string(max_rows));
+  }
   // Water-filling: each row goes to the rank that would finish first with it. For a bottleneck
   // (min-max) objective over separable increasing costs this greedy order is optimal.
   std::vector<std::int64_t> out(costs.size(), 1);
   for (std::int64_t left = rows - n; left > 0; --left) {
-    std::size_t best = 0;
-    double best_t = costs[0].at(out[0] + 1);
-    for (std::size_t i = 1; i < out.size(); ++i) {
-      if (const double t = costs[i].at(out[i] + 1); t < best_t) best = i, best_t = t;
+    std::size_t best = out.size();
+    double best_t = 0;
+    for (std::size_t i = 0; i < out.size(); ++i) {
+      if (max_rows > 0 && out[i] >= max_rows) continue;
+      if (const double t = costs[i].at(out[i] + 1); best == out.size() || t < best_t) best = i, best_t = t;
     }
     ++out[best];
   }
@@ -147,7 +151,7 @@ bool Balancer::start(double prior, std::int64_t first_step) {
   changed_at_ = first_step - 1;
   costs_ = per_index(exchange("prior", index_cost(dp_index_, {0, 1 / (prior > 0 && std::isfinite(prior) ? prior : 1.0)}, 0)));
   const auto before = split_;
-  split_ = balanced_rows(global_rows_, costs_);
+  split_ = balanced_rows(global_rows_, costs_, spec_.max_rows);
   return split_ != before;
 }
 
@@ -179,7 +183,9 @@ bool Balancer::after_step(std::int64_t step, double compute_seconds, double step
   // The steps each split took when last run. One that now takes longer than then by more than
   // the threshold means the ranks' speeds drifted: what was measured before is forgotten.
   const double threshold = spec_.threshold;
-  if (const auto it = tried_.find(split_); it != tried_.end() && wall > it->second * (1 + threshold)) tried_.clear(), rejected_.clear();
+  const auto again = tried_.find(split_);
+  const bool drifted = again != tried_.end() && wall > again->second * (1 + threshold);
+  if (drifted) tried_.clear(), rejected_.clear();
   tried_[split_] = wall;
   const auto best = std::min_element(tried_.begin(), tried_.end(), [](const auto& a, const auto& b) { return a.second < b.second; });
   const auto before = split_;
@@ -190,14 +196,20 @@ bool Balancer::after_step(std::int64_t step, double compute_seconds, double step
     // see): back to that one, and this one is not taken again until the speeds drift.
     rejected_.insert(split_);
     split_ = best->first;
-    why = "back to the fastest split measured: its steps took " + ms_text(best->second) + " ms, " + split_text(before) + "'s " + ms_text(wall) + " ms";
+    why = "back to the fastest split measured since the speeds last drifted: its steps took " + ms_text(best->second) + " ms, " + split_text(before) + "'s " +
+          ms_text(wall) + " ms";
   } else {
-    const auto next = balanced_rows(global_rows_, costs_);
+    const auto next = balanced_rows(global_rows_, costs_, spec_.max_rows);
     then = predicted_seconds(next, costs_);
     if (next != split_ && rejected_.count(next) == 0 && then < (1 - threshold) * now) {
       split_ = next;
       why = "predicted compute " + ms_text(then) + " ms a step, was " + ms_text(now) + " ms; steps took " + ms_text(wall) + " ms";
     }
+  }
+  // The speeds drifted: said with the next re-plan's line (only a change of split is said).
+  if (drifted) {
+    why += std::string(why.empty() ? "" : "; ") + "the speeds drifted (" + split_text(before) + "'s steps took " + ms_text(wall) +
+           " ms, more than the threshold over its earlier measure): the splits measured before are forgotten";
   }
   changed_at_ = step;  // measured afresh from here, the next step warming up a new split
   if (split_ == before) return false;

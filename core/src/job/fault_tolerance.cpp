@@ -10,6 +10,7 @@
 #include <stdexcept>
 
 #include "spmdx/comm/store.h"
+#include "spmdx/comm/then_work.h"
 #include "spmdx/core/log.h"
 #include "spmdx/exec/distributed.h"
 #include "spmdx/job/comm_chain.h"
@@ -52,36 +53,14 @@ nlohmann::json progress_json(const FtProgress& p) {
           {"growth_tracker", p.growth_tracker}};
 }
 
-// A sum over a shrunken replica slice, scaled by members / live members once it completes.
-class ScaledWork final : public Work {
- public:
-  ScaledWork(std::unique_ptr<Work> inner, CommBuffer buf, double scale) : inner_(std::move(inner)), buf_(buf), scale_(scale) {}
-  bool wait(double timeout_seconds) override {
-    if (!inner_->wait(timeout_seconds)) return false;
-    scale_once();
-    return true;
-  }
-  bool test() override {
-    if (!inner_->test()) return false;
-    scale_once();
-    return true;
-  }
-  bool times(double& started_at, double& finished_at) const override { return inner_->times(started_at, finished_at); }
-
- private:
-  void scale_once() {
-    if (done_) return;
-    done_ = true;
-    const at::ScalarType type = buf_.dtype == CommDType::f64 ? at::kDouble : buf_.dtype == CommDType::bf16 ? at::kBFloat16
-                                : buf_.dtype == CommDType::f16   ? at::kHalf   : at::kFloat;
-    if (buf_.dtype != CommDType::f32 && buf_.dtype != CommDType::f64 && buf_.dtype != CommDType::bf16 && buf_.dtype != CommDType::f16) return;  // counts
-    at::from_blob(buf_.data, {static_cast<std::int64_t>(buf_.count)}, at::TensorOptions().dtype(type)).mul_(scale_);
-  }
-  std::unique_ptr<Work> inner_;
-  CommBuffer buf_;
-  double scale_;
-  bool done_ = false;
-};
+// A sum over a shrunken replica slice, scaled by members / live members: `buf` once the call
+// completes (floating dtypes; the counts of an integer buffer are left as they are).
+void scale(const CommBuffer& buf, double by) {
+  if (buf.dtype != CommDType::f32 && buf.dtype != CommDType::f64 && buf.dtype != CommDType::bf16 && buf.dtype != CommDType::f16) return;  // counts
+  const at::ScalarType type = buf.dtype == CommDType::f64 ? at::kDouble : buf.dtype == CommDType::bf16 ? at::kBFloat16
+                              : buf.dtype == CommDType::f16   ? at::kHalf   : at::kFloat;
+  at::from_blob(buf.data, {static_cast<std::int64_t>(buf.count)}, at::TensorOptions().dtype(type)).mul_(by);
+}
 
 }  // namespace
 
@@ -161,7 +140,7 @@ std::unique_ptr<Work> LiveBackend::all_reduce(int group, CommBuffer buf, ReduceO
   tick();
   const GroupInfo& g = info(group, "all_reduce");
   auto work = inner_->all_reduce(group, buf, op);
-  if (op == ReduceOp::sum && g.scale != 1) return std::make_unique<ScaledWork>(std::move(work), buf, g.scale);
+  if (op == ReduceOp::sum && g.scale != 1) return std::make_unique<comm::ThenWork>(std::move(work), [buf, by = g.scale] { scale(buf, by); });
   return work;
 }
 

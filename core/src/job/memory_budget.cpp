@@ -107,6 +107,23 @@ PlannedStep plan_step(const PlacedJob& job, const JobSpec& spec, std::int64_t ra
   return step;
 }
 
+std::int64_t balance_max_rows(const JobSpec& spec, PluginRegistry& registry, const std::map<std::int64_t, std::map<int, std::string>>& choices) {
+  if (spec.memory_budget <= 0) return 0;
+  const std::int64_t dp = spec.dims.dp_replicate * spec.dims.dp_shard;
+  const std::int64_t even = (spec.global_batch_size + dp - 1) / dp, most = spec.global_batch_size - (dp - 1);
+  auto fits = [&](std::int64_t rows) {
+    const JobSpec s = rows_spec(spec, rows, choices);
+    return plan_step(place_job(s, registry), s, 0).memory.peak_bytes <= spec.memory_budget;
+  };
+  if (most <= even || fits(most)) return 0;
+  std::int64_t lo = even, hi = most;  // lo fits (or is the floor), hi does not
+  while (hi - lo > 1) {
+    const std::int64_t mid = lo + (hi - lo) / 2;
+    (fits(mid) ? lo : hi) = mid;
+  }
+  return lo;
+}
+
 std::string fit_memory_budget(JobSpec& spec, PluginRegistry& registry) {
   if (spec.memory_budget <= 0) return "";
   const PlacedJob placed = place_job(spec, registry);

@@ -756,11 +756,19 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
   std::optional<Balancer> balancer;
   std::map<std::int64_t, BalancedProgram> programs;
   std::unique_ptr<DistributedExecutor> balanced_executor;
-  if (spec.balance.speed && joined.store) {
+  if (spec.balance.speed && joined.store && data_parallel_degree(job.mesh) > 1) {  // one data-parallel rank: no batch to split (auto's line says so)
     const std::int64_t dp_index = data_parallel_index(job.mesh, job.mesh.coordinate(plan_rank));
-    balancer.emplace(spec.balance, spec.global_batch_size, data_parallel_degree(job.mesh), dp_index, env.rank, env.world_size, *joined.store, timeout);
+    const auto choices = balance_choices(spec, registry);
+    // Under parallelism.memory_budget no rank takes more rows than fit it (every rank computes the same bound).
+    BalanceSpec balance = spec.balance;
+    balance.max_rows = balance_max_rows(spec, registry, choices);
+    if (lead && balance.max_rows > 0) {
+      std::printf("balance: at most %lld rows a data-parallel rank: the plan for more is over parallelism.memory_budget %s\n",
+                  static_cast<long long>(balance.max_rows), human_bytes(static_cast<double>(spec.memory_budget)).c_str());
+    }
+    balancer.emplace(balance, spec.global_batch_size, data_parallel_degree(job.mesh), dp_index, env.rank, env.world_size, *joined.store, timeout);
     loop.balancer = &*balancer;
-    loop.replan = [&, choices = balance_choices(spec, registry)] {
+    loop.replan = [&, choices] {
       const std::int64_t rows = balancer->rows();
       auto it = programs.find(rows);
       if (it == programs.end()) it = programs.emplace(rows, balanced_program(spec, registry, env.rank, rows, loop.tokens_pl, choices)).first;
@@ -828,6 +836,14 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
     if (loop.lead) {
       if (const std::string unfired = ft->unfired_faults(); !unfired.empty()) std::fprintf(stderr, "%s\n", unfired.c_str());
     }
+  }
+  // A mixed mesh's CUDA rank: what its collectives copied through host memory.
+  if (const comm::StagingStats st = mixed && loop.executor != nullptr ? loop.executor->staging_stats() : comm::StagingStats{};
+      st.staged_calls + st.direct_calls > 0) {
+    std::printf("staging: %lld collective calls through pinned host memory (%s to host, %s back), %lld passed on as they were%s\n",
+                static_cast<long long>(st.staged_calls), human_bytes(static_cast<double>(st.to_host_bytes)).c_str(),
+                human_bytes(static_cast<double>(st.to_device_bytes)).c_str(), static_cast<long long>(st.direct_calls),
+                spec.balance.speed ? " (since the last re-plan)" : "");
   }
   if (loop.lead) print_done(spec, start_step, std::chrono::duration<double>(Clock::now() - run_start).count(), first_loss, last_loss, dump, restarted);
   if (backend) {

@@ -625,13 +625,19 @@ JobSpec job_spec(const config::Config& cfg, std::int64_t world_size, std::int64_
         break;
       }
     }
+    if (cfg.is_set("training.device")) {
+      SPMDX_WARN(cfg.where({"training.devices", "training.device"}) << ": training.devices gives each rank its device: training.device = \""
+                 << cfg.get_string("training.device") << "\" is not used");
+    }
     if (static_cast<std::int64_t>(devices.size()) != world_size) {
       fail({"training.devices"}, "training.devices lists " + std::to_string(devices.size()) + " device" + (devices.size() == 1 ? "" : "s") + " for " +
-           std::to_string(world_size) + " ranks: give one per rank, in rank order (or remove it and set training.device)");
+           std::to_string(world_size) + (world_size == 1 ? " rank" : " ranks") + " (--nproc x nodes): give one per rank, in rank order (or remove it and set training.device)");
     }
   }
   if (s.device.cuda_graphs && !s.device.all("cuda")) {
-    fail({"training.cuda_graphs", "training.device"}, "training.cuda_graphs = true needs training.device = \"cuda\" (CUDA graphs are a GPU feature)");
+    fail({"training.cuda_graphs", s.device.per_rank.empty() ? "training.device" : "training.devices"},
+         s.device.per_rank.empty() ? "training.cuda_graphs = true needs training.device = \"cuda\" (CUDA graphs are a GPU feature)"
+                                   : "training.cuda_graphs = true needs every rank on \"cuda\" (CUDA graphs are a GPU feature), and training.devices puts some elsewhere");
   } else if (s.device.cuda_graphs && world_size > 1) {
     fail({"training.cuda_graphs"}, "training.cuda_graphs = true runs one rank only for now (" + std::to_string(world_size) +
          " ranks here): capturing a step's collectives needs the nccl stream inside the graph, which spmdx does not do yet; set it false");

@@ -124,12 +124,15 @@ plan::StepEstimate estimate_job(const JobSpec& spec, PluginRegistry& registry, c
 /// its parallelism.balance_speeds (1 each when not given), the even split and the split
 /// balanced_rows makes of them, and each one's predicted step (the slowest rank's compute plus
 /// the even plan's communication: the collectives move the parameters' and gradients' bytes,
-/// whatever the rows).
+/// whatever the rows). `start` is the split spmdx run starts from (Balancer::start: rows in
+/// proportion to the speeds, before a step is measured), which the line's fixed part can make
+/// differ from `balanced`. With one data-parallel rank every split is the whole batch.
 struct BalanceEstimate {
   std::vector<double> speeds;
   RankCost line;  ///< seconds at speed 1: fixed + rows x per_row
-  std::vector<std::int64_t> even, balanced;
-  double comm_seconds = 0, even_seconds = 0, balanced_seconds = 0;
+  std::vector<std::int64_t> even, balanced, start;
+  double comm_seconds = 0, even_seconds = 0, balanced_seconds = 0, start_seconds = 0;
+  std::int64_t max_rows = 0;  ///< under parallelism.memory_budget, the most rows a rank may take (balance_max_rows; 0: no bound)
 };
 BalanceEstimate estimate_balance(const JobSpec& spec, PluginRegistry& registry, const plan::Calibration& c);
 

@@ -39,6 +39,9 @@ struct BalanceSpec {
   /// parallelism.balance_speeds: each data-parallel rank's relative speed (empty: not given),
   /// the split at start and what spmdx compile --estimate plans with.
   std::vector<double> speeds;
+  /// The most rows a data-parallel rank may take (0: no bound): parallelism.memory_budget's,
+  /// balance_max_rows (job/memory_budget.h), set by the run before it balances.
+  std::int64_t max_rows = 0;
 };
 
 /// A rank's compute time for a step of `rows` rows, in seconds: fixed + rows x per_row (the
@@ -61,8 +64,9 @@ RankCost fit_cost(const std::vector<std::pair<std::int64_t, double>>& points);
 /// Ties go to the lower index, so every rank computes the same split, and equal costs give an
 /// even split (rows / n each, the first rows % n ranks one more). Throws std::invalid_argument
 /// for rows < costs.size(), no costs, or a per_row that is not finite and > 0 or a fixed part
-/// that is not finite and >= 0.
-std::vector<std::int64_t> balanced_rows(std::int64_t rows, const std::vector<RankCost>& costs);
+/// that is not finite and >= 0. `max_rows` > 0: no rank takes more (parallelism.memory_budget's
+/// bound); throws std::invalid_argument when rows > costs.size() x max_rows.
+std::vector<std::int64_t> balanced_rows(std::int64_t rows, const std::vector<RankCost>& costs, std::int64_t max_rows = 0);
 
 /// Seconds of the slowest rank under a split: max_i costs_i.at(rows_i).
 double predicted_seconds(const std::vector<std::int64_t>& rows, const std::vector<RankCost>& costs);

@@ -30,6 +30,13 @@ std::int64_t state_copy_bytes(const ir::Graph& rank_graph, const std::vector<std
 /// stage with the highest planned peak (each stage's first rank; rank 0 without stages).
 PlannedStep plan_step(const PlacedJob& job, const JobSpec& spec, std::int64_t rank = 0);
 
+/// parallelism.balance = "speed" under parallelism.memory_budget: the most rows a data-parallel
+/// rank may take, the largest count whose plan (rows_spec with `choices`, rank 0's step) is
+/// planned within the budget, by bisection between the even rows and all but one a rank for
+/// each other rank; 0 without a budget or when every count fits. At least the even rows (the
+/// even plan is fitted to the budget before, or said to be over it).
+std::int64_t balance_max_rows(const JobSpec& spec, PluginRegistry& registry, const std::map<std::int64_t, std::map<int, std::string>>& choices);
+
 /// parallelism.memory_budget (spec.memory_budget bytes; 0: none). When rank 0's planned peak
 /// (with pipeline stages, the highest stage's) is over it, tries in order, each on top of the one before: FSDP resharding after the forward
 /// (when data_parallel_shard_degree > 1 and it is off), selective activation checkpointing
