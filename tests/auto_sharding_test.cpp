@@ -29,6 +29,7 @@
 namespace spmdx {
 namespace {
 
+using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 
 PluginRegistry& registry() {
@@ -575,6 +576,18 @@ TEST(AutoSharding, BalancePlansTheSplitOfTheGivenSpeeds) {
   cfg.override_value("parallelism.balance_speeds", "1,1,1");
   cfg.override_value("parallelism.balance", "even");
   EXPECT_THROW(job::job_spec(cfg, 3, 256), config::ConfigError);
+  // A speed may name a target profile: its peak FLOP/s (float32 here) over planning.target's,
+  // or over the fastest named one without it.
+  cfg.override_value("parallelism.balance", "speed");
+  const double b200 = plan::find_target("b200")->peak_flops("float32", false), h100 = plan::find_target("h100-sxm")->peak_flops("float32", false);
+  ASSERT_GT(b200, h100);
+  cfg.override_value("parallelism.balance_speeds", "b200,h100-sxm,h100");
+  EXPECT_THAT(job::job_spec(cfg, 3, 256).balance.speeds, ElementsAre(1.0, h100 / b200, h100 / b200));
+  cfg.override_value("planning.target", "h100-sxm");
+  cfg.override_value("parallelism.balance_speeds", "1,b200,0.5");
+  EXPECT_THAT(job::job_spec(cfg, 3, 256).balance.speeds, ElementsAre(1.0, b200 / h100, 0.5));
+  cfg.override_value("planning.target", "this-machine");
+  EXPECT_THAT([&] { job::job_spec(cfg, 3, 256); }, ::testing::ThrowsMessage<config::ConfigError>(HasSubstr("mixes numbers and target names: set planning.target")));
 }
 
 // strategy = "auto" with balance = "speed": a speed per rank, folded to one per data-parallel

@@ -691,15 +691,45 @@ JobSpec job_spec(const config::Config& cfg, std::int64_t world_size, std::int64_
   if (cfg.get_string("parallelism.balance") == "speed") {
     s.balance = {true, cfg.get_int("parallelism.balance_interval"), cfg.get_float("parallelism.balance_threshold"), {}};
     const std::int64_t dp = s.dims.dp_replicate * s.dims.dp_shard;
+    // A speed is a number, or a target profile's name (plan/target.h): its peak FLOP/s in the
+    // compute dtype over planning.target's (the machine the estimates are of), or over the
+    // fastest named when every entry is a name and planning.target is not given.
+    const std::string per = s.auto_strategy ? "each rank's" : "each data-parallel rank's";
+    std::string profiles;
+    for (const auto& t : plan::target_profiles()) profiles += (profiles.empty() ? "" : ", ") + t.name;
+    std::vector<const plan::TargetProfile*> named;
     for (const auto& text : speeds) {
       char* end = nullptr;
       const double v = std::strtod(text.c_str(), &end);
+      if (const plan::TargetProfile* t = plan::find_target(text); t != nullptr) {
+        named.push_back(t);
+        s.balance.speeds.push_back(t->peak_flops(s.mixed_precision.param, s.device.allow_tf32));
+        continue;
+      }
       if (text.empty() || end != text.c_str() + text.size() || text.find_first_not_of("0123456789.eE+-") != std::string::npos || !std::isfinite(v) || v <= 0) {
-        fail({"parallelism.balance_speeds"}, "parallelism.balance_speeds: '" + text + "' is not a speed: give each data-parallel rank's relative speed as a decimal number > 0, e.g. [\"1\", \"0.5\"]");
+        fail({"parallelism.balance_speeds"}, "parallelism.balance_speeds: '" + text + "' is not a speed: give " + per + " relative speed as a decimal number > 0, "
+             "e.g. [\"1\", \"0.5\"], or the name of a target profile (" + profiles + ")");
         s.balance.speeds.clear();
+        named.clear();
         break;
       }
+      named.push_back(nullptr);
       s.balance.speeds.push_back(v);
+    }
+    const bool names = std::any_of(named.begin(), named.end(), [](const auto* t) { return t != nullptr; });
+    const bool numbers = std::any_of(named.begin(), named.end(), [](const auto* t) { return t == nullptr; });
+    const plan::TargetProfile* reference = s.planning_target.empty() ? nullptr : plan::find_target(s.planning_target);
+    if (names && numbers && reference == nullptr) {
+      fail({"parallelism.balance_speeds", "planning.target"}, "parallelism.balance_speeds mixes numbers and target names: set planning.target to the "
+           "machine of speed 1 (the names' speeds are their peak FLOP/s over its), or give only numbers or only names");
+    } else if (names) {
+      double unit = reference != nullptr ? reference->peak_flops(s.mixed_precision.param, s.device.allow_tf32) : 0;
+      if (reference == nullptr) {
+        for (std::size_t i = 0; i < named.size(); ++i) unit = std::max(unit, s.balance.speeds[i]);
+      }
+      for (std::size_t i = 0; i < named.size(); ++i) {
+        if (named[i] != nullptr) s.balance.speeds[i] /= unit;
+      }
     }
     if (!s.balance.speeds.empty() && s.auto_strategy && static_cast<std::int64_t>(s.balance.speeds.size()) != world_size) {
       // The data-parallel ranks are known only once auto has chosen the layout: a speed per rank.
