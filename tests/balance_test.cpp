@@ -135,6 +135,32 @@ TEST(Balance, EveryRankTakesTheSameSplitAtTheSameStep) {
 // A split the model chose that runs slower than one measured before (here every uneven split
 // pays 200 ms more, as contention the cost lines do not see would): the ranks go back to the
 // fastest split measured, say so, and do not take the slower one again.
+// After a re-plan the ranks compare what they will run over the data-parallel dims: a rank
+// whose collectives differ stops every rank, which names it; equal hashes pass.
+TEST(Balance, RanksThatWouldRunOtherCollectivesAreNamed) {
+  comm::TcpStoreServer server("127.0.0.1", 0, "tok");
+  std::vector<std::string> errors(3);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 3; ++r) {
+    threads.emplace_back([&, r] {
+      comm::TcpStore store("127.0.0.1", server.port(), "tok", 10, r);
+      Balancer b(BalanceSpec{true, 3, 0.05, {}}, 12, 3, r, r, 3, store, 10);
+      b.check_same_collectives(42, "the same");
+      try {
+        b.check_same_collectives(r == 2 ? 7 : 42, "rows 4 on rank " + std::to_string(r));
+      } catch (const std::runtime_error& e) {
+        errors[static_cast<std::size_t>(r)] = e.what();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_THAT(errors[static_cast<std::size_t>(r)], HasSubstr("with rows 4:4:4, rank(s) 2 would run other collectives over the data-parallel mesh dims than rank 0"))
+        << "rank " << r;
+    EXPECT_THAT(errors[static_cast<std::size_t>(r)], HasSubstr("use parallelism.balance = \"even\"")) << "rank " << r;
+  }
+}
+
 TEST(Balance, ASplitSlowerThanOneMeasuredBeforeIsLeft) {
   const std::vector<double> slowness{1, 1, 3};
   const std::vector<std::int64_t> even{4, 4, 4};
@@ -230,6 +256,31 @@ TEST(BalanceRun, TensorParallelGroupsKeepOneShareWithOneRanksNumbers) {
 // AutoWithSpeedBalanceFoldsEachRanksSpeedAndReportsTheSplit).
 TEST(BalanceRun, AutoStrategyChoosesTheLayoutThenTheSplitWithOneRanksNumbers) {
   expect_balanced_like_one_rank("--parallelism.strategy auto", 4);
+}
+
+// What would do nothing is said, by spmdx compile as by spmdx run's preflight (no ranks here).
+TEST(BalanceRun, SettingsThatDoNothingAreSaid) {
+  test::TempDir dir;
+  test::corpus_file(dir);
+  auto compile = [&](const std::string& flags) {
+    return test::run_command("'" SPMDX_EXE "' compile '" SPMDX_SOURCE_DIR "/configs/llama_debug.toml' --data.paths '" + (dir / "corpus.txt").string() +
+                             "' --training.seq_len 32 --training.global_batch_size 12 --parallelism.tensor_parallel_degree 1 --job.dump_folder '" +
+                             (dir / "out").string() + "' " + flags + " 2>&1");
+  };
+  for (const auto& [flags, says] : std::vector<std::pair<std::string, std::string>>{
+           {"--world-size 1 --parallelism.data_parallel_shard_degree 1 --training.local_batch_size 12 --parallelism.balance speed",
+            "parallelism.balance = \"speed\" with one data-parallel rank has no batch to split: it does nothing"},
+           {"--world-size 3 --parallelism.data_parallel_shard_degree 3 --parallelism.balance speed --training.steps 4 --parallelism.balance_interval 4",
+            "parallelism.balance_interval 4 is not less than training.steps 4: the split is never re-planned from measured steps in this run"},
+           {"--world-size 3 --parallelism.data_parallel_shard_degree 3 --parallelism.balance_threshold 0.2",
+            "parallelism.balance_threshold acts only with parallelism.balance = \"speed\" (it is \"even\"): ignored"},
+           {"--world-size 2 --parallelism.data_parallel_shard_degree 2 --training.local_batch_size 6 --training.device cpu --training.devices cpu,auto",
+            "training.devices gives each rank its device: training.device = \"cpu\" is not used"}}) {
+    const auto r = compile(flags);
+    EXPECT_EQ(r.exit_code, 0) << flags << "\n" << r.output;
+    EXPECT_THAT(r.output, HasSubstr("warning: ")) << flags;
+    EXPECT_THAT(r.output, HasSubstr(says)) << flags << "\n" << r.output;
+  }
 }
 
 TEST(BalanceRun, WhatItCannotBalanceIsRefusedBeforeAnyRankStarts) {
