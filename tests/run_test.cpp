@@ -1435,7 +1435,9 @@ TEST(Run, ASlowFactorSlowsOneRankWithoutChangingItsNumbers) {
            {"slow:rank=1,factor=0x10", "factor='0x10' is not a decimal number"},
            {"slow:rank=1,factor=2,seconds=3", "slow with factor=F takes rank=R and step=S only"},
            {"slow:rank=1,factor=2;slow:rank=1,factor=3,step=2", "rank 1 is given two slow factors"},
-           {"slow:rank=7,factor=2", "never happens in this job"}}) {
+           {"slow:rank=7,factor=2", "never happens in this job"},
+           {"slow:rank=1,factor=2,step=-1", "step='-1' is not a whole number >= 1"},
+           {"slow:rank=1,factor=2,step=0", "step=S (S >= 1)"}}) {
     const auto r = run(fault, "bad");
     EXPECT_NE(r.exit_code, 0) << fault;
     EXPECT_THAT(r.output, HasSubstr(says)) << fault;

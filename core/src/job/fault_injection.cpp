@@ -66,7 +66,9 @@ std::int64_t whole(const std::string& spec, const std::string& key, const std::s
     used = 0;
   }
   if (used == 0 || used != value.size() || x < 0) {
-    throw std::invalid_argument("SPMDX_FAULT='" + spec + "': " + key + "='" + value + "' is not a whole number >= 0 (expected " + kForms + ")");
+    // A step is counted from 1, as the step lines count them (step=0 is refused likewise, below).
+    throw std::invalid_argument("SPMDX_FAULT='" + spec + "': " + key + "='" + value + "' is not a whole number >= " + (key == "step" ? "1" : "0") +
+                                " (expected " + kForms + ")");
   }
   return static_cast<std::int64_t>(x);
 }
