@@ -1369,7 +1369,9 @@ TEST(BenchComm, EveryOpSweepsSizesAndChecksEveryResult) {
 // are refused before any rank starts. The CPUs are this process's own first and last.
 TEST(Launcher, CpuAffinityPinsEachRankToItsCpus) {
   EXPECT_EQ(launch::parse_cpu_list("3,0-1,1"), (std::vector<int>{0, 1, 3}));
-  for (const std::string bad : {"", "a", "1-", "3-1", "1,,2", "-2", "0,"}) EXPECT_THROW(launch::parse_cpu_list(bad), std::invalid_argument) << bad;
+  EXPECT_EQ(launch::parse_cpu_list("0-7:2,9"), (std::vector<int>{0, 2, 4, 6, 9})) << "taskset's stride form";
+  EXPECT_EQ(launch::parse_cpu_list("1-8:3"), (std::vector<int>{1, 4, 7}));
+  for (const std::string bad : {"", "a", "1-", "3-1", "1,,2", "-2", "0,", "0-7:0", "3:2", "0-7:", "0-7:x"}) EXPECT_THROW(launch::parse_cpu_list(bad), std::invalid_argument) << bad;
   EXPECT_EQ(launch::cpu_shares({"0", "1", "1"}), (std::vector<double>{1, 0.5, 0.5}));
   EXPECT_EQ(launch::cpu_shares({"0-3", "2-5"}), (std::vector<double>{3, 3}));
   cpu_set_t own;

@@ -699,22 +699,30 @@ std::int64_t usable_cpus() {
 }
 
 std::vector<int> parse_cpu_list(const std::string& list) {
-  auto bad = [&](const std::string& why) { return std::invalid_argument("CPU list '" + list + "': " + why + " (taskset's form: 0,2-3)"); };
+  auto bad = [&](const std::string& why) { return std::invalid_argument("CPU list '" + list + "': " + why + " (taskset's form: 0,2-3,8-15:2)"); };
   if (!list.empty() && list.back() == ',') throw bad("it ends with ','");
   std::set<int> out;
   std::stringstream in(list);
   std::string part;
   while (std::getline(in, part, ',')) {
     auto cpu = [&](const std::string& s) {
-      if (s.empty() || s.size() > 6 || s.find_first_not_of("0123456789") != std::string::npos) throw bad("'" + part + "' is not a CPU number or a range a-b");
+      if (s.empty() || s.size() > 6 || s.find_first_not_of("0123456789") != std::string::npos) {
+        throw bad("'" + part + "' is not a CPU number, a range a-b or a range with a stride a-b:s");
+      }
       const int n = std::stoi(s);
       if (n >= CPU_SETSIZE) throw bad("CPU " + s + " is past the " + std::to_string(CPU_SETSIZE) + " a CPU set holds");
       return n;
     };
-    const auto dash = part.find('-');
-    const int lo = cpu(part.substr(0, dash)), hi = dash == std::string::npos ? lo : cpu(part.substr(dash + 1));
+    // a, a-b, or a-b:s (every s-th CPU from a to b, util-linux's cpulist form, as taskset -c 0-7:2).
+    const auto colon = part.find(':');
+    const std::string range = part.substr(0, colon);
+    const auto dash = range.find('-');
+    if (colon != std::string::npos && dash == std::string::npos) throw bad("the stride of '" + part + "' needs a range a-b:s");
+    const int lo = cpu(range.substr(0, dash)), hi = dash == std::string::npos ? lo : cpu(range.substr(dash + 1));
+    const int stride = colon == std::string::npos ? 1 : cpu(part.substr(colon + 1));
     if (hi < lo) throw bad("the range " + part + " runs backwards");
-    for (int c = lo; c <= hi; ++c) out.insert(c);
+    if (stride < 1) throw bad("the stride of " + part + " is 0");
+    for (int c = lo; c <= hi; c += stride) out.insert(c);
   }
   if (out.empty()) throw bad("no CPU named");
   return {out.begin(), out.end()};

@@ -39,8 +39,8 @@ RankEnv rank_env();
 /// (plan/estimate.h) divides among them.
 std::int64_t usable_cpus();
 
-/// The CPUs of a list in taskset's (and cpuset's) form: numbers and ranges, comma separated
-/// ("0", "2-3", "0,4-7"), sorted, each once. Throws std::invalid_argument naming the list and
+/// The CPUs of a list in taskset's (and cpuset's) form: numbers, ranges and ranges with a
+/// stride, comma separated ("0", "2-3", "0,4-7", "0-7:2" for 0, 2, 4, 6), sorted, each once. Throws std::invalid_argument naming the list and
 /// what is wrong with it (not a number, a range backwards, empty).
 std::vector<int> parse_cpu_list(const std::string& list);
 
