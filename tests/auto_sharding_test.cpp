@@ -459,6 +459,8 @@ TEST(AutoSharding, ABudgetThatExcludesDataParallelIsNotMetByIt) {
   // Kept and reused as written; edited by hand, planned again.
   job::JobSpec again = spec;
   job::choose_auto(again, registry());
+  EXPECT_FALSE(chosen.auto_reused);
+  EXPECT_TRUE(again.auto_reused) << "the second choice is read from auto_plan.json";
   EXPECT_EQ(again.dims.tp, chosen.dims.tp);
   EXPECT_EQ(again.dims.dp_shard, chosen.dims.dp_shard);
   EXPECT_EQ(again.auto_choices, chosen.auto_choices);

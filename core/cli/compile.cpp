@@ -336,6 +336,10 @@ int run_compile(const CompileOptions& o) {
   if (spec.auto_strategy) {
     const std::string report = file_text(fs::path(spec.output.dump_folder) / "auto_report.txt");
     std::cout << (report.empty() ? spec.auto_report + "\n" : report) << "(the ranking: " << (fs::path(spec.output.dump_folder) / "auto_report.{txt,json}").string() << ")\n";
+    if (spec.auto_reused) {
+      std::cout << "(kept from an earlier search of the same job and calibration in " << (fs::path(spec.output.dump_folder) / "auto_plan.json").string()
+                << ": the ranking and its times are that search's; remove the file to search again)\n";
+    }
   }
   if (o.estimate) {
     const auto e = spmdx::job::estimate_job(spec, registry, *calibration);

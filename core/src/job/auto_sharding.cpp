@@ -573,6 +573,7 @@ AutoReport choose_auto(JobSpec& spec, PluginRegistry& registry) {
                                                           "). Raise the budget, add ranks, or lower the batch or sequence length"
                                                     : "no layout of " + std::to_string(spec.world_size) + " ranks can run the job (" + each + ")"));
   }
+  spec.auto_reused = reused;
   spec.dims = best.dims;
   pipeline_layout(spec, best.stages);
   if (!best.activation_checkpoint.empty()) spec.activation_checkpoint = {best.activation_checkpoint, "op", spec.activation_checkpoint.keep_collective_outputs};

@@ -185,6 +185,7 @@ struct JobSpec {
   /// strategy signature (sharding::signature) that place_job hands propagation; empty: greedy.
   std::map<std::int64_t, std::map<int, std::string>> auto_choices;
   std::string auto_report;               ///< the auto strategy's choice, for the start line
+  bool auto_reused = false;              ///< that choice was read from <job.dump_folder>/auto_plan.json, not searched now
   std::int64_t memory_budget = 0;  ///< parallelism.memory_budget, bytes of a rank's planned peak (0: none; a planning.target's device memory when it names one)
   /// planning.target: the hardware plans are priced for (plan/target.h: "h100-sxm", "h200",
   /// "b200"), or "" for this machine (its calibration.json).
