@@ -537,11 +537,8 @@ TEST(AutoSharding, ABudgetThatExcludesDataParallelIsNotMetByIt) {
   }
 }
 
-// parallelism.balance = "speed" planned (spmdx compile --estimate): a rank's compute at speed 1
-// is the line through the estimates of its plan at the even rows and at half of them, each
-// rank's is that over its speed, and the balanced split is balanced_rows' of those, predicted
-// shorter than the even one, whose slowest rank (speed 0.5) it gives the fewest rows.
-TEST(AutoSharding, BalancePlansTheSplitOfTheGivenSpeeds) {
+// The FSDP config as DDP over 3 ranks, 12 rows of 32 tokens, balance = "speed" at `speeds`.
+config::Config ddp3_balanced(const std::string& speeds) {
   config::Config cfg = config::Config::load(SPMDX_SOURCE_DIR "/configs/llama_fsdp.toml");
   cfg.override_value("parallelism.data_parallel_replicate_degree", "3");
   cfg.override_value("parallelism.data_parallel_shard_degree", "1");
@@ -549,7 +546,16 @@ TEST(AutoSharding, BalancePlansTheSplitOfTheGivenSpeeds) {
   cfg.override_value("training.local_batch_size", "4");
   cfg.override_value("training.seq_len", "32");
   cfg.override_value("parallelism.balance", "speed");
-  cfg.override_value("parallelism.balance_speeds", "1,1,0.5");
+  cfg.override_value("parallelism.balance_speeds", speeds);
+  return cfg;
+}
+
+// parallelism.balance = "speed" planned (spmdx compile --estimate): a rank's compute at speed 1
+// is the line through the estimates of its plan at the even rows and at half of them, each
+// rank's is that over its speed, and the balanced split is balanced_rows' of those, predicted
+// shorter than the even one, whose slowest rank (speed 0.5) it gives the fewest rows.
+TEST(AutoSharding, BalancePlansTheSplitOfTheGivenSpeeds) {
+  config::Config cfg = ddp3_balanced("1,1,0.5");
   const job::JobSpec spec = job::job_spec(cfg, 3, 256);
   ASSERT_EQ(spec.balance.speeds, (std::vector<double>{1, 1, 0.5}));
   const plan::Calibration c{};
@@ -629,14 +635,7 @@ TEST(AutoSharding, AutoWithSpeedBalanceFoldsEachRanksSpeedAndReportsTheSplit) {
 // Under parallelism.memory_budget no data-parallel rank takes more rows than its plan fits:
 // balance_max_rows bisects rank 0's planned peak; the estimate's splits keep to it.
 TEST(AutoSharding, TheBalancedSplitKeepsEachRankWithinTheMemoryBudget) {
-  config::Config cfg = config::Config::load(SPMDX_SOURCE_DIR "/configs/llama_fsdp.toml");
-  cfg.override_value("parallelism.data_parallel_replicate_degree", "3");
-  cfg.override_value("parallelism.data_parallel_shard_degree", "1");
-  cfg.override_value("training.global_batch_size", "12");
-  cfg.override_value("training.local_batch_size", "4");
-  cfg.override_value("training.seq_len", "32");
-  cfg.override_value("parallelism.balance", "speed");
-  cfg.override_value("parallelism.balance_speeds", "1,0.25,0.25");
+  config::Config cfg = ddp3_balanced("1,0.25,0.25");
   job::JobSpec spec = job::job_spec(cfg, 3, 256);
   const auto choices = job::balance_choices(spec, registry());
   auto peak = [&](std::int64_t rows) {
