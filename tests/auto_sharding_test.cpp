@@ -624,8 +624,9 @@ TEST(AutoSharding, AutoWithSpeedBalanceFoldsEachRanksSpeedAndReportsTheSplit) {
                                                                           << spec.dims.dp_shard << " x tp " << spec.dims.tp;
   }
   const job::BalanceEstimate b = job::estimate_balance(spec, registry(), plan::Calibration{});
-  EXPECT_THAT(spec.auto_report, HasSubstr("; balanced for data-parallel speeds "));
-  EXPECT_THAT(spec.auto_report, HasSubstr("rows " + job::split_text(b.balanced) + ", predicted "));
+  const std::string line = job::auto_balance_line(spec, registry());  // what rank 0 adds to the auto line, after "; "
+  EXPECT_THAT(line, HasSubstr("balanced for data-parallel speeds "));
+  EXPECT_THAT(line, HasSubstr("rows " + job::split_text(b.balanced) + ", predicted "));
   // Under auto the data-parallel ranks are not known before the layout: one speed a rank.
   cfg.override_value("parallelism.balance_speeds", "1,0.5");
   EXPECT_THAT([&] { job::job_spec(cfg, 4, 256); },

@@ -369,12 +369,6 @@ int run_compile(const CompileOptions& o) {
       std::printf("balance (speed): one data-parallel rank, so there is no batch to split\n");
     } else if (spec.balance.speed) {
       const auto b = spmdx::job::estimate_balance(spec, registry, *calibration);
-      std::string speeds;
-      for (double v : b.speeds) {
-        char one[32];
-        std::snprintf(one, sizeof one, "%s%.3g", speeds.empty() ? "" : " : ", v);
-        speeds += one;
-      }
       std::string start = "the ranks' CPU shares (--cpu-affinity), else even";
       if (!spec.balance.speeds.empty() && b.start == b.balanced) {
         start = "the balanced split";
@@ -387,7 +381,7 @@ int run_compile(const CompileOptions& o) {
       if (b.max_rows > 0) start += "; at most " + std::to_string(b.max_rows) + " rows a rank within parallelism.memory_budget";
       std::printf("balance (speed): data-parallel ranks at speeds %s (%s); a rank's compute at speed 1: %.2f ms + %.2f ms a row; even %s predicts %.2f ms a step, "
                   "balanced %s %.2f ms (%.2fx); spmdx run starts from %s, and re-plans from measured steps\n",
-                  speeds.c_str(), spec.balance.speeds.empty() ? "equal: parallelism.balance_speeds not given" : "parallelism.balance_speeds", b.line.fixed * 1e3,
+                  spmdx::job::speeds_text(b.speeds).c_str(), spec.balance.speeds.empty() ? "equal: parallelism.balance_speeds not given" : "parallelism.balance_speeds", b.line.fixed * 1e3,
                   b.line.per_row * 1e3, spmdx::job::split_text(b.even).c_str(), b.even_seconds * 1e3, spmdx::job::split_text(b.balanced).c_str(), b.balanced_seconds * 1e3,
                   b.balanced_seconds / b.even_seconds, start.c_str());
       std::fflush(stdout);

@@ -83,11 +83,15 @@ bool StagingBackend::group_has_host(int group) const {
   return it->second;
 }
 
-bool StagingBackend::stage(const std::string& op, std::size_t bytes, bool has_host, const CommBuffer& buf) {
-  if (buf.memory != MemoryType::cuda) return false;
+bool StagingBackend::peer_has_host(int peer_rank) const {
+  return peer_rank >= 0 && peer_rank < static_cast<int>(rank_memory_.size()) && rank_memory_[static_cast<std::size_t>(peer_rank)] == MemoryType::host;
+}
+
+std::shared_ptr<StagingBackend::Staged> StagingBackend::stage(const std::string& op, std::size_t bytes, bool has_host, const CommBuffer& buf) {
+  if (buf.memory != MemoryType::cuda) return nullptr;
   const bool staged = stages_through_host(members_, op, bytes, has_host);
   ++(staged ? stats_->staged_calls : stats_->direct_calls);
-  return staged;
+  return staged ? std::make_shared<Staged>(staging_, stats_) : nullptr;
 }
 
 std::unique_ptr<Work> StagingBackend::wrap(std::unique_ptr<Work> work, std::shared_ptr<Staged> staged) {
@@ -96,62 +100,60 @@ std::unique_ptr<Work> StagingBackend::wrap(std::unique_ptr<Work> work, std::shar
 }
 
 std::unique_ptr<Work> StagingBackend::all_reduce(int group, CommBuffer buf, ReduceOp op) {
-  if (!stage("all_reduce", buf.bytes(), group_has_host(group), buf)) return inner_.all_reduce(group, buf, op);
-  auto s = std::make_shared<Staged>(staging_, stats_);
+  const auto s = stage("all_reduce", buf.bytes(), group_has_host(group), buf);
+  if (!s) return inner_.all_reduce(group, buf, op);
   const CommBuffer h = s->host_of(buf, true, true);
   return wrap(inner_.all_reduce(group, h, op), s);
 }
 
 std::unique_ptr<Work> StagingBackend::all_gather(int group, CommBuffer in, CommBuffer out, std::vector<std::size_t> counts) {
-  if (!stage("all_gather", out.bytes(), group_has_host(group), out)) return inner_.all_gather(group, in, out, std::move(counts));
-  auto s = std::make_shared<Staged>(staging_, stats_);
+  const auto s = stage("all_gather", out.bytes(), group_has_host(group), out);
+  if (!s) return inner_.all_gather(group, in, out, std::move(counts));
   const CommBuffer hin = s->host_of(in, true, false), hout = s->host_of(out, false, true);
   return wrap(inner_.all_gather(group, hin, hout, std::move(counts)), s);
 }
 
 std::unique_ptr<Work> StagingBackend::reduce_scatter(int group, CommBuffer in, CommBuffer out, std::vector<std::size_t> counts, ReduceOp op) {
-  if (!stage("reduce_scatter", in.bytes(), group_has_host(group), in)) return inner_.reduce_scatter(group, in, out, std::move(counts), op);
-  auto s = std::make_shared<Staged>(staging_, stats_);
+  const auto s = stage("reduce_scatter", in.bytes(), group_has_host(group), in);
+  if (!s) return inner_.reduce_scatter(group, in, out, std::move(counts), op);
   const CommBuffer hin = s->host_of(in, true, false), hout = s->host_of(out, false, true);
   return wrap(inner_.reduce_scatter(group, hin, hout, std::move(counts), op), s);
 }
 
 std::unique_ptr<Work> StagingBackend::all_to_all(int group, CommBuffer in, CommBuffer out, std::vector<std::size_t> send_counts,
                                                  std::vector<std::size_t> recv_counts) {
-  if (!stage("all_to_all", 0, group_has_host(group), in)) return inner_.all_to_all(group, in, out, std::move(send_counts), std::move(recv_counts));
-  auto s = std::make_shared<Staged>(staging_, stats_);
+  const auto s = stage("all_to_all", 0, group_has_host(group), in);
+  if (!s) return inner_.all_to_all(group, in, out, std::move(send_counts), std::move(recv_counts));
   const CommBuffer hin = s->host_of(in, true, false), hout = s->host_of(out, false, true);
   return wrap(inner_.all_to_all(group, hin, hout, std::move(send_counts), std::move(recv_counts)), s);
 }
 
 std::unique_ptr<Work> StagingBackend::all_to_all_v(int group, CommBuffer in, CommBuffer out, std::vector<std::size_t> send_counts,
                                                    std::size_t* recv_counts) {
-  if (!stage("all_to_all_v", 0, group_has_host(group), in)) return comm::all_to_all_v(inner_, group, in, out, std::move(send_counts), recv_counts);
-  auto s = std::make_shared<Staged>(staging_, stats_);
+  const auto s = stage("all_to_all_v", 0, group_has_host(group), in);
+  if (!s) return comm::all_to_all_v(inner_, group, in, out, std::move(send_counts), recv_counts);
   // out whole, in and back: the elements past the received ones stay as they were.
   const CommBuffer hin = s->host_of(in, true, false), hout = s->host_of(out, true, true);
   return wrap(comm::all_to_all_v(inner_, group, hin, hout, std::move(send_counts), recv_counts), s);
 }
 
 std::unique_ptr<Work> StagingBackend::broadcast(int group, CommBuffer buf, int root_member) {
-  if (!stage("broadcast", buf.bytes(), group_has_host(group), buf)) return inner_.broadcast(group, buf, root_member);
-  auto s = std::make_shared<Staged>(staging_, stats_);
+  const auto s = stage("broadcast", buf.bytes(), group_has_host(group), buf);
+  if (!s) return inner_.broadcast(group, buf, root_member);
   const CommBuffer h = s->host_of(buf, true, true);
   return wrap(inner_.broadcast(group, h, root_member), s);
 }
 
 std::unique_ptr<Work> StagingBackend::send(CommBuffer buf, int peer_rank, int tag) {
-  const bool host = peer_rank >= 0 && peer_rank < static_cast<int>(rank_memory_.size()) && rank_memory_[static_cast<std::size_t>(peer_rank)] == MemoryType::host;
-  if (!stage("send", buf.bytes(), host, buf)) return inner_.send(buf, peer_rank, tag);
-  auto s = std::make_shared<Staged>(staging_, stats_);
+  const auto s = stage("send", buf.bytes(), peer_has_host(peer_rank), buf);
+  if (!s) return inner_.send(buf, peer_rank, tag);
   const CommBuffer h = s->host_of(buf, true, false);
   return wrap(inner_.send(h, peer_rank, tag), s);
 }
 
 std::unique_ptr<Work> StagingBackend::recv(CommBuffer buf, int peer_rank, int tag) {
-  const bool host = peer_rank >= 0 && peer_rank < static_cast<int>(rank_memory_.size()) && rank_memory_[static_cast<std::size_t>(peer_rank)] == MemoryType::host;
-  if (!stage("recv", buf.bytes(), host, buf)) return inner_.recv(buf, peer_rank, tag);
-  auto s = std::make_shared<Staged>(staging_, stats_);
+  const auto s = stage("recv", buf.bytes(), peer_has_host(peer_rank), buf);
+  if (!s) return inner_.recv(buf, peer_rank, tag);
   const CommBuffer h = s->host_of(buf, false, true);
   return wrap(inner_.recv(h, peer_rank, tag), s);
 }

@@ -320,7 +320,8 @@ const std::vector<KeySpec>& schema() {
         "with balance = \"speed\": steps between two re-plans of the split (each measures the steps since the last, the first of a split "
         "not counted)", 2, 1e9),
       k("parallelism.balance_speeds", Type::string_list, L{},
-        "with balance = \"speed\": each data-parallel rank's relative speed, one a rank in data-parallel order (e.g. [\"1\", \"1\", \"0.5\"]): the split "
+        "with balance = \"speed\": each data-parallel rank's relative speed, one a rank in data-parallel order (e.g. [\"1\", \"1\", \"0.5\"]; "
+        "with strategy = \"auto\", one per rank), or a target profile's name (h100-sxm, h200, b200: its peak FLOP/s): the split "
         "at start (before any step is measured; default: the ranks' CPU shares under --cpu-affinity, else even) and what spmdx compile --estimate "
         "plans with"),
       n("parallelism.balance_threshold", Type::floating, 0.1,

@@ -440,33 +440,32 @@ AutoReport plan_auto(const JobSpec& spec, PluginRegistry& registry, const plan::
   return report;
 }
 
-std::string balance_of_auto(JobSpec& spec, PluginRegistry& registry, const plan::Calibration& c) {
-  const std::int64_t dp = spec.dims.dp_replicate * spec.dims.dp_shard;
-  if (dp == 1) {
-    if (!spec.balance.speeds.empty()) spec.balance.speeds = {*std::min_element(spec.balance.speeds.begin(), spec.balance.speeds.end())};
-    return "parallelism.balance = \"speed\": this layout has one data-parallel rank, so there is no batch to split";
-  }
-  if (spec.balance.speeds.empty()) return "parallelism.balance = \"speed\": the split follows the ranks' measured speeds from the first steps";
-  // Given per rank (the data-parallel ranks were not known before the layout): a data-parallel
-  // rank runs at its slowest member's speed, as the balancer measures it (a rank's index is
-  // rank / (cp x tp) in the mesh's order dp_replicate, dp_shard, cp, tp).
-  const std::int64_t inner = spec.dims.cp * spec.dims.tp;
+namespace {
+
+// balance_speeds given per rank (the data-parallel ranks were not known before the layout)
+// become one per data-parallel rank of the chosen layout: its slowest rank's, as the balancer
+// measures it (a rank's index is rank / (cp x tp) in the mesh's order dp_replicate, dp_shard,
+// cp, tp).
+void fold_rank_speeds(JobSpec& spec) {
+  if (spec.balance.speeds.empty()) return;
+  const std::int64_t dp = spec.dims.dp_replicate * spec.dims.dp_shard, inner = spec.dims.cp * spec.dims.tp;
   std::vector<double> per_index(static_cast<std::size_t>(dp), std::numeric_limits<double>::infinity());
   for (std::size_t r = 0; r < spec.balance.speeds.size(); ++r) {
     double& v = per_index[static_cast<std::size_t>(static_cast<std::int64_t>(r) / inner)];
     v = std::min(v, spec.balance.speeds[r]);
   }
   spec.balance.speeds = per_index;
-  const BalanceEstimate b = estimate_balance(spec, registry, c);
-  std::string speeds;
-  for (double v : b.speeds) {
-    char one[32];
-    std::snprintf(one, sizeof one, "%s%.3g", speeds.empty() ? "" : " : ", v);
-    speeds += one;
-  }
+}
+
+}  // namespace
+
+std::string auto_balance_line(const JobSpec& spec, PluginRegistry& registry) {
+  if (spec.dims.dp_replicate * spec.dims.dp_shard == 1) return "parallelism.balance = \"speed\": this layout has one data-parallel rank, so there is no batch to split";
+  if (spec.balance.speeds.empty()) return "parallelism.balance = \"speed\": the split follows the ranks' measured speeds from the first steps";
+  const BalanceEstimate b = estimate_balance(spec, registry, plan::load_calibration(plan::calibration_path(spec.output.dump_folder)));
   char out[512];
   std::snprintf(out, sizeof out, "balanced for data-parallel speeds %s (parallelism.balance_speeds; a data-parallel rank at its slowest rank's): rows %s, "
-                "predicted %.2f ms a step against %.2f ms even (%.2fx)", speeds.c_str(), split_text(b.balanced).c_str(), b.balanced_seconds * 1e3,
+                "predicted %.2f ms a step against %.2f ms even (%.2fx)", speeds_text(b.speeds).c_str(), split_text(b.balanced).c_str(), b.balanced_seconds * 1e3,
                 b.even_seconds * 1e3, b.balanced_seconds / std::max(1e-12, b.even_seconds));
   std::string text = out;
   if (b.start != b.balanced) {
@@ -606,7 +605,7 @@ AutoReport choose_auto(JobSpec& spec, PluginRegistry& registry) {
       SPMDX_WARN("the auto strategy's plan could not be kept in " << kept.string() << " (" << e.what() << "): every rank plans again");
     }
   }
-  if (spec.balance.speed) spec.auto_report += "; " + balance_of_auto(spec, registry, c);
+  if (spec.balance.speed) fold_rank_speeds(spec);
   return report;
 }
 

@@ -70,6 +70,16 @@ std::string split_text(const std::vector<std::int64_t>& rows) {
   return out;
 }
 
+std::string speeds_text(const std::vector<double>& speeds) {
+  std::string out;
+  for (double v : speeds) {
+    char one[32];
+    std::snprintf(one, sizeof one, "%s%.3g", out.empty() ? "" : " : ", v);
+    out += one;
+  }
+  return out;
+}
+
 bool is_data_parallel_dim(const std::string& mesh_dim) { return mesh_dim == "dp_replicate" || mesh_dim == "efsdp" || mesh_dim == "dp_shard"; }
 
 std::int64_t data_parallel_degree(const sharding::DeviceMesh& mesh) {

@@ -5,6 +5,10 @@
 
 namespace spmdx::job {
 
+std::vector<std::string> configured_devices(const std::string& device, const std::vector<std::string>& devices) {
+  return devices.empty() ? std::vector<std::string>{device} : devices;
+}
+
 std::string resolve_device(const std::string& configured, int local_rank, int gpus_here) {
   if (configured == "cpu" || configured == "cuda") return configured;
   if (configured == "auto") return local_rank >= 0 && local_rank < gpus_here ? "cuda" : "cpu";

@@ -212,9 +212,7 @@ void check_strategy_names(const config::Config& cfg, const PluginRegistry& regis
 void check_comm_backends(const config::Config& cfg, PluginRegistry& registry, std::vector<std::string>& out) {
   // Host memory unless every rank is on CUDA: a mesh that may mix CPU and CUDA ranks
   // ("auto", training.devices) moves host memory between them (job/devices.h).
-  std::vector<std::string> devices = cfg.get_list("training.devices");
-  if (devices.empty()) devices.push_back(cfg.get_string("training.device"));
-  const std::string device = comm_device(devices);
+  const std::string device = comm_device(configured_devices(cfg.get_string("training.device"), cfg.get_list("training.devices")));
   if (const auto chain = comm_chain(cfg); chain.size() > 1) {
     // A name no plugin here has (loaded or not) is a typo, not a fallback: it could never serve.
     std::vector<std::string> comm_names{"auto"};

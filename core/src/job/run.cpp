@@ -35,6 +35,7 @@
 #include "spmdx/data/text_dataset.h"
 #include "spmdx/comm/c10d_store.h"
 #include "spmdx/exec/checkpoint.h"
+#include "spmdx/job/auto_sharding.h"
 #include "spmdx/job/comm_chain.h"
 #include "spmdx/job/devices.h"
 #include "spmdx/exec/device.h"
@@ -394,8 +395,9 @@ std::pair<double, std::string> peak_flops_per_rank(const JobSpec& spec, const la
 }
 
 // `resumed`: the checkpoint a resumed job starts from (its loss scale replaces the config's).
+// `registry`: for the auto line's balanced split (auto_balance_line), made here, where it is said.
 void print_banner(const JobSpec& spec, const PlacedJob& job, const sharding::DistributedPlan& plan, const launch::RankEnv& env, const CommBackend* backend,
-                  const Device& device, const plan::MemoryPlan& planned, const CheckpointMeta* resumed) {
+                  const Device& device, const plan::MemoryPlan& planned, const CheckpointMeta* resumed, PluginRegistry& registry) {
   using train::CheckpointReport;
   double params = 0;
   for (const auto& p : job.model.params) params += static_cast<double>(job.model.graph.find_input(p)->meta().numel());
@@ -433,7 +435,9 @@ void print_banner(const JobSpec& spec, const PlacedJob& job, const sharding::Dis
   if (const std::string cp = context_parallel_summary(spec, job, plan).line(); !cp.empty()) std::printf("%s\n", cp.c_str());
   if (job.loss_parallel) std::printf("loss parallel: cross entropy on the logits sharded on the vocabulary over tp (parallelism.disable_loss_parallel = false)\n");
   if (!spec.output.tensorboard_folder.empty()) std::printf("TensorBoard: event files in %s\n", spec.output.tensorboard_folder.string().c_str());
-  if (!spec.auto_report.empty()) std::printf("%s\n", spec.auto_report.c_str());
+  if (!spec.auto_report.empty()) {
+    std::printf("%s%s\n", spec.auto_report.c_str(), spec.balance.speed ? ("; " + auto_balance_line(spec, registry)).c_str() : "");
+  }
   for (const auto& e : strategy_events(spec)) std::printf("fallback: %s\n", e.str().c_str());  // before the memory lines, which are of the layout chosen
   if (const CheckpointReport& ac = job.checkpointed; spec.activation_checkpoint.mode != "none") {
     std::printf("activation checkpointing %s%s: %lld layers recompute %lld nodes in the backward; %s of forward values (global) not kept\n",
@@ -648,8 +652,7 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
     chain.emplace(registry, comm_spec, env, *joined.store);
     backend = chain->join_at_start();
   }
-  auto first_executor = std::make_unique<DistributedExecutor>(graph, run_mesh(job), env.rank, backend.get(), timeout, spec.plan, device.get(), memory_of_ranks);
-  DistributedExecutor& executor = *first_executor;
+  DistributedExecutor executor(graph, run_mesh(job), env.rank, backend.get(), timeout, spec.plan, device.get(), memory_of_ranks);
   if (!hooks.empty()) executor.set_hooks(&hooks);
   if (fault.kind == "skip_collective" && fault.rank == env.rank) executor.inject_skip(fault.step, fault.index);
 
@@ -690,7 +693,7 @@ int run_job(const config::Config& cfg, const launch::RankEnv& env) {
   const std::filesystem::path& dump = spec.output.dump_folder;
   if (lead && !restarted) {
     metrics.emplace(spec.output, first_step, checkpointing, planned.peak_bytes, spec.step.microbatches);
-    print_banner(spec, job, plan, env, backend.get(), *device, planned, resume_step ? &resumed : nullptr);
+    print_banner(spec, job, plan, env, backend.get(), *device, planned, resume_step ? &resumed : nullptr, registry);
     if (mixed || !spec.device.per_rank.empty() || spec.device.kind == "auto") {
       std::printf("devices: %s%s\n", devices_text(devices).c_str(),
                   mixed ? "; collectives between CUDA and CPU ranks run in host memory (a CUDA rank stages its buffers through pinned host memory "

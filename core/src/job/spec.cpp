@@ -13,6 +13,7 @@
 #include "spmdx/comm/score_map.h"
 #include "spmdx/core/log.h"
 #include "spmdx/files.h"
+#include "spmdx/job/devices.h"
 #include "spmdx/text.h"
 #include "spmdx/sharding/spec.h"
 #include "spmdx/sharding/parallelize.h"
@@ -387,7 +388,7 @@ void read_sections(const config::Config& cfg, JobSpec& s) {
   // A mesh that may mix CPU and CUDA ranks moves host memory; a run learns the ranks' devices
   // at start and chooses again (job/devices.h).
   s.comm = {cfg.get_string("comm.backend"), cfg.get_string("comm.swap_to"), cfg.get_int("comm.swap_at_step"), cfg.get_float("comm.timeout_seconds"),
-            comm::job_memory(s.device.all("cuda") ? "cuda" : "cpu")};
+            job_comm_memory(configured_devices(s.device.kind, s.device.per_rank))};
   s.comm.chain = comm_chain(cfg);
   s.comm.backend = s.comm.chain.front();
   s.comm.max_failures = cfg.get_int("comm.max_failures");

@@ -87,8 +87,10 @@ class StagingBackend final : public CommBackend, public VariableAllToAll {
 
  private:
   struct Staged;
-  bool stage(const std::string& op, std::size_t bytes, bool has_host, const CommBuffer& buf);
+  // The host buffers of a call to stage (stages_through_host), or null for one passed on as it is.
+  std::shared_ptr<Staged> stage(const std::string& op, std::size_t bytes, bool has_host, const CommBuffer& buf);
   bool group_has_host(int group) const;
+  bool peer_has_host(int peer_rank) const;
   std::unique_ptr<Work> wrap(std::unique_ptr<Work> work, std::shared_ptr<Staged> staged);
 
   CommBackend& inner_;

@@ -107,12 +107,19 @@ AutoReport plan_auto(const JobSpec& spec, PluginRegistry& registry, const plan::
 /// reused while the job and the calibration are the same, so that every rank starts the plan
 /// the launcher chose (a solver stopped by its time limit need not find the same plan twice).
 /// With parallelism.balance = "speed": no pipelined layout is planned (a split of rows over
-/// stages is not supported), the speeds of balance_speeds, one per rank, become one per
-/// data-parallel rank of the chosen layout (its slowest rank's), and the line ends with the
-/// balanced split and its predicted step against the even one (estimate_balance).
+/// stages is not supported), and the speeds of balance_speeds, one per rank, become one per
+/// data-parallel rank of the chosen layout (its slowest rank's).
 /// Throws std::invalid_argument naming each layout's peak when none fits the budget, or each
 /// layout's error when none can run.
 AutoReport choose_auto(JobSpec& spec, PluginRegistry& registry);
+
+/// What the auto line adds under parallelism.balance = "speed", for `spec` as choose_auto left
+/// it: the balanced split of its layout and its predicted step against the even one
+/// (estimate_balance, on <job.dump_folder>/calibration.json), and the split the run starts from
+/// when it differs; or that a layout of one data-parallel rank has no batch to split, or that
+/// without balance_speeds the split follows measured speeds. Computed where the line is
+/// printed (rank 0), since every rank chooses.
+std::string auto_balance_line(const JobSpec& spec, PluginRegistry& registry);
 
 /// One rank's predicted step of `spec` as configured (rank 0; with pipeline stages every stage's
 /// rank at position 0, combined by plan::pipeline_step): `spmdx compile --estimate`, on

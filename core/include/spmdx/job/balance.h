@@ -73,6 +73,8 @@ double predicted_seconds(const std::vector<std::int64_t>& rows, const std::vecto
 
 /// "6:6:2".
 std::string split_text(const std::vector<std::int64_t>& rows);
+/// "1 : 0.5 : 0.5" (3 significant digits each).
+std::string speeds_text(const std::vector<double>& speeds);
 
 /// The mesh dims that split the batch (dp_replicate, efsdp, dp_shard: sharding::make_mesh's),
 /// the data-parallel degree (their product) and a rank's index among them (row-major in mesh

@@ -12,6 +12,10 @@
 
 namespace spmdx::job {
 
+/// The devices configured, one per rank when training.devices (`devices`) is given, else
+/// training.device (`device`) alone, standing for every rank.
+std::vector<std::string> configured_devices(const std::string& device, const std::vector<std::string>& devices);
+
 /// What a rank configured `configured` runs on: "cpu" or "cuda"; "auto" is "cuda" when
 /// local_rank < gpus_here (this host's GPUs), else "cpu".
 std::string resolve_device(const std::string& configured, int local_rank, int gpus_here);
